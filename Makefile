@@ -1,0 +1,44 @@
+# One entry point for people and CI. `make test` does all set-up on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+SERVICES := $(PYTHON) deploy/local/services.py
+# Parallel workers for the suite; every test has its own schema and topics.
+PYTEST_WORKERS ?= 2
+PYTEST_ARGS ?=
+
+.PHONY: help venv services-up services-down services-status test test-fast demo bench clean
+
+help:
+	@echo "make demo           run the product end to end on local services"
+	@echo "make test           venv + services + the whole test suite (what CI runs)"
+	@echo "make services-up    start local Postgres and Kafka (idempotent); prints DSN and bootstrap"
+	@echo "make services-down  stop them"
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,spark]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+services-up:
+	$(SERVICES) up
+
+services-down:
+	$(SERVICES) down
+
+services-status:
+	$(SERVICES) status
+
+test: venv services-up
+	$(eval include_env := $(shell $(SERVICES) env | sed 's/^export //'))
+	env $(include_env) $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+test-fast: venv services-up
+	env $(shell $(SERVICES) env | sed 's/^export //') $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	$(SERVICES) down
+	rm -rf .local $(VENV)

@@ -1,0 +1,1 @@
+"""The `reaper` sidecar: leader election, outbox harvesting, acker and sweeper hosting."""

@@ -1,0 +1,61 @@
+"""`reaper`: the sidecar's command line (migrate, run)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tracker import schema
+
+from . import config as config_mod
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_CONFIG = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="reaper", description="Transactional-outbox harvester and fan-out tracker sidecar")
+    ap.add_argument("-c", "--config", help="YAML configuration file (REAPER_<SECTION>__<KEY> variables override it)")
+    sub = ap.add_subparsers(dest="command", required=True)
+    mig = sub.add_parser("migrate", help="apply pending schema migrations (safe to run concurrently)")
+    mig.add_argument("--dry-run", action="store_true", help="print the SQL that would run and change nothing")
+    return ap
+
+
+def cmd_migrate(cfg: config_mod.Config, dry_run: bool) -> int:
+    import psycopg
+
+    dsn, name = cfg.database.dsn, cfg.database.schema
+    if dry_run:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            pending = schema.pending_sql(conn, name)
+        if not pending:
+            print(f"-- schema {name!r} is up to date")
+        for m, text in pending:
+            print(f"-- {m.name}\nBEGIN;\n{text.rstrip()}\nCOMMIT;\n")
+        return EXIT_OK
+    applied = schema.migrate(dsn, name)
+    for n in applied:
+        print(f"applied {n}")
+    print(f"schema {name!r} is up to date ({len(applied)} applied)")
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = config_mod.load(args.config)
+    except config_mod.ConfigError as exc:
+        print(f"reaper: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        if args.command == "migrate":
+            return cmd_migrate(cfg, args.dry_run)
+    except Exception as exc:  # a clear one-line error, secrets redacted
+        print(f"reaper {args.command}: {type(exc).__name__}: {config_mod.redact_dsn(str(exc))}", file=sys.stderr)
+        return EXIT_FAILURE
+    return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

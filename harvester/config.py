@@ -1,0 +1,253 @@
+"""`reaper` configuration: a YAML file, then environment-variable overrides, then validation.
+
+Every key has a default; `REAPER_<SECTION>__<KEY>` overrides `<section>.<key>` (e.g.
+`REAPER_DATABASE__DSN`, `REAPER_HARVESTER__HEARTBEAT_TIMEOUT`). Kafka client settings under
+`kafka.client` are passed to librdkafka as they are (`REAPER_KAFKA__CLIENT__SASL_PASSWORD` sets
+`sasl.password`). A bad value fails at start with a ConfigError naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from tracker.errors import InvalidIdentifier
+from tracker.schema import check_identifier
+
+ENV_PREFIX = "REAPER_"
+
+
+class ConfigError(ValueError):
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"configuration key {key!r}: {message}")
+
+
+@dataclass
+class DatabaseConfig:
+    dsn: str = "postgresql://postgres@127.0.0.1:55432/outbox"
+    schema: str = "reaper"
+    outbox_table: str = "outbox"
+    pool_size: int = 4
+
+
+@dataclass
+class KafkaConfig:
+    bootstrap_servers: str = "127.0.0.1:59092"
+    client: dict[str, Any] = field(default_factory=dict)  # passed through to librdkafka
+
+
+@dataclass
+class HarvesterConfig:
+    enabled: bool = True
+    leader_topic: str = "__reaper_leader"
+    leader_group: str = "reaper"
+    min_poll_interval: float = 0.1
+    heartbeat_timeout: float = 5.0
+    session_timeout: float = 15.0
+    mark_batch: int = 5000
+    max_in_flight: int = 20000
+    drain_timeout: float = 10.0
+    default_completion_topic: str = "batch-completions"
+
+
+@dataclass
+class AckerConfig:
+    enabled: bool = True
+    topic: str = "acks"
+    group: str = "reaper-acker"
+    dead_letter_topic: str = "acks-dead-letter"
+    max_poll_records: int = 100000
+    poll_timeout: float = 0.2
+
+
+@dataclass
+class SweeperConfig:
+    enabled: bool = True
+    interval: float = 30.0
+    idle_expiry: float = 86400.0
+    retention: float = 7 * 86400.0
+    chunk: int = 1000
+
+
+@dataclass
+class MetricsConfig:
+    enabled: bool = True
+    host: str = "0.0.0.0"
+    port: int = 9400
+    prefix: str = "reaper"
+    backlog_interval: float = 5.0
+
+
+@dataclass
+class LoggingConfig:
+    format: str = "json"  # json | console
+    level: str = "info"
+
+
+@dataclass
+class Config:
+    database: DatabaseConfig = field(default_factory=DatabaseConfig)
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    harvester: HarvesterConfig = field(default_factory=HarvesterConfig)
+    acker: AckerConfig = field(default_factory=AckerConfig)
+    sweeper: SweeperConfig = field(default_factory=SweeperConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def _coerce(key: str, value: Any, target: type, default: Any) -> Any:
+    kind = type(default)
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind is int:
+            if isinstance(value, bool):
+                raise ValueError
+            return int(value)
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if kind is str:
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError
+            return str(value)
+        if kind is dict:
+            if not isinstance(value, Mapping):
+                raise ValueError
+            return {str(k): v for k, v in value.items()}
+    except (TypeError, ValueError):
+        raise ConfigError(key, f"expected {kind.__name__}, got {redact(key, value)!r}") from None
+    return value
+
+
+_SECRET = re.compile(r"(password|secret|token|credential|sasl\.jaas|ssl\.key)", re.I)
+
+
+def redact(key: str, value: Any) -> Any:
+    """Hide secrets: values of secret-looking keys, and passwords inside DSNs."""
+    if isinstance(value, str):
+        if _SECRET.search(key):
+            return "***"
+        return redact_dsn(value)
+    if isinstance(value, Mapping):
+        return {k: redact(f"{key}.{k}", v) for k, v in value.items()}
+    return value
+
+
+def redact_dsn(text: str) -> str:
+    text = re.sub(r"(://[^:/@\s]+:)[^@\s]*@", r"\1***@", text)
+    return re.sub(r"(password\s*=\s*)('[^']*'|\S+)", r"\1***", text, flags=re.I)
+
+
+def _apply(section_obj: Any, section: str, values: Mapping[str, Any]) -> None:
+    fields = {f.name: f for f in dataclasses.fields(section_obj)}
+    for key, value in values.items():
+        full = f"{section}.{key}"
+        if key not in fields:
+            raise ConfigError(full, f"unknown key (known: {', '.join(sorted(fields))})")
+        default = getattr(section_obj, key)
+        if isinstance(default, dict) and isinstance(value, Mapping):
+            merged = dict(default)
+            merged.update(_coerce(full, value, dict, default))
+            setattr(section_obj, key, merged)
+        else:
+            setattr(section_obj, key, _coerce(full, value, type(default), default))
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        parts = name[len(ENV_PREFIX):].lower().split("__")
+        section = parts[0]
+        if len(parts) == 2:
+            out.setdefault(section, {})[parts[1]] = value
+        elif len(parts) == 3 and section == "kafka" and parts[1] == "client":
+            # REAPER_KAFKA__CLIENT__SASL_USERNAME -> sasl.username
+            out.setdefault("kafka", {}).setdefault("client", {})[parts[2].replace("_", ".")] = value
+        else:
+            raise ConfigError(name, "environment override must be REAPER_<SECTION>__<KEY>")
+    return out
+
+
+def load(path: str | Path | None = None, environ: Mapping[str, str] | None = None,
+         overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Config:
+    """Build the configuration: defaults < YAML file < environment < explicit overrides."""
+    cfg = Config()
+    layers: list[Mapping[str, Any]] = []
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError("--config", f"file not found: {path}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError("--config", f"{path} is not valid YAML: {exc}") from None
+        if not isinstance(data, Mapping):
+            raise ConfigError("--config", f"{path} must hold a mapping of sections")
+        layers.append(data)
+    layers.append(_env_overrides(os.environ if environ is None else environ))
+    if overrides:
+        layers.append(overrides)
+    sections = {f.name for f in dataclasses.fields(cfg)}
+    for layer in layers:
+        for section, values in layer.items():
+            if section not in sections:
+                raise ConfigError(section, f"unknown section (known: {', '.join(sorted(sections))})")
+            if not isinstance(values, Mapping):
+                raise ConfigError(section, "must be a mapping")
+            _apply(getattr(cfg, section), section, values)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    for key, value, what in (
+        ("database.schema", cfg.database.schema, "schema"),
+        ("database.outbox_table", cfg.database.outbox_table, "table"),
+    ):
+        try:
+            check_identifier(value, what)
+        except InvalidIdentifier as exc:
+            raise ConfigError(key, str(exc)) from None
+    topic = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+    for key in ("harvester.leader_topic", "acker.topic", "acker.dead_letter_topic", "harvester.default_completion_topic"):
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if not topic.match(value):
+            raise ConfigError(key, f"{value!r} is not a valid Kafka topic name")
+    positive = [
+        "harvester.min_poll_interval", "harvester.heartbeat_timeout", "harvester.session_timeout",
+        "harvester.mark_batch", "harvester.max_in_flight", "database.pool_size", "acker.max_poll_records",
+        "sweeper.interval", "sweeper.idle_expiry", "sweeper.retention", "sweeper.chunk", "metrics.backlog_interval",
+    ]
+    for key in positive:
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) <= 0:
+            raise ConfigError(key, f"must be > 0, got {getattr(getattr(cfg, section), name)!r}")
+    if cfg.harvester.heartbeat_timeout >= cfg.harvester.session_timeout:
+        raise ConfigError("harvester.heartbeat_timeout",
+                          "must be shorter than harvester.session_timeout, so a cut-off leader fences itself "
+                          "before the group can hand its partition to another")
+    if not 0 <= cfg.metrics.port <= 65535:
+        raise ConfigError("metrics.port", f"{cfg.metrics.port} is not a TCP port")
+    if cfg.logging.format not in ("json", "console"):
+        raise ConfigError("logging.format", f"{cfg.logging.format!r}: use json or console")
+    if cfg.logging.level.lower() not in ("debug", "info", "warning", "error"):
+        raise ConfigError("logging.level", f"{cfg.logging.level!r}: use debug, info, warning or error")
+    if not re.match(r"^[a-zA-Z_][a-zA-Z0-9_]*$", cfg.metrics.prefix):
+        raise ConfigError("metrics.prefix", f"{cfg.metrics.prefix!r} is not a valid metric name prefix")

@@ -1,0 +1,22 @@
+-- The transactional outbox. Applications insert rows in their own transaction; the harvester
+-- publishes committed rows and deletes them once Kafka has acknowledged them.
+-- Runs with search_path set to the configured schema.
+CREATE TABLE outbox (
+    id            bigserial   PRIMARY KEY,
+    created_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    topic         text        NOT NULL CHECK (topic <> ''),
+    key           bytea,                       -- null: no key
+    value         bytea,                       -- null: tombstone
+    header_keys   text[]      NOT NULL DEFAULT '{}',
+    header_values bytea[]     NOT NULL DEFAULT '{}',
+    kafka_partition integer   CHECK (kafka_partition >= 0),  -- null: the producer's partitioner decides
+    leader_id     uuid,                        -- null: not in flight
+    CONSTRAINT outbox_headers_paired CHECK (cardinality(header_keys) = cardinality(header_values))
+) WITH (
+    -- The harvester deletes from the head all day; vacuum must keep up by rows, not by fraction.
+    autovacuum_vacuum_scale_factor = 0,
+    autovacuum_vacuum_threshold = 10000,
+    autovacuum_vacuum_insert_scale_factor = 0,
+    autovacuum_vacuum_insert_threshold = 100000,
+    autovacuum_vacuum_cost_delay = 0
+);

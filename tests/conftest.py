@@ -1,0 +1,124 @@
+"""Session fixtures for the real Postgres and Kafka.
+
+OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP name running services; without them the local services are
+brought up by deploy/local/services.py (idempotent). With OUTBOX_TESTCONTAINERS=1 and a Docker
+engine, testcontainers starts them instead. A service that cannot be reached fails the run: these
+tests never skip for want of a service.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from tracker import schema as schema_mod
+
+REPO = Path(__file__).resolve().parents[1]
+SERVICES = REPO / "deploy" / "local" / "services.py"
+
+
+def _local_services() -> dict[str, str]:
+    r = subprocess.run([sys.executable, str(SERVICES), "up"], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        pytest.fail(f"could not bring up local services:\n{r.stdout}\n{r.stderr}", pytrace=False)
+    return dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line and not line.startswith("["))
+
+
+def _testcontainers(request) -> dict[str, str]:
+    from testcontainers.kafka import KafkaContainer
+    from testcontainers.postgres import PostgresContainer
+
+    pg = PostgresContainer("postgres:16-alpine", driver=None).start()
+    kafka = KafkaContainer("confluentinc/cp-kafka:7.6.0").with_kraft().start()
+    request.session.config.add_cleanup(pg.stop)
+    request.session.config.add_cleanup(kafka.stop)
+    return {"OUTBOX_TEST_DSN": pg.get_connection_url(), "KAFKA_BOOTSTRAP": kafka.get_bootstrap_server()}
+
+
+@pytest.fixture(scope="session")
+def services(request) -> dict[str, str]:
+    env = {k: os.environ[k] for k in ("OUTBOX_TEST_DSN", "KAFKA_BOOTSTRAP") if os.environ.get(k)}
+    if len(env) < 2:
+        if os.environ.get("OUTBOX_TESTCONTAINERS") == "1":
+            env = {**_testcontainers(request), **env}
+        else:
+            env = {**_local_services(), **env}
+    return env
+
+
+@pytest.fixture(scope="session")
+def pg_dsn(services) -> str:
+    dsn = services["OUTBOX_TEST_DSN"]
+    try:
+        with psycopg.connect(dsn, connect_timeout=10) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.OperationalError as exc:
+        pytest.fail(f"Postgres at {dsn} is not reachable: {exc}", pytrace=False)
+    return dsn
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(services) -> str:
+    bootstrap = services["KAFKA_BOOTSTRAP"]
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    try:
+        admin.list_topics(timeout=15)
+    except Exception as exc:  # KafkaException: nothing answered
+        pytest.fail(f"Kafka at {bootstrap} is not reachable: {exc}", pytrace=False)
+    return bootstrap
+
+
+@pytest.fixture
+def schema(pg_dsn) -> str:
+    """A freshly migrated schema of this test's own, dropped afterwards."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    schema_mod.migrate(pg_dsn, name)
+    yield name
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+@pytest.fixture
+def conn(pg_dsn, schema):
+    """A psycopg connection (not autocommit) with search_path on the test's schema."""
+    with psycopg.connect(pg_dsn) as c:
+        c.execute(f'SET search_path TO "{schema}", public')
+        c.commit()
+        yield c
+
+
+class Topics:
+    """Creates uniquely named topics for one test and deletes them after it."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self.admin = AdminClient({"bootstrap.servers": bootstrap})
+        self.created: list[str] = []
+
+    def __call__(self, prefix: str = "t", partitions: int = 1, config: dict | None = None) -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+        futures = self.admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1,
+                                                     config=config or {})], operation_timeout=30)
+        futures[name].result(timeout=30)
+        self.created.append(name)
+        return name
+
+    def delete_all(self) -> None:
+        if self.created:
+            for f in self.admin.delete_topics(self.created, operation_timeout=30).values():
+                try:
+                    f.result(timeout=30)
+                except Exception:
+                    pass  # already gone; topic names are unique, so leftovers harm nothing
+
+
+@pytest.fixture
+def topics(kafka_bootstrap):
+    t = Topics(kafka_bootstrap)
+    yield t
+    t.delete_all()

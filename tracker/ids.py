@@ -1,0 +1,170 @@
+"""Item ids: '<batch_id>:<group_id>:<index>' (decimal, 0 <= index < group size).
+
+The run form '<batch_id>:<group_id>:<start>-<end>' (end inclusive) names contiguous indexes, so a
+consumer acking a whole range sends one string. Clients expand {group, upto} into ids themselves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, NamedTuple
+
+from .errors import MalformedItemId
+
+GROUP_BITS_MAX = 8192  # a group's bitfield stays <= 1 KiB so it is never TOASTed
+
+
+class ItemId(NamedTuple):
+    batch_id: int
+    group_id: int
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.batch_id}:{self.group_id}:{self.index}"
+
+
+def format_item_id(batch_id: int, group_id: int, index: int) -> str:
+    return f"{batch_id}:{group_id}:{index}"
+
+
+def _nonneg(text: str, whole: object) -> int:
+    # str.isdigit accepts non-ASCII digits; ids are plain ASCII decimal.
+    if not text or not text.isascii() or not text.isdigit():
+        raise MalformedItemId(whole, f"{text!r} is not a non-negative decimal")
+    return int(text)
+
+
+def parse_item_id(item_id: str | bytes) -> ItemId:
+    """Parse one item id; raises MalformedItemId naming it."""
+    text = _as_text(item_id)
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise MalformedItemId(item_id, "needs exactly three ':'-separated parts")
+    return ItemId(_nonneg(parts[0], item_id), _nonneg(parts[1], item_id), _nonneg(parts[2], item_id))
+
+
+class IdRun(NamedTuple):
+    """Indexes start..end (inclusive) of one group."""
+
+    batch_id: int
+    group_id: int
+    start: int
+    end: int
+
+
+def parse_ack(ack: str | bytes) -> IdRun:
+    """Parse an item id or the run form '<b>:<g>:<start>-<end>' into a run."""
+    text = _as_text(ack)
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise MalformedItemId(ack, "needs exactly three ':'-separated parts")
+    batch_id, group_id = _nonneg(parts[0], ack), _nonneg(parts[1], ack)
+    start_s, dash, end_s = parts[2].partition("-")
+    start = _nonneg(start_s, ack)
+    end = _nonneg(end_s, ack) if dash else start
+    if end < start:
+        raise MalformedItemId(ack, f"run end {end} is before its start {start}")
+    return IdRun(batch_id, group_id, start, end)
+
+
+def format_run(batch_id: int, group_id: int, start: int, end: int) -> str:
+    return f"{batch_id}:{group_id}:{start}" if start == end else f"{batch_id}:{group_id}:{start}-{end}"
+
+
+def expand(batch_id: int, group_id: int, upto: int) -> list[str]:
+    """All ids of a group of `upto` items: indexes 0..upto-1."""
+    prefix = f"{batch_id}:{group_id}:"
+    return [prefix + str(i) for i in range(upto)]
+
+
+def _as_text(value: str | bytes) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("ascii")
+        except UnicodeDecodeError:
+            raise MalformedItemId(value, "not ASCII") from None
+    if not isinstance(value, str):
+        raise MalformedItemId(value, f"expected str or bytes, got {type(value).__name__}")
+    return value
+
+
+@dataclass
+class GroupMask:
+    """Indexes of one group folded into a bitfield, laid out as Postgres lays out a bit string:
+    index i is bit (7 - i % 8) of byte i // 8, i.e. counted from the left."""
+
+    batch_id: int
+    group_id: int
+    bits: bytearray
+    max_index: int = -1
+    count: int = 0  # ids folded in, duplicates included
+
+    def add(self, start: int, end: int) -> None:
+        need = end // 8 + 1
+        if need > len(self.bits):
+            self.bits.extend(bytes(need - len(self.bits)))
+        bits = self.bits
+        if end - start < 64:
+            for i in range(start, end + 1):
+                bits[i >> 3] |= 0x80 >> (i & 7)
+        else:
+            # Set a long run byte-wise: head bits, whole bytes, tail bits.
+            i = start
+            while i <= end and i & 7:
+                bits[i >> 3] |= 0x80 >> (i & 7)
+                i += 1
+            whole_end = (end + 1) >> 3
+            if i >> 3 < whole_end:
+                bits[i >> 3:whole_end] = b"\xff" * (whole_end - (i >> 3))
+                i = whole_end << 3
+            while i <= end:
+                bits[i >> 3] |= 0x80 >> (i & 7)
+                i += 1
+        if end > self.max_index:
+            self.max_index = end
+        self.count += end - start + 1
+
+    def bitstring(self, size: int) -> str:
+        """The mask as a '0101…' literal of exactly `size` bits (callers check max_index < size)."""
+        return "".join(format(b, "08b") for b in self.bits)[:size].ljust(size, "0")
+
+    def hex(self) -> str:
+        return self.bits.hex()
+
+    def item_id(self, index: int) -> str:
+        return format_item_id(self.batch_id, self.group_id, index)
+
+
+def fold(acks: Iterable[str | bytes]) -> dict[tuple[int, int], GroupMask]:
+    """Fold item ids and runs into one mask per (batch, group). Raises MalformedItemId on the first
+    malformed entry, before anything could be applied."""
+    masks: dict[tuple[int, int], GroupMask] = {}
+    prefixes: dict[str, tuple[int, int]] = {}
+    for ack in acks:
+        text = ack if type(ack) is str else _as_text(ack)
+        head, sep, tail = text.rpartition(":")
+        key = prefixes.get(head)
+        if key is None or not sep:
+            run = parse_ack(text)
+            key = (run.batch_id, run.group_id)
+            prefixes[head] = key
+            start, end = run.start, run.end
+        elif tail.isascii() and tail.isdigit():
+            start = end = int(tail)
+        else:
+            run = parse_ack(text)
+            start, end = run.start, run.end
+        mask = masks.get(key)
+        if mask is None:
+            mask = masks[key] = GroupMask(key[0], key[1], bytearray())
+        mask.add(start, end)
+    return masks
+
+
+def iter_ids(masks: Iterable[GroupMask]) -> Iterator[str]:
+    """Every index set in the masks, as item ids (for tests and dead-letter reporting)."""
+    for m in masks:
+        for byte_no, byte in enumerate(m.bits):
+            if byte:
+                for bit in range(8):
+                    if byte & (0x80 >> bit):
+                        yield m.item_id(byte_no * 8 + bit)
