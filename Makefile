@@ -32,12 +32,12 @@ services-down:
 services-status:
 	$(SERVICES) status
 
+# The fixtures use OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP when set, else these local services.
 test: venv services-up
-	$(eval include_env := $(shell $(SERVICES) env | sed 's/^export //'))
-	env $(include_env) $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: venv services-up
-	env $(shell $(SERVICES) env | sed 's/^export //') $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	$(SERVICES) down
