@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Writes deploy/grafana/dashboards/reaper.json, the Grafana dashboard for outbox-reaper.
+
+    python3 deploy/grafana/dashboard.py          # rewrite the JSON
+    python3 deploy/grafana/dashboard.py --check  # exit 1 if the JSON is not what this script writes
+
+The panels are listed here once, as data, so the JSON stays consistent (grid, ids, datasource);
+tests/test_prometheus_live.py queries every expression against a real Prometheus scraping a
+running reaper. `$job` selects the deployment, `$__rate_interval` is Grafana's rate window.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "dashboards" / "reaper.json"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+J = '{job=~"$job"}'
+R = "[$__rate_interval]"
+
+
+def rate(metric: str) -> str:
+    return f"sum(rate({metric}{J}{R}))"
+
+
+def quantile(q: float, histogram: str) -> str:
+    return f"histogram_quantile({q}, sum by (le) (rate({histogram}_bucket{J}{R})))"
+
+
+# (row title, [(panel title, kind, unit, width, [(expr, legend)], description)])
+ROWS = [
+    ("Overview", [
+        ("Leaders", "stat", "none", 3, [(f"sum(reaper_leader{J})", "leaders")],
+         "Instances that lead and are not fenced. 1 is healthy; 0 means nothing publishes."),
+        ("Instances", "stat", "none", 3, [(f"count(reaper_build_info{J})", "instances")],
+         "Reaper instances being scraped."),
+        ("Published / s", "stat", "ops", 3, [(rate("reaper_records_published_total"), "published/s")],
+         "Outbox rows published to Kafka per second, all instances."),
+        ("Backlog rows", "stat", "short", 3, [(f"max(reaper_outbox_backlog_rows{J})", "rows")],
+         "Rows in the outbox table (committed, not yet purged)."),
+        ("Oldest unpublished row", "stat", "s", 4, [(f"max(reaper_outbox_oldest_age_seconds{J})", "age")],
+         "Age of the oldest row still in the outbox: the delay consumers see."),
+        ("Items pending", "stat", "short", 4, [(f"max(reaper_items_pending{J})", "pending")],
+         "Items of open and closed batches not yet acknowledged."),
+        ("Version", "stat", "none", 4, [(f"count by (version) (reaper_build_info{J})", "{{version}}")],
+         "Instances per reaper version (reaper_build_info)."),
+    ]),
+    ("Throughput", [
+        ("Records per second", "timeseries", "ops", 12, [
+            (rate("reaper_records_marked_total"), "marked"),
+            (rate("reaper_records_published_total"), "published"),
+            (rate("reaper_records_purged_total"), "purged"),
+        ], "Marked by the leader, published (delivery report received) and purged (deleted from the outbox)."),
+        ("Records in flight", "timeseries", "short", 12,
+         [(f"sum by (instance) (reaper_records_in_flight{J})", "{{instance}}")],
+         "Produced and awaiting a delivery report; bounded by harvester.max_in_flight."),
+        ("Produce latency (enqueue to delivery report)", "timeseries", "s", 12, [
+            (quantile(0.5, "reaper_produce_duration_seconds"), "p50"),
+            (quantile(0.99, "reaper_produce_duration_seconds"), "p99"),
+        ], "From handing the record to the producer to its delivery report."),
+        ("Mark and purge statements", "timeseries", "s", 12, [
+            (quantile(0.99, "reaper_mark_duration_seconds"), "mark p99"),
+            (quantile(0.99, "reaper_purge_duration_seconds"), "purge p99"),
+        ], "Duration of the mark query and of one batched purge statement."),
+    ]),
+    ("Backlog", [
+        ("Outbox backlog rows", "timeseries", "short", 12,
+         [(f"max(reaper_outbox_backlog_rows{J})", "rows")],
+         "Rows waiting in the outbox table. Growth with steady publishing means producers outpace the harvester."),
+        ("Age of the oldest unpublished row", "timeseries", "s", 12,
+         [(f"max(reaper_outbox_oldest_age_seconds{J})", "oldest")],
+         "Alerts: ReaperOutboxBacklogOld (> 5 min), ReaperOutboxBacklogVeryOld (> 30 min)."),
+    ]),
+    ("Leadership", [
+        ("Leader by instance", "timeseries", "none", 12,
+         [(f"max by (instance) (reaper_leader{J})", "{{instance}}")],
+         "1 while an instance leads and is not fenced. A handover shows as one line dropping and another rising."),
+        ("Leadership changes", "timeseries", "short", 12, [
+            (f"sum(increase(reaper_leader_acquisitions_total{J}{R}))", "acquisitions"),
+            (f"sum(increase(reaper_leader_fences_total{J}{R}))", "fences"),
+            (f"sum(increase(reaper_leader_revocations_total{J}{R}))", "revocations"),
+        ], "Acquired leadership; fenced itself after missing heartbeats; lost partition 0 in a rebalance."),
+    ]),
+    ("Failures", [
+        ("Resets, produce errors, force remarks", "timeseries", "ops", 12, [
+            (rate("reaper_records_reset_total"), "reset"),
+            (rate("reaper_produce_errors_total"), "produce errors"),
+            (rate("reaper_force_remarks_total"), "force remarks"),
+        ], "A failed delivery resets its row and forces a re-mark from the head of the outbox."),
+        ("Dead-lettered acks", "timeseries", "ops", 12,
+         [(rate("reaper_acks_dead_lettered_total"), "dead-lettered")],
+         "Acks the tracker rejected (unknown batch or group, bad index, malformed id, expired batch)."),
+    ]),
+    ("Acks", [
+        ("Acks per second", "timeseries", "ops", 8, [
+            (rate("reaper_acks_applied_total"), "applied"),
+            (rate("reaper_acks_duplicate_total"), "duplicate"),
+        ], "Bits cleared by the acker, and acks for bits already clear (redeliveries, retries)."),
+        ("Ack apply duration", "timeseries", "s", 8, [
+            (quantile(0.5, "reaper_ack_apply_duration_seconds"), "p50"),
+            (quantile(0.99, "reaper_ack_apply_duration_seconds"), "p99"),
+        ], "Applying one polled chunk of acks as per-group masks."),
+        ("Acker lag", "timeseries", "short", 8,
+         [(f"sum by (instance) (reaper_acker_lag_messages{J})", "{{instance}}")],
+         "Ack messages not yet consumed, per instance (its assigned partitions)."),
+    ]),
+    ("Batches", [
+        ("Batches by state", "timeseries", "short", 8,
+         [(f"max by (state) (reaper_batches{J})", "{{state}}")],
+         "Rows of the batch table per state (open, closed, complete, expired)."),
+        ("Items pending", "timeseries", "short", 8, [(f"max(reaper_items_pending{J})", "pending")],
+         "Items not yet acknowledged across open and closed batches."),
+        ("Batch lifecycle", "timeseries", "short", 8, [
+            (f"sum(increase(reaper_batches_opened_total{J}{R}))", "opened"),
+            (f"sum(increase(reaper_batches_closed_total{J}{R}))", "closed"),
+            (f"sum(increase(reaper_batches_completed_total{J}{R}))", "completed"),
+            (f"sum(increase(reaper_batches_expired_total{J}{R}))", "expired"),
+        ], "Counted in the process where each happened: opened/closed in applications that serve "
+           "metrics, completed by the acker (or an app's tracker.ack), expired by the sweeper."),
+    ]),
+]
+
+
+def panel(pid: int, title: str, kind: str, unit: str, gridpos: dict, targets: list, description: str) -> dict:
+    p = {
+        "id": pid, "type": kind, "title": title, "description": description, "datasource": DS,
+        "gridPos": gridpos,
+        "targets": [{"refId": chr(ord("A") + i), "datasource": DS, "expr": expr, "legendFormat": legend,
+                     "range": True, "instant": False} for i, (expr, legend) in enumerate(targets)],
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+    }
+    if kind == "stat":
+        p["options"] = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                        "colorMode": "value", "graphMode": "area", "textMode": "auto"}
+        p["fieldConfig"]["defaults"]["color"] = {"mode": "thresholds"}
+        p["fieldConfig"]["defaults"]["thresholds"] = {"mode": "absolute",
+                                                      "steps": [{"color": "green", "value": None}]}
+    else:
+        p["options"] = {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                        "tooltip": {"mode": "multi", "sort": "none"}}
+        p["fieldConfig"]["defaults"]["custom"] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10,
+                                                  "showPoints": "never"}
+    if title == "Leaders":
+        p["fieldConfig"]["defaults"]["thresholds"]["steps"] = [
+            {"color": "red", "value": None}, {"color": "green", "value": 1}, {"color": "orange", "value": 2}]
+    return p
+
+
+def dashboard() -> dict:
+    panels, pid, y = [], 1, 0
+    for row_title, row_panels in ROWS:
+        panels.append({"id": pid, "type": "row", "title": row_title, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        pid, y, x = pid + 1, y + 1, 0
+        height = 4 if row_panels[0][1] == "stat" else 8
+        for title, kind, unit, width, targets, description in row_panels:
+            if x + width > 24:
+                x, y = 0, y + height
+            panels.append(panel(pid, title, kind, unit, {"h": height, "w": width, "x": x, "y": y}, targets, description))
+            pid, x = pid + 1, x + width
+        y += height
+    return {
+        "uid": "outbox-reaper",
+        "title": "outbox-reaper",
+        "description": "Transactional-outbox harvester and fan-out tracker: throughput, backlog, leadership, failures, acks, batches.",
+        "tags": ["outbox-reaper", "kafka", "postgres"],
+        "editable": True,
+        "graphTooltip": 1,
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "10s",
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "timezone": "",
+        "annotations": {"list": []},
+        "links": [],
+        "templating": {"list": [
+            {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+             "current": {}, "hide": 0, "refresh": 1, "options": []},
+            {"name": "job", "label": "Job", "type": "query", "datasource": DS,
+             "query": {"query": "label_values(reaper_build_info, job)", "refId": "job"},
+             "definition": "label_values(reaper_build_info, job)", "refresh": 2, "includeAll": True,
+             "multi": True, "allValue": ".*", "current": {}, "options": [], "sort": 1, "hide": 0},
+        ]},
+        "panels": panels,
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if "--check" in argv:
+        if not OUT.exists() or OUT.read_text() != render():
+            print(f"{OUT} is out of date: run python3 deploy/grafana/dashboard.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(render())
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
