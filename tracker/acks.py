@@ -1,0 +1,179 @@
+"""Acks: fold item ids into one mask per group, apply the masks with set-based SQL.
+
+One call = lock the named batches (FOR NO KEY UPDATE, in batch-id order, so concurrent acks and
+closes never deadlock), read the named groups' sizes, validate, then one statement that clears
+the masked bits of every group, lowers each group's and each batch's pending by the number of
+bits that actually flipped (`bit_count(bits & mask)`), completes the batches that became
+`closed and pending = 0` and writes their completion events. Duplicates flip nothing, so they
+never double count; a re-ack after completion reports only duplicates.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import psycopg
+from psycopg import sql
+
+from . import metrics
+from .batches import completion_insert
+from .errors import BatchExpired, IndexOutOfRange, UnknownBatch, UnknownGroup
+from .ids import GroupMask, fold, format_run
+from .session import DEFAULTS, atomic, pg_connection, schema_of
+
+
+@dataclass
+class AckResult:
+    acked: int = 0           # bits this call cleared
+    duplicates: int = 0      # ids whose bit was already clear (or named twice in the call)
+    completed: list[int] = field(default_factory=list)  # batches this call completed
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (item id or run, reason), reject_invalid only
+
+
+@functools.lru_cache(maxsize=64)
+def _statements(schema: str, outbox_table: str) -> dict[str, str]:
+    t = {"batch": sql.Identifier(schema, "batch"), "group": sql.Identifier(schema, "batch_group")}
+    q = {
+        "lock": sql.SQL("SELECT id, state FROM {batch} WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE"),
+        "sizes": sql.SQL(
+            "SELECT g.batch_id, g.id, g.size FROM unnest(%s::int8[], %s::int8[]) AS u(batch_id, id) "
+            "JOIN {group} g ON g.batch_id = u.batch_id AND g.id = u.id"),
+        "apply": sql.SQL(
+            "WITH m AS MATERIALIZED ("
+            " SELECT g.batch_id, g.id, mk.mask, bit_count(g.bits & mk.mask) AS flipped"
+            " FROM unnest(%s::int8[], %s::int8[], %s::text[]) AS u(batch_id, id, hex)"
+            " JOIN {group} g ON g.batch_id = u.batch_id AND g.id = u.id"
+            " CROSS JOIN LATERAL (SELECT substring(('x' || u.hex)::varbit FROM 1 FOR g.size) AS mask) mk),"
+            " cleared AS (UPDATE {group} g SET bits = g.bits & ~m.mask, pending = g.pending - m.flipped"
+            " FROM m WHERE g.batch_id = m.batch_id AND g.id = m.id AND m.flipped > 0),"
+            " d AS (SELECT batch_id, sum(flipped)::int8 AS flipped FROM m GROUP BY batch_id),"
+            " b AS (UPDATE {batch} b SET pending = b.pending - d.flipped, last_activity_at = clock_timestamp(),"
+            " state = CASE WHEN b.state = 'closed' AND b.pending = d.flipped THEN 'complete' ELSE b.state END,"
+            " completed_at = CASE WHEN b.state = 'closed' AND b.pending = d.flipped THEN clock_timestamp()"
+            " ELSE b.completed_at END"
+            " FROM d WHERE b.id = d.batch_id"
+            " RETURNING b.id, b.state, d.flipped, b.user_key, b.total, b.created_at, b.closed_at, b.completed_at,"
+            " b.completion_topic),"
+            # A batch completed here: new state complete and bits flipped (a batch that was
+            # already complete has no set bit left to flip).
+            " finished AS (SELECT * FROM b WHERE state = 'complete' AND flipped > 0),"
+            " event AS ({insert})"
+            " SELECT id, flipped, state = 'complete' AND flipped > 0 FROM b"),
+    }
+    insert = completion_insert(schema, outbox_table)
+    return {k: v.format(insert=insert, **t).as_string(None) for k, v in q.items()}
+
+
+def _first_index(mask: GroupMask, lo: int = 0) -> int:
+    for i in range(lo, len(mask.bits) * 8):
+        if mask.bits[i >> 3] & (0x80 >> (i & 7)):
+            return i
+    return lo
+
+
+def _runs(mask: GroupMask, lo: int = 0) -> list[str]:
+    """The set bits at or above `lo`, as ids and runs (for rejects)."""
+    out, start, prev = [], None, None
+    bits = mask.bits
+    for i in range(lo, len(bits) * 8):
+        if bits[i >> 3] & (0x80 >> (i & 7)):
+            if start is None:
+                start = i
+            prev = i
+        elif start is not None:
+            out.append(format_run(mask.batch_id, mask.group_id, start, prev))
+            start = None
+    if start is not None:
+        out.append(format_run(mask.batch_id, mask.group_id, start, prev))
+    return out
+
+
+def _set_bits_from(mask: GroupMask, lo: int) -> int:
+    total = 0
+    first_byte = lo >> 3
+    if lo & 7 and first_byte < len(mask.bits):
+        total += bin(mask.bits[first_byte] & (0xFF >> (lo & 7))).count("1")
+        first_byte += 1
+    return total + int.from_bytes(mask.bits[first_byte:], "big").bit_count()
+
+
+def apply_masks(conn: psycopg.Connection, masks: Mapping[tuple[int, int], GroupMask], *, schema: str | None = None,
+                reject_invalid: bool = False) -> AckResult:
+    """Apply folded masks (from `tracker.ids.fold`) in the caller's transaction.
+
+    reject_invalid=False: the first unknown batch/group, out-of-range index or expired batch raises
+    its typed error and nothing is applied. reject_invalid=True: those entries are left out and
+    returned in `rejected` as (item id or run, reason); the valid rest is applied.
+    """
+    started = time.perf_counter()
+    q = _statements(schema_of(schema), DEFAULTS.outbox_table)
+    result = AckResult()
+    todo = [m for m in masks.values() if m.count]
+    if not todo:
+        return result
+    with atomic(conn):
+        states = dict(conn.execute(q["lock"], [sorted({m.batch_id for m in todo})]).fetchall())
+        live: list[GroupMask] = []
+        for m in todo:
+            state = states.get(m.batch_id)
+            if state is None or state == "expired":
+                first = m.item_id(_first_index(m))
+                if not reject_invalid:
+                    raise UnknownBatch(m.batch_id, first) if state is None else BatchExpired(m.batch_id, first)
+                reason = "unknown batch" if state is None else "batch expired"
+                result.rejected.extend((run, reason) for run in _runs(m))
+            else:
+                live.append(m)
+        sizes: dict[tuple[int, int], int] = {}
+        if live:
+            rows = conn.execute(q["sizes"], [[m.batch_id for m in live], [m.group_id for m in live]]).fetchall()
+            sizes = {(b, g): size for b, g, size in rows}
+        batch_ids, group_ids, hexes = [], [], []
+        counted = 0
+        for m in live:
+            size = sizes.get((m.batch_id, m.group_id))
+            if size is None:
+                if not reject_invalid:
+                    raise UnknownGroup(m.batch_id, m.group_id, m.item_id(_first_index(m)))
+                result.rejected.extend((run, "unknown group") for run in _runs(m))
+                continue
+            count = m.count
+            if m.max_index >= size:
+                if not reject_invalid:
+                    raise IndexOutOfRange(m.item_id(_first_index(m, size)), size)
+                result.rejected.extend((run, f"index out of range (group size {size})") for run in _runs(m, size))
+                count -= _set_bits_from(m, size)
+            nbytes = (size + 7) >> 3
+            bits = m.bits
+            if len(bits) != nbytes:
+                bits = bits[:nbytes] if len(bits) > nbytes else bits + bytes(nbytes - len(bits))
+            batch_ids.append(m.batch_id)
+            group_ids.append(m.group_id)
+            hexes.append(bits.hex())
+            counted += count
+        if batch_ids:
+            for batch_id, flipped, completed in conn.execute(
+                    q["apply"], [batch_ids, group_ids, hexes, DEFAULTS.completion_topic]).fetchall():
+                result.acked += flipped
+                if completed:
+                    result.completed.append(batch_id)
+        result.duplicates = max(0, counted - result.acked)
+    metrics.acks_applied.inc(result.acked)
+    metrics.acks_duplicate.inc(result.duplicates)
+    metrics.batches_completed.inc(len(result.completed))
+    metrics.ack_apply_duration.observe(time.perf_counter() - started)
+    return result
+
+
+def ack(session: Any, item_ids: Iterable[str | bytes], *, schema: str | None = None) -> AckResult:
+    """Ack item ids (and runs '<b>:<g>:<start>-<end>') in the caller's transaction.
+
+    Raises MalformedItemId, UnknownBatch, UnknownGroup, IndexOutOfRange or BatchExpired naming the
+    offending id; then nothing of the call was applied.
+    """
+    if isinstance(item_ids, (str, bytes)):
+        item_ids = [item_ids]
+    masks = fold(item_ids)
+    return apply_masks(pg_connection(session), masks, schema=schema)
