@@ -33,13 +33,15 @@ class DatabaseConfig:
     dsn: str = "postgresql://postgres@127.0.0.1:55432/outbox"
     schema: str = "reaper"
     outbox_table: str = "outbox"
-    pool_size: int = 4
+    pool_size: int = 6
 
 
 @dataclass
 class KafkaConfig:
     bootstrap_servers: str = "127.0.0.1:59092"
-    client: dict[str, Any] = field(default_factory=dict)  # passed through to librdkafka
+    client: dict[str, Any] = field(default_factory=dict)  # passed through to every librdkafka client
+    producer: dict[str, Any] = field(default_factory=dict)  # producer-only settings, over `client`
+    consumer: dict[str, Any] = field(default_factory=dict)  # consumer-only settings, over `client`
 
 
 @dataclass
@@ -52,6 +54,11 @@ class HarvesterConfig:
     session_timeout: float = 15.0
     mark_batch: int = 5000
     max_in_flight: int = 20000
+    mark_deadline: float = 5.0        # one mark + produce cycle longer than this forces a remark
+    idle_poll_interval: float = 0.005  # sleep after a mark that found nothing
+    purge_batch: int = 5000
+    purge_workers: int = 2
+    vacuum_interval: float = 2.0       # leader vacuums the outbox this often while it purges; 0 = autovacuum only
     drain_timeout: float = 10.0
     default_completion_topic: str = "batch-completions"
 
@@ -86,7 +93,7 @@ class MetricsConfig:
 
 @dataclass
 class LoggingConfig:
-    format: str = "json"  # json | console
+    format: str = "auto"  # auto (console in a terminal, else json) | json | console
     level: str = "info"
 
 
@@ -177,9 +184,9 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
         section = parts[0]
         if len(parts) == 2:
             out.setdefault(section, {})[parts[1]] = value
-        elif len(parts) == 3 and section == "kafka" and parts[1] == "client":
+        elif len(parts) == 3 and section == "kafka" and parts[1] in ("client", "producer", "consumer"):
             # REAPER_KAFKA__CLIENT__SASL_USERNAME -> sasl.username
-            out.setdefault("kafka", {}).setdefault("client", {})[parts[2].replace("_", ".")] = value
+            out.setdefault("kafka", {}).setdefault(parts[1], {})[parts[2].replace("_", ".")] = value
         else:
             raise ConfigError(name, "environment override must be REAPER_<SECTION>__<KEY>")
     return out
@@ -233,6 +240,8 @@ def validate(cfg: Config) -> None:
     positive = [
         "harvester.min_poll_interval", "harvester.heartbeat_timeout", "harvester.session_timeout",
         "harvester.mark_batch", "harvester.max_in_flight", "database.pool_size", "acker.max_poll_records",
+        "harvester.mark_deadline", "harvester.idle_poll_interval", "harvester.purge_batch", "harvester.purge_workers",
+        "harvester.drain_timeout",
         "sweeper.interval", "sweeper.idle_expiry", "sweeper.retention", "sweeper.chunk", "metrics.backlog_interval",
     ]
     for key in positive:
@@ -243,10 +252,22 @@ def validate(cfg: Config) -> None:
         raise ConfigError("harvester.heartbeat_timeout",
                           "must be shorter than harvester.session_timeout, so a cut-off leader fences itself "
                           "before the group can hand its partition to another")
+    if cfg.harvester.vacuum_interval < 0:
+        raise ConfigError("harvester.vacuum_interval", f"must be >= 0 (0 = autovacuum only), got {cfg.harvester.vacuum_interval!r}")
+    if cfg.database.pool_size < cfg.harvester.purge_workers + 2:
+        raise ConfigError("database.pool_size", f"{cfg.database.pool_size} is too small: the harvester needs "
+                          f"harvester.purge_workers + 2 = {cfg.harvester.purge_workers + 2} connections (mark, purge, upkeep)")
+    if cfg.harvester.mark_batch > cfg.harvester.max_in_flight:
+        raise ConfigError("harvester.mark_batch", "must not exceed harvester.max_in_flight")
+    for section in ("client", "producer", "consumer"):
+        for k in getattr(cfg.kafka, section):
+            if k in ("bootstrap.servers", "group.id", "on_delivery", "error_cb", "on_commit"):
+                raise ConfigError(f"kafka.{section}.{k}", "is set by reaper itself; use kafka.bootstrap_servers "
+                                  "or the harvester/acker group keys")
     if not 0 <= cfg.metrics.port <= 65535:
         raise ConfigError("metrics.port", f"{cfg.metrics.port} is not a TCP port")
-    if cfg.logging.format not in ("json", "console"):
-        raise ConfigError("logging.format", f"{cfg.logging.format!r}: use json or console")
+    if cfg.logging.format not in ("auto", "json", "console"):
+        raise ConfigError("logging.format", f"{cfg.logging.format!r}: use auto, json or console")
     if cfg.logging.level.lower() not in ("debug", "info", "warning", "error"):
         raise ConfigError("logging.level", f"{cfg.logging.level!r}: use debug, info, warning or error")
     if not re.match(r"^[a-zA-Z_][a-zA-Z0-9_]*$", cfg.metrics.prefix):

@@ -1,0 +1,91 @@
+"""Prometheus collectors of the reaper sidecar and its HTTP endpoints (/metrics, /healthz, /readyz).
+
+Names are fixed (see the team brief); the prefix is `metrics.prefix` (default "reaper"). Collectors
+live in the default registry, created once per process and prefix. No per-record or per-batch labels.
+"""
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+
+_DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_lock = threading.Lock()
+_instances: dict[str, "HarvesterMetrics"] = {}
+
+
+class HarvesterMetrics:
+    def __init__(self, prefix: str = "reaper") -> None:
+        p = prefix
+        self.build_info = Gauge(f"{p}_build_info", "Build of the running reaper (value 1)", ["version"])
+        self.leader = Gauge(f"{p}_leader", "1 while this instance leads and is not fenced")
+        self.acquisitions = Counter(f"{p}_leader_acquisitions_total", "Leadership acquisitions (partition 0 assigned)")
+        self.fences = Counter(f"{p}_leader_fences_total", "Times the leader fenced itself (no heartbeat in time)")
+        self.revocations = Counter(f"{p}_leader_revocations_total", "Times partition 0 was revoked or lost")
+        self.marked = Counter(f"{p}_records_marked_total", "Outbox rows marked for publication")
+        self.published = Counter(f"{p}_records_published_total", "Records acknowledged by Kafka")
+        self.purged = Counter(f"{p}_records_purged_total", "Outbox rows deleted after acknowledgement")
+        self.reset = Counter(f"{p}_records_reset_total", "Outbox rows unmarked after a failed publication")
+        self.produce_errors = Counter(f"{p}_produce_errors_total", "Failed produce calls and delivery reports")
+        self.force_remarks = Counter(f"{p}_force_remarks_total", "Times queued work was dropped and marking restarted from the head")
+        self.mark_duration = Histogram(f"{p}_mark_duration_seconds", "Mark query duration", buckets=_DURATION_BUCKETS)
+        self.purge_duration = Histogram(f"{p}_purge_duration_seconds", "Batched purge statement duration", buckets=_DURATION_BUCKETS)
+        self.produce_duration = Histogram(f"{p}_produce_duration_seconds",
+                                          "Enqueue to delivery report, sampled 1 in 64 records", buckets=_DURATION_BUCKETS)
+        self.in_flight = Gauge(f"{p}_records_in_flight", "Records produced and not yet settled")
+        self.backlog_rows = Gauge(f"{p}_outbox_backlog_rows", "Rows in the outbox (capped count)")
+        self.oldest_age = Gauge(f"{p}_outbox_oldest_age_seconds", "Age of the oldest row in the outbox")
+        self.batches = Gauge(f"{p}_batches", "Batches by state", ["state"])
+        self.items_pending = Gauge(f"{p}_items_pending", "Items not yet acknowledged in open and closed batches")
+
+
+def get(prefix: str = "reaper") -> HarvesterMetrics:
+    with _lock:
+        if prefix not in _instances:
+            _instances[prefix] = HarvesterMetrics(prefix)
+        return _instances[prefix]
+
+
+class HealthServer:
+    """/metrics, /healthz (process alive) and /readyz (database and Kafka reachable) on one port."""
+
+    def __init__(self, host: str, port: int, ready: Callable[[], tuple[bool, str]]) -> None:
+        check = ready
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, generate_latest(), CONTENT_TYPE_LATEST)
+                elif path == "/healthz":
+                    self._send(200, b"ok\n")
+                elif path == "/readyz":
+                    ok, why = check()
+                    self._send(200 if ok else 503, (why + "\n").encode())
+                else:
+                    self._send(404, b"not found\n")
+
+            def _send(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:  # quiet: scrapes are not news
+                pass
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="reaper-http", daemon=True)
+
+    def start(self) -> "HealthServer":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -1,0 +1,207 @@
+"""Mark-purge/reset: the leader's publishing loop.
+
+While NELI says this process leads, the loop marks the lowest-id rows not marked by its current
+leader id (one atomic UPDATE ... RETURNING, sorted by id), hands them to the idempotent producer
+in id order, and lets the publisher purge or reset them as reports arrive. The throttle bounds
+records in flight. Any produce error, delivery failure, mark/purge/reset error or mark deadline
+overrun raises `force_remark`: queued work is dropped, a new leader id is taken, and marking starts
+again from the head, so rows published out of turn or committed late are found again.
+
+The leader also owns vacuuming the outbox (see `Upkeep`): deleted rows at the head of the table
+otherwise slow every mark down as they pile up.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+from confluent_kafka import KafkaException
+
+from . import logs
+from .config import Config
+from .faults import FaultPlan, FaultyStore
+from .metrics import HarvesterMetrics, get as get_metrics
+from .neli import LEADER, Neli
+from .publish import Publisher, logs_safe, producer_config
+from .store import OutboxStore, make_pool
+
+
+class Harvester:
+    def __init__(self, cfg: Config, *, faults: FaultPlan | None = None, metrics: HarvesterMetrics | None = None,
+                 pool=None) -> None:
+        self.cfg = cfg
+        h = cfg.harvester
+        self.m = metrics or get_metrics(cfg.metrics.prefix)
+        self.log = logs.get("reaper.harvester")
+        self.faults = faults
+        self._own_pool = pool is None
+        self.pool = pool
+        self.store = None
+        self.publisher: Publisher | None = None
+        self.neli: Neli | None = None
+        self._remark = threading.Event()
+        self._remark_why = ""
+        self._stop = threading.Event()
+        self._me: uuid.UUID | None = None         # id rows are marked with now
+        self._neli_id: uuid.UUID | None = None    # the NELI acquisition it derives from
+        self._thread = threading.Thread(target=self._loop, name="reaper-mark", daemon=True)
+        self._upkeep = threading.Thread(target=self._upkeep_loop, name="reaper-upkeep", daemon=True)
+        self.purged_since_vacuum = 0
+        self.vacuums = 0
+        self.error: BaseException | None = None
+        self.h = h
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "Harvester":
+        cfg, h = self.cfg, self.h
+        if self.pool is None:
+            self.pool = make_pool(cfg.database.dsn, cfg.database.pool_size, name="reaper-harvester")
+        store = OutboxStore(self.pool, cfg.database.schema, cfg.database.outbox_table)
+        self.store = FaultyStore(store, self.faults) if self.faults is not None else store
+        conf = producer_config(cfg.kafka.bootstrap_servers, cfg.kafka.client, cfg.kafka.producer)
+        self.publisher = Publisher(conf, self.store, self.m, purge_batch=h.purge_batch, purge_workers=h.purge_workers,
+                                   faults=self.faults, on_failure=self.force_remark).start()
+        self.neli = Neli(bootstrap=cfg.kafka.bootstrap_servers, client=cfg.kafka.client, consumer=cfg.kafka.consumer,
+                         producer=cfg.kafka.producer, topic=h.leader_topic, group=h.leader_group,
+                         min_poll_interval=h.min_poll_interval, heartbeat_timeout=h.heartbeat_timeout,
+                         session_timeout=h.session_timeout, metrics=self.m, on_change=self._on_neli).start()
+        self._thread.start()
+        self._upkeep.start()
+        return self
+
+    def stop(self, drain_timeout: float | None = None) -> bool:
+        """Stop marking, let in-flight records settle (up to drain_timeout), then leave the group.
+
+        Returns False when records were still in flight at the deadline (they are republished by
+        the next leader: duplicates, never loss).
+        """
+        timeout = self.h.drain_timeout if drain_timeout is None else drain_timeout
+        self._stop.set()
+        self._thread.join(timeout + 10)
+        drained = True
+        if self.publisher is not None:
+            try:
+                self.publisher.producer.flush(max(0.0, timeout))
+            except Exception:
+                pass
+            drained = self.publisher.drain(max(0.1, timeout))
+            if not drained:
+                self.log.warning("drain timeout: records still in flight are left for the next leader",
+                                 in_flight=self.publisher.in_flight)
+        if self.neli is not None:
+            self.neli.stop()
+        if self.publisher is not None:
+            self.publisher.close()
+        self._upkeep.join(5)
+        if self._own_pool and self.pool is not None:
+            self.pool.close()
+        return drained
+
+    @property
+    def leading(self) -> bool:
+        return self.neli is not None and self.neli.leader_id() is not None
+
+    @property
+    def current_id(self) -> uuid.UUID | None:
+        return self._me
+
+    # ------------------------------------------------------------------ force remark
+
+    def force_remark(self, why: str) -> None:
+        if not self._remark.is_set():
+            self._remark_why = why
+            self._remark.set()
+
+    def _on_neli(self, state: str, leader_id: uuid.UUID | None) -> None:
+        if state != LEADER and self.publisher is not None:
+            self.publisher.drop_queued()  # fenced or revoked: nothing more leaves this process
+
+    def _valid(self, me: uuid.UUID) -> bool:
+        return self._me == me and not self._remark.is_set() and self.neli.leader_id() == self._neli_id \
+            and not self._stop.is_set()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # a bug: the process must not keep a dead harvester
+            self.error = exc
+            self.log.exception("harvester loop crashed")
+            raise
+
+    def _run(self) -> None:
+        h, m, pub = self.h, self.m, self.publisher
+        while not self._stop.is_set():
+            neli_id = self.neli.leader_id()
+            if neli_id is None:
+                if self._me is not None:
+                    self.log.info("not leading: marking stopped")
+                    self._me = self._neli_id = None
+                    logs.leader_context.set(None)
+                self._stop.wait(0.02)
+                continue
+            if neli_id != self._neli_id:
+                self._neli_id = self._me = neli_id
+                self._remark.clear()
+                logs.leader_context.set(self._me)
+                self.log.info("leading: marking from the head")
+            elif self._remark.is_set():
+                self._remark.clear()
+                self._me = uuid.uuid4()
+                logs.leader_context.set(self._me)
+                m.force_remarks.inc()
+                self.log.info("force remark", reason=self._remark_why)
+                if pub.replace_if_broken():
+                    pass
+            me = self._me
+            if pub.in_flight >= h.max_in_flight:
+                pub.wait_below(h.max_in_flight, 0.05)
+                continue
+            limit = min(h.mark_batch, h.max_in_flight - pub.in_flight)
+            started = time.monotonic()
+            try:
+                rows = self.store.mark(me, limit)
+            except Exception as exc:
+                self.log.warning("mark failed", error=logs_safe(exc))
+                self.force_remark("mark failed")
+                self._stop.wait(0.2)
+                continue
+            m.mark_duration.observe(time.monotonic() - started)
+            if not rows:
+                self._stop.wait(h.idle_poll_interval)
+                continue
+            m.marked.inc(len(rows))
+            try:
+                pub.produce_rows(rows, me, lambda: self._valid(me))
+            except (BufferError, KafkaException) as exc:
+                m.produce_errors.inc()
+                self.log.warning("produce failed", error=str(exc))
+                self.force_remark("produce failed")
+            if time.monotonic() - started > h.mark_deadline:
+                self.log.warning("mark cycle overran its deadline", seconds=round(time.monotonic() - started, 3),
+                                 mark_deadline=h.mark_deadline)
+                self.force_remark("mark deadline exceeded")
+
+    # ------------------------------------------------------------------ upkeep
+
+    def _upkeep_loop(self) -> None:
+        """The leader vacuums the outbox every vacuum_interval while it is deleting rows."""
+        interval = self.h.vacuum_interval
+        if interval <= 0:
+            return
+        last_purged = self.publisher.purged_rows
+        while not self._stop.wait(interval):
+            if not self.leading:
+                continue
+            purged = self.publisher.purged_rows
+            if purged == last_purged:
+                continue
+            last_purged = purged
+            try:
+                self.store.vacuum()
+                self.vacuums += 1
+            except Exception as exc:
+                self.log.warning("vacuum failed", error=logs_safe(exc))

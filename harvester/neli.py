@@ -1,0 +1,187 @@
+"""Leader election, Fast NELI style, over ownership of partition 0 of a one-partition topic.
+
+Every reaper subscribes one consumer, in one group, to the leader topic; the member holding
+partition 0 leads. The leader produces a heartbeat to that partition at most every
+`min_poll_interval` and consumes its own heartbeats. It fences itself (stops publishing) when none
+has come back within `heartbeat_timeout`, which is shorter than the group's session timeout, so a
+leader cut off from Kafka stops before the group can hand partition 0 to another member. It
+resumes if heartbeats return while it still holds the partition. Each acquisition (and each
+resumption) gets a fresh random leader id.
+
+`leader_id()` is computed from the clock when asked, not from the last state the polling thread
+saw: a process that was paused (SIGSTOP, a long GC-like stall) sees itself fenced at once.
+Cooperative-sticky assignment keeps partition 0 with its holder when other members join.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Callable
+
+from confluent_kafka import OFFSET_END, Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from . import logs
+from .metrics import HarvesterMetrics
+
+FOLLOWER, LEADER, FENCED = "follower", "leader", "fenced"
+
+
+def ensure_leader_topic(admin_conf: dict, topic: str, timeout: float = 30.0) -> None:
+    """Create the one-partition leader topic if it is missing (brokers here do not auto-create)."""
+    admin = AdminClient(admin_conf)
+    md = admin.list_topics(topic=topic, timeout=timeout)
+    t = md.topics.get(topic)
+    if t is not None and t.error is None:
+        return
+    fut = admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=-1,
+                                        config={"retention.ms": "3600000", "cleanup.policy": "delete"})],
+                              operation_timeout=timeout)[topic]
+    try:
+        fut.result(timeout=timeout)
+    except KafkaException as exc:
+        if exc.args[0].code() != exc.args[0].TOPIC_ALREADY_EXISTS:
+            raise
+
+
+class Neli:
+    def __init__(self, *, bootstrap: str, client: dict, consumer: dict, producer: dict, topic: str, group: str,
+                 min_poll_interval: float, heartbeat_timeout: float, session_timeout: float,
+                 metrics: HarvesterMetrics, on_change: Callable[[str, uuid.UUID | None], None] = lambda s, l: None) -> None:
+        self.topic, self.min_poll, self.hb_timeout = topic, min_poll_interval, heartbeat_timeout
+        self._m, self._on_change = metrics, on_change
+        self._log = logs.get("reaper.neli")
+        self.instance = uuid.uuid4().hex.encode()  # tags this process's heartbeats
+        base = {"bootstrap.servers": bootstrap, **client}
+        self._admin_conf = dict(base)
+        self._consumer_conf = {
+            **base, **consumer,
+            "group.id": group,
+            "session.timeout.ms": int(session_timeout * 1000),
+            "heartbeat.interval.ms": max(100, int(session_timeout * 1000) // 10),
+            "partition.assignment.strategy": "cooperative-sticky",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "latest",
+            "log_level": 4, "logger": logs.KafkaLogger("leader-consumer"),
+        }
+        self._producer_conf = {**base, **producer, "linger.ms": 0, "acks": 1, "enable.idempotence": False,
+                               "message.timeout.ms": max(1000, int(heartbeat_timeout * 1000)), "log_level": 4,
+                               "logger": logs.KafkaLogger("heartbeat-producer")}
+        self._lock = threading.Lock()
+        self._state = FOLLOWER
+        self._leader_id: uuid.UUID | None = None
+        self._holding = False
+        self._last_heartbeat = 0.0   # monotonic time our last heartbeat came back
+        self._last_sent = 0.0
+        self._stop = threading.Event()
+        self._closed = threading.Event()
+        self._consumer: Consumer | None = None
+        self._producer: Producer | None = None
+        self._thread = threading.Thread(target=self._run, name="reaper-neli", daemon=True)
+
+    # ------------------------------------------------------------------ public
+
+    def start(self) -> "Neli":
+        ensure_leader_topic(self._admin_conf, self.topic)
+        self._producer = Producer(self._producer_conf)
+        self._consumer = Consumer(self._consumer_conf)
+        self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                 on_lost=self._on_lost)
+        self._thread.start()
+        return self
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def leader_id(self) -> uuid.UUID | None:
+        """The id to publish under, or None when not leading or already overdue for a heartbeat."""
+        if self._state != LEADER:
+            return None
+        if time.monotonic() - self._last_heartbeat > self.hb_timeout:
+            return None
+        return self._leader_id
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Leave the group (partition 0 moves to a standby at once) and stop."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ internals
+
+    def _set(self, state: str, leader_id: uuid.UUID | None) -> None:
+        with self._lock:
+            if state == self._state and leader_id == self._leader_id:
+                return
+            self._state, self._leader_id = state, leader_id
+        self._m.leader.set(1 if state == LEADER else 0)
+        logs.leader_context.set(leader_id if state == LEADER else None)
+        self._log.info(f"neli {state}", state=state, leader_id=str(leader_id) if leader_id else None)
+        self._on_change(state, leader_id)
+
+    def _acquire(self) -> None:
+        self._last_heartbeat = time.monotonic()  # a heartbeat timeout's grace from acquisition
+        self._last_sent = 0.0
+        self._m.acquisitions.inc()
+        self._set(LEADER, uuid.uuid4())
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        mine = [TopicPartition(p.topic, p.partition, OFFSET_END) for p in partitions]
+        consumer.incremental_assign(mine)
+        if any(p.partition == 0 for p in partitions) and not self._holding:
+            self._holding = True
+            self._acquire()
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        try:
+            consumer.incremental_unassign(partitions)
+        except KafkaException:
+            pass
+        if any(p.partition == 0 for p in partitions) and self._holding:
+            self._holding = False
+            self._m.revocations.inc()
+            self._set(FOLLOWER, None)
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._on_revoke(consumer, partitions)
+
+    def _pulse(self) -> None:
+        msg = self._consumer.poll(self.min_poll / 2)
+        now = time.monotonic()
+        if msg is not None and msg.error() is None and msg.value() == self.instance:
+            self._last_heartbeat = now
+        if not self._holding:
+            return
+        if now - self._last_sent >= self.min_poll:
+            self._last_sent = now
+            try:
+                self._producer.produce(self.topic, value=self.instance, partition=0)
+            except BufferError:
+                pass  # Kafka unreachable for long: the missing heartbeats fence us
+        self._producer.poll(0)
+        overdue = now - self._last_heartbeat > self.hb_timeout
+        if self._state == LEADER and overdue:
+            self._m.fences.inc()
+            self._log.warning("no heartbeat within heartbeat_timeout: fencing", heartbeat_timeout=self.hb_timeout)
+            self._set(FENCED, None)
+        elif self._state == FENCED and not overdue:
+            self._log.info("heartbeats are back and partition 0 is still held: resuming")
+            self._acquire()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._pulse()
+                except KafkaException as exc:
+                    self._log.warning("leader consumer error", error=str(exc))
+                    time.sleep(self.min_poll)
+        finally:
+            self._set(FOLLOWER, None)
+            try:
+                self._consumer.close()  # leaves the group: partition 0 moves without waiting for the session
+            except Exception as exc:
+                self._log.warning("leader consumer close failed", error=str(exc))
+            self._producer.flush(1)
+            self._closed.set()

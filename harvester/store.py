@@ -1,0 +1,88 @@
+"""The harvester's SQL on the outbox: mark, purge, reset, vacuum and the backlog gauges.
+
+Identifiers come from configuration, are validated and quoted with psycopg.sql.Identifier.
+Connections come from a psycopg_pool pool in autocommit mode: every statement is its own
+transaction, one round trip, prepared by psycopg after a few uses.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Sequence
+
+from psycopg import sql
+from psycopg_pool import ConnectionPool
+
+from tracker.schema import qualified
+
+COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    rows: int           # capped at BACKLOG_CAP: counting millions every few seconds is not cheap
+    oldest_age: float   # seconds since the oldest unpublished row was created; 0 when empty
+
+
+BACKLOG_CAP = 10_000_000
+
+
+def configure_connection(conn) -> None:
+    # A lost mark or purge only causes a duplicate publication later: no need to wait for the WAL flush.
+    conn.execute("SET synchronous_commit = off")
+
+
+def make_pool(dsn: str, size: int, *, name: str = "reaper", open_wait: float | None = 30.0) -> ConnectionPool:
+    pool = ConnectionPool(dsn, min_size=size, max_size=size, name=name, open=False,
+                          kwargs={"autocommit": True, "application_name": "reaper"},
+                          configure=configure_connection, reconnect_timeout=3600)
+    pool.open(wait=open_wait is not None, timeout=open_wait or 30.0)
+    return pool
+
+
+class OutboxStore:
+    def __init__(self, pool: ConnectionPool, schema: str, table: str = "outbox") -> None:
+        self.pool = pool
+        t = qualified(schema, table)
+        self.table = t
+        # No SKIP LOCKED: skipping a row locked by a purge/reset in progress would let a later row of
+        # the same key be marked before it. Plain FOR UPDATE waits, then re-checks the row.
+        self._mark = sql.SQL(
+            "UPDATE {t} AS o SET leader_id = %(me)s FROM ("
+            " SELECT id FROM {t} WHERE leader_id IS NULL OR leader_id <> %(me)s ORDER BY id LIMIT %(n)s FOR UPDATE"
+            ") AS pick WHERE o.id = pick.id "
+            "RETURNING o.id, o.topic, o.key, o.value, o.header_keys, o.header_values, o.kafka_partition"
+        ).format(t=t)
+        self._purge = sql.SQL("DELETE FROM {t} WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(t=t)
+        self._reset = sql.SQL(
+            "UPDATE {t} SET leader_id = NULL WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(t=t)
+        self._vacuum = sql.SQL("VACUUM {t}").format(t=t)
+        self._oldest = sql.SQL("SELECT extract(epoch FROM clock_timestamp() - created_at) FROM {t} ORDER BY id LIMIT 1").format(t=t)
+        self._count = sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {t} LIMIT %s) AS s").format(t=t)
+
+    def mark(self, leader_id: uuid.UUID, limit: int) -> list[tuple]:
+        """Mark up to `limit` of the lowest-id rows not marked by `leader_id`; return them sorted by id."""
+        with self.pool.connection() as conn:
+            rows = conn.execute(self._mark, {"me": leader_id, "n": limit}, binary=True).fetchall()
+        rows.sort(key=lambda r: r[0])
+        return rows
+
+    def purge(self, leader_id: uuid.UUID, ids: Sequence[int]) -> int:
+        """Delete published rows still marked by `leader_id`; return how many went."""
+        with self.pool.connection() as conn:
+            return conn.execute(self._purge, [list(ids), leader_id]).rowcount
+
+    def reset(self, leader_id: uuid.UUID, ids: Sequence[int]) -> int:
+        """Unmark rows whose publication failed, if still marked by `leader_id`."""
+        with self.pool.connection() as conn:
+            return conn.execute(self._reset, [list(ids), leader_id]).rowcount
+
+    def vacuum(self) -> None:
+        with self.pool.connection() as conn:
+            conn.execute(self._vacuum)
+
+    def backlog(self) -> Backlog:
+        with self.pool.connection() as conn:
+            rows = conn.execute(self._count, [BACKLOG_CAP]).fetchone()[0]
+            oldest = conn.execute(self._oldest).fetchone()
+        return Backlog(rows=rows, oldest_age=max(0.0, float(oldest[0])) if oldest else 0.0)

@@ -1,0 +1,121 @@
+"""Helpers for harvester tests: configuration, outbox writers, a Kafka receiver, waiting."""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import defaultdict
+from typing import Callable, Iterable
+
+import psycopg
+from confluent_kafka import Consumer, TopicPartition
+
+from harvester import config as config_mod
+
+FAST = {  # short timeouts keep failure tests quick
+    "min_poll_interval": 0.1, "heartbeat_timeout": 1.0, "session_timeout": 3.0, "drain_timeout": 5.0,
+    "idle_poll_interval": 0.005,
+}
+
+
+def make_config(pg_dsn: str, schema: str, bootstrap: str, *, leader_topic: str | None = None,
+                group: str | None = None, harvester: dict | None = None, **sections) -> config_mod.Config:
+    h = {**FAST, "leader_topic": leader_topic or f"leader-{uuid.uuid4().hex[:10]}",
+         "leader_group": group or f"g-{uuid.uuid4().hex[:10]}", **(harvester or {})}
+    overrides = {"database": {"dsn": pg_dsn, "schema": schema}, "kafka": {"bootstrap_servers": bootstrap},
+                 "harvester": h, "metrics": {"enabled": False}, **sections}
+    return config_mod.load(None, environ={}, overrides=overrides)
+
+
+def env_for(cfg: config_mod.Config) -> dict[str, str]:
+    """REAPER_* variables that reproduce cfg's database, kafka and harvester keys for a subprocess."""
+    env = {"REAPER_DATABASE__DSN": cfg.database.dsn, "REAPER_DATABASE__SCHEMA": cfg.database.schema,
+           "REAPER_KAFKA__BOOTSTRAP_SERVERS": cfg.kafka.bootstrap_servers}
+    for key in ("leader_topic", "leader_group", "min_poll_interval", "heartbeat_timeout", "session_timeout",
+                "drain_timeout", "idle_poll_interval", "mark_batch", "max_in_flight"):
+        env[f"REAPER_HARVESTER__{key.upper()}"] = str(getattr(cfg.harvester, key))
+    return env
+
+
+def insert_rows(conn: psycopg.Connection, schema: str, topic: str, rows: Iterable[tuple[bytes | None, bytes | None]],
+                headers: list[tuple[str, bytes]] | None = None) -> int:
+    """Insert (key, value) rows in one transaction (committed); return how many."""
+    hk = [h[0] for h in headers or []]
+    hv = [h[1] for h in headers or []]
+    data = [(topic, k, v, hk, hv) for k, v in rows]
+    with conn.cursor() as cur:
+        cur.executemany(f'INSERT INTO "{schema}".outbox (topic, key, value, header_keys, header_values) '
+                        'VALUES (%s, %s, %s, %s, %s)', data)
+    conn.commit()
+    return len(data)
+
+
+def outbox_count(pg_dsn: str, schema: str) -> int:
+    with psycopg.connect(pg_dsn) as c:
+        return c.execute(f'SELECT count(*) FROM "{schema}".outbox').fetchone()[0]
+
+
+class Receiver:
+    """Consumes a topic from the beginning in a thread; keeps every record in arrival order."""
+
+    def __init__(self, bootstrap: str, topic: str, partitions: int = 1) -> None:
+        self.records: list[tuple[bytes | None, bytes | None, list]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"recv-{uuid.uuid4().hex}",
+                            "enable.auto.commit": False, "auto.offset.reset": "earliest",
+                            "isolation.level": "read_uncommitted"})
+        self._c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for msg in self._c.consume(10000, 0.1):
+                if msg.error() is None:
+                    with self._lock:
+                        self.records.append((msg.key(), msg.value(), msg.headers() or []))
+
+    def values(self) -> list[bytes]:
+        with self._lock:
+            return [v for _, v, _ in self.records]
+
+    def unique(self) -> set:
+        with self._lock:
+            return {(k, v) for k, v, _ in self.records}
+
+    def wait_for(self, expected: set, timeout: float) -> bool:
+        return wait_until(lambda: expected <= self.unique(), timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(5)
+        self._c.close()
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()
+
+
+def order_violations(records: Iterable[tuple[bytes | None, bytes | None]]) -> list[str]:
+    """Per key, first appearances must come in increasing sequence order (duplicates allowed).
+
+    Values are b"<key>:<seq>"; a record first seen after a higher sequence of its key is a regression.
+    """
+    seen: dict[bytes, set[int]] = defaultdict(set)
+    high: dict[bytes, int] = {}
+    bad = []
+    for key, value in records:
+        seq = int(value.rsplit(b":", 1)[1])
+        if seq in seen[key]:
+            continue
+        if key in high and seq < high[key]:
+            bad.append(f"key {key!r}: {seq} first seen after {high[key]}")
+        seen[key].add(seq)
+        high[key] = max(high.get(key, seq), seq)
+    return bad
