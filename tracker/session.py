@@ -53,9 +53,13 @@ def pg_connection(session: Any) -> psycopg.Connection:
     # Session.connection() joins (or begins) the session's transaction; Connection.connection is
     # the pool's proxy. Either way the DBAPI connection is the psycopg one.
     proxied = connection() if callable(connection) else connection
-    if not isinstance(proxied, psycopg.Connection):
-        proxied = getattr(proxied, "connection", proxied)  # SQLAlchemy Connection -> pool proxy
-        proxied = getattr(proxied, "driver_connection", proxied)
+    for attr in ("connection", "driver_connection"):  # SQLAlchemy Connection -> pool proxy -> psycopg
+        if isinstance(proxied, psycopg.Connection):
+            break
+        if hasattr(type(proxied), "driver_connection"):
+            proxied = proxied.driver_connection
+        else:
+            proxied = getattr(proxied, attr, proxied)
     if not isinstance(proxied, psycopg.Connection):
         raise TypeError(f"{type(session).__name__} is not backed by psycopg 3 (use a postgresql+psycopg:// engine)")
     return proxied

@@ -1,0 +1,35 @@
+"""Helpers shared by the tracker tests (no tests here): a whole-schema snapshot, the invariant-1 check."""
+from __future__ import annotations
+
+import psycopg
+
+
+def snapshot(conn: psycopg.Connection, schema: str) -> dict[str, list[tuple]]:
+    """Every row the tracker can touch, for "nothing changed" assertions."""
+    s = f'"{schema}"'
+    return {
+        "batch": conn.execute(f"SELECT * FROM {s}.batch ORDER BY id").fetchall(),
+        "batch_group": conn.execute(f"SELECT * FROM {s}.batch_group ORDER BY batch_id, id").fetchall(),
+        "outbox": conn.execute(f"SELECT * FROM {s}.outbox ORDER BY id").fetchall(),
+    }
+
+
+def invariant_violations(conn: psycopg.Connection, schema: str) -> list[tuple]:
+    """Invariant 1: group.pending = bit_count(bits); batch.pending = sum(group.pending); plus the
+    states that follow from it (complete => closed and nothing pending)."""
+    s = f'"{schema}"'
+    return conn.execute(f"""
+        SELECT 'group', g.batch_id, g.id, g.pending, bit_count(g.bits) FROM {s}.batch_group g
+         WHERE g.pending <> bit_count(g.bits) OR bit_length(g.bits) <> g.size
+        UNION ALL
+        SELECT 'batch', b.id, NULL, b.pending, coalesce(sum(g.pending), 0) FROM {s}.batch b
+          LEFT JOIN {s}.batch_group g ON g.batch_id = b.id
+         GROUP BY b.id HAVING b.pending <> coalesce(sum(g.pending), 0) OR b.total <> coalesce(sum(g.size), 0)
+        UNION ALL
+        SELECT 'state', b.id, NULL, b.pending, NULL FROM {s}.batch b
+         WHERE (b.state = 'complete') <> (b.closed_at IS NOT NULL AND b.pending = 0 AND b.state <> 'expired')
+        """).fetchall()
+
+
+def completion_events(conn: psycopg.Connection, schema: str, topic: str = "batch-completions") -> list[tuple]:
+    return conn.execute(f'SELECT key, value FROM "{schema}".outbox WHERE topic = %s ORDER BY id', [topic]).fetchall()
