@@ -1,0 +1,239 @@
+"""`reaper run`: the harvester, the acker, the sweeper loop and the metrics server in one process.
+
+Exit codes (documented in the README by the operability engineer):
+  0  stopped by SIGTERM/SIGINT after in-flight records were settled
+  1  a component failed unexpectedly (logged with its error)
+  2  bad configuration (the message names the key)
+  3  a dependency was unavailable at start (database, migrated schema, Kafka)
+  4  stopped by a signal, but in-flight records were still unsettled at drain_timeout
+     (harmless: the next leader publishes them again; duplicates, never loss)
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+import psycopg
+from confluent_kafka.admin import AdminClient
+from psycopg import sql
+
+from tracker.schema import qualified
+
+from . import logs
+from .config import Config, redact, redact_dsn
+from .faults import FaultPlan
+from .metrics import HealthServer, get as get_metrics
+from .mpr import Harvester
+from .publish import logs_safe
+from .store import OutboxStore, make_pool
+
+EXIT_OK, EXIT_FAILURE, EXIT_CONFIG, EXIT_UNAVAILABLE, EXIT_DRAIN_TIMEOUT = 0, 1, 2, 3, 4
+
+
+class Unavailable(RuntimeError):
+    pass
+
+
+def _version() -> str:
+    try:
+        return version("outbox-reaper")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _check_database(cfg: Config) -> None:
+    try:
+        with psycopg.connect(cfg.database.dsn, connect_timeout=10) as conn:
+            found = conn.execute("SELECT to_regclass(%s)", [
+                qualified(cfg.database.schema, cfg.database.outbox_table).as_string(conn)]).fetchone()[0]
+    except psycopg.Error as exc:
+        raise Unavailable(f"database unreachable: {logs_safe(exc)}") from None
+    if found is None:
+        raise Unavailable(f"table {cfg.database.schema}.{cfg.database.outbox_table} does not exist: run `reaper migrate`")
+
+
+def _admin(cfg: Config) -> AdminClient:
+    return AdminClient({"bootstrap.servers": cfg.kafka.bootstrap_servers, **cfg.kafka.client,
+                        "logger": logs.KafkaLogger("admin")})
+
+
+def _check_kafka(admin: AdminClient, timeout: float = 15.0) -> None:
+    try:
+        admin.list_topics(timeout=timeout)
+    except Exception as exc:
+        raise Unavailable(f"Kafka unreachable at the configured bootstrap servers: {exc}") from None
+
+
+class Readiness:
+    """/readyz: database and Kafka answered within a second or two (cached for a second)."""
+
+    def __init__(self, pool, admin: AdminClient) -> None:
+        self.pool, self.admin = pool, admin
+        self._at, self._last = 0.0, (False, "not checked")
+        self._lock = threading.Lock()
+
+    def __call__(self) -> tuple[bool, str]:
+        with self._lock:
+            if time.monotonic() - self._at < 1.0:
+                return self._last
+            problems = []
+            try:
+                with self.pool.connection(timeout=2) as conn:
+                    conn.execute("SELECT 1")
+            except Exception as exc:
+                problems.append(f"database: {type(exc).__name__}")
+            try:
+                self.admin.list_topics(timeout=2)
+            except Exception as exc:
+                problems.append(f"kafka: {type(exc).__name__}")
+            self._last = (not problems, "; ".join(problems) or "ready")
+            self._at = time.monotonic()
+            return self._last
+
+
+def _gauges_loop(cfg: Config, store: OutboxStore, pool, stop: threading.Event) -> None:
+    m, log = get_metrics(cfg.metrics.prefix), logs.get("reaper.gauges")
+    schema = cfg.database.schema
+    batches = sql.SQL("SELECT state, count(*) FROM {} GROUP BY state").format(qualified(schema, "batch"))
+    pending = sql.SQL("SELECT coalesce(sum(pending), 0) FROM {} WHERE state IN ('open', 'closed')").format(
+        qualified(schema, "batch"))
+    while True:
+        try:
+            b = store.backlog()
+            m.backlog_rows.set(b.rows)
+            m.oldest_age.set(b.oldest_age)
+            with pool.connection() as conn:
+                counts = dict(conn.execute(batches).fetchall())
+                m.items_pending.set(conn.execute(pending).fetchone()[0])
+            for state in ("open", "closed", "complete", "expired"):
+                m.batches.labels(state).set(counts.get(state, 0))
+        except Exception as exc:
+            log.warning("gauge refresh failed", error=logs_safe(exc))
+        if stop.wait(cfg.metrics.backlog_interval):
+            return
+
+
+def _sweeper_loop(cfg: Config, pool, stop: threading.Event, sweeper) -> None:
+    log = logs.get("reaper.sweeper")
+    s = cfg.sweeper
+    while not stop.wait(s.interval):
+        try:
+            with pool.connection() as conn:
+                result = sweeper.sweep(conn, schema=cfg.database.schema, idle_expiry=s.idle_expiry,
+                                       retention=s.retention, chunk=s.chunk)
+            if result.expired or result.deleted:
+                log.info("swept", expired=result.expired, deleted=result.deleted)
+        except Exception as exc:
+            log.warning("sweep failed", error=logs_safe(exc))
+
+
+def _start_acker(cfg: Config, stop: threading.Event, failures: list) -> threading.Thread:
+    from tracker.acker import Acker
+
+    a = cfg.acker
+    acker = Acker(dsn=cfg.database.dsn, schema=cfg.database.schema, bootstrap_servers=cfg.kafka.bootstrap_servers,
+                  kafka_client={**cfg.kafka.client, **cfg.kafka.consumer}, topic=a.topic, group=a.group,
+                  dead_letter_topic=a.dead_letter_topic, max_poll_records=a.max_poll_records,
+                  poll_timeout=a.poll_timeout)
+
+    def run() -> None:
+        try:
+            acker.run(stop)
+        except BaseException as exc:
+            failures.append(("acker", exc))
+            logs.get("reaper.acker").error("acker failed", error=logs_safe(exc))
+
+    t = threading.Thread(target=run, name="reaper-acker", daemon=True)
+    t.start()
+    return t
+
+
+def run(cfg: Config, *, faults: FaultPlan | None = None) -> int:
+    log = logs.get("reaper")
+    log.info("starting", version=_version(), config=redact("config", _as_dict(cfg)),
+             fault_injection=faults.to_json() if faults else None)
+    stop = threading.Event()
+    term = threading.Event()
+
+    def on_signal(signum, _frame) -> None:
+        log.info("signal received: stopping", signal=signal.Signals(signum).name)
+        term.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    m = get_metrics(cfg.metrics.prefix)
+    m.build_info.labels(_version()).set(1)
+    admin = _admin(cfg)
+    try:
+        _check_database(cfg)
+        _check_kafka(admin)
+        pool = make_pool(cfg.database.dsn, 2, name="reaper-aux")
+    except Unavailable as exc:
+        log.error("cannot start", error=redact_dsn(str(exc)))
+        return EXIT_UNAVAILABLE
+    except Exception as exc:
+        log.error("cannot start", error=logs_safe(exc))
+        return EXIT_UNAVAILABLE
+
+    failures: list[tuple[str, BaseException]] = []
+    threads: list[threading.Thread] = []
+    http = None
+    harvester = None
+    code = EXIT_OK
+    try:
+        store = OutboxStore(pool, cfg.database.schema, cfg.database.outbox_table)
+        if cfg.metrics.enabled:
+            http = HealthServer(cfg.metrics.host, cfg.metrics.port, Readiness(pool, admin)).start()
+            log.info("metrics server listening", port=http.port)
+            threads.append(threading.Thread(target=_gauges_loop, args=(cfg, store, pool, stop), daemon=True,
+                                            name="reaper-gauges"))
+        if cfg.sweeper.enabled:
+            from tracker import sweeper  # the tracker's sweeper; several reapers may sweep at once safely
+            threads.append(threading.Thread(target=_sweeper_loop, args=(cfg, pool, stop, sweeper), daemon=True,
+                                            name="reaper-sweeper"))
+        for t in threads:
+            t.start()
+        if cfg.acker.enabled:
+            threads.append(_start_acker(cfg, stop, failures))
+        if cfg.harvester.enabled:
+            harvester = Harvester(cfg, faults=faults).start()
+        while not term.wait(0.2):
+            if harvester is not None and harvester.error is not None:
+                failures.append(("harvester", harvester.error))
+            if failures:
+                break
+    except Exception as exc:
+        failures.append(("startup", exc))
+    finally:
+        started = time.monotonic()
+        drained = harvester.stop() if harvester is not None else True
+        stop.set()
+        for t in threads:
+            t.join(cfg.harvester.drain_timeout)
+        if http is not None:
+            http.stop()
+        pool.close()
+        log.info("stopped", drained=drained, seconds=round(time.monotonic() - started, 3))
+    if failures:
+        for what, exc in failures:
+            log.error("component failed", component=what, error=logs_safe(exc))
+        code = EXIT_FAILURE
+    elif not drained:
+        code = EXIT_DRAIN_TIMEOUT
+    return code
+
+
+def _as_dict(cfg: Config) -> dict:
+    import dataclasses
+    return dataclasses.asdict(cfg)
+
+
+def configure_logging(cfg: Config) -> None:
+    fmt = cfg.logging.format
+    if fmt == "auto":
+        fmt = "console" if sys.stderr.isatty() else "json"
+    logs.configure(fmt, cfg.logging.level)
