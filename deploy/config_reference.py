@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""The configuration reference, generated from harvester/config.py's dataclasses.
+
+    .venv/bin/python deploy/config_reference.py          # rewrite deploy/reaper.example.yaml and README's table
+    .venv/bin/python deploy/config_reference.py --check  # exit 1 if either is out of date
+
+Keys, defaults and environment-variable names come from the code; the one-line descriptions
+live here. A key without a description fails the run (and tests/test_deploy.py), so a new key
+cannot ship undocumented.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from harvester import config  # noqa: E402
+
+EXAMPLE = REPO / "deploy" / "reaper.example.yaml"
+README = REPO / "README.md"
+START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+
+DESCRIPTIONS = {
+    "database.dsn": "libpq URI or key=value string of the database holding the outbox",
+    "database.schema": "schema of the outbox, batch and batch_group tables (`reaper migrate` creates it)",
+    "database.outbox_table": "name of the outbox table in that schema",
+    "database.pool_size": "database connections of one reaper (mark, purge workers, upkeep, acker, sweeper)",
+    "kafka.bootstrap_servers": "Kafka brokers, host:port[,host:port...]",
+    "kafka.client": "librdkafka settings for every client (security.protocol, sasl.*, ssl.*, ...)",
+    "kafka.producer": "librdkafka settings for the producer only, over kafka.client",
+    "kafka.consumer": "librdkafka settings for the consumers only, over kafka.client",
+    "harvester.enabled": "run the harvester (leader election and publishing) in this process",
+    "harvester.leader_topic": "one-partition topic for leader election; the holder of partition 0 leads",
+    "harvester.leader_group": "consumer group of all instances of one deployment",
+    "harvester.min_poll_interval": "seconds between the leader's heartbeats",
+    "harvester.heartbeat_timeout": "a leader that sees none of its heartbeats for this long fences itself (seconds)",
+    "harvester.session_timeout": "leader-group session timeout (seconds); must exceed heartbeat_timeout",
+    "harvester.mark_batch": "rows claimed by one mark query",
+    "harvester.max_in_flight": "records produced and awaiting their delivery reports",
+    "harvester.mark_deadline": "a mark-and-produce cycle longer than this forces a remark (seconds)",
+    "harvester.idle_poll_interval": "pause after a mark that found nothing (seconds)",
+    "harvester.purge_batch": "rows deleted by one purge statement",
+    "harvester.purge_workers": "connections purging delivered rows in parallel",
+    "harvester.vacuum_interval": "the leader vacuums the outbox this often while it purges (seconds; 0 = autovacuum only)",
+    "harvester.drain_timeout": "on shutdown, wait this long for in-flight records (seconds)",
+    "harvester.default_completion_topic": "topic of completion events for batches opened without one",
+    "acker.enabled": "run the acker (ack-topic consumer) in this process",
+    "acker.topic": "topic consumers produce acks to, keyed by batch id",
+    "acker.group": "consumer group of the ackers",
+    "acker.dead_letter_topic": "rejected acks go here with the reason",
+    "acker.max_poll_records": "acks folded into one round of masked UPDATEs",
+    "acker.poll_timeout": "seconds one poll waits for ack messages",
+    "sweeper.enabled": "run the sweeper (expiry and retention) in this process",
+    "sweeper.interval": "seconds between sweeps",
+    "sweeper.idle_expiry": "expire open batches with no add, close or ack for this long (seconds)",
+    "sweeper.retention": "delete complete and expired batches this long after they finished (seconds)",
+    "sweeper.chunk": "batches handled per sweep statement",
+    "metrics.enabled": "serve /metrics, /healthz and /readyz",
+    "metrics.host": "address the HTTP endpoint listens on",
+    "metrics.port": "port of /metrics, /healthz and /readyz (0 = any free port)",
+    "metrics.prefix": "prefix of the harvester's metric names",
+    "metrics.backlog_interval": "seconds between the backlog and batch-table gauge queries",
+    "logging.format": "json, console, or auto (console in a terminal, else json)",
+    "logging.level": "debug, info, warning or error",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    section: str
+    name: str
+    default: object
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    @property
+    def env(self) -> str:
+        return f"{config.ENV_PREFIX}{self.section.upper()}__{self.name.upper()}"
+
+    @property
+    def is_mapping(self) -> bool:
+        return isinstance(self.default, dict)
+
+
+def keys() -> list[Key]:
+    out = []
+    defaults = config.Config()
+    for section in dataclasses.fields(defaults):
+        obj = getattr(defaults, section.name)
+        for f in dataclasses.fields(obj):
+            out.append(Key(section.name, f.name, getattr(obj, f.name)))
+    return out
+
+
+def undocumented() -> list[str]:
+    return [k.dotted for k in keys() if k.dotted not in DESCRIPTIONS]
+
+
+def _yaml_scalar(value: object) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True).strip()
+    return text.removesuffix("...").strip()
+
+
+def example_yaml() -> str:
+    lines = [
+        "# reaper configuration: every key with its default. Use with `reaper -c reaper.yaml run`.",
+        "# Generated by deploy/config_reference.py from harvester/config.py; do not edit by hand.",
+        "# Each key can be overridden by an environment variable REAPER_<SECTION>__<KEY>, e.g.",
+        "# REAPER_DATABASE__DSN. librdkafka settings under kafka.client/producer/consumer take",
+        "# REAPER_KAFKA__CLIENT__<NAME> with dots written as underscores (REAPER_KAFKA__CLIENT__SASL_PASSWORD",
+        "# sets sasl.password).",
+    ]
+    section = None
+    for k in keys():
+        if k.section != section:
+            section = k.section
+            lines += ["", f"{section}:"]
+        entry = f"  {k.name}: {_yaml_scalar(k.default)}"
+        lines.append(f"{entry:<56}# {DESCRIPTIONS[k.dotted]}")
+    return "\n".join(lines) + "\n"
+
+
+def _md_default(k: Key) -> str:
+    if k.is_mapping:
+        return "`{}`"
+    return f"`{_yaml_scalar(k.default)}`"
+
+
+def reference_markdown() -> str:
+    rows = ["| key | environment variable | default | meaning |", "|---|---|---|---|"]
+    for k in keys():
+        env = f"`{k.env}__<NAME>`" if k.is_mapping else f"`{k.env}`"
+        rows.append(f"| `{k.dotted}` | {env} | {_md_default(k)} | {DESCRIPTIONS[k.dotted]} |")
+    return "\n".join(rows)
+
+
+def readme_with_reference(text: str) -> str:
+    if START not in text or END not in text:
+        raise SystemExit(f"README.md lacks the markers {START} ... {END}")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{reference_markdown()}\n{END}{tail}"
+
+
+def main(argv: list[str]) -> int:
+    missing = undocumented()
+    if missing:
+        print(f"configuration keys without a description in {__file__}: {', '.join(missing)}", file=sys.stderr)
+        return 1
+    readme = README.read_text()
+    wanted = {EXAMPLE: example_yaml(), README: readme_with_reference(readme)}
+    stale = [p for p, text in wanted.items() if not p.exists() or p.read_text() != text]
+    if "--check" in argv:
+        for p in stale:
+            print(f"{p.relative_to(REPO)} is out of date: run .venv/bin/python deploy/config_reference.py", file=sys.stderr)
+        return 1 if stale else 0
+    for p in stale:
+        p.write_text(wanted[p])
+        print(f"wrote {p.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
