@@ -7,7 +7,7 @@ SERVICES := $(PYTHON) deploy/local/services.py
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: help venv services-up services-down services-status test test-fast demo bench clean
+.PHONY: help venv services-up services-down services-status test test-fast demo prometheus-install prometheus-check bench clean
 
 help:
 	@echo "make demo           run the product end to end on local services"
@@ -38,6 +38,18 @@ test: venv services-up
 
 test-fast: venv services-up
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
+
+# From nothing: venv, local services (stopped again afterwards if the demo started them), two
+# reapers, an example app and consumers; 100,000 items, a leader killed midway, the completion event.
+demo: venv
+	$(PY) -m demo $(DEMO_ARGS)
+
+# Debian's prometheus package (the tests install it on demand too) and the rule checks.
+prometheus-install:
+	$(PYTHON) deploy/prometheus/local.py install
+
+prometheus-check:
+	$(PYTHON) deploy/prometheus/local.py check
 
 clean:
 	$(SERVICES) down
