@@ -63,6 +63,7 @@ class Harvester:
         conf = producer_config(cfg.kafka.bootstrap_servers, cfg.kafka.client, cfg.kafka.producer)
         self.publisher = Publisher(conf, self.store, self.m, purge_batch=h.purge_batch, purge_workers=h.purge_workers,
                                    faults=self.faults, on_failure=self.force_remark).start()
+        self.publisher.queue_full_patience = h.mark_deadline / 2
         self.neli = Neli(bootstrap=cfg.kafka.bootstrap_servers, client=cfg.kafka.client, consumer=cfg.kafka.consumer,
                          producer=cfg.kafka.producer, topic=h.leader_topic, group=h.leader_group,
                          min_poll_interval=h.min_poll_interval, heartbeat_timeout=h.heartbeat_timeout,
@@ -117,6 +118,9 @@ class Harvester:
     def _on_neli(self, state: str, leader_id: uuid.UUID | None) -> None:
         if state != LEADER and self.publisher is not None:
             self.publisher.drop_queued()  # fenced or revoked: nothing more leaves this process
+        if self.publisher is not None:
+            self.log.info("publishing state", state=state, records_produced=self.publisher.produced,
+                          records_in_flight=self.publisher.in_flight)
 
     def _valid(self, me: uuid.UUID) -> bool:
         return self._me == me and not self._remark.is_set() and self.neli.leader_id() == self._neli_id \
@@ -175,7 +179,7 @@ class Harvester:
                 continue
             m.marked.inc(len(rows))
             try:
-                pub.produce_rows(rows, me, lambda: self._valid(me))
+                pub.produce_rows(rows, me, lambda: self._valid(me), self.neli.valid_until)
             except (BufferError, KafkaException) as exc:
                 m.produce_errors.inc()
                 self.log.warning("produce failed", error=str(exc))

@@ -103,6 +103,10 @@ class Neli:
             return None
         return self._leader_id
 
+    def valid_until(self) -> float:
+        """Monotonic time after which the current leadership is void unless a heartbeat returns."""
+        return self._last_heartbeat + self.hb_timeout if self._state == LEADER else 0.0
+
     def stop(self, timeout: float = 10.0) -> None:
         """Leave the group (partition 0 moves to a standby at once) and stop."""
         self._stop.set()

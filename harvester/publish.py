@@ -63,6 +63,9 @@ class Publisher:
         self._in_flight = 0
         self._sampled = 0
         self.purged_rows = 0  # read by the leader's vacuum upkeep
+        self.queue_full_waits = 0  # produce() found the local queue full and waited
+        self.queue_full_patience = 1.0
+        self.produced = 0     # records handed to the producer by this process (logged on state changes)
         self._stop = threading.Event()
         self.broken = False  # a fatal producer error: replace the producer before producing again
         self.producer = self._new_producer()
@@ -88,27 +91,47 @@ class Publisher:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def produce_rows(self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Callable[[], bool]) -> int:
-        """Produce marked rows in order; stop at the first local error (raised) or when no longer valid.
+    def produce_rows(self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Callable[[], bool],
+                     valid_until: Callable[[], float]) -> int:
+        """Produce marked rows in id order; stop at the first local error (raised) or once no longer valid.
 
-        Returns how many were handed to the producer. Rows not handed over stay marked with an old
-        leader id and are picked up by the next mark.
+        The leadership deadline (last heartbeat + heartbeat_timeout) is checked before every record,
+        so a process resumed after a pause produces nothing more. Returns how many were handed to
+        the producer; rows not handed over stay marked by an old id and are found by the next mark.
         """
-        producer, report = self.producer, self._report
+        producer, report, clock = self.producer, self._report, time.monotonic
         sent = 0
         with self._cond:
             self._in_flight += len(rows)  # settle counts them down; unsent ones are taken back below
         try:
+            deadline = valid_until()
             for row in rows:
-                if sent & 255 == 0 and not still_valid():
+                if clock() >= deadline or (sent & 255 == 0 and not still_valid()):
                     break
                 row_id, topic, key, value, hkeys, hvals, partition = row
-                producer.produce(topic, value=value, key=key,
-                                 partition=-1 if partition is None else partition,
-                                 headers=list(zip(hkeys, hvals)) if hkeys else None,
-                                 on_delivery=partial(report, row_id, leader_id))
+                args = dict(value=value, key=key, partition=-1 if partition is None else partition,
+                            headers=list(zip(hkeys, hvals)) if hkeys else None,
+                            on_delivery=partial(report, row_id, leader_id))
+                try:
+                    producer.produce(topic, **args)
+                except BufferError:
+                    # The local queue is full: nothing after this record was enqueued either, so
+                    # waiting and retrying the same record keeps the order. Give up at the deadline.
+                    self.queue_full_waits += 1
+                    give_up = min(deadline, clock() + self.queue_full_patience)
+                    while True:
+                        time.sleep(0.001)
+                        try:
+                            producer.produce(topic, **args)
+                            break
+                        except BufferError:
+                            if clock() >= give_up or not still_valid():
+                                raise
                 sent += 1
+                if sent & 255 == 0:
+                    deadline = valid_until()
         finally:
+            self.produced += sent
             if sent < len(rows):
                 self._settled(len(rows) - sent)
         return sent

@@ -119,3 +119,59 @@ def order_violations(records: Iterable[tuple[bytes | None, bytes | None]]) -> li
         seen[key].add(seq)
         high[key] = max(high.get(key, seq), seq)
     return bad
+
+
+class Generator:
+    """Commits records over many keys, several per transaction, numbering each key's records 0, 1, 2...
+
+    Values are b"<key>:<seq>". `committed` holds every (key, value) whose transaction committed.
+    """
+
+    def __init__(self, pg_dsn: str, schema: str, topic: str, keys: int = 50, per_txn: int = 20) -> None:
+        self.pg_dsn, self.schema, self.topic, self.per_txn = pg_dsn, schema, topic, per_txn
+        self.keys = [f"key-{i}".encode() for i in range(keys)]
+        self.next_seq = {k: 0 for k in self.keys}
+        self.committed: set[tuple[bytes, bytes]] = set()
+        self._i = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def _rows(self) -> list[tuple[bytes, bytes]]:
+        rows = []
+        for _ in range(self.per_txn):
+            key = self.keys[self._i % len(self.keys)]
+            self._i += 7 if self._i % 3 else 1  # uneven spread: several records of one key per transaction
+            rows.append((key, key + b":" + str(self.next_seq[key]).encode()))
+            self.next_seq[key] += 1
+        return rows
+
+    def commit_once(self, conn: psycopg.Connection) -> None:
+        rows = self._rows()
+        insert_rows(conn, self.schema, self.topic, rows)
+        self.committed.update(rows)
+
+    def run_for(self, seconds: float, rate_per_s: float = 1000.0) -> None:
+        with psycopg.connect(self.pg_dsn) as conn:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end and not self._stop.is_set():
+                self.commit_once(conn)
+                time.sleep(self.per_txn / rate_per_s)
+
+    def start(self, rate_per_s: float = 1000.0) -> "Generator":
+        def loop() -> None:
+            try:
+                self.run_for(1e9, rate_per_s)
+            except BaseException as exc:  # a failing generator must fail the test, not vanish
+                self.error = exc
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+        if self.error is not None:
+            raise self.error

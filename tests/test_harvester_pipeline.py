@@ -1,0 +1,240 @@
+"""Mark-purge/reset against the real Postgres and Kafka, with injected faults (goharvest's pipeline cases)."""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+
+import psycopg
+import pytest
+
+from harvester.faults import FaultPlan
+from harvester.metrics import get as get_metrics
+from harvester.mpr import Harvester
+from harvester.store import OutboxStore, make_pool
+from support.harness import (Generator, Receiver, insert_rows, make_config, order_violations, outbox_count,
+                                   wait_until)
+
+PARTITIONS = 4
+
+
+@contextlib.contextmanager
+def running(cfg, faults=None):
+    h = Harvester(cfg, faults=faults).start()
+    try:
+        assert wait_until(lambda: h.leading, 30), "the only reaper never became leader"
+        yield h
+    finally:
+        h.stop(drain_timeout=10)
+        assert h.error is None, h.error
+
+
+@pytest.fixture
+def setup(pg_dsn, kafka_bootstrap, schema, topics):
+    topic = topics("data", partitions=PARTITIONS)
+    leader = topics("leader", partitions=1)
+
+    def make(**harvester):
+        return make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader, harvester=harvester)
+
+    receiver = Receiver(kafka_bootstrap, topic, PARTITIONS)
+    yield make, topic, receiver
+    receiver.close()
+
+
+def _publish_all_in_order(pg_dsn, schema, topic, receiver, cfg, faults=None, keys=30, txns=100, per_txn=20,
+                          timeout=90):
+    gen = Generator(pg_dsn, schema, topic, keys=keys, per_txn=per_txn)
+    with psycopg.connect(pg_dsn) as conn:
+        for _ in range(txns // 2):
+            gen.commit_once(conn)
+        with running(cfg, faults) as h:
+            for _ in range(txns - txns // 2):  # some committed while the harvester runs
+                gen.commit_once(conn)
+            assert receiver.wait_for(gen.committed, timeout), \
+                f"missing {len(gen.committed - receiver.unique())} of {len(gen.committed)}"
+            assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30), "published rows were not all purged"
+    records = [(k, v) for k, v, _ in receiver.records]
+    assert order_violations(records) == []
+    assert receiver.unique() == gen.committed
+    return h
+
+
+def _counter(name: str) -> float:
+    return getattr(get_metrics(), name)._value.get()
+
+
+def test_publishes_headers_null_keys_and_values_and_explicit_partitions(setup, pg_dsn, schema, conn):
+    make, topic, receiver = setup
+    with conn.cursor() as cur:
+        cur.execute(f'INSERT INTO "{schema}".outbox (topic, key, value, header_keys, header_values, kafka_partition) '
+                    "VALUES (%s, %s, %s, %s, %s, %s), (%s, NULL, %s, '{}', '{}', NULL), (%s, %s, NULL, '{}', '{}', 3)",
+                    [topic, b"k1", b"v1", ["item-id", "bin"], [b"1:0:0", bytes(range(256))], 2,
+                     topic, b"no key", topic, b"tomb"])
+    conn.commit()
+    with running(make()):
+        assert wait_until(lambda: len(receiver.records) >= 3, 30)
+        assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30)
+    got = sorted(receiver.records, key=lambda r: (r[0] or b"", r[1] or b""))
+    assert got == sorted([(b"k1", b"v1", [("item-id", b"1:0:0"), ("bin", bytes(range(256)))]),
+                          (None, b"no key", []), (b"tomb", None, [])], key=lambda r: (r[0] or b"", r[1] or b""))
+
+
+def test_hot_key_keeps_order_with_many_records_in_flight(setup, pg_dsn, schema):
+    """No one-in-flight-per-key barrier: one key has hundreds of records in flight, in order."""
+    make, topic, receiver = setup
+    peak = [0]
+    stop = threading.Event()
+    h_ref: list[Harvester] = []
+
+    def watch() -> None:
+        while not stop.is_set():
+            if h_ref and h_ref[0].publisher is not None:
+                peak[0] = max(peak[0], h_ref[0].publisher.in_flight)
+            time.sleep(0.0005)
+
+    with psycopg.connect(pg_dsn) as conn:
+        insert_rows(conn, schema, topic, [(b"hot", b"hot:%d" % i) for i in range(20000)])
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    with running(make(mark_batch=2000, max_in_flight=4000)) as h:
+        h_ref.append(h)
+        assert receiver.wait_for({(b"hot", b"hot:%d" % i) for i in range(20000)}, 60)
+    stop.set()
+    t.join()
+    assert order_violations([(k, v) for k, v, _ in receiver.records]) == []
+    assert peak[0] > 100, f"one key never had more than {peak[0]} records in flight"
+
+
+def test_throttle_bounds_records_in_flight(setup, pg_dsn, schema):
+    make, topic, receiver = setup
+    peak = [0]
+    stop = threading.Event()
+    h_ref: list[Harvester] = []
+
+    def watch() -> None:
+        while not stop.is_set():
+            if h_ref and h_ref[0].publisher is not None:
+                peak[0] = max(peak[0], h_ref[0].publisher.in_flight)
+            time.sleep(0.0002)
+
+    with psycopg.connect(pg_dsn) as conn:
+        insert_rows(conn, schema, topic, [(b"k%d" % (i % 7), b"k%d:%d" % (i % 7, i)) for i in range(3000)])
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    with running(make(mark_batch=50, max_in_flight=100)) as h:
+        h_ref.append(h)
+        assert receiver.wait_for({(b"k%d" % (i % 7), b"k%d:%d" % (i % 7, i)) for i in range(3000)}, 60)
+    stop.set()
+    t.join()
+    assert 0 < peak[0] <= 100
+
+
+def test_mark_deadline_exceeded_forces_remark_and_loses_nothing(setup, pg_dsn, schema):
+    make, topic, receiver = setup
+    before = _counter("force_remarks")
+    faults = FaultPlan(mark_delay=0.3, mark_delay_rate=0.3, seed=1)
+    _publish_all_in_order(pg_dsn, schema, topic, receiver, make(mark_deadline=0.2, mark_batch=200), faults,
+                          txns=40)
+    assert _counter("force_remarks") > before
+
+
+def test_local_queue_limit_exceeded_forces_remark_and_keeps_order(setup, pg_dsn, schema, kafka_bootstrap):
+    """A real librdkafka queue limit: produce() raises BufferError part-way through a mark."""
+    make, topic, receiver = setup
+    cfg = make(mark_batch=500, max_in_flight=2000)
+    cfg.kafka.producer = {"queue.buffering.max.messages": 100, "linger.ms": 20}
+    h = _publish_all_in_order(pg_dsn, schema, topic, receiver, cfg, txns=100)
+    assert h.publisher.queue_full_waits > 0  # the queue did fill up: produce waited and retried in order
+
+
+def test_injected_queue_full_and_produce_errors(setup, pg_dsn, schema):
+    make, topic, receiver = setup
+    before = _counter("produce_errors"), _counter("force_remarks")
+    faults = FaultPlan(queue_full_rate=0.3, produce_error_rate=0.002, seed=2)
+    h = _publish_all_in_order(pg_dsn, schema, topic, receiver, make(mark_batch=300), faults)
+    assert h.publisher.queue_full_waits > 0
+    assert _counter("produce_errors") > before[0] and _counter("force_remarks") > before[1]
+
+
+def test_failed_delivery_resets_and_remarks(setup, pg_dsn, schema):
+    """Ambiguous failures (written, reported failed) and fatal ones (producer replaced)."""
+    make, topic, receiver = setup
+    before = _counter("records_reset" if False else "reset"), _counter("force_remarks")
+    faults = FaultPlan(delivery_error_rate=0.01, delivery_fatal_rate=0.002, seed=3)
+    _publish_all_in_order(pg_dsn, schema, topic, receiver, make(mark_batch=300), faults)
+    assert _counter("reset") > before[0]
+    assert _counter("force_remarks") > before[1]
+
+
+@pytest.mark.parametrize("which", ["mark_error_rate", "purge_error_rate", "reset_error_rate"])
+def test_database_errors_in_mark_purge_and_reset(setup, pg_dsn, schema, which):
+    make, topic, receiver = setup
+    before = _counter("force_remarks")
+    rates = {which: 0.1}
+    if which == "reset_error_rate":
+        rates["delivery_error_rate"] = 0.02  # resets only happen after failed deliveries
+    faults = FaultPlan(seed=4, **rates)
+    _publish_all_in_order(pg_dsn, schema, topic, receiver, make(mark_batch=200, purge_batch=100), faults, txns=60)
+    assert _counter("force_remarks") > before
+
+
+def test_purge_and_reset_hitting_no_row(pg_dsn, schema, conn):
+    with conn.cursor() as cur:
+        cur.execute(f'INSERT INTO "{schema}".outbox (topic, value) SELECT %s, %s FROM generate_series(1, 5)',
+                    ["t", b"v"])
+    conn.commit()
+    pool = make_pool(pg_dsn, 2)
+    try:
+        store = OutboxStore(pool, schema)
+        me, other = uuid.uuid4(), uuid.uuid4()
+        rows = store.mark(me, 3)
+        assert [r[0] for r in rows] == sorted(r[0] for r in rows) and len(rows) == 3
+        ids = [r[0] for r in rows]
+        assert store.purge(other, ids) == 0      # marked by someone else now: purge touches nothing
+        assert store.reset(other, ids) == 0
+        assert store.purge(me, ids[:1]) == 1
+        assert store.purge(me, ids[:1]) == 0     # already gone
+        assert store.reset(me, ids[:1]) == 0
+        assert store.reset(me, ids[1:]) == 2
+        assert store.purge(me, ids[1:]) == 0     # reset: no longer ours
+        assert [r[0] for r in store.mark(me, 10)] == [*ids[1:], *[i for i in range(ids[-1] + 1, ids[-1] + 3)]]
+    finally:
+        pool.close()
+
+
+def test_rows_committed_late_behind_published_ids_are_found(setup, pg_dsn, schema):
+    make, topic, receiver = setup
+    late = psycopg.connect(pg_dsn)
+    try:
+        insert_rows_nocommit = late.execute(
+            f'INSERT INTO "{schema}".outbox (topic, key, value) VALUES (%s, %s, %s) RETURNING id',
+            [topic, b"late", b"late:0"]).fetchone()[0]
+        with psycopg.connect(pg_dsn) as conn:
+            insert_rows(conn, schema, topic, [(b"early", b"early:%d" % i) for i in range(50)])
+        with running(make()):
+            assert receiver.wait_for({(b"early", b"early:%d" % i) for i in range(50)}, 30)
+            late.commit()  # a lower id than everything published so far
+            assert receiver.wait_for({(b"late", b"late:0")}, 30)
+        assert insert_rows_nocommit < 1e18
+    finally:
+        late.close()
+
+
+def test_mark_waits_for_a_locked_row_instead_of_skipping_it(setup, pg_dsn, schema):
+    """SKIP LOCKED would publish k:1.. before a locked k:0; the mark waits for the lock instead."""
+    make, topic, receiver = setup
+    with psycopg.connect(pg_dsn) as conn:
+        insert_rows(conn, schema, topic, [(b"k", b"k:%d" % i) for i in range(10)])
+    locker = psycopg.connect(pg_dsn)
+    try:
+        locker.execute(f'SELECT id FROM "{schema}".outbox ORDER BY id LIMIT 1 FOR UPDATE')
+        with running(make()):
+            time.sleep(1.5)
+            assert receiver.records == []  # nothing may overtake the locked head row
+            locker.rollback()
+            assert receiver.wait_for({(b"k", b"k:%d" % i) for i in range(10)}, 30)
+        assert order_violations([(k, v) for k, v, _ in receiver.records]) == []
+    finally:
+        locker.close()
