@@ -1,0 +1,291 @@
+"""The acker against the real Postgres and Kafka: bulk apply, replays, dead letters, rebalances, lag."""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+
+import psycopg
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+from prometheus_client import REGISTRY
+
+import tracker
+from tracker.acker import Acker, fold_messages
+from tracker.consumer import AckProducer
+
+from test_tracker_support import completion_events, invariant_violations
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, group=None, **kw) -> Acker:
+    return Acker(dsn=pg_dsn, schema=schema, bootstrap_servers=kafka_bootstrap, kafka_client={}, topic=topic,
+                 group=group or f"acker-{uuid.uuid4().hex[:8]}", dead_letter_topic=dlq,
+                 max_poll_records=kw.pop("max_poll_records", 10_000), poll_timeout=0.1, **kw)
+
+
+@contextlib.contextmanager
+def running(acker: Acker):
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def target():
+        try:
+            acker.run(stop)
+        except BaseException as exc:  # surfaced by the test
+            errors.append(exc)
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    try:
+        yield stop
+    finally:
+        stop.set()
+        t.join(60)
+        assert not t.is_alive(), "acker did not stop"
+        assert not errors, errors
+
+
+def batch_state(pg_dsn, schema, batch_id):
+    with psycopg.connect(pg_dsn) as c:
+        return c.execute(f'SELECT state, pending FROM "{schema}".batch WHERE id = %s', [batch_id]).fetchone()
+
+
+def committed(kafka_bootstrap, group, topic, partitions) -> list[int]:
+    c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group, "enable.auto.commit": False})
+    try:
+        # -1001: nothing committed, which for an empty partition is the same as its end, 0
+        return [max(tp.offset, 0) for tp in c.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=30)]
+    finally:
+        c.close()
+
+
+def end_offsets(kafka_bootstrap, topic, partitions) -> list[int]:
+    c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": "probe"})
+    try:
+        return [c.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in range(partitions)]
+    finally:
+        c.close()
+
+
+def produce_raw(kafka_bootstrap, topic, pairs) -> None:
+    p = Producer({"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True})
+    for key, value in pairs:
+        p.produce(topic, key=key, value=value)
+    assert p.flush(30) == 0
+
+
+def read_all(kafka_bootstrap, topic, n, timeout=30.0) -> list:
+    c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"r-{uuid.uuid4().hex}",
+                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    c.subscribe([topic])
+    got = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        for m in c.consume(1000, 0.5):
+            if not m.error():
+                got.append(m)
+    c.close()
+    return got
+
+
+def closed_batch(pg_dsn, schema, n):
+    with psycopg.connect(pg_dsn) as c:
+        b = tracker.open_batch(c, schema=schema)
+        handles = tracker.add_items(c, b, n, schema=schema)
+        tracker.close_batch(c, b, schema=schema)
+        c.commit()
+    return b, handles
+
+
+def test_fold_messages_sets_bad_entries_aside():
+    class Msg:
+        def __init__(self, value, offset):
+            self._v, self._o = value, offset
+
+        def error(self): return None
+        def partition(self): return 0
+        def offset(self): return self._o
+        def key(self): return b"1"
+        def value(self): return self._v
+
+    f = fold_messages([Msg(b"1:0:0,1:0:2-4", 5), Msg(b"1:0:x,1:1:8192,1:1:1", 6), Msg(None, 7), Msg(b"\xff", 8)])
+    assert sorted(f.masks) == [(1, 0), (1, 1)]
+    assert bytes(f.masks[(1, 0)].bits) == bytes([0b10111000]) and f.masks[(1, 1)].count == 1
+    assert [(e, r.split(":")[0]) for _, e, r, _, _ in f.bad] == [
+        (b"1:0:x", "malformed"), (b"1:1:8192", "index out of range"), (None, "malformed"), (b"\xff", "malformed")]
+    assert (f.first, f.last, f.messages) == ({0: 5}, {0: 8}, 4)
+
+
+def test_acker_applies_ids_and_runs_once_and_commits_offsets(pg_dsn, schema, kafka_bootstrap, topics):
+    topic, dlq = topics("acks", partitions=2), topics("dlq")
+    b1, h1 = closed_batch(pg_dsn, schema, 20_000)  # groups of 8192, 8192, 3616
+    b2, h2 = closed_batch(pg_dsn, schema, 10)
+    with AckProducer(bootstrap_servers=kafka_bootstrap, topic=topic) as acks:
+        for h in h1:
+            acks.ack(h.item_ids)
+            acks.ack(h.item_ids[:100])  # duplicates inside the stream
+    # single ids, one per message, some twice
+    produce_raw(kafka_bootstrap, topic, [(str(b2.id).encode(), i.encode()) for i in h2[0].item_ids + h2[0].item_ids[:3]])
+    acker = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq)
+    with running(acker):
+        wait_for(lambda: batch_state(pg_dsn, schema, b1.id)[0] == "complete"
+                 and batch_state(pg_dsn, schema, b2.id)[0] == "complete", what="both batches complete")
+        wait_for(lambda: committed(kafka_bootstrap, acker.group, topic, 2) == end_offsets(kafka_bootstrap, topic, 2),
+                 what="offsets committed to the end")
+    assert acker.stats["acked"] == 20_010 and acker.stats["completed"] == 2 and acker.stats["dead_lettered"] == 0
+    assert acker.stats["duplicates"] >= 3
+    with psycopg.connect(pg_dsn) as c:
+        assert sorted(k for k, _ in completion_events(c, schema)) == sorted([str(b1.id).encode(), str(b2.id).encode()])
+        assert invariant_violations(c, schema) == []
+
+
+CRASHING_ACKER = textwrap.dedent("""
+    import os, sys, threading
+    from tracker.acker import Acker
+
+    class CrashAfterDbCommit(Acker):
+        def _commit(self, consumer):
+            if self._uncommitted:  # the database has this poll; Kafka never learns it
+                os._exit(17)
+
+    dsn, schema, bootstrap, topic, dlq, group = sys.argv[1:7]
+    CrashAfterDbCommit(dsn=dsn, schema=schema, bootstrap_servers=bootstrap, topic=topic, group=group,
+                       dead_letter_topic=dlq, max_poll_records=1_000_000, poll_timeout=0.5).run(threading.Event())
+""")
+
+
+def _rows(pg_dsn, schema):
+    with psycopg.connect(pg_dsn) as c:
+        return {
+            "batch": c.execute(f'SELECT id, state, total, pending, completed_at FROM "{schema}".batch ORDER BY id').fetchall(),
+            "groups": c.execute(f'SELECT * FROM "{schema}".batch_group ORDER BY batch_id, id').fetchall(),
+            "outbox": c.execute(f'SELECT * FROM "{schema}".outbox ORDER BY id').fetchall(),
+        }
+
+
+def test_replay_after_crash_between_db_commit_and_offset_commit_changes_nothing(
+        pg_dsn, schema, kafka_bootstrap, topics):
+    topic, dlq = topics("acks"), topics("dlq")
+    done, done_h = closed_batch(pg_dsn, schema, 300)
+    part, part_h = closed_batch(pg_dsn, schema, 300)
+    with AckProducer(bootstrap_servers=kafka_bootstrap, topic=topic) as acks:
+        acks.ack(done_h[0].item_ids)
+        acks.ack(part_h[0].item_ids[:150])
+    group = f"acker-{uuid.uuid4().hex[:8]}"
+    crash = subprocess.run([sys.executable, "-c", CRASHING_ACKER, pg_dsn, schema, kafka_bootstrap, topic, dlq, group],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert crash.returncode == 17, crash.stderr[-2000:]
+    after_crash = _rows(pg_dsn, schema)
+    assert [r[1:4] for r in after_crash["batch"]] == [("complete", 300, 0), ("closed", 300, 150)]
+    assert committed(kafka_bootstrap, group, topic, 1) == [0]  # no offset was ever committed
+
+    acker = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, group=group)
+    with running(acker):
+        wait_for(lambda: committed(kafka_bootstrap, group, topic, 1) == end_offsets(kafka_bootstrap, topic, 1),
+                 what="the replay to commit its offsets")
+    assert (acker.stats["acked"], acker.stats["duplicates"], acker.stats["completed"]) == (0, 450, 0)
+    assert _rows(pg_dsn, schema) == after_crash  # the replay changed nothing, completed nothing twice
+    with psycopg.connect(pg_dsn) as c:
+        assert len(completion_events(c, schema)) == 1
+        assert invariant_violations(c, schema) == []
+
+
+def test_bad_acks_reach_the_dead_letter_topic_and_the_partition_keeps_moving(pg_dsn, schema, kafka_bootstrap, topics):
+    topic, dlq = topics("acks"), topics("dlq")
+    b, (h,) = closed_batch(pg_dsn, schema, 10)
+    gone, _ = closed_batch(pg_dsn, schema, 5)
+    with psycopg.connect(pg_dsn) as c:  # as the sweeper leaves it
+        c.execute(f"UPDATE \"{schema}\".batch SET state = 'expired', expired_at = now() WHERE id = %s", [gone.id])
+    k = str(b.id).encode()
+    bad = [b"\xff\xfe", b"", None, b"hello", b"1:2", f"{b.id}:0:5-3".encode(), b"999999999:0:1",
+           f"{b.id}:77:0".encode(), f"{b.id}:0:12".encode(), f"{b.id}:0:99999999999".encode(), f"{gone.id}:0:1".encode()]
+    good = [f"{b.id}:0:{i}".encode() for i in range(10)]
+    # bad acks before, between and after the good ones, in one partition; one message mixes both
+    stream = bad[:5] + good[:5] + bad[5:] + [f"{b.id}:0:5,{b.id}:0:x".encode()] + good[6:]
+    produce_raw(kafka_bootstrap, topic, [(k, v) for v in stream])
+    before = REGISTRY.get_sample_value("reaper_acks_dead_lettered_total") or 0.0
+    acker = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, max_poll_records=4)  # many polls
+    with running(acker):
+        wait_for(lambda: batch_state(pg_dsn, schema, b.id) == ("complete", 0), what="the good acks to complete the batch")
+        wait_for(lambda: committed(kafka_bootstrap, acker.group, topic, 1) == [len(stream)], what="offsets at the end")
+    letters = read_all(kafka_bootstrap, dlq, len(bad) + 1)
+    got = {m.value(): dict(m.headers())["reason"].decode() for m in letters}
+    assert len(letters) == len(bad) + 1 == acker.stats["dead_lettered"]
+    assert REGISTRY.get_sample_value("reaper_acks_dead_lettered_total") - before == len(bad) + 1
+    assert got[b"\xff\xfe"].startswith("malformed") and got[None].startswith("malformed")
+    assert got[b""].startswith("malformed") and got[b"hello"].startswith("malformed")
+    assert got[f"{b.id}:0:5-3".encode()].startswith("malformed") and got[f"{b.id}:0:x".encode()].startswith("malformed")
+    assert got[b"999999999:0:1"] == "unknown batch"
+    assert got[f"{b.id}:77:0".encode()] == "unknown group"
+    assert got[f"{b.id}:0:12".encode()] == "index out of range (group size 10)"
+    assert got[f"{b.id}:0:99999999999".encode()].startswith("index out of range")
+    assert got[f"{gone.id}:0:1".encode()] == "batch expired"
+    with psycopg.connect(pg_dsn) as c:
+        assert len(completion_events(c, schema)) == 1
+        assert invariant_violations(c, schema) == []
+
+
+def test_rebalance_between_two_ackers_loses_and_duplicates_no_completion(pg_dsn, schema, kafka_bootstrap, topics):
+    topic, dlq = topics("acks", partitions=4), topics("dlq")
+    group = f"acker-{uuid.uuid4().hex[:8]}"
+    batches = [closed_batch(pg_dsn, schema, 500) for _ in range(24)]
+    first = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, group=group, max_poll_records=50)
+    second = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, group=group, max_poll_records=50)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+
+    def send(selection):
+        for b, (h,) in selection:
+            for i in h.item_ids:
+                producer.produce(topic, key=str(b.id).encode(), value=i.encode())
+        assert producer.flush(30) == 0
+
+    with running(first) as stop_first:
+        send(batches[:8])
+        with running(second):
+            send(batches[8:16])  # while the group rebalances onto two members
+            stop_first.set()     # the first leaves: its partitions move to the second
+            send(batches[16:])
+            wait_for(lambda: all(batch_state(pg_dsn, schema, b.id)[0] == "complete" for b, _ in batches),
+                     timeout=120, what="all batches complete")
+    assert first.stats["acked"] + second.stats["acked"] == 24 * 500
+    with psycopg.connect(pg_dsn) as c:
+        assert len(completion_events(c, schema)) == 24
+        assert invariant_violations(c, schema) == []
+
+
+def test_lag_is_reported_from_the_position(pg_dsn, schema, kafka_bootstrap, topics):
+    topic, dlq = topics("acks"), topics("dlq")
+    b, (h,) = closed_batch(pg_dsn, schema, 1000)
+    produce_raw(kafka_bootstrap, topic, [(b"x", i.encode()) for i in h.item_ids])
+    seen = []
+
+    class Recording(Acker):
+        def _handle(self, consumer, producer, messages):
+            ok = super()._handle(consumer, producer, messages)
+            seen.append(self.lag(consumer))
+            return ok
+
+    acker = Recording(dsn=pg_dsn, schema=schema, bootstrap_servers=kafka_bootstrap, topic=topic,
+                      group=f"acker-{uuid.uuid4().hex[:8]}", dead_letter_topic=dlq, max_poll_records=100,
+                      poll_timeout=0.1, lag_interval=0.0)
+    with running(acker):
+        wait_for(lambda: batch_state(pg_dsn, schema, b.id)[0] == "complete", what="batch complete")
+        wait_for(lambda: REGISTRY.get_sample_value("reaper_acker_lag_messages") == 0, what="gauge at 0")
+    assert 900 <= seen[0] < 1000 and seen[-1] == 0
+    assert seen == sorted(seen, reverse=True)

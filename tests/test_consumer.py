@@ -1,0 +1,160 @@
+"""Consumer helpers against the real Postgres and Kafka: item ids from messages, AckProducer, exactly-once."""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import psycopg
+import pytest
+from confluent_kafka import Consumer, Producer
+
+import tracker
+from tracker import outbox
+from tracker.consumer import AckProducer, MissingItemId, compact, exactly_once, item_id_of, batch_id_of_message
+
+from test_tracker_support import completion_events, invariant_violations
+
+
+def _consume(bootstrap: str, topic: str, n: int, timeout: float = 30.0) -> list:
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"g-{uuid.uuid4().hex}",
+                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    c.subscribe([topic])
+    got = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        msg = c.poll(0.5)
+        if msg is not None and not msg.error():
+            got.append(msg)
+    # a short extra poll shows there is nothing beyond n
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        msg = c.poll(0.2)
+        if msg is not None and not msg.error():
+            got.append(msg)
+    c.close()
+    return got
+
+
+def test_item_id_of_reads_the_header_of_a_real_message(kafka_bootstrap, topics, conn, schema):
+    batch = tracker.open_batch(conn, schema=schema)
+    outbox.enqueue(conn, batch, [b"a", b"b"], topic="work", schema=schema)
+    rows = conn.execute(f'SELECT header_keys, header_values FROM "{schema}".outbox ORDER BY id').fetchall()
+    topic = topics("items")
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    for keys, values in rows:
+        p.produce(topic, value=b"x", headers=list(zip(keys, values)))
+    p.produce(topic, value=b"no headers")
+    p.produce(topic, value=b"bad", headers=[("item-id", b"1:2")])
+    assert p.flush(30) == 0
+    msgs = _consume(kafka_bootstrap, topic, 4)
+    assert [item_id_of(m) for m in msgs[:2]] == [f"{batch.id}:0:0", f"{batch.id}:0:1"]
+    assert batch_id_of_message(msgs[0]) == batch.id
+    with pytest.raises(MissingItemId, match=rf"{topic}\[0\]@2"):
+        item_id_of(msgs[2])
+    with pytest.raises(tracker.MalformedItemId, match="'1:2'|b'1:2'"):
+        item_id_of(msgs[3])
+
+
+def test_compact_makes_sorted_inclusive_runs():
+    assert compact([5, 3, 4, 9, 1, 3]) == [(1, 1), (3, 5), (9, 9)]
+    assert compact([]) == []
+    assert compact(range(8192)) == [(0, 8191)]
+
+
+def test_ack_producer_compacts_runs_keyed_by_batch(kafka_bootstrap, topics):
+    topic = topics("acks", partitions=3)
+    with AckProducer(bootstrap_servers=kafka_bootstrap, topic=topic, linger=60) as acks:
+        acks.ack([f"7:0:{i}" for i in range(100)])
+        acks.ack(["7:0:200", "7:0:50", "7:1:3-5", "8:2:0", b"8:2:1"])
+        with pytest.raises(tracker.MalformedItemId, match="7:0:x"):
+            acks.ack(["7:0:300", "7:0:x"])  # nothing of a bad call is buffered
+        with pytest.raises(tracker.MalformedItemId, match="beyond any group"):
+            acks.ack(["7:0:9000"])
+        assert acks.messages_sent == 0  # still buffered (linger 60 s)
+    msgs = _consume(kafka_bootstrap, topic, 2)
+    by_key = {m.key(): (m.value().decode(), m.partition()) for m in msgs}
+    assert len(msgs) == 2
+    assert by_key[b"7"][0] == "7:0:0-99,7:0:200,7:1:3-5"
+    assert by_key[b"8"][0] == "8:2:0-1"
+    assert acks.acks_sent == 106  # 100 + 1 + 3 + 2 (50 was a duplicate)
+
+
+def test_ack_producer_splits_long_messages_and_sends_at_max_pending(kafka_bootstrap, topics):
+    topic = topics("acks")
+    acks = AckProducer(bootstrap_servers=kafka_bootstrap, topic=topic, max_pending=10, max_message_bytes=64, linger=60)
+    acks.ack([f"1:0:{i}" for i in range(0, 40, 2)])  # 20 single ids > max_pending: sent now, split by size
+    acks.flush()
+    msgs = _consume(kafka_bootstrap, topic, 1)
+    values = [m.value().decode() for m in msgs]
+    assert all(len(v) <= 64 for v in values) and len(values) > 1
+    assert ",".join(values).split(",") == [f"1:0:{i}" for i in range(0, 40, 2)]
+
+
+@pytest.fixture
+def effects(conn, schema):
+    conn.execute(f'CREATE TABLE "{schema}".effect (item_id text, n int)')
+    conn.commit()
+    return f'"{schema}".effect'
+
+
+def test_exactly_once_runs_the_effect_once_and_rolls_back_with_it(pg_dsn, conn, schema, effects):
+    batch = tracker.open_batch(conn, schema=schema)
+    (h,) = tracker.add_items(conn, batch, 2, schema=schema)
+    tracker.close_batch(conn, batch, schema=schema)
+    conn.commit()
+    item = h.item_ids[0]
+
+    def effect(session):
+        session.execute(f"INSERT INTO {effects} VALUES (%s, 1)", [item])
+        return "done"
+
+    def failing(session):
+        session.execute(f"INSERT INTO {effects} VALUES (%s, 99)", [item])
+        raise RuntimeError("side effect failed")
+
+    with pytest.raises(RuntimeError):
+        exactly_once(conn, item, failing, schema=schema)
+    conn.commit()  # the caller's transaction is still usable; nothing of the failed call remains
+    assert conn.execute(f"SELECT count(*) FROM {effects}").fetchone() == (0,)
+    assert tracker.status(conn, batch, schema=schema).pending == 2
+
+    first = exactly_once(conn, item, effect, schema=schema)
+    conn.commit()
+    again = exactly_once(conn, item, effect, schema=schema)
+    conn.commit()
+    assert (first.first_time, first.value, first.ack.acked) == (True, "done", 1)
+    assert (again.first_time, again.value, again.ack.duplicates) == (False, None, 1)
+    assert conn.execute(f"SELECT item_id, n FROM {effects}").fetchall() == [(item, 1)]
+    with pytest.raises(tracker.MalformedItemId):
+        exactly_once(conn, f"{batch.id}:0:0-1", effect, schema=schema)  # a run is not one item
+
+
+def test_exactly_once_under_concurrent_redelivery(pg_dsn, conn, schema, effects):
+    batch = tracker.open_batch(conn, schema=schema)
+    (h,) = tracker.add_items(conn, batch, 1, schema=schema)
+    tracker.close_batch(conn, batch, schema=schema)
+    conn.commit()
+    item = h.item_ids[0]
+    start = threading.Barrier(4)
+    outcomes = []
+
+    def consumer():
+        with psycopg.connect(pg_dsn) as c:
+            start.wait()
+            r = exactly_once(c, item, lambda s: s.execute(f"INSERT INTO {effects} VALUES (%s, 1)", [item]),
+                             schema=schema)
+            time.sleep(0.05)  # hold the transaction open a little so the others queue behind it
+            c.commit()
+            outcomes.append(r.first_time)
+
+    threads = [threading.Thread(target=consumer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(outcomes) == [False, False, False, True]
+    assert conn.execute(f"SELECT count(*) FROM {effects}").fetchone() == (1,)
+    assert tracker.status(conn, batch, schema=schema).state == "complete"
+    assert len(completion_events(conn, schema)) == 1
+    assert invariant_violations(conn, schema) == []

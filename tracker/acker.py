@@ -1,0 +1,304 @@
+"""The acker: consumes the ack topic in bulk and clears bits, one transaction per poll.
+
+Runs in every reaper (a normal consumer group, not leader-only). Each loop:
+
+1. `consume(num_messages=max_poll_records)`: a poll's worth of ack messages (each value is one or
+   more ',' separated item ids or runs `<batch>:<group>:<start>-<end>`, see tracker.consumer);
+2. fold them into one mask per (batch, group); malformed entries are set aside;
+3. apply every mask in one database transaction (`tracker.acks.apply_masks(reject_invalid=True)`);
+   unknown batches/groups, out-of-range indexes and expired batches come back as rejected;
+4. produce malformed and rejected entries to the dead-letter topic (reason in the `reason`
+   header) and wait for Kafka to have them;
+5. commit the consumed offsets, only now that the database commit and the dead letters are safe.
+
+A crash anywhere before 5 replays the poll: the bits are already clear, so the replay changes
+nothing (and completes nothing twice). A bad ack never blocks its partition: it is dead-lettered
+and the offsets move past it. If the database or the dead-letter topic fails, the poll's
+partitions are rewound to their first offset of the poll and retried after a back-off.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import structlog
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+
+from . import metrics
+from .acks import AckResult, apply_masks
+from .errors import MalformedItemId
+from .ids import GROUP_BITS_MAX, GroupMask, parse_ack
+from .schema import check_identifier
+
+log = structlog.get_logger("reaper.acker")
+
+REASON_HEADER = "reason"
+
+
+@dataclass
+class Folded:
+    """A poll's acks folded per group, the entries set aside, and how far each partition got."""
+
+    masks: dict[tuple[int, int], GroupMask] = field(default_factory=dict)
+    bad: list[tuple[bytes | None, bytes | None, str, int, int]] = field(default_factory=list)  # key, entry, reason, partition, offset
+    first: dict[int, int] = field(default_factory=dict)  # partition -> first offset in the poll
+    last: dict[int, int] = field(default_factory=dict)   # partition -> last offset in the poll
+    messages: int = 0
+
+
+def fold_messages(messages: list[Any]) -> Folded:
+    """Fold ack messages into masks, tolerating bad entries (kept in `.bad` with their reason)."""
+    out = Folded()
+    masks, bad, first, last = out.masks, out.bad, out.first, out.last
+    prefixes: dict[str, tuple[int, int]] = {}
+    for msg in messages:
+        if msg.error() is not None:
+            continue
+        partition, offset = msg.partition(), msg.offset()
+        if partition not in first:
+            first[partition] = offset
+        last[partition] = offset
+        out.messages += 1
+        value = msg.value()
+        try:
+            text = value.decode("ascii")
+        except (AttributeError, UnicodeDecodeError):
+            bad.append((msg.key(), value, "malformed: value is empty or not ASCII", partition, offset))
+            continue
+        for entry in text.split(","):
+            head, sep, tail = entry.rpartition(":")
+            key = prefixes.get(head)
+            if key is not None and tail.isdigit() and tail.isascii() and len(tail) < 6:
+                start = end = int(tail)
+            else:
+                try:
+                    run = parse_ack(entry)
+                except MalformedItemId as exc:
+                    bad.append((msg.key(), entry.encode(), f"malformed: {exc}", partition, offset))
+                    continue
+                key = (run.batch_id, run.group_id)
+                if sep:
+                    prefixes[head] = key
+                start, end = run.start, run.end
+            if end >= GROUP_BITS_MAX:  # no group is this large; never allocate a mask for it
+                bad.append((msg.key(), entry.encode(), f"index out of range: {end} >= {GROUP_BITS_MAX}", partition, offset))
+                continue
+            mask = masks.get(key)
+            if mask is None:
+                mask = masks[key] = GroupMask(key[0], key[1], bytearray())
+            mask.add(start, end)
+    return out
+
+
+class Acker:
+    def __init__(self, *, dsn: str, schema: str, bootstrap_servers: str, kafka_client: dict | None = None,
+                 topic: str, group: str, dead_letter_topic: str, max_poll_records: int = 100_000,
+                 poll_timeout: float = 0.2, lag_interval: float = 1.0, retry_backoff: float = 1.0) -> None:
+        self.dsn = dsn
+        self.schema = check_identifier(schema, "schema")
+        self.topic = topic
+        self.group = group
+        self.dead_letter_topic = dead_letter_topic
+        self.max_poll_records = int(max_poll_records)
+        self.poll_timeout = float(poll_timeout)
+        self.lag_interval = lag_interval
+        self.retry_backoff = retry_backoff
+        client = dict(kafka_client or {})
+        self._consumer_conf = {
+            **client, "bootstrap.servers": bootstrap_servers, "group.id": group, "enable.auto.commit": False,
+            "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
+            "partition.assignment.strategy": "cooperative-sticky",
+            "queued.min.messages": max(100_000, self.max_poll_records),
+        }
+        self._producer_conf = {**client, "bootstrap.servers": bootstrap_servers, "enable.idempotence": True,
+                               "linger.ms": 5}
+        # offsets applied in the database whose Kafka commit has not succeeded yet
+        self._uncommitted: dict[int, int] = {}
+        self._consumer: Consumer | None = None
+        self._conn: psycopg.Connection | None = None
+        self._lag_due = 0.0
+        # counters for tests and benchmarks (the Prometheus metrics are process-wide)
+        self.stats = {"polls": 0, "messages": 0, "acked": 0, "duplicates": 0, "completed": 0, "dead_lettered": 0,
+                      "retries": 0}
+
+    # ---------------------------------------------------------------- loop
+
+    def run(self, stop: threading.Event) -> None:
+        """Consume and apply until `stop` is set; then commit what was applied and leave the group."""
+        consumer = self._consumer = Consumer(self._consumer_conf)
+        producer = Producer(self._producer_conf)
+        try:
+            consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                               on_lost=self._on_lost)
+            log.info("acker started", topic=self.topic, group=self.group, dead_letter_topic=self.dead_letter_topic)
+            while not stop.is_set():
+                messages = consumer.consume(num_messages=self.max_poll_records, timeout=self.poll_timeout)
+                if messages:
+                    if not self._handle(consumer, producer, messages):
+                        stop.wait(self.retry_backoff)
+                self._update_lag(consumer)
+        finally:
+            try:
+                self._commit(consumer)
+                consumer.close()  # runs on_revoke, then leaves the group
+            finally:
+                producer.flush(10)
+                if self._conn is not None:
+                    self._conn.close()
+                metrics.acker_lag.set(0)
+                log.info("acker stopped", **self.stats)
+
+    def _handle(self, consumer: Consumer, producer: Producer, messages: list[Any]) -> bool:
+        """One poll: fold, apply, dead-letter, commit. False if it must be retried."""
+        for m in messages:
+            err = m.error()
+            if err is not None and err.code() != KafkaError._PARTITION_EOF:
+                log.warning("consumer error", error=str(err))
+        folded = fold_messages(messages)
+        if not folded.messages:
+            return True
+        try:
+            result = self._apply(folded.masks)
+            dead = self._dead_letter(producer, folded, result)
+        except Exception as exc:
+            self.stats["retries"] += 1
+            log.warning("ack poll failed; rewinding to retry", error=str(exc), error_type=type(exc).__name__)
+            self._rewind(consumer, folded.first)
+            return False
+        self.stats["polls"] += 1
+        self.stats["messages"] += folded.messages
+        self.stats["acked"] += result.acked
+        self.stats["duplicates"] += result.duplicates
+        self.stats["completed"] += len(result.completed)
+        self.stats["dead_lettered"] += dead
+        for partition, offset in folded.last.items():
+            self._uncommitted[partition] = offset + 1
+        self._commit(consumer)
+        return True
+
+    def _apply(self, masks: dict[tuple[int, int], GroupMask]) -> AckResult:
+        if not masks:
+            return AckResult()
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:
+            conn = self._conn = psycopg.connect(self.dsn, autocommit=True)
+        try:
+            # an autocommit connection: apply_masks runs as one transaction of its own
+            return apply_masks(conn, masks, schema=self.schema, reject_invalid=True)
+        except psycopg.Error:
+            if conn.broken or conn.closed:
+                self._conn = None
+            raise
+
+    def _dead_letter(self, producer: Producer, folded: Folded, result: AckResult) -> int:
+        letters: list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]] = []
+        source = self.topic.encode()
+        for key, entry, reason, partition, offset in folded.bad:
+            letters.append((key, entry, [(REASON_HEADER, reason.encode()), ("source-topic", source),
+                                         ("source-partition", str(partition).encode()),
+                                         ("source-offset", str(offset).encode())]))
+        for entry, reason in result.rejected:
+            batch_id = entry.split(":", 1)[0].encode()
+            letters.append((batch_id, entry.encode(), [(REASON_HEADER, reason.encode()), ("source-topic", source)]))
+        if not letters:
+            return 0
+        failures: list[str] = []
+
+        def delivered(err: KafkaError | None, _msg: Any) -> None:
+            if err is not None:
+                failures.append(str(err))
+
+        for key, value, headers in letters:
+            while True:
+                try:
+                    producer.produce(self.dead_letter_topic, key=key, value=value, headers=headers, on_delivery=delivered)
+                    break
+                except BufferError:
+                    producer.poll(0.1)
+        left = producer.flush(30)
+        if left or failures:
+            raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT if left else KafkaError._FAIL,
+                                            f"dead letters not delivered: {left} queued, failures {failures[:3]}"))
+        metrics.acks_dead_lettered.inc(len(letters))
+        log.warning("acks dead-lettered", count=len(letters), first=letters[0][1][:200].decode("ascii", "replace"),
+                    reason=letters[0][2][0][1].decode())
+        return len(letters)
+
+    def _commit(self, consumer: Consumer) -> None:
+        if not self._uncommitted:
+            return
+        offsets = [TopicPartition(self.topic, p, o) for p, o in self._uncommitted.items()]
+        try:
+            consumer.commit(offsets=offsets, asynchronous=False)
+            self._uncommitted.clear()
+        except KafkaException as exc:
+            # e.g. a rebalance in progress: the acks are in the database, so a replay is harmless
+            code = exc.args[0].code() if exc.args and isinstance(exc.args[0], KafkaError) else None
+            if code == KafkaError._NO_OFFSET:
+                self._uncommitted.clear()
+            else:
+                log.info("offset commit failed; will retry", error=str(exc))
+
+    def _rewind(self, consumer: Consumer, first: dict[int, int]) -> None:
+        assigned = {tp.partition for tp in consumer.assignment()}
+        for partition, offset in first.items():
+            if partition in assigned:
+                try:
+                    consumer.seek(TopicPartition(self.topic, partition, offset))
+                except KafkaException as exc:
+                    log.warning("rewind failed", partition=partition, error=str(exc))
+
+    # ---------------------------------------------------------------- rebalances
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        log.info("ack partitions assigned", partitions=[p.partition for p in partitions])
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Everything applied so far is committed in the database: commit its offsets while we
+        # still own the partitions, then forget them.
+        revoked = {p.partition for p in partitions}
+        mine = {p: o for p, o in self._uncommitted.items() if p in revoked}
+        if mine:
+            try:
+                consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in mine.items()], asynchronous=False)
+            except KafkaException as exc:
+                log.info("offset commit on revoke failed; the new owner replays harmlessly", error=str(exc))
+        for p in revoked:
+            self._uncommitted.pop(p, None)
+        log.info("ack partitions revoked", partitions=sorted(revoked))
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Lost, not revoked: another member may own them already, so commit nothing.
+        for p in partitions:
+            self._uncommitted.pop(p.partition, None)
+        log.warning("ack partitions lost", partitions=[p.partition for p in partitions])
+
+    # ---------------------------------------------------------------- lag
+
+    def _update_lag(self, consumer: Consumer) -> None:
+        now = time.monotonic()
+        if now < self._lag_due:
+            return
+        self._lag_due = now + self.lag_interval
+        metrics.acker_lag.set(self.lag(consumer))
+
+    def lag(self, consumer: Consumer | None = None) -> int:
+        """Messages in the assigned partitions beyond this acker's position (high watermark from
+        the last fetch, no broker round trip)."""
+        consumer = consumer or self._consumer
+        if consumer is None:
+            return 0
+        total = 0
+        try:
+            assigned = consumer.assignment()
+            for tp in consumer.position(assigned) if assigned else []:
+                _low, high = consumer.get_watermark_offsets(tp, cached=True)
+                # before the first fetch neither the position nor the high watermark is known
+                if high >= 0 and tp.offset >= 0:
+                    total += max(0, high - tp.offset)
+        except KafkaException:
+            return 0
+        return total

@@ -1,0 +1,235 @@
+"""Helpers for consumers of fanned-out messages: which item a message is, and three ways to ack it.
+
+- `item_id_of(message)`: the item id a Kafka message carries in its `item-id` header.
+- `AckProducer`: acks to the ack topic for the reaper's acker, keyed by batch id; contiguous
+  indexes of a group are compacted into the run form and one batch's acks share messages.
+- `exactly_once(session, item_id, effect)`: the ack and the consumer's own database side effect
+  in one transaction; the effect runs only if this item's bit was still set.
+  (The direct path is `tracker.ack(session, ids)`.)
+
+Ack message format (what the acker reads): the value is one or more acks separated by ',', each an
+item id `<batch>:<group>:<index>` or a run `<batch>:<group>:<start>-<end>` (end inclusive); the
+key is the batch id in decimal, so one batch's acks meet in one partition.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Iterable, TypeVar
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+from .acks import AckResult, apply_masks
+from .errors import MalformedItemId, TrackerError
+from .ids import GROUP_BITS_MAX, fold, format_run, parse_ack, parse_item_id
+from .session import atomic, pg_connection
+
+ITEM_ID_HEADER = "item-id"
+BATCH_ID_HEADER = "batch-id"
+ACK_SEPARATOR = ","
+
+T = TypeVar("T")
+
+
+class MissingItemId(TrackerError, LookupError):
+    """A Kafka message without the `item-id` header every tracked outbox message carries."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        super().__init__(f"message {where} has no {ITEM_ID_HEADER!r} header: it was not written by outbox.enqueue")
+
+
+def _where(message: Any) -> str:
+    try:
+        return f"{message.topic()}[{message.partition()}]@{message.offset()}"
+    except Exception:  # not a confluent_kafka Message: name its type
+        return type(message).__name__
+
+
+def _header(message: Any, name: str) -> bytes | None:
+    headers = message.headers() if callable(getattr(message, "headers", None)) else getattr(message, "headers", None)
+    for key, value in headers or ():
+        if key == name:
+            return value
+    return None
+
+
+def item_id_of(message: Any) -> str:
+    """The validated item id of a Kafka message (confluent_kafka Message, or anything with
+    `.headers()` as a list of (name, bytes)). Raises MissingItemId or MalformedItemId."""
+    raw = _header(message, ITEM_ID_HEADER)
+    if raw is None:
+        raise MissingItemId(_where(message))
+    parse_item_id(raw)
+    return raw.decode("ascii")
+
+
+def batch_id_of_message(message: Any) -> int:
+    """The batch id of a Kafka message, from its `batch-id` header (else its item id)."""
+    raw = _header(message, BATCH_ID_HEADER)
+    if raw is not None and raw.isdigit():
+        return int(raw)
+    return parse_item_id(item_id_of(message)).batch_id
+
+
+# ---------------------------------------------------------------- acks through Kafka
+
+
+def compact(indexes: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted, de-duplicated indexes as inclusive (start, end) runs."""
+    runs: list[tuple[int, int]] = []
+    start = prev = None
+    for i in sorted(set(indexes)):
+        if prev is not None and i == prev + 1:
+            prev = i
+            continue
+        if start is not None:
+            runs.append((start, prev))
+        start = prev = i
+    if start is not None:
+        runs.append((start, prev))
+    return runs
+
+
+class AckDeliveryError(TrackerError):
+    def __init__(self, failures: list[str]) -> None:
+        self.failures = failures
+        super().__init__(f"{len(failures)} ack message(s) were not delivered: {failures[:3]}")
+
+
+class AckProducer:
+    """Buffers acks and produces them to the ack topic, compacted into runs.
+
+    `ack()` validates each id and buffers it; the buffer is sent when it holds `max_pending` acks,
+    when `linger` seconds have passed since the oldest buffered ack (checked on every call), and
+    by `flush()`, which also waits until Kafka has every message. An ack is only safe once a
+    `flush()` has returned: call it before committing your own consumer offsets. Thread-safe.
+    """
+
+    def __init__(self, *, bootstrap_servers: str, topic: str, kafka_client: dict | None = None,
+                 max_pending: int = 100_000, linger: float = 0.05, max_message_bytes: int = 64 * 1024) -> None:
+        if not isinstance(topic, str) or not topic:
+            raise ValueError(f"topic must be a non-empty string, got {topic!r}")
+        if max_pending < 1 or max_message_bytes < 64:
+            raise ValueError("max_pending must be >= 1 and max_message_bytes >= 64")
+        conf = {"bootstrap.servers": bootstrap_servers, "enable.idempotence": True, "linger.ms": 5,
+                "compression.type": "lz4", **(kafka_client or {})}
+        self._producer = Producer(conf)
+        self.topic = topic
+        self.max_pending = max_pending
+        self.linger = linger
+        self.max_message_bytes = max_message_bytes
+        self._lock = threading.Lock()
+        self._pending: dict[int, dict[int, set[int]]] = {}  # batch -> group -> indexes
+        self._count = 0
+        self._oldest: float | None = None
+        self._failures: list[str] = []
+        self.messages_sent = 0
+        self.acks_sent = 0
+
+    def ack(self, item_ids: str | bytes | Iterable[str | bytes]) -> None:
+        """Buffer item ids or runs; raises MalformedItemId (buffering none of the call) on a bad one."""
+        if isinstance(item_ids, (str, bytes)):
+            item_ids = [item_ids]
+        runs = [parse_ack(i) for i in item_ids]
+        for r in runs:
+            if r.end >= GROUP_BITS_MAX:
+                raise MalformedItemId(format_run(*r), f"index {r.end} is beyond any group (max {GROUP_BITS_MAX - 1})")
+        with self._lock:
+            for r in runs:
+                self._pending.setdefault(r.batch_id, {}).setdefault(r.group_id, set()).update(range(r.start, r.end + 1))
+                self._count += r.end - r.start + 1
+            if self._oldest is None and runs:
+                self._oldest = time.monotonic()
+            due = self._count >= self.max_pending or (
+                self._oldest is not None and time.monotonic() - self._oldest >= self.linger)
+            if due:
+                self._send_locked()
+        self._producer.poll(0)
+
+    def _send_locked(self) -> None:
+        pending, self._pending, self._count, self._oldest = self._pending, {}, 0, None
+        for batch_id, groups in pending.items():
+            key = str(batch_id).encode()
+            parts: list[str] = []
+            size = 0
+            acks = 0
+            for group_id, indexes in groups.items():
+                for start, end in compact(indexes):
+                    entry = format_run(batch_id, group_id, start, end)
+                    if parts and size + len(entry) + 1 > self.max_message_bytes:
+                        self._produce(key, parts, acks)
+                        parts, size, acks = [], 0, 0
+                    parts.append(entry)
+                    size += len(entry) + 1
+                    acks += end - start + 1
+            if parts:
+                self._produce(key, parts, acks)
+
+    def _produce(self, key: bytes, parts: list[str], acks: int) -> None:
+        value = ACK_SEPARATOR.join(parts).encode()
+        while True:
+            try:
+                self._producer.produce(self.topic, key=key, value=value, on_delivery=self._delivered)
+                break
+            except BufferError:  # local queue full: let deliveries drain, then retry
+                self._producer.poll(0.1)
+        self.messages_sent += 1
+        self.acks_sent += acks
+
+    def _delivered(self, err: KafkaError | None, msg: Any) -> None:
+        if err is not None:
+            self._failures.append(f"{msg.value()[:80]!r}: {err}")
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Send everything buffered and wait until Kafka has it; raises AckDeliveryError otherwise."""
+        with self._lock:
+            self._send_locked()
+        left = self._producer.flush(timeout)
+        failures, self._failures = self._failures, []
+        if left:
+            failures.append(f"{left} message(s) still queued after {timeout}s")
+        if failures:
+            raise AckDeliveryError(failures)
+
+    def close(self, timeout: float = 60.0) -> None:
+        self.flush(timeout)
+
+    def __enter__(self) -> "AckProducer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+
+
+# ---------------------------------------------------------------- exactly-once effects
+
+
+@dataclass
+class Processed(Generic[T]):
+    first_time: bool   # this call cleared the bit and ran the effect
+    value: T | None    # what the effect returned (None when it did not run)
+    ack: AckResult
+
+
+def exactly_once(session: Any, item_id: str | bytes, effect: Callable[[Any], T], *,
+                 schema: str | None = None) -> Processed[T]:
+    """Ack `item_id` and, only if its bit was still set, run `effect(session)`, in the caller's
+    transaction (nothing is committed here).
+
+    The ack goes first: it locks the item's batch row until the caller commits, so a concurrent
+    redelivery of the same item waits, then finds the bit clear and skips the effect. If the
+    effect raises, the ack is rolled back with it (savepoint) and the error propagates: the item
+    stays pending and a redelivery processes it again.
+    """
+    run = parse_item_id(item_id)  # one item, not a run: one effect
+
+    conn = pg_connection(session)
+    with atomic(conn):
+        result = apply_masks(conn, fold([str(run)]), schema=schema)
+        if result.acked == 0:
+            return Processed(False, None, result)
+        value = effect(session)
+    return Processed(True, value, result)
