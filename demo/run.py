@@ -368,8 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     started = time.monotonic()
     cleanup: list[tuple[str, object]] = []
-    # SIGTERM (e.g. from CI or `timeout`) stops the demo like Ctrl-C does.
+    # Ctrl-C and SIGTERM (CI, `timeout`) both stop the demo and clean up; set SIGINT explicitly,
+    # since a shell starting us in the background would have it ignored.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     code = 0
     try:
         demo(args, started, cleanup)
