@@ -1,0 +1,40 @@
+"""The README's application quick start works when copied as written (on this test's schema)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+
+import tracker
+from tracker.session import DEFAULTS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def quick_start_code() -> str:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Quick start: application code", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_quick_start_runs_as_written(pg_dsn, schema):
+    code = quick_start_code()
+    assert 'tracker.configure(schema="reaper")' in code
+    assert "postgresql://postgres@127.0.0.1:55432/outbox" in code
+    code = code.replace('tracker.configure(schema="reaper")', f'tracker.configure(schema="{schema}")')
+    code = code.replace("postgresql://postgres@127.0.0.1:55432/outbox", pg_dsn)
+    previous = DEFAULTS.schema
+    try:
+        exec(compile(code, "README.md quick start", "exec"), {})
+    finally:
+        tracker.configure(schema=previous)  # the process default, for other tests in this worker
+    with psycopg.connect(pg_dsn) as conn:
+        state, total, pending, user_key = conn.execute(sql.SQL("SELECT state, total, pending, user_key FROM {}")
+                                                        .format(sql.Identifier(schema, "batch"))).fetchone()
+        rows, with_ids = conn.execute(sql.SQL(
+            "SELECT count(*), count(*) FILTER (WHERE 'item-id' = ANY(header_keys)) FROM {} WHERE topic = 'process-item'")
+            .format(sql.Identifier(schema, "outbox"))).fetchone()
+    assert (state, total, pending, user_key) == ("closed", 100_000, 100_000, "catalog-42")
+    assert rows == with_ids == 100_000
