@@ -5,7 +5,11 @@ consumer acking a whole range sends one string. Clients expand {group, upto} int
 """
 from __future__ import annotations
 
+import re
+from collections import Counter, deque
 from dataclasses import dataclass
+from itertools import repeat
+from operator import add
 from typing import Iterable, Iterator, NamedTuple
 
 from .errors import MalformedItemId
@@ -123,6 +127,15 @@ class GroupMask:
             self.max_index = end
         self.count += end - start + 1
 
+    def merge(self, other: "GroupMask") -> None:
+        """OR another mask of the same group into this one."""
+        if len(other.bits) > len(self.bits):
+            self.bits.extend(bytes(len(other.bits) - len(self.bits)))
+        for i, byte in enumerate(other.bits):
+            self.bits[i] |= byte
+        self.max_index = max(self.max_index, other.max_index)
+        self.count += other.count
+
     def bitstring(self, size: int) -> str:
         """The mask as a '0101…' literal of exactly `size` bits (callers check max_index < size)."""
         return "".join(format(b, "08b") for b in self.bits)[:size].ljust(size, "0")
@@ -137,6 +150,84 @@ class GroupMask:
 def fold(acks: Iterable[str | bytes]) -> dict[tuple[int, int], GroupMask]:
     """Fold item ids and runs into one mask per (batch, group). Raises MalformedItemId on the first
     malformed entry, before anything could be applied."""
+    acks = acks if isinstance(acks, list) else list(acks)
+    if not acks:
+        return {}
+    masks = _fold_plain_ids(acks)
+    return masks if masks is not None else _fold_each(acks)
+
+
+_TO_DIGITS = bytes([48, 49]) + bytes(254)  # flag bytes 0/1 -> b'0'/b'1', for int(..., 2)
+# Plain ids, one per line: three non-empty ASCII decimals. Possessive, so the check is one linear pass.
+_PLAIN_IDS = re.compile(r"(?:[0-9]++:[0-9]++:[0-9]++\n)*+[0-9]++:[0-9]++:[0-9]++")
+# The canonical spelling of every index a group can hold; anything else takes the slow path.
+_INDEX_OF = {str(i): i for i in range(GROUP_BITS_MAX)}
+
+
+def _fold_plain_ids(acks: list) -> dict[tuple[int, int], GroupMask] | None:
+    """The bulk case, with no Python-level loop per id: plain '<b>:<g>:<i>' ids (all str or all
+    bytes), every index written canonically and < 8192. Returns None when anything else is
+    present (runs, malformed entries, odd types): `_fold_each` then folds the call and names the
+    culprit."""
+    try:
+        text = "\n".join(acks) if type(acks[0]) is str else b"\n".join(acks).decode("ascii")
+    except (TypeError, UnicodeDecodeError):
+        return None
+    if _PLAIN_IDS.fullmatch(text) is None:
+        return None
+    n = len(acks)
+    # Usually one batch: strip its prefix and split lines of "<group>:<index>" into 2n tokens.
+    batch_prefix = text[:text.index(":") + 1]
+    if text.count("\n" + batch_prefix) == n - 1:
+        tokens = text[len(batch_prefix):].replace("\n" + batch_prefix, ":").split(":")
+        keys, indexes = tokens[0::2], tokens[1::2]
+        single_batch: int | None = int(batch_prefix[:-1])
+    else:
+        tokens = text.replace("\n", ":").split(":")
+        keys = list(map(add, map(add, tokens[0::3], repeat(":")), tokens[1::3]))
+        indexes = tokens[2::3]
+        single_batch = None
+    del text, tokens
+    # One flag byte per possible bit of every group named, the groups laid end to end.
+    offsets = {key: k * GROUP_BITS_MAX for k, key in enumerate(dict.fromkeys(keys))}
+    flags = bytearray(len(offsets) * GROUP_BITS_MAX)
+    try:
+        positions = map(add, map(offsets.__getitem__, keys), map(_INDEX_OF.__getitem__, indexes))
+        deque(map(flags.__setitem__, positions, repeat(1)), maxlen=0)
+    except KeyError:
+        return None  # an index no group can hold, or spelt with leading zeros
+    del indexes
+    masks: dict[tuple[int, int], GroupMask] = {}
+    for key, offset in offsets.items():
+        if single_batch is not None:
+            batch_id, group_id = single_batch, int(key)
+        else:
+            b, _, g = key.partition(":")
+            batch_id, group_id = int(b), int(g)
+        last = flags.rfind(1, offset, offset + GROUP_BITS_MAX) - offset
+        nbytes = (last >> 3) + 1
+        value = int(flags[offset:offset + nbytes * 8].translate(_TO_DIGITS), 2)
+        mask = GroupMask(batch_id, group_id, bytearray(value.to_bytes(nbytes, "big")), last, value.bit_count())
+        if (batch_id, group_id) in masks:  # '007' and '7' name the same batch or group
+            masks[(batch_id, group_id)].merge(mask)
+        else:
+            masks[(batch_id, group_id)] = mask
+    if sum(m.count for m in masks.values()) != n:
+        # Some id came twice: count ids, not bits, per group (duplicates are reported as such).
+        counts = Counter(keys)
+        for m in masks.values():
+            m.count = 0
+        for key, count in counts.items():
+            if single_batch is not None:
+                masks[(single_batch, int(key))].count += count
+            else:
+                b, _, g = key.partition(":")
+                masks[(int(b), int(g))].count += count
+    return masks
+
+
+def _fold_each(acks: Iterable[str | bytes]) -> dict[tuple[int, int], GroupMask]:
+    """One entry at a time: runs, bytes, anything; raises on the first malformed entry."""
     masks: dict[tuple[int, int], GroupMask] = {}
     prefixes: dict[str, tuple[int, int]] = {}
     for ack in acks:

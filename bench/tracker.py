@@ -1,0 +1,239 @@
+"""Tracker benchmark: enqueue, bulk ack and storage, each beside a baseline measured in the same run.
+
+    python -m bench.tracker            # 1,000,000 items and acks
+    python -m bench.tracker --quick    # 100,000: a short run while developing
+
+- enqueue: `outbox.enqueue` of N items (open batch, groups, N outbox rows with item-id/batch-id
+  headers, commit) in items/s, beside a plain binary COPY of the same N rows by psycopg's
+  `Copy.write_row` (ratio = enqueue / plain).
+- ack: `tracker.ack` of N shuffled item ids in one call and in calls of 50,000 (what an acker
+  folding a poll does), in acks/s, beside one UPDATE per ack (one transaction each) on a sample.
+- storage: batch_group table + index bytes per tracked item, in bits, fresh and after the acks;
+  with --fillfactor-compare also at fillfactor 70 vs 100 under repeated partial acks.
+
+Connects to OUTBOX_TEST_DSN, else brings up the local services (deploy/local/services.py). Uses a
+schema of its own and drops it afterwards. The last line of output is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+
+import tracker
+from tracker import outbox, schema as schema_mod
+from tracker.acks import apply_masks
+from tracker.ids import fold
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def dsn() -> str:
+    if os.environ.get("OUTBOX_TEST_DSN"):
+        return os.environ["OUTBOX_TEST_DSN"]
+    out = subprocess.run([sys.executable, str(REPO / "deploy" / "local" / "services.py"), "up", "--only", "postgres"],
+                         check=True, capture_output=True, text=True).stdout
+    return next(line.split("=", 1)[1] for line in out.splitlines() if line.startswith("OUTBOX_TEST_DSN="))
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def values(n: int) -> list[bytes]:
+    # ~60-byte JSON payloads, distinct per item
+    return [b'{"sku":"SKU-%08d","op":"reprice","price_cents":%d}' % (i, i % 9973) for i in range(n)]
+
+
+def storage_bits(conn: psycopg.Connection, schema: str, items: int) -> dict[str, float]:
+    s = f'"{schema}"'
+    heap, index, batch = conn.execute(
+        f"SELECT pg_relation_size('{s}.batch_group'), pg_indexes_size('{s}.batch_group'), "
+        f"pg_relation_size('{s}.batch') + pg_indexes_size('{s}.batch')").fetchone()
+    return {"bits_per_item": round((heap + index) * 8 / items, 4),
+            "bits_per_item_with_batch_table": round((heap + index + batch) * 8 / items, 4),
+            "group_heap_bytes": heap, "group_index_bytes": index}
+
+
+def bench_enqueue(conn: psycopg.Connection, schema: str, n: int) -> dict:
+    vals = values(n)
+    s = f'"{schema}"'
+    # Baseline first: the same rows (topic, key, value, header names, header values) by plain COPY.
+    conn.execute(f"TRUNCATE {s}.outbox")
+    conn.commit()
+    batch_id = 10**9  # any id: the baseline only needs the same header bytes
+    t0 = time.perf_counter()
+    with conn.cursor().copy(f"COPY {s}.outbox (topic, key, value, header_keys, header_values) "
+                            "FROM STDIN (FORMAT BINARY)") as copy:
+        copy.set_types(["text", "bytea", "bytea", "text[]", "bytea[]"])
+        names, bid = ["item-id", "batch-id"], str(batch_id).encode()
+        for i, v in enumerate(vals):
+            copy.write_row(("bench", None, v, names, [b"%d:%d:%d" % (batch_id, i >> 13, i & 8191), bid]))
+    conn.commit()
+    plain_s = time.perf_counter() - t0
+    conn.execute(f"TRUNCATE {s}.outbox")
+    conn.commit()
+
+    t0 = time.perf_counter()
+    batch = tracker.open_batch(conn, schema=schema)
+    handles = outbox.enqueue(conn, batch, vals, topic="bench", schema=schema)
+    conn.commit()
+    enqueue_s = time.perf_counter() - t0
+    rows = conn.execute(f"SELECT count(*) FROM {s}.outbox").fetchone()[0]
+    assert rows == n, (rows, n)
+    return {"batch": batch, "handles": handles,
+            "result": {"enqueue_items": n, "enqueue_items_per_s": round(n / enqueue_s),
+                       "plain_copy_items_per_s": round(n / plain_s),
+                       "enqueue_vs_plain_copy": round(plain_s / enqueue_s, 3),
+                       "enqueue_s": round(enqueue_s, 3), "plain_copy_s": round(plain_s, 3)}}
+
+
+def bench_ack(conn: psycopg.Connection, schema: str, n: int, sample: int) -> dict:
+    s = f'"{schema}"'
+    out: dict = {}
+    for label, chunk in (("one_call", n), ("calls_of_50k", 50_000)):
+        batch = tracker.open_batch(conn, schema=schema)
+        handles = tracker.add_items(conn, batch, n, schema=schema)
+        tracker.close_batch(conn, batch, schema=schema)
+        conn.commit()
+        ids = [i for h in handles for i in h.item_ids]
+        random.Random(7).shuffle(ids)  # acks arrive in any order
+        t0 = time.perf_counter()
+        acked = 0
+        for k in range(0, n, chunk):
+            r = tracker.ack(conn, ids[k:k + chunk], schema=schema)
+            conn.commit()
+            acked += r.acked
+        elapsed = time.perf_counter() - t0
+        assert acked == n and tracker.status(conn, batch, schema=schema).state == "complete"
+        out[f"bulk_ack_{label}_acks_per_s"] = round(n / elapsed)
+        if label == "one_call":
+            # Where the time goes: folding the ids in Python vs applying the masks in Postgres.
+            batch2 = tracker.open_batch(conn, schema=schema)
+            h2 = tracker.add_items(conn, batch2, n, schema=schema)
+            conn.commit()
+            ids2 = [i for h in h2 for i in h.item_ids]
+            random.Random(8).shuffle(ids2)
+            t0 = time.perf_counter()
+            masks = fold(ids2)
+            t1 = time.perf_counter()
+            apply_masks(conn, masks, schema=schema)
+            conn.commit()
+            t2 = time.perf_counter()
+            out["fold_ids_per_s"] = round(n / (t1 - t0))
+            out["apply_masks_acks_per_s"] = round(n / (t2 - t1))
+    out["bulk_ack_ids"] = n
+    out["bulk_ack_acks_per_s"] = out["bulk_ack_one_call_acks_per_s"]
+
+    # Baseline: one UPDATE per ack, each its own transaction, on a sample.
+    batch = tracker.open_batch(conn, schema=schema)
+    (h,) = tracker.add_items(conn, batch, sample, schema=schema)
+    conn.commit()
+    idx = list(range(sample))
+    random.Random(9).shuffle(idx)
+    with psycopg.connect(conn.info.dsn, autocommit=True) as single:
+        stmt = (f"WITH g AS (UPDATE {s}.batch_group SET bits = set_bit(bits, %(i)s, 0), "
+                f"pending = pending - get_bit(bits, %(i)s) WHERE batch_id = %(b)s AND id = 0 RETURNING 1) "
+                f"SELECT 1")
+        t0 = time.perf_counter()
+        for i in idx:
+            single.execute(stmt, {"i": i, "b": batch.id})
+        per_ack_s = time.perf_counter() - t0
+    out["per_ack_update_sample"] = sample
+    out["per_ack_update_acks_per_s"] = round(sample / per_ack_s)
+    out["bulk_vs_per_ack_update"] = round(out["bulk_ack_acks_per_s"] / out["per_ack_update_acks_per_s"], 1)
+    return out
+
+
+def bench_fillfactor(db: str, n: int, rounds: int) -> dict:
+    """Same items tracked at fillfactor 100 and 70, acked in `rounds` partial passes (every pass
+    touches every group): size, HOT share of group updates, time."""
+    out = {}
+    for ff in (100, 70):
+        name = f"bench_ff{ff}_{uuid.uuid4().hex[:8]}"
+        schema_mod.migrate(db, name)
+        try:
+            with psycopg.connect(db) as conn:
+                conn.execute(f'ALTER TABLE "{name}".batch_group SET (fillfactor = {ff})')
+                batch = tracker.open_batch(conn, schema=name)
+                handles = tracker.add_items(conn, batch, n, schema=name)
+                conn.commit()
+                fresh = storage_bits(conn, name, n)["bits_per_item"]
+                ids = [i for h in handles for i in h.item_ids]
+                random.Random(ff).shuffle(ids)
+                per = len(ids) // rounds
+                t0 = time.perf_counter()
+                for k in range(rounds):
+                    tracker.ack(conn, ids[k * per:(k + 1) * per], schema=name)
+                    conn.commit()
+                elapsed = time.perf_counter() - t0
+                conn.execute("SELECT pg_stat_force_next_flush()")
+                conn.commit()
+                time.sleep(0.5)
+                upd, hot = conn.execute(
+                    "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE schemaname = %s "
+                    "AND relname = 'batch_group'", [name]).fetchone()
+                out[f"ff{ff}"] = {"bits_per_item_fresh": fresh,
+                                  "bits_per_item_after_acks": storage_bits(conn, name, n)["bits_per_item"],
+                                  "group_updates": upd, "hot_share": round(hot / upd, 3) if upd else None,
+                                  "acks_per_s": round(per * rounds / elapsed)}
+        finally:
+            with psycopg.connect(db, autocommit=True) as c:
+                c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.tracker", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="100,000 items instead of 1,000,000")
+    p.add_argument("--items", type=int, help="items to enqueue and ids to ack")
+    p.add_argument("--fillfactor-compare", action="store_true", help="also measure fillfactor 70 vs 100")
+    args = p.parse_args(argv)
+    n = args.items or (100_000 if args.quick else 1_000_000)
+    sample = 1_000 if args.quick else 5_000
+    db = dsn()
+    name = f"bench_tracker_{uuid.uuid4().hex[:8]}"
+    schema_mod.migrate(db, name)
+    result: dict = {"bench": "tracker", "quick": args.quick, "cpus": os.cpu_count(),
+                    "note": "shared machine: compare the ratios, not the absolute rates"}
+    try:
+        with psycopg.connect(db) as conn:
+            log(f"enqueue {n} items ...")
+            enq = bench_enqueue(conn, name, n)
+            result.update(enq["result"])
+            result.update({f"fresh_{k}": v for k, v in storage_bits(conn, name, n).items()})
+            result["bits_per_item"] = result["fresh_bits_per_item"]
+            log(json.dumps(enq["result"]))
+            log(f"ack {n} ids ...")
+            # storage after every item of the enqueued batch was acked once, 50k at a time
+            ids = [i for h in enq["handles"] for i in h.item_ids]
+            random.Random(3).shuffle(ids)
+            for k in range(0, n, 50_000):
+                tracker.ack(conn, ids[k:k + 50_000], schema=name)
+                conn.commit()
+            result["bits_per_item_after_acks_in_20_passes"] = storage_bits(conn, name, n)["bits_per_item"]
+            result.update(bench_ack(conn, name, n, sample))
+        if args.fillfactor_compare:
+            log("fillfactor 100 vs 70 ...")
+            result["fillfactor"] = bench_fillfactor(db, n, 20)
+    finally:
+        with psycopg.connect(db, autocommit=True) as c:
+            c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+    result["targets"] = {"enqueue_items_per_s": 150_000, "bulk_ack_acks_per_s": 1_000_000, "bits_per_item": 1.2}
+    result["targets_met"] = {"enqueue": result["enqueue_items_per_s"] >= 150_000,
+                             "bulk_ack": result["bulk_ack_acks_per_s"] >= 1_000_000,
+                             "storage": result["bits_per_item"] <= 1.2}
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Item ids and folding: the bulk fold agrees with the one-entry-at-a-time fold on any input."""
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+
+from tracker import MalformedItemId, fold, format_run, parse_ack, parse_item_id
+from tracker.ids import GROUP_BITS_MAX, _fold_each, _fold_plain_ids, iter_ids
+
+plain = st.builds(lambda b, g, i: f"{b}:{g}:{i}", st.integers(0, 3), st.integers(0, 3), st.integers(0, GROUP_BITS_MAX - 1))
+odd = st.sampled_from(["1:2:3-9", "1:2:0-8191", "007:2:5", "1:02:5", "1:2:0005", "5:0:8191"])
+
+
+def _as_tuples(masks):
+    return {k: (bytes(m.bits).rstrip(b"\0"), m.max_index, m.count, m.batch_id, m.group_id) for k, m in masks.items()}
+
+
+@given(st.lists(plain | odd, min_size=1, max_size=300), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_bulk_fold_agrees_with_one_at_a_time(ids, as_bytes):
+    if as_bytes:
+        ids = [i.encode() for i in ids]
+    assert _as_tuples(fold(ids)) == _as_tuples(_fold_each(ids))
+
+
+def test_bulk_path_takes_plain_ids_and_leaves_the_rest():
+    assert _fold_plain_ids(["1:0:1", "1:0:2", "2:5:8191"]) is not None
+    for other in (["1:0:1", "1:0:2-3"], ["1:0:1", "1:0:8192"], ["1:0:01"], ["1:0:1", b"1:0:2"], ["1:0:1:2", "3:4"]):
+        assert _fold_plain_ids(other) is None, other
+
+
+def test_fold_counts_duplicates_and_marks_bits_from_the_left():
+    (m,) = fold(["9:1:0", "9:1:0", "9:1:9", "9:1:3-4"]).values()
+    assert (m.batch_id, m.group_id, m.max_index, m.count) == (9, 1, 9, 5)
+    assert m.bits[:2] == bytes([0b10011000, 0b01000000])
+    assert list(iter_ids([m])) == ["9:1:0", "9:1:3", "9:1:4", "9:1:9"]
+
+
+@pytest.mark.parametrize("bad", ["1:2", "1:2:3:4", ":1:2", "1::2", "1:2:", "a:1:2", "1:2:x", "1:2:-3", "1:2:5-3",
+                                 "1:2:\u0663", "1:2: 3", "1:2:+3", "1:2:3_0", "", b"\xff:1:2", 12])
+def test_malformed_ids_are_named(bad):
+    with pytest.raises(MalformedItemId) as exc:
+        fold(["1:0:0", bad])
+    assert repr(bad) in str(exc.value)
+
+
+def test_parse_and_format_round_trip():
+    assert parse_item_id("12:3:45") == (12, 3, 45) and str(parse_item_id(b"12:3:45")) == "12:3:45"
+    assert parse_ack("12:3:4-9") == (12, 3, 4, 9) and format_run(12, 3, 4, 9) == "12:3:4-9"
+    assert format_run(12, 3, 4, 4) == "12:3:4"
