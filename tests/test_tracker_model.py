@@ -28,6 +28,7 @@ class ModelBatch:
         self.sizes: list[int] = []       # group sizes, in group-id order
         self.acked: set[tuple[int, int]] = set()
         self.events = 0
+        self.user_key: str | None = None
 
     @property
     def total(self) -> int:
@@ -80,8 +81,13 @@ class TrackerMachine(RuleBasedStateMachine):
 
     @rule(user_key=st.none() | st.text(max_size=5))
     def open_batch(self, user_key):
+        if user_key is not None and "\x00" in user_key:
+            with pytest.raises(ValueError, match="NUL"):
+                tracker.open_batch(self.conn, user_key=user_key, schema=self.schema)
+            return
         b = tracker.open_batch(self.conn, user_key=user_key, schema=self.schema)
         self.batches[b.id] = ModelBatch(b.id)
+        self.batches[b.id].user_key = user_key
 
     @rule(data=st.data(), n=st.integers(0, 40))
     def enqueue(self, data, n):
@@ -189,7 +195,7 @@ class TrackerMachine(RuleBasedStateMachine):
         if b is None:
             return
         s = tracker.status(self.conn, b.id, schema=self.schema)
-        assert (s.state, s.total, s.pending) == (b.state, b.total, b.pending)
+        assert (s.state, s.total, s.pending, s.user_key) == (b.state, b.total, b.pending, b.user_key)
         if b.state != "expired":
             assert (s.closed_at is not None) == (b.state in ("closed", "complete"))
         assert (s.completed_at is not None) == (b.state == "complete")

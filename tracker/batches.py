@@ -135,6 +135,8 @@ def open_batch(session: Any, *, user_key: str | None = None, completion_topic: s
     """Open a batch. Items are added by `outbox.enqueue` or `add_items`; `close_batch` closes it."""
     if user_key is not None and not isinstance(user_key, str):
         raise TypeError(f"user_key must be a str or None, got {type(user_key).__name__}")
+    if user_key is not None and "\x00" in user_key:
+        raise ValueError(f"user_key {user_key!r} contains a NUL character, which Postgres text cannot hold")
     if completion_topic is not None and (not isinstance(completion_topic, str) or not completion_topic):
         raise ValueError(f"completion_topic must be a non-empty string or None, got {completion_topic!r}")
     conn = pg_connection(session)
