@@ -132,6 +132,7 @@ class Generator:
         self.keys = [f"key-{i}".encode() for i in range(keys)]
         self.next_seq = {k: 0 for k in self.keys}
         self.committed: set[tuple[bytes, bytes]] = set()
+        self.ambiguous: set[tuple[bytes, bytes]] = set()  # commit failed with a lost connection
         self._i = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -152,11 +153,33 @@ class Generator:
         self.committed.update(rows)
 
     def run_for(self, seconds: float, rate_per_s: float = 1000.0) -> None:
-        with psycopg.connect(self.pg_dsn) as conn:
-            end = time.monotonic() + seconds
-            while time.monotonic() < end and not self._stop.is_set():
-                self.commit_once(conn)
-                time.sleep(self.per_txn / rate_per_s)
+        """Commit for `seconds`; survives a database restart by reconnecting.
+
+        A commit that fails with a connection error may or may not have committed: its rows go to
+        `ambiguous` and the test accepts them either way.
+        """
+        end = time.monotonic() + seconds
+        conn = None
+        while time.monotonic() < end and not self._stop.is_set():
+            try:
+                if conn is None or conn.closed:
+                    conn = psycopg.connect(self.pg_dsn, connect_timeout=3)
+                rows = self._rows()
+                try:
+                    insert_rows(conn, self.schema, self.topic, rows)
+                except psycopg.OperationalError:
+                    self.ambiguous.update(rows)
+                    raise
+                self.committed.update(rows)
+            except psycopg.OperationalError:
+                if conn is not None:
+                    conn.close()
+                conn = None
+                time.sleep(0.2)
+                continue
+            time.sleep(self.per_txn / rate_per_s)
+        if conn is not None:
+            conn.close()
 
     def start(self, rate_per_s: float = 1000.0) -> "Generator":
         def loop() -> None:
