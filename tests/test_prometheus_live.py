@@ -178,6 +178,15 @@ def test_every_dashboard_panel_returns_data_from_a_running_reaper(pg_dsn, kafka_
             assert prom_value(prom, f'reaper_acks_applied_total{{job="{job}"}}') == ITEMS
             assert prom_value(prom, f'reaper_acks_duplicate_total{{job="{job}"}}') >= ITEMS // 10
             assert prom_value(prom, f'reaper_batches_expired_total{{job="{job}"}}') >= 1
+            # The alert and recording rules evaluate cleanly against the real series. With a healthy
+            # leader and an empty outbox the one alert under way is the dead letter this test caused,
+            # still pending (it fires only if dead letters keep coming for 5 minutes).
+            rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
+            assert rules and all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+            assert prom_value(prom, f'job:reaper_leader:sum{{job="{job}"}}') == 1
+            mine = {(a["labels"]["alertname"], a["state"]) for a in prom.api("alerts")["alerts"]
+                    if a["labels"].get("job") == job}
+            assert mine <= {("ReaperAcksDeadLettered", "pending")}, mine
             exported = {s["__name__"] for s in prom.api("series", **{"match[]": f'{{job="{job}"}}'})}
             missing = {m for m in CONTRACT_METRICS
                        if m not in exported and f"{m}_bucket" not in exported}
