@@ -308,3 +308,53 @@ def test_sweeper_skips_a_batch_held_by_a_transaction(pg_dsn, schema):
         app.commit()
         assert sweep(c, schema=schema, idle_expiry=3600, retention=0).expired == 0  # the add was activity
         assert tracker.status(c, b, schema=schema).state == "open"
+
+
+def test_concurrent_sweepers_share_the_work(pg_dsn, schema):
+    import threading
+
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        ids = [tracker.open_batch(c, schema=schema).id for _ in range(300)]
+        c.execute(f'UPDATE "{schema}".batch SET last_activity_at = now() - interval \'2 hours\'')
+    results, errors = [], []
+
+    def run():
+        try:
+            with psycopg.connect(pg_dsn, autocommit=True) as own:
+                results.append(sweep(own, schema=schema, idle_expiry=3600, retention=0, chunk=7))
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    # Every batch expired exactly once and then deleted exactly once, whichever sweeper got it.
+    assert sum(r.expired for r in results) == 300
+    with psycopg.connect(pg_dsn) as c:
+        left = c.execute(f'SELECT count(*) FROM "{schema}".batch WHERE id = ANY(%s)', [ids]).fetchone()[0]
+    assert sum(r.deleted for r in results) + left == 300
+
+
+def test_lifecycle_metrics_count(conn, schema):
+    from prometheus_client import REGISTRY
+
+    def value(name):
+        return REGISTRY.get_sample_value(name) or 0.0
+
+    names = ["reaper_batches_opened_total", "reaper_batches_closed_total", "reaper_batches_completed_total",
+             "reaper_batches_expired_total", "reaper_acks_applied_total", "reaper_acks_duplicate_total"]
+    before = {n: value(n) for n in names}
+    b = tracker.open_batch(conn, schema=schema)
+    tracker.add_items(conn, b, 3, schema=schema)
+    tracker.close_batch(conn, b, schema=schema)
+    tracker.ack(conn, [f"{b.id}:0:0-2", f"{b.id}:0:1"], schema=schema)
+    idle = tracker.open_batch(conn, schema=schema)
+    conn.execute(f'UPDATE "{schema}".batch SET last_activity_at = now() - interval \'2 hours\' WHERE id = %s', [idle.id])
+    sweep(conn, schema=schema, idle_expiry=3600, retention=86400)
+    delta = {n: value(n) - before[n] for n in names}
+    assert delta == {"reaper_batches_opened_total": 2, "reaper_batches_closed_total": 1,
+                     "reaper_batches_completed_total": 1, "reaper_batches_expired_total": 1,
+                     "reaper_acks_applied_total": 3, "reaper_acks_duplicate_total": 1}
