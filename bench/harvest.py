@@ -1,0 +1,388 @@
+"""Harvester benchmark: `python -m bench.harvest [--quick]`. The last line of output is one JSON object.
+
+Against the local Postgres and Kafka (OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP, else the local services):
+  throughput   pre-filled outbox (500,000 rows, 200-byte values, 1,000 keys) to all acknowledged by
+               Kafka and purged, beside a naive single-row relay measured in the same run on a sample
+  hot_key      the same with every row on one key
+  sustained    a writer process offers a steady load; last-window rate / first-window rate
+  latency      commit -> Kafka acknowledgement p50/p99 at 2,000 records/s offered
+  failover     publication gap after SIGKILL and after SIGTERM of the leader (reaper subprocesses)
+The machine is shared (2 cores, Postgres and Kafka beside the benchmark): compare ratios, not absolutes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from harvester import config as config_mod
+from harvester import logs
+from harvester.mpr import Harvester
+from tracker import schema as schema_mod
+
+REPO = Path(__file__).resolve().parents[1]
+DSN = os.environ.get("OUTBOX_TEST_DSN", "postgresql://postgres@127.0.0.1:55432/outbox")
+BOOTSTRAP = os.environ.get("KAFKA_BOOTSTRAP", "127.0.0.1:59092")
+PARTITIONS = 8
+VALUE = b"v" * 200
+
+
+def say(msg: str) -> None:
+    print(f"[bench.harvest] {msg}", file=sys.stderr, flush=True)
+
+
+class Env:
+    """A fresh schema and topics for one measurement; dropped afterwards."""
+
+    def __init__(self, partitions: int = PARTITIONS) -> None:
+        self.schema = f"bench_{uuid.uuid4().hex[:10]}"
+        schema_mod.migrate(DSN, self.schema)
+        self.admin = AdminClient({"bootstrap.servers": BOOTSTRAP})
+        self.topic = f"bench-{uuid.uuid4().hex[:10]}"
+        self.leader_topic = f"bench-leader-{uuid.uuid4().hex[:10]}"
+        fs = self.admin.create_topics([NewTopic(self.topic, num_partitions=partitions, replication_factor=1),
+                                       NewTopic(self.leader_topic, num_partitions=1, replication_factor=1)])
+        for f in fs.values():
+            f.result(30)
+        self.group = f"bench-{uuid.uuid4().hex[:10]}"
+
+    def config(self, **harvester) -> config_mod.Config:
+        h = {"leader_topic": self.leader_topic, "leader_group": self.group, "heartbeat_timeout": 2.0,
+             "session_timeout": 6.0, **harvester}
+        return config_mod.load(None, environ={}, overrides={
+            "database": {"dsn": DSN, "schema": self.schema}, "kafka": {"bootstrap_servers": BOOTSTRAP},
+            "harvester": h, "metrics": {"enabled": False}})
+
+    def count(self) -> int:
+        with psycopg.connect(DSN) as c:
+            return c.execute(f'SELECT count(*) FROM "{self.schema}".outbox').fetchone()[0]
+
+    def drop(self) -> None:
+        with psycopg.connect(DSN, autocommit=True) as c:
+            c.execute(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE')
+        for f in self.admin.delete_topics([self.topic, self.leader_topic]).values():
+            try:
+                f.result(30)
+            except Exception:
+                pass
+
+
+def prefill(env: Env, n: int, keys: int) -> None:
+    with psycopg.connect(DSN) as conn:
+        with conn.cursor().copy(f'COPY "{env.schema}".outbox (topic, key, value, header_keys, header_values) '
+                                "FROM STDIN") as cp:
+            for i in range(n):
+                cp.write_row((env.topic, b"key-%d" % (i % keys), VALUE, ["item-id", "batch-id"],
+                              [b"1:%d:%d" % (i // 8192, i % 8192), b"1"]))
+        conn.commit()
+        conn.autocommit = True
+        conn.execute(f'VACUUM ANALYZE "{env.schema}".outbox')
+
+
+def harvest_all(env: Env, n: int, **harvester) -> dict:
+    h = Harvester(env.config(**harvester)).start()
+    try:
+        while not h.leading:
+            time.sleep(0.01)
+        started = time.perf_counter()
+        while h.publisher.purged_rows < n:
+            time.sleep(0.01)
+            if time.perf_counter() - started > 900:
+                raise RuntimeError(f"only {h.publisher.purged_rows} of {n} purged after 900 s")
+        elapsed = time.perf_counter() - started
+    finally:
+        h.stop(10)
+    return {"records": n, "seconds": round(elapsed, 3), "records_per_s": round(n / elapsed)}
+
+
+def naive_relay(env: Env, sample: int) -> dict:
+    """One row at a time: SELECT ... FOR UPDATE SKIP LOCKED, produce, flush, DELETE, COMMIT."""
+    producer = Producer({"bootstrap.servers": BOOTSTRAP, "enable.idempotence": True, "linger.ms": 0})
+    q = (f'SELECT id, topic, key, value, header_keys, header_values FROM "{env.schema}".outbox '
+         "ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED")
+    d = f'DELETE FROM "{env.schema}".outbox WHERE id = %s'
+    with psycopg.connect(DSN) as conn:
+        started = time.perf_counter()
+        for _ in range(sample):
+            row = conn.execute(q).fetchone()
+            producer.produce(row[1], key=row[2], value=row[3], headers=list(zip(row[4], row[5])))
+            producer.flush(30)
+            conn.execute(d, [row[0]])
+            conn.commit()
+        elapsed = time.perf_counter() - started
+    return {"sample_records": sample, "seconds": round(elapsed, 3), "records_per_s": round(sample / elapsed)}
+
+
+def bench_throughput(n: int, naive_sample: int) -> dict:
+    env = Env()
+    try:
+        say(f"throughput: pre-filling {n} rows")
+        prefill(env, n, keys=1000)
+        say("throughput: naive single-row relay on a sample")
+        naive = naive_relay(env, naive_sample)
+        left = n - naive_sample
+        say(f"throughput: harvesting {left} rows")
+        fast = harvest_all(env, left)
+        assert env.count() == 0
+        return {"reaper": fast, "naive_relay": naive,
+                "ratio_vs_naive": round(fast["records_per_s"] / naive["records_per_s"], 1)}
+    finally:
+        env.drop()
+
+
+def bench_hot_key(n: int) -> dict:
+    env = Env()
+    try:
+        say(f"hot key: pre-filling {n} rows on one key")
+        prefill(env, n, keys=1)
+        return harvest_all(env, n)
+    finally:
+        env.drop()
+
+
+def _writer(schema: str, topic: str, rate: float, seconds: float, chunk: int, out) -> None:
+    """A separate process: COPY `chunk` rows at a time to offer `rate` rows/s for `seconds`."""
+    sent = 0
+    with psycopg.connect(DSN) as conn:
+        started = time.monotonic()
+        while (now := time.monotonic()) - started < seconds:
+            due = int((now - started) * rate)
+            if sent >= due:
+                time.sleep(min(0.01, (sent - due + 1) / rate))
+                continue
+            with conn.cursor().copy(f'COPY "{schema}".outbox (topic, key, value) FROM STDIN') as cp:
+                for i in range(sent, sent + chunk):
+                    cp.write_row((topic, b"key-%d" % (i % 1000), VALUE))
+            conn.commit()
+            sent += chunk
+    out.put(sent)
+
+
+def bench_sustained(seconds: float, window: float, rate: float) -> dict:
+    env = Env()
+    h = Harvester(env.config()).start()
+    try:
+        while not h.leading:
+            time.sleep(0.01)
+        q = mp.get_context("spawn").Queue()
+        writer = mp.get_context("spawn").Process(target=_writer, args=(env.schema, env.topic, rate, seconds, 500, q))
+        say(f"sustained: offering {rate:.0f} rows/s for {seconds:.0f} s")
+        writer.start()
+        started = time.monotonic()
+        samples = []
+        while writer.is_alive():
+            samples.append((time.monotonic() - started, h.publisher.purged_rows))
+            time.sleep(1)
+        offered = q.get(timeout=30)
+        writer.join()
+        samples.append((time.monotonic() - started, h.publisher.purged_rows))
+
+        def rate_between(t0: float, t1: float) -> float:
+            a = min(samples, key=lambda s: abs(s[0] - t0))
+            b = min(samples, key=lambda s: abs(s[0] - t1))
+            return (b[1] - a[1]) / max(1e-9, b[0] - a[0])
+
+        end = samples[-1][0]
+        first, last = rate_between(0, window), rate_between(end - window, end)
+        backlog = env.count()
+        return {"seconds": round(end, 1), "window_s": window, "offered_per_s": rate, "offered_rows": offered,
+                "first_window_per_s": round(first), "last_window_per_s": round(last),
+                "ratio_last_first": round(last / first, 3) if first else None, "backlog_at_end": backlog,
+                "vacuums": h.vacuums}
+    finally:
+        h.stop(10)
+        env.drop()
+
+
+def bench_latency(seconds: float, rate: float) -> dict:
+    env = Env()
+    h = Harvester(env.config()).start()
+    acked: dict[int, float] = {}
+    try:
+        while not h.leading:
+            time.sleep(0.01)
+        pub = h.publisher
+        inner = pub._report
+
+        def report(row_id, leader_id, err, msg):  # stamp the acknowledgement time of each row
+            if err is None:
+                acked.setdefault(row_id, time.time())
+            inner(row_id, leader_id, err, msg)
+
+        pub._report = report
+        committed: dict[int, float] = {}
+        per_txn = 10
+        ins = (f'INSERT INTO "{env.schema}".outbox (topic, key, value) '
+               "SELECT %s, convert_to('key-' || (g %% 1000), 'UTF8'), %s FROM generate_series(1, %s) g RETURNING id")
+        with psycopg.connect(DSN) as conn:
+            started = time.monotonic()
+            sent = 0
+            while time.monotonic() - started < seconds:
+                due = (time.monotonic() - started) * rate
+                if sent >= due:
+                    time.sleep(0.0005)
+                    continue
+                ids = [r[0] for r in conn.execute(ins, [env.topic, VALUE, per_txn]).fetchall()]
+                conn.commit()
+                t = time.time()
+                for i in ids:
+                    committed[i] = t
+                sent += per_txn
+        deadline = time.monotonic() + 30
+        while len(acked) < len(committed) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lat = sorted(acked[i] - committed[i] for i in committed if i in acked)
+        q = statistics.quantiles(lat, n=100)
+        return {"offered_per_s": rate, "records": len(committed), "acknowledged": len(lat),
+                "p50_ms": round(q[49] * 1000, 2), "p99_ms": round(q[98] * 1000, 2), "max_ms": round(lat[-1] * 1000, 2)}
+    finally:
+        h.stop(10)
+        env.drop()
+
+
+def _spawn(env: Env, name: str, session: float, heartbeat: float) -> tuple[subprocess.Popen, Path]:
+    log = Path(f"/tmp/bench-harvest-{env.group}-{name}.log")
+    full = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
+    full.update({"REAPER_DATABASE__DSN": DSN, "REAPER_DATABASE__SCHEMA": env.schema,
+                 "REAPER_KAFKA__BOOTSTRAP_SERVERS": BOOTSTRAP, "REAPER_HARVESTER__LEADER_TOPIC": env.leader_topic,
+                 "REAPER_HARVESTER__LEADER_GROUP": env.group, "REAPER_HARVESTER__SESSION_TIMEOUT": str(session),
+                 "REAPER_HARVESTER__HEARTBEAT_TIMEOUT": str(heartbeat), "REAPER_ACKER__ENABLED": "false",
+                 "REAPER_SWEEPER__ENABLED": "false", "REAPER_METRICS__ENABLED": "false",
+                 "REAPER_LOGGING__FORMAT": "json"})
+    out = open(log, "wb")
+    return subprocess.Popen([sys.executable, "-m", "harvester.cli", "run"], cwd=REPO, env=full, stdout=out,
+                            stderr=subprocess.STDOUT), log
+
+
+def _is_leader(log: Path) -> bool:
+    state = None
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{") and '"event": "neli ' in line:
+            state = json.loads(line)["event"][5:]
+    return state == "leader"
+
+
+def _wait(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def bench_failover(sig: int, session: float, heartbeat: float, rate: float = 500.0) -> dict:
+    """Gap in publication (largest pause between records arriving at a consumer) across the signal."""
+    env = Env(partitions=1)
+    procs = []
+    stop = threading.Event()
+    arrivals: list[float] = []
+    try:
+        a, alog = _spawn(env, "a", session, heartbeat)
+        procs.append(a)
+        if not _wait(lambda: _is_leader(alog), 60):
+            raise RuntimeError("first reaper never led")
+        b, blog = _spawn(env, "b", session, heartbeat)
+        procs.append(b)
+        time.sleep(3)
+        consumer = Consumer({"bootstrap.servers": BOOTSTRAP, "group.id": f"r-{uuid.uuid4().hex}",
+                             "enable.auto.commit": False})
+        consumer.assign([TopicPartition(env.topic, 0, 0)])
+
+        def consume() -> None:
+            while not stop.is_set():
+                for m in consumer.consume(1000, 0.01):
+                    if m.error() is None:
+                        arrivals.append(time.monotonic())
+            consumer.close()
+
+        def write() -> None:
+            with psycopg.connect(DSN) as conn:
+                while not stop.is_set():
+                    conn.execute(f'INSERT INTO "{env.schema}".outbox (topic, key, value) VALUES (%s, %s, %s)',
+                                 [env.topic, b"k", VALUE])
+                    conn.commit()
+                    time.sleep(1 / rate)
+
+        threads = [threading.Thread(target=consume, daemon=True), threading.Thread(target=write, daemon=True)]
+        for t in threads:
+            t.start()
+        time.sleep(3)
+        signalled = time.monotonic()
+        a.send_signal(sig)
+        a.wait(60)
+        if not _wait(lambda: _is_leader(blog), session * 3 + 30):
+            raise RuntimeError("standby never took over")
+        time.sleep(3)
+        stop.set()
+        for t in threads:
+            t.join(10)
+        around = [t for t in arrivals if t >= signalled - 1]
+        before = [t for t in arrivals if t < signalled]
+        after = [t for t in arrivals if t >= signalled]
+        gap = (after[0] - before[-1]) if before and after else None
+        inter = max((y - x for x, y in zip(around, around[1:])), default=None)
+        return {"signal": signal.Signals(sig).name, "session_timeout_s": session, "heartbeat_timeout_s": heartbeat,
+                "gap_s": round(gap, 3) if gap is not None else None,
+                "largest_pause_s": round(inter, 3) if inter is not None else None}
+    finally:
+        stop.set()
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        env.drop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes and short windows (development)")
+    ap.add_argument("--only", choices=["throughput", "hot_key", "sustained", "latency", "failover"], action="append")
+    ap.add_argument("--sustained-rate", type=float, default=20000.0, help="rows/s the writer offers")
+    args = ap.parse_args(argv)
+    logs.configure("json", "warning")
+    q = args.quick
+    want = set(args.only or ["throughput", "hot_key", "sustained", "latency", "failover"])
+    result: dict = {"benchmark": "harvest", "quick": q, "machine": "shared 2-core host, Postgres and Kafka local",
+                    "targets": {"records_per_s": 50000, "hot_key_records_per_s": 5000, "sustained_ratio": 0.8,
+                                "latency_p99_ms": 50, "sigterm_handover_s": 2.0,
+                                "sigkill_failover_s": "session_timeout + 2"}}
+    if "throughput" in want:
+        result["throughput"] = bench_throughput(100_000 if q else 500_000, 300 if q else 1000)
+        say(json.dumps(result["throughput"]))
+    if "hot_key" in want:
+        result["hot_key"] = bench_hot_key(30_000 if q else 100_000)
+        say(json.dumps(result["hot_key"]))
+    if "latency" in want:
+        result["latency"] = bench_latency(8 if q else 30, 2000.0)
+        say(json.dumps(result["latency"]))
+    if "failover" in want:
+        result["failover_sigterm"] = bench_failover(signal.SIGTERM, 6.0, 2.0)
+        say(json.dumps(result["failover_sigterm"]))
+        result["failover_sigkill"] = bench_failover(signal.SIGKILL, 6.0, 2.0)
+        say(json.dumps(result["failover_sigkill"]))
+    if "sustained" in want:
+        result["sustained"] = bench_sustained(60 if q else 630, 15 if q else 60, args.sustained_rate)
+        say(json.dumps(result["sustained"]))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
