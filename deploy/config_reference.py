@@ -57,7 +57,7 @@ DESCRIPTIONS = {
     "acker.poll_timeout": "seconds one poll waits for ack messages",
     "sweeper.enabled": "run the sweeper (expiry and retention) in this process",
     "sweeper.interval": "seconds between sweeps",
-    "sweeper.idle_expiry": "expire open batches with no add, close or ack for this long (seconds)",
+    "sweeper.idle_expiry": "expire open and closed batches with no add, close or ack for this long (seconds)",
     "sweeper.retention": "delete complete and expired batches this long after they finished (seconds)",
     "sweeper.chunk": "batches handled per sweep statement",
     "metrics.enabled": "serve /metrics, /healthz and /readyz",
