@@ -358,3 +358,18 @@ def test_lifecycle_metrics_count(conn, schema):
     assert delta == {"reaper_batches_opened_total": 2, "reaper_batches_closed_total": 1,
                      "reaper_batches_completed_total": 1, "reaper_batches_expired_total": 1,
                      "reaper_acks_applied_total": 3, "reaper_acks_duplicate_total": 1}
+
+
+def test_sweeper_commits_chunks_only_on_an_idle_connection(pg_dsn, schema):
+    with psycopg.connect(pg_dsn) as c:
+        for _ in range(3):
+            tracker.open_batch(c, schema=schema)
+        c.execute(f'UPDATE "{schema}".batch SET last_activity_at = now() - interval \'2 hours\'')
+        c.commit()
+        c.execute("SELECT 1")  # the caller's transaction: sweep leaves it to the caller
+        assert sweep(c, schema=schema, idle_expiry=3600, retention=86400, chunk=2).expired == 3
+        c.rollback()
+        assert sweep(c, schema=schema, idle_expiry=3600, retention=86400, chunk=2).expired == 3  # idle: commits
+        c.rollback()
+        states = c.execute(f'SELECT DISTINCT state FROM "{schema}".batch').fetchall()
+        assert states == [("expired",)]

@@ -8,9 +8,10 @@ seconds after expiry; their groups go with them (ON DELETE CASCADE).
 
 Work is done in chunks of at most `chunk` batches per statement, each picking its rows with
 FOR UPDATE SKIP LOCKED: several sweepers never wait on each other or on a batch an application
-transaction holds (that batch is busy, hence not idle, and is looked at next time). On an
-autocommit connection every chunk commits on its own, which keeps locks short; on a connection
-in a transaction the caller commits.
+transaction holds (that batch is busy, hence not idle, and is looked at next time). Every chunk
+commits on its own, which keeps locks short, when the connection is autocommit or was idle when
+`sweep` was called (e.g. fresh from a pool); a connection already in a transaction is left to its
+caller to commit.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import functools
 from dataclasses import dataclass
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 
 from . import metrics
 from .schema import check_identifier
@@ -61,12 +62,16 @@ def sweep(conn: psycopg.Connection, *, schema: str, idle_expiry: float, retentio
         raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
     q = _statements(schema)
     result = SweepResult()
+    # A connection with no transaction open is ours to commit chunk by chunk.
+    commit_chunks = not conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE
     for kind, params in (("expire", {"idle": float(idle_expiry), "chunk": chunk}),
                          ("delete", {"retention": float(retention), "chunk": chunk})):
         rounds = 0
         while max_chunks is None or rounds < max_chunks:
             rounds += 1
             n = len(conn.execute(q[kind], params).fetchall())
+            if commit_chunks:
+                conn.commit()
             if kind == "expire":
                 result.expired += n
                 metrics.batches_expired.inc(n)
