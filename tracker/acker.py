@@ -38,6 +38,37 @@ log = structlog.get_logger("reaper.acker")
 REASON_HEADER = "reason"
 
 
+class EntryFolder:
+    """Folds ack entries (item ids and runs, as text) into one mask per (batch, group) and returns
+    the reason for each entry it cannot take, so one bad entry never spoils the others."""
+
+    def __init__(self) -> None:
+        self.masks: dict[tuple[int, int], GroupMask] = {}
+        self._prefixes: dict[str, tuple[int, int]] = {}
+
+    def add(self, entry: str) -> str | None:
+        head, sep, tail = entry.rpartition(":")
+        key = self._prefixes.get(head)
+        if key is not None and tail.isdigit() and tail.isascii() and len(tail) < 6:
+            start = end = int(tail)  # the common case: another index of a group already seen
+        else:
+            try:
+                run = parse_ack(entry)
+            except MalformedItemId as exc:
+                return f"malformed: {exc}"
+            key = (run.batch_id, run.group_id)
+            if sep:
+                self._prefixes[head] = key
+            start, end = run.start, run.end
+        if end >= GROUP_BITS_MAX:  # no group is this large; never allocate a mask for it
+            return f"index out of range: {end} >= {GROUP_BITS_MAX}"
+        mask = self.masks.get(key)
+        if mask is None:
+            mask = self.masks[key] = GroupMask(key[0], key[1], bytearray())
+        mask.add(start, end)
+        return None
+
+
 @dataclass
 class Folded:
     """A poll's acks folded per group, the entries set aside, and how far each partition got."""
@@ -52,8 +83,9 @@ class Folded:
 def fold_messages(messages: list[Any]) -> Folded:
     """Fold ack messages into masks, tolerating bad entries (kept in `.bad` with their reason)."""
     out = Folded()
-    masks, bad, first, last = out.masks, out.bad, out.first, out.last
-    prefixes: dict[str, tuple[int, int]] = {}
+    folder = EntryFolder()
+    out.masks = folder.masks
+    bad, first, last, add = out.bad, out.first, out.last, folder.add
     for msg in messages:
         if msg.error() is not None:
             continue
@@ -69,27 +101,9 @@ def fold_messages(messages: list[Any]) -> Folded:
             bad.append((msg.key(), value, "malformed: value is empty or not ASCII", partition, offset))
             continue
         for entry in text.split(","):
-            head, sep, tail = entry.rpartition(":")
-            key = prefixes.get(head)
-            if key is not None and tail.isdigit() and tail.isascii() and len(tail) < 6:
-                start = end = int(tail)
-            else:
-                try:
-                    run = parse_ack(entry)
-                except MalformedItemId as exc:
-                    bad.append((msg.key(), entry.encode(), f"malformed: {exc}", partition, offset))
-                    continue
-                key = (run.batch_id, run.group_id)
-                if sep:
-                    prefixes[head] = key
-                start, end = run.start, run.end
-            if end >= GROUP_BITS_MAX:  # no group is this large; never allocate a mask for it
-                bad.append((msg.key(), entry.encode(), f"index out of range: {end} >= {GROUP_BITS_MAX}", partition, offset))
-                continue
-            mask = masks.get(key)
-            if mask is None:
-                mask = masks[key] = GroupMask(key[0], key[1], bytearray())
-            mask.add(start, end)
+            reason = add(entry)
+            if reason is not None:
+                bad.append((msg.key(), entry.encode(), reason, partition, offset))
     return out
 
 
