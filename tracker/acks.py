@@ -21,7 +21,7 @@ from . import metrics
 from .batches import completion_insert
 from .errors import BatchExpired, IndexOutOfRange, UnknownBatch, UnknownGroup
 from .ids import GroupMask, fold, format_run
-from .session import DEFAULTS, atomic, pg_connection, schema_of
+from .session import DEFAULTS, atomic_pipeline, pg_connection, schema_of
 
 
 @dataclass
@@ -113,8 +113,13 @@ def apply_masks(conn: psycopg.Connection, masks: Mapping[tuple[int, int], GroupM
     todo = [m for m in masks.values() if m.count]
     if not todo:
         return result
-    with atomic(conn):
-        states = dict(conn.execute(q["lock"], [sorted({m.batch_id for m in todo})]).fetchall())
+    with atomic_pipeline(conn):
+        # One round trip: savepoint, batch locks (in id order), then the groups' sizes, read after
+        # the locks are held so that an add committed while we waited is seen.
+        lock_cursor = conn.execute(q["lock"], [sorted({m.batch_id for m in todo})])
+        sizes_cursor = conn.execute(q["sizes"], [[m.batch_id for m in todo], [m.group_id for m in todo]])
+        states = dict(lock_cursor.fetchall())
+        sizes = {(b, g): size for b, g, size in sizes_cursor.fetchall()}
         live: list[GroupMask] = []
         for m in todo:
             state = states.get(m.batch_id)
@@ -126,10 +131,6 @@ def apply_masks(conn: psycopg.Connection, masks: Mapping[tuple[int, int], GroupM
                 result.rejected.extend((run, reason) for run in _runs(m))
             else:
                 live.append(m)
-        sizes: dict[tuple[int, int], int] = {}
-        if live:
-            rows = conn.execute(q["sizes"], [[m.batch_id for m in live], [m.group_id for m in live]]).fetchall()
-            sizes = {(b, g): size for b, g, size in rows}
         batch_ids, group_ids, hexes = [], [], []
         counted = 0
         for m in live:
@@ -153,13 +154,13 @@ def apply_masks(conn: psycopg.Connection, masks: Mapping[tuple[int, int], GroupM
             group_ids.append(m.group_id)
             hexes.append(bits.hex())
             counted += count
-        if batch_ids:
-            for batch_id, flipped, completed in conn.execute(
-                    q["apply"], [batch_ids, group_ids, hexes, DEFAULTS.completion_topic]).fetchall():
-                result.acked += flipped
-                if completed:
-                    result.completed.append(batch_id)
-        result.duplicates = max(0, counted - result.acked)
+        applied = conn.execute(q["apply"], [batch_ids, group_ids, hexes, DEFAULTS.completion_topic]) if batch_ids else None
+    # (the pipeline has synced: the savepoint is released, the rows are here)
+    for batch_id, flipped, completed in applied.fetchall() if applied is not None else ():
+        result.acked += flipped
+        if completed:
+            result.completed.append(batch_id)
+    result.duplicates = max(0, counted - result.acked)
     metrics.acks_applied.inc(result.acked)
     metrics.acks_duplicate.inc(result.duplicates)
     metrics.batches_completed.inc(len(result.completed))
