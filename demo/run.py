@@ -350,8 +350,22 @@ def progress(run: Run, reapers: list[Child], watcher: CompletionWatcher, batch_i
     say("    " + json.dumps(watcher.event))
     survivors = [r for r in reapers if r is not killed]
     m = survivors[0].metrics()
-    say(f"{t()} {run.items:,} items fanned out, published, processed and acked, with a leader killed midway; "
-        f"duplicate acks absorbed by the standby's acker: {m.get('reaper_acks_duplicate_total', 0):,.0f}")
+    processed = 0
+    for c in run.children:
+        if c.name.startswith("consumer-"):
+            c.stop(25)
+            processed += consumer_count(c)
+    say(f"{t()} consumers processed {processed:,} messages for {run.items:,} items "
+        f"({processed - run.items:,} redelivered: at least once, never lost); the standby's acker "
+        f"counted {m.get('reaper_acks_duplicate_total', 0):,.0f} duplicate acks, which changed nothing")
+
+
+def consumer_count(child: Child) -> int:
+    """The `{"processed": N}` line an example consumer prints when it stops."""
+    for line in reversed(child.log.read_text(errors="replace").splitlines()):
+        if line.startswith('{"processed"'):
+            return json.loads(line)["processed"]
+    raise DemoFailed(f"{child.name} did not report what it processed:\n{child.log_tail()}")
 
 
 def _interrupt(signum, frame) -> None:
