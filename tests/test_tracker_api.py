@@ -136,8 +136,17 @@ def test_autocommit_connection_commits_each_call(pg_dsn, schema):
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         batch = tracker.open_batch(c, schema=schema)
         (h,) = tracker.add_items(c, batch, 2, schema=schema)
+        with psycopg.connect(pg_dsn) as other:
+            assert tracker.status(other, batch, schema=schema).pending == 2
+        assert tracker.ack(c, [h.item_ids[0]], schema=schema).acked == 1
+        before = snapshot(c, schema)
+        with pytest.raises(tracker.IndexOutOfRange):
+            tracker.ack(c, [h.item_ids[1], f"{batch.id}:0:2"], schema=schema)
+        assert snapshot(c, schema) == before
+        assert tracker.close_batch(c, batch, schema=schema) is False
+        assert tracker.ack(c, h.item_ids, schema=schema).completed == [batch.id]
     with psycopg.connect(pg_dsn) as other:
-        assert tracker.status(other, batch, schema=schema).pending == 2
+        assert tracker.status(other, batch, schema=schema).state == "complete"
 
 
 def test_configure_sets_process_defaults(conn, schema):
