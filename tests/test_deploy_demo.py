@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.timeout(400)
 def test_demo_shows_failover_and_completion_and_cleans_up(pg_dsn, kafka_bootstrap):
-    r = subprocess.run([sys.executable, "-m", "demo", "--items", "20000", "--keep-services", "--timeout", "240"],
+    r = subprocess.run([sys.executable, "-m", "demo", "--items", "20000", "--kill-at", "0.1", "--keep-services",
+                        "--timeout", "240"],
                        cwd=REPO, capture_output=True, text=True, timeout=360)
     out = r.stdout
     assert r.returncode == 0, out + r.stderr
@@ -34,6 +35,7 @@ def test_demo_shows_failover_and_completion_and_cleans_up(pg_dsn, kafka_bootstra
     event = json.loads(out.split("completion event received on", 1)[1].splitlines()[1])
     assert event["total"] == 20000 and event["user_key"] == f"catalog-{run_id}"
     assert {"batch_id", "opened_at", "closed_at", "completed_at"} <= set(event)
+    assert re.search(r"consumers processed [\d,]+ messages for 20,000 items", out), out
     assert re.search(r"demo finished in \d+\.\d+s", out)
     with psycopg.connect(pg_dsn) as conn:
         assert conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", [f"demo_{run_id}"]).fetchone() is None
