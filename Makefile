@@ -14,6 +14,7 @@ help:
 	@echo "make test           venv + services + the whole test suite (what CI runs)"
 	@echo "make services-up    start local Postgres and Kafka (idempotent); prints DSN and bootstrap"
 	@echo "make services-down  stop them"
+	@echo "make prometheus-check  promtool check + unit tests of deploy/prometheus/rules.yml (installs Debian's prometheus)"
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -217,6 +217,10 @@ def test_dockerfile_is_plausible_and_agrees_with_the_project():
     ins = dockerfile_instructions()
     froms = [rest.split()[0] for op, rest in ins if op == "FROM"]
     assert froms and all(IMAGE.match(f) for f in froms), froms
+    required = re.search(r'requires-python = ">=(\d+)\.(\d+)"', (REPO / "pyproject.toml").read_text())
+    for image in froms:
+        version = re.match(r"python:(\d+)\.(\d+)", image)
+        assert version and tuple(map(int, version.groups())) >= tuple(map(int, required.groups())), image
     for op, rest in ins:
         if op == "COPY" and not rest.startswith("--from"):
             *sources, _ = rest.split()
