@@ -12,6 +12,7 @@ otherwise slow every mark down as they pile up.
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
 import uuid
@@ -46,6 +47,8 @@ class Harvester:
         self._me: uuid.UUID | None = None         # id rows are marked with now
         self._neli_id: uuid.UUID | None = None    # the NELI acquisition it derives from
         self._thread = threading.Thread(target=self._loop, name="reaper-mark", daemon=True)
+        self._producer_thread = threading.Thread(target=self._produce_loop, name="reaper-produce", daemon=True)
+        self._batches: queue.Queue = queue.Queue(maxsize=2)  # marked, waiting for the producer thread
         self._upkeep = threading.Thread(target=self._upkeep_loop, name="reaper-upkeep", daemon=True)
         self.purged_since_vacuum = 0
         self.vacuums = 0
@@ -69,6 +72,7 @@ class Harvester:
                          min_poll_interval=h.min_poll_interval, heartbeat_timeout=h.heartbeat_timeout,
                          session_timeout=h.session_timeout, metrics=self.m, on_change=self._on_neli).start()
         self._thread.start()
+        self._producer_thread.start()
         self._upkeep.start()
         return self
 
@@ -81,6 +85,7 @@ class Harvester:
         timeout = self.h.drain_timeout if drain_timeout is None else drain_timeout
         self._stop.set()
         self._thread.join(timeout + 10)
+        self._producer_thread.join(timeout + 10)
         drained = True
         if self.publisher is not None:
             try:
@@ -137,7 +142,9 @@ class Harvester:
             raise
 
     def _run(self) -> None:
+        """The marker: takes leadership changes and remarks, marks batches and queues them in order."""
         h, m, pub = self.h, self.m, self.publisher
+        last_me, after, last_head_scan = None, 0, 0.0
         while not self._stop.is_set():
             neli_id = self.neli.leader_id()
             if neli_id is None:
@@ -148,36 +155,75 @@ class Harvester:
                 self._stop.wait(0.02)
                 continue
             if neli_id != self._neli_id:
-                self._neli_id = self._me = neli_id
+                self._me = neli_id   # set the id before clearing the flag: queued batches go stale first
+                self._neli_id = neli_id
                 self._remark.clear()
                 logs.leader_context.set(self._me)
                 self.log.info("leading: marking from the head")
             elif self._remark.is_set():
-                self._remark.clear()
                 self._me = uuid.uuid4()
+                self._remark.clear()
                 logs.leader_context.set(self._me)
                 m.force_remarks.inc()
                 self.log.info("force remark", reason=self._remark_why)
-                if pub.replace_if_broken():
-                    pass
+                pub.replace_if_broken()
+            if self._me != last_me:
+                last_me, after = self._me, 0
             me = self._me
-            if pub.in_flight >= h.max_in_flight:
+            if after and time.monotonic() - last_head_scan >= h.rescan_interval:
+                after = 0
+            room = h.max_in_flight - pub.in_flight
+            if room <= 0:
                 pub.wait_below(h.max_in_flight, 0.05)
                 continue
-            limit = min(h.mark_batch, h.max_in_flight - pub.in_flight)
             started = time.monotonic()
+            limit = min(h.mark_batch, room)
+            if after == 0:
+                last_head_scan = started
             try:
-                rows = self.store.mark(me, limit)
+                rows = self.store.mark(me, limit, after)
             except Exception as exc:
                 self.log.warning("mark failed", error=logs_safe(exc))
                 self.force_remark("mark failed")
                 self._stop.wait(0.2)
                 continue
             m.mark_duration.observe(time.monotonic() - started)
+            # A full batch: more is waiting, continue above it. A short one: caught up, so the next
+            # mark starts from the head again and finds rows committed late below this batch.
+            after = rows[-1][0] if len(rows) == limit else 0
             if not rows:
                 self._stop.wait(h.idle_poll_interval)
                 continue
             m.marked.inc(len(rows))
+            pub.reserve(len(rows))  # marked rows count as in flight until settled or dropped
+            while True:
+                try:
+                    self._batches.put((me, rows, started), timeout=0.05)
+                    break
+                except queue.Full:
+                    if self._stop.is_set() or not self._valid(me):
+                        pub.release(len(rows))
+                        break
+
+    def _produce_loop(self) -> None:
+        try:
+            self._produce()
+        except BaseException as exc:
+            self.error = exc
+            self.log.exception("harvester producer loop crashed")
+            raise
+
+    def _produce(self) -> None:
+        """The producer side of the pipeline: hands queued batches to Kafka while the next is marked."""
+        h, m, pub = self.h, self.m, self.publisher
+        while not (self._stop.is_set() and self._batches.empty()):
+            try:
+                me, rows, started = self._batches.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if not self._valid(me):  # dropped: stale id, remark pending, fenced or stopping
+                pub.release(len(rows))
+                continue
             try:
                 pub.produce_rows(rows, me, lambda: self._valid(me), self.neli.valid_until)
             except (BufferError, KafkaException) as exc:

@@ -29,7 +29,7 @@ REQUIRED_PRODUCER = {
     "enable.gapless.guarantee": True,   # any other gap-making failure is fatal: nothing after it is written
 }
 DEFAULT_PRODUCER = {
-    "linger.ms": 5,
+    "linger.ms": 2,
     "batch.num.messages": 10000,
     "queue.buffering.max.messages": 1_000_000,
     "queue.buffering.max.kbytes": 1_048_576,
@@ -101,8 +101,6 @@ class Publisher:
         """
         producer, report, clock = self.producer, self._report, time.monotonic
         sent = 0
-        with self._cond:
-            self._in_flight += len(rows)  # settle counts them down; unsent ones are taken back below
         try:
             deadline = valid_until()
             for row in rows:
@@ -133,8 +131,17 @@ class Publisher:
         finally:
             self.produced += sent
             if sent < len(rows):
-                self._settled(len(rows) - sent)
+                self.release(len(rows) - sent)
         return sent
+
+    def reserve(self, n: int) -> None:
+        """Count marked rows as in flight (the throttle) before they are produced."""
+        with self._cond:
+            self._in_flight += n
+
+    def release(self, n: int) -> None:
+        """Reserved rows that will not be produced (dropped batch or stopped part-way)."""
+        self._settled(n)
 
     def wait_below(self, limit: int, timeout: float) -> bool:
         with self._cond:

@@ -13,6 +13,9 @@ CREATE TABLE outbox (
     leader_id     uuid,                        -- null: not in flight
     CONSTRAINT outbox_headers_paired CHECK (cardinality(header_keys) = cardinality(header_values))
 ) WITH (
+    -- Room on each page for the harvester's mark (an UPDATE of leader_id) to stay a HOT update:
+    -- no new index entry per mark, and the old version is pruned within the page.
+    fillfactor = 50,
     -- The harvester deletes from the head all day; vacuum must keep up by rows, not by fraction.
     autovacuum_vacuum_scale_factor = 0,
     autovacuum_vacuum_threshold = 10000,
