@@ -167,40 +167,47 @@ def bench_ack(conn: psycopg.Connection, schema: str, n: int, sample: int, repeat
 
 
 def bench_fillfactor(db: str, n: int, rounds: int) -> dict:
-    """Same items tracked at fillfactor 100 and 70, acked in `rounds` partial passes (every pass
-    touches every group): size, HOT share of group updates, time."""
+    """The same n items tracked at fillfactor 100 and 70 and acked in `rounds` passes of random ids
+    (every pass updates every group once, in one transaction), without and with a VACUUM after
+    each pass (what a prompt autovacuum does): table size at rest and at its largest, HOT share of
+    the group updates, ack rate."""
     out = {}
     for ff in (100, 70):
-        name = f"bench_ff{ff}_{uuid.uuid4().hex[:8]}"
-        schema_mod.migrate(db, name)
-        try:
-            with psycopg.connect(db) as conn:
-                conn.execute(f'ALTER TABLE "{name}".batch_group SET (fillfactor = {ff})')
-                batch = tracker.open_batch(conn, schema=name)
-                handles = tracker.add_items(conn, batch, n, schema=name)
-                conn.commit()
-                fresh = storage_bits(conn, name, n)["bits_per_item"]
-                ids = [i for h in handles for i in h.item_ids]
-                random.Random(ff).shuffle(ids)
-                per = len(ids) // rounds
-                t0 = time.perf_counter()
-                for k in range(rounds):
-                    tracker.ack(conn, ids[k * per:(k + 1) * per], schema=name)
+        for vacuum in (False, True):
+            name = f"bench_ff{ff}_{uuid.uuid4().hex[:8]}"
+            schema_mod.migrate(db, name)
+            try:
+                with psycopg.connect(db) as conn, psycopg.connect(db, autocommit=True) as maint:
+                    conn.execute(f'ALTER TABLE "{name}".batch_group SET (fillfactor = {ff}, autovacuum_enabled = off)')
+                    batch = tracker.open_batch(conn, schema=name)
+                    handles = tracker.add_items(conn, batch, n, schema=name)
                     conn.commit()
-                elapsed = time.perf_counter() - t0
-                conn.execute("SELECT pg_stat_force_next_flush()")
-                conn.commit()
-                time.sleep(0.5)
-                upd, hot = conn.execute(
-                    "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE schemaname = %s "
-                    "AND relname = 'batch_group'", [name]).fetchone()
-                out[f"ff{ff}"] = {"bits_per_item_fresh": fresh,
-                                  "bits_per_item_after_acks": storage_bits(conn, name, n)["bits_per_item"],
-                                  "group_updates": upd, "hot_share": round(hot / upd, 3) if upd else None,
-                                  "acks_per_s": round(per * rounds / elapsed)}
-        finally:
-            with psycopg.connect(db, autocommit=True) as c:
-                c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+                    fresh = storage_bits(conn, name, n)["bits_per_item"]
+                    ids = [i for h in handles for i in h.item_ids]
+                    random.Random(ff).shuffle(ids)
+                    per = len(ids) // rounds
+                    largest, elapsed = fresh, 0.0
+                    for k in range(rounds):
+                        t0 = time.perf_counter()
+                        tracker.ack(conn, ids[k * per:(k + 1) * per], schema=name)
+                        conn.commit()
+                        elapsed += time.perf_counter() - t0
+                        if vacuum:
+                            maint.execute(f'VACUUM "{name}".batch_group')
+                        largest = max(largest, storage_bits(conn, name, n)["bits_per_item"])
+                    conn.execute("SELECT pg_stat_force_next_flush()")
+                    conn.commit()
+                    time.sleep(0.5)
+                    upd, hot = conn.execute(
+                        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE schemaname = %s "
+                        "AND relname = 'batch_group'", [name]).fetchone()
+                    out[f"ff{ff}{'_vacuum_each_pass' if vacuum else '_no_vacuum'}"] = {
+                        "bits_per_item_at_rest": fresh, "bits_per_item_largest": largest,
+                        "group_updates": upd, "hot_share": round(hot / upd, 3) if upd else None,
+                        "acks_per_s": round(per * rounds / elapsed)}
+            finally:
+                with psycopg.connect(db, autocommit=True) as c:
+                    c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
     return out
 
 

@@ -23,8 +23,10 @@ CREATE TABLE batch (
 CREATE INDEX batch_unfinished ON batch (id) WHERE state IN ('open', 'closed');
 CREATE INDEX batch_finished ON batch ((coalesce(completed_at, expired_at))) WHERE state IN ('complete', 'expired');
 
--- fillfactor 100: 7 rows of 8192 bits fill a page (~1.14 bits per item). At 70 only 5 fit
--- (1.6 bits per item); bench/tracker.py measures both, see tracker/batches.py for the choice.
+-- fillfactor 100: 7 rows of 8192 bits fill a page (~1.15 bits per item at rest); at 70 only 5
+-- fit (~1.6). A bulk ack updates every group of a page in one transaction, so HOT would need
+-- slack for all of them; dead versions are reclaimed by a prompt autovacuum instead. The
+-- measurements and the choice: tracker/batches.py, `python -m bench.tracker`.
 CREATE TABLE batch_group (
     batch_id bigint  NOT NULL REFERENCES batch (id) ON DELETE CASCADE,
     id       bigint  NOT NULL CHECK (id >= 0),
@@ -32,6 +34,12 @@ CREATE TABLE batch_group (
     pending  integer NOT NULL CHECK (pending BETWEEN 0 AND size),
     bits     varbit(8192) NOT NULL CHECK (bit_length(bits) = size),
     PRIMARY KEY (batch_id, id)
-) WITH (fillfactor = 100);
+) WITH (
+    fillfactor = 100,
+    -- every ack pass leaves one dead ~1.1 KB version per group it touched: vacuum by count, soon
+    autovacuum_vacuum_scale_factor = 0,
+    autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_cost_delay = 0
+);
 -- A bitfield of at most 1 KiB must stay in the row, uncompressed: never TOAST it.
 ALTER TABLE batch_group ALTER COLUMN bits SET STORAGE PLAIN;
