@@ -124,12 +124,16 @@ def test_fold_messages_sets_bad_entries_aside():
         def key(self): return b"1"
         def value(self): return self._v
 
-    f = fold_messages([Msg(b"1:0:0,1:0:2-4", 5), Msg(b"1:0:x,1:1:8192,1:1:1", 6), Msg(None, 7), Msg(b"\xff", 8)])
+    f = fold_messages([Msg(b"1:0:0,1:0:2-4", 5), Msg(b"1:0:x,1:1:8192,1:1:1", 6), Msg(None, 7), Msg(b"\xff", 8),
+                       Msg(b"1:0:3", 9), Msg(b"1:0:3", 10), Msg(b"1:0:99999", 11)])  # the single-id fast path
     assert sorted(f.masks) == [(1, 0), (1, 1)]
-    assert bytes(f.masks[(1, 0)].bits) == bytes([0b10111000]) and f.masks[(1, 1)].count == 1
+    assert bytes(f.masks[(1, 0)].bits).rstrip(b"\0") == bytes([0b10111000]) and f.masks[(1, 1)].count == 1
+    assert f.masks[(1, 0)].max_index == 4
     assert [(e, r.split(":")[0]) for _, e, r, _, _ in f.bad] == [
-        (b"1:0:x", "malformed"), (b"1:1:8192", "index out of range"), (None, "malformed"), (b"\xff", "malformed")]
-    assert (f.first, f.last, f.messages) == ({0: 5}, {0: 8}, 4)
+        (b"1:0:x", "malformed"), (b"1:1:8192", "index out of range"), (None, "malformed"), (b"\xff", "malformed"),
+        (b"1:0:99999", "index out of range")]
+    assert f.masks[(1, 0)].count == 4 + 2  # duplicates are counted: the database tells which bits flipped
+    assert (f.first, f.last, f.messages) == ({0: 5}, {0: 11}, 7)
 
 
 def test_acker_applies_ids_and_runs_once_and_commits_offsets(pg_dsn, schema, kafka_bootstrap, topics):

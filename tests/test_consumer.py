@@ -11,7 +11,10 @@ from confluent_kafka import Consumer, Producer
 
 import tracker
 from tracker import outbox
-from tracker.consumer import AckProducer, MissingItemId, compact, exactly_once, item_id_of, batch_id_of_message
+from hypothesis import given, strategies as st
+
+from tracker.consumer import (AckProducer, MissingItemId, batch_id_of_message, compact, exactly_once, item_id_of,
+                              runs_of)
 
 from test_tracker_support import completion_events, invariant_violations
 
@@ -158,3 +161,11 @@ def test_exactly_once_under_concurrent_redelivery(pg_dsn, conn, schema, effects)
     assert tracker.status(conn, batch, schema=schema).state == "complete"
     assert len(completion_events(conn, schema)) == 1
     assert invariant_violations(conn, schema) == []
+
+
+@given(st.sets(st.integers(0, 8191), max_size=300))
+def test_runs_of_a_mask_are_the_compacted_indexes(indexes):
+    bits = bytearray(1024)
+    for i in indexes:
+        bits[i >> 3] |= 0x80 >> (i & 7)
+    assert runs_of(bits) == compact(indexes)

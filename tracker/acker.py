@@ -64,7 +64,7 @@ class EntryFolder:
             return f"index out of range: {end} >= {GROUP_BITS_MAX}"
         mask = self.masks.get(key)
         if mask is None:
-            mask = self.masks[key] = GroupMask(key[0], key[1], bytearray())
+            mask = self.masks[key] = GroupMask(key[0], key[1], bytearray(GROUP_BITS_MAX >> 3))
         mask.add(start, end)
         return None
 
@@ -86,6 +86,10 @@ def fold_messages(messages: list[Any]) -> Folded:
     folder = EntryFolder()
     out.masks = folder.masks
     bad, first, last, add = out.bad, out.first, out.last, folder.add
+    # Fast path, most messages: one item id of a group already seen in this poll. Works on the
+    # raw bytes (bytes.isdigit is ASCII-only); anything else takes the validating path.
+    by_head: dict[bytes, GroupMask] = {}
+    count = 0
     for msg in messages:
         if msg.error() is not None:
             continue
@@ -93,17 +97,33 @@ def fold_messages(messages: list[Any]) -> Folded:
         if partition not in first:
             first[partition] = offset
         last[partition] = offset
-        out.messages += 1
+        count += 1
         value = msg.value()
+        if value is not None:
+            head, _, tail = value.rpartition(b":")
+            mask = by_head.get(head)
+            if mask is not None and tail.isdigit() and len(tail) < 5:
+                i = int(tail)
+                if i < GROUP_BITS_MAX:
+                    mask.bits[i >> 3] |= 0x80 >> (i & 7)  # masks are created full size (1 KiB)
+                    mask.count += 1
+                    if i > mask.max_index:
+                        mask.max_index = i
+                    continue
         try:
             text = value.decode("ascii")
         except (AttributeError, UnicodeDecodeError):
             bad.append((msg.key(), value, "malformed: value is empty or not ASCII", partition, offset))
             continue
-        for entry in text.split(","):
+        entries = text.split(",")
+        for entry in entries:
             reason = add(entry)
             if reason is not None:
                 bad.append((msg.key(), entry.encode(), reason, partition, offset))
+        if len(entries) == 1 and reason is None and "-" not in text:
+            parsed = parse_ack(text)
+            by_head[value.rpartition(b":")[0]] = folder.masks[(parsed.batch_id, parsed.group_id)]
+    out.messages = count
     return out
 
 
@@ -122,10 +142,14 @@ class Acker:
         self.retry_backoff = retry_backoff
         client = dict(kafka_client or {})
         self._consumer_conf = {
-            **client, "bootstrap.servers": bootstrap_servers, "group.id": group, "enable.auto.commit": False,
-            "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
-            "partition.assignment.strategy": "cooperative-sticky",
-            "queued.min.messages": max(100_000, self.max_poll_records),
+            # Tuning the configuration may override. Ack messages are tiny: with the default 1 MiB
+            # per partition per fetch, 1M single-id acks took 7.3 s to consume here; with 8 MiB, 0.9 s.
+            "max.partition.fetch.bytes": 8 << 20, "queued.min.messages": max(100_000, self.max_poll_records),
+            "partition.assignment.strategy": "cooperative-sticky", "auto.offset.reset": "earliest",
+            **client,
+            # What the acker's correctness rests on: offsets are committed by hand after the database.
+            "bootstrap.servers": bootstrap_servers, "group.id": group, "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
         }
         self._producer_conf = {**client, "bootstrap.servers": bootstrap_servers, "enable.idempotence": True,
                                "linger.ms": 5}

@@ -22,7 +22,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from .acks import AckResult, apply_masks
 from .errors import MalformedItemId, TrackerError
-from .ids import GROUP_BITS_MAX, fold, format_run, parse_ack, parse_item_id
+from .ids import GROUP_BITS_MAX, fold, format_run, parse_item_id
 from .session import atomic, pg_connection
 
 ITEM_ID_HEADER = "item-id"
@@ -76,6 +76,30 @@ def batch_id_of_message(message: Any) -> int:
 # ---------------------------------------------------------------- acks through Kafka
 
 
+def runs_of(bits: bytes | bytearray) -> list[tuple[int, int]]:
+    """The set bits of a mask (index i = bit 7 - i % 8 of byte i // 8) as inclusive runs."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for byte_no, byte in enumerate(bits):
+        if byte == 0 or byte == 0xFF:  # whole bytes: a run ends or goes on
+            if byte == 0 and start is not None:
+                runs.append((start, byte_no * 8 - 1))
+                start = None
+            elif byte and start is None:
+                start = byte_no * 8
+            continue
+        for bit in range(8):
+            if byte & (0x80 >> bit):
+                if start is None:
+                    start = byte_no * 8 + bit
+            elif start is not None:
+                runs.append((start, byte_no * 8 + bit - 1))
+                start = None
+    if start is not None:
+        runs.append((start, len(bits) * 8 - 1))
+    return runs
+
+
 def compact(indexes: Iterable[int]) -> list[tuple[int, int]]:
     """Sorted, de-duplicated indexes as inclusive (start, end) runs."""
     runs: list[tuple[int, int]] = []
@@ -121,7 +145,7 @@ class AckProducer:
         self.linger = linger
         self.max_message_bytes = max_message_bytes
         self._lock = threading.Lock()
-        self._pending: dict[int, dict[int, set[int]]] = {}  # batch -> group -> indexes
+        self._pending: dict[tuple[int, int], bytearray] = {}  # (batch, group) -> mask of acked indexes
         self._count = 0
         self._oldest: float | None = None
         self._failures: list[str] = []
@@ -130,17 +154,28 @@ class AckProducer:
 
     def ack(self, item_ids: str | bytes | Iterable[str | bytes]) -> None:
         """Buffer item ids or runs; raises MalformedItemId (buffering none of the call) on a bad one."""
+        from .acker import EntryFolder  # the acker's bounds-checked fold: no mask beyond 8192 bits
+
         if isinstance(item_ids, (str, bytes)):
             item_ids = [item_ids]
-        runs = [parse_ack(i) for i in item_ids]
-        for r in runs:
-            if r.end >= GROUP_BITS_MAX:
-                raise MalformedItemId(format_run(*r), f"index {r.end} is beyond any group (max {GROUP_BITS_MAX - 1})")
+        folder = EntryFolder()
+        for entry in item_ids:
+            text = entry.decode("ascii", "replace") if isinstance(entry, bytes) else entry
+            reason = folder.add(text) if isinstance(text, str) else "not a str"
+            if reason is not None:
+                if "out of range" in reason:
+                    reason = f"index beyond any group (max {GROUP_BITS_MAX - 1}): {reason}"
+                raise MalformedItemId(entry, reason)
         with self._lock:
-            for r in runs:
-                self._pending.setdefault(r.batch_id, {}).setdefault(r.group_id, set()).update(range(r.start, r.end + 1))
-                self._count += r.end - r.start + 1
-            if self._oldest is None and runs:
+            for key, mask in folder.masks.items():
+                held = self._pending.get(key)
+                if held is None:
+                    self._pending[key] = mask.bits
+                else:
+                    merged = int.from_bytes(held, "big") | int.from_bytes(mask.bits, "big")
+                    self._pending[key] = bytearray(merged.to_bytes(len(held), "big"))
+                self._count += mask.count
+            if self._oldest is None and folder.masks:
                 self._oldest = time.monotonic()
             due = self._count >= self.max_pending or (
                 self._oldest is not None and time.monotonic() - self._oldest >= self.linger)
@@ -150,13 +185,16 @@ class AckProducer:
 
     def _send_locked(self) -> None:
         pending, self._pending, self._count, self._oldest = self._pending, {}, 0, None
-        for batch_id, groups in pending.items():
+        by_batch: dict[int, list[tuple[int, bytearray]]] = {}
+        for (batch_id, group_id), bits in pending.items():
+            by_batch.setdefault(batch_id, []).append((group_id, bits))
+        for batch_id, groups in by_batch.items():
             key = str(batch_id).encode()
             parts: list[str] = []
             size = 0
             acks = 0
-            for group_id, indexes in groups.items():
-                for start, end in compact(indexes):
+            for group_id, bits in sorted(groups, key=lambda g: g[0]):
+                for start, end in runs_of(bits):
                     entry = format_run(batch_id, group_id, start, end)
                     if parts and size + len(entry) + 1 > self.max_message_bytes:
                         self._produce(key, parts, acks)
