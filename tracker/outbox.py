@@ -115,7 +115,7 @@ class _RowEncoder:
         framing, tail, plen = self.framing, self.tail, len(prefix)
         return [framing(plen + len(i)) + prefix + i + tail for i in _INDEX_BYTES[handle.start:handle.upto]]
 
-    def custom_row(self, item: Message, header_values_field: bytes, item_id: bytes, default_key: bytes | None) -> bytes:
+    def custom_row(self, item: Message, item_id: bytes, default_key: bytes | None) -> bytes:
         """A row with its own key or headers: encoded field by field."""
         key = default_key if item.key is None else _key_bytes(item.key)
         extra = self.headers + _header_pairs(item.headers)
@@ -182,7 +182,7 @@ def enqueue(session: Any, batch: Batch | int, items: Iterable[Any], *, topic: st
                             msg = value if isinstance(value, Message) else Message(value)
                             if msg.key is None and item_key is not None:
                                 msg = msg._replace(key=item_key)
-                            out += enc.custom_row(msg, hv, prefix + _INDEX_BYTES[h.start + j], default_key)
+                            out += enc.custom_row(msg, prefix + _INDEX_BYTES[h.start + j], default_key)
                         else:
                             out += head
                             out += _field(_value_bytes(value))
