@@ -38,3 +38,20 @@ def test_readme_quick_start_runs_as_written(pg_dsn, schema):
             .format(sql.Identifier(schema, "outbox"))).fetchone()
     assert (state, total, pending, user_key) == ("closed", 100_000, 100_000, "catalog-42")
     assert rows == with_ids == 100_000
+
+
+def test_readme_storage_table_matches_the_migrated_schema(pg_dsn, schema):
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("### Vacuum and table bloat", 1)[1].split("###", 1)[0]
+    documented = {m.group(1): int(m.group(2)) for m in re.finditer(r"^\| `(\w+)` \| (\d+) \|", section, re.M)}
+    assert set(documented) == {"outbox", "batch", "batch_group"}, documented
+    with psycopg.connect(pg_dsn) as conn:
+        rows = conn.execute("SELECT c.relname, c.reloptions FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                            "WHERE n.nspname = %s AND c.relname = ANY(%s)", [schema, list(documented)]).fetchall()
+    actual = {}
+    for name, options in rows:
+        settings = dict(o.split("=", 1) for o in options or [])
+        actual[name] = int(settings.get("fillfactor", 100))
+        if documented[name] != 80:  # the tables documented as vacuumed by row count
+            assert settings.get("autovacuum_vacuum_scale_factor") == "0", (name, settings)
+    assert actual == documented
