@@ -43,15 +43,20 @@ def test_readme_quick_start_runs_as_written(pg_dsn, schema):
 def test_readme_storage_table_matches_the_migrated_schema(pg_dsn, schema):
     readme = (REPO / "README.md").read_text()
     section = readme.split("### Vacuum and table bloat", 1)[1].split("###", 1)[0]
-    documented = {m.group(1): int(m.group(2)) for m in re.finditer(r"^\| `(\w+)` \| (\d+) \|", section, re.M)}
+    documented = {m.group(1): (int(m.group(2)), m.group(3).strip())
+                  for m in re.finditer(r"^\| `(\w+)` \| (\d+) \| ([^|]*)\|", section, re.M)}
     assert set(documented) == {"outbox", "batch", "batch_group"}, documented
     with psycopg.connect(pg_dsn) as conn:
         rows = conn.execute("SELECT c.relname, c.reloptions FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
                             "WHERE n.nspname = %s AND c.relname = ANY(%s)", [schema, list(documented)]).fetchall()
-    actual = {}
+    assert len(rows) == 3
     for name, options in rows:
         settings = dict(o.split("=", 1) for o in options or [])
-        actual[name] = int(settings.get("fillfactor", 100))
-        if documented[name] != 80:  # the tables documented as vacuumed by row count
+        fillfactor, autovacuum = documented[name]
+        assert int(settings.get("fillfactor", 100)) == fillfactor, (name, settings)
+        if autovacuum.startswith("by row count"):
             assert settings.get("autovacuum_vacuum_scale_factor") == "0", (name, settings)
-    assert actual == documented
+            for number in re.findall(r"([\d,]+) dead", autovacuum):
+                assert settings.get("autovacuum_vacuum_threshold") == number.replace(",", ""), (name, settings)
+        else:
+            assert autovacuum == "default" and not any(k.startswith("autovacuum") for k in settings), (name, settings)
