@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import psycopg
+import yaml
 from psycopg import sql
 
 import tracker
@@ -60,3 +61,16 @@ def test_readme_storage_table_matches_the_migrated_schema(pg_dsn, schema):
                 assert settings.get("autovacuum_vacuum_threshold") == number.replace(",", ""), (name, settings)
         else:
             assert autovacuum == "default" and not any(k.startswith("autovacuum") for k in settings), (name, settings)
+
+
+def test_readme_metrics_reference_lists_exactly_the_exported_metrics():
+    from test_prometheus_rules import CONTRACT_METRICS
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Metrics reference", 1)[1].split("\n## ", 1)[0]
+    listed = {m.group(1) for m in re.finditer(r"^\| `(reaper_\w+)(?:\{\w+\})?` \| (?:gauge|counter|histogram) \|", section, re.M)}
+    assert listed == CONTRACT_METRICS
+    alerts = set(re.findall(r"^\| `(Reaper\w+)`", section, re.M))
+    rules = yaml.safe_load((REPO / "deploy" / "prometheus" / "rules.yml").read_text())
+    defined = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    assert alerts == defined - {"ReaperOutboxBacklogVeryOld"}  # listed together with ...Old
