@@ -15,9 +15,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def quick_start_code() -> str:
+    """The quick start's two examples (psycopg, then SQLAlchemy), as one program."""
     readme = (REPO / "README.md").read_text()
-    section = readme.split("## Quick start: application code", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    section = readme.split("## Quick start: application code", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2, blocks
+    return "\n".join(blocks)
 
 
 def test_readme_quick_start_runs_as_written(pg_dsn, schema):
@@ -25,20 +28,22 @@ def test_readme_quick_start_runs_as_written(pg_dsn, schema):
     assert 'tracker.configure(schema="reaper")' in code
     assert "postgresql://postgres@127.0.0.1:55432/outbox" in code
     code = code.replace('tracker.configure(schema="reaper")', f'tracker.configure(schema="{schema}")')
+    assert "postgresql+psycopg://postgres@127.0.0.1:55432/outbox" in code
     code = code.replace("postgresql://postgres@127.0.0.1:55432/outbox", pg_dsn)
+    code = code.replace("postgresql+psycopg://postgres@127.0.0.1:55432/outbox", pg_dsn.replace("postgresql://", "postgresql+psycopg://"))
     previous = DEFAULTS.schema
     try:
         exec(compile(code, "README.md quick start", "exec"), {})
     finally:
         tracker.configure(schema=previous)  # the process default, for other tests in this worker
     with psycopg.connect(pg_dsn) as conn:
-        state, total, pending, user_key = conn.execute(sql.SQL("SELECT state, total, pending, user_key FROM {}")
-                                                        .format(sql.Identifier(schema, "batch"))).fetchone()
+        batches = conn.execute(sql.SQL("SELECT state, total, pending, user_key, completion_topic FROM {} ORDER BY id")
+                               .format(sql.Identifier(schema, "batch"))).fetchall()
         rows, with_ids = conn.execute(sql.SQL(
             "SELECT count(*), count(*) FILTER (WHERE 'item-id' = ANY(header_keys)) FROM {} WHERE topic = 'process-item'")
             .format(sql.Identifier(schema, "outbox"))).fetchone()
-    assert (state, total, pending, user_key) == ("closed", 100_000, 100_000, "catalog-42")
-    assert rows == with_ids == 100_000
+    assert batches == [("closed", 100_000, 100_000, "catalog-42", None), ("closed", 2, 2, "catalog-43", "catalog-done")]
+    assert rows == with_ids == 100_002
 
 
 def test_readme_storage_table_matches_the_migrated_schema(pg_dsn, schema):
