@@ -88,10 +88,6 @@ class Harvester:
         self._producer_thread.join(timeout + 10)
         drained = True
         if self.publisher is not None:
-            try:
-                self.publisher.producer.flush(max(0.0, timeout))
-            except Exception:
-                pass
             drained = self.publisher.drain(max(0.1, timeout))
             if not drained:
                 self.log.warning("drain timeout: records still in flight are left for the next leader",

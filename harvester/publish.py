@@ -67,6 +67,7 @@ class Publisher:
         self.queue_full_patience = 1.0
         self.produced = 0     # records handed to the producer by this process (logged on state changes)
         self._stop = threading.Event()
+        self._retiring: list = []  # replaced producers whose last reports the poll thread still serves
         self.broken = False  # a fatal producer error: replace the producer before producing again
         self.producer = self._new_producer()
         self._threads = [threading.Thread(target=self._poll_loop, name="reaper-poll", daemon=True)]
@@ -155,6 +156,12 @@ class Publisher:
             self._log.warning("producer purge failed", error=str(exc))
 
     def replace_if_broken(self) -> bool:
+        """Swap a producer that hit a fatal error for a new one.
+
+        The old one is purged and left to the poll thread, which serves its remaining (failed)
+        reports: only that thread ever serves callbacks, since serving one producer's callbacks
+        from two threads at once (flush here, poll there) was seen to deadlock.
+        """
         if not self.broken:
             return False
         old = self.producer
@@ -162,9 +169,10 @@ class Publisher:
         self.broken = False
         try:
             old.purge(in_queue=True, in_flight=True)
-            old.flush(5)  # serves the remaining (failed) reports
         except Exception as exc:
-            self._log.warning("closing the broken producer failed", error=str(exc))
+            self._log.warning("purging the broken producer failed", error=str(exc))
+        with self._cond:
+            self._retiring.append(old)
         self._log.warning("producer replaced after a fatal error")
         return True
 
@@ -180,11 +188,14 @@ class Publisher:
         return True
 
     def close(self, timeout: float = 5.0) -> None:
+        """Drop whatever is still queued, serve the last reports, stop the threads."""
         try:
             self.producer.purge(in_queue=True, in_flight=True)
-            self.producer.flush(min(timeout, 1.0))
         except Exception:
             pass
+        deadline = time.monotonic() + min(timeout, 2.0)
+        while (len(self.producer) or self._retiring) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the poll thread serves the purged reports
         self._stop.set()
         self._wake.set()
         for t in self._threads:
@@ -222,6 +233,12 @@ class Publisher:
         while not self._stop.is_set():
             try:
                 self.producer.poll(0.02)
+                if self._retiring:
+                    for old in list(self._retiring):
+                        old.poll(0)
+                        if len(old) == 0:
+                            with self._cond:
+                                self._retiring.remove(old)
             except Exception as exc:
                 self._log.error("producer poll failed", error=str(exc))
                 time.sleep(0.1)
