@@ -161,6 +161,10 @@ def test_every_dashboard_panel_returns_data_from_a_running_reaper(pg_dsn, kafka_
             wait_until("three more scrapes", lambda: prom_value(prom, scrapes) >= enough, 30, reaper, log)
             assert [x["health"] for x in prom.targets_health()] == ["up"]
 
+            # The dashboard's `job` variable: label_values(reaper_build_info, job).
+            jobs = prom.api("label/job/values", **{"match[]": "reaper_build_info"})
+            assert job in jobs, jobs
+
             empty, nan = [], []
             for title, expr in dashboard_targets():
                 result = prom.query(concrete(expr, job, window="2m"))
