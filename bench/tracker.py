@@ -11,7 +11,8 @@
 - storage: batch_group table + index bytes per tracked item, in bits, for the enqueued batch
   and with ten such batches (the headline figure; a btree's two fixed pages weigh on one small
   table), and the marginal cost per item; then fillfactor 100 vs 70: size before and after 20
-  passes of partial acks, HOT share of the group updates, ack rate.
+  passes of partial acks, HOT share of the group updates, ack rate; with --churn, the size while
+  acks keep arriving for a minute per fillfactor, autovacuum on.
 
 Every rate is the best of --repeats runs (3; 1 with --quick): the machine is shared.
 
@@ -211,6 +212,38 @@ def bench_fillfactor(db: str, n: int, rounds: int) -> dict:
     return out
 
 
+def bench_churn(db: str, n: int, passes: int = 100, per: int = 10_000, pause: float = 0.6) -> dict:
+    """Sustained acking with autovacuum on (the migration's settings): `passes` acks of `per`
+    random ids, `pause` seconds apart, at fillfactor 100 and 70; the table's size as it settles."""
+    out = {}
+    for ff in (100, 70):
+        name = f"bench_churn{ff}_{uuid.uuid4().hex[:8]}"
+        schema_mod.migrate(db, name)
+        try:
+            with psycopg.connect(db) as conn:
+                conn.execute(f'ALTER TABLE "{name}".batch_group SET (fillfactor = {ff})')
+                batch = tracker.open_batch(conn, schema=name)
+                handles = tracker.add_items(conn, batch, n, schema=name)
+                conn.commit()
+                ids = [i for h in handles for i in h.item_ids]
+                random.Random(ff).shuffle(ids)
+                sizes = []
+                for k in range(passes):
+                    tracker.ack(conn, ids[(k * per) % n:(k * per) % n + per], schema=name)
+                    conn.commit()
+                    time.sleep(pause)
+                    if k % 10 == 9:
+                        sizes.append(storage_bits(conn, name, n)["bits_per_item"])
+                        conn.commit()
+                vacuums = conn.execute("SELECT autovacuum_count FROM pg_stat_user_tables WHERE schemaname = %s "
+                                       "AND relname = 'batch_group'", [name]).fetchone()[0]
+                out[f"ff{ff}"] = {"bits_per_item_every_10_passes": sizes, "autovacuums": vacuums}
+        finally:
+            with psycopg.connect(db, autocommit=True) as c:
+                c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+    return out
+
+
 def bench_storage(conn: psycopg.Connection, schema: str, n: int) -> dict:
     """Bits per tracked item with the enqueued batch alone (n items), then with 9 more batches of
     n items: the btree's fixed pages (metapage + root) weigh on small tables, so also the
@@ -232,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="100,000 items instead of 1,000,000, fewer repeats")
     p.add_argument("--items", type=int, help="items to enqueue and ids to ack")
     p.add_argument("--repeats", type=int, help="best of this many runs per figure (default 3, quick 1)")
+    p.add_argument("--churn", action="store_true",
+                   help="also ~2 minutes of sustained acking with autovacuum on, fillfactor 100 vs 70")
     p.add_argument("--no-fillfactor", action="store_true", help="skip the fillfactor 100 vs 70 comparison")
     args = p.parse_args(argv)
     n = args.items or (100_000 if args.quick else 1_000_000)
@@ -257,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_fillfactor:
             log("fillfactor 100 vs 70 ...")
             result["fillfactor"] = bench_fillfactor(db, n, 20)
+        if args.churn:
+            log("sustained acking, fillfactor 100 vs 70 (~2 minutes) ...")
+            result["churn"] = bench_churn(db, n)
     finally:
         with psycopg.connect(db, autocommit=True) as c:
             c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
