@@ -10,8 +10,10 @@ value.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -30,7 +32,7 @@ import tracker
 from tracker import outbox
 from tracker.consumer import AckProducer, item_id_of
 
-from test_prometheus_rules import CONTRACT_METRICS, concrete, dashboard_targets, local
+from test_prometheus_rules import CONTRACT_METRICS, DASHBOARD, concrete, dashboard_targets, local
 
 REPO = Path(__file__).resolve().parents[1]
 ITEMS = 3000
@@ -161,9 +163,11 @@ def test_every_dashboard_panel_returns_data_from_a_running_reaper(pg_dsn, kafka_
             wait_until("three more scrapes", lambda: prom_value(prom, scrapes) >= enough, 30, reaper, log)
             assert [x["health"] for x in prom.targets_health()] == ["up"]
 
-            # The dashboard's `job` variable: label_values(reaper_build_info, job).
-            jobs = prom.api("label/job/values", **{"match[]": "reaper_build_info"})
-            assert job in jobs, jobs
+            # The dashboard's `job` variable, e.g. label_values(reaper_build_info, job), lists this job.
+            board = json.loads(DASHBOARD.read_text())
+            variable = next(v for v in board["templating"]["list"] if v["name"] == "job")
+            metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", variable["query"]["query"]).groups()
+            assert job in prom.api(f"label/{label}/values", **{"match[]": metric})
 
             empty, nan = [], []
             for title, expr in dashboard_targets():
