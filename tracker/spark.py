@@ -310,42 +310,84 @@ def _or_masks(a: tuple[bytes, int], b: tuple[bytes, int]) -> tuple[bytes, int]:
     return merged, a[1] + b[1]
 
 
+_SINGLE_ID = r"^(?P<head>[0-9]{1,18}:[0-9]{1,18}):(?P<index>[0-9]{1,4})$"
+
+
+def _fold_single_ids(heads: Any, indexes: Any) -> list[tuple[int, int, bytes, int]]:
+    """Vectorised fold of plain item ids split into '<batch>:<group>' heads (Arrow strings) and
+    indexes (< GROUP_BITS_MAX): (batch, group, packed mask, ids folded) per group."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    encoded = pc.dictionary_encode(heads)
+    codes = encoded.indices.to_numpy()
+    groups = encoded.dictionary.to_pylist()
+    bits = np.zeros((len(groups), GROUP_BITS_MAX), dtype=bool)
+    bits[codes, indexes] = True
+    packed = np.packbits(bits, axis=1)  # bit order "big": index 0 is the high bit of byte 0, as in varbit
+    counts = np.bincount(codes, minlength=len(groups))
+    out = []
+    for j, head in enumerate(groups):
+        batch_id, group_id = head.split(b":" if isinstance(head, bytes) else ":")
+        out.append((int(batch_id), int(group_id), packed[j].tobytes(), int(counts[j])))
+    return out
+
+
 def _fold_partition(column: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
     def fold(batches: Iterator[Any]) -> Iterator[Any]:
+        import numpy as np
         import pyarrow as pa
+        import pyarrow.compute as pc
 
         from .acker import EntryFolder
 
         folder = EntryFolder()
         add = folder.add
+        heads: list[Any] = []
+        indexes: list[Any] = []
         bad: list[str] = []
         reasons: list[str] = []
         for b in batches:
-            for value in b.column(column).to_pylist():
-                if isinstance(value, bytes):
-                    try:
-                        value = value.decode("ascii")
-                    except UnicodeDecodeError:
-                        bad.append(value.decode("utf-8", "replace"))
-                        reasons.append("malformed: not ASCII")
-                        continue
+            values = b.column(column)
+            # Plain ids in range take the vectorised path; runs, lists, nulls and bad ones the checked one.
+            parts = pc.extract_regex(values, _SINGLE_ID)
+            plain = pc.is_valid(parts)
+            if pc.any(plain).as_py():
+                matched = parts.filter(plain)
+                index = pc.cast(matched.field("index"), pa.int64())
+                ok = pc.less(index, GROUP_BITS_MAX)
+                heads.append(matched.field("head").filter(ok))
+                indexes.append(index.filter(ok).to_numpy())
+                rest = values.filter(pc.invert(plain))
+                if not pc.all(ok).as_py():  # out of range: the checked path names them
+                    rest = pa.concat_arrays([rest, values.filter(plain).filter(pc.invert(ok))])
+                values = rest
+            for value in values.to_pylist():
                 if value is None:
                     bad.append("")
                     reasons.append("malformed: null")
+                    continue
+                if isinstance(value, bytes):  # a binary column (e.g. a Kafka value)
+                    value = value.decode("ascii", "replace")
+                if not value.isascii():
+                    bad.append(value)
+                    reasons.append("malformed: not ASCII")
                     continue
                 for entry in value.split(","):
                     reason = add(entry)
                     if reason is not None:
                         bad.append(entry)
                         reasons.append(reason)
-        masks = list(folder.masks.values())
+        folded = [(m.batch_id, m.group_id, bytes(m.bits), m.count) for m in folder.masks.values()]
+        if heads:
+            folded += _fold_single_ids(pa.concat_arrays(heads), np.concatenate(indexes))
         yield pa.RecordBatch.from_pydict({
-            "batch_id": [m.batch_id for m in masks] + [None] * len(bad),
-            "group_id": [m.group_id for m in masks] + [None] * len(bad),
-            "mask": [bytes(m.bits) for m in masks] + [None] * len(bad),
-            "folded": [m.count for m in masks] + [None] * len(bad),
-            "bad": [None] * len(masks) + bad,
-            "reason": [None] * len(masks) + reasons,
+            "batch_id": [f[0] for f in folded] + [None] * len(bad),
+            "group_id": [f[1] for f in folded] + [None] * len(bad),
+            "mask": [f[2] for f in folded] + [None] * len(bad),
+            "folded": [f[3] for f in folded] + [None] * len(bad),
+            "bad": [None] * len(folded) + bad,
+            "reason": [None] * len(folded) + reasons,
         }, schema=pa.schema([("batch_id", pa.int64()), ("group_id", pa.int64()), ("mask", pa.binary()),
                              ("folded", pa.int64()), ("bad", pa.string()), ("reason", pa.string())]))
     return fold
@@ -454,7 +496,7 @@ def ack_stream(spark: Any, *, bootstrap_servers: str, topic: str, dsn: str, chec
         reader = reader.option(k if k.startswith("kafka.") else f"kafka.{k}", v)
     if max_offsets_per_trigger:
         reader = reader.option("maxOffsetsPerTrigger", str(max_offsets_per_trigger))
-    stream = reader.load().selectExpr("CAST(value AS STRING) AS ack")
+    stream = reader.load().selectExpr("value AS ack")  # binary: bad bytes are dead-lettered, never decoded
     producer_conf = {"bootstrap.servers": bootstrap_servers, "enable.idempotence": True,
                      **{k.removeprefix("kafka."): v for k, v in (kafka_options or {}).items()}}
 
