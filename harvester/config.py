@@ -21,6 +21,13 @@ from tracker.schema import check_identifier
 
 ENV_PREFIX = "REAPER_"
 
+# Producer settings the harvester's per-key ordering rests on; configuration may not change them.
+REQUIRED_PRODUCER = {
+    "enable.idempotence": True,
+    "message.timeout.ms": 0,            # no timeouts: they are the one failure that can leave a gap
+    "enable.gapless.guarantee": True,   # any other gap-making failure is fatal: nothing after it is written
+}
+
 
 class ConfigError(ValueError):
     def __init__(self, key: str, message: str) -> None:
@@ -260,6 +267,11 @@ def validate(cfg: Config) -> None:
                           f"harvester.purge_workers + 2 = {cfg.harvester.purge_workers + 2} connections (mark, purge, upkeep)")
     if cfg.harvester.mark_batch > cfg.harvester.max_in_flight:
         raise ConfigError("harvester.mark_batch", "must not exceed harvester.max_in_flight")
+    for section in ("client", "producer"):
+        for k, v in getattr(cfg.kafka, section).items():
+            if k in REQUIRED_PRODUCER and str(v).lower() != str(REQUIRED_PRODUCER[k]).lower():
+                raise ConfigError(f"kafka.{section}.{k}", f"reaper sets {k}={REQUIRED_PRODUCER[k]!r} itself to keep "
+                                  "per-key order across failures; remove this setting")
     for section in ("client", "producer", "consumer"):
         for k in getattr(cfg.kafka, section):
             if k in ("bootstrap.servers", "group.id", "on_delivery", "error_cb", "on_commit"):

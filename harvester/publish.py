@@ -22,12 +22,8 @@ from . import logs
 from .faults import FaultPlan, FaultyProducer
 from .metrics import HarvesterMetrics
 
-# Settings reaper's ordering argument depends on; kafka.client / kafka.producer cannot weaken them.
-REQUIRED_PRODUCER = {
-    "enable.idempotence": True,
-    "message.timeout.ms": 0,            # no timeouts: they are the one failure that can leave a gap
-    "enable.gapless.guarantee": True,   # any other gap-making failure is fatal: nothing after it is written
-}
+from .config import REQUIRED_PRODUCER  # noqa: E402  (settings the ordering argument rests on)
+
 DEFAULT_PRODUCER = {
     "linger.ms": 2,
     "batch.num.messages": 10000,

@@ -1,0 +1,141 @@
+"""`reaper run` as operators meet it: configuration errors, secrets, exit codes, endpoints, signals."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from harvester import config as config_mod
+from harvester.faults import ENV_VAR
+from support.harness import Receiver, insert_rows, wait_until
+from support.private_services import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
+    env.update(extra)
+    return env
+
+
+def _run(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harvester.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_bad_configuration_fails_at_start_naming_the_key(tmp_path):
+    r = _run(["run"], _env(REAPER_HARVESTER__HEARTBEAT_TIMEOUT="soon"))
+    assert r.returncode == 2 and "harvester.heartbeat_timeout" in r.stderr, r.stderr
+    cfg = tmp_path / "reaper.yaml"
+    cfg.write_text("harvester:\n  mark_bach: 10\n")
+    r = _run(["-c", str(cfg), "run"], _env())
+    assert r.returncode == 2 and "harvester.mark_bach" in r.stderr, r.stderr
+    r = _run(["run"], _env(REAPER_DATABASE__SCHEMA="x; drop table outbox"))
+    assert r.returncode == 2 and "database.schema" in r.stderr, r.stderr
+    r = _run(["run"], _env(REAPER_KAFKA__PRODUCER__ENABLE_IDEMPOTENCE="false"))
+    assert r.returncode == 2 and "kafka.producer.enable.idempotence" in r.stderr, r.stderr
+
+
+def test_configuration_layers_and_kafka_passthrough(tmp_path):
+    path = tmp_path / "reaper.yaml"
+    path.write_text("database:\n  schema: app\nkafka:\n  client:\n    security.protocol: SASL_SSL\n"
+                    "harvester:\n  mark_batch: 1000\n")
+    cfg = config_mod.load(path, environ={"REAPER_HARVESTER__MARK_BATCH": "2000",
+                                         "REAPER_KAFKA__CLIENT__SASL_USERNAME": "svc",
+                                         "REAPER_KAFKA__PRODUCER__LINGER_MS": "1"})
+    assert cfg.database.schema == "app" and cfg.harvester.mark_batch == 2000
+    assert cfg.kafka.client == {"security.protocol": "SASL_SSL", "sasl.username": "svc"}
+    assert cfg.kafka.producer == {"linger.ms": "1"}
+    assert config_mod.redact("kafka.client", {"sasl.password": "pw", "sasl.username": "svc"}) == \
+        {"sasl.password": "***", "sasl.username": "svc"}
+
+
+def test_fault_injection_variable_needs_the_explicit_test_flag():
+    r = _run(["run"], _env(**{ENV_VAR: '{"produce_error_rate": 0.5}'}))
+    assert r.returncode == 2 and "--enable-fault-injection" in r.stderr, r.stderr
+
+
+def test_unreachable_database_exits_3_and_secrets_stay_out_of_the_output():
+    r = _run(["run"], _env(REAPER_DATABASE__DSN="postgresql://app:s3cret-pw@127.0.0.1:1/outbox",
+                           REAPER_KAFKA__CLIENT__SASL_PASSWORD="kafka-s3cret", REAPER_LOGGING__FORMAT="json"))
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    out = r.stdout + r.stderr
+    assert "s3cret-pw" not in out and "kafka-s3cret" not in out
+    events = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
+    assert any(e["event"] == "cannot start" and "database unreachable" in e["error"] for e in events), out
+    assert any(e["event"] == "starting" for e in events) and all("leader_id" in e for e in events)
+
+
+def test_console_log_format_is_readable_text():
+    r = _run(["run"], _env(REAPER_DATABASE__DSN="postgresql://app@127.0.0.1:1/outbox", REAPER_LOGGING__FORMAT="console"))
+    assert r.returncode == 3
+    assert "cannot start" in r.stderr and not any(line.startswith("{") for line in r.stderr.splitlines())
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+@pytest.mark.xdist_group("reaper-failover")
+def test_run_serves_endpoints_publishes_and_exits_0_on_sigterm(pg_dsn, kafka_bootstrap, schema, topics, tmp_path):
+    topic = topics("data", partitions=2)
+    acks, dead = topics("acks"), topics("acks-dlq")
+    port = free_port()
+    leader_topic = f"leader-{uuid.uuid4().hex[:10]}"  # reaper creates it
+    env = _env(REAPER_DATABASE__DSN=pg_dsn, REAPER_DATABASE__SCHEMA=schema,
+               REAPER_KAFKA__BOOTSTRAP_SERVERS=kafka_bootstrap, REAPER_HARVESTER__LEADER_TOPIC=leader_topic,
+               REAPER_HARVESTER__LEADER_GROUP=f"g-{uuid.uuid4().hex[:8]}", REAPER_ACKER__TOPIC=acks,
+               REAPER_ACKER__DEAD_LETTER_TOPIC=dead, REAPER_ACKER__GROUP=f"a-{uuid.uuid4().hex[:8]}",
+               REAPER_SWEEPER__INTERVAL="1", REAPER_METRICS__PORT=str(port), REAPER_METRICS__HOST="127.0.0.1",
+               REAPER_METRICS__BACKLOG_INTERVAL="0.5", REAPER_LOGGING__FORMAT="json")
+    log = open(tmp_path / "reaper.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "harvester.cli", "run"], cwd=REPO, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    receiver = Receiver(kafka_bootstrap, topic, 2)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        assert wait_until(lambda: _safe_get(base + "/healthz")[0] == 200, 60)
+        assert wait_until(lambda: _safe_get(base + "/readyz")[0] == 200, 30)
+        assert wait_until(lambda: "reaper_leader 1.0" in _safe_get(base + "/metrics")[1], 60)
+        with psycopg.connect(pg_dsn) as conn:
+            insert_rows(conn, schema, topic, [(b"k", b"k:%d" % i) for i in range(100)])
+        assert receiver.wait_for({(b"k", b"k:%d" % i) for i in range(100)}, 30)
+        metrics = _get(base + "/metrics")[1]
+        for name in ("reaper_build_info", "reaper_records_published_total", "reaper_outbox_backlog_rows",
+                     "reaper_outbox_oldest_age_seconds", "reaper_records_in_flight", "reaper_batches",
+                     "reaper_items_pending", "reaper_mark_duration_seconds_bucket", "reaper_leader_acquisitions_total"):
+            assert name in metrics, name
+        assert _get(base + "/nope")[0] == 404
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        receiver.close()
+        log.close()
+    events = [json.loads(line) for line in (tmp_path / "reaper.log").read_text().splitlines() if line.startswith("{")]
+    names = [e["event"] for e in events]
+    assert "neli leader" in names and "acker started" in names and "stopped" in names, names
+    assert all("leader_id" in e for e in events if e.get("logger") is None)
+
+
+def _safe_get(url: str) -> tuple[int, str]:
+    try:
+        return _get(url)
+    except OSError:
+        return 0, ""
