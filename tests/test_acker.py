@@ -293,3 +293,29 @@ def test_lag_is_reported_from_the_position(pg_dsn, schema, kafka_bootstrap, topi
         wait_for(lambda: REGISTRY.get_sample_value("reaper_acker_lag_messages") == 0, what="gauge at 0")
     assert 900 <= seen[0] < 1000 and seen[-1] == 0
     assert seen == sorted(seen, reverse=True)
+
+
+def test_database_failure_rewinds_and_retries_without_losing_acks(pg_dsn, schema, kafka_bootstrap, topics):
+    topic, dlq = topics("acks"), topics("dlq")
+    b, (h,) = closed_batch(pg_dsn, schema, 400)
+    produce_raw(kafka_bootstrap, topic, [(b"k", i.encode()) for i in h.item_ids])
+    hidden = schema + "_away"
+    with psycopg.connect(pg_dsn, autocommit=True) as c:  # the acker's tables vanish: every apply fails
+        c.execute(f'ALTER SCHEMA "{schema}" RENAME TO "{hidden}"')
+    acker = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, max_poll_records=150, retry_backoff=0.2)
+    try:
+        with running(acker):
+            wait_for(lambda: acker.stats["retries"] >= 3, what="failed applies")
+            assert committed(kafka_bootstrap, acker.group, topic, 1) == [0]  # nothing committed past a failure
+            with psycopg.connect(pg_dsn, autocommit=True) as c:
+                c.execute(f'ALTER SCHEMA "{hidden}" RENAME TO "{schema}"')
+            wait_for(lambda: batch_state(pg_dsn, schema, b.id) == ("complete", 0), what="the batch after recovery")
+            wait_for(lambda: committed(kafka_bootstrap, acker.group, topic, 1) == [400], what="offsets at the end")
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            if c.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", [hidden]).fetchone():
+                c.execute(f'ALTER SCHEMA "{hidden}" RENAME TO "{schema}"')
+    assert acker.stats["acked"] == 400 and acker.stats["dead_lettered"] == 0
+    with psycopg.connect(pg_dsn) as c:
+        assert len(completion_events(c, schema)) == 1
+        assert invariant_violations(c, schema) == []
