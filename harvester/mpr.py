@@ -162,6 +162,7 @@ class Harvester:
                 logs.leader_context.set(self._me)
                 m.force_remarks.inc()
                 self.log.info("force remark", reason=self._remark_why)
+            if pub.broken:  # a fatal producer error: nothing more can go through that producer
                 pub.replace_if_broken()
             if self._me != last_me:
                 last_me, after = self._me, 0
