@@ -480,7 +480,8 @@ class StreamTotals(AckTotals):
 def ack_stream(spark: Any, *, bootstrap_servers: str, topic: str, dsn: str, checkpoint_location: str,
                schema: str | None = None, dead_letter_topic: str | None = None, kafka_options: dict | None = None,
                max_offsets_per_trigger: int | None = None, trigger_interval: str | None = None,
-               partitions: int | None = None, query_name: str | None = None) -> tuple[Any, StreamTotals]:
+               partitions: int | None = None, min_partitions: int | None = None,
+               query_name: str | None = None) -> tuple[Any, StreamTotals]:
     """Start a Structured Streaming query that acks every micro-batch of the ack topic.
 
     Needs the spark-sql-kafka-0-10 connector on the session's classpath (deploy/spark/jars.py).
@@ -496,6 +497,9 @@ def ack_stream(spark: Any, *, bootstrap_servers: str, topic: str, dsn: str, chec
         reader = reader.option(k if k.startswith("kafka.") else f"kafka.{k}", v)
     if max_offsets_per_trigger:
         reader = reader.option("maxOffsetsPerTrigger", str(max_offsets_per_trigger))
+    # One batch's acks share a Kafka partition (keyed by batch id): split partitions' offset ranges
+    # over several tasks, or one task reads and folds a hot batch's acks alone.
+    reader = reader.option("minPartitions", str(min_partitions or 2 * spark.sparkContext.defaultParallelism))
     stream = reader.load().selectExpr("value AS ack")  # binary: bad bytes are dead-lettered, never decoded
     producer_conf = {"bootstrap.servers": bootstrap_servers, "enable.idempotence": True,
                      **{k.removeprefix("kafka."): v for k, v in (kafka_options or {}).items()}}
