@@ -74,6 +74,7 @@ class Neli:
         self._holding = False
         self._last_heartbeat = 0.0   # monotonic time our last heartbeat came back
         self._last_sent = 0.0
+        self._paused_until = 0.0
         self._stop = threading.Event()
         self._closed = threading.Event()
         self._consumer: Consumer | None = None
@@ -106,6 +107,10 @@ class Neli:
     def valid_until(self) -> float:
         """Monotonic time after which the current leadership is void unless a heartbeat returns."""
         return self._last_heartbeat + self.hb_timeout if self._state == LEADER else 0.0
+
+    def pause_heartbeats(self, seconds: float) -> None:
+        """Test hook: send no heartbeat for `seconds` (as if the leader topic were unreachable)."""
+        self._paused_until = time.monotonic() + seconds
 
     def stop(self, timeout: float = 10.0) -> None:
         """Leave the group (partition 0 moves to a standby at once) and stop."""
@@ -157,7 +162,7 @@ class Neli:
             self._last_heartbeat = now
         if not self._holding:
             return
-        if now - self._last_sent >= self.min_poll:
+        if now - self._last_sent >= self.min_poll and now >= self._paused_until:
             self._last_sent = now
             try:
                 self._producer.produce(self.topic, value=self.instance, partition=0)
@@ -167,7 +172,8 @@ class Neli:
         overdue = now - self._last_heartbeat > self.hb_timeout
         if self._state == LEADER and overdue:
             self._m.fences.inc()
-            self._log.warning("no heartbeat within heartbeat_timeout: fencing", heartbeat_timeout=self.hb_timeout)
+            self._log.warning("no heartbeat within heartbeat_timeout: fencing", heartbeat_timeout=self.hb_timeout,
+                              leader_id=str(self._leader_id))
             self._set(FENCED, None)
         elif self._state == FENCED and not overdue:
             self._log.info("heartbeats are back and partition 0 is still held: resuming")

@@ -1,0 +1,58 @@
+"""NELI leader election against the real Kafka: acquisition, fencing, resumption, handover."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from harvester.metrics import get as get_metrics
+from harvester.neli import FENCED, FOLLOWER, LEADER, Neli
+from support.harness import wait_until
+
+
+def _neli(bootstrap: str, topic: str, group: str, changes: list | None = None) -> Neli:
+    return Neli(bootstrap=bootstrap, client={}, consumer={}, producer={}, topic=topic, group=group,
+                min_poll_interval=0.1, heartbeat_timeout=1.0, session_timeout=3.0, metrics=get_metrics(),
+                on_change=(lambda s, l: changes.append((s, l))) if changes is not None else (lambda s, l: None))
+
+
+def test_fences_without_heartbeats_and_resumes_with_a_fresh_leader_id(kafka_bootstrap, topics):
+    topic, group = topics("leader"), f"g-{uuid.uuid4().hex[:8]}"
+    changes: list = []
+    n = _neli(kafka_bootstrap, topic, group, changes).start()
+    try:
+        assert wait_until(lambda: n.leader_id() is not None, 30)
+        first = n.leader_id()
+        time.sleep(1.5)
+        assert n.leader_id() == first, "heartbeats flowing: the leader stays leader with the same id"
+        n.pause_heartbeats(2.5)
+        assert wait_until(lambda: n.leader_id() is None, 3), "no heartbeat for longer than the timeout: still leading"
+        assert wait_until(lambda: n.state == FENCED, 3)
+        assert wait_until(lambda: n.leader_id() is not None, 10), "heartbeats came back: never resumed"
+        second = n.leader_id()
+        assert second != first
+        states = [s for s, _ in changes]
+        assert states[:3] == [LEADER, FENCED, LEADER], states
+    finally:
+        n.stop()
+    assert n.state == FOLLOWER
+
+
+def test_a_joining_member_does_not_take_leadership_and_takes_over_on_leave(kafka_bootstrap, topics):
+    topic, group = topics("leader"), f"g-{uuid.uuid4().hex[:8]}"
+    a = _neli(kafka_bootstrap, topic, group).start()
+    b = None
+    try:
+        assert wait_until(lambda: a.leader_id() is not None, 30)
+        a_id = a.leader_id()
+        b = _neli(kafka_bootstrap, topic, group).start()
+        time.sleep(4)  # b has joined and the group rebalanced
+        assert a.leader_id() == a_id and b.leader_id() is None
+        left = time.monotonic()
+        a.stop()
+        assert wait_until(lambda: b.leader_id() is not None, 15)
+        print(f"handover after leave: {time.monotonic() - left:.2f}s")
+        assert b.leader_id() != a_id
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
