@@ -135,6 +135,7 @@ class Publisher:
         """Count marked rows as in flight (the throttle) before they are produced."""
         with self._cond:
             self._in_flight += n
+        self._m.in_flight.set(self._in_flight)
 
     def release(self, n: int) -> None:
         """Reserved rows that will not be produced (dropped batch or stopped part-way)."""
