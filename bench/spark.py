@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         "spark.sql.execution.arrow.maxRecordsPerBatch": "20000"})
     out: dict = {"bench": "spark", "quick": args.quick, "rows": n, "master": "local[2]", "partitions": partitions}
     try:
+        # -- warm-up (JVM, Python workers and their imports), not timed
+        tspark.fan_out(spark.range(0, 20_000, numPartitions=4).selectExpr("CAST(id AS STRING) AS value"),
+                       dsn=DSN, topic="bench-warm-up", schema=schema)
+
         # -- fan-out
         df = spark.range(0, n, numPartitions=partitions).selectExpr("CAST(concat('item-', id) AS BINARY) AS value")
         started = time.perf_counter()

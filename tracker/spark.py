@@ -445,23 +445,23 @@ def ack_dataframe(df: Any, *, dsn: str, schema: str | None = None, column: str =
         _fold_partition(column),
         "batch_id long, group_id long, mask binary, folded long, bad string, reason string")
 
-    def keyed(rows: Iterator[Any]) -> Iterator[tuple]:
+    def keyed(partition: int, rows: Iterator[Any]) -> Iterator[tuple]:
+        # Bad entries get keys of their own (negative, unique per partition and row), so one
+        # reduceByKey pass carries them along untouched: the input is read once.
         seq = 0
         for r in rows:
             if r.batch_id is None:
                 seq += 1
-                yield (-1, seq), (r.bad, r.reason)
+                yield (-1 - partition, seq), (r.bad, r.reason)
             else:
                 yield (r.batch_id, r.group_id), (bytes(r.mask), r.folded)  # (Row.count is tuple.count)
 
     def combine(a: tuple, b: tuple) -> tuple:
         return _or_masks(a, b)
 
-    pairs = folded.rdd.mapPartitions(keyed)
-    masks = pairs.filter(lambda kv: kv[0][0] >= 0).reduceByKey(combine, numPartitions=n,
-                                                              partitionFunc=lambda k: k[0])
-    bad = pairs.filter(lambda kv: kv[0][0] < 0)
-    results = masks.union(bad).mapPartitions(_apply_partition(dsn, s)).collect()
+    results = (folded.rdd.mapPartitionsWithIndex(keyed)
+               .reduceByKey(combine, numPartitions=n, partitionFunc=lambda k: k[0])
+               .mapPartitions(_apply_partition(dsn, s)).collect())
     totals = AckTotals()
     for r in results:
         totals.add(r)
