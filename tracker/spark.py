@@ -256,6 +256,10 @@ def fan_out(df: Any, *, dsn: str, topic: str, schema: str | None = None, batch: 
     runs once). `run_key` makes a re-run of a failed job reuse its run: partitions it already
     wrote are skipped. `close`: close the batch after the job. `after_commit(partition, attempt)`
     runs on the executor after a partition's transaction (instrumentation, failure tests).
+
+    As for any Spark job that writes, a partition must hold the same rows in the same order on
+    every attempt (sort or checkpoint a non-deterministic input first): an attempt that finds its
+    partition written skips it whole, and one whose row count changed fails instead of writing.
     """
     from pyspark.sql.types import StringType, StructField, StructType
 
