@@ -59,7 +59,9 @@ class Neli:
             **base, **consumer,
             "group.id": group,
             "session.timeout.ms": int(session_timeout * 1000),
-            "heartbeat.interval.ms": max(100, int(session_timeout * 1000) // 10),
+            # A member learns of a rebalance (the leader left) on its next group heartbeat: keep
+            # them frequent so a SIGTERM handover is not delayed by up to session/10.
+            "heartbeat.interval.ms": max(100, min(250, int(session_timeout * 1000) // 3)),
             "partition.assignment.strategy": "cooperative-sticky",
             "enable.auto.commit": False,
             "auto.offset.reset": "latest",
