@@ -121,7 +121,7 @@ class Harvester:
             self.publisher.drop_queued()  # fenced or revoked: nothing more leaves this process
         if self.publisher is not None:
             self.log.info("publishing state", state=state, records_produced=self.publisher.produced,
-                          records_in_flight=self.publisher.in_flight)
+                          records_delivered=self.publisher.delivered, records_in_flight=self.publisher.in_flight)
 
     def _valid(self, me: uuid.UUID) -> bool:
         return self._me == me and not self._remark.is_set() and self.neli.leader_id() == self._neli_id \

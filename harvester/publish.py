@@ -61,6 +61,7 @@ class Publisher:
         self.purged_rows = 0  # read by the leader's vacuum upkeep
         self.queue_full_waits = 0  # produce() found the local queue full and waited
         self.queue_full_patience = 1.0
+        self.delivered = 0    # records acknowledged by Kafka
         self.produced = 0     # records handed to the producer by this process (logged on state changes)
         self._stop = threading.Event()
         self._retiring: list = []  # replaced producers whose last reports the poll thread still serves
@@ -268,6 +269,7 @@ class Publisher:
         try:
             for leader_id, ids in done.items():
                 self._m.published.inc(len(ids))
+                self.delivered += len(ids)
                 started = time.perf_counter()
                 try:
                     n = self._store.purge(leader_id, ids)
