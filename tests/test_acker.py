@@ -115,11 +115,11 @@ def closed_batch(pg_dsn, schema, n):
 
 def test_fold_messages_sets_bad_entries_aside():
     class Msg:
-        def __init__(self, value, offset):
-            self._v, self._o = value, offset
+        def __init__(self, value, offset, partition=0):
+            self._v, self._o, self._p = value, offset, partition
 
         def error(self): return None
-        def partition(self): return 0
+        def partition(self): return self._p
         def offset(self): return self._o
         def key(self): return b"1"
         def value(self): return self._v
@@ -134,6 +134,9 @@ def test_fold_messages_sets_bad_entries_aside():
         (b"1:0:99999", "index out of range")]
     assert f.masks[(1, 0)].count == 4 + 2  # duplicates are counted: the database tells which bits flipped
     assert (f.first, f.last, f.messages) == ({0: 5}, {0: 11}, 7)
+    # polls interleave partitions in runs; first and last offsets are per partition
+    f = fold_messages([Msg(b"1:0:1", 3, 1), Msg(b"1:0:2", 4, 1), Msg(b"2:0:1", 7, 0), Msg(b"1:0:3", 5, 1)])
+    assert (f.first, f.last, f.messages) == ({1: 3, 0: 7}, {1: 5, 0: 7}, 4)
 
 
 def test_acker_applies_ids_and_runs_once_and_commits_offsets(pg_dsn, schema, kafka_bootstrap, topics):

@@ -90,13 +90,19 @@ def fold_messages(messages: list[Any]) -> Folded:
     # raw bytes (bytes.isdigit is ASCII-only); anything else takes the validating path.
     by_head: dict[bytes, GroupMask] = {}
     count = 0
+    # A poll returns runs of messages from one partition: offsets are read at run boundaries.
+    current, previous = None, None
     for msg in messages:
         if msg.error() is not None:
             continue
-        partition, offset = msg.partition(), msg.offset()
-        if partition not in first:
-            first[partition] = offset
-        last[partition] = offset
+        partition = msg.partition()
+        if partition != current:
+            if previous is not None:
+                last[current] = previous.offset()
+            current = partition
+            if partition not in first:
+                first[partition] = msg.offset()
+        previous = msg
         count += 1
         value = msg.value()
         if value is not None:
@@ -113,16 +119,18 @@ def fold_messages(messages: list[Any]) -> Folded:
         try:
             text = value.decode("ascii")
         except (AttributeError, UnicodeDecodeError):
-            bad.append((msg.key(), value, "malformed: value is empty or not ASCII", partition, offset))
+            bad.append((msg.key(), value, "malformed: value is empty or not ASCII", partition, msg.offset()))
             continue
         entries = text.split(",")
         for entry in entries:
             reason = add(entry)
             if reason is not None:
-                bad.append((msg.key(), entry.encode(), reason, partition, offset))
+                bad.append((msg.key(), entry.encode(), reason, partition, msg.offset()))
         if len(entries) == 1 and reason is None and "-" not in text:
             parsed = parse_ack(text)
             by_head[value.rpartition(b":")[0]] = folder.masks[(parsed.batch_id, parsed.group_id)]
+    if previous is not None:
+        last[current] = previous.offset()
     out.messages = count
     return out
 
