@@ -152,7 +152,9 @@ class Acker:
         self._consumer_conf = {
             # Tuning the configuration may override. Ack messages are tiny: with the default 1 MiB
             # per partition per fetch, 1M single-id acks took 7.3 s to consume here; with 8 MiB, 0.9 s.
-            "max.partition.fetch.bytes": 8 << 20, "queued.min.messages": max(100_000, self.max_poll_records),
+            # Prefetching several polls ahead (still capped by queued.max.messages.kbytes, 64 MiB
+            # per partition) took the acker from 2.6 s to 1.9 s per 1M single-id acks.
+            "max.partition.fetch.bytes": 8 << 20, "queued.min.messages": max(500_000, 5 * self.max_poll_records),
             "partition.assignment.strategy": "cooperative-sticky", "auto.offset.reset": "earliest",
             **client,
             # What the acker's correctness rests on: offsets are committed by hand after the database.
