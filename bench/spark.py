@@ -136,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             query, totals = tspark.ack_stream(
                 spark, bootstrap_servers=BOOTSTRAP, topic=topic, dsn=DSN, schema=schema,
-                checkpoint_location=os.path.join(checkpoints, "stream"), max_offsets_per_trigger=2_000_000,
-                kafka_options={"max.partition.fetch.bytes": str(8 << 20)})
+                checkpoint_location=os.path.join(checkpoints, "stream"), max_offsets_per_trigger=2_000_000)
             try:
                 while pending(watch, schema, result.batch_id) > 0:
                     if query.exception() is not None:

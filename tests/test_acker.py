@@ -322,3 +322,48 @@ def test_database_failure_rewinds_and_retries_without_losing_acks(pg_dsn, schema
     with psycopg.connect(pg_dsn) as c:
         assert len(completion_events(c, schema)) == 1
         assert invariant_violations(c, schema) == []
+
+
+def test_two_reaper_processes_share_the_ack_topic_and_survive_one_stopping(pg_dsn, schema, kafka_bootstrap, topics,
+                                                                          tmp_path):
+    from support.reaper import ReaperProcess
+
+    topic, dlq = topics("acks", partitions=4), topics("dlq")
+    group = f"acker-{uuid.uuid4().hex[:8]}"
+    env = {"REAPER_DATABASE__DSN": pg_dsn, "REAPER_DATABASE__SCHEMA": schema,
+           "REAPER_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap, "REAPER_HARVESTER__ENABLED": "false",
+           "REAPER_ACKER__ENABLED": "true", "REAPER_ACKER__TOPIC": topic, "REAPER_ACKER__GROUP": group,
+           "REAPER_ACKER__DEAD_LETTER_TOPIC": dlq, "REAPER_ACKER__MAX_POLL_RECORDS": "200"}
+    batches = [closed_batch(pg_dsn, schema, 1000) for _ in range(12)]
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+
+    def send(selection):
+        for k, (b, (h,)) in enumerate(selection):
+            for i in h.item_ids:  # every partition gets a batch, so both reapers have work
+                producer.produce(topic, key=str(b.id).encode(), value=i.encode(), partition=k % 4)
+        assert producer.flush(30) == 0
+
+    reapers = [ReaperProcess(env, tmp_path / f"reaper{k}.log") for k in range(2)]
+
+    def owns_partitions(r):
+        return any(e.get("event") == "ack partitions assigned" and e.get("partitions") for e in r.events())
+
+    try:
+        wait_for(lambda: all(owns_partitions(r) for r in reapers), what="both reapers to own ack partitions")
+        send(batches[:6])
+        wait_for(lambda: all(batch_state(pg_dsn, schema, b.id)[0] == "complete" for b, _ in batches[:6]),
+                 what="the first batches through both reapers")
+        assert reapers[0].terminate(60) == 0  # SIGTERM: its partitions move to the other reaper
+        send(batches[6:])
+        wait_for(lambda: all(batch_state(pg_dsn, schema, b.id)[0] == "complete" for b, _ in batches), timeout=120,
+                 what="every batch complete through the remaining reaper")
+        assert reapers[1].terminate(60) == 0
+    finally:
+        for r in reapers:
+            r.kill()
+    assert committed(kafka_bootstrap, group, topic, 4) == end_offsets(kafka_bootstrap, topic, 4)
+    stopped = [next(e for e in r.events() if e.get("event") == "acker stopped") for r in reapers]
+    assert all(s["acked"] > 0 for s in stopped) and sum(s["acked"] for s in stopped) == 12_000
+    with psycopg.connect(pg_dsn) as c:
+        assert len(completion_events(c, schema)) == 12
+        assert invariant_violations(c, schema) == []

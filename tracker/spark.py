@@ -483,6 +483,7 @@ class StreamTotals(AckTotals):
 
 def ack_stream(spark: Any, *, bootstrap_servers: str, topic: str, dsn: str, checkpoint_location: str,
                schema: str | None = None, dead_letter_topic: str | None = None, kafka_options: dict | None = None,
+               dead_letter_client: dict | None = None,
                max_offsets_per_trigger: int | None = None, trigger_interval: str | None = None,
                partitions: int | None = None, min_partitions: int | None = None,
                query_name: str | None = None) -> tuple[Any, StreamTotals]:
@@ -491,22 +492,27 @@ def ack_stream(spark: Any, *, bootstrap_servers: str, topic: str, dsn: str, chec
     Needs the spark-sql-kafka-0-10 connector on the session's classpath (deploy/spark/jars.py).
     Offsets live in `checkpoint_location`; a micro-batch replayed after a failure re-applies its
     acks, which changes nothing. Rejected entries go to `dead_letter_topic` (reason header) before
-    the micro-batch ends. Returns the StreamingQuery and running totals (updated per micro-batch).
+    the micro-batch ends. `kafka_options`: options of Spark's Kafka consumer (without or with the
+    `kafka.` prefix); `dead_letter_client`: librdkafka settings of the dead-letter producer.
+    Returns the StreamingQuery and running totals (updated per micro-batch).
     """
     s = schema_of(schema)
     totals = StreamTotals()
     reader = (spark.readStream.format("kafka").option("kafka.bootstrap.servers", bootstrap_servers)
               .option("subscribe", topic).option("startingOffsets", "earliest").option("failOnDataLoss", "false"))
-    for k, v in (kafka_options or {}).items():
-        reader = reader.option(k if k.startswith("kafka.") else f"kafka.{k}", v)
+    # ack messages are tiny: fetch more than the 1 MiB per partition default at a time
+    options = {"max.partition.fetch.bytes": str(8 << 20),
+               **{k.removeprefix("kafka."): v for k, v in (kafka_options or {}).items()}}
+    for k, v in options.items():
+        reader = reader.option(f"kafka.{k}", v)
     if max_offsets_per_trigger:
         reader = reader.option("maxOffsetsPerTrigger", str(max_offsets_per_trigger))
     # One batch's acks share a Kafka partition (keyed by batch id): split partitions' offset ranges
     # over several tasks, or one task reads and folds a hot batch's acks alone.
     reader = reader.option("minPartitions", str(min_partitions or 2 * spark.sparkContext.defaultParallelism))
     stream = reader.load().selectExpr("value AS ack")  # binary: bad bytes are dead-lettered, never decoded
-    producer_conf = {"bootstrap.servers": bootstrap_servers, "enable.idempotence": True,
-                     **{k.removeprefix("kafka."): v for k, v in (kafka_options or {}).items()}}
+    # kafka_options are the Java consumer's (Spark's source); the dead-letter producer is librdkafka's
+    producer_conf = {"bootstrap.servers": bootstrap_servers, "enable.idempotence": True, **(dead_letter_client or {})}
 
     def each(batch_df: Any, epoch_id: int) -> None:
         result = ack_dataframe(batch_df, dsn=dsn, schema=s, column="ack", partitions=partitions)
