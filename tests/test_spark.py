@@ -5,6 +5,7 @@ threads and up to two attempts per task, so a task that fails once is retried.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -232,3 +233,11 @@ def test_batch_completes_once_with_acks_through_acker_direct_path_and_spark_at_o
     assert totals.rejected == []
     assert acker.stats["acked"] + sum(direct_acked) + totals.acked == 30_000  # every bit flipped exactly once
     assert acker.stats["completed"] + (totals.completed == [batch.id]) <= 1
+
+
+def test_fan_out_of_an_empty_dataframe_completes_the_batch(spark, pg_dsn, schema):
+    result = tspark.fan_out(spark.range(0, 0, numPartitions=2).selectExpr("CAST(id AS STRING) AS value"), dsn=pg_dsn,
+                            topic="work", schema=schema, user_key="empty")
+    assert (result.items, result.groups, result.complete) == (0, 0, True)
+    with psycopg.connect(pg_dsn) as c:
+        assert [json.loads(v)["user_key"] for _, v in completion_events(c, schema)] == ["empty"]
