@@ -29,11 +29,11 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "auto.offset.reset": "earliest",
+    consumer = Consumer({"log_level": 4, "bootstrap.servers": bootstrap, "group.id": group, "auto.offset.reset": "earliest",
                          "enable.auto.commit": False, "session.timeout.ms": 6000,
                          "partition.assignment.strategy": "cooperative-sticky"})
     consumer.subscribe([item_topic])
-    acks = AckProducer(bootstrap_servers=bootstrap, topic=ack_topic, linger=0.05)
+    acks = AckProducer(bootstrap_servers=bootstrap, topic=ack_topic, linger=0.05, kafka_client={"log_level": 4})
     processed = 0
     try:
         while not stop.is_set():

@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 SERVICES = REPO / "deploy" / "local" / "services.py"
 STATE = Path(os.environ.get("OUTBOX_LOCAL_DIR", REPO / ".local")).resolve() / "demo"
 TTY = sys.stdout.isatty()
+QUIET = {"log_level": 4}  # librdkafka: warnings and errors only, no informational lines in the display
 
 
 class DemoFailed(RuntimeError):
@@ -171,7 +172,7 @@ def services_up() -> dict[str, str]:
 
 
 def create_topics(run: Run) -> None:
-    admin = AdminClient({"bootstrap.servers": run.bootstrap})
+    admin = AdminClient({"bootstrap.servers": run.bootstrap, **QUIET})
     wanted = {"leader": 1, "items": 4, "acks": 4, "acks-dead-letter": 1, "completions": 1}
     futures = admin.create_topics([NewTopic(run.topic(n), num_partitions=p, replication_factor=1)
                                    for n, p in wanted.items()], operation_timeout=30)
@@ -186,7 +187,7 @@ def drop_everything(run: Run) -> None:
     except psycopg.Error as exc:
         say(f"  (could not drop schema {run.schema}: {exc})")
     try:
-        admin = AdminClient({"bootstrap.servers": run.bootstrap})
+        admin = AdminClient({"bootstrap.servers": run.bootstrap, **QUIET})
         names = [t for t in admin.list_topics(timeout=10).topics if t.startswith(f"demo-{run.run_id}-")]
         if names:
             for f in admin.delete_topics(names, operation_timeout=30).values():
@@ -203,7 +204,7 @@ class CompletionWatcher(threading.Thread):
 
     def __init__(self, run: Run) -> None:
         super().__init__(name="completion-watcher", daemon=True)
-        self.consumer = Consumer({"bootstrap.servers": run.bootstrap, "group.id": run.topic("watcher"),
+        self.consumer = Consumer({**QUIET, "bootstrap.servers": run.bootstrap, "group.id": run.topic("watcher"),
                                   "auto.offset.reset": "earliest", "enable.auto.commit": False})
         self.consumer.subscribe([run.topic("completions")])
         self.stop = threading.Event()
