@@ -78,6 +78,7 @@ class Folded:
     first: dict[int, int] = field(default_factory=dict)  # partition -> first offset in the poll
     last: dict[int, int] = field(default_factory=dict)   # partition -> last offset in the poll
     messages: int = 0
+    errors: list[Any] = field(default_factory=list)  # KafkaErrors the poll returned instead of messages
 
 
 def fold_messages(messages: list[Any]) -> Folded:
@@ -93,7 +94,9 @@ def fold_messages(messages: list[Any]) -> Folded:
     # A poll returns runs of messages from one partition: offsets are read at run boundaries.
     current, previous = None, None
     for msg in messages:
-        if msg.error() is not None:
+        err = msg.error()
+        if err is not None:
+            out.errors.append(err)
             continue
         partition = msg.partition()
         if partition != current:
@@ -201,11 +204,10 @@ class Acker:
 
     def _handle(self, consumer: Consumer, producer: Producer, messages: list[Any]) -> bool:
         """One poll: fold, apply, dead-letter, commit. False if it must be retried."""
-        for m in messages:
-            err = m.error()
-            if err is not None and err.code() != KafkaError._PARTITION_EOF:
-                log.warning("consumer error", error=str(err))
         folded = fold_messages(messages)
+        for err in folded.errors:
+            if err.code() != KafkaError._PARTITION_EOF:
+                log.warning("consumer error", error=str(err))
         if not folded.messages:
             return True
         try:
