@@ -42,7 +42,8 @@ def spark():
 
 def _items(spark, n, partitions):
     return spark.range(0, n, numPartitions=partitions).selectExpr(
-        "CAST(concat('payload-', id) AS BINARY) AS value", "concat('k', id % 7) AS key", "id")
+        "CAST(concat('payload-', id) AS BINARY) AS value",
+        "CASE WHEN id % 7 = 0 THEN NULL ELSE concat('k', id % 7) END AS key", "id")  # some rows without a key
 
 
 def _outbox(pg_dsn, schema, topic):
@@ -78,7 +79,8 @@ def test_fan_out_writes_each_row_once_with_groups_and_closes(spark, pg_dsn, sche
     assert len(ids) == n and all(hk == ["item-id", "batch-id"] for _, _, hk, _ in rows)
     by_value = {v: (k, hv[0].decode()) for k, v, _, hv in rows}
     out = {bytes(r.value): (r.key, r.item_id) for r in result.dataframe.select("value", "key", "item_id").collect()}
-    assert {bytes(v): (k.encode(), i) for v, (k, i) in out.items()} == by_value  # returned ids = written ids
+    assert {v: (k and k.encode(), i) for v, (k, i) in out.items()} == by_value  # returned ids = written ids
+    assert sum(k is None for k, _ in by_value.values()) == len([i for i in range(n) if i % 7 == 0])
     with psycopg.connect(pg_dsn) as c:
         st = tracker.status(c, batch, schema=schema)
         assert (st.state, st.total, st.pending) == ("closed", n + 5, n + 5)

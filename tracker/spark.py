@@ -185,48 +185,62 @@ class _PartitionWriter:
                 raise BatchNotOpen(self.batch_id, state[0] if state else "gone")
 
     def _copy_messages(self, conn: psycopg.Connection, held: list[Any], group_ids: list[int]) -> None:
+        """Binary COPY of one row per item: (topic, key, value, header_keys, header_values)."""
         batch_bytes = str(self.batch_id).encode()
         head = b"\x00\x05" + _int4(len(self.topic.encode())) + self.topic.encode()
         header_keys = _text_array([b"item-id", b"batch-id"])
-        tail = _int4(len(batch_bytes)) + batch_bytes
-        framing: dict[int, bytes] = {}
-        copy_sql = sql.SQL("COPY {} (topic, key, value, header_keys, header_values) FROM STDIN (FORMAT BINARY)").format(
-            sql.Identifier(self.schema, self.outbox_table))
-        with conn.cursor().copy(copy_sql) as copy:
-            out = bytearray(_COPY_HEADER)
-            pos = 0
+        tail = _int4(len(batch_bytes)) + batch_bytes  # header_values[2], the batch id
+
+        def middles(prefix: bytes) -> list[bytes]:
+            # header_keys + header_values up to the index digits, by the number of digits (1..4)
+            out = [b""]
+            for digits in range(1, 5):
+                id_len = len(prefix) + digits
+                out.append(header_keys + _int4(20 + 4 + id_len + len(tail)) + _int4(1) + _int4(0) + _int4(17)
+                           + _int4(2) + _int4(1) + _int4(id_len) + prefix)
+            return out
+
+        def rows() -> Iterator[tuple[Any, Any]]:
             for b in held:
                 values = b.column(self.value_col).to_pylist()
-                keys = b.column(self.key_col).to_pylist() if self.key_col else None
-                for j, value in enumerate(values):
-                    chunk, index = divmod(pos + j, GROUP_BITS_MAX)
-                    item_id = b"%d:%d:" % (self.batch_id, group_ids[chunk]) + _INDEX[index]
-                    frame = framing.get(len(item_id))
-                    if frame is None:
-                        body_len = 20 + 4 + len(item_id) + len(tail)
-                        frame = framing[len(item_id)] = (_int4(body_len) + _int4(1) + _int4(0) + _int4(17) + _int4(2)
-                                                         + _int4(1) + _int4(len(item_id)))
+                keys = b.column(self.key_col).to_pylist() if self.key_col else [None] * len(values)
+                yield from zip(values, keys)
+
+        copy_sql = sql.SQL("COPY {} (topic, key, value, header_keys, header_values) FROM STDIN (FORMAT BINARY)").format(
+            sql.Identifier(self.schema, self.outbox_table))
+        head_no_key = head + _NULL
+        with conn.cursor().copy(copy_sql) as copy:
+            out = bytearray(_COPY_HEADER)
+            index, chunk = GROUP_BITS_MAX, -1
+            mid: list[bytes] = []
+            for value, key in rows():
+                if index == GROUP_BITS_MAX:  # next group
+                    chunk += 1
+                    index = 0
+                    mid = middles(b"%d:%d:" % (self.batch_id, group_ids[chunk]))
+                if key is None:
+                    out += head_no_key
+                else:
+                    if isinstance(key, str):
+                        key = key.encode()
                     out += head
-                    if keys is None or keys[j] is None:
-                        out += _NULL
-                    else:
-                        k = keys[j].encode() if isinstance(keys[j], str) else keys[j]
-                        out += _int4(len(k)) + k
-                    if value is None:
-                        out += _NULL
-                    else:
-                        if isinstance(value, str):
-                            value = value.encode()
-                        out += _int4(len(value))
-                        out += value
-                    out += header_keys
-                    out += frame
-                    out += item_id
-                    out += tail
-                    if len(out) > 1 << 20:
-                        copy.write(out)
-                        out = bytearray()
-                pos += len(values)
+                    out += _int4(len(key))
+                    out += key
+                if value is None:
+                    out += _NULL
+                else:
+                    if isinstance(value, str):
+                        value = value.encode()
+                    out += _int4(len(value))
+                    out += value
+                digits = _INDEX[index]
+                out += mid[len(digits)]
+                out += digits
+                out += tail
+                index += 1
+                if len(out) > 1 << 20:
+                    copy.write(out)
+                    out = bytearray()
             out += b"\xff\xff"
             copy.write(out)
 
