@@ -52,9 +52,23 @@ def pyspark_jars_dir() -> Path:
     return Path(spec.origin).parent / "jars"
 
 
-def _resolve(version: str, target: Path) -> None:
+def _ensure_maven() -> None:
+    """Install Maven from Debian's packages when missing (root, or sudo), as services.py does."""
+    if shutil.which("mvn") is not None:
+        return
+    print("[spark-jars] mvn not found: installing Debian's maven", file=sys.stderr, flush=True)
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    sudo = [] if os.geteuid() == 0 else ["sudo"]
+    for cmd in ([*sudo, "apt-get", "update", "-q"],
+                [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", "maven"]):
+        if subprocess.run(cmd, env=env, check=False).returncode != 0:
+            break
     if shutil.which("mvn") is None:
         raise JarResolutionError("mvn is required to resolve the Spark Kafka connector: apt-get install maven")
+
+
+def _resolve(version: str, target: Path) -> None:
+    _ensure_maven()
     tmp = target.with_suffix(".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     r = subprocess.run(["mvn", "-q", "-B", "-f", str(POM), "dependency:copy-dependencies", "-DincludeScope=runtime",
