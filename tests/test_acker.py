@@ -11,7 +11,6 @@ import time
 import uuid
 
 import psycopg
-import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from prometheus_client import REGISTRY
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterable, TypeVar
 
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import KafkaError, Producer
 
 from .acks import AckResult, apply_masks
 from .errors import MalformedItemId, TrackerError
