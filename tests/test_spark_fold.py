@@ -1,0 +1,70 @@
+"""The folds agree: Spark's vectorised fold (Arrow + numpy) and the acker's message fold give the
+same masks and the same bad entries as folding the valid entries one by one. No JVM needed."""
+from __future__ import annotations
+
+import pyarrow as pa
+from hypothesis import given, settings, strategies as st
+
+from tracker.acker import EntryFolder, fold_messages
+from tracker.ids import fold
+from tracker.spark import _fold_partition
+
+valid = st.builds(lambda b, g, i: f"{b}:{g}:{i}", st.integers(0, 3), st.integers(0, 3), st.integers(0, 8191))
+runs = st.builds(lambda b, g, i, n: f"{b}:{g}:{i}-{min(i + n, 8191)}", st.integers(0, 3), st.integers(0, 3),
+                 st.integers(0, 8191), st.integers(0, 300))
+bad = st.sampled_from(["", "x", "1:2", "1:2:3:4", "1:0:8192", "1:0:5-3", "1:0:-1", "1:0:99999999999", "1:0: 3",
+                       "1:0:3x", "\u0661:0:1", "1:0:1-9000"])
+entries = st.lists(st.one_of(valid, valid, runs, bad), max_size=60)
+
+
+def _masks(folded) -> dict:
+    return {k: (bytes(m.bits).rstrip(b"\0"), m.count) for k, m in folded.items() if m.count}
+
+
+def _expected(values: list[str]) -> tuple[dict, list[str]]:
+    """The model: a value that is not ASCII is one bad entry as a whole; otherwise each
+    ','-separated entry is folded or rejected on its own."""
+    folder = EntryFolder()
+    rejected = [v for v in values if not v.isascii()]
+    rejected += [e for v in values if v.isascii() for e in v.split(",") if folder.add(e) is not None]
+    return _masks(folder.masks), rejected
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(entries.map(lambda es: ",".join(es)), valid, valid), max_size=40))
+def test_spark_fold_matches_the_entry_fold(values):
+    want, want_bad = _expected(values)
+    # every good entry is also what tracker.ids.fold makes of it
+    good = [e for v in values if v.isascii() for e in v.split(",") if e not in want_bad]
+    assert _masks(fold(good)) == want
+    batches = [pa.RecordBatch.from_pydict({"ack": values[k:k + 7]}, schema=pa.schema([("ack", pa.string())]))
+               for k in range(0, len(values), 7)]
+    (out,) = list(_fold_partition("ack")(iter(batches)))
+    got: dict = {}
+    for b, g, mask, n in zip(*(out.column(c).to_pylist() for c in ("batch_id", "group_id", "mask", "folded"))):
+        if b is None:
+            continue
+        bits, count = got.get((b, g), (0, 0))
+        got[(b, g)] = (bits | int.from_bytes(mask.ljust(1024, b"\0"), "big"), count + n)
+    got = {k: (v[0].to_bytes(1024, "big").rstrip(b"\0"), v[1]) for k, v in got.items()}
+    assert got == want
+    assert sorted(x for x in out.column("bad").to_pylist() if x is not None) == sorted(want_bad)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(entries.map(lambda es: ",".join(es)), valid, valid), max_size=40))
+def test_acker_fold_matches_the_entry_fold(values):
+    class Msg:
+        def __init__(self, value, offset):
+            self._v, self._o = value, offset
+
+        def error(self): return None
+        def partition(self): return 0
+        def offset(self): return self._o
+        def key(self): return None
+        def value(self): return self._v
+
+    want, want_bad = _expected(values)
+    f = fold_messages([Msg(v.encode(), k) for k, v in enumerate(values)])
+    assert _masks(f.masks) == want
+    assert sorted(e.decode() for _, e, _, _, _ in f.bad) == sorted(want_bad)
