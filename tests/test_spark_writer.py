@@ -1,0 +1,77 @@
+"""A fan-out partition's write, without a JVM: concurrent attempts of one partition (speculative
+execution) write it exactly once; a closed batch refuses it whole."""
+from __future__ import annotations
+
+import threading
+
+import psycopg
+import pyarrow as pa
+import pytest
+
+import tracker
+from tracker import spark as tspark
+
+from test_tracker_support import invariant_violations
+
+
+def _rows(n: int) -> list:
+    values = [b"v%d" % i for i in range(n)]
+    return [pa.RecordBatch.from_pydict({"value": values[k:k + 5000]}) for k in range(0, n, 5000)]
+
+
+def _writer(pg_dsn, schema, batch_id, run):
+    return tspark._PartitionWriter(pg_dsn, schema, "outbox", batch_id, run, "work", "value", None, None, None)
+
+
+def test_concurrent_attempts_of_one_partition_write_it_once(pg_dsn, schema):
+    n = 20_000
+    with psycopg.connect(pg_dsn) as c:
+        batch = tracker.open_batch(c, schema=schema)
+        c.commit()
+        run = tspark.begin_run(c, batch.id, schema=schema)
+    writer = _writer(pg_dsn, schema, batch.id, run)
+    start = threading.Barrier(4)
+    errors = []
+
+    def attempt():
+        try:
+            start.wait()
+            writer._write(_rows(n), n, 7)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=attempt) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    with psycopg.connect(pg_dsn) as c:
+        groups = c.execute(f'SELECT id, size FROM "{schema}".batch_group ORDER BY id').fetchall()
+        assert groups == [(tspark.spark_group_id(run, 7, k), s) for k, s in enumerate([8192, 8192, 3616])]
+        assert c.execute(f'SELECT count(*), count(DISTINCT header_values[1]) FROM "{schema}".outbox').fetchone() == (n, n)
+        assert tracker.status(c, batch, schema=schema).total == n
+        assert invariant_violations(c, schema) == []
+
+
+def test_a_partition_for_a_closed_batch_changes_nothing(pg_dsn, schema):
+    with psycopg.connect(pg_dsn) as c:
+        batch = tracker.open_batch(c, schema=schema)
+        c.commit()
+        run = tspark.begin_run(c, batch.id, schema=schema)
+        tracker.close_batch(c, batch, schema=schema)
+        c.commit()
+    with pytest.raises(tracker.BatchNotOpen, match=f"batch {batch.id} is complete"):
+        _writer(pg_dsn, schema, batch.id, run)._write(_rows(10), 10, 0)
+    with psycopg.connect(pg_dsn) as c:
+        assert c.execute(f'SELECT count(*) FROM "{schema}".outbox').fetchone() == (1,)  # the completion event only
+        assert c.execute(f'SELECT count(*) FROM "{schema}".batch_group').fetchone() == (0,)
+
+
+def test_group_ids_of_spark_runs_never_meet_counter_ids():
+    assert tspark.spark_group_id(0, 0, 0) == 1 << 62
+    lo, hi = tspark.run_group_range(3)
+    assert lo <= tspark.spark_group_id(3, tspark.MAX_PARTITIONS - 1, tspark.MAX_CHUNKS - 1) < hi
+    assert tspark.run_group_range(4)[0] == hi
+    with pytest.raises(ValueError):
+        tspark.spark_group_id(tspark.MAX_RUNS, 0, 0)
