@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-import pytest
 import yaml
 
 from harvester import config
