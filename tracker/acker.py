@@ -147,7 +147,9 @@ class Acker:
         self.topic = topic
         self.group = group
         self.dead_letter_topic = dead_letter_topic
-        self.max_poll_records = int(max_poll_records)
+        if int(max_poll_records) < 1:
+            raise ValueError(f"max_poll_records must be >= 1, got {max_poll_records!r}")
+        self.max_poll_records = min(int(max_poll_records), 1_000_000)  # confluent-kafka's consume() limit
         self.poll_timeout = float(poll_timeout)
         self.lag_interval = lag_interval
         self.retry_backoff = retry_backoff
