@@ -20,6 +20,7 @@ import psycopg
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
+import tracker
 from tracker.schema import qualified
 
 from . import logs
@@ -135,7 +136,8 @@ def _start_acker(cfg: Config, stop: threading.Event, failures: list) -> threadin
 
     a = cfg.acker
     acker = Acker(dsn=cfg.database.dsn, schema=cfg.database.schema, bootstrap_servers=cfg.kafka.bootstrap_servers,
-                  kafka_client={**cfg.kafka.client, **cfg.kafka.consumer}, topic=a.topic, group=a.group,
+                  kafka_client=cfg.kafka.client, consumer_client=cfg.kafka.consumer,
+                  producer_client=cfg.kafka.producer, topic=a.topic, group=a.group,
                   dead_letter_topic=a.dead_letter_topic, max_poll_records=a.max_poll_records,
                   poll_timeout=a.poll_timeout)
 
@@ -165,6 +167,10 @@ def run(cfg: Config, *, faults: FaultPlan | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    # The acker and sweeper run tracker code in this process: completion events go to this
+    # schema's outbox table and, for batches opened without one, to the configured topic.
+    tracker.configure(schema=cfg.database.schema, outbox_table=cfg.database.outbox_table,
+                      completion_topic=cfg.harvester.default_completion_topic)
     m = get_metrics(cfg.metrics.prefix)
     m.build_info.labels(_version()).set(1)
     admin = _admin(cfg)

@@ -1,6 +1,7 @@
 """The acker against the real Postgres and Kafka: bulk apply, replays, dead letters, rebalances, lag."""
 from __future__ import annotations
 
+import json
 import contextlib
 import os
 import subprocess
@@ -366,3 +367,30 @@ def test_two_reaper_processes_share_the_ack_topic_and_survive_one_stopping(pg_ds
     with psycopg.connect(pg_dsn) as c:
         assert len(completion_events(c, schema)) == 12
         assert invariant_violations(c, schema) == []
+
+
+def test_reaper_acker_writes_completions_to_the_configured_topic_and_table(pg_dsn, schema, kafka_bootstrap, topics,
+                                                                         tmp_path):
+    """`reaper run` hands its schema, outbox table and default completion topic to the tracker code it hosts."""
+    from support.reaper import ReaperProcess
+
+    topic, dlq = topics("acks"), topics("dlq")
+    env = {"REAPER_DATABASE__DSN": pg_dsn, "REAPER_DATABASE__SCHEMA": schema,
+           "REAPER_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap, "REAPER_HARVESTER__ENABLED": "false",
+           "REAPER_HARVESTER__DEFAULT_COMPLETION_TOPIC": "catalog-done", "REAPER_ACKER__ENABLED": "true",
+           "REAPER_ACKER__TOPIC": topic,
+           "REAPER_ACKER__GROUP": f"acker-{uuid.uuid4().hex[:8]}", "REAPER_ACKER__DEAD_LETTER_TOPIC": dlq}
+    batch, (handle,) = closed_batch(pg_dsn, schema, 10)
+    reaper = ReaperProcess(env, tmp_path / "reaper.log")
+    try:
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        producer.produce(topic, key=str(batch.id).encode(), value=f"{batch.id}:{handle.group_id}:0-9".encode())
+        assert producer.flush(30) == 0
+        wait_for(lambda: batch_state(pg_dsn, schema, batch.id)[0] == "complete", what="the batch to complete")
+        assert reaper.terminate(60) == 0
+    finally:
+        reaper.kill()
+    with psycopg.connect(pg_dsn) as c:
+        assert completion_events(c, schema, "batch-completions") == []
+        (key, value), = completion_events(c, schema, "catalog-done")
+    assert key == str(batch.id).encode() and json.loads(value)["batch_id"] == batch.id

@@ -13,6 +13,7 @@ behind the caller's back. Every function takes `schema=`; `configure()` sets the
 """
 from . import outbox
 from .acks import AckResult, ack, apply_masks
+from .consumer import AckProducer, MissingItemId, exactly_once, item_id_of
 from .batches import Batch, BatchStatus, GroupHandle, add_items, close_batch, open_batch, status
 from .errors import (BatchExpired, BatchNotOpen, IndexOutOfRange, InvalidIdentifier, MalformedItemId,
                      TrackerError, UnknownBatch, UnknownGroup)
@@ -22,6 +23,7 @@ from .session import configure
 
 __all__ = [
     "outbox", "open_batch", "add_items", "close_batch", "ack", "apply_masks", "status", "configure",
+    "AckProducer", "exactly_once", "item_id_of", "MissingItemId",
     "AckResult", "Batch", "BatchStatus", "GroupHandle", "Message",
     "BatchExpired", "BatchNotOpen", "IndexOutOfRange", "InvalidIdentifier", "MalformedItemId", "TrackerError",
     "UnknownBatch", "UnknownGroup", "GroupMask", "IdRun", "ItemId", "expand", "fold", "format_item_id",
