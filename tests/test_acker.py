@@ -221,7 +221,8 @@ def test_bad_acks_reach_the_dead_letter_topic_and_the_partition_keeps_moving(pg_
         c.execute(f"UPDATE \"{schema}\".batch SET state = 'expired', expired_at = now() WHERE id = %s", [gone.id])
     k = str(b.id).encode()
     bad = [b"\xff\xfe", b"", None, b"hello", b"1:2", f"{b.id}:0:5-3".encode(), b"999999999:0:1",
-           f"{b.id}:77:0".encode(), f"{b.id}:0:12".encode(), f"{b.id}:0:99999999999".encode(), f"{gone.id}:0:1".encode()]
+           f"{b.id}:77:0".encode(), f"{b.id}:0:12".encode(), f"{b.id}:0:99999999999".encode(), f"{gone.id}:0:1".encode(),
+           b"9223372036854775808:0:0"]
     good = [f"{b.id}:0:{i}".encode() for i in range(10)]
     # bad acks before, between and after the good ones, in one partition; one message mixes both
     stream = bad[:5] + good[:5] + bad[5:] + [f"{b.id}:0:5,{b.id}:0:x".encode()] + good[6:]
@@ -243,6 +244,7 @@ def test_bad_acks_reach_the_dead_letter_topic_and_the_partition_keeps_moving(pg_
     assert got[f"{b.id}:0:12".encode()] == "index out of range (group size 10)"
     assert got[f"{b.id}:0:99999999999".encode()].startswith("index out of range")
     assert got[f"{gone.id}:0:1".encode()] == "batch expired"
+    assert got[b"9223372036854775808:0:0"].startswith("malformed")  # past a bigint: not a stuck partition
     with psycopg.connect(pg_dsn) as c:
         assert len(completion_events(c, schema)) == 1
         assert invariant_violations(c, schema) == []

@@ -204,6 +204,16 @@ def test_malformed_id_changes_nothing(conn, schema, populated):
                          tracker.MalformedItemId, "malformed item id")
 
 
+def test_ids_past_a_bigint_or_any_group_change_nothing(conn, schema, populated):
+    open_b = populated[0]
+    _unchanged_after(conn, schema, lambda: tracker.ack(conn, [f"{open_b.id}:0:10", "9223372036854775808:0:0"],
+                                                       schema=schema),
+                     tracker.MalformedItemId, "9223372036854775808:0:0")
+    _unchanged_after(conn, schema, lambda: tracker.ack(conn, [f"{open_b.id}:0:10", f"{open_b.id}:0:99999999999999"],
+                                                       schema=schema),
+                     tracker.IndexOutOfRange, "99999999999999")
+
+
 def test_unknown_batch_changes_nothing(conn, schema, populated):
     open_b = populated[0]
     _unchanged_after(conn, schema, lambda: tracker.ack(conn, [f"{open_b.id}:0:11", "999999:0:1"], schema=schema),

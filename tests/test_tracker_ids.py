@@ -49,3 +49,22 @@ def test_parse_and_format_round_trip():
     assert parse_item_id("12:3:45") == (12, 3, 45) and str(parse_item_id(b"12:3:45")) == "12:3:45"
     assert parse_ack("12:3:4-9") == (12, 3, 4, 9) and format_run(12, 3, 4, 9) == "12:3:4-9"
     assert format_run(12, 3, 4, 4) == "12:3:4"
+
+
+@pytest.mark.parametrize("bad", ["9223372036854775808:0:0", "1:9223372036854775808:0", "1:" + "9" * 5000 + ":1"])
+def test_ids_past_a_bigint_are_malformed_on_every_path(bad):
+    # Not a database overflow later, and never a huge integer conversion.
+    for call in (lambda: parse_ack(bad), lambda: fold([bad]), lambda: fold(["1:0:1", bad])):
+        with pytest.raises(MalformedItemId, match="is larger than 9223372036854775807"):
+            call()
+
+
+@pytest.mark.parametrize("bad", ["1:0:8192", "1:0:99999999999999", "1:0:0-99999999999999", "1:0:3-8192"])
+def test_an_index_no_group_can_hold_is_out_of_range_before_any_allocation(bad):
+    from tracker import IndexOutOfRange
+
+    for call in (lambda: parse_ack(bad), lambda: fold([bad]), lambda: fold(["1:0:1", bad])):
+        with pytest.raises(IndexOutOfRange, match="no group holds more than 8192 items"):
+            call()
+    assert parse_ack("9223372036854775807:9223372036854775807:8191") == (2**63 - 1, 2**63 - 1, 8191, 8191)
+    assert parse_ack("1:0:" + "0" * 5000 + "7") == (1, 0, 7, 7)

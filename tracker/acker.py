@@ -29,7 +29,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from . import metrics
 from .acks import AckResult, apply_masks
-from .errors import MalformedItemId
+from .errors import IndexOutOfRange, MalformedItemId
 from .ids import GROUP_BITS_MAX, GroupMask, parse_ack
 from .schema import check_identifier
 
@@ -56,6 +56,8 @@ class EntryFolder:
                 run = parse_ack(entry)
             except MalformedItemId as exc:
                 return f"malformed: {exc}"
+            except IndexOutOfRange:  # an index no group can hold
+                return f"index out of range: no group holds more than {GROUP_BITS_MAX} items"
             key = (run.batch_id, run.group_id)
             if sep:
                 self._prefixes[head] = key

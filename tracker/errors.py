@@ -34,9 +34,12 @@ class UnknownGroup(TrackerError, LookupError):
 
 
 class IndexOutOfRange(TrackerError, IndexError):
-    def __init__(self, item_id: str, size: int) -> None:
+    def __init__(self, item_id: str, size: int, *, any_group: bool = False) -> None:
         self.item_id, self.size = item_id, size
-        super().__init__(f"item id {item_id!r} is out of range: its group has {size} items (index 0..{size - 1})")
+        if any_group:  # found while parsing, before the group was looked up
+            super().__init__(f"item id {item_id!r} is out of range: no group holds more than {size} items")
+        else:
+            super().__init__(f"item id {item_id!r} is out of range: its group has {size} items (index 0..{size - 1})")
 
 
 class BatchNotOpen(TrackerError):

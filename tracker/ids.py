@@ -12,9 +12,10 @@ from itertools import repeat
 from operator import add
 from typing import Iterable, Iterator, NamedTuple
 
-from .errors import MalformedItemId
+from .errors import IndexOutOfRange, MalformedItemId
 
 GROUP_BITS_MAX = 8192  # a group's bitfield stays <= 1 KiB so it is never TOASTed
+ID_MAX = (1 << 63) - 1  # batch and group ids are Postgres bigints
 
 
 class ItemId(NamedTuple):
@@ -30,11 +31,25 @@ def format_item_id(batch_id: int, group_id: int, index: int) -> str:
     return f"{batch_id}:{group_id}:{index}"
 
 
-def _nonneg(text: str, whole: object) -> int:
+def _nonneg(text: str, whole: object, limit: int = ID_MAX, what: str = "id") -> int:
     # str.isdigit accepts non-ASCII digits; ids are plain ASCII decimal.
     if not text or not text.isascii() or not text.isdigit():
         raise MalformedItemId(whole, f"{text!r} is not a non-negative decimal")
+    # Bounded before int(): a 10,000-digit "id" must not cost a big-integer conversion.
+    if len(text) > 19 or int(text) > limit:
+        raise MalformedItemId(whole, f"{what} {text[:24]} is larger than {limit}")
     return int(text)
+
+
+def _index(text: str, whole: object) -> int:
+    # No group holds more than GROUP_BITS_MAX items: a larger index can never be valid, and must
+    # not make a fold allocate a mask for it.
+    if not text or not text.isascii() or not text.isdigit():
+        raise MalformedItemId(whole, f"{text!r} is not a non-negative decimal")
+    digits = text.lstrip("0") or "0"
+    if len(digits) > 4 or int(digits) >= GROUP_BITS_MAX:
+        raise IndexOutOfRange(whole if isinstance(whole, str) else repr(whole), GROUP_BITS_MAX, any_group=True)
+    return int(digits)
 
 
 def parse_item_id(item_id: str | bytes) -> ItemId:
@@ -43,7 +58,7 @@ def parse_item_id(item_id: str | bytes) -> ItemId:
     parts = text.split(":")
     if len(parts) != 3:
         raise MalformedItemId(item_id, "needs exactly three ':'-separated parts")
-    return ItemId(_nonneg(parts[0], item_id), _nonneg(parts[1], item_id), _nonneg(parts[2], item_id))
+    return ItemId(_nonneg(parts[0], item_id), _nonneg(parts[1], item_id), _index(parts[2], item_id))
 
 
 class IdRun(NamedTuple):
@@ -63,8 +78,8 @@ def parse_ack(ack: str | bytes) -> IdRun:
         raise MalformedItemId(ack, "needs exactly three ':'-separated parts")
     batch_id, group_id = _nonneg(parts[0], ack), _nonneg(parts[1], ack)
     start_s, dash, end_s = parts[2].partition("-")
-    start = _nonneg(start_s, ack)
-    end = _nonneg(end_s, ack) if dash else start
+    start = _index(start_s, ack)
+    end = _index(end_s, ack) if dash else start
     if end < start:
         raise MalformedItemId(ack, f"run end {end} is before its start {start}")
     return IdRun(batch_id, group_id, start, end)
@@ -159,7 +174,8 @@ def fold(acks: Iterable[str | bytes]) -> dict[tuple[int, int], GroupMask]:
 
 _TO_DIGITS = bytes([48, 49]) + bytes(254)  # flag bytes 0/1 -> b'0'/b'1', for int(..., 2)
 # Plain ids, one per line: three non-empty ASCII decimals. Possessive, so the check is one linear pass.
-_PLAIN_IDS = re.compile(r"(?:[0-9]++:[0-9]++:[0-9]++\n)*+[0-9]++:[0-9]++:[0-9]++")
+# Digit counts are bounded so no token can be a huge number; values past a bigint are checked below.
+_PLAIN_IDS = re.compile(r"(?:[0-9]{1,19}+:[0-9]{1,19}+:[0-9]{1,4}+\n)*+[0-9]{1,19}+:[0-9]{1,19}+:[0-9]{1,4}+")
 # The canonical spelling of every index a group can hold; anything else takes the slow path.
 _INDEX_OF = {str(i): i for i in range(GROUP_BITS_MAX)}
 
@@ -204,6 +220,8 @@ def _fold_plain_ids(acks: list) -> dict[tuple[int, int], GroupMask] | None:
         else:
             b, _, g = key.partition(":")
             batch_id, group_id = int(b), int(g)
+        if batch_id > ID_MAX or group_id > ID_MAX:
+            return None  # `_fold_each` raises, naming the id
         last = flags.rfind(1, offset, offset + GROUP_BITS_MAX) - offset
         nbytes = (last >> 3) + 1
         value = int(flags[offset:offset + nbytes * 8].translate(_TO_DIGITS), 2)
@@ -239,8 +257,8 @@ def _fold_each(acks: Iterable[str | bytes]) -> dict[tuple[int, int], GroupMask]:
             key = (run.batch_id, run.group_id)
             prefixes[head] = key
             start, end = run.start, run.end
-        elif tail.isascii() and tail.isdigit():
-            start = end = int(tail)
+        elif tail in _INDEX_OF:
+            start = end = _INDEX_OF[tail]
         else:
             run = parse_ack(text)
             start, end = run.start, run.end

@@ -89,6 +89,9 @@ def begin_run(conn: psycopg.Connection, batch_id: int, *, schema: str | None = N
             raise UnknownBatch(batch_id)
         if row[0] != "open":
             raise BatchNotOpen(batch_id, row[0])
+        # A fan-out is activity: the sweeper must not expire the batch before a partition commits.
+        conn.execute(sql.SQL("UPDATE {} SET last_activity_at = clock_timestamp() WHERE id = %s").format(
+            sql.Identifier(s, "batch")), [batch_id])
         runs = sql.Identifier(s, "spark_fanout_run")
         if run_key is not None:
             found = conn.execute(sql.SQL("SELECT run FROM {} WHERE batch_id = %s AND run_key = %s").format(runs),
@@ -328,7 +331,10 @@ def _or_masks(a: tuple[bytes, int], b: tuple[bytes, int]) -> tuple[bytes, int]:
     return merged, a[1] + b[1]
 
 
-_SINGLE_ID = r"^(?P<head>[0-9]{1,18}:[0-9]{1,18}):(?P<index>[0-9]{1,4})$"
+# A decimal that fits a bigint without checking its value: up to 18 digits, or 19 below 9.2e18
+# (fan-out group ids are >= 2**62, 19 digits). Larger ones take the checked path.
+_BIGINT = r"(?:[0-9]{1,18}|[1-8][0-9]{18}|9[01][0-9]{17})"
+_SINGLE_ID = rf"^(?P<head>{_BIGINT}:{_BIGINT}):(?P<index>[0-9]{{1,4}})$"
 
 
 def _fold_single_ids(heads: Any, indexes: Any) -> list[tuple[int, int, bytes, int]]:
