@@ -63,7 +63,7 @@ class HarvesterConfig:
     max_in_flight: int = 20000
     mark_deadline: float = 5.0        # one mark + produce cycle longer than this forces a remark
     idle_poll_interval: float = 0.005  # sleep after a mark that found nothing
-    rescan_interval: float = 1.0       # while catching up, mark from the head at least this often
+    rescan_interval: float = 1.0       # unused since every mark starts from the head (kept: existing files load)
     purge_batch: int = 5000
     purge_workers: int = 2
     vacuum_interval: float = 2.0       # leader vacuums the outbox this often while it purges; 0 = autovacuum only

@@ -24,8 +24,11 @@ from .config import Config
 from .faults import FaultPlan, FaultyStore
 from .metrics import HarvesterMetrics, get as get_metrics
 from .neli import LEADER, Neli
-from .publish import Publisher, logs_safe, producer_config
+from .publish import Publisher, QuarantineError, logs_safe, producer_config
 from .store import OutboxStore, make_pool
+
+MIN_REMARK_BACKOFF = 0.05  # seconds before the second remark in a row without progress
+MAX_REMARK_BACKOFF = 5.0   # bound of the doubling back-off
 
 
 class Harvester:
@@ -52,6 +55,7 @@ class Harvester:
         self._upkeep = threading.Thread(target=self._upkeep_loop, name="reaper-upkeep", daemon=True)
         self.purged_since_vacuum = 0
         self.vacuums = 0
+        self.remark_backoff = 0.0  # the last back-off taken before a remark (0: progress was made)
         self.error: BaseException | None = None
         self.h = h
 
@@ -118,7 +122,9 @@ class Harvester:
 
     def _on_neli(self, state: str, leader_id: uuid.UUID | None) -> None:
         if state != LEADER and self.publisher is not None:
-            self.publisher.drop_queued()  # fenced or revoked: nothing more leaves this process
+            # Fenced or revoked: nothing of this leadership may leave the process later, not even
+            # a retry of a record already sent (message.timeout.ms=0 would retry it for ever).
+            self.publisher.retire_producer(f"neli {state}")
         if self.publisher is not None:
             self.log.info("publishing state", state=state, records_produced=self.publisher.produced,
                           records_delivered=self.publisher.delivered, records_in_flight=self.publisher.in_flight)
@@ -140,7 +146,7 @@ class Harvester:
     def _run(self) -> None:
         """The marker: takes leadership changes and remarks, marks batches and queues them in order."""
         h, m, pub = self.h, self.m, self.publisher
-        last_me, after, last_head_scan = None, 0, 0.0
+        backoff, progress_at_remark = 0.0, -1
         while not self._stop.is_set():
             neli_id = self.neli.leader_id()
             if neli_id is None:
@@ -161,33 +167,36 @@ class Harvester:
                 self._remark.clear()
                 logs.leader_context.set(self._me)
                 m.force_remarks.inc()
-                self.log.info("force remark", reason=self._remark_why)
+                # Remarks that repeat with nothing settled in between (a record that fails every
+                # time, Kafka refusing a topic) back off, doubling up to MAX_REMARK_BACKOFF.
+                progress = pub.progress
+                backoff = min(MAX_REMARK_BACKOFF, max(MIN_REMARK_BACKOFF, backoff * 2)) \
+                    if progress == progress_at_remark else 0.0
+                progress_at_remark = progress
+                self.remark_backoff = backoff
+                self.log.info("force remark", reason=self._remark_why, backoff_s=round(backoff, 3))
+                if backoff:
+                    self._stop.wait(backoff)
+                    continue  # leadership may have changed meanwhile
             if pub.broken:  # a fatal producer error: nothing more can go through that producer
                 pub.replace_if_broken()
-            if self._me != last_me:
-                last_me, after = self._me, 0
             me = self._me
-            if after and time.monotonic() - last_head_scan >= h.rescan_interval:
-                after = 0
             room = h.max_in_flight - pub.in_flight
             if room <= 0:
                 pub.wait_below(h.max_in_flight, 0.05)
                 continue
             started = time.monotonic()
             limit = min(h.mark_batch, room)
-            if after == 0:
-                last_head_scan = started
             try:
-                rows = self.store.mark(me, limit, after)
+                # Always from the head (see OutboxStore.mark): rows committed late are found by the
+                # very next mark, before any causally later row of their key.
+                rows = self.store.mark(me, limit)
             except Exception as exc:
                 self.log.warning("mark failed", error=logs_safe(exc))
                 self.force_remark("mark failed")
                 self._stop.wait(0.2)
                 continue
             m.mark_duration.observe(time.monotonic() - started)
-            # A full batch: more is waiting, continue above it. A short one: caught up, so the next
-            # mark starts from the head again and finds rows committed late below this batch.
-            after = rows[-1][0] if len(rows) == limit else 0
             if not rows:
                 self._stop.wait(h.idle_poll_interval)
                 continue
@@ -223,7 +232,7 @@ class Harvester:
                 continue
             try:
                 pub.produce_rows(rows, me, lambda: self._valid(me), self.neli.valid_until)
-            except (BufferError, KafkaException) as exc:
+            except (BufferError, KafkaException, QuarantineError) as exc:
                 m.produce_errors.inc()
                 self.log.warning("produce failed", error=str(exc))
                 self.force_remark("produce failed")

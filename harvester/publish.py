@@ -6,6 +6,14 @@ remarking from the head of the outbox restores per-key order without a one-in-fl
 barrier. Delivery reports land in a queue; `purge_workers` threads, each on its own database
 connection, delete delivered rows (and unmark failed ones) in batches. A record counts as in flight
 from produce() until its report is settled in the database, which is what the throttle bounds.
+
+A record Kafka can never accept (see PERMANENT_PRODUCE and PERMANENT_DELIVERY) is not retried: its
+row is moved to the dead table, atomically and only while still marked by the same leader id, so
+one bad row cannot hold up every row behind it. Batch-level or possibly temporary refusals are
+retried through the usual remark (with back-off): quarantining them could bury good rows.
+
+On fence or revocation the producer is retired: everything queued AND in flight is purged and a new
+producer takes its place, so the old leadership has nothing left that librdkafka could retry later.
 """
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ import uuid
 from functools import partial
 from typing import Any, Callable
 
-from confluent_kafka import KafkaError, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 
 from . import logs
 from .faults import FaultPlan, FaultyProducer
@@ -33,6 +41,34 @@ DEFAULT_PRODUCER = {
     "log_level": 4,
 }
 _PURGED = (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT)
+
+# produce() refusals that are about the record itself and can never succeed, however often retried:
+# larger than message.max.bytes, an explicit partition the topic does not have, an invalid argument
+# or topic name.
+PERMANENT_PRODUCE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError._UNKNOWN_PARTITION, KafkaError._INVALID_ARG,
+                               KafkaError.TOPIC_EXCEPTION})
+# Delivery-report errors that concern this record alone and can never succeed. Deliberately NOT here:
+# - MSG_SIZE_TOO_LARGE, INVALID_RECORD, RECORD_LIST_TOO_LARGE from the broker: they fail a whole
+#   batch, and quarantining would bury the good records that shared it (a record above the
+#   client's message.max.bytes is refused by produce() already, caught above);
+# - TOPIC_AUTHORIZATION_FAILED, _UNKNOWN_TOPIC, UNKNOWN_TOPIC_OR_PART: an ACL or a topic not yet
+#   created (brokers here do not auto-create) is an operator's fix away; quarantining would move
+#   every row of that topic out of the outbox. They are retried, with the remark back-off.
+PERMANENT_DELIVERY = frozenset({KafkaError._UNKNOWN_PARTITION, KafkaError._INVALID_ARG, KafkaError.TOPIC_EXCEPTION})
+
+
+class QuarantineError(RuntimeError):
+    """A row that Kafka refused for good could not be moved to the dead table (database error or
+    the row is no longer marked by this leader id): stop producing and remark."""
+
+    def __init__(self, row_id: int, reason: str, detail: str) -> None:
+        self.row_id, self.reason = row_id, reason
+        super().__init__(f"outbox row {row_id} ({reason}) was not quarantined: {detail}")
+
+
+def error_reason(err: KafkaError) -> str:
+    """What goes to the dead table and the log: the error's name and librdkafka's text, no payload."""
+    return f"{err.name()}: {err.str()}"
 SAMPLE_EVERY = 64  # produce-latency histogram samples 1 in 64 reports: observe() per record costs too much
 
 
@@ -63,6 +99,9 @@ class Publisher:
         self.queue_full_patience = 1.0
         self.delivered = 0    # records acknowledged by Kafka
         self.produced = 0     # records handed to the producer by this process (logged on state changes)
+        self.dead_rows = 0    # rows moved to the dead table
+        self.retired = 0      # producers retired (fence, revocation, fatal error)
+        self._swap = threading.Lock()  # held across each produce(): a retired producer never gets another record
         self._stop = threading.Event()
         self._retiring: list = []  # replaced producers whose last reports the poll thread still serves
         self.broken = False  # a fatal producer error: replace the producer before producing again
@@ -97,40 +136,79 @@ class Publisher:
         so a process resumed after a pause produces nothing more. Returns how many were handed to
         the producer; rows not handed over stay marked by an old id and are found by the next mark.
         """
-        producer, report, clock = self.producer, self._report, time.monotonic
-        sent = 0
+        producer, report, clock, swap = self.producer, self._report, time.monotonic, self._swap
+        sent = dead = 0
         try:
             deadline = valid_until()
-            for row in rows:
-                if clock() >= deadline or (sent & 255 == 0 and not still_valid()):
+            for i, row in enumerate(rows):
+                if clock() >= deadline or (i & 255 == 0 and not still_valid()):
                     break
                 row_id, topic, key, value, hkeys, hvals, partition = row
                 args = dict(value=value, key=key, partition=-1 if partition is None else partition,
                             headers=list(zip(hkeys, hvals)) if hkeys else None,
                             on_delivery=partial(report, row_id, leader_id))
                 try:
-                    producer.produce(topic, **args)
+                    with swap:
+                        if self.producer is not producer:
+                            break  # retired (fence, revocation): not one more record into it
+                        producer.produce(topic, **args)
                 except BufferError:
                     # The local queue is full: nothing after this record was enqueued either, so
                     # waiting and retrying the same record keeps the order. Give up at the deadline.
                     self.queue_full_waits += 1
                     give_up = min(deadline, clock() + self.queue_full_patience)
+                    retired = False
                     while True:
                         time.sleep(0.001)
                         try:
-                            producer.produce(topic, **args)
+                            with swap:
+                                if self.producer is not producer:
+                                    retired = True
+                                    break
+                                producer.produce(topic, **args)
                             break
                         except BufferError:
                             if clock() >= give_up or not still_valid():
                                 raise
+                    if retired:
+                        break
+                except KafkaException as exc:
+                    err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+                    if err is None or err.code() not in PERMANENT_PRODUCE:
+                        raise
+                    # Never acceptable: move it aside (or stop here if that fails, so nothing of
+                    # its key overtakes it) and carry on with the next record.
+                    self._quarantine_now(leader_id, row_id, error_reason(err))
+                    dead += 1
+                    continue
                 sent += 1
                 if sent & 255 == 0:
                     deadline = valid_until()
         finally:
             self.produced += sent
             if sent < len(rows):
-                self.release(len(rows) - sent)
+                self.release(len(rows) - sent)  # includes the quarantined rows: settled here
         return sent
+
+    def _quarantine_now(self, leader_id: uuid.UUID, row_id: int, reason: str) -> None:
+        try:
+            n = self._store.quarantine(leader_id, [row_id], reason)
+        except Exception as exc:
+            raise QuarantineError(row_id, reason, logs_safe(exc)) from exc
+        if n != 1:
+            raise QuarantineError(row_id, reason, "no longer marked by this leader id")
+        self._dead(n, [row_id], reason)
+
+    def _dead(self, n: int, ids: list[int], reason: str) -> None:
+        self.dead_rows += n
+        self._m.dead.inc(n)
+        self._log.error("outbox rows Kafka will never accept moved to the dead table", row_ids=ids, reason=reason,
+                        moved=n)
+
+    @property
+    def progress(self) -> int:
+        """Grows whenever a record is settled for good (acknowledged or quarantined)."""
+        return self.delivered + self.dead_rows
 
     def reserve(self, n: int) -> None:
         """Count marked rows as in flight (the throttle) before they are produced."""
@@ -146,32 +224,37 @@ class Publisher:
         with self._cond:
             return self._cond.wait_for(lambda: self._in_flight < limit, timeout)
 
-    def drop_queued(self) -> None:
-        """Fence: drop records not yet sent. Their reports (purged) unmark them."""
-        try:
-            self.producer.purge(in_queue=True, in_flight=False)
-        except Exception as exc:  # a broken producer may refuse; replacing it drops everything anyway
-            self._log.warning("producer purge failed", error=str(exc))
+    def retire_producer(self, why: str) -> None:
+        """Swap the producer for a new one; purge everything the old one holds, queued and in flight.
 
-    def replace_if_broken(self) -> bool:
-        """Swap a producer that hit a fatal error for a new one.
-
-        The old one is purged and left to the poll thread, which serves its remaining (failed)
-        reports: only that thread ever serves callbacks, since serving one producer's callbacks
-        from two threads at once (flush here, poll there) was seen to deadlock.
+        Used on fence and revocation (nothing of the old leadership may be sent or retried later:
+        with message.timeout.ms=0 an in-flight record would otherwise be retried for ever, and
+        could land after the next leader's records of its key) and after a fatal error. Once the
+        swap is done no produce() reaches the old producer (produce_rows checks under `_swap`).
+        The purged records' reports (_PURGE_QUEUE/_PURGE_INFLIGHT) reset their rows, guarded by
+        the old leader id, and force no remark. The old producer is left to the poll thread, which
+        serves those reports: only that thread ever serves callbacks, since serving one producer's
+        callbacks from two threads at once (flush here, poll there) was seen to deadlock.
+        Residual: a produce request already on the wire may still be written by the broker.
         """
-        if not self.broken:
-            return False
-        old = self.producer
-        self.producer = self._new_producer()
-        self.broken = False
+        new = self._new_producer()
+        with self._swap:
+            old, self.producer = self.producer, new
+            self.broken = False
         try:
             old.purge(in_queue=True, in_flight=True)
-        except Exception as exc:
-            self._log.warning("purging the broken producer failed", error=str(exc))
+        except Exception as exc:  # a broken producer may refuse; it gets no new record either way
+            self._log.warning("purging the retired producer failed", error=str(exc))
         with self._cond:
             self._retiring.append(old)
-        self._log.warning("producer replaced after a fatal error")
+        self.retired += 1
+        self._log.warning("producer retired and replaced", reason=why)
+
+    def replace_if_broken(self) -> bool:
+        """Swap a producer that hit a fatal error for a new one (see retire_producer)."""
+        if not self.broken:
+            return False
+        self.retire_producer("fatal producer error")
         return True
 
     def drain(self, timeout: float) -> bool:
@@ -219,11 +302,19 @@ class Publisher:
                 if lat is not None:
                     self._m.produce_duration.observe(lat)
         else:
-            if err.code() not in _PURGED:
+            code = err.code()
+            if code in _PURGED:
+                # Purged by us (retire, close): the leadership or producer they belonged to is
+                # already gone; the report only resets the row under the old id. A remark here
+                # would disturb the next leadership for nothing.
+                pass
+            elif code in PERMANENT_DELIVERY and not err.fatal():
+                self._m.produce_errors.inc()  # settled by quarantine; the rest of the stream goes on
+            else:
                 self._m.produce_errors.inc()
-            if err.fatal() or err.code() == KafkaError._FATAL:
-                self.broken = True
-            self._on_failure(f"delivery failed: {err.str()}")
+                if err.fatal() or code == KafkaError._FATAL:
+                    self.broken = True
+                self._on_failure(f"delivery failed: {err.str()}")
         if len(self._reports) >= 512:
             self._wake.set()
 
@@ -264,8 +355,14 @@ class Publisher:
     def _settle(self, batch: list[tuple]) -> None:
         done: dict[uuid.UUID, list[int]] = {}
         failed: dict[uuid.UUID, list[int]] = {}
+        dead: dict[tuple[uuid.UUID, str], list[int]] = {}
         for row_id, leader_id, err in batch:
-            (done if err is None else failed).setdefault(leader_id, []).append(row_id)
+            if err is None:
+                done.setdefault(leader_id, []).append(row_id)
+            elif err.code() in PERMANENT_DELIVERY and not err.fatal():
+                dead.setdefault((leader_id, error_reason(err)), []).append(row_id)
+            else:
+                failed.setdefault(leader_id, []).append(row_id)
         try:
             for leader_id, ids in done.items():
                 self._m.published.inc(len(ids))
@@ -288,6 +385,14 @@ class Publisher:
                     self._failed_db("reset", exc)
                     continue
                 self._m.reset.inc(n)
+            for (leader_id, reason), ids in dead.items():
+                try:
+                    n = self._store.quarantine(leader_id, ids, reason)
+                except Exception as exc:
+                    self._failed_db("quarantine", exc)  # still marked: found again, refused again
+                    continue
+                if n:
+                    self._dead(n, ids, reason)
         finally:
             self._settled(len(batch))
 

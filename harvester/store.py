@@ -1,4 +1,4 @@
-"""The harvester's SQL on the outbox: mark, purge, reset, vacuum and the backlog gauges.
+"""The harvester's SQL on the outbox: mark, purge, reset, quarantine, vacuum and the backlog gauges.
 
 Identifiers come from configuration, are validated and quoted with psycopg.sql.Identifier.
 Connections come from a psycopg_pool pool in autocommit mode: every statement is its own
@@ -41,37 +41,48 @@ def make_pool(dsn: str, size: int, *, name: str = "reaper", open_wait: float | N
 
 
 class OutboxStore:
-    def __init__(self, pool: ConnectionPool, schema: str, table: str = "outbox") -> None:
+    def __init__(self, pool: ConnectionPool, schema: str, table: str = "outbox", dead_table: str | None = None) -> None:
         self.pool = pool
         t = qualified(schema, table)
         self.table = t
+        dead = qualified(schema, dead_table or f"{table}_dead")
         # id = ANY(ARRAY(subquery)) keeps the plan on the primary key (a join plan seq-scans the
         # table). No SKIP LOCKED: skipping a row locked by a purge/reset in progress, or by an
         # application, would let a later row of the same key be marked before it. Without FOR
         # UPDATE in the subquery the UPDATE itself waits for such a lock and then re-checks the row
         # (gone: skipped; still unmarked by us: marked), at half the WAL of lock-then-update.
+        # Always from the head, never above a cursor: a row committed late below a cursor would be
+        # passed over while a causally later row of its key (a higher id) is marked (invariant 6).
         self._mark = sql.SQL(
             "UPDATE {t} SET leader_id = %(me)s WHERE id = ANY(ARRAY("
-            "SELECT id FROM {t} WHERE id > %(after)s AND (leader_id IS NULL OR leader_id <> %(me)s)"
+            "SELECT id FROM {t} WHERE (leader_id IS NULL OR leader_id <> %(me)s)"
             " ORDER BY id LIMIT %(n)s)) AND (leader_id IS NULL OR leader_id <> %(me)s) "
             "RETURNING id, topic, key, value, header_keys, header_values, kafka_partition"
         ).format(t=t)
         self._purge = sql.SQL("DELETE FROM {t} WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(t=t)
         self._reset = sql.SQL(
             "UPDATE {t} SET leader_id = NULL WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(t=t)
+        # One statement: the row leaves the outbox and enters the dead table together, or not at all.
+        self._quarantine = sql.SQL(
+            "WITH gone AS (DELETE FROM {t} WHERE id = ANY(%(ids)s::bigint[]) AND leader_id = %(me)s "
+            "RETURNING id, created_at, topic, key, value, header_keys, header_values, kafka_partition, leader_id) "
+            "INSERT INTO {d} (id, created_at, topic, key, value, header_keys, header_values, kafka_partition, "
+            "leader_id, reason) SELECT id, created_at, topic, key, value, header_keys, header_values, "
+            "kafka_partition, leader_id, %(reason)s FROM gone"
+        ).format(t=t, d=dead)
         self._vacuum = sql.SQL("VACUUM {t}").format(t=t)
         self._oldest = sql.SQL("SELECT extract(epoch FROM clock_timestamp() - created_at) FROM {t} ORDER BY id LIMIT 1").format(t=t)
         self._count = sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {t} LIMIT %s) AS s").format(t=t)
 
-    def mark(self, leader_id: uuid.UUID, limit: int, after: int = 0) -> list[tuple]:
-        """Mark up to `limit` of the lowest-id rows above `after` not marked by `leader_id`; sorted by id.
+    def mark(self, leader_id: uuid.UUID, limit: int) -> list[tuple]:
+        """Mark up to `limit` of the lowest-id rows not marked by `leader_id`; sorted by id.
 
-        `after` = 0 scans from the head. The harvester passes the last id it marked while it is
-        catching up with a backlog, so each mark skips its own rows in flight and the dead rows
-        at the head, and rescans from the head often enough to find rows committed late.
+        Every mark scans from the head of the table. Skipping ahead with a cursor would miss a row
+        whose (slow) transaction commits below the cursor while a later row of the same key is
+        marked above it; the leader's vacuum upkeep keeps the head cheap to scan instead.
         """
         with self.pool.connection() as conn:
-            rows = conn.execute(self._mark, {"me": leader_id, "n": limit, "after": after}, binary=True).fetchall()
+            rows = conn.execute(self._mark, {"me": leader_id, "n": limit}, binary=True).fetchall()
         rows.sort(key=lambda r: r[0])
         return rows
 
@@ -84,6 +95,14 @@ class OutboxStore:
         """Unmark rows whose publication failed, if still marked by `leader_id`."""
         with self.pool.connection() as conn:
             return conn.execute(self._reset, [list(ids), leader_id]).rowcount
+
+    def quarantine(self, leader_id: uuid.UUID, ids: Sequence[int], reason: str) -> int:
+        """Move rows Kafka will never accept, if still marked by `leader_id`, to the dead table.
+
+        Returns how many moved (0: the rows were remarked by a newer id or are already gone).
+        """
+        with self.pool.connection() as conn:
+            return conn.execute(self._quarantine, {"ids": list(ids), "me": leader_id, "reason": reason}).rowcount
 
     def vacuum(self) -> None:
         with self.pool.connection() as conn:

@@ -23,3 +23,20 @@ CREATE TABLE outbox (
     autovacuum_vacuum_insert_threshold = 100000,
     autovacuum_vacuum_cost_delay = 0
 );
+
+-- Rows Kafka can never accept (too large for message.max.bytes, an explicit partition that does not
+-- exist, an invalid topic name). The leader moves such a row here atomically, in one statement,
+-- so it cannot block every row behind it; an operator inspects, fixes and re-inserts it if wanted.
+CREATE TABLE outbox_dead (
+    id            bigint      PRIMARY KEY,     -- the outbox id it had
+    created_at    timestamptz NOT NULL,
+    topic         text        NOT NULL,
+    key           bytea,
+    value         bytea,
+    header_keys   text[]      NOT NULL,
+    header_values bytea[]     NOT NULL,
+    kafka_partition integer,
+    leader_id     uuid,                        -- the leader id that quarantined it
+    failed_at     timestamptz NOT NULL DEFAULT clock_timestamp(),
+    reason        text        NOT NULL
+);
