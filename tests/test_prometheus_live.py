@@ -116,6 +116,9 @@ def test_every_dashboard_panel_returns_data_from_a_running_reaper(pg_dsn, kafka_
                 batch = tracker.open_batch(conn, user_key="live", completion_topic=t["done"], schema=schema)
                 outbox.enqueue(conn, batch, (f'{{"n": {i}}}' for i in range(ITEMS)), topic=t["items"], schema=schema)
                 tracker.close_batch(conn, batch, schema=schema)
+                # A row Kafka can never accept (the items topic has 2 partitions): quarantined.
+                conn.execute(sql.SQL("INSERT INTO {} (topic, value, kafka_partition) VALUES (%s, 'x', 99)")
+                             .format(sql.Identifier(schema, "outbox")), [t["items"]])
                 conn.commit()
 
             # Consumers: take every item from Kafka and ack it through the ack topic, with duplicates.
@@ -153,6 +156,7 @@ def test_every_dashboard_panel_returns_data_from_a_running_reaper(pg_dsn, kafka_
                         and prom_value(prom, f'reaper_acks_applied_total{{job="{job}"}}') >= ITEMS
                         and prom_value(prom, f'reaper_acks_dead_lettered_total{{job="{job}"}}') >= 1
                         and prom_value(prom, f'reaper_batches{{job="{job}", state="expired"}}') >= 1
+                        and prom_value(prom, f'reaper_records_dead_total{{job="{job}"}}') >= 1
                         and prom_value(prom, f'reaper_outbox_backlog_rows{{job="{job}"}}') == 0)
 
             wait_until("Prometheus to scrape the results", seen, 60, reaper, log)
@@ -186,15 +190,22 @@ def test_every_dashboard_panel_returns_data_from_a_running_reaper(pg_dsn, kafka_
             assert prom_value(prom, f'reaper_acks_applied_total{{job="{job}"}}') == ITEMS
             assert prom_value(prom, f'reaper_acks_duplicate_total{{job="{job}"}}') >= ITEMS // 10
             assert prom_value(prom, f'reaper_batches_expired_total{{job="{job}"}}') >= 1
+            assert prom_value(prom, f'reaper_records_dead_total{{job="{job}"}}') == 1
+            with psycopg.connect(pg_dsn) as conn:
+                dead = conn.execute(sql.SQL("SELECT topic, kafka_partition FROM {}")
+                                    .format(sql.Identifier(schema, "outbox_dead"))).fetchall()
+            assert dead == [(t["items"], 99)]
             # The alert and recording rules evaluate cleanly against the real series. With a healthy
-            # leader and an empty outbox the one alert under way is the dead letter this test caused,
-            # still pending (it fires only if dead letters keep coming for 5 minutes).
+            # leader and an empty outbox, the alerts under way are the ones this test provoked: the
+            # quarantined row (fires at once) and the dead letter (pending: it fires only if dead
+            # letters keep coming for 5 minutes).
             rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
             assert rules and all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
             assert prom_value(prom, f'job:reaper_leader:sum{{job="{job}"}}') == 1
             mine = {(a["labels"]["alertname"], a["state"]) for a in prom.api("alerts")["alerts"]
                     if a["labels"].get("job") == job}
-            assert mine <= {("ReaperAcksDeadLettered", "pending")}, mine
+            assert ("ReaperRowsQuarantined", "firing") in mine, mine
+            assert mine <= {("ReaperRowsQuarantined", "firing"), ("ReaperAcksDeadLettered", "pending")}, mine
             exported = {s["__name__"] for s in prom.api("series", **{"match[]": f'{{job="{job}"}}'})}
             missing = {m for m in CONTRACT_METRICS
                        if m not in exported and f"{m}_bucket" not in exported}

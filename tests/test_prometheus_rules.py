@@ -20,11 +20,12 @@ REPO = Path(__file__).resolve().parents[1]
 PROM_DIR = REPO / "deploy" / "prometheus"
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "reaper.json"
 
-# The metric names fixed in the team's shared contract (histograms without their suffixes).
+# The metric names fixed in the team's shared contract, plus reaper_records_dead_total (quarantined
+# rows, added with outbox_dead); histograms without their suffixes.
 CONTRACT_METRICS = {
     "reaper_build_info", "reaper_leader", "reaper_leader_acquisitions_total", "reaper_leader_fences_total",
     "reaper_leader_revocations_total", "reaper_records_marked_total", "reaper_records_published_total",
-    "reaper_records_purged_total", "reaper_records_reset_total", "reaper_produce_errors_total",
+    "reaper_records_purged_total", "reaper_records_reset_total", "reaper_records_dead_total", "reaper_produce_errors_total",
     "reaper_force_remarks_total", "reaper_mark_duration_seconds", "reaper_purge_duration_seconds",
     "reaper_produce_duration_seconds", "reaper_records_in_flight", "reaper_outbox_backlog_rows",
     "reaper_outbox_oldest_age_seconds", "reaper_batches", "reaper_items_pending",

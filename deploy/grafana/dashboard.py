@@ -83,11 +83,13 @@ ROWS = [
         ], "Acquired leadership; fenced itself after missing heartbeats; lost partition 0 in a rebalance."),
     ]),
     ("Failures", [
-        ("Resets, produce errors, force remarks", "timeseries", "ops", 12, [
+        ("Resets, produce errors, force remarks, quarantined rows", "timeseries", "ops", 12, [
             (rate("reaper_records_reset_total"), "reset"),
             (rate("reaper_produce_errors_total"), "produce errors"),
             (rate("reaper_force_remarks_total"), "force remarks"),
-        ], "A failed delivery resets its row and forces a re-mark from the head of the outbox."),
+            (rate("reaper_records_dead_total"), "quarantined (outbox_dead)"),
+        ], "A failed delivery resets its row and forces a re-mark from the head of the outbox. A row Kafka "
+           "can never accept (too large, no such partition, invalid topic name) is moved to outbox_dead."),
         ("Dead-lettered acks", "timeseries", "ops", 12,
          [(rate("reaper_acks_dead_lettered_total"), "dead-lettered")],
          "Acks the tracker rejected (unknown batch or group, bad index, malformed id, expired batch)."),
