@@ -5,7 +5,11 @@ leader id (one atomic UPDATE ... RETURNING, sorted by id), hands them to the ide
 in id order, and lets the publisher purge or reset them as reports arrive. The throttle bounds
 records in flight. Any produce error, delivery failure, mark/purge/reset error or mark deadline
 overrun raises `force_remark`: queued work is dropped, a new leader id is taken, and marking starts
-again from the head, so rows published out of turn or committed late are found again.
+again from the head, so rows published out of turn or committed late are found again. Every mark
+starts from the head, never above a cursor: a row whose transaction commits late, below rows
+already marked, must be found before any causally later row of its key. Remarks that repeat with
+nothing settled in between back off (doubling, up to MAX_REMARK_BACKOFF). A record Kafka can never
+accept is not a failure of this kind: the publisher moves its row to the dead table and goes on.
 
 The leader also owns vacuuming the outbox (see `Upkeep`): deleted rows at the head of the table
 otherwise slow every mark down as they pile up.
