@@ -126,7 +126,7 @@ def naive_relay(env: Env, sample: int) -> dict:
     return {"sample_records": sample, "seconds": round(elapsed, 3), "records_per_s": round(sample / elapsed)}
 
 
-def bench_throughput(n: int, naive_sample: int) -> dict:
+def bench_throughput(n: int, naive_sample: int, **harvester) -> dict:
     env = Env()
     try:
         say(f"throughput: pre-filling {n} rows")
@@ -135,7 +135,7 @@ def bench_throughput(n: int, naive_sample: int) -> dict:
         naive = naive_relay(env, naive_sample)
         left = n - naive_sample
         say(f"throughput: harvesting {left} rows")
-        fast = harvest_all(env, left)
+        fast = harvest_all(env, left, **harvester)
         assert env.count() == 0
         return {"reaper": fast, "naive_relay": naive,
                 "ratio_vs_naive": round(fast["records_per_s"] / naive["records_per_s"], 1)}
@@ -143,12 +143,12 @@ def bench_throughput(n: int, naive_sample: int) -> dict:
         env.drop()
 
 
-def bench_hot_key(n: int) -> dict:
+def bench_hot_key(n: int, **harvester) -> dict:
     env = Env()
     try:
         say(f"hot key: pre-filling {n} rows on one key")
         prefill(env, n, keys=1)
-        return harvest_all(env, n)
+        return harvest_all(env, n, **harvester)
     finally:
         env.drop()
 
@@ -171,9 +171,9 @@ def _writer(schema: str, topic: str, rate: float, seconds: float, chunk: int, ou
     out.put(sent)
 
 
-def bench_sustained(seconds: float, window: float, rate: float, vacuum_interval: float = 2.0) -> dict:
+def bench_sustained(seconds: float, window: float, rate: float, vacuum_interval: float = 2.0, **harvester) -> dict:
     env = Env()
-    h = Harvester(env.config(vacuum_interval=vacuum_interval)).start()
+    h = Harvester(env.config(**{"vacuum_interval": vacuum_interval, **harvester})).start()
     try:
         while not h.leading:
             time.sleep(0.01)
@@ -207,9 +207,9 @@ def bench_sustained(seconds: float, window: float, rate: float, vacuum_interval:
         env.drop()
 
 
-def bench_latency(seconds: float, rate: float) -> dict:
+def bench_latency(seconds: float, rate: float, **harvester) -> dict:
     env = Env()
-    h = Harvester(env.config()).start()
+    h = Harvester(env.config(**harvester)).start()
     acked: dict[int, float] = {}
     try:
         while not h.leading:
@@ -358,22 +358,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sustained-seconds", type=float, help="override the sustained run's length")
     ap.add_argument("--vacuum-interval", type=float, default=2.0,
                     help="harvester.vacuum_interval for the sustained run (0 = autovacuum only)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a harvester.KEY for the in-process reaper of throughput, hot_key, sustained and latency "
+                         "(e.g. --set mark_batch=10000); repeatable")
     args = ap.parse_args(argv)
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--set {item!r}: expected KEY=VALUE")
+        overrides[key.strip()] = value.strip()  # coerced and validated by the configuration loader
     logs.configure("json", "warning")
     q = args.quick
     want = set(args.only or ["throughput", "hot_key", "sustained", "latency", "failover"])
-    result: dict = {"benchmark": "harvest", "quick": q, "machine": "shared 2-core host, Postgres and Kafka local",
+    result: dict = {"benchmark": "harvest", "quick": q, "harvester_overrides": overrides, "machine": "shared 2-core host, Postgres and Kafka local",
                     "targets": {"records_per_s": 50000, "hot_key_records_per_s": 5000, "sustained_ratio": 0.8,
                                 "latency_p99_ms": 50, "sigterm_handover_s": 2.0,
                                 "sigkill_failover_s": "session_timeout + 2"}}
     if "throughput" in want:
-        result["throughput"] = bench_throughput(100_000 if q else 500_000, 300 if q else 1000)
+        result["throughput"] = bench_throughput(100_000 if q else 500_000, 300 if q else 1000, **overrides)
         say(json.dumps(result["throughput"]))
     if "hot_key" in want:
-        result["hot_key"] = bench_hot_key(30_000 if q else 100_000)
+        result["hot_key"] = bench_hot_key(30_000 if q else 100_000, **overrides)
         say(json.dumps(result["hot_key"]))
     if "latency" in want:
-        result["latency"] = bench_latency(8 if q else 30, 2000.0)
+        result["latency"] = bench_latency(8 if q else 30, 2000.0, **overrides)
         say(json.dumps(result["latency"]))
     if "failover" in want:
         result["failover_sigterm"] = bench_failover(signal.SIGTERM, 6.0, 2.0)
@@ -382,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         say(json.dumps(result["failover_sigkill"]))
     if "sustained" in want:
         result["sustained"] = bench_sustained(args.sustained_seconds or (60 if q else 630), 15 if q else 60,
-                                              args.sustained_rate, args.vacuum_interval)
+                                              args.sustained_rate, args.vacuum_interval, **overrides)
         say(json.dumps(result["sustained"]))
     print(json.dumps(result))
     return 0
