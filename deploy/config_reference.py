@@ -44,7 +44,6 @@ DESCRIPTIONS = {
     "harvester.max_in_flight": "records produced and awaiting their delivery reports",
     "harvester.mark_deadline": "a mark-and-produce cycle longer than this forces a remark (seconds)",
     "harvester.idle_poll_interval": "pause after a mark that found nothing (seconds)",
-    "harvester.rescan_interval": "while catching up, mark from the head of the outbox at least this often (seconds)",
     "harvester.purge_batch": "rows deleted by one purge statement",
     "harvester.purge_workers": "connections purging delivered rows in parallel",
     "harvester.vacuum_interval": "the leader vacuums the outbox this often while it purges (seconds; 0 = autovacuum only)",

@@ -63,7 +63,6 @@ class HarvesterConfig:
     max_in_flight: int = 20000
     mark_deadline: float = 5.0        # one mark + produce cycle longer than this forces a remark
     idle_poll_interval: float = 0.005  # sleep after a mark that found nothing
-    rescan_interval: float = 1.0       # unused since every mark starts from the head (kept: existing files load)
     purge_batch: int = 5000
     purge_workers: int = 2
     vacuum_interval: float = 2.0       # leader vacuums the outbox this often while it purges; 0 = autovacuum only
@@ -248,7 +247,7 @@ def validate(cfg: Config) -> None:
     positive = [
         "harvester.min_poll_interval", "harvester.heartbeat_timeout", "harvester.session_timeout",
         "harvester.mark_batch", "harvester.max_in_flight", "database.pool_size", "acker.max_poll_records",
-        "harvester.mark_deadline", "harvester.idle_poll_interval", "harvester.rescan_interval", "harvester.purge_batch", "harvester.purge_workers",
+        "harvester.mark_deadline", "harvester.idle_poll_interval", "harvester.purge_batch", "harvester.purge_workers",
         "harvester.drain_timeout",
         "sweeper.interval", "sweeper.idle_expiry", "sweeper.retention", "sweeper.chunk", "metrics.backlog_interval",
     ]

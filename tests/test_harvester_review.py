@@ -49,10 +49,10 @@ def test_row_committed_late_below_the_marking_position_precedes_a_later_row_of_i
     """
     topic = topics("data", partitions=1)
     leader = topics("leader", partitions=1)
-    # rescan_interval large: an implementation with a cursor would rescan from the head only
-    # after a short batch, i.e. only once the backlog is through.
+    # Small marks over a 30k backlog: an implementation with a cursor would come back to the
+    # head only after a short batch, i.e. only once the backlog is through.
     cfg = make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader,
-                      harvester={"mark_batch": 50, "max_in_flight": 200, "rescan_interval": 1000.0})
+                      harvester={"mark_batch": 50, "max_in_flight": 200})
     receiver = Receiver(kafka_bootstrap, topic, 1)
     a = psycopg.connect(pg_dsn)  # application transaction A, slow to commit
     try:
