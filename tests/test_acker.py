@@ -19,6 +19,7 @@ import tracker
 from tracker.acker import Acker, fold_messages
 from tracker.consumer import AckProducer
 
+from support.harness import read_messages
 from test_tracker_support import completion_events, invariant_violations
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,17 +92,7 @@ def produce_raw(kafka_bootstrap, topic, pairs) -> None:
 
 
 def read_all(kafka_bootstrap, topic, n, timeout=30.0) -> list:
-    c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"r-{uuid.uuid4().hex}",
-                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
-    c.subscribe([topic])
-    got = []
-    deadline = time.monotonic() + timeout
-    while len(got) < n and time.monotonic() < deadline:
-        for m in c.consume(1000, 0.5):
-            if not m.error():
-                got.append(m)
-    c.close()
-    return got
+    return read_messages(kafka_bootstrap, topic, n, timeout)
 
 
 def closed_batch(pg_dsn, schema, n):

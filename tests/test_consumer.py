@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 
 import psycopg
 import pytest
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Producer
 
 import tracker
 from tracker import outbox
@@ -16,27 +15,13 @@ from hypothesis import given, strategies as st
 from tracker.consumer import (AckProducer, MissingItemId, batch_id_of_message, compact, exactly_once, item_id_of,
                               runs_of)
 
+from support.harness import read_messages
 from test_tracker_support import completion_events, invariant_violations
 
 
 def _consume(bootstrap: str, topic: str, n: int, timeout: float = 30.0) -> list:
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"g-{uuid.uuid4().hex}",
-                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
-    c.subscribe([topic])
-    got = []
-    deadline = time.monotonic() + timeout
-    while len(got) < n and time.monotonic() < deadline:
-        msg = c.poll(0.5)
-        if msg is not None and not msg.error():
-            got.append(msg)
-    # a short extra poll shows there is nothing beyond n
-    end = time.monotonic() + 1.0
-    while time.monotonic() < end:
-        msg = c.poll(0.2)
-        if msg is not None and not msg.error():
-            got.append(msg)
-    c.close()
-    return got
+    # a short extra read shows there is nothing beyond n
+    return read_messages(bootstrap, topic, n, timeout, linger=1.0)
 
 
 def test_item_id_of_reads_the_header_of_a_real_message(kafka_bootstrap, topics, conn, schema):

@@ -81,53 +81,44 @@ def test_publishes_headers_null_keys_and_values_and_explicit_partitions(setup, p
                           (None, b"no key", []), (b"tomb", None, [])], key=lambda r: (r[0] or b"", r[1] or b""))
 
 
-def test_hot_key_keeps_order_with_many_records_in_flight(setup, pg_dsn, schema):
-    """No one-in-flight-per-key barrier: one key has hundreds of records in flight, in order."""
-    make, topic, receiver = setup
+@contextlib.contextmanager
+def peak_in_flight(h: Harvester):
+    """Sample the publisher's records in flight while the block runs; yields [peak]."""
     peak = [0]
     stop = threading.Event()
-    h_ref: list[Harvester] = []
 
     def watch() -> None:
         while not stop.is_set():
-            if h_ref and h_ref[0].publisher is not None:
-                peak[0] = max(peak[0], h_ref[0].publisher.in_flight)
-            time.sleep(0.0005)
+            if h.publisher is not None:
+                peak[0] = max(peak[0], h.publisher.in_flight)
+            time.sleep(0.0002)
 
-    with psycopg.connect(pg_dsn) as conn:
-        insert_rows(conn, schema, topic, [(b"hot", b"hot:%d" % i) for i in range(20000)])
     t = threading.Thread(target=watch, daemon=True)
     t.start()
-    with running(make(mark_batch=2000, max_in_flight=4000)) as h:
-        h_ref.append(h)
+    try:
+        yield peak
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_hot_key_keeps_order_with_many_records_in_flight(setup, pg_dsn, schema):
+    """No one-in-flight-per-key barrier: one key has hundreds of records in flight, in order."""
+    make, topic, receiver = setup
+    with psycopg.connect(pg_dsn) as conn:
+        insert_rows(conn, schema, topic, [(b"hot", b"hot:%d" % i) for i in range(20000)])
+    with running(make(mark_batch=2000, max_in_flight=4000)) as h, peak_in_flight(h) as peak:
         assert receiver.wait_for({(b"hot", b"hot:%d" % i) for i in range(20000)}, 60)
-    stop.set()
-    t.join()
     assert order_violations([(k, v) for k, v, _ in receiver.records]) == []
     assert peak[0] > 100, f"one key never had more than {peak[0]} records in flight"
 
 
 def test_throttle_bounds_records_in_flight(setup, pg_dsn, schema):
     make, topic, receiver = setup
-    peak = [0]
-    stop = threading.Event()
-    h_ref: list[Harvester] = []
-
-    def watch() -> None:
-        while not stop.is_set():
-            if h_ref and h_ref[0].publisher is not None:
-                peak[0] = max(peak[0], h_ref[0].publisher.in_flight)
-            time.sleep(0.0002)
-
     with psycopg.connect(pg_dsn) as conn:
         insert_rows(conn, schema, topic, [(b"k%d" % (i % 7), b"k%d:%d" % (i % 7, i)) for i in range(3000)])
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
-    with running(make(mark_batch=50, max_in_flight=100)) as h:
-        h_ref.append(h)
+    with running(make(mark_batch=50, max_in_flight=100)) as h, peak_in_flight(h) as peak:
         assert receiver.wait_for({(b"k%d" % (i % 7), b"k%d:%d" % (i % 7, i)) for i in range(3000)}, 60)
-    stop.set()
-    t.join()
     assert 0 < peak[0] <= 100
 
 

@@ -198,3 +198,20 @@ class Generator:
             self._thread.join(30)
         if self.error is not None:
             raise self.error
+
+
+def read_messages(bootstrap: str, topic: str, n: int, timeout: float = 30.0, linger: float = 0.0) -> list:
+    """Read a topic from the start until `n` messages (or `timeout`); then keep reading `linger`
+    seconds more, so a test can show nothing arrived beyond n."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"read-{uuid.uuid4().hex}",
+                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    c.subscribe([topic])
+    got = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        got.extend(m for m in c.consume(1000, 0.5) if not m.error())
+    end = time.monotonic() + linger
+    while time.monotonic() < end:
+        got.extend(m for m in c.consume(1000, 0.2) if not m.error())
+    c.close()
+    return got
