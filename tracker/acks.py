@@ -67,24 +67,20 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
 
 
 def _first_index(mask: GroupMask, lo: int = 0) -> int:
-    for i in range(lo, len(mask.bits) * 8):
-        if mask.bits[i >> 3] & (0x80 >> (i & 7)):
-            return i
-    return lo
+    return next(mask.indexes(lo), lo)
 
 
 def _runs(mask: GroupMask, lo: int = 0) -> list[str]:
     """The set bits at or above `lo`, as ids and runs (for rejects)."""
-    out, start, prev = [], None, None
-    bits = mask.bits
-    for i in range(lo, len(bits) * 8):
-        if bits[i >> 3] & (0x80 >> (i & 7)):
-            if start is None:
-                start = i
-            prev = i
-        elif start is not None:
+    out: list[str] = []
+    start = prev = None
+    for i in mask.indexes(lo):
+        if start is not None and i != prev + 1:
             out.append(format_run(mask.batch_id, mask.group_id, start, prev))
             start = None
+        if start is None:
+            start = i
+        prev = i
     if start is not None:
         out.append(format_run(mask.batch_id, mask.group_id, start, prev))
     return out

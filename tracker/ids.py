@@ -161,6 +161,17 @@ class GroupMask:
     def item_id(self, index: int) -> str:
         return format_item_id(self.batch_id, self.group_id, index)
 
+    def indexes(self, lo: int = 0) -> Iterator[int]:
+        """The set indexes at or above `lo`, ascending (whole zero bytes are skipped)."""
+        bits = self.bits
+        for byte_no in range(lo >> 3, len(bits)):
+            byte = bits[byte_no]
+            if byte:
+                for bit in range(8):
+                    i = byte_no * 8 + bit
+                    if byte & (0x80 >> bit) and i >= lo:
+                        yield i
+
 
 def fold(acks: Iterable[str | bytes]) -> dict[tuple[int, int], GroupMask]:
     """Fold item ids and runs into one mask per (batch, group). Raises MalformedItemId on the first
@@ -272,8 +283,5 @@ def _fold_each(acks: Iterable[str | bytes]) -> dict[tuple[int, int], GroupMask]:
 def iter_ids(masks: Iterable[GroupMask]) -> Iterator[str]:
     """Every index set in the masks, as item ids (for tests and dead-letter reporting)."""
     for m in masks:
-        for byte_no, byte in enumerate(m.bits):
-            if byte:
-                for bit in range(8):
-                    if byte & (0x80 >> bit):
-                        yield m.item_id(byte_no * 8 + bit)
+        for i in m.indexes():
+            yield m.item_id(i)
