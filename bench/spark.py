@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             c.commit()
             groups = groups_of(c, schema, other.id)
         gdf = spark.createDataFrame(groups, "g long, size int").repartition(partitions)
-        ids = gdf.selectExpr(f"explode(sequence(0, size - 1)) AS i", "g").selectExpr(
+        ids = gdf.selectExpr("explode(sequence(0, size - 1)) AS i", "g").selectExpr(
             f"concat('{other.id}:', g, ':', i) AS item_id")
         started = time.perf_counter()
         acked = tspark.ack_dataframe(ids, dsn=DSN, schema=schema)
