@@ -31,6 +31,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from harvester import config as config_mod
 from harvester import logs
 from harvester.mpr import Harvester
+from harvester.run import tune_gc
 from tracker import schema as schema_mod
 
 REPO = Path(__file__).resolve().parents[1]
@@ -369,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--set {item!r}: expected KEY=VALUE")
         overrides[key.strip()] = value.strip()  # coerced and validated by the configuration loader
     logs.configure("json", "warning")
+    tune_gc()  # the in-process reapers run with the process settings of `reaper run`
     q = args.quick
     want = set(args.only or ["throughput", "hot_key", "sustained", "latency", "failover"])
     result: dict = {"benchmark": "harvest", "quick": q, "harvester_overrides": overrides, "machine": "shared 2-core host, Postgres and Kafka local",

@@ -87,7 +87,9 @@ class FaultyProducer:
         self._lock = threading.Lock()
         self._broken = False
 
-    def produce(self, topic, value=None, key=None, partition=-1, on_delivery=None, headers=None, **kw):
+    def produce(self, topic, value=None, key=None, partition=-1, callback=None, on_delivery=None, timestamp=0,
+                headers=None):
+        on_delivery = callback or on_delivery  # confluent-kafka's aliases
         plan = self._plan
         if plan.roll(plan.queue_full_rate):
             raise BufferError("injected fault: local queue full")
@@ -104,7 +106,7 @@ class FaultyProducer:
             def on_delivery(err, msg, _inner=inner):  # written, yet reported as failed
                 _inner(injected_error("delivery (ambiguous)"), msg)
         self._producer.produce(topic, value=value, key=key, partition=partition, on_delivery=on_delivery,
-                               headers=headers, **kw)
+                               timestamp=timestamp, headers=headers)
 
     def _serve_pending(self) -> int:
         with self._lock:

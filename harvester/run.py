@@ -10,6 +10,7 @@ Exit codes (documented in the README by the operability engineer):
 """
 from __future__ import annotations
 
+import gc
 import signal
 import sys
 import threading
@@ -153,8 +154,23 @@ def _start_acker(cfg: Config, stop: threading.Event, failures: list) -> threadin
     return t
 
 
+# Each record in flight holds a few container objects (its row, header lists, the delivery callback)
+# until Kafka acknowledges it. At the default threshold (700) the collector runs dozens of times per
+# mark and keeps re-walking tens of thousands of live records; the hot path makes no reference
+# cycles, so a rarer first generation costs little memory and saves ~2 µs of GIL time a record.
+GC_THRESHOLD_0 = 50_000
+
+
+def tune_gc() -> None:
+    """Garbage-collector settings for a reaper process: called by `reaper run` (and the benchmark)."""
+    gc.freeze()  # what start-up loaded (modules, config) is never walked again
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_THRESHOLD_0, gen1, gen2)
+
+
 def run(cfg: Config, *, faults: FaultPlan | None = None) -> int:
     log = logs.get("reaper")
+    tune_gc()
     log.info("starting", version=_version(), config=redact("config", _as_dict(cfg)),
              fault_injection=faults.to_json() if faults else None)
     stop = threading.Event()

