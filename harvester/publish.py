@@ -316,7 +316,7 @@ class Publisher:
                 if err.fatal() or code == KafkaError._FATAL:
                     self.broken = True
                 self._on_failure(f"delivery failed: {err.str()}")
-        if len(self._reports) >= 512:
+        if len(self._reports) >= 512 and not self._wake.is_set():  # set() takes a lock: not per record
             self._wake.set()
 
     def _poll_loop(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Sequence
 
 from psycopg import sql
@@ -90,7 +91,7 @@ class OutboxStore:
         """
         with self.pool.connection() as conn:
             rows = conn.execute(self._mark, {"me": leader_id, "n": limit}, binary=True).fetchall()
-        rows.sort(key=lambda r: r[0])
+        rows.sort(key=itemgetter(0))
         return rows
 
     def purge(self, leader_id: uuid.UUID, ids: Sequence[int]) -> int:
