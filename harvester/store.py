@@ -21,11 +21,15 @@ COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
 
 @dataclass(frozen=True, slots=True)
 class Backlog:
-    rows: int           # capped at BACKLOG_CAP: counting millions every few seconds is not cheap
+    rows: int           # exact up to BACKLOG_EXACT, above it the planner's estimate (see OutboxStore.backlog)
     oldest_age: float   # seconds since the oldest unpublished row was created; 0 when empty
+    exact: bool = True  # False when `rows` is the estimate
 
 
-BACKLOG_CAP = 10_000_000
+# Counting is exact up to here (a few ms); a backlog of millions is counted from pg_class instead,
+# which the leader's vacuum keeps current: a gauge must not scan millions of rows every few seconds
+# just when the database is already behind.
+BACKLOG_EXACT = 100_000
 
 
 def bigint_array(ids: Sequence[int]) -> str:
@@ -81,6 +85,10 @@ class OutboxStore:
         self._vacuum = sql.SQL("VACUUM {t}").format(t=t)
         self._oldest = sql.SQL("SELECT extract(epoch FROM clock_timestamp() - created_at) FROM {t} ORDER BY id LIMIT 1").format(t=t)
         self._count = sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {t} LIMIT %s) AS s").format(t=t)
+        self._estimate = sql.SQL(
+            "SELECT c.reltuples::bigint FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relname = %s")
+        self._names = (schema, table)
 
     def mark(self, leader_id: uuid.UUID, limit: int) -> list[tuple]:
         """Mark up to `limit` of the lowest-id rows not marked by `leader_id`; sorted by id.
@@ -116,8 +124,14 @@ class OutboxStore:
         with self.pool.connection() as conn:
             conn.execute(self._vacuum)
 
-    def backlog(self) -> Backlog:
+    def backlog(self, exact_up_to: int = BACKLOG_EXACT) -> Backlog:
+        """Rows in the outbox and the age of the oldest: an exact count up to `exact_up_to` rows,
+        above it pg_class.reltuples (never below `exact_up_to`; -1, never vacuumed, reads as that)."""
         with self.pool.connection() as conn:
-            rows = conn.execute(self._count, [BACKLOG_CAP]).fetchone()[0]
+            rows = conn.execute(self._count, [exact_up_to + 1]).fetchone()[0]
+            exact = rows <= exact_up_to
+            if not exact:
+                found = conn.execute(self._estimate, self._names).fetchone()
+                rows = max(exact_up_to + 1, found[0] if found else 0)
             oldest = conn.execute(self._oldest).fetchone()
-        return Backlog(rows=rows, oldest_age=max(0.0, float(oldest[0])) if oldest else 0.0)
+        return Backlog(rows=rows, oldest_age=max(0.0, float(oldest[0])) if oldest else 0.0, exact=exact)

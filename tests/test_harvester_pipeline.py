@@ -195,6 +195,24 @@ def test_purge_and_reset_hitting_no_row(pg_dsn, schema, conn):
         pool.close()
 
 
+def test_backlog_counts_exactly_up_to_the_limit_then_takes_the_estimate(pg_dsn, schema, conn):
+    conn.execute(f'INSERT INTO "{schema}".outbox (topic, value) SELECT %s, %s FROM generate_series(1, 500)',
+                 ["t", b"v"])
+    conn.commit()
+    pool = make_pool(pg_dsn, 1)
+    try:
+        store = OutboxStore(pool, schema)
+        assert (store.backlog(exact_up_to=500).rows, store.backlog(exact_up_to=500).exact) == (500, True)
+        # Never vacuumed: no estimate yet (reltuples -1), so the gauge reads the limit, not less.
+        assert (store.backlog(exact_up_to=100).rows, store.backlog(exact_up_to=100).exact) == (101, False)
+        store.vacuum()  # what the leader's upkeep does: refreshes pg_class.reltuples
+        over = store.backlog(exact_up_to=100)
+        assert (over.rows, over.exact) == (500, False)
+        assert over.oldest_age >= 0
+    finally:
+        pool.close()
+
+
 def test_rows_committed_late_behind_published_ids_are_found(setup, pg_dsn, schema):
     make, topic, receiver = setup
     late = psycopg.connect(pg_dsn)
