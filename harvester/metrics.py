@@ -37,7 +37,7 @@ class HarvesterMetrics:
         self.produce_duration = Histogram(f"{p}_produce_duration_seconds",
                                           "Enqueue to delivery report, sampled 1 in 64 records", buckets=_DURATION_BUCKETS)
         self.in_flight = Gauge(f"{p}_records_in_flight", "Records produced and not yet settled")
-        self.backlog_rows = Gauge(f"{p}_outbox_backlog_rows", "Rows in the outbox (exact up to 100,000, above that the planner estimate)")
+        self.backlog_rows = Gauge(f"{p}_outbox_backlog_rows", "Rows in the outbox (exact up to 100,000, above that the id span max(id) - min(id) + 1)")
         self.oldest_age = Gauge(f"{p}_outbox_oldest_age_seconds", "Age of the oldest row in the outbox")
         self.batches = Gauge(f"{p}_batches", "Batches by state", ["state"])
         self.items_pending = Gauge(f"{p}_items_pending", "Items not yet acknowledged in open and closed batches")

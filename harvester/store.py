@@ -21,14 +21,16 @@ COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
 
 @dataclass(frozen=True, slots=True)
 class Backlog:
-    rows: int           # exact up to BACKLOG_EXACT, above it the planner's estimate (see OutboxStore.backlog)
+    rows: int           # exact up to BACKLOG_EXACT, above it the id span (see OutboxStore.backlog)
     oldest_age: float   # seconds since the oldest unpublished row was created; 0 when empty
-    exact: bool = True  # False when `rows` is the estimate
+    exact: bool = True  # False when `rows` is the id span
 
 
-# Counting is exact up to here (a few ms); a backlog of millions is counted from pg_class instead,
-# which the leader's vacuum keeps current: a gauge must not scan millions of rows every few seconds
-# just when the database is already behind.
+# Counting is exact up to here (a few ms). Above it the gauge reads the id span instead (two
+# primary-key probes): a gauge must not scan millions of rows every few seconds just when the
+# database is already behind. The span is current even when nothing is published or vacuumed (a
+# stall, which is when the gauge matters); it is an upper bound, counting ids that rolled-back
+# inserts used and rows published out of id order that are already gone.
 BACKLOG_EXACT = 100_000
 
 
@@ -85,10 +87,7 @@ class OutboxStore:
         self._vacuum = sql.SQL("VACUUM {t}").format(t=t)
         self._oldest = sql.SQL("SELECT extract(epoch FROM clock_timestamp() - created_at) FROM {t} ORDER BY id LIMIT 1").format(t=t)
         self._count = sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {t} LIMIT %s) AS s").format(t=t)
-        self._estimate = sql.SQL(
-            "SELECT c.reltuples::bigint FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = %s AND c.relname = %s")
-        self._names = (schema, table)
+        self._span = sql.SQL("SELECT max(id) - min(id) + 1 FROM {t}").format(t=t)
 
     def mark(self, leader_id: uuid.UUID, limit: int) -> list[tuple]:
         """Mark up to `limit` of the lowest-id rows not marked by `leader_id`; sorted by id.
@@ -126,12 +125,12 @@ class OutboxStore:
 
     def backlog(self, exact_up_to: int = BACKLOG_EXACT) -> Backlog:
         """Rows in the outbox and the age of the oldest: an exact count up to `exact_up_to` rows,
-        above it pg_class.reltuples (never below `exact_up_to`; -1, never vacuumed, reads as that)."""
+        above it the id span max(id) - min(id) + 1 (see BACKLOG_EXACT), at least `exact_up_to` + 1."""
         with self.pool.connection() as conn:
             rows = conn.execute(self._count, [exact_up_to + 1]).fetchone()[0]
             exact = rows <= exact_up_to
             if not exact:
-                found = conn.execute(self._estimate, self._names).fetchone()
-                rows = max(exact_up_to + 1, found[0] if found else 0)
+                span = conn.execute(self._span).fetchone()[0]
+                rows = max(exact_up_to + 1, span or 0)
             oldest = conn.execute(self._oldest).fetchone()
         return Backlog(rows=rows, oldest_age=max(0.0, float(oldest[0])) if oldest else 0.0, exact=exact)
