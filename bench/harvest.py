@@ -12,6 +12,7 @@ The machine is shared (2 cores, Postgres and Kafka beside the benchmark): compar
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import multiprocessing as mp
 import os
@@ -215,15 +216,23 @@ def bench_latency(seconds: float, rate: float, **harvester) -> dict:
     try:
         while not h.leading:
             time.sleep(0.01)
-        pub = h.publisher
-        inner = pub._report
+        class Stamped(collections.deque):
+            """The publisher's settle queue, stamping each acknowledged row as it enters: straight
+            from its delivery report, or (harvester.transactional_id) when its transaction commits."""
 
-        def report(row_id, leader_id, err, msg):  # stamp the acknowledgement time of each row
-            if err is None:
-                acked.setdefault(row_id, time.time())
-            inner(row_id, leader_id, err, msg)
+            def append(self, item):
+                if item[2] is None:
+                    acked.setdefault(item[0], time.time())
+                super().append(item)
 
-        pub._report = report
+            def extend(self, items):
+                items, now = list(items), time.time()
+                for item in items:
+                    if item[2] is None:
+                        acked.setdefault(item[0], now)
+                super().extend(items)
+
+        h.publisher._reports = Stamped()  # nothing has been produced yet
         committed: dict[int, float] = {}
         per_txn = 10
         ins = (f'INSERT INTO "{env.schema}".outbox (topic, key, value) '

@@ -48,6 +48,8 @@ DESCRIPTIONS = {
     "harvester.purge_workers": "connections purging delivered rows in parallel",
     "harvester.vacuum_interval": "the leader vacuums the outbox this often while it purges (seconds; 0 = autovacuum only)",
     "harvester.drain_timeout": "on shutdown, wait this long for in-flight records (seconds)",
+    "harvester.transactional_id": "publish in Kafka transactions under this id (same on every instance): a new "
+                                  "leader fences the old one at the broker; rows are purged after commit. Empty = off",
     "harvester.default_completion_topic": "topic of completion events for batches opened without one",
     "acker.enabled": "run the acker (ack-topic consumer) in this process",
     "acker.topic": "topic consumers produce acks to, keyed by batch id",

@@ -68,6 +68,10 @@ class HarvesterConfig:
     vacuum_interval: float = 2.0       # leader vacuums the outbox this often while it purges; 0 = autovacuum only
     drain_timeout: float = 10.0
     default_completion_topic: str = "batch-completions"
+    # Set (the same value on every instance of one deployment) to publish in Kafka transactions: each
+    # new leader's init_transactions fences the previous leader's producer at the broker, so even a
+    # paused (SIGSTOP, frozen VM) old leader can write nothing after the takeover. Empty: off.
+    transactional_id: str = ""
 
 
 @dataclass
@@ -244,6 +248,9 @@ def validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if not topic.match(value):
             raise ConfigError(key, f"{value!r} is not a valid Kafka topic name")
+    txn_id = cfg.harvester.transactional_id
+    if txn_id and not re.match(r"^[A-Za-z0-9._:-]{1,200}$", txn_id):
+        raise ConfigError("harvester.transactional_id", f"{txn_id!r} must be 1-200 of A-Z a-z 0-9 . _ : -")
     positive = [
         "harvester.min_poll_interval", "harvester.heartbeat_timeout", "harvester.session_timeout",
         "harvester.mark_batch", "harvester.max_in_flight", "database.pool_size", "acker.max_poll_records",
@@ -276,6 +283,8 @@ def validate(cfg: Config) -> None:
             if k in ("bootstrap.servers", "group.id", "on_delivery", "error_cb", "on_commit"):
                 raise ConfigError(f"kafka.{section}.{k}", "is set by reaper itself; use kafka.bootstrap_servers "
                                   "or the harvester/acker group keys")
+            if k == "transactional.id":
+                raise ConfigError(f"kafka.{section}.{k}", "is set by reaper itself; use harvester.transactional_id")
     if not 0 <= cfg.metrics.port <= 65535:
         raise ConfigError("metrics.port", f"{cfg.metrics.port} is not a TCP port")
     if cfg.logging.format not in ("auto", "json", "console"):

@@ -126,6 +126,9 @@ class FaultyProducer:
     def purge(self, *args, **kw) -> None:
         self._producer.purge(*args, **kw)
 
+    def __getattr__(self, name: str) -> Any:  # init/begin/commit/abort_transaction pass straight through
+        return getattr(self._producer, name)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._pending) + len(self._producer)

@@ -36,6 +36,11 @@ class HarvesterMetrics:
         self.purge_duration = Histogram(f"{p}_purge_duration_seconds", "Batched purge statement duration", buckets=_DURATION_BUCKETS)
         self.produce_duration = Histogram(f"{p}_produce_duration_seconds",
                                           "Enqueue to delivery report, sampled 1 in 64 records", buckets=_DURATION_BUCKETS)
+        self.txn_duration = Histogram(f"{p}_transaction_commit_duration_seconds",
+                                      "commit_transaction duration (harvester.transactional_id set)",
+                                      buckets=_DURATION_BUCKETS)
+        self.txn_aborted = Counter(f"{p}_transactions_aborted_total",
+                                   "Kafka transactions aborted, their rows left for a remark (harvester.transactional_id set)")
         self.in_flight = Gauge(f"{p}_records_in_flight", "Records produced and not yet settled")
         self.backlog_rows = Gauge(f"{p}_outbox_backlog_rows", "Rows in the outbox (exact up to 100,000, above that the id span max(id) - min(id) + 1)")
         self.oldest_age = Gauge(f"{p}_outbox_oldest_age_seconds", "Age of the oldest row in the outbox")

@@ -72,6 +72,8 @@ class Harvester:
         store = OutboxStore(self.pool, cfg.database.schema, cfg.database.outbox_table)
         self.store = FaultyStore(store, self.faults) if self.faults is not None else store
         conf = producer_config(cfg.kafka.bootstrap_servers, cfg.kafka.client, cfg.kafka.producer)
+        if h.transactional_id:
+            conf["transactional.id"] = h.transactional_id
         self.publisher = Publisher(conf, self.store, self.m, purge_batch=h.purge_batch, purge_workers=h.purge_workers,
                                    faults=self.faults, on_failure=self.force_remark).start()
         self.publisher.queue_full_patience = h.mark_deadline / 2
@@ -226,11 +228,27 @@ class Harvester:
     def _produce(self) -> None:
         """The producer side of the pipeline: hands queued batches to Kafka while the next is marked."""
         h, m, pub = self.h, self.m, self.publisher
-        while not (self._stop.is_set() and self._batches.empty()):
-            try:
-                me, rows, started = self._batches.get(timeout=0.05)
-            except queue.Empty:
-                continue
+        carry = None  # a batch taken while gathering that belongs to a newer id
+        while not (self._stop.is_set() and self._batches.empty() and carry is None):
+            if carry is not None:
+                (me, rows, started), carry = carry, None
+            else:
+                try:
+                    me, rows, started = self._batches.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+            # Batches marked meanwhile go out with this one, in mark order: with transactions each
+            # produce_rows call is one transaction, and rows would otherwise wait one commit per
+            # batch queued ahead of them.
+            while carry is None:
+                try:
+                    more = self._batches.get_nowait()
+                except queue.Empty:
+                    break
+                if more[0] == me:
+                    rows = rows + more[1]
+                else:
+                    carry = more
             if not self._valid(me):  # dropped: stale id, remark pending, fenced or stopping
                 pub.release(len(rows))
                 continue

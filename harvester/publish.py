@@ -14,6 +14,13 @@ retried through the usual remark (with back-off): quarantining them could bury g
 
 On fence or revocation the producer is retired: everything queued AND in flight is purged and a new
 producer takes its place, so the old leadership has nothing left that librdkafka could retry later.
+
+With a `transactional.id` (harvester.transactional_id) every produced batch is one Kafka transaction.
+The producer of a new leadership calls init_transactions() before its first record, which makes the
+broker fence every older producer of that id: a paused old leader that resumes can write nothing
+more (what it wrote in its open transaction is aborted). Delivered records are purged only once
+their transaction commits; an aborted transaction leaves its rows marked by an old leader id, and
+the remark that follows publishes them again.
 """
 from __future__ import annotations
 
@@ -69,6 +76,8 @@ class QuarantineError(RuntimeError):
 def error_reason(err: KafkaError) -> str:
     """What goes to the dead table and the log: the error's name and librdkafka's text, no payload."""
     return f"{err.name()}: {err.str()}"
+TXN_INIT_TIMEOUT = 30.0    # init_transactions waits for the fenced producer's transaction to be aborted
+TXN_COMMIT_TIMEOUT = 30.0
 SAMPLE_EVERY = 64  # produce-latency histogram samples 1 in 64 reports: observe() per record costs too much
 
 
@@ -105,6 +114,16 @@ class Publisher:
         self._stop = threading.Event()
         self._retiring: list = []  # replaced producers whose last reports the poll thread still serves
         self.broken = False  # a fatal producer error: replace the producer before producing again
+        # Transactions (see the module docstring). Only the producing thread begins, commits and
+        # aborts; the poll thread's reports file delivered records under the transaction they belong to.
+        self.transactional = "transactional.id" in conf
+        self._txn_lock = threading.Lock()
+        self._txn_seq = 0             # the open (or next) transaction; bumped whenever one is settled
+        self._txn_delivered: list[tuple] = []  # reports of the open transaction, purged once it commits
+        self._txn_failed = False      # a record of the open transaction failed: it can only abort
+        self._txn_ready = None        # the producer init_transactions() ran on
+        self._txn_open = None         # the producer with an open transaction
+        self.txn_committed = self.txn_aborted = 0
         self.producer = self._new_producer()
         self._threads = [threading.Thread(target=self._poll_loop, name="reaper-poll", daemon=True)]
         self._threads += [threading.Thread(target=self._settle_loop, name=f"reaper-settle-{i}", daemon=True)
@@ -140,6 +159,10 @@ class Publisher:
         sent = dead = 0
         try:
             deadline = valid_until()
+            if self.transactional:
+                if clock() >= deadline or not still_valid():
+                    return 0  # the finally clause releases the batch
+                report = partial(self._report_txn, self._begin(producer))
             for i, row in enumerate(rows):
                 if clock() >= deadline or (i & 255 == 0 and not still_valid()):
                     break
@@ -189,7 +212,92 @@ class Publisher:
             self.produced += sent
             if sent < len(rows):
                 self.release(len(rows) - sent)  # includes the quarantined rows: settled here
+        if self.transactional and sent:
+            self._commit(producer, valid_until)
         return sent
+
+    # ------------------------------------------------------------------ transactions
+
+    def _begin(self, producer) -> int:
+        """Make sure `producer` has an open transaction (fencing older producers of the id on first
+        use); return its sequence number for the delivery reports."""
+        if self._txn_ready is not producer:
+            # Only ever called while leading: a standby must not fence the leader's producer.
+            producer.init_transactions(TXN_INIT_TIMEOUT)
+            self._txn_ready = producer
+        if self._txn_open is not producer:
+            producer.begin_transaction()
+            with self._txn_lock:
+                self._txn_failed = False
+                self._txn_open = producer
+        return self._txn_seq
+
+    def _commit(self, producer, valid_until: Callable[[], float]) -> None:
+        """Commit the open transaction once every record of it is acknowledged, then purge its rows.
+
+        Waiting until the poll thread has served every report first means commit_transaction's own
+        flush serves none in this thread. A transaction with a failed record, or one that cannot
+        commit, is aborted: its rows stay marked by an old id and the remark republishes them.
+        Leadership lost meanwhile (producer retired, heartbeat deadline passed): left open; the
+        retired producer never commits, and the next leader's init_transactions aborts it.
+        """
+        while len(producer):
+            if self.producer is not producer or time.monotonic() >= valid_until():
+                return
+            time.sleep(0.0005)
+        if self.producer is not producer or time.monotonic() >= valid_until():
+            return
+        started = time.perf_counter()
+        if not self._txn_failed:
+            try:
+                producer.commit_transaction(TXN_COMMIT_TIMEOUT)
+            except KafkaException as exc:
+                self._log.warning("transaction commit failed", error=str(exc))
+            else:
+                with self._txn_lock:
+                    done, self._txn_delivered = self._txn_delivered, []
+                    self._txn_seq += 1
+                    self._txn_open = None
+                self.txn_committed += 1
+                self._m.txn_duration.observe(time.perf_counter() - started)
+                self._reports.extend(done)
+                self._wake.set()
+                return
+        self._abort(producer, "a record of the transaction failed" if self._txn_failed else "commit failed")
+
+    def _abort(self, producer, why: str) -> None:
+        self._drop_transaction()
+        self.txn_aborted += 1
+        self._m.txn_aborted.inc()
+        try:
+            producer.abort_transaction(TXN_COMMIT_TIMEOUT)
+        except KafkaException as exc:  # fenced or fatal: the producer is of no more use
+            self._log.warning("transaction abort failed", error=str(exc))
+            self.broken = True
+        self._on_failure(f"transaction aborted: {why}")
+
+    def _drop_transaction(self) -> None:
+        """Forget the open transaction: its delivered rows stay marked (republished after a remark)."""
+        with self._txn_lock:
+            dropped, self._txn_delivered = self._txn_delivered, []
+            self._txn_seq += 1
+            self._txn_open = None
+        if dropped:
+            self.release(len(dropped))
+
+    def _report_txn(self, seq: int, row_id: int, leader_id: uuid.UUID, err, msg) -> None:
+        if err is None:
+            self._sample(msg)
+            with self._txn_lock:
+                if seq == self._txn_seq:
+                    self._txn_delivered.append((row_id, leader_id, None))
+                    return
+            self.release(1)  # its transaction was already dropped: the row is republished
+            return
+        with self._txn_lock:
+            if seq == self._txn_seq:
+                self._txn_failed = True
+        self._report(row_id, leader_id, err, msg)  # reset (or quarantine) and remark, as without transactions
 
     def _quarantine_now(self, leader_id: uuid.UUID, row_id: int, reason: str) -> None:
         try:
@@ -242,6 +350,8 @@ class Publisher:
         with self._swap:
             old, self.producer = self.producer, new
             self.broken = False
+        if self.transactional:
+            self._drop_transaction()  # never committed now; the next leader's init aborts it
         try:
             old.purge(in_queue=True, in_flight=True)
         except Exception as exc:  # a broken producer may refuse; it gets no new record either way
@@ -293,15 +403,18 @@ class Publisher:
         else:
             self._log.info("producer client error", error=str(err))
 
+    def _sample(self, msg) -> None:
+        self._sampled += 1
+        if self._sampled >= SAMPLE_EVERY:
+            self._sampled = 0
+            lat = msg.latency()
+            if lat is not None:
+                self._m.produce_duration.observe(lat)
+
     def _report(self, row_id: int, leader_id: uuid.UUID, err, msg) -> None:
         self._reports.append((row_id, leader_id, err))
         if err is None:
-            self._sampled += 1
-            if self._sampled >= SAMPLE_EVERY:
-                self._sampled = 0
-                lat = msg.latency()
-                if lat is not None:
-                    self._m.produce_duration.observe(lat)
+            self._sample(msg)
         else:
             code = err.code()
             if code in _PURGED:

@@ -46,6 +46,16 @@ def test_bad_configuration_fails_at_start_naming_the_key(tmp_path):
     assert r.returncode == 2 and "kafka.producer.enable.idempotence" in r.stderr, r.stderr
 
 
+def test_transactional_id_is_validated_and_only_set_through_its_harvester_key():
+    with pytest.raises(config_mod.ConfigError, match="harvester.transactional_id.*'has space'"):
+        config_mod.load(None, environ={"REAPER_HARVESTER__TRANSACTIONAL_ID": "has space"})
+    with pytest.raises(config_mod.ConfigError, match="kafka.producer.transactional.id.*harvester.transactional_id"):
+        config_mod.load(None, environ={"REAPER_KAFKA__PRODUCER__TRANSACTIONAL_ID": "x"})
+    assert config_mod.load(None, environ={"REAPER_HARVESTER__TRANSACTIONAL_ID": "orders-outbox"}
+                           ).harvester.transactional_id == "orders-outbox"
+    assert config_mod.load(None, environ={}).harvester.transactional_id == ""
+
+
 def test_configuration_layers_and_kafka_passthrough(tmp_path):
     path = tmp_path / "reaper.yaml"
     path.write_text("database:\n  schema: app\nkafka:\n  client:\n    security.protocol: SASL_SSL\n"

@@ -42,11 +42,11 @@ def _stop_all(procs: list[ReaperProcess]) -> None:
         p.kill()
 
 
-def _setup(pg_dsn, schema, bootstrap, topic_maker):
+def _setup(pg_dsn, schema, bootstrap, topic_maker, **harvester):
     topic = topic_maker("data", partitions=PARTITIONS)
     leader_topic = topic_maker("leader", partitions=1)
     cfg = make_config(pg_dsn, schema, bootstrap, leader_topic=leader_topic,
-                      harvester={"mark_batch": 500, "max_in_flight": 2000})
+                      harvester={"mark_batch": 500, "max_in_flight": 2000, **harvester})
     return topic, env_for(cfg)
 
 
@@ -93,12 +93,16 @@ def _acquired_at(proc: ReaperProcess) -> dt.datetime:
     return dt.datetime.fromisoformat(ts.replace("Z", "+00:00"))
 
 
+@pytest.mark.parametrize("transactions", [False, True], ids=["idempotent", "transactional"])
 def test_sigstopped_leader_publishes_nothing_after_another_took_over(pg_dsn, kafka_bootstrap, schema, topics,
-                                                                    tmp_path):
+                                                                    tmp_path, transactions):
+    """With harvester.transactional_id the broker also refuses whatever the resumed process's
+    librdkafka still held (see test_harvester_transactions for that case made deterministic)."""
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(f'SET search_path TO "{schema}"')
         conn.execute(AUDIT.replace("{schema}", f'"{schema}"'))
-    topic, env = _setup(pg_dsn, schema, kafka_bootstrap, topics)
+    extra = {"transactional_id": f"reaper-test-{uuid.uuid4().hex[:10]}"} if transactions else {}
+    topic, env = _setup(pg_dsn, schema, kafka_bootstrap, topics, **extra)
     receiver = Receiver(kafka_bootstrap, topic, PARTITIONS)
     gen = Generator(pg_dsn, schema, topic, keys=30, per_txn=10).start(rate_per_s=1000)
     a = ReaperProcess(env, tmp_path / "a.log")

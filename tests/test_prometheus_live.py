@@ -86,6 +86,8 @@ def test_every_dashboard_panel_returns_data_from_a_running_reaper(pg_dsn, kafka_
         "REAPER_HARVESTER__LEADER_TOPIC": t["leader"], "REAPER_HARVESTER__LEADER_GROUP": f"g-{t['leader']}",
         "REAPER_HARVESTER__SESSION_TIMEOUT": "6", "REAPER_HARVESTER__HEARTBEAT_TIMEOUT": "2",
         "REAPER_HARVESTER__DEFAULT_COMPLETION_TOPIC": t["done"],
+        # Transactions on, so the commit-duration panel has data too (and that mode runs end to end).
+        "REAPER_HARVESTER__TRANSACTIONAL_ID": f"t-{t['leader']}",
         "REAPER_ACKER__TOPIC": t["acks"], "REAPER_ACKER__GROUP": f"g-{t['acks']}",
         "REAPER_ACKER__DEAD_LETTER_TOPIC": t["dlq"],
         "REAPER_SWEEPER__INTERVAL": "1", "REAPER_SWEEPER__IDLE_EXPIRY": "600",

@@ -21,7 +21,8 @@ PROM_DIR = REPO / "deploy" / "prometheus"
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "reaper.json"
 
 # The metric names fixed in the team's shared contract, plus reaper_records_dead_total (quarantined
-# rows, added with outbox_dead); histograms without their suffixes.
+# rows, added with outbox_dead) and the two transaction metrics (harvester.transactional_id);
+# histograms without their suffixes.
 CONTRACT_METRICS = {
     "reaper_build_info", "reaper_leader", "reaper_leader_acquisitions_total", "reaper_leader_fences_total",
     "reaper_leader_revocations_total", "reaper_records_marked_total", "reaper_records_published_total",
@@ -32,9 +33,10 @@ CONTRACT_METRICS = {
     "reaper_acks_applied_total", "reaper_acks_duplicate_total", "reaper_acks_dead_lettered_total",
     "reaper_ack_apply_duration_seconds", "reaper_acker_lag_messages", "reaper_batches_completed_total",
     "reaper_batches_expired_total", "reaper_batches_opened_total", "reaper_batches_closed_total",
+    "reaper_transaction_commit_duration_seconds", "reaper_transactions_aborted_total",
 }
 HISTOGRAMS = {"reaper_mark_duration_seconds", "reaper_purge_duration_seconds", "reaper_produce_duration_seconds",
-              "reaper_ack_apply_duration_seconds"}
+              "reaper_ack_apply_duration_seconds", "reaper_transaction_commit_duration_seconds"}
 
 
 def load_local():

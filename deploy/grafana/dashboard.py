@@ -59,10 +59,12 @@ ROWS = [
             (quantile(0.5, "reaper_produce_duration_seconds"), "p50"),
             (quantile(0.99, "reaper_produce_duration_seconds"), "p99"),
         ], "From handing the record to the producer to its delivery report."),
-        ("Mark and purge statements", "timeseries", "s", 12, [
+        ("Mark and purge statements, transaction commits", "timeseries", "s", 12, [
             (quantile(0.99, "reaper_mark_duration_seconds"), "mark p99"),
             (quantile(0.99, "reaper_purge_duration_seconds"), "purge p99"),
-        ], "Duration of the mark query and of one batched purge statement."),
+            (quantile(0.99, "reaper_transaction_commit_duration_seconds"), "commit p99"),
+        ], "Duration of the mark query, of one batched purge statement and (harvester.transactional_id) "
+           "of one Kafka transaction commit."),
     ]),
     ("Backlog", [
         ("Outbox backlog rows", "timeseries", "short", 12,
@@ -88,8 +90,10 @@ ROWS = [
             (rate("reaper_produce_errors_total"), "produce errors"),
             (rate("reaper_force_remarks_total"), "force remarks"),
             (rate("reaper_records_dead_total"), "quarantined (outbox_dead)"),
+            (rate("reaper_transactions_aborted_total"), "transactions aborted"),
         ], "A failed delivery resets its row and forces a re-mark from the head of the outbox. A row Kafka "
-           "can never accept (too large, no such partition, invalid topic name) is moved to outbox_dead."),
+           "can never accept (too large, no such partition, invalid topic name) is moved to outbox_dead. "
+           "With harvester.transactional_id, a failed record aborts its batch's transaction."),
         ("Dead-lettered acks", "timeseries", "ops", 12,
          [(rate("reaper_acks_dead_lettered_total"), "dead-lettered")],
          "Acks the tracker rejected (unknown batch or group, bad index, malformed id, expired batch)."),

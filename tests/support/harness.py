@@ -34,6 +34,8 @@ def env_for(cfg: config_mod.Config) -> dict[str, str]:
     for key in ("leader_topic", "leader_group", "min_poll_interval", "heartbeat_timeout", "session_timeout",
                 "drain_timeout", "idle_poll_interval", "mark_batch", "max_in_flight"):
         env[f"REAPER_HARVESTER__{key.upper()}"] = str(getattr(cfg.harvester, key))
+    if cfg.harvester.transactional_id:
+        env["REAPER_HARVESTER__TRANSACTIONAL_ID"] = cfg.harvester.transactional_id
     return env
 
 

@@ -1,0 +1,121 @@
+"""harvester.transactional_id: publishing in Kafka transactions, and the broker fencing an old leader.
+
+The receiver reads with librdkafka's default isolation.level=read_committed, as a consumer of a
+transactional outbox should.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+
+import psycopg
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+
+from harvester.faults import FaultPlan
+from harvester.metrics import get as get_metrics
+from harvester.publish import Publisher, producer_config
+from harvester.store import OutboxStore, make_pool
+from support.harness import insert_rows, outbox_count, wait_until
+from test_harvester_pipeline import PARTITIONS, _publish_all_in_order, setup  # noqa: F401 (fixture)
+
+
+def _txn_id() -> str:
+    return f"reaper-test-{uuid.uuid4().hex[:10]}"
+
+
+def test_transactional_publishing_keeps_order_and_loses_nothing_under_faults(setup, pg_dsn, schema):  # noqa: F811
+    make, topic, receiver = setup
+    m = get_metrics()
+    aborted = m.txn_aborted._value.get()
+    # One failed record aborts its whole transaction (a mark batch): rates low enough for most to commit.
+    faults = FaultPlan(delivery_error_rate=0.002, produce_error_rate=0.001, seed=11)
+    h = _publish_all_in_order(pg_dsn, schema, topic, receiver, make(mark_batch=100, transactional_id=_txn_id()),
+                              faults)
+    assert h.publisher.txn_committed > 0
+    assert m.txn_aborted._value.get() > aborted  # failed records aborted their transaction; all came again
+
+
+def _publisher(kafka_bootstrap, store, txn_id):
+    conf = producer_config(kafka_bootstrap, {}, {})
+    conf["transactional.id"] = txn_id
+    failures: list[str] = []
+    pub = Publisher(conf, store, get_metrics(), purge_workers=1, on_failure=failures.append).start()
+    return pub, failures
+
+
+def _read_all(kafka_bootstrap, topic, expect_at_least, timeout=30.0):
+    from confluent_kafka import Consumer
+    c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"t-{uuid.uuid4().hex[:8]}",
+                  "auto.offset.reset": "earliest", "enable.auto.commit": False})  # read_committed by default
+    c.subscribe([topic])
+    seen, deadline, quiet_until = [], time.monotonic() + timeout, None
+    try:
+        while time.monotonic() < deadline:
+            msg = c.poll(0.2)
+            if msg is not None and not msg.error():
+                seen.append(msg.value())
+                continue
+            if len(seen) >= expect_at_least:
+                quiet_until = quiet_until or time.monotonic() + 3.0  # then make sure nothing else follows
+                if time.monotonic() >= quiet_until:
+                    break
+    finally:
+        c.close()
+    return seen
+
+
+def test_a_new_leader_fences_the_old_leaders_producer_at_the_broker(pg_dsn, kafka_bootstrap, schema, topics):
+    """The SIGSTOP hazard, made deterministic: leader A has records written in an open transaction
+    and more waiting in its producer when B takes over. B's first transaction fences A: A's
+    transaction is aborted, A's later records are refused, and a read_committed consumer sees every
+    row exactly once, from B."""
+    topic = topics("data", partitions=PARTITIONS)
+    with psycopg.connect(pg_dsn) as conn:
+        insert_rows(conn, schema, topic, [(b"k%d" % (i % 5), b"row-%d" % i) for i in range(200)])
+    txn_id = _txn_id()
+    pool = make_pool(pg_dsn, 3)
+    a = b = None
+    try:
+        store = OutboxStore(pool, schema)
+        a, a_failures = _publisher(kafka_bootstrap, store, txn_id)
+        me_a = uuid.uuid4()
+        rows = store.mark(me_a, 200)
+        a.reserve(len(rows))
+        # A produces its rows; its heartbeat deadline passes before it can commit (it is "paused").
+        deadlines = iter([time.monotonic() + 60] * 3)
+        sent = a.produce_rows(rows[:150], me_a, lambda: True, lambda: next(deadlines, 0.0))
+        assert sent == 150 and a.txn_committed == 0
+        assert wait_until(lambda: len(a.producer) == 0, 30)  # written to the log, inside A's open transaction
+
+        # B takes over: remarks everything from the head, publishes and commits.
+        b, _ = _publisher(kafka_bootstrap, store, txn_id)
+        me_b = uuid.uuid4()
+        rows_b = store.mark(me_b, 500)
+        assert len(rows_b) == 200
+        b.reserve(len(rows_b))
+        assert b.produce_rows(rows_b, me_b, lambda: True, lambda: time.monotonic() + 60) == 200
+        assert b.txn_committed == 1
+        assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30), "B's committed rows were not purged"
+
+        # A "resumes": the records it still holds go out, then it tries to commit. The broker refuses.
+        with contextlib.suppress(KafkaException):  # refused at once if A already knows it is fenced
+            a.produce_rows(rows[150:], me_a, lambda: True, lambda: time.monotonic() + 60)
+        assert a.txn_committed == 0, "the fenced producer committed a transaction"
+        with pytest.raises(KafkaException) as refused:
+            a.producer.begin_transaction()
+            a.producer.produce(topic, value=b"late", key=b"k0")
+            a.producer.commit_transaction(10)
+        assert refused.value.args[0].code() in (KafkaError._FENCED, KafkaError._STATE, KafkaError._FATAL,
+                                                KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH)
+        assert a_failures, "the fenced leader did not raise a remark"
+
+        values = _read_all(kafka_bootstrap, topic, expect_at_least=200)
+        assert sorted(values) == sorted(b"row-%d" % i for i in range(200)), \
+            f"{len(values)} records visible, {len(set(values))} distinct: the old leader's writes leaked"
+    finally:
+        for p in (a, b):
+            if p is not None:
+                p.close()
+        pool.close()
