@@ -15,7 +15,7 @@ retried through the usual remark (with back-off): quarantining them could bury g
 On fence or revocation the producer is retired: everything queued AND in flight is purged and a new
 producer takes its place, so the old leadership has nothing left that librdkafka could retry later.
 
-With a `transactional.id` (harvester.transactional_id) every produced batch is one Kafka transaction.
+With a `transactional.id` (harvester.transactional_id) every produce_rows call is one Kafka transaction.
 The producer of a new leadership calls init_transactions() before its first record, which makes the
 broker fence every older producer of that id: a paused old leader that resumes can write nothing
 more (what it wrote in its open transaction is aborted). Delivered records are purged only once
@@ -123,6 +123,7 @@ class Publisher:
         self._txn_failed = False      # a record of the open transaction failed: it can only abort
         self._txn_ready = None        # the producer init_transactions() ran on
         self._txn_open = None         # the producer with an open transaction
+        self._serving = threading.Lock()  # held by whichever thread serves the producer's callbacks
         self.txn_committed = self.txn_aborted = 0
         self.producer = self._new_producer()
         self._threads = [threading.Thread(target=self._poll_loop, name="reaper-poll", daemon=True)]
@@ -160,9 +161,10 @@ class Publisher:
         try:
             deadline = valid_until()
             if self.transactional:
-                if clock() >= deadline or not still_valid():
+                seq = self._begin(producer, still_valid, valid_until)
+                if seq is None:
                     return 0  # the finally clause releases the batch
-                report = partial(self._report_txn, self._begin(producer))
+                report = partial(self._report_txn, seq)
             for i, row in enumerate(rows):
                 if clock() >= deadline or (i & 255 == 0 and not still_valid()):
                     break
@@ -208,49 +210,80 @@ class Publisher:
                 sent += 1
                 if sent & 255 == 0:
                     deadline = valid_until()
+        except BaseException:
+            if self.transactional and self._txn_open is producer:
+                # librdkafka may already refuse every record of this transaction (an abortable
+                # error): it can only be aborted, which _finish does below.
+                self._txn_failed = True
+            raise
         finally:
             self.produced += sent
             if sent < len(rows):
                 self.release(len(rows) - sent)  # includes the quarantined rows: settled here
-        if self.transactional and sent:
-            self._commit(producer, valid_until)
+            if self.transactional and self._txn_open is producer:
+                self._finish(producer, valid_until)
         return sent
 
     # ------------------------------------------------------------------ transactions
 
-    def _begin(self, producer) -> int:
-        """Make sure `producer` has an open transaction (fencing older producers of the id on first
-        use); return its sequence number for the delivery reports."""
+    def _begin(self, producer, still_valid: Callable[[], bool], valid_until: Callable[[], float]) -> int | None:
+        """Make sure `producer` has an open transaction and return its sequence number for the
+        delivery reports; None (nothing may be produced) when leadership or the producer is gone.
+
+        The first use of a producer calls init_transactions(), which fences every older producer
+        of the id: only while leading, bounded by what is left of the leadership, and checked again
+        after it, so a process losing leadership meanwhile does not go on to fence the new leader.
+        """
+        clock = time.monotonic
+        if clock() >= valid_until() or not still_valid():
+            return None
+        if self._txn_open is producer:  # left open by a _finish that could not settle it
+            self._finish(producer, valid_until)
+            if self._txn_open is producer:
+                return None
         if self._txn_ready is not producer:
-            # Only ever called while leading: a standby must not fence the leader's producer.
-            producer.init_transactions(TXN_INIT_TIMEOUT)
+            left = min(TXN_INIT_TIMEOUT, valid_until() - clock())
+            if left <= 0:
+                return None
+            producer.init_transactions(left)
+            if self.producer is not producer or clock() >= valid_until() or not still_valid():
+                return None
             self._txn_ready = producer
-        if self._txn_open is not producer:
-            producer.begin_transaction()
-            with self._txn_lock:
-                self._txn_failed = False
-                self._txn_open = producer
+        producer.begin_transaction()
+        with self._txn_lock:
+            self._txn_failed = False
+            self._txn_open = producer
         return self._txn_seq
 
-    def _commit(self, producer, valid_until: Callable[[], float]) -> None:
-        """Commit the open transaction once every record of it is acknowledged, then purge its rows.
+    def _finish(self, producer, valid_until: Callable[[], float]) -> None:
+        """Settle the open transaction once every record of it has its delivery report: commit it
+        and purge its rows, or abort it (a record failed, or the commit did) and leave its rows to
+        the remark.
 
-        Waiting until the poll thread has served every report first means commit_transaction's own
-        flush serves none in this thread. A transaction with a failed record, or one that cannot
-        commit, is aborted: its rows stay marked by an old id and the remark republishes them.
-        Leadership lost meanwhile (producer retired, heartbeat deadline passed): left open; the
-        retired producer never commits, and the next leader's init_transactions aborts it.
+        commit_transaction and abort_transaction serve delivery reports themselves (an internal
+        flush), so they run holding `_serving`, which the poll thread holds around each poll: one
+        thread at a time serves this producer's callbacks. A commit waits until every report is
+        served anyway; an abort does not wait, as a failed transaction keeps its queued records
+        until it is aborted (they are purged by the abort, and reported as purged). If the
+        producer was retired meanwhile, nothing is done: it never commits, and the next leader's
+        init_transactions aborts what it wrote. If the leadership deadline passes first, the
+        transaction is marked failed and a remark raised: it is aborted on the next attempt.
         """
-        while len(producer):
-            if self.producer is not producer or time.monotonic() >= valid_until():
-                return
+        # A failed transaction keeps its queued records until it is aborted: no use waiting.
+        while len(producer) and not self._txn_failed and self.producer is producer \
+                and time.monotonic() < valid_until():
             time.sleep(0.0005)
-        if self.producer is not producer or time.monotonic() >= valid_until():
+        if self.producer is not producer:
+            return
+        if not self._txn_failed and (len(producer) or time.monotonic() >= valid_until()):
+            self._txn_failed = True
+            self._on_failure("transaction left open past the leadership deadline")
             return
         started = time.perf_counter()
         if not self._txn_failed:
             try:
-                producer.commit_transaction(TXN_COMMIT_TIMEOUT)
+                with self._serving:
+                    producer.commit_transaction(TXN_COMMIT_TIMEOUT)
             except KafkaException as exc:
                 self._log.warning("transaction commit failed", error=str(exc))
             else:
@@ -270,7 +303,8 @@ class Publisher:
         self.txn_aborted += 1
         self._m.txn_aborted.inc()
         try:
-            producer.abort_transaction(TXN_COMMIT_TIMEOUT)
+            with self._serving:
+                producer.abort_transaction(TXN_COMMIT_TIMEOUT)
         except KafkaException as exc:  # fenced or fatal: the producer is of no more use
             self._log.warning("transaction abort failed", error=str(exc))
             self.broken = True
@@ -435,7 +469,8 @@ class Publisher:
     def _poll_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self.producer.poll(0.02)
+                with self._serving:
+                    self.producer.poll(0.02)
                 if self._retiring:
                     for old in list(self._retiring):
                         old.poll(0)

@@ -6,8 +6,10 @@ transactional outbox should.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import uuid
+from functools import partial
 
 import psycopg
 import pytest
@@ -83,11 +85,13 @@ def test_a_new_leader_fences_the_old_leaders_producer_at_the_broker(pg_dsn, kafk
         me_a = uuid.uuid4()
         rows = store.mark(me_a, 200)
         a.reserve(len(rows))
-        # A produces its rows; its heartbeat deadline passes before it can commit (it is "paused").
-        deadlines = iter([time.monotonic() + 60] * 3)
-        sent = a.produce_rows(rows[:150], me_a, lambda: True, lambda: next(deadlines, 0.0))
-        assert sent == 150 and a.txn_committed == 0
+        # A opens its transaction and writes 150 records, then is "paused" before it can commit.
+        seq = a._begin(a.producer, lambda: True, lambda: time.monotonic() + 60)
+        assert seq is not None
+        for row_id, t, key, value, _, _, _ in rows[:150]:
+            a.producer.produce(t, value, key, on_delivery=partial(a._report_txn, seq, row_id, me_a))
         assert wait_until(lambda: len(a.producer) == 0, 30)  # written to the log, inside A's open transaction
+        assert a.txn_committed == 0
 
         # B takes over: remarks everything from the head, publishes and commits.
         b, _ = _publisher(kafka_bootstrap, store, txn_id)
@@ -99,9 +103,11 @@ def test_a_new_leader_fences_the_old_leaders_producer_at_the_broker(pg_dsn, kafk
         assert b.txn_committed == 1
         assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30), "B's committed rows were not purged"
 
-        # A "resumes": the records it still holds go out, then it tries to commit. The broker refuses.
-        with contextlib.suppress(KafkaException):  # refused at once if A already knows it is fenced
-            a.produce_rows(rows[150:], me_a, lambda: True, lambda: time.monotonic() + 60)
+        # A "resumes": it sends the records it still held, then commits. The broker refuses both.
+        for row_id, t, key, value, _, _, _ in rows[150:]:
+            with contextlib.suppress(KafkaException):  # refused at once if A already knows it is fenced
+                a.producer.produce(t, value, key, on_delivery=partial(a._report_txn, seq, row_id, me_a))
+        a._finish(a.producer, lambda: time.monotonic() + 60)
         assert a.txn_committed == 0, "the fenced producer committed a transaction"
         with pytest.raises(KafkaException) as refused:
             a.producer.begin_transaction()
@@ -118,4 +124,82 @@ def test_a_new_leader_fences_the_old_leaders_producer_at_the_broker(pg_dsn, kafk
         for p in (a, b):
             if p is not None:
                 p.close()
+        pool.close()
+
+
+def test_a_record_the_broker_refuses_aborts_its_transaction_and_publishing_resumes_once_fixed(
+        pg_dsn, kafka_bootstrap, schema, topics):
+    """A broker-side refusal puts librdkafka's transaction in an abortable state in which every
+    later produce() fails too: the reaper must abort it, not keep producing into it, so that once
+    the operator fixes the cause the next transaction goes through."""
+    from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+    from harvester.mpr import Harvester
+    from support.harness import make_config
+
+    topic = topics("data", partitions=2, config={"max.message.bytes": "2000"})
+    leader = topics("leader", partitions=1)
+    big = os.urandom(5000)  # incompressible: above the topic's limit even after lz4
+    with psycopg.connect(pg_dsn) as conn:
+        insert_rows(conn, schema, topic, [(b"k", b"small-%d" % i) for i in range(50)])
+        insert_rows(conn, schema, topic, [(b"k", big)])  # refused by the broker, not by the client
+        # Enough behind it that the refusal arrives while the batch is still being produced.
+        conn.execute(f'INSERT INTO "{schema}".outbox (topic, key, value) SELECT %s, %s, '
+                     "convert_to('after-' || g, 'UTF8') FROM generate_series(0, 19999) g", [topic, b"k"])
+        conn.commit()
+    m = get_metrics()
+    aborted = m.txn_aborted._value.get()
+    h = Harvester(make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader,
+                              harvester={"transactional_id": _txn_id()})).start()
+    try:
+        assert wait_until(lambda: m.txn_aborted._value.get() > aborted, 60), "no transaction was aborted"
+        assert outbox_count(pg_dsn, schema) >= 20_001  # nothing from the refused record on was purged
+        admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+        res = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[
+            ConfigEntry("max.message.bytes", "100000", incremental_operation=AlterConfigOpType.SET)])
+        for f in admin.incremental_alter_configs([res]).values():
+            f.result(30)
+        assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 60), \
+            f"{outbox_count(pg_dsn, schema)} rows left after the topic was fixed"
+        assert h.publisher.txn_committed > 0
+    finally:
+        h.stop(10)
+    values = _read_all(kafka_bootstrap, topic, expect_at_least=20_051)
+    expected = [b"small-%d" % i for i in range(50)] + [big] + [b"after-%d" % i for i in range(20_000)]
+    assert values == expected  # one key, so one partition: in order, once each (read_committed)
+
+
+def test_a_transaction_left_open_at_the_leadership_deadline_is_aborted_and_its_rows_come_again(
+        pg_dsn, kafka_bootstrap, schema, topics):
+    topic = topics("data", partitions=PARTITIONS)
+    with psycopg.connect(pg_dsn) as conn:
+        insert_rows(conn, schema, topic, [(b"k%d" % (i % 3), b"row-%d" % i) for i in range(100)])
+    pool = make_pool(pg_dsn, 3)
+    pub = None
+    try:
+        store = OutboxStore(pool, schema)
+        pub, failures = _publisher(kafka_bootstrap, store, _txn_id())
+        me = uuid.uuid4()
+        rows = store.mark(me, 100)
+        pub.reserve(len(rows))
+        seq = pub._begin(pub.producer, lambda: True, lambda: time.monotonic() + 60)
+        for row_id, t, key, value, _, _, _ in rows:
+            pub.producer.produce(t, value, key, on_delivery=partial(pub._report_txn, seq, row_id, me))
+        pub._finish(pub.producer, lambda: 0.0)  # the heartbeat deadline has passed: no commit
+        assert pub.txn_committed == 0 and failures, "no remark was raised for the unsettled transaction"
+        assert pub.in_flight == 100 and outbox_count(pg_dsn, schema) == 100
+
+        # The remark: a new id marks the same rows; the stale transaction is aborted before the next.
+        me2 = uuid.uuid4()
+        rows2 = store.mark(me2, 500)
+        assert len(rows2) == 100
+        pub.reserve(len(rows2))
+        assert pub.produce_rows(rows2, me2, lambda: True, lambda: time.monotonic() + 60) == 100
+        assert pub.txn_aborted == 1 and pub.txn_committed == 1
+        assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0 and pub.in_flight == 0, 30), \
+            (outbox_count(pg_dsn, schema), pub.in_flight)
+        values = _read_all(kafka_bootstrap, topic, expect_at_least=100)
+        assert sorted(values) == sorted(b"row-%d" % i for i in range(100))  # the aborted copies stay invisible
+    finally:
+        if pub is not None:
+            pub.close()
         pool.close()
