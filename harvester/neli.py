@@ -74,7 +74,7 @@ class Neli:
         self._state = FOLLOWER
         self._leader_id: uuid.UUID | None = None
         self._holding = False
-        self._last_heartbeat = 0.0   # monotonic time our last heartbeat came back
+        self._last_heartbeat = 0.0   # monotonic SEND time of the newest own heartbeat read back
         self._last_sent = 0.0
         self._paused_until = 0.0
         self._stop = threading.Event()
@@ -160,14 +160,19 @@ class Neli:
     def _pulse(self) -> None:
         msg = self._consumer.poll(self.min_poll / 2)
         now = time.monotonic()
-        if msg is not None and msg.error() is None and msg.value() == self.instance:
-            self._last_heartbeat = now
+        if msg is not None and msg.error() is None:
+            sent_at = self._sent_at(msg.value())
+            if sent_at is not None:
+                # A heartbeat vouches for the time it was SENT: one sent before a pause (SIGSTOP,
+                # a frozen VM) and read after it must not revive the leadership it outlived.
+                self._last_heartbeat = max(self._last_heartbeat, sent_at)
         if not self._holding:
             return
         if now - self._last_sent >= self.min_poll and now >= self._paused_until:
             self._last_sent = now
             try:
-                self._producer.produce(self.topic, value=self.instance, partition=0)
+                self._producer.produce(self.topic, value=b"%s:%d" % (self.instance, time.monotonic_ns()),
+                                       partition=0)
             except BufferError:
                 pass  # Kafka unreachable for long: the missing heartbeats fence us
         self._producer.poll(0)
@@ -180,6 +185,13 @@ class Neli:
         elif self._state == FENCED and not overdue:
             self._log.info("heartbeats are back and partition 0 is still held: resuming")
             self._acquire()
+
+    def _sent_at(self, value: bytes | None) -> float | None:
+        """The monotonic send time of one of this process's heartbeats; None for anything else."""
+        instance, sep, stamp = (value or b"").partition(b":")
+        if not sep or instance != self.instance or not stamp.isdigit():
+            return None
+        return int(stamp) / 1e9
 
     def _run(self) -> None:
         try:

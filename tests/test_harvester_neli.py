@@ -56,3 +56,27 @@ def test_a_joining_member_does_not_take_leadership_and_takes_over_on_leave(kafka
         a.stop()
         if b is not None:
             b.stop()
+
+
+def test_a_heartbeat_read_back_late_vouches_only_for_when_it_was_sent(kafka_bootstrap, topics):
+    """A leader paused with its own heartbeats still unread (SIGSTOP, a frozen VM) reads them on
+    resuming: they must not revive the leadership that expired meanwhile."""
+    from confluent_kafka import Producer
+    topic, group = topics("leader"), f"g-{uuid.uuid4().hex[:8]}"
+    n = _neli(kafka_bootstrap, topic, group).start()
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    try:
+        assert wait_until(lambda: n.leader_id() is not None, 30)
+        n.pause_heartbeats(4.0)
+        stale_until = time.monotonic() + 3.0
+        while time.monotonic() < stale_until:  # its own heartbeats, sent 2 s ago, arriving only now
+            p.produce(topic, value=b"%s:%d" % (n.instance, time.monotonic_ns() - 2_000_000_000), partition=0)
+            p.flush(5)
+            time.sleep(0.05)
+        assert n.state == FENCED and n.leader_id() is None, "heartbeats sent 2 s ago kept a 1 s leadership alive"
+        fresh = b"%s:%d" % (n.instance, time.monotonic_ns())
+        p.produce(topic, value=fresh, partition=0)
+        p.flush(5)
+        assert wait_until(lambda: n.leader_id() is not None, 3), "a fresh heartbeat did not resume it"
+    finally:
+        n.stop()
