@@ -47,6 +47,20 @@ def _publisher(kafka_bootstrap, store, txn_id):
     return pub, failures
 
 
+def _open_and_write(pub, rows, leader_id):
+    """What produce_rows does up to its commit: open the transaction, write the rows; no commit
+    (the process "pauses" here). Returns the transaction's sequence number."""
+    seq = pub._begin(pub.producer, lambda: True, lambda: time.monotonic() + 60)
+    assert seq is not None
+    _write(pub, seq, rows, leader_id)
+    return seq
+
+
+def _write(pub, seq, rows, leader_id):
+    for row_id, topic, key, value, _, _, _ in rows:
+        pub.producer.produce(topic, value, key, on_delivery=partial(pub._report_txn, seq, row_id, leader_id))
+
+
 def _read_all(kafka_bootstrap, topic, expect_at_least, timeout=30.0):
     from confluent_kafka import Consumer
     c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"t-{uuid.uuid4().hex[:8]}",
@@ -86,10 +100,7 @@ def test_a_new_leader_fences_the_old_leaders_producer_at_the_broker(pg_dsn, kafk
         rows = store.mark(me_a, 200)
         a.reserve(len(rows))
         # A opens its transaction and writes 150 records, then is "paused" before it can commit.
-        seq = a._begin(a.producer, lambda: True, lambda: time.monotonic() + 60)
-        assert seq is not None
-        for row_id, t, key, value, _, _, _ in rows[:150]:
-            a.producer.produce(t, value, key, on_delivery=partial(a._report_txn, seq, row_id, me_a))
+        seq = _open_and_write(a, rows[:150], me_a)
         assert wait_until(lambda: len(a.producer) == 0, 30)  # written to the log, inside A's open transaction
         assert a.txn_committed == 0
 
@@ -104,9 +115,8 @@ def test_a_new_leader_fences_the_old_leaders_producer_at_the_broker(pg_dsn, kafk
         assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30), "B's committed rows were not purged"
 
         # A "resumes": it sends the records it still held, then commits. The broker refuses both.
-        for row_id, t, key, value, _, _, _ in rows[150:]:
-            with contextlib.suppress(KafkaException):  # refused at once if A already knows it is fenced
-                a.producer.produce(t, value, key, on_delivery=partial(a._report_txn, seq, row_id, me_a))
+        with contextlib.suppress(KafkaException):  # refused at once if A already knows it is fenced
+            _write(a, seq, rows[150:], me_a)
         a._finish(a.producer, lambda: time.monotonic() + 60)
         assert a.txn_committed == 0, "the fenced producer committed a transaction"
         with pytest.raises(KafkaException) as refused:
@@ -181,9 +191,7 @@ def test_a_transaction_left_open_at_the_leadership_deadline_is_aborted_and_its_r
         me = uuid.uuid4()
         rows = store.mark(me, 100)
         pub.reserve(len(rows))
-        seq = pub._begin(pub.producer, lambda: True, lambda: time.monotonic() + 60)
-        for row_id, t, key, value, _, _, _ in rows:
-            pub.producer.produce(t, value, key, on_delivery=partial(pub._report_txn, seq, row_id, me))
+        _open_and_write(pub, rows, me)
         pub._finish(pub.producer, lambda: 0.0)  # the heartbeat deadline has passed: no commit
         assert pub.txn_committed == 0 and failures, "no remark was raised for the unsettled transaction"
         assert pub.in_flight == 100 and outbox_count(pg_dsn, schema) == 100
