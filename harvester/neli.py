@@ -131,8 +131,10 @@ class Neli:
         self._log.info(f"neli {state}", state=state, leader_id=str(leader_id) if leader_id else None)
         self._on_change(state, leader_id)
 
-    def _acquire(self) -> None:
-        self._last_heartbeat = time.monotonic()  # a heartbeat timeout's grace from acquisition
+    def _acquire(self, resumed: bool = False) -> None:
+        if not resumed:  # partition 0 just assigned: a heartbeat timeout's grace from now
+            self._last_heartbeat = time.monotonic()
+        # (resumed: valid from the send time of the heartbeat that ended the fence, no longer)
         self._last_sent = 0.0
         self._m.acquisitions.inc()
         self._set(LEADER, uuid.uuid4())
@@ -164,7 +166,7 @@ class Neli:
             sent_at = self._sent_at(msg.value())
             if sent_at is not None:
                 # A heartbeat vouches for the time it was SENT: one sent before a pause (SIGSTOP,
-                # a frozen VM) and read after it must not revive the leadership it outlived.
+                # a long stall) and read after it must not revive the leadership it outlived.
                 self._last_heartbeat = max(self._last_heartbeat, sent_at)
         if not self._holding:
             return
@@ -184,7 +186,7 @@ class Neli:
             self._set(FENCED, None)
         elif self._state == FENCED and not overdue:
             self._log.info("heartbeats are back and partition 0 is still held: resuming")
-            self._acquire()
+            self._acquire(resumed=True)
 
     def _sent_at(self, value: bytes | None) -> float | None:
         """The monotonic send time of one of this process's heartbeats; None for anything else."""

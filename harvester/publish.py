@@ -77,7 +77,8 @@ def error_reason(err: KafkaError) -> str:
     """What goes to the dead table and the log: the error's name and librdkafka's text, no payload."""
     return f"{err.name()}: {err.str()}"
 TXN_INIT_TIMEOUT = 30.0    # init_transactions waits for the fenced producer's transaction to be aborted
-TXN_COMMIT_TIMEOUT = 30.0
+TXN_COMMIT_TIMEOUT = 30.0   # also bounds the wait for a transaction's last acknowledgements
+TXN_ABORT_TIMEOUT = 10.0
 SAMPLE_EVERY = 64  # produce-latency histogram samples 1 in 64 reports: observe() per record costs too much
 
 
@@ -227,28 +228,24 @@ class Publisher:
     # ------------------------------------------------------------------ transactions
 
     def _begin(self, producer, still_valid: Callable[[], bool], valid_until: Callable[[], float]) -> int | None:
-        """Make sure `producer` has an open transaction and return its sequence number for the
-        delivery reports; None (nothing may be produced) when leadership or the producer is gone.
+        """Open a transaction on `producer` and return its sequence number for the delivery
+        reports; None (produce nothing) when leadership or the producer is gone.
 
         The first use of a producer calls init_transactions(), which fences every older producer
-        of the id: only while leading, bounded by what is left of the leadership, and checked again
-        after it, so a process losing leadership meanwhile does not go on to fence the new leader.
+        of the id. It runs only while leading, with a timeout bounded by what is left of the
+        leadership; the check after it only stops producing (the fence, if it happened, stands).
         """
         clock = time.monotonic
         if clock() >= valid_until() or not still_valid():
             return None
-        if self._txn_open is producer:  # left open by a _finish that could not settle it
-            self._finish(producer, valid_until)
-            if self._txn_open is producer:
-                return None
         if self._txn_ready is not producer:
             left = min(TXN_INIT_TIMEOUT, valid_until() - clock())
             if left <= 0:
                 return None
             producer.init_transactions(left)
+            self._txn_ready = producer  # a second init on it would fail ("not valid in state Ready")
             if self.producer is not producer or clock() >= valid_until() or not still_valid():
                 return None
-            self._txn_ready = producer
         producer.begin_transaction()
         with self._txn_lock:
             self._txn_failed = False
@@ -256,36 +253,39 @@ class Publisher:
         return self._txn_seq
 
     def _finish(self, producer, valid_until: Callable[[], float]) -> None:
-        """Settle the open transaction once every record of it has its delivery report: commit it
-        and purge its rows, or abort it (a record failed, or the commit did) and leave its rows to
-        the remark.
+        """Settle the open transaction, always, before produce_rows returns: commit it once every
+        record has its delivery report and purge its rows; or abort it and leave its rows to a
+        remark, when a record failed, the commit failed, the leadership deadline passed or the
+        records were not all acknowledged within TXN_COMMIT_TIMEOUT (an abort exposes nothing, so
+        it needs no leadership).
 
         commit_transaction and abort_transaction serve delivery reports themselves (an internal
-        flush), so they run holding `_serving`, which the poll thread holds around each poll: one
-        thread at a time serves this producer's callbacks. A commit waits until every report is
-        served anyway; an abort does not wait, as a failed transaction keeps its queued records
-        until it is aborted (they are purged by the abort, and reported as purged). If the
-        producer was retired meanwhile, nothing is done: it never commits, and the next leader's
-        init_transactions aborts what it wrote. If the leadership deadline passes first, the
-        transaction is marked failed and a remark raised: it is aborted on the next attempt.
+        flush), so they run holding `_serving`, which the poll thread holds around every poll: one
+        thread at a time serves a producer's callbacks. A commit waits until every report is
+        served first. An abort purges what is still queued (reported as purged) and waits, up to
+        TXN_ABORT_TIMEOUT, for the requests already sent. If the producer was retired, the
+        retirement already dropped the transaction: it is left to the next leader's
+        init_transactions to abort.
         """
+        give_up = time.monotonic() + TXN_COMMIT_TIMEOUT
         # A failed transaction keeps its queued records until it is aborted: no use waiting.
         while len(producer) and not self._txn_failed and self.producer is producer \
-                and time.monotonic() < valid_until():
+                and time.monotonic() < min(give_up, valid_until()):
             time.sleep(0.0005)
         if self.producer is not producer:
             return
-        if not self._txn_failed and (len(producer) or time.monotonic() >= valid_until()):
-            self._txn_failed = True
-            self._on_failure("transaction left open past the leadership deadline")
-            return
-        started = time.perf_counter()
-        if not self._txn_failed:
+        if self._txn_failed:
+            why, remark = "a record of the transaction failed", False  # that failure raised the remark
+        elif len(producer) or time.monotonic() >= valid_until():
+            why, remark = "not acknowledged within the leadership or TXN_COMMIT_TIMEOUT", True
+        else:
+            started = time.perf_counter()
             try:
                 with self._serving:
                     producer.commit_transaction(TXN_COMMIT_TIMEOUT)
             except KafkaException as exc:
                 self._log.warning("transaction commit failed", error=str(exc))
+                why, remark = "commit failed", True
             else:
                 with self._txn_lock:
                     done, self._txn_delivered = self._txn_delivered, []
@@ -296,19 +296,22 @@ class Publisher:
                 self._reports.extend(done)
                 self._wake.set()
                 return
-        self._abort(producer, "a record of the transaction failed" if self._txn_failed else "commit failed")
+        self._abort(producer, why, remark)
 
-    def _abort(self, producer, why: str) -> None:
+    def _abort(self, producer, why: str, remark: bool) -> None:
         self._drop_transaction()
         self.txn_aborted += 1
         self._m.txn_aborted.inc()
+        self._log.info("transaction aborted", reason=why)
         try:
             with self._serving:
-                producer.abort_transaction(TXN_COMMIT_TIMEOUT)
-        except KafkaException as exc:  # fenced or fatal: the producer is of no more use
+                producer.abort_transaction(TXN_ABORT_TIMEOUT)
+        except KafkaException as exc:  # fenced, fatal or timed out: replace the producer
             self._log.warning("transaction abort failed", error=str(exc))
             self.broken = True
-        self._on_failure(f"transaction aborted: {why}")
+            remark = True
+        if remark:
+            self._on_failure(f"transaction aborted: {why}")
 
     def _drop_transaction(self) -> None:
         """Forget the open transaction: its delivered rows stay marked (republished after a remark)."""
@@ -329,9 +332,13 @@ class Publisher:
             self.release(1)  # its transaction was already dropped: the row is republished
             return
         with self._txn_lock:
-            if seq == self._txn_seq:
+            current = seq == self._txn_seq
+            if current:
                 self._txn_failed = True
         self._report(row_id, leader_id, err, msg)  # reset (or quarantine) and remark, as without transactions
+        if current and err.code() in PERMANENT_DELIVERY:
+            # Quarantined without a remark in _report; its transaction aborts, so the rest come again.
+            self._on_failure("a record of the transaction was quarantined")
 
     def _quarantine_now(self, leader_id: uuid.UUID, row_id: int, reason: str) -> None:
         try:
@@ -471,7 +478,6 @@ class Publisher:
             try:
                 with self._serving:
                     self.producer.poll(0.02)
-                if self._retiring:
                     for old in list(self._retiring):
                         old.poll(0)
                         if len(old) == 0:

@@ -178,7 +178,7 @@ def test_a_record_the_broker_refuses_aborts_its_transaction_and_publishing_resum
     assert values == expected  # one key, so one partition: in order, once each (read_committed)
 
 
-def test_a_transaction_left_open_at_the_leadership_deadline_is_aborted_and_its_rows_come_again(
+def test_a_transaction_not_committed_within_the_leadership_is_aborted_and_its_rows_come_again(
         pg_dsn, kafka_bootstrap, schema, topics):
     topic = topics("data", partitions=PARTITIONS)
     with psycopg.connect(pg_dsn) as conn:
@@ -192,11 +192,13 @@ def test_a_transaction_left_open_at_the_leadership_deadline_is_aborted_and_its_r
         rows = store.mark(me, 100)
         pub.reserve(len(rows))
         _open_and_write(pub, rows, me)
-        pub._finish(pub.producer, lambda: 0.0)  # the heartbeat deadline has passed: no commit
-        assert pub.txn_committed == 0 and failures, "no remark was raised for the unsettled transaction"
-        assert pub.in_flight == 100 and outbox_count(pg_dsn, schema) == 100
+        pub._finish(pub.producer, lambda: 0.0)  # the heartbeat deadline has passed: abort, never commit
+        assert (pub.txn_committed, pub.txn_aborted) == (0, 1)
+        assert failures, "no remark was raised for the aborted transaction"
+        assert wait_until(lambda: pub.in_flight == 0, 10), pub.in_flight  # every record settled once
+        assert outbox_count(pg_dsn, schema) == 100                          # and none purged
 
-        # The remark: a new id marks the same rows; the stale transaction is aborted before the next.
+        # The remark: a new id marks the same rows and publishes them in a new transaction.
         me2 = uuid.uuid4()
         rows2 = store.mark(me2, 500)
         assert len(rows2) == 100
@@ -211,3 +213,34 @@ def test_a_transaction_left_open_at_the_leadership_deadline_is_aborted_and_its_r
         if pub is not None:
             pub.close()
         pool.close()
+
+
+def test_an_abort_at_the_deadline_does_not_hold_the_throttle(pg_dsn, kafka_bootstrap, schema, topics, monkeypatch):
+    """The harvester with max_in_flight = mark_batch: had the transaction that missed its deadline
+    stayed open, its rows would fill the throttle and no further mark (so no further transaction)
+    could ever settle it."""
+    from harvester.mpr import Harvester
+    from support.harness import make_config
+
+    topic, leader = topics("data", partitions=2), topics("leader", partitions=1)
+    with psycopg.connect(pg_dsn) as conn:
+        insert_rows(conn, schema, topic, [(b"k%d" % (i % 5), b"v%d" % i) for i in range(300)])
+    finish, missed = Publisher._finish, []
+
+    def first_misses_its_deadline(self, producer, valid_until):
+        if not missed:
+            missed.append(True)
+            valid_until = lambda: 0.0  # noqa: E731 (a heartbeat late by a hair; NELI does not fence)
+        return finish(self, producer, valid_until)
+
+    monkeypatch.setattr(Publisher, "_finish", first_misses_its_deadline)
+    h = Harvester(make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader, harvester={
+        "transactional_id": _txn_id(), "max_in_flight": 100, "mark_batch": 100})).start()
+    try:
+        assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30), \
+            (outbox_count(pg_dsn, schema), h.publisher.in_flight, h.publisher.txn_aborted)
+        assert missed and h.publisher.txn_aborted >= 1 and h.publisher.txn_committed >= 3
+    finally:
+        h.stop(5)
+    values = _read_all(kafka_bootstrap, topic, expect_at_least=300)
+    assert sorted(values) == sorted(b"v%d" % i for i in range(300))
