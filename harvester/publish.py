@@ -125,6 +125,7 @@ class Publisher:
         self._txn_ready = None        # the producer init_transactions() ran on
         self._txn_open = None         # the producer with an open transaction
         self._serving = threading.Lock()  # held by whichever thread serves the producer's callbacks
+        self._polls_held = threading.Event()  # an abort waits for `_serving`: the poll thread stands aside
         self.txn_committed = self.txn_aborted = 0
         self.producer = self._new_producer()
         self._threads = [threading.Thread(target=self._poll_loop, name="reaper-poll", daemon=True)]
@@ -259,11 +260,11 @@ class Publisher:
         records were not all acknowledged within TXN_COMMIT_TIMEOUT (an abort exposes nothing, so
         it needs no leadership).
 
-        commit_transaction and abort_transaction serve delivery reports themselves (an internal
-        flush), so they run holding `_serving`, which the poll thread holds around every poll: one
-        thread at a time serves a producer's callbacks. A commit waits until every report is
-        served first. An abort purges what is still queued (reported as purged) and waits, up to
-        TXN_ABORT_TIMEOUT, for the requests already sent. If the producer was retired, the
+        Only one thread at a time may serve a producer's callbacks. A commit runs once every
+        report has been served by the poll thread, so its internal flush finds nothing to serve.
+        An abort purges what is still queued and its flush serves those reports (as purged) while
+        it waits, up to TXN_ABORT_TIMEOUT, for the requests already sent: it runs holding
+        `_serving`, which the poll thread holds around every poll. If the producer was retired, the
         retirement already dropped the transaction: it is left to the next leader's
         init_transactions to abort.
         """
@@ -281,8 +282,7 @@ class Publisher:
         else:
             started = time.perf_counter()
             try:
-                with self._serving:
-                    producer.commit_transaction(TXN_COMMIT_TIMEOUT)
+                producer.commit_transaction(TXN_COMMIT_TIMEOUT)  # nothing left to serve: no `_serving`
             except KafkaException as exc:
                 self._log.warning("transaction commit failed", error=str(exc))
                 why, remark = "commit failed", True
@@ -303,6 +303,7 @@ class Publisher:
         self.txn_aborted += 1
         self._m.txn_aborted.inc()
         self._log.info("transaction aborted", reason=why)
+        self._polls_held.set()  # else the poll thread, re-taking `_serving` at once, could starve this
         try:
             with self._serving:
                 producer.abort_transaction(TXN_ABORT_TIMEOUT)
@@ -310,6 +311,8 @@ class Publisher:
             self._log.warning("transaction abort failed", error=str(exc))
             self.broken = True
             remark = True
+        finally:
+            self._polls_held.clear()
         if remark:
             self._on_failure(f"transaction aborted: {why}")
 
@@ -475,6 +478,9 @@ class Publisher:
 
     def _poll_loop(self) -> None:
         while not self._stop.is_set():
+            if self._polls_held.is_set():
+                time.sleep(0.001)
+                continue
             try:
                 with self._serving:
                     self.producer.poll(0.02)
