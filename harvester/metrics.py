@@ -30,7 +30,7 @@ class HarvesterMetrics:
         self.reset = Counter(f"{p}_records_reset_total", "Outbox rows unmarked after a failed publication")
         self.dead = Counter(f"{p}_records_dead_total",
                             "Outbox rows Kafka will never accept, moved to the dead table (outbox_dead)")
-        self.produce_errors = Counter(f"{p}_produce_errors_total", "Failed produce calls and delivery reports")
+        self.produce_errors = Counter(f"{p}_produce_errors_total", "Failed produce calls and delivery reports, retried (rows Kafka can never accept count in records_dead_total)")
         self.force_remarks = Counter(f"{p}_force_remarks_total", "Times queued work was dropped and marking restarted from the head")
         self.mark_duration = Histogram(f"{p}_mark_duration_seconds", "Mark query duration", buckets=_DURATION_BUCKETS)
         self.purge_duration = Histogram(f"{p}_purge_duration_seconds", "Batched purge statement duration", buckets=_DURATION_BUCKETS)

@@ -467,7 +467,9 @@ class Publisher:
                 # would disturb the next leadership for nothing.
                 pass
             elif code in PERMANENT_DELIVERY and not err.fatal():
-                self._m.produce_errors.inc()  # settled by quarantine; the rest of the stream goes on
+                # Settled by quarantine and counted in records_dead_total, as when produce() itself
+                # refuses the record: which of the two happens depends only on metadata timing.
+                pass
             else:
                 self._m.produce_errors.inc()
                 if err.fatal() or code == KafkaError._FATAL:
