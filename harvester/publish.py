@@ -276,16 +276,16 @@ class Publisher:
         if self.producer is not producer:
             return
         if self._txn_failed:
-            why, remark = "a record of the transaction failed", False  # that failure raised the remark
+            why = "a record of the transaction failed"
         elif len(producer) or time.monotonic() >= valid_until():
-            why, remark = "not acknowledged within the leadership or TXN_COMMIT_TIMEOUT", True
+            why = "not acknowledged within the leadership or TXN_COMMIT_TIMEOUT"
         else:
             started = time.perf_counter()
             try:
                 producer.commit_transaction(TXN_COMMIT_TIMEOUT)  # nothing left to serve: no `_serving`
             except KafkaException as exc:
                 self._log.warning("transaction commit failed", error=str(exc))
-                why, remark = "commit failed", True
+                why = "commit failed"
             else:
                 with self._txn_lock:
                     done, self._txn_delivered = self._txn_delivered, []
@@ -296,9 +296,13 @@ class Publisher:
                 self._reports.extend(done)
                 self._wake.set()
                 return
-        self._abort(producer, why, remark)
+        self._abort(producer, why)
 
-    def _abort(self, producer, why: str, remark: bool) -> None:
+    def _abort(self, producer, why: str) -> None:
+        """Abort the open transaction and raise a remark before returning, even when the failure
+        that caused it raised one already (the poll thread may not have yet): no further batch
+        marked under this leader id may be produced. Its rows would be committed while the aborted
+        rows before them, still marked by the same id, wait: a key would go backwards."""
         self._drop_transaction()
         self.txn_aborted += 1
         self._m.txn_aborted.inc()
@@ -310,11 +314,9 @@ class Publisher:
         except KafkaException as exc:  # fenced, fatal or timed out: replace the producer
             self._log.warning("transaction abort failed", error=str(exc))
             self.broken = True
-            remark = True
         finally:
             self._polls_held.clear()
-        if remark:
-            self._on_failure(f"transaction aborted: {why}")
+        self._on_failure(f"transaction aborted: {why}")
 
     def _drop_transaction(self) -> None:
         """Forget the open transaction: its delivered rows stay marked (republished after a remark)."""
@@ -335,13 +337,9 @@ class Publisher:
             self.release(1)  # its transaction was already dropped: the row is republished
             return
         with self._txn_lock:
-            current = seq == self._txn_seq
-            if current:
-                self._txn_failed = True
-        self._report(row_id, leader_id, err, msg)  # reset (or quarantine) and remark, as without transactions
-        if current and err.code() in PERMANENT_DELIVERY:
-            # Quarantined without a remark in _report; its transaction aborts, so the rest come again.
-            self._on_failure("a record of the transaction was quarantined")
+            if seq == self._txn_seq:
+                self._txn_failed = True  # _finish aborts it (and raises the remark)
+        self._report(row_id, leader_id, err, msg)  # reset (or quarantine), as without transactions
 
     def _quarantine_now(self, leader_id: uuid.UUID, row_id: int, reason: str) -> None:
         try:

@@ -244,3 +244,28 @@ def test_an_abort_at_the_deadline_does_not_hold_the_throttle(pg_dsn, kafka_boots
         h.stop(5)
     values = _read_all(kafka_bootstrap, topic, expect_at_least=300)
     assert sorted(values) == sorted(b"v%d" % i for i in range(300))
+
+
+def test_an_abort_raises_the_remark_before_the_next_batch_can_be_produced(pg_dsn, kafka_bootstrap, schema, topics):
+    """The failed record's own remark comes from the poll thread and can be late: had the abort
+    not raised one itself, the producing thread could go on to commit the next batch marked under
+    the same id while the aborted rows before it wait (seen once under CI load)."""
+    topic = topics("data", partitions=PARTITIONS)
+    with psycopg.connect(pg_dsn) as conn:
+        insert_rows(conn, schema, topic, [(b"k", b"row-%d" % i) for i in range(20)])
+    pool = make_pool(pg_dsn, 3)
+    pub = None
+    try:
+        store = OutboxStore(pool, schema)
+        pub, failures = _publisher(kafka_bootstrap, store, _txn_id())
+        me = uuid.uuid4()
+        rows = store.mark(me, 20)
+        pub.reserve(len(rows))
+        _open_and_write(pub, rows, me)
+        pub._txn_failed = True  # as _report_txn sets it, a moment before its _report raises the remark
+        pub._finish(pub.producer, lambda: time.monotonic() + 60)
+        assert pub.txn_aborted == 1 and failures, "aborted without a remark: the next batch of this id may go out"
+    finally:
+        if pub is not None:
+            pub.close()
+        pool.close()
