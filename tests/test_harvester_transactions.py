@@ -10,6 +10,7 @@ import os
 import time
 import uuid
 from functools import partial
+from types import SimpleNamespace
 
 import psycopg
 import pytest
@@ -61,6 +62,30 @@ def _write(pub, seq, rows, leader_id):
         pub.producer.produce(topic, value, key, on_delivery=partial(pub._report_txn, seq, row_id, leader_id))
 
 
+@contextlib.contextmanager
+def _paused_leader(pg_dsn, kafka_bootstrap, schema, topic, values, keys, txn_id=None, write=None):
+    """A leader that marked `values` (key k<i % keys>), wrote the first `write` of them (all by
+    default) in an open transaction and then "paused". Yields its store, publisher, failures
+    (remarks raised), leader id, marked rows and transaction sequence; closes it all afterwards."""
+    with psycopg.connect(pg_dsn) as conn:
+        insert_rows(conn, schema, topic, [(b"k%d" % (i % keys), v) for i, v in enumerate(values)])
+    pool = make_pool(pg_dsn, 3)
+    pub = None
+    try:
+        store = OutboxStore(pool, schema)
+        pub, failures = _publisher(kafka_bootstrap, store, txn_id or _txn_id())
+        me = uuid.uuid4()
+        rows = store.mark(me, len(values))
+        assert len(rows) == len(values)
+        pub.reserve(len(rows))
+        seq = _open_and_write(pub, rows[:write], me)
+        yield SimpleNamespace(store=store, pub=pub, failures=failures, me=me, rows=rows, seq=seq)
+    finally:
+        if pub is not None:
+            pub.close()
+        pool.close()
+
+
 def _read_all(kafka_bootstrap, topic, expect_at_least, timeout=30.0):
     from confluent_kafka import Consumer
     c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"t-{uuid.uuid4().hex[:8]}",
@@ -88,53 +113,44 @@ def test_a_new_leader_fences_the_old_leaders_producer_at_the_broker(pg_dsn, kafk
     transaction is aborted, A's later records are refused, and a read_committed consumer sees every
     row exactly once, from B."""
     topic = topics("data", partitions=PARTITIONS)
-    with psycopg.connect(pg_dsn) as conn:
-        insert_rows(conn, schema, topic, [(b"k%d" % (i % 5), b"row-%d" % i) for i in range(200)])
     txn_id = _txn_id()
-    pool = make_pool(pg_dsn, 3)
-    a = b = None
+    b = None
     try:
-        store = OutboxStore(pool, schema)
-        a, a_failures = _publisher(kafka_bootstrap, store, txn_id)
-        me_a = uuid.uuid4()
-        rows = store.mark(me_a, 200)
-        a.reserve(len(rows))
-        # A opens its transaction and writes 150 records, then is "paused" before it can commit.
-        seq = _open_and_write(a, rows[:150], me_a)
-        assert wait_until(lambda: len(a.producer) == 0, 30)  # written to the log, inside A's open transaction
-        assert a.txn_committed == 0
+        # A opens its transaction and writes 150 of its 200 rows, then is "paused" before it can commit.
+        with _paused_leader(pg_dsn, kafka_bootstrap, schema, topic, [b"row-%d" % i for i in range(200)], keys=5,
+                            txn_id=txn_id, write=150) as a_leader:
+            a, store, rows, me_a, seq = a_leader.pub, a_leader.store, a_leader.rows, a_leader.me, a_leader.seq
+            assert wait_until(lambda: len(a.producer) == 0, 30)  # written to the log, inside A's open transaction
+            assert a.txn_committed == 0
 
-        # B takes over: remarks everything from the head, publishes and commits.
-        b, _ = _publisher(kafka_bootstrap, store, txn_id)
-        me_b = uuid.uuid4()
-        rows_b = store.mark(me_b, 500)
-        assert len(rows_b) == 200
-        b.reserve(len(rows_b))
-        assert b.produce_rows(rows_b, me_b, lambda: True, lambda: time.monotonic() + 60) == 200
-        assert b.txn_committed == 1
-        assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30), "B's committed rows were not purged"
+            # B takes over: remarks everything from the head, publishes and commits.
+            b, _ = _publisher(kafka_bootstrap, store, txn_id)
+            me_b = uuid.uuid4()
+            rows_b = store.mark(me_b, 500)
+            assert len(rows_b) == 200
+            b.reserve(len(rows_b))
+            assert b.produce_rows(rows_b, me_b, lambda: True, lambda: time.monotonic() + 60) == 200
+            assert b.txn_committed == 1
+            assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30), "B's committed rows were not purged"
 
-        # A "resumes": it sends the records it still held, then commits. The broker refuses both.
-        with contextlib.suppress(KafkaException):  # refused at once if A already knows it is fenced
-            _write(a, seq, rows[150:], me_a)
-        a._finish(a.producer, lambda: time.monotonic() + 60)
-        assert a.txn_committed == 0, "the fenced producer committed a transaction"
-        with pytest.raises(KafkaException) as refused:
-            a.producer.begin_transaction()
-            a.producer.produce(topic, value=b"late", key=b"k0")
-            a.producer.commit_transaction(10)
-        assert refused.value.args[0].code() in (KafkaError._FENCED, KafkaError._STATE, KafkaError._FATAL,
-                                                KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH)
-        assert a_failures, "the fenced leader did not raise a remark"
-
-        values = _read_all(kafka_bootstrap, topic, expect_at_least=200)
-        assert sorted(values) == sorted(b"row-%d" % i for i in range(200)), \
-            f"{len(values)} records visible, {len(set(values))} distinct: the old leader's writes leaked"
+            # A "resumes": it sends the records it still held, then commits. The broker refuses both.
+            with contextlib.suppress(KafkaException):  # refused at once if A already knows it is fenced
+                _write(a, seq, rows[150:], me_a)
+            a._finish(a.producer, lambda: time.monotonic() + 60)
+            assert a.txn_committed == 0, "the fenced producer committed a transaction"
+            with pytest.raises(KafkaException) as refused:
+                a.producer.begin_transaction()
+                a.producer.produce(topic, value=b"late", key=b"k0")
+                a.producer.commit_transaction(10)
+            assert refused.value.args[0].code() in (KafkaError._FENCED, KafkaError._STATE, KafkaError._FATAL,
+                                                    KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH)
+            assert a_leader.failures, "the fenced leader did not raise a remark"
+            values = _read_all(kafka_bootstrap, topic, expect_at_least=200)
+            assert sorted(values) == sorted(b"row-%d" % i for i in range(200)), \
+                f"{len(values)} records visible, {len(set(values))} distinct: the old leader's writes leaked"
     finally:
-        for p in (a, b):
-            if p is not None:
-                p.close()
-        pool.close()
+        if b is not None:
+            b.close()
 
 
 def test_a_record_the_broker_refuses_aborts_its_transaction_and_publishing_resumes_once_fixed(
@@ -181,20 +197,11 @@ def test_a_record_the_broker_refuses_aborts_its_transaction_and_publishing_resum
 def test_a_transaction_not_committed_within_the_leadership_is_aborted_and_its_rows_come_again(
         pg_dsn, kafka_bootstrap, schema, topics):
     topic = topics("data", partitions=PARTITIONS)
-    with psycopg.connect(pg_dsn) as conn:
-        insert_rows(conn, schema, topic, [(b"k%d" % (i % 3), b"row-%d" % i) for i in range(100)])
-    pool = make_pool(pg_dsn, 3)
-    pub = None
-    try:
-        store = OutboxStore(pool, schema)
-        pub, failures = _publisher(kafka_bootstrap, store, _txn_id())
-        me = uuid.uuid4()
-        rows = store.mark(me, 100)
-        pub.reserve(len(rows))
-        _open_and_write(pub, rows, me)
+    with _paused_leader(pg_dsn, kafka_bootstrap, schema, topic, [b"row-%d" % i for i in range(100)], keys=3) as led:
+        pub, store = led.pub, led.store
         pub._finish(pub.producer, lambda: 0.0)  # the heartbeat deadline has passed: abort, never commit
         assert (pub.txn_committed, pub.txn_aborted) == (0, 1)
-        assert failures, "no remark was raised for the aborted transaction"
+        assert led.failures, "no remark was raised for the aborted transaction"
         assert wait_until(lambda: pub.in_flight == 0, 10), pub.in_flight  # every record settled once
         assert outbox_count(pg_dsn, schema) == 100                          # and none purged
 
@@ -209,10 +216,6 @@ def test_a_transaction_not_committed_within_the_leadership_is_aborted_and_its_ro
             (outbox_count(pg_dsn, schema), pub.in_flight)
         values = _read_all(kafka_bootstrap, topic, expect_at_least=100)
         assert sorted(values) == sorted(b"row-%d" % i for i in range(100))  # the aborted copies stay invisible
-    finally:
-        if pub is not None:
-            pub.close()
-        pool.close()
 
 
 def test_an_abort_at_the_deadline_does_not_hold_the_throttle(pg_dsn, kafka_bootstrap, schema, topics, monkeypatch):
@@ -251,21 +254,8 @@ def test_an_abort_raises_the_remark_before_the_next_batch_can_be_produced(pg_dsn
     not raised one itself, the producing thread could go on to commit the next batch marked under
     the same id while the aborted rows before it wait (seen once under CI load)."""
     topic = topics("data", partitions=PARTITIONS)
-    with psycopg.connect(pg_dsn) as conn:
-        insert_rows(conn, schema, topic, [(b"k", b"row-%d" % i) for i in range(20)])
-    pool = make_pool(pg_dsn, 3)
-    pub = None
-    try:
-        store = OutboxStore(pool, schema)
-        pub, failures = _publisher(kafka_bootstrap, store, _txn_id())
-        me = uuid.uuid4()
-        rows = store.mark(me, 20)
-        pub.reserve(len(rows))
-        _open_and_write(pub, rows, me)
+    with _paused_leader(pg_dsn, kafka_bootstrap, schema, topic, [b"row-%d" % i for i in range(20)], keys=1) as led:
+        pub = led.pub
         pub._txn_failed = True  # as _report_txn sets it, a moment before its _report raises the remark
         pub._finish(pub.producer, lambda: time.monotonic() + 60)
-        assert pub.txn_aborted == 1 and failures, "aborted without a remark: the next batch of this id may go out"
-    finally:
-        if pub is not None:
-            pub.close()
-        pool.close()
+        assert pub.txn_aborted == 1 and led.failures, "aborted without a remark: the next batch of this id may go out"
