@@ -72,10 +72,15 @@ def test_ack_counts_duplicates_and_completes_exactly_once(conn, schema):
     assert tracker.close_batch(conn, batch, schema=schema) is False
     assert tracker.close_batch(conn, batch, schema=schema) is False  # idempotent
     r = tracker.ack(conn, h.item_ids, schema=schema)
-    assert (r.acked, r.duplicates, r.completed) == (6, 4, [batch.id])
+    # acks are claims: the batch completes when they are settled (at commit, or by the close)
+    assert (r.acked, r.duplicates, r.completed) == (6, 4, [])
+    r = tracker.ack(conn, h.item_ids, schema=schema)  # re-ack: nothing new
+    assert (r.acked, r.duplicates, r.completed) == (0, 10, [])
+    assert tracker.close_batch(conn, batch, schema=schema) is True  # settles this transaction's claims
     r = tracker.ack(conn, h.item_ids, schema=schema)  # re-ack after completion: nothing new
     assert (r.acked, r.duplicates, r.completed) == (0, 10, [])
-    assert tracker.close_batch(conn, batch, schema=schema) is True
+    conn.commit()
+    assert tracker.status(conn, batch, schema=schema).state == "complete"
     events = completion_events(conn, schema, "done-here")
     assert len(events) == 1 and completion_events(conn, schema) == []
     key, value = events[0]
@@ -144,7 +149,7 @@ def test_autocommit_connection_commits_each_call(pg_dsn, schema):
             tracker.ack(c, [h.item_ids[1], f"{batch.id}:0:2"], schema=schema)
         assert snapshot(c, schema) == before
         assert tracker.close_batch(c, batch, schema=schema) is False
-        assert tracker.ack(c, h.item_ids, schema=schema).completed == [batch.id]
+        assert tracker.ack(c, h.item_ids, schema=schema).acked == 1  # completed by its commit
     with psycopg.connect(pg_dsn) as other:
         assert tracker.status(other, batch, schema=schema).state == "complete"
 
@@ -368,8 +373,8 @@ def test_lifecycle_metrics_count(conn, schema):
     before = {n: value(n) for n in names}
     b = tracker.open_batch(conn, schema=schema)
     tracker.add_items(conn, b, 3, schema=schema)
-    tracker.close_batch(conn, b, schema=schema)
     tracker.ack(conn, [f"{b.id}:0:0-2", f"{b.id}:0:1"], schema=schema)
+    tracker.close_batch(conn, b, schema=schema)  # settles the acks' claims: this process completes it
     idle = tracker.open_batch(conn, schema=schema)
     conn.execute(f'UPDATE "{schema}".batch SET last_activity_at = now() - interval \'2 hours\' WHERE id = %s', [idle.id])
     sweep(conn, schema=schema, idle_expiry=3600, retention=86400)

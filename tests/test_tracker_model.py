@@ -27,6 +27,7 @@ class ModelBatch:
         self.state = "open"
         self.sizes: list[int] = []       # group sizes, in group-id order
         self.acked: set[tuple[int, int]] = set()
+        self.claimed: set[tuple[int, int]] = set()  # acked in the open transaction, not settled yet
         self.events = 0
         self.user_key: str | None = None
 
@@ -50,6 +51,10 @@ class ModelBatch:
 
     def items(self) -> list[tuple[int, int]]:
         return [(g, i) for g, size in enumerate(self.sizes) for i in range(size)]
+
+    def settle(self) -> None:
+        self.acked |= self.claimed
+        self.claimed = set()
 
     def complete_if_done(self) -> bool:
         if self.state == "closed" and self.pending == 0:
@@ -132,17 +137,18 @@ class TrackerMachine(RuleBasedStateMachine):
         else:
             ids = self.ids(b, chosen)
         r = tracker.ack(self.conn, ids, schema=self.schema)
-        new = set(chosen) - b.acked
+        new = set(chosen) - b.acked - b.claimed
         assert (r.acked, r.duplicates) == (len(new), len(chosen) - len(new))
-        b.acked |= new
-        assert r.completed == ([b.id] if b.complete_if_done() else [])
+        b.claimed |= new  # acks are claims, settled at commit (or by a close)
+        assert r.completed == []
 
     @rule(data=st.data())
     def duplicate_ack(self, data):
         b = self.pick(data)
-        if b is None or not b.acked:
+        if b is None or not (b.acked or b.claimed):
             return
-        again = data.draw(st.lists(st.sampled_from(sorted(b.acked)), min_size=1, max_size=10), label="again")
+        again = data.draw(st.lists(st.sampled_from(sorted(b.acked | b.claimed)), min_size=1, max_size=10),
+                          label="again")
         if b.state == "expired":
             with pytest.raises(tracker.BatchExpired):
                 tracker.ack(self.conn, self.ids(b, again), schema=self.schema)
@@ -174,9 +180,10 @@ class TrackerMachine(RuleBasedStateMachine):
                 tracker.close_batch(self.conn, b.id, schema=self.schema)
             return
         done = tracker.close_batch(self.conn, b.id, schema=self.schema)
+        b.settle()  # a close first settles the batch's claims
         if b.state == "open":
             b.state = "closed"
-            b.complete_if_done()
+        b.complete_if_done()
         assert done == (b.state == "complete")
 
     @rule(data=st.data())
@@ -204,6 +211,9 @@ class TrackerMachine(RuleBasedStateMachine):
     @rule()
     def commit(self):
         self.conn.commit()
+        for b in self.batches.values():  # the commit settles this transaction's claims
+            b.settle()
+            b.complete_if_done()
         self.committed = copy.deepcopy(self.batches)
 
     @precondition(lambda self: self.batches)

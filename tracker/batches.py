@@ -46,6 +46,7 @@ from . import metrics
 from .errors import BatchExpired, BatchNotOpen, UnknownBatch
 from .ids import GROUP_BITS_MAX, expand
 from .session import DEFAULTS, atomic, pg_connection, schema_of
+from .settler import statements as settle_statements
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,11 @@ def close_batch(session: Any, batch: Batch | int, *, schema: str | None = None) 
     conn = pg_connection(session)
     q = statements(schema_of(schema))
     with atomic(conn):
+        # First fold the consumers' committed ack claims (tracker.acks.claim_masks) under the
+        # batch row lock, so that the close decides completion on every ack committed so far.
+        schema_name = schema_of(schema)
+        outbox = sql.Identifier(schema_name, DEFAULTS.outbox_table).as_string(None)
+        conn.execute(settle_statements(schema_name)["settle"], [[batch_id], outbox, DEFAULTS.completion_topic, True])
         row = conn.execute(q["close"], [batch_id, DEFAULTS.completion_topic]).fetchone()
         if row is None:
             now = conn.execute(q["state"], [batch_id]).fetchone()

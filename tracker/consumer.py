@@ -20,7 +20,7 @@ from typing import Any, Callable, Generic, Iterable, TypeVar
 
 from confluent_kafka import KafkaError, Producer
 
-from .acks import AckResult, apply_masks
+from .acks import AckResult, claim_masks
 from .errors import MalformedItemId, TrackerError
 from .ids import GROUP_BITS_MAX, fold, format_run, parse_item_id
 from .session import atomic, pg_connection
@@ -254,19 +254,22 @@ class Processed(Generic[T]):
 
 def exactly_once(session: Any, item_id: str | bytes, effect: Callable[[Any], T], *,
                  schema: str | None = None) -> Processed[T]:
-    """Ack `item_id` and, only if its bit was still set, run `effect(session)`, in the caller's
-    transaction (nothing is committed here).
+    """Ack `item_id` and, only if this call is the first to ack it, run `effect(session)`, in the
+    caller's transaction (nothing is committed here).
 
-    The ack goes first: it locks the item's batch row until the caller commits, so a concurrent
-    redelivery of the same item waits, then finds the bit clear and skips the effect. If the
-    effect raises, the ack is rolled back with it (savepoint) and the error propagates: the item
-    stays pending and a redelivery processes it again.
+    The ack goes first and is a claim (tracker.acks.claim_masks): it locks this one item, not its
+    batch or group, so consumers of one batch run their effects in parallel. A concurrent
+    redelivery of the same item waits on the claim until this transaction ends, then finds the
+    item acked and skips the effect. Under REPEATABLE READ / SERIALIZABLE a redelivery whose
+    snapshot predates the first commit gets a serialization failure (retry the transaction), never
+    a second effect. If the effect raises, the claim is rolled back with it (savepoint) and the
+    error propagates: the item stays pending and a redelivery processes it again.
     """
     run = parse_item_id(item_id)  # one item, not a run: one effect
 
     conn = pg_connection(session)
     with atomic(conn):
-        result = apply_masks(conn, fold([str(run)]), schema=schema)
+        result = claim_masks(conn, fold([str(run)]), schema=schema)
         if result.acked == 0:
             return Processed(False, None, result)
         value = effect(session)

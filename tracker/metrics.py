@@ -15,3 +15,8 @@ batches_completed = Counter("reaper_batches_completed_total", "Batches completed
 batches_expired = Counter("reaper_batches_expired_total", "Batches expired by the sweeper")
 batches_opened = Counter("reaper_batches_opened_total", "Batches opened")
 batches_closed = Counter("reaper_batches_closed_total", "Batches closed")
+# issue 12: consumers' ack claims and the acker's bounded waits
+settle_busy = Counter("reaper_settle_busy_total", "Batch settles skipped because another transaction held the batch row")
+acker_deferred = Counter("reaper_acker_deferred_total",
+                         "Acker applies that skipped batches locked by another transaction (retried later)")
+acker_deferred_masks = Gauge("reaper_acker_deferred_masks", "Group masks the acker holds for locked batches")
