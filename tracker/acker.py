@@ -5,8 +5,14 @@ Runs in every reaper (a normal consumer group, not leader-only). Each loop:
 1. `consume(num_messages=max_poll_records)`: a poll's worth of ack messages (each value is one or
    more ',' separated item ids or runs `<batch>:<group>:<start>-<end>`, see tracker.consumer);
 2. fold them into one mask per (batch, group); malformed entries are set aside;
-3. apply every mask in one database transaction (`tracker.acks.apply_masks(reject_invalid=True)`);
-   unknown batches/groups, out-of-range indexes and expired batches come back as rejected;
+3. apply every mask in one database transaction (`tracker.acks.apply_masks(reject_invalid=True,
+   skip_locked=True)`); unknown batches/groups, out-of-range indexes and expired batches come back
+   as rejected. A batch whose row another transaction holds (a producer adding to it, a closer, a
+   settle) is not waited for: its masks are deferred (metric `reaper_acker_deferred_total`, a log
+   line) and merged into the next apply, and the offsets of every partition in the deferring poll
+   stay uncommitted from that poll's first offset until nothing is deferred any more, so a crash
+   replays them (harmlessly: acks are idempotent) and nothing is lost. The connection also has a
+   `lock_timeout` (`lock_timeout` seconds): any other wait fails the poll, which is retried;
 4. produce malformed and rejected entries to the dead-letter topic (reason in the `reason`
    header) and wait for Kafka to have them;
 5. commit the consumed offsets, only now that the database commit and the dead letters are safe.
@@ -144,7 +150,8 @@ class Acker:
     def __init__(self, *, dsn: str, schema: str, bootstrap_servers: str, kafka_client: dict | None = None,
                  topic: str, group: str, dead_letter_topic: str, max_poll_records: int = 100_000,
                  consumer_client: dict | None = None, producer_client: dict | None = None,
-                 poll_timeout: float = 0.2, lag_interval: float = 1.0, retry_backoff: float = 1.0) -> None:
+                 poll_timeout: float = 0.2, lag_interval: float = 1.0, retry_backoff: float = 1.0,
+                 lock_timeout: float = 2.0, deferred_retry: float = 0.05) -> None:
         self.dsn = dsn
         self.schema = check_identifier(schema, "schema")
         self.topic = topic
@@ -156,6 +163,16 @@ class Acker:
         self.poll_timeout = float(poll_timeout)
         self.lag_interval = lag_interval
         self.retry_backoff = retry_backoff
+        if not 0 < float(lock_timeout) <= 3600 or not 0 < float(deferred_retry) <= 60:
+            raise ValueError(f"lock_timeout must be in (0, 3600] and deferred_retry in (0, 60] seconds, "
+                             f"got {lock_timeout!r}, {deferred_retry!r}")
+        self.lock_timeout = float(lock_timeout)
+        self.deferred_retry = float(deferred_retry)
+        # masks of batches that were locked elsewhere, applied with the next poll (or on their own)
+        self._deferred: dict[tuple[int, int], GroupMask] = {}
+        # partition -> first offset not safe to commit while something is deferred
+        self._blocked: dict[int, int] = {}
+        self._deferred_logged = 0.0
         client = dict(kafka_client or {})
         self._consumer_conf = {
             # Tuning the configuration may override. Ack messages are tiny: with the default 1 MiB
@@ -178,7 +195,7 @@ class Acker:
         self._lag_due = 0.0
         # counters for tests and benchmarks (the Prometheus metrics are process-wide)
         self.stats = {"polls": 0, "messages": 0, "acked": 0, "duplicates": 0, "completed": 0, "dead_lettered": 0,
-                      "retries": 0}
+                      "retries": 0, "deferred": 0}
 
     # ---------------------------------------------------------------- loop
 
@@ -195,6 +212,10 @@ class Acker:
                 if messages:
                     if not self._handle(consumer, producer, messages):
                         stop.wait(self.retry_backoff)
+                elif self._deferred:
+                    self._retry_deferred(consumer)
+                    if self._deferred:
+                        stop.wait(self.deferred_retry)
                 self._update_lag(consumer)
         finally:
             try:
@@ -215,12 +236,15 @@ class Acker:
                 log.warning("consumer error", error=str(err))
         if not folded.messages:
             return True
+        held = self._deferred
+        masks = self._with_deferred(folded.masks)
         try:
-            result = self._apply(folded.masks)
+            result = self._apply(masks)
             dead = self._dead_letter(producer, folded, result)
         except Exception as exc:
             self.stats["retries"] += 1
             log.warning("ack poll failed; rewinding to retry", error=str(exc), error_type=type(exc).__name__)
+            self._deferred = held
             self._rewind(consumer, folded.first)
             return False
         self.stats["polls"] += 1
@@ -231,8 +255,59 @@ class Acker:
         self.stats["dead_lettered"] += dead
         for partition, offset in folded.last.items():
             self._uncommitted[partition] = offset + 1
+        self._defer(result, folded.first)
         self._commit(consumer)
         return True
+
+    def _with_deferred(self, masks: dict[tuple[int, int], GroupMask]) -> dict[tuple[int, int], GroupMask]:
+        """The poll's masks with the deferred ones merged in (the deferred dict is left as it was)."""
+        if not self._deferred:
+            return masks
+        merged = dict(masks)
+        for key, m in self._deferred.items():
+            mine = merged.get(key)
+            if mine is None:
+                merged[key] = m
+            else:
+                copy = GroupMask(mine.batch_id, mine.group_id, bytearray(mine.bits), mine.max_index, mine.count)
+                copy.merge(m)
+                merged[key] = copy
+        return merged
+
+    def _defer(self, result: AckResult, first: dict[int, int]) -> None:
+        """Keep what was skipped for the next apply; hold back the offsets it came from."""
+        self._deferred = result.skipped
+        if not result.skipped:
+            self._blocked.clear()
+            metrics.acker_deferred_masks.set(0)
+            return
+        for partition, offset in first.items():
+            self._blocked[partition] = min(offset, self._blocked.get(partition, offset))
+        self.stats["deferred"] += 1
+        metrics.acker_deferred.inc()
+        metrics.acker_deferred_masks.set(len(result.skipped))
+        now = time.monotonic()
+        if now - self._deferred_logged >= 1.0:  # at most one line a second while a batch stays locked
+            self._deferred_logged = now
+            batches = sorted({b for b, _g in result.skipped})
+            log.info("acks deferred: batch rows locked by another transaction; retrying",
+                     batches=batches[:10], batch_count=len(batches), masks=len(result.skipped))
+
+    def _retry_deferred(self, consumer: Consumer) -> None:
+        """No new messages: apply the deferred masks on their own."""
+        try:
+            result = self._apply(self._deferred)
+        except Exception as exc:
+            self.stats["retries"] += 1
+            log.warning("deferred acks failed; will retry", error=str(exc), error_type=type(exc).__name__)
+            return
+        self.stats["acked"] += result.acked
+        self.stats["duplicates"] += result.duplicates
+        self.stats["completed"] += len(result.completed)
+        # (nothing is rejected here: these masks were valid when they were deferred, and a batch
+        # that has since expired or gone simply has nothing left to clear)
+        self._defer(result, {})
+        self._commit(consumer)
 
     def _apply(self, masks: dict[tuple[int, int], GroupMask]) -> AckResult:
         if not masks:
@@ -240,9 +315,11 @@ class Acker:
         conn = self._conn
         if conn is None or conn.closed or conn.broken:
             conn = self._conn = psycopg.connect(self.dsn, autocommit=True)
+            # a bound on any wait SKIP LOCKED does not cover; the poll is then retried
+            conn.execute("SELECT set_config('lock_timeout', %s, false)", [f"{int(self.lock_timeout * 1000)}ms"])
         try:
             # an autocommit connection: apply_masks runs as one transaction of its own
-            return apply_masks(conn, masks, schema=self.schema, reject_invalid=True)
+            return apply_masks(conn, masks, schema=self.schema, reject_invalid=True, skip_locked=True)
         except psycopg.Error:
             if conn.broken or conn.closed:
                 self._conn = None
@@ -285,10 +362,13 @@ class Acker:
     def _commit(self, consumer: Consumer) -> None:
         if not self._uncommitted:
             return
-        offsets = [TopicPartition(self.topic, p, o) for p, o in self._uncommitted.items()]
+        safe = {p: min(o, self._blocked.get(p, o)) for p, o in self._uncommitted.items()}
+        offsets = [TopicPartition(self.topic, p, o) for p, o in safe.items()]
         try:
             consumer.commit(offsets=offsets, asynchronous=False)
-            self._uncommitted.clear()
+            for p, o in safe.items():
+                if self._uncommitted.get(p) == o:
+                    del self._uncommitted[p]
         except KafkaException as exc:
             # e.g. a rebalance in progress: the acks are in the database, so a replay is harmless
             code = exc.args[0].code() if exc.args and isinstance(exc.args[0], KafkaError) else None
@@ -315,7 +395,7 @@ class Acker:
         # Everything applied so far is committed in the database: commit its offsets while we
         # still own the partitions, then forget them.
         revoked = {p.partition for p in partitions}
-        mine = {p: o for p, o in self._uncommitted.items() if p in revoked}
+        mine = {p: min(o, self._blocked.get(p, o)) for p, o in self._uncommitted.items() if p in revoked}
         if mine:
             try:
                 consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in mine.items()], asynchronous=False)
@@ -323,12 +403,14 @@ class Acker:
                 log.info("offset commit on revoke failed; the new owner replays harmlessly", error=str(exc))
         for p in revoked:
             self._uncommitted.pop(p, None)
+            self._blocked.pop(p, None)  # deferred masks are still applied: harmless if the new owner replays
         log.info("ack partitions revoked", partitions=sorted(revoked))
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Lost, not revoked: another member may own them already, so commit nothing.
         for p in partitions:
             self._uncommitted.pop(p.partition, None)
+            self._blocked.pop(p.partition, None)
         log.warning("ack partitions lost", partitions=[p.partition for p in partitions])
 
     # ---------------------------------------------------------------- lag

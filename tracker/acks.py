@@ -5,8 +5,9 @@ is locked or updated. One claim row per item is inserted into `ack_claim`, whose
 the per-item exclusion: a concurrent claim of the same item waits on the unique index until the
 first transaction ends, then finds its committed claim (a duplicate) or, once settled, the cleared
 bit. The bit is then read by a fresh statement (READ COMMITTED: it sees what the wait waited for;
-REPEATABLE READ / SERIALIZABLE: read with FOR KEY SHARE, so a group row changed since the snapshot
-raises a serialization failure instead of handing a stale "still pending" to exactly_once). An
+REPEATABLE READ / SERIALIZABLE: read with FOR SHARE, so a group row changed since the snapshot
+raises a serialization failure instead of handing a stale "still pending" to exactly_once; the
+lock is taken in a savepoint rolled back at once, so it never holds a settle up). An
 item counts as acked by this call if its claim is new and its bit still set. Bits, pending counts
 and the completion decision are folded at commit by `ack_settle` (sql/0006_ack_claims.sql) under
 the batch row lock, or later by the next settle of the batch (tracker.settler) if that lock was
@@ -77,7 +78,8 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
             "SELECT u.b, u.g, u.i, CASE WHEN u.i < g.size THEN get_bit(g.bits, u.i) END"
             " FROM unnest(%s::int8[], %s::int8[], %s::int4[]) AS u(b, g, i)"
             " JOIN {group} g ON g.batch_id = u.b AND g.id = u.g"
-            " WHERE current_setting('transaction_isolation') <> 'read committed' FOR KEY SHARE OF g"),
+            " WHERE current_setting('transaction_isolation') <> 'read committed' FOR SHARE OF g SKIP LOCKED"),
+        "isolation": sql.SQL("SELECT current_setting('transaction_isolation')"),
         "sizes": sql.SQL(
             "SELECT g.batch_id, g.id, g.size FROM unnest(%s::int8[], %s::int8[]) AS u(batch_id, id) "
             "JOIN {group} g ON g.batch_id = u.batch_id AND g.id = u.id"),
@@ -260,14 +262,27 @@ def claim_masks(conn: psycopg.Connection, masks: Mapping[tuple[int, int], GroupM
         sizes_cursor = conn.execute(q["sizes"], [[m.batch_id for m in todo], [m.group_id for m in todo]])
         claim_cursor = conn.execute(q["claim"], [*columns, outbox, DEFAULTS.completion_topic])
         read_cursor = conn.execute(q["read"], columns)
+        # REPEATABLE READ / SERIALIZABLE only: the snapshot may predate the settle that cleared a
+        # bit. FOR SHARE raises a serialization error if the group row changed since the snapshot;
+        # SKIP LOCKED: never wait (a settle may be updating the row and waiting for a lock this
+        # transaction holds); the savepoint drops the locks at once, so no settle waits for them.
+        conn.execute("SAVEPOINT tracker_fresh")
         locked_cursor = conn.execute(q["read_locked"], columns)
+        conn.execute("ROLLBACK TO SAVEPOINT tracker_fresh")
+        isolation_cursor = conn.execute(q["isolation"])
         states = dict(states_cursor.fetchall())
         sizes = {(b, g): size for b, g, size in sizes_cursor.fetchall()}
         _live, counted = _check(todo, states, sizes, False, result)
         claimed = set(claim_cursor.fetchall())
-        read = read_cursor.fetchall()
-        bits = locked_cursor.fetchall() or read  # rows only under REPEATABLE READ / SERIALIZABLE
-    result.acked = sum(1 for b, g, i, bit in bits if bit == 1 and (b, g, i) in claimed)
+        fresh = [(b, g, i) for b, g, i, bit in read_cursor.fetchall() if bit == 1 and (b, g, i) in claimed]
+        checked = {(b, g) for b, g, _i, _bit in locked_cursor.fetchall()}
+        if isolation_cursor.fetchone()[0] != "read committed":
+            busy = sorted({(b, g) for b, g, _i in fresh} - checked)
+            if busy:  # being updated right now: whether the snapshot's bit is still set is unknown
+                raise psycopg.errors.SerializationFailure(
+                    f"could not serialize ack: group {busy[0][0]}:{busy[0][1]} is being updated concurrently; "
+                    "retry the transaction")
+    result.acked = len(fresh)
     result.duplicates = max(0, counted - result.acked)
     return _observe(result, started)
 
