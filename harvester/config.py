@@ -94,6 +94,13 @@ class SweeperConfig:
 
 
 @dataclass
+class SettlerConfig:
+    """Issue 12: folds consumers' ack claims whose commit found the batch row busy (tracker.settler)."""
+    enabled: bool = True
+    interval: float = 0.01  # bounds how long a completion can lag its last ack's commit
+
+
+@dataclass
 class MetricsConfig:
     enabled: bool = True
     host: str = "0.0.0.0"
@@ -115,6 +122,7 @@ class Config:
     harvester: HarvesterConfig = field(default_factory=HarvesterConfig)
     acker: AckerConfig = field(default_factory=AckerConfig)
     sweeper: SweeperConfig = field(default_factory=SweeperConfig)
+    settler: SettlerConfig = field(default_factory=SettlerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -257,6 +265,7 @@ def validate(cfg: Config) -> None:
         "harvester.mark_deadline", "harvester.idle_poll_interval", "harvester.purge_batch", "harvester.purge_workers",
         "harvester.drain_timeout",
         "sweeper.interval", "sweeper.idle_expiry", "sweeper.retention", "sweeper.chunk", "metrics.backlog_interval",
+        "settler.interval",
     ]
     for key in positive:
         section, name = key.split(".")

@@ -217,6 +217,10 @@ def run(cfg: Config, *, faults: FaultPlan | None = None) -> int:
             from tracker import sweeper  # the tracker's sweeper; several reapers may sweep at once safely
             threads.append(threading.Thread(target=_sweeper_loop, args=(cfg, pool, stop, sweeper), daemon=True,
                                             name="reaper-sweeper"))
+        if cfg.settler.enabled:
+            from tracker.settler import Settler  # folds ack claims left by busy commits; safe with several reapers
+            settler = Settler(dsn=cfg.database.dsn, schema=cfg.database.schema, interval=cfg.settler.interval)
+            threads.append(threading.Thread(target=settler.run, args=(stop,), daemon=True, name="reaper-settler"))
         for t in threads:
             t.start()
         if cfg.acker.enabled:
