@@ -2,7 +2,8 @@
 
 Identifiers come from configuration, are validated and quoted with psycopg.sql.Identifier.
 Connections come from a psycopg_pool pool in autocommit mode: every statement is its own
-transaction, one round trip, prepared by psycopg after a few uses.
+transaction, one round trip, prepared by psycopg after a few uses (not through a transaction
+pooler such as PgBouncer: see `configure_connection`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Sequence
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
+from tracker.pooling import configure_for_pooler
 from tracker.schema import qualified
 
 COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
@@ -42,6 +44,11 @@ def bigint_array(ids: Sequence[int]) -> str:
 
 
 def configure_connection(conn) -> None:
+    # Through a transaction pooler (PgBouncer in transaction mode) psycopg must not prepare, and a
+    # session SET would stay on a server connection that other clients share (their commits would
+    # stop waiting for the WAL flush too): there, set synchronous_commit on the reaper's role instead.
+    if configure_for_pooler(conn):
+        return
     # A lost mark or purge only causes a duplicate publication later: no need to wait for the WAL flush.
     conn.execute("SET synchronous_commit = off")
 

@@ -31,6 +31,7 @@ from . import metrics
 from .acks import AckResult, apply_masks
 from .errors import IndexOutOfRange, MalformedItemId
 from .ids import GROUP_BITS_MAX, GroupMask, parse_ack
+from .pooling import configure_for_pooler
 from .schema import check_identifier
 
 log = structlog.get_logger("reaper.acker")
@@ -240,6 +241,7 @@ class Acker:
         conn = self._conn
         if conn is None or conn.closed or conn.broken:
             conn = self._conn = psycopg.connect(self.dsn, autocommit=True)
+            configure_for_pooler(conn)  # PgBouncer in transaction mode: no prepared statements
         try:
             # an autocommit connection: apply_masks runs as one transaction of its own
             return apply_masks(conn, masks, schema=self.schema, reject_invalid=True)
