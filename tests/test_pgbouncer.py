@@ -147,6 +147,42 @@ def test_pool_through_pgbouncer_runs_each_store_statement_many_times(pgbouncer_d
         pool.close()
 
 
+# ---------------------------------------------------------------- the tracker API through PgBouncer
+
+
+def test_tracker_api_through_pgbouncer_commits_and_rolls_back_with_the_callers_transaction(
+        pg_dsn, pgbouncer_dsn, pgbouncer_schema):
+    """A smoke test of the API in the caller's (non-autocommit) transaction; the full connection-mode
+    matrix runs through PgBouncer in the tracker's own tests."""
+    import tracker
+    from tracker import outbox
+
+    schema = pgbouncer_schema
+    _reconnect_servers(pgbouncer_dsn)
+    with psycopg.connect(pgbouncer_dsn, prepare_threshold=None) as conn:
+        for r in range(7):  # past psycopg's default prepare threshold
+            batch = tracker.open_batch(conn, schema=schema)
+            handles = outbox.enqueue(conn, batch, [b"a", b"b", b"c"], topic="t", schema=schema)
+            handles += tracker.add_items(conn, batch, 2, schema=schema)
+            assert tracker.close_batch(conn, batch, schema=schema) is False
+            conn.commit()
+            ids = [f"{batch.id}:{h.group_id}:{i}" for h in handles for i in range(h.start, h.upto)]
+            assert tracker.ack(conn, ids[1:], schema=schema).acked == len(ids) - 1
+            done = tracker.exactly_once(conn, ids[0], lambda c: c.execute("SELECT 1").fetchone()[0], schema=schema)
+            assert done.first_time and done.value == 1
+            conn.commit()
+            assert tracker.status(conn, batch, schema=schema).state == "complete"
+            conn.rollback()
+        batch = tracker.open_batch(conn, schema=schema)
+        outbox.enqueue(conn, batch, [b"x"] * 4, topic="gone", schema=schema)
+        conn.rollback()
+    with psycopg.connect(pg_dsn) as direct:
+        assert direct.execute(f'SELECT count(*) FROM "{schema}".batch WHERE id = %s', [batch.id]).fetchone()[0] == 0
+        assert direct.execute(f"SELECT count(*) FROM \"{schema}\".outbox WHERE topic = 'gone'").fetchone()[0] == 0
+        assert direct.execute(f"SELECT count(*) FROM \"{schema}\".batch WHERE state = 'complete'").fetchone()[0] == 7
+    assert set(_server_settings(pgbouncer_dsn, "search_path")) == {'"$user", public'}
+
+
 # ---------------------------------------------------------------- `reaper run` through PgBouncer
 
 
