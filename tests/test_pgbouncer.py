@@ -302,5 +302,46 @@ def test_reaper_run_through_pgbouncer_publishes_acks_sweeps_and_leaks_no_session
     # Before the fix: "mark failed", "gauge refresh failed", "sweep failed" (prepared statements).
     failed = [e for e in events if e.get("level") == "error" or "failed" in e.get("event", "") or "error" in e]
     assert failed == [], failed[:5]
+    assert {e["pool"] for e in events if e.get("event", "").startswith("database reached through a pooler")} == {
+        "reaper-aux", "reaper-harvester"}
     stopped = next(e for e in events if e.get("event") == "acker stopped")
     assert stopped["acked"] == 80 and stopped["retries"] == 0, stopped
+
+
+# ---------------------------------------------------------------- the local service itself
+
+
+@pytest.mark.slow
+def test_private_pgbouncer_starts_stops_and_restarts_idempotently_in_transaction_mode():
+    from support.private_services import SERVICES, PrivateServices
+
+    private = PrivateServices()
+    try:
+        private.up(only="postgres")
+        for attempt in range(2):  # the second `up` finds it running
+            r = subprocess.run([sys.executable, str(SERVICES), "up", "--only", "pgbouncer"], env=private.env,
+                               capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, r.stderr
+            assert f"PGBOUNCER_DSN={private.pgbouncer_dsn}" in r.stdout.splitlines()
+            assert ("already running" in r.stdout) == (attempt == 1), r.stdout
+        ini = (private.dir / "pgbouncer" / "pgbouncer.ini").read_text()
+        assert "pool_mode = transaction" in ini and f"listen_port = {private.pgbouncer_port}" in ini
+        with psycopg.connect(private.pgbouncer_dsn, autocommit=True, prepare_threshold=None) as conn:
+            pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+            assert pid != conn.info.backend_pid  # a pooler answered the startup, not Postgres
+            owner = subprocess.run(["ps", "-o", "user=", "-p", (private.dir / "pgbouncer" / "pgbouncer.pid")
+                                    .read_text().strip()], capture_output=True, text=True).stdout.strip()
+            assert owner and owner != "root"
+        status = subprocess.run([sys.executable, str(SERVICES), "status"], env=private.env, capture_output=True,
+                                text=True, timeout=60).stdout
+        assert f"pgbouncer: up {private.pgbouncer_dsn}" in status
+        private.down(only="pgbouncer")
+        with pytest.raises(psycopg.OperationalError):
+            psycopg.connect(private.pgbouncer_dsn, connect_timeout=3)
+        with psycopg.connect(private.dsn, connect_timeout=10) as conn:  # Postgres stays up
+            conn.execute("SELECT 1")
+        private.up(only="pgbouncer")
+        with psycopg.connect(private.pgbouncer_dsn, connect_timeout=10, prepare_threshold=None) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        private.destroy()
