@@ -12,6 +12,9 @@ import pytest
 
 from tracker import schema as schema_mod
 
+# Two tests here hold 20 of PgBouncer's server connections at once: keep them on one worker.
+pytestmark = pytest.mark.xdist_group("pgbouncer")
+
 
 def _drop(pg_dsn: str, name: str) -> None:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:

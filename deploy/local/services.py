@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Local PostgreSQL and Apache Kafka (single KRaft node) for development, tests and CI.
+"""Local PostgreSQL, PgBouncer and Apache Kafka (single KRaft node) for development, tests and CI.
 
-    python3 deploy/local/services.py up|down|status [--only postgres|kafka]
+    python3 deploy/local/services.py up|down|status|env [--only postgres|kafka|pgbouncer]
 
 Idempotent. Everything lives under <repo>/.local (git-ignored). PostgreSQL comes from Debian's
 packages (apt-get installs it when missing); Kafka from its jars on Maven Central, resolved once by
