@@ -89,7 +89,7 @@ def pgbouncer_dsn(services, pg_dsn) -> str:
         if r.returncode != 0:
             pytest.fail(f"could not bring up the local PgBouncer:\n{r.stdout}\n{r.stderr}", pytrace=False)
         dsn = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)["PGBOUNCER_DSN"]
-    ident = "SELECT system_identifier, current_database() FROM pg_control_system()"
+    ident = "SELECT pg_postmaster_start_time(), current_database(), inet_server_port()"
     try:
         with psycopg.connect(dsn, connect_timeout=10, prepare_threshold=None, autocommit=True) as conn:
             behind = conn.execute(ident).fetchone()
