@@ -186,6 +186,34 @@ def test_tracker_api_through_pgbouncer_commits_and_rolls_back_with_the_callers_t
     assert set(_server_settings(pgbouncer_dsn, "search_path")) == {'"$user", public'}
 
 
+def test_tracker_api_through_pgbouncer_with_a_sqlalchemy_session(pg_dsn, pgbouncer_dsn, pgbouncer_schema):
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    import tracker
+    from tracker import outbox
+
+    schema = pgbouncer_schema
+    # The README's SQLAlchemy line: prepare_threshold=None reaches psycopg through connect_args.
+    engine = create_engine(pgbouncer_dsn.replace("postgresql://", "postgresql+psycopg://"),
+                           connect_args={"prepare_threshold": None})
+    try:
+        for r in range(7):
+            with Session(engine) as session:
+                batch = tracker.open_batch(session, schema=schema)
+                handles = outbox.enqueue(session, batch, [b"a", b"b"], topic="t", schema=schema)
+                tracker.close_batch(session, batch, schema=schema)
+                session.commit()
+                ids = [f"{batch.id}:{h.group_id}:{i}" for h in handles for i in range(h.start, h.upto)]
+                assert tracker.ack(session, ids, schema=schema).acked == 2
+                session.commit()
+                assert tracker.status(session, batch, schema=schema).state == "complete"
+    finally:
+        engine.dispose()
+    with psycopg.connect(pg_dsn) as direct:
+        assert direct.execute(f"SELECT count(*) FROM \"{schema}\".batch WHERE state = 'complete'").fetchone()[0] == 7
+
+
 # ---------------------------------------------------------------- `reaper run` through PgBouncer
 
 
