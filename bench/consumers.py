@@ -12,6 +12,7 @@ Against the local Postgres (OUTBOX_TEST_DSN, else the local services). Workers a
   completion     60 closed batches of 20 items; 16 workers ack single ids in random order, commit
                  each and record the commit's return time; a watcher polls the outbox every ~1 ms.
                  Latency = completion row first seen - the batch's last ack commit. p50/p99/max.
+  (library path: a tracker.settler.Settler runs beside the workers, as in `reaper run`.)
   acker          (--acker N > 0) bench.acks' single_id scenario: N single-id ack messages
                  through one `reaper run` acker.
 
@@ -41,6 +42,7 @@ from tracker import schema as schema_mod
 
 DSN = os.environ.get("OUTBOX_TEST_DSN", "postgresql://postgres@127.0.0.1:55432/outbox")
 EFFECT_SECONDS = 0.020
+SETTLE_INTERVAL = 0.01  # the reaper's settler default
 
 
 def say(msg: str) -> None:
@@ -51,17 +53,12 @@ def say(msg: str) -> None:
 
 
 def _direct_ack(conn: psycopg.Connection, ids: list[str], schema: str) -> tracker.AckResult:
-    from tracker.acks import apply_masks
-    from tracker.ids import fold
-
-    return apply_masks(conn, fold(ids), schema=schema)
+    return tracker.apply_masks(conn, tracker.fold(ids), schema=schema)
 
 
 def _direct_exactly_once(conn: psycopg.Connection, item_id: str, effect, schema: str) -> bool:
     """The pre-issue-12 exactly_once: the locking ack first, then the effect, one savepoint."""
-    from tracker.session import atomic
-
-    with atomic(conn):
+    with conn.transaction():  # a savepoint of the worker's transaction
         if _direct_ack(conn, [item_id], schema).acked == 0:
             return False
         effect(conn)
@@ -246,7 +243,14 @@ def completion_scenario(env: Env, path: str, workers: int = 16, batches: int = 6
 
 def consumer_figures(path: str, quick: bool) -> dict:
     env = Env()
+    stop = threading.Event()
     try:
+        if path == "library":
+            # What `reaper run` hosts: settles claims whose commit found the batch row busy.
+            from tracker.settler import Settler
+
+            settler = Settler(dsn=DSN, schema=env.schema, interval=SETTLE_INTERVAL)
+            threading.Thread(target=settler.run, args=(stop,), daemon=True).start()
         eo = {}
         for w in (1, 4, 16):
             eo[w] = exactly_once_scenario(env, path, w, n=100 if quick and w == 1 else 400)
@@ -256,6 +260,7 @@ def consumer_figures(path: str, quick: bool) -> dict:
         comp = completion_scenario(env, path, batches=20 if quick else 60)
         say(f"{path} completion: {comp}")
     finally:
+        stop.set()
         env.close()
     return {
         "exactly_once": {str(w): r["items_per_s"] for w, r in eo.items()},

@@ -112,3 +112,33 @@ $$;
 
 CREATE CONSTRAINT TRIGGER ack_settle_at_commit AFTER INSERT ON ack_settle_request
     DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION ack_settle_at_commit();
+
+-- REPEATABLE READ / SERIALIZABLE consumers (tracker.acks.claim_op): are the bits this snapshot
+-- shows for these groups still the newest? FOR SHARE raises serialization_failure for a row
+-- changed by a transaction that committed after the snapshot; SKIP LOCKED never waits for a row
+-- being changed right now (the changer, a settle, may itself wait for this transaction's claims),
+-- and such a row fails the check too. The row locks are undone at once (the inner block always
+-- raises), so no settle ever waits for them. READ COMMITTED reads the newest bits anyway: no-op.
+CREATE FUNCTION ack_fresh_check(p_batch bigint[], p_group bigint[]) RETURNS void
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    n bigint := 0;
+BEGIN
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        RETURN;
+    END IF;
+    BEGIN
+        SELECT count(*) INTO n FROM (
+            SELECT 1 FROM unnest(p_batch, p_group) AS u(b, g)
+              JOIN batch_group g ON g.batch_id = u.b AND g.id = u.g
+               FOR SHARE OF g SKIP LOCKED) AS locked;
+        RAISE EXCEPTION USING ERRCODE = 'raise_exception';  -- roll the row locks back
+    EXCEPTION WHEN raise_exception THEN
+        NULL;
+    END;
+    IF n < cardinality(p_batch) THEN
+        RAISE EXCEPTION 'could not serialize ack: a group of batch % is being updated concurrently; retry the transaction',
+              p_batch[1] USING ERRCODE = 'serialization_failure';
+    END IF;
+END
+$$;

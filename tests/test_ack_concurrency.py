@@ -24,7 +24,7 @@ import psycopg
 import pytest
 
 import tracker
-from tracker.acks import apply_masks
+from tracker import apply_masks
 from tracker.ids import fold
 from tracker.settler import Settler, settle
 

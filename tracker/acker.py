@@ -34,9 +34,11 @@ import structlog
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from . import metrics
-from .acks import AckResult, apply_masks
+from .acks import AckResult
+from .api import Tracker
 from .errors import IndexOutOfRange, MalformedItemId
 from .ids import GROUP_BITS_MAX, GroupMask, parse_ack
+from .pooling import configure_for_pooler
 from .schema import check_identifier
 
 log = structlog.get_logger("reaper.acker")
@@ -151,9 +153,14 @@ class Acker:
                  topic: str, group: str, dead_letter_topic: str, max_poll_records: int = 100_000,
                  consumer_client: dict | None = None, producer_client: dict | None = None,
                  poll_timeout: float = 0.2, lag_interval: float = 1.0, retry_backoff: float = 1.0,
-                 lock_timeout: float = 2.0, deferred_retry: float = 0.05) -> None:
+                 tracker: "Tracker | None" = None, lock_timeout: float = 2.0,
+                 deferred_retry: float = 0.05) -> None:
         self.dsn = dsn
         self.schema = check_identifier(schema, "schema")
+        # where acks are applied and completion events written (its schema must be `schema`)
+        self.tracker = tracker if tracker is not None else Tracker(schema=self.schema)
+        if self.tracker.schema != self.schema:
+            raise ValueError(f"the acker's tracker is for schema {self.tracker.schema!r}, not {self.schema!r}")
         self.topic = topic
         self.group = group
         self.dead_letter_topic = dead_letter_topic
@@ -315,11 +322,12 @@ class Acker:
         conn = self._conn
         if conn is None or conn.closed or conn.broken:
             conn = self._conn = psycopg.connect(self.dsn, autocommit=True)
+            configure_for_pooler(conn)  # PgBouncer in transaction mode: no prepared statements
             # a bound on any wait SKIP LOCKED does not cover; the poll is then retried
             conn.execute("SELECT set_config('lock_timeout', %s, false)", [f"{int(self.lock_timeout * 1000)}ms"])
         try:
             # an autocommit connection: apply_masks runs as one transaction of its own
-            return apply_masks(conn, masks, schema=self.schema, reject_invalid=True, skip_locked=True)
+            return self.tracker.apply_masks(conn, masks, reject_invalid=True, skip_locked=True)
         except psycopg.Error:
             if conn.broken or conn.closed:
                 self._conn = None

@@ -1,20 +1,20 @@
 """Acks: fold item ids into one mask per group; two ways to apply them.
 
-`ack()` / `claim_masks()` (consumers, in the caller's transaction; issue 12): no batch or group row
+`claim_op` (`Tracker.ack`, `exactly_once`: consumers, in the caller's transaction; issue 12): no batch or group row
 is locked or updated. One claim row per item is inserted into `ack_claim`, whose primary key is
 the per-item exclusion: a concurrent claim of the same item waits on the unique index until the
 first transaction ends, then finds its committed claim (a duplicate) or, once settled, the cleared
 bit. The bit is then read by a fresh statement (READ COMMITTED: it sees what the wait waited for;
-REPEATABLE READ / SERIALIZABLE: read with FOR SHARE, so a group row changed since the snapshot
-raises a serialization failure instead of handing a stale "still pending" to exactly_once; the
-lock is taken in a savepoint rolled back at once, so it never holds a settle up). An
+REPEATABLE READ / SERIALIZABLE: `ack_fresh_check` raises a serialization failure if the group row
+changed since the snapshot or is being changed right now, instead of handing a stale "still
+pending" to exactly_once; it never waits and keeps no lock, so it never holds a settle up). An
 item counts as acked by this call if its claim is new and its bit still set. Bits, pending counts
 and the completion decision are folded at commit by `ack_settle` (sql/0006_ack_claims.sql) under
 the batch row lock, or later by the next settle of the batch (tracker.settler) if that lock was
 busy at commit. So acks of one batch, and their effects, commit in parallel; `completed` is
 always empty here (completion happens at or after commit).
 
-`apply_masks()` (the reaper's acker, Spark: their own short transactions): lock the named batches
+`apply_op` (`Tracker.apply_masks`: the reaper's acker, Spark, in their own short transactions): lock the named batches
 (FOR NO KEY UPDATE, in batch-id order, so concurrent acks and closes never deadlock; optionally
 SKIP LOCKED, returning what it skipped), read the named groups' sizes, validate, then one
 statement that clears the masked bits of every group, lowers each group's and each batch's
@@ -28,18 +28,15 @@ counts and on the one completion whichever of them clears a bit first.
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Mapping
 
-import psycopg
 from psycopg import sql
 
-from . import metrics
 from .batches import completion_insert
 from .errors import BatchExpired, IndexOutOfRange, UnknownBatch, UnknownGroup
-from .ids import GroupMask, fold, format_run
-from .session import DEFAULTS, atomic_pipeline, pg_connection, schema_of
+from .ids import GroupMask, format_run
+from .steps import Op, Query, Round
 
 
 @dataclass
@@ -48,14 +45,16 @@ class AckResult:
     duplicates: int = 0      # ids whose bit was already clear (or named twice in the call)
     completed: list[int] = field(default_factory=list)  # batches this call completed
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (item id or run, reason), reject_invalid only
-    # apply_masks(skip_locked=True): masks of batches another transaction held locked, not applied
+    # apply_op(skip_locked=True): masks of batches another transaction held locked, not applied
     skipped: dict[tuple[int, int], GroupMask] = field(default_factory=dict)
 
 
 @functools.lru_cache(maxsize=64)
-def _statements(schema: str, outbox_table: str) -> dict[str, str]:
+def statements(schema: str, outbox_table: str) -> dict[str, str]:
     t = {"batch": sql.Identifier(schema, "batch"), "group": sql.Identifier(schema, "batch_group"),
-         "claim": sql.Identifier(schema, "ack_claim"), "request": sql.Identifier(schema, "ack_settle_request")}
+         "claim": sql.Identifier(schema, "ack_claim"), "request": sql.Identifier(schema, "ack_settle_request"),
+         "fresh": sql.Identifier(schema, "ack_fresh_check"),
+         "outbox": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None))}
     q = {
         "lock": sql.SQL("SELECT id, state FROM {batch} WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE"),
         "lock_skip": sql.SQL("SELECT id, state FROM {batch} WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE SKIP LOCKED"),
@@ -67,19 +66,14 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
             " SELECT * FROM unnest(%s::int8[], %s::int8[], %s::int4[]) ORDER BY 1, 2, 3"
             " ON CONFLICT DO NOTHING RETURNING batch_id, group_id, idx),"
             " r AS (INSERT INTO {request} (batch_id, outbox, topic)"
-            " SELECT DISTINCT batch_id, %s::regclass, %s FROM c ON CONFLICT DO NOTHING)"
+            " SELECT DISTINCT batch_id, {outbox}::regclass, %s FROM c ON CONFLICT DO NOTHING)"
             " SELECT batch_id, group_id, idx FROM c"),
-        # Must be statements after "claim": their snapshot is taken after its waits.
+        # Statements after "claim": their snapshot (READ COMMITTED) is taken after its waits.
         "read": sql.SQL(
             "SELECT u.b, u.g, u.i, CASE WHEN u.i < g.size THEN get_bit(g.bits, u.i) END"
             " FROM unnest(%s::int8[], %s::int8[], %s::int4[]) AS u(b, g, i)"
             " JOIN {group} g ON g.batch_id = u.b AND g.id = u.g"),
-        "read_locked": sql.SQL(
-            "SELECT u.b, u.g, u.i, CASE WHEN u.i < g.size THEN get_bit(g.bits, u.i) END"
-            " FROM unnest(%s::int8[], %s::int8[], %s::int4[]) AS u(b, g, i)"
-            " JOIN {group} g ON g.batch_id = u.b AND g.id = u.g"
-            " WHERE current_setting('transaction_isolation') <> 'read committed' FOR SHARE OF g SKIP LOCKED"),
-        "isolation": sql.SQL("SELECT current_setting('transaction_isolation')"),
+        "fresh": sql.SQL("SELECT {fresh}(%s::int8[], %s::int8[])"),
         "sizes": sql.SQL(
             "SELECT g.batch_id, g.id, g.size FROM unnest(%s::int8[], %s::int8[]) AS u(batch_id, id) "
             "JOIN {group} g ON g.batch_id = u.batch_id AND g.id = u.id"),
@@ -138,12 +132,36 @@ def _set_bits_from(mask: GroupMask, lo: int) -> int:
     return total + int.from_bytes(mask.bits[first_byte:], "big").bit_count()
 
 
-def _check(todo: list[GroupMask], states: dict[int, str], sizes: dict[tuple[int, int], int], reject_invalid: bool,
-           result: AckResult) -> tuple[list[tuple[GroupMask, int]], int]:
-    """The masks that may be applied, each with its group's size, and how many ids they count.
-    Raises the first problem's typed error, or (reject_invalid) records it in result.rejected."""
-    live: list[tuple[GroupMask, int]] = []
-    counted = 0
+def apply_op(q: dict[str, str], masks: Mapping[tuple[int, int], GroupMask], completion_topic: str,
+             reject_invalid: bool, *, last: bool = True, skip_locked: bool = False) -> Op[AckResult]:
+    """Apply folded masks (from `tracker.ids.fold`) in the caller's transaction.
+
+    reject_invalid=False: the first unknown batch/group, out-of-range index or expired batch raises
+    its typed error and nothing is applied. reject_invalid=True: those entries are left out and
+    returned in `rejected` as (item id or run, reason); the valid rest is applied.
+    skip_locked=True: batches another transaction holds locked are not waited for; their masks
+    come back in `skipped`, to be applied later (the acker).
+    """
+    result = AckResult()
+    todo = [m for m in masks.values() if m.count]
+    if not todo:
+        return result
+    batch_ids = sorted({m.batch_id for m in todo})
+    # One round trip: savepoint, batch locks (in id order), then the groups' sizes, read after
+    # the locks are held so that an add committed while we waited is seen.
+    queries = [Query(q["lock_skip" if skip_locked else "lock"], [batch_ids], "all"),
+               Query(q["sizes"], [[m.batch_id for m in todo], [m.group_id for m in todo]], "all")]
+    if skip_locked:
+        queries.append(Query(q["states"], [batch_ids], "all"))
+    rows = yield Round(tuple(queries))
+    lock_rows, size_rows = rows[0], rows[1]  # type: ignore[index]
+    states = dict(lock_rows)  # type: ignore[arg-type]
+    if skip_locked:
+        held = {b for b, _state in rows[2]} - states.keys()  # type: ignore[index,misc]
+        result.skipped = {(m.batch_id, m.group_id): m for m in todo if m.batch_id in held}
+        todo = [m for m in todo if m.batch_id not in held]
+    sizes = {(b, g): size for b, g, size in size_rows}  # type: ignore[union-attr]
+    live: list[GroupMask] = []
     for m in todo:
         state = states.get(m.batch_id)
         if state is None or state == "expired":
@@ -152,7 +170,11 @@ def _check(todo: list[GroupMask], states: dict[int, str], sizes: dict[tuple[int,
                 raise UnknownBatch(m.batch_id, first) if state is None else BatchExpired(m.batch_id, first)
             reason = "unknown batch" if state is None else "batch expired"
             result.rejected.extend((run, reason) for run in _runs(m))
-            continue
+        else:
+            live.append(m)
+    batch_ids, group_ids, hexes = [], [], []
+    counted = 0
+    for m in live:
         size = sizes.get((m.batch_id, m.group_id))
         if size is None:
             if not reject_invalid:
@@ -162,89 +184,59 @@ def _check(todo: list[GroupMask], states: dict[int, str], sizes: dict[tuple[int,
         count = m.count
         if m.max_index >= size:
             if not reject_invalid:
-                raise IndexOutOfRange(m.item_id(_first_index(m, size)), size)
+                raise IndexOutOfRange(m.item_id(_first_index(m, size)), size, culprit=(m.batch_id, m.group_id))
             result.rejected.extend((run, f"index out of range (group size {size})") for run in _runs(m, size))
             count -= _set_bits_from(m, size)
-        live.append((m, size))
+        nbytes = (size + 7) >> 3
+        bits = m.bits
+        if len(bits) != nbytes:
+            bits = bits[:nbytes] if len(bits) > nbytes else bits + bytes(nbytes - len(bits))
+        batch_ids.append(m.batch_id)
+        group_ids.append(m.group_id)
+        hexes.append(bits.hex())
         counted += count
-    return live, counted
-
-
-def _observe(result: AckResult, started: float) -> AckResult:
-    metrics.acks_applied.inc(result.acked)
-    metrics.acks_duplicate.inc(result.duplicates)
-    metrics.batches_completed.inc(len(result.completed))
-    metrics.ack_apply_duration.observe(time.perf_counter() - started)
-    return result
-
-
-def apply_masks(conn: psycopg.Connection, masks: Mapping[tuple[int, int], GroupMask], *, schema: str | None = None,
-                reject_invalid: bool = False, skip_locked: bool = False) -> AckResult:
-    """Apply folded masks (from `tracker.ids.fold`) in the caller's transaction, directly: the
-    named batch rows stay locked until the caller commits. For short transactions of their own
-    (the acker, Spark); consumers use `ack()`, which never holds a batch lock.
-
-    reject_invalid=False: the first unknown batch/group, out-of-range index or expired batch raises
-    its typed error and nothing is applied. reject_invalid=True: those entries are left out and
-    returned in `rejected` as (item id or run, reason); the valid rest is applied.
-    skip_locked=True: batches another transaction holds locked are not waited for; their masks
-    come back in `skipped`, to be applied later.
-    """
-    started = time.perf_counter()
-    q = _statements(schema_of(schema), DEFAULTS.outbox_table)
-    result = AckResult()
-    todo = [m for m in masks.values() if m.count]
-    if not todo:
+    if not batch_ids:
         return result
-    batch_ids = sorted({m.batch_id for m in todo})
-    with atomic_pipeline(conn):
-        # One round trip: savepoint, batch locks (in id order), then the groups' sizes, read after
-        # the locks are held so that an add committed while we waited is seen.
-        lock_cursor = conn.execute(q["lock_skip" if skip_locked else "lock"], [batch_ids])
-        states_cursor = conn.execute(q["states"], [batch_ids]) if skip_locked else None
-        sizes_cursor = conn.execute(q["sizes"], [[m.batch_id for m in todo], [m.group_id for m in todo]])
-        states = dict(lock_cursor.fetchall())
-        if states_cursor is not None:
-            held = {b for b, _state in states_cursor.fetchall()} - states.keys()
-            result.skipped = {(m.batch_id, m.group_id): m for m in todo if m.batch_id in held}
-            todo = [m for m in todo if m.batch_id not in held]
-        sizes = {(b, g): size for b, g, size in sizes_cursor.fetchall()}
-        live, counted = _check(todo, states, sizes, reject_invalid, result)
-        batch_col, group_col, hexes = [], [], []
-        for m, size in live:
-            nbytes = (size + 7) >> 3
-            bits = m.bits
-            if len(bits) != nbytes:
-                bits = bits[:nbytes] if len(bits) > nbytes else bits + bytes(nbytes - len(bits))
-            batch_col.append(m.batch_id)
-            group_col.append(m.group_id)
-            hexes.append(bits.hex())
-        applied = conn.execute(q["apply"], [batch_col, group_col, hexes, DEFAULTS.completion_topic]) if live else None
-    # (the pipeline has synced: the savepoint is released, the rows are here)
-    for batch_id, flipped, completed in applied.fetchall() if applied is not None else ():
+    (applied,) = yield Round((Query(q["apply"], [batch_ids, group_ids, hexes, completion_topic], "all"),), last)
+    for batch_id, flipped, completed in applied:  # type: ignore[union-attr]
         result.acked += flipped
         if completed:
             result.completed.append(batch_id)
     result.duplicates = max(0, counted - result.acked)
-    return _observe(result, started)
+    return result
 
 
-def claim_masks(conn: psycopg.Connection, masks: Mapping[tuple[int, int], GroupMask], *,
-                schema: str | None = None) -> AckResult:
+def claim_op(q: dict[str, str], masks: Mapping[tuple[int, int], GroupMask], completion_topic: str, *,
+             last: bool = True) -> Op[AckResult]:
     """Ack folded masks in the caller's transaction by claiming their items (see the module doc):
     no batch-wide lock; counts, bits and completion are settled at commit (or by the next settle).
 
     Raises UnknownBatch, UnknownGroup, IndexOutOfRange or BatchExpired naming the first offending
-    id; then nothing of the call was applied. `acked`: items whose claim is new in this
-    transaction and whose bit was still set; the rest are `duplicates`.
+    id, before anything is claimed. `acked`: items whose claim is new in this transaction and
+    whose bit was still set; the rest are `duplicates`; `completed` stays empty.
     """
-    started = time.perf_counter()
-    schema = schema_of(schema)
-    q = _statements(schema, DEFAULTS.outbox_table)
     result = AckResult()
     todo = [m for m in masks.values() if m.count]
     if not todo:
         return result
+    # Round 1: validate (no lock taken).
+    state_rows, size_rows = yield Round((
+        Query(q["states"], [sorted({m.batch_id for m in todo})], "all"),
+        Query(q["sizes"], [[m.batch_id for m in todo], [m.group_id for m in todo]], "all")))
+    states = dict(state_rows)  # type: ignore[arg-type]
+    sizes = {(b, g): size for b, g, size in size_rows}  # type: ignore[union-attr]
+    counted = 0
+    for m in todo:
+        state = states.get(m.batch_id)
+        if state is None or state == "expired":
+            first = m.item_id(_first_index(m))
+            raise UnknownBatch(m.batch_id, first) if state is None else BatchExpired(m.batch_id, first)
+        size = sizes.get((m.batch_id, m.group_id))
+        if size is None:
+            raise UnknownGroup(m.batch_id, m.group_id, m.item_id(_first_index(m)))
+        if m.max_index >= size:
+            raise IndexOutOfRange(m.item_id(_first_index(m, size)), size, culprit=(m.batch_id, m.group_id))
+        counted += m.count
     b_col: list[int] = []
     g_col: list[int] = []
     i_col: list[int] = []
@@ -253,48 +245,14 @@ def claim_masks(conn: psycopg.Connection, masks: Mapping[tuple[int, int], GroupM
             b_col.append(m.batch_id)
             g_col.append(m.group_id)
             i_col.append(i)
-    columns = [b_col, g_col, i_col]
-    outbox = sql.Identifier(schema, DEFAULTS.outbox_table).as_string(None)
-    with atomic_pipeline(conn):
-        # One round trip. An invalid id is found only when the rows are back: the claims made by
-        # then are undone with the savepoint.
-        states_cursor = conn.execute(q["states"], [sorted({m.batch_id for m in todo})])
-        sizes_cursor = conn.execute(q["sizes"], [[m.batch_id for m in todo], [m.group_id for m in todo]])
-        claim_cursor = conn.execute(q["claim"], [*columns, outbox, DEFAULTS.completion_topic])
-        read_cursor = conn.execute(q["read"], columns)
-        # REPEATABLE READ / SERIALIZABLE only: the snapshot may predate the settle that cleared a
-        # bit. FOR SHARE raises a serialization error if the group row changed since the snapshot;
-        # SKIP LOCKED: never wait (a settle may be updating the row and waiting for a lock this
-        # transaction holds); the savepoint drops the locks at once, so no settle waits for them.
-        conn.execute("SAVEPOINT tracker_fresh")
-        locked_cursor = conn.execute(q["read_locked"], columns)
-        conn.execute("ROLLBACK TO SAVEPOINT tracker_fresh")
-        isolation_cursor = conn.execute(q["isolation"])
-        states = dict(states_cursor.fetchall())
-        sizes = {(b, g): size for b, g, size in sizes_cursor.fetchall()}
-        _live, counted = _check(todo, states, sizes, False, result)
-        claimed = set(claim_cursor.fetchall())
-        fresh = [(b, g, i) for b, g, i, bit in read_cursor.fetchall() if bit == 1 and (b, g, i) in claimed]
-        checked = {(b, g) for b, g, _i, _bit in locked_cursor.fetchall()}
-        if isolation_cursor.fetchone()[0] != "read committed":
-            busy = sorted({(b, g) for b, g, _i in fresh} - checked)
-            if busy:  # being updated right now: whether the snapshot's bit is still set is unknown
-                raise psycopg.errors.SerializationFailure(
-                    f"could not serialize ack: group {busy[0][0]}:{busy[0][1]} is being updated concurrently; "
-                    "retry the transaction")
-    result.acked = len(fresh)
+    groups = sorted({(m.batch_id, m.group_id) for m in todo})
+    # Round 2: claim (may wait for a concurrent claim of the same item), then read the bits in
+    # fresh statements; errors from here on are the database's (nothing raised after the round).
+    claimed_rows, read_rows, _fresh = yield Round((
+        Query(q["claim"], [b_col, g_col, i_col, completion_topic], "all"),
+        Query(q["read"], [b_col, g_col, i_col], "all"),
+        Query(q["fresh"], [[b for b, _g in groups], [g for _b, g in groups]], "one")), last)
+    claimed = set(claimed_rows)  # type: ignore[arg-type]
+    result.acked = sum(1 for b, g, i, bit in read_rows if bit == 1 and (b, g, i) in claimed)  # type: ignore[union-attr]
     result.duplicates = max(0, counted - result.acked)
-    return _observe(result, started)
-
-
-def ack(session: Any, item_ids: Iterable[str | bytes], *, schema: str | None = None) -> AckResult:
-    """Ack item ids (and runs '<b>:<g>:<start>-<end>') in the caller's transaction, by claims
-    (`claim_masks`): bits and counts change when the caller commits, completion at or after it.
-
-    Raises MalformedItemId, UnknownBatch, UnknownGroup, IndexOutOfRange or BatchExpired naming the
-    offending id; then nothing of the call was applied.
-    """
-    if isinstance(item_ids, (str, bytes)):
-        item_ids = [item_ids]
-    masks = fold(item_ids)
-    return claim_masks(pg_connection(session), masks, schema=schema)
+    return result
