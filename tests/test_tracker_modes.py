@@ -59,6 +59,15 @@ BEGIN
 END $$;
 CREATE TRIGGER poison BEFORE INSERT OR UPDATE ON batch FOR EACH ROW EXECUTE FUNCTION poison_batch();
 CREATE TRIGGER poison BEFORE INSERT ON outbox FOR EACH ROW EXECUTE FUNCTION poison_outbox();
+-- acks are claims (issue 12): a claim of the poisoned closed batch is refused
+CREATE FUNCTION poison_claim() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+BEGIN
+  IF (SELECT user_key FROM batch WHERE id = NEW.batch_id) = 'fixture-poison-close' THEN
+    RAISE EXCEPTION 'poisoned: ack claim';
+  END IF;
+  RETURN NEW;
+END $$;
+CREATE TRIGGER poison BEFORE INSERT ON ack_claim FOR EACH ROW EXECUTE FUNCTION poison_claim();
 """
 
 
@@ -286,7 +295,7 @@ def call(t: Any, op: str, session: Any, fx: Fixture, caller: Caller, *, poisoned
         # poisoned: closing an empty batch completes it, and its completion event is refused
         return t.close_batch(session, fx.poison_empty if poisoned else fx.open_batch)
     if op == "ack":
-        if poisoned:  # an ack that clears a bit, then the completion event of another batch is refused
+        if poisoned:  # an ack that claims an item, then its claim of another batch's items is refused
             return t.ack(session, [f"{b}:0:0", f"{fx.poison_closed.id}:0:0-2"])
         return t.ack(session, [f"{fx.closed_batch.id}:0:0-2", f"{b}:0:1"])
     if op == "exactly_once":
