@@ -65,7 +65,7 @@ BEGIN
     END IF;
     -- A new statement: in READ COMMITTED it sees every claim committed before the lock was ours.
     WITH c AS (DELETE FROM ack_claim WHERE batch_id = p_batch RETURNING group_id, idx),
-    m AS (SELECT g.id, bit_or(set_bit(repeat('0', g.size)::varbit, c.idx, 1)) AS mask
+    m AS (SELECT g.id, bit_or(set_bit(g.bits # g.bits, c.idx, 1)) AS mask  -- (bits # bits: zeros, no parse)
             FROM c JOIN batch_group g ON g.batch_id = p_batch AND g.id = c.group_id AND c.idx < g.size
            GROUP BY g.id),
     f AS (SELECT m.id, m.mask, bit_count(g.bits & m.mask) AS n

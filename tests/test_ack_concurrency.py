@@ -25,6 +25,7 @@ import pytest
 
 import tracker
 from tracker import apply_masks
+from tracker.acks import CLAIMS_PER_CALL_MAX
 from tracker.ids import fold
 from tracker.settler import Settler, settle
 
@@ -131,10 +132,25 @@ def _ids_for(rng: random.Random, batch_ids: list[int], worker: int, workers: int
     return out
 
 
+def _size(entry: str) -> int:
+    start, _, end = entry.rpartition(":")[2].partition("-")
+    return int(end) - int(start) + 1 if end else 1
+
+
 def _chunks(rng: random.Random, ids: list[str]) -> list[tuple[float, list[str]]]:
+    """Random cuts, then every part kept within CLAIMS_PER_CALL_MAX ids, so that every call is
+    a claim (a larger tracker.ack call is a bulk ack, raced in test_tracker_race.py)."""
     cuts = sorted(rng.sample(range(1, len(ids)), rng.randint(2, 8)))
-    parts = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])]
-    return [(rng.uniform(0, 0.004), p) for p in parts]
+    parts: list[list[str]] = []
+    for p in (ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])):
+        cur: list[str] = []
+        for entry in p:
+            if cur and sum(map(_size, cur)) + _size(entry) > CLAIMS_PER_CALL_MAX:
+                parts.append(cur)
+                cur = []
+            cur.append(entry)
+        parts.append(cur)
+    return [(rng.uniform(0, 0.004), p) for p in parts if p]
 
 
 def settle_all(conn: psycopg.Connection, schema: str) -> None:

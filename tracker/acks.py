@@ -39,6 +39,11 @@ from .ids import GroupMask, format_run
 from .steps import Op, Query, Round
 
 
+# `Tracker.ack` claims item by item up to this many ids per call; a larger call is a bulk ack and
+# takes the masked path (apply_op: batch rows locked until the caller commits, `completed` filled).
+CLAIMS_PER_CALL_MAX = 1000
+
+
 @dataclass
 class AckResult:
     acked: int = 0           # bits this call cleared

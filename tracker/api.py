@@ -69,6 +69,8 @@ class Tracker(TrackerCore):
     def ack(self, session: SyncSession, item_ids: ItemIds) -> AckResult:
         """Ack item ids (and runs '<b>:<g>:<start>-<end>') in the caller's transaction, as claims
         (tracker/acks.py): no batch lock is held; bits, counts and completion change at commit.
+        A call of more than `tracker.acks.CLAIMS_PER_CALL_MAX` (1000) ids is a bulk ack: masked
+        updates under the batch row locks, applied at once, `completed` filled.
 
         Raises MalformedItemId, UnknownBatch, UnknownGroup, IndexOutOfRange or BatchExpired naming
         the offending entry as written; then nothing of the call was applied.

@@ -84,6 +84,10 @@ class TrackerCore:
         entries = id_list(item_ids)
         masks = fold(entries)
         try:
+            if sum(m.count for m in masks.values()) > acks.CLAIMS_PER_CALL_MAX:
+                # a bulk ack: masked updates under the batch locks (one row per item would cost
+                # far more; bulk ackers run short transactions of their own)
+                return (yield from acks.apply_op(self._q_acks, masks, self.config.completion_topic, False))
             # claims (issue 12): no batch lock held for the caller's transaction
             return (yield from acks.claim_op(self._q_acks, masks, self.config.completion_topic))
         except (IndexOutOfRange, UnknownGroup, UnknownBatch, BatchExpired) as exc:
