@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import tracker
 from tracker import outbox
+from tracker.acks import CLAIMS_PER_CALL_MAX
 from tracker.ids import GROUP_BITS_MAX
 from tracker.sweeper import sweep
 
@@ -137,6 +138,13 @@ class TrackerMachine(RuleBasedStateMachine):
         else:
             ids = self.ids(b, chosen)
         r = tracker.ack(self.conn, ids, schema=self.schema)
+        if len(chosen) > CLAIMS_PER_CALL_MAX:  # a bulk ack: masked updates, applied at once
+            new = set(chosen) - b.acked
+            assert (r.acked, r.duplicates) == (len(new), len(chosen) - len(new))
+            b.acked |= new
+            b.claimed -= new
+            assert r.completed == ([b.id] if b.complete_if_done() else [])
+            return
         new = set(chosen) - b.acked - b.claimed
         assert (r.acked, r.duplicates) == (len(new), len(chosen) - len(new))
         b.claimed |= new  # acks are claims, settled at commit (or by a close)

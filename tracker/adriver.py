@@ -54,7 +54,10 @@ async def run(conn: psycopg.AsyncConnection, op: Op[T], *,
     edge = boundary(conn.autocommit, conn.info.transaction_status)
     started = ended = False
     try:
-        step = next(op)
+        try:
+            step = next(op)
+        except StopIteration as done:  # nothing to send (e.g. an ack of no ids)
+            return done.value  # type: ignore[no-any-return]
         while True:
             if isinstance(step, Round):
                 prefix = () if started else (Query(edge.start),)

@@ -210,11 +210,11 @@ def add_op(q: dict[str, str], batch: Batch | int, n: object) -> Op[list[GroupHan
 def close_op(q: dict[str, str], batch: Batch | int, completion_topic: str) -> Op[tuple[bool, bool]]:
     """Returns (complete, closed_now): whether the batch is complete, and whether this call closed it."""
     batch_id = batch_id_of(batch)
-    # The close and, should it change nothing, the state it found: one round trip. Raising after
-    # it is safe: a close that matched no open batch wrote nothing.
+    # Settle, close and, should the close change nothing, the state it found: one round trip.
+    # Not the last round: the settle may have written, so an error raised below must undo it.
     _settled, closed, now = yield Round((Query(q["settle"], [batch_id, completion_topic], "none"),
                                          Query(q["close"], [batch_id, completion_topic], "one"),
-                                         Query(q["state"], [batch_id], "one")), last=True)
+                                         Query(q["state"], [batch_id], "one")))
     if closed is not None:
         return closed[0] == "complete", True  # type: ignore[index]
     if now is None:

@@ -100,7 +100,10 @@ def run(conn: psycopg.Connection, op: Op[T], *, effect: Callable[[], object] | N
     edge = boundary(conn.autocommit, conn.info.transaction_status)
     started = ended = False
     try:
-        step = next(op)
+        try:
+            step = next(op)
+        except StopIteration as done:  # nothing to send (e.g. an ack of no ids)
+            return done.value  # type: ignore[no-any-return]
         while True:
             if isinstance(step, Round):
                 prefix = () if started else (Query(edge.start),)
