@@ -217,19 +217,50 @@ def claim_op(q: dict[str, str], masks: Mapping[tuple[int, int], GroupMask], comp
     no batch-wide lock; counts, bits and completion are settled at commit (or by the next settle).
 
     Raises UnknownBatch, UnknownGroup, IndexOutOfRange or BatchExpired naming the first offending
-    id, before anything is claimed. `acked`: items whose claim is new in this transaction and
-    whose bit was still set; the rest are `duplicates`; `completed` stays empty.
+    id; then nothing of the call was applied. `acked`: items whose claim is new in this
+    transaction and whose bit was still set; the rest are `duplicates`; `completed` stays empty.
+
+    last=True (an ack): validate in a first round trip, claim in a second that also ends the call.
+    last=False (exactly_once: an effect follows): one round trip for both; a bad id found in its
+    rows raises, and the face undoes the claims already made with the call's savepoint.
     """
     result = AckResult()
     todo = [m for m in masks.values() if m.count]
     if not todo:
         return result
-    # Round 1: validate (no lock taken).
-    state_rows, size_rows = yield Round((
-        Query(q["states"], [sorted({m.batch_id for m in todo})], "all"),
-        Query(q["sizes"], [[m.batch_id for m in todo], [m.group_id for m in todo]], "all")))
-    states = dict(state_rows)  # type: ignore[arg-type]
-    sizes = {(b, g): size for b, g, size in size_rows}  # type: ignore[union-attr]
+    b_col: list[int] = []
+    g_col: list[int] = []
+    i_col: list[int] = []
+    for m in todo:
+        for i in m.indexes():
+            b_col.append(m.batch_id)
+            g_col.append(m.group_id)
+            i_col.append(i)
+    groups = sorted({(m.batch_id, m.group_id) for m in todo})
+    check = (Query(q["states"], [sorted({m.batch_id for m in todo})], "all"),
+             Query(q["sizes"], [[m.batch_id for m in todo], [m.group_id for m in todo]], "all"))
+    # The claim may wait for a concurrent claim of the same item; the bits are then read by fresh
+    # statements (READ COMMITTED: they see what the wait waited for).
+    claim = (Query(q["claim"], [b_col, g_col, i_col, completion_topic], "all"),
+             Query(q["read"], [b_col, g_col, i_col], "all"),
+             Query(q["fresh"], [[b for b, _g in groups], [g for _b, g in groups]], "one"))
+    if last:
+        state_rows, size_rows = yield Round(check)
+        counted = _claimable(todo, state_rows, size_rows)  # type: ignore[arg-type]
+        claimed_rows, read_rows, _fresh = yield Round(claim, True)
+    else:
+        state_rows, size_rows, claimed_rows, read_rows, _fresh = yield Round(check + claim)
+        counted = _claimable(todo, state_rows, size_rows)  # type: ignore[arg-type]
+    claimed = set(claimed_rows)  # type: ignore[arg-type]
+    result.acked = sum(1 for b, g, i, bit in read_rows if bit == 1 and (b, g, i) in claimed)  # type: ignore[union-attr]
+    result.duplicates = max(0, counted - result.acked)
+    return result
+
+
+def _claimable(todo: list[GroupMask], state_rows: list[tuple], size_rows: list[tuple]) -> int:
+    """Raise the typed error of the first bad mask; else the number of ids the masks count."""
+    states = dict(state_rows)
+    sizes = {(b, g): size for b, g, size in size_rows}
     counted = 0
     for m in todo:
         state = states.get(m.batch_id)
@@ -242,22 +273,4 @@ def claim_op(q: dict[str, str], masks: Mapping[tuple[int, int], GroupMask], comp
         if m.max_index >= size:
             raise IndexOutOfRange(m.item_id(_first_index(m, size)), size, culprit=(m.batch_id, m.group_id))
         counted += m.count
-    b_col: list[int] = []
-    g_col: list[int] = []
-    i_col: list[int] = []
-    for m in todo:
-        for i in m.indexes():
-            b_col.append(m.batch_id)
-            g_col.append(m.group_id)
-            i_col.append(i)
-    groups = sorted({(m.batch_id, m.group_id) for m in todo})
-    # Round 2: claim (may wait for a concurrent claim of the same item), then read the bits in
-    # fresh statements; errors from here on are the database's (nothing raised after the round).
-    claimed_rows, read_rows, _fresh = yield Round((
-        Query(q["claim"], [b_col, g_col, i_col, completion_topic], "all"),
-        Query(q["read"], [b_col, g_col, i_col], "all"),
-        Query(q["fresh"], [[b for b, _g in groups], [g for _b, g in groups]], "one")), last)
-    claimed = set(claimed_rows)  # type: ignore[arg-type]
-    result.acked = sum(1 for b, g, i, bit in read_rows if bit == 1 and (b, g, i) in claimed)  # type: ignore[union-attr]
-    result.duplicates = max(0, counted - result.acked)
-    return result
+    return counted
