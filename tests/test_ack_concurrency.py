@@ -13,6 +13,7 @@ ROUNDS (env ACK_RACE_ROUNDS) rounds each.
 """
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import queue
@@ -395,6 +396,14 @@ def test_a_commit_that_finds_the_batch_busy_leaves_its_claim_to_the_settler(pg_d
             t.join(10)
         assert settler.stats["completed"] == 1 and settler.stats["acked"] == 2
         assert _events(conn, schema, b.id) == 1
+        # the settle's completion event has the close's and the acker's shape
+        (value, keys, values), = conn.execute(
+            f'SELECT value, header_keys, header_values FROM "{schema}".outbox WHERE key = %s',
+            [str(b.id).encode()]).fetchall()
+        event = json.loads(value)
+        assert (event["batch_id"], event["total"], sorted(event)) == (
+            b.id, 2, ["batch_id", "closed_at", "completed_at", "opened_at", "total", "user_key"])
+        assert (keys, values) == (["batch-id"], [str(b.id).encode()])
         assert conn.execute(f'SELECT count(*) FROM "{schema}".ack_claim').fetchone()[0] == 0
         assert invariant_violations(conn, schema) == []
 
