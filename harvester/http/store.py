@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 from psycopg import sql
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from tracker.batches import BatchStatus, GroupHandle
 from tracker.errors import (BatchExpired, BatchNotOpen, IndexOutOfRange, MalformedItemId, TrackerError, UnknownBatch,
@@ -119,7 +119,7 @@ class SqlFunctionStore:
             if isinstance(exc, (psycopg.OperationalError, psycopg.errors.QueryCanceled)):
                 raise StoreUnavailable(type(exc).__name__) from None
             raise
-        except (TimeoutError, psycopg.pool.PoolTimeout) as exc:
+        except (TimeoutError, PoolTimeout) as exc:
             raise StoreUnavailable("the database did not answer in time") from exc
 
     async def ping(self) -> None:
