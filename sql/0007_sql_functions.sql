@@ -385,6 +385,9 @@ DECLARE
     g_ids bigint[];
     hexes text[];
     r record;
+    code text;
+    culprit text;
+    size integer;
 BEGIN
     IF ids IS NULL OR coalesce(array_ndims(ids), 1) <> 1 THEN
         RAISE EXCEPTION 'ids must be a one-dimensional array of item ids' USING ERRCODE = 'RT007', DETAIL = 'ids';
@@ -427,7 +430,38 @@ BEGIN
         RETURN NEXT;
         RETURN;
     END IF;
-    SELECT * INTO r FROM ack_masks(b_ids, g_ids, hexes, ack.completion_topic);
+    BEGIN
+        SELECT * INTO r FROM ack_masks(b_ids, g_ids, hexes, ack.completion_topic);
+    EXCEPTION WHEN SQLSTATE 'RT002' OR SQLSTATE 'RT003' OR SQLSTATE 'RT004' OR SQLSTATE 'RT006' THEN
+        -- Name the caller's entry as written (a run, not its first bad index), as tracker.ack does:
+        -- the first entry of the batch (and group; for RT004 one reaching past the group's size).
+        GET STACKED DIAGNOSTICS code = RETURNED_SQLSTATE, culprit = PG_EXCEPTION_DETAIL;
+        SELECT t.id, g.size INTO bad, size
+        FROM unnest(ids) WITH ORDINALITY t(id, ord)
+        CROSS JOIN LATERAL string_to_array(t.id, ':') sp
+        CROSS JOIN LATERAL string_to_array(culprit, ':') cp
+        LEFT JOIN batch_group g ON g.batch_id = cp[1]::bigint AND g.id = cp[2]::bigint
+        WHERE sp[1]::bigint = cp[1]::bigint
+          AND (code IN ('RT002', 'RT006') OR sp[2]::bigint = cp[2]::bigint)
+          AND (code <> 'RT004'
+               OR coalesce(nullif(split_part(sp[3], '-', 2), ''), split_part(sp[3], '-', 1))::integer >= g.size)
+        ORDER BY t.ord LIMIT 1;
+        bad := coalesce(bad, culprit);
+        CASE code
+            WHEN 'RT002' THEN
+                RAISE EXCEPTION 'unknown batch % (item id %)', split_part(culprit, ':', 1), quote_literal(bad)
+                    USING ERRCODE = code, DETAIL = bad;
+            WHEN 'RT003' THEN
+                RAISE EXCEPTION 'unknown group % in batch % (item id %)', split_part(culprit, ':', 2),
+                    split_part(culprit, ':', 1), quote_literal(bad) USING ERRCODE = code, DETAIL = bad;
+            WHEN 'RT004' THEN
+                RAISE EXCEPTION 'item id % is out of range: its group has % items (index 0..%)', quote_literal(bad),
+                    size, size - 1 USING ERRCODE = code, DETAIL = bad;
+            ELSE
+                RAISE EXCEPTION 'batch % has expired (item id %)', split_part(culprit, ':', 1), quote_literal(bad)
+                    USING ERRCODE = code, DETAIL = bad;
+        END CASE;
+    END;
     acked := r.acked;
     duplicates := greatest(0, counted - r.acked);
     completed := r.completed;
