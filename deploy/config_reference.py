@@ -87,6 +87,7 @@ DESCRIPTIONS = {
     "http.tls_keyfile": "PEM private key of tls_certfile",
     "http.forwarded_allow_ips": "proxies whose X-Forwarded-For / X-Forwarded-Proto headers are trusted",
     "http.shutdown_timeout": "on SIGTERM, seconds to let in-flight requests finish",
+    "http.backend": "tracker (the tracker's asyncio face) or sql (the SQL functions, as other languages call them)",
 }
 
 

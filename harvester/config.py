@@ -131,6 +131,7 @@ class HttpConfig:
     tls_keyfile: str = ""
     forwarded_allow_ips: str = "127.0.0.1"  # proxies whose X-Forwarded-For/-Proto are believed
     shutdown_timeout: float = 10.0
+    backend: str = "tracker"           # tracker (the asyncio face) | sql (the SQL functions of migration 0007)
 
 
 @dataclass
@@ -331,5 +332,7 @@ def validate_http(h: HttpConfig) -> None:
         raise ConfigError("http.port", f"{h.port} is not a TCP port")
     if h.rate_limit < 0:
         raise ConfigError("http.rate_limit", f"must be >= 0 (0 = off), got {h.rate_limit!r}")
+    if h.backend not in ("tracker", "sql"):
+        raise ConfigError("http.backend", f"{h.backend!r}: use tracker or sql")
     if bool(h.tls_certfile) != bool(h.tls_keyfile):
         raise ConfigError("http.tls_certfile", "set both http.tls_certfile and http.tls_keyfile, or neither")

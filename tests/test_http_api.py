@@ -14,9 +14,10 @@ from harvester.http import openapi
 from support.http_server import OTHER_TOKEN, TOKEN, RunningServer, http_config
 
 
-@pytest.fixture
-def server(pg_dsn, schema):
-    with RunningServer(http_config(pg_dsn, schema, completion_poll_interval=0.05), [TOKEN, OTHER_TOKEN]) as s:
+@pytest.fixture(params=["tracker"])
+def server(request, pg_dsn, schema):
+    cfg = http_config(pg_dsn, schema, completion_poll_interval=0.05, backend=request.param)
+    with RunningServer(cfg, [TOKEN, OTHER_TOKEN]) as s:
         yield s
 
 
@@ -30,6 +31,7 @@ def _ids(batch_id: int, groups: list[dict]) -> list[str]:
     return [f"{batch_id}:{g['group_id']}:{i}" for g in groups for i in range(g["start"], g["upto"])]
 
 
+@pytest.mark.parametrize("server", ["tracker", "sql"], indirect=True)
 def test_fan_out_walkthrough_and_exactly_one_completion_event(client, pg_dsn, schema):
     r = client.post("/v1/batches", json={"user_key": "catalog-7", "completion_topic": "http-done"})
     assert r.status_code == 201, r.text

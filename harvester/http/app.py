@@ -29,7 +29,7 @@ from .completion import CompletionWatcher
 from .observe import Observe, metrics
 from .problems import Problem
 from .security import BodyLimit, RateLimiter, Receive, Scope, Send, TokenAuth
-from .store import SqlFunctionStore, StoreUnavailable
+from .store import SqlFunctionStore, Store, StoreUnavailable, TrackerStore
 
 API_VERSION = "1.0.0"
 ID_MAX = (1 << 63) - 1
@@ -95,12 +95,13 @@ def _status(batch_id: int, s) -> models.Status:
                          completed_at=s.completed_at, last_activity_at=s.last_activity_at, expired_at=s.expired_at)
 
 
-def create_app(cfg: Config, store: SqlFunctionStore | None = None, tokens: list[str] | None = None) -> Callable:
+def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None = None) -> Callable:
     """The ASGI application. `tokens`: the bearer tokens (security.load_tokens); empty = local mode."""
     h = cfg.http
-    store = store or SqlFunctionStore(cfg.database.dsn, cfg.database.schema,
-                                      completion_topic=cfg.harvester.default_completion_topic,
-                                      pool_size=h.pool_size, timeout=h.request_timeout)
+    backend = SqlFunctionStore if h.backend == "sql" else TrackerStore
+    store = store or backend(cfg.database.dsn, cfg.database.schema,
+                             completion_topic=cfg.harvester.default_completion_topic,
+                             pool_size=h.pool_size, timeout=h.request_timeout)
     watcher = CompletionWatcher(store.finished, h.completion_poll_interval)
     log = structlog.get_logger("reaper.http")
 

@@ -72,7 +72,8 @@ def from_tracker(exc: TrackerError, *, batch_in_path: bool) -> Problem:
         return Problem("batch-not-open", str(exc), batch_id=exc.batch_id, state=exc.state)
     if isinstance(exc, BatchExpired):
         return Problem("batch-expired", str(exc), batch_id=exc.batch_id, item_id=exc.item_id)
-    return Problem("invalid-request", str(exc))
+    name = getattr(exc, "name", None)  # InvalidArgument / InvalidValue name the argument
+    return Problem("invalid-request", str(exc), field=f"body.{name}" if isinstance(name, str) else None)
 
 
 def _text(value: object) -> str:

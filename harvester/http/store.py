@@ -1,9 +1,10 @@
-"""The HTTP service's data access: the one module to switch when the tracker's asyncio face lands.
+"""The HTTP service's data access: a pool of autocommit psycopg AsyncConnections and one of two
+backends with the same methods (http.backend):
 
-Today it calls the SQL functions of migration 0007 through psycopg's AsyncConnection (one
-autocommit statement per call, so each call is its own transaction), folding ack ids in Python
-first with tracker.ids.fold (pure, no I/O) and sending one mask per group to `ack_masks`. Errors
-come back as the tracker's own typed exceptions, rebuilt from the functions' RT SQLSTATEs.
+- `TrackerStore` (default): the tracker's asyncio face, `tracker.aio.AsyncTracker`; each call is
+  its own transaction (the connection is in autocommit, so the tracker opens and ends it).
+- `SqlFunctionStore`: the SQL functions of migration 0007, called as non-Python clients call them;
+  RT SQLSTATEs come back as the tracker's own typed exceptions.
 """
 from __future__ import annotations
 
@@ -11,18 +12,20 @@ import asyncio
 import datetime as dt
 import re
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable, TypeVar
 
 import psycopg
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from tracker.aio import AsyncTracker
 from tracker.batches import BatchStatus, GroupHandle
 from tracker.errors import (BatchExpired, BatchNotOpen, IndexOutOfRange, MalformedItemId, TrackerError, UnknownBatch,
                             UnknownGroup)
-from tracker.ids import GROUP_BITS_MAX, fold
+from tracker.ids import GROUP_BITS_MAX
 from tracker.schema import check_identifier
 
-_FOLD_IN_THREAD = 20000  # fold larger ack lists off the event loop
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ def _statements(schema: str) -> dict[str, str]:
         "open": "SELECT {s}.open_batch(%s, %s), now()",
         "add": "SELECT batch_id, group_id, start, upto FROM {s}.add_items(%s, %s)",
         "close": "SELECT {s}.close_batch(%s, %s)",
-        "ack": "SELECT acked, completed FROM {s}.ack_masks(%s, %s, %s, %s)",
+        "ack": "SELECT acked, duplicates, completed FROM {s}.ack(%s::text[], %s)",
         "status": "SELECT state, total, pending, user_key, created_at, closed_at, completed_at, last_activity_at, "
                   "expired_at FROM {s}.batch_status(%s)",
         "finished": "SELECT id FROM {batch} WHERE id = ANY(%s) AND state IN ('complete', 'expired')",
@@ -90,9 +93,7 @@ def _tracker_error(exc: psycopg.Error) -> TrackerError | None:
     return None
 
 
-class SqlFunctionStore:
-    """Tracker calls over a pool of autocommit AsyncConnections."""
-
+class _PoolStore:
     def __init__(self, dsn: str, schema: str, *, completion_topic: str, pool_size: int, timeout: float) -> None:
         self.q = _statements(schema)
         self.completion_topic = completion_topic
@@ -125,6 +126,52 @@ class SqlFunctionStore:
     async def ping(self) -> None:
         await self._fetch("SELECT 1", [])
 
+    async def finished(self, batch_ids: list[int]) -> set[int]:
+        """Which of these batches are complete or expired (one query for every long-poll waiter)."""
+        return {r[0] for r in await self._fetch(self.q["finished"], [batch_ids])}
+
+
+class TrackerStore(_PoolStore):
+    """The tracker's asyncio face on pooled autocommit connections."""
+
+    def __init__(self, dsn: str, schema: str, *, completion_topic: str, pool_size: int, timeout: float) -> None:
+        super().__init__(dsn, schema, completion_topic=completion_topic, pool_size=pool_size, timeout=timeout)
+        self.tracker = AsyncTracker(schema=schema, completion_topic=completion_topic)
+
+    async def _call(self, call: Callable[[psycopg.AsyncConnection], Awaitable[T]]) -> T:
+        try:
+            async with asyncio.timeout(self.timeout):
+                async with self.pool.connection() as conn:
+                    return await call(conn)
+        except (psycopg.OperationalError, psycopg.errors.QueryCanceled) as exc:
+            raise StoreUnavailable(type(exc).__name__) from None
+        except (TimeoutError, PoolTimeout) as exc:
+            raise StoreUnavailable("the database did not answer in time") from exc
+
+    async def open_batch(self, user_key: str | None, completion_topic: str | None) -> OpenedBatch:
+        t = self.tracker
+        b = await self._call(lambda c: t.open_batch(c, user_key=user_key, completion_topic=completion_topic))
+        return OpenedBatch(b.id, b.user_key, b.completion_topic, b.created_at)
+
+    async def add_items(self, batch_id: int, n: int) -> list[GroupHandle]:
+        return await self._call(lambda c: self.tracker.add_items(c, batch_id, n))
+
+    async def close_batch(self, batch_id: int) -> bool:
+        return await self._call(lambda c: self.tracker.close_batch(c, batch_id))
+
+    async def ack(self, ids: list[str]) -> AckOutcome:
+        if not ids:
+            return AckOutcome()
+        r = await self._call(lambda c: self.tracker.ack(c, ids))
+        return AckOutcome(r.acked, r.duplicates, list(r.completed))
+
+    async def status(self, batch_id: int) -> BatchStatus:
+        return await self._call(lambda c: self.tracker.status(c, batch_id))
+
+
+class SqlFunctionStore(_PoolStore):
+    """The SQL functions of migration 0007, as any other language calls them."""
+
     async def open_batch(self, user_key: str | None, completion_topic: str | None) -> OpenedBatch:
         (batch_id, created_at), = await self._fetch(self.q["open"], [user_key, completion_topic])
         return OpenedBatch(batch_id, user_key, completion_topic, created_at)
@@ -138,20 +185,12 @@ class SqlFunctionStore:
         return bool(complete)
 
     async def ack(self, ids: list[str]) -> AckOutcome:
-        masks = await asyncio.to_thread(fold, ids) if len(ids) > _FOLD_IN_THREAD else fold(ids)
-        todo = [m for m in masks.values() if m.count]
-        if not todo:
-            return AckOutcome()
-        counted = sum(m.count for m in todo)
-        rows = await self._fetch(self.q["ack"], [[m.batch_id for m in todo], [m.group_id for m in todo],
-                                                 [m.bits.hex() for m in todo], self.completion_topic])
-        acked, completed = rows[0]
-        return AckOutcome(acked, max(0, counted - acked), list(completed))
+        rows = await self._fetch(self.q["ack"], [ids, self.completion_topic])
+        acked, duplicates, completed = rows[0]
+        return AckOutcome(acked, duplicates, list(completed))
 
     async def status(self, batch_id: int) -> BatchStatus:
         rows = await self._fetch(self.q["status"], [batch_id])
         return BatchStatus(*rows[0])
 
-    async def finished(self, batch_ids: list[int]) -> set[int]:
-        """Which of these batches are complete or expired."""
-        return {r[0] for r in await self._fetch(self.q["finished"], [batch_ids])}
+Store = TrackerStore | SqlFunctionStore
