@@ -6,6 +6,8 @@ then the database pool closes.
 """
 from __future__ import annotations
 
+import signal
+
 import uvicorn
 
 from harvester.config import Config
@@ -20,8 +22,13 @@ class _DrainingServer(uvicorn.Server):
         self._on_exit = on_exit
 
     def handle_exit(self, sig, frame) -> None:  # noqa: ANN001 (uvicorn's signature)
+        # Drain, then stop as uvicorn does, but without recording the signal: uvicorn would raise
+        # it again after a clean shutdown, and `reaper serve` should then exit 0.
         self._on_exit()
-        super().handle_exit(sig, frame)
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
 
 
 def build(cfg: Config) -> tuple[uvicorn.Server, object]:
