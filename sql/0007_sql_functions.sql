@@ -37,7 +37,7 @@ END $$;
 
 
 -- Track `items` more items: top up the batch's last group, then new groups of at most 8192 bits.
--- A call adds at most 100,000,000 items (12,208 groups); add more in several calls.
+-- A call adds at most 1,073,741,824 items (131,072 groups, 128 MiB of bits: the Python API's bound).
 CREATE FUNCTION add_items(batch bigint, items bigint)
 RETURNS TABLE (batch_id bigint, group_id bigint, start integer, upto integer)
 LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
@@ -53,8 +53,8 @@ BEGIN
     IF add_items.batch IS NULL THEN
         RAISE EXCEPTION 'batch must not be null' USING ERRCODE = 'RT007', DETAIL = 'batch';
     END IF;
-    IF add_items.items IS NULL OR add_items.items < 0 OR add_items.items > 100000000 THEN
-        RAISE EXCEPTION 'the number of items to add must be between 0 and 100000000, got %', coalesce(add_items.items::text, 'null')
+    IF add_items.items IS NULL OR add_items.items < 0 OR add_items.items > 1073741824 THEN
+        RAISE EXCEPTION 'the number of items to add must be between 0 and 1073741824, got %', coalesce(add_items.items::text, 'null')
             USING ERRCODE = 'RT007', DETAIL = coalesce(add_items.items::text, 'null');
     END IF;
     SELECT b.state, b.next_group INTO st, nxt FROM batch b WHERE b.id = add_items.batch FOR NO KEY UPDATE;

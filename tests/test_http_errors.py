@@ -172,6 +172,9 @@ def test_invalid_json_path_query_media_type_route_and_method(world):
     before = state()
     check(c.post("/v1/acks", content=b"{", headers={"content-type": "application/json"}), 400, "invalid-request",
           field="body")
+    # a lone surrogate is valid JSON but not UTF-8 text: the tracker refuses it, naming the field
+    check(c.post("/v1/batches", content=b'{"user_key": "\\ud800"}', headers={"content-type": "application/json"}),
+          400, "invalid-request", field="body.user_key")
     check(c.get("/v1/batches/abc"), 400, "invalid-request", field="path.batch_id")
     check(c.get("/v1/batches/99999999999999999999"), 400, "invalid-request", field="path.batch_id")
     check(c.get(f"/v1/batches/{ids['A']}/completion", params={"wait": 6}), 400, "invalid-request", field="query.wait")

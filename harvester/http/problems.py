@@ -73,7 +73,13 @@ def from_tracker(exc: TrackerError, *, batch_in_path: bool) -> Problem:
     if isinstance(exc, BatchExpired):
         return Problem("batch-expired", str(exc), batch_id=exc.batch_id, item_id=exc.item_id)
     name = getattr(exc, "name", None)  # InvalidArgument / InvalidValue name the argument
-    return Problem("invalid-request", str(exc), field=f"body.{name}" if isinstance(name, str) else None)
+    field = _FIELDS.get(name) if isinstance(name, str) else None
+    return Problem("invalid-request", str(exc), field=field or "body")
+
+
+# The tracker's argument names -> the request fields that carry them.
+_FIELDS = {"n": "body.count", "user_key": "body.user_key", "completion_topic": "body.completion_topic",
+           "item_ids": "body.ids"}
 
 
 def _text(value: object) -> str:
