@@ -292,3 +292,49 @@ def test_sql_functions_agree_with_the_python_api(pg_dsn, twin_schemas, ops, keys
         finally:
             py_conn.rollback()
             sql_conn.rollback()
+
+
+# -- Races: completion exactly once -----------------------------------------------------------------
+
+def _race(dsn: str, calls: list[str]) -> None:
+    """Run each SQL text in its own connection and transaction, all started together."""
+    import threading
+
+    barrier = threading.Barrier(len(calls))
+    errors: list[BaseException] = []
+
+    def run(text: str) -> None:
+        try:
+            with psycopg.connect(dsn) as conn:
+                barrier.wait(timeout=30)
+                conn.execute(text)
+                conn.commit()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+
+
+@pytest.mark.parametrize("kind", ["two final acks", "close against the last ack"])
+def test_racing_calls_complete_the_batch_exactly_once(pg_dsn, schema, kind):
+    s = f'"{schema}"'
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for _ in range(10):
+            b = conn.execute(f"SELECT {s}.open_batch()").fetchone()[0]
+            if kind == "two final acks":
+                conn.execute(f"SELECT * FROM {s}.add_items(%s, 2)", [b])
+                conn.execute(f"SELECT {s}.close_batch(%s)", [b])
+                calls = [f"SELECT * FROM {s}.ack(ARRAY['{b}:0:0'])", f"SELECT * FROM {s}.ack(ARRAY['{b}:0:1'])"]
+            else:
+                conn.execute(f"SELECT * FROM {s}.add_items(%s, 1)", [b])
+                calls = [f"SELECT * FROM {s}.ack(ARRAY['{b}:0:0'])", f"SELECT {s}.close_batch({b})"]
+            _race(pg_dsn, calls)
+            state, pending = conn.execute(f"SELECT state, pending FROM {s}.batch_status(%s)", [b]).fetchone()
+            events = conn.execute(f"SELECT count(*) FROM {s}.outbox WHERE header_keys = ARRAY['batch-id'] "
+                                  "AND key = convert_to(%s::text, 'UTF8')", [b]).fetchone()[0]
+            assert (state, pending, events) == ("complete", 0, 1)
