@@ -93,13 +93,22 @@ def _tracker_error(exc: psycopg.Error) -> TrackerError | None:
     return None
 
 
+async def _configure(conn: psycopg.AsyncConnection) -> None:
+    """Behind a transaction pooler (PgBouncer), no named prepared statements (tracker/pooling.py):
+    the pooler answers the startup's backend pid itself, so it differs from the real one."""
+    cur = await conn.execute("SELECT pg_backend_pid()", prepare=False)
+    row = await cur.fetchone()
+    if row is not None and row[0] != conn.info.backend_pid:
+        conn.prepare_threshold = None
+
+
 class _PoolStore:
     def __init__(self, dsn: str, schema: str, *, completion_topic: str, pool_size: int, timeout: float) -> None:
         self.q = _statements(schema)
         self.completion_topic = completion_topic
         self.timeout = timeout
         self.pool = AsyncConnectionPool(dsn, min_size=1, max_size=pool_size, open=False, timeout=timeout,
-                                        kwargs={"autocommit": True}, name="reaper-http")
+                                        kwargs={"autocommit": True}, name="reaper-http", configure=_configure)
 
     async def open(self) -> None:
         await self.pool.open(wait=False)
