@@ -124,3 +124,19 @@ def test_health_readiness_and_metrics_by_route(client, server):
     assert 'reaper_http_errors_total{problem="unknown-batch",route="/v1/batches/{batch_id}"}' in text
     assert 'reaper_http_request_duration_seconds_bucket{le="0.005",method="POST",route="/v1/batches"}' in text
     assert f"/v1/batches/{b}\"" not in text  # raw paths never become labels
+
+
+@pytest.mark.parametrize("backend", ["tracker", "sql"])
+def test_through_pgbouncer_in_transaction_mode(pgbouncer_dsn, pgbouncer_schema, backend):
+    """The server works through a transaction pooler, past psycopg's prepare threshold. (The local
+    PgBouncer carries prepared statements itself, so this does not prove the server's pooler
+    detection, which matters for PgBouncer < 1.21.)"""
+    cfg = http_config(pgbouncer_dsn, pgbouncer_schema, backend=backend, pool_size=3)
+    with RunningServer(cfg, [TOKEN]) as s, \
+            httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as c:
+        for _ in range(12):
+            b = c.post("/v1/batches", json={}).json()["batch_id"]
+            groups = c.post(f"/v1/batches/{b}/items", json={"count": 2}).json()["groups"]
+            assert c.post(f"/v1/batches/{b}/close").json()["complete"] is False
+            assert c.post("/v1/acks", json={"ids": _ids(b, groups)}).json()["completed"] == [b]
+            assert c.get(f"/v1/batches/{b}").json()["state"] == "complete"
