@@ -28,8 +28,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def cmd_serve(cfg: config_mod.Config) -> int:
     from . import run as run_mod
-    from .http import server
 
+    try:
+        from .http import server
+    except ImportError as exc:
+        print(f"reaper serve: {exc.name or exc} is not installed: pip install 'outbox-reaper[http]'", file=sys.stderr)
+        return EXIT_FAILURE
     run_mod.configure_logging(cfg)
     try:
         return server.serve(cfg)

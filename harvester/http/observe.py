@@ -18,6 +18,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from .security import Message, Receive, Scope, Send
 
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_QUIET = {"/healthz", "/readyz", "/metrics"}
 _lock = threading.Lock()
 _instances: dict[str, "HttpMetrics"] = {}
 
@@ -91,5 +92,7 @@ class Observe:
                           client=client[0] if client else None, problem=problem)
             if status >= 500:
                 self.log.error("http request", **fields)
+            elif route in _QUIET and status < 400:
+                self.log.debug("http request", **fields)  # probes and scrapes are not news
             else:
                 self.log.info("http request", **fields)
