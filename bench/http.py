@@ -5,9 +5,11 @@ against the local Postgres (OUTBOX_TEST_DSN, else the local services) and measur
 
   bulk_ack        POST /v1/acks with --ids ids per request (default 10,000), --bulk-concurrency in
                   flight: acks/s (goal >= 200k)
-  single_ack      POST /v1/acks/{id}, one id per request, --concurrency in flight: requests/s
+  single_ack      POST /v1/acks/{id}, one id per request, --concurrency in flight over as many
+                  batches (one batch's acks serialise on its row until commit): requests/s
   add_items       POST /v1/batches/{id}/items (count 100), one batch per client task: requests/s
-  at_load         single acks offered at a fixed rate (--load-rps, open loop): p50/p99 latency
+  at_load         single acks offered at a fixed rate (--load-rps, default half the single_ack
+                  rate just measured; open loop): p50/p99 latency at that stated load
   per_ack_direct  baseline: tracker.ack(conn, [one id]) per ack, one transaction each, no HTTP
   bulk_direct     baseline: tracker.ack(conn, 10,000 ids) per call, no HTTP
 
@@ -59,8 +61,10 @@ def start_server(schema: str, port: int, pool: int) -> subprocess.Popen:
                 "REAPER_HTTP__PORT": str(port), "REAPER_HTTP__RATE_LIMIT": "0", "REAPER_HTTP__POOL_SIZE": str(pool),
                 "REAPER_HTTP__MAX_BODY_BYTES": str(64 * 1024 * 1024), "REAPER_LOGGING__LEVEL": "warning",
                 "REAPER_LOGGING__FORMAT": "json"})
+    log = REPO / "bench" / "results" / "http-server.log"  # warnings and errors only
+    log.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "harvester.cli", "serve"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -111,6 +115,22 @@ async def _run_closed_loop(bodies: list, concurrency: int, send) -> tuple[float,
     return time.perf_counter() - started, latencies
 
 
+RETRIES = {"count": 0}
+
+
+async def _post(client: httpx.AsyncClient, url: str, **kw: object) -> httpx.Response:
+    """POST, retried on a transport error (a keep-alive connection the server closed just then):
+    safe, as acks are idempotent. Retries are counted in the output."""
+    for attempt in range(3):
+        try:
+            return await client.post(url, **kw)
+        except httpx.TransportError:
+            if attempt == 2:
+                raise
+            RETRIES["count"] += 1
+    raise AssertionError("unreachable")
+
+
 def _expect(r: httpx.Response) -> httpx.Response:
     if r.status_code >= 300:
         raise RuntimeError(f"{r.request.method} {r.request.url.path}: {r.status_code} {r.text[:300]}")
@@ -130,7 +150,7 @@ async def http_scenarios(url: str, a: argparse.Namespace) -> dict:
 
         async def send_bulk(body: bytes) -> None:
             nonlocal acked
-            r = _expect(await client.post("/v1/acks", content=body, headers={"content-type": "application/json"}))
+            r = _expect(await _post(client, "/v1/acks", content=body, headers={"content-type": "application/json"}))
             acked += r.json()["acked"]
 
         elapsed, lat = await _run_closed_loop(bodies, a.bulk_concurrency, send_bulk)
@@ -140,16 +160,20 @@ async def http_scenarios(url: str, a: argparse.Namespace) -> dict:
                            "p99_ms": round(_pct(lat, 0.99) * 1000, 1)}
         say(f"bulk_ack: {out['bulk_ack']}")
 
-        # single acks, closed loop
-        _, ids = await _batch_with(client, a.single_requests)
+        # single acks, closed loop, spread over --concurrency batches: acks of ONE batch serialise
+        # on its row lock until commit (tracker invariant 2), so one batch measures commit latency
+        ids = []
+        for _ in range(a.concurrency):
+            ids.extend((await _batch_with(client, max(1, a.single_requests // a.concurrency)))[1])
+        ids = [x for pair in zip(*[ids[i::a.concurrency] for i in range(a.concurrency)]) for x in pair] or ids
 
         async def send_one(item_id: str) -> None:
-            _expect(await client.post(f"/v1/acks/{item_id}"))
+            _expect(await _post(client, f"/v1/acks/{item_id}"))
 
         elapsed, lat = await _run_closed_loop(ids, a.concurrency, send_one)
         out["single_ack"] = {"requests_per_s": round(len(ids) / elapsed), "requests": len(ids),
-                             "concurrency": a.concurrency, "p50_ms": round(_pct(lat, 0.5) * 1000, 2),
-                             "p99_ms": round(_pct(lat, 0.99) * 1000, 2)}
+                             "concurrency": a.concurrency, "batches": a.concurrency,
+                             "p50_ms": round(_pct(lat, 0.5) * 1000, 2), "p99_ms": round(_pct(lat, 0.99) * 1000, 2)}
         say(f"single_ack: {out['single_ack']}")
 
         # add items: one open batch per client task (adds to one batch serialise on its row)
@@ -159,7 +183,7 @@ async def http_scenarios(url: str, a: argparse.Namespace) -> dict:
         async def adder(b: int, lat: list[float]) -> None:
             for _ in range(per):
                 t0 = time.perf_counter()
-                _expect(await client.post(f"/v1/batches/{b}/items", json={"count": 100}))
+                _expect(await _post(client, f"/v1/batches/{b}/items", json={"count": 100}))
                 lat.append(time.perf_counter() - t0)
 
         lat = []
@@ -170,16 +194,22 @@ async def http_scenarios(url: str, a: argparse.Namespace) -> dict:
                             "concurrency": a.concurrency, "p99_ms": round(_pct(lat, 0.99) * 1000, 2)}
         say(f"add_items: {out['add_items']}")
 
-        # latency at a stated load: single acks offered at --load-rps, open loop
-        n = int(a.load_rps * a.load_seconds)
-        _, ids = await _batch_with(client, n)
+        # latency at a stated load: single acks offered at a fixed rate, open loop, over as many
+        # batches; the rate is --load-rps, or half the closed-loop single-ack rate just measured
+        rate = a.load_rps or max(1.0, out["single_ack"]["requests_per_s"] / 2)
+        n = max(1, int(rate * a.load_seconds))
+        ids = []
+        for _ in range(a.concurrency):
+            ids.extend((await _batch_with(client, max(1, n // a.concurrency)))[1])
+        ids = [x for pair in zip(*[ids[i::a.concurrency] for i in range(a.concurrency)]) for x in pair] or ids
+        n = len(ids)
         lat = []
         errors = 0
 
         async def timed(item_id: str) -> None:
             nonlocal errors
             t = time.perf_counter()
-            r = await client.post(f"/v1/acks/{item_id}")
+            r = await _post(client, f"/v1/acks/{item_id}")
             if r.status_code != 200:
                 errors += 1
             lat.append(time.perf_counter() - t)
@@ -187,13 +217,13 @@ async def http_scenarios(url: str, a: argparse.Namespace) -> dict:
         tasks = []
         start = time.perf_counter()
         for i, item_id in enumerate(ids):
-            delay = start + i / a.load_rps - time.perf_counter()
+            delay = start + i / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(timed(item_id)))
         await asyncio.gather(*tasks)
         achieved = n / (time.perf_counter() - start)
-        out["at_load"] = {"offered_rps": a.load_rps, "achieved_rps": round(achieved), "requests": n, "errors": errors,
+        out["at_load"] = {"offered_rps": round(rate, 1), "achieved_rps": round(achieved), "requests": n, "errors": errors,
                           "p50_ms": round(_pct(lat, 0.5) * 1000, 2), "p99_ms": round(_pct(lat, 0.99) * 1000, 2)}
         say(f"at_load: {out['at_load']}")
         return out
@@ -227,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--single-requests", type=int, default=3000)
     ap.add_argument("--add-requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--load-rps", type=float, default=200.0)
+    ap.add_argument("--load-rps", type=float, default=0.0, help="offered single-ack rate; 0: half the measured one")
     ap.add_argument("--load-seconds", type=float, default=10.0)
     ap.add_argument("--per-ack-sample", type=int, default=2000)
     ap.add_argument("--pool", type=int, default=8, help="server database connections")
@@ -258,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_bulk_http_vs_single_ack_http": round(bulk / results["single_ack"]["requests_per_s"], 1),
         "ratio_bulk_http_vs_bulk_direct": round(bulk / results["bulk_direct"]["acks_per_s"], 3),
         "goal_bulk_acks_per_s": 200_000,
+        "transport_retries": RETRIES["count"],
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
