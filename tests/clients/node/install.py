@@ -1,6 +1,7 @@
 """Install this folder's Node dependencies (node-postgres) into <repo>/.local/node-client, once.
 
-Idempotent: does nothing when the pinned version is already there. Used by tests/test_sql_node.py
+Idempotent: does nothing when the pinned version is already there; else `npm ci` from the checked-in
+package-lock.json. Used by tests/test_sql_node.py
 and runnable by hand: `python3 tests/clients/node/install.py`. Needs node and npm (Debian: nodejs npm).
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ def install() -> Path:
         return TARGET / "node_modules"
     TARGET.mkdir(parents=True, exist_ok=True)
     shutil.copy(HERE / "package.json", TARGET / "package.json")
-    r = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--loglevel=error"], cwd=TARGET,
+    shutil.copy(HERE / "package-lock.json", TARGET / "package-lock.json")  # exact versions, all the way down
+    r = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=TARGET,
                        capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise RuntimeError(f"npm install failed in {TARGET}:\n{r.stdout}\n{r.stderr}")
