@@ -105,7 +105,8 @@ def test_checked_in_openapi_document_equals_the_served_one(server):
     assert openapi.render(served) == openapi.CHECKED_IN.read_text(), (
         "harvester/http/openapi.json is stale: run .venv/bin/python -m harvester.http.openapi > harvester/http/openapi.json")
     assert set(served["paths"]) == {"/v1/batches", "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/items",
-                                    "/v1/batches/{batch_id}/close", "/v1/batches/{batch_id}/completion", "/v1/acks",
+                                    "/v1/batches/{batch_id}/close", "/v1/batches/{batch_id}/completion",
+                                    "/v1/batches/{batch_id}/events", "/v1/acks",
                                     "/v1/acks/{item_id}"}
     ack = served["paths"]["/v1/acks"]["post"]["responses"]
     assert {"200", "400", "401", "413", "422", "429"} <= set(ack)
@@ -140,3 +141,26 @@ def test_through_pgbouncer_in_transaction_mode(pgbouncer_dsn, pgbouncer_schema, 
             assert c.post(f"/v1/batches/{b}/close").json()["complete"] is False
             assert c.post("/v1/acks", json={"ids": _ids(b, groups)}).json()["completed"] == [b]
             assert c.get(f"/v1/batches/{b}").json()["state"] == "complete"
+
+
+def test_server_sent_events_end_with_the_completion(server, client, pg_dsn, schema):
+    b = client.post("/v1/batches").json()["batch_id"]
+    client.post(f"/v1/batches/{b}/items", json={"count": 2})
+    client.post(f"/v1/batches/{b}/close")
+    events: list[tuple[str, dict]] = []
+    with client.stream("GET", f"/v1/batches/{b}/events") as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        kind = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                events.append((kind, json.loads(line[6:])))
+                if kind == "status":  # the first event is out: complete the batch elsewhere
+                    with psycopg.connect(pg_dsn) as conn:
+                        tracker.ack(conn, [f"{b}:0:0-1"], schema=schema)
+                        conn.commit()
+    assert [k for k, _ in events] == ["status", "complete"]
+    assert events[0][1]["state"] == "closed" and events[1][1]["pending"] == 0
+    missing = client.get("/v1/batches/999999/events")
+    assert missing.status_code == 404 and missing.headers["content-type"] == "application/problem+json"

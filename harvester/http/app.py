@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
 from harvester.config import Config
 from tracker.errors import TrackerError
@@ -225,6 +225,36 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             await watcher.wait(batch_id, left)
             s = await call(store.status(batch_id), batch_in_path=True)
         return _status(batch_id, s)
+
+    @app.get("/v1/batches/{batch_id}/events", tags=["batches"], summary="Server-sent events: the status now, and "
+             "again when the batch completes or expires (then the stream ends); a comment every 15 s keeps it open",
+             responses={200: {"content": {"text/event-stream": {}}, "description": "event: status | complete | expired; "
+                              "data: the Status document"}, **_responses(404)}, **v1)
+    async def events(batch_id: BatchId) -> Response:
+        first = await call(store.status(batch_id), batch_in_path=True)  # 404 before the stream starts
+
+        async def stream() -> AsyncIterator[bytes]:
+            s, last = first, None
+            while True:
+                if s.state != last:
+                    kind = s.state if s.state in ("complete", "expired") else "status"
+                    body = _status(batch_id, s).model_dump_json()
+                    yield f"event: {kind}\ndata: {body}\n\n".encode()
+                    last = s.state
+                if s.state in ("complete", "expired") or app.state.draining:
+                    return
+                await watcher.wait(batch_id, 15.0)
+                if app.state.draining:
+                    return
+                try:
+                    s = await store.status(batch_id)
+                except (TrackerError, StoreUnavailable):
+                    return  # the batch was removed (retention) or the database went away: end the stream
+                if s.state == last:
+                    yield b": keep-alive\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _ack(ids: list[str]) -> models.AckResult:
         if len(ids) > h.max_ids_per_request:
