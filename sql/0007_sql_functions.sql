@@ -19,10 +19,12 @@
 -- wrap the call in a SAVEPOINT to carry on after it).
 --
 -- Every function is created with `SET search_path FROM CURRENT`: the schema `reaper migrate`
--- installs into (and nothing from the caller's search_path) resolves the tables they name.
+-- installs into (and nothing from the caller's search_path) resolves the tables they name. And
+-- with `SET jit = off`: their set-returning steps are estimated at thousands of rows, and JIT
+-- compiling the fold of one 10k-id ack took ~2.3 s of a 2.7 s call (measured, PG 15).
 
 CREATE FUNCTION open_batch(user_key text DEFAULT NULL, completion_topic text DEFAULT NULL)
-RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
 DECLARE
     new_id bigint;
 BEGIN
@@ -40,7 +42,7 @@ END $$;
 -- A call adds at most 1,073,741,824 items (131,072 groups, 128 MiB of bits: the Python API's bound).
 CREATE FUNCTION add_items(batch bigint, items bigint)
 RETURNS TABLE (batch_id bigint, group_id bigint, start integer, upto integer)
-LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
 #variable_conflict use_column
 DECLARE
     st text;
@@ -106,7 +108,7 @@ CREATE FUNCTION enqueue(batch bigint, topic text, payloads bytea[], key bytea DE
                         header_keys text[] DEFAULT '{}', header_values bytea[] DEFAULT '{}',
                         keys bytea[] DEFAULT NULL)
 RETURNS TABLE (batch_id bigint, group_id bigint, start integer, upto integer)
-LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
 #variable_conflict use_column
 DECLARE
     h record;
@@ -160,7 +162,7 @@ END $$;
 
 
 CREATE FUNCTION close_batch(batch bigint, completion_topic text DEFAULT 'batch-completions')
-RETURNS boolean LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+RETURNS boolean LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
 DECLARE
     st text;
 BEGIN
@@ -197,7 +199,7 @@ END $$;
 CREATE FUNCTION batch_status(batch bigint)
 RETURNS TABLE (state text, total bigint, pending bigint, user_key text, created_at timestamptz,
                closed_at timestamptz, completed_at timestamptz, last_activity_at timestamptz, expired_at timestamptz)
-LANGUAGE plpgsql STABLE SET search_path FROM CURRENT AS $$
+LANGUAGE plpgsql STABLE SET search_path FROM CURRENT SET jit = off AS $$
 #variable_conflict use_column
 BEGIN
     RETURN QUERY SELECT b.state, b.total, b.pending, b.user_key, b.created_at, b.closed_at, b.completed_at,
@@ -223,7 +225,7 @@ END $$;
 CREATE FUNCTION ack_masks(batch_ids bigint[], group_ids bigint[], masks text[],
                           completion_topic text DEFAULT 'batch-completions')
 RETURNS TABLE (acked bigint, completed bigint[])
-LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
 #variable_conflict use_column
 DECLARE
     bad record;
@@ -318,7 +320,7 @@ END $$;
 
 -- Why an ack entry is malformed, raised exactly as tracker.ids.parse_ack would (first problem wins).
 CREATE FUNCTION ack_entry_error(entry text) RETURNS void
-LANGUAGE plpgsql IMMUTABLE SET search_path FROM CURRENT AS $$
+LANGUAGE plpgsql IMMUTABLE SET search_path FROM CURRENT SET jit = off AS $$
 DECLARE
     parts text[];
     part text;
@@ -376,7 +378,7 @@ END $$;
 -- already clear counts as a duplicate. completed: the batches this call completed.
 CREATE FUNCTION ack(ids text[], completion_topic text DEFAULT 'batch-completions')
 RETURNS TABLE (acked bigint, duplicates bigint, completed bigint[])
-LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
 #variable_conflict use_column
 DECLARE
     bad text;
@@ -392,39 +394,45 @@ BEGIN
     IF ids IS NULL OR coalesce(array_ndims(ids), 1) <> 1 THEN
         RAISE EXCEPTION 'ids must be a one-dimensional array of item ids' USING ERRCODE = 'RT007', DETAIL = 'ids';
     END IF;
-    -- The common shapes in one pass; anything unusual is explained by ack_entry_error.
+    -- The common shapes in one pass of cheap checks; ack_entry_error explains the first misfit.
     SELECT t.id INTO bad
     FROM unnest(ids) WITH ORDINALITY t(id, ord)
-    LEFT JOIN LATERAL regexp_match(t.id, '^([0-9]{1,19}):([0-9]{1,19}):0*([0-9]{1,4})(?:-0*([0-9]{1,4}))?$') m ON true
-    WHERE m IS NULL OR m[1]::numeric > 9223372036854775807 OR m[2]::numeric > 9223372036854775807
-       OR m[3]::integer >= 8192 OR coalesce(m[4]::integer, 0) >= 8192
-       OR m[4]::integer < m[3]::integer
+    CROSS JOIN LATERAL (SELECT split_part(t.id, ':', 1) AS b, split_part(t.id, ':', 2) AS g,
+                               ltrim(split_part(split_part(t.id, ':', 3), '-', 1), '0') AS s,
+                               ltrim(split_part(split_part(t.id, ':', 3), '-', 2), '0') AS e) x
+    WHERE t.id IS NULL OR t.id !~ '^[0-9]+:[0-9]+:[0-9]+(-[0-9]+)?$'
+       OR length(x.b) > 19 OR length(x.g) > 19
+       OR (length(x.b) = 19 AND x.b::numeric > 9223372036854775807)
+       OR (length(x.g) = 19 AND x.g::numeric > 9223372036854775807)
+       OR length(x.s) > 4 OR length(x.e) > 4
+       OR coalesce(nullif(x.s, ''), '0')::integer >= 8192 OR coalesce(nullif(x.e, ''), '0')::integer >= 8192
+       OR (t.id LIKE '%-%' AND coalesce(nullif(x.e, ''), '0')::integer < coalesce(nullif(x.s, ''), '0')::integer)
     ORDER BY t.ord LIMIT 1;
     IF FOUND THEN
         PERFORM ack_entry_error(bad);
         -- (ack_entry_error raises; this is only reached if the two checks ever disagree)
         RAISE EXCEPTION 'malformed item id %', quote_literal(bad) USING ERRCODE = 'RT001', DETAIL = bad;
     END IF;
-    WITH p AS (
-        SELECT t.ord, a.b, a.g, a.s, a.e
-        FROM unnest(ids) WITH ORDINALITY t(id, ord),
-             LATERAL string_to_array(t.id, ':') sp,
-             LATERAL (SELECT sp[1]::bigint AS b, sp[2]::bigint AS g,
-                             split_part(sp[3], '-', 1)::integer AS s,
-                             coalesce(nullif(split_part(sp[3], '-', 2), ''), split_part(sp[3], '-', 1))::integer AS e) a),
+    WITH p AS MATERIALIZED (
+        SELECT t.ord, split_part(t.id, ':', 1)::bigint AS b, split_part(t.id, ':', 2)::bigint AS g,
+               split_part(split_part(t.id, ':', 3), '-', 1)::integer AS s,
+               coalesce(nullif(split_part(split_part(t.id, ':', 3), '-', 2), ''),
+                        split_part(split_part(t.id, ':', 3), '-', 1))::integer AS e
+        FROM unnest(ids) WITH ORDINALITY t(id, ord)),
     grp AS (SELECT p.b, p.g, min(p.ord) AS first_ord, sum(p.e - p.s + 1)::int8 AS n FROM p GROUP BY p.b, p.g),
-    idx AS (SELECT DISTINCT p.b, p.g, i FROM p, generate_series(p.s, p.e) i),
-    byt AS (SELECT idx.b, idx.g, idx.i >> 3 AS k, bit_or(128 >> (idx.i & 7)) AS v FROM idx GROUP BY idx.b, idx.g, idx.i >> 3),
-    hx AS (
-        SELECT grp.b, grp.g, grp.first_ord,
-               (SELECT string_agg(lpad(to_hex(coalesce(y.v, 0)), 2, '0'), '' ORDER BY k.k)
-                FROM generate_series(0, (SELECT max(y2.k) FROM byt y2 WHERE y2.b = grp.b AND y2.g = grp.g)) k(k)
-                LEFT JOIN byt y ON y.b = grp.b AND y.g = grp.g AND y.k = k.k) AS hex
-        FROM grp)
-    SELECT (SELECT sum(grp.n) FROM grp), array_agg(hx.b ORDER BY hx.first_ord), array_agg(hx.g ORDER BY hx.first_ord),
-           array_agg(hx.hex ORDER BY hx.first_ord)
+    -- one byte per 8 indexes (bit 7 - i % 8 of byte i / 8); the bytes between two set ones are zeros
+    byt AS (SELECT p.b, p.g, i >> 3 AS k, bit_or(128 >> (i & 7)) AS v
+            FROM p CROSS JOIN LATERAL generate_series(p.s, p.e) i GROUP BY p.b, p.g, i >> 3),
+    gaps AS (SELECT byt.b, byt.g, byt.k, byt.v,
+                    byt.k - lag(byt.k, 1, -1::bigint) OVER (PARTITION BY byt.b, byt.g ORDER BY byt.k) - 1 AS zeros
+             FROM byt),
+    hx AS (SELECT gaps.b, gaps.g,
+                  string_agg(repeat('00', gaps.zeros::integer) || lpad(to_hex(gaps.v), 2, '0'), '' ORDER BY gaps.k) AS hex
+           FROM gaps GROUP BY gaps.b, gaps.g)
+    SELECT (SELECT sum(grp.n) FROM grp), array_agg(hx.b ORDER BY grp.first_ord), array_agg(hx.g ORDER BY grp.first_ord),
+           array_agg(hx.hex ORDER BY grp.first_ord)
     INTO counted, b_ids, g_ids, hexes
-    FROM hx;
+    FROM hx JOIN grp ON grp.b = hx.b AND grp.g = hx.g;
     IF b_ids IS NULL THEN
         acked := 0; duplicates := 0; completed := '{}';
         RETURN NEXT;
