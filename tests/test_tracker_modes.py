@@ -98,9 +98,9 @@ def _psycopg_caller(conn: psycopg.Connection, schema: str, transactional: bool =
 
 
 @contextlib.contextmanager
-def sync_mode(mode: str, dsn: str, schema: str, commit: bool) -> Iterator[Caller]:
+def sync_mode(mode: str, dsn: str, schema: str, commit: bool, extra: dict[str, Any]) -> Iterator[Caller]:
     sa_url = dsn.replace("postgresql://", "postgresql+psycopg://", 1)
-    kwargs: dict[str, Any] = {
+    kwargs: dict[str, Any] = extra | {
         "dict_row": {"row_factory": dict_row}, "namedtuple_row": {"row_factory": namedtuple_row},
         "client_cursor": {"cursor_factory": psycopg.ClientCursor}, "no_prepare": {"prepare_threshold": None},
         "always_prepare": {"prepare_threshold": 0},
@@ -111,10 +111,10 @@ def sync_mode(mode: str, dsn: str, schema: str, commit: bool) -> Iterator[Caller
             yield _psycopg_caller(conn, schema)
             conn.commit() if commit else conn.rollback()
     elif mode == "autocommit_no_block":
-        with psycopg.connect(dsn, autocommit=True) as conn:
+        with psycopg.connect(dsn, autocommit=True, **extra) as conn:
             yield _psycopg_caller(conn, schema, transactional=False)
     elif mode in ("autocommit_block", "autocommit_nested_block", "pipeline_autocommit_block"):
-        with psycopg.connect(dsn, autocommit=True) as conn:
+        with psycopg.connect(dsn, autocommit=True, **extra) as conn:
             try:
                 with contextlib.ExitStack() as stack:
                     if mode == "pipeline_autocommit_block":
@@ -129,12 +129,12 @@ def sync_mode(mode: str, dsn: str, schema: str, commit: bool) -> Iterator[Caller
             except _Rollback:
                 pass
     elif mode == "pipeline":
-        with psycopg.connect(dsn) as conn:
+        with psycopg.connect(dsn, **extra) as conn:
             with conn.pipeline():
                 yield _psycopg_caller(conn, schema)
             conn.commit() if commit else conn.rollback()
     elif mode in ("sa_session", "sa_begin_nested"):
-        engine = sa.create_engine(sa_url, poolclass=sa.pool.NullPool)
+        engine = sa.create_engine(sa_url, poolclass=sa.pool.NullPool, connect_args=extra)
         try:
             with Session(engine) as session:
                 with contextlib.ExitStack() as stack:
@@ -147,7 +147,7 @@ def sync_mode(mode: str, dsn: str, schema: str, commit: bool) -> Iterator[Caller
         finally:
             engine.dispose()
     elif mode == "sa_connection":
-        engine = sa.create_engine(sa_url, poolclass=sa.pool.NullPool)
+        engine = sa.create_engine(sa_url, poolclass=sa.pool.NullPool, connect_args=extra)
         try:
             with engine.connect() as sa_conn:
                 sa_conn.begin()
@@ -167,19 +167,19 @@ def _apsycopg_caller(conn: psycopg.AsyncConnection, schema: str, transactional: 
 
 
 @contextlib.asynccontextmanager
-async def async_mode(mode: str, dsn: str, schema: str, commit: bool) -> AsyncIterator[Caller]:
+async def async_mode(mode: str, dsn: str, schema: str, commit: bool, extra: dict[str, Any]) -> AsyncIterator[Caller]:
     sa_url = dsn.replace("postgresql://", "postgresql+psycopg://", 1)
     if mode in ("autocommit_off", "dict_row", "autocommit_off_idle", "no_prepare"):
-        kwargs: dict[str, Any] = {"dict_row": {"row_factory": dict_row},
-                                  "no_prepare": {"prepare_threshold": None}}.get(mode, {})
+        kwargs: dict[str, Any] = extra | {"dict_row": {"row_factory": dict_row},
+                                          "no_prepare": {"prepare_threshold": None}}.get(mode, {})
         async with await psycopg.AsyncConnection.connect(dsn, **kwargs) as conn:
             yield _apsycopg_caller(conn, schema)
             await (conn.commit() if commit else conn.rollback())
     elif mode == "autocommit_no_block":
-        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True, **extra) as conn:
             yield _apsycopg_caller(conn, schema, transactional=False)
     elif mode in ("autocommit_block", "autocommit_nested_block"):
-        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True, **extra) as conn:
             try:
                 async with contextlib.AsyncExitStack() as stack:
                     await stack.enter_async_context(conn.transaction())
@@ -192,12 +192,12 @@ async def async_mode(mode: str, dsn: str, schema: str, commit: bool) -> AsyncIte
             except _Rollback:
                 pass
     elif mode == "pipeline":
-        async with await psycopg.AsyncConnection.connect(dsn) as conn:
+        async with await psycopg.AsyncConnection.connect(dsn, **extra) as conn:
             async with conn.pipeline():
                 yield _apsycopg_caller(conn, schema)
             await (conn.commit() if commit else conn.rollback())
     elif mode in ("sa_session", "sa_begin_nested"):
-        engine = create_async_engine(sa_url, poolclass=sa.pool.NullPool)
+        engine = create_async_engine(sa_url, poolclass=sa.pool.NullPool, connect_args=extra)
         try:
             async with AsyncSession(engine) as session:
                 async def write(tag: str) -> None:
@@ -212,7 +212,7 @@ async def async_mode(mode: str, dsn: str, schema: str, commit: bool) -> AsyncIte
         finally:
             await engine.dispose()
     elif mode == "sa_connection":
-        engine = create_async_engine(sa_url, poolclass=sa.pool.NullPool)
+        engine = create_async_engine(sa_url, poolclass=sa.pool.NullPool, connect_args=extra)
         try:
             async with engine.connect() as sa_conn:
                 await sa_conn.begin()
@@ -224,8 +224,62 @@ async def async_mode(mode: str, dsn: str, schema: str, commit: bool) -> AsyncIte
                 await (sa_conn.commit() if commit else sa_conn.rollback())
         finally:
             await engine.dispose()
+    elif mode.startswith("asyncpg"):
+        import asyncpg
+
+        # asyncpg prepares every statement; through PgBouncer < 1.21 its cache must be off
+        pg_kwargs = {"statement_cache_size": 0} if "prepare_threshold" in extra else {}
+        conn = await asyncpg.connect(dsn, **pg_kwargs)
+        try:
+            async def awrite(tag: str) -> None:
+                await conn.execute(f'INSERT INTO "{schema}".caller_rows (tag) VALUES ($1)', tag)
+            if mode == "asyncpg_no_block":
+                yield Caller(conn, awrite, False, conn)
+            else:
+                try:
+                    async with contextlib.AsyncExitStack() as stack:
+                        await stack.enter_async_context(conn.transaction())
+                        if mode == "asyncpg_nested":
+                            await awrite("outer")
+                            await stack.enter_async_context(conn.transaction())
+                        yield Caller(conn, awrite, True, conn)
+                        if not commit:
+                            raise _Rollback
+                except _Rollback:
+                    pass
+        finally:
+            await conn.close()
+    elif mode in ("sa_asyncpg_session", "sa_asyncpg_begin_nested"):
+        pg_kwargs = {"statement_cache_size": 0, "prepared_statement_cache_size": 0} if "prepare_threshold" in extra else {}
+        engine = create_async_engine(dsn.replace("postgresql://", "postgresql+asyncpg://", 1), poolclass=sa.pool.NullPool,
+                                     connect_args=pg_kwargs)
+        try:
+            async with AsyncSession(engine) as session:
+                async def swrite(tag: str) -> None:
+                    await session.execute(_sa_own(schema), {"tag": tag})
+                async with contextlib.AsyncExitStack() as stack:
+                    if mode == "sa_asyncpg_begin_nested":
+                        await swrite("outer")
+                        await stack.enter_async_context(session.begin_nested())
+                    raw = (await (await session.connection()).get_raw_connection()).driver_connection
+                    yield Caller(session, swrite, raw=raw)
+                await (session.commit() if commit else session.rollback())
+        finally:
+            await engine.dispose()
     else:
         raise AssertionError(mode)
+
+
+def in_transaction(raw: Any) -> bool:
+    if hasattr(raw, "is_in_transaction"):  # asyncpg
+        return raw.is_in_transaction()
+    return raw.info.transaction_status == pq.TransactionStatus.INTRANS
+
+
+def idle(raw: Any) -> bool:
+    if hasattr(raw, "is_in_transaction"):
+        return not raw.is_in_transaction()
+    return raw.info.transaction_status == pq.TransactionStatus.IDLE
 
 
 SYNC_MODES = ["autocommit_off", "autocommit_off_idle", "autocommit_no_block", "autocommit_block",
@@ -233,7 +287,8 @@ SYNC_MODES = ["autocommit_off", "autocommit_off_idle", "autocommit_no_block", "a
               "client_cursor", "no_prepare", "always_prepare", "sa_session", "sa_connection", "sa_begin_nested"]
 ASYNC_MODES = ["autocommit_off", "autocommit_off_idle", "autocommit_no_block", "autocommit_block",
                "autocommit_nested_block", "pipeline", "dict_row", "no_prepare", "sa_session", "sa_connection",
-               "sa_begin_nested"]
+               "sa_begin_nested", "asyncpg_no_block", "asyncpg_transaction", "asyncpg_nested", "sa_asyncpg_session",
+               "sa_asyncpg_begin_nested"]
 OPS = ["open", "enqueue", "add_items", "close", "ack", "exactly_once", "status"]
 
 
@@ -250,9 +305,9 @@ class Fixture:
     poison_empty: tracker.Batch    # open, nothing in it, completion topic 'poison' (its close fails)
 
 
-def _prepare(dsn: str, schema: str) -> Fixture:
+def _prepare(dsn: str, schema: str, extra: dict[str, Any]) -> Fixture:
     t = tracker.Tracker(schema=schema)
-    with psycopg.connect(dsn) as c:
+    with psycopg.connect(dsn, **extra) as c:
         c.execute(f'DELETE FROM "{schema}".caller_rows')
         ob = t.open_batch(c, user_key="fixture-open")
         t.add_items(c, ob, 3)
@@ -314,14 +369,14 @@ EXPECTED_ERROR: dict[str, tuple[type[BaseException], ...]] = {
 }
 
 
-def _committed(dsn: str, schema: str) -> tuple[dict, list]:
-    with psycopg.connect(dsn) as c:
+def _committed(dsn: str, schema: str, extra: dict[str, Any] | None = None) -> tuple[dict, list]:
+    with psycopg.connect(dsn, **(extra or {})) as c:
         return snapshot(c, schema), c.execute(f'SELECT tag FROM "{schema}".caller_rows ORDER BY tag').fetchall()
 
 
 def _expected_tags(mode: str, op: str, outcome: str) -> list[str]:
     tags = ["after", "before"]
-    if mode in ("autocommit_nested_block", "sa_begin_nested"):
+    if mode in ("autocommit_nested_block", "sa_begin_nested", "asyncpg_nested", "sa_asyncpg_begin_nested"):
         tags.append("outer")
     if op == "exactly_once" and outcome == "committed":
         tags.append("effect")
@@ -331,11 +386,11 @@ def _expected_tags(mode: str, op: str, outcome: str) -> list[str]:
 # ---------------------------------------------------------------- the matrix
 
 
-def _sync_cell(dsn: str, schema: str, mode: str, op: str, outcome: str) -> None:
-    fx = _prepare(dsn, schema)
+def _sync_cell(dsn: str, schema: str, mode: str, op: str, outcome: str, extra: dict[str, Any]) -> None:
+    fx = _prepare(dsn, schema, extra)
     t = tracker.Tracker(schema=schema)
-    before, _ = _committed(dsn, schema)
-    with sync_mode(mode, dsn, schema, commit=outcome != "rolled_back") as caller:
+    before, _ = _committed(dsn, schema, extra)
+    with sync_mode(mode, dsn, schema, outcome != "rolled_back", extra) as caller:
         if mode != "autocommit_off_idle":
             caller.write("before")
         if outcome == "failed":
@@ -350,13 +405,13 @@ def _sync_cell(dsn: str, schema: str, mode: str, op: str, outcome: str) -> None:
             assert caller.raw.info.transaction_status == pq.TransactionStatus.INTRANS
         if caller.transactional:
             # Nothing of the call is visible outside the caller's transaction: it committed nothing.
-            assert _committed(dsn, schema)[0] == before
+            assert _committed(dsn, schema, extra)[0] == before
         elif outcome != "failed":
             assert caller.raw.info.transaction_status == pq.TransactionStatus.IDLE
         caller.write("after")  # the caller's transaction is usable after the call, failed or not
         if mode == "autocommit_off_idle":
             caller.write("before")
-    after = _committed(dsn, schema)
+    after = _committed(dsn, schema, extra)
     _assert_outcome(mode, op, outcome, before, after, caller.transactional)
 
 
@@ -378,15 +433,20 @@ def _assert_outcome(mode: str, op: str, outcome: str, before: dict, after: tuple
         assert state == before
 
 
-async def _async_cell(dsn: str, schema: str, mode: str, op: str, outcome: str) -> None:
-    fx = _prepare(dsn, schema)
+async def _async_cell(dsn: str, schema: str, mode: str, op: str, outcome: str, extra: dict[str, Any]) -> None:
+    fx = _prepare(dsn, schema, extra)
     t = AsyncTracker(schema=schema)
-    before, _ = _committed(dsn, schema)
-    async with async_mode(mode, dsn, schema, commit=outcome != "rolled_back") as caller:
+    before, _ = _committed(dsn, schema, extra)
+    async with async_mode(mode, dsn, schema, outcome != "rolled_back", extra) as caller:
         if mode != "autocommit_off_idle":
             await caller.write("before")
         if outcome == "failed":
             errors = EXPECTED_ERROR.get(op, (psycopg.errors.RaiseException,))
+            if "asyncpg" in mode:
+                import asyncpg
+                errors = {"status": (tracker.UnknownBatch,),
+                          "exactly_once": (asyncpg.exceptions.DivisionByZeroError,)}.get(
+                    op, (asyncpg.exceptions.RaiseError,))
             with pytest.raises(errors):
                 await call(t, op, caller.session, fx, caller, poisoned=True)
         else:
@@ -394,15 +454,15 @@ async def _async_cell(dsn: str, schema: str, mode: str, op: str, outcome: str) -
             if op == "exactly_once":
                 assert result.first_time
         if caller.transactional and mode != "pipeline":
-            assert caller.raw.info.transaction_status == pq.TransactionStatus.INTRANS
+            assert in_transaction(caller.raw)
         if caller.transactional:
-            assert _committed(dsn, schema)[0] == before
+            assert _committed(dsn, schema, extra)[0] == before
         elif outcome != "failed":
-            assert caller.raw.info.transaction_status == pq.TransactionStatus.IDLE
+            assert idle(caller.raw)
         await caller.write("after")
         if mode == "autocommit_off_idle":
             await caller.write("before")
-    after = _committed(dsn, schema)
+    after = _committed(dsn, schema, extra)
     _assert_outcome(mode, op, outcome, before, after, caller.transactional)
 
 
@@ -413,11 +473,11 @@ OUTCOMES = ["committed", "rolled_back", "failed"]
 @pytest.mark.parametrize("mode", SYNC_MODES)
 def test_sync_face_keeps_the_callers_transaction(pg_dsn, poisoned, mode, op):
     for outcome in OUTCOMES:
-        _sync_cell(pg_dsn, poisoned, mode, op, outcome)
+        _sync_cell(pg_dsn, poisoned, mode, op, outcome, {})
 
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("mode", ASYNC_MODES)
 def test_async_face_keeps_the_callers_transaction(pg_dsn, poisoned, mode, op):
     for outcome in OUTCOMES:
-        asyncio.run(_async_cell(pg_dsn, poisoned, mode, op, outcome))
+        asyncio.run(_async_cell(pg_dsn, poisoned, mode, op, outcome, {}))
