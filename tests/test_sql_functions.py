@@ -133,6 +133,20 @@ def test_functions_ignore_the_callers_search_path(pg_dsn, schema):
             conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(decoy)))
 
 
+def test_a_callers_temporary_tables_cannot_stand_in_for_ours(pg_dsn, schema):
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute("CREATE TEMP TABLE batch (id bigserial, user_key text, completion_topic text)")
+        conn.execute("CREATE TEMP TABLE outbox (topic text)")
+        b = conn.execute(sql.SQL("SELECT {}.open_batch('mine')").format(sql.Identifier(schema))).fetchone()[0]
+        assert conn.execute(sql.SQL("SELECT {}.close_batch(%s)").format(sql.Identifier(schema)), [b]).fetchone()[0]
+        assert conn.execute("SELECT count(*) FROM pg_temp.batch").fetchone()[0] == 0
+        assert conn.execute("SELECT count(*) FROM pg_temp.outbox").fetchone()[0] == 0
+        assert _counts(conn, schema) == (1, 0, 1)  # the batch and its completion event, in the schema
+        path = conn.execute("SELECT proconfig FROM pg_proc WHERE oid = %s::regprocedure",
+                            [f'"{schema}".open_batch(text, text)']).fetchone()[0]
+        assert path == [f"search_path={schema}, pg_catalog, pg_temp", "jit=off"]
+
+
 def test_failed_call_inside_a_savepoint_leaves_the_transaction_usable(conn, schema):
     s = sql.Identifier(schema)
     b = conn.execute(sql.SQL("SELECT {}.open_batch()").format(s)).fetchone()[0]
