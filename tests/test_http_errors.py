@@ -189,7 +189,7 @@ def test_invalid_json_path_query_media_type_route_and_method(world):
 
 def test_rate_limit_per_token(pg_dsn, schema):
     other = "rate-token-other-0123456789"
-    with RunningServer(http_config(pg_dsn, schema, rate_limit=0.5, rate_burst=2), [TOKEN, other]) as s:
+    with RunningServer(http_config(pg_dsn, schema, rate_limit=0.01, rate_burst=2), [TOKEN, other]) as s:
         before = snapshot(pg_dsn, schema)
         h = {"Authorization": f"Bearer {TOKEN}"}
         assert httpx.get(f"{s.url}/v1/batches/1", headers=h).status_code == 404
