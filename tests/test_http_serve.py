@@ -96,7 +96,16 @@ def test_sigterm_answers_the_long_poll_and_exits_cleanly_with_access_logs(pg_dsn
 
         t = threading.Thread(target=poll)
         t.start()
-        time.sleep(1.0)  # the long-poll is waiting inside the server
+        # wait until the long-poll is inside the server (in flight: it and this scrape itself)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            text = httpx.get(f"{url}/metrics").text
+            gauge = [line for line in text.splitlines() if line.startswith("reaper_http_requests_in_flight ")]
+            if gauge and float(gauge[0].split()[1]) >= 2:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the long-poll never reached the server")
         proc.send_signal(signal.SIGTERM)
         t.join(timeout=30)
         assert not t.is_alive(), "the long-poll was not answered at shutdown"
