@@ -1,4 +1,4 @@
-"""`reaper`: the sidecar's command line (migrate, run)."""
+"""`reaper`: the sidecar's command line (migrate, run, serve)."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +22,24 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the harvester, acker, sweeper and metrics server until SIGTERM")
     # Tests only: honour REAPER_FAULT_INJECTION. Hidden, and never read from the configuration file.
     run.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
+    sub.add_parser("serve", help="serve the tracker over HTTP (http section of the configuration) until SIGTERM")
     return ap
+
+
+def cmd_serve(cfg: config_mod.Config) -> int:
+    from . import run as run_mod
+
+    try:
+        from .http import server
+    except ImportError as exc:
+        print(f"reaper serve: {exc.name or exc} is not installed: pip install 'outbox-reaper[http]'", file=sys.stderr)
+        return EXIT_FAILURE
+    run_mod.configure_logging(cfg)
+    try:
+        return server.serve(cfg)
+    except config_mod.ConfigError as exc:
+        print(f"reaper serve: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
 
 
 def cmd_migrate(cfg: config_mod.Config, dry_run: bool) -> int:
@@ -70,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     if args.command == "run":
         return cmd_run(cfg, args.enable_fault_injection)
+    if args.command == "serve":
+        return cmd_serve(cfg)
     try:
         if args.command == "migrate":
             return cmd_migrate(cfg, args.dry_run)

@@ -116,6 +116,32 @@ class LoggingConfig:
 
 
 @dataclass
+class HttpConfig:
+    """`reaper serve`: the tracker over HTTP (harvester/http/). Tokens: `tokens` (comma-separated)
+    and/or `tokens_file` (one token per line, '#' comments); none = refuse to start unless local_mode."""
+
+    host: str = "127.0.0.1"
+    port: int = 8400
+    tokens: str = ""
+    tokens_file: str = ""
+    local_mode: bool = False           # no tokens, loopback only: a developer's machine
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_ids_per_request: int = 100000  # ack entries (ids or runs) in one request
+    max_items_per_add: int = 10000000  # items in one add request
+    rate_limit: float = 200.0          # requests per second per token (token bucket); 0 = off
+    rate_burst: int = 400
+    long_poll_max: float = 60.0        # longest wait a completion long-poll may ask for, seconds
+    completion_poll_interval: float = 0.25
+    pool_size: int = 8
+    request_timeout: float = 30.0      # one database call, seconds
+    tls_certfile: str = ""             # both set: serve HTTPS; else put a TLS proxy in front (README)
+    tls_keyfile: str = ""
+    forwarded_allow_ips: str = "127.0.0.1"  # proxies whose X-Forwarded-For/-Proto are believed
+    shutdown_timeout: float = 10.0
+    backend: str = "tracker"           # tracker (the asyncio face) | sql (the SQL functions of migration 0007)
+
+
+@dataclass
 class Config:
     database: DatabaseConfig = field(default_factory=DatabaseConfig)
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
@@ -125,6 +151,7 @@ class Config:
     settler: SettlerConfig = field(default_factory=SettlerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
 
 
 def _coerce(key: str, value: Any, target: type, default: Any) -> Any:
@@ -300,5 +327,21 @@ def validate(cfg: Config) -> None:
         raise ConfigError("logging.format", f"{cfg.logging.format!r}: use auto, json or console")
     if cfg.logging.level.lower() not in ("debug", "info", "warning", "error"):
         raise ConfigError("logging.level", f"{cfg.logging.level!r}: use debug, info, warning or error")
+    validate_http(cfg.http)
     if not re.match(r"^[a-zA-Z_][a-zA-Z0-9_]*$", cfg.metrics.prefix):
         raise ConfigError("metrics.prefix", f"{cfg.metrics.prefix!r} is not a valid metric name prefix")
+
+
+def validate_http(h: HttpConfig) -> None:
+    for name in ("port", "max_body_bytes", "max_ids_per_request", "max_items_per_add", "rate_burst", "long_poll_max",
+                 "completion_poll_interval", "pool_size", "request_timeout", "shutdown_timeout"):
+        if getattr(h, name) <= 0:
+            raise ConfigError(f"http.{name}", f"must be > 0, got {getattr(h, name)!r}")
+    if h.port > 65535:
+        raise ConfigError("http.port", f"{h.port} is not a TCP port")
+    if h.rate_limit < 0:
+        raise ConfigError("http.rate_limit", f"must be >= 0 (0 = off), got {h.rate_limit!r}")
+    if h.backend not in ("tracker", "sql"):
+        raise ConfigError("http.backend", f"{h.backend!r}: use tracker or sql")
+    if bool(h.tls_certfile) != bool(h.tls_keyfile):
+        raise ConfigError("http.tls_certfile", "set both http.tls_certfile and http.tls_keyfile, or neither")

@@ -1,0 +1,86 @@
+"""Request and response bodies of the HTTP API (v1). Strict types: "5" is not a count, true is not 1."""
+from __future__ import annotations
+
+import datetime as dt
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CreateBatch(_Body):
+    user_key: StrictStr | None = Field(None, max_length=1000, description="returned in the completion event")
+    completion_topic: StrictStr | None = Field(None, min_length=1, max_length=249,
+                                               pattern=r"^[A-Za-z0-9._-]+$",
+                                               description="topic of this batch's completion event (default: the server's)")
+
+
+class AddItems(_Body):
+    count: StrictInt = Field(..., ge=0, description="items to track; the server may cap it (http.max_items_per_add)")
+
+
+class AckIds(_Body):
+    ids: list[StrictStr] = Field(..., description="item ids '<batch>:<group>:<index>' and runs '<batch>:<group>:<start>-<end>'")
+
+
+class Batch(BaseModel):
+    batch_id: int
+    user_key: str | None
+    completion_topic: str | None
+    state: str
+    created_at: dt.datetime
+
+
+class Group(BaseModel):
+    """Items start..upto-1 of a group: their ids are '<batch_id>:<group_id>:<index>'."""
+
+    group_id: int
+    start: int
+    upto: int
+
+
+class Added(BaseModel):
+    batch_id: int
+    count: int
+    groups: list[Group]
+
+
+class Closed(BaseModel):
+    batch_id: int
+    complete: bool = Field(..., description="true if the batch is complete (now or already)")
+
+
+class AckResult(BaseModel):
+    acked: int = Field(..., description="items this request acknowledged")
+    duplicates: int = Field(..., description="ids already acknowledged (or named twice)")
+    completed: list[int] = Field(..., description="batches this request completed")
+
+
+class Status(BaseModel):
+    batch_id: int
+    state: str = Field(..., description="open, closed, complete or expired")
+    complete: bool
+    total: int
+    pending: int
+    user_key: str | None
+    created_at: dt.datetime
+    closed_at: dt.datetime | None
+    completed_at: dt.datetime | None
+    last_activity_at: dt.datetime
+    expired_at: dt.datetime | None
+
+
+class ProblemDoc(BaseModel):
+    """RFC 9457 problem details (media type application/problem+json)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    title: str
+    status: int
+    detail: str
+    instance: str
+    field: str | None = Field(None, description="the request field at fault")
+    item_id: str | None = Field(None, description="the item id or run at fault, as sent")
+    batch_id: int | None = None

@@ -1,0 +1,154 @@
+"""Bearer tokens (compared in constant time), the per-token rate limit, and the body size limit."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import time
+from pathlib import Path
+from typing import Awaitable, Callable, MutableMapping
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from harvester.config import ConfigError, HttpConfig
+
+Scope = MutableMapping[str, object]
+Message = MutableMapping[str, object]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def load_tokens(cfg: HttpConfig) -> list[str]:
+    """Tokens from http.tokens (comma-separated) and http.tokens_file (one per line, '#' comments)."""
+    tokens = [t.strip() for t in cfg.tokens.split(",") if t.strip()]
+    if cfg.tokens_file:
+        try:
+            text = Path(cfg.tokens_file).read_text()
+        except OSError as exc:
+            raise ConfigError("http.tokens_file", f"cannot read {cfg.tokens_file}: {exc.strerror}") from None
+        for line in text.splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                tokens.append(line)
+    for t in tokens:
+        if len(t) < 16 or any(c.isspace() for c in t):
+            raise ConfigError("http.tokens", "every token must be at least 16 characters with no spaces "
+                              f"(token {token_id(t)} is not)")
+    return tokens
+
+
+def check_startup(cfg: HttpConfig, tokens: list[str]) -> None:
+    """Refuse to serve without tokens unless explicitly in local mode, on a loopback address."""
+    if tokens:
+        return
+    if not cfg.local_mode:
+        raise ConfigError("http.tokens", "no bearer tokens configured (http.tokens or http.tokens_file); "
+                          "set http.local_mode: true to serve without authentication on a loopback address")
+    try:
+        loopback = ipaddress.ip_address(cfg.host).is_loopback
+    except ValueError:
+        loopback = cfg.host == "localhost"
+    if not loopback:
+        raise ConfigError("http.local_mode", f"serves without tokens, so only on a loopback address, not {cfg.host!r}")
+
+
+def token_id(token: str) -> str:
+    """A short stable name for a token, for logs, metrics and rate limiting (never the token)."""
+    return "tok-" + hashlib.sha256(token.encode()).hexdigest()[:10]
+
+
+class TokenAuth:
+    def __init__(self, tokens: list[str]) -> None:
+        # Compare digests: equal lengths, and every configured token is compared on every request.
+        self._digests = [(hashlib.sha256(t.encode()).digest(), token_id(t)) for t in tokens]
+        self.enabled = bool(tokens)
+
+    def identify(self, authorization: str | None) -> str | None:
+        """The token id of a valid `Authorization: Bearer <token>` header, else None."""
+        if not self.enabled:
+            return "local"
+        if not authorization:
+            return None
+        scheme, _, credential = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not credential.strip():
+            return None
+        digest = hashlib.sha256(credential.strip().encode("utf-8", "surrogateescape")).digest()
+        found = None
+        for known, name in self._digests:
+            if hmac.compare_digest(known, digest):
+                found = name
+        return found
+
+
+class RateLimiter:
+    """A token bucket per bearer token: `rate` requests per second, bursts of up to `burst`."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def take(self, key: str) -> float:
+        """0 if a request may go ahead now, else the seconds until it may."""
+        if self.rate <= 0:
+            return 0.0
+        now = self.clock()
+        level, last = self._buckets.get(key, (float(self.burst), now))
+        level = min(float(self.burst), level + (now - last) * self.rate)
+        if level >= 1.0:
+            self._buckets[key] = (level - 1.0, now)
+            return 0.0
+        self._buckets[key] = (level, now)
+        return (1.0 - level) / self.rate
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised while a chunked body is read past the limit (an HTTPException, so FastAPI's body
+    reading passes it on as it is and it becomes the 413 problem)."""
+
+    def __init__(self) -> None:
+        super().__init__(413)
+
+
+class BodyLimit:
+    """ASGI middleware: a body over `limit` bytes is refused (413) before it is read whole, by its
+    Content-Length or, for chunked bodies, as soon as the bytes received pass the limit."""
+
+    def __init__(self, app: Callable, limit: int, refuse: Callable[[Scope, Send], Awaitable[None]]) -> None:
+        self.app, self.limit, self.refuse = app, limit, refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):  # type: ignore[union-attr]
+            if name == b"content-length":
+                try:
+                    too_big = int(value) > self.limit
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    await self.refuse(scope, send)
+                    return
+        seen = 0
+        started = False
+
+        async def counted_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))  # type: ignore[arg-type]
+                if seen > self.limit:
+                    raise BodyTooLarge()
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await self.refuse(scope, send)

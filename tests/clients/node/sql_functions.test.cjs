@@ -1,0 +1,130 @@
+// The tracker's SQL functions driven from Node with node-postgres (run by tests/test_sql_node.py).
+// Env: OUTBOX_TEST_DSN (Postgres), TRACKER_SCHEMA (a schema migrated by `reaper migrate`).
+'use strict';
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const { Client } = require('pg');
+
+const dsn = process.env.OUTBOX_TEST_DSN;
+const schemaName = process.env.TRACKER_SCHEMA;
+
+async function connect() {
+  const client = new Client({ connectionString: dsn });
+  await client.connect();
+  return client;
+}
+
+// The schema is quoted as an identifier, never pasted in raw.
+function fn(client, name) {
+  return `${client.escapeIdentifier(schemaName)}.${name}`;
+}
+
+async function counts(client) {
+  const s = client.escapeIdentifier(schemaName);
+  const r = await client.query(
+    `SELECT (SELECT count(*) FROM ${s}.batch)::int AS batches, (SELECT count(*) FROM ${s}.batch_group)::int AS groups,
+            (SELECT count(*) FROM ${s}.outbox)::int AS messages`);
+  return r.rows[0];
+}
+
+// Clients expand {group, start, upto} handles into item ids themselves.
+function expand(handles) {
+  const ids = [];
+  for (const h of handles) {
+    for (let i = h.start; i < h.upto; i++) ids.push(`${h.batch_id}:${h.group_id}:${i}`);
+  }
+  return ids;
+}
+
+test('fan-out in one transaction, bulk ack in another, exactly one completion event', async () => {
+  const c = await connect();
+  try {
+    await c.query('BEGIN');
+    const b = (await c.query(`SELECT ${fn(c, 'open_batch')}($1, $2) AS id`, ['node-catalog', 'node-done'])).rows[0].id;
+    const payloads = Array.from({ length: 9000 }, (_, i) => Buffer.from(JSON.stringify({ item: i })));
+    const handles = (await c.query(`SELECT * FROM ${fn(c, 'enqueue')}($1, $2, $3::bytea[])`, [b, 'node-items', payloads])).rows;
+    assert.deepEqual(handles.map(h => [h.group_id, h.start, h.upto]), [['0', 0, 8192], ['1', 0, 808]]);
+    const more = (await c.query(`SELECT * FROM ${fn(c, 'add_items')}($1, $2)`, [b, 10])).rows;
+    assert.deepEqual(more.map(h => [h.group_id, h.start, h.upto]), [['1', 808, 818]]);
+    const closed = (await c.query(`SELECT ${fn(c, 'close_batch')}($1) AS complete`, [b])).rows[0].complete;
+    assert.equal(closed, false);
+    await c.query('COMMIT');
+
+    const ids = expand(handles.concat(more));
+    assert.equal(ids.length, 9010);
+    await c.query('BEGIN');
+    const first = (await c.query(`SELECT * FROM ${fn(c, 'ack')}($1::text[])`, [ids.slice(0, 5000)])).rows[0];
+    assert.equal(first.acked, '5000');
+    assert.deepEqual(first.completed, []);
+    // the rest as runs, plus a duplicate
+    const rest = [`${b}:0:5000-8191`, `${b}:1:0-817`, `${b}:0:0`];
+    const second = (await c.query(`SELECT * FROM ${fn(c, 'ack')}($1::text[])`, [rest])).rows[0];
+    assert.equal(second.acked, '4010');
+    assert.equal(second.duplicates, '1');
+    assert.deepEqual(second.completed, [b]);
+    await c.query('COMMIT');
+
+    const status = (await c.query(`SELECT * FROM ${fn(c, 'batch_status')}($1)`, [b])).rows[0];
+    assert.equal(status.state, 'complete');
+    assert.equal(status.pending, '0');
+    const s = c.escapeIdentifier(schemaName);
+    const events = (await c.query(`SELECT convert_from(value, 'UTF8')::json AS v FROM ${s}.outbox WHERE topic = 'node-done'`)).rows;
+    assert.equal(events.length, 1);
+    assert.equal(events[0].v.user_key, 'node-catalog');
+    assert.equal(events[0].v.total, 9010);
+    const again = (await c.query(`SELECT * FROM ${fn(c, 'ack')}($1::text[])`, [[`${b}:1:3`]])).rows[0];
+    assert.equal(again.acked, '0');
+    assert.equal(again.duplicates, '1');
+  } finally {
+    await c.end();
+  }
+});
+
+test('a rolled-back transaction leaves nothing', async () => {
+  const c = await connect();
+  try {
+    const before = await counts(c);
+    await c.query('BEGIN');
+    const b = (await c.query(`SELECT ${fn(c, 'open_batch')}() AS id`)).rows[0].id;
+    await c.query(`SELECT * FROM ${fn(c, 'enqueue')}($1, 'node-items', $2::bytea[])`, [b, [Buffer.from('a'), null]]);
+    await c.query(`SELECT ${fn(c, 'close_batch')}($1)`, [b]);
+    await c.query(`SELECT * FROM ${fn(c, 'ack')}($1::text[])`, [[`${b}:0:0-1`]]);
+    assert.equal((await c.query(`SELECT state FROM ${fn(c, 'batch_status')}($1)`, [b])).rows[0].state, 'complete');
+    await c.query('ROLLBACK');
+    assert.deepEqual(await counts(c), before);
+  } finally {
+    await c.end();
+  }
+});
+
+test('errors are typed SQLSTATEs naming the bad value, and change nothing', async () => {
+  const c = await connect();
+  try {
+    const b = (await c.query(`SELECT ${fn(c, 'open_batch')}() AS id`)).rows[0].id;
+    await c.query(`SELECT * FROM ${fn(c, 'add_items')}($1, 3)`, [b]);
+    await c.query(`SELECT ${fn(c, 'close_batch')}($1)`, [b]);
+    const before = await counts(c);
+    const cases = [
+      [`SELECT * FROM ${fn(c, 'ack')}($1::text[])`, [[`${b}:0:0`, `${b}:0:zz`]], 'RT001', `${b}:0:zz`],
+      [`SELECT * FROM ${fn(c, 'ack')}($1::text[])`, [[`${Number(b) + 1000}:0:1`]], 'RT002', `${Number(b) + 1000}:0:1`],
+      [`SELECT * FROM ${fn(c, 'ack')}($1::text[])`, [[`${b}:0:0`, `${b}:4:1`]], 'RT003', `${b}:4:1`],
+      [`SELECT * FROM ${fn(c, 'ack')}($1::text[])`, [[`${b}:0:0`, `${b}:0:3`]], 'RT004', `${b}:0:3`],
+      [`SELECT * FROM ${fn(c, 'add_items')}($1, 2)`, [b], 'RT005', String(b)],
+    ];
+    for (const [text, params, code, detail] of cases) {
+      await c.query('BEGIN');
+      await assert.rejects(c.query(text, params), (err) => {
+        assert.equal(err.code, code, err.message);
+        assert.equal(err.detail, detail);
+        assert.ok(err.message.includes(detail), err.message);
+        return true;
+      });
+      await c.query('ROLLBACK');
+      assert.deepEqual(await counts(c), before);
+    }
+    const status = (await c.query(`SELECT * FROM ${fn(c, 'batch_status')}($1)`, [b])).rows[0];
+    assert.equal(status.pending, '3');
+  } finally {
+    await c.end();
+  }
+});

@@ -1,0 +1,32 @@
+"""The SQL functions from a non-Python client: Node with node-postgres, run by node's test runner.
+
+pg is installed from npm into .local/node-client by tests/clients/node/install.py (idempotent).
+Without node/npm the test fails (it never skips): CI must be able to run it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+NODE_DIR = Path(__file__).resolve().parent / "clients" / "node"
+
+
+def test_node_client_drives_the_sql_functions(pg_dsn, schema):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("node_install", NODE_DIR / "install.py")
+    installer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(installer)
+    try:
+        modules = installer.install()
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    env = {**os.environ, "NODE_PATH": str(modules), "OUTBOX_TEST_DSN": pg_dsn, "TRACKER_SCHEMA": schema}
+    r = subprocess.run([shutil.which("node"), "--test", str(NODE_DIR / "sql_functions.test.cjs")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "# pass 3" in r.stdout and "# fail 0" in r.stdout, r.stdout
