@@ -62,6 +62,7 @@ DESCRIPTIONS = {
     "sweeper.idle_expiry": "expire open and closed batches with no add, close or ack for this long (seconds)",
     "sweeper.retention": "delete complete and expired batches this long after they finished (seconds)",
     "sweeper.chunk": "batches handled per sweep statement",
+    "sweeper.expiry_topic": "topic of expiry events (one per expired batch); empty = the batch's completion topic",
     "metrics.enabled": "serve /metrics, /healthz and /readyz",
     "metrics.host": "address the HTTP endpoint listens on",
     "metrics.port": "port of /metrics, /healthz and /readyz (0 = any free port)",

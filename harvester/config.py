@@ -91,6 +91,7 @@ class SweeperConfig:
     idle_expiry: float = 86400.0
     retention: float = 7 * 86400.0
     chunk: int = 1000
+    expiry_topic: str = ""  # expiry events go here; empty: each batch's completion topic
 
 
 @dataclass
@@ -248,6 +249,8 @@ def validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if not topic.match(value):
             raise ConfigError(key, f"{value!r} is not a valid Kafka topic name")
+    if cfg.sweeper.expiry_topic and not topic.match(cfg.sweeper.expiry_topic):
+        raise ConfigError("sweeper.expiry_topic", f"{cfg.sweeper.expiry_topic!r} is not a valid Kafka topic name")
     txn_id = cfg.harvester.transactional_id
     if txn_id and not re.match(r"^[A-Za-z0-9._:-]{1,200}$", txn_id):
         raise ConfigError("harvester.transactional_id", f"{txn_id!r} must be 1-200 of A-Z a-z 0-9 . _ : -")

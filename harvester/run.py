@@ -125,7 +125,9 @@ def _sweeper_loop(cfg: Config, pool, stop: threading.Event, sweeper) -> None:
         try:
             with pool.connection() as conn:
                 result = sweeper.sweep(conn, schema=cfg.database.schema, idle_expiry=s.idle_expiry,
-                                       retention=s.retention, chunk=s.chunk)
+                                       retention=s.retention, chunk=s.chunk, outbox_table=cfg.database.outbox_table,
+                                       completion_topic=cfg.harvester.default_completion_topic,
+                                       expiry_topic=s.expiry_topic or None)
             if result.expired or result.deleted:
                 log.info("swept", expired=result.expired, deleted=result.deleted)
         except Exception as exc:
