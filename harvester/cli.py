@@ -6,7 +6,7 @@ import sys
 
 from tracker import schema
 
-from . import config as config_mod
+from . import admin, config as config_mod
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -22,6 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the harvester, acker, sweeper and metrics server until SIGTERM")
     # Tests only: honour REAPER_FAULT_INJECTION. Hidden, and never read from the configuration file.
     run.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
+    admin.add_parsers(sub)  # outbox status, dead list|requeue, batch show|expire
     return ap
 
 
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     if args.command == "run":
         return cmd_run(cfg, args.enable_fault_injection)
+    if args.command in admin.COMMANDS:
+        return admin.main(cfg, args)
     try:
         if args.command == "migrate":
             return cmd_migrate(cfg, args.dry_run)
