@@ -57,8 +57,9 @@ def cmd_run(cfg: config_mod.Config, fault_injection: bool) -> int:
         return EXIT_CONFIG
     try:
         return run_mod.run(cfg, faults=faults)
-    except Exception as exc:
-        print(f"reaper run: {type(exc).__name__}: {config_mod.redact_dsn(str(exc))}", file=sys.stderr)
+    except Exception as exc:  # logging is configured: a JSON line, like every other
+        run_mod.logs.get("reaper").error("reaper run failed", error=f"{type(exc).__name__}: "
+                                         f"{config_mod.redact_dsn(str(exc))}")
         return EXIT_FAILURE
 
 

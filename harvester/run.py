@@ -67,6 +67,8 @@ def _check_kafka(admin: AdminClient, timeout: float = 15.0) -> None:
         admin.list_topics(timeout=timeout)
     except Exception as exc:
         raise Unavailable(f"Kafka unreachable at the configured bootstrap servers: {exc}") from None
+    finally:
+        admin.poll(0)  # an admin client's log lines wait for a poll: hand them to structlog
 
 
 class Readiness:
@@ -91,6 +93,7 @@ class Readiness:
                 self.admin.list_topics(timeout=2)
             except Exception as exc:
                 problems.append(f"kafka: {type(exc).__name__}")
+            self.admin.poll(0)  # its queued librdkafka log lines, to structlog
             self._last = (not problems, "; ".join(problems) or "ready")
             self._at = time.monotonic()
             return self._last

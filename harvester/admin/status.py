@@ -85,8 +85,11 @@ def leaders(cfg: Config, timeout: float) -> tuple[dict[int, dict[str, Any]], str
     h = cfg.harvester
     admin = AdminClient({"bootstrap.servers": cfg.kafka.bootstrap_servers, **cfg.kafka.client,
                          "logger": logs.KafkaLogger("admin")})
-    future = admin.describe_consumer_groups([h.leader_group], request_timeout=timeout)[h.leader_group]
-    desc = future.result(timeout=timeout + 5)
+    try:
+        future = admin.describe_consumer_groups([h.leader_group], request_timeout=timeout)[h.leader_group]
+        desc = future.result(timeout=timeout + 5)
+    finally:
+        admin.poll(0)  # an admin client's log lines wait for a poll: hand them to structlog
     out: dict[int, dict[str, Any]] = {}
     for m in desc.members:
         for tp in (m.assignment.topic_partitions if m.assignment else []):
