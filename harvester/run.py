@@ -105,6 +105,9 @@ def _gauges_loop(cfg: Config, store: OutboxStore, pool, stop: threading.Event) -
     batches = sql.SQL("SELECT state, count(*) FROM {} GROUP BY state").format(qualified(schema, "batch"))
     pending = sql.SQL("SELECT coalesce(sum(pending), 0) FROM {} WHERE state IN ('open', 'closed')").format(
         qualified(schema, "batch"))
+    dead_and_requeued = sql.SQL(
+        "SELECT (SELECT count(*) FROM {}), (SELECT coalesce(sum(rows), 0) FROM {} WHERE action = 'dead-requeue')"
+    ).format(qualified(schema, f"{cfg.database.outbox_table}_dead"), qualified(schema, "admin_log"))
     while True:
         try:
             b = store.backlog()
@@ -115,6 +118,10 @@ def _gauges_loop(cfg: Config, store: OutboxStore, pool, stop: threading.Event) -
                 m.items_pending.set(conn.execute(pending).fetchone()[0])
             for state in ("open", "closed", "complete", "expired"):
                 m.batches.labels(state).set(counts.get(state, 0))
+            with pool.connection() as conn:  # the operator's kit (migration 0008)
+                dead_rows, requeued = conn.execute(dead_and_requeued).fetchone()
+            m.dead_rows.set(dead_rows)
+            m.requeued_rows.set(requeued)
         except Exception as exc:
             log.warning("gauge refresh failed", error=logs_safe(exc))
         if stop.wait(cfg.metrics.backlog_interval):
