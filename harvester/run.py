@@ -152,7 +152,9 @@ def _start_acker(cfg: Config, stop: threading.Event, failures: list) -> threadin
                   kafka_client=cfg.kafka.client, consumer_client=cfg.kafka.consumer,
                   producer_client=cfg.kafka.producer, topic=a.topic, group=a.group,
                   dead_letter_topic=a.dead_letter_topic, max_poll_records=a.max_poll_records,
-                  poll_timeout=a.poll_timeout)
+                  poll_timeout=a.poll_timeout,
+                  tracker=tracker.Tracker(schema=cfg.database.schema, outbox_table=cfg.database.outbox_table,
+                                          completion_topic=cfg.harvester.default_completion_topic))
 
     def run() -> None:
         try:
@@ -197,8 +199,6 @@ def run(cfg: Config, *, faults: FaultPlan | None = None) -> int:
 
     # The acker and sweeper run tracker code in this process: completion events go to this
     # schema's outbox table and, for batches opened without one, to the configured topic.
-    tracker.configure(schema=cfg.database.schema, outbox_table=cfg.database.outbox_table,
-                      completion_topic=cfg.harvester.default_completion_topic)
     m = get_metrics(cfg.metrics.prefix)
     m.build_info.labels(_version()).set(1)
     admin = _admin(cfg)

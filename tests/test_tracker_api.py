@@ -149,17 +149,39 @@ def test_autocommit_connection_commits_each_call(pg_dsn, schema):
         assert tracker.status(other, batch, schema=schema).state == "complete"
 
 
-def test_configure_sets_process_defaults(conn, schema):
-    old = (tracker.session.DEFAULTS.schema, tracker.session.DEFAULTS.completion_topic)
-    tracker.configure(schema=schema, completion_topic="cfg-done")
+def test_two_trackers_in_one_process_do_not_interfere(pg_dsn, conn, schema):
+    """Two Tracker objects (two schemas, two outbox tables' worth of config, two completion topics)
+    in one process: each writes its events to its own outbox and topic, counts under its own label."""
+    from prometheus_client import CollectorRegistry
+
+    other_schema = f"{schema}_b"
+    tracker.schema.migrate(pg_dsn, other_schema)
     try:
-        batch = tracker.open_batch(conn)
-        assert tracker.close_batch(conn, batch) is True
-        assert len(completion_events(conn, schema, "cfg-done")) == 1
+        registry = CollectorRegistry()
+        first = tracker.Tracker(schema=schema, completion_topic="done-a", registry=registry)
+        second = tracker.Tracker(schema=other_schema, completion_topic="done-b", registry=registry)
+        a = first.open_batch(conn)
+        b = second.open_batch(conn)
+        first.add_items(conn, a, 3)
+        assert first.close_batch(conn, a) is False
+        assert second.close_batch(conn, b) is True
+        first.ack(conn, [f"{a.id}:0:0-2"])
+        conn.commit()
+        assert len(completion_events(conn, schema, "done-a")) == 1
+        assert len(completion_events(conn, other_schema, "done-b")) == 1
+        assert completion_events(conn, schema, "done-b") == [] and completion_events(conn, other_schema, "done-a") == []
+        value = registry.get_sample_value
+        assert value("reaper_batches_completed_total", {"schema": schema}) == 1
+        assert value("reaper_batches_completed_total", {"schema": other_schema}) == 1
+        assert value("reaper_acks_applied_total", {"schema": schema}) == 3
+        assert value("reaper_acks_applied_total", {"schema": other_schema}) == 0
+        assert not hasattr(tracker, "configure")  # no process-wide defaults to mutate
+        with pytest.raises(tracker.InvalidIdentifier, match="no good"):
+            tracker.Tracker(schema="no good")
     finally:
-        tracker.configure(schema=old[0], completion_topic=old[1])
-    with pytest.raises(tracker.InvalidIdentifier, match="no good"):
-        tracker.configure(schema="no good")
+        conn.rollback()
+        conn.execute(f'DROP SCHEMA "{other_schema}" CASCADE')
+        conn.commit()
 
 
 # ---------------------------------------------------------------- errors: each one changes nothing
@@ -232,8 +254,9 @@ def test_index_out_of_range_changes_nothing(conn, schema, populated):
     open_b = populated[0]
     _unchanged_after(conn, schema, lambda: tracker.ack(conn, [f"{open_b.id}:0:13", f"{open_b.id}:0:20"], schema=schema),
                      tracker.IndexOutOfRange, f"'{open_b.id}:0:20' is out of range: its group has 20 items")
+    # a run past the group's end is named as written, not by its first bad index
     _unchanged_after(conn, schema, lambda: tracker.ack(conn, [f"{open_b.id}:0:15-8191"], schema=schema),
-                     tracker.IndexOutOfRange, f"'{open_b.id}:0:20'")
+                     tracker.IndexOutOfRange, f"'{open_b.id}:0:15-8191'")
 
 
 @pytest.mark.parametrize("which,state", [(1, "closed"), (2, "expired"), ("complete", "complete")])
@@ -360,8 +383,9 @@ def test_concurrent_sweepers_share_the_work(pg_dsn, schema):
 def test_lifecycle_metrics_count(conn, schema):
     from prometheus_client import REGISTRY
 
-    def value(name):
-        return REGISTRY.get_sample_value(name) or 0.0
+    def value(name):  # the tracker's collectors are labelled by schema; the sweeper's are not
+        labels = {} if name == "reaper_batches_expired_total" else {"schema": schema}
+        return REGISTRY.get_sample_value(name, labels) or 0.0
 
     names = ["reaper_batches_opened_total", "reaper_batches_closed_total", "reaper_batches_completed_total",
              "reaper_batches_expired_total", "reaper_acks_applied_total", "reaper_acks_duplicate_total"]

@@ -1,6 +1,6 @@
 """Fan-out completion tracking on top of a Postgres transactional outbox.
 
-App code: `import tracker` and `from tracker import outbox`:
+App code: `import tracker` and `from tracker import outbox` (sync), `from tracker import aio` (asyncio):
 
     batch = tracker.open_batch(session, user_key="catalog-42")
     outbox.enqueue(session, batch, items, topic="process-item")
@@ -8,24 +8,32 @@ App code: `import tracker` and `from tracker import outbox`:
     tracker.ack(session, ["17:0:5", "17:0:6-9"])  # consumers, in their own transaction
     tracker.status(session, batch)
 
-`session` is a SQLAlchemy Session (postgresql+psycopg://) or a psycopg Connection; nothing commits
-behind the caller's back. Every function takes `schema=`; `configure()` sets the defaults.
+`session` is a psycopg Connection or a SQLAlchemy Session/Connection (postgresql+psycopg://); in
+`tracker.aio`, a psycopg AsyncConnection or a SQLAlchemy AsyncSession/AsyncConnection. Nothing
+commits behind the caller's back, in any connection mode. The module-level functions use the
+default tracker of `schema=` ("reaper"); for another outbox table or completion topic build a
+`Tracker(schema=, outbox_table=, completion_topic=, registry=)` (or `aio.AsyncTracker`) and call
+its methods.
 """
-from . import outbox
-from .acks import AckResult, ack, apply_masks
-from .consumer import AckProducer, MissingItemId, exactly_once, item_id_of
-from .batches import Batch, BatchStatus, GroupHandle, add_items, close_batch, open_batch, status
-from .errors import (BatchExpired, BatchNotOpen, IndexOutOfRange, InvalidIdentifier, MalformedItemId,
-                     TrackerError, UnknownBatch, UnknownGroup)
+from . import aio, outbox
+from .acks import AckResult
+from .aio import AsyncTracker
+from .api import Tracker, ack, add_items, apply_masks, close_batch, exactly_once, open_batch, status
+from .batches import Batch, BatchStatus, GroupHandle
+from .consumer import AckProducer, MissingItemId, Processed, item_id_of
+from .errors import (BatchExpired, BatchNotOpen, CallerTransactionAborted, IndexOutOfRange, InvalidArgument,
+                     InvalidIdentifier, InvalidValue, MalformedItemId, TrackerError, UnknownBatch, UnknownGroup,
+                     UnsupportedConnection)
 from .ids import GroupMask, IdRun, ItemId, expand, fold, format_item_id, format_run, parse_ack, parse_item_id
 from .outbox import Message
-from .session import configure
 
 __all__ = [
-    "outbox", "open_batch", "add_items", "close_batch", "ack", "apply_masks", "status", "configure",
-    "AckProducer", "exactly_once", "item_id_of", "MissingItemId",
+    "Tracker", "AsyncTracker", "aio", "outbox",
+    "open_batch", "add_items", "close_batch", "ack", "apply_masks", "status",
+    "AckProducer", "exactly_once", "item_id_of", "MissingItemId", "Processed",
     "AckResult", "Batch", "BatchStatus", "GroupHandle", "Message",
-    "BatchExpired", "BatchNotOpen", "IndexOutOfRange", "InvalidIdentifier", "MalformedItemId", "TrackerError",
-    "UnknownBatch", "UnknownGroup", "GroupMask", "IdRun", "ItemId", "expand", "fold", "format_item_id",
+    "BatchExpired", "BatchNotOpen", "CallerTransactionAborted", "IndexOutOfRange", "InvalidArgument",
+    "InvalidIdentifier", "InvalidValue", "MalformedItemId", "TrackerError", "UnknownBatch", "UnknownGroup",
+    "UnsupportedConnection", "GroupMask", "IdRun", "ItemId", "expand", "fold", "format_item_id",
     "format_run", "parse_ack", "parse_item_id",
 ]

@@ -29,7 +29,8 @@ import structlog
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from . import metrics
-from .acks import AckResult, apply_masks
+from .acks import AckResult
+from .api import Tracker
 from .errors import IndexOutOfRange, MalformedItemId
 from .ids import GROUP_BITS_MAX, GroupMask, parse_ack
 from .schema import check_identifier
@@ -145,9 +146,14 @@ class Acker:
     def __init__(self, *, dsn: str, schema: str, bootstrap_servers: str, kafka_client: dict | None = None,
                  topic: str, group: str, dead_letter_topic: str, max_poll_records: int = 100_000,
                  consumer_client: dict | None = None, producer_client: dict | None = None,
-                 poll_timeout: float = 0.2, lag_interval: float = 1.0, retry_backoff: float = 1.0) -> None:
+                 poll_timeout: float = 0.2, lag_interval: float = 1.0, retry_backoff: float = 1.0,
+                 tracker: "Tracker | None" = None) -> None:
         self.dsn = dsn
         self.schema = check_identifier(schema, "schema")
+        # where acks are applied and completion events written (its schema must be `schema`)
+        self.tracker = tracker if tracker is not None else Tracker(schema=self.schema)
+        if self.tracker.schema != self.schema:
+            raise ValueError(f"the acker's tracker is for schema {self.tracker.schema!r}, not {self.schema!r}")
         self.topic = topic
         self.group = group
         self.dead_letter_topic = dead_letter_topic
@@ -246,7 +252,7 @@ class Acker:
             conn = self._conn = psycopg.connect(self.dsn, autocommit=True)
         try:
             # an autocommit connection: apply_masks runs as one transaction of its own
-            return apply_masks(conn, masks, schema=self.schema, reject_invalid=True)
+            return self.tracker.apply_masks(conn, masks, reject_invalid=True)
         except psycopg.Error:
             if conn.broken or conn.closed:
                 self._conn = None

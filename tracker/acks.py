@@ -10,18 +10,15 @@ never double count; a re-ack after completion reports only duplicates.
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Mapping
 
-import psycopg
 from psycopg import sql
 
-from . import metrics
 from .batches import completion_insert
 from .errors import BatchExpired, IndexOutOfRange, UnknownBatch, UnknownGroup
-from .ids import GroupMask, fold, format_run
-from .session import DEFAULTS, atomic_pipeline, pg_connection, schema_of
+from .ids import GroupMask, format_run
+from .steps import Op, Query, Round
 
 
 @dataclass
@@ -33,7 +30,7 @@ class AckResult:
 
 
 @functools.lru_cache(maxsize=64)
-def _statements(schema: str, outbox_table: str) -> dict[str, str]:
+def statements(schema: str, outbox_table: str) -> dict[str, str]:
     t = {"batch": sql.Identifier(schema, "batch"), "group": sql.Identifier(schema, "batch_group")}
     q = {
         "lock": sql.SQL("SELECT id, state FROM {batch} WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE"),
@@ -95,82 +92,65 @@ def _set_bits_from(mask: GroupMask, lo: int) -> int:
     return total + int.from_bytes(mask.bits[first_byte:], "big").bit_count()
 
 
-def apply_masks(conn: psycopg.Connection, masks: Mapping[tuple[int, int], GroupMask], *, schema: str | None = None,
-                reject_invalid: bool = False) -> AckResult:
+def apply_op(q: dict[str, str], masks: Mapping[tuple[int, int], GroupMask], completion_topic: str,
+             reject_invalid: bool, *, last: bool = True) -> Op[AckResult]:
     """Apply folded masks (from `tracker.ids.fold`) in the caller's transaction.
 
     reject_invalid=False: the first unknown batch/group, out-of-range index or expired batch raises
     its typed error and nothing is applied. reject_invalid=True: those entries are left out and
     returned in `rejected` as (item id or run, reason); the valid rest is applied.
     """
-    started = time.perf_counter()
-    q = _statements(schema_of(schema), DEFAULTS.outbox_table)
     result = AckResult()
     todo = [m for m in masks.values() if m.count]
     if not todo:
         return result
-    with atomic_pipeline(conn):
-        # One round trip: savepoint, batch locks (in id order), then the groups' sizes, read after
-        # the locks are held so that an add committed while we waited is seen.
-        lock_cursor = conn.execute(q["lock"], [sorted({m.batch_id for m in todo})])
-        sizes_cursor = conn.execute(q["sizes"], [[m.batch_id for m in todo], [m.group_id for m in todo]])
-        states = dict(lock_cursor.fetchall())
-        sizes = {(b, g): size for b, g, size in sizes_cursor.fetchall()}
-        live: list[GroupMask] = []
-        for m in todo:
-            state = states.get(m.batch_id)
-            if state is None or state == "expired":
-                first = m.item_id(_first_index(m))
-                if not reject_invalid:
-                    raise UnknownBatch(m.batch_id, first) if state is None else BatchExpired(m.batch_id, first)
-                reason = "unknown batch" if state is None else "batch expired"
-                result.rejected.extend((run, reason) for run in _runs(m))
-            else:
-                live.append(m)
-        batch_ids, group_ids, hexes = [], [], []
-        counted = 0
-        for m in live:
-            size = sizes.get((m.batch_id, m.group_id))
-            if size is None:
-                if not reject_invalid:
-                    raise UnknownGroup(m.batch_id, m.group_id, m.item_id(_first_index(m)))
-                result.rejected.extend((run, "unknown group") for run in _runs(m))
-                continue
-            count = m.count
-            if m.max_index >= size:
-                if not reject_invalid:
-                    raise IndexOutOfRange(m.item_id(_first_index(m, size)), size)
-                result.rejected.extend((run, f"index out of range (group size {size})") for run in _runs(m, size))
-                count -= _set_bits_from(m, size)
-            nbytes = (size + 7) >> 3
-            bits = m.bits
-            if len(bits) != nbytes:
-                bits = bits[:nbytes] if len(bits) > nbytes else bits + bytes(nbytes - len(bits))
-            batch_ids.append(m.batch_id)
-            group_ids.append(m.group_id)
-            hexes.append(bits.hex())
-            counted += count
-        applied = conn.execute(q["apply"], [batch_ids, group_ids, hexes, DEFAULTS.completion_topic]) if batch_ids else None
-    # (the pipeline has synced: the savepoint is released, the rows are here)
-    for batch_id, flipped, completed in applied.fetchall() if applied is not None else ():
+    # One round trip: savepoint, batch locks (in id order), then the groups' sizes, read after
+    # the locks are held so that an add committed while we waited is seen.
+    lock_rows, size_rows = yield Round((
+        Query(q["lock"], [sorted({m.batch_id for m in todo})], "all"),
+        Query(q["sizes"], [[m.batch_id for m in todo], [m.group_id for m in todo]], "all")))
+    states = dict(lock_rows)  # type: ignore[arg-type]
+    sizes = {(b, g): size for b, g, size in size_rows}  # type: ignore[union-attr]
+    live: list[GroupMask] = []
+    for m in todo:
+        state = states.get(m.batch_id)
+        if state is None or state == "expired":
+            first = m.item_id(_first_index(m))
+            if not reject_invalid:
+                raise UnknownBatch(m.batch_id, first) if state is None else BatchExpired(m.batch_id, first)
+            reason = "unknown batch" if state is None else "batch expired"
+            result.rejected.extend((run, reason) for run in _runs(m))
+        else:
+            live.append(m)
+    batch_ids, group_ids, hexes = [], [], []
+    counted = 0
+    for m in live:
+        size = sizes.get((m.batch_id, m.group_id))
+        if size is None:
+            if not reject_invalid:
+                raise UnknownGroup(m.batch_id, m.group_id, m.item_id(_first_index(m)))
+            result.rejected.extend((run, "unknown group") for run in _runs(m))
+            continue
+        count = m.count
+        if m.max_index >= size:
+            if not reject_invalid:
+                raise IndexOutOfRange(m.item_id(_first_index(m, size)), size, culprit=(m.batch_id, m.group_id))
+            result.rejected.extend((run, f"index out of range (group size {size})") for run in _runs(m, size))
+            count -= _set_bits_from(m, size)
+        nbytes = (size + 7) >> 3
+        bits = m.bits
+        if len(bits) != nbytes:
+            bits = bits[:nbytes] if len(bits) > nbytes else bits + bytes(nbytes - len(bits))
+        batch_ids.append(m.batch_id)
+        group_ids.append(m.group_id)
+        hexes.append(bits.hex())
+        counted += count
+    if not batch_ids:
+        return result
+    (applied,) = yield Round((Query(q["apply"], [batch_ids, group_ids, hexes, completion_topic], "all"),), last)
+    for batch_id, flipped, completed in applied:  # type: ignore[union-attr]
         result.acked += flipped
         if completed:
             result.completed.append(batch_id)
     result.duplicates = max(0, counted - result.acked)
-    metrics.acks_applied.inc(result.acked)
-    metrics.acks_duplicate.inc(result.duplicates)
-    metrics.batches_completed.inc(len(result.completed))
-    metrics.ack_apply_duration.observe(time.perf_counter() - started)
     return result
-
-
-def ack(session: Any, item_ids: Iterable[str | bytes], *, schema: str | None = None) -> AckResult:
-    """Ack item ids (and runs '<b>:<g>:<start>-<end>') in the caller's transaction.
-
-    Raises MalformedItemId, UnknownBatch, UnknownGroup, IndexOutOfRange or BatchExpired naming the
-    offending id; then nothing of the call was applied.
-    """
-    if isinstance(item_ids, (str, bytes)):
-        item_ids = [item_ids]
-    masks = fold(item_ids)
-    return apply_masks(pg_connection(session), masks, schema=schema)

@@ -37,15 +37,13 @@ from __future__ import annotations
 import datetime as dt
 import functools
 from dataclasses import dataclass
-from typing import Any
 
-import psycopg
 from psycopg import sql
 
-from . import metrics
-from .errors import BatchExpired, BatchNotOpen, UnknownBatch
-from .ids import GROUP_BITS_MAX, expand
-from .session import DEFAULTS, atomic, pg_connection, schema_of
+from .errors import BatchExpired, BatchNotOpen, InvalidArgument, UnknownBatch
+from .ids import GROUP_BITS_MAX, ID_MAX, expand
+from .steps import Op, Query, Round, one
+from .validate import check_count, check_topic, optional_text
 
 
 @dataclass(frozen=True)
@@ -92,12 +90,12 @@ class BatchStatus:
         return self.state == "complete"
 
 
-def batch_id_of(batch: Batch | int) -> int:
+def batch_id_of(batch: Batch | int, name: str = "batch") -> int:
     if isinstance(batch, Batch):
         return batch.id
-    if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 0:
+    if isinstance(batch, int) and not isinstance(batch, bool) and 0 <= batch <= ID_MAX:
         return batch
-    raise TypeError(f"expected a tracker Batch or a batch id (int >= 0), got {batch!r}")
+    raise InvalidArgument(name, batch, f"a tracker Batch or a batch id (an int from 0 to {ID_MAX})")
 
 
 def completion_insert(schema: str, outbox_table: str) -> sql.Composable:
@@ -114,7 +112,7 @@ def completion_insert(schema: str, outbox_table: str) -> sql.Composable:
 
 
 @functools.lru_cache(maxsize=64)
-def _statements(schema: str, outbox_table: str) -> dict[str, str]:
+def statements(schema: str, outbox_table: str) -> dict[str, str]:
     t = {"batch": sql.Identifier(schema, "batch"), "group": sql.Identifier(schema, "batch_group")}
     q = {
         "open": sql.SQL("INSERT INTO {batch} (user_key, completion_topic) VALUES (%s, %s) RETURNING id, created_at"),
@@ -126,10 +124,15 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
             "bits = g.bits || repeat('1', k.n)::varbit "
             "FROM last, LATERAL (SELECT least(%(n)s, %(max)s - last.size) AS n) k "
             "WHERE g.batch_id = %(b)s AND g.id = %(g)s RETURNING last.size, g.size"),
+        # New groups are made by the server: nothing proportional to the count is built here.
+        "new_groups": sql.SQL(
+            "INSERT INTO {group} (batch_id, id, size, pending, bits) "
+            "SELECT %(b)s, %(first)s + g, s.size, s.size, repeat('1', s.size)::varbit "
+            "FROM generate_series(0::int8, %(count)s::int8 - 1) AS g, "
+            "LATERAL (SELECT CASE WHEN g < %(full)s THEN %(max)s ELSE %(rest)s END AS size) AS s"),
         "grow": sql.SQL(
             "UPDATE {batch} SET total = total + %(n)s, pending = pending + %(n)s, next_group = %(next)s, "
             "last_activity_at = clock_timestamp() WHERE id = %(b)s"),
-        "copy_groups": sql.SQL("COPY {group} (batch_id, id, size, pending, bits) FROM STDIN (FORMAT BINARY)"),
         "close": sql.SQL(
             "WITH closed AS (UPDATE {batch} SET state = CASE WHEN pending = 0 THEN 'complete' ELSE 'closed' END, "
             "closed_at = clock_timestamp(), completed_at = CASE WHEN pending = 0 THEN clock_timestamp() END, "
@@ -146,42 +149,25 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
     return {k: v.format(insert=insert, **t).as_string(None) for k, v in q.items()}
 
 
-def statements(schema: str) -> dict[str, str]:
-    return _statements(schema, DEFAULTS.outbox_table)
+# ---------------------------------------------------------------- operations (no I/O: see steps.py)
 
 
-def open_batch(session: Any, *, user_key: str | None = None, completion_topic: str | None = None,
-               schema: str | None = None) -> Batch:
-    """Open a batch. Items are added by `outbox.enqueue` or `add_items`; `close_batch` closes it."""
-    if user_key is not None and not isinstance(user_key, str):
-        raise TypeError(f"user_key must be a str or None, got {type(user_key).__name__}")
-    if user_key is not None and "\x00" in user_key:
-        raise ValueError(f"user_key {user_key!r} contains a NUL character, which Postgres text cannot hold")
-    if completion_topic is not None and (not isinstance(completion_topic, str) or not completion_topic):
-        raise ValueError(f"completion_topic must be a non-empty string or None, got {completion_topic!r}")
-    conn = pg_connection(session)
-    q = statements(schema_of(schema))
-    with atomic(conn):
-        batch_id, created_at = conn.execute(q["open"], [user_key, completion_topic]).fetchone()
-    metrics.batches_opened.inc()
-    return Batch(batch_id, user_key, completion_topic, created_at)
+def open_op(q: dict[str, str], user_key: object, completion_topic: object) -> Op[Batch]:
+    user_key = optional_text(user_key, "user_key")
+    if completion_topic is not None:
+        check_topic(completion_topic, "completion_topic")
+    (row,) = yield one(q["open"], [user_key, completion_topic], last=True)
+    batch_id, created_at = row  # type: ignore[misc]
+    return Batch(batch_id, user_key, completion_topic, created_at)  # type: ignore[arg-type]
 
 
-def _ones(size: int) -> bytes:
-    full, rest = divmod(size, 8)
-    return b"\xff" * full + (bytes([(0xFF00 >> rest) & 0xFF]) if rest else b"")
-
-
-def reserve(conn: psycopg.Connection, schema: str, batch_id: int, n: int) -> list[GroupHandle]:
+def reserve_op(q: dict[str, str], batch_id: int, n: int, *, last: bool) -> Op[list[GroupHandle]]:
     """Track `n` more items in an open batch: top up its last group, then new groups of at most
-    8192. The caller runs this inside `atomic()` (enqueue writes its messages in the same block)."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ValueError(f"the number of items to add must be an int >= 0, got {n!r}")
-    q = statements(schema)
-    row = conn.execute(q["lock"], [batch_id]).fetchone()
+    8192. `last`: nothing follows in the call (enqueue still writes its messages)."""
+    (row,) = yield one(q["lock"], [batch_id], last=last and n == 0)
     if row is None:
         raise UnknownBatch(batch_id)
-    state, next_group = row
+    state, next_group = row  # type: ignore[misc]
     if state != "open":
         raise BatchNotOpen(batch_id, state)
     handles: list[GroupHandle] = []
@@ -189,69 +175,51 @@ def reserve(conn: psycopg.Connection, schema: str, batch_id: int, n: int) -> lis
         return handles
     left = n
     if next_group > 0:
-        topped = conn.execute(q["top_up"], {"b": batch_id, "g": next_group - 1, "n": n, "max": GROUP_BITS_MAX}).fetchone()
+        (topped,) = yield one(q["top_up"], {"b": batch_id, "g": next_group - 1, "n": n, "max": GROUP_BITS_MAX})
         if topped is not None:
-            old, new = topped
+            old, new = topped  # type: ignore[misc]
             handles.append(GroupHandle(batch_id, next_group - 1, new, old))
             left -= new - old
     first_new = next_group
-    if left:
-        sizes = [GROUP_BITS_MAX] * (left // GROUP_BITS_MAX)
-        if left % GROUP_BITS_MAX:
-            sizes.append(left % GROUP_BITS_MAX)
-        with conn.cursor().copy(q["copy_groups"]) as copy:
-            buf = bytearray(b"PGCOPY\n\xff\r\n\0" + bytes(8))
-            for i, size in enumerate(sizes):
-                bits = _ones(size)
-                # 5 fields: int8 batch_id, int8 id, int4 size, int4 pending, varbit (int4 bit length + bytes)
-                buf += b"\x00\x05\x00\x00\x00\x08" + (batch_id).to_bytes(8, "big", signed=True)
-                buf += b"\x00\x00\x00\x08" + (first_new + i).to_bytes(8, "big", signed=True)
-                buf += b"\x00\x00\x00\x04" + size.to_bytes(4, "big") + b"\x00\x00\x00\x04" + size.to_bytes(4, "big")
-                buf += (4 + len(bits)).to_bytes(4, "big") + size.to_bytes(4, "big") + bits
-            buf += b"\xff\xff"
-            copy.write(buf)
-        handles.extend(GroupHandle(batch_id, first_new + i, size) for i, size in enumerate(sizes))
-        next_group += len(sizes)
-    conn.execute(q["grow"], {"n": n, "next": next_group, "b": batch_id})
+    full, rest = divmod(left, GROUP_BITS_MAX)
+    count = full + (1 if rest else 0)
+    queries = []
+    if count:
+        queries.append(Query(q["new_groups"], {"b": batch_id, "first": first_new, "count": count, "full": full,
+                                               "max": GROUP_BITS_MAX, "rest": rest}))
+        handles.extend(GroupHandle(batch_id, first_new + i, GROUP_BITS_MAX) for i in range(full))
+        if rest:
+            handles.append(GroupHandle(batch_id, first_new + full, rest))
+    queries.append(Query(q["grow"], {"n": n, "next": next_group + count, "b": batch_id}))
+    yield Round(tuple(queries), last)
     return handles
 
 
-def add_items(session: Any, batch: Batch | int, n: int, *, schema: str | None = None) -> list[GroupHandle]:
-    """Track `n` items without writing messages (for producers that publish elsewhere)."""
+def add_op(q: dict[str, str], batch: Batch | int, n: object) -> Op[list[GroupHandle]]:
     batch_id = batch_id_of(batch)
-    conn = pg_connection(session)
-    with atomic(conn):
-        return reserve(conn, schema_of(schema), batch_id, n)
+    count = check_count(n)
+    return (yield from reserve_op(q, batch_id, count, last=True))
 
 
-def close_batch(session: Any, batch: Batch | int, *, schema: str | None = None) -> bool:
-    """Close the batch: no more items. Returns whether it is complete (now or already).
-
-    Closing a closed or complete batch changes nothing; closing an expired one raises BatchExpired.
-    """
+def close_op(q: dict[str, str], batch: Batch | int, completion_topic: str) -> Op[tuple[bool, bool]]:
+    """Returns (complete, closed_now): whether the batch is complete, and whether this call closed it."""
     batch_id = batch_id_of(batch)
-    conn = pg_connection(session)
-    q = statements(schema_of(schema))
-    with atomic(conn):
-        row = conn.execute(q["close"], [batch_id, DEFAULTS.completion_topic]).fetchone()
-        if row is None:
-            now = conn.execute(q["state"], [batch_id]).fetchone()
-            if now is None:
-                raise UnknownBatch(batch_id)
-            if now[0] == "expired":
-                raise BatchExpired(batch_id)
-            return now[0] == "complete"
-    metrics.batches_closed.inc()
-    if row[0] == "complete":
-        metrics.batches_completed.inc()
-        return True
-    return False
+    # The close and, should it change nothing, the state it found: one round trip. Raising after
+    # it is safe: a close that matched no open batch wrote nothing.
+    closed, now = yield Round((Query(q["close"], [batch_id, completion_topic], "one"),
+                               Query(q["state"], [batch_id], "one")), last=True)
+    if closed is not None:
+        return closed[0] == "complete", True  # type: ignore[index]
+    if now is None:
+        raise UnknownBatch(batch_id)
+    if now[0] == "expired":  # type: ignore[index]
+        raise BatchExpired(batch_id)
+    return now[0] == "complete", False  # type: ignore[index]
 
 
-def status(session: Any, batch: Batch | int, *, schema: str | None = None) -> BatchStatus:
+def status_op(q: dict[str, str], batch: Batch | int) -> Op[BatchStatus]:
     batch_id = batch_id_of(batch)
-    conn = pg_connection(session)
-    row = conn.execute(statements(schema_of(schema))["status"], [batch_id]).fetchone()
+    (row,) = yield one(q["status"], [batch_id], last=True)
     if row is None:
         raise UnknownBatch(batch_id)
-    return BatchStatus(*row)
+    return BatchStatus(*row)  # type: ignore[misc]

@@ -20,10 +20,10 @@ from typing import Any, Callable, Generic, Iterable, TypeVar
 
 from confluent_kafka import KafkaError, Producer
 
-from .acks import AckResult, apply_masks
-from .errors import MalformedItemId, TrackerError
+from .acks import AckResult, apply_op
+from .errors import InvalidArgument, MalformedItemId, TrackerError
 from .ids import GROUP_BITS_MAX, fold, format_run, parse_item_id
-from .session import atomic, pg_connection
+from .steps import Effect, Op
 
 ITEM_ID_HEADER = "item-id"
 BATCH_ID_HEADER = "batch-id"
@@ -252,22 +252,28 @@ class Processed(Generic[T]):
     ack: AckResult
 
 
-def exactly_once(session: Any, item_id: str | bytes, effect: Callable[[Any], T], *,
-                 schema: str | None = None) -> Processed[T]:
-    """Ack `item_id` and, only if its bit was still set, run `effect(session)`, in the caller's
-    transaction (nothing is committed here).
+def exactly_once_op(q: dict[str, str], item_id: object, completion_topic: str) -> Op[Processed[object]]:
+    """Ack `item_id` and, only if its bit was still set, run the caller's effect, in one savepoint
+    of the caller's transaction (nothing is committed here).
 
     The ack goes first: it locks the item's batch row until the caller commits, so a concurrent
     redelivery of the same item waits, then finds the bit clear and skips the effect. If the
-    effect raises, the ack is rolled back with it (savepoint) and the error propagates: the item
-    stays pending and a redelivery processes it again.
+    effect raises, the ack is rolled back with it and the error propagates: the item stays
+    pending and a redelivery processes it again.
     """
+    if not isinstance(item_id, (str, bytes)):
+        raise InvalidArgument("item_id", item_id, "one item id (str or bytes)")
     run = parse_item_id(item_id)  # one item, not a run: one effect
-
-    conn = pg_connection(session)
-    with atomic(conn):
-        result = apply_masks(conn, fold([str(run)]), schema=schema)
-        if result.acked == 0:
-            return Processed(False, None, result)
-        value = effect(session)
+    result = yield from apply_op(q, fold([str(run)]), completion_topic, False, last=False)
+    if result.acked == 0:
+        return Processed(False, None, result)
+    value = yield Effect()
     return Processed(True, value, result)
+
+
+def exactly_once(session: object, item_id: str | bytes, effect: "Callable[[Any], T]", *,
+                 schema: str | None = None) -> Processed[T]:
+    """`Tracker.exactly_once` on the default tracker of `schema` (see tracker.api)."""
+    from .api import default  # the face is built on this module: import it at call time
+
+    return default(schema).exactly_once(session, item_id, effect)  # type: ignore[arg-type]

@@ -34,8 +34,10 @@ class UnknownGroup(TrackerError, LookupError):
 
 
 class IndexOutOfRange(TrackerError, IndexError):
-    def __init__(self, item_id: str, size: int, *, any_group: bool = False) -> None:
+    def __init__(self, item_id: str, size: int, *, any_group: bool = False,
+                 culprit: tuple[int, int] | None = None) -> None:
         self.item_id, self.size = item_id, size
+        self.culprit = culprit  # (batch, group) whose size was exceeded, when known
         if any_group:  # found while parsing, before the group was looked up
             super().__init__(f"item id {item_id!r} is out of range: no group holds more than {size} items")
         else:
@@ -57,3 +59,48 @@ class BatchExpired(TrackerError):
         self.batch_id, self.item_id = batch_id, item_id
         via = f" (item id {item_id!r})" if item_id else ""
         super().__init__(f"batch {batch_id} has expired{via}")
+
+
+class InvalidArgument(TrackerError, TypeError):
+    """An argument of the wrong type or shape (a whole argument, not one entry of it)."""
+
+    def __init__(self, name: str, value: object, expected: str) -> None:
+        self.name, self.value, self.expected = name, value, expected
+        shown = repr(value)
+        if len(shown) > 200:
+            shown = shown[:200] + "..."
+        super().__init__(f"{name} must be {expected}, got {type(value).__name__} {shown}")
+
+
+class InvalidValue(TrackerError, ValueError):
+    """A value the database could not store as written (NUL, text that is not UTF-8, a count past
+    what one call may add, a header of an unsupported type). Names the value as the caller wrote it."""
+
+    def __init__(self, name: str, value: object, reason: str) -> None:
+        self.name, self.value, self.reason = name, value, reason
+        shown = repr(value)
+        if len(shown) > 200:
+            shown = shown[:200] + "..."
+        super().__init__(f"{name} {shown}: {reason}")
+
+
+class UnsupportedConnection(TrackerError, TypeError):
+    """`session` is not a connection the tracker can run in."""
+
+    SYNC = ("a psycopg 3 Connection, or a SQLAlchemy Session/Connection on a postgresql+psycopg:// engine")
+    ASYNC = ("a psycopg 3 AsyncConnection, or a SQLAlchemy AsyncSession/AsyncConnection on a "
+             "postgresql+psycopg:// (async) engine")
+
+    def __init__(self, session: object, face: str, why: str = "") -> None:
+        self.session = session
+        expected = self.ASYNC if face == "async" else self.SYNC
+        extra = f" ({why})" if why else ""
+        super().__init__(f"cannot run the tracker ({face} face) in a {type(session).__module__}."
+                         f"{type(session).__qualname__}{extra}: expected {expected}")
+
+
+class CallerTransactionAborted(TrackerError):
+    """The caller's transaction already failed; the tracker runs nothing in it."""
+
+    def __init__(self) -> None:
+        super().__init__("the caller's transaction is aborted (a statement in it failed): roll it back first")

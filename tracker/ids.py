@@ -200,9 +200,10 @@ def _fold_plain_ids(acks: list) -> dict[tuple[int, int], GroupMask] | None:
         text = "\n".join(acks) if type(acks[0]) is str else b"\n".join(acks).decode("ascii")
     except (TypeError, UnicodeDecodeError):
         return None
-    if _PLAIN_IDS.fullmatch(text) is None:
-        return None
     n = len(acks)
+    # An entry with a newline inside would read as two ids: the slow path names it as malformed.
+    if _PLAIN_IDS.fullmatch(text) is None or text.count("\n") != n - 1:
+        return None
     # Usually one batch: strip its prefix and split lines of "<group>:<index>" into 2n tokens.
     batch_prefix = text[:text.index(":") + 1]
     if text.count("\n" + batch_prefix) == n - 1:

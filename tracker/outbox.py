@@ -7,15 +7,22 @@ constant parts of a row are built once per call).
 """
 from __future__ import annotations
 
+import functools
 import json
 import struct
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Union
 
 from psycopg import sql
 
-from .batches import Batch, GroupHandle, batch_id_of, reserve
+from .batches import GroupHandle, batch_id_of, reserve_op
+from .errors import InvalidArgument, InvalidValue
 from .ids import GROUP_BITS_MAX
-from .session import DEFAULTS, atomic, pg_connection, schema_of
+from .steps import Op, Write
+from .validate import check_topic, utf8
+
+if TYPE_CHECKING:
+    from .session import SyncSession
 
 __all__ = ["Message", "enqueue"]
 
@@ -26,51 +33,82 @@ _TEXT_OID, _BYTEA_OID = 25, 17
 _FLUSH_BYTES = 1 << 20
 # Decimal spellings of every index a group can hold, shared by every call.
 _INDEX_BYTES = [str(i).encode() for i in range(GROUP_BITS_MAX)]
+_RESERVED_HEADERS = ("item-id", "batch-id")
 
-Headers = Mapping[str, "bytes | str"] | Sequence[tuple[str, "bytes | str"]] | None
+HeaderValue = Union[bytes, bytearray, memoryview, str]
+Headers = Union[Mapping[str, HeaderValue], Sequence[tuple[str, HeaderValue]], None]
+Key = Union[bytes, bytearray, memoryview, str, None]
+# A JSON-serialisable value (dict, list, number, bool), bytes, str, None (a tombstone) or a Message.
+Item = object
+KeyArg = Union[Key, Callable[[Item], Key]]
 
 
 class Message(NamedTuple):
     """An item with its own key and/or extra headers (plain items take the call's defaults)."""
 
-    value: Any
-    key: bytes | str | None = None
+    value: object
+    key: Key = None
     headers: Headers = None
 
 
-def _value_bytes(value: Any) -> bytes | None:
+def _value_bytes(value: object) -> bytes | None:
     if type(value) is bytes:
         return value
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     if isinstance(value, str):
-        return value.encode()
+        return utf8_any(value, "item value")
     if value is None:
         return None  # a tombstone
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise InvalidValue("item", value, f"is not bytes, str, None or JSON-serialisable ({exc})") from None
 
 
-def _key_bytes(key: Any) -> bytes | None:
-    if key is None or isinstance(key, bytes):
-        return key
+def utf8_any(value: str, name: str) -> bytes:
+    """UTF-8 bytes of a str that becomes bytea (NUL is fine there; lone surrogates are not)."""
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidValue(name, value, f"is not valid UTF-8 text ({exc.reason} at {exc.start})") from None
+
+
+def _key_bytes(key: object) -> bytes | None:
+    if key is None or type(key) is bytes:
+        return key  # type: ignore[return-value]
     if isinstance(key, str):
-        return key.encode()
-    if isinstance(key, (bytearray, memoryview)):
+        return utf8_any(key, "message key")
+    if isinstance(key, (bytes, bytearray, memoryview)):
         return bytes(key)
-    raise TypeError(f"a message key must be bytes, str or None, got {type(key).__name__}")
+    raise InvalidArgument("message key", key, "bytes, str or None")
 
 
-def _header_pairs(headers: Headers) -> list[tuple[bytes, bytes]]:
-    if not headers:
+def _header_pairs(headers: object) -> list[tuple[bytes, bytes]]:
+    if headers is None:
         return []
-    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    if isinstance(headers, Mapping):
+        pairs: Iterable[object] = headers.items()
+    elif isinstance(headers, (str, bytes)) or not isinstance(headers, Iterable):
+        raise InvalidArgument("headers", headers, "a mapping of name to value, or a list of (name, value) pairs")
+    else:
+        pairs = headers
     out = []
-    for name, value in pairs:
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise InvalidArgument("header", pair, "a (name, value) pair")
+        name, value = pair
         if not isinstance(name, str) or not name:
-            raise TypeError(f"a header name must be a non-empty str, got {name!r}")
-        if name in ("item-id", "batch-id"):
-            raise ValueError(f"header {name!r} is set by the tracker on every message")
-        out.append((name.encode(), value.encode() if isinstance(value, str) else bytes(value)))
+            raise InvalidArgument("header name", name, "a non-empty str")
+        if name in _RESERVED_HEADERS:
+            raise InvalidValue("header name", name, "is set by the tracker on every message")
+        if isinstance(value, str):
+            raw = utf8_any(value, f"header {name!r} value")
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            raw = bytes(value)
+        else:
+            raise InvalidArgument(f"header {name!r} value", value, "bytes or str")
+        out.append((utf8(name, "header name"), raw))
     return out
 
 
@@ -125,73 +163,120 @@ class _RowEncoder:
                 + _array(names, _TEXT_OID) + _array(values, _BYTEA_OID))
 
 
-def _copy_sql(schema: str) -> str:
-    return sql.SQL("COPY {} (topic, key, value, header_keys, header_values) FROM STDIN (FORMAT BINARY)").format(
-        sql.Identifier(schema, DEFAULTS.outbox_table)).as_string(None)
+@functools.lru_cache(maxsize=64)
+def statements(schema: str, outbox_table: str) -> tuple[str, str]:
+    """(binary COPY, one-row INSERT) into the outbox table."""
+    table = sql.Identifier(schema, outbox_table)
+    copy = sql.SQL("COPY {} (topic, key, value, header_keys, header_values) FROM STDIN (FORMAT BINARY)")
+    insert = sql.SQL("INSERT INTO {} (topic, key, value, header_keys, header_values) VALUES (%s, %s, %s, %s, %s)")
+    return copy.format(table).as_string(None), insert.format(table).as_string(None)
 
 
-def enqueue(session: Any, batch: Batch | int, items: Iterable[Any], *, topic: str,
-            key: bytes | str | Callable[[Any], bytes | str | None] | None = None, headers: Headers = None,
-            schema: str | None = None) -> list[GroupHandle]:
-    """Write one outbox message per item on `topic` and track the items in `batch`.
+def _item_list(items: object) -> list[Item]:
+    if isinstance(items, list):
+        return items
+    if items is None or isinstance(items, (str, bytes, bytearray, memoryview, Mapping, int, float)) or not isinstance(
+            items, Iterable):
+        raise InvalidArgument("items", items, "a list or iterable of items (bytes, str, JSON values or Message)")
+    return list(items)
 
-    Items are bytes, str, JSON-serialisable values, or `Message(value, key=, headers=)` for a
-    per-item key and headers. `key` is the default key (or a function of the item giving it);
-    `headers` are added to every message. Returns the groups holding the items, in item order:
-    item k of the call is index `start + j` of the group it falls in.
-    """
-    if not isinstance(topic, str) or not topic:
-        raise ValueError(f"topic must be a non-empty string, got {topic!r}")
-    batch_id = batch_id_of(batch)
-    schema = schema_of(schema)
-    items = items if isinstance(items, list) else list(items)
+
+class _Call(NamedTuple):
+    enc: _RowEncoder
+    handles: list[GroupHandle]
+    items: list[Item]
+    key_fn: Callable[[Item], Key] | None
+    default_key: bytes | None
+
+    def groups(self) -> Iterator[tuple[GroupHandle, list[Item]]]:
+        pos = 0
+        for h in self.handles:
+            yield h, self.items[pos:pos + h.count]
+            pos += h.count
+
+    def item_key(self, value: Item) -> bytes | None:
+        return _key_bytes(self.key_fn(value)) if self.key_fn else self.default_key
+
+    def copy_chunks(self) -> Iterator[bytes]:
+        """The binary COPY payload, in chunks of about 1 MiB."""
+        enc = self.enc
+        head, hk = enc.head, enc.header_keys
+        plain = self.key_fn is None and all(type(v) is bytes or type(v) is str for v in self.items)
+        out = bytearray(_COPY_SIGNATURE)
+        for h, chunk in self.groups():
+            hvs = enc.header_values(h)
+            if plain:
+                for value, hv in zip(chunk, hvs):
+                    if type(value) is str:
+                        value = utf8_any(value, "item value")
+                    out += head
+                    out += _int4(len(value))
+                    out += value
+                    out += hk
+                    out += hv
+                    if len(out) > _FLUSH_BYTES:
+                        yield bytes(out)
+                        out = bytearray()
+                continue
+            prefix = b"%d:%d:" % (h.batch_id, h.group_id)
+            for j, (value, hv) in enumerate(zip(chunk, hvs)):
+                if isinstance(value, Message) or self.key_fn:
+                    out += enc.custom_row(self._message(value), prefix + _INDEX_BYTES[h.start + j], self.default_key)
+                else:
+                    out += head
+                    out += _field(_value_bytes(value))
+                    out += hk
+                    out += hv
+                if len(out) > _FLUSH_BYTES:
+                    yield bytes(out)
+                    out = bytearray()
+        out += b"\xff\xff"
+        yield bytes(out)
+
+    def _message(self, value: Item) -> Message:
+        msg = value if isinstance(value, Message) else Message(value)
+        if msg.key is None and self.key_fn:
+            msg = msg._replace(key=self.key_fn(value))
+        return msg
+
+    def insert_rows(self) -> Iterator[tuple[str, bytes | None, bytes | None, list[str], list[bytes]]]:
+        """The same rows as parameters of a plain INSERT (pipeline mode, where COPY is refused)."""
+        enc = self.enc
+        topic = enc.topic.decode()
+        for h, chunk in self.groups():
+            prefix = b"%d:%d:" % (h.batch_id, h.group_id)
+            for j, value in enumerate(chunk):
+                msg = self._message(value)
+                key = self.default_key if msg.key is None else _key_bytes(msg.key)
+                extra = enc.headers + _header_pairs(msg.headers)
+                names = ["item-id", "batch-id", *(n.decode() for n, _ in extra)]
+                values = [prefix + _INDEX_BYTES[h.start + j], enc.batch_id, *(v for _, v in extra)]
+                yield topic, key, _value_bytes(msg.value), names, values
+
+
+def enqueue_op(q: dict[str, str], copy_sql: str, insert_sql: str, batch: object, items: object, topic: object,
+               key: object, headers: object) -> Op[list[GroupHandle]]:
+    batch_id = batch_id_of(batch)  # type: ignore[arg-type]
+    check_topic(topic)
+    item_list = _item_list(items)
     key_fn = key if callable(key) else None
     default_key = None if key_fn else _key_bytes(key)
-    enc = _RowEncoder(topic, batch_id, default_key, _header_pairs(headers))
-    # Fast path: plain bytes/str items with no per-item key. Anything else is encoded per row.
-    plain = key_fn is None and all(type(v) is bytes or type(v) is str for v in items)
-    conn = pg_connection(session)
-    with atomic(conn):
-        handles = reserve(conn, schema, batch_id, len(items))
-        if not items:
-            return handles
-        with conn.cursor().copy(_copy_sql(schema)) as copy:
-            out = bytearray(_COPY_SIGNATURE)
-            head, hk = enc.head, enc.header_keys
-            pos = 0
-            for h in handles:
-                hvs = enc.header_values(h)
-                chunk = items[pos:pos + len(hvs)]
-                if plain:
-                    for value, hv in zip(chunk, hvs):
-                        if type(value) is str:
-                            value = value.encode()
-                        out += head
-                        out += _int4(len(value))
-                        out += value
-                        out += hk
-                        out += hv
-                        if len(out) > _FLUSH_BYTES:
-                            copy.write(out)
-                            out = bytearray()
-                else:
-                    prefix = b"%d:%d:" % (h.batch_id, h.group_id)
-                    for j, (value, hv) in enumerate(zip(chunk, hvs)):
-                        item_key = _key_bytes(key_fn(value)) if key_fn else default_key
-                        if isinstance(value, Message) or key_fn:
-                            msg = value if isinstance(value, Message) else Message(value)
-                            if msg.key is None and item_key is not None:
-                                msg = msg._replace(key=item_key)
-                            out += enc.custom_row(msg, prefix + _INDEX_BYTES[h.start + j], default_key)
-                        else:
-                            out += head
-                            out += _field(_value_bytes(value))
-                            out += hk
-                            out += hv
-                        if len(out) > _FLUSH_BYTES:
-                            copy.write(out)
-                            out = bytearray()
-                pos += len(hvs)
-            out += b"\xff\xff"
-            copy.write(out)
+    enc = _RowEncoder(topic, batch_id, default_key, _header_pairs(headers))  # type: ignore[arg-type]
+    for value in item_list:  # per-item keys and headers are checked before anything is written
+        if isinstance(value, Message):
+            _key_bytes(value.key)
+            _header_pairs(value.headers)
+    handles = yield from reserve_op(q, batch_id, len(item_list), last=not item_list)
+    if not item_list:
         return handles
+    call = _Call(enc, handles, item_list, key_fn, default_key)  # type: ignore[arg-type]
+    yield Write(copy_sql, call.copy_chunks, insert_sql, call.insert_rows)
+    return handles
+
+
+def enqueue(session: "SyncSession", batch: object, items: object, *, topic: str, key: KeyArg = None,
+            headers: Headers = None, schema: str | None = None) -> list[GroupHandle]:
+    """`Tracker.enqueue` on the default tracker of `schema` (see tracker.api.Tracker.enqueue)."""
+    from .api import default  # the face is built on this module: import it at call time
+
+    return default(schema).enqueue(session, batch, items, topic=topic, key=key, headers=headers)  # type: ignore[arg-type]

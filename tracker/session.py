@@ -1,119 +1,77 @@
-"""The caller's connection: a psycopg Connection, or the one behind a SQLAlchemy Session/Connection.
+"""The caller's connection: which psycopg connection a `session` argument stands for.
 
-The tracker runs inside the caller's transaction and never commits or rolls it back. `atomic()`
-wraps a call's statements in a savepoint so that a call which fails leaves the caller's
-transaction usable and exactly as it was.
+Sync face: a psycopg `Connection`, or the one behind a SQLAlchemy `Session` or `Connection` on the
+psycopg driver. Asyncio face: a psycopg `AsyncConnection`, or the one behind a SQLAlchemy
+`AsyncSession` or `AsyncConnection` on the psycopg driver. Anything else is refused with
+`UnsupportedConnection`, which names what is supported. Resolving never commits: SQLAlchemy's
+`Session.connection()` joins (or begins) the session's own transaction.
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Union
 
 import psycopg
-from psycopg import pq
 
-from .schema import check_identifier
-
-
-@dataclass
-class Defaults:
-    schema: str = "reaper"
-    completion_topic: str = "batch-completions"
-    outbox_table: str = "outbox"
+from .errors import UnsupportedConnection
 
 
-DEFAULTS = Defaults()
+# What the sync face accepts. SQLAlchemy is not imported here: any object with SQLAlchemy's shape
+# on the psycopg driver works, and the error for anything else names the supported kinds.
+SyncSession = Union[psycopg.Connection, "sqlalchemy.orm.Session", "sqlalchemy.engine.Connection"]  # noqa: F821
+AsyncSession = Union[psycopg.AsyncConnection, "sqlalchemy.ext.asyncio.AsyncSession",  # noqa: F821
+                     "sqlalchemy.ext.asyncio.AsyncConnection"]  # noqa: F821
 
 
-def configure(*, schema: str | None = None, completion_topic: str | None = None,
-              outbox_table: str | None = None) -> None:
-    """Set the process-wide defaults every public function falls back on."""
-    if schema is not None:
-        DEFAULTS.schema = check_identifier(schema, "schema")
-    if completion_topic is not None:
-        if not isinstance(completion_topic, str) or not completion_topic:
-            raise ValueError(f"completion_topic must be a non-empty string, got {completion_topic!r}")
-        DEFAULTS.completion_topic = completion_topic
-    if outbox_table is not None:
-        DEFAULTS.outbox_table = check_identifier(outbox_table, "outbox table")
+def _driver_name(sa_connection: object) -> str | None:
+    dialect = getattr(sa_connection, "dialect", None)
+    return getattr(dialect, "driver", None)
 
 
-def schema_of(schema: str | None) -> str:
-    return DEFAULTS.schema if schema is None else check_identifier(schema, "schema")
-
-
-def pg_connection(session: Any) -> psycopg.Connection:
-    """The psycopg connection behind `session` (psycopg Connection, SQLAlchemy Session or Connection)."""
+def sync_connection(session: object) -> psycopg.Connection:
+    """The psycopg Connection behind `session`."""
     if isinstance(session, psycopg.Connection):
         return session
-    connection = getattr(session, "connection", None)
-    if connection is None:
-        raise TypeError(f"expected a psycopg Connection or a SQLAlchemy Session/Connection, got {type(session).__name__}")
-    # Session.connection() joins (or begins) the session's transaction; Connection.connection is
-    # the pool's proxy. Either way the DBAPI connection is the psycopg one.
-    proxied = connection() if callable(connection) else connection
-    for attr in ("connection", "driver_connection"):  # SQLAlchemy Connection -> pool proxy -> psycopg
-        if isinstance(proxied, psycopg.Connection):
-            break
-        if hasattr(type(proxied), "driver_connection"):
-            proxied = proxied.driver_connection
-        else:
-            proxied = getattr(proxied, attr, proxied)
-    if not isinstance(proxied, psycopg.Connection):
-        raise TypeError(f"{type(session).__name__} is not backed by psycopg 3 (use a postgresql+psycopg:// engine)")
-    return proxied
+    if isinstance(session, psycopg.AsyncConnection):
+        raise UnsupportedConnection(session, "sync", "an AsyncConnection belongs to the asyncio face: use tracker.aio")
+    module = type(session).__module__
+    if module.startswith("sqlalchemy.ext.asyncio"):
+        raise UnsupportedConnection(session, "sync", "an asyncio session belongs to the asyncio face: use tracker.aio")
+    if not module.startswith("sqlalchemy"):
+        raise UnsupportedConnection(session, "sync")
+    attr = getattr(session, "connection", None)
+    sa_connection = attr() if callable(attr) else attr  # Session.connection() / Connection itself
+    if module.startswith("sqlalchemy.engine"):
+        sa_connection = session
+    driver = _driver_name(sa_connection)
+    if driver != "psycopg":
+        raise UnsupportedConnection(session, "sync", f"its engine uses the {driver!r} driver")
+    raw = sa_connection.connection.driver_connection  # type: ignore[union-attr]
+    if not isinstance(raw, psycopg.Connection):
+        raise UnsupportedConnection(session, "sync", f"its driver connection is a {type(raw).__name__}")
+    return raw
 
 
-_SAVEPOINT = "tracker_call"
-
-
-@contextlib.contextmanager
-def atomic(conn: psycopg.Connection) -> Iterator[None]:
-    """All or nothing inside the caller's transaction.
-
-    A non-autocommit connection keeps (or implicitly begins) the caller's transaction and gets a
-    savepoint in it; the tracker never commits there. An autocommit connection has no caller
-    transaction, so the call is its own transaction (psycopg's transaction block).
-    """
-    if conn.autocommit:
-        with conn.transaction():
-            yield
-        return
-    if conn.info.transaction_status == pq.TransactionStatus.INERROR:
-        raise psycopg.errors.InFailedSqlTransaction("the caller's transaction is aborted; roll it back first")
-    conn.execute("SAVEPOINT " + _SAVEPOINT)  # begins the caller's transaction when none is open
-    try:
-        yield
-    except BaseException:
-        if not conn.closed and conn.info.transaction_status in (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR):
-            conn.execute("ROLLBACK TO SAVEPOINT " + _SAVEPOINT)
-            conn.execute("RELEASE SAVEPOINT " + _SAVEPOINT)
-        raise
-    conn.execute("RELEASE SAVEPOINT " + _SAVEPOINT)
-
-
-@contextlib.contextmanager
-def atomic_pipeline(conn: psycopg.Connection) -> Iterator[None]:
-    """`atomic()` in pipeline mode: the savepoint (or BEGIN) travels with the first statements and
-    its release (or COMMIT) with the last, so a call costs as few round trips as its reads need."""
-    if conn.autocommit:
-        start, end, undo = "BEGIN", "COMMIT", ["ROLLBACK"]
-    else:
-        if conn.info.transaction_status == pq.TransactionStatus.INERROR:
-            raise psycopg.errors.InFailedSqlTransaction("the caller's transaction is aborted; roll it back first")
-        start, end = "SAVEPOINT " + _SAVEPOINT, "RELEASE SAVEPOINT " + _SAVEPOINT
-        undo = ["ROLLBACK TO SAVEPOINT " + _SAVEPOINT, "RELEASE SAVEPOINT " + _SAVEPOINT]
-    finished = False
-    try:
-        with conn.pipeline():
-            conn.execute(start)
-            yield
-            conn.execute(end)
-        finished = True
-    except BaseException:
-        if not finished and not conn.closed and conn.info.transaction_status in (
-                pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR):
-            for statement in undo:
-                conn.execute(statement)
-        raise
+async def async_connection(session: object) -> psycopg.AsyncConnection:
+    """The psycopg AsyncConnection behind `session`."""
+    if isinstance(session, psycopg.AsyncConnection):
+        return session
+    if isinstance(session, psycopg.Connection):
+        raise UnsupportedConnection(session, "async", "a sync Connection belongs to the sync face: use tracker")
+    module = type(session).__module__
+    if not module.startswith("sqlalchemy.ext.asyncio"):
+        why = "a sync SQLAlchemy session belongs to the sync face: use tracker" if module.startswith("sqlalchemy") else ""
+        raise UnsupportedConnection(session, "async", why)
+    sa_connection = session
+    if hasattr(session, "sync_session"):  # AsyncSession: join or begin its transaction
+        sa_connection = await session.connection()  # type: ignore[attr-defined]
+    driver = _driver_name(sa_connection.sync_connection)  # type: ignore[attr-defined]
+    if driver != "psycopg":
+        why = f"its engine uses the {driver!r} driver"
+        if driver == "asyncpg":
+            why += "; asyncpg is not supported yet, use postgresql+psycopg:// (psycopg 3 is async too)"
+        raise UnsupportedConnection(session, "async", why)
+    fairy = await sa_connection.get_raw_connection()  # type: ignore[attr-defined]
+    raw = fairy.driver_connection
+    if not isinstance(raw, psycopg.AsyncConnection):
+        raise UnsupportedConnection(session, "async", f"its driver connection is a {type(raw).__name__}")
+    return raw

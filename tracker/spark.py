@@ -28,13 +28,18 @@ from psycopg import sql
 
 from .errors import BatchNotOpen, UnknownBatch
 from .ids import GROUP_BITS_MAX, GroupMask
-from .session import DEFAULTS, schema_of
+from .config import DEFAULT_OUTBOX_TABLE, DEFAULT_SCHEMA
+from .schema import check_identifier
 
 # Group ids of Spark fan-out: flag | run << 40 | partition << 20 | chunk. Counter-allocated
 # groups (batch.next_group) count up from 0 and never get near 2**62.
 SPARK_GROUP_FLAG = 1 << 62
 _RUN_SHIFT, _PARTITION_SHIFT = 40, 20
 MAX_RUNS, MAX_PARTITIONS, MAX_CHUNKS = 1 << 22, 1 << 20, 1 << 20
+
+
+def schema_of(schema: str | None) -> str:
+    return DEFAULT_SCHEMA if schema is None else check_identifier(schema, "schema")
 
 
 def spark_group_id(run: int, partition: int, chunk: int) -> int:
@@ -280,7 +285,8 @@ def fan_out(df: Any, *, dsn: str, topic: str, schema: str | None = None, batch: 
     """
     from pyspark.sql.types import StringType, StructField, StructType
 
-    from .batches import batch_id_of, close_batch, open_batch
+    from .api import close_batch, open_batch
+    from .batches import batch_id_of
 
     if not isinstance(topic, str) or not topic:
         raise ValueError(f"topic must be a non-empty string, got {topic!r}")
@@ -294,7 +300,7 @@ def fan_out(df: Any, *, dsn: str, topic: str, schema: str | None = None, batch: 
             conn.commit()
         batch_id = batch_id_of(batch)
         run = begin_run(conn, batch_id, schema=s, run_key=run_key)
-    writer = _PartitionWriter(dsn, s, DEFAULTS.outbox_table, batch_id, run, topic, value_col, key_col, id_col,
+    writer = _PartitionWriter(dsn, s, DEFAULT_OUTBOX_TABLE, batch_id, run, topic, value_col, key_col, id_col,
                               after_commit)
     if df.rdd.getNumPartitions() > MAX_PARTITIONS:
         raise ValueError(f"at most {MAX_PARTITIONS} partitions per fan-out")
@@ -419,7 +425,7 @@ def _fold_partition(column: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
 
 def _apply_partition(dsn: str, schema: str) -> Callable[[Iterator[Any]], Iterator[dict]]:
     def apply(items: Iterator[Any]) -> Iterator[dict]:
-        from .acks import apply_masks
+        from .api import apply_masks
 
         masks: dict[tuple[int, int], GroupMask] = {}
         rejected: list[tuple[str, str]] = []

@@ -1,0 +1,138 @@
+"""The asyncio face: `AsyncTracker`, the same API as `Tracker` with `await`, on a psycopg
+`AsyncConnection` or a SQLAlchemy `AsyncSession`/`AsyncConnection` (postgresql+psycopg:// engine).
+
+    from tracker import aio
+
+    async def handler(session: AsyncSession):
+        batch = await aio.open_batch(session, user_key="catalog-42")
+        await aio.enqueue(session, batch, items, topic="process-item")
+        await aio.close_batch(session, batch)
+        await session.commit()
+
+Module-level functions use a default `AsyncTracker()` (schema "reaper"); build your own
+`AsyncTracker(schema=..., outbox_table=..., completion_topic=...)` for anything else.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from collections.abc import Mapping
+from typing import Awaitable, Callable, TypeVar, Union
+
+from . import adriver
+from .acks import AckResult
+from .batches import Batch, BatchStatus, GroupHandle
+from .config import DEFAULT_SCHEMA
+from .consumer import Processed
+from .core import ItemIds, TrackerCore
+from .ids import GroupMask
+from .outbox import Headers, KeyArg
+from .session import AsyncSession, async_connection
+
+T = TypeVar("T")
+AsyncEffect = Callable[[AsyncSession], Union[Awaitable[T], T]]
+
+
+class AsyncTracker(TrackerCore):
+    """Fan-out tracking for one schema and outbox table, for asyncio. Holds no connection."""
+
+    async def open_batch(self, session: AsyncSession, *, user_key: str | None = None,
+                         completion_topic: str | None = None) -> Batch:
+        op = self._open_op(user_key, completion_topic)
+        batch = await adriver.run(await async_connection(session), op)
+        self._count_open()
+        return batch
+
+    async def add_items(self, session: AsyncSession, batch: Batch | int, n: int) -> list[GroupHandle]:
+        op = self._add_op(batch, n)
+        return await adriver.run(await async_connection(session), op)
+
+    async def enqueue(self, session: AsyncSession, batch: Batch | int, items: object, *, topic: str,
+                      key: KeyArg = None, headers: Headers = None) -> list[GroupHandle]:
+        op = self._enqueue_op(batch, items, topic, key, headers)
+        return await adriver.run(await async_connection(session), op)
+
+    async def close_batch(self, session: AsyncSession, batch: Batch | int) -> bool:
+        op = self._close_op(batch)
+        complete, closed_now = await adriver.run(await async_connection(session), op)
+        self._count_close(complete, closed_now)
+        return complete
+
+    async def status(self, session: AsyncSession, batch: Batch | int) -> BatchStatus:
+        return await adriver.run(await async_connection(session), self._status_op(batch))
+
+    async def ack(self, session: AsyncSession, item_ids: ItemIds) -> AckResult:
+        started = time.perf_counter()
+        op = self._ack_op(item_ids)
+        result = await adriver.run(await async_connection(session), op)
+        self._count_ack(result, started)
+        return result
+
+    async def apply_masks(self, session: AsyncSession, masks: Mapping[tuple[int, int], GroupMask], *,
+                          reject_invalid: bool = False) -> AckResult:
+        started = time.perf_counter()
+        op = self._apply_op(masks, reject_invalid)
+        result = await adriver.run(await async_connection(session), op)
+        self._count_ack(result, started)
+        return result
+
+    async def exactly_once(self, session: AsyncSession, item_id: str | bytes,
+                           effect: AsyncEffect[T]) -> Processed[T]:
+        """`Tracker.exactly_once` for asyncio: `effect(session)` may be a coroutine function."""
+        started = time.perf_counter()
+
+        async def run_effect() -> object:
+            value = effect(session)
+            return await value if inspect.isawaitable(value) else value
+
+        op = self._exactly_once_op(item_id)
+        result = await adriver.run(await async_connection(session), op, effect=run_effect)
+        self._count_ack(result.ack, started)
+        return result  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=32)
+def default(schema: str | None = None) -> AsyncTracker:
+    """The default AsyncTracker of a schema (outbox table "outbox", topic "batch-completions")."""
+    return AsyncTracker(schema=schema or DEFAULT_SCHEMA)
+
+
+async def open_batch(session: AsyncSession, *, user_key: str | None = None, completion_topic: str | None = None,
+                     schema: str | None = None) -> Batch:
+    return await default(schema).open_batch(session, user_key=user_key, completion_topic=completion_topic)
+
+
+async def add_items(session: AsyncSession, batch: Batch | int, n: int, *, schema: str | None = None) -> list[GroupHandle]:
+    return await default(schema).add_items(session, batch, n)
+
+
+async def enqueue(session: AsyncSession, batch: Batch | int, items: object, *, topic: str, key: KeyArg = None,
+                  headers: Headers = None, schema: str | None = None) -> list[GroupHandle]:
+    return await default(schema).enqueue(session, batch, items, topic=topic, key=key, headers=headers)
+
+
+async def close_batch(session: AsyncSession, batch: Batch | int, *, schema: str | None = None) -> bool:
+    return await default(schema).close_batch(session, batch)
+
+
+async def status(session: AsyncSession, batch: Batch | int, *, schema: str | None = None) -> BatchStatus:
+    return await default(schema).status(session, batch)
+
+
+async def ack(session: AsyncSession, item_ids: ItemIds, *, schema: str | None = None) -> AckResult:
+    return await default(schema).ack(session, item_ids)
+
+
+async def apply_masks(session: AsyncSession, masks: Mapping[tuple[int, int], GroupMask], *,
+                      schema: str | None = None, reject_invalid: bool = False) -> AckResult:
+    return await default(schema).apply_masks(session, masks, reject_invalid=reject_invalid)
+
+
+async def exactly_once(session: AsyncSession, item_id: str | bytes, effect: AsyncEffect[T], *,
+                       schema: str | None = None) -> Processed[T]:
+    return await default(schema).exactly_once(session, item_id, effect)
+
+
+__all__ = ["AsyncTracker", "default", "open_batch", "add_items", "enqueue", "close_batch", "status", "ack",
+           "apply_masks", "exactly_once"]
