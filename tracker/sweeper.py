@@ -29,10 +29,11 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import pq, sql
 
-from . import metrics
+from . import driver, metrics
+from .config import DEFAULT_COMPLETION_TOPIC, DEFAULT_OUTBOX_TABLE
 from .errors import TrackerError, UnknownBatch
 from .schema import check_identifier
-from .session import DEFAULTS, atomic
+from .steps import Op, one
 
 EXPIRY_EVENT = "batch-expired"  # the `event` header of an expiry event
 
@@ -104,8 +105,8 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
 
 
 def _topics(outbox_table: str | None, completion_topic: str | None, expiry_topic: str | None) -> tuple[str, str, str | None]:
-    table = check_identifier(DEFAULTS.outbox_table if outbox_table is None else outbox_table, "outbox table")
-    default = DEFAULTS.completion_topic if completion_topic is None else completion_topic
+    table = check_identifier(DEFAULT_OUTBOX_TABLE if outbox_table is None else outbox_table, "outbox table")
+    default = DEFAULT_COMPLETION_TOPIC if completion_topic is None else completion_topic
     for name, value in (("completion_topic", default), ("expiry_topic", expiry_topic)):
         if value is not None and (not isinstance(value, str) or not value):
             raise ValueError(f"{name} must be a non-empty string, got {value!r}")
@@ -118,8 +119,8 @@ def sweep(conn: psycopg.Connection, *, schema: str, idle_expiry: float, retentio
     """Expire idle batches (one expiry event each), then delete old finished ones, `chunk` at a
     time until none are left (or `max_chunks` statements of each kind ran). Returns how many of each.
 
-    `outbox_table` and `completion_topic` default to `tracker.configure()`'s; `expiry_topic` (None:
-    each batch's completion topic) is where expiry events go.
+    `outbox_table` and `completion_topic` default to the default tracker's ("outbox",
+    "batch-completions"); `expiry_topic` (None: each batch's completion topic) is where expiry events go.
     """
     check_identifier(schema, "schema")
     table, default_topic, expiry_topic = _topics(outbox_table, completion_topic, expiry_topic)
@@ -165,7 +166,7 @@ def expire_batch(conn: psycopg.Connection, batch_id: int, *, schema: str, reason
                  note: str | None = None, outbox_table: str | None = None, completion_topic: str | None = None,
                  expiry_topic: str | None = None) -> Expired | None:
     """Expire one open or closed batch now and write its expiry event, in the caller's transaction
-    (a savepoint; never committed here). Returns None if it was already expired; raises
+    (never committed or rolled back here; see tracker.driver). Returns None if it was already expired; raises
     UnknownBatch or BatchNotExpirable (a complete batch) and then changes nothing."""
     if not isinstance(batch_id, int) or isinstance(batch_id, bool) or batch_id < 0:
         raise ValueError(f"batch id must be an int >= 0, got {batch_id!r}")
@@ -174,16 +175,23 @@ def expire_batch(conn: psycopg.Connection, batch_id: int, *, schema: str, reason
     if not isinstance(reason, str) or not reason or (note is not None and not isinstance(note, str)):
         raise ValueError(f"reason must be a non-empty string and note a string or None, got {reason!r}, {note!r}")
     q = _statements(schema, table)
-    detail = json.dumps({"note": note} if note else {})
-    with atomic(conn):
-        row = conn.execute(q["expire_one"], {"id": batch_id, "expiry_topic": expiry_topic, "default_topic": default_topic,
-                                             "reason": reason, "event": EXPIRY_EVENT, "detail": detail}).fetchone()
-        if row is None:
-            state = conn.execute(q["state"], [batch_id]).fetchone()
-            if state is None:
-                raise UnknownBatch(batch_id)
-            if state[0] == "expired":
-                return None
-            raise BatchNotExpirable(batch_id, state[0])
-    metrics.batches_expired.inc()
-    return Expired(*row)
+    params = {"id": batch_id, "expiry_topic": expiry_topic, "default_topic": default_topic, "reason": reason,
+              "event": EXPIRY_EVENT, "detail": json.dumps({"note": note} if note else {})}
+    got = driver.run(conn, _expire_op(q, params, batch_id))
+    if got is not None:
+        metrics.batches_expired.inc()
+    return got
+
+
+def _expire_op(q: dict[str, str], params: dict[str, object], batch_id: int) -> Op[Expired | None]:
+    """The expiry as core steps: the caller-transaction rules of tracker.driver apply (a savepoint
+    in an open transaction, a transaction of its own on an idle autocommit connection)."""
+    [row] = yield one(q["expire_one"], params)
+    if row is not None:
+        return Expired(*row)
+    [state] = yield one(q["state"], [batch_id])
+    if state is None:
+        raise UnknownBatch(batch_id)
+    if state[0] == "expired":
+        return None
+    raise BatchNotExpirable(batch_id, state[0])
