@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import pq, sql
 
-from . import driver, metrics
+from . import driver, metrics, tracing
 from .config import DEFAULT_COMPLETION_TOPIC, DEFAULT_OUTBOX_TABLE
 from .errors import TrackerError, UnknownBatch
 from .schema import check_identifier
@@ -73,12 +73,8 @@ event AS (
              'state', CASE WHEN e.closed_at IS NULL THEN 'open' ELSE 'closed' END,
              'opened_at', e.created_at, 'closed_at', e.closed_at, 'last_activity_at', e.last_activity_at,
              'expired_at', e.expired_at) || %(detail)s::jsonb)::text, 'UTF8'),
-         ARRAY['batch-id', 'event']
-           || CASE WHEN e.traceparent IS NULL THEN '{{}}'::text[] ELSE ARRAY['traceparent'] END
-           || CASE WHEN e.tracestate IS NULL THEN '{{}}'::text[] ELSE ARRAY['tracestate'] END,
-         ARRAY[convert_to(e.id::text, 'UTF8'), convert_to(%(event)s::text, 'UTF8')]
-           || CASE WHEN e.traceparent IS NULL THEN '{{}}'::bytea[] ELSE ARRAY[convert_to(e.traceparent, 'UTF8')] END
-           || CASE WHEN e.tracestate IS NULL THEN '{{}}'::bytea[] ELSE ARRAY[convert_to(e.tracestate, 'UTF8')] END
+         ARRAY['batch-id', 'event']""" + tracing.sql_header_keys("e") + """,
+         ARRAY[convert_to(e.id::text, 'UTF8'), convert_to(%(event)s::text, 'UTF8')]""" + tracing.sql_header_values("e") + """
   FROM expired e ORDER BY e.id)
 SELECT id, user_key, total, pending, topic FROM expired"""
 
