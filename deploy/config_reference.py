@@ -50,6 +50,8 @@ DESCRIPTIONS = {
     "harvester.drain_timeout": "on shutdown, wait this long for in-flight records (seconds)",
     "harvester.transactional_id": "publish in Kafka transactions under this id (same on every instance): a new "
                                   "leader fences the old one at the broker; rows are purged after commit. Empty = off",
+    "harvester.trace_spans": "emit an OpenTelemetry PRODUCER span per published row, linked to the trace context "
+                             "stored with it (needs the otel extra and a configured tracer provider)",
     "harvester.default_completion_topic": "topic of completion events for batches opened without one",
     "acker.enabled": "run the acker (ack-topic consumer) in this process",
     "acker.topic": "topic consumers produce acks to, keyed by batch id",
