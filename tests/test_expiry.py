@@ -73,11 +73,10 @@ def test_expiry_topic_overrides_every_batch_topic(conn, schema):
 
 
 @pytest.mark.parametrize("sweepers,chunk", [(2, 1), (4, 3), (6, 17)])
-def test_concurrent_sweepers_expire_and_announce_each_batch_exactly_once(pg_dsn, conn, schema, sweepers, chunk):
+def test_concurrent_sweepers_and_an_operator_expire_and_announce_each_batch_exactly_once(pg_dsn, conn, schema, sweepers, chunk):
     ids = [tracker.open_batch(conn, user_key=f"k{i}", schema=schema).id for i in range(60)]
     conn.commit()
     _age(conn, schema, ids)
-    start = threading.Barrier(sweepers)
     counts: list[int] = []
     errors: list[BaseException] = []
 
@@ -89,13 +88,26 @@ def test_concurrent_sweepers_expire_and_announce_each_batch_exactly_once(pg_dsn,
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=run) for _ in range(sweepers)]
+    by_operator: list[int] = []
+
+    def operator() -> None:  # `reaper batch expire` racing the sweepers, batch by batch
+        try:
+            with psycopg.connect(pg_dsn, autocommit=True) as c:
+                start.wait()
+                for bid in reversed(ids):
+                    if expire_batch(c, bid, schema=schema) is not None:
+                        by_operator.append(bid)
+        except BaseException as exc:
+            errors.append(exc)
+
+    start = threading.Barrier(sweepers + 1)
+    threads = [threading.Thread(target=run) for _ in range(sweepers)] + [threading.Thread(target=operator)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     assert not errors, errors
-    assert sum(counts) == 60, counts
+    assert sum(counts) + len(by_operator) == 60, (counts, by_operator)
     got = [e["value"]["batch_id"] for e in events(conn, schema)]
     assert sorted(got) == sorted(ids), "each expired batch must be announced exactly once"
     states = conn.execute(f'SELECT state, count(*) FROM "{schema}".batch GROUP BY state').fetchall()

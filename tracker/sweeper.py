@@ -135,8 +135,8 @@ def sweep(conn: psycopg.Connection, *, schema: str, idle_expiry: float, retentio
         rounds = 0
         while max_chunks is None or rounds < max_chunks:
             rounds += 1
-            # The expiry's CTE picks up to `chunk` rows but may expire fewer (a racing sweeper got
-            # there first): the loop goes on while it picked rows, not while it expired them.
+            # Every row the expiry's CTE picked is locked by it and still open or closed (the lock
+            # re-checks the state), so it expires all it picked: fewer than `chunk` means done.
             n = len(conn.execute(q[kind], params).fetchall())
             if commit_chunks:
                 conn.commit()
