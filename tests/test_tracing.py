@@ -111,7 +111,7 @@ def test_trace_context_flows_from_enqueue_through_kafka_to_consumers_and_the_com
     assert {s.attributes["messaging.destination.name"] for s in consumers} == {work}
     producers = [s for s in finished if s.kind == SpanKind.PRODUCER and s.name == f"{work} publish"]
     linked = [s for s in producers if any(lk.context.span_id == app_span.get_span_context().span_id for lk in s.links)]
-    assert len(linked) == 3, [(s.name, s.links) for s in producers]
+    assert len(linked) == 3 and len(producers) == 4, [(s.name, s.links) for s in producers]  # + "own"; "plain": none
     assert all(s.parent is None for s in producers)  # a new trace per publish, linked to the stored one
 
 

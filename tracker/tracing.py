@@ -127,14 +127,18 @@ def consumer_span(message: KafkaMessage, name: str | None = None, *,
 
 
 def producer_span(tracer: "Tracer", topic: str, header_keys: Sequence[str], header_values: Sequence[bytes]) -> None:
-    """Record a PRODUCER span for one published outbox row, linked to the context stored with it
-    (used by the harvester when `harvester.trace_spans` is on; the span is ended at once)."""
-    headers = [(k, v) for k, v in zip(header_keys, header_values) if k in HEADERS]
-    ctx = context_from_headers(headers)
-    links = [_otel_trace.Link(_otel_trace.get_current_span(ctx).get_span_context())] if ctx is not None else []
+    """Record a PRODUCER span for one published outbox row that carries a stored trace context,
+    linked to it (the harvester, when `harvester.trace_spans` is on; the span ends at once). A row
+    without a context gets no span: nothing would tie it to a trace."""
+    if TRACEPARENT not in header_keys:
+        return
+    ctx = context_from_headers([(k, v) for k, v in zip(header_keys, header_values) if k in HEADERS])
+    if ctx is None:
+        return
+    link = _otel_trace.Link(_otel_trace.get_current_span(ctx).get_span_context())
     span = tracer.start_span(f"{topic} publish", context=_otel_context.Context(), kind=_otel_trace.SpanKind.PRODUCER,
-                             links=links, attributes={"messaging.system": "kafka", "messaging.operation": "publish",
-                                                      "messaging.destination.name": topic})
+                             links=[link], attributes={"messaging.system": "kafka", "messaging.operation": "publish",
+                                                       "messaging.destination.name": topic})
     span.end()
 
 
