@@ -8,6 +8,9 @@
   `Copy.write_row` (ratio = enqueue / plain).
 - ack: `tracker.ack` of N shuffled item ids in one call and in calls of 50,000 (what an acker
   folding a poll does), in acks/s, beside one UPDATE per ack (one transaction each) on a sample.
+- async: the asyncio face (`AsyncTracker` on a psycopg AsyncConnection) beside the sync face, runs
+  interleaved in the same minutes: enqueue of N items and a bulk ack of N ids, with the ratios
+  async / sync (goal: within 15%, i.e. >= 0.85).
 - storage: batch_group table + index bytes per tracked item, in bits, for the enqueued batch
   and with ten such batches (the headline figure; a btree's two fixed pages weigh on one small
   table), and the marginal cost per item; then fillfactor 100 vs 70: size before and after 20
@@ -22,6 +25,7 @@ schema of its own and drops it afterwards. The last line of output is one JSON o
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -35,7 +39,8 @@ import psycopg
 
 import tracker
 from tracker import outbox, schema as schema_mod
-from tracker.acks import apply_masks
+from tracker import apply_masks
+from tracker.aio import AsyncTracker
 from tracker.ids import fold
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,6 +172,73 @@ def bench_ack(conn: psycopg.Connection, schema: str, n: int, sample: int, repeat
     return out
 
 
+async def _async_round(db: str, schema: str, vals: list[bytes], ids_of: int) -> tuple[float, float]:
+    """One async enqueue of `vals` and one async bulk ack of a fresh batch of `ids_of` ids."""
+    t = AsyncTracker(schema=schema)
+    async with await psycopg.AsyncConnection.connect(db) as conn:
+        t0 = time.perf_counter()
+        batch = await t.open_batch(conn)
+        await t.enqueue(conn, batch, vals, topic="bench")
+        await conn.commit()
+        enqueue_s = time.perf_counter() - t0
+        acked = await t.open_batch(conn)
+        handles = await t.add_items(conn, acked, ids_of)
+        await t.close_batch(conn, acked)
+        await conn.commit()
+        ids = [i for h in handles for i in h.item_ids]
+        random.Random(7).shuffle(ids)
+        t0 = time.perf_counter()
+        r = await t.ack(conn, ids)
+        await conn.commit()
+        ack_s = time.perf_counter() - t0
+        assert r.acked == ids_of and r.completed == [acked.id]
+    return enqueue_s, ack_s
+
+
+def _sync_round(conn: psycopg.Connection, schema: str, vals: list[bytes], ids_of: int) -> tuple[float, float]:
+    t = tracker.Tracker(schema=schema)
+    t0 = time.perf_counter()
+    batch = t.open_batch(conn)
+    t.enqueue(conn, batch, vals, topic="bench")
+    conn.commit()
+    enqueue_s = time.perf_counter() - t0
+    acked = t.open_batch(conn)
+    handles = t.add_items(conn, acked, ids_of)
+    t.close_batch(conn, acked)
+    conn.commit()
+    ids = [i for h in handles for i in h.item_ids]
+    random.Random(7).shuffle(ids)
+    t0 = time.perf_counter()
+    r = t.ack(conn, ids)
+    conn.commit()
+    ack_s = time.perf_counter() - t0
+    assert r.acked == ids_of and r.completed == [acked.id]
+    return enqueue_s, ack_s
+
+
+def bench_async(db: str, schema: str, n: int, repeats: int) -> dict:
+    """Sync and async faces, alternating, best of `repeats` (at least 3) each."""
+    vals = values(n)
+    best = {"sync": [float("inf")] * 2, "async": [float("inf")] * 2}
+    with psycopg.connect(db) as conn:
+        for rep in range(max(3, repeats)):
+            for face in (("sync", "async") if rep % 2 == 0 else ("async", "sync")):
+                conn.execute(f'TRUNCATE "{schema}".outbox, "{schema}".batch_group, "{schema}".batch CASCADE')
+                conn.commit()
+                if face == "sync":
+                    got = _sync_round(conn, schema, vals, n)
+                else:
+                    got = asyncio.run(_async_round(db, schema, vals, n))
+                best[face] = [min(a, b) for a, b in zip(best[face], got)]
+    out = {"async_enqueue_items_per_s": round(n / best["async"][0]),
+           "sync_enqueue_items_per_s_same_run": round(n / best["sync"][0]),
+           "async_bulk_ack_acks_per_s": round(n / best["async"][1]),
+           "sync_bulk_ack_acks_per_s_same_run": round(n / best["sync"][1])}
+    out["async_vs_sync_enqueue"] = round(best["sync"][0] / best["async"][0], 3)
+    out["async_vs_sync_bulk_ack"] = round(best["sync"][1] / best["async"][1], 3)
+    return out
+
+
 def bench_fillfactor(db: str, n: int, rounds: int) -> dict:
     """The same n items tracked at fillfactor 100 and 70 and acked in `rounds` passes of random ids
     (every pass updates every group once, in one transaction), without and with a VACUUM after
@@ -289,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
             log(json.dumps(st))
             log(f"ack {n} ids (best of {repeats}) ...")
             result.update(bench_ack(conn, name, n, sample, repeats))
+        log(f"sync vs async faces, {n} items (interleaved, best of {max(3, repeats)}) ...")
+        result["faces"] = bench_async(db, name, n, repeats)
+        log(json.dumps(result["faces"]))
         if not args.no_fillfactor:
             log("fillfactor 100 vs 70 ...")
             result["fillfactor"] = bench_fillfactor(db, n, 20)
@@ -298,8 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         with psycopg.connect(db, autocommit=True) as c:
             c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
-    result["targets"] = {"enqueue_items_per_s": 150_000, "bulk_ack_acks_per_s": 1_000_000, "bits_per_item": 1.2}
+    result["targets"] = {"enqueue_items_per_s": 150_000, "bulk_ack_acks_per_s": 1_000_000, "bits_per_item": 1.2,
+                         "async_vs_sync": 0.85}
     result["targets_met"] = {"enqueue": result["enqueue_items_per_s"] >= 150_000,
+                             "async_face": min(result["faces"]["async_vs_sync_enqueue"],
+                                               result["faces"]["async_vs_sync_bulk_ack"]) >= 0.85,
                              "bulk_ack": result["bulk_ack_acks_per_s"] >= 1_000_000,
                              "storage": result["bits_per_item"] <= 1.2}
     print(json.dumps(result))

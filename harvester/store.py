@@ -2,7 +2,8 @@
 
 Identifiers come from configuration, are validated and quoted with psycopg.sql.Identifier.
 Connections come from a psycopg_pool pool in autocommit mode: every statement is its own
-transaction, one round trip, prepared by psycopg after a few uses.
+transaction, one round trip, prepared by psycopg after a few uses (not through a transaction
+pooler such as PgBouncer: see `configure_connection`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from typing import Sequence
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
+from tracker.pooling import configure_for_pooler
 from tracker.schema import qualified
+
+from . import logs
 
 COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
 
@@ -41,15 +45,31 @@ def bigint_array(ids: Sequence[int]) -> str:
     return "{" + ",".join(map(str, ids)) + "}"
 
 
-def configure_connection(conn) -> None:
+def configure_connection(conn) -> bool:
+    """Set up a new pool connection; return whether it goes through a pooler."""
+    # Through a transaction pooler (PgBouncer in transaction mode) psycopg must not prepare, and a
+    # session SET would stay on a server connection that other clients share (their commits would
+    # stop waiting for the WAL flush too): there, set synchronous_commit on the reaper's role instead.
+    if configure_for_pooler(conn):
+        return True
     # A lost mark or purge only causes a duplicate publication later: no need to wait for the WAL flush.
     conn.execute("SET synchronous_commit = off")
+    return False
 
 
 def make_pool(dsn: str, size: int, *, name: str = "reaper", open_wait: float | None = 30.0) -> ConnectionPool:
+    said = False
+
+    def configure(conn) -> None:
+        nonlocal said
+        if configure_connection(conn) and not said:
+            said = True
+            logs.get("reaper.store").info("database reached through a pooler (e.g. PgBouncer): prepared "
+                                          "statements off, synchronous_commit left to the role", pool=name)
+
     pool = ConnectionPool(dsn, min_size=size, max_size=size, name=name, open=False,
                           kwargs={"autocommit": True, "application_name": "reaper"},
-                          configure=configure_connection, reconnect_timeout=3600)
+                          configure=configure, reconnect_timeout=3600)
     pool.open(wait=open_wait is not None, timeout=open_wait or 30.0)
     return pool
 

@@ -74,6 +74,40 @@ def kafka_bootstrap(services) -> str:
     return bootstrap
 
 
+@pytest.fixture(scope="session")
+def pgbouncer_dsn(services, pg_dsn) -> str:
+    """PgBouncer (transaction pooling) in front of the same Postgres as pg_dsn.
+
+    PGBOUNCER_DSN names a running one; else deploy/local/services.py starts the local one. Connect
+    with prepare_threshold=None (PgBouncer < 1.21 cannot carry prepared statements) and no
+    session state (SET, search_path, LISTEN): see the README's PgBouncer section.
+    """
+    dsn = os.environ.get("PGBOUNCER_DSN") or services.get("PGBOUNCER_DSN")
+    if not dsn:
+        r = subprocess.run([sys.executable, str(SERVICES), "up", "--only", "pgbouncer"], capture_output=True,
+                           text=True, timeout=600)
+        if r.returncode != 0:
+            pytest.fail(f"could not bring up the local PgBouncer:\n{r.stdout}\n{r.stderr}", pytrace=False)
+        dsn = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)["PGBOUNCER_DSN"]
+    ident = "SELECT pg_postmaster_start_time(), current_database(), inet_server_port()"
+    try:
+        with psycopg.connect(dsn, connect_timeout=10, prepare_threshold=None, autocommit=True) as conn:
+            behind = conn.execute(ident).fetchone()
+    except psycopg.OperationalError as exc:
+        pytest.fail(f"PgBouncer at {dsn} is not reachable: {exc}", pytrace=False)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        direct = conn.execute(ident).fetchone()
+    if behind != direct:
+        pytest.fail(f"PgBouncer at {dsn} leads to {behind}, not to the database of {pg_dsn} {direct}", pytrace=False)
+    return dsn
+
+
+@pytest.fixture
+def pgbouncer_schema(pgbouncer_dsn, schema) -> str:
+    """`schema` (migrated through the direct DSN) for a test that then works through PgBouncer."""
+    return schema
+
+
 @pytest.fixture
 def schema(pg_dsn) -> str:
     """A freshly migrated schema of this test's own, dropped afterwards."""

@@ -8,8 +8,6 @@ import psycopg
 import yaml
 from psycopg import sql
 
-import tracker
-from tracker.session import DEFAULTS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,17 +23,13 @@ def quick_start_code() -> str:
 
 def test_readme_quick_start_runs_as_written(pg_dsn, schema):
     code = quick_start_code()
-    assert 'tracker.configure(schema="reaper")' in code
+    assert 'tracker.Tracker(schema="reaper"' in code
     assert "postgresql://postgres@127.0.0.1:55432/outbox" in code
-    code = code.replace('tracker.configure(schema="reaper")', f'tracker.configure(schema="{schema}")')
+    code = code.replace('tracker.Tracker(schema="reaper"', f'tracker.Tracker(schema="{schema}"')
     assert "postgresql+psycopg://postgres@127.0.0.1:55432/outbox" in code
     code = code.replace("postgresql://postgres@127.0.0.1:55432/outbox", pg_dsn)
     code = code.replace("postgresql+psycopg://postgres@127.0.0.1:55432/outbox", pg_dsn.replace("postgresql://", "postgresql+psycopg://"))
-    previous = DEFAULTS.schema
-    try:
-        exec(compile(code, "README.md quick start", "exec"), {})
-    finally:
-        tracker.configure(schema=previous)  # the process default, for other tests in this worker
+    exec(compile(code, "README.md quick start", "exec"), {})
     with psycopg.connect(pg_dsn) as conn:
         batches = conn.execute(sql.SQL("SELECT state, total, pending, user_key, completion_topic FROM {} ORDER BY id")
                                .format(sql.Identifier(schema, "batch"))).fetchall()
@@ -44,6 +38,27 @@ def test_readme_quick_start_runs_as_written(pg_dsn, schema):
             .format(sql.Identifier(schema, "outbox"))).fetchone()
     assert batches == [("closed", 100_000, 100_000, "catalog-42", None), ("closed", 2, 2, "catalog-43", "catalog-done")]
     assert rows == with_ids == 100_002
+
+
+def test_readme_asyncio_quick_start_runs_as_written(pg_dsn, schema):
+    import asyncio
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Quick start: asyncio", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert 'AsyncTracker(schema="reaper")' in code
+    code = code.replace('AsyncTracker(schema="reaper")', f'AsyncTracker(schema="{schema}")')
+    code = code.replace("postgresql+psycopg://postgres@127.0.0.1:55432/outbox",
+                        pg_dsn.replace("postgresql://", "postgresql+psycopg://"))
+    namespace: dict = {}
+    exec(compile(code, "README.md asyncio quick start", "exec"), namespace)
+    asyncio.run(namespace["main"]())
+    with psycopg.connect(pg_dsn) as conn:
+        batches = conn.execute(sql.SQL("SELECT state, total, user_key FROM {}").format(
+            sql.Identifier(schema, "batch"))).fetchall()
+        rows = conn.execute(sql.SQL("SELECT count(*) FROM {} WHERE topic = 'process-item'").format(
+            sql.Identifier(schema, "outbox"))).fetchone()[0]
+    assert batches == [("closed", 1_000, "catalog-44")] and rows == 1_000
 
 
 def test_readme_storage_table_matches_the_migrated_schema(pg_dsn, schema):

@@ -98,9 +98,9 @@ def _psycopg_caller(conn: psycopg.Connection, schema: str, transactional: bool =
 
 
 @contextlib.contextmanager
-def sync_mode(mode: str, dsn: str, schema: str, commit: bool) -> Iterator[Caller]:
+def sync_mode(mode: str, dsn: str, schema: str, commit: bool, extra: dict[str, Any]) -> Iterator[Caller]:
     sa_url = dsn.replace("postgresql://", "postgresql+psycopg://", 1)
-    kwargs: dict[str, Any] = {
+    kwargs: dict[str, Any] = extra | {
         "dict_row": {"row_factory": dict_row}, "namedtuple_row": {"row_factory": namedtuple_row},
         "client_cursor": {"cursor_factory": psycopg.ClientCursor}, "no_prepare": {"prepare_threshold": None},
         "always_prepare": {"prepare_threshold": 0},
@@ -111,10 +111,10 @@ def sync_mode(mode: str, dsn: str, schema: str, commit: bool) -> Iterator[Caller
             yield _psycopg_caller(conn, schema)
             conn.commit() if commit else conn.rollback()
     elif mode == "autocommit_no_block":
-        with psycopg.connect(dsn, autocommit=True) as conn:
+        with psycopg.connect(dsn, autocommit=True, **extra) as conn:
             yield _psycopg_caller(conn, schema, transactional=False)
     elif mode in ("autocommit_block", "autocommit_nested_block", "pipeline_autocommit_block"):
-        with psycopg.connect(dsn, autocommit=True) as conn:
+        with psycopg.connect(dsn, autocommit=True, **extra) as conn:
             try:
                 with contextlib.ExitStack() as stack:
                     if mode == "pipeline_autocommit_block":
@@ -129,12 +129,12 @@ def sync_mode(mode: str, dsn: str, schema: str, commit: bool) -> Iterator[Caller
             except _Rollback:
                 pass
     elif mode == "pipeline":
-        with psycopg.connect(dsn) as conn:
+        with psycopg.connect(dsn, **extra) as conn:
             with conn.pipeline():
                 yield _psycopg_caller(conn, schema)
             conn.commit() if commit else conn.rollback()
     elif mode in ("sa_session", "sa_begin_nested"):
-        engine = sa.create_engine(sa_url, poolclass=sa.pool.NullPool)
+        engine = sa.create_engine(sa_url, poolclass=sa.pool.NullPool, connect_args=extra)
         try:
             with Session(engine) as session:
                 with contextlib.ExitStack() as stack:
@@ -147,7 +147,7 @@ def sync_mode(mode: str, dsn: str, schema: str, commit: bool) -> Iterator[Caller
         finally:
             engine.dispose()
     elif mode == "sa_connection":
-        engine = sa.create_engine(sa_url, poolclass=sa.pool.NullPool)
+        engine = sa.create_engine(sa_url, poolclass=sa.pool.NullPool, connect_args=extra)
         try:
             with engine.connect() as sa_conn:
                 sa_conn.begin()
@@ -167,19 +167,19 @@ def _apsycopg_caller(conn: psycopg.AsyncConnection, schema: str, transactional: 
 
 
 @contextlib.asynccontextmanager
-async def async_mode(mode: str, dsn: str, schema: str, commit: bool) -> AsyncIterator[Caller]:
+async def async_mode(mode: str, dsn: str, schema: str, commit: bool, extra: dict[str, Any]) -> AsyncIterator[Caller]:
     sa_url = dsn.replace("postgresql://", "postgresql+psycopg://", 1)
     if mode in ("autocommit_off", "dict_row", "autocommit_off_idle", "no_prepare"):
-        kwargs: dict[str, Any] = {"dict_row": {"row_factory": dict_row},
-                                  "no_prepare": {"prepare_threshold": None}}.get(mode, {})
+        kwargs: dict[str, Any] = extra | {"dict_row": {"row_factory": dict_row},
+                                          "no_prepare": {"prepare_threshold": None}}.get(mode, {})
         async with await psycopg.AsyncConnection.connect(dsn, **kwargs) as conn:
             yield _apsycopg_caller(conn, schema)
             await (conn.commit() if commit else conn.rollback())
     elif mode == "autocommit_no_block":
-        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True, **extra) as conn:
             yield _apsycopg_caller(conn, schema, transactional=False)
     elif mode in ("autocommit_block", "autocommit_nested_block"):
-        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True, **extra) as conn:
             try:
                 async with contextlib.AsyncExitStack() as stack:
                     await stack.enter_async_context(conn.transaction())
@@ -192,12 +192,12 @@ async def async_mode(mode: str, dsn: str, schema: str, commit: bool) -> AsyncIte
             except _Rollback:
                 pass
     elif mode == "pipeline":
-        async with await psycopg.AsyncConnection.connect(dsn) as conn:
+        async with await psycopg.AsyncConnection.connect(dsn, **extra) as conn:
             async with conn.pipeline():
                 yield _apsycopg_caller(conn, schema)
             await (conn.commit() if commit else conn.rollback())
     elif mode in ("sa_session", "sa_begin_nested"):
-        engine = create_async_engine(sa_url, poolclass=sa.pool.NullPool)
+        engine = create_async_engine(sa_url, poolclass=sa.pool.NullPool, connect_args=extra)
         try:
             async with AsyncSession(engine) as session:
                 async def write(tag: str) -> None:
@@ -212,7 +212,7 @@ async def async_mode(mode: str, dsn: str, schema: str, commit: bool) -> AsyncIte
         finally:
             await engine.dispose()
     elif mode == "sa_connection":
-        engine = create_async_engine(sa_url, poolclass=sa.pool.NullPool)
+        engine = create_async_engine(sa_url, poolclass=sa.pool.NullPool, connect_args=extra)
         try:
             async with engine.connect() as sa_conn:
                 await sa_conn.begin()
@@ -250,9 +250,9 @@ class Fixture:
     poison_empty: tracker.Batch    # open, nothing in it, completion topic 'poison' (its close fails)
 
 
-def _prepare(dsn: str, schema: str) -> Fixture:
+def _prepare(dsn: str, schema: str, extra: dict[str, Any]) -> Fixture:
     t = tracker.Tracker(schema=schema)
-    with psycopg.connect(dsn) as c:
+    with psycopg.connect(dsn, **extra) as c:
         c.execute(f'DELETE FROM "{schema}".caller_rows')
         ob = t.open_batch(c, user_key="fixture-open")
         t.add_items(c, ob, 3)
@@ -314,8 +314,8 @@ EXPECTED_ERROR: dict[str, tuple[type[BaseException], ...]] = {
 }
 
 
-def _committed(dsn: str, schema: str) -> tuple[dict, list]:
-    with psycopg.connect(dsn) as c:
+def _committed(dsn: str, schema: str, extra: dict[str, Any] | None = None) -> tuple[dict, list]:
+    with psycopg.connect(dsn, **(extra or {})) as c:
         return snapshot(c, schema), c.execute(f'SELECT tag FROM "{schema}".caller_rows ORDER BY tag').fetchall()
 
 
@@ -331,11 +331,11 @@ def _expected_tags(mode: str, op: str, outcome: str) -> list[str]:
 # ---------------------------------------------------------------- the matrix
 
 
-def _sync_cell(dsn: str, schema: str, mode: str, op: str, outcome: str) -> None:
-    fx = _prepare(dsn, schema)
+def _sync_cell(dsn: str, schema: str, mode: str, op: str, outcome: str, extra: dict[str, Any]) -> None:
+    fx = _prepare(dsn, schema, extra)
     t = tracker.Tracker(schema=schema)
-    before, _ = _committed(dsn, schema)
-    with sync_mode(mode, dsn, schema, commit=outcome != "rolled_back") as caller:
+    before, _ = _committed(dsn, schema, extra)
+    with sync_mode(mode, dsn, schema, outcome != "rolled_back", extra) as caller:
         if mode != "autocommit_off_idle":
             caller.write("before")
         if outcome == "failed":
@@ -350,13 +350,13 @@ def _sync_cell(dsn: str, schema: str, mode: str, op: str, outcome: str) -> None:
             assert caller.raw.info.transaction_status == pq.TransactionStatus.INTRANS
         if caller.transactional:
             # Nothing of the call is visible outside the caller's transaction: it committed nothing.
-            assert _committed(dsn, schema)[0] == before
+            assert _committed(dsn, schema, extra)[0] == before
         elif outcome != "failed":
             assert caller.raw.info.transaction_status == pq.TransactionStatus.IDLE
         caller.write("after")  # the caller's transaction is usable after the call, failed or not
         if mode == "autocommit_off_idle":
             caller.write("before")
-    after = _committed(dsn, schema)
+    after = _committed(dsn, schema, extra)
     _assert_outcome(mode, op, outcome, before, after, caller.transactional)
 
 
@@ -378,11 +378,11 @@ def _assert_outcome(mode: str, op: str, outcome: str, before: dict, after: tuple
         assert state == before
 
 
-async def _async_cell(dsn: str, schema: str, mode: str, op: str, outcome: str) -> None:
-    fx = _prepare(dsn, schema)
+async def _async_cell(dsn: str, schema: str, mode: str, op: str, outcome: str, extra: dict[str, Any]) -> None:
+    fx = _prepare(dsn, schema, extra)
     t = AsyncTracker(schema=schema)
-    before, _ = _committed(dsn, schema)
-    async with async_mode(mode, dsn, schema, commit=outcome != "rolled_back") as caller:
+    before, _ = _committed(dsn, schema, extra)
+    async with async_mode(mode, dsn, schema, outcome != "rolled_back", extra) as caller:
         if mode != "autocommit_off_idle":
             await caller.write("before")
         if outcome == "failed":
@@ -396,13 +396,13 @@ async def _async_cell(dsn: str, schema: str, mode: str, op: str, outcome: str) -
         if caller.transactional and mode != "pipeline":
             assert caller.raw.info.transaction_status == pq.TransactionStatus.INTRANS
         if caller.transactional:
-            assert _committed(dsn, schema)[0] == before
+            assert _committed(dsn, schema, extra)[0] == before
         elif outcome != "failed":
             assert caller.raw.info.transaction_status == pq.TransactionStatus.IDLE
         await caller.write("after")
         if mode == "autocommit_off_idle":
             await caller.write("before")
-    after = _committed(dsn, schema)
+    after = _committed(dsn, schema, extra)
     _assert_outcome(mode, op, outcome, before, after, caller.transactional)
 
 
@@ -413,11 +413,11 @@ OUTCOMES = ["committed", "rolled_back", "failed"]
 @pytest.mark.parametrize("mode", SYNC_MODES)
 def test_sync_face_keeps_the_callers_transaction(pg_dsn, poisoned, mode, op):
     for outcome in OUTCOMES:
-        _sync_cell(pg_dsn, poisoned, mode, op, outcome)
+        _sync_cell(pg_dsn, poisoned, mode, op, outcome, {})
 
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("mode", ASYNC_MODES)
 def test_async_face_keeps_the_callers_transaction(pg_dsn, poisoned, mode, op):
     for outcome in OUTCOMES:
-        asyncio.run(_async_cell(pg_dsn, poisoned, mode, op, outcome))
+        asyncio.run(_async_cell(pg_dsn, poisoned, mode, op, outcome, {}))

@@ -33,6 +33,7 @@ from .acks import AckResult
 from .api import Tracker
 from .errors import IndexOutOfRange, MalformedItemId
 from .ids import GROUP_BITS_MAX, GroupMask, parse_ack
+from .pooling import configure_for_pooler
 from .schema import check_identifier
 
 log = structlog.get_logger("reaper.acker")
@@ -250,6 +251,7 @@ class Acker:
         conn = self._conn
         if conn is None or conn.closed or conn.broken:
             conn = self._conn = psycopg.connect(self.dsn, autocommit=True)
+            configure_for_pooler(conn)  # PgBouncer in transaction mode: no prepared statements
         try:
             # an autocommit connection: apply_masks runs as one transaction of its own
             return self.tracker.apply_masks(conn, masks, reject_invalid=True)

@@ -88,43 +88,52 @@ def pending_sql(conn: psycopg.Connection, schema: str) -> list[tuple[Migration, 
     return [(m, prefix + m.text) for m in migrations() if m.version not in done]
 
 
-def migrate(dsn_or_conn: str | psycopg.Connection, schema: str) -> list[str]:
-    """Apply pending migrations to `schema` under an advisory lock; return the names applied.
+def _check_drift(schema: str, wanted: list[Migration], done: dict[int, str]) -> None:
+    for m in wanted:
+        if m.version in done and done[m.version] != m.checksum:
+            raise MigrationDrift(f"migration {m.name} was applied to schema {schema!r} and has since changed")
 
-    Safe to run from several processes at once: they queue on the lock and the later ones find
-    nothing left to do. Raises MigrationDrift if an applied file has since been edited.
+
+def migrate(dsn_or_conn: str | psycopg.Connection, schema: str) -> list[str]:
+    """Apply pending migrations to `schema`, each in a transaction of its own; return the names applied.
+
+    Every transaction first takes a transaction-level advisory lock on the schema
+    (pg_advisory_xact_lock), then re-reads what is applied and checks checksums. A session lock
+    would not do: through a transaction pooler (PgBouncer in transaction mode) it stays on whatever
+    server connection ran it, and the unlock lands on another. So it is safe to run from several
+    processes at once, directly or through PgBouncer: they queue on the lock and the later ones
+    find nothing left to do. Raises MigrationDrift if an applied file has since been edited.
     """
     check_identifier(schema, "schema")
     own = isinstance(dsn_or_conn, str)
-    conn = psycopg.connect(dsn_or_conn, autocommit=True) if own else dsn_or_conn
+    conn = psycopg.connect(dsn_or_conn, autocommit=True, prepare_threshold=None) if own else dsn_or_conn
     if not conn.autocommit:
         raise ValueError("migrate() needs an autocommit connection: each migration commits on its own")
+    # The lock and the re-read repeat once per migration: never let psycopg prepare them, since a
+    # transaction pooler before PgBouncer 1.21 cannot carry a prepared statement to the next transaction.
+    threshold, conn.prepare_threshold = conn.prepare_threshold, None
     try:
-        key = _lock_key(schema)
-        conn.execute("SELECT pg_advisory_lock(%s)", [key])
-        try:
-            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
-            conn.execute(sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {} (version integer PRIMARY KEY, name text NOT NULL, "
-                "checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
-            ).format(qualified(schema, MIGRATIONS_TABLE)))
-            done = applied(conn, schema)
-            for m in migrations():
-                if m.version in done and done[m.version] != m.checksum:
-                    raise MigrationDrift(f"migration {m.name} was applied to schema {schema!r} and has since changed")
-            names = []
-            for m in migrations():
-                if m.version in done:
-                    continue
-                with conn.transaction():
-                    conn.execute(sql.SQL("SET LOCAL search_path TO {}, public").format(sql.Identifier(schema)))
-                    conn.execute(m.text)
-                    conn.execute(sql.SQL("INSERT INTO {} (version, name, checksum) VALUES (%s, %s, %s)")
-                                 .format(qualified(schema, MIGRATIONS_TABLE)), [m.version, m.name, m.checksum])
-                names.append(m.name)
-            return names
-        finally:
-            conn.execute("SELECT pg_advisory_unlock(%s)", [key])
+        key, wanted, names = _lock_key(schema), migrations(), []
+        table = qualified(schema, MIGRATIONS_TABLE)
+        while True:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", [key])
+                if not names:
+                    conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+                    conn.execute(sql.SQL(
+                        "CREATE TABLE IF NOT EXISTS {} (version integer PRIMARY KEY, name text NOT NULL, "
+                        "checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())").format(table))
+                done = applied(conn, schema)
+                _check_drift(schema, wanted, done)
+                todo = next((m for m in wanted if m.version not in done), None)
+                if todo is None:
+                    return names
+                conn.execute(sql.SQL("SET LOCAL search_path TO {}, public").format(sql.Identifier(schema)))
+                conn.execute(todo.text)
+                conn.execute(sql.SQL("INSERT INTO {} (version, name, checksum) VALUES (%s, %s, %s)").format(table),
+                             [todo.version, todo.name, todo.checksum])
+            names.append(todo.name)
     finally:
+        conn.prepare_threshold = threshold
         if own:
             conn.close()

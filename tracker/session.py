@@ -8,18 +8,23 @@ psycopg driver. Asyncio face: a psycopg `AsyncConnection`, or the one behind a S
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import psycopg
 
 from .errors import UnsupportedConnection
 
 
-# What the sync face accepts. SQLAlchemy is not imported here: any object with SQLAlchemy's shape
-# on the psycopg driver works, and the error for anything else names the supported kinds.
-SyncSession = Union[psycopg.Connection, "sqlalchemy.orm.Session", "sqlalchemy.engine.Connection"]  # noqa: F821
-AsyncSession = Union[psycopg.AsyncConnection, "sqlalchemy.ext.asyncio.AsyncSession",  # noqa: F821
-                     "sqlalchemy.ext.asyncio.AsyncConnection"]  # noqa: F821
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection as SAConnection
+    from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
+    from sqlalchemy.ext.asyncio import AsyncSession as SAAsyncSession
+    from sqlalchemy.orm import Session as SASession
+
+# What each face accepts (SQLAlchemy objects on the psycopg driver); anything else is refused with
+# an error naming these.
+SyncSession = Union[psycopg.Connection, "SASession", "SAConnection"]
+AsyncSession = Union[psycopg.AsyncConnection, "SAAsyncSession", "SAAsyncConnection"]
 
 
 def _driver_name(sa_connection: object) -> str | None:

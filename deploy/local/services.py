@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Local PostgreSQL and Apache Kafka (single KRaft node) for development, tests and CI.
+"""Local PostgreSQL, PgBouncer and Apache Kafka (single KRaft node) for development, tests and CI.
 
-    python3 deploy/local/services.py up|down|status [--only postgres|kafka]
+    python3 deploy/local/services.py up|down|status|env [--only postgres|kafka|pgbouncer]
 
 Idempotent. Everything lives under <repo>/.local (git-ignored). PostgreSQL comes from Debian's
 packages (apt-get installs it when missing); Kafka from its jars on Maven Central, resolved once by
@@ -9,7 +9,8 @@ packages (apt-get installs it when missing); Kafka from its jars on Maven Centra
 before the project's virtualenv exists.
 
 Environment: OUTBOX_LOCAL_DIR (state folder), OUTBOX_PG_PORT (55432), OUTBOX_KAFKA_PORT (59092),
-OUTBOX_KAFKA_CONTROLLER_PORT (59093), OUTBOX_KAFKA_HEAP (512m), OUTBOX_SERVICES_TIMEOUT (90 s).
+OUTBOX_KAFKA_CONTROLLER_PORT (59093), OUTBOX_KAFKA_HEAP (512m), OUTBOX_SERVICES_TIMEOUT (90 s),
+OUTBOX_PGBOUNCER_PORT (56432: PgBouncer in transaction pooling mode in front of the Postgres).
 """
 from __future__ import annotations
 
@@ -38,9 +39,11 @@ KAFKA_PORT = int(os.environ.get("OUTBOX_KAFKA_PORT", "59092"))
 CONTROLLER_PORT = int(os.environ.get("OUTBOX_KAFKA_CONTROLLER_PORT", "59093"))
 KAFKA_HEAP = os.environ.get("OUTBOX_KAFKA_HEAP", "512m")
 TIMEOUT = float(os.environ.get("OUTBOX_SERVICES_TIMEOUT", "90"))
+PGB_PORT = int(os.environ.get("OUTBOX_PGBOUNCER_PORT", "56432"))
 PG_DB = "outbox"
 PG_DIR = STATE / "postgres"
 KAFKA_DIR = STATE / "kafka"
+PGB_DIR = STATE / "pgbouncer"
 # Jars are shared by every checkout on the machine; a fresh clone then only copies them.
 KAFKA_LIB_CACHE = Path(os.environ.get("OUTBOX_KAFKA_LIB_CACHE", Path.home() / ".cache" / "outbox-reaper" / "kafka-lib"))
 
@@ -170,6 +173,106 @@ def pg_down() -> None:
         log("stopping postgres")
         run([str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"], user=pg_user(), check=False,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# ---------------------------------------------------------------- PgBouncer (transaction pooling)
+
+
+def pgb_dsn() -> str:
+    return f"postgresql://postgres@127.0.0.1:{PGB_PORT}/{PG_DB}"
+
+
+def pgb_config() -> str:
+    # Trust, like the Postgres behind it (local use only). A server connection serves one client
+    # transaction at a time; the sizes stay well below Postgres' max_connections (300), which the
+    # tests also use directly.
+    return f"""; written by deploy/local/services.py
+[databases]
+* = host=127.0.0.1 port={PG_PORT}
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {PGB_PORT}
+unix_socket_dir =
+auth_type = trust
+auth_file = {PGB_DIR / 'userlist.txt'}
+admin_users = postgres
+stats_users = postgres
+pool_mode = transaction
+max_client_conn = 500
+default_pool_size = 20
+reserve_pool_size = 5
+max_db_connections = 50
+server_lifetime = 3600
+ignore_startup_parameters = extra_float_digits
+log_connections = 0
+log_disconnections = 0
+logfile = {PGB_DIR / 'pgbouncer.log'}
+pidfile = {PGB_DIR / 'pgbouncer.pid'}
+"""
+
+
+def pgb_pid() -> int | None:
+    try:
+        pid = int((PGB_DIR / "pgbouncer.pid").read_text())
+        os.kill(pid, 0)
+        return pid
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        return None
+
+
+def pgb_ready() -> bool:
+    """A query answered through PgBouncer (so Postgres behind it answers too)."""
+    if not port_open(PGB_PORT):
+        return False
+    psql = pg_bindir() / "psql"
+    r = run([str(psql), "-h", "127.0.0.1", "-p", str(PGB_PORT), "-U", "postgres", "-d", PG_DB, "-tAc", "SELECT 1"],
+            check=False, capture_output=True)
+    return r.returncode == 0 and r.stdout.strip() == "1"
+
+
+def pgbouncer_up() -> None:
+    if pgb_ready():
+        log(f"pgbouncer already running on 127.0.0.1:{PGB_PORT}")
+        return
+    ensure_debian_packages("pgbouncer", "pgbouncer")
+    user = pg_user()  # PgBouncer refuses to run as root, like initdb
+    PGB_DIR.mkdir(parents=True, exist_ok=True)
+    (PGB_DIR / "pgbouncer.ini").write_text(pgb_config())
+    (PGB_DIR / "userlist.txt").write_text('"postgres" ""\n')
+    if user:
+        shutil.chown(PGB_DIR, user)
+    if (pid := pgb_pid()) is not None:
+        log(f"pgbouncer process {pid} exists but does not answer; waiting for it")
+    else:
+        (PGB_DIR / "pgbouncer.pid").unlink(missing_ok=True)
+        log(f"starting pgbouncer on 127.0.0.1:{PGB_PORT} (transaction pooling)")
+        exe = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+        r = run([exe, "-d", str(PGB_DIR / "pgbouncer.ini")], user=user, check=False, capture_output=True)
+        if r.returncode != 0:
+            raise ServiceError(f"pgbouncer did not start (exit {r.returncode}): {r.stderr.strip()}\n"
+                               f"{tail(PGB_DIR / 'pgbouncer.log')}")
+    started = time.monotonic()
+    while time.monotonic() - started < TIMEOUT:
+        if pgb_ready():
+            log(f"pgbouncer ready: {pgb_dsn()}")
+            return
+        time.sleep(0.2)
+    raise ServiceError(f"pgbouncer did not answer within {TIMEOUT:.0f}s; log tail:\n{tail(PGB_DIR / 'pgbouncer.log')}")
+
+
+def pgbouncer_down() -> None:
+    pid = pgb_pid()
+    if pid is None:
+        return
+    log("stopping pgbouncer")
+    os.kill(pid, signal.SIGTERM)  # immediate shutdown: client connections are closed
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and pgb_pid() is not None:
+        time.sleep(0.1)
+    if pgb_pid() is not None:
+        os.kill(pid, signal.SIGKILL)
+    (PGB_DIR / "pgbouncer.pid").unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- Kafka
@@ -336,6 +439,8 @@ def status() -> int:
     kafka = kafka_metadata_ok()
     print(f"postgres: {'up ' + pg_dsn() if pg else 'down'}")
     print(f"kafka:    {'up 127.0.0.1:' + str(KAFKA_PORT) if kafka else 'down'}")
+    # Not part of the exit status: callers (the demo) read it as "Postgres and Kafka are up".
+    print(f"pgbouncer: {'up ' + pgb_dsn() if pg and pgb_ready() else 'down'}")
     print(f"state:    {STATE}")
     return 0 if pg and kafka else 3
 
@@ -343,7 +448,7 @@ def status() -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("action", choices=["up", "down", "status", "env"])
-    ap.add_argument("--only", choices=["postgres", "kafka"])
+    ap.add_argument("--only", choices=["postgres", "kafka", "pgbouncer"])
     args = ap.parse_args(argv)
     STATE.mkdir(parents=True, exist_ok=True)
     lock = open(STATE / "services.lock", "w")
@@ -355,9 +460,14 @@ def main(argv: list[str] | None = None) -> int:
                 pg_up()
             if args.only in (None, "kafka"):
                 kafka_up()
+            if args.only in (None, "pgbouncer"):
+                pgbouncer_up()
             print(f"OUTBOX_TEST_DSN={pg_dsn()}")
             print(f"KAFKA_BOOTSTRAP=127.0.0.1:{KAFKA_PORT}")
+            print(f"PGBOUNCER_DSN={pgb_dsn()}")
         elif args.action == "down":
+            if args.only in (None, "pgbouncer"):
+                pgbouncer_down()
             if args.only in (None, "kafka"):
                 kafka_down()
             if args.only in (None, "postgres"):
@@ -365,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.action == "env":
             print(f"export OUTBOX_TEST_DSN={pg_dsn()}")
             print(f"export KAFKA_BOOTSTRAP=127.0.0.1:{KAFKA_PORT}")
+            print(f"export PGBOUNCER_DSN={pgb_dsn()}")
         else:
             return status()
     except (ServiceError, subprocess.CalledProcessError) as exc:

@@ -31,7 +31,10 @@ def connect(cfg: Config) -> psycopg.Connection:
     """A connection in a transaction of its own (not autocommit): each command commits what it
     did as a whole, or rolls all of it back."""
     try:
-        return psycopg.connect(cfg.database.dsn, connect_timeout=10, application_name="reaper-admin")
+        # Never prepared: a command runs each statement a few times at most, and this way it also
+        # works through PgBouncer in transaction mode (see README, PgBouncer).
+        return psycopg.connect(cfg.database.dsn, connect_timeout=10, application_name="reaper-admin",
+                               prepare_threshold=None)
     except psycopg.OperationalError as exc:
         raise AdminError(f"database unreachable: {redact_dsn(str(exc)).strip()}", EXIT_UNAVAILABLE) from None
 

@@ -23,13 +23,18 @@ class PrivateServices:
         self.dir = Path(tempfile.mkdtemp(prefix="reaper-private-"))
         os.chmod(self.dir, 0o755)  # the postgres server user must reach its data folder
         self.pg_port, self.kafka_port, self.controller_port = free_port(), free_port(), free_port()
+        self.pgbouncer_port = free_port()
         self.env = dict(os.environ, OUTBOX_LOCAL_DIR=str(self.dir), OUTBOX_PG_PORT=str(self.pg_port),
                         OUTBOX_KAFKA_PORT=str(self.kafka_port), OUTBOX_KAFKA_CONTROLLER_PORT=str(self.controller_port),
-                        OUTBOX_KAFKA_HEAP="384m")
+                        OUTBOX_KAFKA_HEAP="384m", OUTBOX_PGBOUNCER_PORT=str(self.pgbouncer_port))
 
     @property
     def dsn(self) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.pg_port}/outbox"
+
+    @property
+    def pgbouncer_dsn(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.pgbouncer_port}/outbox"
 
     @property
     def bootstrap(self) -> str:

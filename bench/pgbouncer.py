@@ -1,0 +1,73 @@
+"""Harvest throughput through PgBouncer (transaction pooling) beside direct, in one run:
+`python -m bench.pgbouncer [--quick]`. The last line of output is one JSON object.
+
+Each round pre-fills a fresh outbox (directly) and harvests it with an in-process harvester whose
+DSN is either Postgres or PgBouncer (PGBOUNCER_DSN, else the local one on 56432); rounds alternate
+so that the shared machine's noise falls on both. Compare the ratio, not the absolutes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from harvester import config as config_mod
+from harvester import logs
+from harvester.mpr import Harvester
+from harvester.run import tune_gc
+
+from .harvest import BOOTSTRAP, DSN, Env, prefill, say
+
+PGBOUNCER_DSN = os.environ.get("PGBOUNCER_DSN", "postgresql://postgres@127.0.0.1:56432/outbox")
+
+
+def harvest(env: Env, dsn: str, n: int) -> float:
+    cfg = config_mod.load(None, environ={}, overrides={
+        "database": {"dsn": dsn, "schema": env.schema}, "kafka": {"bootstrap_servers": BOOTSTRAP},
+        "harvester": {"leader_topic": env.leader_topic, "leader_group": env.group, "heartbeat_timeout": 2.0,
+                      "session_timeout": 6.0}, "metrics": {"enabled": False}})
+    h = Harvester(cfg).start()
+    try:
+        while not h.leading:
+            time.sleep(0.01)
+        started = time.perf_counter()
+        while h.publisher.purged_rows < n:
+            time.sleep(0.01)
+            if time.perf_counter() - started > 600:
+                raise RuntimeError(f"only {h.publisher.purged_rows} of {n} purged after 600 s")
+        return n / (time.perf_counter() - started)
+    finally:
+        h.stop(10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="50,000 rows a round, 2 rounds each")
+    args = ap.parse_args(argv)
+    logs.configure("json", "warning")
+    tune_gc()
+    n, rounds = (50_000, 2) if args.quick else (200_000, 3)
+    rates: dict[str, list[float]] = {"direct": [], "pgbouncer": []}
+    for r in range(rounds):
+        for name, dsn in (("direct", DSN), ("pgbouncer", PGBOUNCER_DSN)):
+            env = Env()
+            try:
+                prefill(env, n, keys=1000)
+                rate = harvest(env, dsn, n)
+            finally:
+                env.drop()
+            rates[name].append(rate)
+            say(f"round {r}: {name} {rate:,.0f} records/s")
+    direct, pooled = statistics.median(rates["direct"]), statistics.median(rates["pgbouncer"])
+    print(json.dumps({"benchmark": "pgbouncer", "records_per_round": n, "rounds": rounds,
+                      "direct_records_per_s": round(direct), "pgbouncer_records_per_s": round(pooled),
+                      "ratio_pgbouncer_to_direct": round(pooled / direct, 3),
+                      "all": {k: [round(v) for v in vs] for k, vs in rates.items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
