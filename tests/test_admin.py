@@ -388,3 +388,30 @@ def test_batch_expire_writes_the_expiry_event_which_the_harvester_publishes(cfg,
         ("expired", "operator", "consumer gone", 4, 1, "stuck")
     with psycopg.connect(pg_dsn) as c:
         assert c.execute(f'SELECT action, rows FROM "{schema}".admin_log').fetchall() == [("batch-expire", 1)]
+
+
+def test_requeue_draws_a_progress_bar_on_a_terminal_and_none_otherwise(cfg, pg_dsn, schema):
+    import pty  # a pseudo-terminal as stderr: what an operator's shell gives the command
+
+    add_dead(pg_dsn, schema, "t", 300, "slow broker")
+    master, slave = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")} | env_for(cfg) | {"TERM": "xterm"}
+    proc = subprocess.Popen([sys.executable, "-m", "harvester.cli", "dead", "requeue", "--all", "--chunk", "1"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=slave, text=True)
+    os.close(slave)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the child closed its end
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    out = proc.communicate(timeout=120)[0]
+    os.close(master)
+    assert proc.returncode == 0 and "requeued 300 rows" in out
+    assert b"requeue" in drawn and b"/300" in drawn, drawn[-500:]
+    add_dead(pg_dsn, schema, "t", 3, "slow broker")
+    piped = reaper(cfg, "dead", "requeue", "--all")
+    assert piped.returncode == 0 and piped.stderr == "" and "requeued 3 rows" in piped.stdout
