@@ -6,7 +6,9 @@
 Modes (each the best of --repeats runs, items/s of enqueue + commit):
 - absent: opentelemetry cannot be imported (a subprocess with an import blocker): the baseline;
 - no_span: opentelemetry installed, no active span (nothing stored);
-- span: inside an SDK span (traceparent stored with every row: two more header entries per row).
+- span: inside an SDK span (a traceparent header stored with every row);
+- same_header: no opentelemetry, the same 55-byte traceparent header passed by hand: what the
+  extra header costs Postgres, apart from the tracing code.
 Also the harvester's per-row PRODUCER span (`harvester.trace_spans`), in rows/s of
 `tracing.producer_span` with the SDK and a no-op exporter.
 
@@ -52,7 +54,7 @@ with psycopg.connect({dsn!r}) as c:
                     outbox.enqueue(c, b, items, topic="t", schema={schema!r})
             else:
                 b = tracker.open_batch(c, schema={schema!r})
-                outbox.enqueue(c, b, items, topic="t", schema={schema!r})
+                outbox.enqueue(c, b, items, topic="t", schema={schema!r}, headers={headers!r})
             c.commit()
         best = max(best, {n} * {calls} / (time.perf_counter() - started))
         c.execute('TRUNCATE "{schema}".outbox, "{schema}".batch CASCADE')
@@ -61,8 +63,10 @@ print(json.dumps({{"rate": best, "enabled": tracing.enabled()}}))
 """
 
 
-def enqueue_rate(dsn: str, schema: str, *, block: bool, span: bool, n: int, calls: int, repeats: int) -> dict:
-    code = _RUN.format(block=block, span=span, n=n, calls=calls, repeats=repeats, dsn=dsn, schema=schema)
+def enqueue_rate(dsn: str, schema: str, *, block: bool, span: bool, n: int, calls: int, repeats: int,
+                 headers: dict | None = None) -> dict:
+    code = _RUN.format(block=block, span=span, n=n, calls=calls, repeats=repeats, dsn=dsn, schema=schema,
+                       headers=headers)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -98,8 +102,11 @@ def main() -> None:
     schema_mod.migrate(dsn, schema)
     try:
         modes = {}
-        for name, block, span in (("absent", True, False), ("no_span", False, False), ("span", False, True)):
-            got = enqueue_rate(dsn, schema, block=block, span=span, n=n, calls=calls, repeats=args.repeats)
+        same = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+        for name, block, span, headers in (("absent", True, False, None), ("no_span", False, False, None),
+                                           ("span", False, True, None), ("same_header", True, False, same)):
+            got = enqueue_rate(dsn, schema, block=block, span=span, n=n, calls=calls, repeats=args.repeats,
+                               headers=headers)
             modes[name] = got["rate"]
             print(f"enqueue {name:8} {got['rate']:12,.0f} items/s (opentelemetry importable: {got['enabled']})")
         spans = producer_span_rate(20000 if args.quick else 100000)
@@ -111,6 +118,7 @@ def main() -> None:
                       "enqueue_items_per_s": {k: round(v) for k, v in modes.items()},
                       "ratio_no_span_vs_absent": round(modes["no_span"] / modes["absent"], 3),
                       "ratio_span_vs_absent": round(modes["span"] / modes["absent"], 3),
+                      "ratio_span_vs_same_header": round(modes["span"] / modes["same_header"], 3),
                       "producer_span_rows_per_s": round(spans)}))
 
 
