@@ -50,6 +50,8 @@ DESCRIPTIONS = {
     "harvester.drain_timeout": "on shutdown, wait this long for in-flight records (seconds)",
     "harvester.transactional_id": "publish in Kafka transactions under this id (same on every instance): a new "
                                   "leader fences the old one at the broker; rows are purged after commit. Empty = off",
+    "harvester.trace_spans": "emit an OpenTelemetry PRODUCER span per published row, linked to the trace context "
+                             "stored with it (needs the otel extra and a configured tracer provider)",
     "harvester.default_completion_topic": "topic of completion events for batches opened without one",
     "acker.enabled": "run the acker (ack-topic consumer) in this process",
     "acker.topic": "topic consumers produce acks to, keyed by batch id",
@@ -62,6 +64,7 @@ DESCRIPTIONS = {
     "sweeper.idle_expiry": "expire open and closed batches with no add, close or ack for this long (seconds)",
     "sweeper.retention": "delete complete and expired batches this long after they finished (seconds)",
     "sweeper.chunk": "batches handled per sweep statement",
+    "sweeper.expiry_topic": "topic of expiry events (one per expired batch); empty = the batch's completion topic",
     "metrics.enabled": "serve /metrics, /healthz and /readyz",
     "metrics.host": "address the HTTP endpoint listens on",
     "metrics.port": "port of /metrics, /healthz and /readyz (0 = any free port)",

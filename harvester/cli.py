@@ -6,7 +6,7 @@ import sys
 
 from tracker import schema
 
-from . import config as config_mod
+from . import admin, config as config_mod
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -23,6 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     # Tests only: honour REAPER_FAULT_INJECTION. Hidden, and never read from the configuration file.
     run.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
     sub.add_parser("serve", help="serve the tracker over HTTP (http section of the configuration) until SIGTERM")
+    admin.add_parsers(sub)  # outbox status, dead list|requeue, batch show|expire
     return ap
 
 
@@ -73,8 +74,9 @@ def cmd_run(cfg: config_mod.Config, fault_injection: bool) -> int:
         return EXIT_CONFIG
     try:
         return run_mod.run(cfg, faults=faults)
-    except Exception as exc:
-        print(f"reaper run: {type(exc).__name__}: {config_mod.redact_dsn(str(exc))}", file=sys.stderr)
+    except Exception as exc:  # logging is configured: a JSON line, like every other
+        run_mod.logs.get("reaper").error("reaper run failed", error=f"{type(exc).__name__}: "
+                                         f"{config_mod.redact_dsn(str(exc))}")
         return EXIT_FAILURE
 
 
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_run(cfg, args.enable_fault_injection)
     if args.command == "serve":
         return cmd_serve(cfg)
+    if args.command in admin.COMMANDS:
+        return admin.main(cfg, args)
     try:
         if args.command == "migrate":
             return cmd_migrate(cfg, args.dry_run)

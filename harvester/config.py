@@ -72,6 +72,9 @@ class HarvesterConfig:
     # new leader's init_transactions fences the previous leader's producer at the broker, so even a
     # paused (SIGSTOP, frozen VM) old leader can write nothing after the takeover. Empty: off.
     transactional_id: str = ""
+    # Emit an OpenTelemetry PRODUCER span per published row, linked to the trace context stored with
+    # it (needs the `otel` extra; spans go to the process's global tracer provider).
+    trace_spans: bool = False
 
 
 @dataclass
@@ -91,6 +94,7 @@ class SweeperConfig:
     idle_expiry: float = 86400.0
     retention: float = 7 * 86400.0
     chunk: int = 1000
+    expiry_topic: str = ""  # expiry events go here; empty: each batch's completion topic
 
 
 @dataclass
@@ -283,6 +287,12 @@ def validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if not topic.match(value):
             raise ConfigError(key, f"{value!r} is not a valid Kafka topic name")
+    if cfg.sweeper.expiry_topic and not topic.match(cfg.sweeper.expiry_topic):
+        raise ConfigError("sweeper.expiry_topic", f"{cfg.sweeper.expiry_topic!r} is not a valid Kafka topic name")
+    if cfg.harvester.trace_spans:
+        from tracker import tracing
+        if not tracing.enabled():
+            raise ConfigError("harvester.trace_spans", "needs OpenTelemetry: pip install 'outbox-reaper[otel]'")
     txn_id = cfg.harvester.transactional_id
     if txn_id and not re.match(r"^[A-Za-z0-9._:-]{1,200}$", txn_id):
         raise ConfigError("harvester.transactional_id", f"{txn_id!r} must be 1-200 of A-Z a-z 0-9 . _ : -")

@@ -1,6 +1,11 @@
 """structlog setup: JSON lines by default, readable console output in a terminal or on request.
 
 Every event carries the current leader id (None while following) through `leader_context`.
+Nothing else reaches stderr raw: `configure` also routes the standard library's logging (psycopg
+pool, confluent-kafka clients given a `logging.Logger`, e.g. the tracker's acker), Python
+warnings and uncaught thread exceptions into structlog. librdkafka's own lines come through each
+client's `logger` setting (`KafkaLogger` here, a `logging.Logger` named `reaper.kafka.<client>`
+in the tracker), so they never bypass the renderer and interleave with JSON lines.
 """
 from __future__ import annotations
 
@@ -31,6 +36,37 @@ def _add_leader_id(_logger, _name, event: dict) -> dict:
     return event
 
 
+class _ToStructlog(logging.Handler):
+    """Standard-library log records as structlog events (the bridge for libraries and the tracker)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            fields: dict = {"exc_info": record.exc_info} if record.exc_info else {}
+            if record.name.startswith("reaper.kafka."):  # a confluent-kafka client's librdkafka line
+                get("reaper.kafka").bind(client=record.name[len("reaper.kafka."):]).log(
+                    record.levelno, "librdkafka", message=text, **fields)
+            else:
+                get(record.name).log(record.levelno, text, **fields)
+        except Exception:  # logging must never raise into the code that logged
+            self.handleError(record)
+
+
+def _thread_exception(args: threading.ExceptHookArgs) -> None:
+    get("reaper").error("uncaught exception in thread", thread=getattr(args.thread, "name", None),
+                        exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+
+
+def _bridge_stdlib(level: str) -> None:
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if isinstance(h, _ToStructlog)]:
+        root.removeHandler(h)
+    root.addHandler(_ToStructlog())
+    root.setLevel(getattr(logging, level.upper()))
+    logging.captureWarnings(True)
+    threading.excepthook = _thread_exception
+
+
 def configure(fmt: str = "json", level: str = "info", stream=None) -> None:
     stream = stream or sys.stderr
     console = fmt == "console"
@@ -48,6 +84,7 @@ def configure(fmt: str = "json", level: str = "info", stream=None) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
+    _bridge_stdlib(level)
 
 
 def get(name: str = "reaper"):

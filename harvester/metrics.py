@@ -45,6 +45,9 @@ class HarvesterMetrics:
         self.backlog_rows = Gauge(f"{p}_outbox_backlog_rows", "Rows in the outbox (exact up to 100,000, above that the id span max(id) - min(id) + 1)")
         self.oldest_age = Gauge(f"{p}_outbox_oldest_age_seconds", "Age of the oldest row in the outbox")
         self.batches = Gauge(f"{p}_batches", "Batches by state", ["state"])
+        self.dead_rows = Gauge(f"{p}_outbox_dead_rows", "Rows in the outbox's dead table (quarantined, not yet requeued)")
+        self.requeued_rows = Gauge(f"{p}_outbox_requeued_rows",
+                                   "Rows `reaper dead requeue` moved back into the outbox, all time (read from admin_log)")
         self.items_pending = Gauge(f"{p}_items_pending", "Items not yet acknowledged in open and closed batches")
 
 

@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 import uuid
+from functools import partial
 
 from confluent_kafka import KafkaException
 
@@ -77,6 +78,11 @@ class Harvester:
         self.publisher = Publisher(conf, self.store, self.m, purge_batch=h.purge_batch, purge_workers=h.purge_workers,
                                    faults=self.faults, on_failure=self.force_remark).start()
         self.publisher.queue_full_patience = h.mark_deadline / 2
+        if h.trace_spans:  # a PRODUCER span per row, linked to the context stored with it (tracker.tracing)
+            from opentelemetry import trace
+
+            from tracker.tracing import producer_span
+            self.publisher.trace = partial(producer_span, trace.get_tracer("outbox-reaper.harvester"))
         self.neli = Neli(bootstrap=cfg.kafka.bootstrap_servers, client=cfg.kafka.client, consumer=cfg.kafka.consumer,
                          producer=cfg.kafka.producer, topic=h.leader_topic, group=h.leader_group,
                          min_poll_interval=h.min_poll_interval, heartbeat_timeout=h.heartbeat_timeout,

@@ -31,6 +31,13 @@ FOLLOWER, LEADER, FENCED = "follower", "leader", "fenced"
 def ensure_leader_topic(admin_conf: dict, topic: str, timeout: float = 30.0) -> None:
     """Create the one-partition leader topic if it is missing (brokers here do not auto-create)."""
     admin = AdminClient(admin_conf)
+    try:
+        _ensure_topic(admin, topic, timeout)
+    finally:
+        admin.poll(0)  # an admin client's log lines wait for a poll: hand them to its logger
+
+
+def _ensure_topic(admin: AdminClient, topic: str, timeout: float) -> None:
     md = admin.list_topics(topic=topic, timeout=timeout)
     t = md.topics.get(topic)
     if t is not None and t.error is None:
@@ -54,7 +61,7 @@ class Neli:
         self._log = logs.get("reaper.neli")
         self.instance = uuid.uuid4().hex.encode()  # tags this process's heartbeats
         base = {"bootstrap.servers": bootstrap, **client}
-        self._admin_conf = dict(base)
+        self._admin_conf = {**base, "logger": logs.KafkaLogger("leader-admin")}
         self._consumer_conf = {
             **base, **consumer,
             "group.id": group,

@@ -127,6 +127,8 @@ class Publisher:
         self._serving = threading.Lock()  # held by whichever thread serves the producer's callbacks
         self._polls_held = threading.Event()  # an abort waits for `_serving`: the poll thread stands aside
         self.txn_committed = self.txn_aborted = 0
+        # harvester.trace_spans: called with (topic, header keys, header values) per produced row
+        self.trace: Callable[[str, list, list], None] | None = None
         self.producer = self._new_producer()
         self._threads = [threading.Thread(target=self._poll_loop, name="reaper-poll", daemon=True)]
         self._threads += [threading.Thread(target=self._settle_loop, name=f"reaper-settle-{i}", daemon=True)
@@ -158,7 +160,7 @@ class Publisher:
         so a process resumed after a pause produces nothing more. Returns how many were handed to
         the producer; rows not handed over stay marked by an old id and are found by the next mark.
         """
-        producer, report, clock, swap = self.producer, self._report, time.monotonic, self._swap
+        producer, report, clock, swap, trace = self.producer, self._report, time.monotonic, self._swap, self.trace
         sent = dead = 0
         try:
             deadline = valid_until()
@@ -210,6 +212,8 @@ class Publisher:
                     dead += 1
                     continue
                 sent += 1
+                if trace is not None:
+                    trace(topic, hkeys, hvals)
                 if sent & 255 == 0:
                     deadline = valid_until()
         except BaseException:

@@ -67,6 +67,8 @@ def _check_kafka(admin: AdminClient, timeout: float = 15.0) -> None:
         admin.list_topics(timeout=timeout)
     except Exception as exc:
         raise Unavailable(f"Kafka unreachable at the configured bootstrap servers: {exc}") from None
+    finally:
+        admin.poll(0)  # an admin client's log lines wait for a poll: hand them to structlog
 
 
 class Readiness:
@@ -91,6 +93,7 @@ class Readiness:
                 self.admin.list_topics(timeout=2)
             except Exception as exc:
                 problems.append(f"kafka: {type(exc).__name__}")
+            self.admin.poll(0)  # its queued librdkafka log lines, to structlog
             self._last = (not problems, "; ".join(problems) or "ready")
             self._at = time.monotonic()
             return self._last
@@ -102,6 +105,9 @@ def _gauges_loop(cfg: Config, store: OutboxStore, pool, stop: threading.Event) -
     batches = sql.SQL("SELECT state, count(*) FROM {} GROUP BY state").format(qualified(schema, "batch"))
     pending = sql.SQL("SELECT coalesce(sum(pending), 0) FROM {} WHERE state IN ('open', 'closed')").format(
         qualified(schema, "batch"))
+    dead_and_requeued = sql.SQL(
+        "SELECT (SELECT count(*) FROM {}), (SELECT coalesce(sum(rows), 0) FROM {} WHERE action = 'dead-requeue')"
+    ).format(qualified(schema, f"{cfg.database.outbox_table}_dead"), qualified(schema, "admin_log"))
     while True:
         try:
             b = store.backlog()
@@ -112,6 +118,10 @@ def _gauges_loop(cfg: Config, store: OutboxStore, pool, stop: threading.Event) -
                 m.items_pending.set(conn.execute(pending).fetchone()[0])
             for state in ("open", "closed", "complete", "expired"):
                 m.batches.labels(state).set(counts.get(state, 0))
+            with pool.connection() as conn:  # the operator's kit (migration 0008)
+                dead_rows, requeued = conn.execute(dead_and_requeued).fetchone()
+            m.dead_rows.set(dead_rows)
+            m.requeued_rows.set(requeued)
         except Exception as exc:
             log.warning("gauge refresh failed", error=logs_safe(exc))
         if stop.wait(cfg.metrics.backlog_interval):
@@ -125,7 +135,9 @@ def _sweeper_loop(cfg: Config, pool, stop: threading.Event, sweeper) -> None:
         try:
             with pool.connection() as conn:
                 result = sweeper.sweep(conn, schema=cfg.database.schema, idle_expiry=s.idle_expiry,
-                                       retention=s.retention, chunk=s.chunk)
+                                       retention=s.retention, chunk=s.chunk, outbox_table=cfg.database.outbox_table,
+                                       completion_topic=cfg.harvester.default_completion_topic,
+                                       expiry_topic=s.expiry_topic or None)
             if result.expired or result.deleted:
                 log.info("swept", expired=result.expired, deleted=result.deleted)
         except Exception as exc:

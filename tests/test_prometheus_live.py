@@ -199,15 +199,17 @@ def test_every_dashboard_panel_returns_data_from_a_running_reaper(pg_dsn, kafka_
             assert dead == [(t["items"], 99)]
             # The alert and recording rules evaluate cleanly against the real series. With a healthy
             # leader and an empty outbox, the alerts under way are the ones this test provoked: the
-            # quarantined row (fires at once) and the dead letter (pending: it fires only if dead
-            # letters keep coming for 5 minutes).
+            # quarantined row (fires at once), the dead letter (pending: it fires only if dead
+            # letters keep coming for 5 minutes), the expired orphan batch (fires at once) and the
+            # row waiting in outbox_dead (pending for an hour).
             rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
             assert rules and all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
             assert prom_value(prom, f'job:reaper_leader:sum{{job="{job}"}}') == 1
             mine = {(a["labels"]["alertname"], a["state"]) for a in prom.api("alerts")["alerts"]
                     if a["labels"].get("job") == job}
             assert ("ReaperRowsQuarantined", "firing") in mine, mine
-            assert mine <= {("ReaperRowsQuarantined", "firing"), ("ReaperAcksDeadLettered", "pending")}, mine
+            assert mine <= {("ReaperRowsQuarantined", "firing"), ("ReaperAcksDeadLettered", "pending"),
+                            ("ReaperBatchesExpired", "firing"), ("ReaperDeadRowsWaiting", "pending")}, mine
             exported = {s["__name__"] for s in prom.api("series", **{"match[]": f'{{job="{job}"}}'})}
             missing = {m for m in CONTRACT_METRICS
                        if m not in exported and f"{m}_bucket" not in exported}

@@ -34,6 +34,7 @@ CONTRACT_METRICS = {
     "reaper_ack_apply_duration_seconds", "reaper_acker_lag_messages", "reaper_batches_completed_total",
     "reaper_batches_expired_total", "reaper_batches_opened_total", "reaper_batches_closed_total",
     "reaper_transaction_commit_duration_seconds", "reaper_transactions_aborted_total",
+    "reaper_outbox_dead_rows", "reaper_outbox_requeued_rows",  # the operator's kit (issue 15)
 }
 HISTOGRAMS = {"reaper_mark_duration_seconds", "reaper_purge_duration_seconds", "reaper_produce_duration_seconds",
               "reaper_ack_apply_duration_seconds", "reaper_transaction_commit_duration_seconds"}
@@ -116,7 +117,7 @@ def test_every_alert_has_a_unit_test():
     missing = alerts - firing - {"ReaperProduceErrors", "ReaperOutboxBacklogVeryOld"}
     assert not missing, f"alerts never shown firing in rules_test.yml: {sorted(missing)}"
     assert {"ReaperNoLeader", "ReaperOutboxBacklogOld", "ReaperResetsHigh", "ReaperAcksDeadLettered",
-            "ReaperAckerLag"} <= alerts
+            "ReaperAckerLag", "ReaperBatchesExpired", "ReaperDeadRowsWaiting"} <= alerts
 
 
 def test_dashboard_json_is_what_the_generator_writes():

@@ -203,6 +203,7 @@ class TrackerMachine(RuleBasedStateMachine):
                           [b.id])
         assert sweep(self.conn, schema=self.schema, idle_expiry=3600, retention=10 * 86400).expired == 1
         b.state = "expired"
+        b.events += 1  # the expiry event, on the batch's completion topic (tracker.sweeper)
 
     @rule(data=st.data())
     def status(self, data):

@@ -24,6 +24,7 @@ partitions are rewound to their first offset of the poll and retried after a bac
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -192,9 +193,12 @@ class Acker:
             # What the acker's correctness rests on: offsets are committed by hand after the database.
             "bootstrap.servers": bootstrap_servers, "group.id": group, "enable.auto.commit": False,
             "enable.auto.offset.store": False,
+            # librdkafka's lines through logging (the reaper bridges it to structlog), never raw to stderr
+            "logger": logging.getLogger("reaper.kafka.acker-consumer"),
         }
         self._producer_conf = {"linger.ms": 5, **client, **(producer_client or {}),
-                               "bootstrap.servers": bootstrap_servers, "enable.idempotence": True}
+                               "bootstrap.servers": bootstrap_servers, "enable.idempotence": True,
+                               "logger": logging.getLogger("reaper.kafka.dead-letter-producer")}
         # offsets applied in the database whose Kafka commit has not succeeded yet
         self._uncommitted: dict[int, int] = {}
         self._consumer: Consumer | None = None

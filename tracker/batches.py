@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from psycopg import sql
 
+from . import tracing
 from .errors import BatchExpired, BatchNotOpen, InvalidArgument, UnknownBatch
 from .ids import GROUP_BITS_MAX, ID_MAX, expand
 from .steps import Op, Query, Round, one
@@ -100,14 +101,16 @@ def batch_id_of(batch: Batch | int, name: str = "batch") -> int:
 
 def completion_insert(schema: str, outbox_table: str) -> sql.Composable:
     """`INSERT INTO outbox ... SELECT ... FROM finished`: one completion event per row of a CTE
-    named `finished` (id, user_key, total, created_at, closed_at, completed_at, completion_topic).
-    Takes one parameter, the default completion topic."""
+    named `finished` (id, user_key, total, created_at, closed_at, completed_at, completion_topic,
+    traceparent, tracestate). Takes one parameter, the default completion topic. The event carries
+    the batch's opening span context (tracker.tracing) as `traceparent`/`tracestate` headers."""
     return sql.SQL(
         "INSERT INTO {outbox} (topic, key, value, header_keys, header_values) "
         "SELECT coalesce(f.completion_topic, {topic}), convert_to(f.id::text, 'UTF8'), "
         "convert_to(json_build_object('batch_id', f.id, 'user_key', f.user_key, 'total', f.total, "
         "'opened_at', f.created_at, 'closed_at', f.closed_at, 'completed_at', f.completed_at)::text, 'UTF8'), "
-        "ARRAY['batch-id'], ARRAY[convert_to(f.id::text, 'UTF8')] FROM finished f"
+        "ARRAY['batch-id']" + tracing.sql_header_keys("f") + ", "
+        "ARRAY[convert_to(f.id::text, 'UTF8')]" + tracing.sql_header_values("f") + " FROM finished f"
     ).format(outbox=sql.Identifier(schema, outbox_table), topic=sql.Placeholder())
 
 
@@ -118,6 +121,9 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
          "outbox": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None))}
     q = {
         "open": sql.SQL("INSERT INTO {batch} (user_key, completion_topic) VALUES (%s, %s) RETURNING id, created_at"),
+        # With an active span (tracker.tracing): its context, for the completion and expiry events.
+        "open_traced": sql.SQL("INSERT INTO {batch} (user_key, completion_topic, traceparent, tracestate) "
+                               "VALUES (%s, %s, %s, %s) RETURNING id, created_at"),
         "lock": sql.SQL("SELECT state, next_group FROM {batch} WHERE id = %s FOR NO KEY UPDATE"),
         # Top up the batch's last group when an earlier add left it partly filled.
         "top_up": sql.SQL(
@@ -140,7 +146,8 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             "WITH closed AS (UPDATE {batch} SET state = CASE WHEN pending = 0 THEN 'complete' ELSE 'closed' END, "
             "closed_at = clock_timestamp(), completed_at = CASE WHEN pending = 0 THEN clock_timestamp() END, "
             "last_activity_at = clock_timestamp() WHERE id = %s AND state = 'open' "
-            "RETURNING id, state, user_key, total, created_at, closed_at, completed_at, completion_topic), "
+            "RETURNING id, state, user_key, total, created_at, closed_at, completed_at, completion_topic, "
+            "traceparent, tracestate), "
             "finished AS (SELECT * FROM closed WHERE state = 'complete'), "
             "event AS ({insert}) SELECT state FROM closed"),
         # Issue 12: a close first folds the consumers' committed ack claims of the batch (waiting
@@ -163,7 +170,11 @@ def open_op(q: dict[str, str], user_key: object, completion_topic: object) -> Op
     user_key = optional_text(user_key, "user_key")
     if completion_topic is not None:
         check_topic(completion_topic, "completion_topic")
-    (row,) = yield one(q["open"], [user_key, completion_topic], last=True)
+    traceparent, tracestate = tracing.current()
+    if traceparent is None:
+        (row,) = yield one(q["open"], [user_key, completion_topic], last=True)
+    else:
+        (row,) = yield one(q["open_traced"], [user_key, completion_topic, traceparent, tracestate], last=True)
     batch_id, created_at = row  # type: ignore[misc]
     return Batch(batch_id, user_key, completion_topic, created_at)  # type: ignore[arg-type]
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Union
 
 from psycopg import sql
 
+from . import tracing
 from .batches import GroupHandle, batch_id_of, reserve_op
 from .errors import InvalidArgument, InvalidValue
 from .ids import GROUP_BITS_MAX
@@ -264,7 +265,9 @@ def enqueue_op(q: dict[str, str], copy_sql: str, insert_sql: str, batch: object,
     item_list = _item_list(items)
     key_fn = key if callable(key) else None
     default_key = None if key_fn else _key_bytes(key)
-    enc = _RowEncoder(topic, batch_id, default_key, _header_pairs(headers))  # type: ignore[arg-type]
+    pairs = _header_pairs(headers)
+    pairs += tracing.outbox_headers([n for n, _ in pairs])  # the active span's W3C context, if any
+    enc = _RowEncoder(topic, batch_id, default_key, pairs)  # type: ignore[arg-type]
     for value in item_list:  # per-item keys and headers are checked before anything is written
         if isinstance(value, Message):
             _key_bytes(value.key)

@@ -97,6 +97,16 @@ ROWS = [
         ("Dead-lettered acks", "timeseries", "ops", 12,
          [(rate("reaper_acks_dead_lettered_total"), "dead-lettered")],
          "Acks the tracker rejected (unknown batch or group, bad index, malformed id, expired batch)."),
+        ("Dead rows and requeues", "timeseries", "short", 12, [
+            (f"max(reaper_outbox_dead_rows{J})", "in outbox_dead"),
+            (f"max(delta(reaper_outbox_requeued_rows{J}{R}))", "requeued"),
+        ], "Rows waiting in outbox_dead (`reaper dead list`), and rows `reaper dead requeue` moved back into "
+           "the outbox. Alert: ReaperDeadRowsWaiting (any for an hour)."),
+        ("Expired batches", "timeseries", "short", 12, [
+            (f"sum(increase(reaper_batches_expired_total{J}{R}))", "expired by sweepers"),
+            (f'max(reaper_batches{{job=~"$job", state="expired"}})', "expired, kept until retention"),
+        ], "Batches that will never complete: idle past sweeper.idle_expiry, or `reaper batch expire`. Each "
+           "sent one expiry event. Alert: ReaperBatchesExpired."),
     ]),
     ("Acks", [
         ("Acks per second", "timeseries", "ops", 8, [

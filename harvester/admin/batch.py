@@ -1,0 +1,141 @@
+"""`reaper batch show ID` and `reaper batch expire ID`.
+
+`show` reads the batch row, its group counts and the pending items as runs
+(`<batch>:<group>:<start>-<end>`), a page at a time: `--after <item id>` continues after that
+item. Runs are found from the groups' bitfields in Python, a few dozen groups per query, so a page
+costs what it shows, not what the batch holds.
+`expire` expires an open or closed batch now, writes its expiry event through the outbox (the
+sweeper's event, reason "operator") and records the action in `admin_log`, in one transaction.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from dataclasses import dataclass, field
+
+import psycopg
+from psycopg import sql
+
+from tracker.errors import UnknownBatch
+from tracker.ids import ItemId, format_item_id, format_run
+from tracker.schema import qualified
+from tracker.sweeper import BatchNotExpirable, Expired, expire_batch
+
+from ..config import Config
+from .common import EXIT_NOT_FOUND, EXIT_REFUSED, AdminError, ago, require_tables, when
+
+_GROUPS_PER_QUERY = 32  # 32 x 1 KiB bitfields per round trip
+_RUN = re.compile("1+")
+
+
+@dataclass
+class BatchView:
+    id: int
+    user_key: str | None
+    state: str
+    total: int
+    pending: int
+    acked: int
+    groups: int
+    groups_pending: int
+    completion_topic: str | None
+    created_at: dt.datetime
+    closed_at: dt.datetime | None
+    completed_at: dt.datetime | None
+    expired_at: dt.datetime | None
+    last_activity_at: dt.datetime
+    now: dt.datetime
+    pending_runs: list[str] = field(default_factory=list)
+    next_after: str | None = None  # pass as --after for the next page; None: last page
+
+
+def show(conn: psycopg.Connection, schema: str, batch_id: int, *, after: ItemId | None = None,
+         limit: int = 100) -> BatchView:
+    require_tables(conn, schema, "batch", "batch_group")
+    b, g = qualified(schema, "batch"), qualified(schema, "batch_group")
+    row = conn.execute(sql.SQL(
+        "SELECT user_key, state, total, pending, completion_topic, created_at, closed_at, completed_at, expired_at, "
+        "last_activity_at, clock_timestamp() FROM {} WHERE id = %s").format(b), [batch_id]).fetchone()
+    if row is None:
+        conn.rollback()
+        raise AdminError(f"unknown batch {batch_id}", EXIT_NOT_FOUND)
+    groups, groups_pending = conn.execute(sql.SQL(
+        "SELECT count(*), count(*) FILTER (WHERE pending > 0) FROM {} WHERE batch_id = %s").format(g),
+        [batch_id]).fetchone()
+    view = BatchView(batch_id, row[0], row[1], row[2], row[3], row[2] - row[3], groups, groups_pending, *row[4:])
+    # Runs of set (pending) bits, group by group from the cursor, until the page is full plus one.
+    group_from, index_from = (after.group_id, after.index + 1) if after else (0, 0)
+    runs: list[tuple[int, int, int]] = []
+    page = sql.SQL("SELECT id, bits::text FROM {} WHERE batch_id = %s AND id >= %s AND pending > 0 "
+                   "ORDER BY id LIMIT %s").format(g)
+    while len(runs) <= limit:
+        found = conn.execute(page, [batch_id, group_from, _GROUPS_PER_QUERY]).fetchall()
+        for group_id, bits in found:
+            start_at = index_from if group_id == group_from else 0
+            for m in _RUN.finditer(bits, start_at):
+                runs.append((group_id, m.start(), m.end() - 1))
+                if len(runs) > limit:
+                    break
+            if len(runs) > limit:
+                break
+        if len(found) < _GROUPS_PER_QUERY or len(runs) > limit:
+            break
+        group_from, index_from = found[-1][0] + 1, 0
+    conn.rollback()
+    view.pending_runs = [format_run(batch_id, *r) for r in runs[:limit]]
+    if len(runs) > limit:
+        gid, _, end = runs[limit - 1]
+        view.next_after = format_item_id(batch_id, gid, end)
+    return view
+
+
+def expire(cfg: Config, conn: psycopg.Connection, batch_id: int, note: str | None) -> Expired | None:
+    db = cfg.database
+    require_tables(conn, db.schema, "batch", db.outbox_table, "admin_log")
+    try:
+        got = expire_batch(conn, batch_id, schema=db.schema, reason="operator", note=note,
+                           outbox_table=db.outbox_table, completion_topic=cfg.harvester.default_completion_topic,
+                           expiry_topic=cfg.sweeper.expiry_topic or None)
+    except UnknownBatch:
+        conn.rollback()
+        raise AdminError(f"unknown batch {batch_id}", EXIT_NOT_FOUND) from None
+    except BatchNotExpirable as exc:
+        conn.rollback()
+        raise AdminError(str(exc), EXIT_REFUSED) from None
+    if got is not None:
+        conn.execute(sql.SQL("INSERT INTO {} (action, rows, detail) VALUES ('batch-expire', 1, %s::jsonb)").format(
+            qualified(db.schema, "admin_log")), [json.dumps({"batch_id": batch_id, "note": note, "topic": got.topic,
+                                                            "pending": got.pending, "total": got.total})])
+    conn.commit()
+    return got
+
+
+def render(v: BatchView) -> str:
+    lines = [f"batch {v.id}" + (f"  user key {v.user_key!r}" if v.user_key is not None else ""),
+             f"  state          {v.state}",
+             f"  items          {v.total} total, {v.pending} pending, {v.acked} acked",
+             f"  groups         {v.groups} ({v.groups_pending} with pending items)",
+             f"  completion to  {v.completion_topic or '(the default completion topic)'}",
+             f"  opened         {when(v.created_at)}{ago(v.created_at, v.now)}",
+             f"  closed         {when(v.closed_at)}{ago(v.closed_at, v.now)}"]
+    if v.completed_at:
+        lines.append(f"  completed      {when(v.completed_at)}{ago(v.completed_at, v.now)}")
+    if v.expired_at:
+        lines.append(f"  expired        {when(v.expired_at)}{ago(v.expired_at, v.now)}")
+    lines.append(f"  last activity  {when(v.last_activity_at)}{ago(v.last_activity_at, v.now)}")
+    if v.pending_runs:
+        lines.append(f"  pending items ({len(v.pending_runs)} runs on this page):")
+        lines += [f"    {r}" for r in v.pending_runs]
+    elif v.pending:
+        lines.append("  pending items: none after the given --after")
+    if v.next_after:
+        lines.append(f"  next page: reaper batch show {v.id} --after {v.next_after}")
+    return "\n".join(lines)
+
+
+def render_expired(batch_id: int, got: Expired | None) -> str:
+    if got is None:
+        return f"batch {batch_id} was already expired: nothing changed"
+    return (f"batch {batch_id} expired ({got.pending} of {got.total} items pending); "
+            f"expiry event written to the outbox for topic {got.topic!r}")

@@ -1,0 +1,90 @@
+"""What the admin commands share: exit codes, the typed error they fail with, the database
+connection, and small formatters for their human output."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+import psycopg
+
+from ..config import Config, redact_dsn
+from tracker.schema import qualified
+
+EXIT_OK = 0
+EXIT_FAILURE = 1      # the database or Kafka failed while the command ran
+EXIT_USAGE = 2        # bad arguments or configuration (argparse uses 2 as well)
+EXIT_UNAVAILABLE = 3  # the database or Kafka is unreachable, or the schema is not migrated
+EXIT_NOT_FOUND = 5    # the batch or dead row named does not exist
+EXIT_REFUSED = 6      # the thing named exists but its state refuses the action
+
+
+class AdminError(Exception):
+    """A command failed before changing anything; `code` is the process exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILURE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def connect(cfg: Config) -> psycopg.Connection:
+    """A connection in a transaction of its own (not autocommit): each command commits what it
+    did as a whole, or rolls all of it back."""
+    try:
+        # Never prepared: a command runs each statement a few times at most, and this way it also
+        # works through PgBouncer in transaction mode (see README, PgBouncer).
+        return psycopg.connect(cfg.database.dsn, connect_timeout=10, application_name="reaper-admin",
+                               prepare_threshold=None)
+    except psycopg.OperationalError as exc:
+        raise AdminError(f"database unreachable: {redact_dsn(str(exc)).strip()}", EXIT_UNAVAILABLE) from None
+
+
+def require_tables(conn: psycopg.Connection, schema: str, *tables: str) -> None:
+    """Fail clearly (exit 3) when the schema lacks a table: not migrated, or migrated by an older reaper."""
+    for table in tables:
+        found = conn.execute("SELECT to_regclass(%s)", [qualified(schema, table).as_string(conn)]).fetchone()[0]
+        if found is None:
+            conn.rollback()
+            raise AdminError(f"table {schema}.{table} does not exist: run `reaper migrate`", EXIT_UNAVAILABLE)
+
+
+def when(value: dt.datetime | None) -> str:
+    return "-" if value is None else value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def ago(value: dt.datetime | None, now: dt.datetime) -> str:
+    if value is None:
+        return ""
+    return f" ({duration((now - value).total_seconds())} ago)"
+
+
+def duration(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def text_or_hex(data: bytes | None) -> dict[str, str | None]:
+    """A key for output: {"text": ...} when it is UTF-8, else {"hex": ...}; None stays None."""
+    if data is None:
+        return {"text": None}
+    try:
+        return {"text": bytes(data).decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"hex": bytes(data).hex()}
+
+
+def to_json(value: Any) -> str:
+    def default(o: Any) -> Any:
+        if isinstance(o, dt.datetime):
+            return o.isoformat()
+        if isinstance(o, (bytes, memoryview)):
+            return bytes(o).hex()
+        return str(o)
+
+    return json.dumps(value, default=default, indent=2, sort_keys=False)

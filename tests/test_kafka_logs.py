@@ -1,0 +1,77 @@
+"""Every Kafka client `reaper run` creates logs through structlog: stderr holds JSON lines only,
+never librdkafka's raw `%3|...|FAIL|...` lines glued between them."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from support.harness import env_for, make_config
+from support.private_services import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def start(env: dict[str, str]) -> subprocess.Popen:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
+    full.update({"REAPER_METRICS__ENABLED": "false", "REAPER_LOGGING__FORMAT": "json", "PYTHONUNBUFFERED": "1"})
+    full.update(env)
+    return subprocess.Popen([sys.executable, "-m", "harvester.cli", "run"], cwd=REPO, env=full,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def json_lines(stderr: str) -> list[dict]:
+    events = []
+    for line in stderr.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            raise AssertionError(f"a stderr line that is not JSON: {line!r}\n--- all stderr:\n{stderr}") from None
+        assert isinstance(event, dict) and "event" in event and "level" in event, line
+        events.append(event)
+    return events
+
+
+def test_unreachable_broker_gives_json_lines_only_and_exit_3(pg_dsn, schema, kafka_bootstrap):
+    cfg = make_config(pg_dsn, schema, kafka_bootstrap)
+    env = env_for(cfg) | {"REAPER_KAFKA__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}"}
+    proc = start(env)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    events = json_lines(err)
+    assert out == ""
+    assert any(e["event"] == "cannot start" and "Kafka unreachable" in e["error"] for e in events), events
+    kafka = [e for e in events if e["event"] == "librdkafka"]
+    assert kafka and {e["client"] for e in kafka} == {"admin"}, kafka
+    assert any("Connection refused" in e["message"] for e in kafka), kafka
+
+
+def test_every_kafka_client_of_a_running_reaper_logs_through_structlog(pg_dsn, schema, kafka_bootstrap, topics):
+    # One good broker and one dead address: every client (admin, leader consumer, heartbeat
+    # producer, harvester producer, acker consumer, dead-letter producer) starts; those that try
+    # the dead one log FAIL lines. A consumer-only and a producer-only setting in kafka.client make
+    # every client log a CONFWARN line at creation, so each one is seen to log through structlog.
+    cfg = make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=topics("leader"))
+    ack_topic = topics("acks")
+    env = env_for(cfg) | {"REAPER_KAFKA__BOOTSTRAP_SERVERS": f"{kafka_bootstrap},127.0.0.1:{free_port()}",
+                          "REAPER_ACKER__TOPIC": ack_topic, "REAPER_ACKER__GROUP": f"g-{ack_topic}",
+                          "REAPER_ACKER__DEAD_LETTER_TOPIC": topics("dlq"), "REAPER_SWEEPER__INTERVAL": "0.5",
+                          "REAPER_KAFKA__CLIENT__FETCH_WAIT_MAX_MS": "100",
+                          "REAPER_KAFKA__CLIENT__QUEUE_BUFFERING_MAX_MS": "5"}
+    proc = start(env)
+    try:
+        time.sleep(12)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    events = json_lines(err)
+    clients = {e["client"] for e in events if e["event"] == "librdkafka"}
+    assert {"admin", "leader-admin", "leader-consumer", "heartbeat-producer", "producer", "acker-consumer",
+            "dead-letter-producer"} <= clients, clients
+    assert any(e["event"] == "acker started" for e in events)
+    assert any("Connection refused" in e.get("message", "") for e in events), "no client tried the dead broker"
