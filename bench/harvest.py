@@ -7,6 +7,8 @@ Against the local Postgres and Kafka (OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP, else th
   sustained    a writer process offers a steady load; last-window rate / first-window rate
   latency      commit -> Kafka acknowledgement p50/p99 at 2,000 records/s offered
   failover     publication gap after SIGKILL and after SIGTERM of the leader (reaper subprocesses)
+  recovery     publishing resumes how long after a restarted Kafka / Postgres answers again
+               (private service instances; bench/harvest_recovery.py)
 The machine is shared (2 cores, Postgres and Kafka beside the benchmark): compare ratios, not absolutes.
 """
 from __future__ import annotations
@@ -363,7 +365,7 @@ def bench_failover(sig: int, session: float, heartbeat: float, rate: float = 500
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes and short windows (development)")
-    ap.add_argument("--only", choices=["throughput", "hot_key", "sustained", "latency", "failover"], action="append")
+    ap.add_argument("--only", choices=["throughput", "hot_key", "sustained", "latency", "failover", "recovery"], action="append")
     ap.add_argument("--sustained-rate", type=float, default=20000.0, help="rows/s the writer offers")
     ap.add_argument("--sustained-seconds", type=float, help="override the sustained run's length")
     ap.add_argument("--vacuum-interval", type=float, default=2.0,
@@ -381,11 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure("json", "warning")
     tune_gc()  # the in-process reapers run with the process settings of `reaper run`
     q = args.quick
-    want = set(args.only or ["throughput", "hot_key", "sustained", "latency", "failover"])
+    want = set(args.only or ["throughput", "hot_key", "sustained", "latency", "failover", "recovery"])
     result: dict = {"benchmark": "harvest", "quick": q, "harvester_overrides": overrides, "machine": "shared 2-core host, Postgres and Kafka local",
                     "targets": {"records_per_s": 50000, "hot_key_records_per_s": 5000, "sustained_ratio": 0.8,
                                 "latency_p99_ms": 50, "sigterm_handover_s": 2.0,
-                                "sigkill_failover_s": "session_timeout + 2"}}
+                                "sigkill_failover_s": "session_timeout + 2",
+                                "recovery_gap_s": {"postgres": 1.0, "kafka": 3.0}}}
     if "throughput" in want:
         result["throughput"] = bench_throughput(100_000 if q else 500_000, 300 if q else 1000, **overrides)
         say(json.dumps(result["throughput"]))
@@ -400,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
         say(json.dumps(result["failover_sigterm"]))
         result["failover_sigkill"] = bench_failover(signal.SIGKILL, 6.0, 2.0)
         say(json.dumps(result["failover_sigkill"]))
+    if "recovery" in want:
+        from bench.harvest_recovery import bench_recovery
+        result["recovery"] = bench_recovery(DSN, BOOTSTRAP)
+        say(json.dumps(result["recovery"]))
     if "sustained" in want:
         result["sustained"] = bench_sustained(args.sustained_seconds or (60 if q else 630), 15 if q else 60,
                                               args.sustained_rate, args.vacuum_interval, **overrides)

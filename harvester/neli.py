@@ -56,19 +56,23 @@ class Neli:
         base = {"bootstrap.servers": bootstrap, **client}
         self._admin_conf = dict(base)
         self._consumer_conf = {
-            **base, **consumer,
+            # Rejoin within about a second after a broker restart (librdkafka's default back-off
+            # grows to 10 s between connection attempts); configuration may still override it.
+            **base, "reconnect.backoff.ms": 50, "reconnect.backoff.max.ms": 1000, **consumer,
             "group.id": group,
             "session.timeout.ms": int(session_timeout * 1000),
             # A member learns of a rebalance (the leader left) on its next group heartbeat: keep
             # them frequent so a SIGTERM handover is not delayed by up to session/10.
             "heartbeat.interval.ms": max(100, min(250, int(session_timeout * 1000) // 3)),
             "partition.assignment.strategy": "cooperative-sticky",
+
             "enable.auto.commit": False,
             "auto.offset.reset": "latest",
             "log_level": 4, "logger": logs.KafkaLogger("leader-consumer"),
         }
         self._producer_conf = {**base, **producer, "linger.ms": 0, "acks": 1, "enable.idempotence": False,
                                "message.timeout.ms": max(1000, int(heartbeat_timeout * 1000)), "log_level": 4,
+                               "reconnect.backoff.ms": 50, "reconnect.backoff.max.ms": 1000,
                                "logger": logs.KafkaLogger("heartbeat-producer")}
         self._lock = threading.Lock()
         self._state = FOLLOWER

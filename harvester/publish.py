@@ -47,6 +47,12 @@ DEFAULT_PRODUCER = {
     "compression.type": "lz4",
     "log_level": 4,
 }
+# Reconnection after a broker restart: librdkafka's default back-off grows to 10 s between attempts,
+# so a producer could sit idle for seconds after the broker answers again. 1 s bounds that wait at
+# the cost of at most one connection attempt a second per broker while it is gone. NELI's clients
+# use the same bound (harvester.neli).
+RECONNECT = {"reconnect.backoff.ms": 50, "reconnect.backoff.max.ms": 1000}
+DEFAULT_PRODUCER.update(RECONNECT)
 _PURGED = (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT)
 
 # produce() refusals that are about the record itself and can never succeed, however often retried:

@@ -16,6 +16,8 @@ from psycopg_pool import ConnectionPool
 
 from tracker.schema import qualified
 
+from .pool import configure_connection, make_pool  # noqa: F401  (the pool lives in harvester.pool)
+
 COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
 
 
@@ -39,19 +41,6 @@ def bigint_array(ids: Sequence[int]) -> str:
     refuses anything but integers): about 4x cheaper than psycopg adapting a list element by element,
     which counts at tens of thousands of ids a second."""
     return "{" + ",".join(map(str, ids)) + "}"
-
-
-def configure_connection(conn) -> None:
-    # A lost mark or purge only causes a duplicate publication later: no need to wait for the WAL flush.
-    conn.execute("SET synchronous_commit = off")
-
-
-def make_pool(dsn: str, size: int, *, name: str = "reaper", open_wait: float | None = 30.0) -> ConnectionPool:
-    pool = ConnectionPool(dsn, min_size=size, max_size=size, name=name, open=False,
-                          kwargs={"autocommit": True, "application_name": "reaper"},
-                          configure=configure_connection, reconnect_timeout=3600)
-    pool.open(wait=open_wait is not None, timeout=open_wait or 30.0)
-    return pool
 
 
 class OutboxStore:
