@@ -178,7 +178,7 @@ def test_kafka_broker_restart_mid_stream(pg_dsn, schema, private, tmp_path):
         private.up(only="kafka")
         gap = resume_gap(pg_dsn, schema, time.monotonic())
         print(f"publishing resumed {gap:.3f} s after Kafka answered again")
-        # Generous for a loaded CI machine; 26-34 s before the reconnect back-off was bounded.
+        # Generous for a loaded CI machine.
         assert gap < KAFKA_GAP_LIMIT, f"publishing resumed {gap:.3f} s after Kafka answered again"
         gen.stop()
         receiver = Receiver(private.bootstrap, topic, PARTITIONS)
