@@ -234,7 +234,7 @@ def bench_latency(seconds: float, rate: float, **harvester) -> dict:
                         acked.setdefault(item[0], now)
                 super().extend(items)
 
-        h.publisher._reports = Stamped()  # nothing has been produced yet
+        h.publisher.settler.reports = Stamped()  # nothing has been produced yet
         committed: dict[int, float] = {}
         per_txn = 10
         ins = (f'INSERT INTO "{env.schema}".outbox (topic, key, value) '

@@ -19,9 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     mig = sub.add_parser("migrate", help="apply pending schema migrations (safe to run concurrently)")
     mig.add_argument("--dry-run", action="store_true", help="print the SQL that would run and change nothing")
-    run = sub.add_parser("run", help="run the harvester, acker, sweeper and metrics server until SIGTERM")
-    # Tests only: honour REAPER_FAULT_INJECTION. Hidden, and never read from the configuration file.
-    run.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
+    sub.add_parser("run", help="run the harvester, acker, sweeper and metrics server until SIGTERM")
     return ap
 
 
@@ -44,18 +42,12 @@ def cmd_migrate(cfg: config_mod.Config, dry_run: bool) -> int:
     return EXIT_OK
 
 
-def cmd_run(cfg: config_mod.Config, fault_injection: bool) -> int:
+def cmd_run(cfg: config_mod.Config) -> int:
     from . import run as run_mod
-    from .faults import FaultPlan
 
     run_mod.configure_logging(cfg)
     try:
-        faults = FaultPlan.from_environment(fault_injection)
-    except (RuntimeError, ValueError) as exc:
-        print(f"reaper run: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    try:
-        return run_mod.run(cfg, faults=faults)
+        return run_mod.run(cfg)
     except Exception as exc:
         print(f"reaper run: {type(exc).__name__}: {config_mod.redact_dsn(str(exc))}", file=sys.stderr)
         return EXIT_FAILURE
@@ -69,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reaper: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     if args.command == "run":
-        return cmd_run(cfg, args.enable_fault_injection)
+        return cmd_run(cfg)
     try:
         if args.command == "migrate":
             return cmd_migrate(cfg, args.dry_run)

@@ -25,10 +25,10 @@ from confluent_kafka import KafkaException
 
 from . import logs
 from .config import Config
-from .faults import FaultPlan, FaultyStore
 from .metrics import HarvesterMetrics, get as get_metrics
 from .neli import LEADER, Neli
-from .publish import Publisher, QuarantineError, logs_safe, producer_config
+from .ports import DEFAULT, Providers
+from .publish import Lifecycle, Publisher, QuarantineError, logs_safe, producer_config
 from .store import OutboxStore, make_pool
 
 MIN_REMARK_BACKOFF = 0.05  # seconds before the second remark in a row without progress
@@ -36,13 +36,15 @@ MAX_REMARK_BACKOFF = 5.0   # bound of the doubling back-off
 
 
 class Harvester:
-    def __init__(self, cfg: Config, *, faults: FaultPlan | None = None, metrics: HarvesterMetrics | None = None,
+    def __init__(self, cfg: Config, *, providers: Providers = DEFAULT, metrics: HarvesterMetrics | None = None,
                  pool=None) -> None:
         self.cfg = cfg
         h = cfg.harvester
         self.m = metrics or get_metrics(cfg.metrics.prefix)
         self.log = logs.get("reaper.harvester")
-        self.faults = faults
+        self.providers = providers
+        self._life = Lifecycle("harvester")
+        self._led = False  # NELI made this process leader at least once
         self._own_pool = pool is None
         self.pool = pool
         self.store = None
@@ -66,16 +68,18 @@ class Harvester:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> "Harvester":
+        """Start once; a stopped harvester cannot be started again (LifecycleError)."""
+        self._life.start()
         cfg, h = self.cfg, self.h
         if self.pool is None:
             self.pool = make_pool(cfg.database.dsn, cfg.database.pool_size, name="reaper-harvester")
         store = OutboxStore(self.pool, cfg.database.schema, cfg.database.outbox_table)
-        self.store = FaultyStore(store, self.faults) if self.faults is not None else store
+        self.store = self.providers.store(store)
         conf = producer_config(cfg.kafka.bootstrap_servers, cfg.kafka.client, cfg.kafka.producer)
         if h.transactional_id:
             conf["transactional.id"] = h.transactional_id
         self.publisher = Publisher(conf, self.store, self.m, purge_batch=h.purge_batch, purge_workers=h.purge_workers,
-                                   faults=self.faults, on_failure=self.force_remark).start()
+                                   providers=self.providers, on_failure=self.force_remark).start()
         self.publisher.queue_full_patience = h.mark_deadline / 2
         self.neli = Neli(bootstrap=cfg.kafka.bootstrap_servers, client=cfg.kafka.client, consumer=cfg.kafka.consumer,
                          producer=cfg.kafka.producer, topic=h.leader_topic, group=h.leader_group,
@@ -93,6 +97,8 @@ class Harvester:
         the next leader: duplicates, never loss).
         """
         timeout = self.h.drain_timeout if drain_timeout is None else drain_timeout
+        if not self._life.stop():
+            return True  # never started, or stopped already
         self._stop.set()
         self._thread.join(timeout + 10)
         self._producer_thread.join(timeout + 10)
@@ -127,13 +133,19 @@ class Harvester:
             self._remark.set()
 
     def _on_neli(self, state: str, leader_id: uuid.UUID | None) -> None:
-        if state != LEADER and self.publisher is not None:
+        if self.publisher is None:
+            return
+        if state == LEADER:
+            self._led = True
+        elif not self._led:
+            return  # a reaper that never led has nothing to retire and nothing to report
+        else:
             # Fenced or revoked: nothing of this leadership may leave the process later, not even
-            # a retry of a record already sent (message.timeout.ms=0 would retry it for ever).
+            # a retry of a record already sent (message.timeout.ms=0 would retry it for ever). A
+            # producer that never got a record is kept (nothing to drop).
             self.publisher.retire_producer(f"neli {state}")
-        if self.publisher is not None:
-            self.log.info("publishing state", state=state, records_produced=self.publisher.produced,
-                          records_delivered=self.publisher.delivered, records_in_flight=self.publisher.in_flight)
+        self.log.info("publishing state", state=state, records_produced=self.publisher.produced,
+                      records_delivered=self.publisher.delivered, records_in_flight=self.publisher.in_flight)
 
     def _valid(self, me: uuid.UUID) -> bool:
         return self._me == me and not self._remark.is_set() and self.neli.leader_id() == self._neli_id \
