@@ -35,7 +35,7 @@ DESCRIPTIONS = {
     "kafka.producer": "librdkafka settings for the producer only, over kafka.client",
     "kafka.consumer": "librdkafka settings for the consumers only, over kafka.client",
     "harvester.enabled": "run the harvester (leader election and publishing) in this process",
-    "harvester.leader_topic": "one-partition topic for leader election; the holder of partition 0 leads",
+    "harvester.leader_topic": "topic for leader election, one partition per harvest unit; the holder of partition u leads unit u",
     "harvester.leader_group": "consumer group of all instances of one deployment",
     "harvester.min_poll_interval": "seconds between the leader's heartbeats",
     "harvester.heartbeat_timeout": "a leader that sees none of its heartbeats for this long fences itself (seconds)",
@@ -50,6 +50,8 @@ DESCRIPTIONS = {
     "harvester.drain_timeout": "on shutdown, wait this long for in-flight records (seconds)",
     "harvester.transactional_id": "publish in Kafka transactions under this id (same on every instance): a new "
                                   "leader fences the old one at the broker; rows are purged after commit. Empty = off",
+    "harvester.lanes": "harvest units of the `database` outbox: rows are split by md5(key) mod lanes; change only by draining, then switching (README \"Harvest units\")",
+    "harvester.outboxes": "outboxes to harvest, each {name, dsn, schema, table, lanes} (missing keys from `database`); empty: the `database` outbox",
     "harvester.default_completion_topic": "topic of completion events for batches opened without one",
     "acker.enabled": "run the acker (ack-topic consumer) in this process",
     "acker.topic": "topic consumers produce acks to, keyed by batch id",

@@ -27,7 +27,8 @@ from tracker.schema import qualified
 from . import logs
 from .config import Config, redact, redact_dsn
 from .metrics import HealthServer, get as get_metrics
-from .mpr import Harvester
+from .neli import LeaderTopicMismatch
+from .units import Harvester
 from .ports import DEFAULT, Providers
 from .publish import logs_safe
 from .store import OutboxStore, make_pool
@@ -222,7 +223,12 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
         if cfg.acker.enabled:
             threads.append(_start_acker(cfg, stop, failures))
         if cfg.harvester.enabled:
-            harvester = Harvester(cfg, providers=providers).start()
+            try:
+                harvester = Harvester(cfg, providers=providers).start()
+            except LeaderTopicMismatch as exc:
+                log.error("cannot start", error=str(exc))
+                code = EXIT_CONFIG
+                return code
         while not term.wait(0.2):
             if harvester is not None and harvester.error is not None:
                 failures.append(("harvester", harvester.error))

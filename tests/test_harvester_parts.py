@@ -9,7 +9,7 @@ import psycopg
 import pytest
 
 from harvester.metrics import get as get_metrics
-from harvester.mpr import Harvester
+from harvester.units import Harvester
 from harvester.publish import LifecycleError, Publisher, producer_config
 from harvester.settle import Settler
 from harvester.store import OutboxStore, make_pool

@@ -11,7 +11,7 @@ import pytest
 
 from support.faults import FaultPlan
 from harvester.metrics import get as get_metrics
-from harvester.mpr import Harvester
+from harvester.units import Harvester
 from harvester.store import OutboxStore, make_pool
 from support.harness import (Generator, Receiver, insert_rows, make_config, order_violations, outbox_count,
                                    wait_until)

@@ -14,7 +14,7 @@ import psycopg
 
 from support.faults import FaultPlan
 from harvester.metrics import get as get_metrics
-from harvester.mpr import Harvester
+from harvester.units import Harvester
 from support.blackhole import BlackholeProxy
 from support.harness import Receiver, insert_rows, make_config, order_violations, outbox_count, wait_until
 

@@ -160,7 +160,7 @@ def test_a_record_the_broker_refuses_aborts_its_transaction_and_publishing_resum
     later produce() fails too: the reaper must abort it, not keep producing into it, so that once
     the operator fixes the cause the next transaction goes through."""
     from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
-    from harvester.mpr import Harvester
+    from harvester.units import Harvester
     from support.harness import make_config
 
     topic = topics("data", partitions=2, config={"max.message.bytes": "2000"})
@@ -223,7 +223,7 @@ def test_an_abort_at_the_deadline_does_not_hold_the_throttle(pg_dsn, kafka_boots
     """The harvester with max_in_flight = mark_batch: had the transaction that missed its deadline
     stayed open, its rows would fill the throttle and no further mark (so no further transaction)
     could ever settle it."""
-    from harvester.mpr import Harvester
+    from harvester.units import Harvester
     from support.harness import make_config
 
     topic, leader = topics("data", partitions=2), topics("leader", partitions=1)
