@@ -261,8 +261,15 @@ def bench_latency(seconds: float, rate: float, **harvester) -> dict:
             time.sleep(0.05)
         lat = sorted(acked[i] - committed[i] for i in committed if i in acked)
         q = statistics.quantiles(lat, n=100)
-        return {"offered_per_s": rate, "records": len(committed), "acknowledged": len(lat),
-                "p50_ms": round(q[49] * 1000, 2), "p99_ms": round(q[98] * 1000, 2), "max_ms": round(lat[-1] * 1000, 2)}
+        out = {"offered_per_s": rate, "records": len(committed), "acknowledged": len(lat),
+               "p50_ms": round(q[49] * 1000, 2), "p99_ms": round(q[98] * 1000, 2), "max_ms": round(lat[-1] * 1000, 2)}
+        strategy = h.publisher.strategy
+        if h.publisher.transactional and len(strategy.commit_seconds) >= 2:
+            c = statistics.quantiles(strategy.commit_seconds, n=100)
+            out.update({"transactions": strategy.committed, "aborted": strategy.aborted,
+                        "records_per_transaction": round(strategy.records_committed / max(1, strategy.committed), 1),
+                        "commit_p50_ms": round(c[49] * 1000, 2), "commit_p99_ms": round(c[98] * 1000, 2)})
+        return out
     finally:
         h.stop(10)
         env.drop()

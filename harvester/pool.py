@@ -37,7 +37,9 @@ def configure_connection(conn: psycopg.Connection) -> None:
 
 def closed_by_server(conn: psycopg.Connection) -> bool:
     """True when an idle connection is unusable: closed, broken, or its socket has something to
-    read (the server's termination notice or EOF; reaper's connections LISTEN to nothing)."""
+    read (the server's termination notice or EOF; reaper's connections LISTEN to nothing). A rare
+    asynchronous message from a healthy server (a ParameterStatus after a configuration reload)
+    reads the same: that connection is replaced for nothing, which costs one reconnect."""
     if conn.closed or conn.broken:
         return True
     try:

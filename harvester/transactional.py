@@ -19,6 +19,7 @@ Contract: as harvester.plain's strategy, and moreover:
 """
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import uuid
@@ -52,6 +53,8 @@ class TransactionalStrategy:
         self._ready: ProducerLike | None = None  # the producer init_transactions() ran on
         self._open: ProducerLike | None = None   # the producer with an open transaction
         self.committed = self.aborted = 0  # only the producing thread writes them
+        self.commit_seconds: collections.deque = collections.deque(maxlen=100_000)  # recent commit durations (bench)
+        self.records_committed = 0
 
     @property
     def produced(self) -> int:
@@ -134,7 +137,10 @@ class TransactionalStrategy:
                     self._seq += 1
                     self._open = None
                 self.committed += 1
-                self._m.txn_duration.observe(time.perf_counter() - started)
+                self.records_committed += len(done)
+                took = time.perf_counter() - started
+                self.commit_seconds.append(took)
+                self._m.txn_duration.observe(took)
                 self.settler.file(done)
                 return
         self._abort(producer, why)
