@@ -20,7 +20,6 @@ import queue
 import threading
 import time
 import uuid
-from typing import Callable
 
 from confluent_kafka import KafkaException
 
