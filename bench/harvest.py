@@ -7,6 +7,11 @@ Against the local Postgres and Kafka (OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP, else th
   sustained    a writer process offers a steady load; last-window rate / first-window rate
   latency      commit -> Kafka acknowledgement p50/p99 at 2,000 records/s offered
   failover     publication gap after SIGKILL and after SIGTERM of the leader (reaper subprocesses)
+  units        1 unit on 1 reaper vs 2 lanes on 2 reapers, same run: rates, ratio, reaper CPU µs per record
+               (bench/harvest_units.py)
+  fenced       commit -> Kafka p50/p99 at 2,000 rec/s, unfenced and with transactions, same run
+  recovery     publishing resumes how long after a restarted Kafka / Postgres answers again
+               (private service instances; bench/harvest_recovery.py)
 The machine is shared (2 cores, Postgres and Kafka beside the benchmark): compare ratios, not absolutes.
 """
 from __future__ import annotations
@@ -31,7 +36,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from harvester import config as config_mod
 from harvester import logs
-from harvester.mpr import Harvester
+from harvester.units import Harvester
 from harvester.run import tune_gc
 from tracker import schema as schema_mod
 
@@ -232,7 +237,7 @@ def bench_latency(seconds: float, rate: float, **harvester) -> dict:
                         acked.setdefault(item[0], now)
                 super().extend(items)
 
-        h.publisher._reports = Stamped()  # nothing has been produced yet
+        h.publisher.settler.reports = Stamped()  # nothing has been produced yet
         committed: dict[int, float] = {}
         per_txn = 10
         ins = (f'INSERT INTO "{env.schema}".outbox (topic, key, value) '
@@ -256,11 +261,27 @@ def bench_latency(seconds: float, rate: float, **harvester) -> dict:
             time.sleep(0.05)
         lat = sorted(acked[i] - committed[i] for i in committed if i in acked)
         q = statistics.quantiles(lat, n=100)
-        return {"offered_per_s": rate, "records": len(committed), "acknowledged": len(lat),
-                "p50_ms": round(q[49] * 1000, 2), "p99_ms": round(q[98] * 1000, 2), "max_ms": round(lat[-1] * 1000, 2)}
+        out = {"offered_per_s": rate, "records": len(committed), "acknowledged": len(lat),
+               "p50_ms": round(q[49] * 1000, 2), "p99_ms": round(q[98] * 1000, 2), "max_ms": round(lat[-1] * 1000, 2)}
+        strategy = h.publisher.strategy
+        if h.publisher.transactional and len(strategy.commit_seconds) >= 2:
+            c = statistics.quantiles(strategy.commit_seconds, n=100)
+            out.update({"transactions": strategy.committed, "aborted": strategy.aborted,
+                        "records_per_transaction": round(strategy.records_committed / max(1, strategy.committed), 1),
+                        "commit_p50_ms": round(c[49] * 1000, 2), "commit_p99_ms": round(c[98] * 1000, 2)})
+        return out
     finally:
         h.stop(10)
         env.drop()
+
+
+def bench_fenced(seconds: float, rate: float, rounds: int = 2, **harvester) -> dict:
+    """Unfenced and transactional latency, alternated in the same run."""
+    plain, fenced = [], []
+    for _ in range(rounds):
+        plain.append(bench_latency(seconds, rate, **harvester))
+        fenced.append(bench_latency(seconds, rate, **{**harvester, "transactional_id": f"bench-{uuid.uuid4().hex[:8]}"}))
+    return {"unfenced": plain, "fenced": fenced, "goal_fenced_p99_ms": 25}
 
 
 def _spawn(env: Env, name: str, session: float, heartbeat: float) -> tuple[subprocess.Popen, Path]:
@@ -363,7 +384,7 @@ def bench_failover(sig: int, session: float, heartbeat: float, rate: float = 500
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes and short windows (development)")
-    ap.add_argument("--only", choices=["throughput", "hot_key", "sustained", "latency", "failover"], action="append")
+    ap.add_argument("--only", choices=["throughput", "hot_key", "sustained", "latency", "failover", "recovery", "units", "fenced"], action="append")
     ap.add_argument("--sustained-rate", type=float, default=20000.0, help="rows/s the writer offers")
     ap.add_argument("--sustained-seconds", type=float, help="override the sustained run's length")
     ap.add_argument("--vacuum-interval", type=float, default=2.0,
@@ -381,11 +402,13 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure("json", "warning")
     tune_gc()  # the in-process reapers run with the process settings of `reaper run`
     q = args.quick
-    want = set(args.only or ["throughput", "hot_key", "sustained", "latency", "failover"])
+    want = set(args.only or ["throughput", "hot_key", "sustained", "latency", "failover", "recovery", "units",
+                              "fenced"])
     result: dict = {"benchmark": "harvest", "quick": q, "harvester_overrides": overrides, "machine": "shared 2-core host, Postgres and Kafka local",
                     "targets": {"records_per_s": 50000, "hot_key_records_per_s": 5000, "sustained_ratio": 0.8,
                                 "latency_p99_ms": 50, "sigterm_handover_s": 2.0,
-                                "sigkill_failover_s": "session_timeout + 2"}}
+                                "sigkill_failover_s": "session_timeout + 2",
+                                "recovery_gap_s": {"postgres": 1.0, "kafka": 3.0}}}
     if "throughput" in want:
         result["throughput"] = bench_throughput(100_000 if q else 500_000, 300 if q else 1000, **overrides)
         say(json.dumps(result["throughput"]))
@@ -400,6 +423,17 @@ def main(argv: list[str] | None = None) -> int:
         say(json.dumps(result["failover_sigterm"]))
         result["failover_sigkill"] = bench_failover(signal.SIGKILL, 6.0, 2.0)
         say(json.dumps(result["failover_sigkill"]))
+    if "units" in want:
+        from bench.harvest_units import bench_units
+        result["units"] = bench_units(DSN, BOOTSTRAP, 100_000 if q else 300_000, rounds=1 if q else 2)
+        say(json.dumps(result["units"]))
+    if "fenced" in want:
+        result["fenced"] = bench_fenced(8 if q else 30, 2000.0, rounds=1 if q else 2, **overrides)
+        say(json.dumps(result["fenced"]))
+    if "recovery" in want:
+        from bench.harvest_recovery import bench_recovery
+        result["recovery"] = bench_recovery(DSN, BOOTSTRAP)
+        say(json.dumps(result["recovery"]))
     if "sustained" in want:
         result["sustained"] = bench_sustained(args.sustained_seconds or (60 if q else 630), 15 if q else 60,
                                               args.sustained_rate, args.vacuum_interval, **overrides)

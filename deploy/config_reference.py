@@ -35,7 +35,7 @@ DESCRIPTIONS = {
     "kafka.producer": "librdkafka settings for the producer only, over kafka.client",
     "kafka.consumer": "librdkafka settings for the consumers only, over kafka.client",
     "harvester.enabled": "run the harvester (leader election and publishing) in this process",
-    "harvester.leader_topic": "one-partition topic for leader election; the holder of partition 0 leads",
+    "harvester.leader_topic": "topic for leader election, one partition per harvest unit; the holder of partition u leads unit u",
     "harvester.leader_group": "consumer group of all instances of one deployment",
     "harvester.min_poll_interval": "seconds between the leader's heartbeats",
     "harvester.heartbeat_timeout": "a leader that sees none of its heartbeats for this long fences itself (seconds)",
@@ -52,6 +52,8 @@ DESCRIPTIONS = {
                                   "leader fences the old one at the broker; rows are purged after commit. Empty = off",
     "harvester.trace_spans": "emit an OpenTelemetry PRODUCER span per published row, linked to the trace context "
                              "stored with it (needs the otel extra and a configured tracer provider)",
+    "harvester.lanes": "harvest units of the `database` outbox: rows are split by md5(key) mod lanes; change only by draining, then switching (README \"Harvest units\")",
+    "harvester.outboxes": "outboxes to harvest, each {name, dsn, schema, table, lanes} (missing keys from `database`); empty: the `database` outbox",
     "harvester.default_completion_topic": "topic of completion events for batches opened without one",
     "acker.enabled": "run the acker (ack-topic consumer) in this process",
     "acker.topic": "topic consumers produce acks to, keyed by batch id",
@@ -59,6 +61,9 @@ DESCRIPTIONS = {
     "acker.dead_letter_topic": "rejected acks go here with the reason",
     "acker.max_poll_records": "acks folded into one round of masked UPDATEs",
     "acker.poll_timeout": "seconds one poll waits for ack messages",
+    "settler.enabled": "run the settler: folds consumers' ack claims whose commit found the batch row busy",
+    "settler.interval": "how often the settler looks for unsettled claims (seconds); bounds how long a completion "
+                        "can lag its last ack's commit",
     "sweeper.enabled": "run the sweeper (expiry and retention) in this process",
     "sweeper.interval": "seconds between sweeps",
     "sweeper.idle_expiry": "expire open and closed batches with no add, close or ack for this long (seconds)",

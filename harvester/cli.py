@@ -19,9 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     mig = sub.add_parser("migrate", help="apply pending schema migrations (safe to run concurrently)")
     mig.add_argument("--dry-run", action="store_true", help="print the SQL that would run and change nothing")
-    run = sub.add_parser("run", help="run the harvester, acker, sweeper and metrics server until SIGTERM")
-    # Tests only: honour REAPER_FAULT_INJECTION. Hidden, and never read from the configuration file.
-    run.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
+    sub.add_parser("run", help="run the harvester, acker, sweeper and metrics server until SIGTERM")
     sub.add_parser("serve", help="serve the tracker over HTTP (http section of the configuration) until SIGTERM")
     admin.add_parsers(sub)  # outbox status, dead list|requeue, batch show|expire
     return ap
@@ -62,18 +60,12 @@ def cmd_migrate(cfg: config_mod.Config, dry_run: bool) -> int:
     return EXIT_OK
 
 
-def cmd_run(cfg: config_mod.Config, fault_injection: bool) -> int:
+def cmd_run(cfg: config_mod.Config) -> int:
     from . import run as run_mod
-    from .faults import FaultPlan
 
     run_mod.configure_logging(cfg)
     try:
-        faults = FaultPlan.from_environment(fault_injection)
-    except (RuntimeError, ValueError) as exc:
-        print(f"reaper run: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    try:
-        return run_mod.run(cfg, faults=faults)
+        return run_mod.run(cfg)
     except Exception as exc:  # logging is configured: a JSON line, like every other
         run_mod.logs.get("reaper").error("reaper run failed", error=f"{type(exc).__name__}: "
                                          f"{config_mod.redact_dsn(str(exc))}")
@@ -88,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reaper: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     if args.command == "run":
-        return cmd_run(cfg, args.enable_fault_injection)
+        return cmd_run(cfg)
     if args.command == "serve":
         return cmd_serve(cfg)
     if args.command in admin.COMMANDS:

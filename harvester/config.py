@@ -75,6 +75,12 @@ class HarvesterConfig:
     # Emit an OpenTelemetry PRODUCER span per published row, linked to the trace context stored with
     # it (needs the `otel` extra; spans go to the process's global tracer provider).
     trace_spans: bool = False
+    # Harvest units (README "Harvest units"): each outbox table is split into `lanes` units by a hash
+    # of the key; every unit is led by one reaper at a time. `lanes` applies to the outbox of the
+    # `database` section, used when `outboxes` is empty; `outboxes` lists several, each a mapping
+    # {name, dsn, schema, table, lanes} whose missing keys come from `database` (lanes: 1).
+    lanes: int = 1
+    outboxes: list = field(default_factory=list)
 
 
 @dataclass
@@ -186,6 +192,12 @@ def _coerce(key: str, value: Any, target: type, default: Any) -> Any:
             if not isinstance(value, Mapping):
                 raise ValueError
             return {str(k): v for k, v in value.items()}
+        if kind is list:
+            if isinstance(value, str):  # from the environment: a YAML (or JSON) list
+                value = yaml.safe_load(value)
+            if not isinstance(value, list):
+                raise ValueError
+            return list(value)
     except (TypeError, ValueError):
         raise ConfigError(key, f"expected {kind.__name__}, got {redact(key, value)!r}") from None
     return value
@@ -340,6 +352,7 @@ def validate(cfg: Config) -> None:
     validate_http(cfg.http)
     if not re.match(r"^[a-zA-Z_][a-zA-Z0-9_]*$", cfg.metrics.prefix):
         raise ConfigError("metrics.prefix", f"{cfg.metrics.prefix!r} is not a valid metric name prefix")
+    units(cfg)  # raises ConfigError naming the offending outbox key
 
 
 def validate_http(h: HttpConfig) -> None:
@@ -355,3 +368,65 @@ def validate_http(h: HttpConfig) -> None:
         raise ConfigError("http.backend", f"{h.backend!r}: use tracker or sql")
     if bool(h.tls_certfile) != bool(h.tls_keyfile):
         raise ConfigError("http.tls_certfile", "set both http.tls_certfile and http.tls_keyfile, or neither")
+
+
+MAX_LANES = 64
+MAX_UNITS = 256
+_OUTBOX_KEYS = {"name", "dsn", "schema", "table", "lanes"}
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One harvest unit: lane `lane` of `lanes` of one outbox table. `index` is its leader-topic partition."""
+    index: int
+    outbox: str
+    dsn: str
+    schema: str
+    table: str
+    lane: int
+    lanes: int
+
+    @property
+    def name(self) -> str:
+        return self.outbox if self.lanes == 1 else f"{self.outbox}.{self.lane}"
+
+
+def units(cfg: Config) -> list[UnitSpec]:
+    """The harvest units of a configuration, in leader-topic partition order (validated)."""
+    h, db = cfg.harvester, cfg.database
+    entries = h.outboxes or [{"name": "default", "lanes": h.lanes}]
+    if h.outboxes and h.lanes != 1:
+        raise ConfigError("harvester.lanes", "applies only when harvester.outboxes is empty; set lanes per outbox")
+    out: list[UnitSpec] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(entries):
+        key = f"harvester.outboxes[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(key, f"expected a mapping with keys {sorted(_OUTBOX_KEYS)}, got {redact(key, entry)!r}")
+        unknown = set(entry) - _OUTBOX_KEYS
+        if unknown:
+            raise ConfigError(f"{key}.{sorted(unknown)[0]}", f"unknown key (known: {', '.join(sorted(_OUTBOX_KEYS))})")
+        name = entry.get("name", f"outbox{i}")
+        if not isinstance(name, str) or not re.match(r"^[A-Za-z0-9_-]{1,40}$", name):
+            raise ConfigError(f"{key}.name", f"{name!r} must be 1-40 of A-Z a-z 0-9 _ -")
+        if name in seen:
+            raise ConfigError(f"{key}.name", f"{name!r} is listed twice")
+        seen.add(name)
+        schema, table = entry.get("schema", db.schema), entry.get("table", db.outbox_table)
+        for what, value in (("schema", schema), ("table", table)):
+            try:
+                check_identifier(value, what)
+            except (InvalidIdentifier, TypeError) as exc:
+                raise ConfigError(f"{key}.{what}", str(exc)) from None
+        dsn = entry.get("dsn", db.dsn)
+        if not isinstance(dsn, str) or not dsn:
+            raise ConfigError(f"{key}.dsn", "must be a non-empty libpq URI or key=value string")
+        lanes = entry.get("lanes", 1)
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
+            lanes_key = "harvester.lanes" if not h.outboxes else f"{key}.lanes"
+            raise ConfigError(lanes_key, f"{lanes!r} must be an integer from 1 to {MAX_LANES}")
+        for lane in range(lanes):
+            out.append(UnitSpec(len(out), name, dsn, schema, table, lane, lanes))
+    if len(out) > MAX_UNITS:
+        raise ConfigError("harvester.outboxes", f"{len(out)} units: at most {MAX_UNITS}")
+    return out

@@ -20,7 +20,7 @@ class HarvesterMetrics:
     def __init__(self, prefix: str = "reaper") -> None:
         p = prefix
         self.build_info = Gauge(f"{p}_build_info", "Build of the running reaper (value 1)", ["version"])
-        self.leader = Gauge(f"{p}_leader", "1 while this instance leads and is not fenced")
+        self.leader = Gauge(f"{p}_leader", "Harvest units this instance leads and is not fenced for (1 with one unit)")
         self.acquisitions = Counter(f"{p}_leader_acquisitions_total", "Leadership acquisitions (partition 0 assigned)")
         self.fences = Counter(f"{p}_leader_fences_total", "Times the leader fenced itself (no heartbeat in time)")
         self.revocations = Counter(f"{p}_leader_revocations_total", "Times partition 0 was revoked or lost")
@@ -49,6 +49,58 @@ class HarvesterMetrics:
         self.requeued_rows = Gauge(f"{p}_outbox_requeued_rows",
                                    "Rows `reaper dead requeue` moved back into the outbox, all time (read from admin_log)")
         self.items_pending = Gauge(f"{p}_items_pending", "Items not yet acknowledged in open and closed batches")
+        # Per harvest unit (README "Harvest units"): one series per unit this instance has run.
+        u = ["unit"]
+        self.unit_leader = Gauge(f"{p}_unit_leader", "1 while this instance leads the unit and is not fenced", u)
+        self.unit_marked = Counter(f"{p}_unit_records_marked_total", "Outbox rows marked, by unit", u)
+        self.unit_published = Counter(f"{p}_unit_records_published_total", "Records acknowledged by Kafka, by unit", u)
+        self.unit_force_remarks = Counter(f"{p}_unit_force_remarks_total", "Forced remarks, by unit", u)
+        self.unit_in_flight = Gauge(f"{p}_unit_records_in_flight", "Records produced and not yet settled, by unit", u)
+
+
+class _Both:
+    """A counter (or histogram) observed in the instance's total and in the unit's series."""
+
+    def __init__(self, total, unit) -> None:
+        self._total, self._unit = total, unit
+
+    def inc(self, n: float = 1) -> None:
+        self._total.inc(n)
+        self._unit.inc(n)
+
+
+class _SummedGauge:
+    """A gauge set per unit whose instance-wide series is the sum over the units."""
+
+    def __init__(self, total: Gauge, unit, key: str, shares: dict, lock: threading.Lock) -> None:
+        self._total, self._unit, self._key, self._shares, self._lock = total, unit, key, shares, lock
+
+    def set(self, value: float) -> None:
+        self._unit.set(value)
+        with self._lock:
+            self._shares[self._key] = value
+            self._total.set(sum(self._shares.values()))
+
+
+class UnitMetrics:
+    """The metrics one harvest unit updates: the instance's, plus its own `unit` series where
+    HarvesterMetrics has one. Exposes the same attributes as HarvesterMetrics."""
+
+    _sums: dict[tuple[int, str], dict] = {}
+    _sums_lock = threading.Lock()
+
+    def __init__(self, base: HarvesterMetrics, unit: str) -> None:
+        self.__dict__.update(base.__dict__)
+        self.unit = unit
+        with UnitMetrics._sums_lock:
+            leaders = UnitMetrics._sums.setdefault((id(base), "leader"), {})
+            in_flight = UnitMetrics._sums.setdefault((id(base), "in_flight"), {})
+        self.leader = _SummedGauge(base.leader, base.unit_leader.labels(unit), unit, leaders, UnitMetrics._sums_lock)
+        self.in_flight = _SummedGauge(base.in_flight, base.unit_in_flight.labels(unit), unit, in_flight,
+                                      UnitMetrics._sums_lock)
+        self.marked = _Both(base.marked, base.unit_marked.labels(unit))
+        self.published = _Both(base.published, base.unit_published.labels(unit))
+        self.force_remarks = _Both(base.force_remarks, base.unit_force_remarks.labels(unit))
 
 
 def get(prefix: str = "reaper") -> HarvesterMetrics:

@@ -25,30 +25,37 @@ from functools import partial
 from confluent_kafka import KafkaException
 
 from . import logs
-from .config import Config
-from .faults import FaultPlan, FaultyStore
+from .config import Config, UnitSpec
 from .metrics import HarvesterMetrics, get as get_metrics
-from .neli import LEADER, Neli
-from .publish import Publisher, QuarantineError, logs_safe, producer_config
+from .neli import LEADER, Lease
+from .ports import DEFAULT, Providers
+from .publish import Lifecycle, Publisher, QuarantineError, logs_safe, producer_config
 from .store import OutboxStore, make_pool
 
 MIN_REMARK_BACKOFF = 0.05  # seconds before the second remark in a row without progress
 MAX_REMARK_BACKOFF = 5.0   # bound of the doubling back-off
 
 
-class Harvester:
-    def __init__(self, cfg: Config, *, faults: FaultPlan | None = None, metrics: HarvesterMetrics | None = None,
-                 pool=None) -> None:
-        self.cfg = cfg
+class UnitHarvester:
+    """Mark-purge/reset of one harvest unit (one outbox table, or one lane of it), while its lease
+    says this process leads it. Each unit has its own pool, publisher (producer, transactional id)
+    and threads: one unit's stall (a dead database, a refused record) holds up no other."""
+
+    def __init__(self, cfg: Config, spec: UnitSpec, *, providers: Providers = DEFAULT,
+                 metrics: HarvesterMetrics | None = None, transactional_id: str = "", pool=None) -> None:
+        self.cfg, self.spec = cfg, spec
         h = cfg.harvester
         self.m = metrics or get_metrics(cfg.metrics.prefix)
-        self.log = logs.get("reaper.harvester")
-        self.faults = faults
+        self.log = logs.get("reaper.harvester").bind(unit=spec.name)
+        self._txn_id = transactional_id
+        self.providers = providers
+        self._life = Lifecycle("harvester")
+        self._led = False  # NELI made this process leader at least once
         self._own_pool = pool is None
         self.pool = pool
         self.store = None
         self.publisher: Publisher | None = None
-        self.neli: Neli | None = None
+        self.neli: Lease | None = None  # this unit's lease (leader_id, valid_until, state)
         self._remark = threading.Event()
         self._remark_why = ""
         self._stop = threading.Event()
@@ -66,39 +73,44 @@ class Harvester:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> "Harvester":
-        cfg, h = self.cfg, self.h
+    def start(self, lease: Lease) -> "UnitHarvester":
+        """Start once, following `lease` (not yet started: NELI starts once every unit is ready);
+        a stopped unit cannot be started again (LifecycleError)."""
+        self._life.start()
+        cfg, h, spec = self.cfg, self.h, self.spec
         if self.pool is None:
-            self.pool = make_pool(cfg.database.dsn, cfg.database.pool_size, name="reaper-harvester")
-        store = OutboxStore(self.pool, cfg.database.schema, cfg.database.outbox_table)
-        self.store = FaultyStore(store, self.faults) if self.faults is not None else store
+            self.pool = make_pool(spec.dsn, cfg.database.pool_size, name=f"reaper-harvester-{spec.name}")
+        store = OutboxStore(self.pool, spec.schema, spec.table, lane=spec.lane, lanes=spec.lanes)
+        self.store = self.providers.store(store)
         conf = producer_config(cfg.kafka.bootstrap_servers, cfg.kafka.client, cfg.kafka.producer)
-        if h.transactional_id:
-            conf["transactional.id"] = h.transactional_id
+        if self._txn_id:
+            conf["transactional.id"] = self._txn_id
         self.publisher = Publisher(conf, self.store, self.m, purge_batch=h.purge_batch, purge_workers=h.purge_workers,
-                                   faults=self.faults, on_failure=self.force_remark).start()
+                                   providers=self.providers, on_failure=self.force_remark).start()
         self.publisher.queue_full_patience = h.mark_deadline / 2
         if h.trace_spans:  # a PRODUCER span per row, linked to the context stored with it (tracker.tracing)
             from opentelemetry import trace
 
             from tracker.tracing import producer_span
-            self.publisher.trace = partial(producer_span, trace.get_tracer("outbox-reaper.harvester"))
-        self.neli = Neli(bootstrap=cfg.kafka.bootstrap_servers, client=cfg.kafka.client, consumer=cfg.kafka.consumer,
-                         producer=cfg.kafka.producer, topic=h.leader_topic, group=h.leader_group,
-                         min_poll_interval=h.min_poll_interval, heartbeat_timeout=h.heartbeat_timeout,
-                         session_timeout=h.session_timeout, metrics=self.m, on_change=self._on_neli).start()
+            self.publisher._plain.trace = partial(producer_span, trace.get_tracer("outbox-reaper.harvester"))
+        self.neli = lease
+        lease.on_change = self._on_neli
         self._thread.start()
         self._producer_thread.start()
         self._upkeep.start()
         return self
 
-    def stop(self, drain_timeout: float | None = None) -> bool:
-        """Stop marking, let in-flight records settle (up to drain_timeout), then leave the group.
+    def begin_stop(self) -> None:
+        """Stop marking (every unit at once, before each drains in turn)."""
+        self._stop.set()
 
-        Returns False when records were still in flight at the deadline (they are republished by
-        the next leader: duplicates, never loss).
-        """
+    def finish(self, drain_timeout: float | None = None) -> bool:
+        """Stop marking and let in-flight records settle (up to drain_timeout). False when records
+        were still in flight at the deadline (republished by the next leader: duplicates, never
+        loss). The owner then leaves the group and calls close()."""
         timeout = self.h.drain_timeout if drain_timeout is None else drain_timeout
+        if not self._life.stop():
+            return True  # never started, or stopped already
         self._stop.set()
         self._thread.join(timeout + 10)
         self._producer_thread.join(timeout + 10)
@@ -108,14 +120,16 @@ class Harvester:
             if not drained:
                 self.log.warning("drain timeout: records still in flight are left for the next leader",
                                  in_flight=self.publisher.in_flight)
-        if self.neli is not None:
-            self.neli.stop()
+        return drained
+
+    def close(self) -> None:
+        self._stop.set()
         if self.publisher is not None:
             self.publisher.close()
-        self._upkeep.join(5)
+        if self._upkeep.ident is not None:
+            self._upkeep.join(5)
         if self._own_pool and self.pool is not None:
             self.pool.close()
-        return drained
 
     @property
     def leading(self) -> bool:
@@ -133,13 +147,19 @@ class Harvester:
             self._remark.set()
 
     def _on_neli(self, state: str, leader_id: uuid.UUID | None) -> None:
-        if state != LEADER and self.publisher is not None:
+        if self.publisher is None:
+            return
+        if state == LEADER:
+            self._led = True
+        elif not self._led:
+            return  # a reaper that never led has nothing to retire and nothing to report
+        else:
             # Fenced or revoked: nothing of this leadership may leave the process later, not even
-            # a retry of a record already sent (message.timeout.ms=0 would retry it for ever).
+            # a retry of a record already sent (message.timeout.ms=0 would retry it for ever). A
+            # producer that never got a record is kept (nothing to drop).
             self.publisher.retire_producer(f"neli {state}")
-        if self.publisher is not None:
-            self.log.info("publishing state", state=state, records_produced=self.publisher.produced,
-                          records_delivered=self.publisher.delivered, records_in_flight=self.publisher.in_flight)
+        self.log.info("publishing state", state=state, records_produced=self.publisher.produced,
+                      records_delivered=self.publisher.delivered, records_in_flight=self.publisher.in_flight)
 
     def _valid(self, me: uuid.UUID) -> bool:
         return self._me == me and not self._remark.is_set() and self.neli.leader_id() == self._neli_id \
@@ -272,9 +292,10 @@ class Harvester:
     # ------------------------------------------------------------------ upkeep
 
     def _upkeep_loop(self) -> None:
-        """The leader vacuums the outbox every vacuum_interval while it is deleting rows."""
+        """The leader vacuums the outbox every vacuum_interval while it is deleting rows (lane 0's
+        leader only: one VACUUM of a table at a time is enough, a second would wait for it)."""
         interval = self.h.vacuum_interval
-        if interval <= 0:
+        if interval <= 0 or self.spec.lane != 0:
             return
         last_purged = self.publisher.purged_rows
         while not self._stop.wait(interval):

@@ -1,7 +1,10 @@
-"""Leader election, Fast NELI style, over ownership of partition 0 of a one-partition topic.
+"""Leader election, Fast NELI style, one lease per partition of the leader topic (one per harvest unit).
 
 Every reaper subscribes one consumer, in one group, to the leader topic; the member holding
-partition 0 leads. The leader produces a heartbeat to that partition at most every
+partition u leads unit u (harvester.units). Each lease below is independent: its own heartbeat,
+fence, leader id and state; one consumer and one producer serve them all, and they never touch a
+database, so one unit's stall cannot hold up another's leadership. The leader of a unit produces a
+heartbeat to its partition at most every
 `min_poll_interval` and consumes its own heartbeats. It fences itself (stops publishing) when none
 has come back within `heartbeat_timeout`, which is shorter than the group's session timeout, so a
 leader cut off from Kafka stops before the group can hand partition 0 to another member. It
@@ -28,21 +31,32 @@ from .metrics import HarvesterMetrics
 FOLLOWER, LEADER, FENCED = "follower", "leader", "fenced"
 
 
-def ensure_leader_topic(admin_conf: dict, topic: str, timeout: float = 30.0) -> None:
-    """Create the one-partition leader topic if it is missing (brokers here do not auto-create)."""
+class LeaderTopicMismatch(RuntimeError):
+    """The leader topic's partition count differs from the configured number of harvest units."""
+
+
+def ensure_leader_topic(admin_conf: dict, topic: str, timeout: float = 30.0, partitions: int = 1) -> None:
+    """Create the leader topic, one partition per unit, if it is missing (brokers here do not
+    auto-create). An existing topic with another partition count is refused: reapers that disagree
+    on the units could lead overlapping lanes (see README "Harvest units": drain, then switch)."""
     admin = AdminClient(admin_conf)
     try:
-        _ensure_topic(admin, topic, timeout)
+        _ensure_topic(admin, topic, timeout, partitions)
     finally:
         admin.poll(0)  # an admin client's log lines wait for a poll: hand them to its logger
 
 
-def _ensure_topic(admin: AdminClient, topic: str, timeout: float) -> None:
+def _ensure_topic(admin: AdminClient, topic: str, timeout: float, partitions: int) -> None:
     md = admin.list_topics(topic=topic, timeout=timeout)
     t = md.topics.get(topic)
     if t is not None and t.error is None:
+        if len(t.partitions) != partitions:
+            raise LeaderTopicMismatch(
+                f"leader topic {topic!r} has {len(t.partitions)} partition(s) but {partitions} harvest unit(s) are "
+                "configured: to change the units or lanes, stop every reaper, then start them with a new "
+                "harvester.leader_topic and harvester.leader_group")
         return
-    fut = admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=-1,
+    fut = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=-1,
                                         config={"retention.ms": "3600000", "cleanup.policy": "delete"})],
                               operation_timeout=timeout)[topic]
     try:
@@ -52,54 +66,25 @@ def _ensure_topic(admin: AdminClient, topic: str, timeout: float) -> None:
             raise
 
 
-class Neli:
-    def __init__(self, *, bootstrap: str, client: dict, consumer: dict, producer: dict, topic: str, group: str,
-                 min_poll_interval: float, heartbeat_timeout: float, session_timeout: float,
-                 metrics: HarvesterMetrics, on_change: Callable[[str, uuid.UUID | None], None] = lambda s, l: None) -> None:
-        self.topic, self.min_poll, self.hb_timeout = topic, min_poll_interval, heartbeat_timeout
-        self._m, self._on_change = metrics, on_change
+class Lease:
+    """One unit's leadership: assigned (FOLLOWER until partition u is held) / LEADER / FENCED.
+
+    `leader_id()` is computed from the clock when asked, not from the last state the polling
+    thread saw: a process that was paused (SIGSTOP, a long stall) sees itself fenced at once.
+    """
+
+    def __init__(self, unit: int, hb_timeout: float, metrics: HarvesterMetrics,
+                 on_change: Callable[[str, uuid.UUID | None], None]) -> None:
+        self.unit, self.hb_timeout, self._m = unit, hb_timeout, metrics
+        self.on_change = on_change
         self._log = logs.get("reaper.neli")
-        self.instance = uuid.uuid4().hex.encode()  # tags this process's heartbeats
-        base = {"bootstrap.servers": bootstrap, **client}
-        self._admin_conf = {**base, "logger": logs.KafkaLogger("leader-admin")}
-        self._consumer_conf = {
-            **base, **consumer,
-            "group.id": group,
-            "session.timeout.ms": int(session_timeout * 1000),
-            # A member learns of a rebalance (the leader left) on its next group heartbeat: keep
-            # them frequent so a SIGTERM handover is not delayed by up to session/10.
-            "heartbeat.interval.ms": max(100, min(250, int(session_timeout * 1000) // 3)),
-            "partition.assignment.strategy": "cooperative-sticky",
-            "enable.auto.commit": False,
-            "auto.offset.reset": "latest",
-            "log_level": 4, "logger": logs.KafkaLogger("leader-consumer"),
-        }
-        self._producer_conf = {**base, **producer, "linger.ms": 0, "acks": 1, "enable.idempotence": False,
-                               "message.timeout.ms": max(1000, int(heartbeat_timeout * 1000)), "log_level": 4,
-                               "logger": logs.KafkaLogger("heartbeat-producer")}
         self._lock = threading.Lock()
         self._state = FOLLOWER
         self._leader_id: uuid.UUID | None = None
-        self._holding = False
-        self._last_heartbeat = 0.0   # monotonic SEND time of the newest own heartbeat read back
-        self._last_sent = 0.0
-        self._paused_until = 0.0
-        self._stop = threading.Event()
-        self._closed = threading.Event()
-        self._consumer: Consumer | None = None
-        self._producer: Producer | None = None
-        self._thread = threading.Thread(target=self._run, name="reaper-neli", daemon=True)
-
-    # ------------------------------------------------------------------ public
-
-    def start(self) -> "Neli":
-        ensure_leader_topic(self._admin_conf, self.topic)
-        self._producer = Producer(self._producer_conf)
-        self._consumer = Consumer(self._consumer_conf)
-        self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                                 on_lost=self._on_lost)
-        self._thread.start()
-        return self
+        self.holding = False
+        self.last_heartbeat = 0.0   # monotonic SEND time of the newest own heartbeat read back
+        self.last_sent = 0.0
+        self.paused_until = 0.0
 
     @property
     def state(self) -> str:
@@ -109,91 +94,172 @@ class Neli:
         """The id to publish under, or None when not leading or already overdue for a heartbeat."""
         if self._state != LEADER:
             return None
-        if time.monotonic() - self._last_heartbeat > self.hb_timeout:
+        if time.monotonic() - self.last_heartbeat > self.hb_timeout:
             return None
         return self._leader_id
 
     def valid_until(self) -> float:
         """Monotonic time after which the current leadership is void unless a heartbeat returns."""
-        return self._last_heartbeat + self.hb_timeout if self._state == LEADER else 0.0
+        return self.last_heartbeat + self.hb_timeout if self._state == LEADER else 0.0
 
     def pause_heartbeats(self, seconds: float) -> None:
         """Test hook: send no heartbeat for `seconds` (as if the leader topic were unreachable)."""
-        self._paused_until = time.monotonic() + seconds
+        self.paused_until = time.monotonic() + seconds
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Leave the group (partition 0 moves to a standby at once) and stop."""
-        self._stop.set()
-        self._thread.join(timeout)
-
-    # ------------------------------------------------------------------ internals
-
-    def _set(self, state: str, leader_id: uuid.UUID | None) -> None:
+    def set(self, state: str, leader_id: uuid.UUID | None) -> None:
         with self._lock:
             if state == self._state and leader_id == self._leader_id:
                 return
             self._state, self._leader_id = state, leader_id
         self._m.leader.set(1 if state == LEADER else 0)
-        logs.leader_context.set(leader_id if state == LEADER else None)
-        self._log.info(f"neli {state}", state=state, leader_id=str(leader_id) if leader_id else None)
-        self._on_change(state, leader_id)
+        self._log.info(f"neli {state}", state=state, unit=self.unit, leader_id=str(leader_id) if leader_id else None)
+        self.on_change(state, leader_id)
 
-    def _acquire(self, resumed: bool = False) -> None:
-        if not resumed:  # partition 0 just assigned: a heartbeat timeout's grace from now
-            self._last_heartbeat = time.monotonic()
+    def acquire(self, resumed: bool = False) -> None:
+        if not resumed:  # partition just assigned: a heartbeat timeout's grace from now
+            self.last_heartbeat = time.monotonic()
         # (resumed: valid from the send time of the heartbeat that ended the fence, no longer)
-        self._last_sent = 0.0
+        self.last_sent = 0.0
         self._m.acquisitions.inc()
-        self._set(LEADER, uuid.uuid4())
+        self.set(LEADER, uuid.uuid4())
+
+
+class Neli:
+    def __init__(self, *, bootstrap: str, client: dict, consumer: dict, producer: dict, topic: str, group: str,
+                 min_poll_interval: float, heartbeat_timeout: float, session_timeout: float,
+                 metrics: HarvesterMetrics | Callable[[int], HarvesterMetrics],
+                 on_change: Callable[[str, uuid.UUID | None], None] = lambda s, l: None, units: int = 1) -> None:
+        """`metrics`: one set for all units, or a function giving unit u's. `on_change` is unit
+        0's callback; set `lease(u).on_change` for the others."""
+        self.topic, self.min_poll, self.hb_timeout = topic, min_poll_interval, heartbeat_timeout
+        self._log = logs.get("reaper.neli")
+        self.instance = uuid.uuid4().hex.encode()  # tags this process's heartbeats
+        unit_metrics = metrics if callable(metrics) else (lambda u: metrics)
+        self._m = unit_metrics(0)
+        self.leases = [Lease(u, heartbeat_timeout, unit_metrics(u), on_change if u == 0 else (lambda s, l: None))
+                       for u in range(units)]
+        base = {"bootstrap.servers": bootstrap, **client}
+        self._admin_conf = {**base, "logger": logs.KafkaLogger("leader-admin")}
+        self._consumer_conf = {
+            # Rejoin within about a second after a broker restart (librdkafka's default back-off
+            # grows to 10 s between connection attempts); configuration may still override it.
+            **base, "reconnect.backoff.ms": 50, "reconnect.backoff.max.ms": 1000, **consumer,
+            "group.id": group,
+            "session.timeout.ms": int(session_timeout * 1000),
+            # A member learns of a rebalance (the leader left) on its next group heartbeat: keep
+            # them frequent so a SIGTERM handover is not delayed by up to session/10.
+            "heartbeat.interval.ms": max(100, min(250, int(session_timeout * 1000) // 3)),
+            "partition.assignment.strategy": "cooperative-sticky",
+
+            "enable.auto.commit": False,
+            "auto.offset.reset": "latest",
+            "log_level": 4, "logger": logs.KafkaLogger("leader-consumer"),
+        }
+        self._producer_conf = {**base, **producer, "linger.ms": 0, "acks": 1, "enable.idempotence": False,
+                               "message.timeout.ms": max(1000, int(heartbeat_timeout * 1000)), "log_level": 4,
+                               "reconnect.backoff.ms": 50, "reconnect.backoff.max.ms": 1000,
+                               "logger": logs.KafkaLogger("heartbeat-producer")}
+        self._stop = threading.Event()
+        self._closed = threading.Event()
+        self._consumer: Consumer | None = None
+        self._producer: Producer | None = None
+        self._thread = threading.Thread(target=self._run, name="reaper-neli", daemon=True)
+
+    # ------------------------------------------------------------------ public
+
+    def start(self) -> "Neli":
+        ensure_leader_topic(self._admin_conf, self.topic, partitions=len(self.leases))
+        self._producer = Producer(self._producer_conf)
+        self._consumer = Consumer(self._consumer_conf)
+        self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                 on_lost=self._on_lost)
+        self._thread.start()
+        return self
+
+    def lease(self, unit: int) -> Lease:
+        return self.leases[unit]
+
+    # Unit 0's lease, for one-unit deployments and tests.
+    @property
+    def state(self) -> str:
+        return self.leases[0].state
+
+    def leader_id(self) -> uuid.UUID | None:
+        return self.leases[0].leader_id()
+
+    def valid_until(self) -> float:
+        return self.leases[0].valid_until()
+
+    def pause_heartbeats(self, seconds: float) -> None:
+        """Test hook: no heartbeat for any unit for `seconds` (as if the leader topic were unreachable)."""
+        for lease in self.leases:
+            lease.pause_heartbeats(seconds)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Leave the group (the partitions move to a standby at once) and stop."""
+        self._stop.set()
+        if self._thread.ident is None:
+            return  # never started
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ internals
+
+    def _mine(self, partitions: list[TopicPartition]) -> list[Lease]:
+        return [self.leases[p.partition] for p in partitions if 0 <= p.partition < len(self.leases)]
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        mine = [TopicPartition(p.topic, p.partition, OFFSET_END) for p in partitions]
-        consumer.incremental_assign(mine)
-        if any(p.partition == 0 for p in partitions) and not self._holding:
-            self._holding = True
-            self._acquire()
+        consumer.incremental_assign([TopicPartition(p.topic, p.partition, OFFSET_END) for p in partitions])
+        for lease in self._mine(partitions):
+            if not lease.holding:
+                lease.holding = True
+                lease.acquire()
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         try:
             consumer.incremental_unassign(partitions)
         except KafkaException:
             pass
-        if any(p.partition == 0 for p in partitions) and self._holding:
-            self._holding = False
-            self._m.revocations.inc()
-            self._set(FOLLOWER, None)
+        for lease in self._mine(partitions):
+            if lease.holding:
+                lease.holding = False
+                lease._m.revocations.inc()
+                lease.set(FOLLOWER, None)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._on_revoke(consumer, partitions)
 
     def _pulse(self) -> None:
-        msg = self._consumer.poll(self.min_poll / 2)
+        for msg in self._consumer.consume(64, self.min_poll / 2):
+            if msg.error() is None and 0 <= msg.partition() < len(self.leases):
+                sent_at = self._sent_at(msg.value())
+                if sent_at is not None:
+                    # A heartbeat vouches for the time it was SENT: one sent before a pause (SIGSTOP,
+                    # a long stall) and read after it must not revive the leadership it outlived.
+                    lease = self.leases[msg.partition()]
+                    lease.last_heartbeat = max(lease.last_heartbeat, sent_at)
         now = time.monotonic()
-        if msg is not None and msg.error() is None:
-            sent_at = self._sent_at(msg.value())
-            if sent_at is not None:
-                # A heartbeat vouches for the time it was SENT: one sent before a pause (SIGSTOP,
-                # a long stall) and read after it must not revive the leadership it outlived.
-                self._last_heartbeat = max(self._last_heartbeat, sent_at)
-        if not self._holding:
-            return
-        if now - self._last_sent >= self.min_poll and now >= self._paused_until:
-            self._last_sent = now
+        for lease in self.leases:
+            if lease.holding:
+                self._beat(lease, now)
+        self._producer.poll(0)
+
+    def _beat(self, lease: Lease, now: float) -> None:
+        if now - lease.last_sent >= self.min_poll and now >= lease.paused_until:
+            lease.last_sent = now
             try:
                 self._producer.produce(self.topic, value=b"%s:%d" % (self.instance, time.monotonic_ns()),
-                                       partition=0)
+                                       partition=lease.unit)
             except BufferError:
                 pass  # Kafka unreachable for long: the missing heartbeats fence us
-        self._producer.poll(0)
-        overdue = now - self._last_heartbeat > self.hb_timeout
-        if self._state == LEADER and overdue:
-            self._m.fences.inc()
+        overdue = now - lease.last_heartbeat > self.hb_timeout
+        if lease.state == LEADER and overdue:
+            lease._m.fences.inc()
             self._log.warning("no heartbeat within heartbeat_timeout: fencing", heartbeat_timeout=self.hb_timeout,
-                              leader_id=str(self._leader_id))
-            self._set(FENCED, None)
-        elif self._state == FENCED and not overdue:
-            self._log.info("heartbeats are back and partition 0 is still held: resuming")
-            self._acquire(resumed=True)
+                              unit=lease.unit, leader_id=str(lease._leader_id))
+            lease.set(FENCED, None)
+        elif lease.state == FENCED and not overdue:
+            self._log.info("heartbeats are back and the partition is still held: resuming", unit=lease.unit)
+            lease.acquire(resumed=True)
 
     def _sent_at(self, value: bytes | None) -> float | None:
         """The monotonic send time of one of this process's heartbeats; None for anything else."""
@@ -211,9 +277,11 @@ class Neli:
                     self._log.warning("leader consumer error", error=str(exc))
                     time.sleep(self.min_poll)
         finally:
-            self._set(FOLLOWER, None)
+            for lease in self.leases:
+                lease.holding = False
+                lease.set(FOLLOWER, None)
             try:
-                self._consumer.close()  # leaves the group: partition 0 moves without waiting for the session
+                self._consumer.close()  # leaves the group: the partitions move without waiting for the session
             except Exception as exc:
                 self._log.warning("leader consumer close failed", error=str(exc))
             self._producer.flush(1)

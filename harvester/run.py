@@ -26,9 +26,10 @@ from tracker.schema import qualified
 
 from . import logs
 from .config import Config, redact, redact_dsn
-from .faults import FaultPlan
 from .metrics import HealthServer, get as get_metrics
-from .mpr import Harvester
+from .neli import LeaderTopicMismatch
+from .units import Harvester
+from .ports import DEFAULT, Providers
 from .publish import logs_safe
 from .store import OutboxStore, make_pool
 
@@ -182,11 +183,11 @@ def tune_gc() -> None:
     gc.set_threshold(GC_THRESHOLD_0, gen1, gen2)
 
 
-def run(cfg: Config, *, faults: FaultPlan | None = None) -> int:
+def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
     log = logs.get("reaper")
     tune_gc()
     log.info("starting", version=_version(), config=redact("config", _as_dict(cfg)),
-             fault_injection=faults.to_json() if faults else None)
+             providers=providers.description)
     stop = threading.Event()
     term = threading.Event()
 
@@ -239,7 +240,12 @@ def run(cfg: Config, *, faults: FaultPlan | None = None) -> int:
         if cfg.acker.enabled:
             threads.append(_start_acker(cfg, stop, failures))
         if cfg.harvester.enabled:
-            harvester = Harvester(cfg, faults=faults).start()
+            try:
+                harvester = Harvester(cfg, providers=providers).start()
+            except LeaderTopicMismatch as exc:
+                log.error("cannot start", error=str(exc))
+                code = EXIT_CONFIG
+                return code
         while not term.wait(0.2):
             if harvester is not None and harvester.error is not None:
                 failures.append(("harvester", harvester.error))

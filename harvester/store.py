@@ -7,6 +7,7 @@ pooler such as PgBouncer: see `configure_connection`).
 """
 from __future__ import annotations
 
+import hashlib
 import uuid
 from dataclasses import dataclass
 from operator import itemgetter
@@ -15,10 +16,9 @@ from typing import Sequence
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
-from tracker.pooling import configure_for_pooler
 from tracker.schema import qualified
 
-from . import logs
+from .pool import configure_connection, make_pool  # noqa: F401  (the pool lives in harvester.pool)
 
 COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
 
@@ -45,38 +45,26 @@ def bigint_array(ids: Sequence[int]) -> str:
     return "{" + ",".join(map(str, ids)) + "}"
 
 
-def configure_connection(conn) -> bool:
-    """Set up a new pool connection; return whether it goes through a pooler."""
-    # Through a transaction pooler (PgBouncer in transaction mode) psycopg must not prepare, and a
-    # session SET would stay on a server connection that other clients share (their commits would
-    # stop waiting for the WAL flush too): there, set synchronous_commit on the reaper's role instead.
-    if configure_for_pooler(conn):
-        return True
-    # A lost mark or purge only causes a duplicate publication later: no need to wait for the WAL flush.
-    conn.execute("SET synchronous_commit = off")
-    return False
+def lane_of(key: bytes | None, lanes: int) -> int:
+    """The lane of a key: the first 32 bits of its MD5, modulo the lane count; a null key is in lane 0.
+    The same in SQL (LANE_SQL) and here, so an application can tell which unit harvests a key."""
+    if key is None or lanes == 1:
+        return 0
+    return int(hashlib.md5(key).hexdigest()[:8], 16) % lanes
 
 
-def make_pool(dsn: str, size: int, *, name: str = "reaper", open_wait: float | None = 30.0) -> ConnectionPool:
-    said = False
-
-    def configure(conn) -> None:
-        nonlocal said
-        if configure_connection(conn) and not said:
-            said = True
-            logs.get("reaper.store").info("database reached through a pooler (e.g. PgBouncer): prepared "
-                                          "statements off, synchronous_commit left to the role", pool=name)
-
-    pool = ConnectionPool(dsn, min_size=size, max_size=size, name=name, open=False,
-                          kwargs={"autocommit": True, "application_name": "reaper"},
-                          configure=configure, reconnect_timeout=3600)
-    pool.open(wait=open_wait is not None, timeout=open_wait or 30.0)
-    return pool
+# MD5 rather than hashtextextended(): defined the same everywhere (and in every client language),
+# and a few hundred nanoseconds per row is small beside the mark's own cost.
+LANE_SQL = "coalesce(mod(('x' || left(md5(key), 8))::bit(32)::bigint, {lanes}), 0)"
 
 
 class OutboxStore:
-    def __init__(self, pool: ConnectionPool, schema: str, table: str = "outbox", dead_table: str | None = None) -> None:
+    def __init__(self, pool: ConnectionPool, schema: str, table: str = "outbox", dead_table: str | None = None,
+                 lane: int = 0, lanes: int = 1) -> None:
+        if not (isinstance(lanes, int) and isinstance(lane, int) and 0 <= lane < lanes):
+            raise ValueError(f"lane {lane!r} of {lanes!r}: need 0 <= lane < lanes")
         self.pool = pool
+        self.lane, self.lanes = lane, lanes
         t = qualified(schema, table)
         self.table = t
         dead = qualified(schema, dead_table or f"{table}_dead")
@@ -87,12 +75,16 @@ class OutboxStore:
         # (gone: skipped; still unmarked by us: marked), at half the WAL of lock-then-update.
         # Always from the head, never above a cursor: a row committed late below a cursor would be
         # passed over while a causally later row of its key (a higher id) is marked (invariant 6).
+        # A lane (lanes > 1) marks only the rows whose key hashes to it: every row of a key is in one
+        # lane, so per-key order is kept within one unit, and no row is ever marked by two units.
+        in_lane = sql.SQL("") if lanes == 1 else sql.SQL(" AND " + LANE_SQL.format(lanes=int(lanes)) + " = {lane}").format(
+            lane=sql.Literal(int(lane)))
         self._mark = sql.SQL(
             "UPDATE {t} SET leader_id = %(me)s WHERE id = ANY(ARRAY("
-            "SELECT id FROM {t} WHERE (leader_id IS NULL OR leader_id <> %(me)s)"
+            "SELECT id FROM {t} WHERE (leader_id IS NULL OR leader_id <> %(me)s){in_lane}"
             " ORDER BY id LIMIT %(n)s)) AND (leader_id IS NULL OR leader_id <> %(me)s) "
             "RETURNING id, topic, key, value, header_keys, header_values, kafka_partition"
-        ).format(t=t)
+        ).format(t=t, in_lane=in_lane)
         self._purge = sql.SQL("DELETE FROM {t} WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(t=t)
         self._reset = sql.SQL(
             "UPDATE {t} SET leader_id = NULL WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(t=t)

@@ -15,7 +15,6 @@ import psycopg
 import pytest
 
 from harvester import config as config_mod
-from harvester.faults import ENV_VAR
 from support.harness import Receiver, insert_rows, wait_until
 from support.private_services import free_port
 
@@ -70,9 +69,15 @@ def test_configuration_layers_and_kafka_passthrough(tmp_path):
         {"sasl.password": "***", "sasl.username": "svc"}
 
 
-def test_fault_injection_variable_needs_the_explicit_test_flag():
-    r = _run(["run"], _env(**{ENV_VAR: '{"produce_error_rate": 0.5}'}))
-    assert r.returncode == 2 and "--enable-fault-injection" in r.stderr, r.stderr
+def test_the_product_has_no_fault_injection():
+    """Fault injection lives in tests/support: no harvester module imports it and `reaper run`
+    knows no flag for it."""
+    r = _run(["run", "--enable-fault-injection"], _env())
+    assert r.returncode == 2 and "unrecognized arguments" in r.stderr, r.stderr
+    code = "import sys, harvester.cli, harvester.run, harvester.mpr; print(sorted(m for m in sys.modules if 'fault' in m))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
+    assert not (REPO / "harvester" / "faults.py").exists()
 
 
 def test_unreachable_database_exits_3_and_secrets_stay_out_of_the_output():

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from harvester.faults import FaultPlan
+from support.faults import FaultPlan
 from support.harness import Generator, Receiver, env_for, make_config, order_violations, wait_until
 from support.reaper import ReaperProcess
 

@@ -9,9 +9,9 @@ import uuid
 import psycopg
 import pytest
 
-from harvester.faults import FaultPlan
+from support.faults import FaultPlan
 from harvester.metrics import get as get_metrics
-from harvester.mpr import Harvester
+from harvester.units import Harvester
 from harvester.store import OutboxStore, make_pool
 from support.harness import (Generator, Receiver, insert_rows, make_config, order_violations, outbox_count,
                                    wait_until)
@@ -21,7 +21,7 @@ PARTITIONS = 4
 
 @contextlib.contextmanager
 def running(cfg, faults=None):
-    h = Harvester(cfg, faults=faults).start()
+    h = Harvester(cfg, **({"providers": faults.providers()} if faults is not None else {})).start()
     try:
         assert wait_until(lambda: h.leading, 30), "the only reaper never became leader"
         yield h

@@ -12,16 +12,16 @@ import time
 
 import psycopg
 
-from harvester.faults import FaultPlan
+from support.faults import FaultPlan
 from harvester.metrics import get as get_metrics
-from harvester.mpr import Harvester
+from harvester.units import Harvester
 from support.blackhole import BlackholeProxy
 from support.harness import Receiver, insert_rows, make_config, order_violations, outbox_count, wait_until
 
 
 @contextlib.contextmanager
 def running(cfg, faults=None, drain_timeout=10):
-    h = Harvester(cfg, faults=faults).start()
+    h = Harvester(cfg, **({"providers": faults.providers()} if faults is not None else {})).start()
     try:
         assert wait_until(lambda: h.leading, 30), "the only reaper never became leader"
         yield h
@@ -166,7 +166,7 @@ def test_fence_purges_in_flight_records_and_replaces_the_producer(pg_dsn, kafka_
             # Everything the old producer held, queued AND in flight, is dropped and reported purged...
             assert wait_until(lambda: len(old) == 0, 10), f"{len(old)} records left with the fenced producer"
             assert wait_until(lambda: pub.producer is not old, 5), "the fenced leader kept its producer"
-            assert wait_until(lambda: old not in pub._retiring, 10)
+            assert wait_until(lambda: old not in pub.slot.retiring, 10)
             # ... the reports reset the rows under the old id (nothing deleted), settle the
             # throttle's count, and force no remark on whatever leadership comes next.
             assert wait_until(lambda: _counter("reset") - reset_before == 200, 5), _counter("reset") - reset_before

@@ -16,8 +16,9 @@ import psycopg
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from harvester.faults import FaultPlan
+from support.faults import FaultPlan
 from harvester.metrics import get as get_metrics
+from harvester.transactional import TransactionalStrategy
 from harvester.publish import Publisher, producer_config
 from harvester.store import OutboxStore, make_pool
 from support.harness import insert_rows, outbox_count, wait_until
@@ -51,7 +52,7 @@ def _publisher(kafka_bootstrap, store, txn_id):
 def _open_and_write(pub, rows, leader_id):
     """What produce_rows does up to its commit: open the transaction, write the rows; no commit
     (the process "pauses" here). Returns the transaction's sequence number."""
-    seq = pub._begin(pub.producer, lambda: True, lambda: time.monotonic() + 60)
+    seq = pub.strategy.begin(pub.producer, lambda: True, lambda: time.monotonic() + 60)
     assert seq is not None
     _write(pub, seq, rows, leader_id)
     return seq
@@ -59,7 +60,7 @@ def _open_and_write(pub, rows, leader_id):
 
 def _write(pub, seq, rows, leader_id):
     for row_id, topic, key, value, _, _, _ in rows:
-        pub.producer.produce(topic, value, key, on_delivery=partial(pub._report_txn, seq, row_id, leader_id))
+        pub.producer.produce(topic, value, key, on_delivery=partial(pub.strategy.report, seq, row_id, leader_id))
 
 
 @contextlib.contextmanager
@@ -136,7 +137,7 @@ def test_a_new_leader_fences_the_old_leaders_producer_at_the_broker(pg_dsn, kafk
             # A "resumes": it sends the records it still held, then commits. The broker refuses both.
             with contextlib.suppress(KafkaException):  # refused at once if A already knows it is fenced
                 _write(a, seq, rows[150:], me_a)
-            a._finish(a.producer, lambda: time.monotonic() + 60)
+            a.strategy.finish(a.producer, lambda: time.monotonic() + 60)
             assert a.txn_committed == 0, "the fenced producer committed a transaction"
             with pytest.raises(KafkaException) as refused:
                 a.producer.begin_transaction()
@@ -159,7 +160,7 @@ def test_a_record_the_broker_refuses_aborts_its_transaction_and_publishing_resum
     later produce() fails too: the reaper must abort it, not keep producing into it, so that once
     the operator fixes the cause the next transaction goes through."""
     from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
-    from harvester.mpr import Harvester
+    from harvester.units import Harvester
     from support.harness import make_config
 
     topic = topics("data", partitions=2, config={"max.message.bytes": "2000"})
@@ -199,7 +200,7 @@ def test_a_transaction_not_committed_within_the_leadership_is_aborted_and_its_ro
     topic = topics("data", partitions=PARTITIONS)
     with _paused_leader(pg_dsn, kafka_bootstrap, schema, topic, [b"row-%d" % i for i in range(100)], keys=3) as led:
         pub, store = led.pub, led.store
-        pub._finish(pub.producer, lambda: 0.0)  # the heartbeat deadline has passed: abort, never commit
+        pub.strategy.finish(pub.producer, lambda: 0.0)  # the heartbeat deadline has passed: abort, never commit
         assert (pub.txn_committed, pub.txn_aborted) == (0, 1)
         assert led.failures, "no remark was raised for the aborted transaction"
         assert wait_until(lambda: pub.in_flight == 0, 10), pub.in_flight  # every record settled once
@@ -222,13 +223,13 @@ def test_an_abort_at_the_deadline_does_not_hold_the_throttle(pg_dsn, kafka_boots
     """The harvester with max_in_flight = mark_batch: had the transaction that missed its deadline
     stayed open, its rows would fill the throttle and no further mark (so no further transaction)
     could ever settle it."""
-    from harvester.mpr import Harvester
+    from harvester.units import Harvester
     from support.harness import make_config
 
     topic, leader = topics("data", partitions=2), topics("leader", partitions=1)
     with psycopg.connect(pg_dsn) as conn:
         insert_rows(conn, schema, topic, [(b"k%d" % (i % 5), b"v%d" % i) for i in range(300)])
-    finish, missed = Publisher._finish, []
+    finish, missed = TransactionalStrategy.finish, []
 
     def first_misses_its_deadline(self, producer, valid_until):
         if not missed:
@@ -236,7 +237,7 @@ def test_an_abort_at_the_deadline_does_not_hold_the_throttle(pg_dsn, kafka_boots
             valid_until = lambda: 0.0  # noqa: E731 (a heartbeat late by a hair; NELI does not fence)
         return finish(self, producer, valid_until)
 
-    monkeypatch.setattr(Publisher, "_finish", first_misses_its_deadline)
+    monkeypatch.setattr(TransactionalStrategy, "finish", first_misses_its_deadline)
     h = Harvester(make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader, harvester={
         "transactional_id": _txn_id(), "max_in_flight": 100, "mark_batch": 100})).start()
     try:
@@ -256,6 +257,6 @@ def test_an_abort_raises_the_remark_before_the_next_batch_can_be_produced(pg_dsn
     topic = topics("data", partitions=PARTITIONS)
     with _paused_leader(pg_dsn, kafka_bootstrap, schema, topic, [b"row-%d" % i for i in range(20)], keys=1) as led:
         pub = led.pub
-        pub._txn_failed = True  # as _report_txn sets it, a moment before its _report raises the remark
-        pub._finish(pub.producer, lambda: time.monotonic() + 60)
+        pub.strategy._failed = True  # as report() sets it, a moment before the settler raises the remark
+        pub.strategy.finish(pub.producer, lambda: time.monotonic() + 60)
         assert pub.txn_aborted == 1 and led.failures, "aborted without a remark: the next batch of this id may go out"

@@ -35,6 +35,9 @@ CONTRACT_METRICS = {
     "reaper_batches_expired_total", "reaper_batches_opened_total", "reaper_batches_closed_total",
     "reaper_transaction_commit_duration_seconds", "reaper_transactions_aborted_total",
     "reaper_outbox_dead_rows", "reaper_outbox_requeued_rows",  # the operator's kit (issue 15)
+    # per harvest unit (issue 14)
+    "reaper_unit_leader", "reaper_unit_records_marked_total", "reaper_unit_records_published_total",
+    "reaper_unit_force_remarks_total", "reaper_unit_records_in_flight",
 }
 HISTOGRAMS = {"reaper_mark_duration_seconds", "reaper_purge_duration_seconds", "reaper_produce_duration_seconds",
               "reaper_ack_apply_duration_seconds", "reaper_transaction_commit_duration_seconds"}
@@ -143,7 +146,7 @@ def test_dashboard_layout_is_sane():
     ids = [p["id"] for p in board["panels"]]
     assert len(ids) == len(set(ids))
     titles = [p["title"] for p in board["panels"] if p["type"] == "row"]
-    assert titles == ["Overview", "Throughput", "Backlog", "Leadership", "Failures", "Acks", "Batches"]
+    assert titles == ["Overview", "Throughput", "Backlog", "Leadership", "Harvest units", "Failures", "Acks", "Batches"]
     cells = set()
     for p in board["panels"]:
         g = p["gridPos"]

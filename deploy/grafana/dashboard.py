@@ -32,7 +32,8 @@ def quantile(q: float, histogram: str) -> str:
 ROWS = [
     ("Overview", [
         ("Leaders", "stat", "none", 3, [(f"sum(reaper_leader{J})", "leaders")],
-         "Instances that lead and are not fenced. 1 is healthy; 0 means nothing publishes."),
+         "Harvest units led (by instances not fenced). The unit count is healthy (1 with one outbox and one "
+         "lane); 0 means nothing publishes."),
         ("Instances", "stat", "none", 3, [(f"count(reaper_build_info{J})", "instances")],
          "Reaper instances being scraped."),
         ("Published / s", "stat", "ops", 3, [(rate("reaper_records_published_total"), "published/s")],
@@ -83,6 +84,21 @@ ROWS = [
             (f"sum(increase(reaper_leader_fences_total{J}{R}))", "fences"),
             (f"sum(increase(reaper_leader_revocations_total{J}{R}))", "revocations"),
         ], "Acquired leadership; fenced itself after missing heartbeats; lost partition 0 in a rebalance."),
+    ]),
+    ("Harvest units", [
+        ("Leader of each unit", "timeseries", "none", 8,
+         [(f"max by (unit, instance) (reaper_unit_leader{J})", "{{unit}} @ {{instance}}")],
+         "1 while the instance leads the unit (an outbox, or a lane of one) and is not fenced. Units spread "
+         "over the instances; alerts: ReaperUnitNoLeader, ReaperSeveralLeaders."),
+        ("Marked and published per unit", "timeseries", "ops", 8, [
+            (f"sum by (unit) (rate(reaper_unit_records_marked_total{J}{R}))", "{{unit}} marked"),
+            (f"sum by (unit) (rate(reaper_unit_records_published_total{J}{R}))", "{{unit}} published"),
+        ], "Rows marked and records acknowledged by Kafka per second, by unit. A unit at 0 while its backlog "
+           "grows is stalled."),
+        ("In flight and remarks per unit", "timeseries", "short", 8, [
+            (f"sum by (unit) (reaper_unit_records_in_flight{J})", "{{unit}} in flight"),
+            (f"sum by (unit) (increase(reaper_unit_force_remarks_total{J}{R}))", "{{unit}} remarks"),
+        ], "Records produced and not yet settled, and forced remarks, by unit."),
     ]),
     ("Failures", [
         ("Resets, produce errors, force remarks, quarantined rows", "timeseries", "ops", 12, [

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from harvester.faults import ENV_VAR, FaultPlan
+from .faults import ENV_VAR, FaultPlan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,9 +24,9 @@ class ReaperProcess:
         full.update(env)
         full.update(extra_env or {})
         args = [sys.executable, "-m", "harvester.cli", "run"]
-        if faults is not None:
+        if faults is not None:  # the product has no fault injection: a test entry point runs it
             full[ENV_VAR] = faults.to_json()
-            args.append("--enable-fault-injection")
+            args = [sys.executable, str(Path(__file__).with_name("faulty_reaper.py"))]
         self.log_path = log_path
         self._out = open(log_path, "wb")
         self.proc = subprocess.Popen(args, cwd=REPO, env=full, stdout=self._out, stderr=subprocess.STDOUT)

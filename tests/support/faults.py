@@ -1,8 +1,9 @@
 """Fault injection for tests: a producer and an outbox store that fail at given rates.
 
-Never reachable from the YAML configuration. Tests build a FaultPlan and hand it to the Harvester;
-a `reaper run` subprocess reads one from REAPER_FAULT_INJECTION (JSON) only when it was also started
-with the hidden `--enable-fault-injection` flag. Two delivery failure kinds model what the real
+Not part of the product: no module under harvester/ imports this one. Tests build a FaultPlan and
+hand its `providers()` to the Harvester (harvester.ports.Providers); a reaper subprocess with faults
+is started through tests/support/faulty_reaper.py, which reads the plan from REAPER_FAULT_INJECTION
+(JSON) and runs `reaper run` with those providers. Two delivery failure kinds model what the real
 idempotent producer can do under reaper's settings (infinite message timeout, gapless guarantee):
 an *ambiguous* failure (the record was written, the report says it failed) and a *fatal* one (the
 record was not written and the producer fails everything after it until it is replaced).
@@ -10,15 +11,16 @@ record was not written and the producer fails everything after it until it is re
 from __future__ import annotations
 
 import json
-import os
 import random
 import threading
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import psycopg
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+from harvester.ports import Providers
 
 ENV_VAR = "REAPER_FAULT_INJECTION"
 
@@ -62,16 +64,10 @@ class FaultPlan:
             raise ValueError(f"{ENV_VAR}: unknown fault keys {sorted(unknown)}")
         return cls(**data)
 
-    @classmethod
-    def from_environment(cls, enabled: bool, environ: Mapping[str, str] | None = None) -> "FaultPlan | None":
-        """The plan in REAPER_FAULT_INJECTION, honoured only with the explicit test flag."""
-        text = (os.environ if environ is None else environ).get(ENV_VAR)
-        if not text:
-            return None
-        if not enabled:
-            raise RuntimeError(f"{ENV_VAR} is set but reaper was not started with --enable-fault-injection; "
-                               "refusing to run with test fault injection in an ordinary start")
-        return cls.from_json(text)
+    def providers(self) -> Providers:
+        """Producers and a store that fail at this plan's rates."""
+        return Providers(producer=lambda conf: FaultyProducer(Producer(conf), self),
+                         store=lambda store: FaultyStore(store, self), description=self.to_json())
 
 
 def injected_error(what: str, fatal: bool = False) -> KafkaError:

@@ -1,0 +1,150 @@
+"""The producer slot: which producer is current, retiring it, and the one thread serving callbacks.
+
+Contract:
+- `current` is the producer records go to. `send()` hands a record to a given producer under the
+  swap lock and refuses (returns False) once that producer was retired: a retired producer never
+  gets another record.
+- `retire()` swaps in a fresh producer and purges everything the old one holds, queued AND in
+  flight, so nothing of an old leadership can be sent or retried later (with message.timeout.ms=0 an
+  in-flight record would otherwise be retried for ever, and could land after the next leader's
+  records of its key). The purged records' reports reset their rows under the old leader id. A
+  producer that never got a record (nor began a transaction) has nothing to drop: it is kept.
+- Only one thread at a time serves a producer's callbacks (serving one producer from two threads
+  at once, flush here and poll there, was seen to deadlock): the poll thread, holding `serving`
+  around every poll, or a thread that took `hold_polls()` (a transaction abort). The poll thread
+  also serves retired producers until their last report is out.
+- A fatal producer error sets `broken`; `replace_if_broken()` then retires the producer.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Callable, Iterator
+
+from confluent_kafka import KafkaError
+
+from . import logs
+from .ports import ProducerFactory, ProducerLike
+
+
+class ProducerSlot:
+    def __init__(self, conf: dict, factory: ProducerFactory, *, on_fatal: Callable[[str], None] = lambda why: None,
+                 after_poll: Callable[[], None] = lambda: None, on_retire: Callable[[], None] = lambda: None) -> None:
+        self._conf, self._factory = conf, factory
+        self._on_fatal, self._after_poll, self._on_retire = on_fatal, after_poll, on_retire
+        self._log = logs.get("reaper.publish")
+        self._swap = threading.Lock()      # held across each send(): see the contract
+        self._retire_lock = threading.Lock()  # NELI's thread and the marking thread may both retire
+        self.serving = threading.Lock()    # held by whichever thread serves the producer's callbacks
+        self._polls_held = threading.Event()
+        self._retiring: list[ProducerLike] = []
+        self._retiring_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.broken = False
+        self.retired = 0
+        self.used = False  # the current producer got a record or began a transaction
+        self.current: ProducerLike = self._new()
+        self._thread = threading.Thread(target=self._poll_loop, name="reaper-poll", daemon=True)
+
+    def _new(self) -> ProducerLike:
+        conf = dict(self._conf)
+        conf["error_cb"] = self._on_error
+        conf.setdefault("logger", logs.KafkaLogger("producer"))
+        return self._factory(conf)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ------------------------------------------------------------------ producing
+
+    def send(self, producer: ProducerLike, args: tuple) -> bool:
+        """produce(*args) on `producer` unless it was retired meanwhile (then False, nothing sent)."""
+        with self._swap:
+            if self.current is not producer:
+                return False
+            self.used = True
+            producer.produce(*args)
+        return True
+
+    def retire(self, why: str) -> bool:
+        """Swap the producer for a new one and drop all the old one holds (see the contract).
+        Returns False, and keeps the producer, when it was never used."""
+        with self._retire_lock:
+            if not self.used and not self.broken:
+                return False
+            new = self._new()
+            with self._swap:
+                old, self.current = self.current, new
+                self.broken = self.used = False
+            self._on_retire()
+            try:
+                old.purge(in_queue=True, in_flight=True)
+            except Exception as exc:  # a broken producer may refuse; it gets no new record either way
+                self._log.warning("purging the retired producer failed", error=str(exc))
+            with self._retiring_lock:
+                self._retiring.append(old)
+            self.retired += 1
+        self._log.warning("producer retired and replaced", reason=why)
+        return True
+
+    def replace_if_broken(self) -> bool:
+        if not self.broken:
+            return False
+        return self.retire("fatal producer error")
+
+    @property
+    def retiring(self) -> list[ProducerLike]:
+        with self._retiring_lock:
+            return list(self._retiring)
+
+    @contextlib.contextmanager
+    def hold_polls(self) -> Iterator[None]:
+        """Serve the current producer's callbacks from this thread for a while (the poll thread
+        stands aside; else, re-taking `serving` at once after each poll, it could starve us)."""
+        self._polls_held.set()
+        try:
+            with self.serving:
+                yield
+        finally:
+            self._polls_held.clear()
+
+    # ------------------------------------------------------------------ serving callbacks
+
+    def _on_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            self.broken = True
+            self._log.error("fatal producer error", error=str(err))
+            self._on_fatal("fatal producer error")
+        else:
+            self._log.info("producer client error", error=str(err))
+
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            if self._polls_held.is_set():
+                time.sleep(0.001)
+                continue
+            try:
+                with self.serving:
+                    self.current.poll(0.02)
+                    for old in self.retiring:
+                        old.poll(0)
+                        if len(old) == 0:
+                            with self._retiring_lock:
+                                self._retiring.remove(old)
+            except Exception as exc:
+                self._log.error("producer poll failed", error=str(exc))
+                time.sleep(0.1)
+            self._after_poll()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Drop whatever is still queued, serve the last reports, stop the poll thread."""
+        try:
+            self.current.purge(in_queue=True, in_flight=True)
+        except Exception:
+            pass
+        deadline = time.monotonic() + min(timeout, 2.0)
+        while (len(self.current) or self.retiring) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the poll thread serves the purged reports
+        self._stop.set()
+        self._thread.join(timeout)

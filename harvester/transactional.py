@@ -1,0 +1,186 @@
+"""Transactional publishing (harvester.transactional_id): every produce_rows call is one Kafka transaction.
+
+Contract: as harvester.plain's strategy, and moreover:
+- The first use of a producer calls init_transactions(), which makes the broker fence every older
+  producer of the id: a paused old leader that resumes can write nothing more (what it wrote in
+  its open transaction is aborted). It runs only while leading, with a timeout bounded by what is
+  left of the leadership.
+- Delivered records are filed with the settler (purged) only once their transaction commits.
+- The transaction is always settled before produce_rows returns: committed once every record has
+  its delivery report; or aborted when a record failed, the commit failed, the leadership deadline
+  passed or the records were not all acknowledged within TXN_COMMIT_TIMEOUT. An abort raises the
+  remark itself before returning, so no later batch marked under the same leader id is produced
+  while the aborted rows before it wait (a key would go backwards).
+- Only the producing thread begins, commits and aborts. A commit runs once the poll thread has
+  served every report, so its internal flush has nothing to serve and it needs no lock; an abort
+  serves reports, so it runs under the slot's `hold_polls()`.
+- When the slot retires the producer, the open transaction is dropped (never committed; the next
+  leader's init_transactions aborts it at the broker).
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import uuid
+from functools import partial
+from typing import Callable
+
+from confluent_kafka import KafkaException
+
+from . import logs
+from .metrics import HarvesterMetrics
+from .plain import Deadline, PlainStrategy, Valid
+from .ports import ProducerLike, StoreLike
+from .settle import Settler
+from .slot import ProducerSlot
+
+TXN_INIT_TIMEOUT = 30.0    # init_transactions waits for the fenced producer's transaction to be aborted
+TXN_COMMIT_TIMEOUT = 30.0  # also bounds the wait for a transaction's last acknowledgements
+TXN_ABORT_TIMEOUT = 10.0
+
+
+class TransactionalStrategy:
+    def __init__(self, slot: ProducerSlot, settler: Settler, store: StoreLike, metrics: HarvesterMetrics,
+                 on_failure: Callable[[str], None]) -> None:
+        self.slot, self.settler, self._m, self._on_failure = slot, settler, metrics, on_failure
+        self._plain = PlainStrategy(slot, settler, store)  # the produce loop itself
+        self._log = logs.get("reaper.publish")
+        self._lock = threading.Lock()  # the open transaction's state, shared with the poll thread
+        self._seq = 0            # the open (or next) transaction; bumped whenever one is settled
+        self._delivered: list[tuple] = []  # reports of the open transaction, filed once it commits
+        self._failed = False     # a record of the open transaction failed: it can only abort
+        self._ready: ProducerLike | None = None  # the producer init_transactions() ran on
+        self._open: ProducerLike | None = None   # the producer with an open transaction
+        self.committed = self.aborted = 0  # only the producing thread writes them
+        self.commit_seconds: collections.deque = collections.deque(maxlen=100_000)  # recent commit durations (bench)
+        self.records_committed = 0
+
+    @property
+    def produced(self) -> int:
+        return self._plain.produced
+
+    @property
+    def queue_full_waits(self) -> int:
+        return self._plain.queue_full_waits
+
+    @property
+    def plain(self) -> PlainStrategy:
+        return self._plain
+
+    def produce_rows(self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Valid, valid_until: Deadline) -> int:
+        producer = self.slot.current
+        try:
+            seq = self.begin(producer, still_valid, valid_until)
+        except BaseException:
+            self.settler.release(len(rows))
+            raise
+        if seq is None:
+            self.settler.release(len(rows))
+            return 0
+        try:
+            return self._plain.write(producer, rows, leader_id, still_valid, valid_until, partial(self.report, seq))
+        except BaseException:
+            if self._open is producer:
+                # librdkafka may already refuse every record of this transaction (an abortable
+                # error): it can only be aborted, which finish() does below.
+                self._failed = True
+            raise
+        finally:
+            if self._open is producer:
+                self.finish(producer, valid_until)
+
+    def begin(self, producer: ProducerLike, still_valid: Valid, valid_until: Deadline) -> int | None:
+        """Open a transaction on `producer` and return its sequence number for the delivery
+        reports; None (produce nothing) when leadership or the producer is gone."""
+        clock = time.monotonic
+        if clock() >= valid_until() or not still_valid():
+            return None
+        self.slot.used = True
+        if self._ready is not producer:
+            left = min(TXN_INIT_TIMEOUT, valid_until() - clock())
+            if left <= 0:
+                return None
+            producer.init_transactions(left)
+            self._ready = producer  # a second init on it would fail ("not valid in state Ready")
+            if self.slot.current is not producer or clock() >= valid_until() or not still_valid():
+                return None
+        producer.begin_transaction()
+        with self._lock:
+            self._failed = False
+            self._open = producer
+        return self._seq
+
+    def finish(self, producer: ProducerLike, valid_until: Deadline) -> None:
+        """Commit or abort the open transaction (see the module's contract)."""
+        give_up = time.monotonic() + TXN_COMMIT_TIMEOUT
+        # A failed transaction keeps its queued records until it is aborted: no use waiting.
+        while len(producer) and not self._failed and self.slot.current is producer \
+                and time.monotonic() < min(give_up, valid_until()):
+            time.sleep(0.0005)
+        if self.slot.current is not producer:
+            return  # retired: on_retire dropped the transaction
+        if self._failed:
+            why = "a record of the transaction failed"
+        elif len(producer) or time.monotonic() >= valid_until():
+            why = "not acknowledged within the leadership or TXN_COMMIT_TIMEOUT"
+        else:
+            started = time.perf_counter()
+            try:
+                producer.commit_transaction(TXN_COMMIT_TIMEOUT)  # nothing left to serve: no lock
+            except KafkaException as exc:
+                self._log.warning("transaction commit failed", error=str(exc))
+                why = "commit failed"
+            else:
+                with self._lock:
+                    done, self._delivered = self._delivered, []
+                    self._seq += 1
+                    self._open = None
+                self.committed += 1
+                self.records_committed += len(done)
+                took = time.perf_counter() - started
+                self.commit_seconds.append(took)
+                self._m.txn_duration.observe(took)
+                self.settler.file(done)
+                return
+        self._abort(producer, why)
+
+    def _abort(self, producer: ProducerLike, why: str) -> None:
+        self._drop()
+        self.aborted += 1
+        self._m.txn_aborted.inc()
+        self._log.info("transaction aborted", reason=why)
+        try:
+            with self.slot.hold_polls():
+                producer.abort_transaction(TXN_ABORT_TIMEOUT)
+        except KafkaException as exc:  # fenced, fatal or timed out: replace the producer
+            self._log.warning("transaction abort failed", error=str(exc))
+            self.slot.broken = True
+        self._on_failure(f"transaction aborted: {why}")
+
+    def _drop(self) -> None:
+        """Forget the open transaction: its delivered rows stay marked (republished after a remark)."""
+        with self._lock:
+            dropped, self._delivered = self._delivered, []
+            self._seq += 1
+            self._open = None
+        if dropped:
+            self.settler.release(len(dropped))
+
+    def on_retire(self) -> None:
+        self._drop()
+
+    def report(self, seq: int, row_id: int, leader_id: uuid.UUID, err, msg) -> None:
+        """Delivery report of a record written in transaction `seq`."""
+        if err is None:
+            self.settler.sample(msg)
+            with self._lock:
+                if seq == self._seq:
+                    self._delivered.append((row_id, leader_id, None))
+                    return
+            self.settler.release(1)  # its transaction was already dropped: the row is republished
+            return
+        with self._lock:
+            if seq == self._seq:
+                self._failed = True  # finish() aborts it (and raises the remark)
+        self.settler.report(row_id, leader_id, err, msg)  # reset (or quarantine), as without transactions

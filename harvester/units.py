@@ -1,0 +1,132 @@
+"""The harvester of one reaper process: one NELI lease and one UnitHarvester per harvest unit.
+
+Units come from the configuration (harvester.config.units): each outbox table, or each lane of
+one. The leader topic has one partition per unit; Kafka's group assignment (cooperative-sticky)
+spreads the partitions, hence the units, over the reapers of the group, and holding partition u
+means leading unit u. Every unit has its own heartbeat, fence, leader id, pool, producer and (with
+harvester.transactional_id) transactional id `<transactional_id>.<unit name>` (the plain id when
+there is one unit), so a new leader of unit u fences only unit u's previous leader.
+
+Lanes: a row belongs to lane md5(key) mod lanes (harvester.store.lane_of), so every row of a key
+is harvested by one unit and keeps its order. Changing the lane count would move keys between
+lanes, so it is done by draining, then switching: stop every reaper of the old configuration, then
+start the new one with a new leader topic and group (a leader topic whose partition count
+disagrees with the configured units is refused at start). In between, no unit harvests; after it,
+each new lane marks its keys from the head of the table, in id order. No key is ever harvested
+by two units at once: at any time one configuration runs, and within it a key has one lane.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+
+from .config import Config, UnitSpec, units
+from .metrics import HarvesterMetrics, UnitMetrics, get as get_metrics
+from .mpr import UnitHarvester
+from .neli import Neli
+from .ports import DEFAULT, Providers
+from .publish import Lifecycle, Publisher
+
+
+def transactional_id(base: str, spec: UnitSpec, count: int) -> str:
+    if not base:
+        return ""
+    return base if count == 1 else f"{base}.{spec.name}"
+
+
+class Harvester:
+    def __init__(self, cfg: Config, *, providers: Providers = DEFAULT, metrics: HarvesterMetrics | None = None,
+                 pool=None) -> None:
+        """`pool`: a connection pool for a one-unit configuration (tests); otherwise each unit opens its own."""
+        self.cfg, self.h = cfg, cfg.harvester
+        self.m = metrics or get_metrics(cfg.metrics.prefix)
+        self.specs = units(cfg)
+        if pool is not None and len(self.specs) != 1:
+            raise ValueError("a shared pool is only for a one-unit configuration")
+        self._life = Lifecycle("harvester")
+        self._unit_metrics = [UnitMetrics(self.m, s.name) for s in self.specs]
+        self.units = [UnitHarvester(cfg, s, providers=providers, metrics=self._unit_metrics[s.index],
+                                    transactional_id=transactional_id(self.h.transactional_id, s, len(self.specs)),
+                                    pool=pool) for s in self.specs]
+        self.neli: Neli | None = None
+
+    def start(self) -> "Harvester":
+        """Start once; a stopped harvester cannot be started again (LifecycleError)."""
+        self._life.start()
+        cfg, h = self.cfg, self.h
+        self.neli = Neli(bootstrap=cfg.kafka.bootstrap_servers, client=cfg.kafka.client, consumer=cfg.kafka.consumer,
+                         producer=cfg.kafka.producer, topic=h.leader_topic, group=h.leader_group,
+                         min_poll_interval=h.min_poll_interval, heartbeat_timeout=h.heartbeat_timeout,
+                         session_timeout=h.session_timeout, metrics=lambda u: self._unit_metrics[u],
+                         units=len(self.units))
+        try:
+            for u in self.units:
+                u.start(self.neli.lease(u.spec.index))
+            self.neli.start()
+        except BaseException:
+            self._life.stop()
+            self._close_units(0.1)
+            raise
+        return self
+
+    def stop(self, drain_timeout: float | None = None) -> bool:
+        """Stop marking everywhere, let in-flight records settle (up to drain_timeout in all), leave
+        the group, close. False when records were still in flight at the deadline."""
+        if not self._life.stop():
+            return True
+        return self._close_units(self.h.drain_timeout if drain_timeout is None else drain_timeout)
+
+    def _close_units(self, timeout: float) -> bool:
+        for u in self.units:
+            u.begin_stop()
+        deadline = time.monotonic() + timeout
+        drained = True
+        for u in self.units:
+            drained &= u.finish(max(0.1, deadline - time.monotonic()))
+        if self.neli is not None:
+            self.neli.stop()  # leaves the group: every unit's partition moves to a standby at once
+        for u in self.units:
+            u.close()
+        return drained
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def error(self) -> BaseException | None:
+        return next((u.error for u in self.units if u.error is not None), None)
+
+    def leading_units(self) -> list[str]:
+        return [u.spec.name for u in self.units if u.leading]
+
+    # One-unit deployments and tests read the first unit through these.
+    @property
+    def unit(self) -> UnitHarvester:
+        return self.units[0]
+
+    @property
+    def publisher(self) -> Publisher | None:
+        return self.units[0].publisher
+
+    @property
+    def store(self):
+        return self.units[0].store
+
+    @property
+    def leading(self) -> bool:
+        return self.units[0].leading
+
+    @property
+    def current_id(self) -> uuid.UUID | None:
+        return self.units[0].current_id
+
+    @property
+    def remark_backoff(self) -> float:
+        return self.units[0].remark_backoff
+
+    @property
+    def vacuums(self) -> int:
+        return self.units[0].vacuums
+
+    def force_remark(self, why: str) -> None:
+        for u in self.units:
+            u.force_remark(why)

@@ -1,0 +1,109 @@
+"""The publisher's parts on their own contracts: life cycle, settler counts, the producer slot."""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import psycopg
+import pytest
+
+from harvester.metrics import get as get_metrics
+from harvester.units import Harvester
+from harvester.publish import LifecycleError, Publisher, producer_config
+from harvester.settle import Settler
+from harvester.store import OutboxStore, make_pool
+from support.harness import insert_rows, make_config, outbox_count, wait_until
+
+
+def test_a_harvester_starts_once_and_never_after_stop(pg_dsn, kafka_bootstrap, schema, topics):
+    cfg = make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=topics("leader", partitions=1))
+    h = Harvester(cfg)
+    assert h.stop(1) is True  # stopping one never started is harmless
+    with pytest.raises(LifecycleError, match="stopped"):
+        h.start()
+    h = Harvester(cfg).start()
+    try:
+        with pytest.raises(LifecycleError, match="started"):
+            h.start()
+    finally:
+        h.stop(2)
+    assert h.stop(2) is True  # twice: nothing more to do
+    with pytest.raises(LifecycleError, match="stopped"):
+        h.start()
+
+
+def test_a_publisher_starts_once(pg_dsn, kafka_bootstrap, schema):
+    pool = make_pool(pg_dsn, 1)
+    try:
+        pub = Publisher(producer_config(kafka_bootstrap, {}, {}), OutboxStore(pool, schema), get_metrics()).start()
+        with pytest.raises(LifecycleError):
+            pub.start()
+        pub.close()
+        pub.close()
+        with pytest.raises(LifecycleError):
+            pub.start()
+    finally:
+        pool.close()
+
+
+def test_settler_counts_every_report_once_with_many_workers_and_reporting_threads(pg_dsn, schema, topics):
+    """Four reporting threads and four settling workers: the counters the remark back-off reads
+    (delivered, purged_rows) and the throttle's count end exact."""
+    topic = topics("data", partitions=1)
+    n, threads = 8000, 4
+    with psycopg.connect(pg_dsn) as conn:
+        insert_rows(conn, schema, topic, [(b"k%d" % (i % 50), b"v%d" % i) for i in range(n)])
+    pool = make_pool(pg_dsn, 5)
+    try:
+        store = OutboxStore(pool, schema)
+        me = uuid.uuid4()
+        rows = store.mark(me, n)
+        assert len(rows) == n
+        settler = Settler(store, get_metrics(), batch=97, workers=4)
+        settler.start()
+        settler.reserve(n)
+        ids = [r[0] for r in rows]
+
+        def report(part: list[int]) -> None:
+            for row_id in part:
+                settler.report(row_id, me, None, _Msg())
+
+        ts = [threading.Thread(target=report, args=(ids[i::threads],)) for i in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert settler.drain(60), settler.in_flight
+        settler.stop(10)
+        assert (settler.delivered, settler.purged_rows, settler.dead_rows, settler.in_flight) == (n, n, 0, 0)
+        assert settler.progress == n
+        assert outbox_count(pg_dsn, schema) == 0
+    finally:
+        pool.close()
+
+
+class _Msg:
+    def latency(self) -> float:
+        return 0.001
+
+
+def test_a_reaper_that_never_led_retires_no_producer(pg_dsn, kafka_bootstrap, schema, topics):
+    leader = topics("leader", partitions=1)
+    cfg = make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader)
+    a = Harvester(cfg).start()
+    b = None
+    try:
+        assert wait_until(lambda: a.leading, 30)
+        b = Harvester(make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader,
+                                  group=cfg.harvester.leader_group)).start()
+        time.sleep(2)  # b joined the group and was given nothing
+        assert not b.leading
+        b.stop(2)
+        assert b.publisher.retired == 0, "a standby retired a producer it never used"
+        b = None
+    finally:
+        if b is not None:
+            b.stop(2)
+        a.stop(2)
+    assert a.publisher.retired == 0  # led, but never produced a record: nothing to drop on stop

@@ -1,0 +1,119 @@
+"""Harvest units under faults, with reaper subprocesses: SIGKILL and SIGSTOP of a reaper leading some
+units, units moving between reapers, and the lane count changed live (drain, then switch)."""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from support.harness import Generator, Receiver, env_for, make_config, order_violations, wait_until
+from support.reaper import ReaperProcess
+
+PARTITIONS = 3
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("reaper-failover")]
+
+
+def units_led(p: ReaperProcess) -> set[int]:
+    """Units whose last NELI state in p's log is leader."""
+    state: dict[int, str] = {}
+    for e in p.events():
+        if e.get("event", "").startswith("neli ") and "unit" in e:
+            state[e["unit"]] = e["event"][5:]
+    return {u for u, s in state.items() if s == "leader"}
+
+
+def _check(receiver: Receiver, gen: Generator, timeout: float = 120) -> None:
+    assert receiver.wait_for(gen.committed, timeout), \
+        f"lost {len(gen.committed - receiver.unique())} of {len(gen.committed)} committed records"
+    time.sleep(0.5)
+    assert order_violations([(k, v) for k, v, _ in receiver.records]) == []
+    assert receiver.unique() <= gen.committed | gen.ambiguous
+
+
+def _stop_all(procs: list[ReaperProcess]) -> None:
+    for p in procs:
+        p.signal(signal.SIGCONT)
+        p.signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(30)
+        except Exception:
+            pass
+        p.kill()
+
+
+def _env(pg_dsn, schema, bootstrap, leader, lanes):
+    cfg = make_config(pg_dsn, schema, bootstrap, leader_topic=leader,
+                      harvester={"mark_batch": 500, "max_in_flight": 2000})
+    return {**env_for(cfg), "REAPER_HARVESTER__LANES": str(lanes)}
+
+
+def test_sigkill_and_sigstop_of_reapers_leading_some_units(pg_dsn, kafka_bootstrap, schema, topics, tmp_path):
+    topic, leader = topics("data", partitions=PARTITIONS), topics("leader", partitions=3)
+    env = _env(pg_dsn, schema, kafka_bootstrap, leader, lanes=3)
+    receiver = Receiver(kafka_bootstrap, topic, PARTITIONS)
+    gen = Generator(pg_dsn, schema, topic, keys=40, per_txn=10).start(rate_per_s=800)
+    procs: list[ReaperProcess] = []
+    try:
+        a = ReaperProcess(env, tmp_path / "a.log")
+        procs.append(a)
+        assert wait_until(lambda: units_led(a) == {0, 1, 2}, 60), units_led(a)
+        b = ReaperProcess(env, tmp_path / "b.log")
+        procs.append(b)
+        # a unit moves to the newcomer (cooperative-sticky spreads them) while rows flow
+        assert wait_until(lambda: units_led(b) and len(units_led(a)) + len(units_led(b)) == 3, 60), \
+            (units_led(a), units_led(b))
+        c = ReaperProcess(env, tmp_path / "c.log")
+        procs.append(c)
+        assert wait_until(lambda: units_led(c), 60), "the third reaper got no unit"
+        time.sleep(1)
+        killed = units_led(a)
+        assert killed, "a leads nothing any more"
+        a.signal(signal.SIGKILL)   # its units move to b and c after the session timeout
+        assert wait_until(lambda: units_led(b) | units_led(c) == {0, 1, 2}, 30), (units_led(b), units_led(c))
+        time.sleep(1)
+        stopped = units_led(b)
+        b.signal(signal.SIGSTOP)   # longer than the session: c takes b's units over
+        assert wait_until(lambda: units_led(c) == {0, 1, 2}, 30), units_led(c)
+        time.sleep(1)
+        b.signal(signal.SIGCONT)   # b finds itself fenced and revoked, and may get units again
+        time.sleep(4)
+        gen.stop()
+        _check(receiver, gen)
+        print(f"a led {sorted(killed)} when killed, b led {sorted(stopped)} when stopped")
+    finally:
+        gen.stop()
+        _stop_all(procs)
+        receiver.close()
+
+
+def test_lanes_changed_live_by_draining_then_switching(pg_dsn, kafka_bootstrap, schema, topics, tmp_path):
+    topic = topics("data", partitions=PARTITIONS)
+    one, two = topics("leader", partitions=1), topics("leader", partitions=2)
+    receiver = Receiver(kafka_bootstrap, topic, PARTITIONS)
+    gen = Generator(pg_dsn, schema, topic, keys=40, per_txn=10).start(rate_per_s=800)
+    procs: list[ReaperProcess] = []
+    try:
+        old = ReaperProcess(_env(pg_dsn, schema, kafka_bootstrap, one, lanes=1), tmp_path / "old.log")
+        procs.append(old)
+        assert wait_until(lambda: units_led(old) == {0}, 60)
+        # The new lane count on the OLD leader topic is refused: it would overlap the old units.
+        wrong = ReaperProcess(_env(pg_dsn, schema, kafka_bootstrap, one, lanes=2), tmp_path / "wrong.log")
+        assert wrong.wait(60) == 2
+        assert any("harvest unit(s) are configured" in (e.get("error") or "") for e in wrong.events())
+        time.sleep(2)
+        # Drain: the old generation stops (SIGTERM settles what is in flight) ...
+        assert old.terminate(60) == 0
+        # ... then switch: the new generation, on its own leader topic, marks from the head.
+        new = [ReaperProcess(_env(pg_dsn, schema, kafka_bootstrap, two, lanes=2), tmp_path / f"new{i}.log")
+               for i in range(2)]
+        procs += new
+        assert wait_until(lambda: units_led(new[0]) | units_led(new[1]) == {0, 1}, 60)
+        time.sleep(3)
+        gen.stop()
+        _check(receiver, gen)
+    finally:
+        gen.stop()
+        _stop_all(procs)
+        receiver.close()
