@@ -30,6 +30,8 @@ import time
 import uuid
 from pathlib import Path
 
+import spark_cluster  # deploy/local/spark_cluster.py: Spark standalone master + 2 workers
+
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 STATE = Path(os.environ.get("OUTBOX_LOCAL_DIR", REPO / ".local")).resolve()
@@ -336,14 +338,16 @@ def status() -> int:
     kafka = kafka_metadata_ok()
     print(f"postgres: {'up ' + pg_dsn() if pg else 'down'}")
     print(f"kafka:    {'up 127.0.0.1:' + str(KAFKA_PORT) if kafka else 'down'}")
+    spark_ok, spark_line = spark_cluster.status()
+    print(f"spark:    {spark_line}")
     print(f"state:    {STATE}")
-    return 0 if pg and kafka else 3
+    return 0 if pg and kafka and (spark_ok or not spark_cluster.enabled()) else 3
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("action", choices=["up", "down", "status", "env"])
-    ap.add_argument("--only", choices=["postgres", "kafka"])
+    ap.add_argument("--only", choices=["postgres", "kafka", "spark"])
     args = ap.parse_args(argv)
     STATE.mkdir(parents=True, exist_ok=True)
     lock = open(STATE / "services.lock", "w")
@@ -355,9 +359,13 @@ def main(argv: list[str] | None = None) -> int:
                 pg_up()
             if args.only in (None, "kafka"):
                 kafka_up()
+            spark_env = spark_cluster.up(STATE) if args.only == "spark" or (args.only is None and spark_cluster.enabled()) else {}
             print(f"OUTBOX_TEST_DSN={pg_dsn()}")
             print(f"KAFKA_BOOTSTRAP=127.0.0.1:{KAFKA_PORT}")
+            print("".join(f"{k}={v}\n" for k, v in spark_env.items()), end="")
         elif args.action == "down":
+            if args.only == "spark" or (args.only is None and spark_cluster.enabled()):
+                spark_cluster.down(STATE)
             if args.only in (None, "kafka"):
                 kafka_down()
             if args.only in (None, "postgres"):
@@ -367,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"export KAFKA_BOOTSTRAP=127.0.0.1:{KAFKA_PORT}")
         else:
             return status()
-    except (ServiceError, subprocess.CalledProcessError) as exc:
+    except (ServiceError, spark_cluster.SparkClusterError, subprocess.CalledProcessError) as exc:
         print(f"[services] error: {exc}", file=sys.stderr)
         return 1
     return 0
