@@ -117,8 +117,11 @@ def _fold_partition(column: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
     return fold
 
 
-def _apply_partition(dsn: str, schema: str) -> Callable[[Iterator[Any]], Iterator[dict]]:
+def _apply_partition(dsn: str, schema: str, after_apply: Callable[[int, int], None] | None = None
+                     ) -> Callable[[Iterator[Any]], Iterator[dict]]:
     def apply(items: Iterator[Any]) -> Iterator[dict]:
+        from pyspark import TaskContext
+
         from ..acks import apply_masks
 
         masks: dict[tuple[int, int], GroupMask] = {}
@@ -131,8 +134,11 @@ def _apply_partition(dsn: str, schema: str) -> Callable[[Iterator[Any]], Iterato
             masks[key] = GroupMask(key[0], key[1], bytearray(bits), _max_index(bits), count)
         result = {"acked": 0, "duplicates": 0, "completed": [], "rejected": rejected}
         if masks:
-            with psycopg.connect(dsn, autocommit=True) as conn:  # apply_masks: one transaction
-                r = apply_masks(conn, masks, schema=schema, reject_invalid=True)
+            with psycopg.connect(dsn, autocommit=True, application_name="tracker.spark ack") as conn:
+                r = apply_masks(conn, masks, schema=schema, reject_invalid=True)  # one transaction
+            if after_apply is not None:
+                ctx = TaskContext.get()
+                after_apply(ctx.partitionId(), ctx.attemptNumber())
             result.update(acked=r.acked, duplicates=r.duplicates, completed=r.completed,
                           rejected=rejected + r.rejected)
         yield result
@@ -155,11 +161,19 @@ class AckTotals:
 
 
 def ack_dataframe(df: Any, *, dsn: str, schema: str | None = None, column: str = "item_id",
-                  partitions: int | None = None) -> AckTotals:
+                  partitions: int | None = None, after_apply: Callable[[int, int], None] | None = None) -> AckTotals:
     """Ack the item ids (or runs, or ','-separated lists of them) in `column` of `df`.
 
     Bad entries (malformed, unknown batch/group, out of range, expired) are not applied and come
     back in `.rejected`; everything valid is applied. Idempotent: running it twice acks nothing new.
+    `partitions`: tasks that apply masks (default: the default parallelism), each in one transaction.
+    `after_apply(partition, attempt)` runs on the executor after a partition's transaction
+    (instrumentation, failure tests).
+
+    The database is exact whatever the attempts do; the totals are those of the attempts Spark
+    kept: when a task is retried after its transaction committed (lost executor, speculation),
+    its acks come back as duplicates and a completion it made is missing from `.completed`
+    (the completion event itself is in the outbox, written once).
     """
     if column not in df.columns:
         raise ValueError(f"column {column!r} is not in the DataFrame (columns: {df.columns})")
@@ -185,7 +199,7 @@ def ack_dataframe(df: Any, *, dsn: str, schema: str | None = None, column: str =
 
     results = (folded.rdd.mapPartitionsWithIndex(keyed)
                .reduceByKey(combine, numPartitions=n, partitionFunc=lambda k: k[0])
-               .mapPartitions(_apply_partition(dsn, s)).collect())
+               .mapPartitions(_apply_partition(dsn, s, after_apply)).collect())
     totals = AckTotals()
     for r in results:
         totals.add(r)

@@ -100,6 +100,7 @@ class _PartitionWriter:
     key_col: str | None
     id_col: str | None
     after_commit: Callable[[int, int], None] | None
+    before_commit: Callable[[int, int], None] | None = None
 
     def __call__(self, batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
@@ -110,7 +111,7 @@ class _PartitionWriter:
         held = [b for b in batches if b.num_rows]  # Arrow buffers: the partition's rows, compactly
         n = sum(b.num_rows for b in held)
         if n:
-            self._write(held, n, partition)
+            self._write(held, n, partition, attempt)
             if self.after_commit is not None:
                 self.after_commit(partition, attempt)
         if self.id_col is None:
@@ -128,13 +129,14 @@ class _PartitionWriter:
         chunk, index = divmod(position, GROUP_BITS_MAX)
         return f"{self.batch_id}:{spark_group_id(self.run, partition, chunk)}:{index}"
 
-    def _write(self, held: list[Any], n: int, partition: int) -> None:
+    def _write(self, held: list[Any], n: int, partition: int, attempt: int = 0) -> None:
         sizes = [GROUP_BITS_MAX] * (n // GROUP_BITS_MAX) + ([n % GROUP_BITS_MAX] if n % GROUP_BITS_MAX else [])
         if len(sizes) > MAX_CHUNKS:
             raise ValueError(f"partition {partition} has {n} rows: at most {MAX_CHUNKS * GROUP_BITS_MAX} per partition")
         group_ids = [spark_group_id(self.run, partition, c) for c in range(len(sizes))]
         s = self.schema
-        with psycopg.connect(self.dsn) as conn:  # one transaction: commits at the end of the block
+        name = f"tracker.spark fan_out {self.batch_id}/{self.run}/{partition}"  # pg_stat_activity
+        with psycopg.connect(self.dsn, application_name=name) as conn:  # one transaction: commits at block end
             inserted = conn.execute(sql.SQL(
                 "INSERT INTO {} (batch_id, id, size, pending, bits) "
                 "SELECT %s, g, sz, sz, repeat('1', sz)::varbit FROM unnest(%s::int8[], %s::int4[]) AS u(g, sz) "
@@ -154,6 +156,8 @@ class _PartitionWriter:
                 state = conn.execute(sql.SQL("SELECT state FROM {} WHERE id = %s").format(
                     sql.Identifier(s, "batch")), [self.batch_id]).fetchone()
                 raise BatchNotOpen(self.batch_id, state[0] if state else "gone")
+            if self.before_commit is not None:
+                self.before_commit(partition, attempt)
 
     def _copy_messages(self, conn: psycopg.Connection, held: list[Any], group_ids: list[int]) -> None:
         """Binary COPY of one row per item: (topic, key, value, header_keys, header_values)."""
@@ -232,7 +236,8 @@ class FanOutResult:
 def fan_out(df: Any, *, dsn: str, topic: str, schema: str | None = None, batch: Any = None,
             user_key: str | None = None, completion_topic: str | None = None, value_col: str = "value",
             key_col: str | None = None, id_col: str | None = None, run_key: str | None = None,
-            close: bool = True, after_commit: Callable[[int, int], None] | None = None) -> FanOutResult:
+            close: bool = True, after_commit: Callable[[int, int], None] | None = None,
+            before_commit: Callable[[int, int], None] | None = None) -> FanOutResult:
     """Write one outbox message per row of `df` on `topic` and track the rows in a batch.
 
     `batch`: a tracker Batch or batch id (open); None opens a new batch (`user_key`,
@@ -240,7 +245,8 @@ def fan_out(df: Any, *, dsn: str, topic: str, schema: str | None = None, batch: 
     result's `.dataframe` is `df` plus that column of item ids (locally checkpointed, so the job
     runs once). `run_key` makes a re-run of a failed job reuse its run: partitions it already
     wrote are skipped. `close`: close the batch after the job. `after_commit(partition, attempt)`
-    runs on the executor after a partition's transaction (instrumentation, failure tests).
+    runs on the executor after a partition's transaction, `before_commit` inside it after its
+    writes (instrumentation, failure tests).
 
     As for any Spark job that writes, a partition must hold the same rows in the same order on
     every attempt (sort or checkpoint a non-deterministic input first): an attempt that finds its
@@ -263,7 +269,7 @@ def fan_out(df: Any, *, dsn: str, topic: str, schema: str | None = None, batch: 
         batch_id = batch_id_of(batch)
         run = begin_run(conn, batch_id, schema=s, run_key=run_key)
     writer = _PartitionWriter(dsn, s, DEFAULTS.outbox_table, batch_id, run, topic, value_col, key_col, id_col,
-                              after_commit)
+                              after_commit, before_commit)
     if df.rdd.getNumPartitions() > MAX_PARTITIONS:
         raise ValueError(f"at most {MAX_PARTITIONS} partitions per fan-out")
     out_df = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..session import schema_of
 from .acks import AckTotals, ack_dataframe
@@ -25,7 +25,8 @@ def ack_stream(spark: Any, *, bootstrap_servers: str, topic: str, dsn: str, chec
                dead_letter_client: dict | None = None,
                max_offsets_per_trigger: int | None = None, trigger_interval: str | None = None,
                partitions: int | None = None, min_partitions: int | None = None,
-               query_name: str | None = None) -> tuple[Any, StreamTotals]:
+               query_name: str | None = None, after_apply: Callable[[int, int], None] | None = None
+               ) -> tuple[Any, StreamTotals]:
     """Start a Structured Streaming query that acks every micro-batch of the ack topic.
 
     Needs the spark-sql-kafka-0-10 connector on the session's classpath (deploy/spark/jars.py).
@@ -54,7 +55,8 @@ def ack_stream(spark: Any, *, bootstrap_servers: str, topic: str, dsn: str, chec
     producer_conf = {"bootstrap.servers": bootstrap_servers, "enable.idempotence": True, **(dead_letter_client or {})}
 
     def each(batch_df: Any, epoch_id: int) -> None:
-        result = ack_dataframe(batch_df, dsn=dsn, schema=s, column="ack", partitions=partitions)
+        result = ack_dataframe(batch_df, dsn=dsn, schema=s, column="ack", partitions=partitions,
+                               after_apply=after_apply)
         if result.rejected and dead_letter_topic:
             _dead_letter(producer_conf, dead_letter_topic, topic, result.rejected)
         with totals.lock:
