@@ -3,7 +3,7 @@ shipped with the job; executor loss in the middle of a fan-out and of a streamin
 and speculative copies of slow tasks, write nothing twice, lose nothing, complete once.
 
 One application (SparkSession) for the module, with spark.speculation on: a task running 1.5x
-longer than the median of its stage, and over 1 s, gets a copy once 75% of the stage is done.
+longer than the median of its stage, and over 1 s, gets a copy once half of the stage is done.
 Fast tasks are never speculated; the slow ones here are made slow on purpose.
 """
 from __future__ import annotations
@@ -37,7 +37,9 @@ def spark(services):
     session = sspark.make_session("tracker-cluster-tests", conf={
         "spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "4", "spark.task.maxFailures": "4",
         "spark.sql.execution.arrow.maxRecordsPerBatch": "5000",
-        "spark.speculation": "true", "spark.speculation.minTaskRuntime": "1s", "spark.speculation.interval": "200ms"})
+        "spark.speculation": "true", "spark.speculation.minTaskRuntime": "1s", "spark.speculation.interval": "200ms",
+        # judge slowness by run time alone: a slow task here has read its input at full speed
+        "spark.speculation.efficiency.enabled": "false", "spark.speculation.quantile": "0.5"})
     if not sspark.is_cluster(session):
         session.stop()
         if os.environ.get("CI") == "true":
@@ -191,11 +193,11 @@ def test_speculative_copies_of_slow_tasks_write_and_ack_once(spark, pg_dsn, sche
     def slow_inside(partition, attempt):  # holds its uncommitted groups: the copy waits, then skips
         _record(log, f"write:{partition}:{attempt}")
         if (partition, attempt) == (6, 0):
-            time.sleep(8)
+            time.sleep(10)
 
     def slow_after(partition, attempt):  # committed: the copy finds the groups and writes nothing
         if (partition, attempt) == (7, 0):
-            time.sleep(8)
+            time.sleep(10)
 
     df = spark.range(0, n, numPartitions=8).selectExpr("CAST(concat('payload-', id) AS BINARY) AS value")
     result = tspark.fan_out(df, dsn=pg_dsn, topic="work", schema=schema, before_commit=slow_inside,
@@ -208,7 +210,7 @@ def test_speculative_copies_of_slow_tasks_write_and_ack_once(spark, pg_dsn, sche
     def slow_apply(partition, attempt):
         _record(log, f"apply:{partition}:{attempt}")
         if (partition, attempt) == (0, 0):
-            time.sleep(8)
+            time.sleep(10)
 
     with psycopg.connect(pg_dsn) as c:
         ids = [bytes(r[0]).decode() for r in c.execute(f'SELECT header_values[1] FROM "{schema}".outbox')]
@@ -217,3 +219,41 @@ def test_speculative_copies_of_slow_tasks_write_and_ack_once(spark, pg_dsn, sche
     assert "apply:0:1" in _events(log)  # a copy applied the slow partition's masks again
     assert acked.acked + acked.duplicates == n
     _assert_completed_once(pg_dsn, schema, result.batch_id)
+
+
+def test_spark_submit_of_the_example_job_fans_a_parquet_dataset_out_to_a_completion_event(
+        spark, pg_dsn, schema, tmp_path):
+    import json
+    import subprocess
+    from pathlib import Path
+
+    import pyspark
+
+    n, parquet = 12_000, str(tmp_path / "items.parquet")
+    spark.range(0, n, numPartitions=3).selectExpr(
+        "concat('item-', id) AS value", "concat('k', id % 10) AS key").write.parquet(parquet)
+    zip_path = tspark.tracker_zip(tmp_path / "dist")
+    master, node_python = sspark.master_and_python()
+    submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK", "PYTHON", "SPARK_"))}
+    r = subprocess.run(
+        [str(submit), "--master", master, "--py-files", str(zip_path), "--driver-memory", "512m",
+         "--conf", f"spark.pyspark.python={node_python}", "--conf", "spark.executor.memory=1g",
+         "--conf", "spark.cores.max=2", "--conf", "spark.driver.host=127.0.0.1",
+         str(sspark.REPO / "deploy" / "spark" / "fan_out_job.py"), "--input", parquet, "--dsn", pg_dsn,
+         "--schema", schema, "--topic", "work", "--key-col", "key", "--user-key", "submitted"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (out["items"], out["groups"], out["complete"]) == (n, 3, False)
+    with psycopg.connect(pg_dsn) as c:
+        rows = c.execute(f'SELECT key, value, header_values[1] FROM "{schema}".outbox WHERE topic = %s',
+                         ["work"]).fetchall()
+        assert sorted(bytes(v).decode() for _, v, _ in rows) == sorted(f"item-{i}" for i in range(n))
+        assert all(bytes(k).decode() == "k" + bytes(v).decode().rsplit("-", 1)[1][-1] for k, v, _ in rows)
+        # consumers ack every item in their own transactions: the batch completes, one event
+        for k in range(0, n, 4000):
+            tracker.ack(c, [bytes(i).decode() for _, _, i in rows[k:k + 4000]], schema=schema)
+            c.commit()
+        assert [json.loads(v)["user_key"] for _, v in completion_events(c, schema)] == ["submitted"]
+    _assert_completed_once(pg_dsn, schema, out["batch_id"])

@@ -131,12 +131,12 @@ def _daemon_env(home: Path, sdir: Path) -> dict[str, str]:
                                   "-Dspark.worker.cleanup.appDataTtl=3600")
 
 
-def _start(home: Path, sdir: Path, name: str, args: list[str]) -> int:
+def _start(home: Path, sdir: Path, name: str, args: list[str], host: str = "127.0.0.1") -> int:
     logfile = sdir / f"{name}.log"
     with open(logfile, "ab") as out:
         proc = subprocess.Popen(["bash", str(home / "bin" / "spark-class"), *args], stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                env=_daemon_env(home, sdir), cwd=sdir)
+                                env=dict(_daemon_env(home, sdir), SPARK_LOCAL_IP=host), cwd=sdir)
     (sdir / f"{name}.pid").write_text(str(proc.pid))  # spark-class execs the JVM: same pid
     return proc.pid
 
@@ -175,11 +175,14 @@ def up(state: Path) -> dict[str, str]:
         if _alive(sdir / f"worker-{i}.pid", "deploy.worker.Worker") is None:
             work = sdir / f"work-{i}"
             work.mkdir(exist_ok=True)
-            log(f"starting spark worker {i} ({WORKER_CORES} cores, {WORKER_MEMORY})")
+            # Each worker is a "host" of its own (127.0.0.1, 127.0.0.2: all loopback): Spark never
+            # runs a speculative copy on the host of the attempt it copies.
+            host = f"127.0.0.{i}"
+            log(f"starting spark worker {i} on {host} ({WORKER_CORES} cores, {WORKER_MEMORY})")
             _start(home, sdir, f"worker-{i}", [
-                "org.apache.spark.deploy.worker.Worker", master_url(), "--host", "127.0.0.1",
+                "org.apache.spark.deploy.worker.Worker", master_url(), "--host", host,
                 "--port", str(MASTER_PORT + i), "--webui-port", str(UI_PORT + i), "--cores", WORKER_CORES,
-                "--memory", WORKER_MEMORY, "--work-dir", str(work)])
+                "--memory", WORKER_MEMORY, "--work-dir", str(work)], host=host)
     while alive_workers() < WORKERS:
         if time.monotonic() - started > TIMEOUT:
             raise SparkClusterError(f"spark workers did not register within {TIMEOUT:.0f}s:\n"
