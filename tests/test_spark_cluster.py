@@ -214,16 +214,16 @@ def test_speculative_copies_of_slow_tasks_write_and_ack_once(spark, pg_dsn, sche
     assert (result.items, result.groups) == (n, 8)
     _assert_written_once(pg_dsn, schema, result.batch_id, n)
 
-    def slow_apply(partition, attempt):
+    def slow_apply(partition, attempt):  # masks are partitioned by batch: one task applies them all
         _record(log, f"apply:{partition}:{attempt}")
-        if (partition, attempt) == (0, 0):
-            _wait_for_copy(log, "apply:0:1")
+        if attempt == 0 and _once(tmp_path / "slow-apply"):
+            _wait_for_copy(log, f"apply:{partition}:1")
 
     with psycopg.connect(pg_dsn) as c:
         ids = [bytes(r[0]).decode() for r in c.execute(f'SELECT header_values[1] FROM "{schema}".outbox')]
     acked = tspark.ack_dataframe(spark.createDataFrame([(i,) for i in ids], "item_id string").repartition(4),
                                  dsn=pg_dsn, schema=schema, after_apply=slow_apply)
-    assert "apply:0:1" in _events(log)  # a copy applied the slow partition's masks again
+    assert any(e.startswith("apply:") and e.endswith(":1") for e in _events(log))  # a copy applied them again
     assert acked.acked + acked.duplicates == n
     _assert_completed_once(pg_dsn, schema, result.batch_id)
 
