@@ -1,15 +1,20 @@
-"""Spark benchmark: `python -m bench.spark [--quick]`. The last line of output is one JSON object.
+"""Spark benchmark: `python -m bench.spark [--quick] [--masters cluster,local[2]]`. Last line: one JSON object.
 
-On Spark local[2] against the local Postgres and Kafka (OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP, else
-the local services), in one run:
+Against the local Postgres and Kafka (OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP, else the local services)
+and, for `cluster`, the local Spark standalone cluster (master + 2 workers, started idempotently;
+executors run the node Python and import the shipped tracker zip). The same work runs on every
+master in one run, so the ratios compare them:
 
-  fan_out          tracker.spark.fan_out of a DataFrame of N rows (10,000,000; --quick 1,000,000)
+  fan_out          tracker.spark.fan_out of N rows read from Parquet (10,000,000; --quick 1,000,000)
                    into the outbox, groups and batch totals, until the batch is closed (items/s)
-  enqueue_baseline tracker.outbox.enqueue of a sample in one process and one transaction (items/s)
-  stream_ack       ack_stream over the ack topic pre-filled with one item id per message for every
-                   row of the fan-out, from the query's start until every bit is clear (acks/s)
-  dataframe_ack    ack_dataframe of a DataFrame of N item ids of another batch (acks/s)
-  direct_baseline  tracker.ack of a sample in one call, one process (acks/s)
+  stream_ack       ack_stream over an ack topic holding one item id per message for every row of
+                   the fan-out (written to Kafka by Spark), from start() until every bit is clear
+                   (acks/s); `steady_acks_per_s` leaves out the query's start: rows / busy time of
+                   its micro-batches, from the StreamingQueryListener
+  dataframe_ack    ack_dataframe of N item ids of another batch (acks/s)
+  peak RSS         sampled every 0.2 s: the driver (this Python + its JVM) and each executor (JVM
+                   + its Python workers; on local[N] the executors live in the driver JVM)
+  baselines        tracker.outbox.enqueue and tracker.ack of a sample, one process (once per run)
 
 The machine is shared (2 cores: Spark, Postgres, Kafka and the benchmark); compare ratios.
 """
@@ -19,15 +24,14 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import psycopg
-from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 import tracker
@@ -36,169 +40,225 @@ from tracker import schema as schema_mod
 from tracker import spark as tspark
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from support.spark import connector_jars, descendants, executor_pids, master_and_python  # noqa: E402
+
 DSN = os.environ.get("OUTBOX_TEST_DSN", "postgresql://postgres@127.0.0.1:55432/outbox")
 BOOTSTRAP = os.environ.get("KAFKA_BOOTSTRAP", "127.0.0.1:59092")
-FAN_OUT_TARGET = 200_000
+FAN_OUT_TARGET, STREAM_TARGET, STREAM_RATIO_TARGET = 200_000, 200_000, 0.5
 
 
 def say(msg: str) -> None:
     print(f"[bench.spark] {msg}", file=sys.stderr, flush=True)
 
 
-def connector_jars() -> str:
-    r = subprocess.run([sys.executable, str(REPO / "deploy" / "spark" / "jars.py")], capture_output=True, text=True,
-                       timeout=900)
-    if r.returncode != 0:
-        raise RuntimeError(f"could not resolve the Spark Kafka connector:\n{r.stderr[-3000:]}")
-    return r.stdout.strip().split("=", 1)[1]
+def rss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+class PeakRss(threading.Thread):
+    """Peak resident memory of the driver and of each executor, sampled every 0.2 s, per phase."""
+
+    def __init__(self, app_id: str) -> None:
+        super().__init__(daemon=True)
+        self.app_id, self.phase, self.peaks, self.done = app_id, "setup", {}, threading.Event()
+
+    def sample(self) -> None:
+        me = os.getpid()
+        jvms = [p for p in descendants(me) if "java" in Path(f"/proc/{p}/comm").read_text(errors="replace")] \
+            if Path(f"/proc/{me}").exists() else []
+        values = {"driver_python": rss_mib(me), "driver_jvm": sum(rss_mib(p) for p in jvms)}
+        execs = executor_pids(self.app_id)
+        if execs:
+            for k, pid in enumerate(execs):
+                values[f"executor_{k}"] = rss_mib(pid) + sum(rss_mib(c) for c in descendants(pid))
+        else:  # local[N]: the executor is the driver JVM; its Python workers are its children
+            values["local_python_workers"] = sum(rss_mib(c) for j in jvms for c in descendants(j))
+        peaks = self.peaks.setdefault(self.phase, {})
+        for k, v in values.items():
+            peaks[k] = max(peaks.get(k, 0.0), round(v, 1))
+
+    def run(self) -> None:
+        while not self.done.wait(0.2):
+            try:
+                self.sample()
+            except OSError:
+                pass
 
 
 def pending(conn: psycopg.Connection, schema: str, batch_id: int) -> int:
     return conn.execute(f'SELECT pending FROM "{schema}".batch WHERE id = %s', [batch_id]).fetchone()[0]
 
 
-def groups_of(conn: psycopg.Connection, schema: str, batch_id: int) -> list[tuple[int, int]]:
-    return conn.execute(f'SELECT id, size FROM "{schema}".batch_group WHERE batch_id = %s ORDER BY id',
-                        [batch_id]).fetchall()
+def ids_df(spark, conn: psycopg.Connection, schema: str, batch_id: int, partitions: int):
+    """One item id per row for every item of the batch, generated on the executors."""
+    groups = conn.execute(f'SELECT id, size FROM "{schema}".batch_group WHERE batch_id = %s ORDER BY id',
+                          [batch_id]).fetchall()
+    gdf = spark.createDataFrame(groups, "g long, size int").repartition(partitions)
+    return gdf.selectExpr("explode(sequence(0, size - 1)) AS i", "g").selectExpr(
+        f"concat('{batch_id}:', g, ':', i) AS item_id")
 
 
-def produce_ids(topic: str, batch_id: int, groups: list[tuple[int, int]]) -> int:
-    p = Producer({"bootstrap.servers": BOOTSTRAP, "linger.ms": 20, "batch.num.messages": 10000,
-                  "compression.type": "lz4", "queue.buffering.max.messages": 1_000_000})
-    key = str(batch_id).encode()
-    n = 0
-    for g, size in groups:
-        prefix = f"{batch_id}:{g}:"
-        for i in range(size):
-            while True:
-                try:
-                    p.produce(topic, key=key, value=(prefix + str(i)).encode())
-                    break
-                except BufferError:
-                    p.poll(0.05)
-        n += size
-    assert p.flush(300) == 0
-    return n
+def run_master(label: str, master: str, python: str, *, n: int, parquet: str, partitions: int, schema: str,
+               jars: str, admin: AdminClient, checkpoints: str) -> dict:
+    conf = {"spark.sql.shuffle.partitions": str(partitions), "spark.default.parallelism": "4",
+            "spark.sql.execution.arrow.maxRecordsPerBatch": "20000", "spark.driver.memory": "1g"}
+    spark = tspark.session(master, python=python, jars=jars, app_name=f"bench-spark-{label}", conf=conf)
+    sampler = PeakRss(spark.sparkContext.applicationId)
+    sampler.start()
+    out: dict = {"master": master}
+    topic = f"bench-acks-{uuid.uuid4().hex[:10]}"
+    admin.create_topics([NewTopic(topic, num_partitions=4, replication_factor=1)])[topic].result(30)
+    try:
+        # warm-up (executors, Python workers and their imports), not timed
+        tspark.fan_out(spark.range(0, 20_000, numPartitions=4).selectExpr("CAST(id AS STRING) AS value"),
+                       dsn=DSN, topic="bench-warm-up", schema=schema)
+
+        sampler.phase = "fan_out"
+        df = spark.read.parquet(parquet)
+        started = time.perf_counter()
+        result = tspark.fan_out(df, dsn=DSN, topic="bench-work", schema=schema, user_key=f"bench-{label}")
+        seconds = time.perf_counter() - started
+        assert result.items == n, result
+        out["fan_out"] = {"items": n, "groups": result.groups, "partitions": df.rdd.getNumPartitions(),
+                          "seconds": round(seconds, 2), "items_per_s": round(n / seconds)}
+        say(f"{label} fan_out: {out['fan_out']}")
+
+        sampler.phase = "stream_ack"
+        with psycopg.connect(DSN, autocommit=True) as watch:
+            started = time.perf_counter()
+            (ids_df(spark, watch, schema, result.batch_id, partitions)
+             .selectExpr(f"'{result.batch_id}' AS key", "item_id AS value")
+             .write.format("kafka").option("kafka.bootstrap.servers", BOOTSTRAP).option("topic", topic)
+             .option("kafka.linger.ms", "20").option("kafka.compression.type", "lz4").save())
+            say(f"{label} stream_ack: {n:,} ids written to Kafka by Spark in {time.perf_counter() - started:.1f}s")
+            started = time.perf_counter()
+            query, totals = tspark.ack_stream(spark, bootstrap_servers=BOOTSTRAP, topic=topic, dsn=DSN, schema=schema,
+                                              checkpoint_location=os.path.join(checkpoints, label),
+                                              query_name=f"bench-{label}")
+            try:
+                while pending(watch, schema, result.batch_id) > 0:
+                    if query.exception() is not None:
+                        raise RuntimeError(f"stream failed: {query.exception()}")
+                    time.sleep(0.05)
+                seconds = time.perf_counter() - started
+                while totals.progress.input_rows < n:  # the last micro-batch's progress event
+                    time.sleep(0.05)
+            finally:
+                query.stop()
+        p = totals.progress
+        out["stream_ack"] = {"acks": n, "micro_batches": p.batches, "seconds": round(seconds, 2),
+                             "acks_per_s": round(n / seconds),
+                             "steady_acks_per_s": round(p.input_rows / p.busy_seconds) if p.busy_seconds else None,
+                             "max_offsets_per_trigger": tspark.stream.DEFAULT_MAX_OFFSETS_PER_TRIGGER,
+                             "completed": totals.completed == [result.batch_id]}
+        say(f"{label} stream_ack: {out['stream_ack']}")
+
+        sampler.phase = "dataframe_ack"
+        with psycopg.connect(DSN) as c:
+            other = tracker.open_batch(c, schema=schema)
+            tracker.add_items(c, other, n, schema=schema)
+            tracker.close_batch(c, other, schema=schema)
+            c.commit()
+            ids = ids_df(spark, c, schema, other.id, partitions)
+        started = time.perf_counter()
+        acked = tspark.ack_dataframe(ids, dsn=DSN, schema=schema)
+        seconds = time.perf_counter() - started
+        assert acked.acked == n and acked.completed == [other.id], (acked.acked, acked.completed)
+        out["dataframe_ack"] = {"acks": n, "seconds": round(seconds, 2), "acks_per_s": round(n / seconds)}
+        say(f"{label} dataframe_ack: {out['dataframe_ack']}")
+        sampler.sample()
+    finally:
+        sampler.done.set()
+        sampler.join()
+        out["peak_rss_mib"] = sampler.peaks
+        spark.stop()
+        try:
+            admin.delete_topics([topic])[topic].result(30)
+        except Exception:
+            pass
+    out["ratio_stream_vs_dataframe"] = round(out["stream_ack"]["acks_per_s"] / out["dataframe_ack"]["acks_per_s"], 2)
+    return out
+
+
+def baselines(schema: str, sample: int) -> dict:
+    out = {}
+    with psycopg.connect(DSN) as c:
+        b = tracker.open_batch(c, schema=schema)
+        values = [b"item-%d" % i for i in range(sample)]
+        started = time.perf_counter()
+        outbox.enqueue(c, b, values, topic="bench-work", schema=schema)
+        c.commit()
+        out["enqueue_baseline"] = {"items": sample, "items_per_s": round(sample / (time.perf_counter() - started))}
+        b = tracker.open_batch(c, schema=schema)
+        handles = tracker.add_items(c, b, sample, schema=schema)
+        c.commit()
+        sample_ids = [i for h in handles for i in h.item_ids]
+        started = time.perf_counter()
+        tracker.ack(c, sample_ids, schema=schema)
+        c.commit()
+        out["direct_baseline"] = {"acks": sample, "acks_per_s": round(sample / (time.perf_counter() - started))}
+    say(f"baselines: {out}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1,000,000 rows instead of 10,000,000")
     ap.add_argument("--rows", type=int, help="rows to fan out and ids to ack (overrides --quick)")
+    ap.add_argument("--masters", default="cluster,local[2]",
+                    help="comma-separated: `cluster` (the local standalone cluster, or OUTBOX_SPARK_MASTER) "
+                         "and/or local[N]")
     args = ap.parse_args(argv)
     n = args.rows or (1_000_000 if args.quick else 10_000_000)
     partitions = max(4, n // 500_000)
-    sample = 200_000 if n >= 1_000_000 else max(1, n // 5)
-
     jars = connector_jars()
     schema = f"bench_{uuid.uuid4().hex[:10]}"
     schema_mod.migrate(DSN, schema)
     admin = AdminClient({"bootstrap.servers": BOOTSTRAP})
-    topic = f"bench-acks-{uuid.uuid4().hex[:10]}"
-    admin.create_topics([NewTopic(topic, num_partitions=4, replication_factor=1)])[topic].result(30)
-    checkpoints = tempfile.mkdtemp(prefix="bench-spark-")
-    spark = tspark.local_session("local[2]", jars=jars, app_name="bench-spark", conf={
-        "spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "4", "spark.driver.memory": "2g",
-        "spark.sql.execution.arrow.maxRecordsPerBatch": "20000"})
-    out: dict = {"bench": "spark", "quick": args.quick, "rows": n, "master": "local[2]", "partitions": partitions}
+    work = tempfile.mkdtemp(prefix="bench-spark-")
+    out: dict = {"bench": "spark", "rows": n, "load_avg_start": os.getloadavg()[0], "runs": {}}
     try:
-        # -- warm-up (JVM, Python workers and their imports), not timed
-        tspark.fan_out(spark.range(0, 20_000, numPartitions=4).selectExpr("CAST(id AS STRING) AS value"),
-                       dsn=DSN, topic="bench-warm-up", schema=schema)
-
-        # -- fan-out
-        df = spark.range(0, n, numPartitions=partitions).selectExpr("CAST(concat('item-', id) AS BINARY) AS value")
-        started = time.perf_counter()
-        result = tspark.fan_out(df, dsn=DSN, topic="bench-work", schema=schema, user_key="bench")
-        seconds = time.perf_counter() - started
-        assert result.items == n, result
-        out["fan_out"] = {"items": n, "groups": result.groups, "seconds": round(seconds, 2),
-                          "items_per_s": round(n / seconds)}
-        say(f"fan_out: {out['fan_out']}")
-
-        # -- baseline: enqueue in one process
-        with psycopg.connect(DSN) as c:
-            b = tracker.open_batch(c, schema=schema)
-            values = [b"item-%d" % i for i in range(sample)]
-            started = time.perf_counter()
-            outbox.enqueue(c, b, values, topic="bench-work", schema=schema)
-            c.commit()
-            seconds = time.perf_counter() - started
-        out["enqueue_baseline"] = {"items": sample, "seconds": round(seconds, 2), "items_per_s": round(sample / seconds)}
-        say(f"enqueue_baseline: {out['enqueue_baseline']}")
-
-        # -- streaming ack of every fan-out row, one id per Kafka message
-        with psycopg.connect(DSN, autocommit=True) as watch:
-            groups = groups_of(watch, schema, result.batch_id)
-            started = time.perf_counter()
-            produced = produce_ids(topic, result.batch_id, groups)
-            say(f"stream_ack: {produced:,} ids produced to Kafka in {time.perf_counter() - started:.1f}s")
-            started = time.perf_counter()
-            query, totals = tspark.ack_stream(
-                spark, bootstrap_servers=BOOTSTRAP, topic=topic, dsn=DSN, schema=schema,
-                checkpoint_location=os.path.join(checkpoints, "stream"), max_offsets_per_trigger=2_000_000)
-            try:
-                while pending(watch, schema, result.batch_id) > 0:
-                    if query.exception() is not None:
-                        raise RuntimeError(f"stream failed: {query.exception()}")
-                    time.sleep(0.1)
-                seconds = time.perf_counter() - started
-                while not totals.completed:  # let the micro-batch finish before stopping the query
-                    time.sleep(0.1)
-            finally:
-                query.stop()
-        out["stream_ack"] = {"acks": produced, "micro_batches": totals.batches, "seconds": round(seconds, 2),
-                             "acks_per_s": round(produced / seconds), "completed": totals.completed == [result.batch_id]}
-        say(f"stream_ack: {out['stream_ack']}")
-
-        # -- DataFrame bulk ack of another batch's ids
-        with psycopg.connect(DSN) as c:
-            other = tracker.open_batch(c, schema=schema)
-            tracker.add_items(c, other, n, schema=schema)
-            tracker.close_batch(c, other, schema=schema)
-            c.commit()
-            groups = groups_of(c, schema, other.id)
-        gdf = spark.createDataFrame(groups, "g long, size int").repartition(partitions)
-        ids = gdf.selectExpr("explode(sequence(0, size - 1)) AS i", "g").selectExpr(
-            f"concat('{other.id}:', g, ':', i) AS item_id")
-        started = time.perf_counter()
-        acked = tspark.ack_dataframe(ids, dsn=DSN, schema=schema)
-        seconds = time.perf_counter() - started
-        assert acked.acked == n and acked.completed == [other.id], (acked.acked, acked.completed)
-        out["dataframe_ack"] = {"acks": n, "seconds": round(seconds, 2), "acks_per_s": round(n / seconds)}
-        say(f"dataframe_ack: {out['dataframe_ack']}")
-
-        # -- baseline: the direct path, one call in one process
-        with psycopg.connect(DSN) as c:
-            b = tracker.open_batch(c, schema=schema)
-            handles = tracker.add_items(c, b, sample, schema=schema)
-            c.commit()
-            sample_ids = [i for h in handles for i in h.item_ids]
-            started = time.perf_counter()
-            tracker.ack(c, sample_ids, schema=schema)
-            c.commit()
-            seconds = time.perf_counter() - started
-        out["direct_baseline"] = {"acks": sample, "seconds": round(seconds, 2), "acks_per_s": round(sample / seconds)}
-        say(f"direct_baseline: {out['direct_baseline']}")
+        out.update(baselines(schema, 200_000 if n >= 1_000_000 else max(1, n // 5)))
+        parquet = os.path.join(work, "items.parquet")
+        writer = tspark.local_session("local[2]", app_name="bench-spark-input")
+        writer.range(0, n, numPartitions=partitions).selectExpr(
+            "CAST(concat('item-', id) AS BINARY) AS value").write.parquet(parquet)
+        writer.stop()
+        say(f"{n:,} rows written to {parquet} in {partitions} files")
+        for label in args.masters.split(","):
+            master, python = master_and_python() if label == "cluster" else (label, sys.executable)
+            out["runs"][label] = run_master(label, master, python, n=n, parquet=parquet, partitions=partitions,
+                                            schema=schema, jars=jars, admin=admin,
+                                            checkpoints=os.path.join(work, "checkpoints"))
     finally:
-        spark.stop()
-        shutil.rmtree(checkpoints, ignore_errors=True)
-        try:
-            admin.delete_topics([topic])[topic].result(30)
-        except Exception:
-            pass
+        shutil.rmtree(work, ignore_errors=True)
         with psycopg.connect(DSN, autocommit=True) as c:
             c.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    out["load_avg_end"] = os.getloadavg()[0]
+    runs = out["runs"]
+    first = runs[next(iter(runs))]
     out.update({
-        "fan_out_items_per_s": out["fan_out"]["items_per_s"],
-        "stream_ack_acks_per_s": out["stream_ack"]["acks_per_s"],
-        "dataframe_ack_acks_per_s": out["dataframe_ack"]["acks_per_s"],
-        "ratio_fan_out_vs_enqueue": round(out["fan_out"]["items_per_s"] / out["enqueue_baseline"]["items_per_s"], 2),
-        "ratio_stream_ack_vs_direct": round(out["stream_ack"]["acks_per_s"] / out["direct_baseline"]["acks_per_s"], 2),
-        "fan_out_target_items_per_s": FAN_OUT_TARGET,
-        "fan_out_meets_target": out["fan_out"]["items_per_s"] >= FAN_OUT_TARGET,
-        "note": "shared 2-core machine: Spark local[2], Postgres and Kafka on the same cores",
+        "fan_out_items_per_s": first["fan_out"]["items_per_s"],
+        "stream_ack_acks_per_s": first["stream_ack"]["acks_per_s"],
+        "dataframe_ack_acks_per_s": first["dataframe_ack"]["acks_per_s"],
+        "ratio_stream_vs_dataframe": first["ratio_stream_vs_dataframe"],
+        "ratio_fan_out_vs_enqueue": round(first["fan_out"]["items_per_s"] / out["enqueue_baseline"]["items_per_s"], 2),
+        "fan_out_meets_target": first["fan_out"]["items_per_s"] >= FAN_OUT_TARGET,
+        "stream_meets_target": first["stream_ack"]["acks_per_s"] >= STREAM_TARGET
+        and first["ratio_stream_vs_dataframe"] >= STREAM_RATIO_TARGET,
     })
+    if len(runs) > 1:
+        a, b = list(runs)[:2]
+        out[f"ratio_{a}_vs_{b}"] = {k: round(runs[a][k]["items_per_s" if k == "fan_out" else "acks_per_s"]
+                                             / runs[b][k]["items_per_s" if k == "fan_out" else "acks_per_s"], 2)
+                                    for k in ("fan_out", "stream_ack", "dataframe_ack")}
     print(json.dumps(out))
     return 0
 

@@ -1,15 +1,13 @@
-"""tracker.spark on Spark local[2] against the real Postgres and Kafka: fan-out, retries, bulk and streaming acks.
+"""tracker.spark on the local Spark standalone cluster (or OUTBOX_SPARK_MASTER, e.g. local[2,2])
+against the real Postgres and Kafka: fan-out, retries, bulk and streaming acks.
 
-One SparkSession for the whole module (they are slow to start). The master is `local[2,2]`: two
-threads and up to two attempts per task, so a task that fails once is retried.
+One SparkSession for the whole module (they are slow to start), with up to two attempts per task,
+so a task that fails once is retried.
 """
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import psycopg
 import pytest
@@ -21,19 +19,15 @@ from tracker.consumer import AckProducer
 
 from test_acker import make_acker, read_all, running, wait_for
 from test_tracker_support import completion_events, invariant_violations
+from support.spark import make_session
 
 pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark")]
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def spark():
-    r = subprocess.run([sys.executable, str(REPO / "deploy" / "spark" / "jars.py")], capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, f"could not resolve the Spark Kafka connector:\n{r.stderr[-3000:]}"
-    jars = r.stdout.strip().split("=", 1)[1]
-    session = tspark.local_session("local[2,2]", jars=jars, app_name="tracker-tests", conf={
-        "spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "4",
+def spark(services):
+    session = make_session("tracker-tests", conf={
+        "spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "4", "spark.task.maxFailures": "2",
         "spark.sql.execution.arrow.maxRecordsPerBatch": "5000"})
     yield session
     session.stop()

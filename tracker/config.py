@@ -28,3 +28,8 @@ class TrackerConfig:
         if not isinstance(self.completion_topic, str) or not self.completion_topic:
             raise InvalidValue("completion_topic", self.completion_topic, "must be a non-empty string")
         check_topic(self.completion_topic, "completion_topic")
+
+
+def schema_of(schema: str | None) -> str:
+    """`schema` validated, or the default schema when None."""
+    return DEFAULT_SCHEMA if schema is None else check_identifier(schema, "schema")

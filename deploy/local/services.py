@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Local PostgreSQL, PgBouncer and Apache Kafka (single KRaft node) for development, tests and CI.
 
-    python3 deploy/local/services.py up|down|status|env [--only postgres|kafka|pgbouncer]
+    python3 deploy/local/services.py up|down|status|env [--only postgres|kafka|pgbouncer|spark]
 
 Idempotent. Everything lives under <repo>/.local (git-ignored). PostgreSQL comes from Debian's
 packages (apt-get installs it when missing); Kafka from its jars on Maven Central, resolved once by
 `mvn dependency:copy-dependencies` on deploy/local/kafka/pom.xml. Standard library only, so it runs
-before the project's virtualenv exists.
+before the project's virtualenv exists. Plus a Spark standalone master and two workers
+(deploy/local/spark_cluster.py), from the venv's pyspark: `up` skips it while pyspark is not
+installed (`make venv`; `--only spark` fails instead); OUTBOX_SPARK=0 leaves Spark out of `up`/`down`.
 
 Environment: OUTBOX_LOCAL_DIR (state folder), OUTBOX_PG_PORT (55432), OUTBOX_KAFKA_PORT (59092),
 OUTBOX_KAFKA_CONTROLLER_PORT (59093), OUTBOX_KAFKA_HEAP (512m), OUTBOX_SERVICES_TIMEOUT (90 s),
@@ -30,6 +32,8 @@ import sys
 import time
 import uuid
 from pathlib import Path
+
+import spark_cluster  # deploy/local/spark_cluster.py: Spark standalone master + 2 workers
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -441,14 +445,16 @@ def status() -> int:
     print(f"kafka:    {'up 127.0.0.1:' + str(KAFKA_PORT) if kafka else 'down'}")
     # Not part of the exit status: callers (the demo) read it as "Postgres and Kafka are up".
     print(f"pgbouncer: {'up ' + pgb_dsn() if pg and pgb_ready() else 'down'}")
+    _, spark_line = spark_cluster.status()
+    print(f"spark:    {spark_line}")
     print(f"state:    {STATE}")
-    return 0 if pg and kafka else 3
+    return 0 if pg and kafka else 3  # Spark is optional here: callers (the demo) test for Postgres + Kafka
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("action", choices=["up", "down", "status", "env"])
-    ap.add_argument("--only", choices=["postgres", "kafka", "pgbouncer"])
+    ap.add_argument("--only", choices=["postgres", "kafka", "pgbouncer", "spark"])
     args = ap.parse_args(argv)
     STATE.mkdir(parents=True, exist_ok=True)
     lock = open(STATE / "services.lock", "w")
@@ -462,10 +468,19 @@ def main(argv: list[str] | None = None) -> int:
                 kafka_up()
             if args.only in (None, "pgbouncer"):
                 pgbouncer_up()
+            spark_env = {}
+            if args.only == "spark" or (args.only is None and spark_cluster.enabled()):
+                if args.only is None and spark_cluster.spark_home() is None:
+                    log("spark: skipped, pyspark is not installed yet (make venv)")
+                else:
+                    spark_env = spark_cluster.up(STATE)
             print(f"OUTBOX_TEST_DSN={pg_dsn()}")
             print(f"KAFKA_BOOTSTRAP=127.0.0.1:{KAFKA_PORT}")
             print(f"PGBOUNCER_DSN={pgb_dsn()}")
+            print("".join(f"{k}={v}\n" for k, v in spark_env.items()), end="")
         elif args.action == "down":
+            if args.only == "spark" or (args.only is None and spark_cluster.enabled()):
+                spark_cluster.down(STATE)
             if args.only in (None, "pgbouncer"):
                 pgbouncer_down()
             if args.only in (None, "kafka"):
@@ -478,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"export PGBOUNCER_DSN={pgb_dsn()}")
         else:
             return status()
-    except (ServiceError, subprocess.CalledProcessError) as exc:
+    except (ServiceError, spark_cluster.SparkClusterError, subprocess.CalledProcessError) as exc:
         print(f"[services] error: {exc}", file=sys.stderr)
         return 1
     return 0

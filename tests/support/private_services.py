@@ -26,7 +26,8 @@ class PrivateServices:
         self.pgbouncer_port = free_port()
         self.env = dict(os.environ, OUTBOX_LOCAL_DIR=str(self.dir), OUTBOX_PG_PORT=str(self.pg_port),
                         OUTBOX_KAFKA_PORT=str(self.kafka_port), OUTBOX_KAFKA_CONTROLLER_PORT=str(self.controller_port),
-                        OUTBOX_KAFKA_HEAP="384m", OUTBOX_PGBOUNCER_PORT=str(self.pgbouncer_port))
+                        OUTBOX_KAFKA_HEAP="384m", OUTBOX_PGBOUNCER_PORT=str(self.pgbouncer_port),
+                        OUTBOX_SPARK="0")  # no Spark cluster of their own
 
     @property
     def dsn(self) -> str:

@@ -1,0 +1,24 @@
+"""Spark: fan a DataFrame out into the outbox, ack a DataFrame of item ids, and a streaming ack job.
+
+    from tracker import spark as tspark
+    spark = tspark.session("spark://host:7077", python="/opt/venv/bin/python")  # ships the tracker
+    result = tspark.fan_out(df, dsn=dsn, topic="process-item", user_key="catalog-42")
+    tspark.ack_dataframe(acks_df, dsn=dsn)
+    query, totals = tspark.ack_stream(spark, bootstrap_servers=..., topic="acks", dsn=dsn,
+                                      checkpoint_location="/checkpoints/acks")
+
+fanout.py: the fan-out and its exactly-once partition write; acks.py: DataFrame acks (fold, OR,
+apply); stream.py: streaming acks and their progress; cluster.py: sessions and shipping the
+tracker to executors. pyspark is imported only when a job runs.
+"""
+from .acks import AckTotals, _fold_partition, _fold_single_ids, _max_index, _or_masks, ack_dataframe  # noqa: F401
+from .cluster import local_session, session, tracker_zip
+from .fanout import (MAX_CHUNKS, MAX_PARTITIONS, MAX_RUNS, SPARK_GROUP_FLAG, FanOutResult,  # noqa: F401
+                     _PartitionWriter, begin_run, fan_out, run_group_range, spark_group_id)
+from .stream import StreamTotals, ack_stream
+
+__all__ = [
+    "fan_out", "FanOutResult", "begin_run", "spark_group_id", "run_group_range", "SPARK_GROUP_FLAG", "MAX_RUNS",
+    "MAX_PARTITIONS", "MAX_CHUNKS", "ack_dataframe", "AckTotals", "ack_stream", "StreamTotals", "session",
+    "local_session", "tracker_zip",
+]

@@ -1,0 +1,208 @@
+"""Acks from a DataFrame of item ids: fold per partition, OR per group, apply per partition.
+
+Each partition folds its ids into one mask per group (mapInArrow, vectorised for plain ids), the
+masks of a group are OR-ed across partitions (reduceByKey, partitioned by batch id), and each
+resulting partition applies its masks in one transaction through `tracker.acks.apply_masks`,
+exactly as the acker does. Applying is idempotent, so a retried or speculative task clears
+nothing twice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import psycopg
+
+from ..ids import GROUP_BITS_MAX, GroupMask
+from ..config import schema_of
+
+
+def _max_index(bits: bytes) -> int:
+    for i in range(len(bits) - 1, -1, -1):
+        byte = bits[i]
+        if byte:
+            return i * 8 + 7 - ((byte & -byte).bit_length() - 1)
+    return -1
+
+
+def _or_masks(a: tuple[bytes, int], b: tuple[bytes, int]) -> tuple[bytes, int]:
+    n = max(len(a[0]), len(b[0]))
+    merged = (int.from_bytes(a[0].ljust(n, b"\0"), "big") | int.from_bytes(b[0].ljust(n, b"\0"), "big")).to_bytes(n, "big")
+    return merged, a[1] + b[1]
+
+
+# A decimal that fits a bigint without checking its value: up to 18 digits, or 19 below 9.2e18
+# (fan-out group ids are >= 2**62, 19 digits). Larger ones take the checked path.
+_BIGINT = r"(?:[0-9]{1,18}|[1-8][0-9]{18}|9[01][0-9]{17})"
+_SINGLE_ID = rf"^(?P<head>{_BIGINT}:{_BIGINT}):(?P<index>[0-9]{{1,4}})$"
+
+
+def _fold_single_ids(heads: Any, indexes: Any) -> list[tuple[int, int, bytes, int]]:
+    """Vectorised fold of plain item ids split into '<batch>:<group>' heads (Arrow strings) and
+    indexes (< GROUP_BITS_MAX): (batch, group, packed mask, ids folded) per group."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    encoded = pc.dictionary_encode(heads)
+    codes = encoded.indices.to_numpy()
+    groups = encoded.dictionary.to_pylist()
+    bits = np.zeros((len(groups), GROUP_BITS_MAX), dtype=bool)
+    bits[codes, indexes] = True
+    packed = np.packbits(bits, axis=1)  # bit order "big": index 0 is the high bit of byte 0, as in varbit
+    counts = np.bincount(codes, minlength=len(groups))
+    out = []
+    for j, head in enumerate(groups):
+        batch_id, group_id = head.split(b":" if isinstance(head, bytes) else ":")
+        out.append((int(batch_id), int(group_id), packed[j].tobytes(), int(counts[j])))
+    return out
+
+
+def _fold_partition(column: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    def fold(batches: Iterator[Any]) -> Iterator[Any]:
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        from ..acker import EntryFolder
+
+        folder = EntryFolder()
+        add = folder.add
+        heads: list[Any] = []
+        indexes: list[Any] = []
+        bad: list[str] = []
+        reasons: list[str] = []
+        for b in batches:
+            values = b.column(column)
+            # Plain ids in range take the vectorised path; runs, lists, nulls and bad ones the checked one.
+            parts = pc.extract_regex(values, _SINGLE_ID)
+            plain = pc.is_valid(parts)
+            if pc.any(plain).as_py():
+                matched = parts.filter(plain)
+                index = pc.cast(matched.field("index"), pa.int64())
+                ok = pc.less(index, GROUP_BITS_MAX)
+                heads.append(matched.field("head").filter(ok))
+                indexes.append(index.filter(ok).to_numpy())
+                rest = values.filter(pc.invert(plain))
+                if not pc.all(ok).as_py():  # out of range: the checked path names them
+                    rest = pa.concat_arrays([rest, values.filter(plain).filter(pc.invert(ok))])
+                values = rest
+            for value in values.to_pylist():
+                if value is None:
+                    bad.append("")
+                    reasons.append("malformed: null")
+                    continue
+                if isinstance(value, bytes):  # a binary column (e.g. a Kafka value)
+                    value = value.decode("ascii", "replace")
+                if not value.isascii():
+                    bad.append(value)
+                    reasons.append("malformed: not ASCII")
+                    continue
+                for entry in value.split(","):
+                    reason = add(entry)
+                    if reason is not None:
+                        bad.append(entry)
+                        reasons.append(reason)
+        folded = [(m.batch_id, m.group_id, bytes(m.bits), m.count) for m in folder.masks.values()]
+        if heads:
+            folded += _fold_single_ids(pa.concat_arrays(heads), np.concatenate(indexes))
+        yield pa.RecordBatch.from_pydict({
+            "batch_id": [f[0] for f in folded] + [None] * len(bad),
+            "group_id": [f[1] for f in folded] + [None] * len(bad),
+            "mask": [f[2] for f in folded] + [None] * len(bad),
+            "folded": [f[3] for f in folded] + [None] * len(bad),
+            "bad": [None] * len(folded) + bad,
+            "reason": [None] * len(folded) + reasons,
+        }, schema=pa.schema([("batch_id", pa.int64()), ("group_id", pa.int64()), ("mask", pa.binary()),
+                             ("folded", pa.int64()), ("bad", pa.string()), ("reason", pa.string())]))
+    return fold
+
+
+def _apply_partition(dsn: str, schema: str, after_apply: Callable[[int, int], None] | None = None
+                     ) -> Callable[[Iterator[Any]], Iterator[dict]]:
+    def apply(items: Iterator[Any]) -> Iterator[dict]:
+        from pyspark import TaskContext
+
+        from ..api import apply_masks
+
+        masks: dict[tuple[int, int], GroupMask] = {}
+        rejected: list[tuple[str, str]] = []
+        for key, value in items:
+            if key[0] < 0:
+                rejected.append(value)
+                continue
+            bits, count = value
+            masks[key] = GroupMask(key[0], key[1], bytearray(bits), _max_index(bits), count)
+        result = {"acked": 0, "duplicates": 0, "completed": [], "rejected": rejected}
+        if masks:
+            with psycopg.connect(dsn, autocommit=True, application_name="tracker.spark ack") as conn:
+                r = apply_masks(conn, masks, schema=schema, reject_invalid=True)  # one transaction
+            if after_apply is not None:
+                ctx = TaskContext.get()
+                after_apply(ctx.partitionId(), ctx.attemptNumber())
+            result.update(acked=r.acked, duplicates=r.duplicates, completed=r.completed,
+                          rejected=rejected + r.rejected)
+        yield result
+    return apply
+
+
+@dataclass
+class AckTotals:
+    acked: int = 0
+    duplicates: int = 0
+    completed: list[int] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (item id or run, reason)
+
+    def add(self, other: "AckTotals | dict") -> None:
+        get = other.get if isinstance(other, dict) else other.__getattribute__
+        self.acked += get("acked")
+        self.duplicates += get("duplicates")
+        self.completed.extend(get("completed"))
+        self.rejected.extend(tuple(r) for r in get("rejected"))
+
+
+def ack_dataframe(df: Any, *, dsn: str, schema: str | None = None, column: str = "item_id",
+                  partitions: int | None = None, after_apply: Callable[[int, int], None] | None = None) -> AckTotals:
+    """Ack the item ids (or runs, or ','-separated lists of them) in `column` of `df`.
+
+    Bad entries (malformed, unknown batch/group, out of range, expired) are not applied and come
+    back in `.rejected`; everything valid is applied. Idempotent: running it twice acks nothing new.
+    `partitions`: tasks that apply masks (default: the default parallelism), each in one transaction.
+    `after_apply(partition, attempt)` runs on the executor after a partition's transaction
+    (instrumentation, failure tests).
+
+    The database is exact whatever the attempts do; the totals are those of the attempts Spark
+    kept: when a task is retried after its transaction committed (lost executor, speculation),
+    its acks come back as duplicates and a completion it made is missing from `.completed`
+    (the completion event itself is in the outbox, written once).
+    """
+    if column not in df.columns:
+        raise ValueError(f"column {column!r} is not in the DataFrame (columns: {df.columns})")
+    s = schema_of(schema)
+    n = partitions or max(1, df.sparkSession.sparkContext.defaultParallelism)
+    folded = df.select(column).mapInArrow(
+        _fold_partition(column),
+        "batch_id long, group_id long, mask binary, folded long, bad string, reason string")
+
+    def keyed(partition: int, rows: Iterator[Any]) -> Iterator[tuple]:
+        # Bad entries get keys of their own (negative, unique per partition and row), so one
+        # reduceByKey pass carries them along untouched: the input is read once.
+        seq = 0
+        for r in rows:
+            if r.batch_id is None:
+                seq += 1
+                yield (-1 - partition, seq), (r.bad, r.reason)
+            else:
+                yield (r.batch_id, r.group_id), (bytes(r.mask), r.folded)  # (Row.count is tuple.count)
+
+    def combine(a: tuple, b: tuple) -> tuple:
+        return _or_masks(a, b)
+
+    results = (folded.rdd.mapPartitionsWithIndex(keyed)
+               .reduceByKey(combine, numPartitions=n, partitionFunc=lambda k: k[0])
+               .mapPartitions(_apply_partition(dsn, s, after_apply)).collect())
+    totals = AckTotals()
+    for r in results:
+        totals.add(r)
+    return totals
+
+
