@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import tracker
 from harvester.admin import batch as batch_mod
 from harvester.admin import dead as dead_mod
-from harvester.mpr import Harvester
+from harvester.units import Harvester
 from support.harness import Generator, Receiver, env_for, make_config, wait_until
 from tracker import outbox
 from tracker.ids import parse_item_id

@@ -22,7 +22,7 @@ from opentelemetry.trace import SpanKind
 
 import tracker
 from harvester.config import ConfigError
-from harvester.mpr import Harvester
+from harvester.units import Harvester
 from support.harness import make_config, read_messages, wait_until
 from tracker import outbox, tracing
 from tracker.sweeper import sweep
