@@ -217,3 +217,22 @@ def test_values_that_are_not_json_serialisable(conn, schema, world):
     t, batch, _ = world
     refused(conn, schema, lambda: t.enqueue(conn, batch, [b"a", object()], topic="w"), tracker.InvalidValue, "item")
     refused(conn, schema, lambda: t.enqueue(conn, batch, [{"x": float("nan")}], topic="w"), tracker.InvalidValue)
+
+
+@pytest.mark.parametrize("empty", [[], (), iter(()), set()])
+def test_nothing_to_ack_is_a_no_op(conn, schema, world, empty):
+    """An empty list of ids (or masks) sends nothing and returns an empty result, sync and async."""
+    import asyncio
+
+    t, _, _ = world
+    before = snapshot(conn, schema)
+    r = t.ack(conn, empty)
+    assert (r.acked, r.duplicates, r.completed) == (0, 0, [])
+    assert t.apply_masks(conn, {}).acked == 0
+    assert snapshot(conn, schema) == before
+
+    async def async_side() -> None:
+        async with await psycopg.AsyncConnection.connect(conn.info.dsn) as aconn:
+            r = await tracker.AsyncTracker(schema=schema).ack(aconn, [])
+            assert (r.acked, r.duplicates, r.completed) == (0, 0, [])
+    asyncio.run(async_side())
