@@ -14,6 +14,7 @@ import sys
 import threading
 
 import structlog
+from structlog.typing import EventDict, WrappedLogger
 
 
 class _LeaderContext:
@@ -31,7 +32,7 @@ class _LeaderContext:
 leader_context = _LeaderContext()
 
 
-def _add_leader_id(_logger, _name, event: dict) -> dict:
+def _add_leader_id(_logger: WrappedLogger, _name: str, event: EventDict) -> EventDict:
     event.setdefault("leader_id", leader_context.leader_id)
     return event
 

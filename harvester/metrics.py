@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
+from typing import Callable, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
@@ -82,9 +82,59 @@ class _SummedGauge:
             self._total.set(sum(self._shares.values()))
 
 
+class _Inc(Protocol):
+    def inc(self, amount: float = ..., /) -> None: ...
+
+
+class _Set(Protocol):
+    def set(self, value: float, /) -> None: ...
+
+
+class MetricsLike(Protocol):
+    """What a harvest unit's parts update: a HarvesterMetrics, or a UnitMetrics (per-unit series)."""
+
+    acquisitions: Counter
+    fences: Counter
+    revocations: Counter
+    produce_errors: Counter
+    dead: Counter
+    purged: Counter
+    reset: Counter
+    txn_aborted: Counter
+    mark_duration: Histogram
+    produce_duration: Histogram
+    purge_duration: Histogram
+    txn_duration: Histogram
+
+    @property
+    def leader(self) -> _Set: ...
+    @property
+    def in_flight(self) -> _Set: ...
+    @property
+    def marked(self) -> _Inc: ...
+    @property
+    def published(self) -> _Inc: ...
+    @property
+    def force_remarks(self) -> _Inc: ...
+
+
 class UnitMetrics:
     """The metrics one harvest unit updates: the instance's, plus its own `unit` series where
     HarvesterMetrics has one. Exposes the same attributes as HarvesterMetrics."""
+
+    # Copied from the instance's HarvesterMetrics by __init__; declared for the type checker.
+    acquisitions: Counter
+    fences: Counter
+    revocations: Counter
+    produce_errors: Counter
+    dead: Counter
+    purged: Counter
+    reset: Counter
+    txn_aborted: Counter
+    mark_duration: Histogram
+    produce_duration: Histogram
+    purge_duration: Histogram
+    txn_duration: Histogram
 
     _sums: dict[tuple[int, str], dict] = {}
     _sums_lock = threading.Lock()

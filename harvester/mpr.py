@@ -23,12 +23,13 @@ import uuid
 from functools import partial
 
 from confluent_kafka import KafkaException
+from psycopg_pool import ConnectionPool
 
 from . import logs
 from .config import Config, UnitSpec
-from .metrics import HarvesterMetrics, get as get_metrics
+from .metrics import MetricsLike, get as get_metrics
 from .neli import LEADER, Lease
-from .ports import DEFAULT, Providers
+from .ports import DEFAULT, Providers, StoreLike
 from .publish import Lifecycle, Publisher, QuarantineError, logs_safe, producer_config
 from .store import OutboxStore, make_pool
 
@@ -42,10 +43,11 @@ class UnitHarvester:
     and threads: one unit's stall (a dead database, a refused record) holds up no other."""
 
     def __init__(self, cfg: Config, spec: UnitSpec, *, providers: Providers = DEFAULT,
-                 metrics: HarvesterMetrics | None = None, transactional_id: str = "", pool=None) -> None:
+                 metrics: MetricsLike | None = None, transactional_id: str = "",
+                 pool: ConnectionPool | None = None) -> None:
         self.cfg, self.spec = cfg, spec
         h = cfg.harvester
-        self.m = metrics or get_metrics(cfg.metrics.prefix)
+        self.m: MetricsLike = metrics or get_metrics(cfg.metrics.prefix)
         self.log = logs.get("reaper.harvester").bind(unit=spec.name)
         self._txn_id = transactional_id
         self.providers = providers
@@ -53,7 +55,7 @@ class UnitHarvester:
         self._led = False  # NELI made this process leader at least once
         self._own_pool = pool is None
         self.pool = pool
-        self.store = None
+        self.store: StoreLike | None = None
         self.publisher: Publisher | None = None
         self.neli: Lease | None = None  # this unit's lease (leader_id, valid_until, state)
         self._remark = threading.Event()
@@ -162,6 +164,7 @@ class UnitHarvester:
                       records_delivered=self.publisher.delivered, records_in_flight=self.publisher.in_flight)
 
     def _valid(self, me: uuid.UUID) -> bool:
+        assert self.neli is not None  # start() sets it before the threads that call this run
         return self._me == me and not self._remark.is_set() and self.neli.leader_id() == self._neli_id \
             and not self._stop.is_set()
 
@@ -178,6 +181,7 @@ class UnitHarvester:
     def _run(self) -> None:
         """The marker: takes leadership changes and remarks, marks batches and queues them in order."""
         h, m, pub = self.h, self.m, self.publisher
+        assert pub is not None and self.store is not None and self.neli is not None  # start() set them first
         backoff, progress_at_remark = 0.0, -1
         while not self._stop.is_set():
             neli_id = self.neli.leader_id()
@@ -213,6 +217,7 @@ class UnitHarvester:
             if pub.broken:  # a fatal producer error: nothing more can go through that producer
                 pub.replace_if_broken()
             me = self._me
+            assert me is not None  # set together with _neli_id, which equals neli_id (not None) here
             room = h.max_in_flight - pub.in_flight
             if room <= 0:
                 pub.wait_below(h.max_in_flight, 0.05)
@@ -254,6 +259,7 @@ class UnitHarvester:
     def _produce(self) -> None:
         """The producer side of the pipeline: hands queued batches to Kafka while the next is marked."""
         h, m, pub = self.h, self.m, self.publisher
+        assert pub is not None and self.neli is not None  # start() set them first
         carry = None  # a batch taken while gathering that belongs to a newer id
         while not (self._stop.is_set() and self._batches.empty() and carry is None):
             if carry is not None:
@@ -297,6 +303,7 @@ class UnitHarvester:
         interval = self.h.vacuum_interval
         if interval <= 0 or self.spec.lane != 0:
             return
+        assert self.publisher is not None and self.store is not None  # start() set them first
         last_purged = self.publisher.purged_rows
         while not self._stop.wait(interval):
             if not self.leading:

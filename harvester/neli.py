@@ -26,7 +26,7 @@ from confluent_kafka import OFFSET_END, Consumer, KafkaException, Producer, Topi
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from . import logs
-from .metrics import HarvesterMetrics
+from .metrics import MetricsLike
 
 FOLLOWER, LEADER, FENCED = "follower", "leader", "fenced"
 
@@ -73,7 +73,7 @@ class Lease:
     thread saw: a process that was paused (SIGSTOP, a long stall) sees itself fenced at once.
     """
 
-    def __init__(self, unit: int, hb_timeout: float, metrics: HarvesterMetrics,
+    def __init__(self, unit: int, hb_timeout: float, metrics: MetricsLike,
                  on_change: Callable[[str, uuid.UUID | None], None]) -> None:
         self.unit, self.hb_timeout, self._m = unit, hb_timeout, metrics
         self.on_change = on_change
@@ -127,7 +127,7 @@ class Lease:
 class Neli:
     def __init__(self, *, bootstrap: str, client: dict, consumer: dict, producer: dict, topic: str, group: str,
                  min_poll_interval: float, heartbeat_timeout: float, session_timeout: float,
-                 metrics: HarvesterMetrics | Callable[[int], HarvesterMetrics],
+                 metrics: MetricsLike | Callable[[int], MetricsLike],
                  on_change: Callable[[str, uuid.UUID | None], None] = lambda s, l: None, units: int = 1) -> None:
         """`metrics`: one set for all units, or a function giving unit u's. `on_change` is unit
         0's callback; set `lease(u).on_change` for the others."""
@@ -229,23 +229,27 @@ class Neli:
         self._on_revoke(consumer, partitions)
 
     def _pulse(self) -> None:
-        for msg in self._consumer.consume(64, self.min_poll / 2):
-            if msg.error() is None and 0 <= msg.partition() < len(self.leases):
+        consumer, producer = self._consumer, self._producer
+        assert consumer is not None and producer is not None  # start() made both before this thread ran
+        for msg in consumer.consume(64, self.min_poll / 2):
+            part = msg.partition()
+            if msg.error() is None and part is not None and 0 <= part < len(self.leases):
                 sent_at = self._sent_at(msg.value())
                 if sent_at is not None:
                     # A heartbeat vouches for the time it was SENT: one sent before a pause (SIGSTOP,
                     # a long stall) and read after it must not revive the leadership it outlived.
-                    lease = self.leases[msg.partition()]
+                    lease = self.leases[part]
                     lease.last_heartbeat = max(lease.last_heartbeat, sent_at)
         now = time.monotonic()
         for lease in self.leases:
             if lease.holding:
                 self._beat(lease, now)
-        self._producer.poll(0)
+        producer.poll(0)
 
     def _beat(self, lease: Lease, now: float) -> None:
         if now - lease.last_sent >= self.min_poll and now >= lease.paused_until:
             lease.last_sent = now
+            assert self._producer is not None  # only called from _pulse, after start()
             try:
                 self._producer.produce(self.topic, value=b"%s:%d" % (self.instance, time.monotonic_ns()),
                                        partition=lease.unit)
@@ -269,6 +273,8 @@ class Neli:
         return int(stamp) / 1e9
 
     def _run(self) -> None:
+        consumer, producer = self._consumer, self._producer
+        assert consumer is not None and producer is not None  # start() made both before this thread ran
         try:
             while not self._stop.is_set():
                 try:
@@ -281,8 +287,8 @@ class Neli:
                 lease.holding = False
                 lease.set(FOLLOWER, None)
             try:
-                self._consumer.close()  # leaves the group: the partitions move without waiting for the session
+                consumer.close()  # leaves the group: the partitions move without waiting for the session
             except Exception as exc:
                 self._log.warning("leader consumer close failed", error=str(exc))
-            self._producer.flush(1)
+            producer.flush(1)
             self._closed.set()

@@ -16,7 +16,7 @@ import uuid
 from typing import Callable
 
 from .config import REQUIRED_PRODUCER
-from .metrics import HarvesterMetrics
+from .metrics import MetricsLike
 from .plain import PERMANENT_PRODUCE, Deadline, PlainStrategy, QuarantineError, Valid  # noqa: F401
 from .ports import DEFAULT, Providers, StoreLike
 from .settle import PERMANENT_DELIVERY, Settler, error_reason, logs_safe  # noqa: F401
@@ -74,7 +74,7 @@ class Lifecycle:
 
 
 class Publisher:
-    def __init__(self, conf: dict, store: StoreLike, metrics: HarvesterMetrics, *, purge_batch: int = 5000,
+    def __init__(self, conf: dict, store: StoreLike, metrics: MetricsLike, *, purge_batch: int = 5000,
                  purge_workers: int = 2, providers: Providers = DEFAULT,
                  on_failure: Callable[[str], None] = lambda why: None) -> None:
         self._life = Lifecycle("publisher")
@@ -84,11 +84,12 @@ class Publisher:
         self.slot = ProducerSlot(conf, providers.producer, on_fatal=on_failure,
                                  after_poll=self.settler.wake_if_pending, on_retire=self._on_retire)
         self.strategy: PlainStrategy | TransactionalStrategy
+        self._plain: PlainStrategy
         if self.transactional:
             self.strategy = TransactionalStrategy(self.slot, self.settler, store, metrics, on_failure)
+            self._plain = self.strategy.plain
         else:
-            self.strategy = PlainStrategy(self.slot, self.settler, store)
-        self._plain = self.strategy.plain if self.transactional else self.strategy
+            self.strategy = self._plain = PlainStrategy(self.slot, self.settler, store)
 
     def _fatal(self) -> None:
         self.slot.broken = True
@@ -183,8 +184,8 @@ class Publisher:
 
     @property
     def txn_committed(self) -> int:
-        return self.strategy.committed if self.transactional else 0
+        return self.strategy.committed if isinstance(self.strategy, TransactionalStrategy) else 0
 
     @property
     def txn_aborted(self) -> int:
-        return self.strategy.aborted if self.transactional else 0
+        return self.strategy.aborted if isinstance(self.strategy, TransactionalStrategy) else 0

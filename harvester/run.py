@@ -50,8 +50,10 @@ def _version() -> str:
 def _check_database(cfg: Config) -> None:
     try:
         with psycopg.connect(cfg.database.dsn, connect_timeout=10) as conn:
-            found = conn.execute("SELECT to_regclass(%s)", [
-                qualified(cfg.database.schema, cfg.database.outbox_table).as_string(conn)]).fetchone()[0]
+            row = conn.execute("SELECT to_regclass(%s)", [
+                qualified(cfg.database.schema, cfg.database.outbox_table).as_string(conn)]).fetchone()
+            assert row is not None  # a SELECT without FROM returns exactly one row
+            found = row[0]
     except psycopg.Error as exc:
         raise Unavailable(f"database unreachable: {logs_safe(exc)}") from None
     if found is None:
@@ -60,7 +62,7 @@ def _check_database(cfg: Config) -> None:
 
 def _admin(cfg: Config) -> AdminClient:
     return AdminClient({"bootstrap.servers": cfg.kafka.bootstrap_servers, **cfg.kafka.client,
-                        "logger": logs.KafkaLogger("admin")})
+                        "logger": logs.KafkaLogger("admin")})  # type: ignore[dict-item]  # stub lacks "logger"
 
 
 def _check_kafka(admin: AdminClient, timeout: float = 15.0) -> None:
@@ -264,8 +266,8 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
         pool.close()
         log.info("stopped", drained=drained, seconds=round(time.monotonic() - started, 3))
     if failures:
-        for what, exc in failures:
-            log.error("component failed", component=what, error=logs_safe(exc))
+        for what, err in failures:
+            log.error("component failed", component=what, error=logs_safe(err))
         code = EXIT_FAILURE
     elif not drained:
         code = EXIT_DRAIN_TIMEOUT

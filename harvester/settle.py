@@ -25,7 +25,7 @@ from confluent_kafka import KafkaError
 
 from . import logs
 from .config import redact_dsn
-from .metrics import HarvesterMetrics
+from .metrics import MetricsLike
 from .ports import StoreLike
 
 _PURGED = (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT)
@@ -53,7 +53,7 @@ def logs_safe(exc: BaseException) -> str:
 
 
 class Settler:
-    def __init__(self, store: StoreLike, metrics: HarvesterMetrics, *, batch: int = 5000, workers: int = 2,
+    def __init__(self, store: StoreLike, metrics: MetricsLike, *, batch: int = 5000, workers: int = 2,
                  on_failure: Callable[[str], None] = lambda why: None, on_fatal: Callable[[], None] = lambda: None) -> None:
         self._store, self._m, self._batch = store, metrics, batch
         self._on_failure, self._on_fatal = on_failure, on_fatal
@@ -171,7 +171,8 @@ class Settler:
     # ------------------------------------------------------------------ settling
 
     def _take(self) -> list[Report]:
-        out, reports, n = [], self.reports, self._batch
+        out: list[Report] = []
+        reports, n = self.reports, self._batch
         try:
             while len(out) < n:
                 out.append(reports.popleft())

@@ -139,10 +139,13 @@ class OutboxStore:
         """Rows in the outbox and the age of the oldest: an exact count up to `exact_up_to` rows,
         above it the id span max(id) - min(id) + 1 (see BACKLOG_EXACT), at least `exact_up_to` + 1."""
         with self.pool.connection() as conn:
-            rows = conn.execute(self._count, [exact_up_to + 1]).fetchone()[0]
+            counted = conn.execute(self._count, [exact_up_to + 1]).fetchone()
+            assert counted is not None  # an aggregate without GROUP BY returns exactly one row
+            rows = counted[0]
             exact = rows <= exact_up_to
             if not exact:
-                span = conn.execute(self._span).fetchone()[0]
-                rows = max(exact_up_to + 1, span or 0)
+                spanned = conn.execute(self._span).fetchone()
+                assert spanned is not None  # likewise one row; max() - min() is NULL on an empty table
+                rows = max(exact_up_to + 1, spanned[0] or 0)
             oldest = conn.execute(self._oldest).fetchone()
         return Backlog(rows=rows, oldest_age=max(0.0, float(oldest[0])) if oldest else 0.0, exact=exact)

@@ -29,7 +29,7 @@ from typing import Callable
 from confluent_kafka import KafkaException
 
 from . import logs
-from .metrics import HarvesterMetrics
+from .metrics import MetricsLike
 from .plain import Deadline, PlainStrategy, Valid
 from .ports import ProducerLike, StoreLike
 from .settle import Settler
@@ -41,7 +41,7 @@ TXN_ABORT_TIMEOUT = 10.0
 
 
 class TransactionalStrategy:
-    def __init__(self, slot: ProducerSlot, settler: Settler, store: StoreLike, metrics: HarvesterMetrics,
+    def __init__(self, slot: ProducerSlot, settler: Settler, store: StoreLike, metrics: MetricsLike,
                  on_failure: Callable[[str], None]) -> None:
         self.slot, self.settler, self._m, self._on_failure = slot, settler, metrics, on_failure
         self._plain = PlainStrategy(slot, settler, store)  # the produce loop itself

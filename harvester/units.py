@@ -20,6 +20,8 @@ from __future__ import annotations
 import time
 import uuid
 
+from psycopg_pool import ConnectionPool
+
 from .config import Config, UnitSpec, units
 from .metrics import HarvesterMetrics, UnitMetrics, get as get_metrics
 from .mpr import UnitHarvester
@@ -36,7 +38,7 @@ def transactional_id(base: str, spec: UnitSpec, count: int) -> str:
 
 class Harvester:
     def __init__(self, cfg: Config, *, providers: Providers = DEFAULT, metrics: HarvesterMetrics | None = None,
-                 pool=None) -> None:
+                 pool: ConnectionPool | None = None) -> None:
         """`pool`: a connection pool for a one-unit configuration (tests); otherwise each unit opens its own."""
         self.cfg, self.h = cfg, cfg.harvester
         self.m = metrics or get_metrics(cfg.metrics.prefix)

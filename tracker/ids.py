@@ -21,7 +21,7 @@ ID_MAX = (1 << 63) - 1  # batch and group ids are Postgres bigints
 class ItemId(NamedTuple):
     batch_id: int
     group_id: int
-    index: int
+    index: int  # type: ignore[assignment]  # public field name; shadowing tuple.index is intended
 
     def __str__(self) -> str:
         return f"{self.batch_id}:{self.group_id}:{self.index}"

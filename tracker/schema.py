@@ -75,6 +75,7 @@ def _lock_key(schema: str) -> int:
 
 def applied(conn: psycopg.Connection, schema: str) -> dict[int, str]:
     row = conn.execute("SELECT to_regclass(%s)", [f'"{check_identifier(schema, "schema")}".{MIGRATIONS_TABLE}']).fetchone()
+    assert row is not None  # a SELECT without FROM returns exactly one row
     if row[0] is None:
         return {}
     rows = conn.execute(sql.SQL("SELECT version, checksum FROM {}").format(qualified(schema, MIGRATIONS_TABLE))).fetchall()
@@ -106,14 +107,16 @@ def migrate(dsn_or_conn: str | psycopg.Connection, schema: str) -> list[str]:
     """
     check_identifier(schema, "schema")
     own = isinstance(dsn_or_conn, str)
-    conn = psycopg.connect(dsn_or_conn, autocommit=True, prepare_threshold=None) if own else dsn_or_conn
+    conn = (psycopg.connect(dsn_or_conn, autocommit=True, prepare_threshold=None)
+            if isinstance(dsn_or_conn, str) else dsn_or_conn)
     if not conn.autocommit:
         raise ValueError("migrate() needs an autocommit connection: each migration commits on its own")
     # The lock and the re-read repeat once per migration: never let psycopg prepare them, since a
     # transaction pooler before PgBouncer 1.21 cannot carry a prepared statement to the next transaction.
     threshold, conn.prepare_threshold = conn.prepare_threshold, None
     try:
-        key, wanted, names = _lock_key(schema), migrations(), []
+        names: list[str] = []
+        key, wanted = _lock_key(schema), migrations()
         table = qualified(schema, MIGRATIONS_TABLE)
         while True:
             with conn.transaction():
