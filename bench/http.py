@@ -266,20 +266,22 @@ def main(argv: list[str] | None = None) -> int:
         a.bulk_requests, a.single_requests, a.add_requests, a.load_seconds, a.per_ack_sample = 10, 500, 400, 3.0, 300
     schema = f"bench_http_{uuid.uuid4().hex[:8]}"
     schema_mod.migrate(DSN, schema)
-    port = _free_port()
-    proc = start_server(schema, port, a.pool)
     try:
-        load_before = os.getloadavg()
-        results = asyncio.run(http_scenarios(f"http://127.0.0.1:{port}", a))
-    finally:
-        proc.send_signal(signal.SIGTERM)
+        port = _free_port()
+        proc = start_server(schema, port, a.pool)
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    results.update(direct_baselines(schema, a))
-    with psycopg.connect(DSN, autocommit=True) as conn:
-        conn.execute(psycopg.sql.SQL("DROP SCHEMA {} CASCADE").format(psycopg.sql.Identifier(schema)))
+            load_before = os.getloadavg()
+            results = asyncio.run(http_scenarios(f"http://127.0.0.1:{port}", a))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        results.update(direct_baselines(schema, a))
+    finally:
+        with psycopg.connect(DSN, autocommit=True) as conn:
+            conn.execute(psycopg.sql.SQL("DROP SCHEMA {} CASCADE").format(psycopg.sql.Identifier(schema)))
     bulk = results["bulk_ack"]["acks_per_s"]
     out = {
         "bench": "http",

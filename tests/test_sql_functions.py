@@ -68,6 +68,28 @@ SELECT topic || '/' || (convert_from(value, 'UTF8')::json->>'user_key') FROM {s}
         assert _counts(conn, schema) == (1, 2, 4)  # 3 messages + 1 completion event
 
 
+def test_psql_documented_insert_writes_one_message_per_item(pg_dsn, schema):
+    """The README's insert-it-yourself form: add_items, then one INSERT over the group rows."""
+    s = f'"{schema}"'
+    _psql(pg_dsn, f"""
+\\set ON_ERROR_STOP 1
+BEGIN;
+SELECT {s}.open_batch() AS b \\gset
+SELECT count(*) FROM {s}.add_items(:b, 8000);
+INSERT INTO {s}.outbox (topic, key, value, header_keys, header_values)
+SELECT 'process-item', NULL, convert_to(format('{{"n": %s}}', i), 'UTF8'),
+       ARRAY['item-id', 'batch-id'],
+       ARRAY[convert_to(h.batch_id || ':' || h.group_id || ':' || i, 'UTF8'), convert_to(h.batch_id::text, 'UTF8')]
+FROM {s}.add_items(:b, 1000) h, generate_series(h.start, h.upto - 1) i;
+COMMIT;
+""")
+    with psycopg.connect(pg_dsn) as conn:
+        ids = [r[0] for r in conn.execute(sql.SQL("SELECT convert_from(header_values[1], 'UTF8') FROM {} ORDER BY id")
+                                          .format(sql.Identifier(schema, "outbox"))).fetchall()]
+        assert ids == [f"1:0:{i}" for i in range(8000, 8192)] + [f"1:1:{i}" for i in range(808)]
+        assert tracker.Tracker(schema=schema).ack(conn, ids).acked == 1000
+
+
 def test_psql_rolled_back_transaction_leaves_nothing(pg_dsn, schema):
     s = f'"{schema}"'
     out = _psql(pg_dsn, f"""
