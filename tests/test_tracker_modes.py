@@ -224,8 +224,62 @@ async def async_mode(mode: str, dsn: str, schema: str, commit: bool, extra: dict
                 await (sa_conn.commit() if commit else sa_conn.rollback())
         finally:
             await engine.dispose()
+    elif mode.startswith("asyncpg"):
+        import asyncpg
+
+        # asyncpg prepares every statement; through PgBouncer < 1.21 its cache must be off
+        pg_kwargs = {"statement_cache_size": 0} if "prepare_threshold" in extra else {}
+        conn = await asyncpg.connect(dsn, **pg_kwargs)
+        try:
+            async def awrite(tag: str) -> None:
+                await conn.execute(f'INSERT INTO "{schema}".caller_rows (tag) VALUES ($1)', tag)
+            if mode == "asyncpg_no_block":
+                yield Caller(conn, awrite, False, conn)
+            else:
+                try:
+                    async with contextlib.AsyncExitStack() as stack:
+                        await stack.enter_async_context(conn.transaction())
+                        if mode == "asyncpg_nested":
+                            await awrite("outer")
+                            await stack.enter_async_context(conn.transaction())
+                        yield Caller(conn, awrite, True, conn)
+                        if not commit:
+                            raise _Rollback
+                except _Rollback:
+                    pass
+        finally:
+            await conn.close()
+    elif mode in ("sa_asyncpg_session", "sa_asyncpg_begin_nested"):
+        pg_kwargs = {"statement_cache_size": 0, "prepared_statement_cache_size": 0} if "prepare_threshold" in extra else {}
+        engine = create_async_engine(dsn.replace("postgresql://", "postgresql+asyncpg://", 1), poolclass=sa.pool.NullPool,
+                                     connect_args=pg_kwargs)
+        try:
+            async with AsyncSession(engine) as session:
+                async def swrite(tag: str) -> None:
+                    await session.execute(_sa_own(schema), {"tag": tag})
+                async with contextlib.AsyncExitStack() as stack:
+                    if mode == "sa_asyncpg_begin_nested":
+                        await swrite("outer")
+                        await stack.enter_async_context(session.begin_nested())
+                    raw = (await (await session.connection()).get_raw_connection()).driver_connection
+                    yield Caller(session, swrite, raw=raw)
+                await (session.commit() if commit else session.rollback())
+        finally:
+            await engine.dispose()
     else:
         raise AssertionError(mode)
+
+
+def in_transaction(raw: Any) -> bool:
+    if hasattr(raw, "is_in_transaction"):  # asyncpg
+        return raw.is_in_transaction()
+    return raw.info.transaction_status == pq.TransactionStatus.INTRANS
+
+
+def idle(raw: Any) -> bool:
+    if hasattr(raw, "is_in_transaction"):
+        return not raw.is_in_transaction()
+    return raw.info.transaction_status == pq.TransactionStatus.IDLE
 
 
 SYNC_MODES = ["autocommit_off", "autocommit_off_idle", "autocommit_no_block", "autocommit_block",
@@ -233,7 +287,8 @@ SYNC_MODES = ["autocommit_off", "autocommit_off_idle", "autocommit_no_block", "a
               "client_cursor", "no_prepare", "always_prepare", "sa_session", "sa_connection", "sa_begin_nested"]
 ASYNC_MODES = ["autocommit_off", "autocommit_off_idle", "autocommit_no_block", "autocommit_block",
                "autocommit_nested_block", "pipeline", "dict_row", "no_prepare", "sa_session", "sa_connection",
-               "sa_begin_nested"]
+               "sa_begin_nested", "asyncpg_no_block", "asyncpg_transaction", "asyncpg_nested", "sa_asyncpg_session",
+               "sa_asyncpg_begin_nested"]
 OPS = ["open", "enqueue", "add_items", "close", "ack", "exactly_once", "status"]
 
 
@@ -321,7 +376,7 @@ def _committed(dsn: str, schema: str, extra: dict[str, Any] | None = None) -> tu
 
 def _expected_tags(mode: str, op: str, outcome: str) -> list[str]:
     tags = ["after", "before"]
-    if mode in ("autocommit_nested_block", "sa_begin_nested"):
+    if mode in ("autocommit_nested_block", "sa_begin_nested", "asyncpg_nested", "sa_asyncpg_begin_nested"):
         tags.append("outer")
     if op == "exactly_once" and outcome == "committed":
         tags.append("effect")
@@ -387,6 +442,11 @@ async def _async_cell(dsn: str, schema: str, mode: str, op: str, outcome: str, e
             await caller.write("before")
         if outcome == "failed":
             errors = EXPECTED_ERROR.get(op, (psycopg.errors.RaiseException,))
+            if "asyncpg" in mode:
+                import asyncpg
+                errors = {"status": (tracker.UnknownBatch,),
+                          "exactly_once": (asyncpg.exceptions.DivisionByZeroError,)}.get(
+                    op, (asyncpg.exceptions.RaiseError,))
             with pytest.raises(errors):
                 await call(t, op, caller.session, fx, caller, poisoned=True)
         else:
@@ -394,11 +454,11 @@ async def _async_cell(dsn: str, schema: str, mode: str, op: str, outcome: str, e
             if op == "exactly_once":
                 assert result.first_time
         if caller.transactional and mode != "pipeline":
-            assert caller.raw.info.transaction_status == pq.TransactionStatus.INTRANS
+            assert in_transaction(caller.raw)
         if caller.transactional:
             assert _committed(dsn, schema, extra)[0] == before
         elif outcome != "failed":
-            assert caller.raw.info.transaction_status == pq.TransactionStatus.IDLE
+            assert idle(caller.raw)
         await caller.write("after")
         if mode == "autocommit_off_idle":
             await caller.write("before")

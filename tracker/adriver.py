@@ -7,7 +7,7 @@ from typing import Awaitable, Callable, TypeVar
 import psycopg
 from psycopg.rows import tuple_row
 
-from .driver import Boundary, boundary, can_undo, in_pipeline
+from .driver import Boundary, boundary, in_pipeline, in_transaction, usable
 from .steps import Effect, Op, Query, Round, Write
 
 T = TypeVar("T")
@@ -83,12 +83,23 @@ async def run(conn: psycopg.AsyncConnection, op: Op[T], *,
                 return done.value  # type: ignore[no-any-return]
     except BaseException:
         op.close()
-        if started and not ended and can_undo(conn):
+        if started and not ended:
             await _undo(conn, edge)
         raise
 
 
 async def _undo(conn: psycopg.AsyncConnection, edge: Boundary) -> None:
+    """See tracker.driver._undo."""
+    if not usable(conn):
+        return
+    if in_pipeline(conn):
+        try:
+            async with conn.pipeline():
+                pass
+        except psycopg.Error:
+            pass
+    if not in_transaction(conn):
+        return
     async with conn.pipeline():
         for statement in edge.undo:
             await psycopg.AsyncCursor(conn).execute(statement)

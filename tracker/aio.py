@@ -1,5 +1,6 @@
 """The asyncio face: `AsyncTracker`, the same API as `Tracker` with `await`, on a psycopg
-`AsyncConnection` or a SQLAlchemy `AsyncSession`/`AsyncConnection` (postgresql+psycopg:// engine).
+`AsyncConnection`, an asyncpg `Connection`, or a SQLAlchemy `AsyncSession`/`AsyncConnection`
+(postgresql+psycopg:// or postgresql+asyncpg:// engine).
 
     from tracker import aio
 
@@ -17,10 +18,12 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+
+import psycopg
 from collections.abc import Mapping
 from typing import Awaitable, Callable, TypeVar, Union
 
-from . import adriver
+from . import adriver, apgdriver
 from .acks import AckResult
 from .batches import Batch, BatchStatus, GroupHandle
 from .config import DEFAULT_SCHEMA
@@ -29,9 +32,17 @@ from .core import ItemIds, TrackerCore
 from .ids import GroupMask
 from .outbox import Headers, KeyArg
 from .session import AsyncSession, async_connection
+from .steps import Op
 
 T = TypeVar("T")
 AsyncEffect = Callable[[AsyncSession], Union[Awaitable[T], T]]
+
+
+async def _run(session: AsyncSession, op: Op[T], effect: Callable[[], Awaitable[object]] | None = None) -> T:
+    conn = await async_connection(session)
+    if isinstance(conn, psycopg.AsyncConnection):
+        return await adriver.run(conn, op, effect=effect)
+    return await apgdriver.run(conn, op, effect=effect)
 
 
 class AsyncTracker(TrackerCore):
@@ -40,32 +51,32 @@ class AsyncTracker(TrackerCore):
     async def open_batch(self, session: AsyncSession, *, user_key: str | None = None,
                          completion_topic: str | None = None) -> Batch:
         op = self._open_op(user_key, completion_topic)
-        batch = await adriver.run(await async_connection(session), op)
+        batch = await _run(session, op)
         self._count_open()
         return batch
 
     async def add_items(self, session: AsyncSession, batch: Batch | int, n: int) -> list[GroupHandle]:
         op = self._add_op(batch, n)
-        return await adriver.run(await async_connection(session), op)
+        return await _run(session, op)
 
     async def enqueue(self, session: AsyncSession, batch: Batch | int, items: object, *, topic: str,
                       key: KeyArg = None, headers: Headers = None) -> list[GroupHandle]:
         op = self._enqueue_op(batch, items, topic, key, headers)
-        return await adriver.run(await async_connection(session), op)
+        return await _run(session, op)
 
     async def close_batch(self, session: AsyncSession, batch: Batch | int) -> bool:
         op = self._close_op(batch)
-        complete, closed_now = await adriver.run(await async_connection(session), op)
+        complete, closed_now = await _run(session, op)
         self._count_close(complete, closed_now)
         return complete
 
     async def status(self, session: AsyncSession, batch: Batch | int) -> BatchStatus:
-        return await adriver.run(await async_connection(session), self._status_op(batch))
+        return await _run(session, self._status_op(batch))
 
     async def ack(self, session: AsyncSession, item_ids: ItemIds) -> AckResult:
         started = time.perf_counter()
         op = self._ack_op(item_ids)
-        result = await adriver.run(await async_connection(session), op)
+        result = await _run(session, op)
         self._count_ack(result, started)
         return result
 
@@ -73,7 +84,7 @@ class AsyncTracker(TrackerCore):
                           reject_invalid: bool = False) -> AckResult:
         started = time.perf_counter()
         op = self._apply_op(masks, reject_invalid)
-        result = await adriver.run(await async_connection(session), op)
+        result = await _run(session, op)
         self._count_ack(result, started)
         return result
 
@@ -87,7 +98,7 @@ class AsyncTracker(TrackerCore):
             return await value if inspect.isawaitable(value) else value
 
         op = self._exactly_once_op(item_id)
-        result = await adriver.run(await async_connection(session), op, effect=run_effect)
+        result = await _run(session, op, effect=run_effect)
         self._count_ack(result.ack, started)
         return result  # type: ignore[return-value]
 

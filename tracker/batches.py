@@ -125,20 +125,21 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
         "lock": sql.SQL("SELECT state, next_group FROM {batch} WHERE id = %s FOR NO KEY UPDATE"),
         # Top up the batch's last group when an earlier add left it partly filled.
         "top_up": sql.SQL(
-            "WITH last AS (SELECT size FROM {group} WHERE batch_id = %(b)s AND id = %(g)s AND size < %(max)s) "
+            "WITH last AS (SELECT size FROM {group} WHERE batch_id = %(b)s::int8 AND id = %(g)s::int8 "
+            "AND size < %(max)s::int4) "
             "UPDATE {group} g SET size = last.size + k.n, pending = g.pending + k.n, "
             "bits = g.bits || repeat('1', k.n)::varbit "
-            "FROM last, LATERAL (SELECT least(%(n)s, %(max)s - last.size) AS n) k "
-            "WHERE g.batch_id = %(b)s AND g.id = %(g)s RETURNING last.size, g.size"),
+            "FROM last, LATERAL (SELECT least(%(n)s::int4, %(max)s::int4 - last.size) AS n) k "
+            "WHERE g.batch_id = %(b)s::int8 AND g.id = %(g)s::int8 RETURNING last.size, g.size"),
         # New groups are made by the server: nothing proportional to the count is built here.
         "new_groups": sql.SQL(
             "INSERT INTO {group} (batch_id, id, size, pending, bits) "
-            "SELECT %(b)s, %(first)s + g, s.size, s.size, repeat('1', s.size)::varbit "
+            "SELECT %(b)s::int8, %(first)s::int8 + g, s.size, s.size, repeat('1', s.size)::varbit "
             "FROM generate_series(0::int8, %(count)s::int8 - 1) AS g, "
-            "LATERAL (SELECT CASE WHEN g < %(full)s THEN %(max)s ELSE %(rest)s END AS size) AS s"),
+            "LATERAL (SELECT CASE WHEN g < %(full)s::int8 THEN %(max)s::int4 ELSE %(rest)s::int4 END AS size) AS s"),
         "grow": sql.SQL(
-            "UPDATE {batch} SET total = total + %(n)s, pending = pending + %(n)s, next_group = %(next)s, "
-            "last_activity_at = clock_timestamp() WHERE id = %(b)s"),
+            "UPDATE {batch} SET total = total + %(n)s::int8, pending = pending + %(n)s::int8, "
+            "next_group = %(next)s::int8, last_activity_at = clock_timestamp() WHERE id = %(b)s::int8"),
         "close": sql.SQL(
             "WITH closed AS (UPDATE {batch} SET state = CASE WHEN pending = 0 THEN 'complete' ELSE 'closed' END, "
             "closed_at = clock_timestamp(), completed_at = CASE WHEN pending = 0 THEN clock_timestamp() END, "

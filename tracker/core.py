@@ -66,7 +66,8 @@ class TrackerCore:
 
     def _enqueue_op(self, batch: object, items: object, topic: object, key: object,
                     headers: object) -> Op[list[GroupHandle]]:
-        return outbox.enqueue_op(self._q_batches, self._copy_sql, self._insert_sql, batch, items, topic, key, headers)
+        return outbox.enqueue_op(self._q_batches, self._copy_sql, self._insert_sql, batch, items, topic, key, headers,
+                                 (self.config.schema, self.config.outbox_table))
 
     def _close_op(self, batch: object) -> Op[tuple[bool, bool]]:
         return batches.close_op(self._q_batches, batch, self.config.completion_topic)  # type: ignore[arg-type]

@@ -55,9 +55,12 @@ def in_pipeline(conn: psycopg.Connection | psycopg.AsyncConnection) -> bool:
     return conn.pgconn.pipeline_status != pq.PipelineStatus.OFF
 
 
-def can_undo(conn: psycopg.Connection | psycopg.AsyncConnection) -> bool:
-    return not conn.closed and conn.pgconn.status == pq.ConnStatus.OK and conn.info.transaction_status in (
-        pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
+def usable(conn: psycopg.Connection | psycopg.AsyncConnection) -> bool:
+    return not conn.closed and conn.pgconn.status == pq.ConnStatus.OK
+
+
+def in_transaction(conn: psycopg.Connection | psycopg.AsyncConnection) -> bool:
+    return conn.info.transaction_status in (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
 
 
 def _send(conn: psycopg.Connection, queries: tuple[Query, ...]) -> list[object]:
@@ -129,12 +132,24 @@ def run(conn: psycopg.Connection, op: Op[T], *, effect: Callable[[], object] | N
                 return done.value  # type: ignore[no-any-return]
     except BaseException:
         op.close()
-        if started and not ended and can_undo(conn):
+        if started and not ended:
             _undo(conn, edge)
         raise
 
 
 def _undo(conn: psycopg.Connection, edge: Boundary) -> None:
+    """Roll the call back to where it began. In pipeline mode the status is only true once the
+    pipeline has synced (it reads ACTIVE while results are pending), so sync first."""
+    if not usable(conn):
+        return
+    if in_pipeline(conn):
+        try:
+            with conn.pipeline():
+                pass
+        except psycopg.Error:
+            pass  # the failure being undone, or one behind it: the status is true now
+    if not in_transaction(conn):
+        return
     with conn.pipeline():
         for statement in edge.undo:
             psycopg.Cursor(conn).execute(statement)

@@ -88,8 +88,8 @@ class UnsupportedConnection(TrackerError, TypeError):
     """`session` is not a connection the tracker can run in."""
 
     SYNC = ("a psycopg 3 Connection, or a SQLAlchemy Session/Connection on a postgresql+psycopg:// engine")
-    ASYNC = ("a psycopg 3 AsyncConnection, or a SQLAlchemy AsyncSession/AsyncConnection on a "
-             "postgresql+psycopg:// (async) engine")
+    ASYNC = ("a psycopg 3 AsyncConnection, an asyncpg Connection, or a SQLAlchemy AsyncSession/AsyncConnection "
+             "on a postgresql+psycopg:// or postgresql+asyncpg:// engine")
 
     def __init__(self, session: object, face: str, why: str = "") -> None:
         self.session = session

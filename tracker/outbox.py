@@ -255,8 +255,11 @@ class _Call(NamedTuple):
                 yield topic, key, _value_bytes(msg.value), names, values
 
 
+COLUMNS = ("topic", "key", "value", "header_keys", "header_values")
+
+
 def enqueue_op(q: dict[str, str], copy_sql: str, insert_sql: str, batch: object, items: object, topic: object,
-               key: object, headers: object) -> Op[list[GroupHandle]]:
+               key: object, headers: object, target: tuple[str, str] = ("", "")) -> Op[list[GroupHandle]]:
     batch_id = batch_id_of(batch)  # type: ignore[arg-type]
     check_topic(topic)
     item_list = _item_list(items)
@@ -273,7 +276,7 @@ def enqueue_op(q: dict[str, str], copy_sql: str, insert_sql: str, batch: object,
     if not item_list:
         return handles
     call = _Call(enc, handles, item_list, key_fn, default_key)  # type: ignore[arg-type]
-    yield Write(copy_sql, call.copy_chunks, insert_sql, call.insert_rows)
+    yield Write(copy_sql, call.copy_chunks, insert_sql, call.insert_rows, target[0], target[1], COLUMNS)
     return handles
 
 

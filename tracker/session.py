@@ -16,6 +16,7 @@ from .errors import UnsupportedConnection
 
 
 if TYPE_CHECKING:
+    import asyncpg
     from sqlalchemy.engine import Connection as SAConnection
     from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
     from sqlalchemy.ext.asyncio import AsyncSession as SAAsyncSession
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 # What each face accepts (SQLAlchemy objects on the psycopg driver); anything else is refused with
 # an error naming these.
 SyncSession = Union[psycopg.Connection, "SASession", "SAConnection"]
-AsyncSession = Union[psycopg.AsyncConnection, "SAAsyncSession", "SAAsyncConnection"]
+AsyncSession = Union[psycopg.AsyncConnection, "asyncpg.Connection", "SAAsyncSession", "SAAsyncConnection"]
 
 
 def _driver_name(sa_connection: object) -> str | None:
@@ -56,10 +57,14 @@ def sync_connection(session: object) -> psycopg.Connection:
     return raw
 
 
-async def async_connection(session: object) -> psycopg.AsyncConnection:
-    """The psycopg AsyncConnection behind `session`."""
-    if isinstance(session, psycopg.AsyncConnection):
-        return session
+def _is_asyncpg(conn: object) -> bool:
+    return type(conn).__module__.startswith("asyncpg") and hasattr(conn, "is_in_transaction")
+
+
+async def async_connection(session: object) -> "psycopg.AsyncConnection | asyncpg.Connection":
+    """The driver connection behind `session`: a psycopg AsyncConnection or an asyncpg Connection."""
+    if isinstance(session, psycopg.AsyncConnection) or _is_asyncpg(session):
+        return session  # type: ignore[return-value]
     if isinstance(session, psycopg.Connection):
         raise UnsupportedConnection(session, "async", "a sync Connection belongs to the sync face: use tracker")
     module = type(session).__module__
@@ -70,13 +75,16 @@ async def async_connection(session: object) -> psycopg.AsyncConnection:
     if hasattr(session, "sync_session"):  # AsyncSession: join or begin its transaction
         sa_connection = await session.connection()  # type: ignore[attr-defined]
     driver = _driver_name(sa_connection.sync_connection)  # type: ignore[attr-defined]
-    if driver != "psycopg":
-        why = f"its engine uses the {driver!r} driver"
-        if driver == "asyncpg":
-            why += "; asyncpg is not supported yet, use postgresql+psycopg:// (psycopg 3 is async too)"
-        raise UnsupportedConnection(session, "async", why)
+    if driver not in ("psycopg", "asyncpg"):
+        raise UnsupportedConnection(session, "async", f"its engine uses the {driver!r} driver")
     fairy = await sa_connection.get_raw_connection()  # type: ignore[attr-defined]
     raw = fairy.driver_connection
+    if driver == "asyncpg" and _is_asyncpg(raw):
+        if not raw.is_in_transaction() and sa_connection.in_transaction():  # type: ignore[attr-defined]
+            # SQLAlchemy's asyncpg adapter opens its transaction at the first statement: make it
+            # open now, or the call would run (and commit) outside the session's transaction.
+            await sa_connection.exec_driver_sql("SELECT 1")  # type: ignore[attr-defined]
+        return raw  # type: ignore[no-any-return]
     if not isinstance(raw, psycopg.AsyncConnection):
         raise UnsupportedConnection(session, "async", f"its driver connection is a {type(raw).__name__}")
     return raw

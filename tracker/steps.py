@@ -46,6 +46,10 @@ class Write:
     chunks: Callable[[], Iterable[bytes]]
     insert_sql: str
     rows: Callable[[], Iterable[Sequence[object]]]
+    # the same target for drivers whose COPY API takes names, not SQL (asyncpg)
+    schema: str = ""
+    table: str = ""
+    columns: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
