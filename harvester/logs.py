@@ -45,8 +45,9 @@ class _ToStructlog(logging.Handler):
             text = record.getMessage()
             fields: dict = {"exc_info": record.exc_info} if record.exc_info else {}
             if record.name.startswith("reaper.kafka."):  # a confluent-kafka client's librdkafka line
+                level = record.levelno if record.levelno >= logging.WARNING else logging.DEBUG  # as KafkaLogger
                 get("reaper.kafka").bind(client=record.name[len("reaper.kafka."):]).log(
-                    record.levelno, "librdkafka", message=text, **fields)
+                    level, "librdkafka", message=text, **fields)
             else:
                 get(record.name).log(record.levelno, text, **fields)
         except Exception:  # logging must never raise into the code that logged
