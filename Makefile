@@ -7,11 +7,12 @@ SERVICES := $(PYTHON) deploy/local/services.py
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: help venv services-up services-down services-status test test-fast demo prometheus-install prometheus-check bench clean
+.PHONY: help venv services-up services-down services-status lint test test-fast demo prometheus-install prometheus-check bench clean
 
 help:
 	@echo "make demo           run the product end to end on local services"
-	@echo "make test           venv + services + the whole test suite (what CI runs)"
+	@echo "make test           venv + lint + services + the whole test suite (what CI runs)"
+	@echo "make lint           ruff check, ruff format --check, mypy (tracker/, harvester/)"
 	@echo "make services-up    start local Postgres and Kafka (idempotent); prints DSN and bootstrap"
 	@echo "make services-down  stop them"
 	@echo "make prometheus-check  promtool check + unit tests of deploy/prometheus/rules.yml (installs Debian's prometheus)"
@@ -33,8 +34,14 @@ services-down:
 services-status:
 	$(SERVICES) status
 
+# The gates: ruff (lint + format check) over the repository, mypy over tracker/ and harvester/.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
 # The fixtures use OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP when set, else these local services.
-test: venv services-up
+test: venv lint services-up
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: venv services-up

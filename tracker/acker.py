@@ -103,13 +103,14 @@ def fold_messages(messages: list[Any]) -> Folded:
     by_head: dict[bytes, GroupMask] = {}
     count = 0
     # A poll returns runs of messages from one partition: offsets are read at run boundaries.
-    current, previous = None, None
+    current, previous = -1, None  # -1: no partition yet (a consumed message always has one)
     for msg in messages:
         err = msg.error()
         if err is not None:
             out.errors.append(err)
             continue
         partition = msg.partition()
+        assert partition is not None
         if partition != current:
             if previous is not None:
                 last[current] = previous.offset()
@@ -344,9 +345,9 @@ class Acker:
             letters.append((key, entry, [(REASON_HEADER, reason.encode()), ("source-topic", source),
                                          ("source-partition", str(partition).encode()),
                                          ("source-offset", str(offset).encode())]))
-        for entry, reason in result.rejected:
-            batch_id = entry.split(":", 1)[0].encode()
-            letters.append((batch_id, entry.encode(), [(REASON_HEADER, reason.encode()), ("source-topic", source)]))
+        for rejected, reason in result.rejected:
+            batch_id = rejected.split(":", 1)[0].encode()
+            letters.append((batch_id, rejected.encode(), [(REASON_HEADER, reason.encode()), ("source-topic", source)]))
         if not letters:
             return 0
         failures: list[str] = []
@@ -358,7 +359,8 @@ class Acker:
         for key, value, headers in letters:
             while True:
                 try:
-                    producer.produce(self.dead_letter_topic, key=key, value=value, headers=headers, on_delivery=delivered)
+                    producer.produce(self.dead_letter_topic, key=key, value=value,
+                                     headers=headers, on_delivery=delivered)  # type: ignore[arg-type]  # list is accepted
                     break
                 except BufferError:
                     producer.poll(0.1)
@@ -367,7 +369,7 @@ class Acker:
             raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT if left else KafkaError._FAIL,
                                             f"dead letters not delivered: {left} queued, failures {failures[:3]}"))
         metrics.acks_dead_lettered.inc(len(letters))
-        log.warning("acks dead-lettered", count=len(letters), first=letters[0][1][:200].decode("ascii", "replace"),
+        log.warning("acks dead-lettered", count=len(letters), first=(letters[0][1] or b"")[:200].decode("ascii", "replace"),
                     reason=letters[0][2][0][1].decode())
         return len(letters)
 

@@ -115,15 +115,15 @@ def _first_index(mask: GroupMask, lo: int = 0) -> int:
 def _runs(mask: GroupMask, lo: int = 0) -> list[str]:
     """The set bits at or above `lo`, as ids and runs (for rejects)."""
     out: list[str] = []
-    start = prev = None
+    start = prev = -2
     for i in mask.indexes(lo):
-        if start is not None and i != prev + 1:
+        if start >= 0 and i != prev + 1:
             out.append(format_run(mask.batch_id, mask.group_id, start, prev))
-            start = None
-        if start is None:
+            start = -2
+        if start < 0:
             start = i
         prev = i
-    if start is not None:
+    if start >= 0:
         out.append(format_run(mask.batch_id, mask.group_id, start, prev))
     return out
 

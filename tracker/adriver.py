@@ -22,7 +22,10 @@ async def _send(conn: psycopg.AsyncConnection, queries: tuple[Query, ...]) -> li
             cursors = []
             for q in queries:
                 cur = psycopg.AsyncCursor(conn, row_factory=tuple_row)
-                await cur.execute(q.sql, q.params)
+                # Never prepared inside a pipeline: a statement that fails there skips the Parse of
+                # the ones after it, and psycopg could then believe those prepared ("prepared statement
+                # _pg3_N does not exist" later, in the caller's transaction).
+                await cur.execute(q.sql, q.params, prepare=False)
                 cursors.append(cur)
     out: list[object] = []
     for q, cur in zip(queries, cursors):

@@ -103,15 +103,15 @@ def runs_of(bits: bytes | bytearray) -> list[tuple[int, int]]:
 def compact(indexes: Iterable[int]) -> list[tuple[int, int]]:
     """Sorted, de-duplicated indexes as inclusive (start, end) runs."""
     runs: list[tuple[int, int]] = []
-    start = prev = None
+    start = prev = -2  # indexes are >= 0: -2 means "no run open"
     for i in sorted(set(indexes)):
-        if prev is not None and i == prev + 1:
+        if prev >= 0 and i == prev + 1:
             prev = i
             continue
-        if start is not None:
+        if start >= 0:
             runs.append((start, prev))
         start = prev = i
-    if start is not None:
+    if start >= 0:
         runs.append((start, prev))
     return runs
 

@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Callable, Union
 
-from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from . import acks, batches, metrics, outbox
 from .acks import AckResult
@@ -31,13 +31,12 @@ class TrackerCore:
         self._q_batches = batches.statements(schema, outbox_table)
         self._q_acks = acks.statements(schema, outbox_table)
         self._copy_sql, self._insert_sql = outbox.statements(schema, outbox_table)
+        self._m: tuple[Counter, Counter, Counter, Counter, Counter, Histogram] | None = None
         if registry is not None:
             m = metrics.for_registry(registry)
             self._m = (m.batches_opened.labels(schema), m.batches_closed.labels(schema),
                        m.batches_completed.labels(schema), m.acks_applied.labels(schema),
                        m.acks_duplicate.labels(schema), m.ack_apply_duration.labels(schema))
-        else:
-            self._m = None
 
     @property
     def schema(self) -> str:

@@ -72,7 +72,10 @@ def _send(conn: psycopg.Connection, queries: tuple[Query, ...]) -> list[object]:
             cursors = []
             for q in queries:
                 cur = psycopg.Cursor(conn, row_factory=tuple_row)
-                cur.execute(q.sql, q.params)
+                # Never prepared inside a pipeline: a statement that fails there skips the Parse of
+                # the ones after it, and psycopg could then believe those prepared ("prepared statement
+                # _pg3_N does not exist" later, in the caller's transaction).
+                cur.execute(q.sql, q.params, prepare=False)
                 cursors.append(cur)
     out: list[object] = []
     for q, cur in zip(queries, cursors):

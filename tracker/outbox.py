@@ -208,11 +208,11 @@ class _Call(NamedTuple):
             hvs = enc.header_values(h)
             if plain:
                 for value, hv in zip(chunk, hvs):
-                    if type(value) is str:
-                        value = utf8_any(value, "item value")
+                    raw = utf8_any(value, "item value") if type(value) is str else value
+                    assert isinstance(raw, bytes)  # `plain`: every item is bytes or str
                     out += head
-                    out += _int4(len(value))
-                    out += value
+                    out += _int4(len(raw))
+                    out += raw
                     out += hk
                     out += hv
                     if len(out) > _FLUSH_BYTES:

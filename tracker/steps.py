@@ -19,7 +19,7 @@ Rows come back as tuples whatever row factory the caller's connection has.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Generator, Iterable, Literal, Mapping, Sequence, TypeVar, Union
+from typing import Any, Callable, Generator, Iterable, Literal, Mapping, Sequence, TypeVar, Union
 
 Params = Union[Sequence[object], Mapping[str, object], None]
 Fetch = Literal["none", "one", "all"]
@@ -58,8 +58,10 @@ class Effect:
 
 
 Step = Union[Round, Write, Effect]
-# An operation: yields steps, receives each step's result, returns the call's result.
-Op = Generator[Step, object, T]
+# An operation: yields steps, receives each step's result, returns the call's result. What it receives
+# is database rows (tuples of whatever the query selects), so the send type is Any: each operation
+# unpacks the rows of its own query.
+Op = Generator[Step, Any, T]
 
 
 def one(sql: str, params: Params = None, *, last: bool = False) -> Round:

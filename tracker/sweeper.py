@@ -22,6 +22,8 @@ a transaction is left to its caller to commit.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import functools
 import json
 from dataclasses import dataclass
@@ -179,7 +181,7 @@ def expire_batch(conn: psycopg.Connection, batch_id: int, *, schema: str, reason
     return got
 
 
-def _expire_op(q: dict[str, str], params: dict[str, object], batch_id: int) -> Op[Expired | None]:
+def _expire_op(q: dict[str, str], params: Mapping[str, object], batch_id: int) -> Op[Expired | None]:
     """The expiry as core steps: the caller-transaction rules of tracker.driver apply (a savepoint
     in an open transaction, a transaction of its own on an idle autocommit connection)."""
     [row] = yield one(q["expire_one"], params)

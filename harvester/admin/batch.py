@@ -23,7 +23,7 @@ from tracker.schema import qualified
 from tracker.sweeper import BatchNotExpirable, Expired, expire_batch
 
 from ..config import Config
-from .common import EXIT_NOT_FOUND, EXIT_REFUSED, AdminError, ago, require_tables, when
+from .common import one_row, EXIT_NOT_FOUND, EXIT_REFUSED, AdminError, ago, require_tables, when
 
 _GROUPS_PER_QUERY = 32  # 32 x 1 KiB bitfields per round trip
 _RUN = re.compile("1+")
@@ -60,9 +60,9 @@ def show(conn: psycopg.Connection, schema: str, batch_id: int, *, after: ItemId 
     if row is None:
         conn.rollback()
         raise AdminError(f"unknown batch {batch_id}", EXIT_NOT_FOUND)
-    groups, groups_pending = conn.execute(sql.SQL(
+    groups, groups_pending = one_row(conn.execute(sql.SQL(
         "SELECT count(*), count(*) FILTER (WHERE pending > 0) FROM {} WHERE batch_id = %s").format(g),
-        [batch_id]).fetchone()
+        [batch_id]))
     view = BatchView(batch_id, row[0], row[1], row[2], row[3], row[2] - row[3], groups, groups_pending, *row[4:])
     # Runs of set (pending) bits, group by group from the cursor, until the page is full plus one.
     group_from, index_from = (after.group_id, after.index + 1) if after else (0, 0)

@@ -168,7 +168,8 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     except Exception as exc:  # a database or Kafka error mid-command: its transaction was rolled back
         return _fail(args, name, f"{type(exc).__name__}: {redact_dsn(str(exc)).strip()}", EXIT_FAILURE)
     if args.json:
-        print(to_json(dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result))
+        is_record = dataclasses.is_dataclass(result) and not isinstance(result, type)
+        print(to_json(dataclasses.asdict(result) if is_record else result))  # type: ignore[arg-type]
     else:
         print(text)
     return code

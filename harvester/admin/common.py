@@ -39,10 +39,18 @@ def connect(cfg: Config) -> psycopg.Connection:
         raise AdminError(f"database unreachable: {redact_dsn(str(exc)).strip()}", EXIT_UNAVAILABLE) from None
 
 
+def one_row(cursor: "psycopg.Cursor[tuple[Any, ...]]") -> tuple[Any, ...]:
+    """The single row of a query that always returns one (an aggregate, a RETURNING of one row)."""
+    row = cursor.fetchone()
+    if row is None:
+        raise AdminError("the database returned no row where one was expected", 1)
+    return row
+
+
 def require_tables(conn: psycopg.Connection, schema: str, *tables: str) -> None:
     """Fail clearly (exit 3) when the schema lacks a table: not migrated, or migrated by an older reaper."""
     for table in tables:
-        found = conn.execute("SELECT to_regclass(%s)", [qualified(schema, table).as_string(conn)]).fetchone()[0]
+        found = one_row(conn.execute("SELECT to_regclass(%s)", [qualified(schema, table).as_string(conn)]))[0]
         if found is None:
             conn.rollback()
             raise AdminError(f"table {schema}.{table} does not exist: run `reaper migrate`", EXIT_UNAVAILABLE)

@@ -25,7 +25,7 @@ from psycopg import sql
 
 from tracker.schema import qualified
 
-from .common import EXIT_NOT_FOUND, AdminError, require_tables, text_or_hex, when
+from .common import one_row, EXIT_NOT_FOUND, AdminError, require_tables, text_or_hex, when
 
 
 @dataclass
@@ -93,7 +93,7 @@ def list_dead(conn: psycopg.Connection, schema: str, table: str, *, reason: str 
     require_tables(conn, schema, f"{table}_dead")
     q = _statements(schema, table)
     rows = conn.execute(q["page"], {"after": after, "reason": reason, "limit": limit + 1}).fetchall()
-    matching = conn.execute(q["count"], {"reason": reason}).fetchone()[0]
+    matching = one_row(conn.execute(q["count"], {"reason": reason}))[0]
     conn.rollback()
     page = [DeadRow(id=r[0], failed_at=r[1], created_at=r[2], topic=r[3], partition=r[4], key=text_or_hex(r[5]),
                     value_bytes=r[6], headers=list(r[7]), reason=r[8], leader_id=r[9]) for r in rows[:limit]]
@@ -116,7 +116,7 @@ def requeue_ids(conn: psycopg.Connection, schema: str, table: str, ids: Sequence
     if dry_run:
         conn.rollback()
         return Requeued(len(wanted), wanted, [], True)
-    dead_ids, new_ids = conn.execute(q["move_ids"], {"ids": wanted, "filter": json.dumps({"ids": wanted})}).fetchone()
+    dead_ids, new_ids = one_row(conn.execute(q["move_ids"], {"ids": wanted, "filter": json.dumps({"ids": wanted})}))
     conn.commit()
     return Requeued(len(dead_ids), list(dead_ids), list(new_ids))
 
@@ -130,7 +130,7 @@ def requeue_matching(conn: psycopg.Connection, schema: str, table: str, *, reaso
     """
     require_tables(conn, schema, table, f"{table}_dead", "admin_log")
     q = _statements(schema, table)
-    total, upto = conn.execute(q["count"], {"reason": reason}).fetchone()
+    total, upto = one_row(conn.execute(q["count"], {"reason": reason}))
     conn.rollback()
     result = Requeued(dry_run=dry_run)
     if dry_run or not total:
@@ -140,7 +140,7 @@ def requeue_matching(conn: psycopg.Connection, schema: str, table: str, *, reaso
     params: dict[str, Any] = {"after": 0, "upto": upto, "reason": reason, "chunk": chunk,
                               "filter": json.dumps({"all": reason is None, "reason": reason})}
     while True:
-        dead_ids, new_ids = conn.execute(q["move_chunk"], params).fetchone()
+        dead_ids, new_ids = one_row(conn.execute(q["move_chunk"], params))
         conn.commit()
         result.dead_ids += dead_ids
         result.new_ids += new_ids

@@ -20,7 +20,7 @@ from tracker.schema import qualified
 from .. import logs
 from ..config import Config
 from ..store import BACKLOG_EXACT
-from .common import AdminError, EXIT_UNAVAILABLE, duration, require_tables
+from .common import one_row, AdminError, EXIT_UNAVAILABLE, duration, require_tables
 
 
 @dataclass
@@ -54,18 +54,18 @@ def unit_status(conn: psycopg.Connection, schema: str, table: str, unit: int = 0
     require_tables(conn, schema, table, f"{table}_dead")
     t, dead = qualified(schema, table), qualified(schema, f"{table}_dead")
     # The same bounded count as the backlog gauge: exact up to BACKLOG_EXACT, above it the id span.
-    rows = conn.execute(sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {} LIMIT %s) s").format(t),
-                        [BACKLOG_EXACT + 1]).fetchone()[0]
+    rows = one_row(conn.execute(sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {} LIMIT %s) s").format(t),
+                        [BACKLOG_EXACT + 1]))[0]
     exact = rows <= BACKLOG_EXACT
     if not exact:
-        span = conn.execute(sql.SQL("SELECT max(id) - min(id) + 1 FROM {}").format(t)).fetchone()[0]
+        span = one_row(conn.execute(sql.SQL("SELECT max(id) - min(id) + 1 FROM {}").format(t)))[0]
         rows = max(BACKLOG_EXACT + 1, span or 0)
     oldest = conn.execute(sql.SQL(
         "SELECT extract(epoch FROM clock_timestamp() - created_at) FROM {} ORDER BY id LIMIT 1").format(t)).fetchone()
     marked = conn.execute(sql.SQL(
         "SELECT leader_id::text, count(*) FROM (SELECT leader_id FROM {} WHERE leader_id IS NOT NULL LIMIT %s) s "
         "GROUP BY 1 ORDER BY 2 DESC").format(t), [BACKLOG_EXACT + 1]).fetchall()
-    dead_rows = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(dead)).fetchone()[0]
+    dead_rows = one_row(conn.execute(sql.SQL("SELECT count(*) FROM {}").format(dead)))[0]
     return UnitStatus(unit=unit, table=f"{schema}.{table}", backlog_rows=rows, backlog_exact=exact,
                       oldest_age_seconds=max(0.0, float(oldest[0])) if oldest else 0.0,
                       in_flight_rows=sum(n for _, n in marked), marked_by=dict(marked), dead_rows=dead_rows)
@@ -74,17 +74,18 @@ def unit_status(conn: psycopg.Connection, schema: str, table: str, unit: int = 0
 def batch_counts(conn: psycopg.Connection, schema: str) -> tuple[dict[str, int], int]:
     require_tables(conn, schema, "batch")
     b = qualified(schema, "batch")
-    counts = dict(conn.execute(sql.SQL("SELECT state, count(*) FROM {} GROUP BY state").format(b)).fetchall())
-    pending = conn.execute(sql.SQL(
-        "SELECT coalesce(sum(pending), 0) FROM {} WHERE state IN ('open', 'closed')").format(b)).fetchone()[0]
+    counts: dict[str, int] = dict(conn.execute(sql.SQL("SELECT state, count(*) FROM {} GROUP BY state").format(b)).fetchall())
+    pending = one_row(conn.execute(sql.SQL(
+        "SELECT coalesce(sum(pending), 0) FROM {} WHERE state IN ('open', 'closed')").format(b)))[0]
     return {s: counts.get(s, 0) for s in ("open", "closed", "complete", "expired")}, int(pending)
 
 
 def leaders(cfg: Config, timeout: float) -> tuple[dict[int, dict[str, Any]], str]:
     """Partition -> the leader-group member assigned it, and the group's state (Kafka's view)."""
     h = cfg.harvester
+    # (confluent_kafka's stub omits librdkafka's documented `logger` object)
     admin = AdminClient({"bootstrap.servers": cfg.kafka.bootstrap_servers, **cfg.kafka.client,
-                         "logger": logs.KafkaLogger("admin")})
+                         "logger": logs.KafkaLogger("admin")})  # type: ignore[dict-item]
     try:
         future = admin.describe_consumer_groups([h.leader_group], request_timeout=timeout)[h.leader_group]
         desc = future.result(timeout=timeout + 5)
