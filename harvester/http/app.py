@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
-from typing import Annotated, AsyncIterator, Callable
+from typing import Annotated, AsyncIterator, Awaitable, Callable, TypeVar
 
 import structlog
 from fastapi import Depends, FastAPI, Path, Query, Request
@@ -22,15 +22,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
 from harvester.config import Config
+from tracker import BatchStatus
 from tracker.errors import TrackerError
 
 from . import models, problems
 from .completion import CompletionWatcher
 from .observe import Observe, metrics
 from .problems import Problem
-from .security import BodyLimit, RateLimiter, Receive, Scope, Send, TokenAuth
+from .security import BodyLimit, RateLimiter, Receive, Scope, Send, TokenAuth, headers_of, state_of
 from .store import SqlFunctionStore, Store, StoreUnavailable, TrackerStore
 
+T = TypeVar("T")
 API_VERSION = "1.0.0"
 ID_MAX = (1 << 63) - 1
 BatchId = Annotated[int, Path(ge=0, le=ID_MAX, description="batch id")]
@@ -48,7 +50,7 @@ def _responses(*extra: int) -> dict:
 
 
 async def send_problem(scope: Scope, receive: Receive, send: Send, problem: Problem) -> None:
-    scope.setdefault("state", {})["problem"] = problem.slug  # type: ignore[index]
+    state_of(scope)["problem"] = problem.slug
     await problems.response(problem, str(scope.get("path", "")))(scope, receive, send)
 
 
@@ -63,7 +65,7 @@ class Guard:
         if scope["type"] != "http" or not path.startswith("/v1/") or path in self.open_paths:
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers", []))  # type: ignore[arg-type]
+        headers = dict(headers_of(scope))
         raw = headers.get(b"authorization")
         token = self.auth.identify(raw.decode("latin-1") if raw is not None else None)
         if token is None:
@@ -71,7 +73,7 @@ class Guard:
             await send_problem(scope, receive, send, Problem(
                 "unauthorized", why, headers={"WWW-Authenticate": 'Bearer realm="reaper"'}))
             return
-        scope.setdefault("state", {})["token"] = token  # type: ignore[index]
+        state_of(scope)["token"] = token
         wait = self.limiter.take(token)
         if wait > 0:
             await send_problem(scope, receive, send, Problem(
@@ -89,13 +91,20 @@ class Guard:
         await self.app(scope, receive, send)
 
 
-def _status(batch_id: int, s) -> models.Status:
+class Service(Observe):
+    """The ASGI app create_app returns; `fastapi` is the FastAPI app inside (the server drains it,
+    tests and openapi.py reach it)."""
+
+    fastapi: FastAPI
+
+
+def _status(batch_id: int, s: BatchStatus) -> models.Status:
     return models.Status(batch_id=batch_id, state=s.state, complete=s.state == "complete", total=s.total,
                          pending=s.pending, user_key=s.user_key, created_at=s.created_at, closed_at=s.closed_at,
                          completed_at=s.completed_at, last_activity_at=s.last_activity_at, expired_at=s.expired_at)
 
 
-def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None = None) -> Callable:
+def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None = None) -> Service:
     """The ASGI application. `tokens`: the bearer tokens (security.load_tokens); empty = local mode."""
     h = cfg.http
     backend = SqlFunctionStore if h.backend == "sql" else TrackerStore
@@ -167,16 +176,16 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         log.error("unhandled error", request_id=request_id, exc_info=exc)
         return _problem(request, Problem("internal", f"internal error (request id {request_id})", request_id=request_id))
 
-    async def call(coro, *, batch_in_path: bool):
+    async def call(coro: Awaitable[T], *, batch_in_path: bool) -> T:
         try:
             return await coro
         except TrackerError as exc:
             raise problems.from_tracker(exc, batch_in_path=batch_in_path) from None
 
-    v1 = dict(dependencies=[Depends(_bearer)])
+    v1 = [Depends(_bearer)]  # every /v1 route documents the bearer token (Guard checks it)
 
     @app.post("/v1/batches", status_code=201, response_model=models.Batch, responses=_responses(), tags=["batches"],
-              summary="Open a batch", **v1)
+              summary="Open a batch", dependencies=v1)
     async def create_batch(response: Response, body: models.CreateBatch | None = None) -> models.Batch:
         body = body or models.CreateBatch()
         if body.user_key is not None and "\x00" in body.user_key:
@@ -187,12 +196,12 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
                             created_at=b.created_at)
 
     @app.get("/v1/batches/{batch_id}", response_model=models.Status, responses=_responses(404, 410), tags=["batches"],
-             summary="A batch's status", **v1)
+             summary="A batch's status", dependencies=v1)
     async def get_status(batch_id: BatchId) -> models.Status:
         return _status(batch_id, await call(store.status(batch_id), batch_in_path=True))
 
     @app.post("/v1/batches/{batch_id}/items", response_model=models.Added, responses=_responses(404, 409, 410),
-              tags=["batches"], summary="Track more items; returns the groups that hold them", **v1)
+              tags=["batches"], summary="Track more items; returns the groups that hold them", dependencies=v1)
     async def add_items(batch_id: BatchId, body: models.AddItems) -> models.Added:
         if body.count > h.max_items_per_add:
             raise Problem("invalid-request", f"count {body.count} is over this server's limit of {h.max_items_per_add}"
@@ -202,7 +211,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
                             groups=[models.Group(group_id=g.group_id, start=g.start, upto=g.upto) for g in handles])
 
     @app.post("/v1/batches/{batch_id}/close", response_model=models.Closed, responses=_responses(404, 410),
-              tags=["batches"], summary="Close a batch (no more items)", **v1)
+              tags=["batches"], summary="Close a batch (no more items)", dependencies=v1)
     async def close(batch_id: BatchId) -> models.Closed:
         complete = await call(store.close_batch(batch_id), batch_in_path=True)
         if complete:
@@ -210,7 +219,8 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         return models.Closed(batch_id=batch_id, complete=complete)
 
     @app.get("/v1/batches/{batch_id}/completion", response_model=models.Status, responses=_responses(404),
-             tags=["batches"], summary="Long-poll: answers once the batch is complete or expired, or after `wait` s", **v1)
+             tags=["batches"], summary="Long-poll: answers once the batch is complete or expired, or after `wait` s",
+             dependencies=v1)
     async def completion(batch_id: BatchId, wait: Annotated[float, Query(ge=0, description="seconds to wait at most")] = 30.0
                          ) -> models.Status:
         if wait > h.long_poll_max:
@@ -229,7 +239,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     @app.get("/v1/batches/{batch_id}/events", tags=["batches"], summary="Server-sent events: the status now, and "
              "again when the batch completes or expires (then the stream ends); a comment every 15 s keeps it open",
              responses={200: {"content": {"text/event-stream": {}}, "description": "event: status | complete | expired; "
-                              "data: the Status document"}, **_responses(404)}, **v1)
+                              "data: the Status document"}, **_responses(404)}, dependencies=v1)
     async def events(batch_id: BatchId) -> Response:
         first = await call(store.status(batch_id), batch_in_path=True)  # 404 before the stream starts
 
@@ -266,12 +276,12 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         return models.AckResult(acked=r.acked, duplicates=r.duplicates, completed=r.completed)
 
     @app.post("/v1/acks", response_model=models.AckResult, responses=_responses(410, 422), tags=["acks"],
-              summary="Ack item ids and runs (bulk)", **v1)
+              summary="Ack item ids and runs (bulk)", dependencies=v1)
     async def ack_bulk(body: models.AckIds) -> models.AckResult:
         return await _ack(body.ids)
 
     @app.post("/v1/acks/{item_id}", response_model=models.AckResult, responses=_responses(410, 422), tags=["acks"],
-              summary="Ack one item id or run", **v1)
+              summary="Ack one item id or run", dependencies=v1)
     async def ack_one(item_id: Annotated[str, Path(max_length=64)]) -> models.AckResult:
         return await _ack([item_id])
 
@@ -322,6 +332,6 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
 
     inner = BodyLimit(app, h.max_body_bytes, too_large)
     guarded = Guard(inner, auth, limiter, open_paths={"/v1/openapi.json"})
-    outer = Observe(guarded, metrics(cfg.metrics.prefix), log)
-    outer.fastapi = app  # type: ignore[attr-defined]  (tests and the server reach the app through it)
+    outer = Service(guarded, metrics(cfg.metrics.prefix), log)
+    outer.fastapi = app
     return outer

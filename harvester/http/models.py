@@ -11,8 +11,8 @@ class _Body(BaseModel):
 
 
 class CreateBatch(_Body):
-    user_key: StrictStr | None = Field(None, max_length=1000, description="returned in the completion event")
-    completion_topic: StrictStr | None = Field(None, min_length=1, max_length=249,
+    user_key: StrictStr | None = Field(default=None, max_length=1000, description="returned in the completion event")
+    completion_topic: StrictStr | None = Field(default=None, min_length=1, max_length=249,
                                                pattern=r"^[A-Za-z0-9._-]+$",
                                                description="topic of this batch's completion event (default: the server's)")
 

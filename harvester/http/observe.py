@@ -10,12 +10,13 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Callable
 
 import structlog
 from prometheus_client import Counter, Gauge, Histogram
 
-from .security import Message, Receive, Scope, Send
+from .security import Message, Receive, Scope, Send, headers_of, state_of
 
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _QUIET = {"/healthz", "/readyz", "/metrics"}
@@ -58,16 +59,18 @@ class Observe:
             return
         started = time.perf_counter()
         request_id = uuid.uuid4().hex[:16]
-        state = scope.setdefault("state", {})
-        state["request_id"] = request_id  # type: ignore[index]
+        state = state_of(scope)
+        state["request_id"] = request_id
         status = 500
         size = 0
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status, size
             if message["type"] == "http.response.start":
-                status = int(message["status"])  # type: ignore[arg-type]
-                headers = list(message.get("headers", []))  # type: ignore[arg-type]
+                code = message["status"]
+                assert isinstance(code, int), "ASGI: the status is an int"
+                status = int(code)
+                headers = list(headers_of(message))
                 headers.append((b"x-request-id", request_id.encode()))
                 message["headers"] = headers
             elif message["type"] == "http.response.body":
@@ -83,13 +86,13 @@ class Observe:
             route, method = route_of(scope), str(scope.get("method", ""))
             self.m.requests.labels(method, route, str(status)).inc()
             self.m.duration.labels(method, route).observe(elapsed)
-            problem = state.get("problem")  # type: ignore[union-attr]
+            problem = state.get("problem")
             if problem:
                 self.m.errors.labels(route, problem).inc()
             client = scope.get("client")
             fields = dict(request_id=request_id, method=method, route=route, path=scope.get("path"), status=status,
-                          duration_ms=round(elapsed * 1000, 3), bytes=size, token=state.get("token"),  # type: ignore[union-attr]
-                          client=client[0] if client else None, problem=problem)
+                          duration_ms=round(elapsed * 1000, 3), bytes=size, token=state.get("token"),
+                          client=client[0] if isinstance(client, Sequence) and client else None, problem=problem)
             if status >= 500:
                 self.log.error("http request", **fields)
             elif route in _QUIET and status < 400:

@@ -5,8 +5,8 @@ import hashlib
 import hmac
 import ipaddress
 import time
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from pathlib import Path
-from typing import Awaitable, Callable, MutableMapping
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -16,6 +16,20 @@ Scope = MutableMapping[str, object]
 Message = MutableMapping[str, object]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+
+
+def headers_of(event: Scope | Message) -> Iterable[tuple[bytes, bytes]]:
+    """The `headers` of an ASGI scope or message: (name, value) byte pairs."""
+    headers = event.get("headers", [])
+    assert isinstance(headers, Iterable), "ASGI: headers are an iterable of byte pairs"
+    return headers
+
+
+def state_of(scope: Scope) -> MutableMapping[str, object]:
+    """The request's ASGI `state`, shared by the layers and the app (created if the server sent none)."""
+    state = scope.setdefault("state", {})
+    assert isinstance(state, MutableMapping), "ASGI: scope['state'] is a dict"
+    return state
 
 
 def load_tokens(cfg: HttpConfig) -> list[str]:
@@ -120,7 +134,7 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope.get("headers", []):  # type: ignore[union-attr]
+        for name, value in headers_of(scope):
             if name == b"content-length":
                 try:
                     too_big = int(value) > self.limit

@@ -37,7 +37,7 @@ def build(cfg: Config) -> tuple[uvicorn.Server, object]:
     tokens = load_tokens(h)
     check_startup(h, tokens)
     app = create_app(cfg, tokens=tokens)
-    fastapi_app = app.fastapi  # type: ignore[attr-defined]
+    fastapi_app = app.fastapi
 
     def drain() -> None:
         fastapi_app.state.draining = True

@@ -160,6 +160,7 @@ class TrackerStore(_PoolStore):
     async def open_batch(self, user_key: str | None, completion_topic: str | None) -> OpenedBatch:
         t = self.tracker
         b = await self._call(lambda c: t.open_batch(c, user_key=user_key, completion_topic=completion_topic))
+        assert b.created_at is not None  # open_batch returns the new row's created_at (NOT NULL)
         return OpenedBatch(b.id, b.user_key, b.completion_topic, b.created_at)
 
     async def add_items(self, batch_id: int, n: int) -> list[GroupHandle]:
