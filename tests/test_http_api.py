@@ -82,8 +82,9 @@ def test_long_poll_answers_when_another_process_completes_the_batch(client, pg_d
     t.start()
     # Completed outside this server: the Python API in its own transaction (as a consumer would).
     with psycopg.connect(pg_dsn) as conn:
-        assert tracker.ack(conn, [f"{b}:0:0-2"], schema=schema).completed == [b]
+        assert tracker.ack(conn, [f"{b}:0:0-2"], schema=schema).acked == 3  # claims: settled at commit
         conn.commit()
+        assert tracker.status(conn, b, schema=schema).state == "complete"
     t.join(timeout=55)
     assert not t.is_alive()
     assert got["r"].status_code == 200 and got["r"].json()["state"] == "complete"

@@ -73,9 +73,10 @@ class AsyncTracker(TrackerCore):
     async def status(self, session: AsyncSession, batch: Batch | int) -> BatchStatus:
         return await _run(session, self._status_op(batch))
 
-    async def ack(self, session: AsyncSession, item_ids: ItemIds) -> AckResult:
+    async def ack(self, session: AsyncSession, item_ids: ItemIds, *, claims: bool = True) -> AckResult:
+        """`Tracker.ack` for asyncio (claims, or with claims=False the masked path)."""
         started = time.perf_counter()
-        op = self._ack_op(item_ids)
+        op = self._ack_op(item_ids, claims)
         result = await _run(session, op)
         self._count_ack(result, started)
         return result
@@ -131,8 +132,9 @@ async def status(session: AsyncSession, batch: Batch | int, *, schema: str | Non
     return await default(schema).status(session, batch)
 
 
-async def ack(session: AsyncSession, item_ids: ItemIds, *, schema: str | None = None) -> AckResult:
-    return await default(schema).ack(session, item_ids)
+async def ack(session: AsyncSession, item_ids: ItemIds, *, schema: str | None = None,
+              claims: bool = True) -> AckResult:
+    return await default(schema).ack(session, item_ids, claims=claims)
 
 
 async def apply_masks(session: AsyncSession, masks: Mapping[tuple[int, int], GroupMask], *,

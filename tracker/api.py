@@ -66,17 +66,20 @@ class Tracker(TrackerCore):
     def status(self, session: SyncSession, batch: Batch | int) -> BatchStatus:
         return driver.run(sync_connection(session), self._status_op(batch))
 
-    def ack(self, session: SyncSession, item_ids: ItemIds) -> AckResult:
+    def ack(self, session: SyncSession, item_ids: ItemIds, *, claims: bool = True) -> AckResult:
         """Ack item ids (and runs '<b>:<g>:<start>-<end>') in the caller's transaction, as claims
         (tracker/acks.py): no batch lock is held; bits, counts and completion change at commit.
         A call of more than `tracker.acks.CLAIMS_PER_CALL_MAX` (1000) ids is a bulk ack: masked
-        updates under the batch row locks, applied at once, `completed` filled.
+        updates under the batch row locks, applied at once, `completed` filled. `claims=False`
+        takes that path for any call: for a short transaction of your own (a request handler that
+        commits at once) that wants `completed` reported exactly; it holds the acked batches' row
+        locks until you commit.
 
         Raises MalformedItemId, UnknownBatch, UnknownGroup, IndexOutOfRange or BatchExpired naming
         the offending entry as written; then nothing of the call was applied.
         """
         started = time.perf_counter()
-        op = self._ack_op(item_ids)
+        op = self._ack_op(item_ids, claims)
         result = driver.run(sync_connection(session), op)
         self._count_ack(result, started)
         return result
@@ -129,8 +132,8 @@ def status(session: SyncSession, batch: Batch | int, *, schema: str | None = Non
     return default(schema).status(session, batch)
 
 
-def ack(session: SyncSession, item_ids: ItemIds, *, schema: str | None = None) -> AckResult:
-    return default(schema).ack(session, item_ids)
+def ack(session: SyncSession, item_ids: ItemIds, *, schema: str | None = None, claims: bool = True) -> AckResult:
+    return default(schema).ack(session, item_ids, claims=claims)
 
 
 def apply_masks(session: SyncSession, masks: Mapping[tuple[int, int], GroupMask], *, schema: str | None = None,

@@ -80,11 +80,11 @@ class TrackerCore:
         return acks.apply_op(self._q_acks, masks, self.config.completion_topic, reject_invalid,
                              skip_locked=skip_locked)
 
-    def _ack_op(self, item_ids: object) -> Op[AckResult]:
+    def _ack_op(self, item_ids: object, claims: bool = True) -> Op[AckResult]:
         entries = id_list(item_ids)
         masks = fold(entries)
         try:
-            if sum(m.count for m in masks.values()) > acks.CLAIMS_PER_CALL_MAX:
+            if not claims or sum(m.count for m in masks.values()) > acks.CLAIMS_PER_CALL_MAX:
                 # a bulk ack: masked updates under the batch locks (one row per item would cost
                 # far more; bulk ackers run short transactions of their own)
                 return (yield from acks.apply_op(self._q_acks, masks, self.config.completion_topic, False))
