@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make demo           run the product end to end on local services"
 	@echo "make test           venv + services + the whole test suite (what CI runs)"
-	@echo "make services-up    start local Postgres and Kafka (idempotent); prints DSN and bootstrap"
+	@echo "make services-up    start local Postgres, Kafka and a Spark master + 2 workers (idempotent); prints DSN, bootstrap, master"
 	@echo "make services-down  stop them"
 	@echo "make prometheus-check  promtool check + unit tests of deploy/prometheus/rules.yml (installs Debian's prometheus)"
 
