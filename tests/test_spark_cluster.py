@@ -181,6 +181,9 @@ def test_ack_stream_survives_an_executor_lost_mid_micro_batch_and_restarts_from_
                                       schema=schema, checkpoint_location=checkpoint, max_offsets_per_trigger=2500)
     try:
         wait_for(lambda: second.acked >= n - n // 2, timeout=300, what="the second half of the acks")
+        # a micro-batch's progress is recorded after its foreachBatch returns
+        wait_for(lambda: sum(p["numInputRows"] for p in query.recentProgress) >= n - n // 2, timeout=60,
+                 what="the last micro-batch's progress")
         read = sum(p["numInputRows"] for p in query.recentProgress)
     finally:
         query.stop()
