@@ -13,7 +13,7 @@ help:
 	@echo "make demo           run the product end to end on local services"
 	@echo "make test           venv + lint + services + the whole test suite (what CI runs)"
 	@echo "make lint           ruff check, ruff format --check, mypy (tracker/, harvester/)"
-	@echo "make services-up    start local Postgres and Kafka (idempotent); prints DSN and bootstrap"
+	@echo "make services-up    start local Postgres, PgBouncer, Kafka and a Spark master + 2 workers (idempotent); prints DSNs, bootstrap, master"
 	@echo "make services-down  stop them"
 	@echo "make prometheus-check  promtool check + unit tests of deploy/prometheus/rules.yml (installs Debian's prometheus)"
 

@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out.update(baselines(schema, 200_000 if n >= 1_000_000 else max(1, n // 5)))
         parquet = os.path.join(work, "items.parquet")
-        writer = tspark.local_session("local[2]", app_name="bench-spark-input")
+        # with the connector jars: every later SparkContext of this process shares this driver JVM
+        writer = tspark.local_session("local[2]", jars=jars, app_name="bench-spark-input")
         writer.range(0, n, numPartitions=partitions).selectExpr(
             "CAST(concat('item-', id) AS BINARY) AS value").write.parquet(parquet)
         writer.stop()

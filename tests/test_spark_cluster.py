@@ -181,6 +181,9 @@ def test_ack_stream_survives_an_executor_lost_mid_micro_batch_and_restarts_from_
                                       schema=schema, checkpoint_location=checkpoint, max_offsets_per_trigger=2500)
     try:
         wait_for(lambda: second.acked >= n - n // 2, timeout=300, what="the second half of the acks")
+        # a micro-batch's progress is recorded after its foreachBatch returns
+        wait_for(lambda: sum(p["numInputRows"] for p in query.recentProgress) >= n - n // 2, timeout=60,
+                 what="the last micro-batch's progress")
         read = sum(p["numInputRows"] for p in query.recentProgress)
     finally:
         query.stop()
@@ -252,7 +255,7 @@ def test_spark_submit_of_the_example_job_fans_a_parquet_dataset_out_to_a_complet
         env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert (out["items"], out["groups"], out["complete"]) == (n, 3, False)
+    assert (out["items"], out["complete"]) == (n, False) and 1 <= out["groups"] <= 3  # Spark may merge small files
     with psycopg.connect(pg_dsn) as c:
         rows = c.execute(f'SELECT key, value, header_values[1] FROM "{schema}".outbox WHERE topic = %s',
                          ["work"]).fetchall()

@@ -68,3 +68,17 @@ def test_acker_fold_matches_the_entry_fold(values):
     f = fold_messages([Msg(v.encode(), k) for k, v in enumerate(values)])
     assert _masks(f.masks) == want
     assert sorted(e.decode() for _, e, _, _, _ in f.bad) == sorted(want_bad)
+
+
+def test_spark_fold_bigint_edges_and_binary_values_match_the_entry_fold():
+    edges = ["9223372036854775807:4611686018427387904:8191", "9223372036854775808:1:1", "1:9223372036854775808:1",
+             "0123:0009223372036854775807:0", "99999999999999999999:1:1", "1:4611686018427387904:8192",
+             "1:4611686018427387904:0", "12:34:0001"]
+    want, want_bad = _expected(edges)
+    for typ, vals in ((pa.string(), edges), (pa.binary(), [e.encode() for e in edges])):
+        batch = pa.RecordBatch.from_pydict({"ack": vals}, schema=pa.schema([("ack", typ)]))
+        (out,) = list(_fold_partition("ack")(iter([batch])))
+        got = {(b, g): (m.rstrip(b"\0"), n) for b, g, m, n in zip(*(out.column(c).to_pylist() for c in (
+            "batch_id", "group_id", "mask", "folded"))) if b is not None}
+        assert got == want
+        assert sorted(x for x in out.column("bad").to_pylist() if x is not None) == sorted(want_bad)

@@ -31,10 +31,40 @@ def _or_masks(a: tuple[bytes, int], b: tuple[bytes, int]) -> tuple[bytes, int]:
     return merged, a[1] + b[1]
 
 
-# A decimal that fits a bigint without checking its value: up to 18 digits, or 19 below 9.2e18
-# (fan-out group ids are >= 2**62, 19 digits). Larger ones take the checked path.
-_BIGINT = r"(?:[0-9]{1,18}|[1-8][0-9]{18}|9[01][0-9]{17})"
-_SINGLE_ID = rf"^(?P<head>{_BIGINT}:{_BIGINT}):(?P<index>[0-9]{{1,4}})$"
+# A plain id: '<batch>:<group>:<index>', decimals, the index at most 4 digits. A regex without
+# alternatives (RE2 runs it fast; the bigint bound is checked apart, on the digit strings: equal
+# lengths compare like numbers). Anything else takes the checked path.
+_SHAPE = r"^[0-9]{1,19}:[0-9]{1,19}:[0-9]{1,4}$"
+_BIGINT_MAX = "9223372036854775807"
+
+
+def _plain_ids(values: Any) -> tuple[Any, Any, Any]:
+    """(mask of plain ids in range, their '<batch>:<group>' heads, their indexes) for an Arrow
+    string or binary array; the mask is over `values`, heads and indexes over the masked ones."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    plain = pc.fill_null(pc.match_substring_regex(values, _SHAPE), False)
+    if not pc.any(plain).as_py():
+        return plain, None, None
+    cand = values.filter(plain)
+    if not pa.types.is_string(cand.type):
+        cand = cand.cast(pa.string())  # only ASCII digits and ':' are left
+    parts = pc.split_pattern(cand, ":")
+    batch, group, index = (pc.list_element(parts, k) for k in range(3))
+
+    def fits(digits: Any) -> Any:
+        return pc.or_(pc.less(pc.utf8_length(digits), 19), pc.less_equal(digits, _BIGINT_MAX))
+
+    index = pc.cast(index, pa.int64())
+    ok = pc.and_(pc.and_(fits(batch), fits(group)), pc.less(index, GROUP_BITS_MAX))
+    if not pc.all(ok).as_py():  # out of range: left to the checked path, which names them
+        mask = plain.to_numpy(zero_copy_only=False).copy()
+        mask[pc.indices_nonzero(plain).filter(pc.invert(ok)).to_numpy()] = False
+        plain = pa.array(mask)
+        batch, group, index = batch.filter(ok), group.filter(ok), index.filter(ok)
+    heads = pc.binary_join_element_wise(batch, group, ":")
+    return plain, heads, index
 
 
 def _fold_single_ids(heads: Any, indexes: Any) -> list[tuple[int, int, bytes, int]]:
@@ -74,18 +104,11 @@ def _fold_partition(column: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
         for b in batches:
             values = b.column(column)
             # Plain ids in range take the vectorised path; runs, lists, nulls and bad ones the checked one.
-            parts = pc.extract_regex(values, _SINGLE_ID)
-            plain = pc.is_valid(parts)
-            if pc.any(plain).as_py():
-                matched = parts.filter(plain)
-                index = pc.cast(matched.field("index"), pa.int64())
-                ok = pc.less(index, GROUP_BITS_MAX)
-                heads.append(matched.field("head").filter(ok))
-                indexes.append(index.filter(ok).to_numpy())
-                rest = values.filter(pc.invert(plain))
-                if not pc.all(ok).as_py():  # out of range: the checked path names them
-                    rest = pa.concat_arrays([rest, values.filter(plain).filter(pc.invert(ok))])
-                values = rest
+            plain, head, index = _plain_ids(values)
+            if head is not None:
+                heads.append(head)
+                indexes.append(index.to_numpy())
+                values = values.filter(pc.invert(plain))
             for value in values.to_pylist():
                 if value is None:
                     bad.append("")
