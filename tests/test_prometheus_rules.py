@@ -38,6 +38,8 @@ CONTRACT_METRICS = {
     # per harvest unit (issue 14)
     "reaper_unit_leader", "reaper_unit_records_marked_total", "reaper_unit_records_published_total",
     "reaper_unit_force_remarks_total", "reaper_unit_records_in_flight",
+    # claims settled at commit or by the settler, the acker deferring locked batches (issue 12)
+    "reaper_settle_busy_total", "reaper_acker_deferred_total", "reaper_acker_deferred_masks",
 }
 HISTOGRAMS = {"reaper_mark_duration_seconds", "reaper_purge_duration_seconds", "reaper_produce_duration_seconds",
               "reaper_ack_apply_duration_seconds", "reaper_transaction_commit_duration_seconds"}

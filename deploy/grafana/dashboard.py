@@ -113,6 +113,12 @@ ROWS = [
         ("Dead-lettered acks", "timeseries", "ops", 12,
          [(rate("reaper_acks_dead_lettered_total"), "dead-lettered")],
          "Acks the tracker rejected (unknown batch or group, bad index, malformed id, expired batch)."),
+        ("Acks waiting on busy batches", "timeseries", "short", 12, [
+            (rate("reaper_acker_deferred_total"), "acker applies deferred"),
+            (f"max(reaper_acker_deferred_masks{J})", "masks held by the acker"),
+            (rate("reaper_settle_busy_total"), "settles skipped: batch busy"),
+        ], "The acker skips (SKIP LOCKED) batches another transaction holds and retries them; the settler "
+           "skips busy batches until its next pass. Steady non-zero values mean a long transaction sits on a batch."),
         ("Dead rows and requeues", "timeseries", "short", 12, [
             (f"max(reaper_outbox_dead_rows{J})", "in outbox_dead"),
             (f"max(delta(reaper_outbox_requeued_rows{J}{R}))", "requeued"),
