@@ -293,7 +293,8 @@ def test_reaper_run_through_pgbouncer_publishes_acks_sweeps_and_leaks_no_session
                 conn.commit()
                 batches.append(batch)
                 expected.update((b"b%d" % r, f"item-{r}-{i}".encode()) for i in range(10))
-            idle = tracker.open_batch(conn, schema=schema)  # left open: the sweeper expires it
+            # left open: the sweeper expires it and announces that on its completion topic
+            idle = tracker.open_batch(conn, completion_topic=done, schema=schema)
             conn.commit()
         assert receiver.wait_for(expected, 60), (len(receiver.unique()), len(expected))
 
