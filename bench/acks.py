@@ -14,6 +14,7 @@ subprocess) and times from its partition assignment until every bit of the batch
 Ack order: ids are shuffled within windows of 100,000, as consumers finishing work out of order.
 The machine is shared (2 cores, Postgres and Kafka beside the benchmark): compare ratios.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,12 @@ class Env:
         self.admin = AdminClient({"bootstrap.servers": BOOTSTRAP})
         self.topic = f"bench-acks-{uuid.uuid4().hex[:10]}"
         self.dlq = f"bench-dlq-{uuid.uuid4().hex[:10]}"
-        fs = self.admin.create_topics([NewTopic(self.topic, num_partitions=PARTITIONS, replication_factor=1),
-                                       NewTopic(self.dlq, num_partitions=1, replication_factor=1)])
+        fs = self.admin.create_topics(
+            [
+                NewTopic(self.topic, num_partitions=PARTITIONS, replication_factor=1),
+                NewTopic(self.dlq, num_partitions=1, replication_factor=1),
+            ]
+        )
         for f in fs.values():
             f.result(30)
 
@@ -85,9 +90,9 @@ def make_batches(env: Env, n: int, per_batch: int = 1_000_000) -> list[str]:
         c.commit()
     rnd = random.Random(7)
     for start in range(0, len(ids), 100_000):
-        window = ids[start:start + 100_000]
+        window = ids[start : start + 100_000]
         rnd.shuffle(window)
-        ids[start:start + 100_000] = window
+        ids[start : start + 100_000] = window
     return ids
 
 
@@ -100,12 +105,19 @@ def pending(env: Env, conn: psycopg.Connection | None = None) -> int:
 
 
 def produce_single(env: Env, ids: list[str]) -> int:
-    p = Producer({"bootstrap.servers": BOOTSTRAP, "linger.ms": 20, "batch.num.messages": 10000,
-                  "compression.type": "lz4", "queue.buffering.max.messages": 1_000_000})
+    p = Producer(
+        {
+            "bootstrap.servers": BOOTSTRAP,
+            "linger.ms": 20,
+            "batch.num.messages": 10000,
+            "compression.type": "lz4",
+            "queue.buffering.max.messages": 1_000_000,
+        }
+    )
     for i in ids:
         while True:
             try:
-                p.produce(env.topic, key=i[:i.index(":")].encode(), value=i.encode())
+                p.produce(env.topic, key=i[: i.index(":")].encode(), value=i.encode())
                 break
             except BufferError:
                 p.poll(0.05)
@@ -116,7 +128,7 @@ def produce_single(env: Env, ids: list[str]) -> int:
 def produce_runs(env: Env, ids: list[str]) -> int:
     with AckProducer(bootstrap_servers=BOOTSTRAP, topic=env.topic, max_pending=100_000, linger=3600) as acks:
         for k in range(0, len(ids), 100_000):
-            acks.ack(ids[k:k + 100_000])
+            acks.ack(ids[k : k + 100_000])
     return acks.messages_sent
 
 
@@ -126,20 +138,35 @@ def produce_packed_shuffled(env: Env, ids: list[str]) -> int:
     random.Random(11).shuffle(shuffled)
     with AckProducer(bootstrap_servers=BOOTSTRAP, topic=env.topic, max_pending=10_000, linger=3600) as acks:
         for k in range(0, len(shuffled), 10_000):
-            acks.ack(shuffled[k:k + 10_000])
+            acks.ack(shuffled[k : k + 10_000])
     return acks.messages_sent
 
 
 def through_reaper(env: Env, expected: int, timeout: float = 900.0) -> dict:
     envvars = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
-    envvars.update({
-        "REAPER_DATABASE__DSN": DSN, "REAPER_DATABASE__SCHEMA": env.schema, "REAPER_KAFKA__BOOTSTRAP_SERVERS": BOOTSTRAP,
-        "REAPER_HARVESTER__ENABLED": "false", "REAPER_SWEEPER__ENABLED": "false", "REAPER_METRICS__ENABLED": "false",
-        "REAPER_ACKER__TOPIC": env.topic, "REAPER_ACKER__DEAD_LETTER_TOPIC": env.dlq,
-        "REAPER_ACKER__GROUP": f"bench-{uuid.uuid4().hex[:8]}", "REAPER_LOGGING__FORMAT": "json",
-        "PYTHONUNBUFFERED": "1"})
-    proc = subprocess.Popen([sys.executable, "-m", "harvester.cli", "run"], cwd=REPO, env=envvars,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    envvars.update(
+        {
+            "REAPER_DATABASE__DSN": DSN,
+            "REAPER_DATABASE__SCHEMA": env.schema,
+            "REAPER_KAFKA__BOOTSTRAP_SERVERS": BOOTSTRAP,
+            "REAPER_HARVESTER__ENABLED": "false",
+            "REAPER_SWEEPER__ENABLED": "false",
+            "REAPER_METRICS__ENABLED": "false",
+            "REAPER_ACKER__TOPIC": env.topic,
+            "REAPER_ACKER__DEAD_LETTER_TOPIC": env.dlq,
+            "REAPER_ACKER__GROUP": f"bench-{uuid.uuid4().hex[:8]}",
+            "REAPER_LOGGING__FORMAT": "json",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harvester.cli", "run"],
+        cwd=REPO,
+        env=envvars,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assigned = threading.Event()
     lines: list[str] = []
 
@@ -173,8 +200,10 @@ def through_reaper(env: Env, expected: int, timeout: float = 900.0) -> dict:
 def update_per_ack(env: Env, ids: list[str], *, autocommit: bool = True) -> dict:
     """Baseline: one UPDATE per ack, each its own transaction (a consumer acking as it goes), or
     (autocommit=False) all in one transaction, which leaves out the commit per ack."""
-    q = (f'UPDATE "{env.schema}".batch_group SET bits = set_bit(bits, %s, 0), pending = pending - get_bit(bits, %s) '
-         f'WHERE batch_id = %s AND id = %s')
+    q = (
+        f'UPDATE "{env.schema}".batch_group SET bits = set_bit(bits, %s, 0), pending = pending - get_bit(bits, %s) '
+        f"WHERE batch_id = %s AND id = %s"
+    )
     with psycopg.connect(DSN, autocommit=autocommit) as c:
         started = time.perf_counter()
         for i in ids:
@@ -216,20 +245,28 @@ def main(argv: list[str] | None = None) -> int:
         sample = make_batches(env, 2 * GROUP_BITS_MAX)
         base = update_per_ack(env, sample[:n_sample])
         say(f"update_per_ack (commit each): {base}")
-        one_txn = update_per_ack(env, sample[n_sample:n_sample * 5], autocommit=False)
+        one_txn = update_per_ack(env, sample[n_sample : n_sample * 5], autocommit=False)
         say(f"update_per_ack (one transaction): {one_txn}")
     finally:
         env.close()
     out = {
-        "bench": "acks", "quick": args.quick, "partitions": PARTITIONS,
-        "single_id": single, "run_form": runs, "packed_shuffled": packed, "update_per_ack": base, "update_per_ack_one_txn": one_txn,
-        "single_id_acks_per_s": single["acks_per_s"], "run_form_acks_per_s": runs["acks_per_s"],
+        "bench": "acks",
+        "quick": args.quick,
+        "partitions": PARTITIONS,
+        "single_id": single,
+        "run_form": runs,
+        "packed_shuffled": packed,
+        "update_per_ack": base,
+        "update_per_ack_one_txn": one_txn,
+        "single_id_acks_per_s": single["acks_per_s"],
+        "run_form_acks_per_s": runs["acks_per_s"],
         "packed_shuffled_acks_per_s": packed["acks_per_s"],
         "update_per_ack_acks_per_s": base["acks_per_s"],
         "ratio_single_id_vs_update": round(single["acks_per_s"] / base["acks_per_s"], 1),
         "ratio_run_form_vs_update": round(runs["acks_per_s"] / base["acks_per_s"], 1),
         "ratio_single_id_vs_update_one_txn": round(single["acks_per_s"] / one_txn["acks_per_s"], 1),
-        "target_acks_per_s": TARGET, "run_form_meets_target": runs["acks_per_s"] >= TARGET,
+        "target_acks_per_s": TARGET,
+        "run_form_meets_target": runs["acks_per_s"] >= TARGET,
         "single_id_meets_target": single["acks_per_s"] >= TARGET,
         "note": "shared 2-core machine: Postgres, Kafka, the reaper and the producer on the same cores",
     }

@@ -8,6 +8,7 @@ a monitor samples pg_stat_activity every 20 ms. Measured for the locking path be
 one after the other in the same run, with a tracker.settler.Settler running as in `reaper run`.
 Reports items/s and the share of the workers' samples spent in Lock waits.
 """
+
 from __future__ import annotations
 
 import collections
@@ -61,14 +62,19 @@ def measure(path: str, workers: int, schema: str) -> dict:
     waits: collections.Counter = collections.Counter()
     with psycopg.connect(DSN, autocommit=True) as m:
         while any(t.is_alive() for t in threads):
-            for (event,) in m.execute("SELECT coalesce(wait_event_type, 'cpu') FROM pg_stat_activity "
-                                      "WHERE application_name = %s", [app]).fetchall():
+            for (event,) in m.execute(
+                "SELECT coalesce(wait_event_type, 'cpu') FROM pg_stat_activity WHERE application_name = %s", [app]
+            ).fetchall():
                 waits[event] += 1
             time.sleep(0.02)
     elapsed = time.monotonic() - started
     total = sum(waits.values()) or 1
-    return {"workers": workers, "items_per_s": round(400 / elapsed, 1),
-            "lock_wait_share": round(waits["Lock"] / total, 3), "samples": dict(waits)}
+    return {
+        "workers": workers,
+        "items_per_s": round(400 / elapsed, 1),
+        "lock_wait_share": round(waits["Lock"] / total, 3),
+        "samples": dict(waits),
+    }
 
 
 def main(argv: list[str]) -> int:

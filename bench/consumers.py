@@ -21,6 +21,7 @@ caller's transaction (batch rows locked until commit: the behaviour before issue
 before/after pair can be measured in one run (`--path both`). The machine is shared: compare
 ratios measured in the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -188,13 +189,17 @@ def exactly_once_scenario(env: Env, path: str, workers: int, n: int = 400) -> di
     with psycopg.connect(DSN) as c:
         rows, distinct = c.execute(
             f'SELECT count(*), count(DISTINCT item) FROM "{env.schema}".bench_effect WHERE item LIKE %s',
-            [f"{batch_id}:%"]).fetchone()
-        state, pending = c.execute(f'SELECT state, pending FROM "{env.schema}".batch WHERE id = %s',
-                                   [batch_id]).fetchone()
+            [f"{batch_id}:%"],
+        ).fetchone()
+        state, pending = c.execute(
+            f'SELECT state, pending FROM "{env.schema}".batch WHERE id = %s', [batch_id]
+        ).fetchone()
     ok = done == n and rows == n and distinct == n and state == "complete" and pending == 0
     if not ok:
-        raise RuntimeError(f"exactly_once {path} x{workers}: done {done}, effects {rows} ({distinct} distinct), "
-                           f"state {state}, pending {pending}")
+        raise RuntimeError(
+            f"exactly_once {path} x{workers}: done {done}, effects {rows} ({distinct} distinct), "
+            f"state {state}, pending {pending}"
+        )
     return {"workers": workers, "items": n, "seconds": round(elapsed, 3), "items_per_s": round(n / elapsed, 1)}
 
 
@@ -248,8 +253,14 @@ def completion_scenario(env: Env, path: str, workers: int = 16, batches: int = 6
         raise RuntimeError(f"completion {path}: {len(last)} batches acked, {len(seen)} completion rows seen")
     lat = sorted(max(0.0, seen[b] - last[b]) * 1000 for b in last)
     p99 = lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))]
-    return {"batches": batches, "items_per_batch": per_batch, "p50_ms": round(statistics.median(lat), 2),
-            "p99_ms": round(p99, 2), "max_ms": round(lat[-1], 2), "acks_per_s": round(len(ids) / elapsed)}
+    return {
+        "batches": batches,
+        "items_per_batch": per_batch,
+        "p50_ms": round(statistics.median(lat), 2),
+        "p99_ms": round(p99, 2),
+        "max_ms": round(lat[-1], 2),
+        "acks_per_s": round(len(ids) / elapsed),
+    }
 
 
 def consumer_figures(path: str, quick: bool) -> dict:
@@ -277,7 +288,9 @@ def consumer_figures(path: str, quick: bool) -> dict:
         "exactly_once": {str(w): r["items_per_s"] for w, r in eo.items()},
         "exactly_once_16_vs_1": round(eo[16]["items_per_s"] / eo[1]["items_per_s"], 2),
         "single_acks_16_per_s": acks["acks_per_s"],
-        "completion_p50_ms": comp["p50_ms"], "completion_p99_ms": comp["p99_ms"], "completion_max_ms": comp["max_ms"],
+        "completion_p50_ms": comp["p50_ms"],
+        "completion_p99_ms": comp["p99_ms"],
+        "completion_max_ms": comp["max_ms"],
         "detail": {"exactly_once": eo, "single_acks": acks, "completion": comp},
     }
 
@@ -285,14 +298,22 @@ def consumer_figures(path: str, quick: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="shorter runs, for development")
-    ap.add_argument("--path", choices=["library", "direct", "both"], default="library",
-                    help="library: tracker.ack / tracker.exactly_once as shipped; direct: the locking "
-                         "apply_masks path in the caller's transaction (the behaviour before issue 12)")
+    ap.add_argument(
+        "--path",
+        choices=["library", "direct", "both"],
+        default="library",
+        help="library: tracker.ack / tracker.exactly_once as shipped; direct: the locking "
+        "apply_masks path in the caller's transaction (the behaviour before issue 12)",
+    )
     ap.add_argument("--acker", type=int, default=1_000_000, help="single-id acks through the reaper's acker (0: skip)")
     args = ap.parse_args(argv)
     load = os.getloadavg()
-    out: dict = {"bench": "consumers", "quick": args.quick, "effect_ms": EFFECT_SECONDS * 1000,
-                 "loadavg_start": [round(x, 2) for x in load]}
+    out: dict = {
+        "bench": "consumers",
+        "quick": args.quick,
+        "effect_ms": EFFECT_SECONDS * 1000,
+        "loadavg_start": [round(x, 2) for x in load],
+    }
     paths = ["direct", "library"] if args.path == "both" else [args.path]
     for path in paths:
         out[path] = consumer_figures(path, args.quick)
@@ -304,8 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         out["acker_single_id"] = single
     if args.path == "both":
         d, lib = out["direct"], out["library"]
-        out["ratio_exactly_once_16_library_vs_direct"] = round(
-            lib["exactly_once"]["16"] / d["exactly_once"]["16"], 2)
+        out["ratio_exactly_once_16_library_vs_direct"] = round(lib["exactly_once"]["16"] / d["exactly_once"]["16"], 2)
         out["ratio_single_acks_library_vs_direct"] = round(lib["single_acks_16_per_s"] / d["single_acks_16_per_s"], 2)
     main_path = out[paths[-1]]
     out["goals"] = {

@@ -14,6 +14,7 @@ Against the local Postgres and Kafka (OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP, else th
                (private service instances; bench/harvest_recovery.py)
 The machine is shared (2 cores, Postgres and Kafka beside the benchmark): compare ratios, not absolutes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,8 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from harvester import config as config_mod
 from harvester import logs
-from harvester.units import Harvester
 from harvester.run import tune_gc
+from harvester.units import Harvester
 from tracker import schema as schema_mod
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,18 +61,34 @@ class Env:
         self.admin = AdminClient({"bootstrap.servers": BOOTSTRAP})
         self.topic = f"bench-{uuid.uuid4().hex[:10]}"
         self.leader_topic = f"bench-leader-{uuid.uuid4().hex[:10]}"
-        fs = self.admin.create_topics([NewTopic(self.topic, num_partitions=partitions, replication_factor=1),
-                                       NewTopic(self.leader_topic, num_partitions=1, replication_factor=1)])
+        fs = self.admin.create_topics(
+            [
+                NewTopic(self.topic, num_partitions=partitions, replication_factor=1),
+                NewTopic(self.leader_topic, num_partitions=1, replication_factor=1),
+            ]
+        )
         for f in fs.values():
             f.result(30)
         self.group = f"bench-{uuid.uuid4().hex[:10]}"
 
     def config(self, **harvester) -> config_mod.Config:
-        h = {"leader_topic": self.leader_topic, "leader_group": self.group, "heartbeat_timeout": 2.0,
-             "session_timeout": 6.0, **harvester}
-        return config_mod.load(None, environ={}, overrides={
-            "database": {"dsn": DSN, "schema": self.schema}, "kafka": {"bootstrap_servers": BOOTSTRAP},
-            "harvester": h, "metrics": {"enabled": False}})
+        h = {
+            "leader_topic": self.leader_topic,
+            "leader_group": self.group,
+            "heartbeat_timeout": 2.0,
+            "session_timeout": 6.0,
+            **harvester,
+        }
+        return config_mod.load(
+            None,
+            environ={},
+            overrides={
+                "database": {"dsn": DSN, "schema": self.schema},
+                "kafka": {"bootstrap_servers": BOOTSTRAP},
+                "harvester": h,
+                "metrics": {"enabled": False},
+            },
+        )
 
     def count(self) -> int:
         with psycopg.connect(DSN) as c:
@@ -89,11 +106,19 @@ class Env:
 
 def prefill(env: Env, n: int, keys: int) -> None:
     with psycopg.connect(DSN) as conn:
-        with conn.cursor().copy(f'COPY "{env.schema}".outbox (topic, key, value, header_keys, header_values) '
-                                "FROM STDIN") as cp:
+        with conn.cursor().copy(
+            f'COPY "{env.schema}".outbox (topic, key, value, header_keys, header_values) FROM STDIN'
+        ) as cp:
             for i in range(n):
-                cp.write_row((env.topic, b"key-%d" % (i % keys), VALUE, ["item-id", "batch-id"],
-                              [b"1:%d:%d" % (i // 8192, i % 8192), b"1"]))
+                cp.write_row(
+                    (
+                        env.topic,
+                        b"key-%d" % (i % keys),
+                        VALUE,
+                        ["item-id", "batch-id"],
+                        [b"1:%d:%d" % (i // 8192, i % 8192), b"1"],
+                    )
+                )
         conn.commit()
         conn.autocommit = True
         conn.execute(f'VACUUM ANALYZE "{env.schema}".outbox')
@@ -118,8 +143,10 @@ def harvest_all(env: Env, n: int, **harvester) -> dict:
 def naive_relay(env: Env, sample: int) -> dict:
     """One row at a time: SELECT ... FOR UPDATE SKIP LOCKED, produce, flush, DELETE, COMMIT."""
     producer = Producer({"bootstrap.servers": BOOTSTRAP, "enable.idempotence": True, "linger.ms": 0})
-    q = (f'SELECT id, topic, key, value, header_keys, header_values FROM "{env.schema}".outbox '
-         "ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED")
+    q = (
+        f'SELECT id, topic, key, value, header_keys, header_values FROM "{env.schema}".outbox '
+        "ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED"
+    )
     d = f'DELETE FROM "{env.schema}".outbox WHERE id = %s'
     with psycopg.connect(DSN) as conn:
         started = time.perf_counter()
@@ -144,8 +171,11 @@ def bench_throughput(n: int, naive_sample: int, **harvester) -> dict:
         say(f"throughput: harvesting {left} rows")
         fast = harvest_all(env, left, **harvester)
         assert env.count() == 0
-        return {"reaper": fast, "naive_relay": naive,
-                "ratio_vs_naive": round(fast["records_per_s"] / naive["records_per_s"], 1)}
+        return {
+            "reaper": fast,
+            "naive_relay": naive,
+            "ratio_vs_naive": round(fast["records_per_s"] / naive["records_per_s"], 1),
+        }
     finally:
         env.drop()
 
@@ -205,10 +235,18 @@ def bench_sustained(seconds: float, window: float, rate: float, vacuum_interval:
         end = samples[-1][0]
         first, last = rate_between(0, window), rate_between(end - window, end)
         backlog = env.count()
-        return {"seconds": round(end, 1), "window_s": window, "offered_per_s": rate, "offered_rows": offered,
-                "first_window_per_s": round(first), "last_window_per_s": round(last),
-                "ratio_last_first": round(last / first, 3) if first else None, "backlog_at_end": backlog,
-                "vacuum_interval_s": vacuum_interval, "vacuums": h.vacuums}
+        return {
+            "seconds": round(end, 1),
+            "window_s": window,
+            "offered_per_s": rate,
+            "offered_rows": offered,
+            "first_window_per_s": round(first),
+            "last_window_per_s": round(last),
+            "ratio_last_first": round(last / first, 3) if first else None,
+            "backlog_at_end": backlog,
+            "vacuum_interval_s": vacuum_interval,
+            "vacuums": h.vacuums,
+        }
     finally:
         h.stop(10)
         env.drop()
@@ -221,6 +259,7 @@ def bench_latency(seconds: float, rate: float, **harvester) -> dict:
     try:
         while not h.leading:
             time.sleep(0.01)
+
         class Stamped(collections.deque):
             """The publisher's settle queue, stamping each acknowledged row as it enters: straight
             from its delivery report, or (harvester.transactional_id) when its transaction commits."""
@@ -240,8 +279,10 @@ def bench_latency(seconds: float, rate: float, **harvester) -> dict:
         h.publisher.settler.reports = Stamped()  # nothing has been produced yet
         committed: dict[int, float] = {}
         per_txn = 10
-        ins = (f'INSERT INTO "{env.schema}".outbox (topic, key, value) '
-               "SELECT %s, convert_to('key-' || (g %% 1000), 'UTF8'), %s FROM generate_series(1, %s) g RETURNING id")
+        ins = (
+            f'INSERT INTO "{env.schema}".outbox (topic, key, value) '
+            "SELECT %s, convert_to('key-' || (g %% 1000), 'UTF8'), %s FROM generate_series(1, %s) g RETURNING id"
+        )
         with psycopg.connect(DSN) as conn:
             started = time.monotonic()
             sent = 0
@@ -261,14 +302,26 @@ def bench_latency(seconds: float, rate: float, **harvester) -> dict:
             time.sleep(0.05)
         lat = sorted(acked[i] - committed[i] for i in committed if i in acked)
         q = statistics.quantiles(lat, n=100)
-        out = {"offered_per_s": rate, "records": len(committed), "acknowledged": len(lat),
-               "p50_ms": round(q[49] * 1000, 2), "p99_ms": round(q[98] * 1000, 2), "max_ms": round(lat[-1] * 1000, 2)}
+        out = {
+            "offered_per_s": rate,
+            "records": len(committed),
+            "acknowledged": len(lat),
+            "p50_ms": round(q[49] * 1000, 2),
+            "p99_ms": round(q[98] * 1000, 2),
+            "max_ms": round(lat[-1] * 1000, 2),
+        }
         strategy = h.publisher.strategy
         if h.publisher.transactional and len(strategy.commit_seconds) >= 2:
             c = statistics.quantiles(strategy.commit_seconds, n=100)
-            out.update({"transactions": strategy.committed, "aborted": strategy.aborted,
-                        "records_per_transaction": round(strategy.records_committed / max(1, strategy.committed), 1),
-                        "commit_p50_ms": round(c[49] * 1000, 2), "commit_p99_ms": round(c[98] * 1000, 2)})
+            out.update(
+                {
+                    "transactions": strategy.committed,
+                    "aborted": strategy.aborted,
+                    "records_per_transaction": round(strategy.records_committed / max(1, strategy.committed), 1),
+                    "commit_p50_ms": round(c[49] * 1000, 2),
+                    "commit_p99_ms": round(c[98] * 1000, 2),
+                }
+            )
         return out
     finally:
         h.stop(10)
@@ -280,22 +333,34 @@ def bench_fenced(seconds: float, rate: float, rounds: int = 2, **harvester) -> d
     plain, fenced = [], []
     for _ in range(rounds):
         plain.append(bench_latency(seconds, rate, **harvester))
-        fenced.append(bench_latency(seconds, rate, **{**harvester, "transactional_id": f"bench-{uuid.uuid4().hex[:8]}"}))
+        fenced.append(
+            bench_latency(seconds, rate, **{**harvester, "transactional_id": f"bench-{uuid.uuid4().hex[:8]}"})
+        )
     return {"unfenced": plain, "fenced": fenced, "goal_fenced_p99_ms": 25}
 
 
 def _spawn(env: Env, name: str, session: float, heartbeat: float) -> tuple[subprocess.Popen, Path]:
     log = Path(f"/tmp/bench-harvest-{env.group}-{name}.log")
     full = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
-    full.update({"REAPER_DATABASE__DSN": DSN, "REAPER_DATABASE__SCHEMA": env.schema,
-                 "REAPER_KAFKA__BOOTSTRAP_SERVERS": BOOTSTRAP, "REAPER_HARVESTER__LEADER_TOPIC": env.leader_topic,
-                 "REAPER_HARVESTER__LEADER_GROUP": env.group, "REAPER_HARVESTER__SESSION_TIMEOUT": str(session),
-                 "REAPER_HARVESTER__HEARTBEAT_TIMEOUT": str(heartbeat), "REAPER_ACKER__ENABLED": "false",
-                 "REAPER_SWEEPER__ENABLED": "false", "REAPER_METRICS__ENABLED": "false",
-                 "REAPER_LOGGING__FORMAT": "json"})
+    full.update(
+        {
+            "REAPER_DATABASE__DSN": DSN,
+            "REAPER_DATABASE__SCHEMA": env.schema,
+            "REAPER_KAFKA__BOOTSTRAP_SERVERS": BOOTSTRAP,
+            "REAPER_HARVESTER__LEADER_TOPIC": env.leader_topic,
+            "REAPER_HARVESTER__LEADER_GROUP": env.group,
+            "REAPER_HARVESTER__SESSION_TIMEOUT": str(session),
+            "REAPER_HARVESTER__HEARTBEAT_TIMEOUT": str(heartbeat),
+            "REAPER_ACKER__ENABLED": "false",
+            "REAPER_SWEEPER__ENABLED": "false",
+            "REAPER_METRICS__ENABLED": "false",
+            "REAPER_LOGGING__FORMAT": "json",
+        }
+    )
     out = open(log, "wb")
-    return subprocess.Popen([sys.executable, "-m", "harvester.cli", "run"], cwd=REPO, env=full, stdout=out,
-                            stderr=subprocess.STDOUT), log
+    return subprocess.Popen(
+        [sys.executable, "-m", "harvester.cli", "run"], cwd=REPO, env=full, stdout=out, stderr=subprocess.STDOUT
+    ), log
 
 
 def _is_leader(log: Path) -> bool:
@@ -329,8 +394,9 @@ def bench_failover(sig: int, session: float, heartbeat: float, rate: float = 500
         b, blog = _spawn(env, "b", session, heartbeat)
         procs.append(b)
         time.sleep(3)
-        consumer = Consumer({"bootstrap.servers": BOOTSTRAP, "group.id": f"r-{uuid.uuid4().hex}",
-                             "enable.auto.commit": False})
+        consumer = Consumer(
+            {"bootstrap.servers": BOOTSTRAP, "group.id": f"r-{uuid.uuid4().hex}", "enable.auto.commit": False}
+        )
         consumer.assign([TopicPartition(env.topic, 0, 0)])
 
         def consume() -> None:
@@ -343,8 +409,10 @@ def bench_failover(sig: int, session: float, heartbeat: float, rate: float = 500
         def write() -> None:
             with psycopg.connect(DSN) as conn:
                 while not stop.is_set():
-                    conn.execute(f'INSERT INTO "{env.schema}".outbox (topic, key, value) VALUES (%s, %s, %s)',
-                                 [env.topic, b"k", VALUE])
+                    conn.execute(
+                        f'INSERT INTO "{env.schema}".outbox (topic, key, value) VALUES (%s, %s, %s)',
+                        [env.topic, b"k", VALUE],
+                    )
                     conn.commit()
                     time.sleep(1 / rate)
 
@@ -366,9 +434,13 @@ def bench_failover(sig: int, session: float, heartbeat: float, rate: float = 500
         around = [t for t in arrivals if t >= signalled - 1]
         gap = max((y - x for x, y in zip(around, around[1:])), default=None)
         normal = [y - x for x, y in zip(arrivals, arrivals[1:]) if y < signalled - 1]
-        return {"signal": signal.Signals(sig).name, "session_timeout_s": session, "heartbeat_timeout_s": heartbeat,
-                "gap_s": round(gap, 3) if gap is not None else None,
-                "normal_largest_pause_s": round(max(normal), 3) if normal else None}
+        return {
+            "signal": signal.Signals(sig).name,
+            "session_timeout_s": session,
+            "heartbeat_timeout_s": heartbeat,
+            "gap_s": round(gap, 3) if gap is not None else None,
+            "normal_largest_pause_s": round(max(normal), 3) if normal else None,
+        }
     finally:
         stop.set()
         for p in procs:
@@ -384,14 +456,27 @@ def bench_failover(sig: int, session: float, heartbeat: float, rate: float = 500
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes and short windows (development)")
-    ap.add_argument("--only", choices=["throughput", "hot_key", "sustained", "latency", "failover", "recovery", "units", "fenced"], action="append")
+    ap.add_argument(
+        "--only",
+        choices=["throughput", "hot_key", "sustained", "latency", "failover", "recovery", "units", "fenced"],
+        action="append",
+    )
     ap.add_argument("--sustained-rate", type=float, default=20000.0, help="rows/s the writer offers")
     ap.add_argument("--sustained-seconds", type=float, help="override the sustained run's length")
-    ap.add_argument("--vacuum-interval", type=float, default=2.0,
-                    help="harvester.vacuum_interval for the sustained run (0 = autovacuum only)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a harvester.KEY for the in-process reaper of throughput, hot_key, sustained and latency "
-                         "(e.g. --set mark_batch=10000); repeatable")
+    ap.add_argument(
+        "--vacuum-interval",
+        type=float,
+        default=2.0,
+        help="harvester.vacuum_interval for the sustained run (0 = autovacuum only)",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a harvester.KEY for the in-process reaper of throughput, hot_key, sustained and latency "
+        "(e.g. --set mark_batch=10000); repeatable",
+    )
     args = ap.parse_args(argv)
     overrides = {}
     for item in args.set:
@@ -402,13 +487,24 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure("json", "warning")
     tune_gc()  # the in-process reapers run with the process settings of `reaper run`
     q = args.quick
-    want = set(args.only or ["throughput", "hot_key", "sustained", "latency", "failover", "recovery", "units",
-                              "fenced"])
-    result: dict = {"benchmark": "harvest", "quick": q, "harvester_overrides": overrides, "machine": "shared 2-core host, Postgres and Kafka local",
-                    "targets": {"records_per_s": 50000, "hot_key_records_per_s": 5000, "sustained_ratio": 0.8,
-                                "latency_p99_ms": 50, "sigterm_handover_s": 2.0,
-                                "sigkill_failover_s": "session_timeout + 2",
-                                "recovery_gap_s": {"postgres": 1.0, "kafka": 3.0}}}
+    want = set(
+        args.only or ["throughput", "hot_key", "sustained", "latency", "failover", "recovery", "units", "fenced"]
+    )
+    result: dict = {
+        "benchmark": "harvest",
+        "quick": q,
+        "harvester_overrides": overrides,
+        "machine": "shared 2-core host, Postgres and Kafka local",
+        "targets": {
+            "records_per_s": 50000,
+            "hot_key_records_per_s": 5000,
+            "sustained_ratio": 0.8,
+            "latency_p99_ms": 50,
+            "sigterm_handover_s": 2.0,
+            "sigkill_failover_s": "session_timeout + 2",
+            "recovery_gap_s": {"postgres": 1.0, "kafka": 3.0},
+        },
+    }
     if "throughput" in want:
         result["throughput"] = bench_throughput(100_000 if q else 500_000, 300 if q else 1000, **overrides)
         say(json.dumps(result["throughput"]))
@@ -425,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         say(json.dumps(result["failover_sigkill"]))
     if "units" in want:
         from bench.harvest_units import bench_units
+
         result["units"] = bench_units(DSN, BOOTSTRAP, 100_000 if q else 300_000, rounds=1 if q else 2)
         say(json.dumps(result["units"]))
     if "fenced" in want:
@@ -432,11 +529,17 @@ def main(argv: list[str] | None = None) -> int:
         say(json.dumps(result["fenced"]))
     if "recovery" in want:
         from bench.harvest_recovery import bench_recovery
+
         result["recovery"] = bench_recovery(DSN, BOOTSTRAP)
         say(json.dumps(result["recovery"]))
     if "sustained" in want:
-        result["sustained"] = bench_sustained(args.sustained_seconds or (60 if q else 630), 15 if q else 60,
-                                              args.sustained_rate, args.vacuum_interval, **overrides)
+        result["sustained"] = bench_sustained(
+            args.sustained_seconds or (60 if q else 630),
+            15 if q else 60,
+            args.sustained_rate,
+            args.vacuum_interval,
+            **overrides,
+        )
         say(json.dumps(result["sustained"]))
     print(json.dumps(result))
     return 0

@@ -5,6 +5,7 @@ connections again (a reaper subprocess; PRIVATE service instances, never the sha
 The gap is measured by tests/support/recovery.resume_gap: from the moment the service answers to
 the purge of the lowest row waiting then (a purge needs Kafka's acknowledgement and the database).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,14 +26,26 @@ from tracker import schema as schema_mod
 def _topics(bootstrap: str) -> tuple[str, str]:
     admin = AdminClient({"bootstrap.servers": bootstrap})
     topic, leader = f"bench-rec-{uuid.uuid4().hex[:8]}", f"bench-rec-leader-{uuid.uuid4().hex[:8]}"
-    for f in admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=1),
-                                  NewTopic(leader, num_partitions=1, replication_factor=1)]).values():
+    for f in admin.create_topics(
+        [
+            NewTopic(topic, num_partitions=3, replication_factor=1),
+            NewTopic(leader, num_partitions=1, replication_factor=1),
+        ]
+    ).values():
         f.result(30)
     return topic, leader
 
 
-def _one(which: str, dsn: str, bootstrap: str, session: float, heartbeat: float, outage: float,
-         log_dir: Path, pause: bool = False) -> dict:
+def _one(
+    which: str,
+    dsn: str,
+    bootstrap: str,
+    session: float,
+    heartbeat: float,
+    outage: float,
+    log_dir: Path,
+    pause: bool = False,
+) -> dict:
     svc = PrivateServices()
     try:
         svc.up(only=which)
@@ -43,9 +56,18 @@ def _one(which: str, dsn: str, bootstrap: str, session: float, heartbeat: float,
         schema = f"bench_rec_{uuid.uuid4().hex[:8]}"
         schema_mod.migrate(dsn, schema)
         topic, leader = _topics(bootstrap)
-        cfg = make_config(dsn, schema, bootstrap, leader_topic=leader,
-                          harvester={"session_timeout": session, "heartbeat_timeout": heartbeat,
-                                     "mark_batch": 500, "max_in_flight": 2000})
+        cfg = make_config(
+            dsn,
+            schema,
+            bootstrap,
+            leader_topic=leader,
+            harvester={
+                "session_timeout": session,
+                "heartbeat_timeout": heartbeat,
+                "mark_batch": 500,
+                "max_in_flight": 2000,
+            },
+        )
         gen = Generator(dsn, schema, topic, keys=30, per_txn=10).start(rate_per_s=500)
         reaper = ReaperProcess(env_for(cfg), log_dir / f"bench-recovery-{which}-{schema}.log")
         try:
@@ -66,8 +88,15 @@ def _one(which: str, dsn: str, bootstrap: str, session: float, heartbeat: float,
                 svc.up(only=which)
             answered = time.monotonic()
             gap = resume_gap(dsn, schema, answered, timeout=120)
-            return {"service": which, "how": "SIGSTOP/SIGCONT" if pause else "restart", "outage_s": outage, "start_s": round(answered - began, 3),
-                    "session_timeout_s": session, "heartbeat_timeout_s": heartbeat, "gap_s": round(gap, 3)}
+            return {
+                "service": which,
+                "how": "SIGSTOP/SIGCONT" if pause else "restart",
+                "outage_s": outage,
+                "start_s": round(answered - began, 3),
+                "session_timeout_s": session,
+                "heartbeat_timeout_s": heartbeat,
+                "gap_s": round(gap, 3),
+            }
         finally:
             gen.stop()
             reaper.terminate(30)
@@ -82,6 +111,8 @@ def bench_recovery(dsn: str, bootstrap: str, log_dir: Path = Path("/tmp")) -> di
     A Kafka restart that outlasts the session (a JVM start here takes longer than 6 s) leaves the
     old group membership on the coordinator until its session expires; a broker frozen for less
     than the session (kafka_pause) measures reconnection alone."""
-    return {"postgres": _one("postgres", dsn, bootstrap, 6.0, 2.0, 4.0, log_dir),
-            "kafka_pause": _one("kafka", dsn, bootstrap, 6.0, 2.0, 3.0, log_dir, pause=True),
-            "kafka": _one("kafka", dsn, bootstrap, 6.0, 2.0, 4.0, log_dir)}
+    return {
+        "postgres": _one("postgres", dsn, bootstrap, 6.0, 2.0, 4.0, log_dir),
+        "kafka_pause": _one("kafka", dsn, bootstrap, 6.0, 2.0, 3.0, log_dir, pause=True),
+        "kafka": _one("kafka", dsn, bootstrap, 6.0, 2.0, 4.0, log_dir),
+    }

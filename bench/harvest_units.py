@@ -7,6 +7,7 @@ to empty outbox. CPU is the reapers' user + system time (from /proc) over the sa
 record: it projects what more cores would give, since this shared 2-core machine also runs
 Postgres and Kafka.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,23 +49,44 @@ def _run(dsn: str, bootstrap: str, n: int, reapers: int, lanes: int, partitions:
     schema_mod.migrate(dsn, schema)
     admin = AdminClient({"bootstrap.servers": bootstrap})
     topic, leader = f"bench-units-{uuid.uuid4().hex[:8]}", f"bench-units-leader-{uuid.uuid4().hex[:8]}"
-    for f in admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1),
-                                  NewTopic(leader, num_partitions=lanes, replication_factor=1)]).values():
+    for f in admin.create_topics(
+        [
+            NewTopic(topic, num_partitions=partitions, replication_factor=1),
+            NewTopic(leader, num_partitions=lanes, replication_factor=1),
+        ]
+    ).values():
         f.result(30)
     env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
-    env.update({"REAPER_DATABASE__DSN": dsn, "REAPER_DATABASE__SCHEMA": schema,
-                "REAPER_KAFKA__BOOTSTRAP_SERVERS": bootstrap, "REAPER_HARVESTER__LEADER_TOPIC": leader,
-                "REAPER_HARVESTER__LEADER_GROUP": f"g-{leader}", "REAPER_HARVESTER__LANES": str(lanes),
-                "REAPER_HARVESTER__SESSION_TIMEOUT": "6", "REAPER_HARVESTER__HEARTBEAT_TIMEOUT": "2",
-                "REAPER_ACKER__ENABLED": "false", "REAPER_SWEEPER__ENABLED": "false",
-                "REAPER_METRICS__ENABLED": "false", "REAPER_LOGGING__FORMAT": "json"})
+    env.update(
+        {
+            "REAPER_DATABASE__DSN": dsn,
+            "REAPER_DATABASE__SCHEMA": schema,
+            "REAPER_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
+            "REAPER_HARVESTER__LEADER_TOPIC": leader,
+            "REAPER_HARVESTER__LEADER_GROUP": f"g-{leader}",
+            "REAPER_HARVESTER__LANES": str(lanes),
+            "REAPER_HARVESTER__SESSION_TIMEOUT": "6",
+            "REAPER_HARVESTER__HEARTBEAT_TIMEOUT": "2",
+            "REAPER_ACKER__ENABLED": "false",
+            "REAPER_SWEEPER__ENABLED": "false",
+            "REAPER_METRICS__ENABLED": "false",
+            "REAPER_LOGGING__FORMAT": "json",
+        }
+    )
     procs, logs = [], []
     try:
         for i in range(reapers):
             log = Path(f"/tmp/{schema}-{i}.log")
             out = open(log, "wb")
-            procs.append(subprocess.Popen([sys.executable, "-m", "harvester.cli", "run"], cwd=REPO, env=env,
-                                          stdout=out, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "harvester.cli", "run"],
+                    cwd=REPO,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
             logs.append(log)
             if i == 0:  # the first leads everything; the others then take their share
                 _wait(lambda: _units_led(logs[0]) == set(range(lanes)), 60, "the first reaper never led")
@@ -85,9 +107,15 @@ def _run(dsn: str, bootstrap: str, n: int, reapers: int, lanes: int, partitions:
                     raise RuntimeError("not drained after 900 s")
             elapsed = time.perf_counter() - started
             cpu = sum(_cpu_seconds(p.pid) for p in procs) - cpu0
-        return {"reapers": reapers, "lanes": lanes, "records": n, "seconds": round(elapsed, 3),
-                "records_per_s": round(n / elapsed), "reaper_cpu_s": round(cpu, 2),
-                "reaper_cpu_us_per_record": round(cpu / n * 1e6, 2)}
+        return {
+            "reapers": reapers,
+            "lanes": lanes,
+            "records": n,
+            "seconds": round(elapsed, 3),
+            "records_per_s": round(n / elapsed),
+            "reaper_cpu_s": round(cpu, 2),
+            "reaper_cpu_us_per_record": round(cpu / n * 1e6, 2),
+        }
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)

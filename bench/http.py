@@ -15,6 +15,7 @@ against the local Postgres (OUTBOX_TEST_DSN, else the local services) and measur
 
 The machine is shared (2 cores, Postgres and the client beside the server): compare the ratios.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,14 +58,28 @@ def _free_port() -> int:
 
 def start_server(schema: str, port: int, pool: int) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
-    env.update({"REAPER_DATABASE__DSN": DSN, "REAPER_DATABASE__SCHEMA": schema, "REAPER_HTTP__TOKENS": TOKEN,
-                "REAPER_HTTP__PORT": str(port), "REAPER_HTTP__RATE_LIMIT": "0", "REAPER_HTTP__POOL_SIZE": str(pool),
-                "REAPER_HTTP__MAX_BODY_BYTES": str(64 * 1024 * 1024), "REAPER_LOGGING__LEVEL": "warning",
-                "REAPER_LOGGING__FORMAT": "json"})
+    env.update(
+        {
+            "REAPER_DATABASE__DSN": DSN,
+            "REAPER_DATABASE__SCHEMA": schema,
+            "REAPER_HTTP__TOKENS": TOKEN,
+            "REAPER_HTTP__PORT": str(port),
+            "REAPER_HTTP__RATE_LIMIT": "0",
+            "REAPER_HTTP__POOL_SIZE": str(pool),
+            "REAPER_HTTP__MAX_BODY_BYTES": str(64 * 1024 * 1024),
+            "REAPER_LOGGING__LEVEL": "warning",
+            "REAPER_LOGGING__FORMAT": "json",
+        }
+    )
     log = REPO / "bench" / "results" / "http-server.log"  # warnings and errors only
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "harvester.cli", "serve"], cwd=REPO, env=env,
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harvester.cli", "serve"],
+        cwd=REPO,
+        env=env,
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -139,12 +154,13 @@ def _expect(r: httpx.Response) -> httpx.Response:
 
 async def http_scenarios(url: str, a: argparse.Namespace) -> dict:
     limits = httpx.Limits(max_connections=max(a.concurrency, a.bulk_concurrency) + 4)
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120, limits=limits
+    ) as client:
         out: dict = {}
         # bulk acks: pre-encoded bodies of --ids fresh ids each
         _, ids = await _batch_with(client, a.bulk_requests * a.ids)
-        bodies = [json.dumps({"ids": ids[i:i + a.ids]}).encode() for i in range(0, len(ids), a.ids)]
+        bodies = [json.dumps({"ids": ids[i : i + a.ids]}).encode() for i in range(0, len(ids), a.ids)]
         say(f"bulk_ack: {len(bodies)} requests of {a.ids} ids, {a.bulk_concurrency} in flight")
         acked = 0
 
@@ -155,9 +171,14 @@ async def http_scenarios(url: str, a: argparse.Namespace) -> dict:
 
         elapsed, lat = await _run_closed_loop(bodies, a.bulk_concurrency, send_bulk)
         assert acked == len(ids), (acked, len(ids))
-        out["bulk_ack"] = {"acks_per_s": round(acked / elapsed), "requests": len(bodies), "ids_per_request": a.ids,
-                           "concurrency": a.bulk_concurrency, "p50_ms": round(_pct(lat, 0.5) * 1000, 1),
-                           "p99_ms": round(_pct(lat, 0.99) * 1000, 1)}
+        out["bulk_ack"] = {
+            "acks_per_s": round(acked / elapsed),
+            "requests": len(bodies),
+            "ids_per_request": a.ids,
+            "concurrency": a.bulk_concurrency,
+            "p50_ms": round(_pct(lat, 0.5) * 1000, 1),
+            "p99_ms": round(_pct(lat, 0.99) * 1000, 1),
+        }
         say(f"bulk_ack: {out['bulk_ack']}")
 
         # single acks, closed loop, spread over --concurrency batches: acks of ONE batch serialise
@@ -165,15 +186,20 @@ async def http_scenarios(url: str, a: argparse.Namespace) -> dict:
         ids = []
         for _ in range(a.concurrency):
             ids.extend((await _batch_with(client, max(1, a.single_requests // a.concurrency)))[1])
-        ids = [x for pair in zip(*[ids[i::a.concurrency] for i in range(a.concurrency)]) for x in pair] or ids
+        ids = [x for pair in zip(*[ids[i :: a.concurrency] for i in range(a.concurrency)]) for x in pair] or ids
 
         async def send_one(item_id: str) -> None:
             _expect(await _post(client, f"/v1/acks/{item_id}"))
 
         elapsed, lat = await _run_closed_loop(ids, a.concurrency, send_one)
-        out["single_ack"] = {"requests_per_s": round(len(ids) / elapsed), "requests": len(ids),
-                             "concurrency": a.concurrency, "batches": a.concurrency,
-                             "p50_ms": round(_pct(lat, 0.5) * 1000, 2), "p99_ms": round(_pct(lat, 0.99) * 1000, 2)}
+        out["single_ack"] = {
+            "requests_per_s": round(len(ids) / elapsed),
+            "requests": len(ids),
+            "concurrency": a.concurrency,
+            "batches": a.concurrency,
+            "p50_ms": round(_pct(lat, 0.5) * 1000, 2),
+            "p99_ms": round(_pct(lat, 0.99) * 1000, 2),
+        }
         say(f"single_ack: {out['single_ack']}")
 
         # add items: one open batch per client task (adds to one batch serialise on its row)
@@ -190,8 +216,13 @@ async def http_scenarios(url: str, a: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         await asyncio.gather(*(adder(b, lat) for b in batches))
         elapsed = time.perf_counter() - t0
-        out["add_items"] = {"requests_per_s": round(len(lat) / elapsed), "requests": len(lat), "items_per_request": 100,
-                            "concurrency": a.concurrency, "p99_ms": round(_pct(lat, 0.99) * 1000, 2)}
+        out["add_items"] = {
+            "requests_per_s": round(len(lat) / elapsed),
+            "requests": len(lat),
+            "items_per_request": 100,
+            "concurrency": a.concurrency,
+            "p99_ms": round(_pct(lat, 0.99) * 1000, 2),
+        }
         say(f"add_items: {out['add_items']}")
 
         # latency at a stated load: single acks offered at a fixed rate, open loop, over as many
@@ -201,7 +232,7 @@ async def http_scenarios(url: str, a: argparse.Namespace) -> dict:
         ids = []
         for _ in range(a.concurrency):
             ids.extend((await _batch_with(client, max(1, n // a.concurrency)))[1])
-        ids = [x for pair in zip(*[ids[i::a.concurrency] for i in range(a.concurrency)]) for x in pair] or ids
+        ids = [x for pair in zip(*[ids[i :: a.concurrency] for i in range(a.concurrency)]) for x in pair] or ids
         n = len(ids)
         lat = []
         errors = 0
@@ -223,8 +254,14 @@ async def http_scenarios(url: str, a: argparse.Namespace) -> dict:
             tasks.append(asyncio.create_task(timed(item_id)))
         await asyncio.gather(*tasks)
         achieved = n / (time.perf_counter() - start)
-        out["at_load"] = {"offered_rps": round(rate, 1), "achieved_rps": round(achieved), "requests": n, "errors": errors,
-                          "p50_ms": round(_pct(lat, 0.5) * 1000, 2), "p99_ms": round(_pct(lat, 0.99) * 1000, 2)}
+        out["at_load"] = {
+            "offered_rps": round(rate, 1),
+            "achieved_rps": round(achieved),
+            "requests": n,
+            "errors": errors,
+            "p50_ms": round(_pct(lat, 0.5) * 1000, 2),
+            "p99_ms": round(_pct(lat, 0.99) * 1000, 2),
+        }
         say(f"at_load: {out['at_load']}")
         return out
 
@@ -236,16 +273,18 @@ def direct_baselines(schema: str, a: argparse.Namespace) -> dict:
         handles = t.add_items(conn, b, a.per_ack_sample + a.ids * 3)
         ids = [i for h in handles for i in h.item_ids]
         t0 = time.perf_counter()
-        for item_id in ids[:a.per_ack_sample]:
+        for item_id in ids[: a.per_ack_sample]:
             t.ack(conn, [item_id])
         per_ack = a.per_ack_sample / (time.perf_counter() - t0)
-        rest = ids[a.per_ack_sample:]
+        rest = ids[a.per_ack_sample :]
         t0 = time.perf_counter()
         for i in range(0, len(rest), a.ids):
-            t.ack(conn, rest[i:i + a.ids])
+            t.ack(conn, rest[i : i + a.ids])
         bulk = len(rest) / (time.perf_counter() - t0)
-    return {"per_ack_direct": {"acks_per_s": round(per_ack), "acks": a.per_ack_sample},
-            "bulk_direct": {"acks_per_s": round(bulk), "acks": len(rest), "ids_per_call": a.ids}}
+    return {
+        "per_ack_direct": {"acks_per_s": round(per_ack), "acks": a.per_ack_sample},
+        "bulk_direct": {"acks_per_s": round(bulk), "acks": len(rest), "ids_per_call": a.ids},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ Each round pre-fills a fresh outbox (directly) and harvests it with an in-proces
 DSN is either Postgres or PgBouncer (PGBOUNCER_DSN, else the local one on 56432); rounds alternate
 so that the shared machine's noise falls on both. Compare the ratio, not the absolutes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,10 +26,21 @@ PGBOUNCER_DSN = os.environ.get("PGBOUNCER_DSN", "postgresql://postgres@127.0.0.1
 
 
 def harvest(env: Env, dsn: str, n: int) -> float:
-    cfg = config_mod.load(None, environ={}, overrides={
-        "database": {"dsn": dsn, "schema": env.schema}, "kafka": {"bootstrap_servers": BOOTSTRAP},
-        "harvester": {"leader_topic": env.leader_topic, "leader_group": env.group, "heartbeat_timeout": 2.0,
-                      "session_timeout": 6.0}, "metrics": {"enabled": False}})
+    cfg = config_mod.load(
+        None,
+        environ={},
+        overrides={
+            "database": {"dsn": dsn, "schema": env.schema},
+            "kafka": {"bootstrap_servers": BOOTSTRAP},
+            "harvester": {
+                "leader_topic": env.leader_topic,
+                "leader_group": env.group,
+                "heartbeat_timeout": 2.0,
+                "session_timeout": 6.0,
+            },
+            "metrics": {"enabled": False},
+        },
+    )
     h = Harvester(cfg).start()
     try:
         while not h.leading:
@@ -62,10 +74,19 @@ def main(argv: list[str] | None = None) -> int:
             rates[name].append(rate)
             say(f"round {r}: {name} {rate:,.0f} records/s")
     direct, pooled = statistics.median(rates["direct"]), statistics.median(rates["pgbouncer"])
-    print(json.dumps({"benchmark": "pgbouncer", "records_per_round": n, "rounds": rounds,
-                      "direct_records_per_s": round(direct), "pgbouncer_records_per_s": round(pooled),
-                      "ratio_pgbouncer_to_direct": round(pooled / direct, 3),
-                      "all": {k: [round(v) for v in vs] for k, vs in rates.items()}}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "pgbouncer",
+                "records_per_round": n,
+                "rounds": rounds,
+                "direct_records_per_s": round(direct),
+                "pgbouncer_records_per_s": round(pooled),
+                "ratio_pgbouncer_to_direct": round(pooled / direct, 3),
+                "all": {k: [round(v) for v in vs] for k, vs in rates.items()},
+            }
+        )
+    )
     return 0
 
 

@@ -18,6 +18,7 @@ master in one run, so the ratios compare them:
 
 The machine is shared (2 cores: Spark, Postgres, Kafka and the benchmark); compare ratios.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,11 @@ class PeakRss(threading.Thread):
 
     def sample(self) -> None:
         me = os.getpid()
-        jvms = [p for p in descendants(me) if "java" in Path(f"/proc/{p}/comm").read_text(errors="replace")] \
-            if Path(f"/proc/{me}").exists() else []
+        jvms = (
+            [p for p in descendants(me) if "java" in Path(f"/proc/{p}/comm").read_text(errors="replace")]
+            if Path(f"/proc/{me}").exists()
+            else []
+        )
         values = {"driver_python": rss_mib(me), "driver_jvm": sum(rss_mib(p) for p in jvms)}
         execs = executor_pids(self.app_id)
         if execs:
@@ -98,17 +102,34 @@ def pending(conn: psycopg.Connection, schema: str, batch_id: int) -> int:
 
 def ids_df(spark, conn: psycopg.Connection, schema: str, batch_id: int, partitions: int):
     """One item id per row for every item of the batch, generated on the executors."""
-    groups = conn.execute(f'SELECT id, size FROM "{schema}".batch_group WHERE batch_id = %s ORDER BY id',
-                          [batch_id]).fetchall()
+    groups = conn.execute(
+        f'SELECT id, size FROM "{schema}".batch_group WHERE batch_id = %s ORDER BY id', [batch_id]
+    ).fetchall()
     gdf = spark.createDataFrame(groups, "g long, size int").repartition(partitions)
     return gdf.selectExpr("explode(sequence(0, size - 1)) AS i", "g").selectExpr(
-        f"concat('{batch_id}:', g, ':', i) AS item_id")
+        f"concat('{batch_id}:', g, ':', i) AS item_id"
+    )
 
 
-def run_master(label: str, master: str, python: str, *, n: int, parquet: str, partitions: int, schema: str,
-               jars: str, admin: AdminClient, checkpoints: str) -> dict:
-    conf = {"spark.sql.shuffle.partitions": str(partitions), "spark.default.parallelism": "4",
-            "spark.sql.execution.arrow.maxRecordsPerBatch": "20000", "spark.driver.memory": "1g"}
+def run_master(
+    label: str,
+    master: str,
+    python: str,
+    *,
+    n: int,
+    parquet: str,
+    partitions: int,
+    schema: str,
+    jars: str,
+    admin: AdminClient,
+    checkpoints: str,
+) -> dict:
+    conf = {
+        "spark.sql.shuffle.partitions": str(partitions),
+        "spark.default.parallelism": "4",
+        "spark.sql.execution.arrow.maxRecordsPerBatch": "20000",
+        "spark.driver.memory": "1g",
+    }
     spark = tspark.session(master, python=python, jars=jars, app_name=f"bench-spark-{label}", conf=conf)
     sampler = PeakRss(spark.sparkContext.applicationId)
     sampler.start()
@@ -117,8 +138,12 @@ def run_master(label: str, master: str, python: str, *, n: int, parquet: str, pa
     admin.create_topics([NewTopic(topic, num_partitions=4, replication_factor=1)])[topic].result(30)
     try:
         # warm-up (executors, Python workers and their imports), not timed
-        tspark.fan_out(spark.range(0, 20_000, numPartitions=4).selectExpr("CAST(id AS STRING) AS value"),
-                       dsn=DSN, topic="bench-warm-up", schema=schema)
+        tspark.fan_out(
+            spark.range(0, 20_000, numPartitions=4).selectExpr("CAST(id AS STRING) AS value"),
+            dsn=DSN,
+            topic="bench-warm-up",
+            schema=schema,
+        )
 
         sampler.phase = "fan_out"
         df = spark.read.parquet(parquet)
@@ -126,22 +151,39 @@ def run_master(label: str, master: str, python: str, *, n: int, parquet: str, pa
         result = tspark.fan_out(df, dsn=DSN, topic="bench-work", schema=schema, user_key=f"bench-{label}")
         seconds = time.perf_counter() - started
         assert result.items == n, result
-        out["fan_out"] = {"items": n, "groups": result.groups, "partitions": df.rdd.getNumPartitions(),
-                          "seconds": round(seconds, 2), "items_per_s": round(n / seconds)}
+        out["fan_out"] = {
+            "items": n,
+            "groups": result.groups,
+            "partitions": df.rdd.getNumPartitions(),
+            "seconds": round(seconds, 2),
+            "items_per_s": round(n / seconds),
+        }
         say(f"{label} fan_out: {out['fan_out']}")
 
         sampler.phase = "stream_ack"
         with psycopg.connect(DSN, autocommit=True) as watch:
             started = time.perf_counter()
-            (ids_df(spark, watch, schema, result.batch_id, partitions)
-             .selectExpr(f"'{result.batch_id}' AS key", "item_id AS value")
-             .write.format("kafka").option("kafka.bootstrap.servers", BOOTSTRAP).option("topic", topic)
-             .option("kafka.linger.ms", "20").option("kafka.compression.type", "lz4").save())
+            (
+                ids_df(spark, watch, schema, result.batch_id, partitions)
+                .selectExpr(f"'{result.batch_id}' AS key", "item_id AS value")
+                .write.format("kafka")
+                .option("kafka.bootstrap.servers", BOOTSTRAP)
+                .option("topic", topic)
+                .option("kafka.linger.ms", "20")
+                .option("kafka.compression.type", "lz4")
+                .save()
+            )
             say(f"{label} stream_ack: {n:,} ids written to Kafka by Spark in {time.perf_counter() - started:.1f}s")
             started = time.perf_counter()
-            query, totals = tspark.ack_stream(spark, bootstrap_servers=BOOTSTRAP, topic=topic, dsn=DSN, schema=schema,
-                                              checkpoint_location=os.path.join(checkpoints, label),
-                                              query_name=f"bench-{label}")
+            query, totals = tspark.ack_stream(
+                spark,
+                bootstrap_servers=BOOTSTRAP,
+                topic=topic,
+                dsn=DSN,
+                schema=schema,
+                checkpoint_location=os.path.join(checkpoints, label),
+                query_name=f"bench-{label}",
+            )
             try:
                 while pending(watch, schema, result.batch_id) > 0:
                     if query.exception() is not None:
@@ -153,11 +195,15 @@ def run_master(label: str, master: str, python: str, *, n: int, parquet: str, pa
             finally:
                 query.stop()
         p = totals.progress
-        out["stream_ack"] = {"acks": n, "micro_batches": p.batches, "seconds": round(seconds, 2),
-                             "acks_per_s": round(n / seconds),
-                             "steady_acks_per_s": round(p.input_rows / p.busy_seconds) if p.busy_seconds else None,
-                             "max_offsets_per_trigger": tspark.stream.DEFAULT_MAX_OFFSETS_PER_TRIGGER,
-                             "completed": totals.completed == [result.batch_id]}
+        out["stream_ack"] = {
+            "acks": n,
+            "micro_batches": p.batches,
+            "seconds": round(seconds, 2),
+            "acks_per_s": round(n / seconds),
+            "steady_acks_per_s": round(p.input_rows / p.busy_seconds) if p.busy_seconds else None,
+            "max_offsets_per_trigger": tspark.stream.DEFAULT_MAX_OFFSETS_PER_TRIGGER,
+            "completed": totals.completed == [result.batch_id],
+        }
         say(f"{label} stream_ack: {out['stream_ack']}")
 
         sampler.phase = "dataframe_ack"
@@ -212,9 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1,000,000 rows instead of 10,000,000")
     ap.add_argument("--rows", type=int, help="rows to fan out and ids to ack (overrides --quick)")
-    ap.add_argument("--masters", default="cluster,local[2]",
-                    help="comma-separated: `cluster` (the local standalone cluster, or OUTBOX_SPARK_MASTER) "
-                         "and/or local[N]")
+    ap.add_argument(
+        "--masters",
+        default="cluster,local[2]",
+        help="comma-separated: `cluster` (the local standalone cluster, or OUTBOX_SPARK_MASTER) and/or local[N]",
+    )
     args = ap.parse_args(argv)
     n = args.rows or (1_000_000 if args.quick else 10_000_000)
     partitions = max(4, n // 500_000)
@@ -230,14 +278,24 @@ def main(argv: list[str] | None = None) -> int:
         # with the connector jars: every later SparkContext of this process shares this driver JVM
         writer = tspark.local_session("local[2]", jars=jars, app_name="bench-spark-input")
         writer.range(0, n, numPartitions=partitions).selectExpr(
-            "CAST(concat('item-', id) AS BINARY) AS value").write.parquet(parquet)
+            "CAST(concat('item-', id) AS BINARY) AS value"
+        ).write.parquet(parquet)
         writer.stop()
         say(f"{n:,} rows written to {parquet} in {partitions} files")
         for label in args.masters.split(","):
             master, python = master_and_python() if label == "cluster" else (label, sys.executable)
-            out["runs"][label] = run_master(label, master, python, n=n, parquet=parquet, partitions=partitions,
-                                            schema=schema, jars=jars, admin=admin,
-                                            checkpoints=os.path.join(work, "checkpoints"))
+            out["runs"][label] = run_master(
+                label,
+                master,
+                python,
+                n=n,
+                parquet=parquet,
+                partitions=partitions,
+                schema=schema,
+                jars=jars,
+                admin=admin,
+                checkpoints=os.path.join(work, "checkpoints"),
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
         with psycopg.connect(DSN, autocommit=True) as c:
@@ -245,21 +303,30 @@ def main(argv: list[str] | None = None) -> int:
     out["load_avg_end"] = os.getloadavg()[0]
     runs = out["runs"]
     first = runs[next(iter(runs))]
-    out.update({
-        "fan_out_items_per_s": first["fan_out"]["items_per_s"],
-        "stream_ack_acks_per_s": first["stream_ack"]["acks_per_s"],
-        "dataframe_ack_acks_per_s": first["dataframe_ack"]["acks_per_s"],
-        "ratio_stream_vs_dataframe": first["ratio_stream_vs_dataframe"],
-        "ratio_fan_out_vs_enqueue": round(first["fan_out"]["items_per_s"] / out["enqueue_baseline"]["items_per_s"], 2),
-        "fan_out_meets_target": first["fan_out"]["items_per_s"] >= FAN_OUT_TARGET,
-        "stream_meets_target": first["stream_ack"]["acks_per_s"] >= STREAM_TARGET
-        and first["ratio_stream_vs_dataframe"] >= STREAM_RATIO_TARGET,
-    })
+    out.update(
+        {
+            "fan_out_items_per_s": first["fan_out"]["items_per_s"],
+            "stream_ack_acks_per_s": first["stream_ack"]["acks_per_s"],
+            "dataframe_ack_acks_per_s": first["dataframe_ack"]["acks_per_s"],
+            "ratio_stream_vs_dataframe": first["ratio_stream_vs_dataframe"],
+            "ratio_fan_out_vs_enqueue": round(
+                first["fan_out"]["items_per_s"] / out["enqueue_baseline"]["items_per_s"], 2
+            ),
+            "fan_out_meets_target": first["fan_out"]["items_per_s"] >= FAN_OUT_TARGET,
+            "stream_meets_target": first["stream_ack"]["acks_per_s"] >= STREAM_TARGET
+            and first["ratio_stream_vs_dataframe"] >= STREAM_RATIO_TARGET,
+        }
+    )
     if len(runs) > 1:
         a, b = list(runs)[:2]
-        out[f"ratio_{a}_vs_{b}"] = {k: round(runs[a][k]["items_per_s" if k == "fan_out" else "acks_per_s"]
-                                             / runs[b][k]["items_per_s" if k == "fan_out" else "acks_per_s"], 2)
-                                    for k in ("fan_out", "stream_ack", "dataframe_ack")}
+        out[f"ratio_{a}_vs_{b}"] = {
+            k: round(
+                runs[a][k]["items_per_s" if k == "fan_out" else "acks_per_s"]
+                / runs[b][k]["items_per_s" if k == "fan_out" else "acks_per_s"],
+                2,
+            )
+            for k in ("fan_out", "stream_ack", "dataframe_ack")
+        }
     print(json.dumps(out))
     return 0
 

@@ -16,6 +16,7 @@ Also the harvester's per-row PRODUCER span (`harvester.trace_spans`), in rows/s 
 Connects to OUTBOX_TEST_DSN, else postgresql://postgres@127.0.0.1:55432/outbox. Uses a schema of
 its own and drops it afterwards. The last line of output is one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,10 +65,12 @@ print(json.dumps({{"rate": best, "enabled": tracing.enabled()}}))
 """
 
 
-def enqueue_rate(dsn: str, schema: str, *, block: bool, span: bool, n: int, calls: int, repeats: int,
-                 headers: dict | None = None) -> dict:
-    code = _RUN.format(block=block, span=span, n=n, calls=calls, repeats=repeats, dsn=dsn, schema=schema,
-                       headers=headers)
+def enqueue_rate(
+    dsn: str, schema: str, *, block: bool, span: bool, n: int, calls: int, repeats: int, headers: dict | None = None
+) -> dict:
+    code = _RUN.format(
+        block=block, span=span, n=n, calls=calls, repeats=repeats, dsn=dsn, schema=schema, headers=headers
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -95,9 +98,9 @@ def main() -> None:
     args = ap.parse_args()
     n, calls = (5000, 5) if args.quick else (20000, 20)
     dsn = os.environ.get("OUTBOX_TEST_DSN", "postgresql://postgres@127.0.0.1:55432/outbox")
-    from tracker import schema as schema_mod
-
     import psycopg
+
+    from tracker import schema as schema_mod
 
     schema = f"bench_{uuid.uuid4().hex[:8]}"
     schema_mod.migrate(dsn, schema)
@@ -106,10 +109,13 @@ def main() -> None:
         same = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
         # Interleaved: each repeat runs every mode once, so load from other processes hits all alike.
         for _ in range(args.repeats):
-            for name, block, span, headers in (("absent", True, False, None), ("no_span", False, False, None),
-                                               ("span", False, True, None), ("same_header", True, False, same)):
-                got = enqueue_rate(dsn, schema, block=block, span=span, n=n, calls=calls, repeats=1,
-                                   headers=headers)
+            for name, block, span, headers in (
+                ("absent", True, False, None),
+                ("no_span", False, False, None),
+                ("span", False, True, None),
+                ("same_header", True, False, same),
+            ):
+                got = enqueue_rate(dsn, schema, block=block, span=span, n=n, calls=calls, repeats=1, headers=headers)
                 modes[name] = max(modes.get(name, 0.0), got["rate"])
         for name, rate in modes.items():
             print(f"enqueue {name:12} {rate:12,.0f} items/s (best of {args.repeats})")
@@ -118,12 +124,21 @@ def main() -> None:
     finally:
         with psycopg.connect(dsn, autocommit=True) as c:
             c.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-    print(json.dumps({"bench": "tracing", "items_per_call": n, "calls": calls, "repeats": args.repeats,
-                      "enqueue_items_per_s": {k: round(v) for k, v in modes.items()},
-                      "ratio_no_span_vs_absent": round(modes["no_span"] / modes["absent"], 3),
-                      "ratio_span_vs_absent": round(modes["span"] / modes["absent"], 3),
-                      "ratio_span_vs_same_header": round(modes["span"] / modes["same_header"], 3),
-                      "producer_span_rows_per_s": round(spans)}))
+    print(
+        json.dumps(
+            {
+                "bench": "tracing",
+                "items_per_call": n,
+                "calls": calls,
+                "repeats": args.repeats,
+                "enqueue_items_per_s": {k: round(v) for k, v in modes.items()},
+                "ratio_no_span_vs_absent": round(modes["no_span"] / modes["absent"], 3),
+                "ratio_span_vs_absent": round(modes["span"] / modes["absent"], 3),
+                "ratio_span_vs_same_header": round(modes["span"] / modes["same_header"], 3),
+                "producer_span_rows_per_s": round(spans),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

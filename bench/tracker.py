@@ -22,6 +22,7 @@ Every rate is the best of --repeats runs (3; 1 with --quick): the machine is sha
 Connects to OUTBOX_TEST_DSN, else brings up the local services (deploy/local/services.py). Uses a
 schema of its own and drops it afterwards. The last line of output is one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,8 @@ from pathlib import Path
 import psycopg
 
 import tracker
-from tracker import outbox, schema as schema_mod
-from tracker import apply_masks
+from tracker import apply_masks, outbox
+from tracker import schema as schema_mod
 from tracker.aio import AsyncTracker
 from tracker.ids import fold
 
@@ -49,8 +50,12 @@ REPO = Path(__file__).resolve().parents[1]
 def dsn() -> str:
     if os.environ.get("OUTBOX_TEST_DSN"):
         return os.environ["OUTBOX_TEST_DSN"]
-    out = subprocess.run([sys.executable, str(REPO / "deploy" / "local" / "services.py"), "up", "--only", "postgres"],
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(REPO / "deploy" / "local" / "services.py"), "up", "--only", "postgres"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return next(line.split("=", 1)[1] for line in out.splitlines() if line.startswith("OUTBOX_TEST_DSN="))
 
 
@@ -67,10 +72,14 @@ def storage_bits(conn: psycopg.Connection, schema: str, items: int) -> dict[str,
     s = f'"{schema}"'
     heap, index, batch = conn.execute(
         f"SELECT pg_relation_size('{s}.batch_group'), pg_indexes_size('{s}.batch_group'), "
-        f"pg_relation_size('{s}.batch') + pg_indexes_size('{s}.batch')").fetchone()
-    return {"bits_per_item": round((heap + index) * 8 / items, 4),
-            "bits_per_item_with_batch_table": round((heap + index + batch) * 8 / items, 4),
-            "group_heap_bytes": heap, "group_index_bytes": index}
+        f"pg_relation_size('{s}.batch') + pg_indexes_size('{s}.batch')"
+    ).fetchone()
+    return {
+        "bits_per_item": round((heap + index) * 8 / items, 4),
+        "bits_per_item_with_batch_table": round((heap + index + batch) * 8 / items, 4),
+        "group_heap_bytes": heap,
+        "group_index_bytes": index,
+    }
 
 
 def bench_enqueue(conn: psycopg.Connection, schema: str, n: int, repeats: int) -> dict:
@@ -85,8 +94,9 @@ def bench_enqueue(conn: psycopg.Connection, schema: str, n: int, repeats: int) -
         conn.commit()
         batch_id = 10**9  # any id: the baseline only needs header bytes of the same size
         t0 = time.perf_counter()
-        with conn.cursor().copy(f"COPY {s}.outbox (topic, key, value, header_keys, header_values) "
-                                "FROM STDIN (FORMAT BINARY)") as copy:
+        with conn.cursor().copy(
+            f"COPY {s}.outbox (topic, key, value, header_keys, header_values) FROM STDIN (FORMAT BINARY)"
+        ) as copy:
             copy.set_types(["text", "bytea", "bytea", "text[]", "bytea[]"])
             names, bid = ["item-id", "batch-id"], str(batch_id).encode()
             for i, v in enumerate(vals):
@@ -103,11 +113,18 @@ def bench_enqueue(conn: psycopg.Connection, schema: str, n: int, repeats: int) -
         enqueue_s = min(enqueue_s, time.perf_counter() - t0)
         rows = conn.execute(f"SELECT count(*) FROM {s}.outbox").fetchone()[0]
         assert rows == n, (rows, n)
-    return {"batch": batch, "handles": handles,
-            "result": {"enqueue_items": n, "enqueue_items_per_s": round(n / enqueue_s),
-                       "plain_copy_items_per_s": round(n / plain_s),
-                       "enqueue_vs_plain_copy": round(plain_s / enqueue_s, 3),
-                       "enqueue_s": round(enqueue_s, 3), "plain_copy_s": round(plain_s, 3)}}
+    return {
+        "batch": batch,
+        "handles": handles,
+        "result": {
+            "enqueue_items": n,
+            "enqueue_items_per_s": round(n / enqueue_s),
+            "plain_copy_items_per_s": round(n / plain_s),
+            "enqueue_vs_plain_copy": round(plain_s / enqueue_s, 3),
+            "enqueue_s": round(enqueue_s, 3),
+            "plain_copy_s": round(plain_s, 3),
+        },
+    }
 
 
 def _fresh_ids(conn: psycopg.Connection, schema: str, n: int, seed: int) -> tuple[tracker.Batch, list[str]]:
@@ -130,7 +147,7 @@ def bench_ack(conn: psycopg.Connection, schema: str, n: int, sample: int, repeat
             t0 = time.perf_counter()
             acked = 0
             for k in range(0, n, chunk):
-                r = tracker.ack(conn, ids[k:k + chunk], schema=schema)
+                r = tracker.ack(conn, ids[k : k + chunk], schema=schema)
                 conn.commit()
                 acked += r.acked
             best = min(best, time.perf_counter() - t0)
@@ -160,8 +177,10 @@ def bench_ack(conn: psycopg.Connection, schema: str, n: int, sample: int, repeat
     idx = list(range(sample))
     random.Random(9).shuffle(idx)
     with psycopg.connect(conn.info.dsn, autocommit=True) as single:
-        stmt = (f"UPDATE {s}.batch_group SET bits = set_bit(bits, %(i)s, 0), pending = pending - get_bit(bits, %(i)s) "
-                f"WHERE batch_id = %(b)s AND id = 0")
+        stmt = (
+            f"UPDATE {s}.batch_group SET bits = set_bit(bits, %(i)s, 0), pending = pending - get_bit(bits, %(i)s) "
+            f"WHERE batch_id = %(b)s AND id = 0"
+        )
         t0 = time.perf_counter()
         for i in idx:
             single.execute(stmt, {"i": i, "b": batch.id})
@@ -222,7 +241,7 @@ def bench_async(db: str, schema: str, n: int, repeats: int) -> dict:
     best = {"sync": [float("inf")] * 2, "async": [float("inf")] * 2}
     with psycopg.connect(db) as conn:
         for rep in range(max(3, repeats)):
-            for face in (("sync", "async") if rep % 2 == 0 else ("async", "sync")):
+            for face in ("sync", "async") if rep % 2 == 0 else ("async", "sync"):
                 conn.execute(f'TRUNCATE "{schema}".outbox, "{schema}".batch_group, "{schema}".batch CASCADE')
                 conn.commit()
                 if face == "sync":
@@ -230,10 +249,12 @@ def bench_async(db: str, schema: str, n: int, repeats: int) -> dict:
                 else:
                     got = asyncio.run(_async_round(db, schema, vals, n))
                 best[face] = [min(a, b) for a, b in zip(best[face], got)]
-    out = {"async_enqueue_items_per_s": round(n / best["async"][0]),
-           "sync_enqueue_items_per_s_same_run": round(n / best["sync"][0]),
-           "async_bulk_ack_acks_per_s": round(n / best["async"][1]),
-           "sync_bulk_ack_acks_per_s_same_run": round(n / best["sync"][1])}
+    out = {
+        "async_enqueue_items_per_s": round(n / best["async"][0]),
+        "sync_enqueue_items_per_s_same_run": round(n / best["sync"][0]),
+        "async_bulk_ack_acks_per_s": round(n / best["async"][1]),
+        "sync_bulk_ack_acks_per_s_same_run": round(n / best["sync"][1]),
+    }
     out["async_vs_sync_enqueue"] = round(best["sync"][0] / best["async"][0], 3)
     out["async_vs_sync_bulk_ack"] = round(best["sync"][1] / best["async"][1], 3)
     return out
@@ -262,7 +283,7 @@ def bench_fillfactor(db: str, n: int, rounds: int) -> dict:
                     largest, elapsed = fresh, 0.0
                     for k in range(rounds):
                         t0 = time.perf_counter()
-                        tracker.ack(conn, ids[k * per:(k + 1) * per], schema=name)
+                        tracker.ack(conn, ids[k * per : (k + 1) * per], schema=name)
                         conn.commit()
                         elapsed += time.perf_counter() - t0
                         if vacuum:
@@ -273,11 +294,16 @@ def bench_fillfactor(db: str, n: int, rounds: int) -> dict:
                     time.sleep(0.5)
                     upd, hot = conn.execute(
                         "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE schemaname = %s "
-                        "AND relname = 'batch_group'", [name]).fetchone()
+                        "AND relname = 'batch_group'",
+                        [name],
+                    ).fetchone()
                     out[f"ff{ff}{'_vacuum_each_pass' if vacuum else '_no_vacuum'}"] = {
-                        "bits_per_item_at_rest": fresh, "bits_per_item_largest": largest,
-                        "group_updates": upd, "hot_share": round(hot / upd, 3) if upd else None,
-                        "acks_per_s": round(per * rounds / elapsed)}
+                        "bits_per_item_at_rest": fresh,
+                        "bits_per_item_largest": largest,
+                        "group_updates": upd,
+                        "hot_share": round(hot / upd, 3) if upd else None,
+                        "acks_per_s": round(per * rounds / elapsed),
+                    }
             finally:
                 with psycopg.connect(db, autocommit=True) as c:
                     c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
@@ -301,14 +327,17 @@ def bench_churn(db: str, n: int, passes: int = 100, per: int = 10_000, pause: fl
                 random.Random(ff).shuffle(ids)
                 sizes = []
                 for k in range(passes):
-                    tracker.ack(conn, ids[(k * per) % n:(k * per) % n + per], schema=name)
+                    tracker.ack(conn, ids[(k * per) % n : (k * per) % n + per], schema=name)
                     conn.commit()
                     time.sleep(pause)
                     if k % 10 == 9:
                         sizes.append(storage_bits(conn, name, n)["bits_per_item"])
                         conn.commit()
-                vacuums = conn.execute("SELECT autovacuum_count FROM pg_stat_user_tables WHERE schemaname = %s "
-                                       "AND relname = 'batch_group'", [name]).fetchone()[0]
+                vacuums = conn.execute(
+                    "SELECT autovacuum_count FROM pg_stat_user_tables WHERE schemaname = %s "
+                    "AND relname = 'batch_group'",
+                    [name],
+                ).fetchone()[0]
                 out[f"ff{ff}"] = {"bits_per_item_every_10_passes": sizes, "autovacuums": vacuums}
         finally:
             with psycopg.connect(db, autocommit=True) as c:
@@ -326,10 +355,19 @@ def bench_storage(conn: psycopg.Connection, schema: str, n: int) -> dict:
         tracker.add_items(conn, b, n, schema=schema)
         conn.commit()
     ten = storage_bits(conn, schema, 10 * n)
-    marginal = ((ten["group_heap_bytes"] + ten["group_index_bytes"]) - (one["group_heap_bytes"] + one["group_index_bytes"])) * 8 / (9 * n)
-    return {"bits_per_item_one_batch": one["bits_per_item"], "bits_per_item_one_batch_with_batch_table": one["bits_per_item_with_batch_table"],
-            "bits_per_item_ten_batches": ten["bits_per_item"], "bits_per_item_marginal": round(marginal, 4),
-            "storage_items_one_batch": n, "storage_items_ten_batches": 10 * n}
+    marginal = (
+        ((ten["group_heap_bytes"] + ten["group_index_bytes"]) - (one["group_heap_bytes"] + one["group_index_bytes"]))
+        * 8
+        / (9 * n)
+    )
+    return {
+        "bits_per_item_one_batch": one["bits_per_item"],
+        "bits_per_item_one_batch_with_batch_table": one["bits_per_item_with_batch_table"],
+        "bits_per_item_ten_batches": ten["bits_per_item"],
+        "bits_per_item_marginal": round(marginal, 4),
+        "storage_items_one_batch": n,
+        "storage_items_ten_batches": 10 * n,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,8 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="100,000 items instead of 1,000,000, fewer repeats")
     p.add_argument("--items", type=int, help="items to enqueue and ids to ack")
     p.add_argument("--repeats", type=int, help="best of this many runs per figure (default 3, quick 1)")
-    p.add_argument("--churn", action="store_true",
-                   help="also ~2 minutes of sustained acking with autovacuum on, fillfactor 100 vs 70")
+    p.add_argument(
+        "--churn",
+        action="store_true",
+        help="also ~2 minutes of sustained acking with autovacuum on, fillfactor 100 vs 70",
+    )
     p.add_argument("--no-fillfactor", action="store_true", help="skip the fillfactor 100 vs 70 comparison")
     args = p.parse_args(argv)
     n = args.items or (100_000 if args.quick else 1_000_000)
@@ -347,8 +388,14 @@ def main(argv: list[str] | None = None) -> int:
     db = dsn()
     name = f"bench_tracker_{uuid.uuid4().hex[:8]}"
     schema_mod.migrate(db, name)
-    result: dict = {"bench": "tracker", "quick": args.quick, "items": n, "repeats": repeats, "cpus": os.cpu_count(),
-                    "note": "shared machine: best of `repeats` wall-clock runs; compare the ratios"}
+    result: dict = {
+        "bench": "tracker",
+        "quick": args.quick,
+        "items": n,
+        "repeats": repeats,
+        "cpus": os.cpu_count(),
+        "note": "shared machine: best of `repeats` wall-clock runs; compare the ratios",
+    }
     try:
         with psycopg.connect(db) as conn:
             log(f"enqueue {n} items (best of {repeats}) ...")
@@ -373,13 +420,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         with psycopg.connect(db, autocommit=True) as c:
             c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
-    result["targets"] = {"enqueue_items_per_s": 150_000, "bulk_ack_acks_per_s": 1_000_000, "bits_per_item": 1.2,
-                         "async_vs_sync": 0.85}
-    result["targets_met"] = {"enqueue": result["enqueue_items_per_s"] >= 150_000,
-                             "async_face": min(result["faces"]["async_vs_sync_enqueue"],
-                                               result["faces"]["async_vs_sync_bulk_ack"]) >= 0.85,
-                             "bulk_ack": result["bulk_ack_acks_per_s"] >= 1_000_000,
-                             "storage": result["bits_per_item"] <= 1.2}
+    result["targets"] = {
+        "enqueue_items_per_s": 150_000,
+        "bulk_ack_acks_per_s": 1_000_000,
+        "bits_per_item": 1.2,
+        "async_vs_sync": 0.85,
+    }
+    result["targets_met"] = {
+        "enqueue": result["enqueue_items_per_s"] >= 150_000,
+        "async_face": min(result["faces"]["async_vs_sync_enqueue"], result["faces"]["async_vs_sync_bulk_ack"]) >= 0.85,
+        "bulk_ack": result["bulk_ack_acks_per_s"] >= 1_000_000,
+        "storage": result["bits_per_item"] <= 1.2,
+    }
     print(json.dumps(result))
     return 0
 

@@ -7,6 +7,7 @@ ack topic (tracker.consumer.AckProducer compacts consecutive items into runs, ke
 id), and only then are the consumer's offsets committed: a crash re-delivers, and the re-ack is
 harmless because acks are idempotent. Runs until SIGTERM.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,17 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    consumer = Consumer({"log_level": 4, "bootstrap.servers": bootstrap, "group.id": group, "auto.offset.reset": "earliest",
-                         "enable.auto.commit": False, "session.timeout.ms": 6000,
-                         "partition.assignment.strategy": "cooperative-sticky"})
+    consumer = Consumer(
+        {
+            "log_level": 4,
+            "bootstrap.servers": bootstrap,
+            "group.id": group,
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "session.timeout.ms": 6000,
+            "partition.assignment.strategy": "cooperative-sticky",
+        }
+    )
     consumer.subscribe([item_topic])
     acks = AckProducer(bootstrap_servers=bootstrap, topic=ack_topic, linger=0.05, kafka_client={"log_level": 4})
     processed = 0

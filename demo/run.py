@@ -12,6 +12,7 @@
 
     python -m demo [--items N] [--consumers N] [--kill-at 0.3] [--timeout 150] [--keep-services]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -122,35 +123,44 @@ class Run:
 
     def reaper_env(self, metrics_port: int) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
-        env.update({
-            "PYTHONUNBUFFERED": "1",
-            "REAPER_DATABASE__DSN": self.dsn,
-            "REAPER_DATABASE__SCHEMA": self.schema,
-            "REAPER_KAFKA__BOOTSTRAP_SERVERS": self.bootstrap,
-            "REAPER_HARVESTER__LEADER_TOPIC": self.topic("leader"),
-            "REAPER_HARVESTER__LEADER_GROUP": self.topic("leader-group"),
-            # A killed leader's partition moves after the session timeout: keep the demo short.
-            "REAPER_HARVESTER__SESSION_TIMEOUT": "6",
-            "REAPER_HARVESTER__HEARTBEAT_TIMEOUT": "2",
-            "REAPER_HARVESTER__DEFAULT_COMPLETION_TOPIC": self.topic("completions"),
-            "REAPER_ACKER__TOPIC": self.topic("acks"),
-            "REAPER_ACKER__GROUP": self.topic("acker"),
-            "REAPER_ACKER__DEAD_LETTER_TOPIC": self.topic("acks-dead-letter"),
-            "REAPER_KAFKA__CONSUMER__SESSION_TIMEOUT_MS": "6000",
-            "REAPER_KAFKA__CONSUMER__HEARTBEAT_INTERVAL_MS": "1000",
-            "REAPER_METRICS__HOST": "127.0.0.1",
-            "REAPER_METRICS__PORT": str(metrics_port),
-            "REAPER_METRICS__BACKLOG_INTERVAL": "0.5",
-            "REAPER_LOGGING__FORMAT": "json",
-        })
+        env.update(
+            {
+                "PYTHONUNBUFFERED": "1",
+                "REAPER_DATABASE__DSN": self.dsn,
+                "REAPER_DATABASE__SCHEMA": self.schema,
+                "REAPER_KAFKA__BOOTSTRAP_SERVERS": self.bootstrap,
+                "REAPER_HARVESTER__LEADER_TOPIC": self.topic("leader"),
+                "REAPER_HARVESTER__LEADER_GROUP": self.topic("leader-group"),
+                # A killed leader's partition moves after the session timeout: keep the demo short.
+                "REAPER_HARVESTER__SESSION_TIMEOUT": "6",
+                "REAPER_HARVESTER__HEARTBEAT_TIMEOUT": "2",
+                "REAPER_HARVESTER__DEFAULT_COMPLETION_TOPIC": self.topic("completions"),
+                "REAPER_ACKER__TOPIC": self.topic("acks"),
+                "REAPER_ACKER__GROUP": self.topic("acker"),
+                "REAPER_ACKER__DEAD_LETTER_TOPIC": self.topic("acks-dead-letter"),
+                "REAPER_KAFKA__CONSUMER__SESSION_TIMEOUT_MS": "6000",
+                "REAPER_KAFKA__CONSUMER__HEARTBEAT_INTERVAL_MS": "1000",
+                "REAPER_METRICS__HOST": "127.0.0.1",
+                "REAPER_METRICS__PORT": str(metrics_port),
+                "REAPER_METRICS__BACKLOG_INTERVAL": "0.5",
+                "REAPER_LOGGING__FORMAT": "json",
+            }
+        )
         return env
 
     def spawn(self, name: str, args: list[str], env: dict[str, str], metrics_port: int | None = None) -> Child:
         log = self.folder / f"{name}.log"
         with open(log, "wb") as out:
             # Own session: a Ctrl-C in the terminal reaches only the demo, which stops children in order.
-            proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                args,
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         child = Child(name, proc, log, metrics_port)
         self.children.append(child)
         return child
@@ -174,8 +184,10 @@ def services_up() -> dict[str, str]:
 def create_topics(run: Run) -> None:
     admin = AdminClient({"bootstrap.servers": run.bootstrap, **QUIET})
     wanted = {"leader": 1, "items": 4, "acks": 4, "acks-dead-letter": 1, "completions": 1}
-    futures = admin.create_topics([NewTopic(run.topic(n), num_partitions=p, replication_factor=1)
-                                   for n, p in wanted.items()], operation_timeout=30)
+    futures = admin.create_topics(
+        [NewTopic(run.topic(n), num_partitions=p, replication_factor=1) for n, p in wanted.items()],
+        operation_timeout=30,
+    )
     for f in futures.values():
         f.result(timeout=30)
 
@@ -204,8 +216,15 @@ class CompletionWatcher(threading.Thread):
 
     def __init__(self, run: Run) -> None:
         super().__init__(name="completion-watcher", daemon=True)
-        self.consumer = Consumer({**QUIET, "bootstrap.servers": run.bootstrap, "group.id": run.topic("watcher"),
-                                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
+        self.consumer = Consumer(
+            {
+                **QUIET,
+                "bootstrap.servers": run.bootstrap,
+                "group.id": run.topic("watcher"),
+                "auto.offset.reset": "earliest",
+                "enable.auto.commit": False,
+            }
+        )
         self.consumer.subscribe([run.topic("completions")])
         self.stop = threading.Event()
         self.event: dict | None = None
@@ -256,8 +275,12 @@ def demo(args: argparse.Namespace, started: float, cleanup: list) -> None:
     was_running = services_running()
     env = services_up()
     if not was_running and not args.keep_services:
-        cleanup.append(("stop local services", lambda: subprocess.run([sys.executable, str(SERVICES), "down"],
-                                                                       capture_output=True)))
+        cleanup.append(
+            (
+                "stop local services",
+                lambda: subprocess.run([sys.executable, str(SERVICES), "down"], capture_output=True),
+            )
+        )
     run = Run(env["OUTBOX_TEST_DSN"], env["KAFKA_BOOTSTRAP"], args.items)
     run.folder.mkdir(parents=True, exist_ok=True)
     cleanup.append(("logs folder", run.folder))  # removed after a successful run, kept after a failure
@@ -266,8 +289,14 @@ def demo(args: argparse.Namespace, started: float, cleanup: list) -> None:
     cleanup.append(("stop processes", lambda: [c.stop(25) for c in reversed(run.children)]))
 
     # reaper migrate, through the real command line.
-    r = subprocess.run([sys.executable, "-m", "harvester.cli", "migrate"], cwd=REPO, env=run.reaper_env(0),
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "harvester.cli", "migrate"],
+        cwd=REPO,
+        env=run.reaper_env(0),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if r.returncode != 0:
         raise DemoFailed(f"reaper migrate failed:\n{r.stdout}\n{r.stderr}")
     create_topics(run)
@@ -276,34 +305,65 @@ def demo(args: argparse.Namespace, started: float, cleanup: list) -> None:
     reapers = []
     for n in (1, 2):
         port = free_port()
-        reapers.append(run.spawn(f"reaper-{n}", [sys.executable, "-m", "harvester.cli", "run"],
-                                 run.reaper_env(port), metrics_port=port))
+        reapers.append(
+            run.spawn(
+                f"reaper-{n}", [sys.executable, "-m", "harvester.cli", "run"], run.reaper_env(port), metrics_port=port
+            )
+        )
         if n == 1:  # let the first one lead, so the picture is simple: reaper-1 leads, reaper-2 stands by
             wait_for("reaper-1 to lead", lambda: leader_of(reapers), 60, reapers)
     leader = wait_for("a leader", lambda: leader_of(reapers), 60, reapers)
-    say(f"{t()} two reapers running: {leader.name} leads (pid {leader.proc.pid}), "
-        f"metrics on :{reapers[0].metrics_port} and :{reapers[1].metrics_port}")
+    say(
+        f"{t()} two reapers running: {leader.name} leads (pid {leader.proc.pid}), "
+        f"metrics on :{reapers[0].metrics_port} and :{reapers[1].metrics_port}"
+    )
 
     consumer_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for n in range(1, args.consumers + 1):
-        run.spawn(f"consumer-{n}", [sys.executable, "-m", "demo.consumer", run.bootstrap, run.topic("items"),
-                                    run.topic("acks"), run.topic("consumers")], consumer_env)
+        run.spawn(
+            f"consumer-{n}",
+            [
+                sys.executable,
+                "-m",
+                "demo.consumer",
+                run.bootstrap,
+                run.topic("items"),
+                run.topic("acks"),
+                run.topic("consumers"),
+            ],
+            consumer_env,
+        )
     watcher = CompletionWatcher(run)
     watcher.start()
     cleanup.append(("stop completion watcher", watcher.stop.set))
     say(f"{t()} {args.consumers} example consumers subscribed to {run.topic('items')}")
 
-    fan = process_catalog(run.dsn, schema=run.schema, catalog=f"catalog-{run.run_id}", items=args.items,
-                          item_topic=run.topic("items"), completion_topic=run.topic("completions"))
+    fan = process_catalog(
+        run.dsn,
+        schema=run.schema,
+        catalog=f"catalog-{run.run_id}",
+        items=args.items,
+        item_topic=run.topic("items"),
+        completion_topic=run.topic("completions"),
+    )
     watcher.batch_id = fan.batch_id
-    say(f"{t()} app: batch {fan.batch_id} opened, {fan.items:,} items enqueued in {fan.groups} groups and closed, "
-        f"one transaction, {fan.seconds:.2f}s")
+    say(
+        f"{t()} app: batch {fan.batch_id} opened, {fan.items:,} items enqueued in {fan.groups} groups and closed, "
+        f"one transaction, {fan.seconds:.2f}s"
+    )
 
     progress(run, reapers, watcher, fan.batch_id, args, started, t)
 
 
-def progress(run: Run, reapers: list[Child], watcher: CompletionWatcher, batch_id: int,
-             args: argparse.Namespace, started: float, t) -> None:
+def progress(
+    run: Run,
+    reapers: list[Child],
+    watcher: CompletionWatcher,
+    batch_id: int,
+    args: argparse.Namespace,
+    started: float,
+    t,
+) -> None:
     count_rows = sql.SQL("SELECT count(*) FROM {} WHERE topic = %s").format(sql.Identifier(run.schema, "outbox"))
     pending_of = sql.SQL("SELECT pending, state FROM {} WHERE id = %s").format(sql.Identifier(run.schema, "batch"))
     killed: Child | None = None
@@ -331,8 +391,10 @@ def progress(run: Run, reapers: list[Child], watcher: CompletionWatcher, batch_i
                 if c is not killed and not c.alive():
                     raise DemoFailed(f"{c.name} exited with {c.proc.returncode}:\n{c.log_tail()}")
             now = time.monotonic()
-            line = (f"{t()} published {published:>7,}/{run.items:,}  acked {acked:>7,}  pending {pending:>7,}  "
-                    f"batch {state:<8} leader {leader.name if leader else '(none)'}")
+            line = (
+                f"{t()} published {published:>7,}/{run.items:,}  acked {acked:>7,}  pending {pending:>7,}  "
+                f"batch {state:<8} leader {leader.name if leader else '(none)'}"
+            )
             if TTY:
                 sys.stdout.write("\r\033[K" + line)
                 sys.stdout.flush()
@@ -356,15 +418,19 @@ def progress(run: Run, reapers: list[Child], watcher: CompletionWatcher, batch_i
         if c.name.startswith("consumer-"):
             c.stop(25)
             processed += consumer_count(c)
-    say(f"{t()} consumers processed {processed:,} messages for {run.items:,} items "
+    say(
+        f"{t()} consumers processed {processed:,} messages for {run.items:,} items "
         f"({processed - run.items:,} redelivered: at least once, never lost); the standby's acker "
-        f"counted {m.get('reaper_acks_duplicate_total', 0):,.0f} duplicate acks, which changed nothing")
+        f"counted {m.get('reaper_acks_duplicate_total', 0):,.0f} duplicate acks, which changed nothing"
+    )
 
 
 def announce_takeover(leader: Child, killed_at: float, t) -> bool:
     m = leader.metrics()
-    say(f"{t()} {leader.name} took over as leader {time.monotonic() - killed_at:.1f}s after the kill "
-        f"(acquisitions {m.get('reaper_leader_acquisitions_total', 0):.0f})")
+    say(
+        f"{t()} {leader.name} took over as leader {time.monotonic() - killed_at:.1f}s after the kill "
+        f"(acquisitions {m.get('reaper_leader_acquisitions_total', 0):.0f})"
+    )
     return True
 
 

@@ -8,6 +8,7 @@ Keys, defaults and environment-variable names come from the code; the one-line d
 live here. A key without a description fails the run (and tests/test_deploy.py), so a new key
 cannot ship undocumented.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,10 +50,10 @@ DESCRIPTIONS = {
     "harvester.vacuum_interval": "the leader vacuums the outbox this often while it purges (seconds; 0 = autovacuum only)",
     "harvester.drain_timeout": "on shutdown, wait this long for in-flight records (seconds)",
     "harvester.transactional_id": "publish in Kafka transactions under this id (same on every instance): a new "
-                                  "leader fences the old one at the broker; rows are purged after commit. Empty = off",
+    "leader fences the old one at the broker; rows are purged after commit. Empty = off",
     "harvester.trace_spans": "emit an OpenTelemetry PRODUCER span per published row, linked to the trace context "
-                             "stored with it (needs the otel extra and a configured tracer provider)",
-    "harvester.lanes": "harvest units of the `database` outbox: rows are split by md5(key) mod lanes; change only by draining, then switching (README \"Harvest units\")",
+    "stored with it (needs the otel extra and a configured tracer provider)",
+    "harvester.lanes": 'harvest units of the `database` outbox: rows are split by md5(key) mod lanes; change only by draining, then switching (README "Harvest units")',
     "harvester.outboxes": "outboxes to harvest, each {name, dsn, schema, table, lanes} (missing keys from `database`); empty: the `database` outbox",
     "harvester.default_completion_topic": "topic of completion events for batches opened without one",
     "acker.enabled": "run the acker (ack-topic consumer) in this process",
@@ -63,7 +64,7 @@ DESCRIPTIONS = {
     "acker.poll_timeout": "seconds one poll waits for ack messages",
     "settler.enabled": "run the settler: folds consumers' ack claims whose commit found the batch row busy",
     "settler.interval": "how often the settler looks for unsettled claims (seconds); bounds how long a completion "
-                        "can lag its last ack's commit",
+    "can lag its last ack's commit",
     "sweeper.enabled": "run the sweeper (expiry and retention) in this process",
     "sweeper.interval": "seconds between sweeps",
     "sweeper.idle_expiry": "expire open and closed batches with no add, close or ack for this long (seconds)",
@@ -188,7 +189,10 @@ def main(argv: list[str]) -> int:
     stale = [p for p, text in wanted.items() if not p.exists() or p.read_text() != text]
     if "--check" in argv:
         for p in stale:
-            print(f"{p.relative_to(REPO)} is out of date: run .venv/bin/python deploy/config_reference.py", file=sys.stderr)
+            print(
+                f"{p.relative_to(REPO)} is out of date: run .venv/bin/python deploy/config_reference.py",
+                file=sys.stderr,
+            )
         return 1 if stale else 0
     for p in stale:
         p.write_text(wanted[p])

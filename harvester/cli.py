@@ -1,4 +1,5 @@
 """`reaper`: the sidecar's command line (migrate, run, serve)."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,7 +7,8 @@ import sys
 
 from tracker import schema
 
-from . import admin, config as config_mod
+from . import admin
+from . import config as config_mod
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -14,7 +16,9 @@ EXIT_CONFIG = 2
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="reaper", description="Transactional-outbox harvester and fan-out tracker sidecar")
+    ap = argparse.ArgumentParser(
+        prog="reaper", description="Transactional-outbox harvester and fan-out tracker sidecar"
+    )
     ap.add_argument("-c", "--config", help="YAML configuration file (REAPER_<SECTION>__<KEY> variables override it)")
     sub = ap.add_subparsers(dest="command", required=True)
     mig = sub.add_parser("migrate", help="apply pending schema migrations (safe to run concurrently)")
@@ -67,8 +71,9 @@ def cmd_run(cfg: config_mod.Config) -> int:
     try:
         return run_mod.run(cfg)
     except Exception as exc:  # logging is configured: a JSON line, like every other
-        run_mod.logs.get("reaper").error("reaper run failed", error=f"{type(exc).__name__}: "
-                                         f"{config_mod.redact_dsn(str(exc))}")
+        run_mod.logs.get("reaper").error(
+            "reaper run failed", error=f"{type(exc).__name__}: {config_mod.redact_dsn(str(exc))}"
+        )
         return EXIT_FAILURE
 
 

@@ -5,14 +5,16 @@ Every key has a default; `REAPER_<SECTION>__<KEY>` overrides `<section>.<key>` (
 `kafka.client` are passed to librdkafka as they are (`REAPER_KAFKA__CLIENT__SASL_PASSWORD` sets
 `sasl.password`). A bad value fails at start with a ConfigError naming the key.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -24,8 +26,8 @@ ENV_PREFIX = "REAPER_"
 # Producer settings the harvester's per-key ordering rests on; configuration may not change them.
 REQUIRED_PRODUCER = {
     "enable.idempotence": True,
-    "message.timeout.ms": 0,            # no timeouts: they are the one failure that can leave a gap
-    "enable.gapless.guarantee": True,   # any other gap-making failure is fatal: nothing after it is written
+    "message.timeout.ms": 0,  # no timeouts: they are the one failure that can leave a gap
+    "enable.gapless.guarantee": True,  # any other gap-making failure is fatal: nothing after it is written
 }
 
 
@@ -61,11 +63,11 @@ class HarvesterConfig:
     session_timeout: float = 15.0
     mark_batch: int = 5000
     max_in_flight: int = 20000
-    mark_deadline: float = 5.0        # one mark + produce cycle longer than this forces a remark
+    mark_deadline: float = 5.0  # one mark + produce cycle longer than this forces a remark
     idle_poll_interval: float = 0.005  # sleep after a mark that found nothing
     purge_batch: int = 5000
     purge_workers: int = 2
-    vacuum_interval: float = 2.0       # leader vacuums the outbox this often while it purges; 0 = autovacuum only
+    vacuum_interval: float = 2.0  # leader vacuums the outbox this often while it purges; 0 = autovacuum only
     drain_timeout: float = 10.0
     default_completion_topic: str = "batch-completions"
     # Set (the same value on every instance of one deployment) to publish in Kafka transactions: each
@@ -106,6 +108,7 @@ class SweeperConfig:
 @dataclass
 class SettlerConfig:
     """Issue 12: folds consumers' ack claims whose commit found the batch row busy (tracker.settler)."""
+
     enabled: bool = True
     interval: float = 0.01  # bounds how long a completion can lag its last ack's commit
 
@@ -134,21 +137,21 @@ class HttpConfig:
     port: int = 8400
     tokens: str = ""
     tokens_file: str = ""
-    local_mode: bool = False           # no tokens, loopback only: a developer's machine
+    local_mode: bool = False  # no tokens, loopback only: a developer's machine
     max_body_bytes: int = 4 * 1024 * 1024
     max_ids_per_request: int = 100000  # ack entries (ids or runs) in one request
     max_items_per_add: int = 10000000  # items in one add request
-    rate_limit: float = 200.0          # requests per second per token (token bucket); 0 = off
+    rate_limit: float = 200.0  # requests per second per token (token bucket); 0 = off
     rate_burst: int = 400
-    long_poll_max: float = 60.0        # longest wait a completion long-poll may ask for, seconds
+    long_poll_max: float = 60.0  # longest wait a completion long-poll may ask for, seconds
     completion_poll_interval: float = 0.25
     pool_size: int = 8
-    request_timeout: float = 30.0      # one database call, seconds
-    tls_certfile: str = ""             # both set: serve HTTPS; else put a TLS proxy in front (README)
+    request_timeout: float = 30.0  # one database call, seconds
+    tls_certfile: str = ""  # both set: serve HTTPS; else put a TLS proxy in front (README)
     tls_keyfile: str = ""
     forwarded_allow_ips: str = "127.0.0.1"  # proxies whose X-Forwarded-For/-Proto are believed
     shutdown_timeout: float = 10.0
-    backend: str = "tracker"           # tracker (the asyncio face) | sql (the SQL functions of migration 0007)
+    backend: str = "tracker"  # tracker (the asyncio face) | sql (the SQL functions of migration 0007)
 
 
 @dataclass
@@ -242,7 +245,7 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
-        parts = name[len(ENV_PREFIX):].lower().split("__")
+        parts = name[len(ENV_PREFIX) :].lower().split("__")
         section = parts[0]
         if len(parts) == 2:
             out.setdefault(section, {})[parts[1]] = value
@@ -254,8 +257,11 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def load(path: str | Path | None = None, environ: Mapping[str, str] | None = None,
-         overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Config:
+def load(
+    path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Config:
     """Build the configuration: defaults < YAML file < environment < explicit overrides."""
     cfg = Config()
     layers: list[Mapping[str, Any]] = []
@@ -294,7 +300,12 @@ def validate(cfg: Config) -> None:
         except InvalidIdentifier as exc:
             raise ConfigError(key, str(exc)) from None
     topic = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-    for key in ("harvester.leader_topic", "acker.topic", "acker.dead_letter_topic", "harvester.default_completion_topic"):
+    for key in (
+        "harvester.leader_topic",
+        "acker.topic",
+        "acker.dead_letter_topic",
+        "harvester.default_completion_topic",
+    ):
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if not topic.match(value):
@@ -303,17 +314,30 @@ def validate(cfg: Config) -> None:
         raise ConfigError("sweeper.expiry_topic", f"{cfg.sweeper.expiry_topic!r} is not a valid Kafka topic name")
     if cfg.harvester.trace_spans:
         from tracker import tracing
+
         if not tracing.enabled():
             raise ConfigError("harvester.trace_spans", "needs OpenTelemetry: pip install 'outbox-reaper[otel]'")
     txn_id = cfg.harvester.transactional_id
     if txn_id and not re.match(r"^[A-Za-z0-9._:-]{1,200}$", txn_id):
         raise ConfigError("harvester.transactional_id", f"{txn_id!r} must be 1-200 of A-Z a-z 0-9 . _ : -")
     positive = [
-        "harvester.min_poll_interval", "harvester.heartbeat_timeout", "harvester.session_timeout",
-        "harvester.mark_batch", "harvester.max_in_flight", "database.pool_size", "acker.max_poll_records",
-        "harvester.mark_deadline", "harvester.idle_poll_interval", "harvester.purge_batch", "harvester.purge_workers",
+        "harvester.min_poll_interval",
+        "harvester.heartbeat_timeout",
+        "harvester.session_timeout",
+        "harvester.mark_batch",
+        "harvester.max_in_flight",
+        "database.pool_size",
+        "acker.max_poll_records",
+        "harvester.mark_deadline",
+        "harvester.idle_poll_interval",
+        "harvester.purge_batch",
+        "harvester.purge_workers",
         "harvester.drain_timeout",
-        "sweeper.interval", "sweeper.idle_expiry", "sweeper.retention", "sweeper.chunk", "metrics.backlog_interval",
+        "sweeper.interval",
+        "sweeper.idle_expiry",
+        "sweeper.retention",
+        "sweeper.chunk",
+        "metrics.backlog_interval",
         "settler.interval",
     ]
     for key in positive:
@@ -321,26 +345,38 @@ def validate(cfg: Config) -> None:
         if getattr(getattr(cfg, section), name) <= 0:
             raise ConfigError(key, f"must be > 0, got {getattr(getattr(cfg, section), name)!r}")
     if cfg.harvester.heartbeat_timeout >= cfg.harvester.session_timeout:
-        raise ConfigError("harvester.heartbeat_timeout",
-                          "must be shorter than harvester.session_timeout, so a cut-off leader fences itself "
-                          "before the group can hand its partition to another")
+        raise ConfigError(
+            "harvester.heartbeat_timeout",
+            "must be shorter than harvester.session_timeout, so a cut-off leader fences itself "
+            "before the group can hand its partition to another",
+        )
     if cfg.harvester.vacuum_interval < 0:
-        raise ConfigError("harvester.vacuum_interval", f"must be >= 0 (0 = autovacuum only), got {cfg.harvester.vacuum_interval!r}")
+        raise ConfigError(
+            "harvester.vacuum_interval", f"must be >= 0 (0 = autovacuum only), got {cfg.harvester.vacuum_interval!r}"
+        )
     if cfg.database.pool_size < cfg.harvester.purge_workers + 2:
-        raise ConfigError("database.pool_size", f"{cfg.database.pool_size} is too small: the harvester needs "
-                          f"harvester.purge_workers + 2 = {cfg.harvester.purge_workers + 2} connections (mark, purge, upkeep)")
+        raise ConfigError(
+            "database.pool_size",
+            f"{cfg.database.pool_size} is too small: the harvester needs "
+            f"harvester.purge_workers + 2 = {cfg.harvester.purge_workers + 2} connections (mark, purge, upkeep)",
+        )
     if cfg.harvester.mark_batch > cfg.harvester.max_in_flight:
         raise ConfigError("harvester.mark_batch", "must not exceed harvester.max_in_flight")
     for section in ("client", "producer"):
         for k, v in getattr(cfg.kafka, section).items():
             if k in REQUIRED_PRODUCER and str(v).lower() != str(REQUIRED_PRODUCER[k]).lower():
-                raise ConfigError(f"kafka.{section}.{k}", f"reaper sets {k}={REQUIRED_PRODUCER[k]!r} itself to keep "
-                                  "per-key order across failures; remove this setting")
+                raise ConfigError(
+                    f"kafka.{section}.{k}",
+                    f"reaper sets {k}={REQUIRED_PRODUCER[k]!r} itself to keep "
+                    "per-key order across failures; remove this setting",
+                )
     for section in ("client", "producer", "consumer"):
         for k in getattr(cfg.kafka, section):
             if k in ("bootstrap.servers", "group.id", "on_delivery", "error_cb", "on_commit"):
-                raise ConfigError(f"kafka.{section}.{k}", "is set by reaper itself; use kafka.bootstrap_servers "
-                                  "or the harvester/acker group keys")
+                raise ConfigError(
+                    f"kafka.{section}.{k}",
+                    "is set by reaper itself; use kafka.bootstrap_servers or the harvester/acker group keys",
+                )
             if k == "transactional.id":
                 raise ConfigError(f"kafka.{section}.{k}", "is set by reaper itself; use harvester.transactional_id")
     if not 0 <= cfg.metrics.port <= 65535:
@@ -356,8 +392,18 @@ def validate(cfg: Config) -> None:
 
 
 def validate_http(h: HttpConfig) -> None:
-    for name in ("port", "max_body_bytes", "max_ids_per_request", "max_items_per_add", "rate_burst", "long_poll_max",
-                 "completion_poll_interval", "pool_size", "request_timeout", "shutdown_timeout"):
+    for name in (
+        "port",
+        "max_body_bytes",
+        "max_ids_per_request",
+        "max_items_per_add",
+        "rate_burst",
+        "long_poll_max",
+        "completion_poll_interval",
+        "pool_size",
+        "request_timeout",
+        "shutdown_timeout",
+    ):
         if getattr(h, name) <= 0:
             raise ConfigError(f"http.{name}", f"must be > 0, got {getattr(h, name)!r}")
     if h.port > 65535:
@@ -378,6 +424,7 @@ _OUTBOX_KEYS = {"name", "dsn", "schema", "table", "lanes"}
 @dataclass(frozen=True)
 class UnitSpec:
     """One harvest unit: lane `lane` of `lanes` of one outbox table. `index` is its leader-topic partition."""
+
     index: int
     outbox: str
     dsn: str

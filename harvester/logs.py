@@ -7,6 +7,7 @@ warnings and uncaught thread exceptions into structlog. librdkafka's own lines c
 client's `logger` setting (`KafkaLogger` here, a `logging.Logger` named `reaper.kafka.<client>`
 in the tracker), so they never bypass the renderer and interleave with JSON lines.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,9 @@ class _ToStructlog(logging.Handler):
             fields: dict = {"exc_info": record.exc_info} if record.exc_info else {}
             if record.name.startswith("reaper.kafka."):  # a confluent-kafka client's librdkafka line
                 level = record.levelno if record.levelno >= logging.WARNING else logging.DEBUG  # as KafkaLogger
-                get("reaper.kafka").bind(client=record.name[len("reaper.kafka."):]).log(
-                    level, "librdkafka", message=text, **fields)
+                get("reaper.kafka").bind(client=record.name[len("reaper.kafka.") :]).log(
+                    level, "librdkafka", message=text, **fields
+                )
             else:
                 get(record.name).log(record.levelno, text, **fields)
         except Exception:  # logging must never raise into the code that logged
@@ -55,8 +57,11 @@ class _ToStructlog(logging.Handler):
 
 
 def _thread_exception(args: threading.ExceptHookArgs) -> None:
-    get("reaper").error("uncaught exception in thread", thread=getattr(args.thread, "name", None),
-                        exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+    get("reaper").error(
+        "uncaught exception in thread",
+        thread=getattr(args.thread, "name", None),
+        exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+    )
 
 
 def _bridge_stdlib(level: str) -> None:

@@ -3,17 +3,19 @@
 Names are fixed (see the team brief); the prefix is `metrics.prefix` (default "reaper"). Collectors
 live in the default registry, created once per process and prefix. No per-record or per-batch labels.
 """
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Protocol
+from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
 _DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _lock = threading.Lock()
-_instances: dict[str, "HarvesterMetrics"] = {}
+_instances: dict[str, HarvesterMetrics] = {}
 
 
 class HarvesterMetrics:
@@ -28,26 +30,48 @@ class HarvesterMetrics:
         self.published = Counter(f"{p}_records_published_total", "Records acknowledged by Kafka")
         self.purged = Counter(f"{p}_records_purged_total", "Outbox rows deleted after acknowledgement")
         self.reset = Counter(f"{p}_records_reset_total", "Outbox rows unmarked after a failed publication")
-        self.dead = Counter(f"{p}_records_dead_total",
-                            "Outbox rows Kafka will never accept, moved to the dead table (outbox_dead)")
-        self.produce_errors = Counter(f"{p}_produce_errors_total", "Failed produce calls and delivery reports, retried (rows Kafka can never accept count in records_dead_total)")
-        self.force_remarks = Counter(f"{p}_force_remarks_total", "Times queued work was dropped and marking restarted from the head")
+        self.dead = Counter(
+            f"{p}_records_dead_total", "Outbox rows Kafka will never accept, moved to the dead table (outbox_dead)"
+        )
+        self.produce_errors = Counter(
+            f"{p}_produce_errors_total",
+            "Failed produce calls and delivery reports, retried (rows Kafka can never accept count in records_dead_total)",
+        )
+        self.force_remarks = Counter(
+            f"{p}_force_remarks_total", "Times queued work was dropped and marking restarted from the head"
+        )
         self.mark_duration = Histogram(f"{p}_mark_duration_seconds", "Mark query duration", buckets=_DURATION_BUCKETS)
-        self.purge_duration = Histogram(f"{p}_purge_duration_seconds", "Batched purge statement duration", buckets=_DURATION_BUCKETS)
-        self.produce_duration = Histogram(f"{p}_produce_duration_seconds",
-                                          "Enqueue to delivery report, sampled 1 in 64 records", buckets=_DURATION_BUCKETS)
-        self.txn_duration = Histogram(f"{p}_transaction_commit_duration_seconds",
-                                      "commit_transaction duration (harvester.transactional_id set)",
-                                      buckets=_DURATION_BUCKETS)
-        self.txn_aborted = Counter(f"{p}_transactions_aborted_total",
-                                   "Kafka transactions aborted, their rows left for a remark (harvester.transactional_id set)")
+        self.purge_duration = Histogram(
+            f"{p}_purge_duration_seconds", "Batched purge statement duration", buckets=_DURATION_BUCKETS
+        )
+        self.produce_duration = Histogram(
+            f"{p}_produce_duration_seconds",
+            "Enqueue to delivery report, sampled 1 in 64 records",
+            buckets=_DURATION_BUCKETS,
+        )
+        self.txn_duration = Histogram(
+            f"{p}_transaction_commit_duration_seconds",
+            "commit_transaction duration (harvester.transactional_id set)",
+            buckets=_DURATION_BUCKETS,
+        )
+        self.txn_aborted = Counter(
+            f"{p}_transactions_aborted_total",
+            "Kafka transactions aborted, their rows left for a remark (harvester.transactional_id set)",
+        )
         self.in_flight = Gauge(f"{p}_records_in_flight", "Records produced and not yet settled")
-        self.backlog_rows = Gauge(f"{p}_outbox_backlog_rows", "Rows in the outbox (exact up to 100,000, above that the id span max(id) - min(id) + 1)")
+        self.backlog_rows = Gauge(
+            f"{p}_outbox_backlog_rows",
+            "Rows in the outbox (exact up to 100,000, above that the id span max(id) - min(id) + 1)",
+        )
         self.oldest_age = Gauge(f"{p}_outbox_oldest_age_seconds", "Age of the oldest row in the outbox")
         self.batches = Gauge(f"{p}_batches", "Batches by state", ["state"])
-        self.dead_rows = Gauge(f"{p}_outbox_dead_rows", "Rows in the outbox's dead table (quarantined, not yet requeued)")
-        self.requeued_rows = Gauge(f"{p}_outbox_requeued_rows",
-                                   "Rows `reaper dead requeue` moved back into the outbox, all time (read from admin_log)")
+        self.dead_rows = Gauge(
+            f"{p}_outbox_dead_rows", "Rows in the outbox's dead table (quarantined, not yet requeued)"
+        )
+        self.requeued_rows = Gauge(
+            f"{p}_outbox_requeued_rows",
+            "Rows `reaper dead requeue` moved back into the outbox, all time (read from admin_log)",
+        )
         self.items_pending = Gauge(f"{p}_items_pending", "Items not yet acknowledged in open and closed batches")
         # Per harvest unit (README "Harvest units"): one series per unit this instance has run.
         u = ["unit"]
@@ -146,8 +170,9 @@ class UnitMetrics:
             leaders = UnitMetrics._sums.setdefault((id(base), "leader"), {})
             in_flight = UnitMetrics._sums.setdefault((id(base), "in_flight"), {})
         self.leader = _SummedGauge(base.leader, base.unit_leader.labels(unit), unit, leaders, UnitMetrics._sums_lock)
-        self.in_flight = _SummedGauge(base.in_flight, base.unit_in_flight.labels(unit), unit, in_flight,
-                                      UnitMetrics._sums_lock)
+        self.in_flight = _SummedGauge(
+            base.in_flight, base.unit_in_flight.labels(unit), unit, in_flight, UnitMetrics._sums_lock
+        )
         self.marked = _Both(base.marked, base.unit_marked.labels(unit))
         self.published = _Both(base.published, base.unit_published.labels(unit))
         self.force_remarks = _Both(base.force_remarks, base.unit_force_remarks.labels(unit))
@@ -194,7 +219,7 @@ class HealthServer:
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="reaper-http", daemon=True)
 
-    def start(self) -> "HealthServer":
+    def start(self) -> HealthServer:
         self._thread.start()
         return self
 

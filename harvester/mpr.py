@@ -14,6 +14,7 @@ accept is not a failure of this kind: the publisher moves its row to the dead ta
 The leader also owns vacuuming the outbox (see `Upkeep`): deleted rows at the head of the table
 otherwise slow every mark down as they pile up.
 """
+
 from __future__ import annotations
 
 import queue
@@ -27,14 +28,15 @@ from psycopg_pool import ConnectionPool
 
 from . import logs
 from .config import Config, UnitSpec
-from .metrics import MetricsLike, get as get_metrics
+from .metrics import MetricsLike
+from .metrics import get as get_metrics
 from .neli import LEADER, Lease
 from .ports import DEFAULT, Providers, StoreLike
 from .publish import Lifecycle, Publisher, QuarantineError, logs_safe, producer_config
 from .store import OutboxStore, make_pool
 
 MIN_REMARK_BACKOFF = 0.05  # seconds before the second remark in a row without progress
-MAX_REMARK_BACKOFF = 5.0   # bound of the doubling back-off
+MAX_REMARK_BACKOFF = 5.0  # bound of the doubling back-off
 
 
 class UnitHarvester:
@@ -42,9 +44,16 @@ class UnitHarvester:
     says this process leads it. Each unit has its own pool, publisher (producer, transactional id)
     and threads: one unit's stall (a dead database, a refused record) holds up no other."""
 
-    def __init__(self, cfg: Config, spec: UnitSpec, *, providers: Providers = DEFAULT,
-                 metrics: MetricsLike | None = None, transactional_id: str = "",
-                 pool: ConnectionPool | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        spec: UnitSpec,
+        *,
+        providers: Providers = DEFAULT,
+        metrics: MetricsLike | None = None,
+        transactional_id: str = "",
+        pool: ConnectionPool | None = None,
+    ) -> None:
         self.cfg, self.spec = cfg, spec
         h = cfg.harvester
         self.m: MetricsLike = metrics or get_metrics(cfg.metrics.prefix)
@@ -61,8 +70,8 @@ class UnitHarvester:
         self._remark = threading.Event()
         self._remark_why = ""
         self._stop = threading.Event()
-        self._me: uuid.UUID | None = None         # id rows are marked with now
-        self._neli_id: uuid.UUID | None = None    # the NELI acquisition it derives from
+        self._me: uuid.UUID | None = None  # id rows are marked with now
+        self._neli_id: uuid.UUID | None = None  # the NELI acquisition it derives from
         self._thread = threading.Thread(target=self._loop, name="reaper-mark", daemon=True)
         self._producer_thread = threading.Thread(target=self._produce_loop, name="reaper-produce", daemon=True)
         self._batches: queue.Queue = queue.Queue(maxsize=2)  # marked, waiting for the producer thread
@@ -75,7 +84,7 @@ class UnitHarvester:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self, lease: Lease) -> "UnitHarvester":
+    def start(self, lease: Lease) -> UnitHarvester:
         """Start once, following `lease` (not yet started: NELI starts once every unit is ready);
         a stopped unit cannot be started again (LifecycleError)."""
         self._life.start()
@@ -87,13 +96,21 @@ class UnitHarvester:
         conf = producer_config(cfg.kafka.bootstrap_servers, cfg.kafka.client, cfg.kafka.producer)
         if self._txn_id:
             conf["transactional.id"] = self._txn_id
-        self.publisher = Publisher(conf, self.store, self.m, purge_batch=h.purge_batch, purge_workers=h.purge_workers,
-                                   providers=self.providers, on_failure=self.force_remark).start()
+        self.publisher = Publisher(
+            conf,
+            self.store,
+            self.m,
+            purge_batch=h.purge_batch,
+            purge_workers=h.purge_workers,
+            providers=self.providers,
+            on_failure=self.force_remark,
+        ).start()
         self.publisher.queue_full_patience = h.mark_deadline / 2
         if h.trace_spans:  # a PRODUCER span per row, linked to the context stored with it (tracker.tracing)
             from opentelemetry import trace
 
             from tracker.tracing import producer_span
+
             self.publisher._plain.trace = partial(producer_span, trace.get_tracer("outbox-reaper.harvester"))
         self.neli = lease
         lease.on_change = self._on_neli
@@ -120,8 +137,10 @@ class UnitHarvester:
         if self.publisher is not None:
             drained = self.publisher.drain(max(0.1, timeout))
             if not drained:
-                self.log.warning("drain timeout: records still in flight are left for the next leader",
-                                 in_flight=self.publisher.in_flight)
+                self.log.warning(
+                    "drain timeout: records still in flight are left for the next leader",
+                    in_flight=self.publisher.in_flight,
+                )
         return drained
 
     def close(self) -> None:
@@ -160,13 +179,22 @@ class UnitHarvester:
             # a retry of a record already sent (message.timeout.ms=0 would retry it for ever). A
             # producer that never got a record is kept (nothing to drop).
             self.publisher.retire_producer(f"neli {state}")
-        self.log.info("publishing state", state=state, records_produced=self.publisher.produced,
-                      records_delivered=self.publisher.delivered, records_in_flight=self.publisher.in_flight)
+        self.log.info(
+            "publishing state",
+            state=state,
+            records_produced=self.publisher.produced,
+            records_delivered=self.publisher.delivered,
+            records_in_flight=self.publisher.in_flight,
+        )
 
     def _valid(self, me: uuid.UUID) -> bool:
         assert self.neli is not None  # start() sets it before the threads that call this run
-        return self._me == me and not self._remark.is_set() and self.neli.leader_id() == self._neli_id \
+        return (
+            self._me == me
+            and not self._remark.is_set()
+            and self.neli.leader_id() == self._neli_id
             and not self._stop.is_set()
+        )
 
     # ------------------------------------------------------------------ the loop
 
@@ -193,7 +221,7 @@ class UnitHarvester:
                 self._stop.wait(0.02)
                 continue
             if neli_id != self._neli_id:
-                self._me = neli_id   # set the id before clearing the flag: queued batches go stale first
+                self._me = neli_id  # set the id before clearing the flag: queued batches go stale first
                 self._neli_id = neli_id
                 self._remark.clear()
                 logs.leader_context.set(self._me)
@@ -206,8 +234,11 @@ class UnitHarvester:
                 # Remarks that repeat with nothing settled in between (a record that fails every
                 # time, Kafka refusing a topic) back off, doubling up to MAX_REMARK_BACKOFF.
                 progress = pub.progress
-                backoff = min(MAX_REMARK_BACKOFF, max(MIN_REMARK_BACKOFF, backoff * 2)) \
-                    if progress == progress_at_remark else 0.0
+                backoff = (
+                    min(MAX_REMARK_BACKOFF, max(MIN_REMARK_BACKOFF, backoff * 2))
+                    if progress == progress_at_remark
+                    else 0.0
+                )
                 progress_at_remark = progress
                 self.remark_backoff = backoff
                 self.log.info("force remark", reason=self._remark_why, backoff_s=round(backoff, 3))
@@ -285,14 +316,17 @@ class UnitHarvester:
                 pub.release(len(rows))
                 continue
             try:
-                pub.produce_rows(rows, me, lambda: self._valid(me), self.neli.valid_until)
+                pub.produce_rows(rows, me, partial(self._valid, me), self.neli.valid_until)
             except (BufferError, KafkaException, QuarantineError) as exc:
                 m.produce_errors.inc()
                 self.log.warning("produce failed", error=str(exc))
                 self.force_remark("produce failed")
             if time.monotonic() - started > h.mark_deadline:
-                self.log.warning("mark cycle overran its deadline", seconds=round(time.monotonic() - started, 3),
-                                 mark_deadline=h.mark_deadline)
+                self.log.warning(
+                    "mark cycle overran its deadline",
+                    seconds=round(time.monotonic() - started, 3),
+                    mark_deadline=h.mark_deadline,
+                )
                 self.force_remark("mark deadline exceeded")
 
     # ------------------------------------------------------------------ upkeep

@@ -15,12 +15,13 @@ resumption) gets a fresh random leader id.
 saw: a process that was paused (SIGSTOP, a long GC-like stall) sees itself fenced at once.
 Cooperative-sticky assignment keeps partition 0 with its holder when other members join.
 """
+
 from __future__ import annotations
 
 import threading
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from confluent_kafka import OFFSET_END, Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -54,11 +55,20 @@ def _ensure_topic(admin: AdminClient, topic: str, timeout: float, partitions: in
             raise LeaderTopicMismatch(
                 f"leader topic {topic!r} has {len(t.partitions)} partition(s) but {partitions} harvest unit(s) are "
                 "configured: to change the units or lanes, stop every reaper, then start them with a new "
-                "harvester.leader_topic and harvester.leader_group")
+                "harvester.leader_topic and harvester.leader_group"
+            )
         return
-    fut = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=-1,
-                                        config={"retention.ms": "3600000", "cleanup.policy": "delete"})],
-                              operation_timeout=timeout)[topic]
+    fut = admin.create_topics(
+        [
+            NewTopic(
+                topic,
+                num_partitions=partitions,
+                replication_factor=-1,
+                config={"retention.ms": "3600000", "cleanup.policy": "delete"},
+            )
+        ],
+        operation_timeout=timeout,
+    )[topic]
     try:
         fut.result(timeout=timeout)
     except KafkaException as exc:
@@ -73,8 +83,9 @@ class Lease:
     thread saw: a process that was paused (SIGSTOP, a long stall) sees itself fenced at once.
     """
 
-    def __init__(self, unit: int, hb_timeout: float, metrics: MetricsLike,
-                 on_change: Callable[[str, uuid.UUID | None], None]) -> None:
+    def __init__(
+        self, unit: int, hb_timeout: float, metrics: MetricsLike, on_change: Callable[[str, uuid.UUID | None], None]
+    ) -> None:
         self.unit, self.hb_timeout, self._m = unit, hb_timeout, metrics
         self.on_change = on_change
         self._log = logs.get("reaper.neli")
@@ -82,7 +93,7 @@ class Lease:
         self._state = FOLLOWER
         self._leader_id: uuid.UUID | None = None
         self.holding = False
-        self.last_heartbeat = 0.0   # monotonic SEND time of the newest own heartbeat read back
+        self.last_heartbeat = 0.0  # monotonic SEND time of the newest own heartbeat read back
         self.last_sent = 0.0
         self.paused_until = 0.0
 
@@ -125,10 +136,22 @@ class Lease:
 
 
 class Neli:
-    def __init__(self, *, bootstrap: str, client: dict, consumer: dict, producer: dict, topic: str, group: str,
-                 min_poll_interval: float, heartbeat_timeout: float, session_timeout: float,
-                 metrics: MetricsLike | Callable[[int], MetricsLike],
-                 on_change: Callable[[str, uuid.UUID | None], None] = lambda s, l: None, units: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        bootstrap: str,
+        client: dict,
+        consumer: dict,
+        producer: dict,
+        topic: str,
+        group: str,
+        min_poll_interval: float,
+        heartbeat_timeout: float,
+        session_timeout: float,
+        metrics: MetricsLike | Callable[[int], MetricsLike],
+        on_change: Callable[[str, uuid.UUID | None], None] = lambda s, lid: None,
+        units: int = 1,
+    ) -> None:
         """`metrics`: one set for all units, or a function giving unit u's. `on_change` is unit
         0's callback; set `lease(u).on_change` for the others."""
         self.topic, self.min_poll, self.hb_timeout = topic, min_poll_interval, heartbeat_timeout
@@ -136,29 +159,42 @@ class Neli:
         self.instance = uuid.uuid4().hex.encode()  # tags this process's heartbeats
         unit_metrics = metrics if callable(metrics) else (lambda u: metrics)
         self._m = unit_metrics(0)
-        self.leases = [Lease(u, heartbeat_timeout, unit_metrics(u), on_change if u == 0 else (lambda s, l: None))
-                       for u in range(units)]
+        self.leases = [
+            Lease(u, heartbeat_timeout, unit_metrics(u), on_change if u == 0 else (lambda s, lid: None))
+            for u in range(units)
+        ]
         base = {"bootstrap.servers": bootstrap, **client}
         self._admin_conf = {**base, "logger": logs.KafkaLogger("leader-admin")}
         self._consumer_conf = {
             # Rejoin within about a second after a broker restart (librdkafka's default back-off
             # grows to 10 s between connection attempts); configuration may still override it.
-            **base, "reconnect.backoff.ms": 50, "reconnect.backoff.max.ms": 1000, **consumer,
+            **base,
+            "reconnect.backoff.ms": 50,
+            "reconnect.backoff.max.ms": 1000,
+            **consumer,
             "group.id": group,
             "session.timeout.ms": int(session_timeout * 1000),
             # A member learns of a rebalance (the leader left) on its next group heartbeat: keep
             # them frequent so a SIGTERM handover is not delayed by up to session/10.
             "heartbeat.interval.ms": max(100, min(250, int(session_timeout * 1000) // 3)),
             "partition.assignment.strategy": "cooperative-sticky",
-
             "enable.auto.commit": False,
             "auto.offset.reset": "latest",
-            "log_level": 4, "logger": logs.KafkaLogger("leader-consumer"),
+            "log_level": 4,
+            "logger": logs.KafkaLogger("leader-consumer"),
         }
-        self._producer_conf = {**base, **producer, "linger.ms": 0, "acks": 1, "enable.idempotence": False,
-                               "message.timeout.ms": max(1000, int(heartbeat_timeout * 1000)), "log_level": 4,
-                               "reconnect.backoff.ms": 50, "reconnect.backoff.max.ms": 1000,
-                               "logger": logs.KafkaLogger("heartbeat-producer")}
+        self._producer_conf = {
+            **base,
+            **producer,
+            "linger.ms": 0,
+            "acks": 1,
+            "enable.idempotence": False,
+            "message.timeout.ms": max(1000, int(heartbeat_timeout * 1000)),
+            "log_level": 4,
+            "reconnect.backoff.ms": 50,
+            "reconnect.backoff.max.ms": 1000,
+            "logger": logs.KafkaLogger("heartbeat-producer"),
+        }
         self._stop = threading.Event()
         self._closed = threading.Event()
         self._consumer: Consumer | None = None
@@ -167,12 +203,13 @@ class Neli:
 
     # ------------------------------------------------------------------ public
 
-    def start(self) -> "Neli":
+    def start(self) -> Neli:
         ensure_leader_topic(self._admin_conf, self.topic, partitions=len(self.leases))
         self._producer = Producer(self._producer_conf)
         self._consumer = Consumer(self._consumer_conf)
-        self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                                 on_lost=self._on_lost)
+        self._consumer.subscribe(
+            [self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+        )
         self._thread.start()
         return self
 
@@ -251,15 +288,20 @@ class Neli:
             lease.last_sent = now
             assert self._producer is not None  # only called from _pulse, after start()
             try:
-                self._producer.produce(self.topic, value=b"%s:%d" % (self.instance, time.monotonic_ns()),
-                                       partition=lease.unit)
+                self._producer.produce(
+                    self.topic, value=b"%s:%d" % (self.instance, time.monotonic_ns()), partition=lease.unit
+                )
             except BufferError:
                 pass  # Kafka unreachable for long: the missing heartbeats fence us
         overdue = now - lease.last_heartbeat > self.hb_timeout
         if lease.state == LEADER and overdue:
             lease._m.fences.inc()
-            self._log.warning("no heartbeat within heartbeat_timeout: fencing", heartbeat_timeout=self.hb_timeout,
-                              unit=lease.unit, leader_id=str(lease._leader_id))
+            self._log.warning(
+                "no heartbeat within heartbeat_timeout: fencing",
+                heartbeat_timeout=self.hb_timeout,
+                unit=lease.unit,
+                leader_id=str(lease._leader_id),
+            )
             lease.set(FENCED, None)
         elif lease.state == FENCED and not overdue:
             self._log.info("heartbeats are back and the partition is still held: resuming", unit=lease.unit)

@@ -15,12 +15,13 @@ Ordering rests on the producer settings in config.REQUIRED_PRODUCER (idempotence
 timeout, gapless guarantee): within a partition a record is never written after an earlier one
 failed, so a remark from the head of the outbox restores per-key order without a per-key barrier.
 """
+
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 from confluent_kafka import KafkaError, KafkaException
 
@@ -31,8 +32,9 @@ from .slot import ProducerSlot
 # produce() refusals that are about the record itself and can never succeed, however often retried:
 # larger than message.max.bytes, an explicit partition the topic does not have, an invalid argument
 # or topic name.
-PERMANENT_PRODUCE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError._UNKNOWN_PARTITION, KafkaError._INVALID_ARG,
-                               KafkaError.TOPIC_EXCEPTION})
+PERMANENT_PRODUCE = frozenset(
+    {KafkaError.MSG_SIZE_TOO_LARGE, KafkaError._UNKNOWN_PARTITION, KafkaError._INVALID_ARG, KafkaError.TOPIC_EXCEPTION}
+)
 
 Valid = Callable[[], bool]
 Deadline = Callable[[], float]
@@ -50,7 +52,7 @@ class QuarantineError(RuntimeError):
 class PlainStrategy:
     def __init__(self, slot: ProducerSlot, settler: Settler, store: StoreLike) -> None:
         self.slot, self.settler, self._store = slot, settler, store
-        self.produced = 0          # records handed to a producer (only the producing thread writes it)
+        self.produced = 0  # records handed to a producer (only the producing thread writes it)
         self.queue_full_waits = 0  # produce() found the local queue full and waited (same thread)
         self.queue_full_patience = 1.0
         # harvester.trace_spans: called with (topic, header keys, header values) per produced row
@@ -62,8 +64,15 @@ class PlainStrategy:
     def produce_rows(self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Valid, valid_until: Deadline) -> int:
         return self.write(self.slot.current, rows, leader_id, still_valid, valid_until, self.settler.report)
 
-    def write(self, producer: ProducerLike, rows: list[tuple], leader_id: uuid.UUID, still_valid: Valid,
-              valid_until: Deadline, report: Callable) -> int:
+    def write(
+        self,
+        producer: ProducerLike,
+        rows: list[tuple],
+        leader_id: uuid.UUID,
+        still_valid: Valid,
+        valid_until: Deadline,
+        report: Callable,
+    ) -> int:
         """The produce loop shared by both strategies; `report` is the per-record callback
         (called as report(row_id, leader_id, err, msg)). Releases what it did not hand over."""
         slot, clock, swap, trace = self.slot, time.monotonic, self.slot._swap, self.trace
@@ -77,8 +86,16 @@ class PlainStrategy:
                 row_id, topic, key, value, hkeys, hvals, partition = row
                 # Positional, in the order of confluent-kafka's produce(topic, value, key, partition,
                 # callback, on_delivery, timestamp, headers): keywords cost ~1 µs a record here.
-                args = (topic, value, key, -1 if partition is None else partition, partial(report, row_id, leader_id),
-                        None, 0, list(zip(hkeys, hvals)) if hkeys else None)
+                args = (
+                    topic,
+                    value,
+                    key,
+                    -1 if partition is None else partition,
+                    partial(report, row_id, leader_id),
+                    None,
+                    0,
+                    list(zip(hkeys, hvals)) if hkeys else None,
+                )
                 try:
                     with swap:  # inlined ProducerSlot.send: a method call per record costs
                         if slot.current is not producer:

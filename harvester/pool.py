@@ -15,11 +15,12 @@ sleeps 1 s and more between failed checks. Recovery must take well under a secon
   apart (default RECONNECT_MAX), and never give up: a pool of a long-running sidecar must not shrink
   because the database was gone for an hour.
 """
+
 from __future__ import annotations
 
 import select
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import psycopg
 from psycopg_pool import ConnectionPool
@@ -29,9 +30,9 @@ from tracker.pooling import configure_for_pooler
 
 from . import logs
 
-RECONNECT_FIRST = 0.05   # seconds before the second connection attempt
-RECONNECT_MAX = 0.25     # bound of the doubling: publishing resumes this soon after Postgres is back
-CONNECT_TIMEOUT = 5      # seconds: a connect to a host that does not answer at all
+RECONNECT_FIRST = 0.05  # seconds before the second connection attempt
+RECONNECT_MAX = 0.25  # bound of the doubling: publishing resumes this soon after Postgres is back
+CONNECT_TIMEOUT = 5  # seconds: a connect to a host that does not answer at all
 
 
 def configure_connection(conn: psycopg.Connection) -> bool:
@@ -95,9 +96,9 @@ class HarvestPool(ConnectionPool):
         conn = self.getconn(timeout)
         while closed_by_server(conn):
             self.discarded += 1
-            conn.close()            # closed: putconn discards it and schedules a replacement
+            conn.close()  # closed: putconn discards it and schedules a replacement
             self.putconn(conn)
-            self.check()            # the others most likely died with it: replace them all now
+            self.check()  # the others most likely died with it: replace them all now
             conn = self.getconn(timeout)
         try:
             with conn:
@@ -109,20 +110,36 @@ class HarvestPool(ConnectionPool):
                 self.check()
 
 
-def make_pool(dsn: str, size: int, *, name: str = "reaper", open_wait: float | None = 30.0,
-              reconnect_backoff_max: float = RECONNECT_MAX) -> HarvestPool:
+def make_pool(
+    dsn: str,
+    size: int,
+    *,
+    name: str = "reaper",
+    open_wait: float | None = 30.0,
+    reconnect_backoff_max: float = RECONNECT_MAX,
+) -> HarvestPool:
     said = False
 
     def configure(conn: psycopg.Connection) -> None:
         nonlocal said
         if configure_connection(conn) and not said:
             said = True
-            logs.get("reaper.store").info("database reached through a pooler (e.g. PgBouncer): prepared "
-                                          "statements off, synchronous_commit left to the role", pool=name)
+            logs.get("reaper.store").info(
+                "database reached through a pooler (e.g. PgBouncer): prepared "
+                "statements off, synchronous_commit left to the role",
+                pool=name,
+            )
 
-    pool = HarvestPool(dsn, min_size=size, max_size=size, name=name, open=False,
-                       kwargs={"autocommit": True, "application_name": "reaper", "connect_timeout": CONNECT_TIMEOUT},
-                       configure=configure, reconnect_timeout=float("inf"),
-                       reconnect_backoff_max=reconnect_backoff_max)
+    pool = HarvestPool(
+        dsn,
+        min_size=size,
+        max_size=size,
+        name=name,
+        open=False,
+        kwargs={"autocommit": True, "application_name": "reaper", "connect_timeout": CONNECT_TIMEOUT},
+        configure=configure,
+        reconnect_timeout=float("inf"),
+        reconnect_backoff_max=reconnect_backoff_max,
+    )
     pool.open(wait=open_wait is not None, timeout=open_wait or 30.0)
     return pool

@@ -4,11 +4,13 @@ Production passes nothing and gets confluent_kafka.Producer and harvester.store.
 supply other providers (tests/support/faults.py wraps both to inject failures); no production
 module imports them.
 """
+
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 from confluent_kafka import Producer
 
@@ -48,6 +50,7 @@ def _same(store: StoreLike) -> StoreLike:
 @dataclass(frozen=True)
 class Providers:
     """How a harvester makes its producers and wraps its outbox store (defaults: the real ones)."""
+
     producer: ProducerFactory = field(default=Producer)
     store: StoreWrapper = field(default=_same)
     description: str | None = None  # logged at start when not the defaults

@@ -9,11 +9,12 @@
 Each module states its contract. This one wires them and guards the life cycle: a publisher is
 started once, and never again after close().
 """
+
 from __future__ import annotations
 
 import threading
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from .config import REQUIRED_PRODUCER
 from .metrics import MetricsLike
@@ -43,8 +44,10 @@ def producer_config(bootstrap: str, client: dict, producer: dict) -> dict:
     conf = {"bootstrap.servers": bootstrap, **DEFAULT_PRODUCER, **client, **producer}
     for key, value in REQUIRED_PRODUCER.items():
         if key in conf and str(conf[key]).lower() != str(value).lower():
-            raise ValueError(f"kafka producer setting {key}={conf[key]!r} is not allowed: reaper needs {value!r} "
-                             "to keep per-key order across failures")
+            raise ValueError(
+                f"kafka producer setting {key}={conf[key]!r} is not allowed: reaper needs {value!r} "
+                "to keep per-key order across failures"
+            )
     conf.update(REQUIRED_PRODUCER)
     return conf
 
@@ -74,15 +77,29 @@ class Lifecycle:
 
 
 class Publisher:
-    def __init__(self, conf: dict, store: StoreLike, metrics: MetricsLike, *, purge_batch: int = 5000,
-                 purge_workers: int = 2, providers: Providers = DEFAULT,
-                 on_failure: Callable[[str], None] = lambda why: None) -> None:
+    def __init__(
+        self,
+        conf: dict,
+        store: StoreLike,
+        metrics: MetricsLike,
+        *,
+        purge_batch: int = 5000,
+        purge_workers: int = 2,
+        providers: Providers = DEFAULT,
+        on_failure: Callable[[str], None] = lambda why: None,
+    ) -> None:
         self._life = Lifecycle("publisher")
         self.transactional = "transactional.id" in conf
-        self.settler = Settler(store, metrics, batch=purge_batch, workers=purge_workers, on_failure=on_failure,
-                               on_fatal=self._fatal)
-        self.slot = ProducerSlot(conf, providers.producer, on_fatal=on_failure,
-                                 after_poll=self.settler.wake_if_pending, on_retire=self._on_retire)
+        self.settler = Settler(
+            store, metrics, batch=purge_batch, workers=purge_workers, on_failure=on_failure, on_fatal=self._fatal
+        )
+        self.slot = ProducerSlot(
+            conf,
+            providers.producer,
+            on_fatal=on_failure,
+            after_poll=self.settler.wake_if_pending,
+            on_retire=self._on_retire,
+        )
         self.strategy: PlainStrategy | TransactionalStrategy
         self._plain: PlainStrategy
         if self.transactional:
@@ -97,7 +114,7 @@ class Publisher:
     def _on_retire(self) -> None:
         self.strategy.on_retire()
 
-    def start(self) -> "Publisher":
+    def start(self) -> Publisher:
         self._life.start()
         self.settler.start()
         self.slot.start()

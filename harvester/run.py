@@ -8,6 +8,7 @@ Exit codes (documented in the README by the operability engineer):
   4  stopped by a signal, but in-flight records were still unsettled at drain_timeout
      (harmless: the next leader publishes them again; duplicates, never loss)
 """
+
 from __future__ import annotations
 
 import gc
@@ -26,12 +27,13 @@ from tracker.schema import qualified
 
 from . import logs
 from .config import Config, redact, redact_dsn
-from .metrics import HealthServer, get as get_metrics
+from .metrics import HealthServer
+from .metrics import get as get_metrics
 from .neli import LeaderTopicMismatch
-from .units import Harvester
 from .ports import DEFAULT, Providers
 from .publish import logs_safe
 from .store import OutboxStore, make_pool
+from .units import Harvester
 
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG, EXIT_UNAVAILABLE, EXIT_DRAIN_TIMEOUT = 0, 1, 2, 3, 4
 
@@ -50,19 +52,22 @@ def _version() -> str:
 def _check_database(cfg: Config) -> None:
     try:
         with psycopg.connect(cfg.database.dsn, connect_timeout=10) as conn:
-            row = conn.execute("SELECT to_regclass(%s)", [
-                qualified(cfg.database.schema, cfg.database.outbox_table).as_string(conn)]).fetchone()
+            row = conn.execute(
+                "SELECT to_regclass(%s)", [qualified(cfg.database.schema, cfg.database.outbox_table).as_string(conn)]
+            ).fetchone()
             assert row is not None  # a SELECT without FROM returns exactly one row
             found = row[0]
     except psycopg.Error as exc:
         raise Unavailable(f"database unreachable: {logs_safe(exc)}") from None
     if found is None:
-        raise Unavailable(f"table {cfg.database.schema}.{cfg.database.outbox_table} does not exist: run `reaper migrate`")
+        raise Unavailable(
+            f"table {cfg.database.schema}.{cfg.database.outbox_table} does not exist: run `reaper migrate`"
+        )
 
 
 def _admin(cfg: Config) -> AdminClient:
-    return AdminClient({"bootstrap.servers": cfg.kafka.bootstrap_servers, **cfg.kafka.client,
-                        "logger": logs.KafkaLogger("admin")})  # type: ignore[dict-item]  # stub lacks "logger"
+    conf = {"bootstrap.servers": cfg.kafka.bootstrap_servers, **cfg.kafka.client, "logger": logs.KafkaLogger("admin")}
+    return AdminClient(conf)  # type: ignore[arg-type]  # the stub lacks librdkafka's documented "logger"
 
 
 def _check_kafka(admin: AdminClient, timeout: float = 15.0) -> None:
@@ -107,7 +112,8 @@ def _gauges_loop(cfg: Config, store: OutboxStore, pool, stop: threading.Event) -
     schema = cfg.database.schema
     batches = sql.SQL("SELECT state, count(*) FROM {} GROUP BY state").format(qualified(schema, "batch"))
     pending = sql.SQL("SELECT coalesce(sum(pending), 0) FROM {} WHERE state IN ('open', 'closed')").format(
-        qualified(schema, "batch"))
+        qualified(schema, "batch")
+    )
     dead_and_requeued = sql.SQL(
         "SELECT (SELECT count(*) FROM {}), (SELECT coalesce(sum(rows), 0) FROM {} WHERE action = 'dead-requeue')"
     ).format(qualified(schema, f"{cfg.database.outbox_table}_dead"), qualified(schema, "admin_log"))
@@ -137,10 +143,16 @@ def _sweeper_loop(cfg: Config, pool, stop: threading.Event, sweeper) -> None:
     while not stop.wait(s.interval):
         try:
             with pool.connection() as conn:
-                result = sweeper.sweep(conn, schema=cfg.database.schema, idle_expiry=s.idle_expiry,
-                                       retention=s.retention, chunk=s.chunk, outbox_table=cfg.database.outbox_table,
-                                       completion_topic=cfg.harvester.default_completion_topic,
-                                       expiry_topic=s.expiry_topic or None)
+                result = sweeper.sweep(
+                    conn,
+                    schema=cfg.database.schema,
+                    idle_expiry=s.idle_expiry,
+                    retention=s.retention,
+                    chunk=s.chunk,
+                    outbox_table=cfg.database.outbox_table,
+                    completion_topic=cfg.harvester.default_completion_topic,
+                    expiry_topic=s.expiry_topic or None,
+                )
             if result.expired or result.deleted:
                 log.info("swept", expired=result.expired, deleted=result.deleted)
         except Exception as exc:
@@ -151,13 +163,24 @@ def _start_acker(cfg: Config, stop: threading.Event, failures: list) -> threadin
     from tracker.acker import Acker
 
     a = cfg.acker
-    acker = Acker(dsn=cfg.database.dsn, schema=cfg.database.schema, bootstrap_servers=cfg.kafka.bootstrap_servers,
-                  kafka_client=cfg.kafka.client, consumer_client=cfg.kafka.consumer,
-                  producer_client=cfg.kafka.producer, topic=a.topic, group=a.group,
-                  dead_letter_topic=a.dead_letter_topic, max_poll_records=a.max_poll_records,
-                  poll_timeout=a.poll_timeout,
-                  tracker=tracker.Tracker(schema=cfg.database.schema, outbox_table=cfg.database.outbox_table,
-                                          completion_topic=cfg.harvester.default_completion_topic))
+    acker = Acker(
+        dsn=cfg.database.dsn,
+        schema=cfg.database.schema,
+        bootstrap_servers=cfg.kafka.bootstrap_servers,
+        kafka_client=cfg.kafka.client,
+        consumer_client=cfg.kafka.consumer,
+        producer_client=cfg.kafka.producer,
+        topic=a.topic,
+        group=a.group,
+        dead_letter_topic=a.dead_letter_topic,
+        max_poll_records=a.max_poll_records,
+        poll_timeout=a.poll_timeout,
+        tracker=tracker.Tracker(
+            schema=cfg.database.schema,
+            outbox_table=cfg.database.outbox_table,
+            completion_topic=cfg.harvester.default_completion_topic,
+        ),
+    )
 
     def run() -> None:
         try:
@@ -188,8 +211,7 @@ def tune_gc() -> None:
 def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
     log = logs.get("reaper")
     tune_gc()
-    log.info("starting", version=_version(), config=redact("config", _as_dict(cfg)),
-             providers=providers.description)
+    log.info("starting", version=_version(), config=redact("config", _as_dict(cfg)), providers=providers.description)
     stop = threading.Event()
     term = threading.Event()
 
@@ -226,16 +248,27 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
         if cfg.metrics.enabled:
             http = HealthServer(cfg.metrics.host, cfg.metrics.port, Readiness(pool, admin)).start()
             log.info("metrics server listening", port=http.port)
-            threads.append(threading.Thread(target=_gauges_loop, args=(cfg, store, pool, stop), daemon=True,
-                                            name="reaper-gauges"))
+            threads.append(
+                threading.Thread(target=_gauges_loop, args=(cfg, store, pool, stop), daemon=True, name="reaper-gauges")
+            )
         if cfg.sweeper.enabled:
             from tracker import sweeper  # the tracker's sweeper; several reapers may sweep at once safely
-            threads.append(threading.Thread(target=_sweeper_loop, args=(cfg, pool, stop, sweeper), daemon=True,
-                                            name="reaper-sweeper"))
+
+            threads.append(
+                threading.Thread(
+                    target=_sweeper_loop, args=(cfg, pool, stop, sweeper), daemon=True, name="reaper-sweeper"
+                )
+            )
         if cfg.settler.enabled:
             from tracker.settler import Settler  # folds ack claims left by busy commits; safe with several reapers
-            settler = Settler(dsn=cfg.database.dsn, schema=cfg.database.schema, outbox_table=cfg.database.outbox_table,
-                              completion_topic=cfg.harvester.default_completion_topic, interval=cfg.settler.interval)
+
+            settler = Settler(
+                dsn=cfg.database.dsn,
+                schema=cfg.database.schema,
+                outbox_table=cfg.database.outbox_table,
+                completion_topic=cfg.harvester.default_completion_topic,
+                interval=cfg.settler.interval,
+            )
             threads.append(threading.Thread(target=settler.run, args=(stop,), daemon=True, name="reaper-settler"))
         for t in threads:
             t.start()
@@ -276,6 +309,7 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
 
 def _as_dict(cfg: Config) -> dict:
     import dataclasses
+
     return dataclasses.asdict(cfg)
 
 

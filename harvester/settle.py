@@ -13,13 +13,14 @@ Contract:
 - The counters (`delivered`, `purged_rows`, `dead_rows`) only grow, under one lock: several workers
   and the producing thread add to them, and the remark back-off reads them.
 """
+
 from __future__ import annotations
 
 import collections
 import threading
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from confluent_kafka import KafkaError
 
@@ -38,7 +39,7 @@ _PURGED = (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT)
 #   every row of that topic out of the outbox. They are retried, with the remark back-off.
 PERMANENT_DELIVERY = frozenset({KafkaError._UNKNOWN_PARTITION, KafkaError._INVALID_ARG, KafkaError.TOPIC_EXCEPTION})
 SAMPLE_EVERY = 64  # produce-latency histogram samples 1 in 64 reports: observe() per record costs too much
-WAKE_AT = 512      # queued reports that wake a worker (Event.set() takes a lock: not once per record)
+WAKE_AT = 512  # queued reports that wake a worker (Event.set() takes a lock: not once per record)
 
 Report = tuple  # (row_id, leader_id, KafkaError | None)
 
@@ -53,8 +54,16 @@ def logs_safe(exc: BaseException) -> str:
 
 
 class Settler:
-    def __init__(self, store: StoreLike, metrics: MetricsLike, *, batch: int = 5000, workers: int = 2,
-                 on_failure: Callable[[str], None] = lambda why: None, on_fatal: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        store: StoreLike,
+        metrics: MetricsLike,
+        *,
+        batch: int = 5000,
+        workers: int = 2,
+        on_failure: Callable[[str], None] = lambda why: None,
+        on_fatal: Callable[[], None] = lambda: None,
+    ) -> None:
         self._store, self._m, self._batch = store, metrics, batch
         self._on_failure, self._on_fatal = on_failure, on_fatal
         self._log = logs.get("reaper.settle")
@@ -62,14 +71,15 @@ class Settler:
         self._wake = threading.Event()
         self._cond = threading.Condition()  # guards the in-flight count
         self._in_flight = 0
-        self._counts = threading.Lock()     # guards the counters below
-        self.delivered = 0    # records acknowledged by Kafka
+        self._counts = threading.Lock()  # guards the counters below
+        self.delivered = 0  # records acknowledged by Kafka
         self.purged_rows = 0  # rows deleted (read by the leader's vacuum upkeep)
-        self.dead_rows = 0    # rows moved to the dead table
-        self._sampled = 0     # only the thread serving the producer's callbacks touches it
+        self.dead_rows = 0  # rows moved to the dead table
+        self._sampled = 0  # only the thread serving the producer's callbacks touches it
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, name=f"reaper-settle-{i}", daemon=True)
-                         for i in range(workers)]
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"reaper-settle-{i}", daemon=True) for i in range(workers)
+        ]
 
     def start(self) -> None:
         for t in self._threads:
@@ -165,8 +175,9 @@ class Settler:
         with self._counts:
             self.dead_rows += n
         self._m.dead.inc(n)
-        self._log.error("outbox rows Kafka will never accept moved to the dead table", row_ids=ids, reason=reason,
-                        moved=n)
+        self._log.error(
+            "outbox rows Kafka will never accept moved to the dead table", row_ids=ids, reason=reason, moved=n
+        )
 
     # ------------------------------------------------------------------ settling
 

@@ -15,12 +15,13 @@ Contract:
   also serves retired producers until their last report is out.
 - A fatal producer error sets `broken`; `replace_if_broken()` then retires the producer.
 """
+
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from confluent_kafka import KafkaError
 
@@ -29,14 +30,21 @@ from .ports import ProducerFactory, ProducerLike
 
 
 class ProducerSlot:
-    def __init__(self, conf: dict, factory: ProducerFactory, *, on_fatal: Callable[[str], None] = lambda why: None,
-                 after_poll: Callable[[], None] = lambda: None, on_retire: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        conf: dict,
+        factory: ProducerFactory,
+        *,
+        on_fatal: Callable[[str], None] = lambda why: None,
+        after_poll: Callable[[], None] = lambda: None,
+        on_retire: Callable[[], None] = lambda: None,
+    ) -> None:
         self._conf, self._factory = conf, factory
         self._on_fatal, self._after_poll, self._on_retire = on_fatal, after_poll, on_retire
         self._log = logs.get("reaper.publish")
-        self._swap = threading.Lock()      # held across each send(): see the contract
+        self._swap = threading.Lock()  # held across each send(): see the contract
         self._retire_lock = threading.Lock()  # NELI's thread and the marking thread may both retire
-        self.serving = threading.Lock()    # held by whichever thread serves the producer's callbacks
+        self.serving = threading.Lock()  # held by whichever thread serves the producer's callbacks
         self._polls_held = threading.Event()
         self._retiring: list[ProducerLike] = []
         self._retiring_lock = threading.Lock()

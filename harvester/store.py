@@ -5,13 +5,14 @@ Connections come from a psycopg_pool pool in autocommit mode: every statement is
 transaction, one round trip, prepared by psycopg after a few uses (not through a transaction
 pooler such as PgBouncer: see `configure_connection`).
 """
+
 from __future__ import annotations
 
 import hashlib
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Sequence
 
 from psycopg import sql
 from psycopg_pool import ConnectionPool
@@ -25,8 +26,8 @@ COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
 
 @dataclass(frozen=True, slots=True)
 class Backlog:
-    rows: int           # exact up to BACKLOG_EXACT, above it the id span (see OutboxStore.backlog)
-    oldest_age: float   # seconds since the oldest unpublished row was created; 0 when empty
+    rows: int  # exact up to BACKLOG_EXACT, above it the id span (see OutboxStore.backlog)
+    oldest_age: float  # seconds since the oldest unpublished row was created; 0 when empty
     exact: bool = True  # False when `rows` is the id span
 
 
@@ -59,8 +60,15 @@ LANE_SQL = "coalesce(mod(('x' || left(md5(key), 8))::bit(32)::bigint, {lanes}), 
 
 
 class OutboxStore:
-    def __init__(self, pool: ConnectionPool, schema: str, table: str = "outbox", dead_table: str | None = None,
-                 lane: int = 0, lanes: int = 1) -> None:
+    def __init__(
+        self,
+        pool: ConnectionPool,
+        schema: str,
+        table: str = "outbox",
+        dead_table: str | None = None,
+        lane: int = 0,
+        lanes: int = 1,
+    ) -> None:
         if not (isinstance(lanes, int) and isinstance(lane, int) and 0 <= lane < lanes):
             raise ValueError(f"lane {lane!r} of {lanes!r}: need 0 <= lane < lanes")
         self.pool = pool
@@ -77,8 +85,11 @@ class OutboxStore:
         # passed over while a causally later row of its key (a higher id) is marked (invariant 6).
         # A lane (lanes > 1) marks only the rows whose key hashes to it: every row of a key is in one
         # lane, so per-key order is kept within one unit, and no row is ever marked by two units.
-        in_lane = sql.SQL("") if lanes == 1 else sql.SQL(" AND " + LANE_SQL.format(lanes=int(lanes)) + " = {lane}").format(
-            lane=sql.Literal(int(lane)))
+        in_lane = (
+            sql.SQL("")
+            if lanes == 1
+            else sql.SQL(" AND " + LANE_SQL.format(lanes=int(lanes)) + " = {lane}").format(lane=sql.Literal(int(lane)))
+        )
         self._mark = sql.SQL(
             "UPDATE {t} SET leader_id = %(me)s WHERE id = ANY(ARRAY("
             "SELECT id FROM {t} WHERE (leader_id IS NULL OR leader_id <> %(me)s){in_lane}"
@@ -86,8 +97,9 @@ class OutboxStore:
             "RETURNING id, topic, key, value, header_keys, header_values, kafka_partition"
         ).format(t=t, in_lane=in_lane)
         self._purge = sql.SQL("DELETE FROM {t} WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(t=t)
-        self._reset = sql.SQL(
-            "UPDATE {t} SET leader_id = NULL WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(t=t)
+        self._reset = sql.SQL("UPDATE {t} SET leader_id = NULL WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(
+            t=t
+        )
         # One statement: the row leaves the outbox and enters the dead table together, or not at all.
         self._quarantine = sql.SQL(
             "WITH gone AS (DELETE FROM {t} WHERE id = ANY(%(ids)s::bigint[]) AND leader_id = %(me)s "
@@ -97,7 +109,9 @@ class OutboxStore:
             "kafka_partition, leader_id, %(reason)s FROM gone"
         ).format(t=t, d=dead)
         self._vacuum = sql.SQL("VACUUM {t}").format(t=t)
-        self._oldest = sql.SQL("SELECT extract(epoch FROM clock_timestamp() - created_at) FROM {t} ORDER BY id LIMIT 1").format(t=t)
+        self._oldest = sql.SQL(
+            "SELECT extract(epoch FROM clock_timestamp() - created_at) FROM {t} ORDER BY id LIMIT 1"
+        ).format(t=t)
         self._count = sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {t} LIMIT %s) AS s").format(t=t)
         self._span = sql.SQL("SELECT max(id) - min(id) + 1 FROM {t}").format(t=t)
 
@@ -129,7 +143,9 @@ class OutboxStore:
         Returns how many moved (0: the rows were remarked by a newer id or are already gone).
         """
         with self.pool.connection() as conn:
-            return conn.execute(self._quarantine, {"ids": bigint_array(ids), "me": leader_id, "reason": reason}).rowcount
+            return conn.execute(
+                self._quarantine, {"ids": bigint_array(ids), "me": leader_id, "reason": reason}
+            ).rowcount
 
     def vacuum(self) -> None:
         with self.pool.connection() as conn:

@@ -17,14 +17,15 @@ Contract: as harvester.plain's strategy, and moreover:
 - When the slot retires the producer, the open transaction is dropped (never committed; the next
   leader's init_transactions aborts it at the broker).
 """
+
 from __future__ import annotations
 
 import collections
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 from confluent_kafka import KafkaException
 
@@ -35,23 +36,29 @@ from .ports import ProducerLike, StoreLike
 from .settle import Settler
 from .slot import ProducerSlot
 
-TXN_INIT_TIMEOUT = 30.0    # init_transactions waits for the fenced producer's transaction to be aborted
+TXN_INIT_TIMEOUT = 30.0  # init_transactions waits for the fenced producer's transaction to be aborted
 TXN_COMMIT_TIMEOUT = 30.0  # also bounds the wait for a transaction's last acknowledgements
 TXN_ABORT_TIMEOUT = 10.0
 
 
 class TransactionalStrategy:
-    def __init__(self, slot: ProducerSlot, settler: Settler, store: StoreLike, metrics: MetricsLike,
-                 on_failure: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        slot: ProducerSlot,
+        settler: Settler,
+        store: StoreLike,
+        metrics: MetricsLike,
+        on_failure: Callable[[str], None],
+    ) -> None:
         self.slot, self.settler, self._m, self._on_failure = slot, settler, metrics, on_failure
         self._plain = PlainStrategy(slot, settler, store)  # the produce loop itself
         self._log = logs.get("reaper.publish")
         self._lock = threading.Lock()  # the open transaction's state, shared with the poll thread
-        self._seq = 0            # the open (or next) transaction; bumped whenever one is settled
+        self._seq = 0  # the open (or next) transaction; bumped whenever one is settled
         self._delivered: list[tuple] = []  # reports of the open transaction, filed once it commits
-        self._failed = False     # a record of the open transaction failed: it can only abort
+        self._failed = False  # a record of the open transaction failed: it can only abort
         self._ready: ProducerLike | None = None  # the producer init_transactions() ran on
-        self._open: ProducerLike | None = None   # the producer with an open transaction
+        self._open: ProducerLike | None = None  # the producer with an open transaction
         self.committed = self.aborted = 0  # only the producing thread writes them
         self.commit_seconds: collections.deque = collections.deque(maxlen=100_000)  # recent commit durations (bench)
         self.records_committed = 0
@@ -115,8 +122,12 @@ class TransactionalStrategy:
         """Commit or abort the open transaction (see the module's contract)."""
         give_up = time.monotonic() + TXN_COMMIT_TIMEOUT
         # A failed transaction keeps its queued records until it is aborted: no use waiting.
-        while len(producer) and not self._failed and self.slot.current is producer \
-                and time.monotonic() < min(give_up, valid_until()):
+        while (
+            len(producer)
+            and not self._failed
+            and self.slot.current is producer
+            and time.monotonic() < min(give_up, valid_until())
+        ):
             time.sleep(0.0005)
         if self.slot.current is not producer:
             return  # retired: on_retire dropped the transaction

@@ -15,6 +15,7 @@ disagrees with the configured units is refused at start). In between, no unit ha
 each new lane marks its keys from the head of the table, in id order. No key is ever harvested
 by two units at once: at any time one configuration runs, and within it a key has one lane.
 """
+
 from __future__ import annotations
 
 import time
@@ -23,7 +24,8 @@ import uuid
 from psycopg_pool import ConnectionPool
 
 from .config import Config, UnitSpec, units
-from .metrics import HarvesterMetrics, UnitMetrics, get as get_metrics
+from .metrics import HarvesterMetrics, UnitMetrics
+from .metrics import get as get_metrics
 from .mpr import UnitHarvester
 from .neli import Neli
 from .ports import DEFAULT, Providers
@@ -37,8 +39,14 @@ def transactional_id(base: str, spec: UnitSpec, count: int) -> str:
 
 
 class Harvester:
-    def __init__(self, cfg: Config, *, providers: Providers = DEFAULT, metrics: HarvesterMetrics | None = None,
-                 pool: ConnectionPool | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        providers: Providers = DEFAULT,
+        metrics: HarvesterMetrics | None = None,
+        pool: ConnectionPool | None = None,
+    ) -> None:
         """`pool`: a connection pool for a one-unit configuration (tests); otherwise each unit opens its own."""
         self.cfg, self.h = cfg, cfg.harvester
         self.m = metrics or get_metrics(cfg.metrics.prefix)
@@ -47,20 +55,36 @@ class Harvester:
             raise ValueError("a shared pool is only for a one-unit configuration")
         self._life = Lifecycle("harvester")
         self._unit_metrics = [UnitMetrics(self.m, s.name) for s in self.specs]
-        self.units = [UnitHarvester(cfg, s, providers=providers, metrics=self._unit_metrics[s.index],
-                                    transactional_id=transactional_id(self.h.transactional_id, s, len(self.specs)),
-                                    pool=pool) for s in self.specs]
+        self.units = [
+            UnitHarvester(
+                cfg,
+                s,
+                providers=providers,
+                metrics=self._unit_metrics[s.index],
+                transactional_id=transactional_id(self.h.transactional_id, s, len(self.specs)),
+                pool=pool,
+            )
+            for s in self.specs
+        ]
         self.neli: Neli | None = None
 
-    def start(self) -> "Harvester":
+    def start(self) -> Harvester:
         """Start once; a stopped harvester cannot be started again (LifecycleError)."""
         self._life.start()
         cfg, h = self.cfg, self.h
-        self.neli = Neli(bootstrap=cfg.kafka.bootstrap_servers, client=cfg.kafka.client, consumer=cfg.kafka.consumer,
-                         producer=cfg.kafka.producer, topic=h.leader_topic, group=h.leader_group,
-                         min_poll_interval=h.min_poll_interval, heartbeat_timeout=h.heartbeat_timeout,
-                         session_timeout=h.session_timeout, metrics=lambda u: self._unit_metrics[u],
-                         units=len(self.units))
+        self.neli = Neli(
+            bootstrap=cfg.kafka.bootstrap_servers,
+            client=cfg.kafka.client,
+            consumer=cfg.kafka.consumer,
+            producer=cfg.kafka.producer,
+            topic=h.leader_topic,
+            group=h.leader_group,
+            min_poll_interval=h.min_poll_interval,
+            heartbeat_timeout=h.heartbeat_timeout,
+            session_timeout=h.session_timeout,
+            metrics=lambda u: self._unit_metrics[u],
+            units=len(self.units),
+        )
         try:
             for u in self.units:
                 u.start(self.neli.lease(u.spec.index))

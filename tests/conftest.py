@@ -5,6 +5,7 @@ brought up by deploy/local/services.py (idempotent). With OUTBOX_TESTCONTAINERS=
 engine, testcontainers starts them instead. A service that cannot be reached fails the run: these
 tests never skip for want of a service.
 """
+
 from __future__ import annotations
 
 import os
@@ -84,8 +85,9 @@ def pgbouncer_dsn(services, pg_dsn) -> str:
     """
     dsn = os.environ.get("PGBOUNCER_DSN") or services.get("PGBOUNCER_DSN")
     if not dsn:
-        r = subprocess.run([sys.executable, str(SERVICES), "up", "--only", "pgbouncer"], capture_output=True,
-                           text=True, timeout=600)
+        r = subprocess.run(
+            [sys.executable, str(SERVICES), "up", "--only", "pgbouncer"], capture_output=True, text=True, timeout=600
+        )
         if r.returncode != 0:
             pytest.fail(f"could not bring up the local PgBouncer:\n{r.stdout}\n{r.stderr}", pytrace=False)
         dsn = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)["PGBOUNCER_DSN"]
@@ -136,8 +138,9 @@ class Topics:
 
     def __call__(self, prefix: str = "t", partitions: int = 1, config: dict | None = None) -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:12]}"
-        futures = self.admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1,
-                                                     config=config or {})], operation_timeout=30)
+        futures = self.admin.create_topics(
+            [NewTopic(name, num_partitions=partitions, replication_factor=1, config=config or {})], operation_timeout=30
+        )
         futures[name].result(timeout=30)
         self.created.append(name)
         return name

@@ -11,6 +11,7 @@
 
 ROUNDS (env ACK_RACE_ROUNDS) rounds each.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -22,14 +23,13 @@ import time
 
 import psycopg
 import pytest
+from test_tracker_support import invariant_violations
 
 import tracker
 from tracker import apply_masks
 from tracker.acks import CLAIMS_PER_CALL_MAX
 from tracker.ids import fold
 from tracker.settler import Settler, settle
-
-from test_tracker_support import invariant_violations
 
 ROUNDS = int(os.environ.get("ACK_RACE_ROUNDS", "40"))
 THREADS, PROCESSES = 3, 3
@@ -172,9 +172,13 @@ def _race(pg_dsn: str, schema: str, paths: list[str], isolations: list[str]) -> 
     results_p = ctx.Queue()
     thread_jobs = [queue.Queue() for _ in range(THREADS + 1)]
     proc_jobs = [ctx.Queue() for _ in range(PROCESSES)]
-    threads = [threading.Thread(target=ack_worker, args=(pg_dsn, schema, q, results_t), daemon=True)
-               for q in thread_jobs[:THREADS]]
-    threads.append(threading.Thread(target=close_worker, args=(pg_dsn, schema, thread_jobs[-1], results_t), daemon=True))
+    threads = [
+        threading.Thread(target=ack_worker, args=(pg_dsn, schema, q, results_t), daemon=True)
+        for q in thread_jobs[:THREADS]
+    ]
+    threads.append(
+        threading.Thread(target=close_worker, args=(pg_dsn, schema, thread_jobs[-1], results_t), daemon=True)
+    )
     procs = [ctx.Process(target=ack_worker, args=(pg_dsn, schema, q, results_p), daemon=True) for q in proc_jobs]
     stop = threading.Event()
     settler = Settler(dsn=pg_dsn, schema=schema, interval=0.005)
@@ -195,8 +199,12 @@ def _race(pg_dsn: str, schema: str, paths: list[str], isolations: list[str]) -> 
                     batch_ids.append(b.id)
                 conn.commit()
                 for w, q in enumerate([*thread_jobs[:THREADS], *proc_jobs]):
-                    job = (rng.randrange(1 << 30), rng.choice(isolations), paths[w % len(paths)],
-                           _chunks(rng, _ids_for(rng, batch_ids, w, workers)))
+                    job = (
+                        rng.randrange(1 << 30),
+                        rng.choice(isolations),
+                        paths[w % len(paths)],
+                        _chunks(rng, _ids_for(rng, batch_ids, w, workers)),
+                    )
                     q.put(job)
                 thread_jobs[-1].put([(rng.uniform(0, 0.03), b) for b in rng.sample(batch_ids, 2)])
                 got = [results_t.get(timeout=180) for _ in range(THREADS + 1)]
@@ -214,7 +222,9 @@ def _race(pg_dsn: str, schema: str, paths: list[str], isolations: list[str]) -> 
                 rows = conn.execute(
                     f'SELECT b.id, b.state, b.pending, (SELECT count(*) FROM "{schema}".outbox o '
                     f"WHERE o.topic = 'batch-completions' AND o.key = convert_to(b.id::text, 'UTF8')) "
-                    f'FROM "{schema}".batch b WHERE b.id = ANY(%s) ORDER BY b.id', [batch_ids]).fetchall()
+                    f'FROM "{schema}".batch b WHERE b.id = ANY(%s) ORDER BY b.id',
+                    [batch_ids],
+                ).fetchall()
                 assert rows == [(b, "complete", 0, 1) for b in sorted(batch_ids)], context
                 assert invariant_violations(conn, schema) == [], context
                 conn.rollback()
@@ -302,10 +312,13 @@ def test_exactly_once_on_the_same_items_runs_each_effect_once(pg_dsn, schema):
     results_p = ctx.Queue()
     thread_jobs = [queue.Queue() for _ in range(THREADS)]
     proc_jobs = [ctx.Queue() for _ in range(PROCESSES)]
-    threads = [threading.Thread(target=exactly_once_worker, args=(pg_dsn, schema, q, results_t), daemon=True)
-               for q in thread_jobs]
-    procs = [ctx.Process(target=exactly_once_worker, args=(pg_dsn, schema, q, results_p), daemon=True)
-             for q in proc_jobs]
+    threads = [
+        threading.Thread(target=exactly_once_worker, args=(pg_dsn, schema, q, results_t), daemon=True)
+        for q in thread_jobs
+    ]
+    procs = [
+        ctx.Process(target=exactly_once_worker, args=(pg_dsn, schema, q, results_p), daemon=True) for q in proc_jobs
+    ]
     stop = threading.Event()
     settler = Settler(dsn=pg_dsn, schema=schema, interval=0.005)
     threads.append(threading.Thread(target=settler.run, args=(stop,), daemon=True))
@@ -336,12 +349,16 @@ def test_exactly_once_on_the_same_items_runs_each_effect_once(pg_dsn, schema):
                 assert [g for g in got if g[0] != "ok"] == [], context
                 assert sum(g[1] for g in got) == len(h.item_ids), context  # one first_time per item
                 settle_all(conn, schema)
-                effects = conn.execute(f'SELECT item, count(*) FROM "{schema}".effects WHERE item LIKE %s '
-                                       f'GROUP BY item ORDER BY item', [f"{b.id}:%"]).fetchall()
+                effects = conn.execute(
+                    f'SELECT item, count(*) FROM "{schema}".effects WHERE item LIKE %s GROUP BY item ORDER BY item',
+                    [f"{b.id}:%"],
+                ).fetchall()
                 assert effects == [(i, 1) for i in sorted(h.item_ids)], context
                 st = tracker.status(conn, b, schema=schema)
-                events = conn.execute(f'SELECT count(*) FROM "{schema}".outbox WHERE topic = %s AND key = %s',
-                                      ["batch-completions", str(b.id).encode()]).fetchone()[0]
+                events = conn.execute(
+                    f'SELECT count(*) FROM "{schema}".outbox WHERE topic = %s AND key = %s',
+                    ["batch-completions", str(b.id).encode()],
+                ).fetchone()[0]
                 assert (st.state, st.pending, events) == ("complete", 0, 1), context
                 assert invariant_violations(conn, schema) == [], context
                 conn.rollback()

@@ -6,18 +6,18 @@ batch's masks are deferred (metric + log), the partitions' offsets stay at or be
 deferring poll, and when the producer commits the deferred acks land: nothing lost, nothing
 counted twice, exactly one completion per batch.
 """
+
 from __future__ import annotations
 
 import random
 
 import psycopg
 from prometheus_client import REGISTRY
+from test_acker import batch_state, committed, end_offsets, make_acker, running, wait_for
+from test_tracker_support import completion_events, invariant_violations
 
 import tracker
 from tracker.consumer import AckProducer
-
-from test_acker import batch_state, committed, end_offsets, make_acker, running, wait_for
-from test_tracker_support import completion_events, invariant_violations
 
 
 def test_acker_defers_a_locked_batch_and_applies_the_rest(pg_dsn, schema, kafka_bootstrap, topics):
@@ -44,8 +44,11 @@ def test_acker_defers_a_locked_batch_and_applies_the_rest(pg_dsn, schema, kafka_
         acker = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq)
         with running(acker):
             # The other batches complete while the producer still holds the first one.
-            wait_for(lambda: all(batch_state(pg_dsn, schema, b.id)[0] == "complete" for b, _ in batches[1:]),
-                     timeout=60, what="the unlocked batches to complete")
+            wait_for(
+                lambda: all(batch_state(pg_dsn, schema, b.id)[0] == "complete" for b, _ in batches[1:]),
+                timeout=60,
+                what="the unlocked batches to complete",
+            )
             wait_for(lambda: acker.stats["deferred"] > 0, what="a deferral")
             assert batch_state(pg_dsn, schema, held_batch.id) == ("open", 9000)
             assert (REGISTRY.get_sample_value("reaper_acker_deferred_total") or 0.0) > deferred_before
@@ -53,8 +56,10 @@ def test_acker_defers_a_locked_batch_and_applies_the_rest(pg_dsn, schema, kafka_
             assert committed(kafka_bootstrap, acker.group, topic, 2) != end_offsets(kafka_bootstrap, topic, 2)
             producer.commit()  # the producer lets go: the deferred acks are applied
             wait_for(lambda: batch_state(pg_dsn, schema, held_batch.id) == ("open", 1), what="the deferred acks")
-            wait_for(lambda: committed(kafka_bootstrap, acker.group, topic, 2) == end_offsets(kafka_bootstrap, topic, 2),
-                     what="offsets committed to the end")
+            wait_for(
+                lambda: committed(kafka_bootstrap, acker.group, topic, 2) == end_offsets(kafka_bootstrap, topic, 2),
+                what="offsets committed to the end",
+            )
         assert acker.stats["acked"] == 9000 + 300 + 50
     with psycopg.connect(pg_dsn) as c:
         tracker.ack(c, extra.item_ids, schema=schema)

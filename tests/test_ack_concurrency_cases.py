@@ -1,5 +1,6 @@
 """Issue 12: deterministic interleavings of consumer claims, the settler and stale snapshots
 (the random races are in test_ack_concurrency.py)."""
+
 from __future__ import annotations
 
 import json
@@ -8,11 +9,10 @@ import time
 
 import psycopg
 import pytest
+from test_tracker_support import invariant_violations
 
 import tracker
 from tracker.settler import Settler, settle
-
-from test_tracker_support import invariant_violations
 
 
 def _closed(conn: psycopg.Connection, schema: str, n: int):
@@ -24,8 +24,10 @@ def _closed(conn: psycopg.Connection, schema: str, n: int):
 
 
 def _events(conn: psycopg.Connection, schema: str, batch_id: int) -> int:
-    return conn.execute(f'SELECT count(*) FROM "{schema}".outbox WHERE topic = %s AND key = %s',
-                        ["batch-completions", str(batch_id).encode()]).fetchone()[0]
+    return conn.execute(
+        f'SELECT count(*) FROM "{schema}".outbox WHERE topic = %s AND key = %s',
+        ["batch-completions", str(batch_id).encode()],
+    ).fetchone()[0]
 
 
 def test_a_commit_that_finds_the_batch_busy_leaves_its_claim_to_the_settler(pg_dsn, schema):
@@ -59,12 +61,15 @@ def test_a_commit_that_finds_the_batch_busy_leaves_its_claim_to_the_settler(pg_d
         assert settler.stats["completed"] == 1 and settler.stats["acked"] == 2
         assert _events(conn, schema, b.id) == 1
         # the settle's completion event has the close's and the acker's shape
-        (value, keys, values), = conn.execute(
-            f'SELECT value, header_keys, header_values FROM "{schema}".outbox WHERE key = %s',
-            [str(b.id).encode()]).fetchall()
+        ((value, keys, values),) = conn.execute(
+            f'SELECT value, header_keys, header_values FROM "{schema}".outbox WHERE key = %s', [str(b.id).encode()]
+        ).fetchall()
         event = json.loads(value)
         assert (event["batch_id"], event["total"], sorted(event)) == (
-            b.id, 2, ["batch_id", "closed_at", "completed_at", "opened_at", "total", "user_key"])
+            b.id,
+            2,
+            ["batch_id", "closed_at", "completed_at", "opened_at", "total", "user_key"],
+        )
         assert (keys, values) == (["batch-id"], [str(b.id).encode()])
         assert conn.execute(f'SELECT count(*) FROM "{schema}".ack_claim').fetchone()[0] == 0
         assert invariant_violations(conn, schema) == []

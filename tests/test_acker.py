@@ -1,8 +1,9 @@
 """The acker against the real Postgres and Kafka: bulk apply, replays, dead letters, rebalances, lag."""
+
 from __future__ import annotations
 
-import json
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -14,13 +15,12 @@ import uuid
 import psycopg
 from confluent_kafka import Consumer, Producer, TopicPartition
 from prometheus_client import REGISTRY
+from support.harness import read_messages
+from test_tracker_support import completion_events, invariant_violations
 
 import tracker
 from tracker.acker import Acker, fold_messages
 from tracker.consumer import AckProducer
-
-from support.harness import read_messages
-from test_tracker_support import completion_events, invariant_violations
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,9 +35,18 @@ def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:
 
 
 def make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, group=None, **kw) -> Acker:
-    return Acker(dsn=pg_dsn, schema=schema, bootstrap_servers=kafka_bootstrap, kafka_client={}, topic=topic,
-                 group=group or f"acker-{uuid.uuid4().hex[:8]}", dead_letter_topic=dlq,
-                 max_poll_records=kw.pop("max_poll_records", 10_000), poll_timeout=0.1, **kw)
+    return Acker(
+        dsn=pg_dsn,
+        schema=schema,
+        bootstrap_servers=kafka_bootstrap,
+        kafka_client={},
+        topic=topic,
+        group=group or f"acker-{uuid.uuid4().hex[:8]}",
+        dead_letter_topic=dlq,
+        max_poll_records=kw.pop("max_poll_records", 10_000),
+        poll_timeout=0.1,
+        **kw,
+    )
 
 
 @contextlib.contextmanager
@@ -71,7 +80,9 @@ def committed(kafka_bootstrap, group, topic, partitions) -> list[int]:
     c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group, "enable.auto.commit": False})
     try:
         # -1001: nothing committed, which for an empty partition is the same as its end, 0
-        return [max(tp.offset, 0) for tp in c.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=30)]
+        return [
+            max(tp.offset, 0) for tp in c.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=30)
+        ]
     finally:
         c.close()
 
@@ -109,20 +120,42 @@ def test_fold_messages_sets_bad_entries_aside():
         def __init__(self, value, offset, partition=0):
             self._v, self._o, self._p = value, offset, partition
 
-        def error(self): return None
-        def partition(self): return self._p
-        def offset(self): return self._o
-        def key(self): return b"1"
-        def value(self): return self._v
+        def error(self):
+            return None
 
-    f = fold_messages([Msg(b"1:0:0,1:0:2-4", 5), Msg(b"1:0:x,1:1:8192,1:1:1", 6), Msg(None, 7), Msg(b"\xff", 8),
-                       Msg(b"1:0:3", 9), Msg(b"1:0:3", 10), Msg(b"1:0:99999", 11)])  # the single-id fast path
+        def partition(self):
+            return self._p
+
+        def offset(self):
+            return self._o
+
+        def key(self):
+            return b"1"
+
+        def value(self):
+            return self._v
+
+    f = fold_messages(
+        [
+            Msg(b"1:0:0,1:0:2-4", 5),
+            Msg(b"1:0:x,1:1:8192,1:1:1", 6),
+            Msg(None, 7),
+            Msg(b"\xff", 8),
+            Msg(b"1:0:3", 9),
+            Msg(b"1:0:3", 10),
+            Msg(b"1:0:99999", 11),
+        ]
+    )  # the single-id fast path
     assert sorted(f.masks) == [(1, 0), (1, 1)]
     assert bytes(f.masks[(1, 0)].bits).rstrip(b"\0") == bytes([0b10111000]) and f.masks[(1, 1)].count == 1
     assert f.masks[(1, 0)].max_index == 4
     assert [(e, r.split(":")[0]) for _, e, r, _, _ in f.bad] == [
-        (b"1:0:x", "malformed"), (b"1:1:8192", "index out of range"), (None, "malformed"), (b"\xff", "malformed"),
-        (b"1:0:99999", "index out of range")]
+        (b"1:0:x", "malformed"),
+        (b"1:1:8192", "index out of range"),
+        (None, "malformed"),
+        (b"\xff", "malformed"),
+        (b"1:0:99999", "index out of range"),
+    ]
     assert f.masks[(1, 0)].count == 4 + 2  # duplicates are counted: the database tells which bits flipped
     assert (f.first, f.last, f.messages) == ({0: 5}, {0: 11}, 7)
     # polls interleave partitions in runs; first and last offsets are per partition
@@ -139,13 +172,22 @@ def test_acker_applies_ids_and_runs_once_and_commits_offsets(pg_dsn, schema, kaf
             acks.ack(h.item_ids)
             acks.ack(h.item_ids[:100])  # duplicates inside the stream
     # single ids, one per message, some twice
-    produce_raw(kafka_bootstrap, topic, [(str(b2.id).encode(), i.encode()) for i in h2[0].item_ids + h2[0].item_ids[:3]])
+    produce_raw(
+        kafka_bootstrap, topic, [(str(b2.id).encode(), i.encode()) for i in h2[0].item_ids + h2[0].item_ids[:3]]
+    )
     acker = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq)
     with running(acker):
-        wait_for(lambda: batch_state(pg_dsn, schema, b1.id)[0] == "complete"
-                 and batch_state(pg_dsn, schema, b2.id)[0] == "complete", what="both batches complete")
-        wait_for(lambda: committed(kafka_bootstrap, acker.group, topic, 2) == end_offsets(kafka_bootstrap, topic, 2),
-                 what="offsets committed to the end")
+        wait_for(
+            lambda: (
+                batch_state(pg_dsn, schema, b1.id)[0] == "complete"
+                and batch_state(pg_dsn, schema, b2.id)[0] == "complete"
+            ),
+            what="both batches complete",
+        )
+        wait_for(
+            lambda: committed(kafka_bootstrap, acker.group, topic, 2) == end_offsets(kafka_bootstrap, topic, 2),
+            what="offsets committed to the end",
+        )
     assert acker.stats["acked"] == 20_010 and acker.stats["completed"] == 2 and acker.stats["dead_lettered"] == 0
     assert acker.stats["duplicates"] >= 3
     with psycopg.connect(pg_dsn) as c:
@@ -171,14 +213,17 @@ CRASHING_ACKER = textwrap.dedent("""
 def _rows(pg_dsn, schema):
     with psycopg.connect(pg_dsn) as c:
         return {
-            "batch": c.execute(f'SELECT id, state, total, pending, completed_at FROM "{schema}".batch ORDER BY id').fetchall(),
+            "batch": c.execute(
+                f'SELECT id, state, total, pending, completed_at FROM "{schema}".batch ORDER BY id'
+            ).fetchall(),
             "groups": c.execute(f'SELECT * FROM "{schema}".batch_group ORDER BY batch_id, id').fetchall(),
             "outbox": c.execute(f'SELECT * FROM "{schema}".outbox ORDER BY id').fetchall(),
         }
 
 
 def test_replay_after_crash_between_db_commit_and_offset_commit_changes_nothing(
-        pg_dsn, schema, kafka_bootstrap, topics):
+    pg_dsn, schema, kafka_bootstrap, topics
+):
     topic, dlq = topics("acks"), topics("dlq")
     done, done_h = closed_batch(pg_dsn, schema, 300)
     part, part_h = closed_batch(pg_dsn, schema, 300)
@@ -186,8 +231,13 @@ def test_replay_after_crash_between_db_commit_and_offset_commit_changes_nothing(
         acks.ack(done_h[0].item_ids)
         acks.ack(part_h[0].item_ids[:150])
     group = f"acker-{uuid.uuid4().hex[:8]}"
-    crash = subprocess.run([sys.executable, "-c", CRASHING_ACKER, pg_dsn, schema, kafka_bootstrap, topic, dlq, group],
-                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    crash = subprocess.run(
+        [sys.executable, "-c", CRASHING_ACKER, pg_dsn, schema, kafka_bootstrap, topic, dlq, group],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert crash.returncode == 17, crash.stderr[-2000:]
     after_crash = _rows(pg_dsn, schema)
     assert [r[1:4] for r in after_crash["batch"]] == [("complete", 300, 0), ("closed", 300, 150)]
@@ -195,8 +245,10 @@ def test_replay_after_crash_between_db_commit_and_offset_commit_changes_nothing(
 
     acker = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, group=group)
     with running(acker):
-        wait_for(lambda: committed(kafka_bootstrap, group, topic, 1) == end_offsets(kafka_bootstrap, topic, 1),
-                 what="the replay to commit its offsets")
+        wait_for(
+            lambda: committed(kafka_bootstrap, group, topic, 1) == end_offsets(kafka_bootstrap, topic, 1),
+            what="the replay to commit its offsets",
+        )
     assert (acker.stats["acked"], acker.stats["duplicates"], acker.stats["completed"]) == (0, 450, 0)
     assert _rows(pg_dsn, schema) == after_crash  # the replay changed nothing, completed nothing twice
     with psycopg.connect(pg_dsn) as c:
@@ -211,9 +263,20 @@ def test_bad_acks_reach_the_dead_letter_topic_and_the_partition_keeps_moving(pg_
     with psycopg.connect(pg_dsn) as c:  # as the sweeper leaves it
         c.execute(f"UPDATE \"{schema}\".batch SET state = 'expired', expired_at = now() WHERE id = %s", [gone.id])
     k = str(b.id).encode()
-    bad = [b"\xff\xfe", b"", None, b"hello", b"1:2", f"{b.id}:0:5-3".encode(), b"999999999:0:1",
-           f"{b.id}:77:0".encode(), f"{b.id}:0:12".encode(), f"{b.id}:0:99999999999".encode(), f"{gone.id}:0:1".encode(),
-           b"9223372036854775808:0:0"]
+    bad = [
+        b"\xff\xfe",
+        b"",
+        None,
+        b"hello",
+        b"1:2",
+        f"{b.id}:0:5-3".encode(),
+        b"999999999:0:1",
+        f"{b.id}:77:0".encode(),
+        f"{b.id}:0:12".encode(),
+        f"{b.id}:0:99999999999".encode(),
+        f"{gone.id}:0:1".encode(),
+        b"9223372036854775808:0:0",
+    ]
     good = [f"{b.id}:0:{i}".encode() for i in range(10)]
     # bad acks before, between and after the good ones, in one partition; one message mixes both
     stream = bad[:5] + good[:5] + bad[5:] + [f"{b.id}:0:5,{b.id}:0:x".encode()] + good[6:]
@@ -221,7 +284,9 @@ def test_bad_acks_reach_the_dead_letter_topic_and_the_partition_keeps_moving(pg_
     before = REGISTRY.get_sample_value("reaper_acks_dead_lettered_total") or 0.0
     acker = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, max_poll_records=4)  # many polls
     with running(acker):
-        wait_for(lambda: batch_state(pg_dsn, schema, b.id) == ("complete", 0), what="the good acks to complete the batch")
+        wait_for(
+            lambda: batch_state(pg_dsn, schema, b.id) == ("complete", 0), what="the good acks to complete the batch"
+        )
         wait_for(lambda: committed(kafka_bootstrap, acker.group, topic, 1) == [len(stream)], what="offsets at the end")
     letters = read_all(kafka_bootstrap, dlq, len(bad) + 1)
     got = {m.value(): dict(m.headers())["reason"].decode() for m in letters}
@@ -259,10 +324,13 @@ def test_rebalance_between_two_ackers_loses_and_duplicates_no_completion(pg_dsn,
         send(batches[:8])
         with running(second):
             send(batches[8:16])  # while the group rebalances onto two members
-            stop_first.set()     # the first leaves: its partitions move to the second
+            stop_first.set()  # the first leaves: its partitions move to the second
             send(batches[16:])
-            wait_for(lambda: all(batch_state(pg_dsn, schema, b.id)[0] == "complete" for b, _ in batches),
-                     timeout=120, what="all batches complete")
+            wait_for(
+                lambda: all(batch_state(pg_dsn, schema, b.id)[0] == "complete" for b, _ in batches),
+                timeout=120,
+                what="all batches complete",
+            )
     assert first.stats["acked"] + second.stats["acked"] == 24 * 500
     with psycopg.connect(pg_dsn) as c:
         assert len(completion_events(c, schema)) == 24
@@ -281,9 +349,17 @@ def test_lag_is_reported_from_the_position(pg_dsn, schema, kafka_bootstrap, topi
             seen.append(self.lag(consumer))
             return ok
 
-    acker = Recording(dsn=pg_dsn, schema=schema, bootstrap_servers=kafka_bootstrap, topic=topic,
-                      group=f"acker-{uuid.uuid4().hex[:8]}", dead_letter_topic=dlq, max_poll_records=100,
-                      poll_timeout=0.1, lag_interval=0.0)
+    acker = Recording(
+        dsn=pg_dsn,
+        schema=schema,
+        bootstrap_servers=kafka_bootstrap,
+        topic=topic,
+        group=f"acker-{uuid.uuid4().hex[:8]}",
+        dead_letter_topic=dlq,
+        max_poll_records=100,
+        poll_timeout=0.1,
+        lag_interval=0.0,
+    )
     with running(acker):
         wait_for(lambda: batch_state(pg_dsn, schema, b.id)[0] == "complete", what="batch complete")
         wait_for(lambda: REGISTRY.get_sample_value("reaper_acker_lag_messages") == 0, what="gauge at 0")
@@ -317,16 +393,24 @@ def test_database_failure_rewinds_and_retries_without_losing_acks(pg_dsn, schema
         assert invariant_violations(c, schema) == []
 
 
-def test_two_reaper_processes_share_the_ack_topic_and_survive_one_stopping(pg_dsn, schema, kafka_bootstrap, topics,
-                                                                          tmp_path):
+def test_two_reaper_processes_share_the_ack_topic_and_survive_one_stopping(
+    pg_dsn, schema, kafka_bootstrap, topics, tmp_path
+):
     from support.reaper import ReaperProcess
 
     topic, dlq = topics("acks", partitions=4), topics("dlq")
     group = f"acker-{uuid.uuid4().hex[:8]}"
-    env = {"REAPER_DATABASE__DSN": pg_dsn, "REAPER_DATABASE__SCHEMA": schema,
-           "REAPER_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap, "REAPER_HARVESTER__ENABLED": "false",
-           "REAPER_ACKER__ENABLED": "true", "REAPER_ACKER__TOPIC": topic, "REAPER_ACKER__GROUP": group,
-           "REAPER_ACKER__DEAD_LETTER_TOPIC": dlq, "REAPER_ACKER__MAX_POLL_RECORDS": "200"}
+    env = {
+        "REAPER_DATABASE__DSN": pg_dsn,
+        "REAPER_DATABASE__SCHEMA": schema,
+        "REAPER_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "REAPER_HARVESTER__ENABLED": "false",
+        "REAPER_ACKER__ENABLED": "true",
+        "REAPER_ACKER__TOPIC": topic,
+        "REAPER_ACKER__GROUP": group,
+        "REAPER_ACKER__DEAD_LETTER_TOPIC": dlq,
+        "REAPER_ACKER__MAX_POLL_RECORDS": "200",
+    }
     batches = [closed_batch(pg_dsn, schema, 1000) for _ in range(12)]
     producer = Producer({"bootstrap.servers": kafka_bootstrap})
 
@@ -344,12 +428,17 @@ def test_two_reaper_processes_share_the_ack_topic_and_survive_one_stopping(pg_ds
     try:
         wait_for(lambda: all(owns_partitions(r) for r in reapers), what="both reapers to own ack partitions")
         send(batches[:6])
-        wait_for(lambda: all(batch_state(pg_dsn, schema, b.id)[0] == "complete" for b, _ in batches[:6]),
-                 what="the first batches through both reapers")
+        wait_for(
+            lambda: all(batch_state(pg_dsn, schema, b.id)[0] == "complete" for b, _ in batches[:6]),
+            what="the first batches through both reapers",
+        )
         assert reapers[0].terminate(60) == 0  # SIGTERM: its partitions move to the other reaper
         send(batches[6:])
-        wait_for(lambda: all(batch_state(pg_dsn, schema, b.id)[0] == "complete" for b, _ in batches), timeout=120,
-                 what="every batch complete through the remaining reaper")
+        wait_for(
+            lambda: all(batch_state(pg_dsn, schema, b.id)[0] == "complete" for b, _ in batches),
+            timeout=120,
+            what="every batch complete through the remaining reaper",
+        )
         assert reapers[1].terminate(60) == 0
     finally:
         for r in reapers:
@@ -362,17 +451,24 @@ def test_two_reaper_processes_share_the_ack_topic_and_survive_one_stopping(pg_ds
         assert invariant_violations(c, schema) == []
 
 
-def test_reaper_acker_writes_completions_to_the_configured_topic_and_table(pg_dsn, schema, kafka_bootstrap, topics,
-                                                                         tmp_path):
+def test_reaper_acker_writes_completions_to_the_configured_topic_and_table(
+    pg_dsn, schema, kafka_bootstrap, topics, tmp_path
+):
     """`reaper run` hands its schema, outbox table and default completion topic to the tracker code it hosts."""
     from support.reaper import ReaperProcess
 
     topic, dlq = topics("acks"), topics("dlq")
-    env = {"REAPER_DATABASE__DSN": pg_dsn, "REAPER_DATABASE__SCHEMA": schema,
-           "REAPER_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap, "REAPER_HARVESTER__ENABLED": "false",
-           "REAPER_HARVESTER__DEFAULT_COMPLETION_TOPIC": "catalog-done", "REAPER_ACKER__ENABLED": "true",
-           "REAPER_ACKER__TOPIC": topic,
-           "REAPER_ACKER__GROUP": f"acker-{uuid.uuid4().hex[:8]}", "REAPER_ACKER__DEAD_LETTER_TOPIC": dlq}
+    env = {
+        "REAPER_DATABASE__DSN": pg_dsn,
+        "REAPER_DATABASE__SCHEMA": schema,
+        "REAPER_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "REAPER_HARVESTER__ENABLED": "false",
+        "REAPER_HARVESTER__DEFAULT_COMPLETION_TOPIC": "catalog-done",
+        "REAPER_ACKER__ENABLED": "true",
+        "REAPER_ACKER__TOPIC": topic,
+        "REAPER_ACKER__GROUP": f"acker-{uuid.uuid4().hex[:8]}",
+        "REAPER_ACKER__DEAD_LETTER_TOPIC": dlq,
+    }
     batch, (handle,) = closed_batch(pg_dsn, schema, 10)
     reaper = ReaperProcess(env, tmp_path / "reaper.log")
     try:
@@ -385,5 +481,5 @@ def test_reaper_acker_writes_completions_to_the_configured_topic_and_table(pg_ds
         reaper.kill()
     with psycopg.connect(pg_dsn) as c:
         assert completion_events(c, schema, "batch-completions") == []
-        (key, value), = completion_events(c, schema, "catalog-done")
+        ((key, value),) = completion_events(c, schema, "catalog-done")
     assert key == str(batch.id).encode() and json.loads(value)["batch_id"] == batch.id

@@ -1,6 +1,7 @@
 """The admin commands against real Postgres and Kafka: `reaper outbox status`, `reaper dead list`,
 `reaper dead requeue` (including racing a running harvester and another requeue), `reaper batch
 show` and `reaper batch expire`; bad arguments fail with clear errors and change nothing."""
+
 from __future__ import annotations
 
 import contextlib
@@ -15,13 +16,14 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support.harness import Generator, Receiver, env_for, make_config, wait_until
 
 import tracker
 from harvester.admin import batch as batch_mod
 from harvester.admin import dead as dead_mod
 from harvester.units import Harvester
-from support.harness import Generator, Receiver, env_for, make_config, wait_until
 from tracker import outbox
 from tracker.ids import parse_item_id
 
@@ -32,8 +34,14 @@ def reaper(cfg, *args: str, timeout: float = 120, extra: dict | None = None) -> 
     env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
     env.update(env_for(cfg))
     env.update(extra or {})
-    return subprocess.run([sys.executable, "-m", "harvester.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "harvester.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def as_json(r: subprocess.CompletedProcess) -> dict:
@@ -44,8 +52,10 @@ def as_json(r: subprocess.CompletedProcess) -> dict:
 def counts(pg_dsn: str, schema: str) -> dict[str, object]:
     """Everything an admin command could change."""
     with psycopg.connect(pg_dsn) as c:
-        out = {t: c.execute(f'SELECT count(*), coalesce(max(id), 0) FROM "{schema}".{t}').fetchone()
-               for t in ("outbox", "outbox_dead", "admin_log", "batch")}
+        out = {
+            t: c.execute(f'SELECT count(*), coalesce(max(id), 0) FROM "{schema}".{t}').fetchone()
+            for t in ("outbox", "outbox_dead", "admin_log", "batch")
+        }
         out["states"] = c.execute(f'SELECT id, state FROM "{schema}".batch ORDER BY id').fetchall()
     return out
 
@@ -53,12 +63,16 @@ def counts(pg_dsn: str, schema: str) -> dict[str, object]:
 def add_dead(pg_dsn: str, schema: str, topic: str, n: int, reason: str, prefix: str = "dead") -> list[int]:
     """Rows as the leader quarantines them: an outbox id (from its sequence), the row, a reason."""
     with psycopg.connect(pg_dsn) as c:
-        ids = [r[0] for r in c.execute(
-            f'INSERT INTO "{schema}".outbox_dead (id, created_at, topic, key, value, header_keys, header_values, '
-            "leader_id, reason) SELECT nextval(pg_get_serial_sequence(%s, 'id')), now(), %s, "
-            "convert_to('k' || mod(g, 7), 'UTF8'), convert_to(%s || g, 'UTF8'), ARRAY['h'], ARRAY['\\x00ff'::bytea], "
-            "gen_random_uuid(), %s FROM generate_series(1, %s) g RETURNING id",
-            [f'"{schema}".outbox', topic, f"{prefix}-", reason, n]).fetchall()]
+        ids = [
+            r[0]
+            for r in c.execute(
+                f'INSERT INTO "{schema}".outbox_dead (id, created_at, topic, key, value, header_keys, header_values, '
+                "leader_id, reason) SELECT nextval(pg_get_serial_sequence(%s, 'id')), now(), %s, "
+                "convert_to('k' || mod(g, 7), 'UTF8'), convert_to(%s || g, 'UTF8'), ARRAY['h'], ARRAY['\\x00ff'::bytea], "
+                "gen_random_uuid(), %s FROM generate_series(1, %s) g RETURNING id",
+                [f'"{schema}".outbox', topic, f"{prefix}-", reason, n],
+            ).fetchall()
+        ]
     return ids
 
 
@@ -80,11 +94,15 @@ def cfg(pg_dsn, kafka_bootstrap, schema, topics):
 
 # ------------------------------------------------------------------ outbox status
 
+
 def test_outbox_status_shows_backlog_dead_rows_batches_and_the_leader(cfg, pg_dsn, schema, topics, kafka_bootstrap):
     topic = topics("data")
     with psycopg.connect(pg_dsn) as c:
-        c.execute(f'INSERT INTO "{schema}".outbox (topic, value) SELECT %s, convert_to(g::text, \'UTF8\') '
-                  "FROM generate_series(1, 25) g", [topic])
+        c.execute(
+            f"INSERT INTO \"{schema}\".outbox (topic, value) SELECT %s, convert_to(g::text, 'UTF8') "
+            "FROM generate_series(1, 25) g",
+            [topic],
+        )
         b = tracker.open_batch(c, user_key="s", schema=schema)
         tracker.add_items(c, b, 9, schema=schema)
     add_dead(pg_dsn, schema, topic, 3, "_UNKNOWN_PARTITION: test")
@@ -92,11 +110,19 @@ def test_outbox_status_shows_backlog_dead_rows_batches_and_the_leader(cfg, pg_ds
     assert r.returncode == 0, r.stderr
     s = as_json(r)
     [u] = s["units"]
-    assert (u["unit"], u["backlog_rows"], u["backlog_exact"], u["in_flight_rows"], u["dead_rows"], u["leader"]) == \
-        (0, 25, True, 0, 3, None)
+    assert (u["unit"], u["backlog_rows"], u["backlog_exact"], u["in_flight_rows"], u["dead_rows"], u["leader"]) == (
+        0,
+        25,
+        True,
+        0,
+        3,
+        None,
+    )
     assert u["oldest_age_seconds"] >= 0 and s["batches"]["open"] == 1 and s["items_pending"] == 9
     human = reaper(cfg, "outbox", "status")
-    assert human.returncode == 0 and "backlog         25 rows" in human.stdout and "leader          none" in human.stdout
+    assert (
+        human.returncode == 0 and "backlog         25 rows" in human.stdout and "leader          none" in human.stdout
+    )
 
     receiver = Receiver(kafka_bootstrap, topic)
     try:
@@ -113,8 +139,9 @@ def test_outbox_status_shows_backlog_dead_rows_batches_and_the_leader(cfg, pg_ds
 
 
 def test_outbox_status_with_kafka_unreachable_shows_the_database_and_exits_3(cfg, pg_dsn, schema):
-    r = reaper(cfg, "outbox", "status", "--json", "--timeout", "2",
-               extra={"REAPER_KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:1"})
+    r = reaper(
+        cfg, "outbox", "status", "--json", "--timeout", "2", extra={"REAPER_KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:1"}
+    )
     assert r.returncode == 3, r.stdout + r.stderr
     s = json.loads(r.stdout)
     assert s["kafka_error"] and s["units"][0]["backlog_rows"] == 0
@@ -123,6 +150,7 @@ def test_outbox_status_with_kafka_unreachable_shows_the_database_and_exits_3(cfg
 
 
 # ------------------------------------------------------------------ dead list / requeue
+
 
 def test_dead_list_pages_filters_and_prints_json(cfg, pg_dsn, schema):
     size = add_dead(pg_dsn, schema, "t", 5, "MSG_SIZE_TOO_LARGE: Broker: Message size too large")
@@ -136,22 +164,29 @@ def test_dead_list_pages_filters_and_prints_json(cfg, pg_dsn, schema):
     only = as_json(reaper(cfg, "dead", "list", "--json", "--reason", "Unknown partition"))
     assert [r["id"] for r in only["rows"]] == part and only["matching"] == 4
     text = reaper(cfg, "dead", "list", "--limit", "2")
-    assert text.returncode == 0 and f"next page: --after {size[1]}" in text.stdout and "Message size too large" in text.stdout
+    assert (
+        text.returncode == 0
+        and f"next page: --after {size[1]}" in text.stdout
+        and "Message size too large" in text.stdout
+    )
 
 
-@pytest.mark.parametrize("args,message", [
-    (["dead", "list", "--limit", "0"], "--limit must be a whole number from 1 to 10000"),
-    (["dead", "list", "--limit", "99999999999999999999999"], "--limit must be a whole number"),
-    (["dead", "requeue"], "one of the arguments --id --all --reason is required"),
-    (["dead", "requeue", "--id", "1", "--all"], "not allowed with argument"),
-    (["dead", "requeue", "--id", "7,x"], "a dead row id must be a whole number"),
-    (["dead", "requeue", "--reason", ""], "--reason must be 1-1000 characters"),
-    (["batch", "show", "-3"], "batch id must be a whole number"),
-    (["batch", "show", "3", "--after", "3:1"], "malformed item id '3:1'"),
-    (["batch", "show", "3", "--after", "4:0:1"], "--after 4:0:1 names batch 4, not 3"),
-    (["batch", "expire", "abc"], "batch id must be a whole number"),
-    (["outbox", "status", "--timeout", "0"], "timeout must be a number of seconds"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["dead", "list", "--limit", "0"], "--limit must be a whole number from 1 to 10000"),
+        (["dead", "list", "--limit", "99999999999999999999999"], "--limit must be a whole number"),
+        (["dead", "requeue"], "one of the arguments --id --all --reason is required"),
+        (["dead", "requeue", "--id", "1", "--all"], "not allowed with argument"),
+        (["dead", "requeue", "--id", "7,x"], "a dead row id must be a whole number"),
+        (["dead", "requeue", "--reason", ""], "--reason must be 1-1000 characters"),
+        (["batch", "show", "-3"], "batch id must be a whole number"),
+        (["batch", "show", "3", "--after", "3:1"], "malformed item id '3:1'"),
+        (["batch", "show", "3", "--after", "4:0:1"], "--after 4:0:1 names batch 4, not 3"),
+        (["batch", "expire", "abc"], "batch id must be a whole number"),
+        (["outbox", "status", "--timeout", "0"], "timeout must be a number of seconds"),
+    ],
+)
 def test_bad_arguments_exit_2_naming_the_value_and_change_nothing(cfg, pg_dsn, schema, args, message):
     add_dead(pg_dsn, schema, "t", 2, "x")
     before = counts(pg_dsn, schema)
@@ -175,11 +210,14 @@ def test_requeue_by_id_moves_all_named_rows_once_or_none(cfg, pg_dsn, schema):
     done = as_json(r)
     assert done["moved"] == 2 and done["dead_ids"] == [ids[0], ids[2]] and len(done["new_ids"]) == 2
     with psycopg.connect(pg_dsn) as c:
-        back = c.execute(f'SELECT id, topic, key, value, header_keys, header_values, leader_id FROM "{schema}".outbox '
-                         "ORDER BY id").fetchall()
+        back = c.execute(
+            f'SELECT id, topic, key, value, header_keys, header_values, leader_id FROM "{schema}".outbox ORDER BY id'
+        ).fetchall()
         assert [r[0] for r in back] == done["new_ids"] and min(done["new_ids"]) > max(ids)
-        assert [(bytes(r[2]), bytes(r[3]), r[4], [bytes(x) for x in r[5]], r[6]) for r in back] == \
-            [(b"k1", b"dead-1", ["h"], [b"\x00\xff"], None), (b"k3", b"dead-3", ["h"], [b"\x00\xff"], None)]
+        assert [(bytes(r[2]), bytes(r[3]), r[4], [bytes(x) for x in r[5]], r[6]) for r in back] == [
+            (b"k1", b"dead-1", ["h"], [b"\x00\xff"], None),
+            (b"k3", b"dead-3", ["h"], [b"\x00\xff"], None),
+        ]
         assert c.execute(f'SELECT id FROM "{schema}".outbox_dead ORDER BY id').fetchall() == [(ids[1],), (ids[3],)]
         assert c.execute(f'SELECT action, rows FROM "{schema}".admin_log').fetchall() == [("dead-requeue", 2)]
     again = reaper(cfg, "dead", "requeue", "--id", str(ids[0]), "--json")
@@ -187,7 +225,8 @@ def test_requeue_by_id_moves_all_named_rows_once_or_none(cfg, pg_dsn, schema):
 
 
 def test_requeue_racing_a_running_harvester_and_other_requeues_moves_each_row_once(
-        cfg, pg_dsn, schema, topics, kafka_bootstrap):
+    cfg, pg_dsn, schema, topics, kafka_bootstrap
+):
     topic = topics("data")
     n_dead = 3000
     dead_ids = add_dead(pg_dsn, schema, topic, n_dead, "operator-test: broker was down")
@@ -202,7 +241,9 @@ def test_requeue_racing_a_running_harvester_and_other_requeues_moves_each_row_on
             i = 0
             while not stop_bad.is_set():
                 v = f"bad-{i}".encode()
-                c.execute(f'INSERT INTO "{schema}".outbox (topic, value, kafka_partition) VALUES (%s, %s, 7)', [topic, v])
+                c.execute(
+                    f'INSERT INTO "{schema}".outbox (topic, value, kafka_partition) VALUES (%s, %s, 7)', [topic, v]
+                )
                 bad_values.append(v)
                 i += 1
                 time.sleep(0.02)
@@ -224,9 +265,25 @@ def test_requeue_racing_a_running_harvester_and_other_requeues_moves_each_row_on
             bad.start()
             time.sleep(0.5)
             env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")} | env_for(cfg)
-            proc = subprocess.Popen([sys.executable, "-m", "harvester.cli", "dead", "requeue", "--reason",
-                                     "operator-test", "--chunk", "5", "--json"], cwd=REPO, env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "harvester.cli",
+                    "dead",
+                    "requeue",
+                    "--reason",
+                    "operator-test",
+                    "--chunk",
+                    "5",
+                    "--json",
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             assert wait_until(lambda: _logged(pg_dsn, schema) > 0, 30), "the CLI requeue never started"
             threads = [threading.Thread(target=library_requeue, args=(c,)) for c in (3, 7)]
             for t in threads:
@@ -251,9 +308,19 @@ def test_requeue_racing_a_running_harvester_and_other_requeues_moves_each_row_on
         stop_bad.set()
         receiver.close()
     with psycopg.connect(pg_dsn) as c:
-        assert c.execute(f'SELECT count(*) FROM "{schema}".outbox_dead WHERE id = ANY(%s)', [dead_ids]).fetchone()[0] == 0
-        assert c.execute(f"SELECT count(*) FROM \"{schema}\".outbox_dead WHERE reason LIKE 'operator-test%%'").fetchone()[0] == 0
-        assert c.execute(f"SELECT sum(rows) FROM \"{schema}\".admin_log WHERE action = 'dead-requeue'").fetchone()[0] == n_dead
+        assert (
+            c.execute(f'SELECT count(*) FROM "{schema}".outbox_dead WHERE id = ANY(%s)', [dead_ids]).fetchone()[0] == 0
+        )
+        assert (
+            c.execute(f"SELECT count(*) FROM \"{schema}\".outbox_dead WHERE reason LIKE 'operator-test%%'").fetchone()[
+                0
+            ]
+            == 0
+        )
+        assert (
+            c.execute(f"SELECT sum(rows) FROM \"{schema}\".admin_log WHERE action = 'dead-requeue'").fetchone()[0]
+            == n_dead
+        )
         # Each requeued row went back to the outbox exactly once (then was published and purged).
         assert c.execute(f'SELECT count(*) FROM "{schema}".outbox').fetchone()[0] == 0
     published = [v for v in receiver.values() if v.startswith(b"dead-")]
@@ -303,8 +370,11 @@ def expected_runs(batch_id: int, pending: bytearray) -> list[str]:
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(n=st.integers(1, 2 * GROUP + 300), acks=st.lists(st.tuples(st.integers(0, 2 * GROUP + 299), st.integers(1, 9000)),
-                                                        max_size=8), limit=st.integers(1, 7))
+@given(
+    n=st.integers(1, 2 * GROUP + 300),
+    acks=st.lists(st.tuples(st.integers(0, 2 * GROUP + 299), st.integers(1, 9000)), max_size=8),
+    limit=st.integers(1, 7),
+)
 def test_batch_show_pages_through_exactly_the_pending_runs(pg_dsn, schema, n, acks, limit):
     pending = bytearray(b"\x01" * n)
     ids = []
@@ -316,7 +386,7 @@ def test_batch_show_pages_through_exactly_the_pending_runs(pg_dsn, schema, n, ac
             j = min(end, (g + 1) * GROUP - 1) - g * GROUP
             ids.append(f"{{b}}:{g}:{i}-{j}")
             k = g * GROUP + j + 1
-        pending[start:end + 1] = bytes(max(0, end + 1 - start))
+        pending[start : end + 1] = bytes(max(0, end + 1 - start))
     with psycopg.connect(pg_dsn) as c:
         b = tracker.open_batch(c, schema=schema)
         tracker.add_items(c, b, n, schema=schema)
@@ -343,8 +413,15 @@ def test_batch_show_cli_human_and_json(cfg, pg_dsn, schema):
         tracker.close_batch(c, b, schema=schema)
     r = reaper(cfg, "batch", "show", str(b.id), "--json", "--limit", "2")
     v = as_json(r)
-    assert (v["state"], v["total"], v["pending"], v["acked"], v["groups"], v["groups_pending"], v["user_key"]) == \
-        ("closed", 9000, 3, 8997, 2, 2, "catalog-7")
+    assert (v["state"], v["total"], v["pending"], v["acked"], v["groups"], v["groups_pending"], v["user_key"]) == (
+        "closed",
+        9000,
+        3,
+        8997,
+        2,
+        2,
+        "catalog-7",
+    )
     assert v["pending_runs"] == [f"{b.id}:0:8191", f"{b.id}:1:0"] and v["next_after"] == f"{b.id}:1:0"
     nxt = as_json(reaper(cfg, "batch", "show", str(b.id), "--json", "--after", v["next_after"]))
     assert nxt["pending_runs"] == [f"{b.id}:1:807"] and nxt["next_after"] is None
@@ -354,8 +431,9 @@ def test_batch_show_cli_human_and_json(cfg, pg_dsn, schema):
     assert missing.returncode == 5 and "unknown batch 987654321" in missing.stderr
 
 
-def test_batch_expire_writes_the_expiry_event_which_the_harvester_publishes(cfg, pg_dsn, schema, topics,
-                                                                            kafka_bootstrap):
+def test_batch_expire_writes_the_expiry_event_which_the_harvester_publishes(
+    cfg, pg_dsn, schema, topics, kafka_bootstrap
+):
     done_topic = topics("done")
     with psycopg.connect(pg_dsn) as c:
         b = tracker.open_batch(c, user_key="stuck", completion_topic=done_topic, schema=schema)
@@ -364,8 +442,10 @@ def test_batch_expire_writes_the_expiry_event_which_the_harvester_publishes(cfg,
         complete = tracker.open_batch(c, schema=schema)
         tracker.close_batch(c, complete, schema=schema)
     before = counts(pg_dsn, schema)
-    for args, code, message in ((["batch", "expire", str(complete.id)], 6, "is complete"),
-                                (["batch", "expire", "424242"], 5, "unknown batch 424242")):
+    for args, code, message in (
+        (["batch", "expire", str(complete.id)], 6, "is complete"),
+        (["batch", "expire", "424242"], 5, "unknown batch 424242"),
+    ):
         r = reaper(cfg, *args)
         assert r.returncode == code and message in r.stderr, r.stderr
     assert counts(pg_dsn, schema) == before
@@ -384,8 +464,14 @@ def test_batch_expire_writes_the_expiry_event_which_the_harvester_publishes(cfg,
     [(key, value, headers)] = receiver.records
     event = json.loads(value)
     assert key == str(b.id).encode() and dict(headers)["event"] == b"batch-expired"
-    assert (event["event"], event["reason"], event["note"], event["pending"], event["acked"], event["user_key"]) == \
-        ("expired", "operator", "consumer gone", 4, 1, "stuck")
+    assert (event["event"], event["reason"], event["note"], event["pending"], event["acked"], event["user_key"]) == (
+        "expired",
+        "operator",
+        "consumer gone",
+        4,
+        1,
+        "stuck",
+    )
     with psycopg.connect(pg_dsn) as c:
         assert c.execute(f'SELECT action, rows FROM "{schema}".admin_log').fetchall() == [("batch-expire", 1)]
 
@@ -396,8 +482,14 @@ def test_requeue_draws_a_progress_bar_on_a_terminal_and_none_otherwise(cfg, pg_d
     add_dead(pg_dsn, schema, "t", 300, "slow broker")
     master, slave = pty.openpty()
     env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")} | env_for(cfg) | {"TERM": "xterm"}
-    proc = subprocess.Popen([sys.executable, "-m", "harvester.cli", "dead", "requeue", "--all", "--chunk", "1"],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=slave, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harvester.cli", "dead", "requeue", "--all", "--chunk", "1"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        text=True,
+    )
     os.close(slave)
     drawn = b""
     while True:

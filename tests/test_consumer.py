@@ -1,4 +1,5 @@
 """Consumer helpers against the real Postgres and Kafka: item ids from messages, AckProducer, exactly-once."""
+
 from __future__ import annotations
 
 import threading
@@ -7,16 +8,14 @@ import time
 import psycopg
 import pytest
 from confluent_kafka import Producer
+from hypothesis import given
+from hypothesis import strategies as st
+from support.harness import read_messages
+from test_tracker_support import completion_events, invariant_violations
 
 import tracker
 from tracker import outbox
-from hypothesis import given, strategies as st
-
-from tracker.consumer import (AckProducer, MissingItemId, batch_id_of_message, compact, exactly_once, item_id_of,
-                              runs_of)
-
-from support.harness import read_messages
-from test_tracker_support import completion_events, invariant_violations
+from tracker.consumer import AckProducer, MissingItemId, batch_id_of_message, compact, exactly_once, item_id_of, runs_of
 
 
 def _consume(bootstrap: str, topic: str, n: int, timeout: float = 30.0) -> list:
@@ -130,8 +129,9 @@ def test_exactly_once_under_concurrent_redelivery(pg_dsn, conn, schema, effects)
     def consumer():
         with psycopg.connect(pg_dsn) as c:
             start.wait()
-            r = exactly_once(c, item, lambda s: s.execute(f"INSERT INTO {effects} VALUES (%s, 1)", [item]),
-                             schema=schema)
+            r = exactly_once(
+                c, item, lambda s: s.execute(f"INSERT INTO {effects} VALUES (%s, 1)", [item]), schema=schema
+            )
             time.sleep(0.05)  # hold the transaction open a little so the others queue behind it
             c.commit()
             outcomes.append(r.first_time)

@@ -6,6 +6,7 @@ harvester/config.py's dataclasses and by loading it); the example configuration 
 reference are generated from the code and up to date. Prometheus' own `promtool` checks the
 compose Prometheus configuration.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,10 @@ DEPLOY = REPO / "deploy"
 COMPOSE_FILE = DEPLOY / "compose" / "docker-compose.yml"
 K8S_FILE = DEPLOY / "k8s" / "reaper-sidecar.yaml"
 DOCKERFILE = DEPLOY / "Dockerfile"
-IMAGE = re.compile(r"^(?:[a-z0-9.-]+(?::\d+)?/)?[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*"
-                   r":[A-Za-z0-9][A-Za-z0-9._-]*$")
+IMAGE = re.compile(
+    r"^(?:[a-z0-9.-]+(?::\d+)?/)?[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*"
+    r":[A-Za-z0-9][A-Za-z0-9._-]*$"
+)
 
 
 def load_prometheus_helper():
@@ -49,7 +52,9 @@ def k8s_docs() -> list[dict]:
 
 def config_keys() -> dict[str, set[str]]:
     defaults = config.Config()
-    return {s.name: {f.name for f in dataclasses.fields(getattr(defaults, s.name))} for s in dataclasses.fields(defaults)}
+    return {
+        s.name: {f.name for f in dataclasses.fields(getattr(defaults, s.name))} for s in dataclasses.fields(defaults)
+    }
 
 
 def assert_env_names_are_config_keys(env: dict[str, str], where: str) -> None:
@@ -57,7 +62,7 @@ def assert_env_names_are_config_keys(env: dict[str, str], where: str) -> None:
     for name in env:
         if not name.startswith("REAPER_"):
             continue
-        parts = name[len("REAPER_"):].split("__")
+        parts = name[len("REAPER_") :].split("__")
         assert name == name.upper(), f"{where}: {name} must be upper case"
         section, key = parts[0].lower(), parts[1].lower()
         assert section in keys, f"{where}: {name} names no section (known: {sorted(keys)})"
@@ -192,8 +197,9 @@ def test_compose_mounts_exist_and_grafana_provisions_the_dashboard():
 
 def test_promtool_accepts_the_compose_prometheus_configuration():
     promtool = load_prometheus_helper().ensure_installed()[1]
-    r = subprocess.run([promtool, "check", "config", str(DEPLOY / "prometheus" / "compose.yml")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [promtool, "check", "config", str(DEPLOY / "prometheus" / "compose.yml")], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "rules found" in r.stdout
 
@@ -329,6 +335,6 @@ def test_readme_documents_every_key_env_variable_and_default():
 def test_readme_starts_with_the_two_setup_commands():
     lines = [line for line in (REPO / "README.md").read_text().splitlines() if line.strip()]
     fence = lines.index("```sh")
-    commands = [shlex.split(line.split("#")[0])[:2] for line in lines[fence + 1: fence + 3]]
+    commands = [shlex.split(line.split("#")[0])[:2] for line in lines[fence + 1 : fence + 3]]
     assert commands == [["make", "demo"], ["make", "test"]]
     assert fence <= 2, "the set-up commands come first"

@@ -1,5 +1,6 @@
 """Expiry is an event: the sweeper (and `expire_batch`) write exactly one expiry event per batch
 through the outbox, in the statement that expires it, even with several sweepers racing."""
+
 from __future__ import annotations
 
 import json
@@ -15,18 +16,29 @@ from tracker.sweeper import EXPIRY_EVENT, BatchNotExpirable, expire_batch, sweep
 
 
 def _age(conn, schema: str, ids: list[int], hours: int = 2) -> None:
-    conn.execute(f'UPDATE "{schema}".batch SET last_activity_at = now() - make_interval(hours => %s) '
-                 "WHERE id = ANY(%s)", [hours, ids])
+    conn.execute(
+        f'UPDATE "{schema}".batch SET last_activity_at = now() - make_interval(hours => %s) WHERE id = ANY(%s)',
+        [hours, ids],
+    )
     conn.commit()
 
 
 def events(conn, schema: str) -> list[dict]:
     """Every expiry event in the outbox: topic, key, value (parsed) and headers."""
-    rows = conn.execute(f'SELECT topic, key, value, header_keys, header_values FROM "{schema}".outbox '
-                        "WHERE 'event' = ANY(header_keys) ORDER BY id").fetchall()
+    rows = conn.execute(
+        f'SELECT topic, key, value, header_keys, header_values FROM "{schema}".outbox '
+        "WHERE 'event' = ANY(header_keys) ORDER BY id"
+    ).fetchall()
     conn.commit()
-    return [{"topic": t, "key": bytes(k).decode(), "value": json.loads(bytes(v)),
-             "headers": dict(zip(hk, (bytes(x).decode() for x in hv)))} for t, k, v, hk, hv in rows]
+    return [
+        {
+            "topic": t,
+            "key": bytes(k).decode(),
+            "value": json.loads(bytes(v)),
+            "headers": dict(zip(hk, (bytes(x).decode() for x in hv))),
+        }
+        for t, k, v, hk, hv in rows
+    ]
 
 
 def test_sweeper_writes_one_event_per_expired_batch_with_user_key_counts_and_reason(conn, schema):
@@ -39,8 +51,10 @@ def test_sweeper_writes_one_event_per_expired_batch_with_user_key_counts_and_rea
     fresh = tracker.open_batch(conn, user_key="fresh", schema=schema)  # active: not expired
     conn.commit()
     _age(conn, schema, [a.id, b.id])
-    conn.execute(f'UPDATE "{schema}".batch SET traceparent = %s WHERE id = %s',
-                 ["00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", b.id])
+    conn.execute(
+        f'UPDATE "{schema}".batch SET traceparent = %s WHERE id = %s',
+        ["00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", b.id],
+    )
     conn.commit()
 
     result = sweep(conn, schema=schema, idle_expiry=3600, retention=86400, completion_topic="completions")
@@ -53,8 +67,15 @@ def test_sweeper_writes_one_event_per_expired_batch_with_user_key_counts_and_rea
     assert ea["headers"] == {"batch-id": str(a.id), "event": EXPIRY_EVENT}
     assert eb["headers"]["traceparent"] == "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     va, vb = ea["value"], eb["value"]
-    assert (va["event"], va["user_key"], va["total"], va["pending"], va["acked"], va["state"], va["reason"]) == \
-        ("expired", "catalog-1", 10, 5, 5, "open", "idle")
+    assert (va["event"], va["user_key"], va["total"], va["pending"], va["acked"], va["state"], va["reason"]) == (
+        "expired",
+        "catalog-1",
+        10,
+        5,
+        5,
+        "open",
+        "idle",
+    )
     assert va["idle_expiry_seconds"] == 3600 and va["closed_at"] is None and va["expired_at"]
     assert (vb["user_key"], vb["total"], vb["pending"], vb["acked"], vb["state"]) == (None, 3, 3, 0, "closed")
     assert vb["closed_at"] is not None
@@ -73,7 +94,9 @@ def test_expiry_topic_overrides_every_batch_topic(conn, schema):
 
 
 @pytest.mark.parametrize("sweepers,chunk", [(2, 1), (4, 3), (6, 17)])
-def test_concurrent_sweepers_and_an_operator_expire_and_announce_each_batch_exactly_once(pg_dsn, conn, schema, sweepers, chunk):
+def test_concurrent_sweepers_and_an_operator_expire_and_announce_each_batch_exactly_once(
+    pg_dsn, conn, schema, sweepers, chunk
+):
     ids = [tracker.open_batch(conn, user_key=f"k{i}", schema=schema).id for i in range(60)]
     conn.commit()
     _age(conn, schema, ids)
@@ -188,8 +211,12 @@ def test_expire_batch_writes_the_same_event_or_changes_nothing(conn, schema):
     assert expire_batch(conn, b.id, schema=schema) is None  # already expired: nothing new
     conn.commit()
     [e] = events(conn, schema)
-    assert (e["topic"], e["value"]["reason"], e["value"]["note"], e["value"]["pending"]) == \
-        ("done", "operator", "stuck consumer", 4)
+    assert (e["topic"], e["value"]["reason"], e["value"]["note"], e["value"]["pending"]) == (
+        "done",
+        "operator",
+        "stuck consumer",
+        4,
+    )
     with pytest.raises(BatchExpired):
         tracker.ack(conn, [f"{b.id}:0:0"], schema=schema)
     conn.rollback()

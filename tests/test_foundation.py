@@ -1,4 +1,5 @@
 """Smoke tests of the properties the product relies on, against the real Postgres and Kafka."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,14 @@ def test_idempotent_producer_round_trip_with_headers_and_nulls(kafka_bootstrap, 
     assert producer.flush(30) == 0
     assert reports == [None, None, None]
 
-    consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"g-{uuid.uuid4().hex}",
-                         "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": kafka_bootstrap,
+            "group.id": f"g-{uuid.uuid4().hex}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+        }
+    )
     consumer.subscribe([topic])
     got = []
     deadline = time.monotonic() + 30
@@ -46,12 +53,17 @@ def test_idempotent_producer_round_trip_with_headers_and_nulls(kafka_bootstrap, 
 
 
 def _group_member(bootstrap: str, topic: str, group: str, session_ms: int) -> dict:
-    return {"bootstrap.servers": bootstrap, "group.id": group, "session.timeout.ms": session_ms,
-            "heartbeat.interval.ms": max(100, session_ms // 10), "auto.offset.reset": "earliest",
-            "enable.auto.commit": False,
-            # The default range assignor may hand partition 0 to a member that merely joins;
-            # sticky assignment keeps it with its holder, which leader election needs.
-            "partition.assignment.strategy": "cooperative-sticky"}
+    return {
+        "bootstrap.servers": bootstrap,
+        "group.id": group,
+        "session.timeout.ms": session_ms,
+        "heartbeat.interval.ms": max(100, session_ms // 10),
+        "auto.offset.reset": "earliest",
+        "enable.auto.commit": False,
+        # The default range assignor may hand partition 0 to a member that merely joins;
+        # sticky assignment keeps it with its holder, which leader election needs.
+        "partition.assignment.strategy": "cooperative-sticky",
+    }
 
 
 def _wait_assigned(consumer: Consumer, timeout: float) -> float | None:
@@ -105,8 +117,11 @@ def test_partition_zero_moves_after_holder_is_killed(kafka_bootstrap, topics):
     session_ms = 3000
     topic = topics("leader", partitions=1)
     group = f"g-{uuid.uuid4().hex}"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, kafka_bootstrap, topic, group, str(session_ms)],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, kafka_bootstrap, topic, group, str(session_ms)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "assigned"
         standby = Consumer(_group_member(kafka_bootstrap, topic, group, session_ms))
@@ -129,7 +144,9 @@ def test_partition_zero_moves_after_holder_is_killed(kafka_bootstrap, topics):
 def _table_state(conn: psycopg.Connection, schema: str) -> list[tuple]:
     return conn.execute(
         "SELECT table_name, column_name, data_type FROM information_schema.columns "
-        "WHERE table_schema = %s ORDER BY 1, 2", [schema]).fetchall()
+        "WHERE table_schema = %s ORDER BY 1, 2",
+        [schema],
+    ).fetchall()
 
 
 def test_migrations_applied_twice_change_nothing(pg_dsn, schema):
@@ -138,7 +155,10 @@ def test_migrations_applied_twice_change_nothing(pg_dsn, schema):
         versions = conn.execute(f'SELECT version, applied_at FROM "{schema}".schema_migrations ORDER BY 1').fetchall()
         assert schema_mod.migrate(conn, schema) == []
         assert _table_state(conn, schema) == before
-        assert conn.execute(f'SELECT version, applied_at FROM "{schema}".schema_migrations ORDER BY 1').fetchall() == versions
+        assert (
+            conn.execute(f'SELECT version, applied_at FROM "{schema}".schema_migrations ORDER BY 1').fetchall()
+            == versions
+        )
         assert [v for v, _ in versions] == [m.version for m in schema_mod.migrations()]
         assert {"outbox", "batch", "batch_group"} <= {t for t, _, _ in before}
 
@@ -151,8 +171,16 @@ def test_migrate_rejects_bad_schema_name(pg_dsn):
 def test_three_concurrent_reaper_migrate_processes_all_succeed(pg_dsn):
     name = f"t_{uuid.uuid4().hex[:12]}"
     env = dict(os.environ, REAPER_DATABASE__DSN=pg_dsn, REAPER_DATABASE__SCHEMA=name)
-    procs = [subprocess.Popen([sys.executable, "-m", "harvester.cli", "migrate"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "harvester.cli", "migrate"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     results = [(p.wait(60), *p.communicate()) for p in procs]
     try:
         assert [rc for rc, _, _ in results] == [0, 0, 0], results
@@ -169,8 +197,13 @@ def test_three_concurrent_reaper_migrate_processes_all_succeed(pg_dsn):
 def test_migrate_dry_run_prints_sql_and_changes_nothing(pg_dsn):
     name = f"t_{uuid.uuid4().hex[:12]}"
     env = dict(os.environ, REAPER_DATABASE__DSN=pg_dsn, REAPER_DATABASE__SCHEMA=name)
-    r = subprocess.run([sys.executable, "-m", "harvester.cli", "migrate", "--dry-run"], env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "harvester.cli", "migrate", "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert "CREATE TABLE outbox" in r.stdout and f'SET LOCAL search_path TO "{name}"' in r.stdout
     with psycopg.connect(pg_dsn) as conn:

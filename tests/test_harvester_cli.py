@@ -1,4 +1,5 @@
 """`reaper run` as operators meet it: configuration errors, secrets, exit codes, endpoints, signals."""
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
-
-from harvester import config as config_mod
 from support.harness import Receiver, insert_rows, wait_until
 from support.private_services import free_port
+
+from harvester import config as config_mod
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,8 +29,14 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _run(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "harvester.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "harvester.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_bad_configuration_fails_at_start_naming_the_key(tmp_path):
@@ -50,23 +57,35 @@ def test_transactional_id_is_validated_and_only_set_through_its_harvester_key():
         config_mod.load(None, environ={"REAPER_HARVESTER__TRANSACTIONAL_ID": "has space"})
     with pytest.raises(config_mod.ConfigError, match="kafka.producer.transactional.id.*harvester.transactional_id"):
         config_mod.load(None, environ={"REAPER_KAFKA__PRODUCER__TRANSACTIONAL_ID": "x"})
-    assert config_mod.load(None, environ={"REAPER_HARVESTER__TRANSACTIONAL_ID": "orders-outbox"}
-                           ).harvester.transactional_id == "orders-outbox"
+    assert (
+        config_mod.load(
+            None, environ={"REAPER_HARVESTER__TRANSACTIONAL_ID": "orders-outbox"}
+        ).harvester.transactional_id
+        == "orders-outbox"
+    )
     assert config_mod.load(None, environ={}).harvester.transactional_id == ""
 
 
 def test_configuration_layers_and_kafka_passthrough(tmp_path):
     path = tmp_path / "reaper.yaml"
-    path.write_text("database:\n  schema: app\nkafka:\n  client:\n    security.protocol: SASL_SSL\n"
-                    "harvester:\n  mark_batch: 1000\n")
-    cfg = config_mod.load(path, environ={"REAPER_HARVESTER__MARK_BATCH": "2000",
-                                         "REAPER_KAFKA__CLIENT__SASL_USERNAME": "svc",
-                                         "REAPER_KAFKA__PRODUCER__LINGER_MS": "1"})
+    path.write_text(
+        "database:\n  schema: app\nkafka:\n  client:\n    security.protocol: SASL_SSL\nharvester:\n  mark_batch: 1000\n"
+    )
+    cfg = config_mod.load(
+        path,
+        environ={
+            "REAPER_HARVESTER__MARK_BATCH": "2000",
+            "REAPER_KAFKA__CLIENT__SASL_USERNAME": "svc",
+            "REAPER_KAFKA__PRODUCER__LINGER_MS": "1",
+        },
+    )
     assert cfg.database.schema == "app" and cfg.harvester.mark_batch == 2000
     assert cfg.kafka.client == {"security.protocol": "SASL_SSL", "sasl.username": "svc"}
     assert cfg.kafka.producer == {"linger.ms": "1"}
-    assert config_mod.redact("kafka.client", {"sasl.password": "pw", "sasl.username": "svc"}) == \
-        {"sasl.password": "***", "sasl.username": "svc"}
+    assert config_mod.redact("kafka.client", {"sasl.password": "pw", "sasl.username": "svc"}) == {
+        "sasl.password": "***",
+        "sasl.username": "svc",
+    }
 
 
 def test_the_product_has_no_fault_injection():
@@ -81,8 +100,14 @@ def test_the_product_has_no_fault_injection():
 
 
 def test_unreachable_database_exits_3_and_secrets_stay_out_of_the_output():
-    r = _run(["run"], _env(REAPER_DATABASE__DSN="postgresql://app:s3cret-pw@127.0.0.1:1/outbox",
-                           REAPER_KAFKA__CLIENT__SASL_PASSWORD="kafka-s3cret", REAPER_LOGGING__FORMAT="json"))
+    r = _run(
+        ["run"],
+        _env(
+            REAPER_DATABASE__DSN="postgresql://app:s3cret-pw@127.0.0.1:1/outbox",
+            REAPER_KAFKA__CLIENT__SASL_PASSWORD="kafka-s3cret",
+            REAPER_LOGGING__FORMAT="json",
+        ),
+    )
     assert r.returncode == 3, (r.stdout, r.stderr)
     out = r.stdout + r.stderr
     assert "s3cret-pw" not in out and "kafka-s3cret" not in out
@@ -92,7 +117,9 @@ def test_unreachable_database_exits_3_and_secrets_stay_out_of_the_output():
 
 
 def test_console_log_format_is_readable_text():
-    r = _run(["run"], _env(REAPER_DATABASE__DSN="postgresql://app@127.0.0.1:1/outbox", REAPER_LOGGING__FORMAT="console"))
+    r = _run(
+        ["run"], _env(REAPER_DATABASE__DSN="postgresql://app@127.0.0.1:1/outbox", REAPER_LOGGING__FORMAT="console")
+    )
     assert r.returncode == 3
     assert "cannot start" in r.stderr and not any(line.startswith("{") for line in r.stderr.splitlines())
 
@@ -111,15 +138,25 @@ def test_run_serves_endpoints_publishes_and_exits_0_on_sigterm(pg_dsn, kafka_boo
     acks, dead = topics("acks"), topics("acks-dlq")
     port = free_port()
     leader_topic = f"leader-{uuid.uuid4().hex[:10]}"  # reaper creates it
-    env = _env(REAPER_DATABASE__DSN=pg_dsn, REAPER_DATABASE__SCHEMA=schema,
-               REAPER_KAFKA__BOOTSTRAP_SERVERS=kafka_bootstrap, REAPER_HARVESTER__LEADER_TOPIC=leader_topic,
-               REAPER_HARVESTER__LEADER_GROUP=f"g-{uuid.uuid4().hex[:8]}", REAPER_ACKER__TOPIC=acks,
-               REAPER_ACKER__DEAD_LETTER_TOPIC=dead, REAPER_ACKER__GROUP=f"a-{uuid.uuid4().hex[:8]}",
-               REAPER_SWEEPER__INTERVAL="1", REAPER_METRICS__PORT=str(port), REAPER_METRICS__HOST="127.0.0.1",
-               REAPER_METRICS__BACKLOG_INTERVAL="0.5", REAPER_LOGGING__FORMAT="json")
+    env = _env(
+        REAPER_DATABASE__DSN=pg_dsn,
+        REAPER_DATABASE__SCHEMA=schema,
+        REAPER_KAFKA__BOOTSTRAP_SERVERS=kafka_bootstrap,
+        REAPER_HARVESTER__LEADER_TOPIC=leader_topic,
+        REAPER_HARVESTER__LEADER_GROUP=f"g-{uuid.uuid4().hex[:8]}",
+        REAPER_ACKER__TOPIC=acks,
+        REAPER_ACKER__DEAD_LETTER_TOPIC=dead,
+        REAPER_ACKER__GROUP=f"a-{uuid.uuid4().hex[:8]}",
+        REAPER_SWEEPER__INTERVAL="1",
+        REAPER_METRICS__PORT=str(port),
+        REAPER_METRICS__HOST="127.0.0.1",
+        REAPER_METRICS__BACKLOG_INTERVAL="0.5",
+        REAPER_LOGGING__FORMAT="json",
+    )
     log = open(tmp_path / "reaper.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "harvester.cli", "run"], cwd=REPO, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harvester.cli", "run"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+    )
     receiver = Receiver(kafka_bootstrap, topic, 2)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -130,9 +167,17 @@ def test_run_serves_endpoints_publishes_and_exits_0_on_sigterm(pg_dsn, kafka_boo
             insert_rows(conn, schema, topic, [(b"k", b"k:%d" % i) for i in range(100)])
         assert receiver.wait_for({(b"k", b"k:%d" % i) for i in range(100)}, 30)
         metrics = _get(base + "/metrics")[1]
-        for name in ("reaper_build_info", "reaper_records_published_total", "reaper_outbox_backlog_rows",
-                     "reaper_outbox_oldest_age_seconds", "reaper_records_in_flight", "reaper_batches",
-                     "reaper_items_pending", "reaper_mark_duration_seconds_bucket", "reaper_leader_acquisitions_total"):
+        for name in (
+            "reaper_build_info",
+            "reaper_records_published_total",
+            "reaper_outbox_backlog_rows",
+            "reaper_outbox_oldest_age_seconds",
+            "reaper_records_in_flight",
+            "reaper_batches",
+            "reaper_items_pending",
+            "reaper_mark_duration_seconds_bucket",
+            "reaper_leader_acquisitions_total",
+        ):
             assert name in metrics, name
         assert _get(base + "/nope")[0] == 404
         proc.send_signal(signal.SIGTERM)

@@ -2,6 +2,7 @@
 
 Restarts use PRIVATE service instances (tests/support/private_services.py), never the shared ones.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -12,24 +13,25 @@ import uuid
 import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
-
-from tracker import schema as schema_mod
 from support.harness import Generator, Receiver, env_for, make_config, order_violations, wait_until
 from support.private_services import PrivateServices
-from support.recovery import resume_gap
 from support.reaper import ReaperProcess
+from support.recovery import resume_gap
+
+from tracker import schema as schema_mod
 
 PARTITIONS = 3
 # A restart longer than the session (3 s here) waits for the old membership to expire on the
 # restarted coordinator: about session_timeout + 1 s (README "Recovery after a Kafka or Postgres restart").
 KAFKA_GAP_LIMIT = 9.0
-POSTGRES_GAP_LIMIT = 4.0   # goal 1 s
+POSTGRES_GAP_LIMIT = 4.0  # goal 1 s
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("reaper-failover")]
 
 
 def _check(receiver: Receiver, gen: Generator, timeout: float = 120) -> None:
-    assert receiver.wait_for(gen.committed, timeout), \
+    assert receiver.wait_for(gen.committed, timeout), (
         f"lost {len(gen.committed - receiver.unique())} of {len(gen.committed)} committed records"
+    )
     time.sleep(0.5)
     assert order_violations([(k, v) for k, v, _ in receiver.records]) == []
     assert receiver.unique() <= gen.committed | gen.ambiguous  # nothing that was never committed
@@ -50,8 +52,13 @@ def _stop_all(procs: list[ReaperProcess]) -> None:
 def _setup(pg_dsn, schema, bootstrap, topic_maker, **harvester):
     topic = topic_maker("data", partitions=PARTITIONS)
     leader_topic = topic_maker("leader", partitions=1)
-    cfg = make_config(pg_dsn, schema, bootstrap, leader_topic=leader_topic,
-                      harvester={"mark_batch": 500, "max_in_flight": 2000, **harvester})
+    cfg = make_config(
+        pg_dsn,
+        schema,
+        bootstrap,
+        leader_topic=leader_topic,
+        harvester={"mark_batch": 500, "max_in_flight": 2000, **harvester},
+    )
     return topic, env_for(cfg)
 
 
@@ -99,8 +106,9 @@ def _acquired_at(proc: ReaperProcess) -> dt.datetime:
 
 
 @pytest.mark.parametrize("transactions", [False, True], ids=["idempotent", "transactional"])
-def test_sigstopped_leader_publishes_nothing_after_another_took_over(pg_dsn, kafka_bootstrap, schema, topics,
-                                                                    tmp_path, transactions):
+def test_sigstopped_leader_publishes_nothing_after_another_took_over(
+    pg_dsn, kafka_bootstrap, schema, topics, tmp_path, transactions
+):
     """With harvester.transactional_id the broker also refuses whatever the resumed process's
     librdkafka still held (see test_harvester_transactions for that case made deterministic)."""
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
@@ -116,7 +124,7 @@ def test_sigstopped_leader_publishes_nothing_after_another_took_over(pg_dsn, kaf
         assert a.wait_leader(60)
         b = ReaperProcess(env, tmp_path / "b.log")  # the standby joins once a leads
         time.sleep(2)
-        a.signal(signal.SIGSTOP)          # longer than heartbeat (1 s) and session (3 s) timeouts
+        a.signal(signal.SIGSTOP)  # longer than heartbeat (1 s) and session (3 s) timeouts
         assert b.wait_leader(30), "the standby never took over from the stopped leader"
         time.sleep(2)
         a.signal(signal.SIGCONT)
@@ -129,11 +137,13 @@ def test_sigstopped_leader_publishes_nothing_after_another_took_over(pg_dsn, kaf
         took_over = _acquired_at(b)
         a_ids = _ids(a)
         with psycopg.connect(pg_dsn) as conn:
-            late = conn.execute(f'SELECT count(*), max(at) FROM "{schema}".mark_audit '
-                                'WHERE leader_id = ANY(%s::uuid[]) AND at >= %s',
-                                [list(a_ids), took_over]).fetchone()
-            b_marks = conn.execute(f'SELECT count(*) FROM "{schema}".mark_audit WHERE leader_id = ANY(%s::uuid[])',
-                                   [list(_ids(b))]).fetchone()[0]
+            late = conn.execute(
+                f'SELECT count(*), max(at) FROM "{schema}".mark_audit WHERE leader_id = ANY(%s::uuid[]) AND at >= %s',
+                [list(a_ids), took_over],
+            ).fetchone()
+            b_marks = conn.execute(
+                f'SELECT count(*) FROM "{schema}".mark_audit WHERE leader_id = ANY(%s::uuid[])', [list(_ids(b))]
+            ).fetchone()[0]
         assert late[0] == 0, f"the stopped leader marked {late[0]} rows after {took_over} (last {late[1]})"
         assert b_marks > 0
         # Records handed to the producer: unchanged from the moment it stepped down to its exit.
@@ -162,11 +172,20 @@ def test_kafka_broker_restart_mid_stream(pg_dsn, schema, private, tmp_path):
     private.up(only="kafka")
     admin = AdminClient({"bootstrap.servers": private.bootstrap})
     topic, leader_topic = f"data-{uuid.uuid4().hex[:8]}", f"leader-{uuid.uuid4().hex[:8]}"
-    for f in admin.create_topics([NewTopic(topic, num_partitions=PARTITIONS, replication_factor=1),
-                                  NewTopic(leader_topic, num_partitions=1, replication_factor=1)]).values():
+    for f in admin.create_topics(
+        [
+            NewTopic(topic, num_partitions=PARTITIONS, replication_factor=1),
+            NewTopic(leader_topic, num_partitions=1, replication_factor=1),
+        ]
+    ).values():
         f.result(30)
-    cfg = make_config(pg_dsn, schema, private.bootstrap, leader_topic=leader_topic,
-                      harvester={"mark_batch": 500, "max_in_flight": 2000})
+    cfg = make_config(
+        pg_dsn,
+        schema,
+        private.bootstrap,
+        leader_topic=leader_topic,
+        harvester={"mark_batch": 500, "max_in_flight": 2000},
+    )
     a = ReaperProcess(env_for(cfg), tmp_path / "a.log")
     gen = Generator(pg_dsn, schema, topic, keys=30, per_txn=10).start(rate_per_s=500)
     receiver = None

@@ -1,18 +1,30 @@
 """NELI leader election against the real Kafka: acquisition, fencing, resumption, handover."""
+
 from __future__ import annotations
 
 import time
 import uuid
 
+from support.harness import wait_until
+
 from harvester.metrics import get as get_metrics
 from harvester.neli import FENCED, FOLLOWER, LEADER, Neli
-from support.harness import wait_until
 
 
 def _neli(bootstrap: str, topic: str, group: str, changes: list | None = None) -> Neli:
-    return Neli(bootstrap=bootstrap, client={}, consumer={}, producer={}, topic=topic, group=group,
-                min_poll_interval=0.1, heartbeat_timeout=1.0, session_timeout=3.0, metrics=get_metrics(),
-                on_change=(lambda s, l: changes.append((s, l))) if changes is not None else (lambda s, l: None))
+    return Neli(
+        bootstrap=bootstrap,
+        client={},
+        consumer={},
+        producer={},
+        topic=topic,
+        group=group,
+        min_poll_interval=0.1,
+        heartbeat_timeout=1.0,
+        session_timeout=3.0,
+        metrics=get_metrics(),
+        on_change=(lambda s, lid: changes.append((s, lid))) if changes is not None else (lambda s, lid: None),
+    )
 
 
 def test_fences_without_heartbeats_and_resumes_with_a_fresh_leader_id(kafka_bootstrap, topics):
@@ -62,6 +74,7 @@ def test_a_heartbeat_read_back_late_vouches_only_for_when_it_was_sent(kafka_boot
     """A leader paused with its own heartbeats still unread (SIGSTOP, a frozen VM) reads them on
     resuming: they must not revive the leadership that expired meanwhile."""
     from confluent_kafka import Producer
+
     topic, group = topics("leader"), f"g-{uuid.uuid4().hex[:8]}"
     n = _neli(kafka_bootstrap, topic, group).start()
     p = Producer({"bootstrap.servers": kafka_bootstrap})

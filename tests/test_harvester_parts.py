@@ -1,4 +1,5 @@
 """The publisher's parts on their own contracts: life cycle, settler counts, the producer slot."""
+
 from __future__ import annotations
 
 import threading
@@ -7,13 +8,13 @@ import uuid
 
 import psycopg
 import pytest
+from support.harness import insert_rows, make_config, outbox_count, wait_until
 
 from harvester.metrics import get as get_metrics
-from harvester.units import Harvester
 from harvester.publish import LifecycleError, Publisher, producer_config
 from harvester.settle import Settler
 from harvester.store import OutboxStore, make_pool
-from support.harness import insert_rows, make_config, outbox_count, wait_until
+from harvester.units import Harvester
 
 
 def test_a_harvester_starts_once_and_never_after_stop(pg_dsn, kafka_bootstrap, schema, topics):
@@ -95,8 +96,9 @@ def test_a_reaper_that_never_led_retires_no_producer(pg_dsn, kafka_bootstrap, sc
     b = None
     try:
         assert wait_until(lambda: a.leading, 30)
-        b = Harvester(make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader,
-                                  group=cfg.harvester.leader_group)).start()
+        b = Harvester(
+            make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader, group=cfg.harvester.leader_group)
+        ).start()
         time.sleep(2)  # b joined the group and was given nothing
         assert not b.leading
         b.stop(2)

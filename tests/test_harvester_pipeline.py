@@ -1,4 +1,5 @@
 """Mark-purge/reset against the real Postgres and Kafka, with injected faults (goharvest's pipeline cases)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -8,13 +9,12 @@ import uuid
 
 import psycopg
 import pytest
-
 from support.faults import FaultPlan
+from support.harness import Generator, Receiver, insert_rows, make_config, order_violations, outbox_count, wait_until
+
 from harvester.metrics import get as get_metrics
-from harvester.units import Harvester
 from harvester.store import OutboxStore, make_pool
-from support.harness import (Generator, Receiver, insert_rows, make_config, order_violations, outbox_count,
-                                   wait_until)
+from harvester.units import Harvester
 
 PARTITIONS = 4
 
@@ -43,8 +43,7 @@ def setup(pg_dsn, kafka_bootstrap, schema, topics):
     receiver.close()
 
 
-def _publish_all_in_order(pg_dsn, schema, topic, receiver, cfg, faults=None, keys=30, txns=100, per_txn=20,
-                          timeout=90):
+def _publish_all_in_order(pg_dsn, schema, topic, receiver, cfg, faults=None, keys=30, txns=100, per_txn=20, timeout=90):
     gen = Generator(pg_dsn, schema, topic, keys=keys, per_txn=per_txn)
     with psycopg.connect(pg_dsn) as conn:
         for _ in range(txns // 2):
@@ -52,8 +51,9 @@ def _publish_all_in_order(pg_dsn, schema, topic, receiver, cfg, faults=None, key
         with running(cfg, faults) as h:
             for _ in range(txns - txns // 2):  # some committed while the harvester runs
                 gen.commit_once(conn)
-            assert receiver.wait_for(gen.committed, timeout), \
+            assert receiver.wait_for(gen.committed, timeout), (
                 f"missing {len(gen.committed - receiver.unique())} of {len(gen.committed)}"
+            )
             assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30), "published rows were not all purged"
     records = [(k, v) for k, v, _ in receiver.records]
     assert order_violations(records) == []
@@ -68,17 +68,35 @@ def _counter(name: str) -> float:
 def test_publishes_headers_null_keys_and_values_and_explicit_partitions(setup, pg_dsn, schema, conn):
     make, topic, receiver = setup
     with conn.cursor() as cur:
-        cur.execute(f'INSERT INTO "{schema}".outbox (topic, key, value, header_keys, header_values, kafka_partition) '
-                    "VALUES (%s, %s, %s, %s, %s, %s), (%s, NULL, %s, '{}', '{}', NULL), (%s, %s, NULL, '{}', '{}', 3)",
-                    [topic, b"k1", b"v1", ["item-id", "bin"], [b"1:0:0", bytes(range(256))], 2,
-                     topic, b"no key", topic, b"tomb"])
+        cur.execute(
+            f'INSERT INTO "{schema}".outbox (topic, key, value, header_keys, header_values, kafka_partition) '
+            "VALUES (%s, %s, %s, %s, %s, %s), (%s, NULL, %s, '{}', '{}', NULL), (%s, %s, NULL, '{}', '{}', 3)",
+            [
+                topic,
+                b"k1",
+                b"v1",
+                ["item-id", "bin"],
+                [b"1:0:0", bytes(range(256))],
+                2,
+                topic,
+                b"no key",
+                topic,
+                b"tomb",
+            ],
+        )
     conn.commit()
     with running(make()):
         assert wait_until(lambda: len(receiver.records) >= 3, 30)
         assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30)
     got = sorted(receiver.records, key=lambda r: (r[0] or b"", r[1] or b""))
-    assert got == sorted([(b"k1", b"v1", [("item-id", b"1:0:0"), ("bin", bytes(range(256)))]),
-                          (None, b"no key", []), (b"tomb", None, [])], key=lambda r: (r[0] or b"", r[1] or b""))
+    assert got == sorted(
+        [
+            (b"k1", b"v1", [("item-id", b"1:0:0"), ("bin", bytes(range(256)))]),
+            (None, b"no key", []),
+            (b"tomb", None, []),
+        ],
+        key=lambda r: (r[0] or b"", r[1] or b""),
+    )
 
 
 @contextlib.contextmanager
@@ -126,8 +144,7 @@ def test_mark_deadline_exceeded_forces_remark_and_loses_nothing(setup, pg_dsn, s
     make, topic, receiver = setup
     before = _counter("force_remarks")
     faults = FaultPlan(mark_delay=0.3, mark_delay_rate=0.3, seed=1)
-    _publish_all_in_order(pg_dsn, schema, topic, receiver, make(mark_deadline=0.2, mark_batch=200), faults,
-                          txns=40)
+    _publish_all_in_order(pg_dsn, schema, topic, receiver, make(mark_deadline=0.2, mark_batch=200), faults, txns=40)
     assert _counter("force_remarks") > before
 
 
@@ -173,8 +190,9 @@ def test_database_errors_in_mark_purge_and_reset(setup, pg_dsn, schema, which):
 
 def test_purge_and_reset_hitting_no_row(pg_dsn, schema, conn):
     with conn.cursor() as cur:
-        cur.execute(f'INSERT INTO "{schema}".outbox (topic, value) SELECT %s, %s FROM generate_series(1, 5)',
-                    ["t", b"v"])
+        cur.execute(
+            f'INSERT INTO "{schema}".outbox (topic, value) SELECT %s, %s FROM generate_series(1, 5)', ["t", b"v"]
+        )
     conn.commit()
     pool = make_pool(pg_dsn, 2)
     try:
@@ -183,21 +201,22 @@ def test_purge_and_reset_hitting_no_row(pg_dsn, schema, conn):
         rows = store.mark(me, 3)
         assert [r[0] for r in rows] == sorted(r[0] for r in rows) and len(rows) == 3
         ids = [r[0] for r in rows]
-        assert store.purge(other, ids) == 0      # marked by someone else now: purge touches nothing
+        assert store.purge(other, ids) == 0  # marked by someone else now: purge touches nothing
         assert store.reset(other, ids) == 0
         assert store.purge(me, ids[:1]) == 1
-        assert store.purge(me, ids[:1]) == 0     # already gone
+        assert store.purge(me, ids[:1]) == 0  # already gone
         assert store.reset(me, ids[:1]) == 0
         assert store.reset(me, ids[1:]) == 2
-        assert store.purge(me, ids[1:]) == 0     # reset: no longer ours
+        assert store.purge(me, ids[1:]) == 0  # reset: no longer ours
         assert [r[0] for r in store.mark(me, 10)] == [*ids[1:], *[i for i in range(ids[-1] + 1, ids[-1] + 3)]]
     finally:
         pool.close()
 
 
 def test_backlog_counts_exactly_up_to_the_limit_then_takes_the_estimate(pg_dsn, schema, conn):
-    conn.execute(f'INSERT INTO "{schema}".outbox (topic, value) SELECT %s, %s FROM generate_series(1, 500)',
-                 ["t", b"v"])
+    conn.execute(
+        f'INSERT INTO "{schema}".outbox (topic, value) SELECT %s, %s FROM generate_series(1, 500)', ["t", b"v"]
+    )
     conn.commit()
     pool = make_pool(pg_dsn, 1)
     try:
@@ -205,10 +224,12 @@ def test_backlog_counts_exactly_up_to_the_limit_then_takes_the_estimate(pg_dsn, 
         exact = store.backlog(exact_up_to=500)
         assert (exact.rows, exact.exact) == (500, True)
         over = store.backlog(exact_up_to=100)
-        assert (over.rows, over.exact) == (500, False)   # the id span, no scan past the limit
+        assert (over.rows, over.exact) == (500, False)  # the id span, no scan past the limit
         assert over.oldest_age >= 0
         with pool.connection() as c:  # rows gone from the middle: the span is an upper bound
-            c.execute(f'DELETE FROM "{schema}".outbox WHERE id % 2 = 0 AND id <> (SELECT max(id) FROM "{schema}".outbox)')
+            c.execute(
+                f'DELETE FROM "{schema}".outbox WHERE id % 2 = 0 AND id <> (SELECT max(id) FROM "{schema}".outbox)'
+            )
             left = c.execute(f'SELECT count(*) FROM "{schema}".outbox').fetchone()[0]
         assert left < 300 and store.backlog(exact_up_to=100).rows == 500
         assert (store.backlog(exact_up_to=300).rows, store.backlog(exact_up_to=300).exact) == (left, True)
@@ -222,7 +243,8 @@ def test_rows_committed_late_behind_published_ids_are_found(setup, pg_dsn, schem
     try:
         insert_rows_nocommit = late.execute(
             f'INSERT INTO "{schema}".outbox (topic, key, value) VALUES (%s, %s, %s) RETURNING id',
-            [topic, b"late", b"late:0"]).fetchone()[0]
+            [topic, b"late", b"late:0"],
+        ).fetchone()[0]
         with psycopg.connect(pg_dsn) as conn:
             insert_rows(conn, schema, topic, [(b"early", b"early:%d" % i) for i in range(50)])
         with running(make()):

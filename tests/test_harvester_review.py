@@ -5,18 +5,19 @@
 3. Fence or revocation retires the producer: queued and in-flight records are purged, a new
    producer takes over, the purged rows are reset (not purged) under the old leader id.
 """
+
 from __future__ import annotations
 
 import contextlib
 import time
 
 import psycopg
-
+from support.blackhole import BlackholeProxy
 from support.faults import FaultPlan
+from support.harness import Receiver, insert_rows, make_config, order_violations, outbox_count, wait_until
+
 from harvester.metrics import get as get_metrics
 from harvester.units import Harvester
-from support.blackhole import BlackholeProxy
-from support.harness import Receiver, insert_rows, make_config, order_violations, outbox_count, wait_until
 
 
 @contextlib.contextmanager
@@ -40,7 +41,8 @@ def _values_of(receiver: Receiver, key: bytes) -> list[bytes]:
 
 
 def test_row_committed_late_below_the_marking_position_precedes_a_later_row_of_its_key(
-        pg_dsn, kafka_bootstrap, schema, topics):
+    pg_dsn, kafka_bootstrap, schema, topics
+):
     """Txn A inserts K "created" (lowest id) and commits while the leader works through a backlog
     above it; txn B then inserts K "paid" (causally after A). "created" must come first.
 
@@ -51,13 +53,13 @@ def test_row_committed_late_below_the_marking_position_precedes_a_later_row_of_i
     leader = topics("leader", partitions=1)
     # Small marks over a 30k backlog: an implementation with a cursor would come back to the
     # head only after a short batch, i.e. only once the backlog is through.
-    cfg = make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader,
-                      harvester={"mark_batch": 50, "max_in_flight": 200})
+    cfg = make_config(
+        pg_dsn, schema, kafka_bootstrap, leader_topic=leader, harvester={"mark_batch": 50, "max_in_flight": 200}
+    )
     receiver = Receiver(kafka_bootstrap, topic, 1)
     a = psycopg.connect(pg_dsn)  # application transaction A, slow to commit
     try:
-        a.execute(f'INSERT INTO "{schema}".outbox (topic, key, value) VALUES (%s, %s, %s)',
-                  [topic, b"K", b"created"])
+        a.execute(f'INSERT INTO "{schema}".outbox (topic, key, value) VALUES (%s, %s, %s)', [topic, b"K", b"created"])
         with psycopg.connect(pg_dsn) as other:
             insert_rows(other, schema, topic, [(b"x%d" % (i % 50), b"x") for i in range(30000)])
             with running(cfg):
@@ -75,8 +77,7 @@ def test_row_committed_late_below_the_marking_position_precedes_a_later_row_of_i
         receiver.close()
 
 
-def test_a_row_kafka_never_accepts_is_quarantined_and_the_rows_behind_it_flow(
-        pg_dsn, kafka_bootstrap, schema, topics):
+def test_a_row_kafka_never_accepts_is_quarantined_and_the_rows_behind_it_flow(pg_dsn, kafka_bootstrap, schema, topics):
     topic = topics("data", partitions=2)
     leader = topics("leader", partitions=1)
     cfg = make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader)
@@ -84,18 +85,25 @@ def test_a_row_kafka_never_accepts_is_quarantined_and_the_rows_behind_it_flow(
     dead_before, remarks_before = _counter("dead"), _counter("force_remarks")
     try:
         with psycopg.connect(pg_dsn) as c:
-            big = c.execute(f'INSERT INTO "{schema}".outbox (topic, key, value) VALUES (%s, %s, %s) RETURNING id',
-                            [topic, b"K", b"x" * 2_000_000]).fetchone()[0]
+            big = c.execute(
+                f'INSERT INTO "{schema}".outbox (topic, key, value) VALUES (%s, %s, %s) RETURNING id',
+                [topic, b"K", b"x" * 2_000_000],
+            ).fetchone()[0]
             for i in range(5):
-                c.execute(f'INSERT INTO "{schema}".outbox (topic, key, value) VALUES (%s, %s, %s)',
-                          [topic, b"K", b"K:%d" % i])
-            nopart = c.execute(f'INSERT INTO "{schema}".outbox (topic, key, value, kafka_partition) '
-                               "VALUES (%s, %s, %s, 7) RETURNING id", [topic, b"P", b"P:0"]).fetchone()[0]
+                c.execute(
+                    f'INSERT INTO "{schema}".outbox (topic, key, value) VALUES (%s, %s, %s)', [topic, b"K", b"K:%d" % i]
+                )
+            nopart = c.execute(
+                f'INSERT INTO "{schema}".outbox (topic, key, value, kafka_partition) '
+                "VALUES (%s, %s, %s, 7) RETURNING id",
+                [topic, b"P", b"P:0"],
+            ).fetchone()[0]
             c.execute(f'INSERT INTO "{schema}".outbox (topic, key, value) VALUES (%s, %s, %s)', [topic, b"P", b"P:1"])
             c.commit()
         with running(cfg) as h:
-            assert wait_until(lambda: _values_of(receiver, b"K") == [b"K:%d" % i for i in range(5)], 30), \
-                _values_of(receiver, b"K")
+            assert wait_until(lambda: _values_of(receiver, b"K") == [b"K:%d" % i for i in range(5)], 30), _values_of(
+                receiver, b"K"
+            )
             assert wait_until(lambda: b"P:1" in _values_of(receiver, b"P"), 30)
             assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30)
             # It keeps going: rows committed afterwards are published too.
@@ -104,8 +112,10 @@ def test_a_row_kafka_never_accepts_is_quarantined_and_the_rows_behind_it_flow(
             assert wait_until(lambda: _values_of(receiver, b"K")[-2:] == [b"K:5", b"K:6"], 30)
             assert h.publisher.dead_rows == 2
         with psycopg.connect(pg_dsn) as c:
-            dead = c.execute(f'SELECT id, key, length(value), reason, failed_at IS NOT NULL, leader_id IS NOT NULL '
-                             f'FROM "{schema}".outbox_dead ORDER BY id').fetchall()
+            dead = c.execute(
+                f"SELECT id, key, length(value), reason, failed_at IS NOT NULL, leader_id IS NOT NULL "
+                f'FROM "{schema}".outbox_dead ORDER BY id'
+            ).fetchall()
         assert [(d[0], bytes(d[1]), d[2]) for d in dead] == [(big, b"K", 2_000_000), (nopart, b"P", 3)]
         assert dead[0][3].startswith("MSG_SIZE_TOO_LARGE") and dead[1][3].startswith("_UNKNOWN_PARTITION"), dead
         assert all(d[4] and d[5] for d in dead)

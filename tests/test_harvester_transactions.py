@@ -3,6 +3,7 @@
 The receiver reads with librdkafka's default isolation.level=read_committed, as a consumer of a
 transactional outbox should.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,14 +16,14 @@ from types import SimpleNamespace
 import psycopg
 import pytest
 from confluent_kafka import KafkaError, KafkaException
-
 from support.faults import FaultPlan
-from harvester.metrics import get as get_metrics
-from harvester.transactional import TransactionalStrategy
-from harvester.publish import Publisher, producer_config
-from harvester.store import OutboxStore, make_pool
 from support.harness import insert_rows, outbox_count, wait_until
 from test_harvester_pipeline import PARTITIONS, _publish_all_in_order, setup  # noqa: F401 (fixture)
+
+from harvester.metrics import get as get_metrics
+from harvester.publish import Publisher, producer_config
+from harvester.store import OutboxStore, make_pool
+from harvester.transactional import TransactionalStrategy
 
 
 def _txn_id() -> str:
@@ -35,8 +36,7 @@ def test_transactional_publishing_keeps_order_and_loses_nothing_under_faults(set
     aborted = m.txn_aborted._value.get()
     # One failed record aborts its whole transaction (a mark batch): rates low enough for most to commit.
     faults = FaultPlan(delivery_error_rate=0.002, produce_error_rate=0.001, seed=11)
-    h = _publish_all_in_order(pg_dsn, schema, topic, receiver, make(mark_batch=100, transactional_id=_txn_id()),
-                              faults)
+    h = _publish_all_in_order(pg_dsn, schema, topic, receiver, make(mark_batch=100, transactional_id=_txn_id()), faults)
     assert h.publisher.txn_committed > 0
     assert m.txn_aborted._value.get() > aborted  # failed records aborted their transaction; all came again
 
@@ -89,8 +89,15 @@ def _paused_leader(pg_dsn, kafka_bootstrap, schema, topic, values, keys, txn_id=
 
 def _read_all(kafka_bootstrap, topic, expect_at_least, timeout=30.0):
     from confluent_kafka import Consumer
-    c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"t-{uuid.uuid4().hex[:8]}",
-                  "auto.offset.reset": "earliest", "enable.auto.commit": False})  # read_committed by default
+
+    c = Consumer(
+        {
+            "bootstrap.servers": kafka_bootstrap,
+            "group.id": f"t-{uuid.uuid4().hex[:8]}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+        }
+    )  # read_committed by default
     c.subscribe([topic])
     seen, deadline, quiet_until = [], time.monotonic() + timeout, None
     try:
@@ -118,8 +125,16 @@ def test_a_new_leader_fences_the_old_leaders_producer_at_the_broker(pg_dsn, kafk
     b = None
     try:
         # A opens its transaction and writes 150 of its 200 rows, then is "paused" before it can commit.
-        with _paused_leader(pg_dsn, kafka_bootstrap, schema, topic, [b"row-%d" % i for i in range(200)], keys=5,
-                            txn_id=txn_id, write=150) as a_leader:
+        with _paused_leader(
+            pg_dsn,
+            kafka_bootstrap,
+            schema,
+            topic,
+            [b"row-%d" % i for i in range(200)],
+            keys=5,
+            txn_id=txn_id,
+            write=150,
+        ) as a_leader:
             a, store, rows, me_a, seq = a_leader.pub, a_leader.store, a_leader.rows, a_leader.me, a_leader.seq
             assert wait_until(lambda: len(a.producer) == 0, 30)  # written to the log, inside A's open transaction
             assert a.txn_committed == 0
@@ -143,25 +158,33 @@ def test_a_new_leader_fences_the_old_leaders_producer_at_the_broker(pg_dsn, kafk
                 a.producer.begin_transaction()
                 a.producer.produce(topic, value=b"late", key=b"k0")
                 a.producer.commit_transaction(10)
-            assert refused.value.args[0].code() in (KafkaError._FENCED, KafkaError._STATE, KafkaError._FATAL,
-                                                    KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH)
+            assert refused.value.args[0].code() in (
+                KafkaError._FENCED,
+                KafkaError._STATE,
+                KafkaError._FATAL,
+                KafkaError.PRODUCER_FENCED,
+                KafkaError.INVALID_PRODUCER_EPOCH,
+            )
             assert a_leader.failures, "the fenced leader did not raise a remark"
             values = _read_all(kafka_bootstrap, topic, expect_at_least=200)
-            assert sorted(values) == sorted(b"row-%d" % i for i in range(200)), \
+            assert sorted(values) == sorted(b"row-%d" % i for i in range(200)), (
                 f"{len(values)} records visible, {len(set(values))} distinct: the old leader's writes leaked"
+            )
     finally:
         if b is not None:
             b.close()
 
 
 def test_a_record_the_broker_refuses_aborts_its_transaction_and_publishing_resumes_once_fixed(
-        pg_dsn, kafka_bootstrap, schema, topics):
+    pg_dsn, kafka_bootstrap, schema, topics
+):
     """A broker-side refusal puts librdkafka's transaction in an abortable state in which every
     later produce() fails too: the reaper must abort it, not keep producing into it, so that once
     the operator fixes the cause the next transaction goes through."""
     from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
-    from harvester.units import Harvester
     from support.harness import make_config
+
+    from harvester.units import Harvester
 
     topic = topics("data", partitions=2, config={"max.message.bytes": "2000"})
     leader = topics("leader", partitions=1)
@@ -170,23 +193,33 @@ def test_a_record_the_broker_refuses_aborts_its_transaction_and_publishing_resum
         insert_rows(conn, schema, topic, [(b"k", b"small-%d" % i) for i in range(50)])
         insert_rows(conn, schema, topic, [(b"k", big)])  # refused by the broker, not by the client
         # Enough behind it that the refusal arrives while the batch is still being produced.
-        conn.execute(f'INSERT INTO "{schema}".outbox (topic, key, value) SELECT %s, %s, '
-                     "convert_to('after-' || g, 'UTF8') FROM generate_series(0, 19999) g", [topic, b"k"])
+        conn.execute(
+            f'INSERT INTO "{schema}".outbox (topic, key, value) SELECT %s, %s, '
+            "convert_to('after-' || g, 'UTF8') FROM generate_series(0, 19999) g",
+            [topic, b"k"],
+        )
         conn.commit()
     m = get_metrics()
     aborted = m.txn_aborted._value.get()
-    h = Harvester(make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader,
-                              harvester={"transactional_id": _txn_id()})).start()
+    h = Harvester(
+        make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader, harvester={"transactional_id": _txn_id()})
+    ).start()
     try:
         assert wait_until(lambda: m.txn_aborted._value.get() > aborted, 60), "no transaction was aborted"
         assert outbox_count(pg_dsn, schema) >= 20_001  # nothing from the refused record on was purged
         admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-        res = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[
-            ConfigEntry("max.message.bytes", "100000", incremental_operation=AlterConfigOpType.SET)])
+        res = ConfigResource(
+            ConfigResource.Type.TOPIC,
+            topic,
+            incremental_configs=[
+                ConfigEntry("max.message.bytes", "100000", incremental_operation=AlterConfigOpType.SET)
+            ],
+        )
         for f in admin.incremental_alter_configs([res]).values():
             f.result(30)
-        assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 60), \
+        assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 60), (
             f"{outbox_count(pg_dsn, schema)} rows left after the topic was fixed"
+        )
         assert h.publisher.txn_committed > 0
     finally:
         h.stop(10)
@@ -196,7 +229,8 @@ def test_a_record_the_broker_refuses_aborts_its_transaction_and_publishing_resum
 
 
 def test_a_transaction_not_committed_within_the_leadership_is_aborted_and_its_rows_come_again(
-        pg_dsn, kafka_bootstrap, schema, topics):
+    pg_dsn, kafka_bootstrap, schema, topics
+):
     topic = topics("data", partitions=PARTITIONS)
     with _paused_leader(pg_dsn, kafka_bootstrap, schema, topic, [b"row-%d" % i for i in range(100)], keys=3) as led:
         pub, store = led.pub, led.store
@@ -204,7 +238,7 @@ def test_a_transaction_not_committed_within_the_leadership_is_aborted_and_its_ro
         assert (pub.txn_committed, pub.txn_aborted) == (0, 1)
         assert led.failures, "no remark was raised for the aborted transaction"
         assert wait_until(lambda: pub.in_flight == 0, 10), pub.in_flight  # every record settled once
-        assert outbox_count(pg_dsn, schema) == 100                          # and none purged
+        assert outbox_count(pg_dsn, schema) == 100  # and none purged
 
         # The remark: a new id marks the same rows and publishes them in a new transaction.
         me2 = uuid.uuid4()
@@ -213,8 +247,10 @@ def test_a_transaction_not_committed_within_the_leadership_is_aborted_and_its_ro
         pub.reserve(len(rows2))
         assert pub.produce_rows(rows2, me2, lambda: True, lambda: time.monotonic() + 60) == 100
         assert pub.txn_aborted == 1 and pub.txn_committed == 1
-        assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0 and pub.in_flight == 0, 30), \
-            (outbox_count(pg_dsn, schema), pub.in_flight)
+        assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0 and pub.in_flight == 0, 30), (
+            outbox_count(pg_dsn, schema),
+            pub.in_flight,
+        )
         values = _read_all(kafka_bootstrap, topic, expect_at_least=100)
         assert sorted(values) == sorted(b"row-%d" % i for i in range(100))  # the aborted copies stay invisible
 
@@ -223,8 +259,9 @@ def test_an_abort_at_the_deadline_does_not_hold_the_throttle(pg_dsn, kafka_boots
     """The harvester with max_in_flight = mark_batch: had the transaction that missed its deadline
     stayed open, its rows would fill the throttle and no further mark (so no further transaction)
     could ever settle it."""
-    from harvester.units import Harvester
     from support.harness import make_config
+
+    from harvester.units import Harvester
 
     topic, leader = topics("data", partitions=2), topics("leader", partitions=1)
     with psycopg.connect(pg_dsn) as conn:
@@ -238,11 +275,21 @@ def test_an_abort_at_the_deadline_does_not_hold_the_throttle(pg_dsn, kafka_boots
         return finish(self, producer, valid_until)
 
     monkeypatch.setattr(TransactionalStrategy, "finish", first_misses_its_deadline)
-    h = Harvester(make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader, harvester={
-        "transactional_id": _txn_id(), "max_in_flight": 100, "mark_batch": 100})).start()
+    h = Harvester(
+        make_config(
+            pg_dsn,
+            schema,
+            kafka_bootstrap,
+            leader_topic=leader,
+            harvester={"transactional_id": _txn_id(), "max_in_flight": 100, "mark_batch": 100},
+        )
+    ).start()
     try:
-        assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30), \
-            (outbox_count(pg_dsn, schema), h.publisher.in_flight, h.publisher.txn_aborted)
+        assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30), (
+            outbox_count(pg_dsn, schema),
+            h.publisher.in_flight,
+            h.publisher.txn_aborted,
+        )
         assert missed and h.publisher.txn_aborted >= 1 and h.publisher.txn_committed >= 3
     finally:
         h.stop(5)

@@ -1,4 +1,5 @@
 """Harvest units: lanes and several outboxes, leaders spread by Kafka, one unit's stall holds no other."""
+
 from __future__ import annotations
 
 import collections
@@ -7,13 +8,13 @@ import uuid
 
 import psycopg
 import pytest
+from support.harness import Receiver, insert_rows, make_config, order_violations, outbox_count, wait_until
 
 from harvester import config as config_mod
 from harvester.metrics import get as get_metrics
 from harvester.neli import LeaderTopicMismatch
 from harvester.store import lane_of
 from harvester.units import Harvester
-from support.harness import Receiver, insert_rows, make_config, order_violations, outbox_count, wait_until
 from tracker import schema as schema_mod
 
 
@@ -35,6 +36,7 @@ def _rows(n: int, keys: int, tag: bytes = b"") -> list[tuple[bytes, bytes]]:
 def test_lane_of_agrees_with_the_mark_query(pg_dsn, schema, topics, lanes):
     """Every row is marked by exactly the lane lane_of(key) names (null keys: lane 0)."""
     from harvester.store import OutboxStore, make_pool
+
     topic = topics("data", partitions=1)
     keys = [None, b"", b"k", b"\x00\xff"] + [b"key-%d" % i for i in range(60)]
     with psycopg.connect(pg_dsn) as conn:
@@ -62,14 +64,16 @@ def test_two_lanes_spread_over_two_reapers_keep_order_and_lose_nothing(pg_dsn, k
         assert wait_until(lambda: a.leading_units() == ["default.0", "default.1"], 30), a.leading_units()
         b = Harvester(cfg).start()
         # cooperative-sticky moves one unit to the newcomer: one unit each
-        assert wait_until(lambda: len(a.leading_units()) == 1 and len(b.leading_units()) == 1, 30), \
-            (a.leading_units(), b.leading_units())
+        assert wait_until(lambda: len(a.leading_units()) == 1 and len(b.leading_units()) == 1, 30), (
+            a.leading_units(),
+            b.leading_units(),
+        )
         assert set(a.leading_units()) | set(b.leading_units()) == {"default.0", "default.1"}
         before = {u: _unit_published(u) for u in ("default.0", "default.1")}
         rows = _rows(3000, keys=40)
         with psycopg.connect(pg_dsn) as conn:
             for i in range(0, len(rows), 100):
-                insert_rows(conn, schema, topic, rows[i:i + 100])
+                insert_rows(conn, schema, topic, rows[i : i + 100])
         assert receiver.wait_for(set(rows), 60)
         assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30)
         time.sleep(0.5)
@@ -91,8 +95,13 @@ def test_a_stalled_outbox_holds_up_no_other_unit(pg_dsn, kafka_bootstrap, schema
     other = f"t_{uuid.uuid4().hex[:12]}"
     schema_mod.migrate(pg_dsn, other)
     topic, leader = topics("data", partitions=1), topics("leader", partitions=2)
-    cfg = make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader, harvester={
-        "outboxes": [{"name": "stuck", "schema": other}, {"name": "free", "schema": schema}]})
+    cfg = make_config(
+        pg_dsn,
+        schema,
+        kafka_bootstrap,
+        leader_topic=leader,
+        harvester={"outboxes": [{"name": "stuck", "schema": other}, {"name": "free", "schema": schema}]},
+    )
     receiver = Receiver(kafka_bootstrap, topic, 1)
     h = Harvester(cfg).start()
     locker = psycopg.connect(pg_dsn)
@@ -139,14 +148,20 @@ def test_units_configuration_is_validated_naming_the_key():
     assert [u.name for u in config_mod.units(load(lanes=3))] == ["default.0", "default.1", "default.2"]
     cfg = load(outboxes=[{"name": "a", "schema": "s1", "lanes": 2}, {"name": "b", "table": "outbox2"}])
     assert [(u.index, u.name, u.schema, u.table, u.lane, u.lanes) for u in config_mod.units(cfg)] == [
-        (0, "a.0", "s1", "outbox", 0, 2), (1, "a.1", "s1", "outbox", 1, 2), (2, "b", "reaper", "outbox2", 0, 1)]
-    for bad, key in [({"lanes": 0}, "harvester.lanes"), ({"lanes": 65}, "harvester.lanes"),
-                     ({"outboxes": [{"name": "a"}, {"name": "a"}]}, "harvester.outboxes[1].name"),
-                     ({"outboxes": [{"name": "a", "schema": 'x"; drop'}]}, "harvester.outboxes[0].schema"),
-                     ({"outboxes": [{"name": "a", "lanes": "2"}]}, "harvester.outboxes[0].lanes"),
-                     ({"outboxes": [{"nme": "a"}]}, "harvester.outboxes[0].nme"),
-                     ({"outboxes": ["a"]}, "harvester.outboxes[0]"),
-                     ({"outboxes": [{"name": "a"}], "lanes": 2}, "harvester.lanes")]:
+        (0, "a.0", "s1", "outbox", 0, 2),
+        (1, "a.1", "s1", "outbox", 1, 2),
+        (2, "b", "reaper", "outbox2", 0, 1),
+    ]
+    for bad, key in [
+        ({"lanes": 0}, "harvester.lanes"),
+        ({"lanes": 65}, "harvester.lanes"),
+        ({"outboxes": [{"name": "a"}, {"name": "a"}]}, "harvester.outboxes[1].name"),
+        ({"outboxes": [{"name": "a", "schema": 'x"; drop'}]}, "harvester.outboxes[0].schema"),
+        ({"outboxes": [{"name": "a", "lanes": "2"}]}, "harvester.outboxes[0].lanes"),
+        ({"outboxes": [{"nme": "a"}]}, "harvester.outboxes[0].nme"),
+        ({"outboxes": ["a"]}, "harvester.outboxes[0]"),
+        ({"outboxes": [{"name": "a"}], "lanes": 2}, "harvester.lanes"),
+    ]:
         with pytest.raises(config_mod.ConfigError) as err:
             load(**bad)
         assert err.value.key == key, (bad, err.value)

@@ -1,12 +1,12 @@
 """Harvest units under faults, with reaper subprocesses: SIGKILL and SIGSTOP of a reaper leading some
 units, units moving between reapers, and the lane count changed live (drain, then switch)."""
+
 from __future__ import annotations
 
 import signal
 import time
 
 import pytest
-
 from support.harness import Generator, Receiver, env_for, make_config, order_violations, wait_until
 from support.reaper import ReaperProcess
 
@@ -24,8 +24,9 @@ def units_led(p: ReaperProcess) -> set[int]:
 
 
 def _check(receiver: Receiver, gen: Generator, timeout: float = 120) -> None:
-    assert receiver.wait_for(gen.committed, timeout), \
+    assert receiver.wait_for(gen.committed, timeout), (
         f"lost {len(gen.committed - receiver.unique())} of {len(gen.committed)} committed records"
+    )
     time.sleep(0.5)
     assert order_violations([(k, v) for k, v, _ in receiver.records]) == []
     assert receiver.unique() <= gen.committed | gen.ambiguous
@@ -44,8 +45,9 @@ def _stop_all(procs: list[ReaperProcess]) -> None:
 
 
 def _env(pg_dsn, schema, bootstrap, leader, lanes):
-    cfg = make_config(pg_dsn, schema, bootstrap, leader_topic=leader,
-                      harvester={"mark_batch": 500, "max_in_flight": 2000})
+    cfg = make_config(
+        pg_dsn, schema, bootstrap, leader_topic=leader, harvester={"mark_batch": 500, "max_in_flight": 2000}
+    )
     return {**env_for(cfg), "REAPER_HARVESTER__LANES": str(lanes)}
 
 
@@ -62,22 +64,24 @@ def test_sigkill_and_sigstop_of_reapers_leading_some_units(pg_dsn, kafka_bootstr
         b = ReaperProcess(env, tmp_path / "b.log")
         procs.append(b)
         # a unit moves to the newcomer (cooperative-sticky spreads them) while rows flow
-        assert wait_until(lambda: units_led(b) and len(units_led(a)) + len(units_led(b)) == 3, 60), \
-            (units_led(a), units_led(b))
+        assert wait_until(lambda: units_led(b) and len(units_led(a)) + len(units_led(b)) == 3, 60), (
+            units_led(a),
+            units_led(b),
+        )
         c = ReaperProcess(env, tmp_path / "c.log")
         procs.append(c)
         assert wait_until(lambda: units_led(c), 60), "the third reaper got no unit"
         time.sleep(1)
         killed = units_led(a)
         assert killed, "a leads nothing any more"
-        a.signal(signal.SIGKILL)   # its units move to b and c after the session timeout
+        a.signal(signal.SIGKILL)  # its units move to b and c after the session timeout
         assert wait_until(lambda: units_led(b) | units_led(c) == {0, 1, 2}, 30), (units_led(b), units_led(c))
         time.sleep(1)
         stopped = units_led(b)
-        b.signal(signal.SIGSTOP)   # longer than the session: c takes b's units over
+        b.signal(signal.SIGSTOP)  # longer than the session: c takes b's units over
         assert wait_until(lambda: units_led(c) == {0, 1, 2}, 30), units_led(c)
         time.sleep(1)
-        b.signal(signal.SIGCONT)   # b finds itself fenced and revoked, and may get units again
+        b.signal(signal.SIGCONT)  # b finds itself fenced and revoked, and may get units again
         time.sleep(4)
         gen.stop()
         _check(receiver, gen)
@@ -106,8 +110,10 @@ def test_lanes_changed_live_by_draining_then_switching(pg_dsn, kafka_bootstrap, 
         # Drain: the old generation stops (SIGTERM settles what is in flight) ...
         assert old.terminate(60) == 0
         # ... then switch: the new generation, on its own leader topic, marks from the head.
-        new = [ReaperProcess(_env(pg_dsn, schema, kafka_bootstrap, two, lanes=2), tmp_path / f"new{i}.log")
-               for i in range(2)]
+        new = [
+            ReaperProcess(_env(pg_dsn, schema, kafka_bootstrap, two, lanes=2), tmp_path / f"new{i}.log")
+            for i in range(2)
+        ]
         procs += new
         assert wait_until(lambda: units_led(new[0]) | units_led(new[1]) == {0, 1}, 60)
         time.sleep(3)

@@ -1,4 +1,5 @@
 """The HTTP API through a real uvicorn server and a real HTTP client (httpx), on real Postgres."""
+
 from __future__ import annotations
 
 import json
@@ -8,10 +9,10 @@ import httpx
 import psycopg
 import pytest
 from psycopg import sql
+from support.http_server import OTHER_TOKEN, TOKEN, RunningServer, http_config
 
 import tracker
 from harvester.http import openapi
-from support.http_server import OTHER_TOKEN, TOKEN, RunningServer, http_config
 
 
 @pytest.fixture(params=["tracker"])
@@ -58,8 +59,9 @@ def test_fan_out_walkthrough_and_exactly_one_completion_event(client, pg_dsn, sc
     done = client.get(f"/v1/batches/{b}/completion", params={"wait": 0}).json()
     assert done["complete"] is True and done["pending"] == 0 and done["completed_at"]
     with psycopg.connect(pg_dsn) as conn:
-        events = conn.execute(sql.SQL("SELECT value FROM {} WHERE topic = 'http-done'").format(
-            sql.Identifier(schema, "outbox"))).fetchall()
+        events = conn.execute(
+            sql.SQL("SELECT value FROM {} WHERE topic = 'http-done'").format(sql.Identifier(schema, "outbox"))
+        ).fetchall()
     assert len(events) == 1 and json.loads(events[0][0])["user_key"] == "catalog-7"
 
 
@@ -104,11 +106,18 @@ def test_a_second_token_works_and_is_logged_by_its_id_only(server):
 def test_checked_in_openapi_document_equals_the_served_one(server):
     served = httpx.get(server.url + "/v1/openapi.json").json()  # no token needed for the document
     assert openapi.render(served) == openapi.CHECKED_IN.read_text(), (
-        "harvester/http/openapi.json is stale: run .venv/bin/python -m harvester.http.openapi > harvester/http/openapi.json")
-    assert set(served["paths"]) == {"/v1/batches", "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/items",
-                                    "/v1/batches/{batch_id}/close", "/v1/batches/{batch_id}/completion",
-                                    "/v1/batches/{batch_id}/events", "/v1/acks",
-                                    "/v1/acks/{item_id}"}
+        "harvester/http/openapi.json is stale: run .venv/bin/python -m harvester.http.openapi > harvester/http/openapi.json"
+    )
+    assert set(served["paths"]) == {
+        "/v1/batches",
+        "/v1/batches/{batch_id}",
+        "/v1/batches/{batch_id}/items",
+        "/v1/batches/{batch_id}/close",
+        "/v1/batches/{batch_id}/completion",
+        "/v1/batches/{batch_id}/events",
+        "/v1/acks",
+        "/v1/acks/{item_id}",
+    }
     ack = served["paths"]["/v1/acks"]["post"]["responses"]
     assert {"200", "400", "401", "413", "422", "429"} <= set(ack)
     assert "application/problem+json" in ack["400"]["content"]
@@ -125,7 +134,7 @@ def test_health_readiness_and_metrics_by_route(client, server):
     assert 'reaper_http_requests_total{method="GET",route="/v1/batches/{batch_id}",status="404"}' in text
     assert 'reaper_http_errors_total{problem="unknown-batch",route="/v1/batches/{batch_id}"}' in text
     assert 'reaper_http_request_duration_seconds_bucket{le="0.005",method="POST",route="/v1/batches"}' in text
-    assert f"/v1/batches/{b}\"" not in text  # raw paths never become labels
+    assert f'/v1/batches/{b}"' not in text  # raw paths never become labels
 
 
 @pytest.mark.parametrize("backend", ["tracker", "sql"])
@@ -134,8 +143,10 @@ def test_through_pgbouncer_in_transaction_mode(pgbouncer_dsn, pgbouncer_schema, 
     PgBouncer carries prepared statements itself, so this does not prove the server's pooler
     detection, which matters for PgBouncer < 1.21.)"""
     cfg = http_config(pgbouncer_dsn, pgbouncer_schema, backend=backend, pool_size=3)
-    with RunningServer(cfg, [TOKEN]) as s, \
-            httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as c:
+    with (
+        RunningServer(cfg, [TOKEN]) as s,
+        httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as c,
+    ):
         for _ in range(12):
             b = c.post("/v1/batches", json={}).json()["batch_id"]
             groups = c.post(f"/v1/batches/{b}/items", json={"count": 2}).json()["groups"]

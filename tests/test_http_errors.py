@@ -1,6 +1,7 @@
 """Every error path of the HTTP API, through a real server and client: the status, the RFC 9457
 problem document (naming the bad field or id, no stack trace) and that nothing changed in the
 database."""
+
 from __future__ import annotations
 
 import socket
@@ -9,7 +10,6 @@ import httpx
 import psycopg
 import pytest
 from psycopg import sql
-
 from support.http_server import TOKEN, RunningServer, http_config
 
 PROBLEM = "application/problem+json"
@@ -19,16 +19,22 @@ LIMITS = dict(max_body_bytes=20000, max_ids_per_request=50, max_items_per_add=10
 def snapshot(dsn: str, schema: str) -> tuple:
     """Every row the tracker owns, every column (timestamps included: a touch would show)."""
     with psycopg.connect(dsn) as conn:
-        return tuple(conn.execute(sql.SQL("SELECT to_jsonb(t)::text FROM {} t ORDER BY 1").format(
-            sql.Identifier(schema, table))).fetchall() for table in ("batch", "batch_group", "outbox"))
+        return tuple(
+            conn.execute(
+                sql.SQL("SELECT to_jsonb(t)::text FROM {} t ORDER BY 1").format(sql.Identifier(schema, table))
+            ).fetchall()
+            for table in ("batch", "batch_group", "outbox")
+        )
 
 
 @pytest.fixture(params=["tracker"])
 def world(request, pg_dsn, schema):
     """A server with small limits; batch A open (10 items in group 0), batch C closed (3 items),
     batch E expired (2 items). Parametrised by backend where a test asks for both."""
-    with RunningServer(http_config(pg_dsn, schema, backend=request.param, **LIMITS), [TOKEN]) as s, \
-            httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
+    with (
+        RunningServer(http_config(pg_dsn, schema, backend=request.param, **LIMITS), [TOKEN]) as s,
+        httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as c,
+    ):
         ids = {}
         for name, n in (("A", 10), ("C", 3), ("E", 2)):
             b = c.post("/v1/batches", json={"user_key": name}).json()["batch_id"]
@@ -36,8 +42,12 @@ def world(request, pg_dsn, schema):
             ids[name] = b
         c.post(f"/v1/batches/{ids['C']}/close")
         with psycopg.connect(pg_dsn) as conn:
-            conn.execute(sql.SQL("UPDATE {} SET state = 'expired', expired_at = now() WHERE id = %s").format(
-                sql.Identifier(schema, "batch")), [ids["E"]])
+            conn.execute(
+                sql.SQL("UPDATE {} SET state = 'expired', expired_at = now() WHERE id = %s").format(
+                    sql.Identifier(schema, "batch")
+                ),
+                [ids["E"]],
+            )
         ids["unknown"] = max(ids.values()) + 1000
         yield s, c, ids, lambda: snapshot(pg_dsn, schema)
 
@@ -51,7 +61,7 @@ def check(r: httpx.Response, status: int, slug: str, **named: object) -> dict:
     assert doc["instance"] == r.request.url.path
     for key, value in named.items():
         assert doc.get(key) == value, (key, doc)
-    assert "Traceback" not in r.text and "File \"" not in r.text
+    assert "Traceback" not in r.text and 'File "' not in r.text
     return doc
 
 
@@ -104,12 +114,20 @@ def test_unknown_batch_group_and_index_in_an_ack_change_nothing(world):
     _, c, ids, state = world
     before = state()
     a, u = ids["A"], ids["unknown"]
-    check(c.post("/v1/acks", json={"ids": [f"{a}:0:1", f"{u}:0:4"]}), 422, "unknown-batch-in-body",
-          batch_id=u, item_id=f"{u}:0:4", field="ids")
-    check(c.post("/v1/acks", json={"ids": [f"{a}:0:1", f"{a}:3:2"]}), 422, "unknown-group",
-          item_id=f"{a}:3:2", group_id=3)
-    check(c.post("/v1/acks", json={"ids": [f"{a}:0:1", f"{a}:0:5-10"]}), 422, "index-out-of-range",
-          item_id=f"{a}:0:5-10")  # a run is named as written
+    check(
+        c.post("/v1/acks", json={"ids": [f"{a}:0:1", f"{u}:0:4"]}),
+        422,
+        "unknown-batch-in-body",
+        batch_id=u,
+        item_id=f"{u}:0:4",
+        field="ids",
+    )
+    check(
+        c.post("/v1/acks", json={"ids": [f"{a}:0:1", f"{a}:3:2"]}), 422, "unknown-group", item_id=f"{a}:3:2", group_id=3
+    )
+    check(
+        c.post("/v1/acks", json={"ids": [f"{a}:0:1", f"{a}:0:5-10"]}), 422, "index-out-of-range", item_id=f"{a}:0:5-10"
+    )  # a run is named as written
     check(c.post("/v1/acks", json={"ids": [f"{a}:0:8192"]}), 422, "index-out-of-range", item_id=f"{a}:0:8192")
     assert state() == before  # the valid '<a>:0:1' of each call was not applied either
 
@@ -118,13 +136,28 @@ def test_unknown_batch_group_and_index_in_an_ack_change_nothing(world):
 def test_add_after_close_and_after_expiry(world):
     _, c, ids, state = world
     before = state()
-    check(c.post(f"/v1/batches/{ids['C']}/items", json={"count": 1}), 409, "batch-not-open",
-          batch_id=ids["C"], state="closed")
-    check(c.post(f"/v1/batches/{ids['E']}/items", json={"count": 1}), 409, "batch-not-open",
-          batch_id=ids["E"], state="expired")
+    check(
+        c.post(f"/v1/batches/{ids['C']}/items", json={"count": 1}),
+        409,
+        "batch-not-open",
+        batch_id=ids["C"],
+        state="closed",
+    )
+    check(
+        c.post(f"/v1/batches/{ids['E']}/items", json={"count": 1}),
+        409,
+        "batch-not-open",
+        batch_id=ids["E"],
+        state="expired",
+    )
     check(c.post(f"/v1/batches/{ids['E']}/close"), 410, "batch-expired", batch_id=ids["E"])
-    check(c.post("/v1/acks", json={"ids": [f"{ids['E']}:0:0"]}), 410, "batch-expired",
-          batch_id=ids["E"], item_id=f"{ids['E']}:0:0")
+    check(
+        c.post("/v1/acks", json={"ids": [f"{ids['E']}:0:0"]}),
+        410,
+        "batch-expired",
+        batch_id=ids["E"],
+        item_id=f"{ids['E']}:0:0",
+    )
     assert state() == before
 
 
@@ -140,26 +173,35 @@ def test_oversized_bodies(world):
 
     r = c.post("/v1/acks", content=chunks(), headers={"content-type": "application/json"})
     check(r, 413, "payload-too-large")
-    check(c.post("/v1/acks", json={"ids": [f"{ids['A']}:0:1"] * 51}), 413, "payload-too-large", field="body.ids",
-          limit=50)
-    check(c.post(f"/v1/batches/{ids['A']}/items", json={"count": 100001}), 400, "invalid-request", field="body.count",
-          limit=100000)
+    check(
+        c.post("/v1/acks", json={"ids": [f"{ids['A']}:0:1"] * 51}), 413, "payload-too-large", field="body.ids", limit=50
+    )
+    check(
+        c.post(f"/v1/batches/{ids['A']}/items", json={"count": 100001}),
+        400,
+        "invalid-request",
+        field="body.count",
+        limit=100000,
+    )
     assert state() == before
 
 
-@pytest.mark.parametrize("path, body, field", [
-    ("/v1/batches/{A}/items", {"count": "5"}, "body.count"),
-    ("/v1/batches/{A}/items", {"count": True}, "body.count"),
-    ("/v1/batches/{A}/items", {"count": -1}, "body.count"),
-    ("/v1/batches/{A}/items", {"count": 1, "extra": 2}, "body.extra"),
-    ("/v1/batches/{A}/items", {}, "body.count"),
-    ("/v1/batches/{A}/items", [1], "body"),
-    ("/v1/acks", {"ids": "1:0:1"}, "body.ids"),
-    ("/v1/acks", {"ids": [1]}, "body.ids.0"),
-    ("/v1/batches", {"user_key": 5}, "body.user_key"),
-    ("/v1/batches", {"completion_topic": "bad topic!"}, "body.completion_topic"),
-    ("/v1/batches", {"user_key": "nul\u0000"}, "body.user_key"),
-])
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("/v1/batches/{A}/items", {"count": "5"}, "body.count"),
+        ("/v1/batches/{A}/items", {"count": True}, "body.count"),
+        ("/v1/batches/{A}/items", {"count": -1}, "body.count"),
+        ("/v1/batches/{A}/items", {"count": 1, "extra": 2}, "body.extra"),
+        ("/v1/batches/{A}/items", {}, "body.count"),
+        ("/v1/batches/{A}/items", [1], "body"),
+        ("/v1/acks", {"ids": "1:0:1"}, "body.ids"),
+        ("/v1/acks", {"ids": [1]}, "body.ids.0"),
+        ("/v1/batches", {"user_key": 5}, "body.user_key"),
+        ("/v1/batches", {"completion_topic": "bad topic!"}, "body.completion_topic"),
+        ("/v1/batches", {"user_key": "nul\u0000"}, "body.user_key"),
+    ],
+)
 def test_invalid_bodies_name_the_field(world, path, body, field):
     _, c, ids, state = world
     before = state()
@@ -170,18 +212,31 @@ def test_invalid_bodies_name_the_field(world, path, body, field):
 def test_invalid_json_path_query_media_type_route_and_method(world):
     _, c, ids, state = world
     before = state()
-    check(c.post("/v1/acks", content=b"{", headers={"content-type": "application/json"}), 400, "invalid-request",
-          field="body")
+    check(
+        c.post("/v1/acks", content=b"{", headers={"content-type": "application/json"}),
+        400,
+        "invalid-request",
+        field="body",
+    )
     # a lone surrogate is valid JSON but not UTF-8 text: the tracker refuses it, naming the field
-    check(c.post("/v1/batches", content=b'{"user_key": "\\ud800"}', headers={"content-type": "application/json"}),
-          400, "invalid-request", field="body.user_key")
+    check(
+        c.post("/v1/batches", content=b'{"user_key": "\\ud800"}', headers={"content-type": "application/json"}),
+        400,
+        "invalid-request",
+        field="body.user_key",
+    )
     check(c.get("/v1/batches/abc"), 400, "invalid-request", field="path.batch_id")
     check(c.get("/v1/batches/99999999999999999999"), 400, "invalid-request", field="path.batch_id")
     check(c.get(f"/v1/batches/{ids['A']}/completion", params={"wait": 6}), 400, "invalid-request", field="query.wait")
-    check(c.get(f"/v1/batches/{ids['A']}/completion", params={"wait": "soon"}), 400, "invalid-request",
-          field="query.wait")
-    check(c.post("/v1/acks", content=b"ids=1", headers={"content-type": "application/x-www-form-urlencoded"}), 415,
-          "unsupported-media-type", field="Content-Type")
+    check(
+        c.get(f"/v1/batches/{ids['A']}/completion", params={"wait": "soon"}), 400, "invalid-request", field="query.wait"
+    )
+    check(
+        c.post("/v1/acks", content=b"ids=1", headers={"content-type": "application/x-www-form-urlencoded"}),
+        415,
+        "unsupported-media-type",
+        field="Content-Type",
+    )
     check(c.get("/v1/nothing-here"), 404, "not-found")
     check(c.delete(f"/v1/batches/{ids['A']}"), 405, "method-not-allowed")
     assert state() == before
@@ -206,8 +261,9 @@ def test_internal_error_is_a_bare_500_without_a_trace(world, pg_dsn, schema):
     _, c, ids, state = world
     with psycopg.connect(pg_dsn, autocommit=True) as conn:  # a real fault: a column and a function are gone
         conn.execute(sql.SQL("DROP FUNCTION {}.batch_status(bigint)").format(sql.Identifier(schema)))
-        conn.execute(sql.SQL("ALTER TABLE {} RENAME COLUMN user_key TO user_key_gone").format(
-            sql.Identifier(schema, "batch")))
+        conn.execute(
+            sql.SQL("ALTER TABLE {} RENAME COLUMN user_key TO user_key_gone").format(sql.Identifier(schema, "batch"))
+        )
     before = state()
     r = c.get(f"/v1/batches/{ids['A']}")
     doc = check(r, 500, "internal")

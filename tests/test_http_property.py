@@ -1,5 +1,6 @@
 """Hypothesis: the HTTP API and the Python API agree, call for call, on results, on errors (the
 problem type against the exception class, and the id or batch each names) and on the state left."""
+
 from __future__ import annotations
 
 import os
@@ -11,14 +12,26 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg import sql
-
-import tracker
-from tracker.errors import (BatchExpired, BatchNotOpen, IndexOutOfRange, MalformedItemId, TrackerError, UnknownBatch,
-                            UnknownGroup)
 from support.http_server import TOKEN, RunningServer, http_config
 
-SLUG = {MalformedItemId: "malformed-item-id", IndexOutOfRange: "index-out-of-range", UnknownGroup: "unknown-group",
-        BatchNotOpen: "batch-not-open", BatchExpired: "batch-expired"}
+import tracker
+from tracker.errors import (
+    BatchExpired,
+    BatchNotOpen,
+    IndexOutOfRange,
+    MalformedItemId,
+    TrackerError,
+    UnknownBatch,
+    UnknownGroup,
+)
+
+SLUG = {
+    MalformedItemId: "malformed-item-id",
+    IndexOutOfRange: "index-out-of-range",
+    UnknownGroup: "unknown-group",
+    BatchNotOpen: "batch-not-open",
+    BatchExpired: "batch-expired",
+}
 
 
 @pytest.fixture
@@ -26,8 +39,10 @@ def twins(pg_dsn):
     names = [f"t_{uuid.uuid4().hex[:12]}" for _ in range(2)]
     for name in names:
         tracker.schema.migrate(pg_dsn, name)
-    with RunningServer(http_config(pg_dsn, names[0], rate_limit=0), [TOKEN]) as s, \
-            httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as c:
+    with (
+        RunningServer(http_config(pg_dsn, names[0], rate_limit=0), [TOKEN]) as s,
+        httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as c,
+    ):
         yield c, names
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         for name in names:
@@ -78,30 +93,49 @@ def _python(conn: psycopg.Connection, t: tracker.Tracker, op: tuple) -> tuple:
 
 
 _ids = st.one_of(
-    st.builds(lambda b, g, i: f"{b}:{g}:{i}", st.integers(1, 3), st.integers(0, 2),
-              st.one_of(st.integers(0, 30), st.integers(8185, 8193))),
-    st.builds(lambda b, g, i, n: f"{b}:{g}:{i}-{i + n}", st.integers(1, 3), st.integers(0, 2), st.integers(0, 8191),
-              st.integers(-1, 200)),
+    st.builds(
+        lambda b, g, i: f"{b}:{g}:{i}",
+        st.integers(1, 3),
+        st.integers(0, 2),
+        st.one_of(st.integers(0, 30), st.integers(8185, 8193)),
+    ),
+    st.builds(
+        lambda b, g, i, n: f"{b}:{g}:{i}-{i + n}",
+        st.integers(1, 3),
+        st.integers(0, 2),
+        st.integers(0, 8191),
+        st.integers(-1, 200),
+    ),
     st.sampled_from(["x", "1:0", "1:0:1-", "1:0:0007", "1:0:99999", "1:a:1"]),
 )
-_ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 3), st.one_of(st.integers(0, 30), st.integers(8180, 9000))),
-    st.tuples(st.just("close"), st.integers(1, 3)),
-    st.tuples(st.just("ack"), st.lists(_ids, min_size=1, max_size=6)),
-    st.tuples(st.just("status"), st.integers(1, 3)),
-), min_size=1, max_size=10)
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 3), st.one_of(st.integers(0, 30), st.integers(8180, 9000))),
+        st.tuples(st.just("close"), st.integers(1, 3)),
+        st.tuples(st.just("ack"), st.lists(_ids, min_size=1, max_size=6)),
+        st.tuples(st.just("status"), st.integers(1, 3)),
+    ),
+    min_size=1,
+    max_size=10,
+)
 
 
-@settings(max_examples=int(os.environ.get("HTTP_PROPERTY_EXAMPLES", "25")), deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=int(os.environ.get("HTTP_PROPERTY_EXAMPLES", "25")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(ops=_ops)
 def test_http_agrees_with_the_python_api(pg_dsn, twins, ops):
     client, (http_schema, py_schema) = twins
     t = tracker.Tracker(schema=py_schema)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         for name in (http_schema, py_schema):
-            conn.execute(sql.SQL("TRUNCATE {}, {}, {} RESTART IDENTITY CASCADE").format(
-                sql.Identifier(name, "batch"), sql.Identifier(name, "batch_group"), sql.Identifier(name, "outbox")))
+            conn.execute(
+                sql.SQL("TRUNCATE {}, {}, {} RESTART IDENTITY CASCADE").format(
+                    sql.Identifier(name, "batch"), sql.Identifier(name, "batch_group"), sql.Identifier(name, "outbox")
+                )
+            )
         # batches 1 and 2 exist in both; 3 in neither
         assert [client.post("/v1/batches", json={}).json()["batch_id"] for _ in range(2)] == [1, 2]
         assert [t.open_batch(conn).id for _ in range(2)] == [1, 2]
@@ -110,6 +144,8 @@ def test_http_agrees_with_the_python_api(pg_dsn, twins, ops):
         state = "SELECT id, state, total, pending, next_group FROM {} ORDER BY id"
         groups = "SELECT batch_id, id, size, pending, bits::text FROM {} ORDER BY batch_id, id"
         for q, table in ((state, "batch"), (groups, "batch_group")):
-            rows = [conn.execute(sql.SQL(q).format(sql.Identifier(name, table))).fetchall()
-                    for name in (http_schema, py_schema)]
+            rows = [
+                conn.execute(sql.SQL(q).format(sql.Identifier(name, table))).fetchall()
+                for name in (http_schema, py_schema)
+            ]
             assert rows[0] == rows[1]

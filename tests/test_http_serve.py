@@ -1,5 +1,6 @@
 """`reaper serve` as a real process: refusing to start without tokens, TLS, JSON access logs, and a
 graceful shutdown on SIGTERM that answers an in-flight long-poll."""
+
 from __future__ import annotations
 
 import json
@@ -28,15 +29,26 @@ def _free_port() -> int:
 
 def _env(pg_dsn: str, schema: str, **http: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
-    env.update({"REAPER_DATABASE__DSN": pg_dsn, "REAPER_DATABASE__SCHEMA": schema, "REAPER_LOGGING__FORMAT": "json",
-                "PYTHONUNBUFFERED": "1"})
+    env.update(
+        {
+            "REAPER_DATABASE__DSN": pg_dsn,
+            "REAPER_DATABASE__SCHEMA": schema,
+            "REAPER_LOGGING__FORMAT": "json",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env.update({f"REAPER_HTTP__{k.upper()}": v for k, v in http.items()})
     return env
 
 
 def _serve(env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "harvester.cli", "serve"], cwd=REPO, env=env,
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "harvester.cli", "serve"],
+        cwd=REPO,
+        env=env,
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, log: Path, verify: object = True) -> None:
@@ -53,16 +65,25 @@ def _wait_ready(url: str, proc: subprocess.Popen, log: Path, verify: object = Tr
     pytest.fail(f"reaper serve did not become ready:\n{log.read_text()}")
 
 
-@pytest.mark.parametrize("http, message", [
-    ({}, "no bearer tokens configured"),
-    ({"local_mode": "true", "host": "0.0.0.0"}, "only on a loopback address"),
-    ({"tokens": "short"}, "at least 16 characters"),
-    ({"tokens_file": "/nonexistent/tokens"}, "cannot read /nonexistent/tokens"),
-    ({"tokens": TOKEN, "tls_certfile": "/x.pem"}, "set both http.tls_certfile and http.tls_keyfile"),
-])
+@pytest.mark.parametrize(
+    "http, message",
+    [
+        ({}, "no bearer tokens configured"),
+        ({"local_mode": "true", "host": "0.0.0.0"}, "only on a loopback address"),
+        ({"tokens": "short"}, "at least 16 characters"),
+        ({"tokens_file": "/nonexistent/tokens"}, "cannot read /nonexistent/tokens"),
+        ({"tokens": TOKEN, "tls_certfile": "/x.pem"}, "set both http.tls_certfile and http.tls_keyfile"),
+    ],
+)
 def test_refuses_to_start_without_valid_tokens(pg_dsn, schema, http, message):
-    r = subprocess.run([sys.executable, "-m", "harvester.cli", "serve"], cwd=REPO, env=_env(pg_dsn, schema, **http),
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "harvester.cli", "serve"],
+        cwd=REPO,
+        env=_env(pg_dsn, schema, **http),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     assert message in r.stderr
     assert "Traceback" not in r.stderr
@@ -118,7 +139,9 @@ def test_sigterm_answers_the_long_poll_and_exits_cleanly_with_access_logs(pg_dsn
     events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
     access = [e for e in events if e.get("event") == "http request"]
     assert {(e["method"], e["route"], e["status"]) for e in access} >= {
-        ("POST", "/v1/batches", 201), ("GET", "/v1/batches/{batch_id}/completion", 200)}
+        ("POST", "/v1/batches", 201),
+        ("GET", "/v1/batches/{batch_id}/completion", 200),
+    }
     assert all(e["token"] in (None, "local") or e["token"].startswith("tok-") for e in access)
     assert TOKEN not in log.read_text()
     assert any(e.get("event") == "http service stopped" for e in events)
@@ -126,16 +149,37 @@ def test_sigterm_answers_the_long_poll_and_exits_cleanly_with_access_logs(pg_dsn
 
 def test_tls(pg_dsn, schema, tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     port, log = _free_port(), tmp_path / "log"
     trust = ssl.create_default_context(cafile=str(cert))
     proc = _serve(_env(pg_dsn, schema, tokens=TOKEN, port=str(port), tls_certfile=str(cert), tls_keyfile=str(key)), log)
     try:
         _wait_ready(f"https://127.0.0.1:{port}", proc, log, verify=trust)
-        r = httpx.post(f"https://127.0.0.1:{port}/v1/batches", json={}, headers={"Authorization": f"Bearer {TOKEN}"},
-                       verify=trust)
+        r = httpx.post(
+            f"https://127.0.0.1:{port}/v1/batches", json={}, headers={"Authorization": f"Bearer {TOKEN}"}, verify=trust
+        )
         assert r.status_code == 201
         with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on the TLS port
             httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)

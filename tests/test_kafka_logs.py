@@ -1,5 +1,6 @@
 """Every Kafka client `reaper run` creates logs through structlog: stderr holds JSON lines only,
 never librdkafka's raw `%3|...|FAIL|...` lines glued between them."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,14 @@ def start(env: dict[str, str]) -> subprocess.Popen:
     full = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
     full.update({"REAPER_METRICS__ENABLED": "false", "REAPER_LOGGING__FORMAT": "json", "PYTHONUNBUFFERED": "1"})
     full.update(env)
-    return subprocess.Popen([sys.executable, "-m", "harvester.cli", "run"], cwd=REPO, env=full,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "harvester.cli", "run"],
+        cwd=REPO,
+        env=full,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def json_lines(stderr: str) -> list[dict]:
@@ -57,11 +64,15 @@ def test_every_kafka_client_of_a_running_reaper_logs_through_structlog(pg_dsn, s
     # every client log a CONFWARN line at creation, so each one is seen to log through structlog.
     cfg = make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=topics("leader"))
     ack_topic = topics("acks")
-    env = env_for(cfg) | {"REAPER_KAFKA__BOOTSTRAP_SERVERS": f"{kafka_bootstrap},127.0.0.1:{free_port()}",
-                          "REAPER_ACKER__TOPIC": ack_topic, "REAPER_ACKER__GROUP": f"g-{ack_topic}",
-                          "REAPER_ACKER__DEAD_LETTER_TOPIC": topics("dlq"), "REAPER_SWEEPER__INTERVAL": "0.5",
-                          "REAPER_KAFKA__CLIENT__FETCH_WAIT_MAX_MS": "100",
-                          "REAPER_KAFKA__CLIENT__QUEUE_BUFFERING_MAX_MS": "5"}
+    env = env_for(cfg) | {
+        "REAPER_KAFKA__BOOTSTRAP_SERVERS": f"{kafka_bootstrap},127.0.0.1:{free_port()}",
+        "REAPER_ACKER__TOPIC": ack_topic,
+        "REAPER_ACKER__GROUP": f"g-{ack_topic}",
+        "REAPER_ACKER__DEAD_LETTER_TOPIC": topics("dlq"),
+        "REAPER_SWEEPER__INTERVAL": "0.5",
+        "REAPER_KAFKA__CLIENT__FETCH_WAIT_MAX_MS": "100",
+        "REAPER_KAFKA__CLIENT__QUEUE_BUFFERING_MAX_MS": "5",
+    }
     proc = start(env)
     try:
         time.sleep(12)
@@ -71,7 +82,14 @@ def test_every_kafka_client_of_a_running_reaper_logs_through_structlog(pg_dsn, s
     assert proc.returncode == 0, err[-3000:]
     events = json_lines(err)
     clients = {e["client"] for e in events if e["event"] == "librdkafka"}
-    assert {"admin", "leader-admin", "leader-consumer", "heartbeat-producer", "producer", "acker-consumer",
-            "dead-letter-producer"} <= clients, clients
+    assert {
+        "admin",
+        "leader-admin",
+        "leader-consumer",
+        "heartbeat-producer",
+        "producer",
+        "acker-consumer",
+        "dead-letter-producer",
+    } <= clients, clients
     assert any(e["event"] == "acker started" for e in events)
     assert any("Connection refused" in e.get("message", "") for e in events), "no client tried the dead broker"

@@ -1,5 +1,6 @@
 """Through the real PgBouncer in transaction pooling mode (deploy/local/services.py): migrations,
 the harvester's store, and `reaper run` end to end (harvester + acker + sweeper)."""
+
 from __future__ import annotations
 
 import os
@@ -26,15 +27,24 @@ def _advisory_locks(pg_dsn: str, name: str) -> list[tuple]:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         return conn.execute(
             "SELECT pid, granted FROM pg_locks WHERE locktype = 'advisory' "
-            "AND ((classid::bigint << 32) | objid::bigint) = %s", [key]).fetchall()
+            "AND ((classid::bigint << 32) | objid::bigint) = %s",
+            [key],
+        ).fetchall()
 
 
 def _migrate_procs(dsns: list[str], name: str) -> list[tuple[int, str, str]]:
     procs = []
     for dsn in dsns:
         env = dict(os.environ, REAPER_DATABASE__DSN=dsn, REAPER_DATABASE__SCHEMA=name)
-        procs.append(subprocess.Popen([sys.executable, "-m", "harvester.cli", "migrate"], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "harvester.cli", "migrate"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     out = []
     for p in procs:
         try:
@@ -53,8 +63,9 @@ def test_concurrent_reaper_migrate_through_pgbouncer_and_direct(pg_dsn, pgbounce
         results = _migrate_procs([pgbouncer_dsn, pg_dsn, pgbouncer_dsn, pg_dsn, pgbouncer_dsn], name)
         assert [rc for rc, _, _ in results] == [0] * 5, results
         names = [m.name for m in schema_mod.migrations()]
-        applied = sorted(line.split()[1] for _, out, _ in results for line in out.splitlines()
-                         if line.startswith("applied "))
+        applied = sorted(
+            line.split()[1] for _, out, _ in results for line in out.splitlines() if line.startswith("applied ")
+        )
         assert applied == sorted(names), results  # each file applied by exactly one process
         with psycopg.connect(pg_dsn) as conn:
             rows = conn.execute(f'SELECT version FROM "{name}".schema_migrations ORDER BY 1').fetchall()
@@ -84,12 +95,13 @@ def test_migrate_through_pgbouncer_on_a_callers_connection_keeps_its_prepare_thr
 def test_migrate_through_pgbouncer_still_detects_drift(pg_dsn, pgbouncer_dsn, pgbouncer_schema):
     first = schema_mod.migrations()[0]
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f'UPDATE "{pgbouncer_schema}".schema_migrations SET checksum = %s WHERE version = %s',
-                     ["0" * 64, first.version])
+        conn.execute(
+            f'UPDATE "{pgbouncer_schema}".schema_migrations SET checksum = %s WHERE version = %s',
+            ["0" * 64, first.version],
+        )
     with pytest.raises(schema_mod.MigrationDrift, match=first.name):
         schema_mod.migrate(pgbouncer_dsn, pgbouncer_schema)
     assert _advisory_locks(pg_dsn, pgbouncer_schema) == []
-
 
 
 # ---------------------------------------------------------------- detecting the pooler
@@ -112,9 +124,9 @@ def test_behind_pooler_tells_pgbouncer_from_postgres_and_leaves_the_connection_i
 def test_pool_through_pgbouncer_runs_each_store_statement_many_times(pgbouncer_dsn, pgbouncer_schema):
     import contextlib
 
-    from harvester.store import OutboxStore, make_pool
-
     from support.harness import insert_rows
+
+    from harvester.store import OutboxStore, make_pool
 
     @contextlib.contextmanager
     def other_server(on: bool):
@@ -154,7 +166,8 @@ def test_pool_through_pgbouncer_runs_each_store_statement_many_times(pgbouncer_d
 
 
 def test_tracker_api_through_pgbouncer_commits_and_rolls_back_with_the_callers_transaction(
-        pg_dsn, pgbouncer_dsn, pgbouncer_schema):
+    pg_dsn, pgbouncer_dsn, pgbouncer_schema
+):
     """A smoke test of the API in the caller's (non-autocommit) transaction; the full connection-mode
     matrix runs through PgBouncer in the tracker's own tests."""
     import tracker
@@ -163,7 +176,7 @@ def test_tracker_api_through_pgbouncer_commits_and_rolls_back_with_the_callers_t
     schema = pgbouncer_schema
     _reconnect_servers(pgbouncer_dsn)
     with psycopg.connect(pgbouncer_dsn, prepare_threshold=None) as conn:
-        for r in range(7):  # past psycopg's default prepare threshold
+        for _ in range(7):  # past psycopg's default prepare threshold
             batch = tracker.open_batch(conn, schema=schema)
             handles = outbox.enqueue(conn, batch, [b"a", b"b", b"c"], topic="t", schema=schema)
             handles += tracker.add_items(conn, batch, 2, schema=schema)
@@ -195,10 +208,11 @@ def test_tracker_api_through_pgbouncer_with_a_sqlalchemy_session(pg_dsn, pgbounc
 
     schema = pgbouncer_schema
     # The README's SQLAlchemy line: prepare_threshold=None reaches psycopg through connect_args.
-    engine = create_engine(pgbouncer_dsn.replace("postgresql://", "postgresql+psycopg://"),
-                           connect_args={"prepare_threshold": None})
+    engine = create_engine(
+        pgbouncer_dsn.replace("postgresql://", "postgresql+psycopg://"), connect_args={"prepare_threshold": None}
+    )
     try:
-        for r in range(7):
+        for _ in range(7):
             with Session(engine) as session:
                 batch = tracker.open_batch(session, schema=schema)
                 handles = outbox.enqueue(session, batch, [b"a", b"b"], topic="t", schema=schema)
@@ -242,35 +256,45 @@ def _reconnect_servers(pgbouncer_dsn: str) -> None:
 
 
 def test_reaper_run_through_pgbouncer_publishes_acks_sweeps_and_leaks_no_session_state(
-        pg_dsn, pgbouncer_dsn, pgbouncer_schema, kafka_bootstrap, topics, tmp_path):
+    pg_dsn, pgbouncer_dsn, pgbouncer_schema, kafka_bootstrap, topics, tmp_path
+):
     import urllib.request
 
     from confluent_kafka import Producer
+    from support.harness import Receiver, insert_rows, wait_until
+    from support.private_services import free_port
+    from support.reaper import ReaperProcess
 
     import tracker
     from tracker import outbox
     from tracker.consumer import ITEM_ID_HEADER
-
-    from support.harness import Receiver, insert_rows, wait_until
-    from support.private_services import free_port
-    from support.reaper import ReaperProcess
 
     schema = pgbouncer_schema
     _reconnect_servers(pgbouncer_dsn)
     assert set(_server_settings(pgbouncer_dsn, "synchronous_commit")) == {"on"}
     data, done, acks, dlq = topics("data"), topics("done"), topics("acks"), topics("dlq")
     port = free_port()
-    env = {"REAPER_DATABASE__DSN": pgbouncer_dsn, "REAPER_DATABASE__SCHEMA": schema,
-           "REAPER_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
-           "REAPER_HARVESTER__LEADER_TOPIC": f"leader-{uuid.uuid4().hex[:10]}",
-           "REAPER_HARVESTER__LEADER_GROUP": f"g-{uuid.uuid4().hex[:8]}",
-           "REAPER_HARVESTER__MARK_BATCH": "50", "REAPER_HARVESTER__PURGE_BATCH": "20",
-           "REAPER_HARVESTER__VACUUM_INTERVAL": "0.2",
-           "REAPER_ACKER__ENABLED": "true", "REAPER_ACKER__TOPIC": acks, "REAPER_ACKER__DEAD_LETTER_TOPIC": dlq,
-           "REAPER_ACKER__GROUP": f"a-{uuid.uuid4().hex[:8]}",
-           "REAPER_SWEEPER__ENABLED": "true", "REAPER_SWEEPER__INTERVAL": "0.3", "REAPER_SWEEPER__IDLE_EXPIRY": "3",
-           "REAPER_METRICS__ENABLED": "true", "REAPER_METRICS__HOST": "127.0.0.1",
-           "REAPER_METRICS__PORT": str(port), "REAPER_METRICS__BACKLOG_INTERVAL": "0.2"}
+    env = {
+        "REAPER_DATABASE__DSN": pgbouncer_dsn,
+        "REAPER_DATABASE__SCHEMA": schema,
+        "REAPER_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "REAPER_HARVESTER__LEADER_TOPIC": f"leader-{uuid.uuid4().hex[:10]}",
+        "REAPER_HARVESTER__LEADER_GROUP": f"g-{uuid.uuid4().hex[:8]}",
+        "REAPER_HARVESTER__MARK_BATCH": "50",
+        "REAPER_HARVESTER__PURGE_BATCH": "20",
+        "REAPER_HARVESTER__VACUUM_INTERVAL": "0.2",
+        "REAPER_ACKER__ENABLED": "true",
+        "REAPER_ACKER__TOPIC": acks,
+        "REAPER_ACKER__DEAD_LETTER_TOPIC": dlq,
+        "REAPER_ACKER__GROUP": f"a-{uuid.uuid4().hex[:8]}",
+        "REAPER_SWEEPER__ENABLED": "true",
+        "REAPER_SWEEPER__INTERVAL": "0.3",
+        "REAPER_SWEEPER__IDLE_EXPIRY": "3",
+        "REAPER_METRICS__ENABLED": "true",
+        "REAPER_METRICS__HOST": "127.0.0.1",
+        "REAPER_METRICS__PORT": str(port),
+        "REAPER_METRICS__BACKLOG_INTERVAL": "0.2",
+    }
     reaper = ReaperProcess(env, tmp_path / "reaper.log")
     receiver = Receiver(kafka_bootstrap, data)
     completions = Receiver(kafka_bootstrap, done)
@@ -287,8 +311,9 @@ def test_reaper_run_through_pgbouncer_publishes_acks_sweeps_and_leaks_no_session
                 insert_rows(conn, schema, data, rows)
                 expected.update(rows)
                 batch = tracker.open_batch(conn, completion_topic=done, user_key=f"u{r}", schema=schema)
-                outbox.enqueue(conn, batch, [f"item-{r}-{i}" for i in range(10)], topic=data, key=b"b%d" % r,
-                               schema=schema)
+                outbox.enqueue(
+                    conn, batch, [f"item-{r}-{i}" for i in range(10)], topic=data, key=b"b%d" % r, schema=schema
+                )
                 tracker.close_batch(conn, batch, schema=schema)
                 conn.commit()
                 batches.append(batch)
@@ -309,17 +334,26 @@ def test_reaper_run_through_pgbouncer_publishes_acks_sweeps_and_leaks_no_session
             for item in item_ids[batch.id]:
                 producer.produce(acks, key=str(batch.id).encode(), value=item)
             assert producer.flush(30) == 0
-            assert wait_until(lambda: tracker.status(conn_direct := psycopg.connect(pg_dsn), batch.id,
-                                                     schema=schema).state == "complete" and conn_direct.close() is None,
-                              30), f"batch {batch.id} never completed"
+            assert wait_until(
+                lambda: (
+                    tracker.status(conn_direct := psycopg.connect(pg_dsn), batch.id, schema=schema).state == "complete"
+                    and conn_direct.close() is None
+                ),
+                30,
+            ), f"batch {batch.id} never completed"
         # Completion events went out through the outbox, harvested through PgBouncer.
         assert wait_until(lambda: {k for k, _, _ in completions.records} >= {str(b.id).encode() for b in batches}, 30)
 
         with psycopg.connect(pg_dsn) as conn:
             assert wait_until(lambda: tracker.status(conn, idle.id, schema=schema).state == "expired", 30)
             conn.rollback()
-            assert wait_until(lambda: conn.execute(f'SELECT count(*) FROM "{schema}".outbox').fetchone()[0] == 0
-                              and conn.rollback() is None, 30)
+            assert wait_until(
+                lambda: (
+                    conn.execute(f'SELECT count(*) FROM "{schema}".outbox').fetchone()[0] == 0
+                    and conn.rollback() is None
+                ),
+                30,
+            )
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert "reaper_outbox_backlog_rows 0.0" in metrics, [m for m in metrics.splitlines() if "backlog" in m]
         assert urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5).status == 200
@@ -335,7 +369,9 @@ def test_reaper_run_through_pgbouncer_publishes_acks_sweeps_and_leaks_no_session
     failed = [e for e in events if e.get("level") == "error" or "failed" in e.get("event", "") or "error" in e]
     assert failed == [], failed[:5]
     assert {e["pool"] for e in events if e.get("event", "").startswith("database reached through a pooler")} == {
-        "reaper-aux", "reaper-harvester"}
+        "reaper-aux",
+        "reaper-harvester",
+    }
     stopped = next(e for e in events if e.get("event") == "acker stopped")
     assert stopped["acked"] == 80 and stopped["retries"] == 0, stopped
 
@@ -351,8 +387,13 @@ def test_private_pgbouncer_starts_stops_and_restarts_idempotently_in_transaction
     try:
         private.up(only="postgres")
         for attempt in range(2):  # the second `up` finds it running
-            r = subprocess.run([sys.executable, str(SERVICES), "up", "--only", "pgbouncer"], env=private.env,
-                               capture_output=True, text=True, timeout=300)
+            r = subprocess.run(
+                [sys.executable, str(SERVICES), "up", "--only", "pgbouncer"],
+                env=private.env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert r.returncode == 0, r.stderr
             assert f"PGBOUNCER_DSN={private.pgbouncer_dsn}" in r.stdout.splitlines()
             assert ("already running" in r.stdout) == (attempt == 1), r.stdout
@@ -361,11 +402,15 @@ def test_private_pgbouncer_starts_stops_and_restarts_idempotently_in_transaction
         with psycopg.connect(private.pgbouncer_dsn, autocommit=True, prepare_threshold=None) as conn:
             pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
             assert pid != conn.info.backend_pid  # a pooler answered the startup, not Postgres
-            owner = subprocess.run(["ps", "-o", "user=", "-p", (private.dir / "pgbouncer" / "pgbouncer.pid")
-                                    .read_text().strip()], capture_output=True, text=True).stdout.strip()
+            owner = subprocess.run(
+                ["ps", "-o", "user=", "-p", (private.dir / "pgbouncer" / "pgbouncer.pid").read_text().strip()],
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
             assert owner and owner != "root"
-        status = subprocess.run([sys.executable, str(SERVICES), "status"], env=private.env, capture_output=True,
-                                text=True, timeout=60).stdout
+        status = subprocess.run(
+            [sys.executable, str(SERVICES), "status"], env=private.env, capture_output=True, text=True, timeout=60
+        ).stdout
         assert f"pgbouncer: up {private.pgbouncer_dsn}" in status
         private.down(only="pgbouncer")
         with pytest.raises(psycopg.OperationalError):

@@ -8,6 +8,7 @@ is expired by the sweeper. Then every expression of every panel of the Grafana d
 sent to Prometheus' HTTP API as Grafana would send it, and each must return at least one finite
 value.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,12 +28,11 @@ import pytest
 from confluent_kafka import Consumer, Producer
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
+from test_prometheus_rules import CONTRACT_METRICS, DASHBOARD, concrete, dashboard_targets, local
 
 import tracker
 from tracker import outbox
 from tracker.consumer import AckProducer, item_id_of
-
-from test_prometheus_rules import CONTRACT_METRICS, DASHBOARD, concrete, dashboard_targets, local
 
 REPO = Path(__file__).resolve().parents[1]
 ITEMS = 3000
@@ -74,58 +74,93 @@ def prom_value(prom, expr: str) -> float:
 
 @pytest.mark.timeout(300)
 def test_every_dashboard_panel_returns_data_from_a_running_reaper(pg_dsn, kafka_bootstrap, schema, topics, tmp_path):
-    t = {name: topics(f"live-{name}", partitions=p) for name, p in
-         (("leader", 1), ("items", 2), ("acks", 2), ("dlq", 1), ("done", 1))}
+    t = {
+        name: topics(f"live-{name}", partitions=p)
+        for name, p in (("leader", 1), ("items", 2), ("acks", 2), ("dlq", 1), ("done", 1))
+    }
     port = local.free_port()
     job = f"reaper_live_{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
-    env.update({
-        "PYTHONUNBUFFERED": "1",
-        "REAPER_DATABASE__DSN": pg_dsn, "REAPER_DATABASE__SCHEMA": schema,
-        "REAPER_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
-        "REAPER_HARVESTER__LEADER_TOPIC": t["leader"], "REAPER_HARVESTER__LEADER_GROUP": f"g-{t['leader']}",
-        "REAPER_HARVESTER__SESSION_TIMEOUT": "6", "REAPER_HARVESTER__HEARTBEAT_TIMEOUT": "2",
-        "REAPER_HARVESTER__DEFAULT_COMPLETION_TOPIC": t["done"],
-        # Transactions on, so the commit-duration panel has data too (and that mode runs end to end).
-        "REAPER_HARVESTER__TRANSACTIONAL_ID": f"t-{t['leader']}",
-        "REAPER_ACKER__TOPIC": t["acks"], "REAPER_ACKER__GROUP": f"g-{t['acks']}",
-        "REAPER_ACKER__DEAD_LETTER_TOPIC": t["dlq"],
-        "REAPER_SWEEPER__INTERVAL": "1", "REAPER_SWEEPER__IDLE_EXPIRY": "600",
-        "REAPER_METRICS__HOST": "127.0.0.1", "REAPER_METRICS__PORT": str(port),
-        "REAPER_METRICS__BACKLOG_INTERVAL": "0.5", "REAPER_LOGGING__FORMAT": "json",
-    })
+    env.update(
+        {
+            "PYTHONUNBUFFERED": "1",
+            "REAPER_DATABASE__DSN": pg_dsn,
+            "REAPER_DATABASE__SCHEMA": schema,
+            "REAPER_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
+            "REAPER_HARVESTER__LEADER_TOPIC": t["leader"],
+            "REAPER_HARVESTER__LEADER_GROUP": f"g-{t['leader']}",
+            "REAPER_HARVESTER__SESSION_TIMEOUT": "6",
+            "REAPER_HARVESTER__HEARTBEAT_TIMEOUT": "2",
+            "REAPER_HARVESTER__DEFAULT_COMPLETION_TOPIC": t["done"],
+            # Transactions on, so the commit-duration panel has data too (and that mode runs end to end).
+            "REAPER_HARVESTER__TRANSACTIONAL_ID": f"t-{t['leader']}",
+            "REAPER_ACKER__TOPIC": t["acks"],
+            "REAPER_ACKER__GROUP": f"g-{t['acks']}",
+            "REAPER_ACKER__DEAD_LETTER_TOPIC": t["dlq"],
+            "REAPER_SWEEPER__INTERVAL": "1",
+            "REAPER_SWEEPER__IDLE_EXPIRY": "600",
+            "REAPER_METRICS__HOST": "127.0.0.1",
+            "REAPER_METRICS__PORT": str(port),
+            "REAPER_METRICS__BACKLOG_INTERVAL": "0.5",
+            "REAPER_LOGGING__FORMAT": "json",
+        }
+    )
     log = tmp_path / "reaper.log"
     # Prometheus first, so it sees every counter from zero.
-    with local.LocalPrometheus([f"127.0.0.1:{port}"], job=job, scrape_interval="1s") as prom, \
-            open(log, "wb") as out:
-        reaper = subprocess.Popen([sys.executable, "-m", "harvester.cli", "run"], cwd=REPO, env=env,
-                                  stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    with local.LocalPrometheus([f"127.0.0.1:{port}"], job=job, scrape_interval="1s") as prom, open(log, "wb") as out:
+        reaper = subprocess.Popen(
+            [sys.executable, "-m", "harvester.cli", "run"],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         try:
             wait_until("leadership", lambda: scrape(port).get("reaper_leader") == 1.0, 90, reaper, log)
             assert http_status(f"http://127.0.0.1:{port}/healthz") == 200
             assert http_status(f"http://127.0.0.1:{port}/readyz") == 200
             # A baseline: Prometheus has scraped the idle reaper (it applies new targets after a few
             # seconds), so the load below shows up as increases, not as a series born non-zero.
-            wait_until("Prometheus to scrape the idle leader",
-                       lambda: prom_value(prom, f'reaper_leader{{job="{job}"}}') == 1, 60, reaper, log)
+            wait_until(
+                "Prometheus to scrape the idle leader",
+                lambda: prom_value(prom, f'reaper_leader{{job="{job}"}}') == 1,
+                60,
+                reaper,
+                log,
+            )
 
             # The application: an orphan batch its producer abandoned an hour ago, and a real fan-out.
             with psycopg.connect(pg_dsn) as conn:
                 orphan = tracker.open_batch(conn, user_key="orphan", completion_topic=t["done"], schema=schema)
                 tracker.add_items(conn, orphan, 10, schema=schema)
-                conn.execute(sql.SQL("UPDATE {} SET last_activity_at = now() - interval '1 hour' WHERE id = %s")
-                             .format(sql.Identifier(schema, "batch")), [orphan.id])
+                conn.execute(
+                    sql.SQL("UPDATE {} SET last_activity_at = now() - interval '1 hour' WHERE id = %s").format(
+                        sql.Identifier(schema, "batch")
+                    ),
+                    [orphan.id],
+                )
                 batch = tracker.open_batch(conn, user_key="live", completion_topic=t["done"], schema=schema)
                 outbox.enqueue(conn, batch, (f'{{"n": {i}}}' for i in range(ITEMS)), topic=t["items"], schema=schema)
                 tracker.close_batch(conn, batch, schema=schema)
                 # A row Kafka can never accept (the items topic has 2 partitions): quarantined.
-                conn.execute(sql.SQL("INSERT INTO {} (topic, value, kafka_partition) VALUES (%s, 'x', 99)")
-                             .format(sql.Identifier(schema, "outbox")), [t["items"]])
+                conn.execute(
+                    sql.SQL("INSERT INTO {} (topic, value, kafka_partition) VALUES (%s, 'x', 99)").format(
+                        sql.Identifier(schema, "outbox")
+                    ),
+                    [t["items"]],
+                )
                 conn.commit()
 
             # Consumers: take every item from Kafka and ack it through the ack topic, with duplicates.
-            consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"g-{t['items']}",
-                                 "auto.offset.reset": "earliest", "enable.auto.commit": False})
+            consumer = Consumer(
+                {
+                    "bootstrap.servers": kafka_bootstrap,
+                    "group.id": f"g-{t['items']}",
+                    "auto.offset.reset": "earliest",
+                    "enable.auto.commit": False,
+                }
+            )
             consumer.subscribe([t["items"]])
             ids: set[str] = set()
             deadline = time.monotonic() + 90
@@ -141,7 +176,7 @@ def test_every_dashboard_panel_returns_data_from_a_running_reaper(pg_dsn, kafka_
                 acks.ack(ordered[: ITEMS // 2])
                 acks.flush()
                 acks.ack(ordered[: ITEMS // 10])  # redelivered items, acked again
-                acks.ack(ordered[ITEMS // 2:])
+                acks.ack(ordered[ITEMS // 2 :])
             bad = Producer({"bootstrap.servers": kafka_bootstrap})
             bad.produce(t["acks"], key=b"1", value=b"not-an-item-id")
             assert bad.flush(30) == 0
@@ -154,12 +189,14 @@ def test_every_dashboard_panel_returns_data_from_a_running_reaper(pg_dsn, kafka_
 
             # Prometheus has seen the whole story.
             def seen() -> bool:
-                return (prom_value(prom, f'reaper_batches_completed_total{{job="{job}"}}') >= 1
-                        and prom_value(prom, f'reaper_acks_applied_total{{job="{job}"}}') >= ITEMS
-                        and prom_value(prom, f'reaper_acks_dead_lettered_total{{job="{job}"}}') >= 1
-                        and prom_value(prom, f'reaper_batches{{job="{job}", state="expired"}}') >= 1
-                        and prom_value(prom, f'reaper_records_dead_total{{job="{job}"}}') >= 1
-                        and prom_value(prom, f'reaper_outbox_backlog_rows{{job="{job}"}}') == 0)
+                return (
+                    prom_value(prom, f'reaper_batches_completed_total{{job="{job}"}}') >= 1
+                    and prom_value(prom, f'reaper_acks_applied_total{{job="{job}"}}') >= ITEMS
+                    and prom_value(prom, f'reaper_acks_dead_lettered_total{{job="{job}"}}') >= 1
+                    and prom_value(prom, f'reaper_batches{{job="{job}", state="expired"}}') >= 1
+                    and prom_value(prom, f'reaper_records_dead_total{{job="{job}"}}') >= 1
+                    and prom_value(prom, f'reaper_outbox_backlog_rows{{job="{job}"}}') == 0
+                )
 
             wait_until("Prometheus to scrape the results", seen, 60, reaper, log)
             # rate() and histogram_quantile() need two samples of a series inside the window: let a
@@ -194,8 +231,9 @@ def test_every_dashboard_panel_returns_data_from_a_running_reaper(pg_dsn, kafka_
             assert prom_value(prom, f'reaper_batches_expired_total{{job="{job}"}}') >= 1
             assert prom_value(prom, f'reaper_records_dead_total{{job="{job}"}}') == 1
             with psycopg.connect(pg_dsn) as conn:
-                dead = conn.execute(sql.SQL("SELECT topic, kafka_partition FROM {}")
-                                    .format(sql.Identifier(schema, "outbox_dead"))).fetchall()
+                dead = conn.execute(
+                    sql.SQL("SELECT topic, kafka_partition FROM {}").format(sql.Identifier(schema, "outbox_dead"))
+                ).fetchall()
             assert dead == [(t["items"], 99)]
             # The alert and recording rules evaluate cleanly against the real series. With a healthy
             # leader and an empty outbox, the alerts under way are the ones this test provoked: the
@@ -205,14 +243,20 @@ def test_every_dashboard_panel_returns_data_from_a_running_reaper(pg_dsn, kafka_
             rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
             assert rules and all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
             assert prom_value(prom, f'job:reaper_leader:sum{{job="{job}"}}') == 1
-            mine = {(a["labels"]["alertname"], a["state"]) for a in prom.api("alerts")["alerts"]
-                    if a["labels"].get("job") == job}
+            mine = {
+                (a["labels"]["alertname"], a["state"])
+                for a in prom.api("alerts")["alerts"]
+                if a["labels"].get("job") == job
+            }
             assert ("ReaperRowsQuarantined", "firing") in mine, mine
-            assert mine <= {("ReaperRowsQuarantined", "firing"), ("ReaperAcksDeadLettered", "pending"),
-                            ("ReaperBatchesExpired", "firing"), ("ReaperDeadRowsWaiting", "pending")}, mine
+            assert mine <= {
+                ("ReaperRowsQuarantined", "firing"),
+                ("ReaperAcksDeadLettered", "pending"),
+                ("ReaperBatchesExpired", "firing"),
+                ("ReaperDeadRowsWaiting", "pending"),
+            }, mine
             exported = {s["__name__"] for s in prom.api("series", **{"match[]": f'{{job="{job}"}}'})}
-            missing = {m for m in CONTRACT_METRICS
-                       if m not in exported and f"{m}_bucket" not in exported}
+            missing = {m for m in CONTRACT_METRICS if m not in exported and f"{m}_bucket" not in exported}
             assert not missing, f"metrics the reaper does not export: {sorted(missing)}"
         finally:
             if reaper.poll() is None:

@@ -3,6 +3,7 @@
 The test set-up installs Debian's `prometheus` package when it is missing
 (deploy/prometheus/local.py); nothing here needs the reaper to run.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,25 +25,57 @@ DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "reaper.json"
 # rows, added with outbox_dead) and the two transaction metrics (harvester.transactional_id);
 # histograms without their suffixes.
 CONTRACT_METRICS = {
-    "reaper_build_info", "reaper_leader", "reaper_leader_acquisitions_total", "reaper_leader_fences_total",
-    "reaper_leader_revocations_total", "reaper_records_marked_total", "reaper_records_published_total",
-    "reaper_records_purged_total", "reaper_records_reset_total", "reaper_records_dead_total", "reaper_produce_errors_total",
-    "reaper_force_remarks_total", "reaper_mark_duration_seconds", "reaper_purge_duration_seconds",
-    "reaper_produce_duration_seconds", "reaper_records_in_flight", "reaper_outbox_backlog_rows",
-    "reaper_outbox_oldest_age_seconds", "reaper_batches", "reaper_items_pending",
-    "reaper_acks_applied_total", "reaper_acks_duplicate_total", "reaper_acks_dead_lettered_total",
-    "reaper_ack_apply_duration_seconds", "reaper_acker_lag_messages", "reaper_batches_completed_total",
-    "reaper_batches_expired_total", "reaper_batches_opened_total", "reaper_batches_closed_total",
-    "reaper_transaction_commit_duration_seconds", "reaper_transactions_aborted_total",
-    "reaper_outbox_dead_rows", "reaper_outbox_requeued_rows",  # the operator's kit (issue 15)
+    "reaper_build_info",
+    "reaper_leader",
+    "reaper_leader_acquisitions_total",
+    "reaper_leader_fences_total",
+    "reaper_leader_revocations_total",
+    "reaper_records_marked_total",
+    "reaper_records_published_total",
+    "reaper_records_purged_total",
+    "reaper_records_reset_total",
+    "reaper_records_dead_total",
+    "reaper_produce_errors_total",
+    "reaper_force_remarks_total",
+    "reaper_mark_duration_seconds",
+    "reaper_purge_duration_seconds",
+    "reaper_produce_duration_seconds",
+    "reaper_records_in_flight",
+    "reaper_outbox_backlog_rows",
+    "reaper_outbox_oldest_age_seconds",
+    "reaper_batches",
+    "reaper_items_pending",
+    "reaper_acks_applied_total",
+    "reaper_acks_duplicate_total",
+    "reaper_acks_dead_lettered_total",
+    "reaper_ack_apply_duration_seconds",
+    "reaper_acker_lag_messages",
+    "reaper_batches_completed_total",
+    "reaper_batches_expired_total",
+    "reaper_batches_opened_total",
+    "reaper_batches_closed_total",
+    "reaper_transaction_commit_duration_seconds",
+    "reaper_transactions_aborted_total",
+    "reaper_outbox_dead_rows",
+    "reaper_outbox_requeued_rows",  # the operator's kit (issue 15)
     # per harvest unit (issue 14)
-    "reaper_unit_leader", "reaper_unit_records_marked_total", "reaper_unit_records_published_total",
-    "reaper_unit_force_remarks_total", "reaper_unit_records_in_flight",
+    "reaper_unit_leader",
+    "reaper_unit_records_marked_total",
+    "reaper_unit_records_published_total",
+    "reaper_unit_force_remarks_total",
+    "reaper_unit_records_in_flight",
     # claims settled at commit or by the settler, the acker deferring locked batches (issue 12)
-    "reaper_settle_busy_total", "reaper_acker_deferred_total", "reaper_acker_deferred_masks",
+    "reaper_settle_busy_total",
+    "reaper_acker_deferred_total",
+    "reaper_acker_deferred_masks",
 }
-HISTOGRAMS = {"reaper_mark_duration_seconds", "reaper_purge_duration_seconds", "reaper_produce_duration_seconds",
-              "reaper_ack_apply_duration_seconds", "reaper_transaction_commit_duration_seconds"}
+HISTOGRAMS = {
+    "reaper_mark_duration_seconds",
+    "reaper_purge_duration_seconds",
+    "reaper_produce_duration_seconds",
+    "reaper_ack_apply_duration_seconds",
+    "reaper_transaction_commit_duration_seconds",
+}
 
 
 def load_local():
@@ -106,8 +139,9 @@ def test_alert_unit_tests_catch_a_wrong_threshold(promtool, tmp_path):
     # The unit tests must be able to fail: loosen one threshold and they do.
     rules = (PROM_DIR / "rules.yml").read_text()
     assert "reaper_outbox_oldest_age_seconds) > 300" in rules
-    (tmp_path / "rules.yml").write_text(rules.replace("reaper_outbox_oldest_age_seconds) > 300",
-                                                      "reaper_outbox_oldest_age_seconds) > 600"))
+    (tmp_path / "rules.yml").write_text(
+        rules.replace("reaper_outbox_oldest_age_seconds) > 300", "reaper_outbox_oldest_age_seconds) > 600")
+    )
     shutil.copy(PROM_DIR / "rules_test.yml", tmp_path)
     r = subprocess.run([promtool, "test", "rules", "rules_test.yml"], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode != 0
@@ -121,13 +155,21 @@ def test_every_alert_has_a_unit_test():
     firing = {a["alertname"] for t in tests["tests"] for a in t.get("alert_rule_test", []) if a["exp_alerts"]}
     missing = alerts - firing - {"ReaperProduceErrors", "ReaperOutboxBacklogVeryOld"}
     assert not missing, f"alerts never shown firing in rules_test.yml: {sorted(missing)}"
-    assert {"ReaperNoLeader", "ReaperOutboxBacklogOld", "ReaperResetsHigh", "ReaperAcksDeadLettered",
-            "ReaperAckerLag", "ReaperBatchesExpired", "ReaperDeadRowsWaiting"} <= alerts
+    assert {
+        "ReaperNoLeader",
+        "ReaperOutboxBacklogOld",
+        "ReaperResetsHigh",
+        "ReaperAcksDeadLettered",
+        "ReaperAckerLag",
+        "ReaperBatchesExpired",
+        "ReaperDeadRowsWaiting",
+    } <= alerts
 
 
 def test_dashboard_json_is_what_the_generator_writes():
-    r = subprocess.run([sys.executable, str(REPO / "deploy" / "grafana" / "dashboard.py"), "--check"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "deploy" / "grafana" / "dashboard.py"), "--check"], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -172,7 +214,7 @@ def test_real_prometheus_loads_the_rules_and_parses_every_panel_query():
         expected = yaml.safe_load((PROM_DIR / "rules.yml").read_text())
         names = {r.get("alert") or r.get("record") for g in expected["groups"] for r in g["rules"]}
         assert set(loaded) == names
-        for title, expr in dashboard_targets():
+        for _title, expr in dashboard_targets():
             prom.query(concrete(expr, "reaper"))  # raises PrometheusError on a parse error
         with pytest.raises(local.PrometheusError, match="parse error"):
             prom.query("sum(rate(reaper_records_published_total[1m])")

@@ -4,6 +4,7 @@ against the real Postgres and Kafka: fan-out, retries, bulk and streaming acks.
 One SparkSession for the whole module (they are slow to start), with up to two attempts per task,
 so a task that fails once is retried.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,23 +13,28 @@ import threading
 import psycopg
 import pytest
 from confluent_kafka import Producer
+from support.spark import make_session
+from test_acker import make_acker, read_all, running, wait_for
+from test_tracker_support import completion_events, invariant_violations
 
 import tracker
 from tracker import spark as tspark
 from tracker.consumer import AckProducer
-
-from test_acker import make_acker, read_all, running, wait_for
-from test_tracker_support import completion_events, invariant_violations
-from support.spark import make_session
 
 pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark")]
 
 
 @pytest.fixture(scope="module")
 def spark(services):
-    session = make_session("tracker-tests", conf={
-        "spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "4", "spark.task.maxFailures": "2",
-        "spark.sql.execution.arrow.maxRecordsPerBatch": "5000"})
+    session = make_session(
+        "tracker-tests",
+        conf={
+            "spark.sql.shuffle.partitions": "4",
+            "spark.default.parallelism": "4",
+            "spark.task.maxFailures": "2",
+            "spark.sql.execution.arrow.maxRecordsPerBatch": "5000",
+        },
+    )
     yield session
     session.stop()
 
@@ -36,19 +42,23 @@ def spark(services):
 def _items(spark, n, partitions):
     return spark.range(0, n, numPartitions=partitions).selectExpr(
         "CAST(concat('payload-', id) AS BINARY) AS value",
-        "CASE WHEN id % 7 = 0 THEN NULL ELSE concat('k', id % 7) END AS key", "id")  # some rows without a key
+        "CASE WHEN id % 7 = 0 THEN NULL ELSE concat('k', id % 7) END AS key",
+        "id",
+    )  # some rows without a key
 
 
 def _outbox(pg_dsn, schema, topic):
     with psycopg.connect(pg_dsn) as c:
-        return c.execute(f'SELECT key, value, header_keys, header_values FROM "{schema}".outbox WHERE topic = %s',
-                         [topic]).fetchall()
+        return c.execute(
+            f'SELECT key, value, header_keys, header_values FROM "{schema}".outbox WHERE topic = %s', [topic]
+        ).fetchall()
 
 
 def _groups(pg_dsn, schema, batch_id):
     with psycopg.connect(pg_dsn) as c:
-        return c.execute(f'SELECT id, size, pending FROM "{schema}".batch_group WHERE batch_id = %s ORDER BY id',
-                         [batch_id]).fetchall()
+        return c.execute(
+            f'SELECT id, size, pending FROM "{schema}".batch_group WHERE batch_id = %s ORDER BY id', [batch_id]
+        ).fetchall()
 
 
 def test_fan_out_writes_each_row_once_with_groups_and_closes(spark, pg_dsn, schema):
@@ -90,8 +100,9 @@ def test_a_task_that_fails_once_after_commit_leaves_one_set_of_groups_and_messag
         if attempt == 0 and partition == 1:
             raise RuntimeError("injected: task dies after its transaction committed")
 
-    result = tspark.fan_out(_items(spark, n, 3), dsn=pg_dsn, topic="work", schema=schema,
-                            after_commit=fail_first_attempt)
+    result = tspark.fan_out(
+        _items(spark, n, 3), dsn=pg_dsn, topic="work", schema=schema, after_commit=fail_first_attempt
+    )
     assert sorted(log.read_text().split()) == ["0:0", "1:0", "1:1", "2:0"]  # partition 1 committed, died, ran again
     assert (result.items, result.groups) == (n, 6)
     rows = _outbox(pg_dsn, schema, "work")
@@ -113,8 +124,15 @@ def test_a_failed_job_rerun_with_its_run_key_completes_without_duplicates(spark,
             raise RuntimeError("injected: partition 2 keeps failing")
 
     with pytest.raises(Exception, match="partition 2 keeps failing"):
-        tspark.fan_out(_items(spark, n, 4), dsn=pg_dsn, topic="work", schema=schema, batch=batch,
-                       run_key="job-1", after_commit=always_fail_partition_2)
+        tspark.fan_out(
+            _items(spark, n, 4),
+            dsn=pg_dsn,
+            topic="work",
+            schema=schema,
+            batch=batch,
+            run_key="job-1",
+            after_commit=always_fail_partition_2,
+        )
     assert len(_outbox(pg_dsn, schema, "work")) >= 3000  # committed partitions stay
     result = tspark.fan_out(_items(spark, n, 4), dsn=pg_dsn, topic="work", schema=schema, batch=batch, run_key="job-1")
     assert (result.run, result.items, result.groups) == (0, n, 4)
@@ -152,7 +170,8 @@ def test_ack_dataframe_folds_per_group_and_is_idempotent(spark, pg_dsn, schema):
 
 
 def test_streaming_ack_job_applies_micro_batches_and_replays_change_nothing(
-        spark, pg_dsn, schema, kafka_bootstrap, topics, tmp_path):
+    spark, pg_dsn, schema, kafka_bootstrap, topics, tmp_path
+):
     topic, dlq = topics("acks", partitions=2), topics("dlq")
     with psycopg.connect(pg_dsn) as c:
         batch = tracker.open_batch(c, schema=schema)
@@ -166,9 +185,17 @@ def test_streaming_ack_job_applies_micro_batches_and_replays_change_nothing(
     assert p.flush(30) == 0
     with AckProducer(bootstrap_servers=kafka_bootstrap, topic=topic) as acks:  # the rest as runs
         acks.ack(h.item_ids[1500:])
-    query, totals = tspark.ack_stream(spark, bootstrap_servers=kafka_bootstrap, topic=topic, dsn=pg_dsn, schema=schema,
-                                      checkpoint_location=str(tmp_path / "cp1"), dead_letter_topic=dlq,
-                                      max_offsets_per_trigger=700, trigger_interval="200 milliseconds")
+    query, totals = tspark.ack_stream(
+        spark,
+        bootstrap_servers=kafka_bootstrap,
+        topic=topic,
+        dsn=pg_dsn,
+        schema=schema,
+        checkpoint_location=str(tmp_path / "cp1"),
+        dead_letter_topic=dlq,
+        max_offsets_per_trigger=700,
+        trigger_interval="200 milliseconds",
+    )
     try:
         wait_for(lambda: totals.completed == [batch.id] and totals.rejected, timeout=180, what="the stream to complete")
     finally:
@@ -177,8 +204,14 @@ def test_streaming_ack_job_applies_micro_batches_and_replays_change_nothing(
     letters = read_all(kafka_bootstrap, dlq, 1)
     assert [(m.value(), dict(m.headers())["reason"][:9]) for m in letters] == [(b"garbage", b"malformed")]
     # A new checkpoint replays the whole topic: nothing changes.
-    replay, again = tspark.ack_stream(spark, bootstrap_servers=kafka_bootstrap, topic=topic, dsn=pg_dsn, schema=schema,
-                                      checkpoint_location=str(tmp_path / "cp2"))
+    replay, again = tspark.ack_stream(
+        spark,
+        bootstrap_servers=kafka_bootstrap,
+        topic=topic,
+        dsn=pg_dsn,
+        schema=schema,
+        checkpoint_location=str(tmp_path / "cp2"),
+    )
     try:
         wait_for(lambda: again.duplicates >= 3500, timeout=180, what="the replay")
     finally:
@@ -190,7 +223,8 @@ def test_streaming_ack_job_applies_micro_batches_and_replays_change_nothing(
 
 
 def test_batch_completes_once_with_acks_through_acker_direct_path_and_spark_at_once(
-        spark, pg_dsn, schema, kafka_bootstrap, topics):
+    spark, pg_dsn, schema, kafka_bootstrap, topics
+):
     topic, dlq = topics("acks", partitions=2), topics("dlq")
     with psycopg.connect(pg_dsn) as c:
         batch = tracker.open_batch(c, schema=schema)
@@ -207,7 +241,7 @@ def test_batch_completes_once_with_acks_through_acker_direct_path_and_spark_at_o
     def direct():
         with psycopg.connect(pg_dsn) as c:
             for k in range(0, len(via_direct), 500):
-                direct_acked.append(tracker.ack(c, via_direct[k:k + 500], schema=schema).acked)
+                direct_acked.append(tracker.ack(c, via_direct[k : k + 500], schema=schema).acked)
                 c.commit()
 
     df = spark.createDataFrame([(i,) for i in via_spark], "item_id string").repartition(4)
@@ -217,8 +251,10 @@ def test_batch_completes_once_with_acks_through_acker_direct_path_and_spark_at_o
         t.start()
         totals = tspark.ack_dataframe(df, dsn=pg_dsn, schema=schema)
         t.join(120)
-        wait_for(lambda: tracker.status(psycopg.connect(pg_dsn), batch, schema=schema).state == "complete",
-                 what="the batch to complete")
+        wait_for(
+            lambda: tracker.status(psycopg.connect(pg_dsn), batch, schema=schema).state == "complete",
+            what="the batch to complete",
+        )
         assert not t.is_alive()
     with psycopg.connect(pg_dsn) as c:
         st = tracker.status(c, batch, schema=schema)
@@ -231,8 +267,13 @@ def test_batch_completes_once_with_acks_through_acker_direct_path_and_spark_at_o
 
 
 def test_fan_out_of_an_empty_dataframe_completes_the_batch(spark, pg_dsn, schema):
-    result = tspark.fan_out(spark.range(0, 0, numPartitions=2).selectExpr("CAST(id AS STRING) AS value"), dsn=pg_dsn,
-                            topic="work", schema=schema, user_key="empty")
+    result = tspark.fan_out(
+        spark.range(0, 0, numPartitions=2).selectExpr("CAST(id AS STRING) AS value"),
+        dsn=pg_dsn,
+        topic="work",
+        schema=schema,
+        user_key="empty",
+    )
     assert (result.items, result.groups, result.complete) == (0, 0, True)
     with psycopg.connect(pg_dsn) as c:
         assert [json.loads(v)["user_key"] for _, v in completion_events(c, schema)] == ["empty"]

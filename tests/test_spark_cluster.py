@@ -6,6 +6,7 @@ One application (SparkSession) for the module, with spark.speculation on: a task
 longer than the median of its stage, and over 1 s, gets a copy once half of the stage is done.
 Fast tasks are never speculated; the slow ones here are made slow on purpose.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,16 +15,15 @@ import time
 
 import psycopg
 import pytest
+import support.spark as sspark
 from confluent_kafka import Producer
 from prometheus_client import REGISTRY
 from pyspark import cloudpickle
-
-import support.spark as sspark
-import tracker
-from tracker import spark as tspark
-
 from test_acker import wait_for
 from test_tracker_support import completion_events, invariant_violations
+
+import tracker
+from tracker import spark as tspark
 
 pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark")]
 
@@ -35,13 +35,22 @@ kill_own_executor = sspark.kill_own_executor
 
 @pytest.fixture(scope="module")
 def spark(services):
-    session = sspark.make_session("tracker-cluster-tests", conf={
-        "spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "4", "spark.task.maxFailures": "4",
-        "spark.sql.execution.arrow.maxRecordsPerBatch": "5000",
-        "spark.speculation": "true", "spark.speculation.minTaskRuntime": "1s", "spark.speculation.interval": "200ms",
-        # judge slowness by run time alone: a slow task here has read its input at full speed
-        "spark.speculation.efficiency.enabled": "false", "spark.speculation.quantile": "0.5",
-        "spark.speculation.multiplier": "1.2"})
+    session = sspark.make_session(
+        "tracker-cluster-tests",
+        conf={
+            "spark.sql.shuffle.partitions": "4",
+            "spark.default.parallelism": "4",
+            "spark.task.maxFailures": "4",
+            "spark.sql.execution.arrow.maxRecordsPerBatch": "5000",
+            "spark.speculation": "true",
+            "spark.speculation.minTaskRuntime": "1s",
+            "spark.speculation.interval": "200ms",
+            # judge slowness by run time alone: a slow task here has read its input at full speed
+            "spark.speculation.efficiency.enabled": "false",
+            "spark.speculation.quantile": "0.5",
+            "spark.speculation.multiplier": "1.2",
+        },
+    )
     if not sspark.is_cluster(session):
         session.stop()
         if os.environ.get("CI") == "true":
@@ -72,17 +81,23 @@ def _once(marker) -> bool:
 def _ack_everything(spark, pg_dsn, schema, batch_id):
     """Ack every item id the outbox holds for the batch (one id per message, as consumers would)."""
     with psycopg.connect(pg_dsn) as c:
-        ids = [bytes(r[0]).decode() for r in c.execute(
-            f'SELECT header_values[1] FROM "{schema}".outbox WHERE header_values[2] = %s', [str(batch_id).encode()])]
-    return tspark.ack_dataframe(spark.createDataFrame([(i,) for i in ids], "item_id string").repartition(4),
-                                dsn=pg_dsn, schema=schema)
+        ids = [
+            bytes(r[0]).decode()
+            for r in c.execute(
+                f'SELECT header_values[1] FROM "{schema}".outbox WHERE header_values[2] = %s', [str(batch_id).encode()]
+            )
+        ]
+    return tspark.ack_dataframe(
+        spark.createDataFrame([(i,) for i in ids], "item_id string").repartition(4), dsn=pg_dsn, schema=schema
+    )
 
 
 def _assert_written_once(pg_dsn, schema, batch_id, n):
     with psycopg.connect(pg_dsn) as c:
         count, distinct_ids, distinct_values = c.execute(
             f'SELECT count(*), count(DISTINCT header_values[1]), count(DISTINCT value) FROM "{schema}".outbox '
-            "WHERE topic = 'work'").fetchone()
+            "WHERE topic = 'work'"
+        ).fetchone()
         assert (count, distinct_ids, distinct_values) == (n, n, n)
         assert tracker.status(c, batch_id, schema=schema).total == n
         assert invariant_violations(c, schema) == []
@@ -127,8 +142,9 @@ def test_fan_out_survives_executors_killed_inside_and_after_a_partition_transact
             os._exit(1)
 
     df = spark.range(0, n, numPartitions=4).selectExpr("CAST(concat('payload-', id) AS BINARY) AS value")
-    result = tspark.fan_out(df, dsn=pg_dsn, topic="work", schema=schema, user_key="loss",
-                            before_commit=die_inside, after_commit=die_after)
+    result = tspark.fan_out(
+        df, dsn=pg_dsn, topic="work", schema=schema, user_key="loss", before_commit=die_inside, after_commit=die_after
+    )
     events = _events(log)
     killed_inside = next(e for e in events if e.startswith("kill-inside:")).rsplit(":", 1)[1]
     assert f"committed:1:{killed_inside}" not in events  # that attempt never committed ...
@@ -142,7 +158,8 @@ def test_fan_out_survives_executors_killed_inside_and_after_a_partition_transact
 
 
 def test_ack_stream_survives_an_executor_lost_mid_micro_batch_and_restarts_from_its_checkpoint(
-        spark, pg_dsn, schema, kafka_bootstrap, topics, tmp_path):
+    spark, pg_dsn, schema, kafka_bootstrap, topics, tmp_path
+):
     n, topic, marker = 20_000, topics("acks", partitions=2), tmp_path / "killed"
     with psycopg.connect(pg_dsn) as c:
         batch = tracker.open_batch(c, schema=schema)
@@ -163,9 +180,16 @@ def test_ack_stream_survives_an_executor_lost_mid_micro_batch_and_restarts_from_
 
     checkpoint = str(tmp_path / "checkpoint")
     produce(ids[: n // 2])
-    query, first = tspark.ack_stream(spark, bootstrap_servers=kafka_bootstrap, topic=topic, dsn=pg_dsn, schema=schema,
-                                     checkpoint_location=checkpoint, max_offsets_per_trigger=2500,
-                                     after_apply=die_once_after_applying)
+    query, first = tspark.ack_stream(
+        spark,
+        bootstrap_servers=kafka_bootstrap,
+        topic=topic,
+        dsn=pg_dsn,
+        schema=schema,
+        checkpoint_location=checkpoint,
+        max_offsets_per_trigger=2500,
+        after_apply=die_once_after_applying,
+    )
     try:
         wait_for(lambda: first.acked + first.duplicates >= n // 2, timeout=300, what="the first half of the acks")
     finally:
@@ -176,14 +200,24 @@ def test_ack_stream_survives_an_executor_lost_mid_micro_batch_and_restarts_from_
     with psycopg.connect(pg_dsn) as c:
         assert tracker.status(c, batch, schema=schema).pending == n - n // 2
 
-    produce(ids[n // 2:])
-    query, second = tspark.ack_stream(spark, bootstrap_servers=kafka_bootstrap, topic=topic, dsn=pg_dsn,
-                                      schema=schema, checkpoint_location=checkpoint, max_offsets_per_trigger=2500)
+    produce(ids[n // 2 :])
+    query, second = tspark.ack_stream(
+        spark,
+        bootstrap_servers=kafka_bootstrap,
+        topic=topic,
+        dsn=pg_dsn,
+        schema=schema,
+        checkpoint_location=checkpoint,
+        max_offsets_per_trigger=2500,
+    )
     try:
         wait_for(lambda: second.acked >= n - n // 2, timeout=300, what="the second half of the acks")
         # a micro-batch's progress is recorded after its foreachBatch returns
-        wait_for(lambda: sum(p["numInputRows"] for p in query.recentProgress) >= n - n // 2, timeout=60,
-                 what="the last micro-batch's progress")
+        wait_for(
+            lambda: sum(p["numInputRows"] for p in query.recentProgress) >= n - n // 2,
+            timeout=60,
+            what="the last micro-batch's progress",
+        )
         read = sum(p["numInputRows"] for p in query.recentProgress)
     finally:
         query.stop()
@@ -224,15 +258,20 @@ def test_speculative_copies_of_slow_tasks_write_and_ack_once(spark, pg_dsn, sche
 
     with psycopg.connect(pg_dsn) as c:
         ids = [bytes(r[0]).decode() for r in c.execute(f'SELECT header_values[1] FROM "{schema}".outbox')]
-    acked = tspark.ack_dataframe(spark.createDataFrame([(i,) for i in ids], "item_id string").repartition(4),
-                                 dsn=pg_dsn, schema=schema, after_apply=slow_apply)
+    acked = tspark.ack_dataframe(
+        spark.createDataFrame([(i,) for i in ids], "item_id string").repartition(4),
+        dsn=pg_dsn,
+        schema=schema,
+        after_apply=slow_apply,
+    )
     assert any(e.startswith("apply:") and e.endswith(":1") for e in _events(log))  # a copy applied them again
     assert acked.acked + acked.duplicates == n
     _assert_completed_once(pg_dsn, schema, result.batch_id)
 
 
 def test_spark_submit_of_the_example_job_fans_a_parquet_dataset_out_to_a_completion_event(
-        spark, pg_dsn, schema, tmp_path):
+    spark, pg_dsn, schema, tmp_path
+):
     import json
     import subprocess
     from pathlib import Path
@@ -241,29 +280,61 @@ def test_spark_submit_of_the_example_job_fans_a_parquet_dataset_out_to_a_complet
 
     n, parquet = 12_000, str(tmp_path / "items.parquet")
     spark.range(0, n, numPartitions=3).selectExpr(
-        "concat('item-', id) AS value", "concat('k', id % 10) AS key").write.parquet(parquet)
+        "concat('item-', id) AS value", "concat('k', id % 10) AS key"
+    ).write.parquet(parquet)
     zip_path = tspark.tracker_zip(tmp_path / "dist")
     master, node_python = sspark.master_and_python()
     submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK", "PYTHON", "SPARK_"))}
     r = subprocess.run(
-        [str(submit), "--master", master, "--py-files", str(zip_path), "--driver-memory", "512m",
-         "--conf", f"spark.pyspark.python={node_python}", "--conf", "spark.executor.memory=1g",
-         "--conf", "spark.cores.max=2", "--conf", "spark.driver.host=127.0.0.1",
-         str(sspark.REPO / "deploy" / "spark" / "fan_out_job.py"), "--input", parquet, "--dsn", pg_dsn,
-         "--schema", schema, "--topic", "work", "--key-col", "key", "--user-key", "submitted"],
-        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        [
+            str(submit),
+            "--master",
+            master,
+            "--py-files",
+            str(zip_path),
+            "--driver-memory",
+            "512m",
+            "--conf",
+            f"spark.pyspark.python={node_python}",
+            "--conf",
+            "spark.executor.memory=1g",
+            "--conf",
+            "spark.cores.max=2",
+            "--conf",
+            "spark.driver.host=127.0.0.1",
+            str(sspark.REPO / "deploy" / "spark" / "fan_out_job.py"),
+            "--input",
+            parquet,
+            "--dsn",
+            pg_dsn,
+            "--schema",
+            schema,
+            "--topic",
+            "work",
+            "--key-col",
+            "key",
+            "--user-key",
+            "submitted",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert (out["items"], out["complete"]) == (n, False) and 1 <= out["groups"] <= 3  # Spark may merge small files
     with psycopg.connect(pg_dsn) as c:
-        rows = c.execute(f'SELECT key, value, header_values[1] FROM "{schema}".outbox WHERE topic = %s',
-                         ["work"]).fetchall()
+        rows = c.execute(
+            f'SELECT key, value, header_values[1] FROM "{schema}".outbox WHERE topic = %s', ["work"]
+        ).fetchall()
         assert sorted(bytes(v).decode() for _, v, _ in rows) == sorted(f"item-{i}" for i in range(n))
         assert all(bytes(k).decode() == "k" + bytes(v).decode().rsplit("-", 1)[1][-1] for k, v, _ in rows)
         # consumers ack every item in their own transactions: the batch completes, one event
         for k in range(0, n, 4000):
-            tracker.ack(c, [bytes(i).decode() for _, _, i in rows[k:k + 4000]], schema=schema)
+            tracker.ack(c, [bytes(i).decode() for _, _, i in rows[k : k + 4000]], schema=schema)
             c.commit()
         assert [json.loads(v)["user_key"] for _, v in completion_events(c, schema)] == ["submitted"]
     _assert_completed_once(pg_dsn, schema, out["batch_id"])

@@ -1,19 +1,40 @@
 """The folds agree: Spark's vectorised fold (Arrow + numpy) and the acker's message fold give the
 same masks and the same bad entries as folding the valid entries one by one. No JVM needed."""
+
 from __future__ import annotations
 
 import pyarrow as pa
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tracker.acker import EntryFolder, fold_messages
 from tracker.ids import fold
 from tracker.spark import _fold_partition
 
 valid = st.builds(lambda b, g, i: f"{b}:{g}:{i}", st.integers(0, 3), st.integers(0, 3), st.integers(0, 8191))
-runs = st.builds(lambda b, g, i, n: f"{b}:{g}:{i}-{min(i + n, 8191)}", st.integers(0, 3), st.integers(0, 3),
-                 st.integers(0, 8191), st.integers(0, 300))
-bad = st.sampled_from(["", "x", "1:2", "1:2:3:4", "1:0:8192", "1:0:5-3", "1:0:-1", "1:0:99999999999", "1:0: 3",
-                       "1:0:3x", "\u0661:0:1", "1:0:1-9000"])
+runs = st.builds(
+    lambda b, g, i, n: f"{b}:{g}:{i}-{min(i + n, 8191)}",
+    st.integers(0, 3),
+    st.integers(0, 3),
+    st.integers(0, 8191),
+    st.integers(0, 300),
+)
+bad = st.sampled_from(
+    [
+        "",
+        "x",
+        "1:2",
+        "1:2:3:4",
+        "1:0:8192",
+        "1:0:5-3",
+        "1:0:-1",
+        "1:0:99999999999",
+        "1:0: 3",
+        "1:0:3x",
+        "\u0661:0:1",
+        "1:0:1-9000",
+    ]
+)
 entries = st.lists(st.one_of(valid, valid, runs, bad), max_size=60)
 
 
@@ -37,8 +58,10 @@ def test_spark_fold_matches_the_entry_fold(values):
     # every good entry is also what tracker.ids.fold makes of it
     good = [e for v in values if v.isascii() for e in v.split(",") if e not in want_bad]
     assert _masks(fold(good)) == want
-    batches = [pa.RecordBatch.from_pydict({"ack": values[k:k + 7]}, schema=pa.schema([("ack", pa.string())]))
-               for k in range(0, len(values), 7)]
+    batches = [
+        pa.RecordBatch.from_pydict({"ack": values[k : k + 7]}, schema=pa.schema([("ack", pa.string())]))
+        for k in range(0, len(values), 7)
+    ]
     (out,) = list(_fold_partition("ack")(iter(batches)))
     got: dict = {}
     for b, g, mask, n in zip(*(out.column(c).to_pylist() for c in ("batch_id", "group_id", "mask", "folded"))):
@@ -58,11 +81,20 @@ def test_acker_fold_matches_the_entry_fold(values):
         def __init__(self, value, offset):
             self._v, self._o = value, offset
 
-        def error(self): return None
-        def partition(self): return 0
-        def offset(self): return self._o
-        def key(self): return None
-        def value(self): return self._v
+        def error(self):
+            return None
+
+        def partition(self):
+            return 0
+
+        def offset(self):
+            return self._o
+
+        def key(self):
+            return None
+
+        def value(self):
+            return self._v
 
     want, want_bad = _expected(values)
     f = fold_messages([Msg(v.encode(), k) for k, v in enumerate(values)])
@@ -71,14 +103,24 @@ def test_acker_fold_matches_the_entry_fold(values):
 
 
 def test_spark_fold_bigint_edges_and_binary_values_match_the_entry_fold():
-    edges = ["9223372036854775807:4611686018427387904:8191", "9223372036854775808:1:1", "1:9223372036854775808:1",
-             "0123:0009223372036854775807:0", "99999999999999999999:1:1", "1:4611686018427387904:8192",
-             "1:4611686018427387904:0", "12:34:0001"]
+    edges = [
+        "9223372036854775807:4611686018427387904:8191",
+        "9223372036854775808:1:1",
+        "1:9223372036854775808:1",
+        "0123:0009223372036854775807:0",
+        "99999999999999999999:1:1",
+        "1:4611686018427387904:8192",
+        "1:4611686018427387904:0",
+        "12:34:0001",
+    ]
     want, want_bad = _expected(edges)
     for typ, vals in ((pa.string(), edges), (pa.binary(), [e.encode() for e in edges])):
         batch = pa.RecordBatch.from_pydict({"ack": vals}, schema=pa.schema([("ack", typ)]))
         (out,) = list(_fold_partition("ack")(iter([batch])))
-        got = {(b, g): (m.rstrip(b"\0"), n) for b, g, m, n in zip(*(out.column(c).to_pylist() for c in (
-            "batch_id", "group_id", "mask", "folded"))) if b is not None}
+        got = {
+            (b, g): (m.rstrip(b"\0"), n)
+            for b, g, m, n in zip(*(out.column(c).to_pylist() for c in ("batch_id", "group_id", "mask", "folded")))
+            if b is not None
+        }
         assert got == want
         assert sorted(x for x in out.column("bad").to_pylist() if x is not None) == sorted(want_bad)

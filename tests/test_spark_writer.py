@@ -1,5 +1,6 @@
 """A fan-out partition's write, without a JVM: concurrent attempts of one partition (speculative
 execution) write it exactly once; a closed batch refuses it whole."""
+
 from __future__ import annotations
 
 import threading
@@ -7,16 +8,15 @@ import threading
 import psycopg
 import pyarrow as pa
 import pytest
+from test_tracker_support import invariant_violations
 
 import tracker
 from tracker import spark as tspark
 
-from test_tracker_support import invariant_violations
-
 
 def _rows(n: int) -> list:
     values = [b"v%d" % i for i in range(n)]
-    return [pa.RecordBatch.from_pydict({"value": values[k:k + 5000]}) for k in range(0, n, 5000)]
+    return [pa.RecordBatch.from_pydict({"value": values[k : k + 5000]}) for k in range(0, n, 5000)]
 
 
 def _writer(pg_dsn, schema, batch_id, run):
@@ -49,7 +49,10 @@ def test_concurrent_attempts_of_one_partition_write_it_once(pg_dsn, schema):
     with psycopg.connect(pg_dsn) as c:
         groups = c.execute(f'SELECT id, size FROM "{schema}".batch_group ORDER BY id').fetchall()
         assert groups == [(tspark.spark_group_id(run, 7, k), s) for k, s in enumerate([8192, 8192, 3616])]
-        assert c.execute(f'SELECT count(*), count(DISTINCT header_values[1]) FROM "{schema}".outbox').fetchone() == (n, n)
+        assert c.execute(f'SELECT count(*), count(DISTINCT header_values[1]) FROM "{schema}".outbox').fetchone() == (
+            n,
+            n,
+        )
         assert tracker.status(c, batch, schema=schema).total == n
         assert invariant_violations(c, schema) == []
 

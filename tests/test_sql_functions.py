@@ -3,6 +3,7 @@
 From psql (a real subprocess) and psycopg; hypothesis checks that the functions and the Python API
 agree on results, errors (class and the id they name) and the state they leave behind.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,33 +20,55 @@ from psycopg import sql
 
 import tracker
 from tracker import outbox
-from tracker.errors import (BatchExpired, BatchNotOpen, IndexOutOfRange, MalformedItemId, TrackerError, UnknownBatch,
-                            UnknownGroup)
+from tracker.errors import (
+    BatchExpired,
+    BatchNotOpen,
+    IndexOutOfRange,
+    MalformedItemId,
+    TrackerError,
+    UnknownBatch,
+    UnknownGroup,
+)
 
-SQLSTATE = {MalformedItemId: "RT001", UnknownBatch: "RT002", UnknownGroup: "RT003", IndexOutOfRange: "RT004",
-            BatchNotOpen: "RT005", BatchExpired: "RT006"}
+SQLSTATE = {
+    MalformedItemId: "RT001",
+    UnknownBatch: "RT002",
+    UnknownGroup: "RT003",
+    IndexOutOfRange: "RT004",
+    BatchNotOpen: "RT005",
+    BatchExpired: "RT006",
+}
 
 
 def _psql(dsn: str, script: str, check: bool = True) -> subprocess.CompletedProcess:
     exe = shutil.which("psql")
     if exe is None:
         pytest.fail("psql is not installed (Debian: apt-get install postgresql-client)")
-    out = subprocess.run([exe, dsn, "-X", "-q", "-A", "-t", "-v", "VERBOSITY=verbose"], input=script,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [exe, dsn, "-X", "-q", "-A", "-t", "-v", "VERBOSITY=verbose"],
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if check:
         assert out.returncode == 0, out.stderr
     return out
 
 
 def _counts(conn: psycopg.Connection, schema: str) -> tuple[int, int, int]:
-    return conn.execute(sql.SQL("SELECT (SELECT count(*) FROM {}), (SELECT count(*) FROM {}), (SELECT count(*) FROM {})")
-                        .format(sql.Identifier(schema, "batch"), sql.Identifier(schema, "batch_group"),
-                                sql.Identifier(schema, "outbox"))).fetchone()
+    return conn.execute(
+        sql.SQL("SELECT (SELECT count(*) FROM {}), (SELECT count(*) FROM {}), (SELECT count(*) FROM {})").format(
+            sql.Identifier(schema, "batch"), sql.Identifier(schema, "batch_group"), sql.Identifier(schema, "outbox")
+        )
+    ).fetchone()
 
 
 def test_psql_walkthrough_commits_and_completes(pg_dsn, schema):
     s = f'"{schema}"'
-    out = _psql(pg_dsn, f"""
+    out = _psql(
+        pg_dsn,
+        f"""
 \\set ON_ERROR_STOP 1
 BEGIN;
 SELECT {s}.open_batch(user_key => 'catalog-42', completion_topic => 'done-topic') AS b \\gset
@@ -56,7 +79,8 @@ COMMIT;
 SELECT acked || '/' || duplicates || '/' || completed::text FROM {s}.ack(ARRAY[:b || ':0:0-8191', :b || ':1:0', :b || ':0:5']);
 SELECT state || '/' || total || '/' || pending FROM {s}.batch_status(:b);
 SELECT topic || '/' || (convert_from(value, 'UTF8')::json->>'user_key') FROM {s}.outbox WHERE topic = 'done-topic';
-""")
+""",
+    )
     lines = out.stdout.split()
     assert lines[0] == "1|0|0|3"  # -A: columns joined by |
     assert lines[1] == "1:0:3:8192" and lines[2] == "1:1:0:1"
@@ -71,7 +95,9 @@ SELECT topic || '/' || (convert_from(value, 'UTF8')::json->>'user_key') FROM {s}
 def test_psql_documented_insert_writes_one_message_per_item(pg_dsn, schema):
     """The README's insert-it-yourself form: add_items, then one INSERT over the group rows."""
     s = f'"{schema}"'
-    _psql(pg_dsn, f"""
+    _psql(
+        pg_dsn,
+        f"""
 \\set ON_ERROR_STOP 1
 BEGIN;
 SELECT {s}.open_batch() AS b \\gset
@@ -82,17 +108,26 @@ SELECT 'process-item', NULL, convert_to(format('{{"n": %s}}', i), 'UTF8'),
        ARRAY[convert_to(h.batch_id || ':' || h.group_id || ':' || i, 'UTF8'), convert_to(h.batch_id::text, 'UTF8')]
 FROM {s}.add_items(:b, 1000) h, generate_series(h.start, h.upto - 1) i;
 COMMIT;
-""")
+""",
+    )
     with psycopg.connect(pg_dsn) as conn:
-        ids = [r[0] for r in conn.execute(sql.SQL("SELECT convert_from(header_values[1], 'UTF8') FROM {} ORDER BY id")
-                                          .format(sql.Identifier(schema, "outbox"))).fetchall()]
+        ids = [
+            r[0]
+            for r in conn.execute(
+                sql.SQL("SELECT convert_from(header_values[1], 'UTF8') FROM {} ORDER BY id").format(
+                    sql.Identifier(schema, "outbox")
+                )
+            ).fetchall()
+        ]
         assert ids == [f"1:0:{i}" for i in range(8000, 8192)] + [f"1:1:{i}" for i in range(808)]
         assert tracker.Tracker(schema=schema).ack(conn, ids).acked == 1000
 
 
 def test_psql_rolled_back_transaction_leaves_nothing(pg_dsn, schema):
     s = f'"{schema}"'
-    out = _psql(pg_dsn, f"""
+    out = _psql(
+        pg_dsn,
+        f"""
 \\set ON_ERROR_STOP 1
 BEGIN;
 SELECT {s}.open_batch('gone') AS b \\gset
@@ -101,42 +136,55 @@ SELECT {s}.close_batch(:b);
 SELECT acked FROM {s}.ack(ARRAY[:b || ':0:0-1']);
 SELECT state FROM {s}.batch_status(:b);
 ROLLBACK;
-""")
+""",
+    )
     assert out.stdout.split() == ["1", "f", "2", "complete"]  # one group handle; closed; 2 acked; complete
     with psycopg.connect(pg_dsn) as conn:
         assert _counts(conn, schema) == (0, 0, 0)
 
 
-@pytest.mark.parametrize("call, code, named", [
-    ("SELECT * FROM {s}.ack(ARRAY['1:0:0', 'x:0:1'])", "RT001", "x:0:1"),
-    ("SELECT * FROM {s}.ack(ARRAY['999:0:1'])", "RT002", "999:0:1"),
-    ("SELECT * FROM {s}.ack(ARRAY['1:7:3'])", "RT003", "1:7:3"),
-    ("SELECT * FROM {s}.ack(ARRAY['1:0:0-4'])", "RT004", "1:0:0-4"),  # a run is named as written
-    ("SELECT * FROM {s}.ack(ARRAY['1:0:8192'])", "RT004", "1:0:8192"),
-    ("SELECT * FROM {s}.add_items(1, 5)", "RT005", "1"),
-    ("SELECT * FROM {s}.batch_status(12345)", "RT002", "12345"),
-    ("SELECT * FROM {s}.close_batch(12345)", "RT002", "12345"),
-    ("SELECT * FROM {s}.add_items(1, -1)", "RT007", "-1"),
-    ("SELECT * FROM {s}.enqueue(1, '', ARRAY['a']::bytea[])", "RT007", "topic"),
-    ("SELECT * FROM {s}.enqueue(1, 't', ARRAY['a']::bytea[], header_keys => ARRAY['item-id'], "
-     "header_values => ARRAY['x']::bytea[])", "RT007", "header_keys"),
-])
+@pytest.mark.parametrize(
+    "call, code, named",
+    [
+        ("SELECT * FROM {s}.ack(ARRAY['1:0:0', 'x:0:1'])", "RT001", "x:0:1"),
+        ("SELECT * FROM {s}.ack(ARRAY['999:0:1'])", "RT002", "999:0:1"),
+        ("SELECT * FROM {s}.ack(ARRAY['1:7:3'])", "RT003", "1:7:3"),
+        ("SELECT * FROM {s}.ack(ARRAY['1:0:0-4'])", "RT004", "1:0:0-4"),  # a run is named as written
+        ("SELECT * FROM {s}.ack(ARRAY['1:0:8192'])", "RT004", "1:0:8192"),
+        ("SELECT * FROM {s}.add_items(1, 5)", "RT005", "1"),
+        ("SELECT * FROM {s}.batch_status(12345)", "RT002", "12345"),
+        ("SELECT * FROM {s}.close_batch(12345)", "RT002", "12345"),
+        ("SELECT * FROM {s}.add_items(1, -1)", "RT007", "-1"),
+        ("SELECT * FROM {s}.enqueue(1, '', ARRAY['a']::bytea[])", "RT007", "topic"),
+        (
+            "SELECT * FROM {s}.enqueue(1, 't', ARRAY['a']::bytea[], header_keys => ARRAY['item-id'], "
+            "header_values => ARRAY['x']::bytea[])",
+            "RT007",
+            "header_keys",
+        ),
+    ],
+)
 def test_psql_errors_are_typed_name_the_value_and_change_nothing(pg_dsn, schema, call, code, named):
     s = f'"{schema}"'
     with psycopg.connect(pg_dsn, autocommit=True) as conn:  # batch 1: 4 items in group 0, closed
         conn.execute(sql.SQL("SELECT {}.open_batch()").format(sql.Identifier(schema)))
         conn.execute(sql.SQL("SELECT * FROM {}.add_items(1, 4)").format(sql.Identifier(schema)))
         conn.execute(sql.SQL("SELECT {}.close_batch(1)").format(sql.Identifier(schema)))
-        before = conn.execute(sql.SQL("SELECT pending, state, last_activity_at FROM {}.batch").format(
-            sql.Identifier(schema))).fetchall()
+        before = conn.execute(
+            sql.SQL("SELECT pending, state, last_activity_at FROM {}.batch").format(sql.Identifier(schema))
+        ).fetchall()
         counts = _counts(conn, schema)
     out = _psql(pg_dsn, "BEGIN;\n" + call.format(s=s) + ";\nCOMMIT;\n", check=False)
     assert f"ERROR:  {code}: " in out.stderr, out.stderr
     assert repr(named) in out.stderr or f" {named}" in out.stderr, out.stderr
     assert f"DETAIL:  {named}" in out.stderr, out.stderr
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        assert conn.execute(sql.SQL("SELECT pending, state, last_activity_at FROM {}.batch").format(
-            sql.Identifier(schema))).fetchall() == before
+        assert (
+            conn.execute(
+                sql.SQL("SELECT pending, state, last_activity_at FROM {}.batch").format(sql.Identifier(schema))
+            ).fetchall()
+            == before
+        )
         assert _counts(conn, schema) == counts
 
 
@@ -164,8 +212,9 @@ def test_a_callers_temporary_tables_cannot_stand_in_for_ours(pg_dsn, schema):
         assert conn.execute("SELECT count(*) FROM pg_temp.batch").fetchone()[0] == 0
         assert conn.execute("SELECT count(*) FROM pg_temp.outbox").fetchone()[0] == 0
         assert _counts(conn, schema) == (1, 0, 1)  # the batch and its completion event, in the schema
-        path = conn.execute("SELECT proconfig FROM pg_proc WHERE oid = %s::regprocedure",
-                            [f'"{schema}".open_batch(text, text)']).fetchone()[0]
+        path = conn.execute(
+            "SELECT proconfig FROM pg_proc WHERE oid = %s::regprocedure", [f'"{schema}".open_batch(text, text)']
+        ).fetchone()[0]
         assert path == [f"search_path={schema}, pg_catalog, pg_temp", "jit=off"]
 
 
@@ -188,13 +237,19 @@ def test_enqueue_keys_headers_and_tombstones(conn, schema):
     s = sql.Identifier(schema)
     b = conn.execute(sql.SQL("SELECT {}.open_batch()").format(s)).fetchone()[0]
     conn.execute(sql.SQL("SELECT * FROM {}.add_items(%s, 8190)").format(s), [b])  # leaves 2 bits in group 0
-    handles = conn.execute(sql.SQL(
-        "SELECT * FROM {}.enqueue(%s, 'tp', %s, key => 'k'::bytea, header_keys => ARRAY['h'], "
-        "header_values => ARRAY['\\xff00'::bytea], keys => %s)").format(s),
-        [b, [b"a", None, b"c", b"d"], [None, b"own", None, None]]).fetchall()
+    handles = conn.execute(
+        sql.SQL(
+            "SELECT * FROM {}.enqueue(%s, 'tp', %s, key => 'k'::bytea, header_keys => ARRAY['h'], "
+            "header_values => ARRAY['\\xff00'::bytea], keys => %s)"
+        ).format(s),
+        [b, [b"a", None, b"c", b"d"], [None, b"own", None, None]],
+    ).fetchall()
     assert handles == [(b, 0, 8190, 8192), (b, 1, 0, 2)]
-    rows = conn.execute(sql.SQL("SELECT key, value, header_keys, header_values FROM {} ORDER BY id").format(
-        sql.Identifier(schema, "outbox"))).fetchall()
+    rows = conn.execute(
+        sql.SQL("SELECT key, value, header_keys, header_values FROM {} ORDER BY id").format(
+            sql.Identifier(schema, "outbox")
+        )
+    ).fetchall()
     assert rows == [
         (b"k", b"a", ["item-id", "batch-id", "h"], [f"{b}:0:8190".encode(), str(b).encode(), b"\xff\x00"]),
         (b"own", None, ["item-id", "batch-id", "h"], [f"{b}:0:8191".encode(), str(b).encode(), b"\xff\x00"]),
@@ -205,6 +260,7 @@ def test_enqueue_keys_headers_and_tombstones(conn, schema):
 
 # -- The SQL functions and the Python API agree ---------------------------------------------------
 
+
 def _python_op(conn: psycopg.Connection, schema: str, op: tuple) -> object:
     kind = op[0]
     if kind == "open":
@@ -212,8 +268,10 @@ def _python_op(conn: psycopg.Connection, schema: str, op: tuple) -> object:
     if kind == "add":
         return [(h.batch_id, h.group_id, h.start, h.upto) for h in tracker.add_items(conn, op[1], op[2], schema=schema)]
     if kind == "enqueue":
-        return [(h.batch_id, h.group_id, h.start, h.upto)
-                for h in outbox.enqueue(conn, op[1], [f"v{i}".encode() for i in range(op[2])], topic="t", schema=schema)]
+        return [
+            (h.batch_id, h.group_id, h.start, h.upto)
+            for h in outbox.enqueue(conn, op[1], [f"v{i}".encode() for i in range(op[2])], topic="t", schema=schema)
+        ]
     if kind == "close":
         return tracker.close_batch(conn, op[1], schema=schema)
     if kind == "ack":
@@ -234,16 +292,21 @@ def _sql_op(conn: psycopg.Connection, schema: str, op: tuple) -> object:
     if kind == "add":
         return conn.execute(sql.SQL("SELECT * FROM {}.add_items(%s, %s)").format(s), [op[1], op[2]]).fetchall()
     if kind == "enqueue":
-        return conn.execute(sql.SQL("SELECT * FROM {}.enqueue(%s, 't', %s)").format(s),
-                            [op[1], [f"v{i}".encode() for i in range(op[2])]]).fetchall()
+        return conn.execute(
+            sql.SQL("SELECT * FROM {}.enqueue(%s, 't', %s)").format(s),
+            [op[1], [f"v{i}".encode() for i in range(op[2])]],
+        ).fetchall()
     if kind == "close":
         return conn.execute(sql.SQL("SELECT {}.close_batch(%s)").format(s), [op[1]]).fetchone()[0]
     if kind == "ack":
-        acked, dups, completed = conn.execute(sql.SQL("SELECT * FROM {}.ack(%s::text[])").format(s), [list(op[1])]).fetchone()
+        acked, dups, completed = conn.execute(
+            sql.SQL("SELECT * FROM {}.ack(%s::text[])").format(s), [list(op[1])]
+        ).fetchone()
         return (acked, dups, sorted(completed))
     if kind == "status":
-        return conn.execute(sql.SQL("SELECT state, total, pending, user_key FROM {}.batch_status(%s)").format(s),
-                            [op[1]]).fetchone()
+        return conn.execute(
+            sql.SQL("SELECT state, total, pending, user_key FROM {}.batch_status(%s)").format(s), [op[1]]
+        ).fetchone()
     raise AssertionError(kind)
 
 
@@ -261,31 +324,72 @@ def _outcome(fn, conn: psycopg.Connection, schema: str, op: tuple) -> tuple:
 
 
 def _state(conn: psycopg.Connection, schema: str) -> tuple:
-    q = lambda t, cols, order: conn.execute(sql.SQL("SELECT " + cols + " FROM {} ORDER BY " + order).format(  # noqa: E731
-        sql.Identifier(schema, t))).fetchall()
-    events = [(t, k, {n: v for n, v in json.loads(value).items() if not n.endswith("_at")} if hk == ["batch-id"] else value,
-               hk, hv) for t, k, value, hk, hv in q("outbox", "topic, key, value, header_keys, header_values", "id")]
-    return (q("batch", "id, user_key, state, total, pending, next_group, closed_at IS NULL, completed_at IS NULL", "id"),
-            q("batch_group", "batch_id, id, size, pending, bits::text", "batch_id, id"),
-            events)  # completion events without their timestamps
+    q = lambda t, cols, order: conn.execute(
+        sql.SQL("SELECT " + cols + " FROM {} ORDER BY " + order).format(  # noqa: E731
+            sql.Identifier(schema, t)
+        )
+    ).fetchall()
+    events = [
+        (
+            t,
+            k,
+            {n: v for n, v in json.loads(value).items() if not n.endswith("_at")} if hk == ["batch-id"] else value,
+            hk,
+            hv,
+        )
+        for t, k, value, hk, hv in q("outbox", "topic, key, value, header_keys, header_values", "id")
+    ]
+    return (
+        q("batch", "id, user_key, state, total, pending, next_group, closed_at IS NULL, completed_at IS NULL", "id"),
+        q("batch_group", "batch_id, id, size, pending, bits::text", "batch_id, id"),
+        events,
+    )  # completion events without their timestamps
 
 
 _ids = st.one_of(
-    st.builds(lambda b, g, i: f"{b}:{g}:{i}", st.integers(1, 3), st.integers(0, 2),
-              st.one_of(st.integers(0, 40), st.integers(8180, 8195))),
-    st.builds(lambda b, g, i, n: f"{b}:{g}:{i}-{i + n}", st.integers(1, 3), st.integers(0, 2), st.integers(0, 8191),
-              st.integers(-2, 300)),
-    st.sampled_from(["x", "1:0", "1:0:", "1::0", "1:0:0-", "01:0:007", "1:0:00000", "1:0:99999", "99999999999999999999:0:1",
-                     "1:0:1-2-3", "1:0:+1", "1:0:1 ", "²:0:1"]),
+    st.builds(
+        lambda b, g, i: f"{b}:{g}:{i}",
+        st.integers(1, 3),
+        st.integers(0, 2),
+        st.one_of(st.integers(0, 40), st.integers(8180, 8195)),
+    ),
+    st.builds(
+        lambda b, g, i, n: f"{b}:{g}:{i}-{i + n}",
+        st.integers(1, 3),
+        st.integers(0, 2),
+        st.integers(0, 8191),
+        st.integers(-2, 300),
+    ),
+    st.sampled_from(
+        [
+            "x",
+            "1:0",
+            "1:0:",
+            "1::0",
+            "1:0:0-",
+            "01:0:007",
+            "1:0:00000",
+            "1:0:99999",
+            "99999999999999999999:0:1",
+            "1:0:1-2-3",
+            "1:0:+1",
+            "1:0:1 ",
+            "²:0:1",
+        ]
+    ),
 )
-_ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 3), st.one_of(st.integers(0, 40), st.integers(8150, 17000))),
-    st.tuples(st.just("enqueue"), st.integers(1, 3), st.integers(0, 30)),
-    st.tuples(st.just("close"), st.integers(1, 3)),
-    st.tuples(st.just("ack"), st.lists(_ids, min_size=0, max_size=8)),
-    st.tuples(st.just("expire"), st.integers(1, 3)),
-    st.tuples(st.just("status"), st.integers(1, 3)),
-), min_size=1, max_size=12)
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 3), st.one_of(st.integers(0, 40), st.integers(8150, 17000))),
+        st.tuples(st.just("enqueue"), st.integers(1, 3), st.integers(0, 30)),
+        st.tuples(st.just("close"), st.integers(1, 3)),
+        st.tuples(st.just("ack"), st.lists(_ids, min_size=0, max_size=8)),
+        st.tuples(st.just("expire"), st.integers(1, 3)),
+        st.tuples(st.just("status"), st.integers(1, 3)),
+    ),
+    min_size=1,
+    max_size=12,
+)
 
 
 @pytest.fixture
@@ -300,25 +404,39 @@ def twin_schemas(pg_dsn):
             c.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
 
 
-@settings(max_examples=int(os.environ.get("SQL_FUNCTIONS_EXAMPLES", "60")), deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(ops=_ops, keys=st.lists(st.one_of(st.none(), st.text(max_size=5).filter(lambda t: "\x00" not in t)),
-                               min_size=2, max_size=2))
+@settings(
+    max_examples=int(os.environ.get("SQL_FUNCTIONS_EXAMPLES", "60")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    ops=_ops,
+    keys=st.lists(st.one_of(st.none(), st.text(max_size=5).filter(lambda t: "\x00" not in t)), min_size=2, max_size=2),
+)
 def test_sql_functions_agree_with_the_python_api(pg_dsn, twin_schemas, ops, keys):
     py_schema, sql_schema = twin_schemas
     with psycopg.connect(pg_dsn) as py_conn, psycopg.connect(pg_dsn) as sql_conn:
         try:
             # Batches 1 and 2 exist (ids restart per example: the schemas are reset below); 3 never does.
-            for (fn, conn, schema) in ((_python_op, py_conn, py_schema), (_sql_op, sql_conn, sql_schema)):
-                conn.execute(sql.SQL("TRUNCATE {}, {}, {} RESTART IDENTITY CASCADE").format(
-                    sql.Identifier(schema, "batch"), sql.Identifier(schema, "batch_group"), sql.Identifier(schema, "outbox")))
+            for fn, conn, schema in ((_python_op, py_conn, py_schema), (_sql_op, sql_conn, sql_schema)):
+                conn.execute(
+                    sql.SQL("TRUNCATE {}, {}, {} RESTART IDENTITY CASCADE").format(
+                        sql.Identifier(schema, "batch"),
+                        sql.Identifier(schema, "batch_group"),
+                        sql.Identifier(schema, "outbox"),
+                    )
+                )
                 assert [fn(conn, schema, ("open", k)) for k in keys] == [1, 2]
             for op in ops:
                 if op[0] == "expire":
                     for conn, schema in ((py_conn, py_schema), (sql_conn, sql_schema)):
-                        conn.execute(sql.SQL("UPDATE {} SET state = 'expired', expired_at = now() "
-                                             "WHERE id = %s AND state IN ('open', 'closed')").format(
-                            sql.Identifier(schema, "batch")), [op[1]])
+                        conn.execute(
+                            sql.SQL(
+                                "UPDATE {} SET state = 'expired', expired_at = now() "
+                                "WHERE id = %s AND state IN ('open', 'closed')"
+                            ).format(sql.Identifier(schema, "batch")),
+                            [op[1]],
+                        )
                     continue
                 got_py = _outcome(_python_op, py_conn, py_schema, op)
                 got_sql = _outcome(_sql_op, sql_conn, sql_schema, op)
@@ -332,6 +450,7 @@ def test_sql_functions_agree_with_the_python_api(pg_dsn, twin_schemas, ops, keys
 
 
 # -- Races: completion exactly once -----------------------------------------------------------------
+
 
 def _race(dsn: str, calls: list[str]) -> None:
     """Run each SQL text in its own connection and transaction, all started together."""
@@ -372,6 +491,9 @@ def test_racing_calls_complete_the_batch_exactly_once(pg_dsn, schema, kind):
                 calls = [f"SELECT * FROM {s}.ack(ARRAY['{b}:0:0'])", f"SELECT {s}.close_batch({b})"]
             _race(pg_dsn, calls)
             state, pending = conn.execute(f"SELECT state, pending FROM {s}.batch_status(%s)", [b]).fetchone()
-            events = conn.execute(f"SELECT count(*) FROM {s}.outbox WHERE header_keys = ARRAY['batch-id'] "
-                                  "AND key = convert_to(%s::text, 'UTF8')", [b]).fetchone()[0]
+            events = conn.execute(
+                f"SELECT count(*) FROM {s}.outbox WHERE header_keys = ARRAY['batch-id'] "
+                "AND key = convert_to(%s::text, 'UTF8')",
+                [b],
+            ).fetchone()[0]
             assert (state, pending, events) == ("complete", 0, 1)

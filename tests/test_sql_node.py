@@ -3,6 +3,7 @@
 pg is installed from npm into .local/node-client by tests/clients/node/install.py (idempotent).
 Without node/npm the test fails (it never skips): CI must be able to run it.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,7 +27,12 @@ def test_node_client_drives_the_sql_functions(pg_dsn, schema):
     except RuntimeError as exc:
         pytest.fail(str(exc), pytrace=False)
     env = {**os.environ, "NODE_PATH": str(modules), "OUTBOX_TEST_DSN": pg_dsn, "TRACKER_SCHEMA": schema}
-    r = subprocess.run([shutil.which("node"), "--test", str(NODE_DIR / "sql_functions.test.cjs")], env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [shutil.which("node"), "--test", str(NODE_DIR / "sql_functions.test.cjs")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "# pass 3" in r.stdout and "# fail 0" in r.stdout, r.stdout

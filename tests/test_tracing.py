@@ -3,6 +3,7 @@ exporter, through real Postgres and Kafka: enqueue stores the active span's cont
 the harvester publishes it as `traceparent`/`tracestate` headers (and, switched on, a PRODUCER
 span linked to it), consumers continue the trace, and completion and expiry events carry the
 context of the span that opened the batch. Without opentelemetry nothing is added."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,11 +20,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from support.harness import make_config, read_messages, wait_until
 
 import tracker
 from harvester.config import ConfigError
 from harvester.units import Harvester
-from support.harness import make_config, read_messages, wait_until
 from tracker import outbox, tracing
 from tracker.sweeper import sweep
 
@@ -62,7 +63,8 @@ def running(cfg):
 
 
 def test_trace_context_flows_from_enqueue_through_kafka_to_consumers_and_the_completion_event(
-        spans, pg_dsn, schema, topics, kafka_bootstrap):
+    spans, pg_dsn, schema, topics, kafka_bootstrap
+):
     work, done = topics("work"), topics("done")
     tracer = trace.get_tracer("app")
     with psycopg.connect(pg_dsn) as c:
@@ -75,8 +77,14 @@ def test_trace_context_flows_from_enqueue_through_kafka_to_consumers_and_the_com
         outbox.enqueue(c, tracker.open_batch(c, schema=schema), [b"plain"], topic=work, schema=schema)
         mine = "00-11111111111111111111111111111111-2222222222222222-01"
         with tracer.start_as_current_span("other"):
-            outbox.enqueue(c, tracker.open_batch(c, schema=schema), [b"own"], topic=work,
-                           headers={"traceparent": mine}, schema=schema)
+            outbox.enqueue(
+                c,
+                tracker.open_batch(c, schema=schema),
+                [b"own"],
+                topic=work,
+                headers={"traceparent": mine},
+                schema=schema,
+            )
         c.commit()
     expected = traceparent_of(app_span)
 
@@ -125,8 +133,9 @@ def test_expiry_event_carries_the_opening_span_context(spans, conn, schema):
     conn.execute(f"UPDATE \"{schema}\".batch SET last_activity_at = now() - interval '1 day' WHERE id = %s", [b.id])
     conn.commit()
     assert sweep(conn, schema=schema, idle_expiry=60, retention=86400).expired == 1
-    keys, values = conn.execute(f"SELECT header_keys, header_values FROM \"{schema}\".outbox "
-                                "WHERE 'event' = ANY(header_keys)").fetchone()
+    keys, values = conn.execute(
+        f"SELECT header_keys, header_values FROM \"{schema}\".outbox WHERE 'event' = ANY(header_keys)"
+    ).fetchone()
     assert dict(zip(keys, (bytes(v).decode() for v in values)))["traceparent"] == traceparent_of(span)
 
 

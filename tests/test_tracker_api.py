@@ -1,4 +1,5 @@
 """The tracker API against the real Postgres: flows, both session kinds, rollback, every error."""
+
 from __future__ import annotations
 
 import json
@@ -7,13 +8,12 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
+from test_tracker_support import completion_events, invariant_violations, snapshot
 
 import tracker
 from tracker import outbox
 from tracker.ids import GROUP_BITS_MAX
 from tracker.sweeper import sweep
-
-from test_tracker_support import completion_events, invariant_violations, snapshot
 
 
 @pytest.fixture
@@ -25,13 +25,21 @@ def engine(pg_dsn):
 
 def test_enqueue_writes_messages_groups_and_headers(conn, schema):
     batch = tracker.open_batch(conn, user_key="catalog-1", schema=schema)
-    items = [b"raw", "text \u00e9", {"n": 1}, [1, 2], None,
-             tracker.Message(b"own", key="k1", headers={"trace": b"\x00\xff"})]
+    items = [
+        b"raw",
+        "text \u00e9",
+        {"n": 1},
+        [1, 2],
+        None,
+        tracker.Message(b"own", key="k1", headers={"trace": b"\x00\xff"}),
+    ]
     handles = outbox.enqueue(conn, batch, items, topic="work", key=b"dflt", headers=[("src", "test")], schema=schema)
     assert [(h.batch_id, h.group_id, h.start, h.upto) for h in handles] == [(batch.id, 0, 0, 6)]
     ids = handles[0].item_ids
     assert ids == [f"{batch.id}:0:{i}" for i in range(6)]
-    rows = conn.execute(f'SELECT topic, key, value, header_keys, header_values FROM "{schema}".outbox ORDER BY id').fetchall()
+    rows = conn.execute(
+        f'SELECT topic, key, value, header_keys, header_values FROM "{schema}".outbox ORDER BY id'
+    ).fetchall()
     bid = str(batch.id).encode()
     assert rows == [
         ("work", b"dflt", b"raw", ["item-id", "batch-id", "src"], [ids[0].encode(), bid, b"test"]),
@@ -49,11 +57,17 @@ def test_enqueue_writes_messages_groups_and_headers(conn, schema):
 def test_key_function_and_large_adds_split_into_groups_of_8192(conn, schema):
     batch = tracker.open_batch(conn, schema=schema)
     n = 2 * GROUP_BITS_MAX + 5
-    handles = outbox.enqueue(conn, batch, [str(i) for i in range(n)], topic="w", key=lambda v: "k" + v[-1], schema=schema)
+    handles = outbox.enqueue(
+        conn, batch, [str(i) for i in range(n)], topic="w", key=lambda v: "k" + v[-1], schema=schema
+    )
     assert [(h.group_id, h.start, h.upto) for h in handles] == [(0, 0, 8192), (1, 0, 8192), (2, 0, 5)]
-    sizes = conn.execute(f'SELECT id, size, pending, bit_count(bits) FROM "{schema}".batch_group ORDER BY id').fetchall()
+    sizes = conn.execute(
+        f'SELECT id, size, pending, bit_count(bits) FROM "{schema}".batch_group ORDER BY id'
+    ).fetchall()
     assert sizes == [(0, 8192, 8192, 8192), (1, 8192, 8192, 8192), (2, 5, 5, 5)]
-    row = conn.execute(f'SELECT key, value, header_values[1] FROM "{schema}".outbox ORDER BY id OFFSET 8193 LIMIT 1').fetchone()
+    row = conn.execute(
+        f'SELECT key, value, header_values[1] FROM "{schema}".outbox ORDER BY id OFFSET 8193 LIMIT 1'
+    ).fetchone()
     assert row == (b"k3", b"8193", b"%d:1:1" % batch.id)
     # A later add first tops up the last group, then opens new ones.
     more = tracker.add_items(conn, batch, GROUP_BITS_MAX, schema=schema)
@@ -203,8 +217,9 @@ def populated(conn, schema):
     tracker.close_batch(conn, closed_b, schema=schema)
     expired_b = tracker.open_batch(conn, schema=schema)
     tracker.add_items(conn, expired_b, 5, schema=schema)
-    conn.execute(f'UPDATE "{schema}".batch SET last_activity_at = now() - interval \'2 hours\' WHERE id = %s',
-                 [expired_b.id])
+    conn.execute(
+        f"UPDATE \"{schema}\".batch SET last_activity_at = now() - interval '2 hours' WHERE id = %s", [expired_b.id]
+    )
     conn.commit()
     assert sweep(conn, schema=schema, idle_expiry=3600, retention=86400).expired == 1
     conn.commit()
@@ -225,43 +240,89 @@ def _unchanged_after(conn, schema, call, error, match):
 
 def test_malformed_id_changes_nothing(conn, schema, populated):
     open_b = populated[0]
-    for bad in [f"{open_b.id}:0", f"{open_b.id}:0:x", f"{open_b.id}:0:-1", "a:b:c", f"{open_b.id}:0:5-2",
-                f"{open_b.id}:0:\u0661", f"{open_b.id}:0: 3", b"\xff:0:1", 17]:
-        _unchanged_after(conn, schema, lambda: tracker.ack(conn, [f"{open_b.id}:0:10", bad], schema=schema),
-                         tracker.MalformedItemId, "malformed item id")
+    for bad in [
+        f"{open_b.id}:0",
+        f"{open_b.id}:0:x",
+        f"{open_b.id}:0:-1",
+        "a:b:c",
+        f"{open_b.id}:0:5-2",
+        f"{open_b.id}:0:\u0661",
+        f"{open_b.id}:0: 3",
+        b"\xff:0:1",
+        17,
+    ]:
+        _unchanged_after(
+            conn,
+            schema,
+            lambda: tracker.ack(conn, [f"{open_b.id}:0:10", bad], schema=schema),
+            tracker.MalformedItemId,
+            "malformed item id",
+        )
 
 
 def test_ids_past_a_bigint_or_any_group_change_nothing(conn, schema, populated):
     open_b = populated[0]
-    _unchanged_after(conn, schema, lambda: tracker.ack(conn, [f"{open_b.id}:0:10", "9223372036854775808:0:0"],
-                                                       schema=schema),
-                     tracker.MalformedItemId, "9223372036854775808:0:0")
-    _unchanged_after(conn, schema, lambda: tracker.ack(conn, [f"{open_b.id}:0:10", f"{open_b.id}:0:99999999999999"],
-                                                       schema=schema),
-                     tracker.IndexOutOfRange, "99999999999999")
+    _unchanged_after(
+        conn,
+        schema,
+        lambda: tracker.ack(conn, [f"{open_b.id}:0:10", "9223372036854775808:0:0"], schema=schema),
+        tracker.MalformedItemId,
+        "9223372036854775808:0:0",
+    )
+    _unchanged_after(
+        conn,
+        schema,
+        lambda: tracker.ack(conn, [f"{open_b.id}:0:10", f"{open_b.id}:0:99999999999999"], schema=schema),
+        tracker.IndexOutOfRange,
+        "99999999999999",
+    )
 
 
 def test_unknown_batch_changes_nothing(conn, schema, populated):
     open_b = populated[0]
-    _unchanged_after(conn, schema, lambda: tracker.ack(conn, [f"{open_b.id}:0:11", "999999:0:1"], schema=schema),
-                     tracker.UnknownBatch, "unknown batch 999999.*999999:0:1")
-    _unchanged_after(conn, schema, lambda: tracker.close_batch(conn, 999999, schema=schema), tracker.UnknownBatch, "999999")
-    _unchanged_after(conn, schema, lambda: tracker.add_items(conn, 999999, 1, schema=schema), tracker.UnknownBatch, "999999")
+    _unchanged_after(
+        conn,
+        schema,
+        lambda: tracker.ack(conn, [f"{open_b.id}:0:11", "999999:0:1"], schema=schema),
+        tracker.UnknownBatch,
+        "unknown batch 999999.*999999:0:1",
+    )
+    _unchanged_after(
+        conn, schema, lambda: tracker.close_batch(conn, 999999, schema=schema), tracker.UnknownBatch, "999999"
+    )
+    _unchanged_after(
+        conn, schema, lambda: tracker.add_items(conn, 999999, 1, schema=schema), tracker.UnknownBatch, "999999"
+    )
 
 
 def test_unknown_group_changes_nothing(conn, schema, populated):
     open_b = populated[0]
-    _unchanged_after(conn, schema, lambda: tracker.ack(conn, [f"{open_b.id}:0:12", f"{open_b.id}:7:3"], schema=schema),
-                     tracker.UnknownGroup, f"unknown group 7 in batch {open_b.id}.*'{open_b.id}:7:3'")
+    _unchanged_after(
+        conn,
+        schema,
+        lambda: tracker.ack(conn, [f"{open_b.id}:0:12", f"{open_b.id}:7:3"], schema=schema),
+        tracker.UnknownGroup,
+        f"unknown group 7 in batch {open_b.id}.*'{open_b.id}:7:3'",
+    )
 
 
 def test_index_out_of_range_changes_nothing(conn, schema, populated):
     open_b = populated[0]
-    _unchanged_after(conn, schema, lambda: tracker.ack(conn, [f"{open_b.id}:0:13", f"{open_b.id}:0:20"], schema=schema),
-                     tracker.IndexOutOfRange, f"'{open_b.id}:0:20' is out of range: its group has 20 items")
+    _unchanged_after(
+        conn,
+        schema,
+        lambda: tracker.ack(conn, [f"{open_b.id}:0:13", f"{open_b.id}:0:20"], schema=schema),
+        tracker.IndexOutOfRange,
+        f"'{open_b.id}:0:20' is out of range: its group has 20 items",
+    )
     # a run past the group's end is named as written, not by its first bad index
-    _unchanged_after(conn, schema, lambda: tracker.ack(conn, [f"{open_b.id}:0:15-8191"], schema=schema),
-                     tracker.IndexOutOfRange, f"'{open_b.id}:0:15-8191'")
+    _unchanged_after(
+        conn,
+        schema,
+        lambda: tracker.ack(conn, [f"{open_b.id}:0:15-8191"], schema=schema),
+        tracker.IndexOutOfRange,
+        f"'{open_b.id}:0:15-8191'",
+    )
 
 
 @pytest.mark.parametrize("which,state", [(1, "closed"), (2, "expired"), ("complete", "complete")])
@@ -272,25 +333,45 @@ def test_add_to_a_batch_that_is_not_open_changes_nothing(conn, schema, populated
         conn.commit()
     else:
         batch = populated[which]
-    _unchanged_after(conn, schema, lambda: tracker.add_items(conn, batch, 3, schema=schema),
-                     tracker.BatchNotOpen, f"batch {batch.id} is {state}")
-    _unchanged_after(conn, schema, lambda: outbox.enqueue(conn, batch, [b"a"] * 3, topic="w", schema=schema),
-                     tracker.BatchNotOpen, f"batch {batch.id} is {state}")
+    _unchanged_after(
+        conn,
+        schema,
+        lambda: tracker.add_items(conn, batch, 3, schema=schema),
+        tracker.BatchNotOpen,
+        f"batch {batch.id} is {state}",
+    )
+    _unchanged_after(
+        conn,
+        schema,
+        lambda: outbox.enqueue(conn, batch, [b"a"] * 3, topic="w", schema=schema),
+        tracker.BatchNotOpen,
+        f"batch {batch.id} is {state}",
+    )
 
 
 def test_ack_of_expired_batch_changes_nothing(conn, schema, populated):
     open_b, _, expired_b = populated
-    _unchanged_after(conn, schema, lambda: tracker.ack(conn, [f"{open_b.id}:0:14", f"{expired_b.id}:0:1"], schema=schema),
-                     tracker.BatchExpired, f"batch {expired_b.id} has expired.*'{expired_b.id}:0:1'")
-    _unchanged_after(conn, schema, lambda: tracker.close_batch(conn, expired_b, schema=schema), tracker.BatchExpired,
-                     str(expired_b.id))
+    _unchanged_after(
+        conn,
+        schema,
+        lambda: tracker.ack(conn, [f"{open_b.id}:0:14", f"{expired_b.id}:0:1"], schema=schema),
+        tracker.BatchExpired,
+        f"batch {expired_b.id} has expired.*'{expired_b.id}:0:1'",
+    )
+    _unchanged_after(
+        conn,
+        schema,
+        lambda: tracker.close_batch(conn, expired_b, schema=schema),
+        tracker.BatchExpired,
+        str(expired_b.id),
+    )
 
 
 def test_database_error_mid_enqueue_leaves_caller_transaction_usable(conn, schema):
     batch = tracker.open_batch(conn, schema=schema)
     tracker.add_items(conn, batch, 3, schema=schema)
     # A CHECK the COPY trips after the batch row and groups were written: all of the call must go.
-    conn.execute(f'ALTER TABLE "{schema}".outbox ADD CONSTRAINT no_bad CHECK (value <> \'bad\') NOT VALID')
+    conn.execute(f"ALTER TABLE \"{schema}\".outbox ADD CONSTRAINT no_bad CHECK (value <> 'bad') NOT VALID")
     conn.commit()
     before = snapshot(conn, schema)
     conn.execute("SELECT 1")
@@ -303,16 +384,19 @@ def test_database_error_mid_enqueue_leaves_caller_transaction_usable(conn, schem
 
 def test_apply_masks_reject_invalid_applies_the_valid_rest(conn, schema, populated):
     open_b, closed_b, expired_b = populated
-    masks = tracker.fold([f"{open_b.id}:0:10-25", f"{closed_b.id}:0:0-4", f"{closed_b.id}:3:1",
-                          f"{expired_b.id}:0:2", "999999:0:0-1"])
+    masks = tracker.fold(
+        [f"{open_b.id}:0:10-25", f"{closed_b.id}:0:0-4", f"{closed_b.id}:3:1", f"{expired_b.id}:0:2", "999999:0:0-1"]
+    )
     r = tracker.apply_masks(conn, masks, schema=schema, reject_invalid=True)
     assert (r.acked, r.duplicates, r.completed) == (15, 0, [closed_b.id])
-    assert sorted(r.rejected) == sorted([
-        (f"{open_b.id}:0:20-25", "index out of range (group size 20)"),
-        (f"{closed_b.id}:3:1", "unknown group"),
-        (f"{expired_b.id}:0:2", "batch expired"),
-        ("999999:0:0-1", "unknown batch"),
-    ])
+    assert sorted(r.rejected) == sorted(
+        [
+            (f"{open_b.id}:0:20-25", "index out of range (group size 20)"),
+            (f"{closed_b.id}:3:1", "unknown group"),
+            (f"{expired_b.id}:0:2", "batch expired"),
+            ("999999:0:0-1", "unknown batch"),
+        ]
+    )
     assert tracker.status(conn, open_b, schema=schema).pending == 0
     assert invariant_violations(conn, schema) == []
 
@@ -330,17 +414,29 @@ def test_sweeper_expires_idle_and_deletes_old_in_chunks(pg_dsn, schema):
             tracker.close_batch(c, b, schema=schema)
             tracker.ack(c, [f"{b.id}:0:0-1"], schema=schema)
         s = f'"{schema}"'
-        c.execute(f"UPDATE {s}.batch SET last_activity_at = now() - interval '2 hours' WHERE id = ANY(%s)",
-                  [[b.id for b in idle] + [closed_idle.id]])
-        c.execute(f"UPDATE {s}.batch SET completed_at = now() - interval '3 days' WHERE id = ANY(%s)",
-                  [[b.id for b in done[:3]]])
+        c.execute(
+            f"UPDATE {s}.batch SET last_activity_at = now() - interval '2 hours' WHERE id = ANY(%s)",
+            [[b.id for b in idle] + [closed_idle.id]],
+        )
+        c.execute(
+            f"UPDATE {s}.batch SET completed_at = now() - interval '3 days' WHERE id = ANY(%s)",
+            [[b.id for b in done[:3]]],
+        )
         r = sweep(c, schema=schema, idle_expiry=3600, retention=86400, chunk=2)
         assert (r.expired, r.deleted) == (6, 3)
         states = dict(c.execute(f"SELECT id, state FROM {s}.batch").fetchall())
-        assert states == {fresh.id: "open", done[3].id: "complete",
-                          **{b.id: "expired" for b in idle}, closed_idle.id: "expired"}
-        assert c.execute(f"SELECT count(*) FROM {s}.batch_group WHERE batch_id = ANY(%s)",
-                         [[b.id for b in done[:3]]]).fetchone()[0] == 0
+        assert states == {
+            fresh.id: "open",
+            done[3].id: "complete",
+            **{b.id: "expired" for b in idle},
+            closed_idle.id: "expired",
+        }
+        assert (
+            c.execute(
+                f"SELECT count(*) FROM {s}.batch_group WHERE batch_id = ANY(%s)", [[b.id for b in done[:3]]]
+            ).fetchone()[0]
+            == 0
+        )
         # A sweep with nothing to do does nothing; expired batches go after their retention.
         assert sweep(c, schema=schema, idle_expiry=3600, retention=86400, chunk=2) == type(r)(0, 0)
         assert sweep(c, schema=schema, idle_expiry=3600, retention=0, chunk=2).deleted == 7
@@ -349,7 +445,7 @@ def test_sweeper_expires_idle_and_deletes_old_in_chunks(pg_dsn, schema):
 def test_sweeper_skips_a_batch_held_by_a_transaction(pg_dsn, schema):
     with psycopg.connect(pg_dsn, autocommit=True) as c, psycopg.connect(pg_dsn) as app:
         b = tracker.open_batch(c, schema=schema)
-        c.execute(f'UPDATE "{schema}".batch SET last_activity_at = now() - interval \'2 hours\'')
+        c.execute(f"UPDATE \"{schema}\".batch SET last_activity_at = now() - interval '2 hours'")
         tracker.add_items(app, b, 1, schema=schema)  # holds the batch row, uncommitted
         assert sweep(c, schema=schema, idle_expiry=3600, retention=0).expired == 0
         app.commit()
@@ -362,7 +458,7 @@ def test_concurrent_sweepers_share_the_work(pg_dsn, schema):
 
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         ids = [tracker.open_batch(c, schema=schema).id for _ in range(300)]
-        c.execute(f'UPDATE "{schema}".batch SET last_activity_at = now() - interval \'2 hours\'')
+        c.execute(f"UPDATE \"{schema}\".batch SET last_activity_at = now() - interval '2 hours'")
     results, errors = [], []
 
     def run():
@@ -392,27 +488,40 @@ def test_lifecycle_metrics_count(conn, schema):
         labels = {} if name == "reaper_batches_expired_total" else {"schema": schema}
         return REGISTRY.get_sample_value(name, labels) or 0.0
 
-    names = ["reaper_batches_opened_total", "reaper_batches_closed_total", "reaper_batches_completed_total",
-             "reaper_batches_expired_total", "reaper_acks_applied_total", "reaper_acks_duplicate_total"]
+    names = [
+        "reaper_batches_opened_total",
+        "reaper_batches_closed_total",
+        "reaper_batches_completed_total",
+        "reaper_batches_expired_total",
+        "reaper_acks_applied_total",
+        "reaper_acks_duplicate_total",
+    ]
     before = {n: value(n) for n in names}
     b = tracker.open_batch(conn, schema=schema)
     tracker.add_items(conn, b, 3, schema=schema)
     tracker.ack(conn, [f"{b.id}:0:0-2", f"{b.id}:0:1"], schema=schema)
     tracker.close_batch(conn, b, schema=schema)  # settles the acks' claims: this process completes it
     idle = tracker.open_batch(conn, schema=schema)
-    conn.execute(f'UPDATE "{schema}".batch SET last_activity_at = now() - interval \'2 hours\' WHERE id = %s', [idle.id])
+    conn.execute(
+        f"UPDATE \"{schema}\".batch SET last_activity_at = now() - interval '2 hours' WHERE id = %s", [idle.id]
+    )
     sweep(conn, schema=schema, idle_expiry=3600, retention=86400)
     delta = {n: value(n) - before[n] for n in names}
-    assert delta == {"reaper_batches_opened_total": 2, "reaper_batches_closed_total": 1,
-                     "reaper_batches_completed_total": 1, "reaper_batches_expired_total": 1,
-                     "reaper_acks_applied_total": 3, "reaper_acks_duplicate_total": 1}
+    assert delta == {
+        "reaper_batches_opened_total": 2,
+        "reaper_batches_closed_total": 1,
+        "reaper_batches_completed_total": 1,
+        "reaper_batches_expired_total": 1,
+        "reaper_acks_applied_total": 3,
+        "reaper_acks_duplicate_total": 1,
+    }
 
 
 def test_sweeper_commits_chunks_only_on_an_idle_connection(pg_dsn, schema):
     with psycopg.connect(pg_dsn) as c:
         for _ in range(3):
             tracker.open_batch(c, schema=schema)
-        c.execute(f'UPDATE "{schema}".batch SET last_activity_at = now() - interval \'2 hours\'')
+        c.execute(f"UPDATE \"{schema}\".batch SET last_activity_at = now() - interval '2 hours'")
         c.commit()
         c.execute("SELECT 1")  # the caller's transaction: sweep leaves it to the caller
         assert sweep(c, schema=schema, idle_expiry=3600, retention=86400, chunk=2).expired == 3

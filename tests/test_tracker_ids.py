@@ -1,4 +1,5 @@
 """Item ids and folding: the bulk fold agrees with the one-entry-at-a-time fold on any input."""
+
 from __future__ import annotations
 
 import hypothesis.strategies as st
@@ -8,7 +9,9 @@ from hypothesis import given, settings
 from tracker import MalformedItemId, fold, format_run, parse_ack, parse_item_id
 from tracker.ids import GROUP_BITS_MAX, _fold_each, _fold_plain_ids, iter_ids
 
-plain = st.builds(lambda b, g, i: f"{b}:{g}:{i}", st.integers(0, 3), st.integers(0, 3), st.integers(0, GROUP_BITS_MAX - 1))
+plain = st.builds(
+    lambda b, g, i: f"{b}:{g}:{i}", st.integers(0, 3), st.integers(0, 3), st.integers(0, GROUP_BITS_MAX - 1)
+)
 odd = st.sampled_from(["1:2:3-9", "1:2:0-8191", "007:2:5", "1:02:5", "1:2:0005", "5:0:8191"])
 
 
@@ -37,8 +40,27 @@ def test_fold_counts_duplicates_and_marks_bits_from_the_left():
     assert list(iter_ids([m])) == ["9:1:0", "9:1:3", "9:1:4", "9:1:9"]
 
 
-@pytest.mark.parametrize("bad", ["1:2", "1:2:3:4", ":1:2", "1::2", "1:2:", "a:1:2", "1:2:x", "1:2:-3", "1:2:5-3",
-                                 "1:2:\u0663", "1:2: 3", "1:2:+3", "1:2:3_0", "", b"\xff:1:2", 12])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "1:2",
+        "1:2:3:4",
+        ":1:2",
+        "1::2",
+        "1:2:",
+        "a:1:2",
+        "1:2:x",
+        "1:2:-3",
+        "1:2:5-3",
+        "1:2:\u0663",
+        "1:2: 3",
+        "1:2:+3",
+        "1:2:3_0",
+        "",
+        b"\xff:1:2",
+        12,
+    ],
+)
 def test_malformed_ids_are_named(bad):
     with pytest.raises(MalformedItemId) as exc:
         fold(["1:0:0", bad])

@@ -1,18 +1,18 @@
 """Bad input, over the input space: a typed error (a TrackerError) that names the value as the caller
 wrote it, raised before any allocation in proportion to it, and nothing written: the caller's
 transaction is usable and exactly as it was. Property tests against the real Postgres."""
+
 from __future__ import annotations
 
 import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_tracker_support import snapshot
 
 import tracker
 from tracker.ids import GROUP_BITS_MAX
 from tracker.validate import MAX_ITEMS_PER_CALL
-
-from test_tracker_support import snapshot
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -49,11 +49,17 @@ def refused(conn, schema, call, error, *shown: str) -> tracker.TrackerError:
 
 # ---------------------------------------------------------------- whole arguments of the wrong type
 
-NOT_IDS = st.one_of(st.none(), st.integers(), st.floats(allow_nan=False), st.dictionaries(st.text(), st.text()),
-                    st.builds(bytearray, st.binary()))
+NOT_IDS = st.one_of(
+    st.none(),
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.dictionaries(st.text(), st.text()),
+    st.builds(bytearray, st.binary()),
+)
 NOT_COUNTS = st.one_of(st.none(), st.text(), st.floats(), st.booleans(), st.lists(st.integers(), max_size=3))
-NOT_BATCHES = st.one_of(st.text(), st.floats(), st.none(), st.booleans(), st.integers(max_value=-1),
-                        st.integers(min_value=2**63))
+NOT_BATCHES = st.one_of(
+    st.text(), st.floats(), st.none(), st.booleans(), st.integers(max_value=-1), st.integers(min_value=2**63)
+)
 
 
 @SETTINGS
@@ -93,6 +99,7 @@ def test_a_connection_the_tracker_cannot_run_in(conn, schema, world):
 
 # ---------------------------------------------------------------- counts past what a call may add
 
+
 @SETTINGS
 @given(n=st.one_of(st.integers(min_value=MAX_ITEMS_PER_CALL + 1), st.integers(max_value=-1)))
 def test_counts_out_of_bounds_are_refused_before_allocating(conn, schema, world, n):
@@ -107,8 +114,13 @@ BAD_CHARS = st.sampled_from([",", "\n", "\r", " ", "\t", "\x00", ";", "\u00a0", 
 
 
 @SETTINGS
-@given(group=st.integers(0, 0), index=st.integers(0, 19), bad=BAD_CHARS, where=st.integers(0, 100),
-       others=st.integers(0, 3))
+@given(
+    group=st.integers(0, 0),
+    index=st.integers(0, 19),
+    bad=BAD_CHARS,
+    where=st.integers(0, 100),
+    others=st.integers(0, 3),
+)
 def test_ids_with_a_foreign_character_inside(conn, schema, world, group, index, bad, where, others):
     t, batch, _ = world
     good = f"{batch.id}:{group}:{index}"
@@ -121,8 +133,13 @@ def test_ids_with_a_foreign_character_inside(conn, schema, world, group, index, 
         parsed = None
     if parsed is not None:  # a harmless spelling (e.g. "+" never is; ':' at an end never is)
         pytest.fail(f"{entry!r} parsed as {parsed}")
-    err = refused(conn, schema, lambda: t.ack(conn, ids), (tracker.MalformedItemId, tracker.IndexOutOfRange),
-                  repr(entry) if isinstance(entry, str) else entry)
+    err = refused(
+        conn,
+        schema,
+        lambda: t.ack(conn, ids),
+        (tracker.MalformedItemId, tracker.IndexOutOfRange),
+        repr(entry) if isinstance(entry, str) else entry,
+    )
     assert getattr(err, "item_id", None) == entry
 
 
@@ -134,6 +151,7 @@ def test_an_id_with_a_newline_is_not_two_ids(conn, schema, world):
 
 
 # ---------------------------------------------------------------- runs past a group's end
+
 
 @SETTINGS
 @given(start=st.integers(0, 19), past=st.integers(20, GROUP_BITS_MAX - 1), bytes_form=st.booleans())
@@ -150,14 +168,20 @@ def test_a_run_past_the_groups_end_is_named_as_written(conn, schema, world, star
 def test_an_index_no_group_can_hold(conn, schema, world, index):
     t, batch, _ = world
     entry = f"{batch.id}:0:0-{index}"
-    refused(conn, schema, lambda: t.ack(conn, [entry]), (tracker.IndexOutOfRange, tracker.MalformedItemId),
-            repr(entry)[:60])
+    refused(
+        conn, schema, lambda: t.ack(conn, [entry]), (tracker.IndexOutOfRange, tracker.MalformedItemId), repr(entry)[:60]
+    )
 
 
 # ---------------------------------------------------------------- headers, topics and keys
 
-NOT_HEADER_VALUES = st.one_of(st.integers(), st.floats(allow_nan=False), st.none(), st.lists(st.binary(), max_size=2),
-                              st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2))
+NOT_HEADER_VALUES = st.one_of(
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.none(),
+    st.lists(st.binary(), max_size=2),
+    st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2),
+)
 
 
 @SETTINGS
@@ -175,13 +199,20 @@ def test_header_values_of_unsupported_types(conn, schema, world, value, per_item
 @given(name=st.one_of(st.integers(), st.none(), st.just(""), st.binary(min_size=1)))
 def test_header_names_of_unsupported_types(conn, schema, world, name):
     t, batch, _ = world
-    refused(conn, schema, lambda: t.enqueue(conn, batch, [b"a"], topic="w", headers=[(name, b"v")]),
-            tracker.InvalidArgument, "header name", repr(name))
+    refused(
+        conn,
+        schema,
+        lambda: t.enqueue(conn, batch, [b"a"], topic="w", headers=[(name, b"v")]),
+        tracker.InvalidArgument,
+        "header name",
+        repr(name),
+    )
 
 
 BAD_TEXT = st.one_of(
     st.tuples(st.text(max_size=5), st.text(max_size=5)).map(lambda p: p[0] + "\x00" + p[1]),
-    st.tuples(st.text(max_size=5), st.sampled_from(["\ud800", "\udcff", "\udfff"])).map(lambda p: p[0] + p[1]))
+    st.tuples(st.text(max_size=5), st.sampled_from(["\ud800", "\udcff", "\udfff"])).map(lambda p: p[0] + p[1]),
+)
 
 
 @SETTINGS
@@ -192,8 +223,13 @@ def test_nul_or_invalid_utf8_in_topics_user_keys_and_header_names(conn, schema, 
     refused(conn, schema, lambda: t.open_batch(conn, user_key=text), tracker.InvalidValue, "user_key", repr(text))
     refused(conn, schema, lambda: t.open_batch(conn, completion_topic=text), tracker.InvalidValue, "completion_topic")
     if text:  # a header name is text too
-        refused(conn, schema, lambda: t.enqueue(conn, batch, [b"a"], topic="w", headers={text: b"v"}),
-                tracker.InvalidValue, repr(text))
+        refused(
+            conn,
+            schema,
+            lambda: t.enqueue(conn, batch, [b"a"], topic="w", headers={text: b"v"}),
+            tracker.InvalidValue,
+            repr(text),
+        )
 
 
 @SETTINGS
@@ -203,8 +239,13 @@ def test_invalid_utf8_in_keys_values_and_header_values(conn, schema, world, pref
     text = prefix + bad
     refused(conn, schema, lambda: t.enqueue(conn, batch, [b"a"], topic="w", key=text), tracker.InvalidValue, "key")
     refused(conn, schema, lambda: t.enqueue(conn, batch, [b"a", text], topic="w"), tracker.InvalidValue, "item value")
-    refused(conn, schema, lambda: t.enqueue(conn, batch, [b"a"], topic="w", headers={"h": text}),
-            tracker.InvalidValue, "header 'h' value")
+    refused(
+        conn,
+        schema,
+        lambda: t.enqueue(conn, batch, [b"a"], topic="w", headers={"h": text}),
+        tracker.InvalidValue,
+        "header 'h' value",
+    )
 
 
 def test_a_nul_in_a_key_is_bytes_and_round_trips(conn, schema, world):
@@ -235,4 +276,5 @@ def test_nothing_to_ack_is_a_no_op(conn, schema, world, empty):
         async with await psycopg.AsyncConnection.connect(conn.info.dsn) as aconn:
             r = await tracker.AsyncTracker(schema=schema).ack(aconn, [])
             assert (r.acked, r.duplicates, r.completed) == (0, 0, [])
+
     asyncio.run(async_side())

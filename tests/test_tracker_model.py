@@ -3,6 +3,7 @@
 After every step the model and the database agree on every batch's state, total and pending and
 on the completion events written, and invariant 1 holds (checked with SQL).
 """
+
 from __future__ import annotations
 
 import copy
@@ -12,6 +13,7 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from test_tracker_support import invariant_violations
 
 import tracker
 from tracker import outbox
@@ -19,14 +21,12 @@ from tracker.acks import CLAIMS_PER_CALL_MAX
 from tracker.ids import GROUP_BITS_MAX
 from tracker.sweeper import sweep
 
-from test_tracker_support import invariant_violations
-
 
 class ModelBatch:
     def __init__(self, batch_id: int) -> None:
         self.id = batch_id
         self.state = "open"
-        self.sizes: list[int] = []       # group sizes, in group-id order
+        self.sizes: list[int] = []  # group sizes, in group-id order
         self.acked: set[tuple[int, int]] = set()
         self.claimed: set[tuple[int, int]] = set()  # acked in the open transaction, not settled yet
         self.events = 0
@@ -155,8 +155,9 @@ class TrackerMachine(RuleBasedStateMachine):
         b = self.pick(data)
         if b is None or not (b.acked or b.claimed):
             return
-        again = data.draw(st.lists(st.sampled_from(sorted(b.acked | b.claimed)), min_size=1, max_size=10),
-                          label="again")
+        again = data.draw(
+            st.lists(st.sampled_from(sorted(b.acked | b.claimed)), min_size=1, max_size=10), label="again"
+        )
         if b.state == "expired":
             with pytest.raises(tracker.BatchExpired):
                 tracker.ack(self.conn, self.ids(b, again), schema=self.schema)
@@ -199,8 +200,9 @@ class TrackerMachine(RuleBasedStateMachine):
         b = self.pick(data, "open", "closed")
         if b is None:
             return
-        self.conn.execute(f'UPDATE "{self.schema}".batch SET last_activity_at = now() - interval \'1 day\' WHERE id = %s',
-                          [b.id])
+        self.conn.execute(
+            f"UPDATE \"{self.schema}\".batch SET last_activity_at = now() - interval '1 day' WHERE id = %s", [b.id]
+        )
         assert sweep(self.conn, schema=self.schema, idle_expiry=3600, retention=10 * 86400).expired == 1
         b.state = "expired"
         b.events += 1  # the expiry event, on the batch's completion topic (tracker.sweeper)
@@ -245,7 +247,9 @@ class TrackerMachine(RuleBasedStateMachine):
         rows = self.conn.execute(
             f"SELECT b.id, b.state, b.total, b.pending, "
             f"(SELECT count(*) FROM {s}.outbox o WHERE o.topic = 'batch-completions' AND o.key = convert_to(b.id::text, 'UTF8')) "
-            f"FROM {s}.batch b WHERE b.id = ANY(%s) ORDER BY b.id", [sorted(self.batches)]).fetchall()
+            f"FROM {s}.batch b WHERE b.id = ANY(%s) ORDER BY b.id",
+            [sorted(self.batches)],
+        ).fetchall()
         assert rows == [(b.id, b.state, b.total, b.pending, b.events) for _, b in sorted(self.batches.items())]
 
 
@@ -253,6 +257,11 @@ def test_tracker_agrees_with_model(pg_dsn, schema):
     with psycopg.connect(pg_dsn) as conn:
         run_state_machine_as_test(
             lambda: TrackerMachine(conn, schema),
-            settings=settings(max_examples=60, stateful_step_count=30, deadline=None,
-                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
+            settings=settings(
+                max_examples=60,
+                stateful_step_count=30,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+            ),
+        )
         conn.rollback()

@@ -14,6 +14,7 @@ PgBouncer, in test_tracker_modes_pgbouncer.py):
 Modes with no caller transaction (autocommit, no block) check instead that a call is its own
 transaction: committed when it returns, nothing left when it fails, the connection left idle.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,11 +31,10 @@ from psycopg import pq
 from psycopg.rows import dict_row, namedtuple_row
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
+from test_tracker_support import snapshot
 
 import tracker
 from tracker.aio import AsyncTracker
-
-from test_tracker_support import snapshot
 
 POISON = """
 CREATE TABLE caller_rows (tag text NOT NULL);
@@ -85,9 +85,9 @@ def poisoned(pg_dsn, schema):
 @dataclass
 class Caller:
     session: Any
-    write: Callable[[str], Any]         # the caller's own business write (sync, or a coroutine)
-    transactional: bool = True          # False: autocommit with no block, each call commits itself
-    raw: Any = None                     # the psycopg connection underneath
+    write: Callable[[str], Any]  # the caller's own business write (sync, or a coroutine)
+    transactional: bool = True  # False: autocommit with no block, each call commits itself
+    raw: Any = None  # the psycopg connection underneath
 
 
 class _Rollback(Exception):
@@ -110,12 +110,21 @@ def _psycopg_caller(conn: psycopg.Connection, schema: str, transactional: bool =
 def sync_mode(mode: str, dsn: str, schema: str, commit: bool, extra: dict[str, Any]) -> Iterator[Caller]:
     sa_url = dsn.replace("postgresql://", "postgresql+psycopg://", 1)
     kwargs: dict[str, Any] = extra | {
-        "dict_row": {"row_factory": dict_row}, "namedtuple_row": {"row_factory": namedtuple_row},
-        "client_cursor": {"cursor_factory": psycopg.ClientCursor}, "no_prepare": {"prepare_threshold": None},
+        "dict_row": {"row_factory": dict_row},
+        "namedtuple_row": {"row_factory": namedtuple_row},
+        "client_cursor": {"cursor_factory": psycopg.ClientCursor},
+        "no_prepare": {"prepare_threshold": None},
         "always_prepare": {"prepare_threshold": 0},
     }.get(mode, {})
-    if mode in ("autocommit_off", "dict_row", "namedtuple_row", "client_cursor", "no_prepare", "always_prepare",
-                "autocommit_off_idle"):
+    if mode in (
+        "autocommit_off",
+        "dict_row",
+        "namedtuple_row",
+        "client_cursor",
+        "no_prepare",
+        "always_prepare",
+        "autocommit_off_idle",
+    ):
         with psycopg.connect(dsn, **kwargs) as conn:
             yield _psycopg_caller(conn, schema)
             conn.commit() if commit else conn.rollback()
@@ -150,8 +159,11 @@ def sync_mode(mode: str, dsn: str, schema: str, commit: bool, extra: dict[str, A
                     if mode == "sa_begin_nested":
                         session.execute(_sa_own(schema), {"tag": "outer"})
                         stack.enter_context(session.begin_nested())
-                    yield Caller(session, lambda tag: session.execute(_sa_own(schema), {"tag": tag}),
-                                 raw=session.connection().connection.driver_connection)
+                    yield Caller(
+                        session,
+                        lambda tag: session.execute(_sa_own(schema), {"tag": tag}),
+                        raw=session.connection().connection.driver_connection,
+                    )
                 session.commit() if commit else session.rollback()
         finally:
             engine.dispose()
@@ -160,8 +172,11 @@ def sync_mode(mode: str, dsn: str, schema: str, commit: bool, extra: dict[str, A
         try:
             with engine.connect() as sa_conn:
                 sa_conn.begin()
-                yield Caller(sa_conn, lambda tag: sa_conn.execute(_sa_own(schema), {"tag": tag}),
-                             raw=sa_conn.connection.driver_connection)
+                yield Caller(
+                    sa_conn,
+                    lambda tag: sa_conn.execute(_sa_own(schema), {"tag": tag}),
+                    raw=sa_conn.connection.driver_connection,
+                )
                 sa_conn.commit() if commit else sa_conn.rollback()
         finally:
             engine.dispose()
@@ -172,6 +187,7 @@ def sync_mode(mode: str, dsn: str, schema: str, commit: bool, extra: dict[str, A
 def _apsycopg_caller(conn: psycopg.AsyncConnection, schema: str, transactional: bool = True) -> Caller:
     async def write(tag: str) -> None:
         await conn.execute(_own(schema), [tag])
+
     return Caller(conn, write, transactional, conn)
 
 
@@ -179,8 +195,10 @@ def _apsycopg_caller(conn: psycopg.AsyncConnection, schema: str, transactional: 
 async def async_mode(mode: str, dsn: str, schema: str, commit: bool, extra: dict[str, Any]) -> AsyncIterator[Caller]:
     sa_url = dsn.replace("postgresql://", "postgresql+psycopg://", 1)
     if mode in ("autocommit_off", "dict_row", "autocommit_off_idle", "no_prepare"):
-        kwargs: dict[str, Any] = extra | {"dict_row": {"row_factory": dict_row},
-                                          "no_prepare": {"prepare_threshold": None}}.get(mode, {})
+        kwargs: dict[str, Any] = extra | {
+            "dict_row": {"row_factory": dict_row},
+            "no_prepare": {"prepare_threshold": None},
+        }.get(mode, {})
         async with await psycopg.AsyncConnection.connect(dsn, **kwargs) as conn:
             yield _apsycopg_caller(conn, schema)
             await (conn.commit() if commit else conn.rollback())
@@ -209,8 +227,10 @@ async def async_mode(mode: str, dsn: str, schema: str, commit: bool, extra: dict
         engine = create_async_engine(sa_url, poolclass=sa.pool.NullPool, connect_args=extra)
         try:
             async with AsyncSession(engine) as session:
+
                 async def write(tag: str) -> None:
                     await session.execute(_sa_own(schema), {"tag": tag})
+
                 async with contextlib.AsyncExitStack() as stack:
                     if mode == "sa_begin_nested":
                         await write("outer")
@@ -228,6 +248,7 @@ async def async_mode(mode: str, dsn: str, schema: str, commit: bool, extra: dict
 
                 async def write(tag: str) -> None:
                     await sa_conn.execute(_sa_own(schema), {"tag": tag})
+
                 raw = (await sa_conn.get_raw_connection()).driver_connection
                 yield Caller(sa_conn, write, raw=raw)
                 await (sa_conn.commit() if commit else sa_conn.rollback())
@@ -240,8 +261,10 @@ async def async_mode(mode: str, dsn: str, schema: str, commit: bool, extra: dict
         pg_kwargs = {"statement_cache_size": 0} if "prepare_threshold" in extra else {}
         conn = await asyncpg.connect(dsn, **pg_kwargs)
         try:
+
             async def awrite(tag: str) -> None:
                 await conn.execute(f'INSERT INTO "{schema}".caller_rows (tag) VALUES ($1)', tag)
+
             if mode == "asyncpg_no_block":
                 yield Caller(conn, awrite, False, conn)
             else:
@@ -259,13 +282,18 @@ async def async_mode(mode: str, dsn: str, schema: str, commit: bool, extra: dict
         finally:
             await conn.close()
     elif mode in ("sa_asyncpg_session", "sa_asyncpg_begin_nested"):
-        pg_kwargs = {"statement_cache_size": 0, "prepared_statement_cache_size": 0} if "prepare_threshold" in extra else {}
-        engine = create_async_engine(dsn.replace("postgresql://", "postgresql+asyncpg://", 1), poolclass=sa.pool.NullPool,
-                                     connect_args=pg_kwargs)
+        pg_kwargs = (
+            {"statement_cache_size": 0, "prepared_statement_cache_size": 0} if "prepare_threshold" in extra else {}
+        )
+        engine = create_async_engine(
+            dsn.replace("postgresql://", "postgresql+asyncpg://", 1), poolclass=sa.pool.NullPool, connect_args=pg_kwargs
+        )
         try:
             async with AsyncSession(engine) as session:
+
                 async def swrite(tag: str) -> None:
                     await session.execute(_sa_own(schema), {"tag": tag})
+
                 async with contextlib.AsyncExitStack() as stack:
                     if mode == "sa_asyncpg_begin_nested":
                         await swrite("outer")
@@ -291,13 +319,41 @@ def idle(raw: Any) -> bool:
     return raw.info.transaction_status == pq.TransactionStatus.IDLE
 
 
-SYNC_MODES = ["autocommit_off", "autocommit_off_idle", "autocommit_no_block", "autocommit_block",
-              "autocommit_nested_block", "pipeline", "pipeline_autocommit_block", "dict_row", "namedtuple_row",
-              "client_cursor", "no_prepare", "always_prepare", "sa_session", "sa_connection", "sa_begin_nested"]
-ASYNC_MODES = ["autocommit_off", "autocommit_off_idle", "autocommit_no_block", "autocommit_block",
-               "autocommit_nested_block", "pipeline", "dict_row", "no_prepare", "sa_session", "sa_connection",
-               "sa_begin_nested", "asyncpg_no_block", "asyncpg_transaction", "asyncpg_nested", "sa_asyncpg_session",
-               "sa_asyncpg_begin_nested"]
+SYNC_MODES = [
+    "autocommit_off",
+    "autocommit_off_idle",
+    "autocommit_no_block",
+    "autocommit_block",
+    "autocommit_nested_block",
+    "pipeline",
+    "pipeline_autocommit_block",
+    "dict_row",
+    "namedtuple_row",
+    "client_cursor",
+    "no_prepare",
+    "always_prepare",
+    "sa_session",
+    "sa_connection",
+    "sa_begin_nested",
+]
+ASYNC_MODES = [
+    "autocommit_off",
+    "autocommit_off_idle",
+    "autocommit_no_block",
+    "autocommit_block",
+    "autocommit_nested_block",
+    "pipeline",
+    "dict_row",
+    "no_prepare",
+    "sa_session",
+    "sa_connection",
+    "sa_begin_nested",
+    "asyncpg_no_block",
+    "asyncpg_transaction",
+    "asyncpg_nested",
+    "sa_asyncpg_session",
+    "sa_asyncpg_begin_nested",
+]
 OPS = ["open", "enqueue", "add_items", "close", "ack", "exactly_once", "status"]
 
 
@@ -307,11 +363,12 @@ OPS = ["open", "enqueue", "add_items", "close", "ack", "exactly_once", "status"]
 @dataclass
 class Fixture:
     """Committed batches the operations work on, made before the caller's transaction."""
-    open_batch: tracker.Batch      # open, 3 items
-    closed_batch: tracker.Batch    # closed, 3 items pending, completion topic 'done'
-    poison_batch: tracker.Batch    # open, user_key poison-add (its add fails), 3 items
-    poison_closed: tracker.Batch   # closed, completion topic 'poison' (its completion fails), 3 items
-    poison_empty: tracker.Batch    # open, nothing in it, completion topic 'poison' (its close fails)
+
+    open_batch: tracker.Batch  # open, 3 items
+    closed_batch: tracker.Batch  # closed, 3 items pending, completion topic 'done'
+    poison_batch: tracker.Batch  # open, user_key poison-add (its add fails), 3 items
+    poison_closed: tracker.Batch  # closed, completion topic 'poison' (its completion fails), 3 items
+    poison_empty: tracker.Batch  # open, nothing in it, completion topic 'poison' (its close fails)
 
 
 def _prepare(dsn: str, schema: str, extra: dict[str, Any]) -> Fixture:
@@ -342,8 +399,9 @@ def call(t: Any, op: str, session: Any, fx: Fixture, caller: Caller, *, poisoned
         return t.open_batch(session, user_key="poison-open" if poisoned else "new", completion_topic="done")
     if op == "enqueue":
         target = fx.poison_batch if poisoned else fx.open_batch
-        return t.enqueue(session, target, [b"x", {"n": 1}, "y"], topic="poison" if poisoned else "items",
-                         headers={"h": b"v"})
+        return t.enqueue(
+            session, target, [b"x", {"n": 1}, "y"], topic="poison" if poisoned else "items", headers={"h": b"v"}
+        )
     if op == "add_items":
         return t.add_items(session, fx.poison_batch if poisoned else fx.open_batch, 10_000)
     if op == "close":
@@ -361,11 +419,14 @@ def call(t: Any, op: str, session: Any, fx: Fixture, caller: Caller, *, poisoned
             if not poisoned:
                 return written
             if inspect.isawaitable(written):
+
                 async def fail() -> None:
                     await written
                     await caller.raw.execute("SELECT 1 / 0")
+
                 return fail()
             return caller.raw.execute("SELECT 1 / 0")
+
         return t.exactly_once(session, item, effect)
     if op == "status":
         return t.status(session, 10**12 if poisoned else b)
@@ -424,8 +485,9 @@ def _sync_cell(dsn: str, schema: str, mode: str, op: str, outcome: str, extra: d
     _assert_outcome(mode, op, outcome, before, after, caller.transactional)
 
 
-def _assert_outcome(mode: str, op: str, outcome: str, before: dict, after: tuple[dict, list],
-                    transactional: bool) -> None:
+def _assert_outcome(
+    mode: str, op: str, outcome: str, before: dict, after: tuple[dict, list], transactional: bool
+) -> None:
     state, rows = after
     tags = sorted(t for (t,) in rows)
     if outcome == "rolled_back" and transactional:
@@ -453,9 +515,11 @@ async def _async_cell(dsn: str, schema: str, mode: str, op: str, outcome: str, e
             errors = EXPECTED_ERROR.get(op, (psycopg.errors.RaiseException,))
             if "asyncpg" in mode:
                 import asyncpg
-                errors = {"status": (tracker.UnknownBatch,),
-                          "exactly_once": (asyncpg.exceptions.DivisionByZeroError,)}.get(
-                    op, (asyncpg.exceptions.RaiseError,))
+
+                errors = {
+                    "status": (tracker.UnknownBatch,),
+                    "exactly_once": (asyncpg.exceptions.DivisionByZeroError,),
+                }.get(op, (asyncpg.exceptions.RaiseError,))
             with pytest.raises(errors):
                 await call(t, op, caller.session, fx, caller, poisoned=True)
         else:

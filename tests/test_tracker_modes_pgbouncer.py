@@ -1,12 +1,12 @@
 """The connection-mode matrix of test_tracker_modes.py again, every connection through the real
 PgBouncer in transaction pooling mode (Debian's 1.18: no protocol-level prepared statements, so
 the callers connect with prepare_threshold=None, as the README's PgBouncer section says)."""
+
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-
 from test_tracker_modes import ASYNC_MODES, OPS, OUTCOMES, SYNC_MODES, _async_cell, _sync_cell, poisoned  # noqa: F401
 
 NO_PREPARE = {"prepare_threshold": None}

@@ -2,6 +2,7 @@
 another worker closes them, 200 rounds with random timing. Every round ends with exactly one
 completion event per batch, never zero, never two, and no deadlock or error anywhere.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -12,10 +13,9 @@ import time
 
 import psycopg
 import pytest
+from test_tracker_support import invariant_violations
 
 import tracker
-
-from test_tracker_support import invariant_violations
 
 ROUNDS = 200
 THREADS, PROCESSES = 4, 4
@@ -95,9 +95,13 @@ def test_close_racing_acks_completes_exactly_once(pg_dsn, schema):
     results_p = ctx.Queue()
     thread_jobs = [queue.Queue() for _ in range(THREADS + 1)]
     proc_jobs = [ctx.Queue() for _ in range(PROCESSES)]
-    threads = [threading.Thread(target=ack_worker, args=(pg_dsn, schema, q, results_t), daemon=True)
-               for q in thread_jobs[:THREADS]]
-    threads.append(threading.Thread(target=close_worker, args=(pg_dsn, schema, thread_jobs[-1], results_t), daemon=True))
+    threads = [
+        threading.Thread(target=ack_worker, args=(pg_dsn, schema, q, results_t), daemon=True)
+        for q in thread_jobs[:THREADS]
+    ]
+    threads.append(
+        threading.Thread(target=close_worker, args=(pg_dsn, schema, thread_jobs[-1], results_t), daemon=True)
+    )
     procs = [ctx.Process(target=ack_worker, args=(pg_dsn, schema, q, results_p), daemon=True) for q in proc_jobs]
     for w in [*threads, *procs]:
         w.start()
@@ -129,7 +133,9 @@ def test_close_racing_acks_completes_exactly_once(pg_dsn, schema):
                 rows = conn.execute(
                     f'SELECT b.id, b.state, b.pending, (SELECT count(*) FROM "{schema}".outbox o '
                     f"WHERE o.topic = 'batch-completions' AND o.key = convert_to(b.id::text, 'UTF8')) "
-                    f'FROM "{schema}".batch b WHERE b.id = ANY(%s) ORDER BY b.id', [batch_ids]).fetchall()
+                    f'FROM "{schema}".batch b WHERE b.id = ANY(%s) ORDER BY b.id',
+                    [batch_ids],
+                ).fetchall()
                 assert rows == [(b, "complete", 0, 1) for b in sorted(batch_ids)], context
                 conn.rollback()
             assert invariant_violations(conn, schema) == []

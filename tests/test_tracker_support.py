@@ -1,4 +1,5 @@
 """Helpers shared by the tracker tests (no tests here): a whole-schema snapshot, the invariant-1 check."""
+
 from __future__ import annotations
 
 import psycopg

@@ -15,26 +15,74 @@ default tracker of `schema=` ("reaper"); for another outbox table or completion 
 `Tracker(schema=, outbox_table=, completion_topic=, registry=)` (or `aio.AsyncTracker`) and call
 its methods.
 """
+
 from . import aio, outbox
 from .acks import AckResult
 from .aio import AsyncTracker
 from .api import Tracker, ack, add_items, apply_masks, close_batch, exactly_once, open_batch, status
 from .batches import Batch, BatchStatus, GroupHandle
 from .consumer import AckProducer, MissingItemId, Processed, item_id_of
-from .errors import (BatchExpired, BatchNotOpen, CallerTransactionAborted, IndexOutOfRange, InvalidArgument,
-                     InvalidIdentifier, InvalidValue, MalformedItemId, TrackerError, UnknownBatch, UnknownGroup,
-                     UnsupportedConnection)
-from .settler import SettleResult, Settler, settle
+from .errors import (
+    BatchExpired,
+    BatchNotOpen,
+    CallerTransactionAborted,
+    IndexOutOfRange,
+    InvalidArgument,
+    InvalidIdentifier,
+    InvalidValue,
+    MalformedItemId,
+    TrackerError,
+    UnknownBatch,
+    UnknownGroup,
+    UnsupportedConnection,
+)
 from .ids import GroupMask, IdRun, ItemId, expand, fold, format_item_id, format_run, parse_ack, parse_item_id
 from .outbox import Message
+from .settler import Settler, SettleResult, settle
 
 __all__ = [
-    "Tracker", "AsyncTracker", "aio", "outbox",
-    "open_batch", "add_items", "close_batch", "ack", "apply_masks", "status", "settle", "Settler", "SettleResult",
-    "AckProducer", "exactly_once", "item_id_of", "MissingItemId", "Processed",
-    "AckResult", "Batch", "BatchStatus", "GroupHandle", "Message",
-    "BatchExpired", "BatchNotOpen", "CallerTransactionAborted", "IndexOutOfRange", "InvalidArgument",
-    "InvalidIdentifier", "InvalidValue", "MalformedItemId", "TrackerError", "UnknownBatch", "UnknownGroup",
-    "UnsupportedConnection", "GroupMask", "IdRun", "ItemId", "expand", "fold", "format_item_id",
-    "format_run", "parse_ack", "parse_item_id",
+    "Tracker",
+    "AsyncTracker",
+    "aio",
+    "outbox",
+    "open_batch",
+    "add_items",
+    "close_batch",
+    "ack",
+    "apply_masks",
+    "status",
+    "settle",
+    "Settler",
+    "SettleResult",
+    "AckProducer",
+    "exactly_once",
+    "item_id_of",
+    "MissingItemId",
+    "Processed",
+    "AckResult",
+    "Batch",
+    "BatchStatus",
+    "GroupHandle",
+    "Message",
+    "BatchExpired",
+    "BatchNotOpen",
+    "CallerTransactionAborted",
+    "IndexOutOfRange",
+    "InvalidArgument",
+    "InvalidIdentifier",
+    "InvalidValue",
+    "MalformedItemId",
+    "TrackerError",
+    "UnknownBatch",
+    "UnknownGroup",
+    "UnsupportedConnection",
+    "GroupMask",
+    "IdRun",
+    "ItemId",
+    "expand",
+    "fold",
+    "format_item_id",
+    "format_run",
+    "parse_ack",
+    "parse_item_id",
 ]

@@ -22,6 +22,7 @@ nothing (and completes nothing twice). A bad ack never blocks its partition: it 
 and the offsets move past it. If the database or the dead-letter topic fails, the poll's
 partitions are rewound to their first offset of the poll and retried after a back-off.
 """
+
 from __future__ import annotations
 
 import logging
@@ -85,9 +86,11 @@ class Folded:
     """A poll's acks folded per group, the entries set aside, and how far each partition got."""
 
     masks: dict[tuple[int, int], GroupMask] = field(default_factory=dict)
-    bad: list[tuple[bytes | None, bytes | None, str, int, int]] = field(default_factory=list)  # key, entry, reason, partition, offset
+    bad: list[tuple[bytes | None, bytes | None, str, int, int]] = field(
+        default_factory=list
+    )  # key, entry, reason, partition, offset
     first: dict[int, int] = field(default_factory=dict)  # partition -> first offset in the poll
-    last: dict[int, int] = field(default_factory=dict)   # partition -> last offset in the poll
+    last: dict[int, int] = field(default_factory=dict)  # partition -> last offset in the poll
     messages: int = 0
     errors: list[Any] = field(default_factory=list)  # KafkaErrors the poll returned instead of messages
 
@@ -151,12 +154,26 @@ def fold_messages(messages: list[Any]) -> Folded:
 
 
 class Acker:
-    def __init__(self, *, dsn: str, schema: str, bootstrap_servers: str, kafka_client: dict | None = None,
-                 topic: str, group: str, dead_letter_topic: str, max_poll_records: int = 100_000,
-                 consumer_client: dict | None = None, producer_client: dict | None = None,
-                 poll_timeout: float = 0.2, lag_interval: float = 1.0, retry_backoff: float = 1.0,
-                 tracker: "Tracker | None" = None, lock_timeout: float = 2.0,
-                 deferred_retry: float = 0.05) -> None:
+    def __init__(
+        self,
+        *,
+        dsn: str,
+        schema: str,
+        bootstrap_servers: str,
+        kafka_client: dict | None = None,
+        topic: str,
+        group: str,
+        dead_letter_topic: str,
+        max_poll_records: int = 100_000,
+        consumer_client: dict | None = None,
+        producer_client: dict | None = None,
+        poll_timeout: float = 0.2,
+        lag_interval: float = 1.0,
+        retry_backoff: float = 1.0,
+        tracker: Tracker | None = None,
+        lock_timeout: float = 2.0,
+        deferred_retry: float = 0.05,
+    ) -> None:
         self.dsn = dsn
         self.schema = check_identifier(schema, "schema")
         # where acks are applied and completion events written (its schema must be `schema`)
@@ -173,8 +190,10 @@ class Acker:
         self.lag_interval = lag_interval
         self.retry_backoff = retry_backoff
         if not 0 < float(lock_timeout) <= 3600 or not 0 < float(deferred_retry) <= 60:
-            raise ValueError(f"lock_timeout must be in (0, 3600] and deferred_retry in (0, 60] seconds, "
-                             f"got {lock_timeout!r}, {deferred_retry!r}")
+            raise ValueError(
+                f"lock_timeout must be in (0, 3600] and deferred_retry in (0, 60] seconds, "
+                f"got {lock_timeout!r}, {deferred_retry!r}"
+            )
         self.lock_timeout = float(lock_timeout)
         self.deferred_retry = float(deferred_retry)
         # masks of batches that were locked elsewhere, applied with the next poll (or on their own)
@@ -188,26 +207,44 @@ class Acker:
             # per partition per fetch, 1M single-id acks took 7.3 s to consume here; with 8 MiB, 0.9 s.
             # Prefetching several polls ahead (still capped by queued.max.messages.kbytes, 64 MiB
             # per partition) took the acker from 2.6 s to 1.9 s per 1M single-id acks.
-            "max.partition.fetch.bytes": 8 << 20, "queued.min.messages": max(500_000, 5 * self.max_poll_records),
-            "partition.assignment.strategy": "cooperative-sticky", "auto.offset.reset": "earliest",
-            **client, **(consumer_client or {}),
+            "max.partition.fetch.bytes": 8 << 20,
+            "queued.min.messages": max(500_000, 5 * self.max_poll_records),
+            "partition.assignment.strategy": "cooperative-sticky",
+            "auto.offset.reset": "earliest",
+            **client,
+            **(consumer_client or {}),
             # What the acker's correctness rests on: offsets are committed by hand after the database.
-            "bootstrap.servers": bootstrap_servers, "group.id": group, "enable.auto.commit": False,
+            "bootstrap.servers": bootstrap_servers,
+            "group.id": group,
+            "enable.auto.commit": False,
             "enable.auto.offset.store": False,
             # librdkafka's lines through logging (the reaper bridges it to structlog), never raw to stderr
             "logger": logging.getLogger("reaper.kafka.acker-consumer"),
         }
-        self._producer_conf = {"linger.ms": 5, **client, **(producer_client or {}),
-                               "bootstrap.servers": bootstrap_servers, "enable.idempotence": True,
-                               "logger": logging.getLogger("reaper.kafka.dead-letter-producer")}
+        self._producer_conf = {
+            "linger.ms": 5,
+            **client,
+            **(producer_client or {}),
+            "bootstrap.servers": bootstrap_servers,
+            "enable.idempotence": True,
+            "logger": logging.getLogger("reaper.kafka.dead-letter-producer"),
+        }
         # offsets applied in the database whose Kafka commit has not succeeded yet
         self._uncommitted: dict[int, int] = {}
         self._consumer: Consumer | None = None
         self._conn: psycopg.Connection | None = None
         self._lag_due = 0.0
         # counters for tests and benchmarks (the Prometheus metrics are process-wide)
-        self.stats = {"polls": 0, "messages": 0, "acked": 0, "duplicates": 0, "completed": 0, "dead_lettered": 0,
-                      "retries": 0, "deferred": 0}
+        self.stats = {
+            "polls": 0,
+            "messages": 0,
+            "acked": 0,
+            "duplicates": 0,
+            "completed": 0,
+            "dead_lettered": 0,
+            "retries": 0,
+            "deferred": 0,
+        }
 
     # ---------------------------------------------------------------- loop
 
@@ -216,8 +253,9 @@ class Acker:
         consumer = self._consumer = Consumer(self._consumer_conf)
         producer = Producer(self._producer_conf)
         try:
-            consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                               on_lost=self._on_lost)
+            consumer.subscribe(
+                [self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+            )
             log.info("acker started", topic=self.topic, group=self.group, dead_letter_topic=self.dead_letter_topic)
             while not stop.is_set():
                 messages = consumer.consume(num_messages=self.max_poll_records, timeout=self.poll_timeout)
@@ -302,8 +340,12 @@ class Acker:
         if now - self._deferred_logged >= 1.0:  # at most one line a second while a batch stays locked
             self._deferred_logged = now
             batches = sorted({b for b, _g in result.skipped})
-            log.info("acks deferred: batch rows locked by another transaction; retrying",
-                     batches=batches[:10], batch_count=len(batches), masks=len(result.skipped))
+            log.info(
+                "acks deferred: batch rows locked by another transaction; retrying",
+                batches=batches[:10],
+                batch_count=len(batches),
+                masks=len(result.skipped),
+            )
 
     def _retry_deferred(self, consumer: Consumer) -> None:
         """No new messages: apply the deferred masks on their own."""
@@ -339,12 +381,21 @@ class Acker:
             raise
 
     def _dead_letter(self, producer: Producer, folded: Folded, result: AckResult) -> int:
-        letters: list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]] = []
+        letters: list[tuple[bytes | None, bytes | None, list[tuple[str, str | bytes | None]]]] = []
         source = self.topic.encode()
         for key, entry, reason, partition, offset in folded.bad:
-            letters.append((key, entry, [(REASON_HEADER, reason.encode()), ("source-topic", source),
-                                         ("source-partition", str(partition).encode()),
-                                         ("source-offset", str(offset).encode())]))
+            letters.append(
+                (
+                    key,
+                    entry,
+                    [
+                        (REASON_HEADER, reason.encode()),
+                        ("source-topic", source),
+                        ("source-partition", str(partition).encode()),
+                        ("source-offset", str(offset).encode()),
+                    ],
+                )
+            )
         for rejected, reason in result.rejected:
             batch_id = rejected.split(":", 1)[0].encode()
             letters.append((batch_id, rejected.encode(), [(REASON_HEADER, reason.encode()), ("source-topic", source)]))
@@ -359,18 +410,27 @@ class Acker:
         for key, value, headers in letters:
             while True:
                 try:
-                    producer.produce(self.dead_letter_topic, key=key, value=value,
-                                     headers=headers, on_delivery=delivered)  # type: ignore[arg-type]  # list is accepted
+                    producer.produce(
+                        self.dead_letter_topic, key=key, value=value, headers=headers, on_delivery=delivered
+                    )
                     break
                 except BufferError:
                     producer.poll(0.1)
         left = producer.flush(30)
         if left or failures:
-            raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT if left else KafkaError._FAIL,
-                                            f"dead letters not delivered: {left} queued, failures {failures[:3]}"))
+            raise KafkaException(
+                KafkaError(
+                    KafkaError._MSG_TIMED_OUT if left else KafkaError._FAIL,
+                    f"dead letters not delivered: {left} queued, failures {failures[:3]}",
+                )
+            )
         metrics.acks_dead_lettered.inc(len(letters))
-        log.warning("acks dead-lettered", count=len(letters), first=(letters[0][1] or b"")[:200].decode("ascii", "replace"),
-                    reason=letters[0][2][0][1].decode())
+        log.warning(
+            "acks dead-lettered",
+            count=len(letters),
+            first=(letters[0][1] or b"")[:200].decode("ascii", "replace"),
+            reason=str(letters[0][2][0][1], "utf-8") if isinstance(letters[0][2][0][1], bytes) else letters[0][2][0][1],
+        )
         return len(letters)
 
     def _commit(self, consumer: Consumer) -> None:

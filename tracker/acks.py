@@ -25,11 +25,12 @@ nothing, so they never double count; a re-ack after completion reports only dupl
 Both paths count flips against the bits as they are under the batch row lock, so they agree on
 counts and on the one completion whichever of them clears a bit first.
 """
+
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from psycopg import sql
 
@@ -38,7 +39,6 @@ from .errors import BatchExpired, IndexOutOfRange, UnknownBatch, UnknownGroup
 from .ids import GroupMask, format_run
 from .steps import Op, Query, Round
 
-
 # `Tracker.ack` claims item by item up to this many ids per call; a larger call is a bulk ack and
 # takes the masked path (apply_op: batch rows locked until the caller commits, `completed` filled).
 CLAIMS_PER_CALL_MAX = 1000
@@ -46,8 +46,8 @@ CLAIMS_PER_CALL_MAX = 1000
 
 @dataclass
 class AckResult:
-    acked: int = 0           # bits this call cleared
-    duplicates: int = 0      # ids whose bit was already clear (or named twice in the call)
+    acked: int = 0  # bits this call cleared
+    duplicates: int = 0  # ids whose bit was already clear (or named twice in the call)
     completed: list[int] = field(default_factory=list)  # batches this call completed
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (item id or run, reason), reject_invalid only
     # apply_op(skip_locked=True): masks of batches another transaction held locked, not applied
@@ -56,13 +56,19 @@ class AckResult:
 
 @functools.lru_cache(maxsize=64)
 def statements(schema: str, outbox_table: str) -> dict[str, str]:
-    t = {"batch": sql.Identifier(schema, "batch"), "group": sql.Identifier(schema, "batch_group"),
-         "claim": sql.Identifier(schema, "ack_claim"), "request": sql.Identifier(schema, "ack_settle_request"),
-         "fresh": sql.Identifier(schema, "ack_fresh_check"),
-         "outbox": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None))}
+    t = {
+        "batch": sql.Identifier(schema, "batch"),
+        "group": sql.Identifier(schema, "batch_group"),
+        "claim": sql.Identifier(schema, "ack_claim"),
+        "request": sql.Identifier(schema, "ack_settle_request"),
+        "fresh": sql.Identifier(schema, "ack_fresh_check"),
+        "outbox": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None)),
+    }
     q = {
         "lock": sql.SQL("SELECT id, state FROM {batch} WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE"),
-        "lock_skip": sql.SQL("SELECT id, state FROM {batch} WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE SKIP LOCKED"),
+        "lock_skip": sql.SQL(
+            "SELECT id, state FROM {batch} WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE SKIP LOCKED"
+        ),
         "states": sql.SQL("SELECT id, state FROM {batch} WHERE id = ANY(%s)"),
         # Claims in (batch, group, index) order, so two calls claiming overlapping items cannot
         # deadlock each other; a commit-time settle is queued for every batch claimed in.
@@ -72,16 +78,19 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             " ON CONFLICT DO NOTHING RETURNING batch_id, group_id, idx),"
             " r AS (INSERT INTO {request} (batch_id, outbox, topic)"
             " SELECT DISTINCT batch_id, {outbox}::regclass, %s FROM c ON CONFLICT DO NOTHING)"
-            " SELECT batch_id, group_id, idx FROM c"),
+            " SELECT batch_id, group_id, idx FROM c"
+        ),
         # Statements after "claim": their snapshot (READ COMMITTED) is taken after its waits.
         "read": sql.SQL(
             "SELECT u.b, u.g, u.i, CASE WHEN u.i < g.size THEN get_bit(g.bits, u.i) END"
             " FROM unnest(%s::int8[], %s::int8[], %s::int4[]) AS u(b, g, i)"
-            " JOIN {group} g ON g.batch_id = u.b AND g.id = u.g"),
+            " JOIN {group} g ON g.batch_id = u.b AND g.id = u.g"
+        ),
         "fresh": sql.SQL("SELECT {fresh}(%s::int8[], %s::int8[])"),
         "sizes": sql.SQL(
             "SELECT g.batch_id, g.id, g.size FROM unnest(%s::int8[], %s::int8[]) AS u(batch_id, id) "
-            "JOIN {group} g ON g.batch_id = u.batch_id AND g.id = u.id"),
+            "JOIN {group} g ON g.batch_id = u.batch_id AND g.id = u.id"
+        ),
         "apply": sql.SQL(
             "WITH m AS MATERIALIZED ("
             " SELECT g.batch_id, g.id, mk.mask, bit_count(g.bits & mk.mask) AS flipped"
@@ -102,7 +111,8 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             # already complete has no set bit left to flip).
             " finished AS (SELECT * FROM b WHERE state = 'complete' AND flipped > 0),"
             " event AS ({insert})"
-            " SELECT id, flipped, state = 'complete' AND flipped > 0 FROM b"),
+            " SELECT id, flipped, state = 'complete' AND flipped > 0 FROM b"
+        ),
     }
     insert = completion_insert(schema, outbox_table)
     return {k: v.format(insert=insert, **t).as_string(None) for k, v in q.items()}
@@ -137,8 +147,15 @@ def _set_bits_from(mask: GroupMask, lo: int) -> int:
     return total + int.from_bytes(mask.bits[first_byte:], "big").bit_count()
 
 
-def apply_op(q: dict[str, str], masks: Mapping[tuple[int, int], GroupMask], completion_topic: str,
-             reject_invalid: bool, *, last: bool = True, skip_locked: bool = False) -> Op[AckResult]:
+def apply_op(
+    q: dict[str, str],
+    masks: Mapping[tuple[int, int], GroupMask],
+    completion_topic: str,
+    reject_invalid: bool,
+    *,
+    last: bool = True,
+    skip_locked: bool = False,
+) -> Op[AckResult]:
     """Apply folded masks (from `tracker.ids.fold`) in the caller's transaction.
 
     reject_invalid=False: the first unknown batch/group, out-of-range index or expired batch raises
@@ -154,8 +171,10 @@ def apply_op(q: dict[str, str], masks: Mapping[tuple[int, int], GroupMask], comp
     batch_ids = sorted({m.batch_id for m in todo})
     # One round trip: savepoint, batch locks (in id order), then the groups' sizes, read after
     # the locks are held so that an add committed while we waited is seen.
-    queries = [Query(q["lock_skip" if skip_locked else "lock"], [batch_ids], "all"),
-               Query(q["sizes"], [[m.batch_id for m in todo], [m.group_id for m in todo]], "all")]
+    queries = [
+        Query(q["lock_skip" if skip_locked else "lock"], [batch_ids], "all"),
+        Query(q["sizes"], [[m.batch_id for m in todo], [m.group_id for m in todo]], "all"),
+    ]
     if skip_locked:
         queries.append(Query(q["states"], [batch_ids], "all"))
     rows = yield Round(tuple(queries))
@@ -211,8 +230,9 @@ def apply_op(q: dict[str, str], masks: Mapping[tuple[int, int], GroupMask], comp
     return result
 
 
-def claim_op(q: dict[str, str], masks: Mapping[tuple[int, int], GroupMask], completion_topic: str, *,
-             last: bool = True) -> Op[AckResult]:
+def claim_op(
+    q: dict[str, str], masks: Mapping[tuple[int, int], GroupMask], completion_topic: str, *, last: bool = True
+) -> Op[AckResult]:
     """Ack folded masks in the caller's transaction by claiming their items (see the module doc):
     no batch-wide lock; counts, bits and completion are settled at commit (or by the next settle).
 
@@ -237,13 +257,17 @@ def claim_op(q: dict[str, str], masks: Mapping[tuple[int, int], GroupMask], comp
             g_col.append(m.group_id)
             i_col.append(i)
     groups = sorted({(m.batch_id, m.group_id) for m in todo})
-    check = (Query(q["states"], [sorted({m.batch_id for m in todo})], "all"),
-             Query(q["sizes"], [[m.batch_id for m in todo], [m.group_id for m in todo]], "all"))
+    check = (
+        Query(q["states"], [sorted({m.batch_id for m in todo})], "all"),
+        Query(q["sizes"], [[m.batch_id for m in todo], [m.group_id for m in todo]], "all"),
+    )
     # The claim may wait for a concurrent claim of the same item; the bits are then read by fresh
     # statements (READ COMMITTED: they see what the wait waited for).
-    claim = (Query(q["claim"], [b_col, g_col, i_col, completion_topic], "all"),
-             Query(q["read"], [b_col, g_col, i_col], "all"),
-             Query(q["fresh"], [[b for b, _g in groups], [g for _b, g in groups]], "one"))
+    claim = (
+        Query(q["claim"], [b_col, g_col, i_col, completion_topic], "all"),
+        Query(q["read"], [b_col, g_col, i_col], "all"),
+        Query(q["fresh"], [[b for b, _g in groups], [g for _b, g in groups]], "one"),
+    )
     if last:
         state_rows, size_rows = yield Round(check)
         counted = _claimable(todo, state_rows, size_rows)  # type: ignore[arg-type]

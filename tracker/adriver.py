@@ -1,8 +1,10 @@
 """The asyncio face's driver: the same steps and the same transaction rules as `tracker.driver`,
 on a psycopg `AsyncConnection` (directly or behind a SQLAlchemy `AsyncSession`)."""
+
 from __future__ import annotations
 
-from typing import Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import psycopg
 from psycopg.rows import tuple_row
@@ -48,8 +50,7 @@ async def _write(conn: psycopg.AsyncConnection, step: Write) -> None:
             await copy.write(chunk)
 
 
-async def run(conn: psycopg.AsyncConnection, op: Op[T], *,
-              effect: Callable[[], Awaitable[object]] | None = None) -> T:
+async def run(conn: psycopg.AsyncConnection, op: Op[T], *, effect: Callable[[], Awaitable[object]] | None = None) -> T:
     """Drive `op` to its result on `conn`, all or nothing inside the caller's transaction."""
     if in_pipeline(conn):
         async with conn.pipeline():  # nested: its exit syncs the caller's queued statements
@@ -68,7 +69,7 @@ async def run(conn: psycopg.AsyncConnection, op: Op[T], *,
                 started = True
                 results = await _send(conn, prefix + step.queries + suffix)
                 ended = step.last
-                result: object = results[len(prefix):len(prefix) + len(step.queries)]
+                result: object = results[len(prefix) : len(prefix) + len(step.queries)]
             elif isinstance(step, Write):
                 if not started:
                     started = True

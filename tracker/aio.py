@@ -13,15 +13,16 @@
 Module-level functions use a default `AsyncTracker()` (schema "reaper"); build your own
 `AsyncTracker(schema=..., outbox_table=..., completion_topic=...)` for anything else.
 """
+
 from __future__ import annotations
 
 import functools
 import inspect
 import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
 
 import psycopg
-from collections.abc import Mapping
-from typing import Awaitable, Callable, TypeVar, Union
 
 from . import adriver, apgdriver
 from .acks import AckResult
@@ -35,7 +36,7 @@ from .session import AsyncSession, async_connection
 from .steps import Op
 
 T = TypeVar("T")
-AsyncEffect = Callable[[AsyncSession], Union[Awaitable[T], T]]
+AsyncEffect = Callable[[AsyncSession], Awaitable[T] | T]
 
 
 async def _run(session: AsyncSession, op: Op[T], effect: Callable[[], Awaitable[object]] | None = None) -> T:
@@ -48,8 +49,9 @@ async def _run(session: AsyncSession, op: Op[T], effect: Callable[[], Awaitable[
 class AsyncTracker(TrackerCore):
     """Fan-out tracking for one schema and outbox table, for asyncio. Holds no connection."""
 
-    async def open_batch(self, session: AsyncSession, *, user_key: str | None = None,
-                         completion_topic: str | None = None) -> Batch:
+    async def open_batch(
+        self, session: AsyncSession, *, user_key: str | None = None, completion_topic: str | None = None
+    ) -> Batch:
         op = self._open_op(user_key, completion_topic)
         batch = await _run(session, op)
         self._count_open()
@@ -59,8 +61,16 @@ class AsyncTracker(TrackerCore):
         op = self._add_op(batch, n)
         return await _run(session, op)
 
-    async def enqueue(self, session: AsyncSession, batch: Batch | int, items: object, *, topic: str,
-                      key: KeyArg = None, headers: Headers = None) -> list[GroupHandle]:
+    async def enqueue(
+        self,
+        session: AsyncSession,
+        batch: Batch | int,
+        items: object,
+        *,
+        topic: str,
+        key: KeyArg = None,
+        headers: Headers = None,
+    ) -> list[GroupHandle]:
         op = self._enqueue_op(batch, items, topic, key, headers)
         return await _run(session, op)
 
@@ -81,16 +91,21 @@ class AsyncTracker(TrackerCore):
         self._count_ack(result, started)
         return result
 
-    async def apply_masks(self, session: AsyncSession, masks: Mapping[tuple[int, int], GroupMask], *,
-                          reject_invalid: bool = False, skip_locked: bool = False) -> AckResult:
+    async def apply_masks(
+        self,
+        session: AsyncSession,
+        masks: Mapping[tuple[int, int], GroupMask],
+        *,
+        reject_invalid: bool = False,
+        skip_locked: bool = False,
+    ) -> AckResult:
         started = time.perf_counter()
         op = self._apply_op(masks, reject_invalid, skip_locked)
         result = await _run(session, op)
         self._count_ack(result, started)
         return result
 
-    async def exactly_once(self, session: AsyncSession, item_id: str | bytes,
-                           effect: AsyncEffect[T]) -> Processed[T]:
+    async def exactly_once(self, session: AsyncSession, item_id: str | bytes, effect: AsyncEffect[T]) -> Processed[T]:
         """`Tracker.exactly_once` for asyncio: `effect(session)` may be a coroutine function."""
         started = time.perf_counter()
 
@@ -110,17 +125,32 @@ def default(schema: str | None = None) -> AsyncTracker:
     return AsyncTracker(schema=schema or DEFAULT_SCHEMA)
 
 
-async def open_batch(session: AsyncSession, *, user_key: str | None = None, completion_topic: str | None = None,
-                     schema: str | None = None) -> Batch:
+async def open_batch(
+    session: AsyncSession,
+    *,
+    user_key: str | None = None,
+    completion_topic: str | None = None,
+    schema: str | None = None,
+) -> Batch:
     return await default(schema).open_batch(session, user_key=user_key, completion_topic=completion_topic)
 
 
-async def add_items(session: AsyncSession, batch: Batch | int, n: int, *, schema: str | None = None) -> list[GroupHandle]:
+async def add_items(
+    session: AsyncSession, batch: Batch | int, n: int, *, schema: str | None = None
+) -> list[GroupHandle]:
     return await default(schema).add_items(session, batch, n)
 
 
-async def enqueue(session: AsyncSession, batch: Batch | int, items: object, *, topic: str, key: KeyArg = None,
-                  headers: Headers = None, schema: str | None = None) -> list[GroupHandle]:
+async def enqueue(
+    session: AsyncSession,
+    batch: Batch | int,
+    items: object,
+    *,
+    topic: str,
+    key: KeyArg = None,
+    headers: Headers = None,
+    schema: str | None = None,
+) -> list[GroupHandle]:
     return await default(schema).enqueue(session, batch, items, topic=topic, key=key, headers=headers)
 
 
@@ -132,20 +162,35 @@ async def status(session: AsyncSession, batch: Batch | int, *, schema: str | Non
     return await default(schema).status(session, batch)
 
 
-async def ack(session: AsyncSession, item_ids: ItemIds, *, schema: str | None = None,
-              claims: bool = True) -> AckResult:
+async def ack(session: AsyncSession, item_ids: ItemIds, *, schema: str | None = None, claims: bool = True) -> AckResult:
     return await default(schema).ack(session, item_ids, claims=claims)
 
 
-async def apply_masks(session: AsyncSession, masks: Mapping[tuple[int, int], GroupMask], *,
-                      schema: str | None = None, reject_invalid: bool = False) -> AckResult:
+async def apply_masks(
+    session: AsyncSession,
+    masks: Mapping[tuple[int, int], GroupMask],
+    *,
+    schema: str | None = None,
+    reject_invalid: bool = False,
+) -> AckResult:
     return await default(schema).apply_masks(session, masks, reject_invalid=reject_invalid)
 
 
-async def exactly_once(session: AsyncSession, item_id: str | bytes, effect: AsyncEffect[T], *,
-                       schema: str | None = None) -> Processed[T]:
+async def exactly_once(
+    session: AsyncSession, item_id: str | bytes, effect: AsyncEffect[T], *, schema: str | None = None
+) -> Processed[T]:
     return await default(schema).exactly_once(session, item_id, effect)
 
 
-__all__ = ["AsyncTracker", "default", "open_batch", "add_items", "enqueue", "close_batch", "status", "ack",
-           "apply_masks", "exactly_once"]
+__all__ = [
+    "AsyncTracker",
+    "default",
+    "open_batch",
+    "add_items",
+    "enqueue",
+    "close_batch",
+    "status",
+    "ack",
+    "apply_masks",
+    "exactly_once",
+]

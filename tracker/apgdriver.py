@@ -8,12 +8,13 @@ psycopg-style placeholders (`%s`, `%(name)s`) turned into asyncpg's `$n` once pe
 rows come back as tuples. asyncpg sends one statement per round trip (no pipeline), so a call may
 cost a few more round trips than on psycopg.
 """
+
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import AsyncIterator, Iterable, Mapping
-from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, TypeVar
 
 from .driver import OWN_TRANSACTION, SAVEPOINT, Boundary
 from .errors import CallerTransactionAborted
@@ -60,7 +61,7 @@ def _args(sql: str, params: Params) -> tuple[str, list[object]]:
     return text, list(params)
 
 
-async def _one(conn: "asyncpg.Connection", q: Query) -> object:
+async def _one(conn: asyncpg.Connection, q: Query) -> object:
     text, args = _args(q.sql, q.params)
     if q.fetch == "one":
         row = await conn.fetchrow(text, *args)
@@ -71,7 +72,7 @@ async def _one(conn: "asyncpg.Connection", q: Query) -> object:
     return None
 
 
-async def _send(conn: "asyncpg.Connection", queries: Iterable[Query]) -> list[object]:
+async def _send(conn: asyncpg.Connection, queries: Iterable[Query]) -> list[object]:
     return [await _one(conn, q) for q in queries]
 
 
@@ -80,12 +81,13 @@ async def _chunks(step: Write) -> AsyncIterator[bytes]:
         yield chunk
 
 
-async def _write(conn: "asyncpg.Connection", step: Write) -> None:
-    await conn.copy_to_table(step.table, schema_name=step.schema, columns=list(step.columns), source=_chunks(step),
-                             format="binary")
+async def _write(conn: asyncpg.Connection, step: Write) -> None:
+    await conn.copy_to_table(
+        step.table, schema_name=step.schema, columns=list(step.columns), source=_chunks(step), format="binary"
+    )
 
 
-async def _start(conn: "asyncpg.Connection", edge: Boundary) -> None:
+async def _start(conn: asyncpg.Connection, edge: Boundary) -> None:
     import asyncpg
 
     try:
@@ -94,8 +96,7 @@ async def _start(conn: "asyncpg.Connection", edge: Boundary) -> None:
         raise CallerTransactionAborted() from None
 
 
-async def run(conn: "asyncpg.Connection", op: Op[T], *,
-              effect: Callable[[], Awaitable[object]] | None = None) -> T:
+async def run(conn: asyncpg.Connection, op: Op[T], *, effect: Callable[[], Awaitable[object]] | None = None) -> T:
     """Drive `op` to its result on `conn`, all or nothing inside the caller's transaction."""
     edge: Boundary = SAVEPOINT if conn.is_in_transaction() else OWN_TRANSACTION
     started = ended = False

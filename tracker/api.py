@@ -8,12 +8,13 @@
 Every call runs inside the caller's transaction and never commits or rolls it back (see
 tracker/driver.py for each connection mode). The asyncio face is `tracker.aio.AsyncTracker`.
 """
+
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping
-from typing import Callable, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from . import driver
 from .acks import AckResult
@@ -31,8 +32,9 @@ T = TypeVar("T")
 class Tracker(TrackerCore):
     """Fan-out tracking for one schema and outbox table. Thread-safe (holds no connection)."""
 
-    def open_batch(self, session: SyncSession, *, user_key: str | None = None,
-                   completion_topic: str | None = None) -> Batch:
+    def open_batch(
+        self, session: SyncSession, *, user_key: str | None = None, completion_topic: str | None = None
+    ) -> Batch:
         """Open a batch. Items are added by `enqueue` or `add_items`; `close_batch` closes it."""
         op = self._open_op(user_key, completion_topic)
         batch = driver.run(sync_connection(session), op)
@@ -44,8 +46,16 @@ class Tracker(TrackerCore):
         op = self._add_op(batch, n)
         return driver.run(sync_connection(session), op)
 
-    def enqueue(self, session: SyncSession, batch: Batch | int, items: object, *, topic: str,
-                key: KeyArg = None, headers: Headers = None) -> list[GroupHandle]:
+    def enqueue(
+        self,
+        session: SyncSession,
+        batch: Batch | int,
+        items: object,
+        *,
+        topic: str,
+        key: KeyArg = None,
+        headers: Headers = None,
+    ) -> list[GroupHandle]:
         """Write one outbox message per item on `topic` and track the items in `batch`.
 
         Items are bytes, str, JSON-serialisable values, or `Message(value, key=, headers=)` for a
@@ -84,8 +94,14 @@ class Tracker(TrackerCore):
         self._count_ack(result, started)
         return result
 
-    def apply_masks(self, session: SyncSession, masks: Mapping[tuple[int, int], GroupMask], *,
-                    reject_invalid: bool = False, skip_locked: bool = False) -> AckResult:
+    def apply_masks(
+        self,
+        session: SyncSession,
+        masks: Mapping[tuple[int, int], GroupMask],
+        *,
+        reject_invalid: bool = False,
+        skip_locked: bool = False,
+    ) -> AckResult:
         """Apply folded masks (`tracker.fold`): bulk acks. reject_invalid=True leaves out unknown
         batches/groups and out-of-range indexes and returns them in `rejected`. Locks the named
         batch rows until the caller commits (for short transactions: the acker, Spark);
@@ -96,8 +112,9 @@ class Tracker(TrackerCore):
         self._count_ack(result, started)
         return result
 
-    def exactly_once(self, session: SyncSession, item_id: str | bytes,
-                     effect: Callable[[SyncSession], T]) -> Processed[T]:
+    def exactly_once(
+        self, session: SyncSession, item_id: str | bytes, effect: Callable[[SyncSession], T]
+    ) -> Processed[T]:
         """Ack `item_id` and, only if its bit was still set, run `effect(session)`, all in one
         savepoint of the caller's transaction: the effect and the ack commit or roll back together.
         A redelivery of a processed item returns first_time=False and does not run the effect."""
@@ -115,8 +132,9 @@ def default(schema: str | None = None) -> Tracker:
     return Tracker(schema=schema or DEFAULT_SCHEMA)
 
 
-def open_batch(session: SyncSession, *, user_key: str | None = None, completion_topic: str | None = None,
-               schema: str | None = None) -> Batch:
+def open_batch(
+    session: SyncSession, *, user_key: str | None = None, completion_topic: str | None = None, schema: str | None = None
+) -> Batch:
     return default(schema).open_batch(session, user_key=user_key, completion_topic=completion_topic)
 
 
@@ -136,11 +154,18 @@ def ack(session: SyncSession, item_ids: ItemIds, *, schema: str | None = None, c
     return default(schema).ack(session, item_ids, claims=claims)
 
 
-def apply_masks(session: SyncSession, masks: Mapping[tuple[int, int], GroupMask], *, schema: str | None = None,
-                reject_invalid: bool = False, skip_locked: bool = False) -> AckResult:
+def apply_masks(
+    session: SyncSession,
+    masks: Mapping[tuple[int, int], GroupMask],
+    *,
+    schema: str | None = None,
+    reject_invalid: bool = False,
+    skip_locked: bool = False,
+) -> AckResult:
     return default(schema).apply_masks(session, masks, reject_invalid=reject_invalid, skip_locked=skip_locked)
 
 
-def exactly_once(session: SyncSession, item_id: str | bytes, effect: Callable[[SyncSession], T], *,
-                 schema: str | None = None) -> Processed[T]:
+def exactly_once(
+    session: SyncSession, item_id: str | bytes, effect: Callable[[SyncSession], T], *, schema: str | None = None
+) -> Processed[T]:
     return default(schema).exactly_once(session, item_id, effect)

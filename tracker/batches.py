@@ -32,6 +32,7 @@ would have at 70. Where that matters more than the resting size, fillfactor 70
 (`ALTER TABLE batch_group SET (fillfactor = 70)`, for pages written from then on) keeps updates
 HOT and the table within ~4-6 bits per item even without vacuum.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -71,7 +72,7 @@ class GroupHandle:
 
     @property
     def item_ids(self) -> list[str]:
-        return expand(self.batch_id, self.group_id, self.upto)[self.start:]
+        return expand(self.batch_id, self.group_id, self.upto)[self.start :]
 
 
 @dataclass(frozen=True)
@@ -116,14 +117,19 @@ def completion_insert(schema: str, outbox_table: str) -> sql.Composable:
 
 @functools.lru_cache(maxsize=64)
 def statements(schema: str, outbox_table: str) -> dict[str, str]:
-    t = {"batch": sql.Identifier(schema, "batch"), "group": sql.Identifier(schema, "batch_group"),
-         "settle": sql.Identifier(schema, "ack_settle"),
-         "outbox": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None))}
+    t = {
+        "batch": sql.Identifier(schema, "batch"),
+        "group": sql.Identifier(schema, "batch_group"),
+        "settle": sql.Identifier(schema, "ack_settle"),
+        "outbox": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None)),
+    }
     q = {
         "open": sql.SQL("INSERT INTO {batch} (user_key, completion_topic) VALUES (%s, %s) RETURNING id, created_at"),
         # With an active span (tracker.tracing): its context, for the completion and expiry events.
-        "open_traced": sql.SQL("INSERT INTO {batch} (user_key, completion_topic, traceparent, tracestate) "
-                               "VALUES (%s, %s, %s, %s) RETURNING id, created_at"),
+        "open_traced": sql.SQL(
+            "INSERT INTO {batch} (user_key, completion_topic, traceparent, tracestate) "
+            "VALUES (%s, %s, %s, %s) RETURNING id, created_at"
+        ),
         "lock": sql.SQL("SELECT state, next_group FROM {batch} WHERE id = %s FOR NO KEY UPDATE"),
         # Top up the batch's last group when an earlier add left it partly filled.
         "top_up": sql.SQL(
@@ -132,16 +138,19 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             "UPDATE {group} g SET size = last.size + k.n, pending = g.pending + k.n, "
             "bits = g.bits || repeat('1', k.n)::varbit "
             "FROM last, LATERAL (SELECT least(%(n)s::int4, %(max)s::int4 - last.size) AS n) k "
-            "WHERE g.batch_id = %(b)s::int8 AND g.id = %(g)s::int8 RETURNING last.size, g.size"),
+            "WHERE g.batch_id = %(b)s::int8 AND g.id = %(g)s::int8 RETURNING last.size, g.size"
+        ),
         # New groups are made by the server: nothing proportional to the count is built here.
         "new_groups": sql.SQL(
             "INSERT INTO {group} (batch_id, id, size, pending, bits) "
             "SELECT %(b)s::int8, %(first)s::int8 + g, s.size, s.size, repeat('1', s.size)::varbit "
             "FROM generate_series(0::int8, %(count)s::int8 - 1) AS g, "
-            "LATERAL (SELECT CASE WHEN g < %(full)s::int8 THEN %(max)s::int4 ELSE %(rest)s::int4 END AS size) AS s"),
+            "LATERAL (SELECT CASE WHEN g < %(full)s::int8 THEN %(max)s::int4 ELSE %(rest)s::int4 END AS size) AS s"
+        ),
         "grow": sql.SQL(
             "UPDATE {batch} SET total = total + %(n)s::int8, pending = pending + %(n)s::int8, "
-            "next_group = %(next)s::int8, last_activity_at = clock_timestamp() WHERE id = %(b)s::int8"),
+            "next_group = %(next)s::int8, last_activity_at = clock_timestamp() WHERE id = %(b)s::int8"
+        ),
         "close": sql.SQL(
             "WITH closed AS (UPDATE {batch} SET state = CASE WHEN pending = 0 THEN 'complete' ELSE 'closed' END, "
             "closed_at = clock_timestamp(), completed_at = CASE WHEN pending = 0 THEN clock_timestamp() END, "
@@ -149,7 +158,8 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             "RETURNING id, state, user_key, total, created_at, closed_at, completed_at, completion_topic, "
             "traceparent, tracestate), "
             "finished AS (SELECT * FROM closed WHERE state = 'complete'), "
-            "event AS ({insert}) SELECT state FROM closed"),
+            "event AS ({insert}) SELECT state FROM closed"
+        ),
         # Issue 12: a close first folds the consumers' committed ack claims of the batch (waiting
         # for its row lock, as the close does anyway), so it decides completion on every ack
         # committed so far.
@@ -157,7 +167,8 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
         "state": sql.SQL("SELECT state FROM {batch} WHERE id = %s"),
         "status": sql.SQL(
             "SELECT state, total, pending, user_key, created_at, closed_at, completed_at, last_activity_at, expired_at "
-            "FROM {batch} WHERE id = %s"),
+            "FROM {batch} WHERE id = %s"
+        ),
     }
     insert = completion_insert(schema, outbox_table)
     return {k: v.format(insert=insert, **t).as_string(None) for k, v in q.items()}
@@ -203,8 +214,12 @@ def reserve_op(q: dict[str, str], batch_id: int, n: int, *, last: bool) -> Op[li
     count = full + (1 if rest else 0)
     queries = []
     if count:
-        queries.append(Query(q["new_groups"], {"b": batch_id, "first": first_new, "count": count, "full": full,
-                                               "max": GROUP_BITS_MAX, "rest": rest}))
+        queries.append(
+            Query(
+                q["new_groups"],
+                {"b": batch_id, "first": first_new, "count": count, "full": full, "max": GROUP_BITS_MAX, "rest": rest},
+            )
+        )
         handles.extend(GroupHandle(batch_id, first_new + i, GROUP_BITS_MAX) for i in range(full))
         if rest:
             handles.append(GroupHandle(batch_id, first_new + full, rest))
@@ -224,9 +239,13 @@ def close_op(q: dict[str, str], batch: Batch | int, completion_topic: str) -> Op
     batch_id = batch_id_of(batch)
     # Settle, close and, should the close change nothing, the state it found: one round trip.
     # Not the last round: the settle may have written, so an error raised below must undo it.
-    _settled, closed, now = yield Round((Query(q["settle"], [batch_id, completion_topic], "none"),
-                                         Query(q["close"], [batch_id, completion_topic], "one"),
-                                         Query(q["state"], [batch_id], "one")))
+    _settled, closed, now = yield Round(
+        (
+            Query(q["settle"], [batch_id, completion_topic], "none"),
+            Query(q["close"], [batch_id, completion_topic], "one"),
+            Query(q["state"], [batch_id], "one"),
+        )
+    )
     if closed is not None:
         return closed[0] == "complete", True  # type: ignore[index]
     if now is None:

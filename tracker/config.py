@@ -3,6 +3,7 @@
 Held by each `Tracker` / `AsyncTracker`; nothing on any path reads process-wide defaults, so two
 trackers for two schemas in one process never interfere.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

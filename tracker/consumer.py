@@ -11,12 +11,14 @@ Ack message format (what the acker reads): the value is one or more acks separat
 item id `<batch>:<group>:<index>` or a run `<batch>:<group>:<start>-<end>` (end inclusive); the
 key is the batch id in decimal, so one batch's acks meet in one partition.
 """
+
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Iterable, TypeVar
+from typing import Any, Generic, TypeVar
 
 from confluent_kafka import KafkaError, Producer
 
@@ -131,14 +133,27 @@ class AckProducer:
     `flush()` has returned: call it before committing your own consumer offsets. Thread-safe.
     """
 
-    def __init__(self, *, bootstrap_servers: str, topic: str, kafka_client: dict | None = None,
-                 max_pending: int = 100_000, linger: float = 0.05, max_message_bytes: int = 64 * 1024) -> None:
+    def __init__(
+        self,
+        *,
+        bootstrap_servers: str,
+        topic: str,
+        kafka_client: dict | None = None,
+        max_pending: int = 100_000,
+        linger: float = 0.05,
+        max_message_bytes: int = 64 * 1024,
+    ) -> None:
         if not isinstance(topic, str) or not topic:
             raise ValueError(f"topic must be a non-empty string, got {topic!r}")
         if max_pending < 1 or max_message_bytes < 64:
             raise ValueError("max_pending must be >= 1 and max_message_bytes >= 64")
-        conf = {"bootstrap.servers": bootstrap_servers, "enable.idempotence": True, "linger.ms": 5,
-                "compression.type": "lz4", **(kafka_client or {})}
+        conf = {
+            "bootstrap.servers": bootstrap_servers,
+            "enable.idempotence": True,
+            "linger.ms": 5,
+            "compression.type": "lz4",
+            **(kafka_client or {}),
+        }
         self._producer = Producer(conf)
         self.topic = topic
         self.max_pending = max_pending
@@ -178,7 +193,8 @@ class AckProducer:
             if self._oldest is None and folder.masks:
                 self._oldest = time.monotonic()
             due = self._count >= self.max_pending or (
-                self._oldest is not None and time.monotonic() - self._oldest >= self.linger)
+                self._oldest is not None and time.monotonic() - self._oldest >= self.linger
+            )
             if due:
                 self._send_locked()
         self._producer.poll(0)
@@ -234,7 +250,7 @@ class AckProducer:
     def close(self, timeout: float = 60.0) -> None:
         self.flush(timeout)
 
-    def __enter__(self) -> "AckProducer":
+    def __enter__(self) -> AckProducer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -247,8 +263,8 @@ class AckProducer:
 
 @dataclass
 class Processed(Generic[T]):
-    first_time: bool   # this call cleared the bit and ran the effect
-    value: T | None    # what the effect returned (None when it did not run)
+    first_time: bool  # this call cleared the bit and ran the effect
+    value: T | None  # what the effect returned (None when it did not run)
     ack: AckResult
 
 
@@ -274,8 +290,9 @@ def exactly_once_op(q: dict[str, str], item_id: object, completion_topic: str) -
     return Processed(True, value, result)
 
 
-def exactly_once(session: object, item_id: str | bytes, effect: "Callable[[Any], T]", *,
-                 schema: str | None = None) -> Processed[T]:
+def exactly_once(
+    session: object, item_id: str | bytes, effect: Callable[[Any], T], *, schema: str | None = None
+) -> Processed[T]:
     """`Tracker.exactly_once` on the default tracker of `schema` (see tracker.api)."""
     from .api import default  # the face is built on this module: import it at call time
 

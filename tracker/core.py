@@ -1,10 +1,11 @@
 """What the sync and asyncio faces share: a tracker's configuration, its statements and metrics,
 and the operations built from them (generators of steps, no I/O; see steps.py)."""
+
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
-from typing import Callable, Union
+from collections.abc import Callable, Iterable, Mapping
+from typing import Union
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
@@ -18,15 +19,20 @@ from .ids import GroupMask, fold, parse_ack
 from .steps import Op
 from .validate import id_list
 
-ItemIds = Union[str, bytes, Iterable[Union[str, bytes]]]
+ItemIds = Union[str, bytes, Iterable[str | bytes]]
 
 
 class TrackerCore:
     """Configuration and operations; `Tracker` and `AsyncTracker` add the faces."""
 
-    def __init__(self, *, schema: str = DEFAULT_SCHEMA, outbox_table: str = DEFAULT_OUTBOX_TABLE,
-                 completion_topic: str = DEFAULT_COMPLETION_TOPIC,
-                 registry: CollectorRegistry | None = REGISTRY) -> None:
+    def __init__(
+        self,
+        *,
+        schema: str = DEFAULT_SCHEMA,
+        outbox_table: str = DEFAULT_OUTBOX_TABLE,
+        completion_topic: str = DEFAULT_COMPLETION_TOPIC,
+        registry: CollectorRegistry | None = REGISTRY,
+    ) -> None:
         self.config = TrackerConfig(schema, outbox_table, completion_topic)
         self._q_batches = batches.statements(schema, outbox_table)
         self._q_acks = acks.statements(schema, outbox_table)
@@ -34,9 +40,14 @@ class TrackerCore:
         self._m: tuple[Counter, Counter, Counter, Counter, Counter, Histogram] | None = None
         if registry is not None:
             m = metrics.for_registry(registry)
-            self._m = (m.batches_opened.labels(schema), m.batches_closed.labels(schema),
-                       m.batches_completed.labels(schema), m.acks_applied.labels(schema),
-                       m.acks_duplicate.labels(schema), m.ack_apply_duration.labels(schema))
+            self._m = (
+                m.batches_opened.labels(schema),
+                m.batches_closed.labels(schema),
+                m.batches_completed.labels(schema),
+                m.acks_applied.labels(schema),
+                m.acks_duplicate.labels(schema),
+                m.ack_apply_duration.labels(schema),
+            )
 
     @property
     def schema(self) -> str:
@@ -52,8 +63,10 @@ class TrackerCore:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"{type(self).__name__}(schema={c.schema!r}, outbox_table={c.outbox_table!r}, "
-                f"completion_topic={c.completion_topic!r})")
+        return (
+            f"{type(self).__name__}(schema={c.schema!r}, outbox_table={c.outbox_table!r}, "
+            f"completion_topic={c.completion_topic!r})"
+        )
 
     # ------------------------------------------------------------ operations
 
@@ -63,10 +76,20 @@ class TrackerCore:
     def _add_op(self, batch: object, n: object) -> Op[list[GroupHandle]]:
         return batches.add_op(self._q_batches, batch, n)  # type: ignore[arg-type]
 
-    def _enqueue_op(self, batch: object, items: object, topic: object, key: object,
-                    headers: object) -> Op[list[GroupHandle]]:
-        return outbox.enqueue_op(self._q_batches, self._copy_sql, self._insert_sql, batch, items, topic, key, headers,
-                                 (self.config.schema, self.config.outbox_table))
+    def _enqueue_op(
+        self, batch: object, items: object, topic: object, key: object, headers: object
+    ) -> Op[list[GroupHandle]]:
+        return outbox.enqueue_op(
+            self._q_batches,
+            self._copy_sql,
+            self._insert_sql,
+            batch,
+            items,
+            topic,
+            key,
+            headers,
+            (self.config.schema, self.config.outbox_table),
+        )
 
     def _close_op(self, batch: object) -> Op[tuple[bool, bool]]:
         return batches.close_op(self._q_batches, batch, self.config.completion_topic)  # type: ignore[arg-type]
@@ -77,8 +100,7 @@ class TrackerCore:
     def _apply_op(self, masks: object, reject_invalid: bool, skip_locked: bool = False) -> Op[AckResult]:
         if not isinstance(masks, Mapping) or not all(isinstance(m, GroupMask) for m in masks.values()):
             raise InvalidArgument("masks", masks, "a mapping of (batch, group) to GroupMask, from tracker.fold")
-        return acks.apply_op(self._q_acks, masks, self.config.completion_topic, reject_invalid,
-                             skip_locked=skip_locked)
+        return acks.apply_op(self._q_acks, masks, self.config.completion_topic, reject_invalid, skip_locked=skip_locked)
 
     def _ack_op(self, item_ids: object, claims: bool = True) -> Op[AckResult]:
         entries = id_list(item_ids)

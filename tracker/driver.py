@@ -14,10 +14,12 @@ Every call is all or nothing inside the caller's transaction, whatever the conne
 
 The decision reads the connection's *transaction status*, never `autocommit` alone.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import psycopg
 from psycopg import pq
@@ -38,8 +40,11 @@ class Boundary:
 
 
 OWN_TRANSACTION = Boundary("BEGIN", "COMMIT", ("ROLLBACK",))
-SAVEPOINT = Boundary("SAVEPOINT " + _SAVEPOINT, "RELEASE SAVEPOINT " + _SAVEPOINT,
-                     ("ROLLBACK TO SAVEPOINT " + _SAVEPOINT, "RELEASE SAVEPOINT " + _SAVEPOINT))
+SAVEPOINT = Boundary(
+    "SAVEPOINT " + _SAVEPOINT,
+    "RELEASE SAVEPOINT " + _SAVEPOINT,
+    ("ROLLBACK TO SAVEPOINT " + _SAVEPOINT, "RELEASE SAVEPOINT " + _SAVEPOINT),
+)
 
 
 def boundary(autocommit: bool, status: pq.TransactionStatus) -> Boundary:
@@ -117,7 +122,7 @@ def run(conn: psycopg.Connection, op: Op[T], *, effect: Callable[[], object] | N
                 started = True  # from here a failure must be undone, even in this round
                 results = _send(conn, prefix + step.queries + suffix)
                 ended = step.last
-                result: object = results[len(prefix):len(prefix) + len(step.queries)]
+                result: object = results[len(prefix) : len(prefix) + len(step.queries)]
             elif isinstance(step, Write):
                 if not started:
                     started = True

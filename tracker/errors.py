@@ -1,4 +1,5 @@
 """Typed errors. Each names the offending id, batch or value; a call that raises changed nothing."""
+
 from __future__ import annotations
 
 
@@ -9,14 +10,18 @@ class TrackerError(Exception):
 class InvalidIdentifier(TrackerError, ValueError):
     def __init__(self, what: str, value: object) -> None:
         self.what, self.value = what, value
-        super().__init__(f"invalid {what} {value!r}: use letters, digits and _ (start with a letter or _), at most 63 bytes")
+        super().__init__(
+            f"invalid {what} {value!r}: use letters, digits and _ (start with a letter or _), at most 63 bytes"
+        )
 
 
 class MalformedItemId(TrackerError, ValueError):
     def __init__(self, item_id: object, reason: str = "") -> None:
         self.item_id = item_id
         why = f": {reason}" if reason else ""
-        super().__init__(f"malformed item id {item_id!r}{why} (expected '<batch>:<group>:<index>' or '<batch>:<group>:<start>-<end>')")
+        super().__init__(
+            f"malformed item id {item_id!r}{why} (expected '<batch>:<group>:<index>' or '<batch>:<group>:<start>-<end>')"
+        )
 
 
 class UnknownBatch(TrackerError, LookupError):
@@ -34,8 +39,9 @@ class UnknownGroup(TrackerError, LookupError):
 
 
 class IndexOutOfRange(TrackerError, IndexError):
-    def __init__(self, item_id: str, size: int, *, any_group: bool = False,
-                 culprit: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self, item_id: str, size: int, *, any_group: bool = False, culprit: tuple[int, int] | None = None
+    ) -> None:
         self.item_id, self.size = item_id, size
         self.culprit = culprit  # (batch, group) whose size was exceeded, when known
         if any_group:  # found while parsing, before the group was looked up
@@ -87,16 +93,20 @@ class InvalidValue(TrackerError, ValueError):
 class UnsupportedConnection(TrackerError, TypeError):
     """`session` is not a connection the tracker can run in."""
 
-    SYNC = ("a psycopg 3 Connection, or a SQLAlchemy Session/Connection on a postgresql+psycopg:// engine")
-    ASYNC = ("a psycopg 3 AsyncConnection, an asyncpg Connection, or a SQLAlchemy AsyncSession/AsyncConnection "
-             "on a postgresql+psycopg:// or postgresql+asyncpg:// engine")
+    SYNC = "a psycopg 3 Connection, or a SQLAlchemy Session/Connection on a postgresql+psycopg:// engine"
+    ASYNC = (
+        "a psycopg 3 AsyncConnection, an asyncpg Connection, or a SQLAlchemy AsyncSession/AsyncConnection "
+        "on a postgresql+psycopg:// or postgresql+asyncpg:// engine"
+    )
 
     def __init__(self, session: object, face: str, why: str = "") -> None:
         self.session = session
         expected = self.ASYNC if face == "async" else self.SYNC
         extra = f" ({why})" if why else ""
-        super().__init__(f"cannot run the tracker ({face} face) in a {type(session).__module__}."
-                         f"{type(session).__qualname__}{extra}: expected {expected}")
+        super().__init__(
+            f"cannot run the tracker ({face} face) in a {type(session).__module__}."
+            f"{type(session).__qualname__}{extra}: expected {expected}"
+        )
 
 
 class CallerTransactionAborted(TrackerError):

@@ -3,14 +3,16 @@
 The run form '<batch_id>:<group_id>:<start>-<end>' (end inclusive) names contiguous indexes, so a
 consumer acking a whole range sends one string. Clients expand {group, upto} into ids themselves.
 """
+
 from __future__ import annotations
 
 import re
 from collections import Counter, deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import repeat
 from operator import add
-from typing import Iterable, Iterator, NamedTuple
+from typing import NamedTuple
 
 from .errors import IndexOutOfRange, MalformedItemId
 
@@ -133,7 +135,7 @@ class GroupMask:
                 i += 1
             whole_end = (end + 1) >> 3
             if i >> 3 < whole_end:
-                bits[i >> 3:whole_end] = b"\xff" * (whole_end - (i >> 3))
+                bits[i >> 3 : whole_end] = b"\xff" * (whole_end - (i >> 3))
                 i = whole_end << 3
             while i <= end:
                 bits[i >> 3] |= 0x80 >> (i & 7)
@@ -142,7 +144,7 @@ class GroupMask:
             self.max_index = end
         self.count += end - start + 1
 
-    def merge(self, other: "GroupMask") -> None:
+    def merge(self, other: GroupMask) -> None:
         """OR another mask of the same group into this one."""
         if len(other.bits) > len(self.bits):
             self.bits.extend(bytes(len(other.bits) - len(self.bits)))
@@ -205,9 +207,9 @@ def _fold_plain_ids(acks: list) -> dict[tuple[int, int], GroupMask] | None:
     if _PLAIN_IDS.fullmatch(text) is None or text.count("\n") != n - 1:
         return None
     # Usually one batch: strip its prefix and split lines of "<group>:<index>" into 2n tokens.
-    batch_prefix = text[:text.index(":") + 1]
+    batch_prefix = text[: text.index(":") + 1]
     if text.count("\n" + batch_prefix) == n - 1:
-        tokens = text[len(batch_prefix):].replace("\n" + batch_prefix, ":").split(":")
+        tokens = text[len(batch_prefix) :].replace("\n" + batch_prefix, ":").split(":")
         keys, indexes = tokens[0::2], tokens[1::2]
         single_batch: int | None = int(batch_prefix[:-1])
     else:
@@ -236,7 +238,7 @@ def _fold_plain_ids(acks: list) -> dict[tuple[int, int], GroupMask] | None:
             return None  # `_fold_each` raises, naming the id
         last = flags.rfind(1, offset, offset + GROUP_BITS_MAX) - offset
         nbytes = (last >> 3) + 1
-        value = int(flags[offset:offset + nbytes * 8].translate(_TO_DIGITS), 2)
+        value = int(flags[offset : offset + nbytes * 8].translate(_TO_DIGITS), 2)
         mask = GroupMask(batch_id, group_id, bytearray(value.to_bytes(nbytes, "big")), last, value.bit_count())
         if (batch_id, group_id) in masks:  # '007' and '7' name the same batch or group
             masks[(batch_id, group_id)].merge(mask)

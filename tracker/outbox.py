@@ -5,13 +5,14 @@ Every row carries the headers `item-id` and `batch-id`. Rows are encoded here st
 PostgreSQL's binary COPY format (the per-row work is a handful of byte concatenations; the
 constant parts of a row are built once per call).
 """
+
 from __future__ import annotations
 
 import functools
 import json
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Callable, NamedTuple, Union
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Union
 
 from psycopg import sql
 
@@ -144,15 +145,16 @@ class _RowEncoder:
         if got is None:
             n = 2 + len(self.headers)
             body_len = 20 + 4 + id_len + len(self.tail)
-            got = self._framing[id_len] = (_int4(body_len) + _int4(1) + _int4(0) + _int4(_BYTEA_OID)
-                                           + _int4(n) + _int4(1) + _int4(id_len))
+            got = self._framing[id_len] = (
+                _int4(body_len) + _int4(1) + _int4(0) + _int4(_BYTEA_OID) + _int4(n) + _int4(1) + _int4(id_len)
+            )
         return got
 
     def header_values(self, handle: GroupHandle) -> list[bytes]:
         """The header_values field of each item of a group, in index order."""
         prefix = b"%d:%d:" % (handle.batch_id, handle.group_id)
         framing, tail, plen = self.framing, self.tail, len(prefix)
-        return [framing(plen + len(i)) + prefix + i + tail for i in _INDEX_BYTES[handle.start:handle.upto]]
+        return [framing(plen + len(i)) + prefix + i + tail for i in _INDEX_BYTES[handle.start : handle.upto]]
 
     def custom_row(self, item: Message, item_id: bytes, default_key: bytes | None) -> bytes:
         """A row with its own key or headers: encoded field by field."""
@@ -160,8 +162,14 @@ class _RowEncoder:
         extra = self.headers + _header_pairs(item.headers)
         names = [b"item-id", b"batch-id", *(n for n, _ in extra)]
         values = [item_id, self.batch_id, *(v for _, v in extra)]
-        return (b"\x00\x05" + _field(self.topic) + _field(key) + _field(_value_bytes(item.value))
-                + _array(names, _TEXT_OID) + _array(values, _BYTEA_OID))
+        return (
+            b"\x00\x05"
+            + _field(self.topic)
+            + _field(key)
+            + _field(_value_bytes(item.value))
+            + _array(names, _TEXT_OID)
+            + _array(values, _BYTEA_OID)
+        )
 
 
 @functools.lru_cache(maxsize=64)
@@ -176,8 +184,11 @@ def statements(schema: str, outbox_table: str) -> tuple[str, str]:
 def _item_list(items: object) -> list[Item]:
     if isinstance(items, list):
         return items
-    if items is None or isinstance(items, (str, bytes, bytearray, memoryview, Mapping, int, float)) or not isinstance(
-            items, Iterable):
+    if (
+        items is None
+        or isinstance(items, (str, bytes, bytearray, memoryview, Mapping, int, float))
+        or not isinstance(items, Iterable)
+    ):
         raise InvalidArgument("items", items, "a list or iterable of items (bytes, str, JSON values or Message)")
     return list(items)
 
@@ -192,7 +203,7 @@ class _Call(NamedTuple):
     def groups(self) -> Iterator[tuple[GroupHandle, list[Item]]]:
         pos = 0
         for h in self.handles:
-            yield h, self.items[pos:pos + h.count]
+            yield h, self.items[pos : pos + h.count]
             pos += h.count
 
     def item_key(self, value: Item) -> bytes | None:
@@ -258,8 +269,17 @@ class _Call(NamedTuple):
 COLUMNS = ("topic", "key", "value", "header_keys", "header_values")
 
 
-def enqueue_op(q: dict[str, str], copy_sql: str, insert_sql: str, batch: object, items: object, topic: object,
-               key: object, headers: object, target: tuple[str, str] = ("", "")) -> Op[list[GroupHandle]]:
+def enqueue_op(
+    q: dict[str, str],
+    copy_sql: str,
+    insert_sql: str,
+    batch: object,
+    items: object,
+    topic: object,
+    key: object,
+    headers: object,
+    target: tuple[str, str] = ("", ""),
+) -> Op[list[GroupHandle]]:
     batch_id = batch_id_of(batch)  # type: ignore[arg-type]
     check_topic(topic)
     item_list = _item_list(items)
@@ -280,8 +300,16 @@ def enqueue_op(q: dict[str, str], copy_sql: str, insert_sql: str, batch: object,
     return handles
 
 
-def enqueue(session: "SyncSession", batch: object, items: object, *, topic: str, key: KeyArg = None,
-            headers: Headers = None, schema: str | None = None) -> list[GroupHandle]:
+def enqueue(
+    session: SyncSession,
+    batch: object,
+    items: object,
+    *,
+    topic: str,
+    key: KeyArg = None,
+    headers: Headers = None,
+    schema: str | None = None,
+) -> list[GroupHandle]:
     """`Tracker.enqueue` on the default tracker of `schema` (see tracker.api.Tracker.enqueue)."""
     from .api import default  # the face is built on this module: import it at call time
 

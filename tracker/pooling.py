@@ -7,6 +7,7 @@ connection: "prepared statement _pg3_0 does not exist" / "already exists"), no s
 session advisory lock, no LISTEN. The connections this project opens itself detect a pooler and
 turn prepared statements off; an application's own connections pass `prepare_threshold=None`.
 """
+
 from __future__ import annotations
 
 import psycopg

@@ -3,6 +3,7 @@
 `reaper migrate` calls `migrate()`. The files use unqualified names; each runs with search_path set
 to the configured (validated, quoted) schema, so no identifier is ever formatted into SQL raw.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,9 @@ def check_identifier(value: object, what: str = "identifier") -> str:
 
 
 def qualified(schema: str, table: str) -> sql.Composed:
-    return sql.SQL(".").join([sql.Identifier(check_identifier(schema, "schema")),
-                              sql.Identifier(check_identifier(table, "table"))])
+    return sql.SQL(".").join(
+        [sql.Identifier(check_identifier(schema, "schema")), sql.Identifier(check_identifier(table, "table"))]
+    )
 
 
 @dataclass(frozen=True)
@@ -74,11 +76,15 @@ def _lock_key(schema: str) -> int:
 
 
 def applied(conn: psycopg.Connection, schema: str) -> dict[int, str]:
-    row = conn.execute("SELECT to_regclass(%s)", [f'"{check_identifier(schema, "schema")}".{MIGRATIONS_TABLE}']).fetchone()
+    row = conn.execute(
+        "SELECT to_regclass(%s)", [f'"{check_identifier(schema, "schema")}".{MIGRATIONS_TABLE}']
+    ).fetchone()
     assert row is not None  # a SELECT without FROM returns exactly one row
     if row[0] is None:
         return {}
-    rows = conn.execute(sql.SQL("SELECT version, checksum FROM {}").format(qualified(schema, MIGRATIONS_TABLE))).fetchall()
+    rows = conn.execute(
+        sql.SQL("SELECT version, checksum FROM {}").format(qualified(schema, MIGRATIONS_TABLE))
+    ).fetchall()
     return {v: c for v, c in rows}
 
 
@@ -107,8 +113,11 @@ def migrate(dsn_or_conn: str | psycopg.Connection, schema: str) -> list[str]:
     """
     check_identifier(schema, "schema")
     own = isinstance(dsn_or_conn, str)
-    conn = (psycopg.connect(dsn_or_conn, autocommit=True, prepare_threshold=None)
-            if isinstance(dsn_or_conn, str) else dsn_or_conn)
+    conn = (
+        psycopg.connect(dsn_or_conn, autocommit=True, prepare_threshold=None)
+        if isinstance(dsn_or_conn, str)
+        else dsn_or_conn
+    )
     if not conn.autocommit:
         raise ValueError("migrate() needs an autocommit connection: each migration commits on its own")
     # The lock and the re-read repeat once per migration: never let psycopg prepare them, since a
@@ -123,9 +132,12 @@ def migrate(dsn_or_conn: str | psycopg.Connection, schema: str) -> list[str]:
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", [key])
                 if not names:
                     conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
-                    conn.execute(sql.SQL(
-                        "CREATE TABLE IF NOT EXISTS {} (version integer PRIMARY KEY, name text NOT NULL, "
-                        "checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())").format(table))
+                    conn.execute(
+                        sql.SQL(
+                            "CREATE TABLE IF NOT EXISTS {} (version integer PRIMARY KEY, name text NOT NULL, "
+                            "checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+                        ).format(table)
+                    )
                 done = applied(conn, schema)
                 _check_drift(schema, wanted, done)
                 todo = next((m for m in wanted if m.version not in done), None)
@@ -133,8 +145,10 @@ def migrate(dsn_or_conn: str | psycopg.Connection, schema: str) -> list[str]:
                     return names
                 conn.execute(sql.SQL("SET LOCAL search_path TO {}, public").format(sql.Identifier(schema)))
                 conn.execute(todo.text)
-                conn.execute(sql.SQL("INSERT INTO {} (version, name, checksum) VALUES (%s, %s, %s)").format(table),
-                             [todo.version, todo.name, todo.checksum])
+                conn.execute(
+                    sql.SQL("INSERT INTO {} (version, name, checksum) VALUES (%s, %s, %s)").format(table),
+                    [todo.version, todo.name, todo.checksum],
+                )
             names.append(todo.name)
     finally:
         conn.prepare_threshold = threshold

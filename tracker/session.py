@@ -6,6 +6,7 @@ psycopg driver. Asyncio face: a psycopg `AsyncConnection`, or the one behind a S
 `UnsupportedConnection`, which names what is supported. Resolving never commits: SQLAlchemy's
 `Session.connection()` joins (or begins) the session's own transaction.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Union
@@ -13,7 +14,6 @@ from typing import TYPE_CHECKING, Union
 import psycopg
 
 from .errors import UnsupportedConnection
-
 
 if TYPE_CHECKING:
     import asyncpg
@@ -61,7 +61,7 @@ def _is_asyncpg(conn: object) -> bool:
     return type(conn).__module__.startswith("asyncpg") and hasattr(conn, "is_in_transaction")
 
 
-async def async_connection(session: object) -> "psycopg.AsyncConnection | asyncpg.Connection":
+async def async_connection(session: object) -> psycopg.AsyncConnection | asyncpg.Connection:
     """The driver connection behind `session`: a psycopg AsyncConnection or an asyncpg Connection."""
     if isinstance(session, psycopg.AsyncConnection) or _is_asyncpg(session):
         return session  # type: ignore[return-value]
@@ -69,7 +69,9 @@ async def async_connection(session: object) -> "psycopg.AsyncConnection | asyncp
         raise UnsupportedConnection(session, "async", "a sync Connection belongs to the sync face: use tracker")
     module = type(session).__module__
     if not module.startswith("sqlalchemy.ext.asyncio"):
-        why = "a sync SQLAlchemy session belongs to the sync face: use tracker" if module.startswith("sqlalchemy") else ""
+        why = (
+            "a sync SQLAlchemy session belongs to the sync face: use tracker" if module.startswith("sqlalchemy") else ""
+        )
         raise UnsupportedConnection(session, "async", why)
     sa_connection = session
     if hasattr(session, "sync_session"):  # AsyncSession: join or begin its transaction

@@ -11,6 +11,7 @@ ack. A close settles its batch too.
 Every settle runs `ack_settle` under the batch row lock, like every other writer of a batch's
 groups, so the completion decision stays in exactly one transaction.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,28 +36,33 @@ log = structlog.get_logger("reaper.settler")
 
 @dataclass
 class SettleResult:
-    acked: int = 0                                       # bits the settles cleared
-    completed: list[int] = field(default_factory=list)   # batches they completed
-    busy: list[int] = field(default_factory=list)        # batches whose row was locked elsewhere
+    acked: int = 0  # bits the settles cleared
+    completed: list[int] = field(default_factory=list)  # batches they completed
+    busy: list[int] = field(default_factory=list)  # batches whose row was locked elsewhere
 
 
 @functools.lru_cache(maxsize=64)
 def statements(schema: str, outbox_table: str) -> dict[str, str]:
-    names = {"claim": sql.Identifier(schema, "ack_claim"), "settle": sql.Identifier(schema, "ack_settle"),
-             "outbox": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None))}
+    names = {
+        "claim": sql.Identifier(schema, "ack_claim"),
+        "settle": sql.Identifier(schema, "ack_settle"),
+        "outbox": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None)),
+    }
     q = {
         # Committed claims only (READ COMMITTED): in-flight ones settle at their own commit.
         "claimed": sql.SQL("SELECT DISTINCT batch_id FROM {claim} ORDER BY batch_id LIMIT %s"),
         # In batch-id order: with wait=true, two settles lock their batches in the same order.
         "settle": sql.SQL(
             "SELECT u.b, s.flipped, s.completed FROM unnest(%s::int8[]) WITH ORDINALITY AS u(b, n),"
-            " LATERAL {settle}(u.b, {outbox}::regclass, %s, %s) AS s ORDER BY u.n"),
+            " LATERAL {settle}(u.b, {outbox}::regclass, %s, %s) AS s ORDER BY u.n"
+        ),
     }
     return {k: v.format(**names).as_string(None) for k, v in q.items()}
 
 
-def settle_op(q: dict[str, str], batch_ids: list[int] | None, completion_topic: str, wait: bool,
-              limit: int) -> Op[SettleResult]:
+def settle_op(
+    q: dict[str, str], batch_ids: list[int] | None, completion_topic: str, wait: bool, limit: int
+) -> Op[SettleResult]:
     result = SettleResult()
     if batch_ids is None:
         (rows,) = yield Round((Query(q["claimed"], [limit], "all"),))
@@ -74,9 +80,17 @@ def settle_op(q: dict[str, str], batch_ids: list[int] | None, completion_topic: 
     return result
 
 
-def settle(session: SyncSession, batch_ids: Iterable[int] | None = None, *, schema: str = DEFAULT_SCHEMA,
-           outbox_table: str = DEFAULT_OUTBOX_TABLE, completion_topic: str = DEFAULT_COMPLETION_TOPIC,
-           wait: bool = False, limit: int = 1000, registry: CollectorRegistry | None = REGISTRY) -> SettleResult:
+def settle(
+    session: SyncSession,
+    batch_ids: Iterable[int] | None = None,
+    *,
+    schema: str = DEFAULT_SCHEMA,
+    outbox_table: str = DEFAULT_OUTBOX_TABLE,
+    completion_topic: str = DEFAULT_COMPLETION_TOPIC,
+    wait: bool = False,
+    limit: int = 1000,
+    registry: CollectorRegistry | None = REGISTRY,
+) -> SettleResult:
     """Settle committed claims of `batch_ids` (default: of up to `limit` batches that have any) in
     the caller's transaction. wait=False skips a batch whose row another transaction holds (it
     comes back in `busy`); wait=True waits for it. Completion events go to `outbox_table`, on the
@@ -103,8 +117,16 @@ class Settler:
     """The reaper's settle loop: every `interval` seconds, settle every batch with committed claims
     in one short transaction that skips busy batches (they are tried again next time)."""
 
-    def __init__(self, *, dsn: str, schema: str = DEFAULT_SCHEMA, outbox_table: str = DEFAULT_OUTBOX_TABLE,
-                 completion_topic: str = DEFAULT_COMPLETION_TOPIC, interval: float = 0.01, limit: int = 1000) -> None:
+    def __init__(
+        self,
+        *,
+        dsn: str,
+        schema: str = DEFAULT_SCHEMA,
+        outbox_table: str = DEFAULT_OUTBOX_TABLE,
+        completion_topic: str = DEFAULT_COMPLETION_TOPIC,
+        interval: float = 0.01,
+        limit: int = 1000,
+    ) -> None:
         if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval <= 0:
             raise InvalidValue("interval", interval, "must be a number of seconds > 0")
         self.dsn = dsn
@@ -122,8 +144,13 @@ class Settler:
                     if conn is None or conn.closed or conn.broken:
                         conn = psycopg.connect(self.dsn, autocommit=True)
                     started = time.monotonic()
-                    r = settle(conn, schema=c.schema, outbox_table=c.outbox_table, completion_topic=c.completion_topic,
-                               limit=self.limit)
+                    r = settle(
+                        conn,
+                        schema=c.schema,
+                        outbox_table=c.outbox_table,
+                        completion_topic=c.completion_topic,
+                        limit=self.limit,
+                    )
                     self.stats["passes"] += 1
                     self.stats["acked"] += r.acked
                     self.stats["completed"] += len(r.completed)

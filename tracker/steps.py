@@ -16,10 +16,12 @@ the SQL, the COPY encoding and every check exist once.
 
 Rows come back as tuples whatever row factory the caller's connection has.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Iterable, Literal, Mapping, Sequence, TypeVar, Union
+from typing import Any, Literal, TypeVar, Union
 
 Params = Union[Sequence[object], Mapping[str, object], None]
 Fetch = Literal["none", "one", "all"]

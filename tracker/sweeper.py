@@ -20,12 +20,12 @@ announced) once. Every chunk commits on its own, which keeps locks short, when t
 autocommit or was idle when `sweep` was called (e.g. fresh from a pool); a connection already in
 a transaction is left to its caller to commit.
 """
-from __future__ import annotations
 
-from collections.abc import Mapping
+from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import psycopg
@@ -59,7 +59,8 @@ class Expired:
 
 # The expiry itself, its event and its topic, in one statement around a CTE `pick` (ids, locked).
 # The UPDATE re-checks the state: under READ COMMITTED it sees the row as its locker committed it.
-_EXPIRE = """
+_EXPIRE = (
+    """
 expired AS (
   UPDATE {batch} b SET state = 'expired', expired_at = clock_timestamp() FROM pick
   WHERE b.id = pick.id AND b.state IN ('open', 'closed')
@@ -75,10 +76,15 @@ event AS (
              'state', CASE WHEN e.closed_at IS NULL THEN 'open' ELSE 'closed' END,
              'opened_at', e.created_at, 'closed_at', e.closed_at, 'last_activity_at', e.last_activity_at,
              'expired_at', e.expired_at) || %(detail)s::jsonb)::text, 'UTF8'),
-         ARRAY['batch-id', 'event']""" + tracing.sql_header_keys("e") + """,
-         ARRAY[convert_to(e.id::text, 'UTF8'), convert_to(%(event)s::text, 'UTF8')]""" + tracing.sql_header_values("e") + """
+         ARRAY['batch-id', 'event']"""
+    + tracing.sql_header_keys("e")
+    + """,
+         ARRAY[convert_to(e.id::text, 'UTF8'), convert_to(%(event)s::text, 'UTF8')]"""
+    + tracing.sql_header_values("e")
+    + """
   FROM expired e ORDER BY e.id)
 SELECT id, user_key, total, pending, topic FROM expired"""
+)
 
 
 @functools.lru_cache(maxsize=64)
@@ -88,21 +94,24 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
         "expire": sql.SQL(
             "WITH pick AS (SELECT id FROM {batch} WHERE state IN ('open', 'closed') "
             "AND last_activity_at < clock_timestamp() - make_interval(secs => %(idle)s) "
-            "ORDER BY id LIMIT %(chunk)s FOR NO KEY UPDATE SKIP LOCKED), " + _EXPIRE),
+            "ORDER BY id LIMIT %(chunk)s FOR NO KEY UPDATE SKIP LOCKED), " + _EXPIRE
+        ),
         # An operator's expiry waits for the row lock: a busy batch is expired once its holder is done.
-        "expire_one": sql.SQL(
-            "WITH pick AS (SELECT id FROM {batch} WHERE id = %(id)s FOR NO KEY UPDATE), " + _EXPIRE),
+        "expire_one": sql.SQL("WITH pick AS (SELECT id FROM {batch} WHERE id = %(id)s FOR NO KEY UPDATE), " + _EXPIRE),
         "state": sql.SQL("SELECT state FROM {batch} WHERE id = %s"),
         "delete": sql.SQL(
             "WITH old AS (SELECT id FROM {batch} WHERE state IN ('complete', 'expired') "
             "AND coalesce(completed_at, expired_at) < clock_timestamp() - make_interval(secs => %(retention)s) "
             "ORDER BY coalesce(completed_at, expired_at) LIMIT %(chunk)s FOR UPDATE SKIP LOCKED) "
-            "DELETE FROM {batch} b USING old WHERE b.id = old.id RETURNING b.id"),
+            "DELETE FROM {batch} b USING old WHERE b.id = old.id RETURNING b.id"
+        ),
     }
     return {k: v.format(**names).as_string(None) for k, v in q.items()}
 
 
-def _topics(outbox_table: str | None, completion_topic: str | None, expiry_topic: str | None) -> tuple[str, str, str | None]:
+def _topics(
+    outbox_table: str | None, completion_topic: str | None, expiry_topic: str | None
+) -> tuple[str, str, str | None]:
     table = check_identifier(DEFAULT_OUTBOX_TABLE if outbox_table is None else outbox_table, "outbox table")
     default = DEFAULT_COMPLETION_TOPIC if completion_topic is None else completion_topic
     for name, value in (("completion_topic", default), ("expiry_topic", expiry_topic)):
@@ -111,9 +120,18 @@ def _topics(outbox_table: str | None, completion_topic: str | None, expiry_topic
     return table, default, expiry_topic
 
 
-def sweep(conn: psycopg.Connection, *, schema: str, idle_expiry: float, retention: float, chunk: int = 1000,
-          max_chunks: int | None = None, outbox_table: str | None = None, completion_topic: str | None = None,
-          expiry_topic: str | None = None) -> SweepResult:
+def sweep(
+    conn: psycopg.Connection,
+    *,
+    schema: str,
+    idle_expiry: float,
+    retention: float,
+    chunk: int = 1000,
+    max_chunks: int | None = None,
+    outbox_table: str | None = None,
+    completion_topic: str | None = None,
+    expiry_topic: str | None = None,
+) -> SweepResult:
     """Expire idle batches (one expiry event each), then delete old finished ones, `chunk` at a
     time until none are left (or `max_chunks` statements of each kind ran). Returns how many of each.
 
@@ -131,8 +149,15 @@ def sweep(conn: psycopg.Connection, *, schema: str, idle_expiry: float, retentio
     result = SweepResult()
     # A connection with no transaction open is ours to commit chunk by chunk.
     commit_chunks = not conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE
-    expire = {"idle": float(idle_expiry), "chunk": chunk, "expiry_topic": expiry_topic, "default_topic": default_topic,
-              "reason": "idle", "event": EXPIRY_EVENT, "detail": json.dumps({"idle_expiry_seconds": float(idle_expiry)})}
+    expire = {
+        "idle": float(idle_expiry),
+        "chunk": chunk,
+        "expiry_topic": expiry_topic,
+        "default_topic": default_topic,
+        "reason": "idle",
+        "event": EXPIRY_EVENT,
+        "detail": json.dumps({"idle_expiry_seconds": float(idle_expiry)}),
+    }
     for kind, params in (("expire", expire), ("delete", {"retention": float(retention), "chunk": chunk})):
         rounds = 0
         while max_chunks is None or rounds < max_chunks:
@@ -160,9 +185,17 @@ class BatchNotExpirable(TrackerError, ValueError):
         super().__init__(f"batch {batch_id} is {state}: only open or closed batches can be expired")
 
 
-def expire_batch(conn: psycopg.Connection, batch_id: int, *, schema: str, reason: str = "operator",
-                 note: str | None = None, outbox_table: str | None = None, completion_topic: str | None = None,
-                 expiry_topic: str | None = None) -> Expired | None:
+def expire_batch(
+    conn: psycopg.Connection,
+    batch_id: int,
+    *,
+    schema: str,
+    reason: str = "operator",
+    note: str | None = None,
+    outbox_table: str | None = None,
+    completion_topic: str | None = None,
+    expiry_topic: str | None = None,
+) -> Expired | None:
     """Expire one open or closed batch now and write its expiry event, in the caller's transaction
     (never committed or rolled back here; see tracker.driver). Returns None if it was already expired; raises
     UnknownBatch or BatchNotExpirable (a complete batch) and then changes nothing."""
@@ -173,8 +206,14 @@ def expire_batch(conn: psycopg.Connection, batch_id: int, *, schema: str, reason
     if not isinstance(reason, str) or not reason or (note is not None and not isinstance(note, str)):
         raise ValueError(f"reason must be a non-empty string and note a string or None, got {reason!r}, {note!r}")
     q = _statements(schema, table)
-    params = {"id": batch_id, "expiry_topic": expiry_topic, "default_topic": default_topic, "reason": reason,
-              "event": EXPIRY_EVENT, "detail": json.dumps({"note": note} if note else {})}
+    params = {
+        "id": batch_id,
+        "expiry_topic": expiry_topic,
+        "default_topic": default_topic,
+        "reason": reason,
+        "event": EXPIRY_EVENT,
+        "detail": json.dumps({"note": note} if note else {}),
+    }
     got = driver.run(conn, _expire_op(q, params, batch_id))
     if got is not None:
         metrics.batches_expired.inc()

@@ -11,6 +11,7 @@ Without the `otel` extra (opentelemetry-api) every function here returns at once
 attempted again, no header is added, nothing is allocated per row. With it but no valid active
 span, `outbox_headers()` is one context-variable read.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -83,7 +84,7 @@ def _carrier(headers: HeaderPairs | None) -> dict[str, str]:
     return carrier
 
 
-def context_from_headers(headers: HeaderPairs | None) -> "Context | None":
+def context_from_headers(headers: HeaderPairs | None) -> Context | None:
     """The remote span context carried by W3C headers, as an OpenTelemetry Context; None if the
     headers carry none (or a malformed one), or otel is absent."""
     if _PROPAGATOR is None:
@@ -95,12 +96,12 @@ def context_from_headers(headers: HeaderPairs | None) -> "Context | None":
     return ctx if _otel_trace.get_current_span(ctx).get_span_context().is_valid else None
 
 
-def context_of(message: KafkaMessage) -> "Context | None":
+def context_of(message: KafkaMessage) -> Context | None:
     """The trace context a consumed Kafka message carries (see `context_from_headers`)."""
     return context_from_headers(message.headers())
 
 
-def link_of(message: KafkaMessage) -> "Link | None":
+def link_of(message: KafkaMessage) -> Link | None:
     """A span link to the context a message carries (for batch consumers: one span, many links)."""
     ctx = context_of(message)
     if ctx is None:
@@ -109,8 +110,9 @@ def link_of(message: KafkaMessage) -> "Link | None":
 
 
 @contextlib.contextmanager
-def consumer_span(message: KafkaMessage, name: str | None = None, *,
-                  tracer: "Tracer | None" = None) -> Iterator["Span | None"]:
+def consumer_span(
+    message: KafkaMessage, name: str | None = None, *, tracer: Tracer | None = None
+) -> Iterator[Span | None]:
     """A CONSUMER span around processing one message, child of the producer's context it carries
     (a new trace if it carries none). Yields None, and does nothing, without otel."""
     if _PROPAGATOR is None:
@@ -121,12 +123,16 @@ def consumer_span(message: KafkaMessage, name: str | None = None, *,
     attributes = {"messaging.system": "kafka", "messaging.operation": "process"}
     if topic:
         attributes["messaging.destination.name"] = topic
-    with tracer.start_as_current_span(name or f"{topic or 'kafka'} process", context=context_of(message),
-                                      kind=_otel_trace.SpanKind.CONSUMER, attributes=attributes) as span:
+    with tracer.start_as_current_span(
+        name or f"{topic or 'kafka'} process",
+        context=context_of(message),
+        kind=_otel_trace.SpanKind.CONSUMER,
+        attributes=attributes,
+    ) as span:
         yield span
 
 
-def producer_span(tracer: "Tracer", topic: str, header_keys: Sequence[str], header_values: Sequence[bytes]) -> None:
+def producer_span(tracer: Tracer, topic: str, header_keys: Sequence[str], header_values: Sequence[bytes]) -> None:
     """Record a PRODUCER span for one published outbox row that carries a stored trace context,
     linked to it (the harvester, when `harvester.trace_spans` is on; the span ends at once). A row
     without a context gets no span: nothing would tie it to a trace."""
@@ -136,21 +142,29 @@ def producer_span(tracer: "Tracer", topic: str, header_keys: Sequence[str], head
     if ctx is None:
         return
     link = _otel_trace.Link(_otel_trace.get_current_span(ctx).get_span_context())
-    span = tracer.start_span(f"{topic} publish", context=_otel_context.Context(), kind=_otel_trace.SpanKind.PRODUCER,
-                             links=[link], attributes={"messaging.system": "kafka", "messaging.operation": "publish",
-                                                       "messaging.destination.name": topic})
+    span = tracer.start_span(
+        f"{topic} publish",
+        context=_otel_context.Context(),
+        kind=_otel_trace.SpanKind.PRODUCER,
+        links=[link],
+        attributes={"messaging.system": "kafka", "messaging.operation": "publish", "messaging.destination.name": topic},
+    )
     span.end()
 
 
 def sql_header_keys(alias: str) -> str:
     """SQL (for sql.SQL: braces doubled) appending 'traceparent'/'tracestate' to a text[] of header
     names when row `alias` of a batch has them; the values side is `sql_header_values`."""
-    return (f" || CASE WHEN {alias}.traceparent IS NULL THEN '{{{{}}}}'::text[] ELSE ARRAY['traceparent'] END"
-            f" || CASE WHEN {alias}.tracestate IS NULL THEN '{{{{}}}}'::text[] ELSE ARRAY['tracestate'] END")
+    return (
+        f" || CASE WHEN {alias}.traceparent IS NULL THEN '{{{{}}}}'::text[] ELSE ARRAY['traceparent'] END"
+        f" || CASE WHEN {alias}.tracestate IS NULL THEN '{{{{}}}}'::text[] ELSE ARRAY['tracestate'] END"
+    )
 
 
 def sql_header_values(alias: str) -> str:
-    return (f" || CASE WHEN {alias}.traceparent IS NULL THEN '{{{{}}}}'::bytea[]"
-            f" ELSE ARRAY[convert_to({alias}.traceparent, 'UTF8')] END"
-            f" || CASE WHEN {alias}.tracestate IS NULL THEN '{{{{}}}}'::bytea[]"
-            f" ELSE ARRAY[convert_to({alias}.tracestate, 'UTF8')] END")
+    return (
+        f" || CASE WHEN {alias}.traceparent IS NULL THEN '{{{{}}}}'::bytea[]"
+        f" ELSE ARRAY[convert_to({alias}.traceparent, 'UTF8')] END"
+        f" || CASE WHEN {alias}.tracestate IS NULL THEN '{{{{}}}}'::bytea[]"
+        f" ELSE ARRAY[convert_to({alias}.tracestate, 'UTF8')] END"
+    )

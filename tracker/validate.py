@@ -1,5 +1,6 @@
 """Checks of the caller's input, before anything is sent: typed errors that name the value as the
 caller wrote it. Nothing here allocates in proportion to an untrusted number."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -57,7 +58,10 @@ def id_list(item_ids: object, name: str = "item_ids") -> list[str | bytes]:
     """The ids argument: one str/bytes id or run, or an iterable of them (not a dict or a number)."""
     if isinstance(item_ids, (str, bytes)):
         return [item_ids]
-    if item_ids is None or isinstance(item_ids, (int, float, dict, bytearray, memoryview)) or not isinstance(
-            item_ids, Iterable):
+    if (
+        item_ids is None
+        or isinstance(item_ids, (int, float, dict, bytearray, memoryview))
+        or not isinstance(item_ids, Iterable)
+    ):
         raise InvalidArgument(name, item_ids, "an item id (str or bytes) or a list/iterable of them")
     return item_ids if isinstance(item_ids, list) else list(item_ids)

@@ -14,6 +14,7 @@ Environment: OUTBOX_LOCAL_DIR (state folder), OUTBOX_PG_PORT (55432), OUTBOX_KAF
 OUTBOX_KAFKA_CONTROLLER_PORT (59093), OUTBOX_KAFKA_HEAP (512m), OUTBOX_SERVICES_TIMEOUT (90 s),
 OUTBOX_PGBOUNCER_PORT (56432: PgBouncer in transaction pooling mode in front of the Postgres).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -134,8 +135,22 @@ def pg_up() -> None:
                 os.chmod(parent, mode | 0o001)
     if not (data / "PG_VERSION").exists():
         log(f"initdb {data}")
-        run([str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8",
-             "--locale=C.UTF-8", "--no-instructions"], user=user, stdout=subprocess.DEVNULL)
+        run(
+            [
+                str(bindir / "initdb"),
+                "-D",
+                str(data),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--locale=C.UTF-8",
+                "--no-instructions",
+            ],
+            user=user,
+            stdout=subprocess.DEVNULL,
+        )
         with open(data / "postgresql.conf", "a") as conf:
             conf.write(
                 "\n# outbox-reaper local settings\n"
@@ -157,12 +172,30 @@ def pg_up() -> None:
             except ProcessLookupError:
                 pidfile.unlink()  # left by a killed server on a previous machine run
         log(f"starting postgres on 127.0.0.1:{PG_PORT}")
-        r = run([str(bindir / "pg_ctl"), "-D", str(data), "-l", str(logfile), "-w", "-t", str(int(TIMEOUT)), "start"],
-                user=user, check=False, stdout=subprocess.DEVNULL)
+        r = run(
+            [str(bindir / "pg_ctl"), "-D", str(data), "-l", str(logfile), "-w", "-t", str(int(TIMEOUT)), "start"],
+            user=user,
+            check=False,
+            stdout=subprocess.DEVNULL,
+        )
         if r.returncode != 0 or not pg_ready(bindir):
             raise ServiceError(f"postgres did not start (pg_ctl exit {r.returncode}):\n{tail(logfile)}")
-    exists = run([str(bindir / "psql"), "-h", "127.0.0.1", "-p", str(PG_PORT), "-U", "postgres", "-d", "postgres",
-                  "-tAc", f"SELECT 1 FROM pg_database WHERE datname = '{PG_DB}'"], capture_output=True)
+    exists = run(
+        [
+            str(bindir / "psql"),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(PG_PORT),
+            "-U",
+            "postgres",
+            "-d",
+            "postgres",
+            "-tAc",
+            f"SELECT 1 FROM pg_database WHERE datname = '{PG_DB}'",
+        ],
+        capture_output=True,
+    )
     if exists.stdout.strip() != "1":
         run([str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(PG_PORT), "-U", "postgres", PG_DB])
     log(f"postgres ready: {pg_dsn()}")
@@ -175,8 +208,13 @@ def pg_down() -> None:
     bindir = pg_bindir()
     if pg_ready(bindir) or (data / "postmaster.pid").exists():
         log("stopping postgres")
-        run([str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"], user=pg_user(), check=False,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        run(
+            [str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
+            user=pg_user(),
+            check=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
 
 # ---------------------------------------------------------------- PgBouncer (transaction pooling)
@@ -199,7 +237,7 @@ listen_addr = 127.0.0.1
 listen_port = {PGB_PORT}
 unix_socket_dir =
 auth_type = trust
-auth_file = {PGB_DIR / 'userlist.txt'}
+auth_file = {PGB_DIR / "userlist.txt"}
 admin_users = postgres
 stats_users = postgres
 pool_mode = transaction
@@ -211,8 +249,8 @@ server_lifetime = 3600
 ignore_startup_parameters = extra_float_digits
 log_connections = 0
 log_disconnections = 0
-logfile = {PGB_DIR / 'pgbouncer.log'}
-pidfile = {PGB_DIR / 'pgbouncer.pid'}
+logfile = {PGB_DIR / "pgbouncer.log"}
+pidfile = {PGB_DIR / "pgbouncer.pid"}
 """
 
 
@@ -230,8 +268,11 @@ def pgb_ready() -> bool:
     if not port_open(PGB_PORT):
         return False
     psql = pg_bindir() / "psql"
-    r = run([str(psql), "-h", "127.0.0.1", "-p", str(PGB_PORT), "-U", "postgres", "-d", PG_DB, "-tAc", "SELECT 1"],
-            check=False, capture_output=True)
+    r = run(
+        [str(psql), "-h", "127.0.0.1", "-p", str(PGB_PORT), "-U", "postgres", "-d", PG_DB, "-tAc", "SELECT 1"],
+        check=False,
+        capture_output=True,
+    )
     return r.returncode == 0 and r.stdout.strip() == "1"
 
 
@@ -254,8 +295,9 @@ def pgbouncer_up() -> None:
         exe = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
         r = run([exe, "-d", str(PGB_DIR / "pgbouncer.ini")], user=user, check=False, capture_output=True)
         if r.returncode != 0:
-            raise ServiceError(f"pgbouncer did not start (exit {r.returncode}): {r.stderr.strip()}\n"
-                               f"{tail(PGB_DIR / 'pgbouncer.log')}")
+            raise ServiceError(
+                f"pgbouncer did not start (exit {r.returncode}): {r.stderr.strip()}\n{tail(PGB_DIR / 'pgbouncer.log')}"
+            )
     started = time.monotonic()
     while time.monotonic() - started < TIMEOUT:
         if pgb_ready():
@@ -323,8 +365,20 @@ def kafka_jars() -> Path:
         log(f"resolving Kafka jars from Maven Central into {cache}")
         tmp = cache.with_suffix(".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        r = run(["mvn", "-q", "-B", "-f", str(pom), "dependency:copy-dependencies", "-DincludeScope=runtime",
-                 f"-DoutputDirectory={tmp}"], check=False, capture_output=True)
+        r = run(
+            [
+                "mvn",
+                "-q",
+                "-B",
+                "-f",
+                str(pom),
+                "dependency:copy-dependencies",
+                "-DincludeScope=runtime",
+                f"-DoutputDirectory={tmp}",
+            ],
+            check=False,
+            capture_output=True,
+        )
         if r.returncode != 0:
             raise ServiceError(f"mvn could not resolve Kafka's jars:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
         shutil.rmtree(cache, ignore_errors=True)
@@ -393,8 +447,11 @@ def kafka_up() -> None:
     if not (data / "meta.properties").exists():
         cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
         log(f"formatting KRaft storage {data}")
-        r = run(java_cmd(lib, "kafka.tools.StorageTool", "format", "-t", cid, "-c", str(props)),
-                check=False, capture_output=True)
+        r = run(
+            java_cmd(lib, "kafka.tools.StorageTool", "format", "-t", cid, "-c", str(props)),
+            check=False,
+            capture_output=True,
+        )
         if r.returncode != 0:
             raise ServiceError(f"StorageTool format failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     if (pid := kafka_pid()) is not None:
@@ -402,8 +459,13 @@ def kafka_up() -> None:
     else:
         log(f"starting kafka on 127.0.0.1:{KAFKA_PORT}")
         with open(logfile, "ab") as out:
-            proc = subprocess.Popen(java_cmd(lib, "kafka.Kafka", str(props), heap=KAFKA_HEAP), stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                java_cmd(lib, "kafka.Kafka", str(props), heap=KAFKA_HEAP),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         (KAFKA_DIR / "kafka.pid").write_text(str(proc.pid))
     started = time.monotonic()
     while time.monotonic() - started < TIMEOUT:

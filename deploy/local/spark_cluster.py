@@ -15,6 +15,7 @@ Environment: OUTBOX_SPARK (0: `up`/`down` without --only leave Spark alone), OUT
 (57077), OUTBOX_SPARK_UI_PORT (58080; workers 58081..), OUTBOX_SPARK_WORKER_CORES (4, scheduling
 slots, not physical cores), OUTBOX_SPARK_WORKER_MEMORY (2g: two 1g executors), OUTBOX_SPARK_DAEMON_MEMORY (256m).
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,12 @@ def master_url() -> str:
 
 
 def _pyspark_of(python: str) -> Path | None:
-    r = subprocess.run([python, "-c", "import pyspark, os; print(os.path.dirname(pyspark.__file__))"],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [python, "-c", "import pyspark, os; print(os.path.dirname(pyspark.__file__))"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return Path(r.stdout.strip()) if r.returncode == 0 and r.stdout.strip() else None
 
 
@@ -82,12 +87,20 @@ def node_python(state: Path) -> Path:
         raise SparkClusterError("pyspark is not installed: run `make venv` first")
     node = state / "spark" / "node-python"
     exe = node / "bin" / "python"
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     if not exe.exists():
         subprocess.run([python, "-m", "venv", "--without-pip", str(node)], check=True)
-    node_site = subprocess.run([str(exe), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+    node_site = subprocess.run(
+        [str(exe), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     # A path line, not the venv's own .pth files: the editable install's finder (which would make
     # the checkout's tracker importable) is never run, so executors only have the zip they are sent.
     Path(node_site, "outbox_deps.pth").write_text(site + "\n")
@@ -124,19 +137,31 @@ def alive_workers() -> int:
 
 
 def _daemon_env(home: Path, sdir: Path) -> dict[str, str]:
-    return dict(os.environ, SPARK_HOME=str(home), SPARK_LOCAL_IP="127.0.0.1", SPARK_DAEMON_MEMORY=DAEMON_MEMORY,
-                SPARK_LOG_DIR=str(sdir), SPARK_NO_DAEMONIZE="1",
-                # old applications' folders (shipped files, executor logs) are removed after an hour
-                SPARK_WORKER_OPTS="-Dspark.worker.cleanup.enabled=true -Dspark.worker.cleanup.interval=600 "
-                                  "-Dspark.worker.cleanup.appDataTtl=3600")
+    return dict(
+        os.environ,
+        SPARK_HOME=str(home),
+        SPARK_LOCAL_IP="127.0.0.1",
+        SPARK_DAEMON_MEMORY=DAEMON_MEMORY,
+        SPARK_LOG_DIR=str(sdir),
+        SPARK_NO_DAEMONIZE="1",
+        # old applications' folders (shipped files, executor logs) are removed after an hour
+        SPARK_WORKER_OPTS="-Dspark.worker.cleanup.enabled=true -Dspark.worker.cleanup.interval=600 "
+        "-Dspark.worker.cleanup.appDataTtl=3600",
+    )
 
 
 def _start(home: Path, sdir: Path, name: str, args: list[str], host: str = "127.0.0.1") -> int:
     logfile = sdir / f"{name}.log"
     with open(logfile, "ab") as out:
-        proc = subprocess.Popen(["bash", str(home / "bin" / "spark-class"), *args], stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                env=dict(_daemon_env(home, sdir), SPARK_LOCAL_IP=host), cwd=sdir)
+        proc = subprocess.Popen(
+            ["bash", str(home / "bin" / "spark-class"), *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=dict(_daemon_env(home, sdir), SPARK_LOCAL_IP=host),
+            cwd=sdir,
+        )
     (sdir / f"{name}.pid").write_text(str(proc.pid))  # spark-class execs the JVM: same pid
     return proc.pid
 
@@ -165,8 +190,20 @@ def up(state: Path) -> dict[str, str]:
     started = time.monotonic()
     if _alive(sdir / "master.pid", "deploy.master.Master") is None and not _port_open(MASTER_PORT):
         log(f"starting spark master on {master_url()} (UI 127.0.0.1:{UI_PORT})")
-        _start(home, sdir, "master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                                      "--port", str(MASTER_PORT), "--webui-port", str(UI_PORT)])
+        _start(
+            home,
+            sdir,
+            "master",
+            [
+                "org.apache.spark.deploy.master.Master",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(MASTER_PORT),
+                "--webui-port",
+                str(UI_PORT),
+            ],
+        )
     while master_state() is None:
         if time.monotonic() - started > TIMEOUT:
             raise SparkClusterError(f"spark master did not answer within {TIMEOUT:.0f}s:\n{_tail(sdir / 'master.log')}")
@@ -179,14 +216,34 @@ def up(state: Path) -> dict[str, str]:
             # runs a speculative copy on the host of the attempt it copies.
             host = f"127.0.0.{i}"
             log(f"starting spark worker {i} on {host} ({WORKER_CORES} cores, {WORKER_MEMORY})")
-            _start(home, sdir, f"worker-{i}", [
-                "org.apache.spark.deploy.worker.Worker", master_url(), "--host", host,
-                "--port", str(MASTER_PORT + i), "--webui-port", str(UI_PORT + i), "--cores", WORKER_CORES,
-                "--memory", WORKER_MEMORY, "--work-dir", str(work)], host=host)
+            _start(
+                home,
+                sdir,
+                f"worker-{i}",
+                [
+                    "org.apache.spark.deploy.worker.Worker",
+                    master_url(),
+                    "--host",
+                    host,
+                    "--port",
+                    str(MASTER_PORT + i),
+                    "--webui-port",
+                    str(UI_PORT + i),
+                    "--cores",
+                    WORKER_CORES,
+                    "--memory",
+                    WORKER_MEMORY,
+                    "--work-dir",
+                    str(work),
+                ],
+                host=host,
+            )
     while alive_workers() < WORKERS:
         if time.monotonic() - started > TIMEOUT:
-            raise SparkClusterError(f"spark workers did not register within {TIMEOUT:.0f}s:\n"
-                                    + "\n".join(_tail(sdir / f"worker-{i}.log") for i in range(1, WORKERS + 1)))
+            raise SparkClusterError(
+                f"spark workers did not register within {TIMEOUT:.0f}s:\n"
+                + "\n".join(_tail(sdir / f"worker-{i}.log") for i in range(1, WORKERS + 1))
+            )
         time.sleep(0.3)
     log(f"spark ready in {time.monotonic() - started:.1f}s: {master_url()}, {WORKERS} workers")
     return env
@@ -194,8 +251,10 @@ def up(state: Path) -> dict[str, str]:
 
 def down(state: Path) -> None:
     sdir = state / "spark"
-    for name, marker in [*((f"worker-{i}", "deploy.worker.Worker") for i in range(WORKERS, 0, -1)),
-                         ("master", "deploy.master.Master")]:
+    for name, marker in [
+        *((f"worker-{i}", "deploy.worker.Worker") for i in range(WORKERS, 0, -1)),
+        ("master", "deploy.master.Master"),
+    ]:
         pid = _alive(sdir / f"{name}.pid", marker)
         if pid is None:
             continue

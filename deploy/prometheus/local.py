@@ -9,6 +9,7 @@ Debian's package registers a system service (on :9090 with /etc/prometheus); thi
 each instance here has its own config, data folder under .local/prometheus/<name>/ and a free
 port, and is stopped by whoever started it. Standard library only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,11 +63,15 @@ def ensure_installed() -> tuple[str, str]:
         log("prometheus not found: installing Debian's prometheus package")
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         sudo = [] if os.geteuid() == 0 else ["sudo"]
-        for cmd in (["apt-get", "update", "-q"],
-                    ["apt-get", "install", "-y", "-q", "--no-install-recommends", "prometheus"]):
+        for cmd in (
+            ["apt-get", "update", "-q"],
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "prometheus"],
+        ):
             r = subprocess.run([*sudo, *cmd], env=env, capture_output=True, text=True)
             if r.returncode != 0:
-                raise PrometheusError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+                raise PrometheusError(
+                    f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+                )
     found = binaries()
     if not found:
         raise PrometheusError("apt-get installed prometheus but `prometheus`/`promtool` are not on PATH")
@@ -86,19 +91,33 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
 
 def scrape_config(job: str, targets: list[str], scrape_interval: str, rule_files: list[Path]) -> str:
     # JSON is YAML: no YAML library needed before the venv exists.
-    return json.dumps({
-        "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval,
-                   "scrape_timeout": scrape_interval},
-        "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}],
-    }, indent=2)
+    return json.dumps(
+        {
+            "global": {
+                "scrape_interval": scrape_interval,
+                "evaluation_interval": scrape_interval,
+                "scrape_timeout": scrape_interval,
+            },
+            "rule_files": [str(p) for p in rule_files],
+            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}],
+        },
+        indent=2,
+    )
 
 
 class LocalPrometheus:
     """One private Prometheus process scraping the given targets."""
 
-    def __init__(self, targets: list[str], *, job: str = "reaper", scrape_interval: str = "1s",
-                 rule_files: list[Path] | None = None, port: int | None = None, name: str | None = None) -> None:
+    def __init__(
+        self,
+        targets: list[str],
+        *,
+        job: str = "reaper",
+        scrape_interval: str = "1s",
+        rule_files: list[Path] | None = None,
+        port: int | None = None,
+        name: str | None = None,
+    ) -> None:
         self.targets, self.job, self.scrape_interval = targets, job, scrape_interval
         self.rule_files = [RULES] if rule_files is None else rule_files
         self.port = port or free_port()
@@ -109,7 +128,7 @@ class LocalPrometheus:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 60.0) -> "LocalPrometheus":
+    def start(self, timeout: float = 60.0) -> LocalPrometheus:
         prom, _ = ensure_installed()
         shutil.rmtree(self.dir, ignore_errors=True)
         (self.dir / "data").mkdir(parents=True)
@@ -118,10 +137,19 @@ class LocalPrometheus:
         self.log = self.dir / "prometheus.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [prom, f"--config.file={config}", f"--storage.tsdb.path={self.dir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h",
-                 "--log.level=warn"],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                [
+                    prom,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={self.dir / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--storage.tsdb.retention.time=1h",
+                    "--log.level=warn",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -178,7 +206,7 @@ class LocalPrometheus:
         self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> "LocalPrometheus":
+    def __enter__(self) -> LocalPrometheus:
         return self.start()
 
     def __exit__(self, *exc) -> None:

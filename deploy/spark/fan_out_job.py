@@ -14,6 +14,7 @@ reach. The batch's completion event goes through the outbox once every item is a
 JSON line: batch_id, run, items, groups. `--run-key` makes a re-submitted job skip what a failed
 attempt already wrote.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,13 +49,31 @@ def main(argv: list[str] | None = None) -> int:
         if args.partitions:
             # a retried partition must hold the same rows in the same order: sort within partitions
             df = df.repartition(args.partitions).sortWithinPartitions(*df.columns)
-        result = tspark.fan_out(df, dsn=args.dsn, topic=args.topic, schema=args.schema, value_col=args.value_col,
-                                key_col=args.key_col, user_key=args.user_key,
-                                completion_topic=args.completion_topic, run_key=args.run_key)
+        result = tspark.fan_out(
+            df,
+            dsn=args.dsn,
+            topic=args.topic,
+            schema=args.schema,
+            value_col=args.value_col,
+            key_col=args.key_col,
+            user_key=args.user_key,
+            completion_topic=args.completion_topic,
+            run_key=args.run_key,
+        )
     finally:
         spark.stop()
-    print(json.dumps({"batch_id": result.batch_id, "run": result.run, "items": result.items,
-                      "groups": result.groups, "complete": result.complete}), flush=True)
+    print(
+        json.dumps(
+            {
+                "batch_id": result.batch_id,
+                "run": result.run,
+                "items": result.items,
+                "groups": result.groups,
+                "complete": result.complete,
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

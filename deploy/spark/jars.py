@@ -11,6 +11,7 @@ library only; run it with the interpreter that has pyspark installed.
 
 Environment: OUTBOX_SPARK_JARS_CACHE (default ~/.cache/outbox-reaper/spark-kafka-jars).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -59,8 +60,10 @@ def _ensure_maven() -> None:
     print("[spark-jars] mvn not found: installing Debian's maven", file=sys.stderr, flush=True)
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     sudo = [] if os.geteuid() == 0 else ["sudo"]
-    for cmd in ([*sudo, "apt-get", "update", "-q"],
-                [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", "maven"]):
+    for cmd in (
+        [*sudo, "apt-get", "update", "-q"],
+        [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", "maven"],
+    ):
         if subprocess.run(cmd, env=env, check=False).returncode != 0:
             break
     if shutil.which("mvn") is None:
@@ -71,13 +74,27 @@ def _resolve(version: str, target: Path) -> None:
     _ensure_maven()
     tmp = target.with_suffix(".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    r = subprocess.run(["mvn", "-q", "-B", "-f", str(POM), "dependency:copy-dependencies", "-DincludeScope=runtime",
-                        f"-Dspark.version={version}", f"-DoutputDirectory={tmp}"],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [
+            "mvn",
+            "-q",
+            "-B",
+            "-f",
+            str(POM),
+            "dependency:copy-dependencies",
+            "-DincludeScope=runtime",
+            f"-Dspark.version={version}",
+            f"-DoutputDirectory={tmp}",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if r.returncode != 0:
         raise JarResolutionError(
             f"mvn could not resolve spark-sql-kafka-0-10 {version} (it must match the installed pyspark):\n"
-            f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+            f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        )
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
 
@@ -88,8 +105,11 @@ def spark_kafka_jars(version: str | None = None) -> list[Path]:
     digest = hashlib.sha256(POM.read_bytes() + version.encode()).hexdigest()[:16]
     cache = CACHE / f"{version}-{digest}"
     if not (cache / ".complete").exists():
-        print(f"[spark-jars] resolving spark-sql-kafka-0-10 {version} from Maven Central into {cache}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[spark-jars] resolving spark-sql-kafka-0-10 {version} from Maven Central into {cache}",
+            file=sys.stderr,
+            flush=True,
+        )
         _resolve(version, cache)
         (cache / ".complete").write_text(version)
     shipped = {_artifact(p.name) for p in pyspark_jars_dir().glob("*.jar")}

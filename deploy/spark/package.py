@@ -4,6 +4,7 @@
 Prints the zip's path (DIR, default dist/). Run it with the interpreter that has the tracker
 installed; the name carries a hash of the contents, so a changed tracker gets a new zip.
 """
+
 from __future__ import annotations
 
 import sys

@@ -4,6 +4,7 @@ Each command opens one database connection, checks its arguments before it chang
 commits what it did as a whole (a requeue of many rows: chunk by chunk), and exits with the codes
 in `harvester.admin.common`.
 """
+
 from .commands import COMMANDS, add_parsers, main
 
 __all__ = ["COMMANDS", "add_parsers", "main"]

@@ -7,6 +7,7 @@ costs what it shows, not what the batch holds.
 `expire` expires an open or closed batch now, writes its expiry event through the outbox (the
 sweeper's event, reason "operator") and records the action in `admin_log`, in one transaction.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -23,7 +24,7 @@ from tracker.schema import qualified
 from tracker.sweeper import BatchNotExpirable, Expired, expire_batch
 
 from ..config import Config
-from .common import one_row, EXIT_NOT_FOUND, EXIT_REFUSED, AdminError, ago, require_tables, when
+from .common import EXIT_NOT_FOUND, EXIT_REFUSED, AdminError, ago, one_row, require_tables, when
 
 _GROUPS_PER_QUERY = 32  # 32 x 1 KiB bitfields per round trip
 _RUN = re.compile("1+")
@@ -50,25 +51,34 @@ class BatchView:
     next_after: str | None = None  # pass as --after for the next page; None: last page
 
 
-def show(conn: psycopg.Connection, schema: str, batch_id: int, *, after: ItemId | None = None,
-         limit: int = 100) -> BatchView:
+def show(
+    conn: psycopg.Connection, schema: str, batch_id: int, *, after: ItemId | None = None, limit: int = 100
+) -> BatchView:
     require_tables(conn, schema, "batch", "batch_group")
     b, g = qualified(schema, "batch"), qualified(schema, "batch_group")
-    row = conn.execute(sql.SQL(
-        "SELECT user_key, state, total, pending, completion_topic, created_at, closed_at, completed_at, expired_at, "
-        "last_activity_at, clock_timestamp() FROM {} WHERE id = %s").format(b), [batch_id]).fetchone()
+    row = conn.execute(
+        sql.SQL(
+            "SELECT user_key, state, total, pending, completion_topic, created_at, closed_at, completed_at, expired_at, "
+            "last_activity_at, clock_timestamp() FROM {} WHERE id = %s"
+        ).format(b),
+        [batch_id],
+    ).fetchone()
     if row is None:
         conn.rollback()
         raise AdminError(f"unknown batch {batch_id}", EXIT_NOT_FOUND)
-    groups, groups_pending = one_row(conn.execute(sql.SQL(
-        "SELECT count(*), count(*) FILTER (WHERE pending > 0) FROM {} WHERE batch_id = %s").format(g),
-        [batch_id]))
+    groups, groups_pending = one_row(
+        conn.execute(
+            sql.SQL("SELECT count(*), count(*) FILTER (WHERE pending > 0) FROM {} WHERE batch_id = %s").format(g),
+            [batch_id],
+        )
+    )
     view = BatchView(batch_id, row[0], row[1], row[2], row[3], row[2] - row[3], groups, groups_pending, *row[4:])
     # Runs of set (pending) bits, group by group from the cursor, until the page is full plus one.
     group_from, index_from = (after.group_id, after.index + 1) if after else (0, 0)
     runs: list[tuple[int, int, int]] = []
-    page = sql.SQL("SELECT id, bits::text FROM {} WHERE batch_id = %s AND id >= %s AND pending > 0 "
-                   "ORDER BY id LIMIT %s").format(g)
+    page = sql.SQL(
+        "SELECT id, bits::text FROM {} WHERE batch_id = %s AND id >= %s AND pending > 0 ORDER BY id LIMIT %s"
+    ).format(g)
     while len(runs) <= limit:
         found = conn.execute(page, [batch_id, group_from, _GROUPS_PER_QUERY]).fetchall()
         for group_id, bits in found:
@@ -94,9 +104,16 @@ def expire(cfg: Config, conn: psycopg.Connection, batch_id: int, note: str | Non
     db = cfg.database
     require_tables(conn, db.schema, "batch", db.outbox_table, "admin_log")
     try:
-        got = expire_batch(conn, batch_id, schema=db.schema, reason="operator", note=note,
-                           outbox_table=db.outbox_table, completion_topic=cfg.harvester.default_completion_topic,
-                           expiry_topic=cfg.sweeper.expiry_topic or None)
+        got = expire_batch(
+            conn,
+            batch_id,
+            schema=db.schema,
+            reason="operator",
+            note=note,
+            outbox_table=db.outbox_table,
+            completion_topic=cfg.harvester.default_completion_topic,
+            expiry_topic=cfg.sweeper.expiry_topic or None,
+        )
     except UnknownBatch:
         conn.rollback()
         raise AdminError(f"unknown batch {batch_id}", EXIT_NOT_FOUND) from None
@@ -104,21 +121,30 @@ def expire(cfg: Config, conn: psycopg.Connection, batch_id: int, note: str | Non
         conn.rollback()
         raise AdminError(str(exc), EXIT_REFUSED) from None
     if got is not None:
-        conn.execute(sql.SQL("INSERT INTO {} (action, rows, detail) VALUES ('batch-expire', 1, %s::jsonb)").format(
-            qualified(db.schema, "admin_log")), [json.dumps({"batch_id": batch_id, "note": note, "topic": got.topic,
-                                                            "pending": got.pending, "total": got.total})])
+        conn.execute(
+            sql.SQL("INSERT INTO {} (action, rows, detail) VALUES ('batch-expire', 1, %s::jsonb)").format(
+                qualified(db.schema, "admin_log")
+            ),
+            [
+                json.dumps(
+                    {"batch_id": batch_id, "note": note, "topic": got.topic, "pending": got.pending, "total": got.total}
+                )
+            ],
+        )
     conn.commit()
     return got
 
 
 def render(v: BatchView) -> str:
-    lines = [f"batch {v.id}" + (f"  user key {v.user_key!r}" if v.user_key is not None else ""),
-             f"  state          {v.state}",
-             f"  items          {v.total} total, {v.pending} pending, {v.acked} acked",
-             f"  groups         {v.groups} ({v.groups_pending} with pending items)",
-             f"  completion to  {v.completion_topic or '(the default completion topic)'}",
-             f"  opened         {when(v.created_at)}{ago(v.created_at, v.now)}",
-             f"  closed         {when(v.closed_at)}{ago(v.closed_at, v.now)}"]
+    lines = [
+        f"batch {v.id}" + (f"  user key {v.user_key!r}" if v.user_key is not None else ""),
+        f"  state          {v.state}",
+        f"  items          {v.total} total, {v.pending} pending, {v.acked} acked",
+        f"  groups         {v.groups} ({v.groups_pending} with pending items)",
+        f"  completion to  {v.completion_topic or '(the default completion topic)'}",
+        f"  opened         {when(v.created_at)}{ago(v.created_at, v.now)}",
+        f"  closed         {when(v.closed_at)}{ago(v.closed_at, v.now)}",
+    ]
     if v.completed_at:
         lines.append(f"  completed      {when(v.completed_at)}{ago(v.completed_at, v.now)}")
     if v.expired_at:
@@ -137,5 +163,7 @@ def render(v: BatchView) -> str:
 def render_expired(batch_id: int, got: Expired | None) -> str:
     if got is None:
         return f"batch {batch_id} was already expired: nothing changed"
-    return (f"batch {batch_id} expired ({got.pending} of {got.total} items pending); "
-            f"expiry event written to the outbox for topic {got.topic!r}")
+    return (
+        f"batch {batch_id} expired ({got.pending} of {got.total} items pending); "
+        f"expiry event written to the outbox for topic {got.topic!r}"
+    )

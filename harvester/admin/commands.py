@@ -4,12 +4,14 @@ Output goes to stdout (a table or, with --json, one JSON document); errors go to
 line (and, with --json, also as {"error": ..., "exit_code": ...} on stdout), with the exit codes
 of harvester.admin.common. Every argument is checked before anything touches the database.
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import psycopg
 
@@ -24,8 +26,8 @@ from . import status as status_mod
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, AdminError, connect, to_json
 
 COMMANDS = ("outbox", "dead", "batch")
-MAX_LIMIT = 10_000   # rows or runs one page may show
-MAX_IDS = 10_000     # ids one `dead requeue --id` may name
+MAX_LIMIT = 10_000  # rows or runs one page may show
+MAX_IDS = 10_000  # ids one `dead requeue --id` may name
 
 
 def _int_in(what: str, low: int, high: int) -> Callable[[str], int]:
@@ -34,6 +36,7 @@ def _int_in(what: str, low: int, high: int) -> Callable[[str], int]:
         if not t.isascii() or not t.isdigit() or len(t) > 19 or not low <= int(t) <= high:
             raise argparse.ArgumentTypeError(f"{what} must be a whole number from {low} to {high}, got {text!r}")
         return int(t)
+
     return parse
 
 
@@ -57,6 +60,7 @@ def _text(what: str) -> Callable[[str], str]:
         if not text or "\x00" in text or len(text) > 1000:
             raise argparse.ArgumentTypeError(f"{what} must be 1-1000 characters without NUL, got {text[:40]!r}")
         return text
+
     return parse
 
 
@@ -76,26 +80,42 @@ def add_parsers(sub: Any) -> None:
     out.add_argument("--json", action="store_true", help="print one JSON document instead of text")
 
     outbox = sub.add_parser("outbox", help="look at the outbox").add_subparsers(dest="admin_command", required=True)
-    st = outbox.add_parser("status", parents=[out], help="backlog, oldest age, rows in flight and dead, leader per unit")
+    st = outbox.add_parser(
+        "status", parents=[out], help="backlog, oldest age, rows in flight and dead, leader per unit"
+    )
     st.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait for Kafka (default 10)")
 
     dead = sub.add_parser("dead", help="rows Kafka refused for good (the outbox's dead table)").add_subparsers(
-        dest="admin_command", required=True)
+        dest="admin_command", required=True
+    )
     dl = dead.add_parser("list", parents=[out], help="list dead rows, oldest id first, a page at a time")
     dl.add_argument("--reason", type=_text("--reason"), help="only rows whose reason contains this text")
     dl.add_argument("--limit", type=_int_in("--limit", 1, MAX_LIMIT), default=50, help="rows per page (default 50)")
-    dl.add_argument("--after", type=_int_in("--after", 0, ID_MAX), default=0, help="show rows with a higher id (paging)")
+    dl.add_argument(
+        "--after", type=_int_in("--after", 0, ID_MAX), default=0, help="show rows with a higher id (paging)"
+    )
     rq = dead.add_parser("requeue", parents=[out], help="move dead rows back into the outbox (each exactly once)")
     which = rq.add_mutually_exclusive_group(required=True)
-    which.add_argument("--id", dest="ids", type=_ids, action="append",
-                       help="dead row id(s), repeatable or comma-separated: all move in one transaction, or none")
+    which.add_argument(
+        "--id",
+        dest="ids",
+        type=_ids,
+        action="append",
+        help="dead row id(s), repeatable or comma-separated: all move in one transaction, or none",
+    )
     which.add_argument("--all", action="store_true", help="every row dead now, in chunks")
     which.add_argument("--reason", type=_text("--reason"), help="every row dead now whose reason contains this text")
-    rq.add_argument("--chunk", type=_int_in("--chunk", 1, 100_000), default=1000,
-                    help="rows per transaction for --all/--reason (default 1000)")
+    rq.add_argument(
+        "--chunk",
+        type=_int_in("--chunk", 1, 100_000),
+        default=1000,
+        help="rows per transaction for --all/--reason (default 1000)",
+    )
     rq.add_argument("--dry-run", action="store_true", help="say how many rows would move; change nothing")
 
-    batch = sub.add_parser("batch", help="look at or expire one batch").add_subparsers(dest="admin_command", required=True)
+    batch = sub.add_parser("batch", help="look at or expire one batch").add_subparsers(
+        dest="admin_command", required=True
+    )
     bs = batch.add_parser("show", parents=[out], help="state, counts, groups, activity and pending items (runs)")
     bs.add_argument("batch_id", type=_int_in("batch id", 0, ID_MAX))
     bs.add_argument("--after", type=_item_id, help="continue after this item id (paging)")
@@ -111,8 +131,15 @@ def _progress(enabled: bool):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     console = Console(stderr=True)
-    return Progress(TextColumn("requeue"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                    console=console, transient=True, disable=not (enabled and console.is_terminal))
+    return Progress(
+        TextColumn("requeue"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not (enabled and console.is_terminal),
+    )
 
 
 def _run(cfg: Config, args: argparse.Namespace) -> tuple[Any, str, int]:
@@ -126,8 +153,9 @@ def _run(cfg: Config, args: argparse.Namespace) -> tuple[Any, str, int]:
             st = status_mod.outbox_status(cfg, conn, args.timeout)
             return st.as_dict(), status_mod.render(st), status_mod.exit_code(st)
         if cmd == ("dead", "list"):
-            page = dead_mod.list_dead(conn, db.schema, db.outbox_table, reason=args.reason, after=args.after,
-                                      limit=args.limit)
+            page = dead_mod.list_dead(
+                conn, db.schema, db.outbox_table, reason=args.reason, after=args.after, limit=args.limit
+            )
             return page, dead_mod.render_page(page), EXIT_OK
         if cmd == ("dead", "requeue"):
             if args.ids:
@@ -139,16 +167,25 @@ def _run(cfg: Config, args: argparse.Namespace) -> tuple[Any, str, int]:
                 with _progress(not args.json) as bar:
                     task = bar.add_task("requeue", total=None)
                     done = dead_mod.requeue_matching(
-                        conn, db.schema, db.outbox_table, reason=None if args.all else args.reason, chunk=args.chunk,
-                        dry_run=args.dry_run, progress=lambda n, total: bar.update(task, completed=n, total=total))
+                        conn,
+                        db.schema,
+                        db.outbox_table,
+                        reason=None if args.all else args.reason,
+                        chunk=args.chunk,
+                        dry_run=args.dry_run,
+                        progress=lambda n, total: bar.update(task, completed=n, total=total),
+                    )
             return done, dead_mod.render_requeued(done), EXIT_OK
         if cmd == ("batch", "show"):
             view = batch_mod.show(conn, db.schema, args.batch_id, after=args.after, limit=args.limit)
             return view, batch_mod.render(view), EXIT_OK
         if cmd == ("batch", "expire"):
             got = batch_mod.expire(cfg, conn, args.batch_id, args.note)
-            result = {"batch_id": args.batch_id, "expired": got is not None,
-                      "event": dataclasses.asdict(got) if got else None}
+            result = {
+                "batch_id": args.batch_id,
+                "expired": got is not None,
+                "event": dataclasses.asdict(got) if got else None,
+            }
             return result, batch_mod.render_expired(args.batch_id, got), EXIT_OK
     raise AdminError(f"unknown command {' '.join(cmd)}", EXIT_USAGE)
 
@@ -156,8 +193,12 @@ def _run(cfg: Config, args: argparse.Namespace) -> tuple[Any, str, int]:
 def main(cfg: Config, args: argparse.Namespace) -> int:
     # Kafka clients (outbox status) log through structlog on stderr, like `reaper run`; quiet by default.
     level = cfg.logging.level if cfg.logging.level.lower() in ("debug", "error") else "warning"
-    logs.configure("console" if cfg.logging.format == "console" or (
-        cfg.logging.format == "auto" and sys.stderr.isatty()) else "json", level)
+    logs.configure(
+        "console"
+        if cfg.logging.format == "console" or (cfg.logging.format == "auto" and sys.stderr.isatty())
+        else "json",
+        level,
+    )
     name = f"reaper {args.command} {args.admin_command}"
     try:
         result, text, code = _run(cfg, args)

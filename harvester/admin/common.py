@@ -1,5 +1,6 @@
 """What the admin commands share: exit codes, the typed error they fail with, the database
 connection, and small formatters for their human output."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -8,15 +9,16 @@ from typing import Any
 
 import psycopg
 
-from ..config import Config, redact_dsn
 from tracker.schema import qualified
 
+from ..config import Config, redact_dsn
+
 EXIT_OK = 0
-EXIT_FAILURE = 1      # the database or Kafka failed while the command ran
-EXIT_USAGE = 2        # bad arguments or configuration (argparse uses 2 as well)
+EXIT_FAILURE = 1  # the database or Kafka failed while the command ran
+EXIT_USAGE = 2  # bad arguments or configuration (argparse uses 2 as well)
 EXIT_UNAVAILABLE = 3  # the database or Kafka is unreachable, or the schema is not migrated
-EXIT_NOT_FOUND = 5    # the batch or dead row named does not exist
-EXIT_REFUSED = 6      # the thing named exists but its state refuses the action
+EXIT_NOT_FOUND = 5  # the batch or dead row named does not exist
+EXIT_REFUSED = 6  # the thing named exists but its state refuses the action
 
 
 class AdminError(Exception):
@@ -33,13 +35,14 @@ def connect(cfg: Config) -> psycopg.Connection:
     try:
         # Never prepared: a command runs each statement a few times at most, and this way it also
         # works through PgBouncer in transaction mode (see README, PgBouncer).
-        return psycopg.connect(cfg.database.dsn, connect_timeout=10, application_name="reaper-admin",
-                               prepare_threshold=None)
+        return psycopg.connect(
+            cfg.database.dsn, connect_timeout=10, application_name="reaper-admin", prepare_threshold=None
+        )
     except psycopg.OperationalError as exc:
         raise AdminError(f"database unreachable: {redact_dsn(str(exc)).strip()}", EXIT_UNAVAILABLE) from None
 
 
-def one_row(cursor: "psycopg.Cursor[tuple[Any, ...]]") -> tuple[Any, ...]:
+def one_row(cursor: psycopg.Cursor[tuple[Any, ...]]) -> tuple[Any, ...]:
     """The single row of a query that always returns one (an aggregate, a RETURNING of one row)."""
     row = cursor.fetchone()
     if row is None:
@@ -57,7 +60,7 @@ def require_tables(conn: psycopg.Connection, schema: str, *tables: str) -> None:
 
 
 def when(value: dt.datetime | None) -> str:
-    return "-" if value is None else value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return "-" if value is None else value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def ago(value: dt.datetime | None, now: dt.datetime) -> str:

@@ -12,20 +12,22 @@ rows that were dead when the command started, in chunks of `--chunk` rows, each 
 transaction (locks stay short and a progress bar can move); a requeue interrupted midway leaves
 the rest dead, and running it again goes on. Every committed chunk is recorded in `admin_log`.
 """
+
 from __future__ import annotations
 
 import datetime as dt
 import functools
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import psycopg
 from psycopg import sql
 
 from tracker.schema import qualified
 
-from .common import one_row, EXIT_NOT_FOUND, AdminError, require_tables, text_or_hex, when
+from .common import EXIT_NOT_FOUND, AdminError, one_row, require_tables, text_or_hex, when
 
 
 @dataclass
@@ -45,22 +47,25 @@ class DeadRow:
 @dataclass
 class DeadPage:
     rows: list[DeadRow]
-    matching: int                 # dead rows matching the filter, all pages
-    next_after: int | None        # pass as --after for the next page; None: last page
+    matching: int  # dead rows matching the filter, all pages
+    next_after: int | None  # pass as --after for the next page; None: last page
 
 
 @dataclass
 class Requeued:
     moved: int = 0
-    dead_ids: list[int] = field(default_factory=list)   # the rows' ids in the dead table (their old outbox ids)
-    new_ids: list[int] = field(default_factory=list)    # their new outbox ids
+    dead_ids: list[int] = field(default_factory=list)  # the rows' ids in the dead table (their old outbox ids)
+    new_ids: list[int] = field(default_factory=list)  # their new outbox ids
     dry_run: bool = False
 
 
 @functools.lru_cache(maxsize=32)
 def _statements(schema: str, table: str) -> dict[str, sql.Composed]:
-    names = {"outbox": qualified(schema, table), "dead": qualified(schema, f"{table}_dead"),
-             "log": qualified(schema, "admin_log")}
+    names = {
+        "outbox": qualified(schema, table),
+        "dead": qualified(schema, f"{table}_dead"),
+        "log": qualified(schema, "admin_log"),
+    }
     match = sql.SQL("(%(reason)s::text IS NULL OR strpos(reason, %(reason)s::text) > 0)")
     move = (
         "moved AS (DELETE FROM {dead} d USING pick WHERE d.id = pick.id "
@@ -71,37 +76,55 @@ def _statements(schema: str, table: str) -> dict[str, sql.Composed]:
         "jsonb_build_object('dead_ids', jsonb_agg(id ORDER BY id), 'filter', %(filter)s::jsonb) FROM moved "
         "HAVING count(*) > 0) "
         "SELECT (SELECT coalesce(array_agg(id ORDER BY id), '{{}}') FROM moved), "
-        "(SELECT coalesce(array_agg(id ORDER BY id), '{{}}') FROM ins)")
+        "(SELECT coalesce(array_agg(id ORDER BY id), '{{}}') FROM ins)"
+    )
     q = {
         "page": sql.SQL(
             "SELECT id, failed_at, created_at, topic, kafka_partition, key, length(value), header_keys, reason, "
-            "leader_id::text FROM {dead} WHERE id > %(after)s AND {match} ORDER BY id LIMIT %(limit)s"),
+            "leader_id::text FROM {dead} WHERE id > %(after)s AND {match} ORDER BY id LIMIT %(limit)s"
+        ),
         "count": sql.SQL("SELECT count(*), max(id) FROM {dead} WHERE {match}"),
         "lock_ids": sql.SQL("SELECT id FROM {dead} WHERE id = ANY(%(ids)s::bigint[]) FOR UPDATE"),
         "move_ids": sql.SQL("WITH pick AS (SELECT unnest(%(ids)s::bigint[]) AS id), " + move),
         # SKIP LOCKED: rows a racing requeue holds are its to move; what is left unlocked is ours.
         "move_chunk": sql.SQL(
             "WITH pick AS (SELECT id FROM {dead} WHERE id > %(after)s AND id <= %(upto)s AND {match} "
-            "ORDER BY id LIMIT %(chunk)s FOR UPDATE SKIP LOCKED), " + move),
+            "ORDER BY id LIMIT %(chunk)s FOR UPDATE SKIP LOCKED), " + move
+        ),
         "count_chunk": sql.SQL("SELECT count(*) FROM {dead} WHERE id <= %(upto)s AND {match}"),
     }
     return {k: v.format(match=match, **names) for k, v in q.items()}
 
 
-def list_dead(conn: psycopg.Connection, schema: str, table: str, *, reason: str | None = None, after: int = 0,
-              limit: int = 50) -> DeadPage:
+def list_dead(
+    conn: psycopg.Connection, schema: str, table: str, *, reason: str | None = None, after: int = 0, limit: int = 50
+) -> DeadPage:
     require_tables(conn, schema, f"{table}_dead")
     q = _statements(schema, table)
     rows = conn.execute(q["page"], {"after": after, "reason": reason, "limit": limit + 1}).fetchall()
     matching = one_row(conn.execute(q["count"], {"reason": reason}))[0]
     conn.rollback()
-    page = [DeadRow(id=r[0], failed_at=r[1], created_at=r[2], topic=r[3], partition=r[4], key=text_or_hex(r[5]),
-                    value_bytes=r[6], headers=list(r[7]), reason=r[8], leader_id=r[9]) for r in rows[:limit]]
+    page = [
+        DeadRow(
+            id=r[0],
+            failed_at=r[1],
+            created_at=r[2],
+            topic=r[3],
+            partition=r[4],
+            key=text_or_hex(r[5]),
+            value_bytes=r[6],
+            headers=list(r[7]),
+            reason=r[8],
+            leader_id=r[9],
+        )
+        for r in rows[:limit]
+    ]
     return DeadPage(page, matching, page[-1].id if len(rows) > limit else None)
 
 
-def requeue_ids(conn: psycopg.Connection, schema: str, table: str, ids: Sequence[int], *,
-                dry_run: bool = False) -> Requeued:
+def requeue_ids(
+    conn: psycopg.Connection, schema: str, table: str, ids: Sequence[int], *, dry_run: bool = False
+) -> Requeued:
     """Move exactly these dead rows back, in one transaction; if any is not dead, move none."""
     require_tables(conn, schema, table, f"{table}_dead", "admin_log")
     q = _statements(schema, table)
@@ -111,8 +134,10 @@ def requeue_ids(conn: psycopg.Connection, schema: str, table: str, ids: Sequence
     if missing:
         conn.rollback()
         shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
-        raise AdminError(f"not in {schema}.{table}_dead (never quarantined, or already requeued): {shown}; "
-                         "nothing was requeued", EXIT_NOT_FOUND)
+        raise AdminError(
+            f"not in {schema}.{table}_dead (never quarantined, or already requeued): {shown}; nothing was requeued",
+            EXIT_NOT_FOUND,
+        )
     if dry_run:
         conn.rollback()
         return Requeued(len(wanted), wanted, [], True)
@@ -121,9 +146,16 @@ def requeue_ids(conn: psycopg.Connection, schema: str, table: str, ids: Sequence
     return Requeued(len(dead_ids), list(dead_ids), list(new_ids))
 
 
-def requeue_matching(conn: psycopg.Connection, schema: str, table: str, *, reason: str | None = None,
-                     chunk: int = 1000, dry_run: bool = False,
-                     progress: Callable[[int, int], None] = lambda done, total: None) -> Requeued:
+def requeue_matching(
+    conn: psycopg.Connection,
+    schema: str,
+    table: str,
+    *,
+    reason: str | None = None,
+    chunk: int = 1000,
+    dry_run: bool = False,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> Requeued:
     """Move every row dead now (whose reason contains `reason`, if given), `chunk` rows per transaction.
 
     `progress(moved so far, total)` is called after each chunk.
@@ -137,8 +169,13 @@ def requeue_matching(conn: psycopg.Connection, schema: str, table: str, *, reaso
         result.moved = total if dry_run else 0
         return result
     progress(0, total)
-    params: dict[str, Any] = {"after": 0, "upto": upto, "reason": reason, "chunk": chunk,
-                              "filter": json.dumps({"all": reason is None, "reason": reason})}
+    params: dict[str, Any] = {
+        "after": 0,
+        "upto": upto,
+        "reason": reason,
+        "chunk": chunk,
+        "filter": json.dumps({"all": reason is None, "reason": reason}),
+    }
     while True:
         dead_ids, new_ids = one_row(conn.execute(q["move_chunk"], params))
         conn.commit()
@@ -161,8 +198,10 @@ def render_page(page: DeadPage) -> str:
         size = "null" if r.value_bytes is None else str(r.value_bytes)
         lines.append(f"{r.id:>10}  {when(r.failed_at):<23}  {r.topic[:24]:<24} {part:>4}  {size:>7}  {key!r}")
         lines.append(f"{'':>10}  {r.reason}")
-    lines.append(f"{len(page.rows)} shown of {page.matching} matching"
-                 + (f"; next page: --after {page.next_after}" if page.next_after is not None else ""))
+    lines.append(
+        f"{len(page.rows)} shown of {page.matching} matching"
+        + (f"; next page: --after {page.next_after}" if page.next_after is not None else "")
+    )
     return "\n".join(lines)
 
 

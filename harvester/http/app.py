@@ -6,12 +6,13 @@ JSON-only bodies) and BodyLimit (413 before a large body is read). Every error i
 problem document (problems.py). HTTP cannot share the caller's database transaction: an app that
 must add items atomically with its own writes uses the SQL functions instead (README).
 """
+
 from __future__ import annotations
 
-import asyncio
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Annotated, TypeVar
 
 import structlog
 from fastapi import Depends, FastAPI, Path, Query, Request
@@ -38,15 +39,22 @@ ID_MAX = (1 << 63) - 1
 BatchId = Annotated[int, Path(ge=0, le=ID_MAX, description="batch id")]
 _bearer = HTTPBearer(auto_error=False, description="a token from http.tokens / http.tokens_file")
 _ERRORS = {  # documented responses of every /v1 route (besides its own)
-    400: "invalid-request, malformed-item-id", 401: "unauthorized", 413: "payload-too-large",
-    415: "unsupported-media-type", 429: "rate-limited", 500: "internal", 503: "unavailable",
+    400: "invalid-request, malformed-item-id",
+    401: "unauthorized",
+    413: "payload-too-large",
+    415: "unsupported-media-type",
+    429: "rate-limited",
+    500: "internal",
+    503: "unavailable",
 }
 
 
 def _responses(*extra: int) -> dict:
     codes = {**_ERRORS, **{c: problems.TYPES[s][1] for s, (c, _) in problems.TYPES.items() if c in extra}}
-    return {c: {"model": models.ProblemDoc, "description": d, "content": {problems.MEDIA_TYPE: {}}}
-            for c, d in sorted(codes.items())}
+    return {
+        c: {"model": models.ProblemDoc, "description": d, "content": {problems.MEDIA_TYPE: {}}}
+        for c, d in sorted(codes.items())
+    }
 
 
 async def send_problem(scope: Scope, receive: Receive, send: Send, problem: Problem) -> None:
@@ -70,23 +78,42 @@ class Guard:
         token = self.auth.identify(raw.decode("latin-1") if raw is not None else None)
         if token is None:
             why = "no Authorization: Bearer header" if raw is None else "the bearer token is not valid"
-            await send_problem(scope, receive, send, Problem(
-                "unauthorized", why, headers={"WWW-Authenticate": 'Bearer realm="reaper"'}))
+            await send_problem(
+                scope,
+                receive,
+                send,
+                Problem("unauthorized", why, headers={"WWW-Authenticate": 'Bearer realm="reaper"'}),
+            )
             return
         state_of(scope)["token"] = token
         wait = self.limiter.take(token)
         if wait > 0:
-            await send_problem(scope, receive, send, Problem(
-                "rate-limited", f"token {token} is over its rate limit; retry after {wait:.3f} s",
-                headers={"Retry-After": str(max(1, int(wait + 0.999)))}, retry_after=round(wait, 3)))
+            await send_problem(
+                scope,
+                receive,
+                send,
+                Problem(
+                    "rate-limited",
+                    f"token {token} is over its rate limit; retry after {wait:.3f} s",
+                    headers={"Retry-After": str(max(1, int(wait + 0.999)))},
+                    retry_after=round(wait, 3),
+                ),
+            )
             return
         if scope.get("method") == "POST":
             ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             has_body = headers.get(b"content-length", b"0") not in (b"0", b"") or b"transfer-encoding" in headers
             if has_body and ctype != b"application/json":
-                await send_problem(scope, receive, send, Problem(
-                    "unsupported-media-type", f"Content-Type {ctype.decode('latin-1') or '(none)'!r}: send application/json",
-                    field="Content-Type"))
+                await send_problem(
+                    scope,
+                    receive,
+                    send,
+                    Problem(
+                        "unsupported-media-type",
+                        f"Content-Type {ctype.decode('latin-1') or '(none)'!r}: send application/json",
+                        field="Content-Type",
+                    ),
+                )
                 return
         await self.app(scope, receive, send)
 
@@ -99,18 +126,32 @@ class Service(Observe):
 
 
 def _status(batch_id: int, s: BatchStatus) -> models.Status:
-    return models.Status(batch_id=batch_id, state=s.state, complete=s.state == "complete", total=s.total,
-                         pending=s.pending, user_key=s.user_key, created_at=s.created_at, closed_at=s.closed_at,
-                         completed_at=s.completed_at, last_activity_at=s.last_activity_at, expired_at=s.expired_at)
+    return models.Status(
+        batch_id=batch_id,
+        state=s.state,
+        complete=s.state == "complete",
+        total=s.total,
+        pending=s.pending,
+        user_key=s.user_key,
+        created_at=s.created_at,
+        closed_at=s.closed_at,
+        completed_at=s.completed_at,
+        last_activity_at=s.last_activity_at,
+        expired_at=s.expired_at,
+    )
 
 
 def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None = None) -> Service:
     """The ASGI application. `tokens`: the bearer tokens (security.load_tokens); empty = local mode."""
     h = cfg.http
     backend = SqlFunctionStore if h.backend == "sql" else TrackerStore
-    store = store or backend(cfg.database.dsn, cfg.database.schema,
-                             completion_topic=cfg.harvester.default_completion_topic,
-                             pool_size=h.pool_size, timeout=h.request_timeout)
+    store = store or backend(
+        cfg.database.dsn,
+        cfg.database.schema,
+        completion_topic=cfg.harvester.default_completion_topic,
+        pool_size=h.pool_size,
+        timeout=h.request_timeout,
+    )
     watcher = CompletionWatcher(store.finished, h.completion_poll_interval)
     log = structlog.get_logger("reaper.http")
 
@@ -126,11 +167,17 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             await store.close()
             log.info("http service stopped")
 
-    app = FastAPI(title="outbox-reaper tracker API", version=API_VERSION, lifespan=lifespan,
-                  openapi_url="/v1/openapi.json", docs_url=None, redoc_url=None,
-                  description="Fan-out completion tracking over HTTP: open a batch, add items (clients expand "
-                              "`{group_id, start, upto}` into ids `<batch>:<group>:<index>`), close it, ack ids, "
-                              "and learn of completion by long-poll. Errors are RFC 9457 problem documents.")
+    app = FastAPI(
+        title="outbox-reaper tracker API",
+        version=API_VERSION,
+        lifespan=lifespan,
+        openapi_url="/v1/openapi.json",
+        docs_url=None,
+        redoc_url=None,
+        description="Fan-out completion tracking over HTTP: open a batch, add items (clients expand "
+        "`{group_id, start, upto}` into ids `<batch>:<group>:<index>`), close it, ack ids, "
+        "and learn of completion by long-poll. Errors are RFC 9457 problem documents.",
+    )
     app.state.draining = False
     app.state.watcher = watcher
 
@@ -155,26 +202,39 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             else:
                 errors.append({"field": ".".join(loc), "message": e.get("msg", "invalid")})
         first = errors[0] if errors else {"field": "body", "message": "invalid"}
-        return _problem(request, Problem("invalid-request", f"{first['field']}: {first['message']}",
-                                         field=first["field"], errors=errors[:20]))
+        return _problem(
+            request,
+            Problem(
+                "invalid-request", f"{first['field']}: {first['message']}", field=first["field"], errors=errors[:20]
+            ),
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
-        slug = {404: "not-found", 405: "method-not-allowed", 413: "payload-too-large"}.get(exc.status_code, "invalid-request")
-        detail = {404: f"no resource at {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}",
-                  413: f"the body is larger than {h.max_body_bytes} bytes"}.get(exc.status_code, str(exc.detail))
+        slug = {404: "not-found", 405: "method-not-allowed", 413: "payload-too-large"}.get(
+            exc.status_code, "invalid-request"
+        )
+        detail = {
+            404: f"no resource at {request.url.path}",
+            405: f"{request.method} is not allowed on {request.url.path}",
+            413: f"the body is larger than {h.max_body_bytes} bytes",
+        }.get(exc.status_code, str(exc.detail))
         return _problem(request, Problem(slug, detail, headers=exc.headers))
 
     @app.exception_handler(StoreUnavailable)
     async def on_unavailable(request: Request, exc: StoreUnavailable) -> Response:
-        return _problem(request, Problem("unavailable", f"the database is unavailable ({exc}); retry later",
-                                         headers={"Retry-After": "1"}))
+        return _problem(
+            request,
+            Problem("unavailable", f"the database is unavailable ({exc}); retry later", headers={"Retry-After": "1"}),
+        )
 
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception) -> Response:
         request_id = request.scope.get("state", {}).get("request_id")
         log.error("unhandled error", request_id=request_id, exc_info=exc)
-        return _problem(request, Problem("internal", f"internal error (request id {request_id})", request_id=request_id))
+        return _problem(
+            request, Problem("internal", f"internal error (request id {request_id})", request_id=request_id)
+        )
 
     async def call(coro: Awaitable[T], *, batch_in_path: bool) -> T:
         try:
@@ -184,48 +244,95 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
 
     v1 = [Depends(_bearer)]  # every /v1 route documents the bearer token (Guard checks it)
 
-    @app.post("/v1/batches", status_code=201, response_model=models.Batch, responses=_responses(), tags=["batches"],
-              summary="Open a batch", dependencies=v1)
+    @app.post(
+        "/v1/batches",
+        status_code=201,
+        response_model=models.Batch,
+        responses=_responses(),
+        tags=["batches"],
+        summary="Open a batch",
+        dependencies=v1,
+    )
     async def create_batch(response: Response, body: models.CreateBatch | None = None) -> models.Batch:
         body = body or models.CreateBatch()
         if body.user_key is not None and "\x00" in body.user_key:
             raise Problem("invalid-request", "user_key contains a NUL character", field="body.user_key")
         b = await call(store.open_batch(body.user_key, body.completion_topic), batch_in_path=False)
         response.headers["Location"] = f"/v1/batches/{b.id}"
-        return models.Batch(batch_id=b.id, user_key=b.user_key, completion_topic=b.completion_topic, state="open",
-                            created_at=b.created_at)
+        return models.Batch(
+            batch_id=b.id,
+            user_key=b.user_key,
+            completion_topic=b.completion_topic,
+            state="open",
+            created_at=b.created_at,
+        )
 
-    @app.get("/v1/batches/{batch_id}", response_model=models.Status, responses=_responses(404, 410), tags=["batches"],
-             summary="A batch's status", dependencies=v1)
+    @app.get(
+        "/v1/batches/{batch_id}",
+        response_model=models.Status,
+        responses=_responses(404, 410),
+        tags=["batches"],
+        summary="A batch's status",
+        dependencies=v1,
+    )
     async def get_status(batch_id: BatchId) -> models.Status:
         return _status(batch_id, await call(store.status(batch_id), batch_in_path=True))
 
-    @app.post("/v1/batches/{batch_id}/items", response_model=models.Added, responses=_responses(404, 409, 410),
-              tags=["batches"], summary="Track more items; returns the groups that hold them", dependencies=v1)
+    @app.post(
+        "/v1/batches/{batch_id}/items",
+        response_model=models.Added,
+        responses=_responses(404, 409, 410),
+        tags=["batches"],
+        summary="Track more items; returns the groups that hold them",
+        dependencies=v1,
+    )
     async def add_items(batch_id: BatchId, body: models.AddItems) -> models.Added:
         if body.count > h.max_items_per_add:
-            raise Problem("invalid-request", f"count {body.count} is over this server's limit of {h.max_items_per_add}"
-                          " items per request", field="body.count", limit=h.max_items_per_add)
+            raise Problem(
+                "invalid-request",
+                f"count {body.count} is over this server's limit of {h.max_items_per_add} items per request",
+                field="body.count",
+                limit=h.max_items_per_add,
+            )
         handles = await call(store.add_items(batch_id, body.count), batch_in_path=True)
-        return models.Added(batch_id=batch_id, count=body.count,
-                            groups=[models.Group(group_id=g.group_id, start=g.start, upto=g.upto) for g in handles])
+        return models.Added(
+            batch_id=batch_id,
+            count=body.count,
+            groups=[models.Group(group_id=g.group_id, start=g.start, upto=g.upto) for g in handles],
+        )
 
-    @app.post("/v1/batches/{batch_id}/close", response_model=models.Closed, responses=_responses(404, 410),
-              tags=["batches"], summary="Close a batch (no more items)", dependencies=v1)
+    @app.post(
+        "/v1/batches/{batch_id}/close",
+        response_model=models.Closed,
+        responses=_responses(404, 410),
+        tags=["batches"],
+        summary="Close a batch (no more items)",
+        dependencies=v1,
+    )
     async def close(batch_id: BatchId) -> models.Closed:
         complete = await call(store.close_batch(batch_id), batch_in_path=True)
         if complete:
             watcher.notify([batch_id])
         return models.Closed(batch_id=batch_id, complete=complete)
 
-    @app.get("/v1/batches/{batch_id}/completion", response_model=models.Status, responses=_responses(404),
-             tags=["batches"], summary="Long-poll: answers once the batch is complete or expired, or after `wait` s",
-             dependencies=v1)
-    async def completion(batch_id: BatchId, wait: Annotated[float, Query(ge=0, description="seconds to wait at most")] = 30.0
-                         ) -> models.Status:
+    @app.get(
+        "/v1/batches/{batch_id}/completion",
+        response_model=models.Status,
+        responses=_responses(404),
+        tags=["batches"],
+        summary="Long-poll: answers once the batch is complete or expired, or after `wait` s",
+        dependencies=v1,
+    )
+    async def completion(
+        batch_id: BatchId, wait: Annotated[float, Query(ge=0, description="seconds to wait at most")] = 30.0
+    ) -> models.Status:
         if wait > h.long_poll_max:
-            raise Problem("invalid-request", f"wait {wait} is over this server's limit of {h.long_poll_max} s",
-                          field="query.wait", limit=h.long_poll_max)
+            raise Problem(
+                "invalid-request",
+                f"wait {wait} is over this server's limit of {h.long_poll_max} s",
+                field="query.wait",
+                limit=h.long_poll_max,
+            )
         deadline = time.monotonic() + wait
         s = await call(store.status(batch_id), batch_in_path=True)
         while s.state in ("open", "closed") and not app.state.draining:
@@ -236,10 +343,20 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             s = await call(store.status(batch_id), batch_in_path=True)
         return _status(batch_id, s)
 
-    @app.get("/v1/batches/{batch_id}/events", tags=["batches"], summary="Server-sent events: the status now, and "
-             "again when the batch completes or expires (then the stream ends); a comment every 15 s keeps it open",
-             responses={200: {"content": {"text/event-stream": {}}, "description": "event: status | complete | expired; "
-                              "data: the Status document"}, **_responses(404)}, dependencies=v1)
+    @app.get(
+        "/v1/batches/{batch_id}/events",
+        tags=["batches"],
+        summary="Server-sent events: the status now, and "
+        "again when the batch completes or expires (then the stream ends); a comment every 15 s keeps it open",
+        responses={
+            200: {
+                "content": {"text/event-stream": {}},
+                "description": "event: status | complete | expired; data: the Status document",
+            },
+            **_responses(404),
+        },
+        dependencies=v1,
+    )
     async def events(batch_id: BatchId) -> Response:
         first = await call(store.status(batch_id), batch_in_path=True)  # 404 before the stream starts
 
@@ -263,25 +380,42 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
                 if s.state == last:
                     yield b": keep-alive\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     async def _ack(ids: list[str]) -> models.AckResult:
         if len(ids) > h.max_ids_per_request:
-            raise Problem("payload-too-large", f"{len(ids)} ids: this server takes at most {h.max_ids_per_request} "
-                          "ids or runs per request", field="body.ids", limit=h.max_ids_per_request)
+            raise Problem(
+                "payload-too-large",
+                f"{len(ids)} ids: this server takes at most {h.max_ids_per_request} ids or runs per request",
+                field="body.ids",
+                limit=h.max_ids_per_request,
+            )
         r = await call(store.ack(ids), batch_in_path=False)
         if r.completed:
             watcher.notify(r.completed)
         return models.AckResult(acked=r.acked, duplicates=r.duplicates, completed=r.completed)
 
-    @app.post("/v1/acks", response_model=models.AckResult, responses=_responses(410, 422), tags=["acks"],
-              summary="Ack item ids and runs (bulk)", dependencies=v1)
+    @app.post(
+        "/v1/acks",
+        response_model=models.AckResult,
+        responses=_responses(410, 422),
+        tags=["acks"],
+        summary="Ack item ids and runs (bulk)",
+        dependencies=v1,
+    )
     async def ack_bulk(body: models.AckIds) -> models.AckResult:
         return await _ack(body.ids)
 
-    @app.post("/v1/acks/{item_id}", response_model=models.AckResult, responses=_responses(410, 422), tags=["acks"],
-              summary="Ack one item id or run", dependencies=v1)
+    @app.post(
+        "/v1/acks/{item_id}",
+        response_model=models.AckResult,
+        responses=_responses(410, 422),
+        tags=["acks"],
+        summary="Ack one item id or run",
+        dependencies=v1,
+    )
     async def ack_one(item_id: Annotated[str, Path(max_length=64)]) -> models.AckResult:
         return await _ack([item_id])
 
@@ -295,7 +429,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             return PlainTextResponse("draining\n", status_code=503)
         try:
             await store.ping()
-        except (StoreUnavailable, OSError, asyncio.TimeoutError):
+        except (TimeoutError, StoreUnavailable, OSError):
             return PlainTextResponse("database unavailable\n", status_code=503)
         return PlainTextResponse("ok\n")
 
@@ -326,9 +460,18 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     async def too_large(scope: Scope, send: Send) -> None:
         async def nothing() -> dict:
             return {"type": "http.disconnect"}
-        await send_problem(scope, nothing, send, Problem(
-            "payload-too-large", f"the body is larger than {h.max_body_bytes} bytes", field="body",
-            limit=h.max_body_bytes))
+
+        await send_problem(
+            scope,
+            nothing,
+            send,
+            Problem(
+                "payload-too-large",
+                f"the body is larger than {h.max_body_bytes} bytes",
+                field="body",
+                limit=h.max_body_bytes,
+            ),
+        )
 
     inner = BodyLimit(app, h.max_body_bytes, too_large)
     guarded = Guard(inner, auth, limiter, open_paths={"/v1/openapi.json"})

@@ -1,10 +1,11 @@
 """Completion without client polling: long-poll waiters on batches, woken by this server's own
 closes and acks at once, and by one batched query (for every batch anyone waits on) every
 `interval` seconds for completions made elsewhere (the Kafka acker, SQL clients, other servers)."""
+
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 

@@ -1,4 +1,5 @@
 """Request and response bodies of the HTTP API (v1). Strict types: "5" is not a count, true is not 1."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -12,9 +13,13 @@ class _Body(BaseModel):
 
 class CreateBatch(_Body):
     user_key: StrictStr | None = Field(default=None, max_length=1000, description="returned in the completion event")
-    completion_topic: StrictStr | None = Field(default=None, min_length=1, max_length=249,
-                                               pattern=r"^[A-Za-z0-9._-]+$",
-                                               description="topic of this batch's completion event (default: the server's)")
+    completion_topic: StrictStr | None = Field(
+        default=None,
+        min_length=1,
+        max_length=249,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="topic of this batch's completion event (default: the server's)",
+    )
 
 
 class AddItems(_Body):
@@ -22,7 +27,9 @@ class AddItems(_Body):
 
 
 class AckIds(_Body):
-    ids: list[StrictStr] = Field(..., description="item ids '<batch>:<group>:<index>' and runs '<batch>:<group>:<start>-<end>'")
+    ids: list[StrictStr] = Field(
+        ..., description="item ids '<batch>:<group>:<index>' and runs '<batch>:<group>:<start>-<end>'"
+    )
 
 
 class Batch(BaseModel):

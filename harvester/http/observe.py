@@ -5,13 +5,13 @@ Metrics (prefix = metrics.prefix): `<p>_http_requests_total{method,route,status}
 (every problem document sent) and `<p>_http_requests_in_flight`. `route` is the path template
 (`/v1/batches/{batch_id}`), never the raw path, so label values stay few.
 """
+
 from __future__ import annotations
 
 import threading
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 import structlog
 from prometheus_client import Counter, Gauge, Histogram
@@ -21,15 +21,19 @@ from .security import Message, Receive, Scope, Send, headers_of, state_of
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _QUIET = {"/healthz", "/readyz", "/metrics"}
 _lock = threading.Lock()
-_instances: dict[str, "HttpMetrics"] = {}
+_instances: dict[str, HttpMetrics] = {}
 
 
 class HttpMetrics:
     def __init__(self, prefix: str) -> None:
         p = prefix
         self.requests = Counter(f"{p}_http_requests_total", "HTTP requests served", ["method", "route", "status"])
-        self.duration = Histogram(f"{p}_http_request_duration_seconds", "HTTP request latency, first byte in to last out",
-                                  ["method", "route"], buckets=_BUCKETS)
+        self.duration = Histogram(
+            f"{p}_http_request_duration_seconds",
+            "HTTP request latency, first byte in to last out",
+            ["method", "route"],
+            buckets=_BUCKETS,
+        )
         self.errors = Counter(f"{p}_http_errors_total", "Problem documents sent, by problem type", ["route", "problem"])
         self.in_flight = Gauge(f"{p}_http_requests_in_flight", "HTTP requests being served")
 
@@ -90,9 +94,18 @@ class Observe:
             if problem:
                 self.m.errors.labels(route, problem).inc()
             client = scope.get("client")
-            fields = dict(request_id=request_id, method=method, route=route, path=scope.get("path"), status=status,
-                          duration_ms=round(elapsed * 1000, 3), bytes=size, token=state.get("token"),
-                          client=client[0] if isinstance(client, Sequence) and client else None, problem=problem)
+            fields = dict(
+                request_id=request_id,
+                method=method,
+                route=route,
+                path=scope.get("path"),
+                status=status,
+                duration_ms=round(elapsed * 1000, 3),
+                bytes=size,
+                token=state.get("token"),
+                client=client[0] if isinstance(client, Sequence) and client else None,
+                problem=problem,
+            )
             if status >= 500:
                 self.log.error("http request", **fields)
             elif route in _QUIET and status < 400:

@@ -4,6 +4,7 @@
 
 tests/test_http_api.py fails when the checked-in copy differs from what a running server serves.
 """
+
 from __future__ import annotations
 
 import json

@@ -4,14 +4,22 @@ A problem names what was wrong (`field`, `item_id` or `batch_id`) and never carr
 unexpected exceptions become a bare 500 whose only detail is the request id, the traceback going to
 the log.
 """
+
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from starlette.responses import JSONResponse
 
-from tracker.errors import (BatchExpired, BatchNotOpen, IndexOutOfRange, MalformedItemId, TrackerError, UnknownBatch,
-                            UnknownGroup)
+from tracker.errors import (
+    BatchExpired,
+    BatchNotOpen,
+    IndexOutOfRange,
+    MalformedItemId,
+    TrackerError,
+    UnknownBatch,
+    UnknownGroup,
+)
 
 MEDIA_TYPE = "application/problem+json"
 TYPE_BASE = "urn:outbox-reaper:problem:"
@@ -40,8 +48,9 @@ TYPES: dict[str, tuple[int, str]] = {
 class Problem(Exception):
     """Raise anywhere in a request: becomes the problem document of `slug`."""
 
-    def __init__(self, slug: str, detail: str, *, headers: Mapping[str, str] | None = None,
-                 **extensions: object) -> None:
+    def __init__(
+        self, slug: str, detail: str, *, headers: Mapping[str, str] | None = None, **extensions: object
+    ) -> None:
         super().__init__(detail)
         self.slug, self.detail, self.headers = slug, detail, dict(headers or {})
         self.status = TYPES[slug][0]
@@ -50,8 +59,14 @@ class Problem(Exception):
 
 def response(problem: Problem, instance: str) -> JSONResponse:
     status, title = TYPES[problem.slug]
-    body = {"type": TYPE_BASE + problem.slug, "title": title, "status": status, "detail": problem.detail,
-            "instance": instance, **problem.extensions}
+    body = {
+        "type": TYPE_BASE + problem.slug,
+        "title": title,
+        "status": status,
+        "detail": problem.detail,
+        "instance": instance,
+        **problem.extensions,
+    }
     return JSONResponse(body, status_code=status, media_type=MEDIA_TYPE, headers=problem.headers)
 
 
@@ -62,12 +77,14 @@ def from_tracker(exc: TrackerError, *, batch_in_path: bool) -> Problem:
     if isinstance(exc, IndexOutOfRange):
         return Problem("index-out-of-range", str(exc), item_id=exc.item_id, field="ids")
     if isinstance(exc, UnknownGroup):
-        return Problem("unknown-group", str(exc), batch_id=exc.batch_id, group_id=exc.group_id, item_id=exc.item_id,
-                       field="ids")
+        return Problem(
+            "unknown-group", str(exc), batch_id=exc.batch_id, group_id=exc.group_id, item_id=exc.item_id, field="ids"
+        )
     if isinstance(exc, UnknownBatch):
         slug = "unknown-batch" if batch_in_path else "unknown-batch-in-body"
-        return Problem(slug, str(exc), batch_id=exc.batch_id, item_id=exc.item_id,
-                       field=None if batch_in_path else "ids")
+        return Problem(
+            slug, str(exc), batch_id=exc.batch_id, item_id=exc.item_id, field=None if batch_in_path else "ids"
+        )
     if isinstance(exc, BatchNotOpen):
         return Problem("batch-not-open", str(exc), batch_id=exc.batch_id, state=exc.state)
     if isinstance(exc, BatchExpired):
@@ -78,8 +95,12 @@ def from_tracker(exc: TrackerError, *, batch_in_path: bool) -> Problem:
 
 
 # The tracker's argument names -> the request fields that carry them.
-_FIELDS = {"n": "body.count", "user_key": "body.user_key", "completion_topic": "body.completion_topic",
-           "item_ids": "body.ids"}
+_FIELDS = {
+    "n": "body.count",
+    "user_key": "body.user_key",
+    "completion_topic": "body.completion_topic",
+    "item_ids": "body.ids",
+}
 
 
 def _text(value: object) -> str:

@@ -1,4 +1,5 @@
 """Bearer tokens (compared in constant time), the per-token rate limit, and the body size limit."""
+
 from __future__ import annotations
 
 import hashlib
@@ -46,8 +47,9 @@ def load_tokens(cfg: HttpConfig) -> list[str]:
                 tokens.append(line)
     for t in tokens:
         if len(t) < 16 or any(c.isspace() for c in t):
-            raise ConfigError("http.tokens", "every token must be at least 16 characters with no spaces "
-                              f"(token {token_id(t)} is not)")
+            raise ConfigError(
+                "http.tokens", f"every token must be at least 16 characters with no spaces (token {token_id(t)} is not)"
+            )
     return tokens
 
 
@@ -56,8 +58,11 @@ def check_startup(cfg: HttpConfig, tokens: list[str]) -> None:
     if tokens:
         return
     if not cfg.local_mode:
-        raise ConfigError("http.tokens", "no bearer tokens configured (http.tokens or http.tokens_file); "
-                          "set http.local_mode: true to serve without authentication on a loopback address")
+        raise ConfigError(
+            "http.tokens",
+            "no bearer tokens configured (http.tokens or http.tokens_file); "
+            "set http.local_mode: true to serve without authentication on a loopback address",
+        )
     try:
         loopback = ipaddress.ip_address(cfg.host).is_loopback
     except ValueError:

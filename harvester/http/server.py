@@ -4,6 +4,7 @@ On SIGTERM/SIGINT the server stops accepting connections, /readyz turns 503, lon
 once with the batch's current state, in-flight requests get up to http.shutdown_timeout seconds,
 then the database pool closes.
 """
+
 from __future__ import annotations
 
 import signal
@@ -44,10 +45,20 @@ def build(cfg: Config) -> tuple[uvicorn.Server, object]:
         fastapi_app.state.watcher.release_all()
 
     config = uvicorn.Config(
-        app, host=h.host, port=h.port, lifespan="on", access_log=False, log_config=None, server_header=False,
-        proxy_headers=True, forwarded_allow_ips=h.forwarded_allow_ips, timeout_graceful_shutdown=int(h.shutdown_timeout),
-        ssl_certfile=h.tls_certfile or None, ssl_keyfile=h.tls_keyfile or None,
-        h11_max_incomplete_event_size=64 * 1024)
+        app,
+        host=h.host,
+        port=h.port,
+        lifespan="on",
+        access_log=False,
+        log_config=None,
+        server_header=False,
+        proxy_headers=True,
+        forwarded_allow_ips=h.forwarded_allow_ips,
+        timeout_graceful_shutdown=int(h.shutdown_timeout),
+        ssl_certfile=h.tls_certfile or None,
+        ssl_keyfile=h.tls_keyfile or None,
+        h11_max_incomplete_event_size=64 * 1024,
+    )
     return _DrainingServer(config, drain), app
 
 

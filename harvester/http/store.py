@@ -6,13 +6,15 @@ backends with the same methods (http.backend):
 - `SqlFunctionStore`: the SQL functions of migration 0007, called as non-Python clients call them;
   RT SQLSTATEs come back as the tracker's own typed exceptions.
 """
+
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, TypeVar
+from typing import TypeVar
 
 import psycopg
 from psycopg import sql
@@ -20,8 +22,15 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from tracker.aio import AsyncTracker
 from tracker.batches import BatchStatus, GroupHandle
-from tracker.errors import (BatchExpired, BatchNotOpen, IndexOutOfRange, MalformedItemId, TrackerError, UnknownBatch,
-                            UnknownGroup)
+from tracker.errors import (
+    BatchExpired,
+    BatchNotOpen,
+    IndexOutOfRange,
+    MalformedItemId,
+    TrackerError,
+    UnknownBatch,
+    UnknownGroup,
+)
 from tracker.ids import GROUP_BITS_MAX
 from tracker.schema import check_identifier
 
@@ -56,7 +65,7 @@ def _statements(schema: str) -> dict[str, str]:
         "close": "SELECT {s}.close_batch(%s, %s)",
         "ack": "SELECT acked, duplicates, completed FROM {s}.ack(%s::text[], %s)",
         "status": "SELECT state, total, pending, user_key, created_at, closed_at, completed_at, last_activity_at, "
-                  "expired_at FROM {s}.batch_status(%s)",
+        "expired_at FROM {s}.batch_status(%s)",
         "finished": "SELECT id FROM {batch} WHERE id = ANY(%s) AND state IN ('complete', 'expired')",
     }
     return {k: sql.SQL(v).format(s=s, batch=sql.Identifier(schema, "batch")).as_string(None) for k, v in q.items()}
@@ -84,7 +93,11 @@ def _tracker_error(exc: psycopg.Error) -> TrackerError | None:
         return UnknownGroup(batch_id, int(parts[1]), item_id)
     if code == "RT004":
         size = _SIZE.search(message)
-        return IndexOutOfRange(detail, int(size.group(1))) if size else IndexOutOfRange(detail, GROUP_BITS_MAX, any_group=True)
+        return (
+            IndexOutOfRange(detail, int(size.group(1)))
+            if size
+            else IndexOutOfRange(detail, GROUP_BITS_MAX, any_group=True)
+        )
     if code == "RT005":
         state = _STATE.search(message)
         return BatchNotOpen(batch_id, state.group(1) if state else "not open")
@@ -107,8 +120,16 @@ class _PoolStore:
         self.q = _statements(schema)
         self.completion_topic = completion_topic
         self.timeout = timeout
-        self.pool = AsyncConnectionPool(dsn, min_size=1, max_size=pool_size, open=False, timeout=timeout,
-                                        kwargs={"autocommit": True}, name="reaper-http", configure=_configure)
+        self.pool = AsyncConnectionPool(
+            dsn,
+            min_size=1,
+            max_size=pool_size,
+            open=False,
+            timeout=timeout,
+            kwargs={"autocommit": True},
+            name="reaper-http",
+            configure=_configure,
+        )
 
     async def open(self) -> None:
         await self.pool.open(wait=False)
@@ -185,7 +206,7 @@ class SqlFunctionStore(_PoolStore):
     """The SQL functions of migration 0007, as any other language calls them."""
 
     async def open_batch(self, user_key: str | None, completion_topic: str | None) -> OpenedBatch:
-        (batch_id, created_at), = await self._fetch(self.q["open"], [user_key, completion_topic])
+        ((batch_id, created_at),) = await self._fetch(self.q["open"], [user_key, completion_topic])
         return OpenedBatch(batch_id, user_key, completion_topic, created_at)
 
     async def add_items(self, batch_id: int, n: int) -> list[GroupHandle]:
@@ -193,7 +214,7 @@ class SqlFunctionStore(_PoolStore):
         return [GroupHandle(b, g, upto, start) for b, g, start, upto in rows]
 
     async def close_batch(self, batch_id: int) -> bool:
-        (complete,), = await self._fetch(self.q["close"], [batch_id, self.completion_topic])
+        ((complete,),) = await self._fetch(self.q["close"], [batch_id, self.completion_topic])
         return bool(complete)
 
     async def ack(self, ids: list[str]) -> AckOutcome:
@@ -204,5 +225,6 @@ class SqlFunctionStore(_PoolStore):
     async def status(self, batch_id: int) -> BatchStatus:
         rows = await self._fetch(self.q["status"], [batch_id])
         return BatchStatus(*rows[0])
+
 
 Store = TrackerStore | SqlFunctionStore

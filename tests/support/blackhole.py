@@ -6,6 +6,7 @@ same host). `swallow()` makes the proxy read and discard everything in both dire
 closing anything: requests the client has written count as sent (in flight) and never reach the
 broker, and no response comes back, like packets dropped by a partition. `heal()` forwards again.
 """
+
 from __future__ import annotations
 
 import socket

@@ -8,14 +8,16 @@ idempotent producer can do under reaper's settings (infinite message timeout, ga
 an *ambiguous* failure (the record was written, the report says it failed) and a *fatal* one (the
 record was not written and the producer fails everything after it until it is replaced).
 """
+
 from __future__ import annotations
 
 import json
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable
+from typing import Any
 
 import psycopg
 from confluent_kafka import KafkaError, KafkaException, Producer
@@ -27,15 +29,15 @@ ENV_VAR = "REAPER_FAULT_INJECTION"
 
 @dataclass
 class FaultPlan:
-    produce_error_rate: float = 0.0     # produce() raises KafkaException: nothing enqueued
-    queue_full_rate: float = 0.0        # produce() raises BufferError (local queue limit exceeded)
-    delivery_error_rate: float = 0.0    # record written, but its report says it failed
-    delivery_fatal_rate: float = 0.0    # record not written; producer fails every later record until replaced
-    mark_error_rate: float = 0.0        # the mark query raises (before it runs)
-    mark_delay: float = 0.0             # seconds added to a mark ...
-    mark_delay_rate: float = 0.0        # ... at this rate (drives deadline overruns)
-    purge_error_rate: float = 0.0       # the purge raises (after it ran: rows gone, caller told it failed)
-    reset_error_rate: float = 0.0       # the reset raises (before it ran)
+    produce_error_rate: float = 0.0  # produce() raises KafkaException: nothing enqueued
+    queue_full_rate: float = 0.0  # produce() raises BufferError (local queue limit exceeded)
+    delivery_error_rate: float = 0.0  # record written, but its report says it failed
+    delivery_fatal_rate: float = 0.0  # record not written; producer fails every later record until replaced
+    mark_error_rate: float = 0.0  # the mark query raises (before it runs)
+    mark_delay: float = 0.0  # seconds added to a mark ...
+    mark_delay_rate: float = 0.0  # ... at this rate (drives deadline overruns)
+    purge_error_rate: float = 0.0  # the purge raises (after it ran: rows gone, caller told it failed)
+    reset_error_rate: float = 0.0  # the reset raises (before it ran)
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -56,7 +58,7 @@ class FaultPlan:
         return json.dumps({k: v for k, v in asdict(self).items() if not k.startswith("_")})
 
     @classmethod
-    def from_json(cls, text: str) -> "FaultPlan":
+    def from_json(cls, text: str) -> FaultPlan:
         data = json.loads(text)
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
@@ -66,8 +68,11 @@ class FaultPlan:
 
     def providers(self) -> Providers:
         """Producers and a store that fail at this plan's rates."""
-        return Providers(producer=lambda conf: FaultyProducer(Producer(conf), self),
-                         store=lambda store: FaultyStore(store, self), description=self.to_json())
+        return Providers(
+            producer=lambda conf: FaultyProducer(Producer(conf), self),
+            store=lambda store: FaultyStore(store, self),
+            description=self.to_json(),
+        )
 
 
 def injected_error(what: str, fatal: bool = False) -> KafkaError:
@@ -83,8 +88,9 @@ class FaultyProducer:
         self._lock = threading.Lock()
         self._broken = False
 
-    def produce(self, topic, value=None, key=None, partition=-1, callback=None, on_delivery=None, timestamp=0,
-                headers=None):
+    def produce(
+        self, topic, value=None, key=None, partition=-1, callback=None, on_delivery=None, timestamp=0, headers=None
+    ):
         on_delivery = callback or on_delivery  # confluent-kafka's aliases
         plan = self._plan
         if plan.roll(plan.queue_full_rate):
@@ -101,8 +107,16 @@ class FaultyProducer:
 
             def on_delivery(err, msg, _inner=inner):  # written, yet reported as failed
                 _inner(injected_error("delivery (ambiguous)"), msg)
-        self._producer.produce(topic, value=value, key=key, partition=partition, on_delivery=on_delivery,
-                               timestamp=timestamp, headers=headers)
+
+        self._producer.produce(
+            topic,
+            value=value,
+            key=key,
+            partition=partition,
+            on_delivery=on_delivery,
+            timestamp=timestamp,
+            headers=headers,
+        )
 
     def _serve_pending(self) -> int:
         with self._lock:

@@ -3,6 +3,7 @@
 Run as `python tests/support/faulty_reaper.py` (ReaperProcess does when given a FaultPlan); the
 configuration comes from REAPER_* variables exactly as for `reaper run`.
 """
+
 from __future__ import annotations
 
 import os

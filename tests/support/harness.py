@@ -1,11 +1,12 @@
 """Helpers for harvester tests: configuration, outbox writers, a Kafka receiver, waiting."""
+
 from __future__ import annotations
 
 import threading
 import time
 import uuid
 from collections import defaultdict
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import psycopg
 from confluent_kafka import Consumer, TopicPartition
@@ -13,41 +14,81 @@ from confluent_kafka import Consumer, TopicPartition
 from harvester import config as config_mod
 
 FAST = {  # short timeouts keep failure tests quick
-    "min_poll_interval": 0.1, "heartbeat_timeout": 1.0, "session_timeout": 3.0, "drain_timeout": 5.0,
+    "min_poll_interval": 0.1,
+    "heartbeat_timeout": 1.0,
+    "session_timeout": 3.0,
+    "drain_timeout": 5.0,
     "idle_poll_interval": 0.005,
 }
 
 
-def make_config(pg_dsn: str, schema: str, bootstrap: str, *, leader_topic: str | None = None,
-                group: str | None = None, harvester: dict | None = None, **sections) -> config_mod.Config:
-    h = {**FAST, "leader_topic": leader_topic or f"leader-{uuid.uuid4().hex[:10]}",
-         "leader_group": group or f"g-{uuid.uuid4().hex[:10]}", **(harvester or {})}
-    overrides = {"database": {"dsn": pg_dsn, "schema": schema}, "kafka": {"bootstrap_servers": bootstrap},
-                 "harvester": h, "metrics": {"enabled": False}, **sections}
+def make_config(
+    pg_dsn: str,
+    schema: str,
+    bootstrap: str,
+    *,
+    leader_topic: str | None = None,
+    group: str | None = None,
+    harvester: dict | None = None,
+    **sections,
+) -> config_mod.Config:
+    h = {
+        **FAST,
+        "leader_topic": leader_topic or f"leader-{uuid.uuid4().hex[:10]}",
+        "leader_group": group or f"g-{uuid.uuid4().hex[:10]}",
+        **(harvester or {}),
+    }
+    overrides = {
+        "database": {"dsn": pg_dsn, "schema": schema},
+        "kafka": {"bootstrap_servers": bootstrap},
+        "harvester": h,
+        "metrics": {"enabled": False},
+        **sections,
+    }
     return config_mod.load(None, environ={}, overrides=overrides)
 
 
 def env_for(cfg: config_mod.Config) -> dict[str, str]:
     """REAPER_* variables that reproduce cfg's database, kafka and harvester keys for a subprocess."""
-    env = {"REAPER_DATABASE__DSN": cfg.database.dsn, "REAPER_DATABASE__SCHEMA": cfg.database.schema,
-           "REAPER_KAFKA__BOOTSTRAP_SERVERS": cfg.kafka.bootstrap_servers}
-    for key in ("leader_topic", "leader_group", "min_poll_interval", "heartbeat_timeout", "session_timeout",
-                "drain_timeout", "idle_poll_interval", "mark_batch", "max_in_flight"):
+    env = {
+        "REAPER_DATABASE__DSN": cfg.database.dsn,
+        "REAPER_DATABASE__SCHEMA": cfg.database.schema,
+        "REAPER_KAFKA__BOOTSTRAP_SERVERS": cfg.kafka.bootstrap_servers,
+    }
+    for key in (
+        "leader_topic",
+        "leader_group",
+        "min_poll_interval",
+        "heartbeat_timeout",
+        "session_timeout",
+        "drain_timeout",
+        "idle_poll_interval",
+        "mark_batch",
+        "max_in_flight",
+    ):
         env[f"REAPER_HARVESTER__{key.upper()}"] = str(getattr(cfg.harvester, key))
     if cfg.harvester.transactional_id:
         env["REAPER_HARVESTER__TRANSACTIONAL_ID"] = cfg.harvester.transactional_id
     return env
 
 
-def insert_rows(conn: psycopg.Connection, schema: str, topic: str, rows: Iterable[tuple[bytes | None, bytes | None]],
-                headers: list[tuple[str, bytes]] | None = None) -> int:
+def insert_rows(
+    conn: psycopg.Connection,
+    schema: str,
+    topic: str,
+    rows: Iterable[tuple[bytes | None, bytes | None]],
+    headers: list[tuple[str, bytes]] | None = None,
+) -> int:
     """Insert (key, value) rows in one transaction (committed); return how many."""
     hk = [h[0] for h in headers or []]
     hv = [h[1] for h in headers or []]
     data = [(topic, k, v, hk, hv) for k, v in rows]
     with conn.cursor() as cur:
-        cur.executemany(f'INSERT INTO "{schema}".outbox (topic, key, value, header_keys, header_values) '
-                        'VALUES (%s, %s, %s, %s, %s)', data)
+        cur.executemany(
+            f'INSERT INTO "{schema}".outbox (topic, key, value, header_keys, header_values) '
+            "VALUES (%s, %s, %s, %s, %s)",
+            data,
+        )
     conn.commit()
     return len(data)
 
@@ -64,9 +105,15 @@ class Receiver:
         self.records: list[tuple[bytes | None, bytes | None, list]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"recv-{uuid.uuid4().hex}",
-                            "enable.auto.commit": False, "auto.offset.reset": "earliest",
-                            "isolation.level": "read_uncommitted"})
+        self._c = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"recv-{uuid.uuid4().hex}",
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+                "isolation.level": "read_uncommitted",
+            }
+        )
         self._c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
@@ -183,7 +230,7 @@ class Generator:
         if conn is not None:
             conn.close()
 
-    def start(self, rate_per_s: float = 1000.0) -> "Generator":
+    def start(self, rate_per_s: float = 1000.0) -> Generator:
         def loop() -> None:
             try:
                 self.run_for(1e9, rate_per_s)
@@ -205,8 +252,14 @@ class Generator:
 def read_messages(bootstrap: str, topic: str, n: int, timeout: float = 30.0, linger: float = 0.0) -> list:
     """Read a topic from the start until `n` messages (or `timeout`); then keep reading `linger`
     seconds more, so a test can show nothing arrived beyond n."""
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"read-{uuid.uuid4().hex}",
-                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    c = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"read-{uuid.uuid4().hex}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+        }
+    )
     c.subscribe([topic])
     got = []
     deadline = time.monotonic() + timeout

@@ -1,4 +1,5 @@
 """A real uvicorn server running the HTTP app on a free loopback port, in a thread of the test."""
+
 from __future__ import annotations
 
 import threading
@@ -16,11 +17,12 @@ OTHER_TOKEN = "other-token-0123456789abcdef"
 class RunningServer:
     def __init__(self, cfg: config_mod.Config, tokens: list[str]) -> None:
         self.app = create_app(cfg, tokens=tokens)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, lifespan="on",
-                                                    access_log=False, log_config=None))
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=0, lifespan="on", access_log=False, log_config=None)
+        )
         self.thread = threading.Thread(target=self.server.run, name="http-test-server", daemon=True)
 
-    def __enter__(self) -> "RunningServer":
+    def __enter__(self) -> RunningServer:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -37,5 +39,7 @@ class RunningServer:
 
 
 def http_config(dsn: str, schema: str, **http: object) -> config_mod.Config:
-    return config_mod.load(environ={}, overrides={"database": {"dsn": dsn, "schema": schema}, "http": http,
-                                                  "logging": {"level": "warning"}})
+    return config_mod.load(
+        environ={},
+        overrides={"database": {"dsn": dsn, "schema": schema}, "http": http, "logging": {"level": "warning"}},
+    )

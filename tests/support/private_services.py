@@ -1,4 +1,5 @@
 """PRIVATE Postgres / Kafka instances for tests that restart a service (never the shared ones)."""
+
 from __future__ import annotations
 
 import os
@@ -24,10 +25,16 @@ class PrivateServices:
         os.chmod(self.dir, 0o755)  # the postgres server user must reach its data folder
         self.pg_port, self.kafka_port, self.controller_port = free_port(), free_port(), free_port()
         self.pgbouncer_port = free_port()
-        self.env = dict(os.environ, OUTBOX_LOCAL_DIR=str(self.dir), OUTBOX_PG_PORT=str(self.pg_port),
-                        OUTBOX_KAFKA_PORT=str(self.kafka_port), OUTBOX_KAFKA_CONTROLLER_PORT=str(self.controller_port),
-                        OUTBOX_KAFKA_HEAP="384m", OUTBOX_PGBOUNCER_PORT=str(self.pgbouncer_port),
-                        OUTBOX_SPARK="0")  # no Spark cluster of their own
+        self.env = dict(
+            os.environ,
+            OUTBOX_LOCAL_DIR=str(self.dir),
+            OUTBOX_PG_PORT=str(self.pg_port),
+            OUTBOX_KAFKA_PORT=str(self.kafka_port),
+            OUTBOX_KAFKA_CONTROLLER_PORT=str(self.controller_port),
+            OUTBOX_KAFKA_HEAP="384m",
+            OUTBOX_PGBOUNCER_PORT=str(self.pgbouncer_port),
+            OUTBOX_SPARK="0",
+        )  # no Spark cluster of their own
 
     @property
     def dsn(self) -> str:
@@ -47,7 +54,7 @@ class PrivateServices:
         if r.returncode != 0:
             raise RuntimeError(f"private services {action} {only or ''} failed:\n{r.stdout}\n{r.stderr}")
 
-    def up(self, only: str | None = None) -> "PrivateServices":
+    def up(self, only: str | None = None) -> PrivateServices:
         self._run("up", only)
         return self
 

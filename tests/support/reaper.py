@@ -1,4 +1,5 @@
 """Launch `reaper run` as a subprocess for failure tests, and read its JSON log lines."""
+
 from __future__ import annotations
 
 import json
@@ -15,12 +16,25 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class ReaperProcess:
-    def __init__(self, env: dict[str, str], log_path: Path, *, faults: FaultPlan | None = None,
-                 extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        log_path: Path,
+        *,
+        faults: FaultPlan | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         full = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
-        full.update({"REAPER_ACKER__ENABLED": "false", "REAPER_SWEEPER__ENABLED": "false",
-                     "REAPER_METRICS__ENABLED": "false", "REAPER_LOGGING__FORMAT": "json",
-                     "REAPER_LOGGING__LEVEL": "info", "PYTHONUNBUFFERED": "1"})
+        full.update(
+            {
+                "REAPER_ACKER__ENABLED": "false",
+                "REAPER_SWEEPER__ENABLED": "false",
+                "REAPER_METRICS__ENABLED": "false",
+                "REAPER_LOGGING__FORMAT": "json",
+                "REAPER_LOGGING__LEVEL": "info",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         full.update(env)
         full.update(extra_env or {})
         args = [sys.executable, "-m", "harvester.cli", "run"]

@@ -6,6 +6,7 @@ first purge of the lowest row waiting then (or, if none was, of the first row wr
 an upper bound then, as it includes the writer's own reconnect). A purge happens only after Kafka acknowledged
 the record and the database accepted the delete, so it proves the whole path works again.
 """
+
 from __future__ import annotations
 
 import time

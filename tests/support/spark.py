@@ -5,6 +5,7 @@ OUTBOX_SPARK_PYTHON, default this interpreter). Without it, `deploy/local/servic
 spark` starts (idempotently) the master and two workers, and the executors run the cluster's node
 Python, which has the dependencies but not the tracker: every cluster test ships the tracker zip.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,9 @@ def master_and_python() -> tuple[str, str]:
     master = os.environ.get("OUTBOX_SPARK_MASTER")
     if master:
         return master, os.environ.get("OUTBOX_SPARK_PYTHON", sys.executable)
-    r = subprocess.run([sys.executable, str(SERVICES), "up", "--only", "spark"], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(SERVICES), "up", "--only", "spark"], capture_output=True, text=True, timeout=600
+    )
     env = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line and not line.startswith("["))
     if r.returncode != 0 or "SPARK_MASTER" not in env:
         raise SparkUnavailable(f"could not bring up the local Spark cluster:\n{r.stdout}\n{r.stderr}")
@@ -34,8 +36,9 @@ def master_and_python() -> tuple[str, str]:
 
 
 def connector_jars() -> str:
-    r = subprocess.run([sys.executable, str(REPO / "deploy" / "spark" / "jars.py")], capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "deploy" / "spark" / "jars.py")], capture_output=True, text=True, timeout=900
+    )
     if r.returncode != 0:
         raise SparkUnavailable(f"could not resolve the Spark Kafka connector:\n{r.stderr[-3000:]}")
     return r.stdout.strip().split("=", 1)[1]
@@ -45,8 +48,7 @@ def make_session(app_name: str, conf: dict[str, str] | None = None, *, kafka: bo
     from tracker import spark as tspark
 
     master, python = master_and_python()
-    return tspark.session(master, python=python, app_name=app_name, conf=conf,
-                          jars=connector_jars() if kafka else None)
+    return tspark.session(master, python=python, app_name=app_name, conf=conf, jars=connector_jars() if kafka else None)
 
 
 def is_cluster(spark) -> bool:

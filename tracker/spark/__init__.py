@@ -11,14 +11,38 @@ fanout.py: the fan-out and its exactly-once partition write; acks.py: DataFrame 
 apply); stream.py: streaming acks and their progress; cluster.py: sessions and shipping the
 tracker to executors. pyspark is imported only when a job runs.
 """
+
 from .acks import AckTotals, _fold_partition, _fold_single_ids, _max_index, _or_masks, ack_dataframe  # noqa: F401
 from .cluster import local_session, session, tracker_zip
-from .fanout import (MAX_CHUNKS, MAX_PARTITIONS, MAX_RUNS, SPARK_GROUP_FLAG, FanOutResult,  # noqa: F401
-                     _PartitionWriter, begin_run, fan_out, run_group_range, spark_group_id)
+from .fanout import (  # noqa: F401
+    MAX_CHUNKS,
+    MAX_PARTITIONS,
+    MAX_RUNS,
+    SPARK_GROUP_FLAG,
+    FanOutResult,
+    _PartitionWriter,
+    begin_run,
+    fan_out,
+    run_group_range,
+    spark_group_id,
+)
 from .stream import StreamTotals, ack_stream
 
 __all__ = [
-    "fan_out", "FanOutResult", "begin_run", "spark_group_id", "run_group_range", "SPARK_GROUP_FLAG", "MAX_RUNS",
-    "MAX_PARTITIONS", "MAX_CHUNKS", "ack_dataframe", "AckTotals", "ack_stream", "StreamTotals", "session",
-    "local_session", "tracker_zip",
+    "fan_out",
+    "FanOutResult",
+    "begin_run",
+    "spark_group_id",
+    "run_group_range",
+    "SPARK_GROUP_FLAG",
+    "MAX_RUNS",
+    "MAX_PARTITIONS",
+    "MAX_CHUNKS",
+    "ack_dataframe",
+    "AckTotals",
+    "ack_stream",
+    "StreamTotals",
+    "session",
+    "local_session",
+    "tracker_zip",
 ]

@@ -6,15 +6,17 @@ resulting partition applies its masks in one transaction through `tracker.acks.a
 exactly as the acker does. Applying is idempotent, so a retried or speculative task clears
 nothing twice.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import psycopg
 
-from ..ids import GROUP_BITS_MAX, GroupMask
 from ..config import schema_of
+from ..ids import GROUP_BITS_MAX, GroupMask
 
 
 def _max_index(bits: bytes) -> int:
@@ -27,7 +29,9 @@ def _max_index(bits: bytes) -> int:
 
 def _or_masks(a: tuple[bytes, int], b: tuple[bytes, int]) -> tuple[bytes, int]:
     n = max(len(a[0]), len(b[0]))
-    merged = (int.from_bytes(a[0].ljust(n, b"\0"), "big") | int.from_bytes(b[0].ljust(n, b"\0"), "big")).to_bytes(n, "big")
+    merged = (int.from_bytes(a[0].ljust(n, b"\0"), "big") | int.from_bytes(b[0].ljust(n, b"\0"), "big")).to_bytes(
+        n, "big"
+    )
     return merged, a[1] + b[1]
 
 
@@ -128,20 +132,33 @@ def _fold_partition(column: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
         folded = [(m.batch_id, m.group_id, bytes(m.bits), m.count) for m in folder.masks.values()]
         if heads:
             folded += _fold_single_ids(pa.concat_arrays(heads), np.concatenate(indexes))
-        yield pa.RecordBatch.from_pydict({
-            "batch_id": [f[0] for f in folded] + [None] * len(bad),
-            "group_id": [f[1] for f in folded] + [None] * len(bad),
-            "mask": [f[2] for f in folded] + [None] * len(bad),
-            "folded": [f[3] for f in folded] + [None] * len(bad),
-            "bad": [None] * len(folded) + bad,
-            "reason": [None] * len(folded) + reasons,
-        }, schema=pa.schema([("batch_id", pa.int64()), ("group_id", pa.int64()), ("mask", pa.binary()),
-                             ("folded", pa.int64()), ("bad", pa.string()), ("reason", pa.string())]))
+        yield pa.RecordBatch.from_pydict(
+            {
+                "batch_id": [f[0] for f in folded] + [None] * len(bad),
+                "group_id": [f[1] for f in folded] + [None] * len(bad),
+                "mask": [f[2] for f in folded] + [None] * len(bad),
+                "folded": [f[3] for f in folded] + [None] * len(bad),
+                "bad": [None] * len(folded) + bad,
+                "reason": [None] * len(folded) + reasons,
+            },
+            schema=pa.schema(
+                [
+                    ("batch_id", pa.int64()),
+                    ("group_id", pa.int64()),
+                    ("mask", pa.binary()),
+                    ("folded", pa.int64()),
+                    ("bad", pa.string()),
+                    ("reason", pa.string()),
+                ]
+            ),
+        )
+
     return fold
 
 
-def _apply_partition(dsn: str, schema: str, after_apply: Callable[[int, int], None] | None = None
-                     ) -> Callable[[Iterator[Any]], Iterator[dict]]:
+def _apply_partition(
+    dsn: str, schema: str, after_apply: Callable[[int, int], None] | None = None
+) -> Callable[[Iterator[Any]], Iterator[dict]]:
     def apply(items: Iterator[Any]) -> Iterator[dict]:
         from pyspark import TaskContext
 
@@ -161,10 +178,11 @@ def _apply_partition(dsn: str, schema: str, after_apply: Callable[[int, int], No
                 r = apply_masks(conn, masks, schema=schema, reject_invalid=True)  # one transaction
             if after_apply is not None:
                 ctx = TaskContext.get()
+                assert ctx is not None  # inside a Spark task
                 after_apply(ctx.partitionId(), ctx.attemptNumber())
-            result.update(acked=r.acked, duplicates=r.duplicates, completed=r.completed,
-                          rejected=rejected + r.rejected)
+            result.update(acked=r.acked, duplicates=r.duplicates, completed=r.completed, rejected=rejected + r.rejected)
         yield result
+
     return apply
 
 
@@ -175,16 +193,23 @@ class AckTotals:
     completed: list[int] = field(default_factory=list)
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (item id or run, reason)
 
-    def add(self, other: "AckTotals | dict") -> None:
-        get = other.get if isinstance(other, dict) else other.__getattribute__
-        self.acked += get("acked")
-        self.duplicates += get("duplicates")
-        self.completed.extend(get("completed"))
-        self.rejected.extend(tuple(r) for r in get("rejected"))
+    def add(self, other: AckTotals | dict[str, Any]) -> None:
+        values = other if isinstance(other, dict) else vars(other)
+        self.acked += values["acked"]
+        self.duplicates += values["duplicates"]
+        self.completed.extend(values["completed"])
+        self.rejected.extend(tuple(r) for r in values["rejected"])
 
 
-def ack_dataframe(df: Any, *, dsn: str, schema: str | None = None, column: str = "item_id",
-                  partitions: int | None = None, after_apply: Callable[[int, int], None] | None = None) -> AckTotals:
+def ack_dataframe(
+    df: Any,
+    *,
+    dsn: str,
+    schema: str | None = None,
+    column: str = "item_id",
+    partitions: int | None = None,
+    after_apply: Callable[[int, int], None] | None = None,
+) -> AckTotals:
     """Ack the item ids (or runs, or ','-separated lists of them) in `column` of `df`.
 
     Bad entries (malformed, unknown batch/group, out of range, expired) are not applied and come
@@ -203,8 +228,8 @@ def ack_dataframe(df: Any, *, dsn: str, schema: str | None = None, column: str =
     s = schema_of(schema)
     n = partitions or max(1, df.sparkSession.sparkContext.defaultParallelism)
     folded = df.select(column).mapInArrow(
-        _fold_partition(column),
-        "batch_id long, group_id long, mask binary, folded long, bad string, reason string")
+        _fold_partition(column), "batch_id long, group_id long, mask binary, folded long, bad string, reason string"
+    )
 
     def keyed(partition: int, rows: Iterator[Any]) -> Iterator[tuple]:
         # Bad entries get keys of their own (negative, unique per partition and row), so one
@@ -220,12 +245,13 @@ def ack_dataframe(df: Any, *, dsn: str, schema: str | None = None, column: str =
     def combine(a: tuple, b: tuple) -> tuple:
         return _or_masks(a, b)
 
-    results = (folded.rdd.mapPartitionsWithIndex(keyed)
-               .reduceByKey(combine, numPartitions=n, partitionFunc=lambda k: k[0])
-               .mapPartitions(_apply_partition(dsn, s, after_apply)).collect())
+    results = (
+        folded.rdd.mapPartitionsWithIndex(keyed)
+        .reduceByKey(combine, numPartitions=n, partitionFunc=lambda k: k[0])
+        .mapPartitions(_apply_partition(dsn, s, after_apply))
+        .collect()
+    )
     totals = AckTotals()
     for r in results:
         totals.add(r)
     return totals
-
-

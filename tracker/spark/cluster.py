@@ -12,6 +12,7 @@ tracker's code travels with the job; its dependencies do not:
   `spark.pyspark.python` (`python=`), or shipped as a packed environment (`spark.archives` with a
   venv-pack archive; see the README).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,11 @@ _EPOCH = (1980, 1, 1, 0, 0, 0)  # fixed zip timestamps: same code, same bytes, s
 
 def _package_files() -> list[tuple[str, bytes]]:
     root = Path(__file__).resolve().parents[1]  # the tracker package, wherever it is installed
-    files = [(f"tracker/{p.relative_to(root).as_posix()}", p.read_bytes())
-             for p in sorted(root.rglob("*.py")) if "__pycache__" not in p.parts]
+    files = [
+        (f"tracker/{p.relative_to(root).as_posix()}", p.read_bytes())
+        for p in sorted(root.rglob("*.py"))
+        if "__pycache__" not in p.parts
+    ]
     # tracker._sql (the migrations) may live elsewhere (an editable install maps it to sql/)
     sql_root = resources.files("tracker._sql")
     names = {n for n, _ in files}
@@ -58,8 +62,15 @@ def tracker_zip(directory: str | os.PathLike[str] | None = None) -> Path:
     return path
 
 
-def session(master: str, *, jars: str | list[str] | None = None, app_name: str = "tracker",
-            conf: dict[str, str] | None = None, python: str | None = None, ship: bool | None = None) -> Any:
+def session(
+    master: str,
+    *,
+    jars: str | list[str] | None = None,
+    app_name: str = "tracker",
+    conf: dict[str, str] | None = None,
+    python: str | None = None,
+    ship: bool | None = None,
+) -> Any:
     """A SparkSession for `master` (`spark://host:port`, `local[N]`, ...).
 
     `python`: the executors' interpreter (spark.pyspark.python; default this one), which must have
@@ -74,13 +85,21 @@ def session(master: str, *, jars: str | list[str] | None = None, app_name: str =
 
     python = python or sys.executable
     local = master.startswith("local")
-    builder = (SparkSession.builder.master(master).appName(app_name)
-               .config("spark.pyspark.python", python).config("spark.pyspark.driver.python", sys.executable)
-               .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-               .config("spark.ui.enabled", "false"))
+    builder = (
+        SparkSession.builder.master(master)
+        .appName(app_name)
+        .config("spark.pyspark.python", python)
+        .config("spark.pyspark.driver.python", sys.executable)
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.ui.enabled", "false")
+    )
     if not local:
-        builder = (builder.config("spark.executor.memory", "1g").config("spark.executor.cores", "2")
-                   .config("spark.cores.max", "4"))
+        builder = (
+            builder.config("spark.executor.memory", "1g")
+            .config("spark.executor.cores", "2")
+            .config("spark.cores.max", "4")
+        )
     if jars:
         builder = builder.config("spark.jars", jars if isinstance(jars, str) else ",".join(jars))
     for k, v in (conf or {}).items():
@@ -97,15 +116,22 @@ def session(master: str, *, jars: str | list[str] | None = None, app_name: str =
         else:
             os.environ["PYSPARK_PYTHON"] = saved
     if spark.sparkContext.pythonExec != python:
-        raise RuntimeError(f"a SparkContext already runs with executors' Python {spark.sparkContext.pythonExec}, "
-                           f"not {python}: stop it first")
+        raise RuntimeError(
+            f"a SparkContext already runs with executors' Python {spark.sparkContext.pythonExec}, "
+            f"not {python}: stop it first"
+        )
     spark.sparkContext.setLogLevel("ERROR")
     if ship if ship is not None else not local:
         spark.sparkContext.addPyFile(str(tracker_zip()))
     return spark
 
 
-def local_session(master: str = "local[2]", *, jars: str | list[str] | None = None, app_name: str = "tracker",
-                  conf: dict[str, str] | None = None) -> Any:
+def local_session(
+    master: str = "local[2]",
+    *,
+    jars: str | list[str] | None = None,
+    app_name: str = "tracker",
+    conf: dict[str, str] | None = None,
+) -> Any:
     """A SparkSession on this machine whose Python workers use this interpreter (and its tracker)."""
     return session(master, jars=jars, app_name=app_name, conf=conf, ship=False)

@@ -11,18 +11,20 @@ closes the batch. Rows stream through the executors: the driver holds none of th
 
 Executors connect to Postgres themselves (`dsn`), so the DSN must be reachable from them.
 """
+
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import psycopg
 from psycopg import sql
 
+from ..config import DEFAULT_OUTBOX_TABLE, schema_of
 from ..errors import BatchNotOpen, UnknownBatch
 from ..ids import GROUP_BITS_MAX
-from ..config import DEFAULT_OUTBOX_TABLE, schema_of
 
 # Group ids of Spark fan-out: flag | run << 40 | partition << 20 | chunk. Counter-allocated
 # groups (batch.next_group) count up from 0 and never get near 2**62.
@@ -51,25 +53,37 @@ def begin_run(conn: psycopg.Connection, batch_id: int, *, schema: str | None = N
     before the job starts. Raises UnknownBatch or BatchNotOpen."""
     s = schema_of(schema)
     with conn.transaction():
-        row = conn.execute(sql.SQL("SELECT state FROM {} WHERE id = %s FOR NO KEY UPDATE").format(
-            sql.Identifier(s, "batch")), [batch_id]).fetchone()
+        row = conn.execute(
+            sql.SQL("SELECT state FROM {} WHERE id = %s FOR NO KEY UPDATE").format(sql.Identifier(s, "batch")),
+            [batch_id],
+        ).fetchone()
         if row is None:
             raise UnknownBatch(batch_id)
         if row[0] != "open":
             raise BatchNotOpen(batch_id, row[0])
         # A fan-out is activity: the sweeper must not expire the batch before a partition commits.
-        conn.execute(sql.SQL("UPDATE {} SET last_activity_at = clock_timestamp() WHERE id = %s").format(
-            sql.Identifier(s, "batch")), [batch_id])
+        conn.execute(
+            sql.SQL("UPDATE {} SET last_activity_at = clock_timestamp() WHERE id = %s").format(
+                sql.Identifier(s, "batch")
+            ),
+            [batch_id],
+        )
         runs = sql.Identifier(s, "spark_fanout_run")
         if run_key is not None:
-            found = conn.execute(sql.SQL("SELECT run FROM {} WHERE batch_id = %s AND run_key = %s").format(runs),
-                                 [batch_id, run_key]).fetchone()
+            found = conn.execute(
+                sql.SQL("SELECT run FROM {} WHERE batch_id = %s AND run_key = %s").format(runs), [batch_id, run_key]
+            ).fetchone()
             if found is not None:
                 return found[0]
-        return conn.execute(sql.SQL(
-            "INSERT INTO {runs} (batch_id, run, run_key) "
-            "SELECT %s, coalesce(max(run) + 1, 0), %s FROM {runs} WHERE batch_id = %s RETURNING run").format(runs=runs),
-            [batch_id, run_key, batch_id]).fetchone()[0]
+        inserted = conn.execute(
+            sql.SQL(
+                "INSERT INTO {runs} (batch_id, run, run_key) "
+                "SELECT %s, coalesce(max(run) + 1, 0), %s FROM {runs} WHERE batch_id = %s RETURNING run"
+            ).format(runs=runs),
+            [batch_id, run_key, batch_id],
+        ).fetchone()
+        assert inserted is not None  # INSERT ... SELECT of an aggregate: always one row
+        return int(inserted[0])
 
 
 # ---------------------------------------------------------------- executors: one partition's write
@@ -107,6 +121,7 @@ class _PartitionWriter:
         from pyspark import TaskContext
 
         ctx = TaskContext.get()
+        assert ctx is not None  # inside a Spark task
         partition, attempt = ctx.partitionId(), ctx.attemptNumber()
         held = [b for b in batches if b.num_rows]  # Arrow buffers: the partition's rows, compactly
         n = sum(b.num_rows for b in held)
@@ -115,15 +130,18 @@ class _PartitionWriter:
             if self.after_commit is not None:
                 self.after_commit(partition, attempt)
         if self.id_col is None:
-            yield pa.RecordBatch.from_pydict({"partition": [partition], "items": [n]},
-                                             schema=pa.schema([("partition", pa.int32()), ("items", pa.int64())]))
+            yield pa.RecordBatch.from_pydict(
+                {"partition": [partition], "items": [n]},
+                schema=pa.schema([("partition", pa.int32()), ("items", pa.int64())]),
+            )
             return
         pos = 0
         for b in held:
             ids = [self._item_id(partition, pos + j) for j in range(b.num_rows)]
             pos += b.num_rows
-            yield pa.RecordBatch.from_arrays([*b.columns, pa.array(ids, pa.string())],
-                                             names=[*b.schema.names, self.id_col])
+            yield pa.RecordBatch.from_arrays(
+                [*b.columns, pa.array(ids, pa.string())], names=[*b.schema.names, self.id_col]
+            )
 
     def _item_id(self, partition: int, position: int) -> str:
         chunk, index = divmod(position, GROUP_BITS_MAX)
@@ -137,24 +155,33 @@ class _PartitionWriter:
         s = self.schema
         name = f"tracker.spark fan_out {self.batch_id}/{self.run}/{partition}"  # pg_stat_activity
         with psycopg.connect(self.dsn, application_name=name) as conn:  # one transaction: commits at block end
-            inserted = conn.execute(sql.SQL(
-                "INSERT INTO {} (batch_id, id, size, pending, bits) "
-                "SELECT %s, g, sz, sz, repeat('1', sz)::varbit FROM unnest(%s::int8[], %s::int4[]) AS u(g, sz) "
-                "ON CONFLICT (batch_id, id) DO NOTHING RETURNING id").format(sql.Identifier(s, "batch_group")),
-                [self.batch_id, group_ids, sizes]).fetchall()
+            inserted = conn.execute(
+                sql.SQL(
+                    "INSERT INTO {} (batch_id, id, size, pending, bits) "
+                    "SELECT %s, g, sz, sz, repeat('1', sz)::varbit FROM unnest(%s::int8[], %s::int4[]) AS u(g, sz) "
+                    "ON CONFLICT (batch_id, id) DO NOTHING RETURNING id"
+                ).format(sql.Identifier(s, "batch_group")),
+                [self.batch_id, group_ids, sizes],
+            ).fetchall()
             if not inserted:
                 return  # an earlier attempt committed this partition: write nothing
             if len(inserted) != len(sizes):
-                raise RuntimeError(f"partition {partition} of batch {self.batch_id} run {self.run}: "
-                                   f"{len(inserted)} of {len(sizes)} groups were new; its rows changed between attempts")
+                raise RuntimeError(
+                    f"partition {partition} of batch {self.batch_id} run {self.run}: "
+                    f"{len(inserted)} of {len(sizes)} groups were new; its rows changed between attempts"
+                )
             self._copy_messages(conn, held, group_ids)
-            grown = conn.execute(sql.SQL(
-                "UPDATE {} SET total = total + %s, pending = pending + %s, last_activity_at = clock_timestamp() "
-                "WHERE id = %s AND state = 'open' RETURNING id").format(sql.Identifier(s, "batch")),
-                [n, n, self.batch_id]).fetchone()
+            grown = conn.execute(
+                sql.SQL(
+                    "UPDATE {} SET total = total + %s, pending = pending + %s, last_activity_at = clock_timestamp() "
+                    "WHERE id = %s AND state = 'open' RETURNING id"
+                ).format(sql.Identifier(s, "batch")),
+                [n, n, self.batch_id],
+            ).fetchone()
             if grown is None:
-                state = conn.execute(sql.SQL("SELECT state FROM {} WHERE id = %s").format(
-                    sql.Identifier(s, "batch")), [self.batch_id]).fetchone()
+                state = conn.execute(
+                    sql.SQL("SELECT state FROM {} WHERE id = %s").format(sql.Identifier(s, "batch")), [self.batch_id]
+                ).fetchone()
                 raise BatchNotOpen(self.batch_id, state[0] if state else "gone")
             if self.before_commit is not None:
                 self.before_commit(partition, attempt)
@@ -171,8 +198,17 @@ class _PartitionWriter:
             out = [b""]
             for digits in range(1, 5):
                 id_len = len(prefix) + digits
-                out.append(header_keys + _int4(20 + 4 + id_len + len(tail)) + _int4(1) + _int4(0) + _int4(17)
-                           + _int4(2) + _int4(1) + _int4(id_len) + prefix)
+                out.append(
+                    header_keys
+                    + _int4(20 + 4 + id_len + len(tail))
+                    + _int4(1)
+                    + _int4(0)
+                    + _int4(17)
+                    + _int4(2)
+                    + _int4(1)
+                    + _int4(id_len)
+                    + prefix
+                )
             return out
 
         def rows() -> Iterator[tuple[Any, Any]]:
@@ -182,7 +218,8 @@ class _PartitionWriter:
                 yield from zip(values, keys)
 
         copy_sql = sql.SQL("COPY {} (topic, key, value, header_keys, header_values) FROM STDIN (FORMAT BINARY)").format(
-            sql.Identifier(self.schema, self.outbox_table))
+            sql.Identifier(self.schema, self.outbox_table)
+        )
         head_no_key = head + _NULL
         with conn.cursor().copy(copy_sql) as copy:
             out = bytearray(_COPY_HEADER)
@@ -227,17 +264,29 @@ class _PartitionWriter:
 class FanOutResult:
     batch_id: int
     run: int
-    items: int        # rows written by this run (from the database, whatever the attempts did)
+    items: int  # rows written by this run (from the database, whatever the attempts did)
     groups: int
-    complete: bool    # the batch was closed and is complete (e.g. nothing was written)
+    complete: bool  # the batch was closed and is complete (e.g. nothing was written)
     dataframe: Any = None  # with id_col: the input rows plus their item ids, materialised once
 
 
-def fan_out(df: Any, *, dsn: str, topic: str, schema: str | None = None, batch: Any = None,
-            user_key: str | None = None, completion_topic: str | None = None, value_col: str = "value",
-            key_col: str | None = None, id_col: str | None = None, run_key: str | None = None,
-            close: bool = True, after_commit: Callable[[int, int], None] | None = None,
-            before_commit: Callable[[int, int], None] | None = None) -> FanOutResult:
+def fan_out(
+    df: Any,
+    *,
+    dsn: str,
+    topic: str,
+    schema: str | None = None,
+    batch: Any = None,
+    user_key: str | None = None,
+    completion_topic: str | None = None,
+    value_col: str = "value",
+    key_col: str | None = None,
+    id_col: str | None = None,
+    run_key: str | None = None,
+    close: bool = True,
+    after_commit: Callable[[int, int], None] | None = None,
+    before_commit: Callable[[int, int], None] | None = None,
+) -> FanOutResult:
     """Write one outbox message per row of `df` on `topic` and track the rows in a batch.
 
     `batch`: a tracker Batch or batch id (open); None opens a new batch (`user_key`,
@@ -269,8 +318,9 @@ def fan_out(df: Any, *, dsn: str, topic: str, schema: str | None = None, batch: 
             conn.commit()
         batch_id = batch_id_of(batch)
         run = begin_run(conn, batch_id, schema=s, run_key=run_key)
-    writer = _PartitionWriter(dsn, s, DEFAULT_OUTBOX_TABLE, batch_id, run, topic, value_col, key_col, id_col,
-                              after_commit, before_commit)
+    writer = _PartitionWriter(
+        dsn, s, DEFAULT_OUTBOX_TABLE, batch_id, run, topic, value_col, key_col, id_col, after_commit, before_commit
+    )
     if df.rdd.getNumPartitions() > MAX_PARTITIONS:
         raise ValueError(f"at most {MAX_PARTITIONS} partitions per fan-out")
     out_df = None
@@ -281,11 +331,14 @@ def fan_out(df: Any, *, dsn: str, topic: str, schema: str | None = None, batch: 
         out_df = df.mapInArrow(writer, out_schema).localCheckpoint(eager=True)
     lo, hi = run_group_range(run)
     with psycopg.connect(dsn) as conn:
-        groups, items = conn.execute(sql.SQL(
-            "SELECT count(*), coalesce(sum(size), 0) FROM {} WHERE batch_id = %s AND id >= %s AND id < %s").format(
-            sql.Identifier(s, "batch_group")), [batch_id, lo, hi]).fetchone()
+        counted = conn.execute(
+            sql.SQL(
+                "SELECT count(*), coalesce(sum(size), 0) FROM {} WHERE batch_id = %s AND id >= %s AND id < %s"
+            ).format(sql.Identifier(s, "batch_group")),
+            [batch_id, lo, hi],
+        ).fetchone()
+        assert counted is not None  # an aggregate: always one row
+        groups, items = counted
         complete = close_batch(conn, batch_id, schema=s) if close else False
         conn.commit()
     return FanOutResult(batch_id, run, int(items), int(groups), complete, out_df)
-
-

@@ -4,6 +4,7 @@ and structlog lines, from a StreamingQueryListener on the driver.
 Lag is the Kafka source's `maxOffsetsBehindLatest`: ack messages on the topic that the query has
 not read yet (the largest of its partitions). One label, the query's name: a job runs few queries.
 """
+
 from __future__ import annotations
 
 import threading
@@ -14,12 +15,20 @@ import structlog
 from prometheus_client import Counter, Gauge, Histogram
 
 input_rows = Counter("reaper_spark_stream_input_rows_total", "Ack messages read by a Spark ack stream", ["query"])
-rows_per_second = Gauge("reaper_spark_stream_rows_per_second",
-                        "Ack messages processed per second in the last micro-batch", ["query"])
-batch_duration = Histogram("reaper_spark_stream_batch_duration_seconds", "Duration of one micro-batch", ["query"],
-                           buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-lag = Gauge("reaper_spark_stream_lag_messages",
-            "Ack messages on the topic not yet read by the stream (largest partition)", ["query"])
+rows_per_second = Gauge(
+    "reaper_spark_stream_rows_per_second", "Ack messages processed per second in the last micro-batch", ["query"]
+)
+batch_duration = Histogram(
+    "reaper_spark_stream_batch_duration_seconds",
+    "Duration of one micro-batch",
+    ["query"],
+    buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+lag = Gauge(
+    "reaper_spark_stream_lag_messages",
+    "Ack messages on the topic not yet read by the stream (largest partition)",
+    ["query"],
+)
 
 log = structlog.get_logger("tracker.spark.stream")
 
@@ -32,14 +41,17 @@ class Progress:
     input_rows: int = 0
     rows_per_second: float = 0.0
     batch_seconds: float = 0.0
-    busy_seconds: float = 0.0     # sum of micro-batch durations (rows / busy = steady rate)
+    busy_seconds: float = 0.0  # sum of micro-batch durations (rows / busy = steady rate)
     lag: int | None = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 def _lag_of(progress: Any) -> int | None:
-    behind = [int(float(s.metrics["maxOffsetsBehindLatest"])) for s in progress.sources
-              if s.metrics and s.metrics.get("maxOffsetsBehindLatest") is not None]
+    behind = [
+        int(float(s.metrics["maxOffsetsBehindLatest"]))
+        for s in progress.sources
+        if s.metrics and s.metrics.get("maxOffsetsBehindLatest") is not None
+    ]
     return max(behind) if behind else None
 
 
@@ -71,8 +83,15 @@ def listener(query_id_holder: list, label: str, progress: Progress) -> Any:
             if behind is not None:
                 lag.labels(label).set(behind)
             if p.numInputRows:
-                log.info("ack stream micro-batch", query=label, batch=p.batchId, rows=p.numInputRows,
-                         rows_per_s=round(p.processedRowsPerSecond), seconds=seconds, lag=behind)
+                log.info(
+                    "ack stream micro-batch",
+                    query=label,
+                    batch=p.batchId,
+                    rows=p.numInputRows,
+                    rows_per_s=round(p.processedRowsPerSecond),
+                    seconds=seconds,
+                    lag=behind,
+                )
 
         def onQueryIdle(self, event: Any) -> None:
             pass

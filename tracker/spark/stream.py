@@ -4,11 +4,13 @@ Every micro-batch (foreachBatch) is acked by `ack_dataframe`: folded per group, 
 one transaction per partition. Offsets live in the checkpoint; a micro-batch replayed after a
 failure re-applies its acks, which re-clears clear bits and changes nothing.
 """
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..config import schema_of
 from .acks import AckTotals, ack_dataframe
@@ -26,14 +28,24 @@ class StreamTotals(AckTotals):
     progress: Progress = field(default_factory=Progress)  # from the query listener: rows/s, duration, lag
 
 
-def ack_stream(spark: Any, *, bootstrap_servers: str, topic: str, dsn: str, checkpoint_location: str,
-               schema: str | None = None, dead_letter_topic: str | None = None, kafka_options: dict | None = None,
-               dead_letter_client: dict | None = None,
-               max_offsets_per_trigger: int | None = DEFAULT_MAX_OFFSETS_PER_TRIGGER,
-               trigger_interval: str | None = None,
-               partitions: int | None = None, min_partitions: int | None = None,
-               query_name: str | None = None, after_apply: Callable[[int, int], None] | None = None
-               ) -> tuple[Any, StreamTotals]:
+def ack_stream(
+    spark: Any,
+    *,
+    bootstrap_servers: str,
+    topic: str,
+    dsn: str,
+    checkpoint_location: str,
+    schema: str | None = None,
+    dead_letter_topic: str | None = None,
+    kafka_options: dict | None = None,
+    dead_letter_client: dict | None = None,
+    max_offsets_per_trigger: int | None = DEFAULT_MAX_OFFSETS_PER_TRIGGER,
+    trigger_interval: str | None = None,
+    partitions: int | None = None,
+    min_partitions: int | None = None,
+    query_name: str | None = None,
+    after_apply: Callable[[int, int], None] | None = None,
+) -> tuple[Any, StreamTotals]:
     """Start a Structured Streaming query that acks every micro-batch of the ack topic.
 
     Needs the spark-sql-kafka-0-10 connector on the session's classpath (deploy/spark/jars.py).
@@ -53,11 +65,18 @@ def ack_stream(spark: Any, *, bootstrap_servers: str, topic: str, dsn: str, chec
     """
     s = schema_of(schema)
     totals = StreamTotals()
-    reader = (spark.readStream.format("kafka").option("kafka.bootstrap.servers", bootstrap_servers)
-              .option("subscribe", topic).option("startingOffsets", "earliest").option("failOnDataLoss", "false"))
+    reader = (
+        spark.readStream.format("kafka")
+        .option("kafka.bootstrap.servers", bootstrap_servers)
+        .option("subscribe", topic)
+        .option("startingOffsets", "earliest")
+        .option("failOnDataLoss", "false")
+    )
     # ack messages are tiny: fetch more than the 1 MiB per partition default at a time
-    options = {"max.partition.fetch.bytes": str(8 << 20),
-               **{k.removeprefix("kafka."): v for k, v in (kafka_options or {}).items()}}
+    options = {
+        "max.partition.fetch.bytes": str(8 << 20),
+        **{k.removeprefix("kafka."): v for k, v in (kafka_options or {}).items()},
+    }
     for k, v in options.items():
         reader = reader.option(f"kafka.{k}", v)
     if max_offsets_per_trigger:
@@ -70,8 +89,9 @@ def ack_stream(spark: Any, *, bootstrap_servers: str, topic: str, dsn: str, chec
     producer_conf = {"bootstrap.servers": bootstrap_servers, "enable.idempotence": True, **(dead_letter_client or {})}
 
     def each(batch_df: Any, epoch_id: int) -> None:
-        result = ack_dataframe(batch_df, dsn=dsn, schema=s, column="ack", partitions=partitions,
-                               after_apply=after_apply)
+        result = ack_dataframe(
+            batch_df, dsn=dsn, schema=s, column="ack", partitions=partitions, after_apply=after_apply
+        )
         if result.rejected and dead_letter_topic:
             _dead_letter(producer_conf, dead_letter_topic, topic, result.rejected)
         with totals.lock:
@@ -98,10 +118,13 @@ def _dead_letter(conf: dict, dead_letter_topic: str, source_topic: str, rejected
     producer = Producer(conf)
     for entry, reason in rejected:
         key = entry.split(":", 1)[0].encode() if entry else None
-        producer.produce(dead_letter_topic, key=key, value=entry.encode(),
-                         headers=[("reason", reason.encode()), ("source-topic", source_topic.encode())])
+        producer.produce(
+            dead_letter_topic,
+            key=key,
+            value=entry.encode(),
+            headers=[("reason", reason.encode()), ("source-topic", source_topic.encode())],
+        )
     left = producer.flush(60)
     if left:
         raise RuntimeError(f"{left} dead letters were not delivered to {dead_letter_topic}")
     metrics.acks_dead_lettered.inc(len(rejected))
-

@@ -4,6 +4,7 @@ Idempotent: does nothing when the pinned version is already there; else `npm ci`
 package-lock.json. Used by tests/test_sql_node.py
 and runnable by hand: `python3 tests/clients/node/install.py`. Needs node and npm (Debian: nodejs npm).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,13 @@ def install() -> Path:
     TARGET.mkdir(parents=True, exist_ok=True)
     shutil.copy(HERE / "package.json", TARGET / "package.json")
     shutil.copy(HERE / "package-lock.json", TARGET / "package-lock.json")  # exact versions, all the way down
-    r = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=TARGET,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+        cwd=TARGET,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if r.returncode != 0:
         raise RuntimeError(f"npm install failed in {TARGET}:\n{r.stdout}\n{r.stderr}")
     return TARGET / "node_modules"
