@@ -28,6 +28,7 @@ from psycopg import sql
 from . import driver, metrics
 from .config import DEFAULT_COMPLETION_TOPIC, DEFAULT_OUTBOX_TABLE, DEFAULT_SCHEMA, TrackerConfig
 from .errors import InvalidArgument, InvalidValue
+from .pooling import configure_for_pooler
 from .session import SyncSession, sync_connection
 from .steps import Op, Query, Round
 
@@ -143,6 +144,7 @@ class Settler:
                 try:
                     if conn is None or conn.closed or conn.broken:
                         conn = psycopg.connect(self.dsn, autocommit=True)
+                        configure_for_pooler(conn)  # PgBouncer in transaction mode: no prepared statements
                     started = time.monotonic()
                     r = settle(
                         conn,
