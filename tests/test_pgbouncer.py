@@ -370,7 +370,7 @@ def test_reaper_run_through_pgbouncer_publishes_acks_sweeps_and_leaks_no_session
     assert failed == [], failed[:5]
     assert {e["pool"] for e in events if e.get("event", "").startswith("database reached through a pooler")} == {
         "reaper-aux",
-        "reaper-harvester",
+        "reaper-harvester-default",  # one pool per harvest unit
     }
     stopped = next(e for e in events if e.get("event") == "acker stopped")
     assert stopped["acked"] == 80 and stopped["retries"] == 0, stopped
