@@ -46,7 +46,9 @@ CLAIMS_PER_CALL_MAX = 1000
 
 @dataclass
 class AckResult:
-    acked: int = 0  # bits this call cleared
+    # bits this call cleared; for claims (tracker.ack of <= CLAIMS_PER_CALL_MAX ids): items claimed whose
+    # bit was set when claimed (a concurrent masked ack may clear that bit first; stored counts stay exact)
+    acked: int = 0
     duplicates: int = 0  # ids whose bit was already clear (or named twice in the call)
     completed: list[int] = field(default_factory=list)  # batches this call completed
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (item id or run, reason), reject_invalid only
