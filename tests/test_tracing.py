@@ -139,7 +139,7 @@ def test_expiry_event_carries_the_opening_span_context(spans, conn, schema):
     assert dict(zip(keys, (bytes(v).decode() for v in values)))["traceparent"] == traceparent_of(span)
 
 
-def test_consumer_helpers_ignore_messages_without_a_valid_context():
+def test_consumer_helpers_ignore_messages_without_a_valid_context(spans):  # the SDK provider: real spans
     class Msg:
         def __init__(self, headers):
             self._h = headers
