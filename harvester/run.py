@@ -67,7 +67,7 @@ def _check_database(cfg: Config) -> None:
 
 def _admin(cfg: Config) -> AdminClient:
     conf = {"bootstrap.servers": cfg.kafka.bootstrap_servers, **cfg.kafka.client, "logger": logs.KafkaLogger("admin")}
-    return AdminClient(conf)  # type: ignore[arg-type]  # the stub lacks librdkafka's documented "logger"
+    return AdminClient(conf)
 
 
 def _check_kafka(admin: AdminClient, timeout: float = 15.0) -> None:

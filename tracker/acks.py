@@ -180,13 +180,13 @@ def apply_op(
     if skip_locked:
         queries.append(Query(q["states"], [batch_ids], "all"))
     rows = yield Round(tuple(queries))
-    lock_rows, size_rows = rows[0], rows[1]  # type: ignore[index]
-    states = dict(lock_rows)  # type: ignore[arg-type]
+    lock_rows, size_rows = rows[0], rows[1]
+    states = dict(lock_rows)
     if skip_locked:
-        held = {b for b, _state in rows[2]} - states.keys()  # type: ignore[index,misc]
+        held = {b for b, _state in rows[2]} - states.keys()
         result.skipped = {(m.batch_id, m.group_id): m for m in todo if m.batch_id in held}
         todo = [m for m in todo if m.batch_id not in held]
-    sizes = {(b, g): size for b, g, size in size_rows}  # type: ignore[union-attr]
+    sizes = {(b, g): size for b, g, size in size_rows}
     live: list[GroupMask] = []
     for m in todo:
         state = states.get(m.batch_id)
@@ -224,7 +224,7 @@ def apply_op(
     if not batch_ids:
         return result
     (applied,) = yield Round((Query(q["apply"], [batch_ids, group_ids, hexes, completion_topic], "all"),), last)
-    for batch_id, flipped, completed in applied:  # type: ignore[union-attr]
+    for batch_id, flipped, completed in applied:
         result.acked += flipped
         if completed:
             result.completed.append(batch_id)
@@ -272,13 +272,13 @@ def claim_op(
     )
     if last:
         state_rows, size_rows = yield Round(check)
-        counted = _claimable(todo, state_rows, size_rows)  # type: ignore[arg-type]
+        counted = _claimable(todo, state_rows, size_rows)
         claimed_rows, read_rows, _fresh = yield Round(claim, True)
     else:
         state_rows, size_rows, claimed_rows, read_rows, _fresh = yield Round(check + claim)
-        counted = _claimable(todo, state_rows, size_rows)  # type: ignore[arg-type]
-    claimed = set(claimed_rows)  # type: ignore[arg-type]
-    result.acked = sum(1 for b, g, i, bit in read_rows if bit == 1 and (b, g, i) in claimed)  # type: ignore[union-attr]
+        counted = _claimable(todo, state_rows, size_rows)
+    claimed = set(claimed_rows)
+    result.acked = sum(1 for b, g, i, bit in read_rows if bit == 1 and (b, g, i) in claimed)
     result.duplicates = max(0, counted - result.acked)
     return result
 

@@ -61,7 +61,7 @@ async def run(conn: psycopg.AsyncConnection, op: Op[T], *, effect: Callable[[], 
         try:
             step = next(op)
         except StopIteration as done:  # nothing to send (e.g. an ack of no ids)
-            return done.value  # type: ignore[no-any-return]
+            return done.value
         while True:
             if isinstance(step, Round):
                 prefix = () if started else (Query(edge.start),)
@@ -87,7 +87,7 @@ async def run(conn: psycopg.AsyncConnection, op: Op[T], *, effect: Callable[[], 
             except StopIteration as done:
                 if started and not ended:
                     await _send(conn, (Query(edge.end),))
-                return done.value  # type: ignore[no-any-return]
+                return done.value
     except BaseException:
         op.close()
         if started and not ended:

@@ -104,7 +104,7 @@ async def run(conn: asyncpg.Connection, op: Op[T], *, effect: Callable[[], Await
         try:
             step = next(op)
         except StopIteration as done:  # nothing to send (e.g. an ack of no ids)
-            return done.value  # type: ignore[no-any-return]
+            return done.value
         while True:
             if isinstance(step, Round):
                 if not started:
@@ -131,7 +131,7 @@ async def run(conn: asyncpg.Connection, op: Op[T], *, effect: Callable[[], Await
             except StopIteration as done:
                 if started and not ended:
                     await conn.execute(edge.end)
-                return done.value  # type: ignore[no-any-return]
+                return done.value
     except BaseException:
         op.close()
         if started and not ended and not conn.is_closed() and conn.is_in_transaction():

@@ -186,7 +186,7 @@ def open_op(q: dict[str, str], user_key: object, completion_topic: object) -> Op
         (row,) = yield one(q["open"], [user_key, completion_topic], last=True)
     else:
         (row,) = yield one(q["open_traced"], [user_key, completion_topic, traceparent, tracestate], last=True)
-    batch_id, created_at = row  # type: ignore[misc]
+    batch_id, created_at = row
     return Batch(batch_id, user_key, completion_topic, created_at)  # type: ignore[arg-type]
 
 
@@ -196,7 +196,7 @@ def reserve_op(q: dict[str, str], batch_id: int, n: int, *, last: bool) -> Op[li
     (row,) = yield one(q["lock"], [batch_id], last=last and n == 0)
     if row is None:
         raise UnknownBatch(batch_id)
-    state, next_group = row  # type: ignore[misc]
+    state, next_group = row
     if state != "open":
         raise BatchNotOpen(batch_id, state)
     handles: list[GroupHandle] = []
@@ -206,7 +206,7 @@ def reserve_op(q: dict[str, str], batch_id: int, n: int, *, last: bool) -> Op[li
     if next_group > 0:
         (topped,) = yield one(q["top_up"], {"b": batch_id, "g": next_group - 1, "n": n, "max": GROUP_BITS_MAX})
         if topped is not None:
-            old, new = topped  # type: ignore[misc]
+            old, new = topped
             handles.append(GroupHandle(batch_id, next_group - 1, new, old))
             left -= new - old
     first_new = next_group
@@ -247,12 +247,12 @@ def close_op(q: dict[str, str], batch: Batch | int, completion_topic: str) -> Op
         )
     )
     if closed is not None:
-        return closed[0] == "complete", True  # type: ignore[index]
+        return closed[0] == "complete", True
     if now is None:
         raise UnknownBatch(batch_id)
-    if now[0] == "expired":  # type: ignore[index]
+    if now[0] == "expired":
         raise BatchExpired(batch_id)
-    return now[0] == "complete", False  # type: ignore[index]
+    return now[0] == "complete", False
 
 
 def status_op(q: dict[str, str], batch: Batch | int) -> Op[BatchStatus]:
@@ -260,4 +260,4 @@ def status_op(q: dict[str, str], batch: Batch | int) -> Op[BatchStatus]:
     (row,) = yield one(q["status"], [batch_id], last=True)
     if row is None:
         raise UnknownBatch(batch_id)
-    return BatchStatus(*row)  # type: ignore[misc]
+    return BatchStatus(*row)

@@ -114,7 +114,7 @@ def run(conn: psycopg.Connection, op: Op[T], *, effect: Callable[[], object] | N
         try:
             step = next(op)
         except StopIteration as done:  # nothing to send (e.g. an ack of no ids)
-            return done.value  # type: ignore[no-any-return]
+            return done.value
         while True:
             if isinstance(step, Round):
                 prefix = () if started else (Query(edge.start),)
@@ -140,7 +140,7 @@ def run(conn: psycopg.Connection, op: Op[T], *, effect: Callable[[], object] | N
             except StopIteration as done:
                 if started and not ended:
                     _send(conn, (Query(edge.end),))
-                return done.value  # type: ignore[no-any-return]
+                return done.value
     except BaseException:
         op.close()
         if started and not ended:

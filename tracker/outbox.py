@@ -78,7 +78,7 @@ def utf8_any(value: str, name: str) -> bytes:
 
 def _key_bytes(key: object) -> bytes | None:
     if key is None or type(key) is bytes:
-        return key  # type: ignore[return-value]
+        return key
     if isinstance(key, str):
         return utf8_any(key, "message key")
     if isinstance(key, (bytes, bytearray, memoryview)):
@@ -295,7 +295,7 @@ def enqueue_op(
     handles = yield from reserve_op(q, batch_id, len(item_list), last=not item_list)
     if not item_list:
         return handles
-    call = _Call(enc, handles, item_list, key_fn, default_key)  # type: ignore[arg-type]
+    call = _Call(enc, handles, item_list, key_fn, default_key)
     yield Write(copy_sql, call.copy_chunks, insert_sql, call.insert_rows, target[0], target[1], COLUMNS)
     return handles
 

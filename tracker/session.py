@@ -64,7 +64,7 @@ def _is_asyncpg(conn: object) -> bool:
 async def async_connection(session: object) -> psycopg.AsyncConnection | asyncpg.Connection:
     """The driver connection behind `session`: a psycopg AsyncConnection or an asyncpg Connection."""
     if isinstance(session, psycopg.AsyncConnection) or _is_asyncpg(session):
-        return session  # type: ignore[return-value]
+        return session
     if isinstance(session, psycopg.Connection):
         raise UnsupportedConnection(session, "async", "a sync Connection belongs to the sync face: use tracker")
     module = type(session).__module__
@@ -86,7 +86,7 @@ async def async_connection(session: object) -> psycopg.AsyncConnection | asyncpg
             # SQLAlchemy's asyncpg adapter opens its transaction at the first statement: make it
             # open now, or the call would run (and commit) outside the session's transaction.
             await sa_connection.exec_driver_sql("SELECT 1")  # type: ignore[attr-defined]
-        return raw  # type: ignore[no-any-return]
+        return raw
     if not isinstance(raw, psycopg.AsyncConnection):
         raise UnsupportedConnection(session, "async", f"its driver connection is a {type(raw).__name__}")
     return raw

@@ -67,11 +67,11 @@ def settle_op(
     result = SettleResult()
     if batch_ids is None:
         (rows,) = yield Round((Query(q["claimed"], [limit], "all"),))
-        batch_ids = [b for (b,) in rows]  # type: ignore[union-attr]
+        batch_ids = [b for (b,) in rows]
     if not batch_ids:
         return result
     (rows,) = yield Round((Query(q["settle"], [batch_ids, completion_topic, wait], "all"),), last=True)
-    for b, flipped, completed in rows:  # type: ignore[union-attr]
+    for b, flipped, completed in rows:
         if flipped is None:
             result.busy.append(b)
             continue

@@ -210,7 +210,7 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
         return _fail(args, name, f"{type(exc).__name__}: {redact_dsn(str(exc)).strip()}", EXIT_FAILURE)
     if args.json:
         is_record = dataclasses.is_dataclass(result) and not isinstance(result, type)
-        print(to_json(dataclasses.asdict(result) if is_record else result))  # type: ignore[arg-type]
+        print(to_json(dataclasses.asdict(result) if is_record else result))
     else:
         print(text)
     return code

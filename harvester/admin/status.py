@@ -100,9 +100,8 @@ def batch_counts(conn: psycopg.Connection, schema: str) -> tuple[dict[str, int],
 def leaders(cfg: Config, timeout: float) -> tuple[dict[int, dict[str, Any]], str]:
     """Partition -> the leader-group member assigned it, and the group's state (Kafka's view)."""
     h = cfg.harvester
-    # (confluent_kafka's stub omits librdkafka's documented `logger` object)
     conf = {"bootstrap.servers": cfg.kafka.bootstrap_servers, **cfg.kafka.client, "logger": logs.KafkaLogger("admin")}
-    admin = AdminClient(conf)  # type: ignore[arg-type]
+    admin = AdminClient(conf)
     try:
         future = admin.describe_consumer_groups([h.leader_group], request_timeout=timeout)[h.leader_group]
         desc = future.result(timeout=timeout + 5)
