@@ -167,6 +167,13 @@ class UnitHarvester:
             self._remark_why = why
             self._remark.set()
 
+    def _skipped(self, me: uuid.UUID, why: str) -> None:
+        """Rows marked by `me` were not handed to Kafka. They stay marked by `me`, which the next
+        marks pass over, so if `me` is still the marking id no later batch may go out under it: a
+        later row of their keys would overtake them (and they would wait for the next id)."""
+        if self._me == me:
+            self.force_remark(why)
+
     def _on_neli(self, state: str, leader_id: uuid.UUID | None) -> None:
         if self.publisher is None:
             return
@@ -221,7 +228,10 @@ class UnitHarvester:
                 self._stop.wait(0.02)
                 continue
             if neli_id != self._neli_id:
-                self._me = neli_id  # set the id before clearing the flag: queued batches go stale first
+                # A fresh marking id on every (re)entry, even when NELI's acquisition is the same one
+                # (a lapse that ended before the fence): rows of the lapse that were dropped unsent
+                # are still marked by the old id, and only a new id marks them again, from the head.
+                self._me = uuid.uuid4()  # set before clearing the flag: queued batches go stale first
                 self._neli_id = neli_id
                 self._remark.clear()
                 logs.leader_context.set(self._me)
@@ -312,15 +322,19 @@ class UnitHarvester:
                     rows = rows + more[1]
                 else:
                     carry = more
-            if not self._valid(me):  # dropped: stale id, remark pending, fenced or stopping
+            if not self._valid(me):  # dropped: stale id, remark pending, lapsed, fenced or stopping
                 pub.release(len(rows))
+                self._skipped(me, "marked rows dropped unsent")
                 continue
             try:
-                pub.produce_rows(rows, me, partial(self._valid, me), self.neli.valid_until)
+                sent = pub.produce_rows(rows, me, partial(self._valid, me), self.neli.valid_until)
             except (BufferError, KafkaException, QuarantineError) as exc:
                 m.produce_errors.inc()
                 self.log.warning("produce failed", error=str(exc))
                 self.force_remark("produce failed")
+            else:
+                if sent < len(rows):
+                    self._skipped(me, "marked rows left unsent")
             if time.monotonic() - started > h.mark_deadline:
                 self.log.warning(
                     "mark cycle overran its deadline",

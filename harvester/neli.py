@@ -11,6 +11,13 @@ leader cut off from Kafka stops before the group can hand partition 0 to another
 resumes if heartbeats return while it still holds the partition. Each acquisition (and each
 resumption) gets a fresh random leader id.
 
+After a stall of this process itself (SIGSTOP, a VM pause: the election loop did not run for longer
+than `heartbeat_timeout`), the group may have handed the partition on meanwhile, and the process is
+the last to know: its own heartbeats come back before librdkafka reports the lost session. So a
+resumption waits RESUME_GRACE after such a stall, time for the consumer's next group heartbeat to
+learn of a lost session (on_lost) first. A fence caused by Kafka being away (the loop kept running)
+resumes as soon as heartbeats return.
+
 `leader_id()` is computed from the clock when asked, not from the last state the polling thread
 saw: a process that was paused (SIGSTOP, a long GC-like stall) sees itself fenced at once.
 Cooperative-sticky assignment keeps partition 0 with its holder when other members join.
@@ -30,6 +37,7 @@ from . import logs
 from .metrics import MetricsLike
 
 FOLLOWER, LEADER, FENCED = "follower", "leader", "fenced"
+RESUME_GRACE = 1.0  # seconds: several group heartbeats (heartbeat.interval.ms is at most 250 ms)
 
 
 class LeaderTopicMismatch(RuntimeError):
@@ -195,6 +203,8 @@ class Neli:
             "reconnect.backoff.max.ms": 1000,
             "logger": logs.KafkaLogger("heartbeat-producer"),
         }
+        self._last_pulse = time.monotonic()
+        self._resume_after = 0.0  # monotonic: no resumption before this (see RESUME_GRACE)
         self._stop = threading.Event()
         self._closed = threading.Event()
         self._consumer: Consumer | None = None
@@ -268,6 +278,12 @@ class Neli:
     def _pulse(self) -> None:
         consumer, producer = self._consumer, self._producer
         assert consumer is not None and producer is not None  # start() made both before this thread ran
+        started = time.monotonic()
+        if started - self._last_pulse > self.hb_timeout:
+            self._resume_after = started + RESUME_GRACE
+            self._log.warning(
+                "this process stalled: no resumption for a while", stalled_s=round(started - self._last_pulse, 3)
+            )
         for msg in consumer.consume(64, self.min_poll / 2):
             part = msg.partition()
             if msg.error() is None and part is not None and 0 <= part < len(self.leases):
@@ -282,6 +298,7 @@ class Neli:
             if lease.holding:
                 self._beat(lease, now)
         producer.poll(0)
+        self._last_pulse = time.monotonic()
 
     def _beat(self, lease: Lease, now: float) -> None:
         if now - lease.last_sent >= self.min_poll and now >= lease.paused_until:
@@ -303,7 +320,7 @@ class Neli:
                 leader_id=str(lease._leader_id),
             )
             lease.set(FENCED, None)
-        elif lease.state == FENCED and not overdue:
+        elif lease.state == FENCED and not overdue and now >= self._resume_after:
             self._log.info("heartbeats are back and the partition is still held: resuming", unit=lease.unit)
             lease.acquire(resumed=True)
 

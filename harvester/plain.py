@@ -2,7 +2,9 @@
 
 Contract of a publishing strategy (this one and harvester.transactional):
 - `produce_rows(rows, leader_id, still_valid, valid_until)` hands rows to the slot's current
-  producer in the order given and returns how many it handed over. It stops before the first row
+  producer in the order given and returns how many it got through (handed over or quarantined);
+  fewer than given means it stopped early, and the caller must not publish later rows under the
+  same leader id (the rest stay marked by it). It stops before the first row
   once the leadership deadline `valid_until()` has passed or `still_valid()` is false (checked
   every 256 rows), or when the producer was retired meanwhile. Rows not handed over are released
   from the throttle's count (they stay marked by an old id and the next mark finds them).
@@ -74,9 +76,10 @@ class PlainStrategy:
         report: Callable,
     ) -> int:
         """The produce loop shared by both strategies; `report` is the per-record callback
-        (called as report(row_id, leader_id, err, msg)). Releases what it did not hand over."""
+        (called as report(row_id, leader_id, err, msg)). Releases what it did not hand over.
+        Returns the rows got through: handed over or quarantined."""
         slot, clock, swap, trace = self.slot, time.monotonic, self.slot._swap, self.trace
-        sent = 0
+        sent = quarantined = 0
         slot.used = True
         try:
             deadline = valid_until()
@@ -111,6 +114,7 @@ class PlainStrategy:
                     # Never acceptable: move it aside (or stop here if that fails, so nothing of
                     # its key overtakes it) and carry on with the next record.
                     self._quarantine_now(leader_id, row_id, error_reason(err))
+                    quarantined += 1
                     continue
                 sent += 1
                 if trace is not None:
@@ -121,7 +125,7 @@ class PlainStrategy:
             self.produced += sent
             if sent < len(rows):
                 self.settler.release(len(rows) - sent)  # includes the quarantined rows: settled here
-        return sent
+        return sent + quarantined
 
     def _wait_for_room(self, producer: ProducerLike, args: tuple, deadline: float, still_valid: Valid) -> bool:
         """The local queue is full: nothing after this record was enqueued either, so waiting and
