@@ -28,7 +28,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import queue
 import random
 import statistics
 import sys
@@ -88,9 +87,11 @@ def eo_worker(path: str, schema: str, jobs, barrier, out) -> None:
     with psycopg.connect(DSN) as conn:
         barrier.wait()
         while True:
-            try:
-                current = jobs.get_nowait()
-            except queue.Empty:
+            # Blocking get, ended by a sentinel: multiprocessing's get_nowait() raises Empty whenever
+            # another worker holds the queue's read lock, which made workers quit early (the
+            # figures before 2026-11-23 measured fewer workers than they named).
+            current = jobs.get(timeout=60)
+            if current is None:
                 break
             if _exactly_once(path, conn, current, effect, schema):
                 done += 1
@@ -182,7 +183,8 @@ def exactly_once_scenario(env: Env, path: str, workers: int, n: int = 400) -> di
     jobs = CTX.Queue()
     for i in ids:
         jobs.put(i)
-    time.sleep(0.2)  # let the feeder thread flush the queue
+    for _ in range(workers):
+        jobs.put(None)  # one end marker per worker
     elapsed, results = _run(eo_worker, [(path, env.schema, jobs) for _ in range(workers)])
     done = sum(r[0] for r in results)
     _settled(env, batch_id)
