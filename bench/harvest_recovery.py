@@ -115,4 +115,7 @@ def bench_recovery(dsn: str, bootstrap: str, log_dir: Path = Path("/tmp")) -> di
         "postgres": _one("postgres", dsn, bootstrap, 6.0, 2.0, 4.0, log_dir),
         "kafka_pause": _one("kafka", dsn, bootstrap, 6.0, 2.0, 3.0, log_dir, pause=True),
         "kafka": _one("kafka", dsn, bootstrap, 6.0, 2.0, 4.0, log_dir),
+        # the default session (harvester.session_timeout = 15 s) outlasts the same restart: the
+        # member keeps its id and its partition, and only reconnection is left
+        "kafka_default_session": _one("kafka", dsn, bootstrap, 15.0, 2.0, 4.0, log_dir),
     }
