@@ -72,9 +72,12 @@ def ack_stream(
         .option("startingOffsets", "earliest")
         .option("failOnDataLoss", "false")
     )
-    # ack messages are tiny: fetch more than the 1 MiB per partition default at a time
+    # ack messages are tiny: fetch more than the 1 MiB per partition default at a time, and take
+    # far more than the Java consumer's 500 records per poll (measured on the local cluster, 1M
+    # acks: reading and folding them took 15.1 s at 500 per poll, 6.1 s at 10,000)
     options = {
         "max.partition.fetch.bytes": str(8 << 20),
+        "max.poll.records": "20000",
         **{k.removeprefix("kafka."): v for k, v in (kafka_options or {}).items()},
     }
     for k, v in options.items():
