@@ -287,6 +287,7 @@ class UnitHarvester:
                 except queue.Full:
                     if self._stop.is_set() or not self._valid(me):
                         pub.release(len(rows))
+                        self._skipped(me, "marked rows dropped unqueued")
                         break
 
     def _produce_loop(self) -> None:

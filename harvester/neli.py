@@ -278,13 +278,16 @@ class Neli:
     def _pulse(self) -> None:
         consumer, producer = self._consumer, self._producer
         assert consumer is not None and producer is not None  # start() made both before this thread ran
-        started = time.monotonic()
-        if started - self._last_pulse > self.hb_timeout:
-            self._resume_after = started + RESUME_GRACE
+        messages = consumer.consume(64, self.min_poll / 2)
+        # Checked after consume(), where this thread spends nearly all its time (and so where a
+        # SIGSTOP or a VM pause lands): the time since the previous pulse ended includes the stall.
+        returned = time.monotonic()
+        if returned - self._last_pulse > self.hb_timeout:
+            self._resume_after = returned + RESUME_GRACE
             self._log.warning(
-                "this process stalled: no resumption for a while", stalled_s=round(started - self._last_pulse, 3)
+                "this process stalled: no resumption for a while", stalled_s=round(returned - self._last_pulse, 3)
             )
-        for msg in consumer.consume(64, self.min_poll / 2):
+        for msg in messages:
             part = msg.partition()
             if msg.error() is None and part is not None and 0 <= part < len(self.leases):
                 sent_at = self._sent_at(msg.value())
@@ -334,6 +337,7 @@ class Neli:
     def _run(self) -> None:
         consumer, producer = self._consumer, self._producer
         assert consumer is not None and producer is not None  # start() made both before this thread ran
+        self._last_pulse = time.monotonic()  # not from __init__: a slow start is no stall
         try:
             while not self._stop.is_set():
                 try:
@@ -341,6 +345,7 @@ class Neli:
                 except KafkaException as exc:
                     self._log.warning("leader consumer error", error=str(exc))
                     time.sleep(self.min_poll)
+                    self._last_pulse = time.monotonic()  # an error, not a stall of this process
         finally:
             for lease in self.leases:
                 lease.holding = False

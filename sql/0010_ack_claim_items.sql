@@ -22,23 +22,29 @@ LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 #variable_conflict use_column
 DECLARE
     bad boolean;
+    vb bigint[];
+    vg bigint[];
+    vst text[];
+    vsz integer[];
     cb bigint[];
     cg bigint[];
     ci integer[];
 BEGIN
-    SELECT coalesce(bool_or(v.st IS NULL OR v.st = 'expired' OR v.sz IS NULL OR v.top >= v.sz), false) INTO bad
-      FROM (SELECT max(u.i) AS top, min(b.state) AS st, min(g.size) AS sz
+    -- One statement, so the error rows are the very rows the decision saw. A NULL or negative
+    -- index is refused too (tracker's callers never send one).
+    SELECT coalesce(bool_or(v.st IS NULL OR v.st = 'expired' OR v.sz IS NULL OR v.top >= v.sz
+                            OR v.low < 0 OR v.nulls > 0), false),
+           array_agg(v.b), array_agg(v.g), array_agg(v.st), array_agg(v.sz)
+      INTO bad, vb, vg, vst, vsz
+      FROM (SELECT u.b, u.g, max(u.i) AS top, min(u.i) AS low, count(*) - count(u.i) AS nulls,
+                   min(b.state) AS st, min(g.size) AS sz
               FROM unnest(p_batch, p_group, p_idx) AS u(b, g, i)
               LEFT JOIN batch b ON b.id = u.b
               LEFT JOIN batch_group g ON g.batch_id = u.b AND g.id = u.g
              GROUP BY u.b, u.g) AS v;
     IF bad THEN
-        RETURN QUERY
-            SELECT u.b, u.g, NULL::integer, min(b.state), min(g.size), NULL::boolean, NULL::integer
-              FROM unnest(p_batch, p_group, p_idx) AS u(b, g, i)
-              LEFT JOIN batch b ON b.id = u.b
-              LEFT JOIN batch_group g ON g.batch_id = u.b AND g.id = u.g
-             GROUP BY u.b, u.g;
+        RETURN QUERY SELECT e.b, e.g, NULL::integer, e.st, e.sz, NULL::boolean, NULL::integer
+                       FROM unnest(vb, vg, vst, vsz) AS e(b, g, st, sz);
         RETURN;
     END IF;
     -- In (batch, group, index) order, so two calls claiming overlapping items cannot deadlock.
