@@ -13,9 +13,9 @@ import uuid
 import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
-from support.harness import Generator, Receiver, env_for, make_config, order_violations, wait_until
+from support.harness import Generator, Receiver, check_published, env_for, make_config, order_violations, wait_until
 from support.private_services import PrivateServices
-from support.reaper import ReaperProcess
+from support.reaper import ReaperProcess, stop_all
 from support.recovery import resume_gap
 
 from tracker import schema as schema_mod
@@ -26,27 +26,6 @@ PARTITIONS = 3
 KAFKA_GAP_LIMIT = 9.0
 POSTGRES_GAP_LIMIT = 4.0  # goal 1 s
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("reaper-failover")]
-
-
-def _check(receiver: Receiver, gen: Generator, timeout: float = 120) -> None:
-    assert receiver.wait_for(gen.committed, timeout), (
-        f"lost {len(gen.committed - receiver.unique())} of {len(gen.committed)} committed records"
-    )
-    time.sleep(0.5)
-    assert order_violations([(k, v) for k, v, _ in receiver.records]) == []
-    assert receiver.unique() <= gen.committed | gen.ambiguous  # nothing that was never committed
-
-
-def _stop_all(procs: list[ReaperProcess]) -> None:
-    for p in procs:
-        p.signal(signal.SIGCONT)
-        p.signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(30)
-        except Exception:
-            pass
-        p.kill()
 
 
 def _setup(pg_dsn, schema, bootstrap, topic_maker, **harvester):
@@ -79,11 +58,11 @@ def test_sigkill_of_the_leader_mid_stream(pg_dsn, kafka_bootstrap, schema, topic
         gap = time.monotonic() - killed
         time.sleep(2)
         gen.stop()
-        _check(receiver, gen)
+        check_published(receiver, gen)
         print(f"failover after SIGKILL: {gap:.2f}s (session timeout 3 s)")
     finally:
         gen.stop()
-        _stop_all([p for p in (a, b) if p is not None])
+        stop_all([p for p in (a, b) if p is not None])
         receiver.close()
 
 
@@ -132,7 +111,7 @@ def test_sigstopped_leader_publishes_nothing_after_another_took_over(
         assert wait_until(lambda: not a.is_leader(), 15), "the resumed leader never stepped down"
         time.sleep(3)
         gen.stop()
-        _check(receiver, gen)
+        check_published(receiver, gen)
         assert b.is_leader()
         took_over = _acquired_at(b)
         a_ids = _ids(a)
@@ -157,7 +136,7 @@ def test_sigstopped_leader_publishes_nothing_after_another_took_over(
         print(f"stale leader: records acknowledged after it stepped down: {late_acks}")
     finally:
         gen.stop()
-        _stop_all([p for p in (a, b) if p is not None])
+        stop_all([p for p in (a, b) if p is not None])
         receiver.close()
 
 
@@ -201,13 +180,13 @@ def test_kafka_broker_restart_mid_stream(pg_dsn, schema, private, tmp_path):
         assert gap < KAFKA_GAP_LIMIT, f"publishing resumed {gap:.3f} s after Kafka answered again"
         gen.stop()
         receiver = Receiver(private.bootstrap, topic, PARTITIONS)
-        _check(receiver, gen, timeout=180)
+        check_published(receiver, gen, timeout=180)
         assert a.proc.poll() is None, "the reaper exited when the broker went away"
         events = [e.get("event") for e in a.events()]
         assert "neli fenced" in events or "neli follower" in events, "no fence while the broker was down"
     finally:
         gen.stop()
-        _stop_all([a])
+        stop_all([a])
         if receiver is not None:
             receiver.close()
 
@@ -241,7 +220,7 @@ def test_postgres_restart_mid_stream(kafka_bootstrap, topics, private, tmp_path)
         assert wait_until(lambda: any(e.get("event") == "leading: marking from the head" for e in b.events()), 30)
         time.sleep(2)
         gen.stop()
-        _check(receiver, gen, timeout=120)
+        check_published(receiver, gen, timeout=120)
         with psycopg.connect(private.dsn) as conn:
             assert wait_until(lambda: conn.execute(f'SELECT count(*) FROM "{name}".outbox').fetchone()[0] == 0, 60)
         assert b.proc.poll() is None, "the reaper exited when the database went away"
@@ -249,5 +228,5 @@ def test_postgres_restart_mid_stream(kafka_bootstrap, topics, private, tmp_path)
         assert failed == [], f"the new leader used dead pooled connections: {failed[:3]}"
     finally:
         gen.stop()
-        _stop_all([p for p in (a, b) if p is not None])
+        stop_all([p for p in (a, b) if p is not None])
         receiver.close()

@@ -7,8 +7,8 @@ import signal
 import time
 
 import pytest
-from support.harness import Generator, Receiver, env_for, make_config, order_violations, wait_until
-from support.reaper import ReaperProcess
+from support.harness import Generator, Receiver, check_published, env_for, make_config, order_violations, wait_until
+from support.reaper import ReaperProcess, stop_all
 
 PARTITIONS = 3
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("reaper-failover")]
@@ -21,27 +21,6 @@ def units_led(p: ReaperProcess) -> set[int]:
         if e.get("event", "").startswith("neli ") and "unit" in e:
             state[e["unit"]] = e["event"][5:]
     return {u for u, s in state.items() if s == "leader"}
-
-
-def _check(receiver: Receiver, gen: Generator, timeout: float = 120) -> None:
-    assert receiver.wait_for(gen.committed, timeout), (
-        f"lost {len(gen.committed - receiver.unique())} of {len(gen.committed)} committed records"
-    )
-    time.sleep(0.5)
-    assert order_violations([(k, v) for k, v, _ in receiver.records]) == []
-    assert receiver.unique() <= gen.committed | gen.ambiguous
-
-
-def _stop_all(procs: list[ReaperProcess]) -> None:
-    for p in procs:
-        p.signal(signal.SIGCONT)
-        p.signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(30)
-        except Exception:
-            pass
-        p.kill()
 
 
 def _env(pg_dsn, schema, bootstrap, leader, lanes):
@@ -84,11 +63,11 @@ def test_sigkill_and_sigstop_of_reapers_leading_some_units(pg_dsn, kafka_bootstr
         b.signal(signal.SIGCONT)  # b finds itself fenced and revoked, and may get units again
         time.sleep(4)
         gen.stop()
-        _check(receiver, gen)
+        check_published(receiver, gen)
         print(f"a led {sorted(killed)} when killed, b led {sorted(stopped)} when stopped")
     finally:
         gen.stop()
-        _stop_all(procs)
+        stop_all(procs)
         receiver.close()
 
 
@@ -118,8 +97,8 @@ def test_lanes_changed_live_by_draining_then_switching(pg_dsn, kafka_bootstrap, 
         assert wait_until(lambda: units_led(new[0]) | units_led(new[1]) == {0, 1}, 60)
         time.sleep(3)
         gen.stop()
-        _check(receiver, gen)
+        check_published(receiver, gen)
     finally:
         gen.stop()
-        _stop_all(procs)
+        stop_all(procs)
         receiver.close()

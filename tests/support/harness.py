@@ -270,3 +270,14 @@ def read_messages(bootstrap: str, topic: str, n: int, timeout: float = 30.0, lin
         got.extend(m for m in c.consume(1000, 0.2) if not m.error())
     c.close()
     return got
+
+
+def check_published(receiver: Receiver, gen: Generator, timeout: float = 120) -> None:
+    """Every committed record arrived, per key in order (duplicates allowed), and nothing arrived
+    that was never committed (or whose commit's outcome is unknown)."""
+    assert receiver.wait_for(gen.committed, timeout), (
+        f"lost {len(gen.committed - receiver.unique())} of {len(gen.committed)} committed records"
+    )
+    time.sleep(0.5)
+    assert order_violations([(k, v) for k, v, _ in receiver.records]) == []
+    assert receiver.unique() <= gen.committed | gen.ambiguous

@@ -98,3 +98,16 @@ class ReaperProcess:
             self.proc.kill()
             self.proc.wait(10)
         self._out.close()
+
+
+def stop_all(procs: list[ReaperProcess]) -> None:
+    """Resume (if stopped) and terminate every reaper, killing what has not exited within 30 s."""
+    for p in procs:
+        p.signal(signal.SIGCONT)
+        p.signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(30)
+        except Exception:
+            pass
+        p.kill()
