@@ -58,6 +58,15 @@ def lane_of(key: bytes | None, lanes: int) -> int:
 # and a few hundred nanoseconds per row is small beside the mark's own cost.
 LANE_SQL = "coalesce(mod(('x' || left(md5(key), 8))::bit(32)::bigint, {lanes}), 0)"
 
+# The planner cannot estimate `LANE_SQL = lane` (it guesses 0.5% of the rows match), so with a
+# backlog it prefers scanning and sorting the whole table, every mark, to walking the primary key
+# in id order: 200k rows, lanes=2: 210 ms per 5,000-row mark against 19 ms. A lane's mark pins the
+# id-order walk for its own transaction only (SET LOCAL: nothing leaks to the pooled session).
+LANE_MARK_PLAN = (
+    "SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true), "
+    "set_config('max_parallel_workers_per_gather', '0', true)"
+)
+
 
 class OutboxStore:
     def __init__(
@@ -123,7 +132,13 @@ class OutboxStore:
         marked above it; the leader's vacuum upkeep keeps the head cheap to scan instead.
         """
         with self.pool.connection() as conn:
-            rows = conn.execute(self._mark, {"me": leader_id, "n": limit}, binary=True).fetchall()
+            if self.lanes == 1:
+                rows = conn.execute(self._mark, {"me": leader_id, "n": limit}, binary=True).fetchall()
+            else:
+                with conn.pipeline(), conn.transaction():  # one round trip, as for one unit
+                    conn.execute(LANE_MARK_PLAN)
+                    cur = conn.execute(self._mark, {"me": leader_id, "n": limit}, binary=True)
+                rows = cur.fetchall()
         rows.sort(key=itemgetter(0))
         return rows
 

@@ -32,6 +32,43 @@ def _rows(n: int, keys: int, tag: bytes = b"") -> list[tuple[bytes, bytes]]:
     return out
 
 
+@pytest.mark.parametrize("lanes", [2, 5])
+def test_a_lane_mark_walks_the_primary_key_and_never_scans_the_whole_table(pg_dsn, schema, topics, lanes):
+    """With a backlog the planner misjudges `lane(key) = n` (it guesses 0.5% of rows) and would
+    scan and sort the whole table on every mark; the mark must walk the primary key in id order."""
+    from harvester.store import OutboxStore, make_pool
+
+    topic = topics("data", partitions=1)
+    with psycopg.connect(pg_dsn) as conn:
+        insert_rows(conn, schema, topic, [(b"key-%d" % (i % 500), b"v" * 50) for i in range(30_000)])
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'ANALYZE "{schema}".outbox')
+    pool = make_pool(pg_dsn, 1)
+
+    def scans() -> tuple[int, int]:
+        with pool.connection() as conn:  # the only connection: the mark's own backend
+            conn.execute("SELECT pg_stat_force_next_flush()")  # flushed when this statement ends
+        with pool.connection() as conn:
+            got = conn.execute(
+                "SELECT seq_scan, idx_scan FROM pg_stat_user_tables WHERE relid = %s::regclass",
+                [f'"{schema}".outbox'],
+            ).fetchone()
+        assert got is not None
+        return got
+
+    try:
+        before = scans()
+        me = uuid.uuid4()
+        for lane in range(lanes):
+            rows = OutboxStore(pool, schema, lane=lane, lanes=lanes).mark(me, 200)
+            assert len(rows) == 200 and {lane_of(r[2], lanes) for r in rows} == {lane}
+        after = scans()
+        assert after[0] == before[0], f"{after[0] - before[0]} sequential scans of the outbox for {lanes} marks"
+        assert after[1] - before[1] >= lanes
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("lanes", [1, 3])
 def test_lane_of_agrees_with_the_mark_query(pg_dsn, schema, topics, lanes):
     """Every row is marked by exactly the lane lane_of(key) names (null keys: lane 0)."""
