@@ -11,6 +11,8 @@ master in one run, so the ratios compare them:
                    the fan-out (written to Kafka by Spark), from start() until every bit is clear
                    (acks/s); `steady_acks_per_s` leaves out the query's start: rows / busy time of
                    its micro-batches, from the StreamingQueryListener
+  stream_ack_packed  the same for the N ids of another batch, packed as tracker.consumer.AckProducer
+                   sends acks of consumers finishing out of order: 5,000 shuffled ids per message
   dataframe_ack    ack_dataframe of N item ids of another batch (acks/s)
   peak RSS         sampled every 0.2 s: the driver (this Python + its JVM) and each executor (JVM
                    + its Python workers; on local[N] the executors live in the driver JVM)
@@ -111,6 +113,91 @@ def ids_df(spark, conn: psycopg.Connection, schema: str, batch_id: int, partitio
     )
 
 
+# As tracker.consumer.AckProducer sends acks of consumers that finish out of order: a message
+# lists up to this many shuffled ids (about 60 KiB, below its 64 KiB max_message_bytes).
+PACKED_PER_MESSAGE = 5_000
+
+
+def stream_scenario(
+    spark,
+    label: str,
+    n: int,
+    batch_id: int,
+    topic: str,
+    schema: str,
+    partitions: int,
+    checkpoints: str,
+    packed: int = 0,
+) -> dict:
+    """Write every item id of `batch_id` to `topic` (one per message, or `packed` shuffled ids per
+    message), then time ack_stream from start() until every bit is clear."""
+    from confluent_kafka import Consumer, TopicPartition
+    from pyspark.sql import functions as F
+
+    with psycopg.connect(DSN, autocommit=True) as watch:
+        started = time.perf_counter()
+        ids = ids_df(spark, watch, schema, batch_id, partitions)
+        if packed:
+            buckets = max(1, n // packed)
+            ids = (
+                ids.selectExpr("item_id", f"CAST(rand(7) * {buckets} AS INT) AS bucket")
+                .groupBy("bucket")
+                .agg(F.concat_ws(",", F.shuffle(F.collect_list("item_id"))).alias("item_id"))
+            )
+        (
+            ids.selectExpr(f"'{batch_id}' AS key", "item_id AS value")
+            .write.format("kafka")
+            .option("kafka.bootstrap.servers", BOOTSTRAP)
+            .option("topic", topic)
+            .option("kafka.linger.ms", "20")
+            .option("kafka.compression.type", "lz4")
+            .option("kafka.max.request.size", str(8 << 20))
+            .save()
+        )
+        form = f"{packed:,} shuffled ids per message" if packed else "one id per message"
+        say(f"{label}: {n:,} ids written to Kafka by Spark ({form}) in {time.perf_counter() - started:.1f}s")
+        offsets = Consumer({"bootstrap.servers": BOOTSTRAP, "group.id": f"bench-{topic}"})
+        try:
+            parts = offsets.list_topics(topic, timeout=30).topics[topic].partitions
+            messages = sum(offsets.get_watermark_offsets(TopicPartition(topic, k), timeout=30)[1] for k in parts)
+        finally:
+            offsets.close()
+        started = time.perf_counter()
+        query, totals = tspark.ack_stream(
+            spark,
+            bootstrap_servers=BOOTSTRAP,
+            topic=topic,
+            dsn=DSN,
+            schema=schema,
+            checkpoint_location=os.path.join(checkpoints, f"{label}-{topic}"),
+            query_name=f"bench-{label}-{topic}",
+        )
+        try:
+            while pending(watch, schema, batch_id) > 0:
+                if query.exception() is not None:
+                    raise RuntimeError(f"stream failed: {query.exception()}")
+                time.sleep(0.05)
+            seconds = time.perf_counter() - started
+            while totals.progress.input_rows < messages:  # the last micro-batch's progress event
+                if query.exception() is not None:
+                    raise RuntimeError(f"stream failed: {query.exception()}")
+                time.sleep(0.05)
+        finally:
+            query.stop()
+    p = totals.progress
+    return {
+        "acks": n,
+        "form": form,
+        "messages": messages,
+        "micro_batches": p.batches,
+        "seconds": round(seconds, 2),
+        "acks_per_s": round(n / seconds),
+        "steady_acks_per_s": round(n / p.busy_seconds) if p.busy_seconds else None,
+        "max_offsets_per_trigger": tspark.stream.DEFAULT_MAX_OFFSETS_PER_TRIGGER,
+        "completed": totals.completed == [batch_id],
+    }
+
+
 def run_master(
     label: str,
     master: str,
@@ -136,6 +223,7 @@ def run_master(
     out: dict = {"master": master}
     topic = f"bench-acks-{uuid.uuid4().hex[:10]}"
     admin.create_topics([NewTopic(topic, num_partitions=4, replication_factor=1)])[topic].result(30)
+    topics = [topic]
     try:
         # warm-up (executors, Python workers and their imports), not timed
         tspark.fan_out(
@@ -161,50 +249,21 @@ def run_master(
         say(f"{label} fan_out: {out['fan_out']}")
 
         sampler.phase = "stream_ack"
-        with psycopg.connect(DSN, autocommit=True) as watch:
-            started = time.perf_counter()
-            (
-                ids_df(spark, watch, schema, result.batch_id, partitions)
-                .selectExpr(f"'{result.batch_id}' AS key", "item_id AS value")
-                .write.format("kafka")
-                .option("kafka.bootstrap.servers", BOOTSTRAP)
-                .option("topic", topic)
-                .option("kafka.linger.ms", "20")
-                .option("kafka.compression.type", "lz4")
-                .save()
-            )
-            say(f"{label} stream_ack: {n:,} ids written to Kafka by Spark in {time.perf_counter() - started:.1f}s")
-            started = time.perf_counter()
-            query, totals = tspark.ack_stream(
-                spark,
-                bootstrap_servers=BOOTSTRAP,
-                topic=topic,
-                dsn=DSN,
-                schema=schema,
-                checkpoint_location=os.path.join(checkpoints, label),
-                query_name=f"bench-{label}",
-            )
-            try:
-                while pending(watch, schema, result.batch_id) > 0:
-                    if query.exception() is not None:
-                        raise RuntimeError(f"stream failed: {query.exception()}")
-                    time.sleep(0.05)
-                seconds = time.perf_counter() - started
-                while totals.progress.input_rows < n:  # the last micro-batch's progress event
-                    time.sleep(0.05)
-            finally:
-                query.stop()
-        p = totals.progress
-        out["stream_ack"] = {
-            "acks": n,
-            "micro_batches": p.batches,
-            "seconds": round(seconds, 2),
-            "acks_per_s": round(n / seconds),
-            "steady_acks_per_s": round(p.input_rows / p.busy_seconds) if p.busy_seconds else None,
-            "max_offsets_per_trigger": tspark.stream.DEFAULT_MAX_OFFSETS_PER_TRIGGER,
-            "completed": totals.completed == [result.batch_id],
-        }
+        out["stream_ack"] = stream_scenario(spark, label, n, result.batch_id, topic, schema, partitions, checkpoints)
         say(f"{label} stream_ack: {out['stream_ack']}")
+
+        sampler.phase = "stream_ack_packed"
+        packed_topic = f"bench-acks-packed-{uuid.uuid4().hex[:10]}"
+        admin.create_topics([NewTopic(packed_topic, num_partitions=4, replication_factor=1)])[packed_topic].result(30)
+        topics.append(packed_topic)
+        with psycopg.connect(DSN) as c:
+            packed_batch = tracker.open_batch(c, schema=schema)
+            tracker.add_items(c, packed_batch, n, schema=schema)
+            tracker.close_batch(c, packed_batch, schema=schema)
+        out["stream_ack_packed"] = stream_scenario(
+            spark, label, n, packed_batch.id, packed_topic, schema, partitions, checkpoints, packed=PACKED_PER_MESSAGE
+        )
+        say(f"{label} stream_ack_packed: {out['stream_ack_packed']}")
 
         sampler.phase = "dataframe_ack"
         with psycopg.connect(DSN) as c:
@@ -225,11 +284,15 @@ def run_master(
         sampler.join()
         out["peak_rss_mib"] = sampler.peaks
         spark.stop()
-        try:
-            admin.delete_topics([topic])[topic].result(30)
-        except Exception:
-            pass
+        for f in admin.delete_topics(topics).values():
+            try:
+                f.result(30)
+            except Exception:
+                pass
     out["ratio_stream_vs_dataframe"] = round(out["stream_ack"]["acks_per_s"] / out["dataframe_ack"]["acks_per_s"], 2)
+    out["ratio_stream_packed_vs_dataframe"] = round(
+        out["stream_ack_packed"]["acks_per_s"] / out["dataframe_ack"]["acks_per_s"], 2
+    )
     return out
 
 
@@ -309,12 +372,16 @@ def main(argv: list[str] | None = None) -> int:
             "stream_ack_acks_per_s": first["stream_ack"]["acks_per_s"],
             "dataframe_ack_acks_per_s": first["dataframe_ack"]["acks_per_s"],
             "ratio_stream_vs_dataframe": first["ratio_stream_vs_dataframe"],
+            "stream_ack_packed_acks_per_s": first["stream_ack_packed"]["acks_per_s"],
+            "ratio_stream_packed_vs_dataframe": first["ratio_stream_packed_vs_dataframe"],
             "ratio_fan_out_vs_enqueue": round(
                 first["fan_out"]["items_per_s"] / out["enqueue_baseline"]["items_per_s"], 2
             ),
             "fan_out_meets_target": first["fan_out"]["items_per_s"] >= FAN_OUT_TARGET,
             "stream_meets_target": first["stream_ack"]["acks_per_s"] >= STREAM_TARGET
             and first["ratio_stream_vs_dataframe"] >= STREAM_RATIO_TARGET,
+            "stream_packed_meets_target": first["stream_ack_packed"]["acks_per_s"] >= STREAM_TARGET
+            and first["ratio_stream_packed_vs_dataframe"] >= STREAM_RATIO_TARGET,
         }
     )
     if len(runs) > 1:
@@ -325,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                 / runs[b][k]["items_per_s" if k == "fan_out" else "acks_per_s"],
                 2,
             )
-            for k in ("fan_out", "stream_ack", "dataframe_ack")
+            for k in ("fan_out", "stream_ack", "stream_ack_packed", "dataframe_ack")
         }
     print(json.dumps(out))
     return 0
