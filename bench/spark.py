@@ -11,8 +11,8 @@ master in one run, so the ratios compare them:
                    the fan-out (written to Kafka by Spark), from start() until every bit is clear
                    (acks/s); `steady_acks_per_s` leaves out the query's start: rows / busy time of
                    its micro-batches, from the StreamingQueryListener
-  stream_ack_packed  the same for the N ids of another batch, packed as tracker.consumer.AckProducer
-                   sends acks of consumers finishing out of order: 5,000 shuffled ids per message
+  stream_ack_packed  the same for the N ids of another batch sent as lists of 4,000 shuffled ids
+                   per message (tracker.consumer.AckProducer's format for out-of-order acks)
   dataframe_ack    ack_dataframe of N item ids of another batch (acks/s)
   peak RSS         sampled every 0.2 s: the driver (this Python + its JVM) and each executor (JVM
                    + its Python workers; on local[N] the executors live in the driver JVM)
@@ -113,9 +113,11 @@ def ids_df(spark, conn: psycopg.Connection, schema: str, batch_id: int, partitio
     )
 
 
-# As tracker.consumer.AckProducer sends acks of consumers that finish out of order: a message
-# lists up to this many shuffled ids (about 60 KiB, below its 64 KiB max_message_bytes).
-PACKED_PER_MESSAGE = 5_000
+# Lists of shuffled ids, AckProducer's message format for acks of consumers that finish out of
+# order (it also compacts contiguous indexes into runs, which would make it cheaper still): about
+# 4,000 ids of ~13 bytes a message, below its 64 KiB max_message_bytes.
+PACKED_PER_MESSAGE = 4_000
+STREAM_TIMEOUT = 1800.0  # seconds: a stream that stops without an exception must not hang the run
 
 
 def stream_scenario(
@@ -172,15 +174,20 @@ def stream_scenario(
             checkpoint_location=os.path.join(checkpoints, f"{label}-{topic}"),
             query_name=f"bench-{label}-{topic}",
         )
+
+        def running() -> None:
+            if query.exception() is not None:
+                raise RuntimeError(f"stream failed: {query.exception()}")
+            if not query.isActive or time.perf_counter() - started > STREAM_TIMEOUT:
+                raise RuntimeError(f"stream stopped or took over {STREAM_TIMEOUT:.0f} s")
+
         try:
             while pending(watch, schema, batch_id) > 0:
-                if query.exception() is not None:
-                    raise RuntimeError(f"stream failed: {query.exception()}")
+                running()
                 time.sleep(0.05)
             seconds = time.perf_counter() - started
             while totals.progress.input_rows < messages:  # the last micro-batch's progress event
-                if query.exception() is not None:
-                    raise RuntimeError(f"stream failed: {query.exception()}")
+                running()
                 time.sleep(0.05)
         finally:
             query.stop()

@@ -61,7 +61,7 @@ LANE_SQL = "coalesce(mod(('x' || left(md5(key), 8))::bit(32)::bigint, {lanes}), 
 # The planner cannot estimate `LANE_SQL = lane` (it guesses 0.5% of the rows match), so with a
 # backlog it prefers scanning and sorting the whole table, every mark, to walking the primary key
 # in id order: 200k rows, lanes=2: 210 ms per 5,000-row mark against 19 ms. A lane's mark pins the
-# id-order walk for its own transaction only (SET LOCAL: nothing leaks to the pooled session).
+# id-order walk for its own (implicit) transaction only: nothing leaks to the pooled session.
 LANE_MARK_PLAN = (
     "SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true), "
     "set_config('max_parallel_workers_per_gather', '0', true)"
@@ -135,7 +135,10 @@ class OutboxStore:
             if self.lanes == 1:
                 rows = conn.execute(self._mark, {"me": leader_id, "n": limit}, binary=True).fetchall()
             else:
-                with conn.pipeline(), conn.transaction():  # one round trip, as for one unit
+                # One pipeline, one Sync: both statements run in one implicit transaction, which
+                # is all SET LOCAL lasts, in one round trip as for one unit (conn.transaction()
+                # would add BEGIN and COMMIT, each with a Sync of its own).
+                with conn.pipeline():
                     conn.execute(LANE_MARK_PLAN)
                     cur = conn.execute(self._mark, {"me": leader_id, "n": limit}, binary=True)
                 rows = cur.fetchall()

@@ -65,6 +65,9 @@ def test_a_lane_mark_walks_the_primary_key_and_never_scans_the_whole_table(pg_ds
         after = scans()
         assert after[0] == before[0], f"{after[0] - before[0]} sequential scans of the outbox for {lanes} marks"
         assert after[1] - before[1] >= lanes
+        with pool.connection() as conn:  # the pinned plan lasted the mark's transaction, no longer
+            assert conn.execute("SHOW enable_seqscan").fetchone() == ("on",)
+            assert conn.execute("SHOW max_parallel_workers_per_gather").fetchone() != ("0",)
     finally:
         pool.close()
 

@@ -42,12 +42,22 @@ def _masks(folded) -> dict:
     return {k: (bytes(m.bits).rstrip(b"\0"), m.count) for k, m in folded.items() if m.count}
 
 
-def _expected(values: list[str]) -> tuple[dict, list[str]]:
-    """The model: a value that is not ASCII is one bad entry as a whole; otherwise each
-    ','-separated entry is folded or rejected on its own."""
+def _rejected(out) -> list[tuple[str, str]]:
+    return [(b, r) for b, r in zip(out.column("bad").to_pylist(), out.column("reason").to_pylist()) if b is not None]
+
+
+def _expected(values: list[str], not_ascii: str) -> tuple[dict, list[tuple[str, str]]]:
+    """The model: a value that is not ASCII is one bad entry as a whole (with reason `not_ascii`);
+    otherwise each ','-separated entry is folded or rejected on its own. Rejections are
+    (entry, reason) pairs: the reason may not depend on where the entry came in the input."""
     folder = EntryFolder()
-    rejected = [v for v in values if not v.isascii()]
-    rejected += [e for v in values if v.isascii() for e in v.split(",") if folder.add(e) is not None]
+    rejected = [(v, not_ascii) for v in values if not v.isascii()]
+    for v in values:
+        if v.isascii():
+            for e in v.split(","):
+                reason = folder.add(e)
+                if reason is not None:
+                    rejected.append((e, reason))
     return _masks(folder.masks), rejected
 
 
@@ -57,9 +67,10 @@ def _expected(values: list[str]) -> tuple[dict, list[str]]:
     st.sampled_from([pa.string(), pa.binary()]),  # Kafka values arrive as binary
 )
 def test_spark_fold_matches_the_entry_fold(values, typ):
-    want, want_bad = _expected(values)
+    want, want_bad = _expected(values, "malformed: not ASCII")
     # every good entry is also what tracker.ids.fold makes of it
-    good = [e for v in values if v.isascii() for e in v.split(",") if e not in want_bad]
+    bad_entries = {e for e, _ in want_bad}
+    good = [e for v in values if v.isascii() for e in v.split(",") if e not in bad_entries]
     assert _masks(fold(good)) == want
     batches = [
         pa.RecordBatch.from_pydict(
@@ -78,8 +89,8 @@ def test_spark_fold_matches_the_entry_fold(values, typ):
     got = {k: (v[0].to_bytes(1024, "big").rstrip(b"\0"), v[1]) for k, v in got.items()}
     assert got == want
     if typ == pa.binary():  # bytes that are not ASCII are named as decoded with replacement
-        want_bad = [b.encode().decode("ascii", "replace") for b in want_bad]
-    assert sorted(x for x in out.column("bad").to_pylist() if x is not None) == sorted(want_bad)
+        want_bad = [(b.encode().decode("ascii", "replace"), r) for b, r in want_bad]
+    assert sorted(_rejected(out)) == sorted(want_bad)
 
 
 @settings(max_examples=150, deadline=None)
@@ -104,10 +115,10 @@ def test_acker_fold_matches_the_entry_fold(values):
         def value(self):
             return self._v
 
-    want, want_bad = _expected(values)
+    want, want_bad = _expected(values, "malformed: value is empty or not ASCII")
     f = fold_messages([Msg(v.encode(), k) for k, v in enumerate(values)])
     assert _masks(f.masks) == want
-    assert sorted(e.decode() for _, e, _, _, _ in f.bad) == sorted(want_bad)
+    assert sorted((e.decode(), r) for _, e, r, _, _ in f.bad) == sorted(want_bad)
 
 
 def test_spark_fold_bigint_edges_and_binary_values_match_the_entry_fold():
@@ -121,7 +132,7 @@ def test_spark_fold_bigint_edges_and_binary_values_match_the_entry_fold():
         "1:4611686018427387904:0",
         "12:34:0001",
     ]
-    want, want_bad = _expected(edges)
+    want, want_bad = _expected(edges, "malformed: not ASCII")
     for typ, vals in ((pa.string(), edges), (pa.binary(), [e.encode() for e in edges])):
         batch = pa.RecordBatch.from_pydict({"ack": vals}, schema=pa.schema([("ack", typ)]))
         (out,) = list(_fold_partition("ack")(iter([batch])))
@@ -131,4 +142,4 @@ def test_spark_fold_bigint_edges_and_binary_values_match_the_entry_fold():
             if b is not None
         }
         assert got == want
-        assert sorted(x for x in out.column("bad").to_pylist() if x is not None) == sorted(want_bad)
+        assert sorted(_rejected(out)) == sorted(want_bad)

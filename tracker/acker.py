@@ -48,6 +48,9 @@ log = structlog.get_logger("reaper.acker")
 REASON_HEADER = "reason"
 
 
+OUT_OF_RANGE = f"index out of range: no group holds more than {GROUP_BITS_MAX} items"
+
+
 class EntryFolder:
     """Folds ack entries (item ids and runs, as text) into one mask per (batch, group) and returns
     the reason for each entry it cannot take, so one bad entry never spoils the others."""
@@ -67,13 +70,13 @@ class EntryFolder:
             except MalformedItemId as exc:
                 return f"malformed: {exc}"
             except IndexOutOfRange:  # an index no group can hold
-                return f"index out of range: no group holds more than {GROUP_BITS_MAX} items"
+                return OUT_OF_RANGE
             key = (run.batch_id, run.group_id)
             if sep:
                 self._prefixes[head] = key
             start, end = run.start, run.end
         if end >= GROUP_BITS_MAX:  # no group is this large; never allocate a mask for it
-            return f"index out of range: {end} >= {GROUP_BITS_MAX}"
+            return OUT_OF_RANGE  # the same reason as parse_ack's, whichever entry came first
         mask = self.masks.get(key)
         if mask is None:
             mask = self.masks[key] = GroupMask(key[0], key[1], bytearray(GROUP_BITS_MAX >> 3))
