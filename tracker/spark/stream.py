@@ -56,8 +56,9 @@ def ack_stream(
     Returns the StreamingQuery and running totals (updated per micro-batch).
 
     Throughput: `trigger_interval` None starts each micro-batch as soon as the previous ends;
-    `max_offsets_per_trigger` bounds a micro-batch (default 1,000,000 acks; None: everything
-    available); `min_partitions` splits the topic's offset ranges over that many read-and-fold
+    `max_offsets_per_trigger` bounds a micro-batch in messages (default 1,000,000: as many acks
+    when each message is one id, more when messages list several, e.g. AckProducer's; None:
+    everything available); `min_partitions` splits the topic's offset ranges over that many read-and-fold
     tasks (default 2x the default parallelism), `partitions` is the number of apply transactions
     per micro-batch (default: the default parallelism). Progress (rows/s, micro-batch duration,
     lag behind the topic's end) goes to `totals.progress`, Prometheus (reaper_spark_stream_*)
