@@ -38,6 +38,10 @@ from .metrics import MetricsLike
 
 FOLLOWER, LEADER, FENCED = "follower", "leader", "fenced"
 RESUME_GRACE = 1.0  # seconds: several group heartbeats (heartbeat.interval.ms is at most 250 ms)
+# A leader consumer without a group member id for this many session timeouts is replaced by a new
+# one (see Neli._check_membership).
+OUT_OF_GROUP_SESSIONS = 2
+CONNECT_LOG_EVERY = 10.0  # seconds: see _QuietReconnects
 
 
 class LeaderTopicMismatch(RuntimeError):
@@ -82,6 +86,37 @@ def _ensure_topic(admin: AdminClient, topic: str, timeout: float, partitions: in
     except KafkaException as exc:
         if exc.args[0].code() != exc.args[0].TOPIC_ALREADY_EXISTS:
             raise
+
+
+class _QuietReconnects:
+    """A client's librdkafka log with its "Connect to <address> failed" lines cut to one per address
+    per CONNECT_LOG_EVERY seconds.
+
+    While every broker is down, librdkafka re-bootstraps after each failed connection: it drops
+    the broker handle and makes a fresh one, which has no back-off and no memory of the previous
+    error, so the consumer tries (and logs) every reconnect.backoff.ms / 2, about 25 ms. The
+    attempts are what reconnect it within ~25 ms of the broker answering; only the lines go."""
+
+    def __init__(self, inner: logs.KafkaLogger) -> None:
+        self._inner = inner
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._dropped = 0
+
+    def log(self, level: int, fmt: str, *args) -> None:
+        text = fmt % args if args else fmt
+        head, sep, tail = text.partition("Connect to ")
+        if sep and " failed: " in tail:
+            address, now = tail.split(" ", 1)[0], time.monotonic()
+            with self._lock:
+                if now - self._last.get(address, -CONNECT_LOG_EVERY) < CONNECT_LOG_EVERY:
+                    self._dropped += 1
+                    return
+                self._last[address] = now
+                dropped, self._dropped = self._dropped, 0
+            if dropped:
+                text += f" ({dropped} more failed connection attempts not logged)"
+        self._inner.log(level, "%s", text)
 
 
 class Lease:
@@ -163,6 +198,7 @@ class Neli:
         """`metrics`: one set for all units, or a function giving unit u's. `on_change` is unit
         0's callback; set `lease(u).on_change` for the others."""
         self.topic, self.min_poll, self.hb_timeout = topic, min_poll_interval, heartbeat_timeout
+        self.session_timeout = session_timeout
         self._log = logs.get("reaper.neli")
         self.instance = uuid.uuid4().hex.encode()  # tags this process's heartbeats
         unit_metrics = metrics if callable(metrics) else (lambda u: metrics)
@@ -189,7 +225,7 @@ class Neli:
             "enable.auto.commit": False,
             "auto.offset.reset": "latest",
             "log_level": 4,
-            "logger": logs.KafkaLogger("leader-consumer"),
+            "logger": _QuietReconnects(logs.KafkaLogger("leader-consumer")),
         }
         self._producer_conf = {
             **base,
@@ -201,9 +237,10 @@ class Neli:
             "log_level": 4,
             "reconnect.backoff.ms": 50,
             "reconnect.backoff.max.ms": 1000,
-            "logger": logs.KafkaLogger("heartbeat-producer"),
+            "logger": _QuietReconnects(logs.KafkaLogger("heartbeat-producer")),
         }
         self._last_pulse = time.monotonic()
+        self._in_group_at = time.monotonic()  # last time the consumer had a group member id
         self._resume_after = 0.0  # monotonic: no resumption before this (see RESUME_GRACE)
         self._stop = threading.Event()
         self._closed = threading.Event()
@@ -216,12 +253,14 @@ class Neli:
     def start(self) -> Neli:
         ensure_leader_topic(self._admin_conf, self.topic, partitions=len(self.leases))
         self._producer = Producer(self._producer_conf)
-        self._consumer = Consumer(self._consumer_conf)
-        self._consumer.subscribe(
-            [self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
-        )
+        self._consumer = self._new_consumer()
         self._thread.start()
         return self
+
+    def _new_consumer(self) -> Consumer:
+        consumer = Consumer(self._consumer_conf)
+        consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
+        return consumer
 
     def lease(self, unit: int) -> Lease:
         return self.leases[unit]
@@ -256,6 +295,8 @@ class Neli:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         consumer.incremental_assign([TopicPartition(p.topic, p.partition, OFFSET_END) for p in partitions])
+        if consumer is not self._consumer:
+            return  # a replaced consumer (closing) never leads
         for lease in self._mine(partitions):
             if not lease.holding:
                 lease.holding = True
@@ -266,6 +307,8 @@ class Neli:
             consumer.incremental_unassign(partitions)
         except KafkaException:
             pass
+        if consumer is not self._consumer:
+            return  # a replaced consumer held nothing (see _check_membership)
         for lease in self._mine(partitions):
             if lease.holding:
                 lease.holding = False
@@ -284,6 +327,7 @@ class Neli:
         returned = time.monotonic()
         if returned - self._last_pulse > self.hb_timeout:
             self._resume_after = returned + RESUME_GRACE
+            self._in_group_at += returned - self._last_pulse  # our own stall is no sign of a stuck consumer
             self._log.warning(
                 "this process stalled: no resumption for a while", stalled_s=round(returned - self._last_pulse, 3)
             )
@@ -301,7 +345,43 @@ class Neli:
             if lease.holding:
                 self._beat(lease, now)
         producer.poll(0)
+        self._check_membership(now)
         self._last_pulse = time.monotonic()
+
+    def _check_membership(self, now: float) -> None:
+        """Replace the consumer when it has had no group member id for OUT_OF_GROUP_SESSIONS
+        session timeouts.
+
+        librdkafka's consumer can stay out of the group for good after a broker restart: its
+        session timed out while the broker was down and it never sent another request, not even
+        once the broker was back. A consumer that reaches the coordinator has a member id from its
+        first JoinGroup reply on, as a standby too and while a rebalance waits for others; one
+        without is in no group and holds no partition, so replacing it takes leadership from no
+        one. During a long Kafka outage it is replaced every few sessions, which costs nothing."""
+        consumer = self._consumer
+        assert consumer is not None
+        if consumer.memberid():
+            self._in_group_at = now
+            return
+        out_of_group = now - self._in_group_at
+        if out_of_group < OUT_OF_GROUP_SESSIONS * self.session_timeout:
+            return
+        self._log.warning("leader consumer out of the group for long: replacing it", seconds=round(out_of_group, 1))
+        for lease in self.leases:  # none is held without a member id; never lead on a dropped consumer
+            if lease.holding:
+                lease.holding = False
+                lease._m.revocations.inc()
+                lease.set(FOLLOWER, None)
+        self._consumer = self._new_consumer()
+        self._in_group_at = time.monotonic()
+        # Closed aside: a wedged librdkafka handle may take long to close, and this thread keeps the leases.
+        threading.Thread(target=self._close, args=(consumer,), name="reaper-neli-close", daemon=True).start()
+
+    def _close(self, consumer: Consumer) -> None:
+        try:
+            consumer.close()
+        except Exception as exc:
+            self._log.warning("replaced leader consumer: close failed", error=str(exc))
 
     def _beat(self, lease: Lease, now: float) -> None:
         if now - lease.last_sent >= self.min_poll and now >= lease.paused_until:
@@ -335,9 +415,9 @@ class Neli:
         return int(stamp) / 1e9
 
     def _run(self) -> None:
-        consumer, producer = self._consumer, self._producer
-        assert consumer is not None and producer is not None  # start() made both before this thread ran
-        self._last_pulse = time.monotonic()  # not from __init__: a slow start is no stall
+        producer = self._producer
+        assert self._consumer is not None and producer is not None  # start() made both before this thread ran
+        self._last_pulse = self._in_group_at = time.monotonic()  # not from __init__: a slow start is no stall
         try:
             while not self._stop.is_set():
                 try:
@@ -351,7 +431,7 @@ class Neli:
                 lease.holding = False
                 lease.set(FOLLOWER, None)
             try:
-                consumer.close()  # leaves the group: the partitions move without waiting for the session
+                self._consumer.close()  # leaves the group: the partitions move without waiting for the session
             except Exception as exc:
                 self._log.warning("leader consumer close failed", error=str(exc))
             producer.flush(1)
