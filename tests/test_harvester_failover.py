@@ -12,15 +12,12 @@ import uuid
 
 import psycopg
 import pytest
-from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient, NewTopic
 from support.harness import Generator, Receiver, check_published, env_for, make_config, order_violations, wait_until
 from support.private_services import PrivateServices
 from support.reaper import ReaperProcess, stop_all
 from support.recovery import resume_gap
 
-from harvester.metrics import get as get_metrics
-from harvester.neli import Neli
 from tracker import schema as schema_mod
 
 PARTITIONS = 3
@@ -192,54 +189,6 @@ def test_kafka_broker_restart_mid_stream(pg_dsn, schema, private, tmp_path):
         stop_all([a])
         if receiver is not None:
             receiver.close()
-
-
-class _WedgedFirst(Neli):
-    """Its first leader consumer never reaches a broker: it stays out of the group for good, as
-    librdkafka's consumer sometimes does after a broker restart (the test above)."""
-
-    made = 0
-
-    def _new_consumer(self):
-        self.made += 1
-        if self.made > 1:
-            return super()._new_consumer()
-        consumer = Consumer({**self._consumer_conf, "bootstrap.servers": "127.0.0.1:9"})
-        consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
-        return consumer
-
-
-def test_a_leader_consumer_out_of_the_group_is_replaced_and_a_standby_is_not(kafka_bootstrap, topics):
-    topic, group = topics("leader"), f"g-{uuid.uuid4().hex[:8]}"
-    kw = dict(
-        bootstrap=kafka_bootstrap,
-        client={},
-        consumer={},
-        producer={},
-        topic=topic,
-        group=group,
-        min_poll_interval=0.1,
-        heartbeat_timeout=1.0,
-        session_timeout=3.0,
-        metrics=get_metrics(),
-    )
-    b = Neli(**kw).start()
-    a = None
-    try:
-        assert wait_until(lambda: b.leader_id() is not None, 30)
-        b_consumer = b._consumer
-        a = _WedgedFirst(**kw).start()
-        assert wait_until(lambda: a.made == 2, 3.0 * 3 + 5), "a consumer out of the group was never replaced"
-        time.sleep(3.0 * 3)  # a standby in the group, longer than the replacement threshold
-        assert a.made == 2, "a standby that is in the group was replaced"
-        assert b._consumer is b_consumer and b.lease(0).holding, "the leader lost its consumer or its partition"
-        assert not a.lease(0).holding
-        b.stop()
-        assert wait_until(lambda: a.leader_id() is not None, 15), "the replaced consumer never took over"
-    finally:
-        b.stop()
-        if a is not None:
-            a.stop()
 
 
 def test_postgres_restart_mid_stream(kafka_bootstrap, topics, private, tmp_path):

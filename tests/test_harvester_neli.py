@@ -11,8 +11,8 @@ from harvester.metrics import get as get_metrics
 from harvester.neli import FENCED, FOLLOWER, LEADER, Neli
 
 
-def _neli(bootstrap: str, topic: str, group: str, changes: list | None = None) -> Neli:
-    return Neli(
+def _neli(bootstrap: str, topic: str, group: str, changes: list | None = None, cls: type[Neli] = Neli) -> Neli:
+    return cls(
         bootstrap=bootstrap,
         client={},
         consumer={},
@@ -93,3 +93,42 @@ def test_a_heartbeat_read_back_late_vouches_only_for_when_it_was_sent(kafka_boot
         assert wait_until(lambda: n.leader_id() is not None, 3), "a fresh heartbeat did not resume it"
     finally:
         n.stop()
+
+
+class _WedgedFirst(Neli):
+    """Its first leader consumer never reaches a broker: it stays out of the group for good, as
+    librdkafka's consumer sometimes does after a broker restart
+    (test_harvester_failover.py::test_kafka_broker_restart_mid_stream)."""
+
+    made = 0
+
+    def _new_consumer(self):
+        self.made += 1
+        if self.made > 1:
+            return super()._new_consumer()
+        conf, self._consumer_conf = self._consumer_conf, {**self._consumer_conf, "bootstrap.servers": "127.0.0.1:9"}
+        try:
+            return super()._new_consumer()  # subscribed as any other: only its broker is unreachable
+        finally:
+            self._consumer_conf = conf
+
+
+def test_a_leader_consumer_out_of_the_group_is_replaced_and_a_standby_is_not(kafka_bootstrap, topics):
+    topic, group = topics("leader"), f"g-{uuid.uuid4().hex[:8]}"
+    b = _neli(kafka_bootstrap, topic, group).start()
+    a = None
+    try:
+        assert wait_until(lambda: b.leader_id() is not None, 30)
+        b_consumer = b._consumer
+        a = _neli(kafka_bootstrap, topic, group, cls=_WedgedFirst).start()
+        assert wait_until(lambda: a.made == 2, 3.0 * 3 + 5), "a consumer out of the group was never replaced"
+        time.sleep(3.0 * 3)  # a standby in the group, longer than the replacement threshold
+        assert a.made == 2, "a standby that is in the group was replaced"
+        assert b._consumer is b_consumer and b.lease(0).holding, "the leader lost its consumer or its partition"
+        assert not a.lease(0).holding
+        b.stop()
+        assert wait_until(lambda: a.leader_id() is not None, 15), "the replaced consumer never took over"
+    finally:
+        b.stop()
+        if a is not None:
+            a.stop()
