@@ -14,12 +14,14 @@ import uuid
 
 import psycopg
 from confluent_kafka import Consumer, Producer, TopicPartition
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 from support.harness import read_messages
 from test_tracker_support import completion_events, invariant_violations
 
 import tracker
-from tracker.acker import Acker, fold_messages
+from tracker.acker import Acker, EntryFolder, fold_messages
 from tracker.consumer import AckProducer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,26 +117,53 @@ def closed_batch(pg_dsn, schema, n):
     return b, handles
 
 
+class Msg:
+    """What fold_messages reads of a consumed confluent_kafka.Message."""
+
+    def __init__(self, value, offset, partition=0):
+        self._v, self._o, self._p = value, offset, partition
+
+    def error(self):
+        return None
+
+    def partition(self):
+        return self._p
+
+    def offset(self):
+        return self._o
+
+    def key(self):
+        return b"1"
+
+    def value(self):
+        return self._v
+
+
+# single ids of a few groups, written as a client might: canonical, with leading zeros, too large
+_tails = st.one_of(
+    st.integers(0, 8191).map(str),
+    st.integers(0, 99).map(lambda i: f"0{i}"),
+    st.sampled_from(["8192", "99999", "1٣", "", "-1"]),
+)
+_single_ids = st.tuples(st.integers(1, 3), st.integers(0, 2), _tails).map(lambda t: f"{t[0]}:{t[1]}:{t[2]}")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_single_ids, max_size=60))
+def test_the_single_id_fast_path_folds_as_the_validating_path_does(ids):
+    f = fold_messages([Msg(i.encode(), n) for n, i in enumerate(ids)])
+    folder = EntryFolder()
+    reasons = [folder.add(i) for i in ids]
+    assert {k: (bytes(m.bits), m.count, m.max_index) for k, m in f.masks.items()} == {
+        k: (bytes(m.bits), m.count, m.max_index) for k, m in folder.masks.items()
+    }
+    # the same entries set aside for the same kind of reason (a non-ASCII message is refused whole)
+    assert [(e.decode(), r.split(":")[0]) for _, e, r, _, _ in f.bad] == [
+        (i, r.split(":")[0]) for i, r in zip(ids, reasons) if r is not None
+    ]
+
+
 def test_fold_messages_sets_bad_entries_aside():
-    class Msg:
-        def __init__(self, value, offset, partition=0):
-            self._v, self._o, self._p = value, offset, partition
-
-        def error(self):
-            return None
-
-        def partition(self):
-            return self._p
-
-        def offset(self):
-            return self._o
-
-        def key(self):
-            return b"1"
-
-        def value(self):
-            return self._v
-
     f = fold_messages(
         [
             Msg(b"1:0:0,1:0:2-4", 5),
