@@ -93,9 +93,7 @@ class UnitHarvester:
             self.pool = make_pool(spec.dsn, cfg.database.pool_size, name=f"reaper-harvester-{spec.name}")
         store = OutboxStore(self.pool, spec.schema, spec.table, lane=spec.lane, lanes=spec.lanes)
         self.store = self.providers.store(store)
-        conf = producer_config(cfg.kafka.bootstrap_servers, cfg.kafka.client, cfg.kafka.producer)
-        if self._txn_id:
-            conf["transactional.id"] = self._txn_id
+        conf = producer_config(cfg.kafka.bootstrap_servers, cfg.kafka.client, cfg.kafka.producer, self._txn_id)
         self.publisher = Publisher(
             conf,
             self.store,
@@ -310,6 +308,9 @@ class UnitHarvester:
                 try:
                     me, rows, started = self._batches.get(timeout=0.05)
                 except queue.Empty:
+                    leader = self._me
+                    if leader is not None and self._valid(leader):
+                        pub.prepare(partial(self._valid, leader), self.neli.valid_until)
                     continue
             # Batches marked meanwhile go out with this one, in mark order: with transactions each
             # produce_rows call is one transaction, and rows would otherwise wait one commit per

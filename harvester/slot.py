@@ -14,6 +14,10 @@ Contract:
   around every poll, or a thread that took `hold_polls()` (a transaction abort). The poll thread
   also serves retired producers until their last report is out.
 - A fatal producer error sets `broken`; `replace_if_broken()` then retires the producer.
+- With `producers` > 1 (transactional publishing) the slot holds a fixed *set* of producers, the
+  i-th (i > 0) with transactional id `<id>#<i>`; `current` is one of them, and `rotate()` makes
+  the next one current between two transactions. Everything above applies to the set: `retire()`
+  replaces and purges all of them, and the poll thread serves all of them.
 """
 
 from __future__ import annotations
@@ -38,8 +42,17 @@ class ProducerSlot:
         on_fatal: Callable[[str], None] = lambda why: None,
         after_poll: Callable[[], None] = lambda: None,
         on_retire: Callable[[], None] = lambda: None,
+        producers: int = 1,
     ) -> None:
+        if producers < 1:
+            raise ValueError(f"producers must be >= 1, got {producers!r}")
+        if producers > 1 and "transactional.id" not in conf:
+            raise ValueError("several producers in one slot are for transactional publishing only")
         self._conf, self._factory = conf, factory
+        self._count = producers
+        # The poll thread waits on `current` only; after a rotate() it may still be waiting on the
+        # previous one, so with several producers it waits briefly and re-reads `current`.
+        self._poll_wait = 0.02 if producers == 1 else 0.002
         self._on_fatal, self._after_poll, self._on_retire = on_fatal, after_poll, on_retire
         self._log = logs.get("reaper.publish")
         self._swap = threading.Lock()  # held across each send(): see the contract
@@ -51,15 +64,21 @@ class ProducerSlot:
         self._stop = threading.Event()
         self.broken = False
         self.retired = 0
-        self.used = False  # the current producer got a record or began a transaction
-        self.current: ProducerLike = self._new()
+        self.used = False  # a producer of the set got a record or began a transaction
+        self.producers: tuple[ProducerLike, ...] = self._new_set()
+        self.current: ProducerLike = self.producers[0]
         self._thread = threading.Thread(target=self._poll_loop, name="reaper-poll", daemon=True)
 
-    def _new(self) -> ProducerLike:
-        conf = dict(self._conf)
-        conf["error_cb"] = self._on_error
-        conf.setdefault("logger", logs.KafkaLogger("producer"))
-        return self._factory(conf)
+    def _new_set(self) -> tuple[ProducerLike, ...]:
+        made = []
+        for i in range(self._count):
+            conf = dict(self._conf)
+            if i:  # '#' is refused in configured ids, so no other unit's id can be one of these
+                conf["transactional.id"] = f"{conf['transactional.id']}#{i}"
+            conf["error_cb"] = self._on_error
+            conf.setdefault("logger", logs.KafkaLogger("producer"))
+            made.append(self._factory(conf))
+        return tuple(made)
 
     def start(self) -> None:
         self._thread.start()
@@ -75,23 +94,30 @@ class ProducerSlot:
             producer.produce(*args)
         return True
 
+    def rotate(self, after: ProducerLike) -> None:
+        """Make the next producer of the set current, if `after` still is (not retired meanwhile)."""
+        with self._swap:
+            if self.current is after and self._count > 1:
+                self.current = self.producers[(self.producers.index(after) + 1) % self._count]
+
     def retire(self, why: str) -> bool:
-        """Swap the producer for a new one and drop all the old one holds (see the contract).
-        Returns False, and keeps the producer, when it was never used."""
+        """Swap the producers for new ones and drop all the old ones hold (see the contract).
+        Returns False, and keeps them, when none was ever used."""
         with self._retire_lock:
             if not self.used and not self.broken:
                 return False
-            new = self._new()
+            new = self._new_set()
             with self._swap:
-                old, self.current = self.current, new
+                old, self.producers, self.current = self.producers, new, new[0]
                 self.broken = self.used = False
             self._on_retire()
-            try:
-                old.purge(in_queue=True, in_flight=True)
-            except Exception as exc:  # a broken producer may refuse; it gets no new record either way
-                self._log.warning("purging the retired producer failed", error=str(exc))
+            for producer in old:
+                try:
+                    producer.purge(in_queue=True, in_flight=True)
+                except Exception as exc:  # a broken producer may refuse; it gets no new record either way
+                    self._log.warning("purging the retired producer failed", error=str(exc))
             with self._retiring_lock:
-                self._retiring.append(old)
+                self._retiring.extend(old)
             self.retired += 1
         self._log.warning("producer retired and replaced", reason=why)
         return True
@@ -134,7 +160,11 @@ class ProducerSlot:
                 continue
             try:
                 with self.serving:
-                    self.current.poll(0.02)
+                    current = self.current
+                    current.poll(self._poll_wait)
+                    for other in self.producers:
+                        if other is not current:
+                            other.poll(0)
                     for old in self.retiring:
                         old.poll(0)
                         if len(old) == 0:
@@ -147,12 +177,13 @@ class ProducerSlot:
 
     def close(self, timeout: float = 5.0) -> None:
         """Drop whatever is still queued, serve the last reports, stop the poll thread."""
-        try:
-            self.current.purge(in_queue=True, in_flight=True)
-        except Exception:
-            pass
+        for producer in self.producers:
+            try:
+                producer.purge(in_queue=True, in_flight=True)
+            except Exception:
+                pass
         deadline = time.monotonic() + min(timeout, 2.0)
-        while (len(self.current) or self.retiring) and time.monotonic() < deadline:
+        while (any(len(p) for p in self.producers) or self.retiring) and time.monotonic() < deadline:
             time.sleep(0.01)  # the poll thread serves the purged reports
         self._stop.set()
         self._thread.join(timeout)

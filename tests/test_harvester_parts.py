@@ -109,3 +109,82 @@ def test_a_reaper_that_never_led_retires_no_producer(pg_dsn, kafka_bootstrap, sc
             b.stop(2)
         a.stop(2)
     assert a.publisher.retired == 0  # led, but never produced a record: nothing to drop on stop
+
+
+def test_a_transactional_slot_holds_a_set_of_producers_taken_in_turn_and_retired_together(kafka_bootstrap):
+    from confluent_kafka import Producer
+
+    from harvester.slot import ProducerSlot
+
+    made: list[dict] = []
+
+    def factory(conf: dict) -> Producer:
+        made.append(conf)
+        return Producer(conf)
+
+    conf = producer_config(kafka_bootstrap, {}, {}, transactional_id="slot-test")
+    assert conf["linger.ms"] == 0 and conf["socket.nagle.disable"] is True  # the transactional defaults
+    assert producer_config(kafka_bootstrap, {}, {"linger.ms": 7}, transactional_id="x")["linger.ms"] == 7
+    assert producer_config(kafka_bootstrap, {}, {})["linger.ms"] == 2 and "transactional.id" not in producer_config(
+        kafka_bootstrap, {}, {}
+    )
+    with pytest.raises(ValueError, match="producers must be >= 1"):
+        ProducerSlot(conf, factory, producers=0)
+    with pytest.raises(ValueError, match="transactional publishing only"):
+        ProducerSlot(producer_config(kafka_bootstrap, {}, {}), factory, producers=2)
+    made.clear()
+    slot = ProducerSlot(conf, factory, producers=3)
+    slot.start()
+    assert [c["transactional.id"] for c in made] == ["slot-test", "slot-test#1", "slot-test#2"]
+    first = slot.producers
+    assert slot.current is first[0]
+    slot.rotate(after=first[0])
+    assert slot.current is first[1]
+    slot.rotate(after=first[0])  # stale: first[0] is no longer current, nothing moves
+    assert slot.current is first[1]
+    slot.rotate(after=first[1])
+    slot.rotate(after=first[2])
+    assert slot.current is first[0]
+    assert not slot.retire("unused")  # nothing was ever sent or begun: the set is kept
+    slot.used = True
+    assert slot.retire("test")
+    assert slot.current is slot.producers[0] and not any(p is q for p in slot.producers for q in first)
+    assert slot.retired == 1 and wait_until(lambda: not slot.retiring, 5)  # served until empty, then let go
+    slot.rotate(after=first[0])  # a producer of the retired set: nothing moves
+    assert slot.current is slot.producers[0]
+    slot.close(1)
+
+
+def test_a_fenced_leader_fences_at_once_and_a_standby_never_does(pg_dsn, kafka_bootstrap, schema, topics):
+    """Leadership starts with init_transactions on every producer of the set (before any row);
+    a standby of the same transactional id initialises nothing: that would fence the leader."""
+    from harvester.transactional import TXN_PRODUCERS
+
+    leader, data = topics("leader", partitions=1), topics("data", partitions=3)
+    txn_id = f"parts-{uuid.uuid4().hex[:8]}"
+    cfg = make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader, harvester={"transactional_id": txn_id})
+    a = Harvester(cfg).start()
+    b = None
+    try:
+        assert wait_until(lambda: a.leading, 30)
+        assert wait_until(lambda: len(a.publisher.strategy._ready) == TXN_PRODUCERS, 30), "not fenced before rows"
+        b = Harvester(
+            make_config(
+                pg_dsn,
+                schema,
+                kafka_bootstrap,
+                leader_topic=leader,
+                group=cfg.harvester.leader_group,
+                harvester={"transactional_id": txn_id},
+            )
+        ).start()
+        time.sleep(2)
+        assert not b.leading and b.publisher.strategy._ready == []
+        with psycopg.connect(pg_dsn) as conn:
+            insert_rows(conn, schema, data, [(b"k%d" % (i % 5), b"v%d" % i) for i in range(100)])
+        assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30), "the leader stopped publishing"
+        assert a.publisher.txn_committed > 0 and a.publisher.txn_aborted == 0
+    finally:
+        if b is not None:
+            b.stop(2)
+        a.stop(2)
