@@ -8,7 +8,9 @@ Contract:
   flight, so nothing of an old leadership can be sent or retried later (with message.timeout.ms=0 an
   in-flight record would otherwise be retried for ever, and could land after the next leader's
   records of its key). The purged records' reports reset their rows under the old leader id. A
-  producer that never got a record (nor began a transaction) has nothing to drop: it is kept.
+  producer that never got a record (nor began, nor initialised, a transaction) has nothing to drop:
+  it is kept. (In fenced mode a leader initialises its producers as soon as it leads, so every
+  leadership that ends retires them: they hold that leadership's producer epoch.)
 - Only one thread at a time serves a producer's callbacks (serving one producer from two threads
   at once, flush here and poll there, was seen to deadlock): the poll thread, holding `serving`
   around every poll, or a thread that took `hold_polls()` (a transaction abort). The poll thread
@@ -51,8 +53,9 @@ class ProducerSlot:
         self._conf, self._factory = conf, factory
         self._count = producers
         # The poll thread waits on `current` only; after a rotate() it may still be waiting on the
-        # previous one, so with several producers it waits briefly and re-reads `current`.
-        self._poll_wait = 0.02 if producers == 1 else 0.002
+        # previous one, so while transactions run (busy()) it waits briefly and re-reads `current`.
+        # Idle or standing by, it waits 20 ms as with one producer.
+        self._busy_until = 0.0
         self._on_fatal, self._after_poll, self._on_retire = on_fatal, after_poll, on_retire
         self._log = logs.get("reaper.publish")
         self._swap = threading.Lock()  # held across each send(): see the contract
@@ -64,7 +67,7 @@ class ProducerSlot:
         self._stop = threading.Event()
         self.broken = False
         self.retired = 0
-        self.used = False  # a producer of the set got a record or began a transaction
+        self.used = False  # a producer of the set got a record, or began or initialised a transaction
         self.producers: tuple[ProducerLike, ...] = self._new_set()
         self.current: ProducerLike = self.producers[0]
         self._thread = threading.Thread(target=self._poll_loop, name="reaper-poll", daemon=True)
@@ -74,7 +77,7 @@ class ProducerSlot:
         for i in range(self._count):
             conf = dict(self._conf)
             if i:  # '#' is refused in configured ids, so no other unit's id can be one of these
-                conf["transactional.id"] = f"{conf['transactional.id']}#{i}"
+                conf["transactional.id"] = self.transactional_id(i)
             conf["error_cb"] = self._on_error
             conf.setdefault("logger", logs.KafkaLogger("producer"))
             made.append(self._factory(conf))
@@ -94,11 +97,21 @@ class ProducerSlot:
             producer.produce(*args)
         return True
 
+    def transactional_id(self, index: int) -> str:
+        base = str(self._conf.get("transactional.id", ""))
+        return f"{base}#{index}" if index else base
+
+    def busy(self, seconds: float = 0.2) -> None:
+        """Transactions are running: poll with short waits for a while (see __init__)."""
+        if self._count > 1:
+            self._busy_until = time.monotonic() + seconds
+
     def rotate(self, after: ProducerLike) -> None:
         """Make the next producer of the set current, if `after` still is (not retired meanwhile)."""
         with self._swap:
             if self.current is after and self._count > 1:
                 self.current = self.producers[(self.producers.index(after) + 1) % self._count]
+                self.busy()
 
     def retire(self, why: str) -> bool:
         """Swap the producers for new ones and drop all the old ones hold (see the contract).
@@ -161,7 +174,7 @@ class ProducerSlot:
             try:
                 with self.serving:
                     current = self.current
-                    current.poll(self._poll_wait)
+                    current.poll(0.002 if time.monotonic() < self._busy_until else 0.02)
                     for other in self.producers:
                         if other is not current:
                             other.poll(0)

@@ -70,7 +70,11 @@ class TransactionalStrategy:
         self._seq = 0  # the open (or next) transaction; bumped whenever one is settled
         self._delivered: list[tuple] = []  # reports of the open transaction, filed once it commits
         self._failed = False  # a record of the open transaction failed: it can only abort
-        self._ready: list[ProducerLike] = []  # the producers init_transactions() ran on
+        # The producer set whose every producer init_transactions() ran on; and, while that is
+        # under way, which set and which of its producers are done.
+        self._ready_for: tuple[ProducerLike, ...] | None = None
+        self._inited_set: tuple[ProducerLike, ...] | None = None
+        self._inited: list[ProducerLike] = []
         self._prepare_after = 0.0  # prepare() after a failed init waits until then
         self._open: ProducerLike | None = None  # the producer with an open transaction
         self.committed = self.aborted = 0  # only the producing thread writes them
@@ -84,6 +88,11 @@ class TransactionalStrategy:
     @property
     def queue_full_waits(self) -> int:
         return self._plain.queue_full_waits
+
+    @property
+    def ready(self) -> bool:
+        """init_transactions() ran on every producer of the current set (the old leader is fenced)."""
+        return self._ready_for is self.slot.producers
 
     @property
     def plain(self) -> PlainStrategy:
@@ -117,6 +126,7 @@ class TransactionalStrategy:
         if not self._init_all(producer, still_valid, valid_until):
             return None
         producer.begin_transaction()
+        self.slot.busy()
         with self._lock:
             self._failed = False
             self._open = producer
@@ -130,29 +140,48 @@ class TransactionalStrategy:
             return
         try:
             self._init_all(self.slot.current, still_valid, valid_until)
-        except KafkaException as exc:  # begin() tries again with the first rows
-            self._log.warning("init_transactions failed", error=str(exc))
+        except KafkaException:  # logged by _init_all; begin() tries again with the first rows
             self._prepare_after = time.monotonic() + 1.0
 
     def _init_all(self, producer: ProducerLike, still_valid: Valid, valid_until: Deadline) -> bool:
         """init_transactions() on every producer of the set not yet initialised: the previous leader
-        is fenced on every id before anything is written. False when leadership or `producer` went."""
+        is fenced on every id before anything is written. True only once ALL of the set succeeded
+        (a failed or interrupted init leaves the set not ready: nothing is begun on any of it).
+        False when leadership or `producer` went; raises what an init raised."""
         clock = time.monotonic
         if clock() >= valid_until() or not still_valid():
             return False
         self.slot.used = True
-        if any(p is producer for p in self._ready):
+        producers = self.slot.producers  # the set, replaced whole by a retire
+        if self._ready_for is producers:
             return True
-        for each in self.slot.producers:
-            if any(p is each for p in self._ready):
-                continue
+        if self._inited_set is not producers:
+            self._inited_set, self._inited = producers, []
+        for index, each in enumerate(producers):
+            if any(p is each for p in self._inited):
+                continue  # a second init on it would fail ("not valid in state Ready")
             left = min(TXN_INIT_TIMEOUT, valid_until() - clock())
             if left <= 0:
                 return False
-            each.init_transactions(left)
-            self._ready.append(each)  # a second init on it would fail ("not valid in state Ready")
-            if self.slot.current is not producer or clock() >= valid_until() or not still_valid():
+            try:
+                each.init_transactions(left)
+            except KafkaException as exc:
+                self._log.error(
+                    "init_transactions failed: nothing is published until every producer of the set is "
+                    "initialised (the principal needs Write and Describe on each TransactionalId)",
+                    transactional_id=self.slot.transactional_id(index),
+                    error=str(exc),
+                )
+                raise
+            self._inited.append(each)
+            if (
+                self.slot.producers is not producers
+                or self.slot.current is not producer
+                or clock() >= valid_until()
+                or not still_valid()
+            ):
                 return False
+        self._ready_for = producers
         return True
 
     def finish(self, producer: ProducerLike, valid_until: Deadline) -> None:
@@ -218,8 +247,7 @@ class TransactionalStrategy:
             self.settler.release(len(dropped))
 
     def on_retire(self) -> None:
-        self._drop()
-        self._ready = []  # the new set has not been initialised (the old producers are purged)
+        self._drop()  # the new set is not ready: readiness belongs to the set it was reached for
 
     def report(self, seq: int, row_id: int, leader_id: uuid.UUID, err, msg) -> None:
         """Delivery report of a record written in transaction `seq`."""

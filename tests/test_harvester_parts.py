@@ -167,7 +167,8 @@ def test_a_fenced_leader_fences_at_once_and_a_standby_never_does(pg_dsn, kafka_b
     b = None
     try:
         assert wait_until(lambda: a.leading, 30)
-        assert wait_until(lambda: len(a.publisher.strategy._ready) == TXN_PRODUCERS, 30), "not fenced before rows"
+        assert wait_until(lambda: a.publisher.strategy.ready, 30), "not fenced before rows"
+        assert len(a.publisher.slot.producers) == TXN_PRODUCERS
         b = Harvester(
             make_config(
                 pg_dsn,
@@ -179,7 +180,7 @@ def test_a_fenced_leader_fences_at_once_and_a_standby_never_does(pg_dsn, kafka_b
             )
         ).start()
         time.sleep(2)
-        assert not b.leading and b.publisher.strategy._ready == []
+        assert not b.leading and not b.publisher.strategy.ready and not b.publisher.slot.used
         with psycopg.connect(pg_dsn) as conn:
             insert_rows(conn, schema, data, [(b"k%d" % (i % 5), b"v%d" % i) for i in range(100)])
         assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30), "the leader stopped publishing"

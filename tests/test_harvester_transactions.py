@@ -139,6 +139,7 @@ def test_a_new_leader_fences_the_old_leaders_producer_at_the_broker(pg_dsn, kafk
             a, store, rows, me_a, seq = a_leader.pub, a_leader.store, a_leader.rows, a_leader.me, a_leader.seq
             assert wait_until(lambda: len(a.producer) == 0, 30)  # written to the log, inside A's open transaction
             assert a.txn_committed == 0
+            assert a.strategy.ready  # A initialised every id of its set: each one is B's to fence
 
             # B takes over: remarks everything from the head, publishes and commits.
             b, _ = _publisher(kafka_bootstrap, store, txn_id)
@@ -315,8 +316,9 @@ def test_an_abort_raises_the_remark_before_the_next_batch_can_be_produced(pg_dsn
 class _Recording:
     """A real producer that logs (call, transactional id) for the calls the order rests on."""
 
-    def __init__(self, conf: dict, calls: list) -> None:
+    def __init__(self, conf: dict, calls: list, fail_init: set | None = None) -> None:
         self._producer, self._id, self._calls = Producer(conf), conf["transactional.id"], calls
+        self._fail_init = fail_init if fail_init is not None else set()
 
     def __getattr__(self, name):
         return getattr(self._producer, name)
@@ -326,6 +328,9 @@ class _Recording:
 
     def init_transactions(self, *args):
         self._calls.append(("init", self._id))
+        if self._id in self._fail_init:  # once: as a coordinator timing out, or an ACL refusing
+            self._fail_init.discard(self._id)
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "injected init failure"))
         return self._producer.init_transactions(*args)
 
     def begin_transaction(self, *args):
@@ -375,6 +380,58 @@ def test_transactions_take_the_producers_in_turn_after_fencing_every_one(pg_dsn,
         for k in range(7):  # one key, one partition: consumed in offset order, which must be row order
             mine = [int(v) for v in values if int(v) % 7 == k]
             assert mine == sorted(mine), f"key k{k} went backwards"
+    finally:
+        pub.close()
+        pool.close()
+
+
+@pytest.mark.parametrize("how", ["second init fails", "leadership blips after the first init"])
+def test_nothing_is_begun_until_every_producer_of_the_set_is_initialised(pg_dsn, kafka_bootstrap, schema, topics, how):
+    """An old leader may hold an open transaction on any id of the set: until every one of them is
+    initialised (fenced), no transaction may begin on any, whatever interrupted the inits."""
+    topic = topics("data", partitions=PARTITIONS)
+    calls: list = []
+    txn_id = _txn_id()
+    failing = {f"{txn_id}#1"} if how == "second init fails" else set()
+    with psycopg.connect(pg_dsn) as conn:
+        insert_rows(conn, schema, topic, [(b"k%d" % (i % 3), b"%d" % i) for i in range(40)])
+    pool = make_pool(pg_dsn, 3)
+    store = OutboxStore(pool, schema)
+    pub = Publisher(
+        producer_config(kafka_bootstrap, {}, {}, transactional_id=txn_id),
+        store,
+        get_metrics(),
+        purge_workers=1,
+        providers=Providers(producer=lambda c: _Recording(c, calls, failing)),
+    ).start()
+    try:
+        checks = iter([True, False])  # valid when the inits start, gone right after the first one
+
+        def blipping() -> bool:
+            return next(checks, True)
+
+        me = uuid.uuid4()
+        rows = store.mark(me, 100)
+        pub.reserve(len(rows))
+        if how == "second init fails":
+            with pytest.raises(KafkaException):
+                pub.produce_rows(rows, me, lambda: True, lambda: time.monotonic() + 60)
+        else:
+            assert pub.produce_rows(rows, me, blipping, lambda: time.monotonic() + 60) == 0
+        expected = [("init", txn_id), ("init", f"{txn_id}#1")] if how == "second init fails" else [("init", txn_id)]
+        assert calls == expected  # and nothing begun, nothing produced
+        assert not pub.strategy.ready
+        me = uuid.uuid4()
+        rows = store.mark(me, 100)
+        pub.reserve(len(rows))
+        assert pub.produce_rows(rows, me, lambda: True, lambda: time.monotonic() + 60) == 40
+        inits = [i for call, i in calls if call == "init"]
+        first_begin = next(n for n, (call, _) in enumerate(calls) if call == "begin")
+        assert {i for call, i in calls[:first_begin] if call == "init"} == {txn_id, f"{txn_id}#1"}
+        assert inits.count(txn_id) == 1, "an initialised producer was initialised again"
+        assert pub.strategy.ready and pub.txn_committed == 1
+        values = _read_all(kafka_bootstrap, topic, expect_at_least=40)
+        assert sorted(values, key=int) == [b"%d" % i for i in range(40)]
     finally:
         pub.close()
         pool.close()
