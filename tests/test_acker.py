@@ -21,8 +21,9 @@ from support.harness import read_messages
 from test_tracker_support import completion_events, invariant_violations
 
 import tracker
-from tracker.acker import Acker, EntryFolder, fold_messages
+from tracker.acker import Acker
 from tracker.consumer import AckProducer
+from tracker.folding import EntryFolder, fold_messages
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -7,7 +7,7 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracker.acker import EntryFolder, fold_messages
+from tracker.folding import EntryFolder, fold_messages
 from tracker.ids import fold
 from tracker.spark import _fold_partition
 

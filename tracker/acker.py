@@ -4,7 +4,7 @@ Runs in every reaper (a normal consumer group, not leader-only). Each loop:
 
 1. `consume(num_messages=max_poll_records)`: a poll's worth of ack messages (each value is one or
    more ',' separated item ids or runs `<batch>:<group>:<start>-<end>`, see tracker.consumer);
-2. fold them into one mask per (batch, group); malformed entries are set aside;
+2. fold them into one mask per (batch, group) (tracker.folding); malformed entries are set aside;
 3. apply every mask in one database transaction (`tracker.acks.apply_masks(reject_invalid=True,
    skip_locked=True)`); unknown batches/groups, out-of-range indexes and expired batches come back
    as rejected. A batch whose row another transaction holds (a producer adding to it, a closer, a
@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -38,131 +37,14 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from . import metrics
 from .acks import AckResult
 from .api import Tracker
-from .errors import IndexOutOfRange, MalformedItemId
-from .ids import GROUP_BITS_MAX, GroupMask, parse_ack
+from .folding import Folded, fold_messages
+from .ids import GroupMask
 from .pooling import configure_for_pooler
 from .schema import check_identifier
 
 log = structlog.get_logger("reaper.acker")
 
 REASON_HEADER = "reason"
-
-
-OUT_OF_RANGE = f"index out of range: no group holds more than {GROUP_BITS_MAX} items"
-
-# An index as it is written in an item id (canonical decimal) -> (byte, bit, index) in a group's
-# mask: one dict lookup instead of a digit check, an int() and two shifts per single-id message
-# (the acker's fold of 1M single-id messages: 0.71 s -> 0.53 s). Anything else (leading zeros,
-# out of range) is not in it and takes the validating path.
-_INDEX_BITS: dict[bytes, tuple[int, int, int]] = {
-    str(i).encode(): (i >> 3, 0x80 >> (i & 7), i) for i in range(GROUP_BITS_MAX)
-}
-
-
-class EntryFolder:
-    """Folds ack entries (item ids and runs, as text) into one mask per (batch, group) and returns
-    the reason for each entry it cannot take, so one bad entry never spoils the others."""
-
-    def __init__(self) -> None:
-        self.masks: dict[tuple[int, int], GroupMask] = {}
-        self._prefixes: dict[str, tuple[int, int]] = {}
-
-    def add(self, entry: str) -> str | None:
-        head, sep, tail = entry.rpartition(":")
-        key = self._prefixes.get(head)
-        if key is not None and tail.isdigit() and tail.isascii() and len(tail) < 6:
-            start = end = int(tail)  # the common case: another index of a group already seen
-        else:
-            try:
-                run = parse_ack(entry)
-            except MalformedItemId as exc:
-                return f"malformed: {exc}"
-            except IndexOutOfRange:  # an index no group can hold
-                return OUT_OF_RANGE
-            key = (run.batch_id, run.group_id)
-            if sep:
-                self._prefixes[head] = key
-            start, end = run.start, run.end
-        if end >= GROUP_BITS_MAX:  # no group is this large; never allocate a mask for it
-            return OUT_OF_RANGE  # the same reason as parse_ack's, whichever entry came first
-        mask = self.masks.get(key)
-        if mask is None:
-            mask = self.masks[key] = GroupMask(key[0], key[1], bytearray(GROUP_BITS_MAX >> 3))
-        mask.add(start, end)
-        return None
-
-
-@dataclass
-class Folded:
-    """A poll's acks folded per group, the entries set aside, and how far each partition got."""
-
-    masks: dict[tuple[int, int], GroupMask] = field(default_factory=dict)
-    bad: list[tuple[bytes | None, bytes | None, str, int, int]] = field(
-        default_factory=list
-    )  # key, entry, reason, partition, offset
-    first: dict[int, int] = field(default_factory=dict)  # partition -> first offset in the poll
-    last: dict[int, int] = field(default_factory=dict)  # partition -> last offset in the poll
-    messages: int = 0
-    errors: list[Any] = field(default_factory=list)  # KafkaErrors the poll returned instead of messages
-
-
-def fold_messages(messages: list[Any]) -> Folded:
-    """Fold ack messages into masks, tolerating bad entries (kept in `.bad` with their reason)."""
-    out = Folded()
-    folder = EntryFolder()
-    out.masks = folder.masks
-    bad, first, last, add = out.bad, out.first, out.last, folder.add
-    # Fast path, most messages: one item id of a group already seen in this poll. Works on the
-    # raw bytes; anything else takes the validating path.
-    by_head: dict[bytes, GroupMask] = {}
-    index_bits = _INDEX_BITS
-    count = 0
-    # A poll returns runs of messages from one partition: offsets are read at run boundaries.
-    current, previous = -1, None  # -1: no partition yet (a consumed message always has one)
-    for msg in messages:
-        err = msg.error()
-        if err is not None:
-            out.errors.append(err)
-            continue
-        partition = msg.partition()
-        assert partition is not None
-        if partition != current:
-            if previous is not None:
-                last[current] = previous.offset()
-            current = partition
-            if partition not in first:
-                first[partition] = msg.offset()
-        previous = msg
-        count += 1
-        value = msg.value()
-        if value is not None:
-            head, _, tail = value.rpartition(b":")
-            mask = by_head.get(head)
-            if mask is not None:
-                bit = index_bits.get(tail)
-                if bit is not None:
-                    mask.bits[bit[0]] |= bit[1]  # masks are created full size (1 KiB)
-                    mask.count += 1
-                    if bit[2] > mask.max_index:
-                        mask.max_index = bit[2]
-                    continue
-        try:
-            text = value.decode("ascii")
-        except (AttributeError, UnicodeDecodeError):
-            bad.append((msg.key(), value, "malformed: value is empty or not ASCII", partition, msg.offset()))
-            continue
-        entries = text.split(",")
-        for entry in entries:
-            reason = add(entry)
-            if reason is not None:
-                bad.append((msg.key(), entry.encode(), reason, partition, msg.offset()))
-        if len(entries) == 1 and reason is None and "-" not in text:
-            parsed = parse_ack(text)
-            by_head[value.rpartition(b":")[0]] = folder.masks[(parsed.batch_id, parsed.group_id)]
-    if previous is not None:
-        last[current] = previous.offset()
-    out.messages = count
-    return out
 
 
 class Acker:

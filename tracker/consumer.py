@@ -169,7 +169,7 @@ class AckProducer:
 
     def ack(self, item_ids: str | bytes | Iterable[str | bytes]) -> None:
         """Buffer item ids or runs; raises MalformedItemId (buffering none of the call) on a bad one."""
-        from .acker import EntryFolder  # the acker's bounds-checked fold: no mask beyond 8192 bits
+        from .folding import EntryFolder  # the acker's bounds-checked fold: no mask beyond 8192 bits
 
         if isinstance(item_ids, (str, bytes)):
             item_ids = [item_ids]

@@ -116,7 +116,7 @@ def _fold_partition(column: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        from ..acker import EntryFolder
+        from ..folding import EntryFolder
 
         folder = EntryFolder()
         add = folder.add
