@@ -49,8 +49,9 @@ DESCRIPTIONS = {
     "harvester.purge_workers": "connections purging delivered rows in parallel",
     "harvester.vacuum_interval": "the leader vacuums the outbox this often while it purges (seconds; 0 = autovacuum only)",
     "harvester.drain_timeout": "on shutdown, wait this long for in-flight records (seconds)",
-    "harvester.transactional_id": "publish in Kafka transactions under this id (same on every instance): a new "
-    "leader fences the old one at the broker; rows are purged after commit. Empty = off",
+    "harvester.transactional_id": "publish in Kafka transactions under this id (same on every instance; producers "
+    "`<id>` and `<id>#1`, taken in turn): a new leader fences the old one at the broker; rows are purged after "
+    "commit. Empty = off",
     "harvester.trace_spans": "emit an OpenTelemetry PRODUCER span per published row, linked to the trace context "
     "stored with it (needs the otel extra and a configured tracer provider)",
     "harvester.lanes": 'harvest units of the `database` outbox: rows are split by md5(key) mod lanes; change only by draining, then switching (README "Harvest units")',
