@@ -70,9 +70,8 @@ class TransactionalStrategy:
         self._seq = 0  # the open (or next) transaction; bumped whenever one is settled
         self._delivered: list[tuple] = []  # reports of the open transaction, filed once it commits
         self._failed = False  # a record of the open transaction failed: it can only abort
-        # The producer set whose every producer init_transactions() ran on; and, while that is
-        # under way, which set and which of its producers are done.
-        self._ready_for: tuple[ProducerLike, ...] | None = None
+        # The producer set being (or last) initialised, and which of its producers init_transactions()
+        # ran on: the set is ready once that is all of them.
         self._inited_set: tuple[ProducerLike, ...] | None = None
         self._inited: list[ProducerLike] = []
         self._prepare_after = 0.0  # prepare() after a failed init waits until then
@@ -92,7 +91,8 @@ class TransactionalStrategy:
     @property
     def ready(self) -> bool:
         """init_transactions() ran on every producer of the current set (the old leader is fenced)."""
-        return self._ready_for is self.slot.producers
+        producers = self.slot.producers
+        return self._inited_set is producers and len(self._inited) == len(producers)
 
     @property
     def plain(self) -> PlainStrategy:
@@ -153,8 +153,6 @@ class TransactionalStrategy:
             return False
         self.slot.used = True
         producers = self.slot.producers  # the set, replaced whole by a retire
-        if self._ready_for is producers:
-            return True
         if self._inited_set is not producers:
             self._inited_set, self._inited = producers, []
         for index, each in enumerate(producers):
@@ -181,7 +179,6 @@ class TransactionalStrategy:
                 or not still_valid()
             ):
                 return False
-        self._ready_for = producers
         return True
 
     def finish(self, producer: ProducerLike, valid_until: Deadline) -> None:
