@@ -6,10 +6,12 @@ Against the local Postgres and Kafka (OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP, else th
   hot_key      the same with every row on one key
   sustained    a writer process offers a steady load; last-window rate / first-window rate
   latency      commit -> Kafka acknowledgement p50/p99 at 2,000 records/s offered
+               (bench/harvest_latency.py)
   failover     publication gap after SIGKILL and after SIGTERM of the leader (reaper subprocesses)
   units        1 unit on 1 reaper vs 2 lanes on 2 reapers, same run: rates, ratio, reaper CPU µs per record
                (bench/harvest_units.py)
   fenced       commit -> Kafka p50/p99 at 2,000 rec/s, unfenced and with transactions, same run
+               (bench/harvest_latency.py)
   recovery     publishing resumes how long after a restarted Kafka / Postgres answers again
                (private service instances; bench/harvest_recovery.py)
 The machine is shared (2 cores, Postgres and Kafka beside the benchmark): compare ratios, not absolutes.
@@ -18,12 +20,10 @@ The machine is shared (2 cores, Postgres and Kafka beside the benchmark): compar
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import multiprocessing as mp
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -252,133 +252,6 @@ def bench_sustained(seconds: float, window: float, rate: float, vacuum_interval:
         env.drop()
 
 
-def bench_latency(seconds: float, rate: float, kafka_producer: dict | None = None, **harvester) -> dict:
-    env = Env()
-    h = Harvester(env.config(kafka_producer, **harvester)).start()
-    acked: dict[int, float] = {}
-    try:
-        while not h.leading:
-            time.sleep(0.01)
-
-        class Stamped(collections.deque):
-            """The publisher's settle queue, stamping each acknowledged row as it enters: straight
-            from its delivery report, or (harvester.transactional_id) when its transaction commits."""
-
-            def append(self, item):
-                if item[2] is None:
-                    acked.setdefault(item[0], time.time())
-                super().append(item)
-
-            def extend(self, items):
-                items, now = list(items), time.time()
-                for item in items:
-                    if item[2] is None:
-                        acked.setdefault(item[0], now)
-                super().extend(items)
-
-        h.publisher.settler.reports = Stamped()  # nothing has been produced yet
-        committed: dict[int, float] = {}
-        per_txn = 10
-        ins = (
-            f'INSERT INTO "{env.schema}".outbox (topic, key, value) '
-            "SELECT %s, convert_to('key-' || (g %% 1000), 'UTF8'), %s FROM generate_series(1, %s) g RETURNING id"
-        )
-        with psycopg.connect(DSN) as conn:
-            # Steady state: one row through first, so the leadership's start (fenced mode: the
-            # producers' init_transactions, sometimes 0.5 s) is not in the figures.
-            conn.execute(ins, [env.topic, VALUE, 1])
-            conn.commit()
-            warm_until = time.monotonic() + 30
-            while not acked and time.monotonic() < warm_until:
-                time.sleep(0.005)
-            acked.clear()
-            started, started_wall = time.monotonic(), time.time()
-            sent = 0
-            while time.monotonic() - started < seconds:
-                due = (time.monotonic() - started) * rate
-                if sent >= due:
-                    time.sleep(0.0005)
-                    continue
-                ids = [r[0] for r in conn.execute(ins, [env.topic, VALUE, per_txn]).fetchall()]
-                conn.commit()
-                t = time.time()
-                for i in ids:
-                    committed[i] = t
-                sent += per_txn
-        deadline = time.monotonic() + 30
-        while len(acked) < len(committed) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        lat = sorted(acked[i] - committed[i] for i in committed if i in acked)
-        q = statistics.quantiles(lat, n=100)
-        out = {
-            "offered_per_s": rate,
-            "records": len(committed),
-            "acknowledged": len(lat),
-            "p50_ms": round(q[49] * 1000, 2),
-            "p99_ms": round(q[98] * 1000, 2),
-            "max_ms": round(lat[-1] * 1000, 2),
-            # when the slowest rows were committed (s after the first): a start-up stall or not
-            "over_100ms_at_s": sorted(
-                {
-                    round(committed[i] - started_wall, 1)
-                    for i in committed
-                    if i in acked and acked[i] - committed[i] > 0.1
-                }
-            )[:20],
-        }
-        strategy = h.publisher.strategy
-        if h.publisher.transactional and len(strategy.commit_seconds) >= 2:
-            c = statistics.quantiles(strategy.commit_seconds, n=100)
-            out.update(
-                {
-                    "transactions": strategy.committed,
-                    "aborted": strategy.aborted,
-                    "records_per_transaction": round(strategy.records_committed / max(1, strategy.committed), 1),
-                    "commit_p50_ms": round(c[49] * 1000, 2),
-                    "commit_p99_ms": round(c[98] * 1000, 2),
-                }
-            )
-        return out
-    finally:
-        h.stop(10)
-        env.drop()
-
-
-def bench_fenced(seconds: float, rate: float, rounds: int = 2, **harvester) -> dict:
-    """Unfenced and transactional latency, alternated in the same run, and the transactional
-    publishing as it was before 24 November 2026 (one producer, linger.ms 2, Nagle on) as a baseline."""
-    from harvester import publish
-
-    plain, fenced, before = [], [], []
-    for _ in range(rounds):
-        plain.append(bench_latency(seconds, rate, **harvester))
-        fenced.append(
-            bench_latency(seconds, rate, **{**harvester, "transactional_id": f"bench-{uuid.uuid4().hex[:8]}"})
-        )
-        saved, publish.TXN_PRODUCERS = publish.TXN_PRODUCERS, 1
-        try:
-            before.append(
-                bench_latency(
-                    seconds,
-                    rate,
-                    kafka_producer={"linger.ms": 2, "socket.nagle.disable": False},
-                    **{**harvester, "transactional_id": f"bench-{uuid.uuid4().hex[:8]}"},
-                )
-            )
-        finally:
-            publish.TXN_PRODUCERS = saved
-    fenced_p99 = max(r["p99_ms"] for r in fenced)
-    return {
-        "unfenced": plain,
-        "fenced": fenced,
-        "fenced_one_producer_linger_2ms": before,
-        "goal_fenced_p99_ms": 25,
-        "fenced_p99_ms": fenced_p99,
-        "unfenced_p99_ms": max(r["p99_ms"] for r in plain),
-        "fenced_meets_goal": fenced_p99 <= 25,
-    }
-
-
 def _spawn(env: Env, name: str, session: float, heartbeat: float) -> tuple[subprocess.Popen, Path]:
     log = Path(f"/tmp/bench-harvest-{env.group}-{name}.log")
     full = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
@@ -552,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         result["hot_key"] = bench_hot_key(30_000 if q else 100_000, **overrides)
         say(json.dumps(result["hot_key"]))
     if "latency" in want:
+        from bench.harvest_latency import bench_latency
+
         result["latency"] = bench_latency(8 if q else 30, 2000.0, **overrides)
         say(json.dumps(result["latency"]))
     if "failover" in want:
@@ -565,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         result["units"] = bench_units(DSN, BOOTSTRAP, 100_000 if q else 300_000, rounds=1 if q else 2)
         say(json.dumps(result["units"]))
     if "fenced" in want:
+        from bench.harvest_latency import bench_fenced
+
         result["fenced"] = bench_fenced(8 if q else 30, 2000.0, rounds=1 if q else 2, **overrides)
         say(json.dumps(result["fenced"]))
     if "recovery" in want:
