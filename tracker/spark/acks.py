@@ -124,28 +124,30 @@ def _fold_partition(column: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
         indexes: list[Any] = []
         bad: list[str] = []
         reasons: list[str] = []
-        for b in batches:
-            values = b.column(column)
-            # Plain ids in range take the vectorised path; runs, lists, nulls and bad ones the checked one.
+
+        def take_plain(values: Any) -> Any:
+            """File the plain ids in range for the vectorised fold; return the other values."""
             plain, head, index = _plain_ids(values)
-            if head is not None:
-                heads.append(head)
-                indexes.append(index.to_numpy())
-                values = values.filter(pc.invert(plain))
+            if head is None:
+                return values
+            heads.append(head)
+            indexes.append(index.to_numpy())
+            return values.filter(pc.invert(plain))
+
+        def fold_entry(entry: str) -> None:
+            reason = add(entry)
+            if reason is not None:
+                bad.append(entry)
+                reasons.append(reason)
+
+        for b in batches:
+            # Plain ids in range take the vectorised path; runs, lists, nulls and bad ones the checked one.
+            values = take_plain(b.column(column))
             listed, entries = _listed_entries(values)
             if entries is not None:
                 values = values.filter(pc.invert(listed))
-                plain, head, index = _plain_ids(entries)
-                if head is not None:
-                    heads.append(head)
-                    indexes.append(index.to_numpy())
-                    entries = entries.filter(pc.invert(plain))
-                for entry in entries.to_pylist():  # runs, empty and out-of-range entries: ASCII only
-                    text = entry.decode("ascii") if isinstance(entry, bytes) else entry
-                    reason = add(text)
-                    if reason is not None:
-                        bad.append(text)
-                        reasons.append(reason)
+                for entry in take_plain(entries).to_pylist():  # runs, empty and out-of-range entries: ASCII only
+                    fold_entry(entry.decode("ascii") if isinstance(entry, bytes) else entry)
             for value in values.to_pylist():
                 if value is None:
                     bad.append("")
@@ -158,10 +160,7 @@ def _fold_partition(column: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
                     reasons.append("malformed: not ASCII")
                     continue
                 for entry in value.split(","):
-                    reason = add(entry)
-                    if reason is not None:
-                        bad.append(entry)
-                        reasons.append(reason)
+                    fold_entry(entry)
         folded = [(m.batch_id, m.group_id, bytes(m.bits), m.count) for m in folder.masks.values()]
         if heads:
             folded += _fold_single_ids(pa.concat_arrays(heads), np.concatenate(indexes))
