@@ -33,7 +33,7 @@ from .metrics import get as get_metrics
 from .neli import LEADER, Lease
 from .ports import DEFAULT, Providers, StoreLike
 from .publish import Lifecycle, Publisher, QuarantineError, logs_safe, producer_config
-from .store import OutboxStore, make_pool
+from .store import DatabaseClock, OutboxStore, make_pool
 
 MIN_REMARK_BACKOFF = 0.05  # seconds before the second remark in a row without progress
 MAX_REMARK_BACKOFF = 5.0  # bound of the doubling back-off
@@ -65,6 +65,7 @@ class UnitHarvester:
         self._own_pool = pool is None
         self.pool = pool
         self.store: StoreLike | None = None
+        self._db_clock: DatabaseClock | None = None  # the leadership deadline on the server's clock
         self.publisher: Publisher | None = None
         self.neli: Lease | None = None  # this unit's lease (leader_id, valid_until, state)
         self._remark = threading.Event()
@@ -93,6 +94,7 @@ class UnitHarvester:
             self.pool = make_pool(spec.dsn, cfg.database.pool_size, name=f"reaper-harvester-{spec.name}")
         store = OutboxStore(self.pool, spec.schema, spec.table, lane=spec.lane, lanes=spec.lanes)
         self.store = self.providers.store(store)
+        self._db_clock = DatabaseClock(self.store.database_now)
         conf = producer_config(cfg.kafka.bootstrap_servers, cfg.kafka.client, cfg.kafka.producer, self._txn_id)
         self.publisher = Publisher(
             conf,
@@ -215,6 +217,8 @@ class UnitHarvester:
         """The marker: takes leadership changes and remarks, marks batches and queues them in order."""
         h, m, pub = self.h, self.m, self.publisher
         assert pub is not None and self.store is not None and self.neli is not None  # start() set them first
+        db_clock = self._db_clock
+        assert db_clock is not None  # likewise
         backoff, progress_at_remark = 0.0, -1
         while not self._stop.is_set():
             neli_id = self.neli.leader_id()
@@ -263,10 +267,15 @@ class UnitHarvester:
                 continue
             started = time.monotonic()
             limit = min(h.mark_batch, room)
+            # Read before the check below, so a pause after the check cannot stretch it: the server
+            # refuses the mark if it arrives after this (see OutboxStore.mark).
+            until = self.neli.valid_until()
+            if not self._valid(me):
+                continue
             try:
                 # Always from the head (see OutboxStore.mark): rows committed late are found by the
                 # very next mark, before any causally later row of their key.
-                rows = self.store.mark(me, limit)
+                rows = self.store.mark(me, limit, db_clock.at(until))
             except Exception as exc:
                 self.log.warning("mark failed", error=logs_safe(exc))
                 self.force_remark("mark failed")

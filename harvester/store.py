@@ -9,9 +9,11 @@ pooler such as PgBouncer: see `configure_connection`).
 from __future__ import annotations
 
 import hashlib
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from operator import itemgetter
 
 from psycopg import sql
@@ -22,6 +24,13 @@ from tracker.schema import qualified
 from .pool import configure_connection, make_pool  # noqa: F401  (the pool lives in harvester.pool)
 
 COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
+
+# A mark's `until` when the caller sets none (tools, tests): a timestamptz the server accepts.
+FOREVER = datetime(9999, 12, 31, tzinfo=UTC)
+# How long a DatabaseClock anchor is trusted: one cheap query a second. Clocks drift apart by at most
+# ~500 ppm (NTP's slew limit), 0.5 ms over this; a step of the server's clock forward (marks refused
+# as late) is corrected within it.
+CLOCK_ANCHOR_MAX_AGE = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +112,10 @@ class OutboxStore:
             "UPDATE {t} SET leader_id = %(me)s WHERE id = ANY(ARRAY("
             "SELECT id FROM {t} WHERE (leader_id IS NULL OR leader_id <> %(me)s){in_lane}"
             " ORDER BY id LIMIT %(n)s)) AND (leader_id IS NULL OR leader_id <> %(me)s) "
+            "AND statement_timestamp() < %(until)s "
             "RETURNING id, topic, key, value, header_keys, header_values, kafka_partition"
         ).format(t=t, in_lane=in_lane)
+        self._now = "SELECT clock_timestamp()"
         self._purge = sql.SQL("DELETE FROM {t} WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(t=t)
         self._reset = sql.SQL("UPDATE {t} SET leader_id = NULL WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(
             t=t
@@ -124,26 +135,39 @@ class OutboxStore:
         self._count = sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {t} LIMIT %s) AS s").format(t=t)
         self._span = sql.SQL("SELECT max(id) - min(id) + 1 FROM {t}").format(t=t)
 
-    def mark(self, leader_id: uuid.UUID, limit: int) -> list[tuple]:
+    def mark(self, leader_id: uuid.UUID, limit: int, until: datetime = FOREVER) -> list[tuple]:
         """Mark up to `limit` of the lowest-id rows not marked by `leader_id`; sorted by id.
 
         Every mark scans from the head of the table. Skipping ahead with a cursor would miss a row
         whose (slow) transaction commits below the cursor while a later row of the same key is
         marked above it; the leader's vacuum upkeep keeps the head cheap to scan instead.
+
+        `until` is the leadership's end on the server's clock (DatabaseClock): a statement that
+        reaches the server later marks nothing. A leader paused between checking its lease and
+        sending the mark (SIGSTOP, a VM pause) so cannot take rows from its successor on waking.
+        One value per statement, not per row: the mark stays all-or-nothing, never a set with holes.
         """
+        params = {"me": leader_id, "n": limit, "until": until}
         with self.pool.connection() as conn:
             if self.lanes == 1:
-                rows = conn.execute(self._mark, {"me": leader_id, "n": limit}, binary=True).fetchall()
+                rows = conn.execute(self._mark, params, binary=True).fetchall()
             else:
                 # One pipeline, one Sync: both statements run in one implicit transaction, which
                 # is all SET LOCAL lasts, in one round trip as for one unit (conn.transaction()
                 # would add BEGIN and COMMIT, each with a Sync of its own).
                 with conn.pipeline():
                     conn.execute(LANE_MARK_PLAN)
-                    cur = conn.execute(self._mark, {"me": leader_id, "n": limit}, binary=True)
+                    cur = conn.execute(self._mark, params, binary=True)
                 rows = cur.fetchall()
         rows.sort(key=itemgetter(0))
         return rows
+
+    def database_now(self) -> datetime:
+        """The database server's clock."""
+        with self.pool.connection() as conn:
+            row = conn.execute(self._now).fetchone()
+        assert row is not None  # a SELECT without FROM returns one row
+        return row[0]
 
     def purge(self, leader_id: uuid.UUID, ids: Sequence[int]) -> int:
         """Delete published rows still marked by `leader_id`; return how many went."""
@@ -183,3 +207,29 @@ class OutboxStore:
                 rows = max(exact_up_to + 1, spanned[0] or 0)
             oldest = conn.execute(self._oldest).fetchone()
         return Backlog(rows=rows, oldest_age=max(0.0, float(oldest[0])) if oldest else 0.0, exact=exact)
+
+
+class DatabaseClock:
+    """This process's monotonic clock mapped onto the database server's, so that the server itself
+    can refuse a mark sent after the leadership it was checked under had ended (OutboxStore.mark).
+
+    The anchor is the server's time read by one query, paired with the monotonic time after the
+    reply: the server's reading was taken earlier than that, so a deadline mapped through it lands
+    early by at most one round trip, never late."""
+
+    def __init__(self, read_now: Callable[[], datetime], max_age: float = CLOCK_ANCHOR_MAX_AGE) -> None:
+        self._read_now = read_now
+        self.max_age = max_age
+        self._anchor: tuple[datetime, float] | None = None
+
+    def refresh(self) -> None:
+        server = self._read_now()
+        self._anchor = (server, time.monotonic())
+
+    def at(self, monotonic_t: float) -> datetime:
+        """The server's time at monotonic time `monotonic_t` (re-anchored when the anchor is old)."""
+        if self._anchor is None or time.monotonic() - self._anchor[1] > self.max_age:
+            self.refresh()
+        assert self._anchor is not None
+        server, local = self._anchor
+        return server + timedelta(seconds=monotonic_t - local)

@@ -13,7 +13,7 @@ from support.harness import insert_rows, make_config, outbox_count, wait_until
 from harvester.metrics import get as get_metrics
 from harvester.publish import LifecycleError, Publisher, producer_config
 from harvester.settle import Settler
-from harvester.store import OutboxStore, make_pool
+from harvester.store import OutboxStore, lane_of, make_pool
 from harvester.units import Harvester
 
 
@@ -189,3 +189,81 @@ def test_a_fenced_leader_fences_at_once_and_a_standby_never_does(pg_dsn, kafka_b
         if b is not None:
             b.stop(2)
         a.stop(2)
+
+
+class _PausedBeforeMark:
+    """The outbox store, with the first mark held back `pause` seconds between the marker's lease
+    check and the statement reaching the server: a SIGSTOP or VM pause landing just there."""
+
+    def __init__(self, store, pause: float) -> None:
+        self._store, self._pause = store, pause
+        self.results: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def mark(self, leader_id, limit, *args, **kw):
+        if not self.results:
+            time.sleep(self._pause)
+        rows = self._store.mark(leader_id, limit, *args, **kw)
+        self.results.append(len(rows))
+        return rows
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_mark_sent_after_the_lease_ended_marks_nothing(pg_dsn, kafka_bootstrap, schema, topics, lanes):
+    """The server itself refuses a mark that reaches it after the leadership it was checked under
+    ended: a leader paused between its lease check and its mark takes no row from its successor."""
+    from harvester.config import units
+    from harvester.mpr import UnitHarvester
+    from harvester.neli import Lease
+    from harvester.ports import Providers
+
+    data = topics("data", partitions=1)
+    with psycopg.connect(pg_dsn) as conn:
+        insert_rows(conn, schema, data, [(b"k%d" % i, b"v%d" % i) for i in range(40)])
+    in_lane = sum(1 for i in range(40) if lane_of(b"k%d" % i, lanes) == 0)
+    cfg = make_config(pg_dsn, schema, kafka_bootstrap, harvester={"lanes": lanes})
+    spec = units(cfg)[0]  # lane 0 of `lanes`: the rows of its keys
+    paused: list[_PausedBeforeMark] = []
+
+    def wrap(store):
+        paused.append(_PausedBeforeMark(store, pause=0.8))
+        return paused[-1]
+
+    unit = UnitHarvester(cfg, spec, providers=Providers(store=wrap, description="paused before mark"))
+    lease = Lease(0, hb_timeout=0.3, metrics=get_metrics(), on_change=lambda s, lid: None)
+    lease.acquire()  # leads for 0.3 s: no heartbeat will come
+    unit.start(lease)
+    try:
+        assert wait_until(lambda: paused and paused[0].results, 10), "the marker never marked"
+        assert paused[0].results[0] == 0, "a mark sent after the lease ended marked rows"
+        with psycopg.connect(pg_dsn) as conn:
+            marked = conn.execute(f'SELECT count(*) FROM "{schema}".outbox WHERE leader_id IS NOT NULL').fetchone()[0]
+        assert marked == 0
+        assert outbox_count(pg_dsn, schema) == 40
+        lease.hb_timeout = 60.0  # heartbeats are back: the same marker leads again, from the head
+        lease.last_heartbeat = time.monotonic()
+        assert wait_until(lambda: outbox_count(pg_dsn, schema) == 40 - in_lane, 30), "the marker did not resume"
+    finally:
+        unit.finish(2)
+        unit.close()
+
+
+@pytest.mark.parametrize("max_age", [0.0, 1.0])
+def test_the_database_clock_maps_a_deadline_early_never_late(pg_dsn, schema, max_age):
+    """A monotonic time mapped onto the server's clock is never later than the server's own reading
+    of that moment (so a mark's deadline can only err towards refusing), and off by about a round trip."""
+    from harvester.store import DatabaseClock
+
+    pool = make_pool(pg_dsn, 1)
+    try:
+        store = OutboxStore(pool, schema)
+        clock = DatabaseClock(store.database_now, max_age=max_age)
+        for _ in range(50):
+            mapped = clock.at(time.monotonic())
+            server = store.database_now()
+            assert mapped <= server
+            assert (server - mapped).total_seconds() < 1.0
+    finally:
+        pool.close()

@@ -153,12 +153,12 @@ class FaultyStore:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
-    def mark(self, leader_id, limit):
+    def mark(self, leader_id, limit, *args, **kw):
         if self._plan.roll(self._plan.mark_delay_rate):
             time.sleep(self._plan.mark_delay)
         if self._plan.roll(self._plan.mark_error_rate):
             raise psycopg.OperationalError("injected mark fault")
-        return self._store.mark(leader_id, limit)
+        return self._store.mark(leader_id, limit, *args, **kw)
 
     def purge(self, leader_id, ids):
         n = self._store.purge(leader_id, ids)
