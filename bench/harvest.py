@@ -435,9 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         result["failover_sigkill"] = bench_failover(signal.SIGKILL, 6.0, 2.0)
         say(json.dumps(result["failover_sigkill"]))
     if "units" in want:
-        from bench.harvest_units import bench_units
+        from bench.harvest_units import bench_lane_index, bench_units
 
         result["units"] = bench_units(DSN, BOOTSTRAP, 100_000 if q else 300_000, rounds=1 if q else 2)
+        result["units"]["lane_index"] = bench_lane_index(DSN, rows=50_000 if q else 200_000)
         say(json.dumps(result["units"]))
     if "fenced" in want:
         from bench.harvest_latency import bench_fenced

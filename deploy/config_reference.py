@@ -56,6 +56,8 @@ DESCRIPTIONS = {
     "stored with it (needs the otel extra and a configured tracer provider)",
     "harvester.lanes": 'harvest units of the `database` outbox: rows are split by md5(key) mod lanes; change only by draining, then switching (README "Harvest units")',
     "harvester.outboxes": "outboxes to harvest, each {name, dsn, schema, table, lanes} (missing keys from `database`); empty: the `database` outbox",
+    "harvester.lane_index": "with lanes > 1, build (CONCURRENTLY, by lane 0's leader) and mark through an index on "
+    "(lane, id), so each lane reads only its own rows; costs each outbox insert one index entry",
     "harvester.default_completion_topic": "topic of completion events for batches opened without one",
     "acker.enabled": "run the acker (ack-topic consumer) in this process",
     "acker.topic": "topic consumers produce acks to, keyed by batch id",

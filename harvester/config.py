@@ -83,6 +83,9 @@ class HarvesterConfig:
     # {name, dsn, schema, table, lanes} whose missing keys come from `database` (lanes: 1).
     lanes: int = 1
     outboxes: list = field(default_factory=list)
+    # With lanes > 1: build (CONCURRENTLY, by lane 0's leader) and mark through an index on (lane, id),
+    # so each lane reads its own rows only (harvester.lane_index).
+    lane_index: bool = True
 
 
 @dataclass

@@ -40,6 +40,11 @@ class HarvesterMetrics:
         self.force_remarks = Counter(
             f"{p}_force_remarks_total", "Times queued work was dropped and marking restarted from the head"
         )
+        self.marks_refused = Counter(
+            f"{p}_marks_refused_total",
+            "Marks the database refused because they reached or finished there after the lease ended "
+            "(nothing marked; rising while leading: check the clocks)",
+        )
         self.mark_duration = Histogram(f"{p}_mark_duration_seconds", "Mark query duration", buckets=_DURATION_BUCKETS)
         self.purge_duration = Histogram(
             f"{p}_purge_duration_seconds", "Batched purge statement duration", buckets=_DURATION_BUCKETS
@@ -125,6 +130,7 @@ class MetricsLike(Protocol):
     purged: Counter
     reset: Counter
     txn_aborted: Counter
+    marks_refused: Counter
     mark_duration: Histogram
     produce_duration: Histogram
     purge_duration: Histogram
@@ -155,6 +161,7 @@ class UnitMetrics:
     purged: Counter
     reset: Counter
     txn_aborted: Counter
+    marks_refused: Counter
     mark_duration: Histogram
     produce_duration: Histogram
     purge_duration: Histogram

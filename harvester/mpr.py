@@ -28,12 +28,14 @@ from psycopg_pool import ConnectionPool
 
 from . import logs
 from .config import Config, UnitSpec
+from .db_clock import DatabaseClock
+from .lane_index import LaneIndex, LaneIndexKeeper
 from .metrics import MetricsLike
 from .metrics import get as get_metrics
 from .neli import LEADER, Lease
 from .ports import DEFAULT, Providers, StoreLike
 from .publish import Lifecycle, Publisher, QuarantineError, logs_safe, producer_config
-from .store import DatabaseClock, OutboxStore, make_pool
+from .store import MarkRefused, OutboxStore, make_pool
 
 MIN_REMARK_BACKOFF = 0.05  # seconds before the second remark in a row without progress
 MAX_REMARK_BACKOFF = 5.0  # bound of the doubling back-off
@@ -77,6 +79,7 @@ class UnitHarvester:
         self._producer_thread = threading.Thread(target=self._produce_loop, name="reaper-produce", daemon=True)
         self._batches: queue.Queue = queue.Queue(maxsize=2)  # marked, waiting for the producer thread
         self._upkeep = threading.Thread(target=self._upkeep_loop, name="reaper-upkeep", daemon=True)
+        self.lane_index: LaneIndexKeeper | None = None  # lanes > 1 and harvester.lane_index
         self.purged_since_vacuum = 0
         self.vacuums = 0
         self.remark_backoff = 0.0  # the last back-off taken before a remark (0: progress was made)
@@ -95,6 +98,15 @@ class UnitHarvester:
         store = OutboxStore(self.pool, spec.schema, spec.table, lane=spec.lane, lanes=spec.lanes)
         self.store = self.providers.store(store)
         self._db_clock = DatabaseClock(self.store.database_now)
+        if spec.lanes > 1 and h.lane_index:
+            index = LaneIndex(spec.schema, spec.table, spec.lanes)
+            self.lane_index = LaneIndexKeeper(index, spec.dsn, spec.lane == 0, store.use_lane_index, self.log)
+            threading.Thread(
+                target=self.lane_index.run,
+                args=(self._stop, lambda: self.leading),
+                name="reaper-lane-index",
+                daemon=True,
+            ).start()
         conf = producer_config(cfg.kafka.bootstrap_servers, cfg.kafka.client, cfg.kafka.producer, self._txn_id)
         self.publisher = Publisher(
             conf,
@@ -265,18 +277,28 @@ class UnitHarvester:
             if room <= 0:
                 pub.wait_below(h.max_in_flight, 0.05)
                 continue
-            started = time.monotonic()
             limit = min(h.mark_batch, room)
             # Read before the check below, so a pause after the check cannot stretch it: the server
-            # refuses the mark if it arrives after this (see OutboxStore.mark).
+            # refuses the mark if it arrives, or finishes, after this (see OutboxStore.mark).
             until = self.neli.valid_until()
             if not self._valid(me):
                 continue
             try:
+                deadline = db_clock.at(until)
+                started = time.monotonic()
                 # Always from the head (see OutboxStore.mark): rows committed late are found by the
                 # very next mark, before any causally later row of their key.
-                rows = self.store.mark(me, limit, db_clock.at(until))
+                rows = self.store.mark(me, limit, until=deadline)
+            except MarkRefused as exc:
+                # Nothing was marked. Usually the lease ended while the mark was on its way (the
+                # next turn sees it); if it repeats while leading, the clocks are in question.
+                db_clock.forget()
+                m.marks_refused.inc()
+                self.log.warning("mark refused: it reached or finished in the database after the lease", error=str(exc))
+                self._stop.wait(0.05)
+                continue
             except Exception as exc:
+                db_clock.forget()
                 self.log.warning("mark failed", error=logs_safe(exc))
                 self.force_remark("mark failed")
                 self._stop.wait(0.2)

@@ -9,13 +9,13 @@ pooler such as PgBouncer: see `configure_connection`).
 from __future__ import annotations
 
 import hashlib
-import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from operator import itemgetter
 
+import psycopg
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
@@ -25,12 +25,13 @@ from .pool import configure_connection, make_pool  # noqa: F401  (the pool lives
 
 COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
 
+
+class MarkRefused(RuntimeError):
+    """The mark reached the server, or finished there, after its `until`: nothing was marked."""
+
+
 # A mark's `until` when the caller sets none (tools, tests): a timestamptz the server accepts.
 FOREVER = datetime(9999, 12, 31, tzinfo=UTC)
-# How long a DatabaseClock anchor is trusted: one cheap query a second. Clocks drift apart by at most
-# ~500 ppm (NTP's slew limit), 0.5 ms over this; a step of the server's clock forward (marks refused
-# as late) is corrected within it.
-CLOCK_ANCHOR_MAX_AGE = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,19 +104,40 @@ class OutboxStore:
         # passed over while a causally later row of its key (a higher id) is marked (invariant 6).
         # A lane (lanes > 1) marks only the rows whose key hashes to it: every row of a key is in one
         # lane, so per-key order is kept within one unit, and no row is ever marked by two units.
-        in_lane = (
-            sql.SQL("")
-            if lanes == 1
-            else sql.SQL(" AND " + LANE_SQL.format(lanes=int(lanes)) + " = {lane}").format(lane=sql.Literal(int(lane)))
-        )
-        self._mark = sql.SQL(
+        mark = (
             "UPDATE {t} SET leader_id = %(me)s WHERE id = ANY(ARRAY("
             "SELECT id FROM {t} WHERE (leader_id IS NULL OR leader_id <> %(me)s){in_lane}"
-            " ORDER BY id LIMIT %(n)s)) AND (leader_id IS NULL OR leader_id <> %(me)s) "
+            " ORDER BY {order} LIMIT %(n)s)) AND (leader_id IS NULL OR leader_id <> %(me)s) "
             "AND statement_timestamp() < %(until)s "
             "RETURNING id, topic, key, value, header_keys, header_values, kafka_partition"
-        ).format(t=t, in_lane=in_lane)
+        )
+        if lanes == 1:
+            self._mark = sql.SQL(mark).format(t=t, in_lane=sql.SQL(""), order=sql.SQL("id"))
+            self._mark_indexed = self._mark
+        else:
+            lane_expr = sql.SQL(LANE_SQL.format(lanes=int(lanes)))
+            self._mark = sql.SQL(mark).format(
+                t=t,
+                in_lane=sql.SQL(" AND {e} = {lane}").format(e=lane_expr, lane=sql.Literal(int(lane))),
+                order=sql.SQL("id"),
+            )
+            # Through the lane index (harvester.lane_index), as a range of it: with `lane = L` the
+            # planner would take the ordering as plain id order and keep walking the primary key.
+            self._mark_indexed = sql.SQL(mark).format(
+                t=t,
+                in_lane=sql.SQL(" AND ({e}, id) >= ({lane}, {low}) AND ({e}, id) < ({above}, {low})").format(
+                    e=lane_expr,
+                    lane=sql.Literal(int(lane)),
+                    above=sql.Literal(int(lane) + 1),
+                    low=sql.SQL("(-9223372036854775807 - 1)::bigint"),
+                ),
+                order=sql.SQL("{e}, id").format(e=lane_expr),
+            )
+        self._lane_index = False
         self._now = "SELECT clock_timestamp()"
+        # Run after the mark, before the one Sync: if the mark finished after `until` (it waited on
+        # a row lock, say), this divides by zero and the implicit transaction takes the mark back.
+        self._finished_in_time = "SELECT 1 / (clock_timestamp() < %(until)s)::int"
         self._purge = sql.SQL("DELETE FROM {t} WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(t=t)
         self._reset = sql.SQL("UPDATE {t} SET leader_id = NULL WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(
             t=t
@@ -135,32 +157,41 @@ class OutboxStore:
         self._count = sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {t} LIMIT %s) AS s").format(t=t)
         self._span = sql.SQL("SELECT max(id) - min(id) + 1 FROM {t}").format(t=t)
 
-    def mark(self, leader_id: uuid.UUID, limit: int, until: datetime = FOREVER) -> list[tuple]:
+    def mark(self, leader_id: uuid.UUID, limit: int, *, until: datetime) -> list[tuple]:
         """Mark up to `limit` of the lowest-id rows not marked by `leader_id`; sorted by id.
 
         Every mark scans from the head of the table. Skipping ahead with a cursor would miss a row
         whose (slow) transaction commits below the cursor while a later row of the same key is
         marked above it; the leader's vacuum upkeep keeps the head cheap to scan instead.
 
-        `until` is the leadership's end on the server's clock (DatabaseClock): a statement that
-        reaches the server later marks nothing. A leader paused between checking its lease and
-        sending the mark (SIGSTOP, a VM pause) so cannot take rows from its successor on waking.
-        One value per statement, not per row: the mark stays all-or-nothing, never a set with holes.
+        `until` is the end of the leadership the mark was checked under, on the server's clock
+        (harvester.db_clock; FOREVER for tools and tests). A mark that reaches the server after it
+        does nothing, and one that finishes after it (it waited on a row lock) is taken back with
+        the rest of its implicit transaction: both raise MarkRefused, and nothing is marked. A
+        leader paused between its lease check and its mark (SIGSTOP, a VM pause) so takes no row
+        from its successor on waking. All or nothing: never a set with holes in id order.
         """
         params = {"me": leader_id, "n": limit, "until": until}
+        statement = self._mark_indexed if self._lane_index else self._mark
         with self.pool.connection() as conn:
-            if self.lanes == 1:
-                rows = conn.execute(self._mark, params, binary=True).fetchall()
-            else:
-                # One pipeline, one Sync: both statements run in one implicit transaction, which
-                # is all SET LOCAL lasts, in one round trip as for one unit (conn.transaction()
-                # would add BEGIN and COMMIT, each with a Sync of its own).
+            try:
+                # One pipeline, one Sync: the statements run in one implicit transaction (all that
+                # SET LOCAL lasts; what the closing check takes back), in one round trip.
                 with conn.pipeline():
-                    conn.execute(LANE_MARK_PLAN)
-                    cur = conn.execute(self._mark, params, binary=True)
-                rows = cur.fetchall()
+                    if self.lanes > 1:
+                        conn.execute(LANE_MARK_PLAN)
+                    cur = conn.execute(statement, params, binary=True)
+                    if until is not FOREVER:
+                        conn.execute(self._finished_in_time, {"until": until})
+            except psycopg.errors.DivisionByZero:
+                raise MarkRefused(f"the mark finished after its deadline {until.isoformat()}") from None
+            rows = cur.fetchall()
         rows.sort(key=itemgetter(0))
         return rows
+
+    def use_lane_index(self, valid: bool) -> None:
+        """Mark through the lane index (harvester.lane_index) while `valid`, else along the primary key."""
+        self._lane_index = bool(valid) and self.lanes > 1
 
     def database_now(self) -> datetime:
         """The database server's clock."""
@@ -207,29 +238,3 @@ class OutboxStore:
                 rows = max(exact_up_to + 1, spanned[0] or 0)
             oldest = conn.execute(self._oldest).fetchone()
         return Backlog(rows=rows, oldest_age=max(0.0, float(oldest[0])) if oldest else 0.0, exact=exact)
-
-
-class DatabaseClock:
-    """This process's monotonic clock mapped onto the database server's, so that the server itself
-    can refuse a mark sent after the leadership it was checked under had ended (OutboxStore.mark).
-
-    The anchor is the server's time read by one query, paired with the monotonic time after the
-    reply: the server's reading was taken earlier than that, so a deadline mapped through it lands
-    early by at most one round trip, never late."""
-
-    def __init__(self, read_now: Callable[[], datetime], max_age: float = CLOCK_ANCHOR_MAX_AGE) -> None:
-        self._read_now = read_now
-        self.max_age = max_age
-        self._anchor: tuple[datetime, float] | None = None
-
-    def refresh(self) -> None:
-        server = self._read_now()
-        self._anchor = (server, time.monotonic())
-
-    def at(self, monotonic_t: float) -> datetime:
-        """The server's time at monotonic time `monotonic_t` (re-anchored when the anchor is old)."""
-        if self._anchor is None or time.monotonic() - self._anchor[1] > self.max_age:
-            self.refresh()
-        assert self._anchor is not None
-        server, local = self._anchor
-        return server + timedelta(seconds=monotonic_t - local)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from datetime import UTC, datetime
+from zoneinfo import ZoneInfo
 
 import psycopg
 import pytest
@@ -13,7 +15,7 @@ from support.harness import insert_rows, make_config, outbox_count, wait_until
 from harvester.metrics import get as get_metrics
 from harvester.publish import LifecycleError, Publisher, producer_config
 from harvester.settle import Settler
-from harvester.store import OutboxStore, lane_of, make_pool
+from harvester.store import FOREVER, MarkRefused, OutboxStore, lane_of, make_pool
 from harvester.units import Harvester
 
 
@@ -59,7 +61,7 @@ def test_settler_counts_every_report_once_with_many_workers_and_reporting_thread
     try:
         store = OutboxStore(pool, schema)
         me = uuid.uuid4()
-        rows = store.mark(me, n)
+        rows = store.mark(me, n, until=FOREVER)
         assert len(rows) == n
         settler = Settler(store, get_metrics(), batch=97, workers=4)
         settler.start()
@@ -205,7 +207,11 @@ class _PausedBeforeMark:
     def mark(self, leader_id, limit, *args, **kw):
         if not self.results:
             time.sleep(self._pause)
-        rows = self._store.mark(leader_id, limit, *args, **kw)
+        try:
+            rows = self._store.mark(leader_id, limit, *args, **kw)
+        except MarkRefused:
+            self.results.append("refused")
+            raise
         self.results.append(len(rows))
         return rows
 
@@ -228,16 +234,16 @@ def test_a_mark_sent_after_the_lease_ended_marks_nothing(pg_dsn, kafka_bootstrap
     paused: list[_PausedBeforeMark] = []
 
     def wrap(store):
-        paused.append(_PausedBeforeMark(store, pause=0.8))
+        paused.append(_PausedBeforeMark(store, pause=2.0))
         return paused[-1]
 
     unit = UnitHarvester(cfg, spec, providers=Providers(store=wrap, description="paused before mark"))
-    lease = Lease(0, hb_timeout=0.3, metrics=get_metrics(), on_change=lambda s, lid: None)
-    lease.acquire()  # leads for 0.3 s: no heartbeat will come
+    lease = Lease(0, hb_timeout=1.0, metrics=get_metrics(), on_change=lambda s, lid: None)
+    lease.acquire()  # leads for 1 s: no heartbeat will come
     unit.start(lease)
     try:
         assert wait_until(lambda: paused and paused[0].results, 10), "the marker never marked"
-        assert paused[0].results[0] == 0, "a mark sent after the lease ended marked rows"
+        assert paused[0].results[0] == "refused", "a mark sent after the lease ended was not refused"
         with psycopg.connect(pg_dsn) as conn:
             marked = conn.execute(f'SELECT count(*) FROM "{schema}".outbox WHERE leader_id IS NOT NULL').fetchone()[0]
         assert marked == 0
@@ -254,7 +260,7 @@ def test_a_mark_sent_after_the_lease_ended_marks_nothing(pg_dsn, kafka_bootstrap
 def test_the_database_clock_maps_a_deadline_early_never_late(pg_dsn, schema, max_age):
     """A monotonic time mapped onto the server's clock is never later than the server's own reading
     of that moment (so a mark's deadline can only err towards refusing), and off by about a round trip."""
-    from harvester.store import DatabaseClock
+    from harvester.db_clock import DatabaseClock
 
     pool = make_pool(pg_dsn, 1)
     try:
@@ -264,6 +270,70 @@ def test_the_database_clock_maps_a_deadline_early_never_late(pg_dsn, schema, max
             mapped = clock.at(time.monotonic())
             server = store.database_now()
             assert mapped <= server
-            assert (server - mapped).total_seconds() < 1.0
+            assert (server - mapped).total_seconds() < 0.1
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_mark_that_finishes_after_its_deadline_is_taken_back(pg_dsn, schema, topics, lanes):
+    """A mark that reached the server in time but waited on a row lock past its deadline marks
+    nothing: the check after it, in the same implicit transaction, takes it back."""
+    from harvester.db_clock import DatabaseClock
+    from harvester.store import MarkRefused
+
+    data = topics("data", partitions=1)
+    with psycopg.connect(pg_dsn) as conn:
+        insert_rows(conn, schema, data, [(b"k%d" % i, b"v%d" % i) for i in range(20)])
+    pool = make_pool(pg_dsn, 2)
+    holder = psycopg.connect(pg_dsn)
+    try:
+        store = OutboxStore(pool, schema, lane=lane_of(b"k0", lanes), lanes=lanes)
+        clock = DatabaseClock(store.database_now)
+        holder.execute(f'SELECT id FROM "{schema}".outbox ORDER BY id LIMIT 1 FOR UPDATE')  # k0's row
+        outcome: list[object] = []
+
+        def mark() -> None:
+            try:
+                outcome.append(store.mark(uuid.uuid4(), 20, until=clock.at(time.monotonic() + 0.5)))
+            except MarkRefused as exc:
+                outcome.append(exc)
+
+        marker = threading.Thread(target=mark)
+        marker.start()
+        time.sleep(1.5)
+        holder.rollback()  # the lock goes 1 s after the deadline: the mark finishes then
+        marker.join(10)
+        assert len(outcome) == 1 and isinstance(outcome[0], MarkRefused), outcome
+        with psycopg.connect(pg_dsn) as conn:
+            marked = conn.execute(f'SELECT count(*) FROM "{schema}".outbox WHERE leader_id IS NOT NULL').fetchone()[0]
+        assert marked == 0
+        # In time, the same mark goes through.
+        assert store.mark(uuid.uuid4(), 20, until=clock.at(time.monotonic() + 5))
+    finally:
+        holder.close()
+        pool.close()
+
+
+@pytest.mark.parametrize(
+    "server_now",
+    [
+        # Half a second before New York's clocks go back (EDT), and inside the repeated hour (EST).
+        datetime(2026, 11, 1, 1, 59, 59, 500000, tzinfo=ZoneInfo("America/New_York")),
+        datetime(2026, 11, 1, 1, 30, tzinfo=ZoneInfo("America/New_York"), fold=1),
+        datetime(2026, 3, 8, 1, 59, 59, 500000, tzinfo=ZoneInfo("America/New_York")),
+    ],
+    ids=["before-fall-back", "repeated-hour", "before-spring-forward"],
+)
+def test_the_database_clock_counts_in_elapsed_time_across_a_daylight_saving_change(server_now):
+    """A server whose TimeZone has daylight saving returns zoned times; a deadline five seconds on
+    is five elapsed seconds on, not five seconds on the local wall clock (an hour off across a change)."""
+    from harvester.db_clock import DatabaseClock
+
+    clock = DatabaseClock(lambda: server_now)
+    clock.refresh()
+    local = time.monotonic()
+    mapped = clock.at(local + 5.0)
+    # In UTC: Python subtracts two datetimes of one tzinfo by their wall clocks, shift or not.
+    elapsed = (mapped.astimezone(UTC) - server_now.astimezone(UTC)).total_seconds()
+    assert 4.999 < elapsed < 5.1, elapsed  # and not 3,605 or 1,795

@@ -13,7 +13,7 @@ from support.faults import FaultPlan
 from support.harness import Generator, Receiver, insert_rows, make_config, order_violations, outbox_count, wait_until
 
 from harvester.metrics import get as get_metrics
-from harvester.store import OutboxStore, make_pool
+from harvester.store import FOREVER, OutboxStore, make_pool
 from harvester.units import Harvester
 
 PARTITIONS = 4
@@ -198,7 +198,7 @@ def test_purge_and_reset_hitting_no_row(pg_dsn, schema, conn):
     try:
         store = OutboxStore(pool, schema)
         me, other = uuid.uuid4(), uuid.uuid4()
-        rows = store.mark(me, 3)
+        rows = store.mark(me, 3, until=FOREVER)
         assert [r[0] for r in rows] == sorted(r[0] for r in rows) and len(rows) == 3
         ids = [r[0] for r in rows]
         assert store.purge(other, ids) == 0  # marked by someone else now: purge touches nothing
@@ -208,7 +208,10 @@ def test_purge_and_reset_hitting_no_row(pg_dsn, schema, conn):
         assert store.reset(me, ids[:1]) == 0
         assert store.reset(me, ids[1:]) == 2
         assert store.purge(me, ids[1:]) == 0  # reset: no longer ours
-        assert [r[0] for r in store.mark(me, 10)] == [*ids[1:], *[i for i in range(ids[-1] + 1, ids[-1] + 3)]]
+        assert [r[0] for r in store.mark(me, 10, until=FOREVER)] == [
+            *ids[1:],
+            *[i for i in range(ids[-1] + 1, ids[-1] + 3)],
+        ]
     finally:
         pool.close()
 

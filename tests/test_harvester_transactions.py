@@ -23,7 +23,7 @@ from test_harvester_pipeline import PARTITIONS, _publish_all_in_order, setup  # 
 from harvester.metrics import get as get_metrics
 from harvester.ports import Providers
 from harvester.publish import Publisher, producer_config
-from harvester.store import OutboxStore, make_pool
+from harvester.store import FOREVER, OutboxStore, make_pool
 from harvester.transactional import TXN_PRODUCERS, TransactionalStrategy
 
 
@@ -77,7 +77,7 @@ def _paused_leader(pg_dsn, kafka_bootstrap, schema, topic, values, keys, txn_id=
         store = OutboxStore(pool, schema)
         pub, failures = _publisher(kafka_bootstrap, store, txn_id or _txn_id())
         me = uuid.uuid4()
-        rows = store.mark(me, len(values))
+        rows = store.mark(me, len(values), until=FOREVER)
         assert len(rows) == len(values)
         pub.reserve(len(rows))
         seq = _open_and_write(pub, rows[:write], me)
@@ -144,7 +144,7 @@ def test_a_new_leader_fences_the_old_leaders_producer_at_the_broker(pg_dsn, kafk
             # B takes over: remarks everything from the head, publishes and commits.
             b, _ = _publisher(kafka_bootstrap, store, txn_id)
             me_b = uuid.uuid4()
-            rows_b = store.mark(me_b, 500)
+            rows_b = store.mark(me_b, 500, until=FOREVER)
             assert len(rows_b) == 200
             b.reserve(len(rows_b))
             assert b.produce_rows(rows_b, me_b, lambda: True, lambda: time.monotonic() + 60) == 200
@@ -246,7 +246,7 @@ def test_a_transaction_not_committed_within_the_leadership_is_aborted_and_its_ro
 
         # The remark: a new id marks the same rows and publishes them in a new transaction.
         me2 = uuid.uuid4()
-        rows2 = store.mark(me2, 500)
+        rows2 = store.mark(me2, 500, until=FOREVER)
         assert len(rows2) == 100
         pub.reserve(len(rows2))
         assert pub.produce_rows(rows2, me2, lambda: True, lambda: time.monotonic() + 60) == 100
@@ -366,7 +366,7 @@ def test_transactions_take_the_producers_in_turn_after_fencing_every_one(pg_dsn,
     try:
         me = uuid.uuid4()
         for _ in range(6):
-            rows = store.mark(me, 50)
+            rows = store.mark(me, 50, until=FOREVER)
             pub.reserve(len(rows))
             assert pub.produce_rows(rows, me, lambda: True, lambda: time.monotonic() + 60) == len(rows)
         assert pub.txn_committed == 6 and pub.txn_aborted == 0
@@ -411,7 +411,7 @@ def test_nothing_is_begun_until_every_producer_of_the_set_is_initialised(pg_dsn,
             return next(checks, True)
 
         me = uuid.uuid4()
-        rows = store.mark(me, 100)
+        rows = store.mark(me, 100, until=FOREVER)
         pub.reserve(len(rows))
         if how == "second init fails":
             with pytest.raises(KafkaException):
@@ -422,7 +422,7 @@ def test_nothing_is_begun_until_every_producer_of_the_set_is_initialised(pg_dsn,
         assert calls == expected  # and nothing begun, nothing produced
         assert not pub.strategy.ready
         me = uuid.uuid4()
-        rows = store.mark(me, 100)
+        rows = store.mark(me, 100, until=FOREVER)
         pub.reserve(len(rows))
         assert pub.produce_rows(rows, me, lambda: True, lambda: time.monotonic() + 60) == 40
         inits = [i for call, i in calls if call == "init"]

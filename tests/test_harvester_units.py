@@ -13,7 +13,7 @@ from support.harness import Receiver, insert_rows, make_config, order_violations
 from harvester import config as config_mod
 from harvester.metrics import get as get_metrics
 from harvester.neli import LeaderTopicMismatch
-from harvester.store import lane_of
+from harvester.store import FOREVER, lane_of
 from harvester.units import Harvester
 from tracker import schema as schema_mod
 
@@ -60,7 +60,7 @@ def test_a_lane_mark_walks_the_primary_key_and_never_scans_the_whole_table(pg_ds
         before = scans()
         me = uuid.uuid4()
         for lane in range(lanes):
-            rows = OutboxStore(pool, schema, lane=lane, lanes=lanes).mark(me, 200)
+            rows = OutboxStore(pool, schema, lane=lane, lanes=lanes).mark(me, 200, until=FOREVER)
             assert len(rows) == 200 and {lane_of(r[2], lanes) for r in rows} == {lane}
         after = scans()
         assert after[0] == before[0], f"{after[0] - before[0]} sequential scans of the outbox for {lanes} marks"
@@ -85,7 +85,7 @@ def test_lane_of_agrees_with_the_mark_query(pg_dsn, schema, topics, lanes):
     try:
         marked = {}
         for lane in range(lanes):
-            rows = OutboxStore(pool, schema, lane=lane, lanes=lanes).mark(uuid.uuid4(), 1000)
+            rows = OutboxStore(pool, schema, lane=lane, lanes=lanes).mark(uuid.uuid4(), 1000, until=FOREVER)
             for r in rows:
                 assert r[2] not in marked, f"key {r[2]!r} marked by lanes {marked[r[2]]} and {lane}"
                 marked[r[2]] = lane

@@ -126,7 +126,7 @@ def test_pool_through_pgbouncer_runs_each_store_statement_many_times(pgbouncer_d
 
     from support.harness import insert_rows
 
-    from harvester.store import OutboxStore, make_pool
+    from harvester.store import FOREVER, OutboxStore, make_pool
 
     @contextlib.contextmanager
     def other_server(on: bool):
@@ -148,7 +148,7 @@ def test_pool_through_pgbouncer_runs_each_store_statement_many_times(pgbouncer_d
             insert_rows(conn, pgbouncer_schema, "t", [(b"k", b"%d" % i) for i in range(40)])
         for i in range(12):  # twice psycopg's default prepare threshold
             with other_server(i % 2 == 1):
-                rows = store.mark(me, 2)
+                rows = store.mark(me, 2, until=FOREVER)
             assert len(rows) == 2
             with other_server(i % 2 == 0):
                 assert store.reset(me, [rows[1][0]]) == 1

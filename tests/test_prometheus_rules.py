@@ -68,6 +68,8 @@ CONTRACT_METRICS = {
     "reaper_settle_busy_total",
     "reaper_acker_deferred_total",
     "reaper_acker_deferred_masks",
+    # a mark the database refused as arriving or finishing after the lease ended
+    "reaper_marks_refused_total",
 }
 HISTOGRAMS = {
     "reaper_mark_duration_seconds",

@@ -1,0 +1,181 @@
+"""The lane index (harvester.lane_index): built concurrently, rebuilt when a build was interrupted,
+used by the mark only while valid, and the mark through it takes exactly the rows the mark along the
+primary key takes."""
+
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support.harness import insert_rows, make_config, outbox_count, wait_until
+
+from harvester.lane_index import INVALID, MAX_IDENTIFIER, MISSING, VALID, LaneIndex, LaneIndexKeeper, lane_index_name
+from harvester.logs import get as get_log
+from harvester.store import FOREVER, LANE_MARK_PLAN, OutboxStore, lane_of, make_pool
+from harvester.units import Harvester
+
+
+def _build(pg_dsn: str, index: LaneIndex) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for _ in range(3):
+            if index.build_step(conn) == VALID:
+                return
+        assert index.state(conn) == VALID
+
+
+@given(
+    table=st.from_regex(r"[a-z_][a-z0-9_]{0,62}", fullmatch=True),
+    lanes=st.integers(2, 1024),
+    other=st.integers(2, 1024),
+)
+def test_index_names_fit_postgres_and_differ_by_lane_count(table, lanes, other):
+    name = lane_index_name(table, lanes)
+    assert len(name.encode()) <= MAX_IDENTIFIER
+    assert name.endswith(f"_lanes{lanes}")
+    if other != lanes:
+        assert lane_index_name(table, other) != name
+
+
+def test_a_lane_index_is_for_several_lanes():
+    with pytest.raises(ValueError, match="lanes 1"):
+        LaneIndex("s", "outbox", 1)
+
+
+keys = st.one_of(st.none(), st.binary(max_size=12), st.sampled_from([b"a", b"b", b"key-1", b"key-2", b""]))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rows=st.lists(st.tuples(keys, st.integers(0, 3)), min_size=1, max_size=60),
+    lanes=st.integers(2, 5),
+    limit=st.integers(1, 40),
+)
+def test_the_mark_through_the_index_takes_the_rows_the_primary_key_walk_takes(pg_dsn, schema, rows, lanes, limit):
+    """Rows with null, empty and arbitrary keys, some already marked by other ids (0 = unmarked):
+    for every lane, both marks pick the same ids, in the same order, and those are the lowest
+    unmarked-by-me ids of the lane (as lane_of computes it in Python)."""
+    index = LaneIndex(schema, "outbox", lanes)
+    me = uuid.uuid4()
+    marked_by = [None, me, uuid.uuid4(), uuid.uuid4()]  # unmarked, by me (passed over), by others
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'TRUNCATE "{schema}".outbox')
+        with conn.cursor() as cur:
+            cur.executemany(
+                f'INSERT INTO "{schema}".outbox (topic, key, value, leader_id) VALUES (%s, %s, %s, %s)',
+                [("t", key, b"v", marked_by[who]) for key, who in rows],
+            )
+        ids = [r[0] for r in conn.execute(f'SELECT id FROM "{schema}".outbox ORDER BY id')]
+        _build(pg_dsn, index)
+    pool = make_pool(pg_dsn, 1)
+    try:
+        for lane in range(lanes):
+            expected = [
+                i
+                for i, (key, who) in zip(ids, rows, strict=True)
+                if lane_of(key, lanes) == lane and marked_by[who] != me
+            ][:limit]
+            store = OutboxStore(pool, schema, lane=lane, lanes=lanes)
+            got = {}
+            for indexed in (False, True):
+                store.use_lane_index(indexed)
+                got[indexed] = [r[0] for r in store.mark(me, limit, until=FOREVER)]
+                with pool.connection() as conn:  # as it was, for the other mark
+                    for i, (_, who) in zip(ids, rows, strict=True):
+                        if i in got[indexed]:
+                            conn.execute(
+                                f'UPDATE "{schema}".outbox SET leader_id = %s WHERE id = %s', [marked_by[who], i]
+                            )
+            assert got[False] == got[True] == expected
+    finally:
+        pool.close()
+
+
+def test_the_indexed_mark_reads_the_lane_index(pg_dsn, schema, topics):
+    lanes = 4
+    data = topics("data", partitions=1)
+    with psycopg.connect(pg_dsn) as conn:
+        insert_rows(conn, schema, data, [(b"key-%d" % (i % 500), b"v") for i in range(20_000)])
+    index = LaneIndex(schema, "outbox", lanes)
+    _build(pg_dsn, index)
+    store = OutboxStore(None, schema, lane=1, lanes=lanes)  # type: ignore[arg-type]  # SQL only
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute(f'ANALYZE "{schema}".outbox')
+        conn.execute(LANE_MARK_PLAN)
+        params = {"me": uuid.uuid4(), "n": 500, "until": psycopg.sql.SQL("now() + interval '1 h'")}
+        plans = {}
+        for name, statement in (("pkey", store._mark), ("indexed", store._mark_indexed)):
+            text = statement.as_string(conn)
+            text = text.replace("%(me)s", "%(me)s::uuid").replace("%(until)s", "now() + interval '1 h'")
+            plans[name] = "\n".join(r[0] for r in conn.execute("EXPLAIN " + text, {"me": params["me"], "n": 500}))
+        conn.rollback()
+    assert index.name in plans["indexed"], plans["indexed"]
+    assert index.name not in plans["pkey"], plans["pkey"]
+
+
+def test_an_interrupted_build_is_dropped_and_built_again(pg_dsn, schema):
+    """A failed CONCURRENTLY build leaves an invalid index under the name: the next steps drop it,
+    then build the real one."""
+    index = LaneIndex(schema, "outbox", 2)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"INSERT INTO \"{schema}\".outbox (topic, key, value) VALUES ('t', 'k', 'v'), ('t', 'k', 'v')")
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            conn.execute(f'CREATE UNIQUE INDEX CONCURRENTLY "{index.name}" ON "{schema}".outbox (topic)')
+        assert index.state(conn) == INVALID
+        assert index.build_step(conn) == INVALID  # dropped
+        assert index.state(conn) == MISSING
+        assert index.build_step(conn) == MISSING  # built
+        assert index.state(conn) == VALID
+        definition = conn.execute("SELECT pg_get_indexdef(%s::regclass)", [f'"{schema}"."{index.name}"']).fetchone()[0]
+    assert "md5" in definition and "id" in definition
+
+
+def test_a_reaper_that_may_not_build_it_says_so_once_and_marks_without_it(pg_dsn, schema):
+    role = f"noowner_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+        conn.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}')
+        conn.execute(f'GRANT SELECT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "{schema}" TO {role}')
+    try:
+        dsn = pg_dsn.replace("postgres@", f"{role}@")
+        used: list[bool] = []
+        keeper = LaneIndexKeeper(LaneIndex(schema, "outbox", 2), dsn, True, used.append, get_log("test"))
+        assert keeper.step() > 0 and keeper.step() > 0
+        assert used == [False, False] and keeper._refused
+        assert "CREATE INDEX CONCURRENTLY" in keeper.index.statement()
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'REVOKE ALL ON ALL TABLES IN SCHEMA "{schema}" FROM {role}')
+            conn.execute(f'REVOKE ALL ON SCHEMA "{schema}" FROM {role}')
+            conn.execute(f"DROP ROLE {role}")
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_harvester_in_lanes_builds_the_index_and_marks_through_it(pg_dsn, kafka_bootstrap, schema, topics, enabled):
+    lanes = 2
+    data = topics("data", partitions=2)
+    cfg = make_config(
+        pg_dsn,
+        schema,
+        kafka_bootstrap,
+        leader_topic=topics("leader", partitions=lanes),
+        harvester={"lanes": lanes, "lane_index": enabled},
+    )
+    h = Harvester(cfg).start()
+    try:
+        assert wait_until(lambda: all(u.leading for u in h.units), 30)
+        if enabled:
+            assert wait_until(lambda: all(u.lane_index is not None and u.lane_index.valid for u in h.units), 30)
+            assert all(u.store._lane_index for u in h.units)
+        else:
+            assert all(u.lane_index is None for u in h.units)
+        with psycopg.connect(pg_dsn) as conn:
+            insert_rows(conn, schema, data, [(b"k%d" % (i % 40), b"v%d" % i) for i in range(2_000)])
+        assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 60)
+    finally:
+        h.stop(5)
+    with psycopg.connect(pg_dsn) as conn:
+        exists = LaneIndex(schema, "outbox", lanes).state(conn) != MISSING
+    assert exists is enabled
