@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Callable
 
 import psycopg
@@ -31,10 +32,15 @@ from .store import LANE_SQL
 
 MAX_IDENTIFIER = 63  # Postgres truncates longer names; ours must not collide when it would
 
+# Building: a CREATE INDEX in progress on it, or another session holding the table's SHARE UPDATE
+# EXCLUSIVE lock (a build, by any role: pg_stat_progress_create_index hides other roles' builds from
+# a role without pg_read_all_stats; or a VACUUM, which only delays the check).
 _STATE = (
     "SELECT i.indisvalid, EXISTS (SELECT 1 FROM pg_stat_progress_create_index p WHERE p.index_relid = c.oid) "
+    "OR EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'relation' AND l.relation = i.indrelid "
+    "AND l.mode = 'ShareUpdateExclusiveLock' AND l.granted AND l.pid <> pg_backend_pid()) "
     "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace JOIN pg_index i ON i.indexrelid = c.oid "
-    "WHERE n.nspname = %s AND c.relname = %s"
+    "WHERE n.nspname = %s AND c.relname = %s AND i.indrelid = to_regclass(%s)"
 )
 
 MISSING, BUILDING, INVALID, VALID = "missing", "building", "invalid", "valid"
@@ -65,13 +71,14 @@ class LaneIndex:
             lane=sql.SQL(LANE_SQL.format(lanes=int(lanes))),
         )
         self._drop = sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {i}").format(i=sql.Identifier(schema, self.name))
+        self._table = qualified(schema, table).as_string(None)
 
     def statement(self) -> str:
         """The CREATE INDEX statement, for an operator to run."""
         return self._create.as_string(None)
 
     def state(self, conn: psycopg.Connection) -> str:
-        row = conn.execute(_STATE, [self.schema, self.name]).fetchone()
+        row = conn.execute(_STATE, [self.schema, self.name, self._table]).fetchone()
         if row is None:
             return MISSING
         valid, building = row
@@ -90,9 +97,12 @@ class LaneIndex:
         return found
 
 
-RECHECK_VALID = 60.0  # seconds between checks that a valid index is still there
-RECHECK_FIRST = 1.0  # otherwise (being built, not ours to build, refused, the database away): 1 s,
-RECHECK_MAX = 60.0  # doubling while nothing changes, to at most this
+# Seconds to the next step. A valid index is checked often on a kept connection (one catalog query):
+# once it is gone, each mark through it scans the whole table until the lane switches back.
+RECHECK_VALID = 5.0
+RECHECK_FIRST = 1.0  # being built elsewhere, not ours to build: 1 s, doubling while nothing changes,
+RECHECK_MAX = 60.0  # to at most this
+RECHECK_FAILED_MAX = 900.0  # a build or check that fails: 2 s, doubling while it keeps failing, to this
 
 
 class LaneIndexKeeper:
@@ -105,30 +115,51 @@ class LaneIndexKeeper:
     ):
         self.index, self.dsn, self.builder, self._use, self._log = index, dsn, builder, use, log
         self.valid = False
-        self._refused = False
+        self.failures = 0  # in a row; back to 0 once the index is seen valid
         self._last_state: str | None = None
         self._wait = RECHECK_FIRST
+        self._conn: psycopg.Connection | None = None
+        self._wake = threading.Event()
+
+    def recheck_soon(self) -> None:
+        """Check at once (the marker saw a refused, failed or slow mark: the index may be gone)."""
+        self._wake.set()
+
+    def _connection(self) -> psycopg.Connection:
+        # Its own, not a pooled one: a build may take long.
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self.dsn, autocommit=True)
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
 
     def step(self) -> float:
         """Check (and when ours, build) once; return the seconds until the next step."""
         try:
-            # A connection of its own, not a pooled one: a build may take long.
-            with psycopg.connect(self.dsn, autocommit=True) as conn:
-                state = self.index.build_step(conn) if self.builder else self.index.state(conn)
-                if self.builder and state in (MISSING, INVALID):
-                    state = self.index.state(conn)  # after the build or the drop
+            conn = self._connection()
+            state = self.index.state(conn)
+            if self.builder and state in (MISSING, INVALID):
+                if state == MISSING:
+                    self._log.info("building the lane index", statement=self.index.statement())
+                started = time.monotonic()
+                self.index.build_step(conn)
+                state = self.index.state(conn)
+                if state == VALID:
+                    self._log.info(
+                        "lane index built", index=self.index.name, seconds=round(time.monotonic() - started, 3)
+                    )
+                elif self._last_state == MISSING or state != MISSING:  # not just the drop of an invalid one
+                    return self._failed(f"the build ended {state}", state)
         except psycopg.errors.InsufficientPrivilege as exc:
-            if not self._refused:
-                self._refused = True
-                self._log.warning(
-                    "cannot build the lane index: marking along the primary key; the table's owner can run",
-                    statement=self.index.statement(),
-                    error=str(exc).strip(),
-                )
-            state = None
+            return self._failed(str(exc).strip(), None, hint="the table's owner can run the statement")
         except psycopg.Error as exc:
-            self._log.warning("lane index check failed", index=self.index.name, error=str(exc).strip())
-            state = None
+            self.close()
+            return self._failed(str(exc).strip(), self._last_state)  # the index's state is unknown: keep the last
+        return self._settle(state)
+
+    def _settle(self, state: str | None) -> float:
         valid = state == VALID
         if valid != self.valid:
             self._log.info(
@@ -140,12 +171,38 @@ class LaneIndexKeeper:
         self._use(valid)
         previous, self._last_state = self._last_state, state
         if valid:
+            self.failures = 0
             return RECHECK_VALID
         self._wait = RECHECK_FIRST if state != previous else min(RECHECK_MAX, self._wait * 2)
         return self._wait
 
+    def _failed(self, error: str, state: str | None, hint: str = "") -> float:
+        self.failures += 1
+        wait = min(RECHECK_FAILED_MAX, RECHECK_FIRST * 2**self.failures)
+        if self.failures & (self.failures - 1) == 0:  # the 1st, 2nd, 4th, 8th... failure in a row
+            self._log.warning(
+                "lane index: marking along the primary key meanwhile",
+                index=self.index.name,
+                error=error,
+                failures=self.failures,
+                retry_in_s=wait,
+                statement=self.index.statement(),
+                **({"hint": hint} if hint else {}),
+            )
+        self._settle(state)
+        return wait
+
     def run(self, stop: threading.Event, leading: Callable[[], bool]) -> None:
         """Until `stop`: step while this process leads the unit (a standby touches nothing)."""
-        wait = 0.0
-        while not stop.wait(wait):
-            wait = self.step() if leading() else 1.0
+        try:
+            wait = 0.0
+            while not stop.is_set():
+                deadline = time.monotonic() + wait
+                while not (stop.is_set() or self._wake.is_set()) and time.monotonic() < deadline:
+                    stop.wait(min(0.1, deadline - time.monotonic()))
+                self._wake.clear()
+                if stop.is_set():
+                    break
+                wait = self.step() if leading() else 1.0
+        finally:
+            self.close()

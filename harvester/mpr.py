@@ -37,6 +37,7 @@ from .ports import DEFAULT, Providers, StoreLike
 from .publish import Lifecycle, Publisher, QuarantineError, logs_safe, producer_config
 from .store import MarkRefused, OutboxStore, make_pool
 
+SLOW_MARK = 1.0  # seconds: a mark this slow has the lane index checked (see _mark_trouble)
 MIN_REMARK_BACKOFF = 0.05  # seconds before the second remark in a row without progress
 MAX_REMARK_BACKOFF = 5.0  # bound of the doubling back-off
 
@@ -206,6 +207,12 @@ class UnitHarvester:
             records_in_flight=self.publisher.in_flight,
         )
 
+    def _mark_trouble(self) -> None:
+        """A mark failed, was refused or was slow: if it went through the lane index, the index may
+        be gone (each mark through a dropped one scans the whole table), so have it checked now."""
+        if self.lane_index is not None and self.lane_index.valid:
+            self.lane_index.recheck_soon()
+
     def _valid(self, me: uuid.UUID) -> bool:
         assert self.neli is not None  # start() sets it before the threads that call this run
         return (
@@ -293,17 +300,22 @@ class UnitHarvester:
                 # Nothing was marked. Usually the lease ended while the mark was on its way (the
                 # next turn sees it); if it repeats while leading, the clocks are in question.
                 db_clock.forget()
+                self._mark_trouble()
                 m.marks_refused.inc()
-                self.log.warning("mark refused: it reached or finished in the database after the lease", error=str(exc))
+                self.log.info("mark refused: it reached or finished in the database after the lease", error=str(exc))
                 self._stop.wait(0.05)
                 continue
             except Exception as exc:
                 db_clock.forget()
+                self._mark_trouble()
                 self.log.warning("mark failed", error=logs_safe(exc))
                 self.force_remark("mark failed")
                 self._stop.wait(0.2)
                 continue
-            m.mark_duration.observe(time.monotonic() - started)
+            took = time.monotonic() - started
+            m.mark_duration.observe(took)
+            if took > SLOW_MARK:
+                self._mark_trouble()
             if not rows:
                 self._stop.wait(h.idle_poll_interval)
                 continue

@@ -150,7 +150,8 @@ class OutboxStore:
             "leader_id, reason) SELECT id, created_at, topic, key, value, header_keys, header_values, "
             "kafka_partition, leader_id, %(reason)s FROM gone"
         ).format(t=t, d=dead)
-        self._vacuum = sql.SQL("VACUUM {t}").format(t=t)
+        # SKIP_LOCKED: not behind a lane index build (harvester.lane_index) or the application's DDL.
+        self._vacuum = sql.SQL("VACUUM (SKIP_LOCKED) {t}").format(t=t)
         self._oldest = sql.SQL(
             "SELECT extract(epoch FROM clock_timestamp() - created_at) FROM {t} ORDER BY id LIMIT 1"
         ).format(t=t)

@@ -12,7 +12,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.harness import insert_rows, make_config, outbox_count, wait_until
 
-from harvester.lane_index import INVALID, MAX_IDENTIFIER, MISSING, VALID, LaneIndex, LaneIndexKeeper, lane_index_name
+from harvester.lane_index import (
+    BUILDING,
+    INVALID,
+    MAX_IDENTIFIER,
+    MISSING,
+    RECHECK_VALID,
+    VALID,
+    LaneIndex,
+    LaneIndexKeeper,
+    lane_index_name,
+)
 from harvester.logs import get as get_log
 from harvester.store import FOREVER, LANE_MARK_PLAN, OutboxStore, lane_of, make_pool
 from harvester.units import Harvester
@@ -132,7 +142,7 @@ def test_an_interrupted_build_is_dropped_and_built_again(pg_dsn, schema):
     assert "md5" in definition and "id" in definition
 
 
-def test_a_reaper_that_may_not_build_it_says_so_once_and_marks_without_it(pg_dsn, schema):
+def test_a_reaper_that_may_not_build_it_says_so_backs_off_and_marks_without_it(pg_dsn, schema):
     role = f"noowner_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(f"CREATE ROLE {role} LOGIN")
@@ -142,8 +152,8 @@ def test_a_reaper_that_may_not_build_it_says_so_once_and_marks_without_it(pg_dsn
         dsn = pg_dsn.replace("postgres@", f"{role}@")
         used: list[bool] = []
         keeper = LaneIndexKeeper(LaneIndex(schema, "outbox", 2), dsn, True, used.append, get_log("test"))
-        assert keeper.step() > 0 and keeper.step() > 0
-        assert used == [False, False] and keeper._refused
+        waits = [keeper.step(), keeper.step()]
+        assert used == [False, False] and keeper.failures == 2 and waits[1] > waits[0], waits
         assert "CREATE INDEX CONCURRENTLY" in keeper.index.statement()
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
@@ -179,3 +189,64 @@ def test_a_harvester_in_lanes_builds_the_index_and_marks_through_it(pg_dsn, kafk
     with psycopg.connect(pg_dsn) as conn:
         exists = LaneIndex(schema, "outbox", lanes).state(conn) != MISSING
     assert exists is enabled
+
+
+def _keeper(dsn: str, schema: str, builder: bool = True, lanes: int = 2) -> tuple[LaneIndexKeeper, list[bool]]:
+    used: list[bool] = []
+    return LaneIndexKeeper(LaneIndex(schema, "outbox", lanes), dsn, builder, used.append, get_log("test")), used
+
+
+def test_a_build_that_keeps_failing_is_retried_ever_less_often(pg_dsn, schema):
+    """A build the server cancels every time (here a 1 ms statement_timeout; in life a timeout, a
+    deadlock) backs off, doubling, whatever the drop of its invalid leftover in between; marks go
+    along the primary key meanwhile. Once it succeeds, the count of failures starts again."""
+    with psycopg.connect(pg_dsn) as conn:
+        insert_rows(conn, schema, "t", [(b"k%d" % i, b"v" * 100) for i in range(20_000)])
+    keeper, used = _keeper(pg_dsn + "?options=-c%20statement_timeout%3D1", schema)
+    waits = [keeper.step() for _ in range(8)]
+    assert keeper.failures >= 4 and not keeper.valid and not any(used), (waits, keeper.failures)
+    after_failures = [w for w in waits if w > 1.0]
+    assert after_failures == sorted(after_failures) and after_failures[-1] >= 16, waits
+    keeper.close()
+    keeper.dsn = pg_dsn  # the timeout lifted
+    for _ in range(3):
+        if keeper.step() == RECHECK_VALID:
+            break
+    assert keeper.valid and used[-1] is True and keeper.failures == 0
+    keeper.close()
+
+
+def test_a_dropped_index_switches_the_lane_back_at_the_next_check(pg_dsn, schema):
+    index = LaneIndex(schema, "outbox", 2)
+    _build(pg_dsn, index)
+    keeper, used = _keeper(pg_dsn, schema, builder=False)
+    assert keeper.step() == RECHECK_VALID and used == [True]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'DROP INDEX "{schema}"."{index.name}"')
+    keeper.step()
+    assert used == [True, False] and not keeper.valid
+    keeper.close()
+
+
+def test_an_invalid_index_is_left_alone_while_another_session_holds_the_table_for_a_build(pg_dsn, schema):
+    """A build by another role hides from pg_stat_progress_create_index; its SHARE UPDATE EXCLUSIVE
+    lock on the table does not: the builder waits instead of dropping the index under it."""
+    index = LaneIndex(schema, "outbox", 2)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"INSERT INTO \"{schema}\".outbox (topic, key, value) VALUES ('t', 'k', 'v'), ('t', 'k', 'v')")
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            conn.execute(f'CREATE UNIQUE INDEX CONCURRENTLY "{index.name}" ON "{schema}".outbox (topic)')
+    holder = psycopg.connect(pg_dsn)
+    try:
+        holder.execute(f'LOCK TABLE "{schema}".outbox IN SHARE UPDATE EXCLUSIVE MODE')
+        keeper, used = _keeper(pg_dsn, schema)
+        keeper.step()
+        with psycopg.connect(pg_dsn) as conn:
+            assert index.state(conn) == BUILDING  # still there: not dropped
+        holder.rollback()
+        keeper.step()  # now dropped
+        keeper.step()  # and built
+        assert keeper.valid and used[-1] is True
+        keeper.close()
+    finally:
+        holder.close()
