@@ -29,13 +29,14 @@ from psycopg_pool import ConnectionPool
 from . import logs
 from .config import Config, UnitSpec
 from .db_clock import DatabaseClock
-from .lane_index import LaneIndex, LaneIndexKeeper
+from .lane_index import LaneIndexKeeper
 from .metrics import MetricsLike
 from .metrics import get as get_metrics
 from .neli import LEADER, Lease
 from .ports import DEFAULT, Providers, StoreLike
 from .publish import Lifecycle, Publisher, QuarantineError, logs_safe, producer_config
 from .store import MarkRefused, OutboxStore, make_pool
+from .upkeep import Upkeep
 
 SLOW_MARK = 1.0  # seconds: a mark this slow has the lane index checked (see _mark_trouble)
 MIN_REMARK_BACKOFF = 0.05  # seconds before the second remark in a row without progress
@@ -79,10 +80,7 @@ class UnitHarvester:
         self._thread = threading.Thread(target=self._loop, name="reaper-mark", daemon=True)
         self._producer_thread = threading.Thread(target=self._produce_loop, name="reaper-produce", daemon=True)
         self._batches: queue.Queue = queue.Queue(maxsize=2)  # marked, waiting for the producer thread
-        self._upkeep = threading.Thread(target=self._upkeep_loop, name="reaper-upkeep", daemon=True)
-        self.lane_index: LaneIndexKeeper | None = None  # lanes > 1 and harvester.lane_index
-        self.purged_since_vacuum = 0
-        self.vacuums = 0
+        self.upkeep: Upkeep | None = None  # the leader's vacuum and the lane index
         self.remark_backoff = 0.0  # the last back-off taken before a remark (0: progress was made)
         self.error: BaseException | None = None
         self.h = h
@@ -99,15 +97,6 @@ class UnitHarvester:
         store = OutboxStore(self.pool, spec.schema, spec.table, lane=spec.lane, lanes=spec.lanes)
         self.store = self.providers.store(store)
         self._db_clock = DatabaseClock(self.store.database_now)
-        if spec.lanes > 1 and h.lane_index:
-            index = LaneIndex(spec.schema, spec.table, spec.lanes)
-            self.lane_index = LaneIndexKeeper(index, spec.dsn, spec.lane == 0, store.use_lane_index, self.log)
-            threading.Thread(
-                target=self.lane_index.run,
-                args=(self._stop, lambda: self.leading),
-                name="reaper-lane-index",
-                daemon=True,
-            ).start()
         conf = producer_config(cfg.kafka.bootstrap_servers, cfg.kafka.client, cfg.kafka.producer, self._txn_id)
         self.publisher = Publisher(
             conf,
@@ -125,11 +114,15 @@ class UnitHarvester:
             from tracker.tracing import producer_span
 
             self.publisher._plain.trace = partial(producer_span, trace.get_tracer("outbox-reaper.harvester"))
+        publisher = self.publisher
+        self.upkeep = Upkeep(
+            h, spec, self.store, store, lambda: publisher.purged_rows, lambda: self.leading, self._stop, self.log
+        )
         self.neli = lease
         lease.on_change = self._on_neli
         self._thread.start()
         self._producer_thread.start()
-        self._upkeep.start()
+        self.upkeep.start()
         return self
 
     def begin_stop(self) -> None:
@@ -160,10 +153,18 @@ class UnitHarvester:
         self._stop.set()
         if self.publisher is not None:
             self.publisher.close()
-        if self._upkeep.ident is not None:
-            self._upkeep.join(5)
+        if self.upkeep is not None:
+            self.upkeep.join(5)
         if self._own_pool and self.pool is not None:
             self.pool.close()
+
+    @property
+    def vacuums(self) -> int:
+        return self.upkeep.vacuums if self.upkeep is not None else 0
+
+    @property
+    def lane_index(self) -> LaneIndexKeeper | None:
+        return self.upkeep.lane_index if self.upkeep is not None else None
 
     @property
     def leading(self) -> bool:
@@ -208,10 +209,8 @@ class UnitHarvester:
         )
 
     def _mark_trouble(self) -> None:
-        """A mark failed, was refused or was slow: if it went through the lane index, the index may
-        be gone (each mark through a dropped one scans the whole table), so have it checked now."""
-        if self.lane_index is not None and self.lane_index.valid:
-            self.lane_index.recheck_soon()
+        if self.upkeep is not None:
+            self.upkeep.mark_trouble()
 
     def _valid(self, me: uuid.UUID) -> bool:
         assert self.neli is not None  # start() sets it before the threads that call this run
@@ -387,26 +386,3 @@ class UnitHarvester:
                     mark_deadline=h.mark_deadline,
                 )
                 self.force_remark("mark deadline exceeded")
-
-    # ------------------------------------------------------------------ upkeep
-
-    def _upkeep_loop(self) -> None:
-        """The leader vacuums the outbox every vacuum_interval while it is deleting rows (lane 0's
-        leader only: one VACUUM of a table at a time is enough, a second would wait for it)."""
-        interval = self.h.vacuum_interval
-        if interval <= 0 or self.spec.lane != 0:
-            return
-        assert self.publisher is not None and self.store is not None  # start() set them first
-        last_purged = self.publisher.purged_rows
-        while not self._stop.wait(interval):
-            if not self.leading:
-                continue
-            purged = self.publisher.purged_rows
-            if purged == last_purged:
-                continue
-            last_purged = purged
-            try:
-                self.store.vacuum()
-                self.vacuums += 1
-            except Exception as exc:
-                self.log.warning("vacuum failed", error=logs_safe(exc))

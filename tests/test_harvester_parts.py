@@ -337,3 +337,27 @@ def test_the_database_clock_counts_in_elapsed_time_across_a_daylight_saving_chan
     # In UTC: Python subtracts two datetimes of one tzinfo by their wall clocks, shift or not.
     elapsed = (mapped.astimezone(UTC) - server_now.astimezone(UTC)).total_seconds()
     assert 4.999 < elapsed < 5.1, elapsed  # and not 3,605 or 1,795
+
+
+def test_the_leader_of_lane_0_vacuums_while_it_purges_and_no_other_lane_does(pg_dsn, kafka_bootstrap, schema, topics):
+    lanes = 2
+    data = topics("data", partitions=2)
+    cfg = make_config(
+        pg_dsn,
+        schema,
+        kafka_bootstrap,
+        leader_topic=topics("leader", partitions=lanes),
+        harvester={"lanes": lanes, "vacuum_interval": 0.2},
+    )
+    h = Harvester(cfg).start()
+    try:
+        assert wait_until(lambda: all(u.leading for u in h.units), 30)
+        assert h.units[0].vacuums == 0  # nothing purged yet: nothing to vacuum
+        for round_ in range(5):
+            with psycopg.connect(pg_dsn) as conn:
+                insert_rows(conn, schema, data, [(b"k%d" % i, b"v%d" % round_) for i in range(500)])
+            assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30)
+            time.sleep(0.3)
+        assert h.units[0].vacuums >= 1 and h.units[1].vacuums == 0
+    finally:
+        h.stop(5)
