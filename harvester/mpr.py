@@ -287,27 +287,33 @@ class UnitHarvester:
             # Read before the check below, so a pause after the check cannot stretch it: the server
             # refuses the mark if it arrives, or finishes, after this (see OutboxStore.mark).
             until = self.neli.valid_until()
-            if not self._valid(me):
-                continue
-            try:
-                deadline = db_clock.at(until)
-                started = time.monotonic()
-                # Always from the head (see OutboxStore.mark): rows committed late are found by the
-                # very next mark, before any causally later row of their key.
-                rows = self.store.mark(me, limit, until=deadline)
-            except MarkRefused as exc:
+            rows, started, trouble = [], 0.0, None
+            with self.neli.marking() as neli_now:  # a revocation waits for this mark to return
+                if neli_now is None or not self._valid(me):
+                    continue
+                try:
+                    deadline = db_clock.at(until)
+                    started = time.monotonic()
+                    # Always from the head (see OutboxStore.mark): rows committed late are found by
+                    # the very next mark, before any causally later row of their key.
+                    rows = self.store.mark(me, limit, until=deadline)
+                except Exception as exc:
+                    trouble = exc
+            if isinstance(trouble, MarkRefused):
                 # Nothing was marked. Usually the lease ended while the mark was on its way (the
                 # next turn sees it); if it repeats while leading, the clocks are in question.
                 db_clock.forget()
                 self._mark_trouble()
                 m.marks_refused.inc()
-                self.log.info("mark refused: it reached or finished in the database after the lease", error=str(exc))
+                self.log.info(
+                    "mark refused: it reached or finished in the database after the lease", error=str(trouble)
+                )
                 self._stop.wait(0.05)
                 continue
-            except Exception as exc:
+            if trouble is not None:
                 db_clock.forget()
                 self._mark_trouble()
-                self.log.warning("mark failed", error=logs_safe(exc))
+                self.log.warning("mark failed", error=logs_safe(trouble))
                 self.force_remark("mark failed")
                 self._stop.wait(0.2)
                 continue

@@ -28,7 +28,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from confluent_kafka import OFFSET_END, Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -38,6 +39,9 @@ from .metrics import MetricsLike
 
 FOLLOWER, LEADER, FENCED = "follower", "leader", "fenced"
 RESUME_GRACE = 1.0  # seconds: several group heartbeats (heartbeat.interval.ms is at most 250 ms)
+# A revocation waits this long at most (and at most a quarter of heartbeat_timeout, so the other
+# units' heartbeats are not held up) for marks on their way to finish: see Lease.marking.
+REVOKE_MARK_WAIT = 1.0
 # A leader consumer without a group member id for this many session timeouts is replaced by a new
 # one (see Neli._check_membership).
 OUT_OF_GROUP_SESSIONS = 2
@@ -133,6 +137,8 @@ class Lease:
         self.on_change = on_change
         self._log = logs.get("reaper.neli")
         self._lock = threading.Lock()
+        self._marks_done = threading.Condition(self._lock)
+        self._marking = 0  # marks on their way (see marking())
         self._state = FOLLOWER
         self._leader_id: uuid.UUID | None = None
         self.holding = False
@@ -155,6 +161,30 @@ class Lease:
     def valid_until(self) -> float:
         """Monotonic time after which the current leadership is void unless a heartbeat returns."""
         return self.last_heartbeat + self.hb_timeout if self._state == LEADER else 0.0
+
+    @contextmanager
+    def marking(self) -> Iterator[uuid.UUID | None]:
+        """Held by the marker from its lease check until its mark statement has returned; yields the
+        leader id, or None (mark nothing). A revocation (`end_marks`) lets the partition go only once
+        no mark is on its way, so a unit handed to another reaper by a rebalance is never marked by
+        this one after the other started. (A lease that merely expires is bounded by the database
+        itself: OutboxStore.mark's `until`.)"""
+        with self._marks_done:
+            leader_id = self.leader_id()
+            if leader_id is not None:
+                self._marking += 1
+        try:
+            yield leader_id
+        finally:
+            if leader_id is not None:
+                with self._marks_done:
+                    self._marking -= 1
+                    self._marks_done.notify_all()
+
+    def end_marks(self, timeout: float) -> bool:
+        """After leadership ended: wait up to `timeout` for marks on their way; True once none is."""
+        with self._marks_done:
+            return self._marks_done.wait_for(lambda: self._marking == 0, timeout)
 
     def pause_heartbeats(self, seconds: float) -> None:
         """Test hook: send no heartbeat for `seconds` (as if the leader topic were unreachable)."""
@@ -314,6 +344,9 @@ class Neli:
                 lease.holding = False
                 lease._m.revocations.inc()
                 lease.set(FOLLOWER, None)
+                # The group hands the partition on only after this callback returns.
+                if not lease.end_marks(min(REVOKE_MARK_WAIT, self.hb_timeout / 4)):
+                    self._log.warning("revoked with a mark still on its way", unit=lease.unit)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._on_revoke(consumer, partitions)

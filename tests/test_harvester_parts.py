@@ -361,3 +361,55 @@ def test_the_leader_of_lane_0_vacuums_while_it_purges_and_no_other_lane_does(pg_
         assert h.units[0].vacuums >= 1 and h.units[1].vacuums == 0
     finally:
         h.stop(5)
+
+
+def test_a_revocation_lets_the_unit_go_only_once_no_mark_is_on_its_way(kafka_bootstrap):
+    """A mark checked its lease just before a rebalance took the unit away: the revocation callback
+    (after which the group hands the partition on) returns only once that mark has returned, and no
+    mark starts after it. A mark that takes too long is waited for a bounded time only."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from harvester.neli import FOLLOWER, Neli
+
+    neli = Neli(
+        bootstrap=kafka_bootstrap,
+        client={},
+        consumer={},
+        producer={},
+        topic="not-used",
+        group=f"g-{uuid.uuid4().hex[:8]}",
+        min_poll_interval=0.1,
+        heartbeat_timeout=4.0,
+        session_timeout=10.0,
+        metrics=get_metrics(),
+    )
+    consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"g-{uuid.uuid4().hex[:8]}"})
+    neli._consumer = consumer  # the callback acts only for its current consumer
+    lease = neli.lease(0)
+    try:
+        for hold, waited_at_least, waited_at_most in ((0.5, 0.45, 0.95), (3.0, 0.95, 2.0)):
+            lease.holding = True
+            lease.acquire()
+            entered, released = threading.Event(), threading.Event()
+
+            def mark(hold=hold, entered=entered, released=released) -> None:
+                with lease.marking() as leader_id:
+                    assert leader_id is not None
+                    entered.set()
+                    time.sleep(hold)
+                released.set()
+
+            marker = threading.Thread(target=mark)
+            marker.start()
+            assert entered.wait(5)
+            started = time.monotonic()
+            neli._on_revoke(consumer, [TopicPartition("not-used", 0)])
+            waited = time.monotonic() - started
+            assert lease.state == FOLLOWER
+            assert waited_at_least <= waited <= waited_at_most, waited  # bounded: heartbeat_timeout / 4
+            assert released.is_set() == (hold < 1.0)
+            with lease.marking() as leader_id:
+                assert leader_id is None  # nothing starts after the revocation
+            marker.join(5)
+    finally:
+        consumer.close()
