@@ -137,6 +137,10 @@ def test_health_readiness_and_metrics_by_route(client, server):
     assert f'/v1/batches/{b}"' not in text  # raw paths never become labels
 
 
+# On the worker of every other PgBouncer test (tests/test_pgbouncer.py reads a setting from each of
+# the pool's server connections at once, which needs the whole pool: a client elsewhere holding one
+# in a transaction then keeps it waiting, and PgBouncer gives up after query_wait_timeout).
+@pytest.mark.xdist_group("pgbouncer")
 @pytest.mark.parametrize("backend", ["tracker", "sql"])
 def test_through_pgbouncer_in_transaction_mode(pgbouncer_dsn, pgbouncer_schema, backend):
     """The server works through a transaction pooler, past psycopg's prepare threshold. (The local
