@@ -170,7 +170,7 @@ class Lease:
         this one after the other started. (A lease that merely expires is bounded by the database
         itself: OutboxStore.mark's `until`.)"""
         with self._marks_done:
-            leader_id = self.leader_id()
+            leader_id = self.leader_id()  # lock-free: the lock is not re-entrant
             if leader_id is not None:
                 self._marking += 1
         try:
@@ -333,20 +333,23 @@ class Neli:
                 lease.acquire()
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # A replaced consumer (see _check_membership) held nothing.
+        revoked = [lease for lease in self._mine(partitions) if lease.holding] if consumer is self._consumer else []
+        for lease in revoked:
+            lease.holding = False
+            lease._m.revocations.inc()
+            lease.set(FOLLOWER, None)
+        # Let the marks on their way return before giving the partitions up (the group hands them
+        # on once this callback returns): all units within one bound, since the other units'
+        # heartbeats wait for this thread too.
+        deadline = time.monotonic() + min(REVOKE_MARK_WAIT, self.hb_timeout / 4)
+        for lease in revoked:
+            if not lease.end_marks(max(0.0, deadline - time.monotonic())):
+                self._log.warning("revoked with a mark still on its way", unit=lease.unit)
         try:
             consumer.incremental_unassign(partitions)
         except KafkaException:
             pass
-        if consumer is not self._consumer:
-            return  # a replaced consumer held nothing (see _check_membership)
-        for lease in self._mine(partitions):
-            if lease.holding:
-                lease.holding = False
-                lease._m.revocations.inc()
-                lease.set(FOLLOWER, None)
-                # The group hands the partition on only after this callback returns.
-                if not lease.end_marks(min(REVOKE_MARK_WAIT, self.hb_timeout / 4)):
-                    self._log.warning("revoked with a mark still on its way", unit=lease.unit)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._on_revoke(consumer, partitions)

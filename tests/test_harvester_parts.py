@@ -382,6 +382,7 @@ def test_a_revocation_lets_the_unit_go_only_once_no_mark_is_on_its_way(kafka_boo
         heartbeat_timeout=4.0,
         session_timeout=10.0,
         metrics=get_metrics(),
+        units=2,
     )
     consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"g-{uuid.uuid4().hex[:8]}"})
     neli._consumer = consumer  # the callback acts only for its current consumer
@@ -411,5 +412,28 @@ def test_a_revocation_lets_the_unit_go_only_once_no_mark_is_on_its_way(kafka_boo
             with lease.marking() as leader_id:
                 assert leader_id is None  # nothing starts after the revocation
             marker.join(5)
+        # Two units revoked at once, each with a slow mark: one bound for both, not one each.
+        holders = []
+        for unit in (0, 1):
+            each = neli.lease(unit)
+            each.holding = True
+            each.acquire()
+            entered = threading.Event()
+
+            def hold(each=each, entered=entered) -> None:
+                with each.marking():
+                    entered.set()
+                    time.sleep(3.0)
+
+            holders.append(threading.Thread(target=hold))
+            holders[-1].start()
+            assert entered.wait(5)
+        started = time.monotonic()
+        neli._on_revoke(consumer, [TopicPartition("not-used", 0), TopicPartition("not-used", 1)])
+        waited = time.monotonic() - started
+        assert 0.95 <= waited <= 1.6, waited
+        assert neli.lease(0).state == neli.lease(1).state == FOLLOWER
+        for holder in holders:
+            holder.join(5)
     finally:
         consumer.close()
