@@ -84,12 +84,14 @@ class LaneIndex:
         valid, building = row
         return VALID if valid else BUILDING if building else INVALID
 
-    def build_step(self, conn: psycopg.Connection) -> str:
-        """One step towards a valid index on an autocommit connection; returns the state it found.
+    def build_step(self, conn: psycopg.Connection, found: str | None = None) -> str:
+        """One step towards a valid index on an autocommit connection; returns the state it found
+        (`found`, when the caller has just read it).
 
         Missing: built (this call lasts as long as the build). Invalid and no build running: dropped
         (the next step builds it). Building: nothing (another reaper's build; the caller waits)."""
-        found = self.state(conn)
+        if found is None:
+            found = self.state(conn)
         if found == MISSING:
             conn.execute(self._create)
         elif found == INVALID:
@@ -139,19 +141,19 @@ class LaneIndexKeeper:
         """Check (and when ours, build) once; return the seconds until the next step."""
         try:
             conn = self._connection()
-            state = self.index.state(conn)
-            if self.builder and state in (MISSING, INVALID):
-                if state == MISSING:
+            state = found = self.index.state(conn)
+            if self.builder and found in (MISSING, INVALID):
+                if found == MISSING:
                     self._log.info("building the lane index", statement=self.index.statement())
                 started = time.monotonic()
-                self.index.build_step(conn)
+                self.index.build_step(conn, found)
                 state = self.index.state(conn)
                 if state == VALID:
                     self._log.info(
                         "lane index built", index=self.index.name, seconds=round(time.monotonic() - started, 3)
                     )
-                elif self._last_state == MISSING or state != MISSING:  # not just the drop of an invalid one
-                    return self._failed(f"the build ended {state}", state)
+                elif found == MISSING or state != MISSING:  # built and not valid, or dropped and still there
+                    return self._failed(f"found {found}, left {state}", state)
         except psycopg.errors.InsufficientPrivilege as exc:
             return self._failed(str(exc).strip(), None, hint="the table's owner can run the statement")
         except psycopg.Error as exc:

@@ -250,3 +250,16 @@ def test_an_invalid_index_is_left_alone_while_another_session_holds_the_table_fo
         keeper.close()
     finally:
         holder.close()
+
+
+def test_a_build_that_leaves_no_index_counts_as_failed_the_first_time(pg_dsn, schema):
+    """The name is taken by an index of another table: CREATE INDEX ... IF NOT EXISTS skips, and
+    the table still has none. That is a failed build from the first step on (backed off, logged)."""
+    index = LaneIndex(schema, "outbox", 2)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE TABLE "{schema}".other (x int)')
+        conn.execute(f'CREATE INDEX "{index.name}" ON "{schema}".other (x)')
+    keeper, used = _keeper(pg_dsn, schema)
+    assert keeper.step() == 2.0 and keeper.failures == 1 and used == [False]
+    assert keeper.step() == 4.0 and keeper.failures == 2
+    keeper.close()
