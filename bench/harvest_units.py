@@ -29,9 +29,14 @@ VALUE = b"v" * 200
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _stat_cpu_seconds(stat: str) -> float:
+    """User + system CPU seconds from the text of a /proc/<pid>/stat."""
+    fields = stat.rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+
+
+def _cpu_seconds(pid: int) -> float:
+    return _stat_cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
 
 
 def _machine_jiffies() -> tuple[int, int]:
@@ -53,8 +58,7 @@ def _service_cpu_seconds() -> dict[str, float]:
         comm = stat[stat.index("(") + 1 : stat.rindex(")")]
         group = "postgres" if comm == "postgres" else "kafka" if comm == "java" else None
         if group:
-            fields = stat.rsplit(")", 1)[1].split()
-            out[group] += (int(fields[11]) + int(fields[12])) / TICK
+            out[group] += _stat_cpu_seconds(stat)
     return out
 
 

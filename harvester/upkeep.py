@@ -37,27 +37,23 @@ class Upkeep:
         if spec.lanes > 1 and h.lane_index:
             index = LaneIndex(spec.schema, spec.table, spec.lanes)
             self.lane_index = LaneIndexKeeper(index, spec.dsn, spec.lane == 0, outbox.use_lane_index, log)
-        self._threads: list[threading.Thread] = []
+        self._vacuum: threading.Thread | None = None
 
     def start(self) -> None:
         # One VACUUM of a table at a time is enough (a second would wait for it): lane 0's leader's.
         if self.h.vacuum_interval > 0 and self.spec.lane == 0:
-            self._threads.append(threading.Thread(target=self._vacuum_loop, name="reaper-upkeep", daemon=True))
+            self._vacuum = threading.Thread(target=self._vacuum_loop, name="reaper-upkeep", daemon=True)
+            self._vacuum.start()
         if self.lane_index is not None:
-            self._threads.append(
-                threading.Thread(
-                    target=self.lane_index.run, args=(self._stop, self._leading), name="reaper-lane-index", daemon=True
-                )
-            )
-        for thread in self._threads:
-            thread.start()
+            threading.Thread(
+                target=self.lane_index.run, args=(self._stop, self._leading), name="reaper-lane-index", daemon=True
+            ).start()
 
     def join(self, timeout: float) -> None:
         """After `stop` is set. A lane index build in progress is not waited for (a daemon thread:
         if the process exits, Postgres cancels the build, and the next leader drops what it left)."""
-        for thread in self._threads:
-            if thread.name != "reaper-lane-index":
-                thread.join(timeout)
+        if self._vacuum is not None:
+            self._vacuum.join(timeout)
 
     def mark_trouble(self) -> None:
         """A mark failed, was refused or was slow: if it went through the lane index, the index may

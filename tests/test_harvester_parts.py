@@ -10,7 +10,7 @@ from zoneinfo import ZoneInfo
 
 import psycopg
 import pytest
-from support.harness import insert_rows, make_config, outbox_count, wait_until
+from support.harness import insert_rows, lanes_config, make_config, outbox_count, wait_until
 
 from harvester.metrics import get as get_metrics
 from harvester.publish import LifecycleError, Publisher, producer_config
@@ -342,13 +342,7 @@ def test_the_database_clock_counts_in_elapsed_time_across_a_daylight_saving_chan
 def test_the_leader_of_lane_0_vacuums_while_it_purges_and_no_other_lane_does(pg_dsn, kafka_bootstrap, schema, topics):
     lanes = 2
     data = topics("data", partitions=2)
-    cfg = make_config(
-        pg_dsn,
-        schema,
-        kafka_bootstrap,
-        leader_topic=topics("leader", partitions=lanes),
-        harvester={"lanes": lanes, "vacuum_interval": 0.2},
-    )
+    cfg = lanes_config(pg_dsn, schema, kafka_bootstrap, topics, lanes, vacuum_interval=0.2)
     h = Harvester(cfg).start()
     try:
         assert wait_until(lambda: all(u.leading for u in h.units), 30)

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.harness import insert_rows, make_config, outbox_count, wait_until
+from support.harness import insert_rows, lanes_config, outbox_count, wait_until
 
 from harvester.lane_index import (
     BUILDING,
@@ -166,13 +166,7 @@ def test_a_reaper_that_may_not_build_it_says_so_backs_off_and_marks_without_it(p
 def test_a_harvester_in_lanes_builds_the_index_and_marks_through_it(pg_dsn, kafka_bootstrap, schema, topics, enabled):
     lanes = 2
     data = topics("data", partitions=2)
-    cfg = make_config(
-        pg_dsn,
-        schema,
-        kafka_bootstrap,
-        leader_topic=topics("leader", partitions=lanes),
-        harvester={"lanes": lanes, "lane_index": enabled},
-    )
+    cfg = lanes_config(pg_dsn, schema, kafka_bootstrap, topics, lanes, lane_index=enabled)
     h = Harvester(cfg).start()
     try:
         assert wait_until(lambda: all(u.leading for u in h.units), 30)

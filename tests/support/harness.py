@@ -48,6 +48,18 @@ def make_config(
     return config_mod.load(None, environ={}, overrides=overrides)
 
 
+def lanes_config(pg_dsn: str, schema: str, bootstrap: str, topics, lanes: int, **harvester) -> config_mod.Config:
+    """make_config harvesting the outbox in `lanes` lanes, on a leader topic of its own with one
+    partition per lane (`topics` is conftest's topic factory)."""
+    return make_config(
+        pg_dsn,
+        schema,
+        bootstrap,
+        leader_topic=topics("leader", partitions=lanes),
+        harvester={"lanes": lanes, **harvester},
+    )
+
+
 def env_for(cfg: config_mod.Config) -> dict[str, str]:
     """REAPER_* variables that reproduce cfg's database, kafka and harvester keys for a subprocess."""
     env = {
