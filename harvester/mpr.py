@@ -30,9 +30,9 @@ from . import logs
 from .config import Config, UnitSpec
 from .db_clock import DatabaseClock
 from .lane_index import LaneIndexKeeper
+from .lease import LEADER, Lease
 from .metrics import MetricsLike
 from .metrics import get as get_metrics
-from .neli import LEADER, Lease
 from .ports import DEFAULT, Providers, StoreLike
 from .publish import Lifecycle, Publisher, QuarantineError, logs_safe, producer_config
 from .store import MarkRefused, OutboxStore, make_pool

@@ -221,8 +221,8 @@ def test_a_mark_sent_after_the_lease_ended_marks_nothing(pg_dsn, kafka_bootstrap
     """The server itself refuses a mark that reaches it after the leadership it was checked under
     ended: a leader paused between its lease check and its mark takes no row from its successor."""
     from harvester.config import units
+    from harvester.lease import Lease
     from harvester.mpr import UnitHarvester
-    from harvester.neli import Lease
     from harvester.ports import Providers
 
     data = topics("data", partitions=1)
