@@ -27,6 +27,7 @@ from confluent_kafka import KafkaException
 from psycopg_pool import ConnectionPool
 
 from . import logs
+from .claim import ClaimTableMissing, OutboxClaim, OutboxClaimed, holder_name, layout_of
 from .config import Config, UnitSpec
 from .db_clock import DatabaseClock
 from .lane_index import LaneIndexKeeper
@@ -38,6 +39,7 @@ from .publish import Lifecycle, Publisher, QuarantineError, logs_safe, producer_
 from .store import MarkRefused, OutboxStore, make_pool
 from .upkeep import Upkeep
 
+CLAIM_RETRY = 1.0  # seconds between holds while another layout holds the table (harvester.claim)
 SLOW_MARK = 1.0  # seconds: a mark this slow has the lane index checked (see _mark_trouble)
 MIN_REMARK_BACKOFF = 0.05  # seconds before the second remark in a row without progress
 MAX_REMARK_BACKOFF = 5.0  # bound of the doubling back-off
@@ -70,6 +72,7 @@ class UnitHarvester:
         self.pool = pool
         self.store: StoreLike | None = None
         self._db_clock: DatabaseClock | None = None  # the leadership deadline on the server's clock
+        self.claim: OutboxClaim | None = None  # this unit's layout holds its table before it marks
         self.publisher: Publisher | None = None
         self.neli: Lease | None = None  # this unit's lease (leader_id, valid_until, state)
         self._remark = threading.Event()
@@ -97,6 +100,8 @@ class UnitHarvester:
         store = OutboxStore(self.pool, spec.schema, spec.table, lane=spec.lane, lanes=spec.lanes)
         self.store = self.providers.store(store)
         self._db_clock = DatabaseClock(self.store.database_now)
+        layout = layout_of(h.leader_group, h.leader_topic, spec.outbox, spec.lanes)
+        self.claim = OutboxClaim(self.pool, spec.schema, spec.table, layout, holder_name(spec.name))
         conf = producer_config(cfg.kafka.bootstrap_servers, cfg.kafka.client, cfg.kafka.producer, self._txn_id)
         self.publisher = Publisher(
             conf,
@@ -235,8 +240,8 @@ class UnitHarvester:
         """The marker: takes leadership changes and remarks, marks batches and queues them in order."""
         h, m, pub = self.h, self.m, self.publisher
         assert pub is not None and self.store is not None and self.neli is not None  # start() set them first
-        db_clock = self._db_clock
-        assert db_clock is not None  # likewise
+        db_clock, claim = self._db_clock, self.claim
+        assert db_clock is not None and claim is not None  # likewise
         backoff, progress_at_remark = 0.0, -1
         while not self._stop.is_set():
             neli_id = self.neli.leader_id()
@@ -293,12 +298,17 @@ class UnitHarvester:
                     continue
                 try:
                     deadline = db_clock.at(until)
+                    claim.hold(deadline)  # no other configuration marks this table before `deadline`
                     started = time.monotonic()
                     # Always from the head (see OutboxStore.mark): rows committed late are found by
                     # the very next mark, before any causally later row of their key.
                     rows = self.store.mark(me, limit, until=deadline)
                 except Exception as exc:
                     trouble = exc
+            if isinstance(trouble, (OutboxClaimed, ClaimTableMissing)):
+                claim.report_refusal(trouble, self.log, m.claim_conflicts)
+                self._stop.wait(CLAIM_RETRY)
+                continue
             if isinstance(trouble, MarkRefused):
                 # Nothing was marked. Usually the lease ended while the mark was on its way (the
                 # next turn sees it); if it repeats while leading, the clocks are in question.

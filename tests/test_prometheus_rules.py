@@ -70,6 +70,8 @@ CONTRACT_METRICS = {
     "reaper_acker_deferred_masks",
     # a mark the database refused as arriving or finishing after the lease ended
     "reaper_marks_refused_total",
+    # marks not made because another configuration holds the outbox table (harvester.claim)
+    "reaper_outbox_claim_conflicts_total",
 }
 HISTOGRAMS = {
     "reaper_mark_duration_seconds",

@@ -240,11 +240,16 @@ ROWS = [
                     (rate("reaper_records_dead_total"), "quarantined (outbox_dead)"),
                     (rate("reaper_transactions_aborted_total"), "transactions aborted"),
                     (rate("reaper_marks_refused_total"), "marks refused after the lease"),
+                    (
+                        rate("reaper_outbox_claim_conflicts_total"),
+                        "marks held back: table held by another configuration",
+                    ),
                 ],
                 "A failed delivery resets its row and forces a re-mark from the head of the outbox. A row Kafka "
                 "can never accept (too large, no such partition, invalid topic name) is moved to outbox_dead. "
                 "With harvester.transactional_id, a failed record aborts its batch's transaction. A mark that "
-                "reaches or finishes in the database after the lease ended is refused (nothing marked).",
+                "reaches or finishes in the database after the lease ended is refused (nothing marked). Marks "
+                "held back: another configuration (leader group/topic, outbox name, lanes) holds the table.",
             ),
             (
                 "Dead-lettered acks",
