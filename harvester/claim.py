@@ -1,7 +1,8 @@
 """Which configuration harvests an outbox table: one layout at a time, enforced by the database.
 
-A layout is what decides which unit marks which row: the leader group and topic (one election),
-the outbox entry's name and its lane count. Within one layout the election gives each unit one
+A layout is what decides which unit marks which row: the Kafka cluster, leader group and topic
+(one election), the outbox entry's name, the leader-topic partition of its first lane and its lane
+count. Within one layout the election gives each unit one
 leader and each key one lane. Two layouts harvesting one table at once (a lane change whose new
 reapers start before the old ones stopped, two deployments pointed at one database, an outbox listed
 under two names) would each mark the other's rows from the head: a key harvested by two units at
@@ -12,7 +13,9 @@ Contract (`OutboxClaim.hold`, called before every mark with the mark's own deadl
 - The table's row in `<schema>.harvest_claim` (migration 0011) names one layout and `held_until`,
   a time on the database server's clock. A unit marks only under a deadline no later than a
   `held_until` its layout holds: it extends the row (to its deadline plus CLAIM_AHEAD, never
-  shortening it) when the deadline passes what it holds, about once a second.
+  shortening it) when the deadline passes what it holds, about once a second, and again whenever
+  the database clock's anchor changed (a step of the server's clock must not let an old answer
+  stand).
 - Another layout takes the row over only once `held_until` has passed on the server's clock. Every
   mark of the old layout carried a deadline no later than that, and the database refuses a mark
   that reaches it, or finishes there, after its deadline (OutboxStore.mark). So the old layout's
@@ -52,9 +55,14 @@ CLAIM_AHEAD = timedelta(seconds=1)
 CLAIM_LOG_EVERY = 30.0  # seconds between a unit's error logs about the same refusal (it retries every second)
 
 
-def layout_of(leader_group: str, leader_topic: str, outbox: str, lanes: int) -> str:
-    """The layout a unit harvests under: equal for every unit and reaper of one configuration."""
-    return f"group={leader_group} topic={leader_topic} outbox={outbox} lanes={lanes}"
+def layout_of(cluster: str, leader_group: str, leader_topic: str, outbox: str, first_unit: int, lanes: int) -> str:
+    """The layout a unit harvests under: equal for every unit and reaper of one configuration, and
+    different when anything that decides who marks which row differs (another Kafka cluster is
+    another election; reordering harvester.outboxes moves a table to other leader partitions)."""
+    return (
+        f"cluster={cluster or '?'} group={leader_group} topic={leader_topic} outbox={outbox} "
+        f"first_unit={first_unit} lanes={lanes}"
+    )
 
 
 def holder_name(unit: str) -> str:
@@ -78,11 +86,18 @@ class ClaimTableMissing(RuntimeError):
     may not create it, or its role may not read and write the table."""
 
 
+# A hold waits at most this long for a lock on the claim row (an operator's open transaction, a
+# migration's ALTER): it runs while a revocation waits for the mark, and fails like a mark instead.
+HOLD_LOCK_TIMEOUT = "1s"
+
+
 @dataclass(frozen=True)
 class _Statements:
     hold: sql.Composed
     read: sql.Composed
     search_path: sql.SQL
+    lock_timeout: sql.Composed
+    lock: sql.SQL
 
 
 class OutboxClaim:
@@ -92,6 +107,8 @@ class OutboxClaim:
         self.outbox = f"{schema}.{table}"
         self.layout, self.holder = layout, holder
         self.held: datetime | None = None  # the latest held_until this unit's layout was seen to hold
+        self._held_generation = -1  # the database clock's anchor `held` was compared under
+        self.holding = False  # the last hold succeeded (this layout holds the table)
         self._logged: tuple[str, float] = ("", 0.0)  # the last refusal logged, and when
         claims = qualified(schema, CLAIM_TABLE)
         self._sql = _Statements(
@@ -110,13 +127,20 @@ class OutboxClaim:
             ).format(c=claims),
             read=sql.SQL("SELECT layout, holder, held_until FROM {c} WHERE outbox = %s").format(c=claims),
             search_path=sql.SQL("SELECT set_config('search_path', %s, true)"),
+            lock_timeout=sql.SQL("SELECT set_config('lock_timeout', {t}, true)").format(
+                t=sql.Literal(HOLD_LOCK_TIMEOUT)
+            ),
+            lock=sql.SQL("SELECT pg_advisory_xact_lock(%s)"),  # `reaper migrate`'s, so the two queue
         )
 
-    def hold(self, deadline: datetime) -> None:
-        """Make sure this layout holds the table until at least `deadline` (the server's clock), or
-        raise OutboxClaimed (another layout holds it) or a database error; nothing is marked by it."""
-        if self.held is not None and deadline <= self.held:
+    def hold(self, deadline: datetime, clock_generation: int = 0) -> None:
+        """Make sure this layout holds the table until at least `deadline` (the server's clock, as
+        mapped under the anchor `clock_generation`), or raise OutboxClaimed (another layout holds
+        it), ClaimTableMissing or a database error. Marks nothing itself."""
+        if self.held is not None and deadline <= self.held and clock_generation == self._held_generation:
             return
+        self.holding = False
+        self._held_generation = clock_generation
         params = {"outbox": self.table, "layout": self.layout, "until": deadline + CLAIM_AHEAD, "holder": self.holder}
         try:
             try:
@@ -124,27 +148,38 @@ class OutboxClaim:
             except psycopg.errors.UndefinedTable:
                 self.create_table()
                 self.held = self._hold(params)
+            self.holding = True
         except psycopg.errors.InsufficientPrivilege as exc:
-            table = f"{self.schema}.{CLAIM_TABLE}"
+            table = qualified(self.schema, CLAIM_TABLE).as_string(None)
             raise ClaimTableMissing(
                 f"this role may not use {table} ({exc}): GRANT SELECT, INSERT, UPDATE ON {table} TO <the reaper's role>"
             ) from None
 
+    def forget(self) -> None:
+        """Ask the database at the next hold (after an error: the server may have failed over)."""
+        self.held, self.holding = None, False
+
     def report_refusal(
-        self, why: OutboxClaimed | ClaimTableMissing, log: FilteringBoundLogger, conflicts: Counter
+        self, why: OutboxClaimed | ClaimTableMissing, log: FilteringBoundLogger, refusals: Counter
     ) -> None:
-        """Count a conflict; log a refusal when it is new, and again every CLAIM_LOG_EVERY."""
-        if isinstance(why, OutboxClaimed):
-            conflicts.inc()
-        what = why.layout if isinstance(why, OutboxClaimed) else "missing"
+        """Count a refusal; log it when it is new, and again every CLAIM_LOG_EVERY."""
+        refusals.inc()
+        what = why.layout if isinstance(why, OutboxClaimed) else str(why)
         last, at = self._logged
         if what != last or time.monotonic() - at >= CLAIM_LOG_EVERY:
             self._logged = (what, time.monotonic())
-            log.error("not marking: this outbox table is not this configuration's to harvest", error=str(why))
+            if isinstance(why, OutboxClaimed):
+                log.error("not marking: another configuration harvests this outbox table", error=str(why))
+            else:
+                log.error("not marking: this outbox table's claim cannot be held", error=str(why))
 
     def _hold(self, params: dict) -> datetime:
         with self.pool.connection() as conn:
-            row = conn.execute(self._sql.hold, params).fetchone()
+            # One pipeline, one Sync: one implicit transaction, all that set_config(..., true) lasts.
+            with conn.pipeline():
+                conn.execute(self._sql.lock_timeout)
+                cur = conn.execute(self._sql.hold, params)
+            row = cur.fetchone()
             if row is not None:
                 return row[0]
             other = conn.execute(self._sql.read, [self.table]).fetchone()
@@ -168,6 +203,7 @@ class OutboxClaim:
         """Create the schema's harvest_claim table (IF NOT EXISTS), or raise ClaimTableMissing."""
         try:
             with self.pool.connection() as conn, conn.transaction():
+                conn.execute(self._sql.lock, [schema_mod.migration_lock_key(self.schema)])
                 conn.execute(self._sql.search_path, [sql.Identifier(self.schema).as_string(conn)])
                 conn.execute(self._migration_text())
         except (psycopg.errors.InsufficientPrivilege, psycopg.errors.InvalidSchemaName) as exc:
@@ -175,5 +211,5 @@ class OutboxClaim:
                 f"{self.schema}.{CLAIM_TABLE} does not exist and this role cannot create it ({exc}); "
                 f"have the schema's owner run `reaper migrate` for it, or:\n{self.create_statement()}"
             ) from None
-        except psycopg.errors.UniqueViolation:
-            pass  # created by another unit at the same moment (CREATE ... IF NOT EXISTS races so)
+        except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject, psycopg.errors.DuplicateTable):
+            pass  # created at the same moment by a session that does not take the lock (an operator)

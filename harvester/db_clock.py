@@ -28,10 +28,12 @@ class DatabaseClock:
         self._read_now = read_now
         self.max_age = max_age
         self._anchor: tuple[datetime, float] | None = None
+        self.generation = 0  # bumped with every new anchor: what was mapped through the old one is stale
 
     def refresh(self) -> None:
         server = self._read_now().astimezone(UTC)
         self._anchor = (server, time.monotonic())
+        self.generation += 1
 
     def forget(self) -> None:
         """Re-read the server's clock before the next mapping."""

@@ -45,6 +45,17 @@ _STATE = (
 
 MISSING, BUILDING, INVALID, VALID = "missing", "building", "invalid", "valid"
 
+# Every lane index the reaper builds is labelled with a comment starting so: only those are ever
+# dropped as retired (an index someone else made under a similar name is left alone).
+LABEL = "outbox-reaper lane index"
+
+# The labelled lane indexes of a table, and whether each is valid.
+_LABELLED = (
+    "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+    "WHERE i.indrelid = to_regclass(%s) AND starts_with(coalesce(obj_description(c.oid, 'pg_class'), ''), %s) "
+    "ORDER BY c.relname"
+)
+
 
 def lane_index_name(table: str, lanes: int) -> str:
     """`<table>_lanes<L>`; when that is longer than Postgres keeps, a prefix and a hash of the whole."""
@@ -71,11 +82,15 @@ class LaneIndex:
             lane=sql.SQL(LANE_SQL.format(lanes=int(lanes))),
         )
         self._drop = sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {i}").format(i=sql.Identifier(schema, self.name))
+        self._label = sql.SQL("COMMENT ON INDEX {i} IS {label}").format(
+            i=sql.Identifier(schema, self.name), label=sql.Literal(f"{LABEL} (lanes={lanes})")
+        )
         self._table = qualified(schema, table).as_string(None)
 
     def statement(self) -> str:
-        """The CREATE INDEX statement, for an operator to run."""
-        return self._create.as_string(None)
+        """The statements that build it, for an operator to run (the label lets a later reaper drop
+        it once a configuration with another lane count has taken the table over)."""
+        return f"{self._create.as_string(None)}; {self._label.as_string(None)};"
 
     def state(self, conn: psycopg.Connection) -> str:
         row = conn.execute(_STATE, [self.schema, self.name, self._table]).fetchone()
@@ -94,9 +109,28 @@ class LaneIndex:
             found = self.state(conn)
         if found == MISSING:
             conn.execute(self._create)
+            try:
+                conn.execute(self._label)
+            except psycopg.errors.InsufficientPrivilege:
+                pass  # built meanwhile by another role: not ours to label, nor ever to retire
         elif found == INVALID:
             conn.execute(self._drop)
         return found
+
+
+def retire_lane_indexes(conn: psycopg.Connection, schema: str, table: str, keep: str | None) -> list[str]:
+    """Drop (CONCURRENTLY, on an autocommit connection) the labelled lane indexes of the table
+    other than `keep`: those a configuration with another lane count (or none) built. Returns the
+    names dropped. Only ever run by a unit whose layout holds the table (harvester.claim), so no
+    other configuration marks through them any more; and an index only speeds marks up, so one
+    dropped under a configuration that takes the table back later is rebuilt by it."""
+    t = qualified(check_identifier(schema, "schema"), check_identifier(table, "table")).as_string(conn)
+    dropped = []
+    for (name,) in conn.execute(_LABELLED, [t, LABEL]).fetchall():
+        if name != keep:
+            conn.execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {i}").format(i=sql.Identifier(schema, name)))
+            dropped.append(name)
+    return dropped
 
 
 # Seconds to the next step. A valid index is checked often on a kept connection (one catalog query):

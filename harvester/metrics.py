@@ -45,10 +45,11 @@ class HarvesterMetrics:
             "Marks the database refused because they reached or finished there after the lease ended "
             "(nothing marked; rising while leading: check the clocks)",
         )
-        self.claim_conflicts = Counter(
-            f"{p}_outbox_claim_conflicts_total",
-            "Marks not made because another configuration (leader group/topic, outbox name, lanes) holds "
-            "the outbox table (harvester.claim): two configurations point at one table",
+        self.claim_refusals = Counter(
+            f"{p}_outbox_claim_refusals_total",
+            "Marks not made because this configuration could not hold the outbox table (harvester.claim): "
+            "another configuration (Kafka cluster, leader group/topic, outbox, lanes) holds it, or "
+            "harvest_claim is missing or not permitted",
         )
         self.mark_duration = Histogram(f"{p}_mark_duration_seconds", "Mark query duration", buckets=_DURATION_BUCKETS)
         self.purge_duration = Histogram(
@@ -136,7 +137,7 @@ class MetricsLike(Protocol):
     reset: Counter
     txn_aborted: Counter
     marks_refused: Counter
-    claim_conflicts: Counter
+    claim_refusals: Counter
     mark_duration: Histogram
     produce_duration: Histogram
     purge_duration: Histogram
@@ -168,7 +169,7 @@ class UnitMetrics:
     reset: Counter
     txn_aborted: Counter
     marks_refused: Counter
-    claim_conflicts: Counter
+    claim_refusals: Counter
     mark_duration: Histogram
     produce_duration: Histogram
     purge_duration: Histogram

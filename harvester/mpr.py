@@ -90,9 +90,9 @@ class UnitHarvester:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self, lease: Lease) -> UnitHarvester:
-        """Start once, following `lease` (not yet started: NELI starts once every unit is ready);
-        a stopped unit cannot be started again (LifecycleError)."""
+    def start(self, lease: Lease, kafka_cluster: str = "") -> UnitHarvester:
+        """Start once, following `lease` (not yet started: NELI starts once every unit is ready) of
+        the election on `kafka_cluster` (its id); a stopped unit cannot be started again (LifecycleError)."""
         self._life.start()
         cfg, h, spec = self.cfg, self.h, self.spec
         if self.pool is None:
@@ -100,7 +100,9 @@ class UnitHarvester:
         store = OutboxStore(self.pool, spec.schema, spec.table, lane=spec.lane, lanes=spec.lanes)
         self.store = self.providers.store(store)
         self._db_clock = DatabaseClock(self.store.database_now)
-        layout = layout_of(h.leader_group, h.leader_topic, spec.outbox, spec.lanes)
+        layout = layout_of(
+            kafka_cluster, h.leader_group, h.leader_topic, spec.outbox, spec.index - spec.lane, spec.lanes
+        )
         self.claim = OutboxClaim(self.pool, spec.schema, spec.table, layout, holder_name(spec.name))
         conf = producer_config(cfg.kafka.bootstrap_servers, cfg.kafka.client, cfg.kafka.producer, self._txn_id)
         self.publisher = Publisher(
@@ -120,8 +122,17 @@ class UnitHarvester:
 
             self.publisher._plain.trace = partial(producer_span, trace.get_tracer("outbox-reaper.harvester"))
         publisher = self.publisher
+        claim = self.claim
         self.upkeep = Upkeep(
-            h, spec, self.store, store, lambda: publisher.purged_rows, lambda: self.leading, self._stop, self.log
+            h,
+            spec,
+            self.store,
+            store,
+            lambda: publisher.purged_rows,
+            lambda: self.leading,
+            self._stop,
+            self.log,
+            holds_table=lambda: claim.holding,
         )
         self.neli = lease
         lease.on_change = self._on_neli
@@ -298,7 +309,7 @@ class UnitHarvester:
                     continue
                 try:
                     deadline = db_clock.at(until)
-                    claim.hold(deadline)  # no other configuration marks this table before `deadline`
+                    claim.hold(deadline, db_clock.generation)  # no other configuration marks before `deadline`
                     started = time.monotonic()
                     # Always from the head (see OutboxStore.mark): rows committed late are found by
                     # the very next mark, before any causally later row of their key.
@@ -306,13 +317,14 @@ class UnitHarvester:
                 except Exception as exc:
                     trouble = exc
             if isinstance(trouble, (OutboxClaimed, ClaimTableMissing)):
-                claim.report_refusal(trouble, self.log, m.claim_conflicts)
+                claim.report_refusal(trouble, self.log, m.claim_refusals)
                 self._stop.wait(CLAIM_RETRY)
                 continue
             if isinstance(trouble, MarkRefused):
                 # Nothing was marked. Usually the lease ended while the mark was on its way (the
                 # next turn sees it); if it repeats while leading, the clocks are in question.
                 db_clock.forget()
+                claim.forget()
                 self._mark_trouble()
                 m.marks_refused.inc()
                 self.log.info(
@@ -322,6 +334,7 @@ class UnitHarvester:
                 continue
             if trouble is not None:
                 db_clock.forget()
+                claim.forget()
                 self._mark_trouble()
                 self.log.warning("mark failed", error=logs_safe(trouble))
                 self.force_remark("mark failed")

@@ -51,19 +51,21 @@ class LeaderTopicMismatch(RuntimeError):
     """The leader topic's partition count differs from the configured number of harvest units."""
 
 
-def ensure_leader_topic(admin_conf: dict, topic: str, timeout: float = 30.0, partitions: int = 1) -> None:
+def ensure_leader_topic(admin_conf: dict, topic: str, timeout: float = 30.0, partitions: int = 1) -> str:
     """Create the leader topic, one partition per unit, if it is missing (brokers here do not
     auto-create). An existing topic with another partition count is refused: reapers that disagree
-    on the units could lead overlapping lanes (see README "Harvest units": drain, then switch)."""
+    on the units could lead overlapping lanes (see README "Harvest units": drain, then switch).
+    Returns the Kafka cluster's id ("" from a broker too old to say): one election per cluster."""
     admin = AdminClient(admin_conf)
     try:
-        _ensure_topic(admin, topic, timeout, partitions)
+        return _ensure_topic(admin, topic, timeout, partitions)
     finally:
         admin.poll(0)  # an admin client's log lines wait for a poll: hand them to its logger
 
 
-def _ensure_topic(admin: AdminClient, topic: str, timeout: float, partitions: int) -> None:
+def _ensure_topic(admin: AdminClient, topic: str, timeout: float, partitions: int) -> str:
     md = admin.list_topics(topic=topic, timeout=timeout)
+    cluster = md.cluster_id or ""
     t = md.topics.get(topic)
     if t is not None and t.error is None:
         if len(t.partitions) != partitions:
@@ -72,7 +74,7 @@ def _ensure_topic(admin: AdminClient, topic: str, timeout: float, partitions: in
                 "configured: to change the units or lanes, stop every reaper, then start them with a new "
                 "harvester.leader_topic and harvester.leader_group"
             )
-        return
+        return cluster
     fut = admin.create_topics(
         [
             NewTopic(
@@ -89,6 +91,7 @@ def _ensure_topic(admin: AdminClient, topic: str, timeout: float, partitions: in
     except KafkaException as exc:
         if exc.args[0].code() != exc.args[0].TOPIC_ALREADY_EXISTS:
             raise
+    return cluster
 
 
 class _QuietReconnects:
@@ -153,6 +156,7 @@ class Neli:
         ]
         base = {"bootstrap.servers": bootstrap, **client}
         self._admin_conf = {**base, "logger": logs.KafkaLogger("leader-admin")}
+        self.cluster_id: str | None = None  # the Kafka cluster's id, once prepare() read it
         self._consumer_conf = {
             # Rejoin within about a second after a broker restart (librdkafka's default back-off
             # grows to 10 s between connection attempts); configuration may still override it.
@@ -194,8 +198,15 @@ class Neli:
 
     # ------------------------------------------------------------------ public
 
+    def prepare(self) -> str:
+        """Make sure the leader topic is there (and agrees with the units) before anything starts;
+        return the Kafka cluster's id. Done once; start() does it if nobody did."""
+        if self.cluster_id is None:
+            self.cluster_id = ensure_leader_topic(self._admin_conf, self.topic, partitions=len(self.leases))
+        return self.cluster_id
+
     def start(self) -> Neli:
-        ensure_leader_topic(self._admin_conf, self.topic, partitions=len(self.leases))
+        self.prepare()
         self._producer = Producer(self._producer_conf)
         self._consumer = self._new_consumer()
         self._thread.start()

@@ -86,8 +86,9 @@ class Harvester:
             units=len(self.units),
         )
         try:
+            cluster = self.neli.prepare()  # the leader topic agrees with the units before any starts
             for u in self.units:
-                u.start(self.neli.lease(u.spec.index))
+                u.start(self.neli.lease(u.spec.index), kafka_cluster=cluster)
             self.neli.start()
         except BaseException:
             self._life.stop()

@@ -1,16 +1,18 @@
 """A harvest unit's upkeep of its outbox table, beside marking and publishing: the leader's vacuum,
-and (lanes > 1) the lane index (harvester.lane_index). Each on a daemon thread of its own, doing
-nothing while this process does not lead the unit."""
+(lanes > 1) the lane index (harvester.lane_index), and, once per process, dropping the lane
+indexes a configuration with another lane count left behind. Each on a daemon thread of its own,
+doing nothing while this process does not lead the unit."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
 
+import psycopg
 from structlog.typing import FilteringBoundLogger
 
 from .config import HarvesterConfig, UnitSpec
-from .lane_index import LaneIndex, LaneIndexKeeper
+from .lane_index import LaneIndex, LaneIndexKeeper, retire_lane_indexes
 from .ports import StoreLike
 from .publish import logs_safe
 from .store import OutboxStore
@@ -27,16 +29,22 @@ class Upkeep:
         leading: Callable[[], bool],
         stop: threading.Event,
         log: FilteringBoundLogger,
+        holds_table: Callable[[], bool] = lambda: False,
     ) -> None:
         """`store` is what the vacuum goes through (wrapped by the providers), `outbox` the store whose
-        mark the lane index switches; `purged_rows` counts the rows the unit has deleted so far."""
+        mark the lane index switches; `purged_rows` counts the rows the unit has deleted so far;
+        `holds_table` says whether this configuration holds the table now (harvester.claim)."""
         self.h, self.spec, self.store = h, spec, store
         self._purged_rows, self._leading, self._stop, self._log = purged_rows, leading, stop, log
+        self._holds_table = holds_table
         self.vacuums = 0
         self.lane_index: LaneIndexKeeper | None = None
+        self.kept_index: str | None = None  # the lane index this configuration uses, if any
         if spec.lanes > 1 and h.lane_index:
             index = LaneIndex(spec.schema, spec.table, spec.lanes)
+            self.kept_index = index.name
             self.lane_index = LaneIndexKeeper(index, spec.dsn, spec.lane == 0, outbox.use_lane_index, log)
+        self.retired: list[str] | None = None  # the lane indexes dropped, once that was done
         self._vacuum: threading.Thread | None = None
 
     def start(self) -> None:
@@ -48,6 +56,8 @@ class Upkeep:
             threading.Thread(
                 target=self.lane_index.run, args=(self._stop, self._leading), name="reaper-lane-index", daemon=True
             ).start()
+        if self.spec.lane == 0:
+            threading.Thread(target=self._retire_loop, name="reaper-lane-retire", daemon=True).start()
 
     def join(self, timeout: float) -> None:
         """After `stop` is set. A lane index build in progress is not waited for (a daemon thread:
@@ -76,3 +86,29 @@ class Upkeep:
                 self.vacuums += 1
             except Exception as exc:
                 self._log.warning("vacuum failed", error=logs_safe(exc))
+
+    def _retire_loop(self) -> None:
+        """Once this process leads lane 0 and its configuration holds the table (no other marks it
+        any more), drop the lane indexes it does not use: left by a lane count it replaced, or
+        unwanted since harvester.lane_index was turned off. Their upkeep slows every insert."""
+        wait = 1.0
+        while not self._stop.wait(wait):
+            if not (self._leading() and self._holds_table()):
+                continue
+            try:
+                with psycopg.connect(self.spec.dsn, autocommit=True, connect_timeout=10) as conn:
+                    self.retired = retire_lane_indexes(conn, self.spec.schema, self.spec.table, self.kept_index)
+            except psycopg.errors.InsufficientPrivilege as exc:
+                self._log.warning(
+                    "lane indexes of another lane count are left in place: this role may not drop them",
+                    error=logs_safe(exc),
+                    hint="the table's owner can drop the indexes commented 'outbox-reaper lane index'",
+                )
+                return
+            except psycopg.Error as exc:
+                self._log.warning("dropping unused lane indexes failed; trying again", error=logs_safe(exc))
+                wait = 60.0
+                continue
+            for name in self.retired:
+                self._log.info("dropped a lane index this configuration does not use", index=name)
+            return

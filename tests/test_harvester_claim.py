@@ -16,7 +16,11 @@ from prometheus_client import CollectorRegistry, Counter
 from harvester.claim import CLAIM_AHEAD, ClaimTableMissing, OutboxClaim, OutboxClaimed, layout_of
 from harvester.pool import make_pool
 
-LAYOUTS = [layout_of("g", "t", "default", 1), layout_of("g", "t", "default", 2), layout_of("h", "u", "default", 1)]
+LAYOUTS = [
+    layout_of("c1", "g", "t", "default", 0, 1),
+    layout_of("c1", "g", "t", "default", 0, 2),
+    layout_of("c1", "h", "u", "default", 0, 1),
+]
 
 
 @pytest.fixture
@@ -41,6 +45,17 @@ def read_row(pg_dsn, schema, table="outbox"):
 # Each step: which layout holds, and a deadline hours before or after now (far from the clock's
 # movement during the test, so the model's "has it passed" is never a close call).
 steps = st.lists(st.tuples(st.integers(0, len(LAYOUTS) - 1), st.integers(-48, 48)), min_size=1, max_size=12)
+
+
+def test_every_part_of_a_configuration_that_decides_who_marks_what_is_in_its_layout():
+    """Another Kafka cluster is another election; another group or topic too; another name or lane
+    count splits the table differently; reordering harvester.outboxes moves it to other partitions."""
+    base = ("c1", "g", "t", "orders", 0, 2)
+    for i, other in enumerate(("c2", "g2", "t2", "billing", 1, 3)):
+        changed = list(base)
+        changed[i] = other
+        assert layout_of(*changed) != layout_of(*base), changed  # type: ignore[arg-type]
+    assert layout_of(*base) == layout_of(*base)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -77,13 +92,17 @@ def test_a_layout_takes_the_table_only_after_the_others_deadline(pg_dsn, schema,
     old.hold(now + timedelta(seconds=1))  # held until now + 2 s
     with pytest.raises(OutboxClaimed):
         new.hold(now + timedelta(seconds=10))
-    # Held within what it holds: no statement at all (a paused old reaper's next mark goes on with
-    # a deadline no later than that, which the mark's own deadline check bounds).
+    # Held within what it holds, under the same clock anchor: no statement at all (a paused old
+    # reaper's next mark goes on with a deadline no later than that, which the mark's own deadline
+    # check bounds). Under a new anchor (the server's clock may have stepped) it asks again.
     held = old.held
     old.pool = None  # type: ignore[assignment]  # would fail if it were used
     old.hold(now + timedelta(seconds=1, milliseconds=500))
     assert old.held == held
+    with pytest.raises(AttributeError):
+        old.hold(now + timedelta(seconds=1, milliseconds=500), clock_generation=1)
     old.pool = pool
+    old.forget()
     import time
 
     while server_now(pg_dsn) <= held:
@@ -113,6 +132,10 @@ def test_a_refusal_is_counted_and_logged_once_per_new_holder(pg_dsn, schema, poo
     assert len(logged) == 1 and LAYOUTS[1] in logged[0]["error"]
     claim.report_refusal(OutboxClaimed("s.outbox", LAYOUTS[0], LAYOUTS[2], "x", why.held_until), Log(), conflicts)  # type: ignore[arg-type]
     assert len(logged) == 2
+    # a table it cannot hold at all is counted too, under its own message
+    claim.report_refusal(ClaimTableMissing("no table"), Log(), conflicts)  # type: ignore[arg-type]
+    assert registry.get_sample_value("conflicts_total") == 7
+    assert len(logged) == 3 and logged[-1]["event"] != logged[0]["event"]
 
 
 @pytest.fixture
@@ -179,10 +202,71 @@ def test_a_role_without_rights_on_the_table_is_told_the_grant(pg_dsn, schema):
         claim = OutboxClaim(p, schema, "outbox", LAYOUTS[0], "me")
         with pytest.raises(ClaimTableMissing) as refused:
             claim.hold(server_now(pg_dsn) + timedelta(seconds=5))
-        assert f"GRANT SELECT, INSERT, UPDATE ON {schema}.harvest_claim" in str(refused.value)
+        assert f'GRANT SELECT, INSERT, UPDATE ON "{schema}"."harvest_claim"' in str(refused.value)
         assert read_row(pg_dsn, schema) is None  # nothing held
     finally:
         p.close()
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(f'REVOKE ALL ON SCHEMA "{schema}" FROM {role}')
             conn.execute(f"DROP ROLE {role}")
+
+
+def test_units_creating_the_table_at_once_and_a_migration_all_succeed(pg_dsn):
+    """Eight units of fresh schemas race to create the table, with `reaper migrate` beside them:
+    they queue on migrate's advisory lock, and none fails."""
+    import threading
+
+    from tracker import schema as schema_mod
+
+    for _ in range(5):
+        name = f"race_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'CREATE SCHEMA "{name}"')
+        p = make_pool(pg_dsn, 8, name="claim-race")
+        errors: list[BaseException] = []
+        now = server_now(pg_dsn)
+
+        def unit(i: int) -> None:
+            try:
+                OutboxClaim(p, name, "outbox", LAYOUTS[0], f"unit {i}").hold(now + timedelta(seconds=30))
+            except BaseException as exc:
+                errors.append(exc)
+
+        def migrate() -> None:
+            try:
+                schema_mod.migrate(pg_dsn, name)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=unit, args=(i,)) for i in range(8)] + [threading.Thread(target=migrate)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert errors == []
+            assert read_row(pg_dsn, name)[0] == LAYOUTS[0]
+        finally:
+            p.close()
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute(f'DROP SCHEMA "{name}" CASCADE')
+
+
+def test_a_hold_behind_a_locked_claim_row_fails_within_its_lock_timeout(pg_dsn, schema, pool):
+    """An operator's open transaction on the row: the hold gives up after HOLD_LOCK_TIMEOUT (the
+    marker treats it as a failed mark) instead of holding up the unit's revocation."""
+    import time
+
+    claim = OutboxClaim(pool, schema, "outbox", LAYOUTS[0], "me")
+    claim.hold(server_now(pg_dsn) + timedelta(seconds=5))
+    with psycopg.connect(pg_dsn) as blocker:
+        blocker.execute(f'SELECT * FROM "{schema}".harvest_claim FOR UPDATE').fetchall()
+        claim.forget()
+        started = time.monotonic()
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            claim.hold(server_now(pg_dsn) + timedelta(seconds=10))
+        assert time.monotonic() - started < 5
+        assert not claim.holding
+        blocker.rollback()
+    claim.hold(server_now(pg_dsn) + timedelta(seconds=10))
+    assert claim.holding

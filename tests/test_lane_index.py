@@ -185,6 +185,64 @@ def test_a_harvester_in_lanes_builds_the_index_and_marks_through_it(pg_dsn, kafk
     assert exists is enabled
 
 
+def _index_names(pg_dsn: str, schema: str) -> set[str]:
+    with psycopg.connect(pg_dsn) as conn:
+        rows = conn.execute("SELECT indexname FROM pg_indexes WHERE schemaname = %s AND tablename = 'outbox'", [schema])
+        return {r[0] for r in rows}
+
+
+@pytest.mark.parametrize("lanes,lane_index", [(2, True), (2, False), (1, True)])
+def test_a_configuration_drops_the_lane_indexes_it_does_not_use(
+    pg_dsn, kafka_bootstrap, schema, topics, lanes, lane_index
+):
+    """Left by another lane count (the drain-then-switch of the README), or by this one before
+    harvester.lane_index was turned off: each slows every insert. Lane 0's leader drops the labelled
+    ones once its configuration holds the table; an index someone else made is left alone."""
+    for old in (3, 2):
+        _build(pg_dsn, LaneIndex(schema, "outbox", old))
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE INDEX outbox_lanes4 ON "{schema}".outbox (created_at)')  # not ours
+    before = _index_names(pg_dsn, schema)
+    assert {"outbox_lanes2", "outbox_lanes3", "outbox_lanes4"} <= before
+    kept = {"outbox_lanes2"} if lanes == 2 and lane_index else set()
+    h = Harvester(lanes_config(pg_dsn, schema, kafka_bootstrap, topics, lanes, lane_index=lane_index)).start()
+    try:
+        assert wait_until(lambda: h.units[0].upkeep is not None and h.units[0].upkeep.retired is not None, 30)
+        assert sorted(h.units[0].upkeep.retired) == sorted({"outbox_lanes2", "outbox_lanes3"} - kept)
+        assert _index_names(pg_dsn, schema) == (before - {"outbox_lanes2", "outbox_lanes3"}) | kept
+        if kept:  # the one in use is still used
+            assert wait_until(lambda: all(u.lane_index is not None and u.lane_index.valid for u in h.units), 30)
+    finally:
+        h.stop(5)
+
+
+def test_nothing_is_dropped_while_another_configuration_holds_the_table(pg_dsn, kafka_bootstrap, schema, topics):
+    from datetime import timedelta
+
+    from harvester.claim import OutboxClaim, layout_of
+    from harvester.pool import make_pool as pool_of
+
+    _build(pg_dsn, LaneIndex(schema, "outbox", 3))
+    p = pool_of(pg_dsn, 1, name="other-layout")
+    try:
+        other = OutboxClaim(p, schema, "outbox", layout_of("c", "g", "t", "default", 0, 3), "another deployment")
+        with psycopg.connect(pg_dsn) as conn:
+            now = conn.execute("SELECT clock_timestamp()").fetchone()[0]
+        other.hold(now + timedelta(seconds=20))
+        h = Harvester(lanes_config(pg_dsn, schema, kafka_bootstrap, topics, 1)).start()
+        try:
+            assert wait_until(lambda: h.units[0].leading, 30)
+            import time
+
+            time.sleep(3)
+            assert h.units[0].upkeep is not None and h.units[0].upkeep.retired is None
+            assert "outbox_lanes3" in _index_names(pg_dsn, schema)
+        finally:
+            h.stop(5)
+    finally:
+        p.close()
+
+
 def _keeper(dsn: str, schema: str, builder: bool = True, lanes: int = 2) -> tuple[LaneIndexKeeper, list[bool]]:
     used: list[bool] = []
     return LaneIndexKeeper(LaneIndex(schema, "outbox", lanes), dsn, builder, used.append, get_log("test")), used

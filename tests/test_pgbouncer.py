@@ -23,7 +23,7 @@ def _drop(pg_dsn: str, name: str) -> None:
 
 
 def _advisory_locks(pg_dsn: str, name: str) -> list[tuple]:
-    key = schema_mod._lock_key(name)
+    key = schema_mod.migration_lock_key(name)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         return conn.execute(
             "SELECT pid, granted FROM pg_locks WHERE locktype = 'advisory' "

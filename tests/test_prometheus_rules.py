@@ -71,7 +71,7 @@ CONTRACT_METRICS = {
     # a mark the database refused as arriving or finishing after the lease ended
     "reaper_marks_refused_total",
     # marks not made because another configuration holds the outbox table (harvester.claim)
-    "reaper_outbox_claim_conflicts_total",
+    "reaper_outbox_claim_refusals_total",
 }
 HISTOGRAMS = {
     "reaper_mark_duration_seconds",

@@ -70,7 +70,7 @@ class MigrationDrift(RuntimeError):
     pass
 
 
-def _lock_key(schema: str) -> int:
+def migration_lock_key(schema: str) -> int:
     # One advisory lock per schema; a stable 63-bit number from its name.
     return int.from_bytes(hashlib.sha256(f"outbox-reaper:migrate:{schema}".encode()).digest()[:8], "big") >> 1
 
@@ -125,7 +125,7 @@ def migrate(dsn_or_conn: str | psycopg.Connection, schema: str) -> list[str]:
     threshold, conn.prepare_threshold = conn.prepare_threshold, None
     try:
         names: list[str] = []
-        key, wanted = _lock_key(schema), migrations()
+        key, wanted = migration_lock_key(schema), migrations()
         table = qualified(schema, MIGRATIONS_TABLE)
         while True:
             with conn.transaction():

@@ -241,7 +241,7 @@ ROWS = [
                     (rate("reaper_transactions_aborted_total"), "transactions aborted"),
                     (rate("reaper_marks_refused_total"), "marks refused after the lease"),
                     (
-                        rate("reaper_outbox_claim_conflicts_total"),
+                        rate("reaper_outbox_claim_refusals_total"),
                         "marks held back: table held by another configuration",
                     ),
                 ],
