@@ -95,6 +95,7 @@ HOLD_LOCK_TIMEOUT = "1s"
 class _Statements:
     hold: sql.Composed
     read: sql.Composed
+    held_now: sql.Composed
     search_path: sql.SQL
     lock_timeout: sql.Composed
     lock: sql.SQL
@@ -126,6 +127,9 @@ class OutboxClaim:
                 "RETURNING held_until"
             ).format(c=claims),
             read=sql.SQL("SELECT layout, holder, held_until FROM {c} WHERE outbox = %s").format(c=claims),
+            held_now=sql.SQL(
+                "SELECT EXISTS (SELECT 1 FROM {c} WHERE outbox = %s AND layout = %s AND held_until > clock_timestamp())"
+            ).format(c=claims),
             search_path=sql.SQL("SELECT set_config('search_path', %s, true)"),
             lock_timeout=sql.SQL("SELECT set_config('lock_timeout', {t}, true)").format(
                 t=sql.Literal(HOLD_LOCK_TIMEOUT)
@@ -154,6 +158,15 @@ class OutboxClaim:
             raise ClaimTableMissing(
                 f"this role may not use {table} ({exc}): GRANT SELECT, INSERT, UPDATE ON {table} TO <the reaper's role>"
             ) from None
+
+    def held_now(self) -> bool:
+        """Whether the database says this layout holds the table at this moment (not the cache)."""
+        try:
+            with self.pool.connection() as conn:
+                row = conn.execute(self._sql.held_now, [self.table, self.layout]).fetchone()
+        except psycopg.Error:
+            return False
+        return bool(row and row[0])
 
     def forget(self) -> None:
         """Ask the database at the next hold (after an error: the server may have failed over)."""

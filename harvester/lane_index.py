@@ -32,29 +32,31 @@ from .store import LANE_SQL
 
 MAX_IDENTIFIER = 63  # Postgres truncates longer names; ours must not collide when it would
 
+# Every lane index the reaper builds (or marks through) is labelled with a comment starting so: only
+# those are ever dropped as retired (an index someone else made under a similar name is left alone).
+LABEL = "outbox-reaper lane index"
+
 # Building: a CREATE INDEX in progress on it, or another session holding the table's SHARE UPDATE
 # EXCLUSIVE lock (a build, by any role: pg_stat_progress_create_index hides other roles' builds from
 # a role without pg_read_all_stats; or a VACUUM, which only delays the check).
 _STATE = (
     "SELECT i.indisvalid, EXISTS (SELECT 1 FROM pg_stat_progress_create_index p WHERE p.index_relid = c.oid) "
     "OR EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'relation' AND l.relation = i.indrelid "
-    "AND l.mode = 'ShareUpdateExclusiveLock' AND l.granted AND l.pid <> pg_backend_pid()) "
+    "AND l.mode = 'ShareUpdateExclusiveLock' AND l.granted AND l.pid <> pg_backend_pid()), "
+    "starts_with(coalesce(obj_description(c.oid, 'pg_class'), ''), %s) "
     "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace JOIN pg_index i ON i.indexrelid = c.oid "
     "WHERE n.nspname = %s AND c.relname = %s AND i.indrelid = to_regclass(%s)"
 )
 
 MISSING, BUILDING, INVALID, VALID = "missing", "building", "invalid", "valid"
 
-# Every lane index the reaper builds is labelled with a comment starting so: only those are ever
-# dropped as retired (an index someone else made under a similar name is left alone).
-LABEL = "outbox-reaper lane index"
-
-# The labelled lane indexes of a table, and whether each is valid.
+# The labelled lane indexes of a table (on its lane expression, whatever else the label says).
 _LABELLED = (
     "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
     "WHERE i.indrelid = to_regclass(%s) AND starts_with(coalesce(obj_description(c.oid, 'pg_class'), ''), %s) "
-    "ORDER BY c.relname"
+    "AND strpos(pg_get_indexdef(c.oid), 'md5(key)') > 0 ORDER BY c.relname"
 )
+RETIRE_WAIT = 5.0  # seconds a drop may wait for other sessions' locks on the table before it is cancelled
 
 
 def lane_index_name(table: str, lanes: int) -> str:
@@ -75,6 +77,7 @@ class LaneIndex:
         if not (isinstance(lanes, int) and lanes > 1):
             raise ValueError(f"lanes {lanes!r}: a lane index is for 2 or more lanes")
         self.schema, self.table, self.lanes = schema, table, lanes
+        self.labelled = False  # the last state() found it carrying the reaper's label
         self.name = lane_index_name(check_identifier(table, "table"), lanes)
         self._create = sql.SQL("CREATE INDEX CONCURRENTLY IF NOT EXISTS {i} ON {t} (({lane}), id)").format(
             i=sql.Identifier(self.name),
@@ -93,11 +96,23 @@ class LaneIndex:
         return f"{self._create.as_string(None)}; {self._label.as_string(None)};"
 
     def state(self, conn: psycopg.Connection) -> str:
-        row = conn.execute(_STATE, [self.schema, self.name, self._table]).fetchone()
+        """MISSING, BUILDING, INVALID or VALID: an index of this name on this table (`labelled` says
+        whether it carries the reaper's label)."""
+        row = conn.execute(_STATE, [LABEL, self.schema, self.name, self._table]).fetchone()
         if row is None:
+            self.labelled = False
             return MISSING
-        valid, building = row
+        valid, building, self.labelled = row
         return VALID if valid else BUILDING if building else INVALID
+
+    def label(self, conn: psycopg.Connection) -> None:
+        """Label the index (found on this table by state()): one this reaper builds or marks
+        through is one a later configuration may retire. Not the owner: left unlabelled."""
+        try:
+            conn.execute(self._label)
+            self.labelled = True
+        except psycopg.errors.InsufficientPrivilege:
+            pass
 
     def build_step(self, conn: psycopg.Connection, found: str | None = None) -> str:
         """One step towards a valid index on an autocommit connection; returns the state it found
@@ -109,27 +124,37 @@ class LaneIndex:
             found = self.state(conn)
         if found == MISSING:
             conn.execute(self._create)
-            try:
-                conn.execute(self._label)
-            except psycopg.errors.InsufficientPrivilege:
-                pass  # built meanwhile by another role: not ours to label, nor ever to retire
+            # IF NOT EXISTS passes over a name taken by another table's index: label only ours
+            if self.state(conn) != MISSING:
+                self.label(conn)
         elif found == INVALID:
             conn.execute(self._drop)
         return found
 
 
-def retire_lane_indexes(conn: psycopg.Connection, schema: str, table: str, keep: str | None) -> list[str]:
+def retire_lane_indexes(
+    conn: psycopg.Connection, schema: str, table: str, keep: str | None, still_ours: Callable[[], bool]
+) -> list[str]:
     """Drop (CONCURRENTLY, on an autocommit connection) the labelled lane indexes of the table
     other than `keep`: those a configuration with another lane count (or none) built. Returns the
-    names dropped. Only ever run by a unit whose layout holds the table (harvester.claim), so no
-    other configuration marks through them any more; and an index only speeds marks up, so one
-    dropped under a configuration that takes the table back later is rebuilt by it."""
+    names dropped. Run by a unit whose layout holds the table (harvester.claim), checked again by
+    `still_ours` before each drop, so no other configuration marks through them any more; an index
+    only speeds marks up, so one dropped under a configuration that takes the table back later is
+    rebuilt by it. A drop waits for every session holding a lock on the table, and meanwhile holds
+    back vacuum and builds: it is cancelled after RETIRE_WAIT (QueryCanceled; the index is left
+    invalid, and labelled, for the next attempt)."""
     t = qualified(check_identifier(schema, "schema"), check_identifier(table, "table")).as_string(conn)
     dropped = []
     for (name,) in conn.execute(_LABELLED, [t, LABEL]).fetchall():
-        if name != keep:
+        if name == keep or not still_ours():
+            continue
+        cancel = threading.Timer(RETIRE_WAIT, conn.cancel_safe)
+        cancel.start()
+        try:
             conn.execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {i}").format(i=sql.Identifier(schema, name)))
-            dropped.append(name)
+        finally:
+            cancel.cancel()
+        dropped.append(name)
     return dropped
 
 
@@ -150,6 +175,7 @@ class LaneIndexKeeper:
         self, index: LaneIndex, dsn: str, builder: bool, use: Callable[[bool], None], log: FilteringBoundLogger
     ):
         self.index, self.dsn, self.builder, self._use, self._log = index, dsn, builder, use, log
+        self.may_build: Callable[[], bool] = lambda: True  # harvester.claim: while its layout holds the table
         self.valid = False
         self.failures = 0  # in a row; back to 0 once the index is seen valid
         self._last_state: str | None = None
@@ -176,7 +202,9 @@ class LaneIndexKeeper:
         try:
             conn = self._connection()
             state = found = self.index.state(conn)
-            if self.builder and found in (MISSING, INVALID):
+            if self.builder and found == VALID and not self.index.labelled:
+                self.index.label(conn)  # built by an earlier version or an operator: ours from now on
+            if self.builder and found in (MISSING, INVALID) and self.may_build():
                 if found == MISSING:
                     self._log.info("building the lane index", statement=self.index.statement())
                 started = time.monotonic()

@@ -103,7 +103,7 @@ class UnitHarvester:
         layout = layout_of(
             kafka_cluster, h.leader_group, h.leader_topic, spec.outbox, spec.index - spec.lane, spec.lanes
         )
-        self.claim = OutboxClaim(self.pool, spec.schema, spec.table, layout, holder_name(spec.name))
+        self.claim = claim = OutboxClaim(self.pool, spec.schema, spec.table, layout, holder_name(spec.name))
         conf = producer_config(cfg.kafka.bootstrap_servers, cfg.kafka.client, cfg.kafka.producer, self._txn_id)
         self.publisher = Publisher(
             conf,
@@ -122,18 +122,8 @@ class UnitHarvester:
 
             self.publisher._plain.trace = partial(producer_span, trace.get_tracer("outbox-reaper.harvester"))
         publisher = self.publisher
-        claim = self.claim
-        self.upkeep = Upkeep(
-            h,
-            spec,
-            self.store,
-            store,
-            lambda: publisher.purged_rows,
-            lambda: self.leading,
-            self._stop,
-            self.log,
-            holds_table=lambda: claim.holding,
-        )
+        purged = lambda: publisher.purged_rows  # noqa: E731
+        self.upkeep = Upkeep(h, spec, self.store, store, purged, lambda: self.leading, self._stop, self.log, claim)
         self.neli = lease
         lease.on_change = self._on_neli
         self._thread.start()
@@ -207,6 +197,8 @@ class UnitHarvester:
     def _on_neli(self, state: str, leader_id: uuid.UUID | None) -> None:
         if self.publisher is None:
             return
+        if state != LEADER and self.claim is not None:
+            self.claim.forget()  # `holding` speaks for this leadership only
         if state == LEADER:
             self._led = True
         elif not self._led:

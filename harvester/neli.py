@@ -51,11 +51,15 @@ class LeaderTopicMismatch(RuntimeError):
     """The leader topic's partition count differs from the configured number of harvest units."""
 
 
+class KafkaClusterUnknown(RuntimeError):
+    """The brokers did not say which cluster they are (harvester.claim needs it to tell elections apart)."""
+
+
 def ensure_leader_topic(admin_conf: dict, topic: str, timeout: float = 30.0, partitions: int = 1) -> str:
     """Create the leader topic, one partition per unit, if it is missing (brokers here do not
     auto-create). An existing topic with another partition count is refused: reapers that disagree
     on the units could lead overlapping lanes (see README "Harvest units": drain, then switch).
-    Returns the Kafka cluster's id ("" from a broker too old to say): one election per cluster."""
+    Returns the Kafka cluster's id (one election per cluster); KafkaClusterUnknown without one."""
     admin = AdminClient(admin_conf)
     try:
         return _ensure_topic(admin, topic, timeout, partitions)
@@ -66,6 +70,13 @@ def ensure_leader_topic(admin_conf: dict, topic: str, timeout: float = 30.0, par
 def _ensure_topic(admin: AdminClient, topic: str, timeout: float, partitions: int) -> str:
     md = admin.list_topics(topic=topic, timeout=timeout)
     cluster = md.cluster_id or ""
+    if not cluster:
+        # Reapers of one election that disagreed on the cluster would hold each other's tables off
+        # (harvester.claim): refuse rather than run as "unknown" beside others that know it.
+        raise KafkaClusterUnknown(
+            "the Kafka brokers' metadata names no cluster id (brokers before 0.10.1, or "
+            "api.version.request=false in kafka.client): the reaper needs it"
+        )
     t = md.topics.get(topic)
     if t is not None and t.error is None:
         if len(t.partitions) != partitions:

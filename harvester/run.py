@@ -29,7 +29,7 @@ from . import logs
 from .config import Config, redact, redact_dsn
 from .metrics import HealthServer
 from .metrics import get as get_metrics
-from .neli import LeaderTopicMismatch
+from .neli import KafkaClusterUnknown, LeaderTopicMismatch
 from .ports import DEFAULT, Providers
 from .publish import logs_safe
 from .store import OutboxStore, make_pool
@@ -277,7 +277,7 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
         if cfg.harvester.enabled:
             try:
                 harvester = Harvester(cfg, providers=providers).start()
-            except LeaderTopicMismatch as exc:
+            except (LeaderTopicMismatch, KafkaClusterUnknown) as exc:
                 log.error("cannot start", error=str(exc))
                 code = EXIT_CONFIG
                 return code

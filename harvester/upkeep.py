@@ -11,11 +11,14 @@ from collections.abc import Callable
 import psycopg
 from structlog.typing import FilteringBoundLogger
 
+from .claim import OutboxClaim
 from .config import HarvesterConfig, UnitSpec
 from .lane_index import LaneIndex, LaneIndexKeeper, retire_lane_indexes
 from .ports import StoreLike
 from .publish import logs_safe
 from .store import OutboxStore
+
+RETIRE_BACKOFF_MAX = 900.0  # seconds: retries of a lane index drop that keeps failing, from 30 s doubling
 
 
 class Upkeep:
@@ -29,14 +32,15 @@ class Upkeep:
         leading: Callable[[], bool],
         stop: threading.Event,
         log: FilteringBoundLogger,
-        holds_table: Callable[[], bool] = lambda: False,
+        claim: OutboxClaim | None = None,
     ) -> None:
         """`store` is what the vacuum goes through (wrapped by the providers), `outbox` the store whose
         mark the lane index switches; `purged_rows` counts the rows the unit has deleted so far;
-        `holds_table` says whether this configuration holds the table now (harvester.claim)."""
+        `claim` is the unit's hold of the table (harvester.claim; None: never held, nothing retired)."""
         self.h, self.spec, self.store = h, spec, store
         self._purged_rows, self._leading, self._stop, self._log = purged_rows, leading, stop, log
-        self._holds_table = holds_table
+        self._holds_table: Callable[[], bool] = (lambda: claim.holding) if claim is not None else (lambda: False)
+        self._still_holds: Callable[[], bool] = claim.held_now if claim is not None else (lambda: False)
         self.vacuums = 0
         self.lane_index: LaneIndexKeeper | None = None
         self.kept_index: str | None = None  # the lane index this configuration uses, if any
@@ -44,7 +48,9 @@ class Upkeep:
             index = LaneIndex(spec.schema, spec.table, spec.lanes)
             self.kept_index = index.name
             self.lane_index = LaneIndexKeeper(index, spec.dsn, spec.lane == 0, outbox.use_lane_index, log)
+            self.lane_index.may_build = self._holds_table  # a configuration kept from the table builds nothing
         self.retired: list[str] | None = None  # the lane indexes dropped, once that was done
+        self._retire_failures = 0
         self._vacuum: threading.Thread | None = None
 
     def start(self) -> None:
@@ -88,16 +94,21 @@ class Upkeep:
                 self._log.warning("vacuum failed", error=logs_safe(exc))
 
     def _retire_loop(self) -> None:
-        """Once this process leads lane 0 and its configuration holds the table (no other marks it
-        any more), drop the lane indexes it does not use: left by a lane count it replaced, or
-        unwanted since harvester.lane_index was turned off. Their upkeep slows every insert."""
+        """Once this process leads lane 0, its configuration holds the table (no other marks it any
+        more) and the lane index it uses is valid (its build and these drops would deadlock), drop
+        the lane indexes it does not use: left by a lane count it replaced, or unwanted since
+        harvester.lane_index was turned off. Their upkeep slows every insert."""
         wait = 1.0
         while not self._stop.wait(wait):
-            if not (self._leading() and self._holds_table()):
+            wait = 1.0
+            keeper = self.lane_index
+            if not (self._leading() and self._holds_table() and (keeper is None or keeper.valid)):
                 continue
             try:
                 with psycopg.connect(self.spec.dsn, autocommit=True, connect_timeout=10) as conn:
-                    self.retired = retire_lane_indexes(conn, self.spec.schema, self.spec.table, self.kept_index)
+                    retired = retire_lane_indexes(
+                        conn, self.spec.schema, self.spec.table, self.kept_index, self._still_holds
+                    )
             except psycopg.errors.InsufficientPrivilege as exc:
                 self._log.warning(
                     "lane indexes of another lane count are left in place: this role may not drop them",
@@ -105,10 +116,12 @@ class Upkeep:
                     hint="the table's owner can drop the indexes commented 'outbox-reaper lane index'",
                 )
                 return
-            except psycopg.Error as exc:
-                self._log.warning("dropping unused lane indexes failed; trying again", error=logs_safe(exc))
-                wait = 60.0
+            except psycopg.Error as exc:  # cancelled after RETIRE_WAIT behind other sessions' locks, say
+                self._retire_failures += 1
+                wait = min(RETIRE_BACKOFF_MAX, 30.0 * 2 ** (self._retire_failures - 1))
+                self._log.warning("dropping unused lane indexes failed", error=logs_safe(exc), retry_in_s=wait)
                 continue
-            for name in self.retired:
+            self.retired = retired
+            for name in retired:
                 self._log.info("dropped a lane index this configuration does not use", index=name)
             return

@@ -191,29 +191,79 @@ def _index_names(pg_dsn: str, schema: str) -> set[str]:
         return {r[0] for r in rows}
 
 
-@pytest.mark.parametrize("lanes,lane_index", [(2, True), (2, False), (1, True)])
+@pytest.mark.parametrize("lanes,lane_index", [(2, True), (2, False), (1, True), (4, True)])
 def test_a_configuration_drops_the_lane_indexes_it_does_not_use(
     pg_dsn, kafka_bootstrap, schema, topics, lanes, lane_index
 ):
     """Left by another lane count (the drain-then-switch of the README), or by this one before
     harvester.lane_index was turned off: each slows every insert. Lane 0's leader drops the labelled
-    ones once its configuration holds the table; an index someone else made is left alone."""
+    ones once its configuration holds the table and its own index is valid (with 4 lanes it builds
+    that index first: a drop beside the build would deadlock with it); an index someone else made
+    is left alone."""
     for old in (3, 2):
         _build(pg_dsn, LaneIndex(schema, "outbox", old))
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f'CREATE INDEX outbox_lanes4 ON "{schema}".outbox (created_at)')  # not ours
+        conn.execute(f'CREATE INDEX outbox_lanes5 ON "{schema}".outbox (created_at)')  # not ours
+        conn.execute(f"COMMENT ON INDEX \"{schema}\".outbox_lanes5 IS 'outbox-reaper lane index (lanes=5)'")
     before = _index_names(pg_dsn, schema)
-    assert {"outbox_lanes2", "outbox_lanes3", "outbox_lanes4"} <= before
-    kept = {"outbox_lanes2"} if lanes == 2 and lane_index else set()
+    assert {"outbox_lanes2", "outbox_lanes3", "outbox_lanes5"} <= before
+    kept = {f"outbox_lanes{lanes}"} if lanes > 1 and lane_index else set()
     h = Harvester(lanes_config(pg_dsn, schema, kafka_bootstrap, topics, lanes, lane_index=lane_index)).start()
     try:
-        assert wait_until(lambda: h.units[0].upkeep is not None and h.units[0].upkeep.retired is not None, 30)
+        assert wait_until(lambda: h.units[0].upkeep is not None and h.units[0].upkeep.retired is not None, 60)
         assert sorted(h.units[0].upkeep.retired) == sorted({"outbox_lanes2", "outbox_lanes3"} - kept)
         assert _index_names(pg_dsn, schema) == (before - {"outbox_lanes2", "outbox_lanes3"}) | kept
-        if kept:  # the one in use is still used
-            assert wait_until(lambda: all(u.lane_index is not None and u.lane_index.valid for u in h.units), 30)
+        if kept:  # the one in use is still used, and its build failed no time
+            assert all(u.lane_index is not None and u.lane_index.valid for u in h.units)
+            assert h.units[0].lane_index is not None and h.units[0].lane_index.failures == 0
     finally:
         h.stop(5)
+
+
+def test_a_drop_behind_another_sessions_lock_is_cancelled_and_done_later(pg_dsn, schema, monkeypatch):
+    """DROP INDEX CONCURRENTLY waits for every session holding a lock on the table, and holds back
+    vacuum and builds meanwhile: cancelled after RETIRE_WAIT, it leaves the (labelled) index for the
+    next attempt."""
+    import time
+
+    from harvester import lane_index as lane_index_mod
+    from harvester.lane_index import retire_lane_indexes
+
+    monkeypatch.setattr(lane_index_mod, "RETIRE_WAIT", 0.5)
+    _build(pg_dsn, LaneIndex(schema, "outbox", 3))
+    with psycopg.connect(pg_dsn) as app, psycopg.connect(pg_dsn, autocommit=True) as conn:
+        app.execute(f'SELECT count(*) FROM "{schema}".outbox').fetchone()  # open transaction: a lock
+        started = time.monotonic()
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            retire_lane_indexes(conn, schema, "outbox", None, lambda: True)
+        assert time.monotonic() - started < 5
+        app.rollback()
+        assert retire_lane_indexes(conn, schema, "outbox", None, lambda: False) == []  # not ours now
+        assert retire_lane_indexes(conn, schema, "outbox", None, lambda: True) == ["outbox_lanes3"]
+    assert "outbox_lanes3" not in _index_names(pg_dsn, schema)
+
+
+def test_only_an_index_on_this_table_is_labelled_and_an_unlabelled_one_in_use_gets_the_label(pg_dsn, schema):
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE TABLE "{schema}".archive (id bigint)')
+        conn.execute(f'CREATE INDEX outbox_lanes4 ON "{schema}".archive (id)')  # the name, elsewhere
+        index = LaneIndex(schema, "outbox", 4)
+        assert index.build_step(conn) == MISSING  # IF NOT EXISTS passed over the name: not built
+        label = conn.execute(
+            "SELECT obj_description(to_regclass(%s), 'pg_class')", [f'"{schema}".outbox_lanes4']
+        ).fetchone()[0]
+        assert label is None
+        # an index built without the label (an earlier version, an operator) is labelled by the
+        # keeper that marks through it, so a later configuration may retire it
+        conn.execute(f'DROP INDEX "{schema}".outbox_lanes4')
+        two = LaneIndex(schema, "outbox", 2)
+        conn.execute(two._create)
+        assert two.state(conn) == VALID and not two.labelled
+    keeper, used = _keeper(pg_dsn, schema)
+    keeper.step()
+    keeper.close()
+    with psycopg.connect(pg_dsn) as conn:
+        assert two.state(conn) == VALID and two.labelled and used[-1] is True
 
 
 def test_nothing_is_dropped_while_another_configuration_holds_the_table(pg_dsn, kafka_bootstrap, schema, topics):
