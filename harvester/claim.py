@@ -160,12 +160,10 @@ class OutboxClaim:
             ) from None
 
     def held_now(self) -> bool:
-        """Whether the database says this layout holds the table at this moment (not the cache)."""
-        try:
-            with self.pool.connection() as conn:
-                row = conn.execute(self._sql.held_now, [self.table, self.layout]).fetchone()
-        except psycopg.Error:
-            return False
+        """Whether the database says this layout holds the table at this moment (not the cache);
+        raises what the database raised."""
+        with self.pool.connection() as conn:
+            row = conn.execute(self._sql.held_now, [self.table, self.layout]).fetchone()
         return bool(row and row[0])
 
     def forget(self) -> None:

@@ -43,9 +43,11 @@ _STATE = (
     "SELECT i.indisvalid, EXISTS (SELECT 1 FROM pg_stat_progress_create_index p WHERE p.index_relid = c.oid) "
     "OR EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'relation' AND l.relation = i.indrelid "
     "AND l.mode = 'ShareUpdateExclusiveLock' AND l.granted AND l.pid <> pg_backend_pid()), "
-    "starts_with(coalesce(obj_description(c.oid, 'pg_class'), ''), %s) "
+    "obj_description(c.oid, 'pg_class') "
     "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace JOIN pg_index i ON i.indexrelid = c.oid "
-    "WHERE n.nspname = %s AND c.relname = %s AND i.indrelid = to_regclass(%s)"
+    "WHERE n.nspname = %s AND c.relname = %s AND i.indrelid = to_regclass(%s) "
+    # an index of that name on another expression is not a lane index: as good as missing here
+    "AND strpos(pg_get_indexdef(c.oid), 'md5(key)') > 0"
 )
 
 MISSING, BUILDING, INVALID, VALID = "missing", "building", "invalid", "valid"
@@ -78,6 +80,8 @@ class LaneIndex:
             raise ValueError(f"lanes {lanes!r}: a lane index is for 2 or more lanes")
         self.schema, self.table, self.lanes = schema, table, lanes
         self.labelled = False  # the last state() found it carrying the reaper's label
+        self.comment: str | None = None  # the comment the last state() found on it
+        self.label_refused = False  # this role may not comment on it: do not ask every check
         self.name = lane_index_name(check_identifier(table, "table"), lanes)
         self._create = sql.SQL("CREATE INDEX CONCURRENTLY IF NOT EXISTS {i} ON {t} (({lane}), id)").format(
             i=sql.Identifier(self.name),
@@ -98,21 +102,25 @@ class LaneIndex:
     def state(self, conn: psycopg.Connection) -> str:
         """MISSING, BUILDING, INVALID or VALID: an index of this name on this table (`labelled` says
         whether it carries the reaper's label)."""
-        row = conn.execute(_STATE, [LABEL, self.schema, self.name, self._table]).fetchone()
+        row = conn.execute(_STATE, [self.schema, self.name, self._table]).fetchone()
         if row is None:
-            self.labelled = False
+            self.labelled, self.comment = False, None
             return MISSING
-        valid, building, self.labelled = row
+        valid, building, self.comment = row
+        self.labelled = (self.comment or "").startswith(LABEL)
         return VALID if valid else BUILDING if building else INVALID
 
     def label(self, conn: psycopg.Connection) -> None:
         """Label the index (found on this table by state()): one this reaper builds or marks
-        through is one a later configuration may retire. Not the owner: left unlabelled."""
+        through is one a later configuration may retire. An index carrying another comment keeps
+        it (and stays unlabelled); a role that does not own it is not asked again."""
+        if self.labelled or self.comment is not None or self.label_refused:
+            return
         try:
             conn.execute(self._label)
             self.labelled = True
         except psycopg.errors.InsufficientPrivilege:
-            pass
+            self.label_refused = True
 
     def build_step(self, conn: psycopg.Connection, found: str | None = None) -> str:
         """One step towards a valid index on an autocommit connection; returns the state it found
@@ -132,30 +140,52 @@ class LaneIndex:
         return found
 
 
+class NotHeld(RuntimeError):
+    """The configuration no longer holds the table: lane indexes are left for now."""
+
+
 def retire_lane_indexes(
     conn: psycopg.Connection, schema: str, table: str, keep: str | None, still_ours: Callable[[], bool]
 ) -> list[str]:
     """Drop (CONCURRENTLY, on an autocommit connection) the labelled lane indexes of the table
     other than `keep`: those a configuration with another lane count (or none) built. Returns the
     names dropped. Run by a unit whose layout holds the table (harvester.claim), checked again by
-    `still_ours` before each drop, so no other configuration marks through them any more; an index
-    only speeds marks up, so one dropped under a configuration that takes the table back later is
-    rebuilt by it. A drop waits for every session holding a lock on the table, and meanwhile holds
-    back vacuum and builds: it is cancelled after RETIRE_WAIT (QueryCanceled; the index is left
-    invalid, and labelled, for the next attempt)."""
+    `still_ours` before each drop (NotHeld when it says no), so no other configuration marks
+    through them any more; an index only speeds marks up, so one dropped under a configuration
+    that takes the table back later is rebuilt by it. A drop waits for every session holding a
+    lock on the table, and meanwhile holds back vacuum and builds: it is cancelled after
+    RETIRE_WAIT (QueryCanceled; the index is left invalid, and labelled, for the next attempt)."""
     t = qualified(check_identifier(schema, "schema"), check_identifier(table, "table")).as_string(conn)
     dropped = []
     for (name,) in conn.execute(_LABELLED, [t, LABEL]).fetchall():
-        if name == keep or not still_ours():
+        if name == keep:
             continue
-        cancel = threading.Timer(RETIRE_WAIT, conn.cancel_safe)
-        cancel.start()
-        try:
-            conn.execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {i}").format(i=sql.Identifier(schema, name)))
-        finally:
-            cancel.cancel()
+        if not still_ours():
+            raise NotHeld(f"{schema}.{table} is no longer this configuration's")
+        _drop_within(conn, sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {i}").format(i=sql.Identifier(schema, name)))
         dropped.append(name)
     return dropped
+
+
+def _drop_within(conn: psycopg.Connection, statement: sql.Composed) -> None:
+    """Run `statement`, cancelled if it still runs after RETIRE_WAIT. The cancel is sent only while
+    the statement runs, and the next statement waits until it was sent (a cancel that reaches an
+    idle server session is ignored), so it never hits a later statement."""
+    lock, running = threading.Lock(), [True]
+
+    def cancel() -> None:
+        with lock:
+            if running[0]:
+                conn.cancel_safe()
+
+    timer = threading.Timer(RETIRE_WAIT, cancel)
+    timer.start()
+    try:
+        conn.execute(statement)
+    finally:
+        with lock:
+            running[0] = False
+        timer.cancel()
 
 
 # Seconds to the next step. A valid index is checked often on a kept connection (one catalog query):

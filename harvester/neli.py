@@ -75,7 +75,7 @@ def _ensure_topic(admin: AdminClient, topic: str, timeout: float, partitions: in
         # (harvester.claim): refuse rather than run as "unknown" beside others that know it.
         raise KafkaClusterUnknown(
             "the Kafka brokers' metadata names no cluster id (brokers before 0.10.1, or "
-            "api.version.request=false in kafka.client): the reaper needs it"
+            "broker.version.fallback below 0.10.1 with api.version.request=false in kafka.client): the reaper needs it"
         )
     t = md.topics.get(topic)
     if t is not None and t.error is None:

@@ -13,7 +13,7 @@ from structlog.typing import FilteringBoundLogger
 
 from .claim import OutboxClaim
 from .config import HarvesterConfig, UnitSpec
-from .lane_index import LaneIndex, LaneIndexKeeper, retire_lane_indexes
+from .lane_index import LaneIndex, LaneIndexKeeper, NotHeld, retire_lane_indexes
 from .ports import StoreLike
 from .publish import logs_safe
 from .store import OutboxStore
@@ -109,6 +109,8 @@ class Upkeep:
                     retired = retire_lane_indexes(
                         conn, self.spec.schema, self.spec.table, self.kept_index, self._still_holds
                     )
+            except NotHeld:
+                continue  # the next leadership (or hold) tries again
             except psycopg.errors.InsufficientPrivilege as exc:
                 self._log.warning(
                     "lane indexes of another lane count are left in place: this role may not drop them",
