@@ -24,6 +24,7 @@ from tracker.schema import qualified
 from .pool import configure_connection, make_pool  # noqa: F401  (the pool lives in harvester.pool)
 
 COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
+LOCK_NOT_AVAILABLE = "55P03"  # the SQLSTATE of VACUUM (SKIP_LOCKED)'s "skipping vacuum" warning
 
 
 class MarkRefused(RuntimeError):
@@ -221,9 +222,22 @@ class OutboxStore:
                 self._quarantine, {"ids": bigint_array(ids), "me": leader_id, "reason": reason}
             ).rowcount
 
-    def vacuum(self) -> None:
+    def vacuum(self) -> bool:
+        """VACUUM the outbox; False when Postgres skipped it (SKIP_LOCKED: another session holds a
+        conflicting lock, e.g. a lane index build or drop, or DDL), which it says only in a WARNING."""
+        skipped: list[str] = []
+
+        def on_notice(diag: psycopg.errors.Diagnostic) -> None:
+            if diag.sqlstate == LOCK_NOT_AVAILABLE:
+                skipped.append(diag.message_primary or "")
+
         with self.pool.connection() as conn:
-            conn.execute(self._vacuum)
+            conn.add_notice_handler(on_notice)
+            try:
+                conn.execute(self._vacuum)
+            finally:
+                conn.remove_notice_handler(on_notice)
+        return not skipped
 
     def backlog(self, exact_up_to: int = BACKLOG_EXACT) -> Backlog:
         """Rows in the outbox and the age of the oldest: an exact count up to `exact_up_to` rows,

@@ -41,7 +41,8 @@ class Upkeep:
         self._purged_rows, self._leading, self._stop, self._log = purged_rows, leading, stop, log
         self._holds_table: Callable[[], bool] = (lambda: claim.holding) if claim is not None else (lambda: False)
         self._still_holds: Callable[[], bool] = claim.held_now if claim is not None else (lambda: False)
-        self.vacuums = 0
+        self.vacuums = 0  # that ran
+        self.vacuums_skipped = self.vacuums_skipped_in_a_row = 0  # that Postgres skipped (SKIP_LOCKED)
         self.lane_index: LaneIndexKeeper | None = None
         self.kept_index: str | None = None  # the lane index this configuration uses, if any
         if spec.lanes > 1 and h.lane_index:
@@ -88,10 +89,20 @@ class Upkeep:
                 continue
             last_purged = purged
             try:
-                self.store.vacuum()
-                self.vacuums += 1
+                ran = self.store.vacuum()
             except Exception as exc:
                 self._log.warning("vacuum failed", error=logs_safe(exc))
+                continue
+            if ran:
+                self.vacuums += 1
+                skipped_before, self.vacuums_skipped_in_a_row = self.vacuums_skipped_in_a_row, 0
+                if skipped_before:
+                    self._log.info("vacuum runs again", skipped=skipped_before)
+            else:
+                self.vacuums_skipped += 1
+                self.vacuums_skipped_in_a_row += 1
+                if self.vacuums_skipped_in_a_row == 1:  # once per stretch: it retries every vacuum_interval
+                    self._log.info("vacuum skipped: another session holds the table (a lane index build or drop, DDL)")
 
     def _retire_loop(self) -> None:
         """Once this process leads lane 0, its configuration holds the table (no other marks it any

@@ -427,3 +427,21 @@ def test_private_pgbouncer_starts_stops_and_restarts_idempotently_in_transaction
             assert conn.execute("SELECT 1").fetchone() == (1,)
     finally:
         private.destroy()
+
+
+@pytest.mark.parametrize("via", ["direct", "pgbouncer"])
+def test_a_vacuum_postgres_skipped_is_told_apart_from_one_that_ran(pg_dsn, pgbouncer_dsn, schema, via):
+    """VACUUM (SKIP_LOCKED) says only in a WARNING that it skipped a locked table (a lane index
+    build or drop, DDL): the store reports it, so the upkeep counts only the vacuums that ran."""
+    from harvester.store import OutboxStore, make_pool
+
+    pool = make_pool(pgbouncer_dsn if via == "pgbouncer" else pg_dsn, 1, name="vacuum-skip")
+    try:
+        store = OutboxStore(pool, schema)
+        assert store.vacuum() is True
+        with psycopg.connect(pg_dsn) as holder:
+            holder.execute(f'LOCK TABLE "{schema}".outbox IN SHARE UPDATE EXCLUSIVE MODE')
+            assert store.vacuum() is False
+        assert store.vacuum() is True
+    finally:
+        pool.close()
