@@ -200,8 +200,7 @@ class OutboxClaim:
 
     def create_statement(self) -> str:
         """Migration 0011's statement, for this schema (what an owner runs where the reaper may not)."""
-        quoted = '"' + self.schema.replace('"', '""') + '"'  # a checked identifier: no quote inside anyway
-        return f"SET search_path TO {quoted};\n{self._migration_text()}"
+        return f"SET search_path TO {sql.Identifier(self.schema).as_string(None)};\n{self._migration_text()}"
 
     @staticmethod
     def _migration_text() -> str:

@@ -32,6 +32,9 @@ from .store import LANE_SQL
 
 MAX_IDENTIFIER = 63  # Postgres truncates longer names; ours must not collide when it would
 
+# An index on the lane expression (LANE_SQL, as Postgres deparses it: `md5(key)` inside).
+_ON_LANES = "strpos(pg_get_indexdef(c.oid), 'md5(key)') > 0"
+
 # Every lane index the reaper builds (or marks through) is labelled with a comment starting so: only
 # those are ever dropped as retired (an index someone else made under a similar name is left alone).
 LABEL = "outbox-reaper lane index"
@@ -47,7 +50,7 @@ _STATE = (
     "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace JOIN pg_index i ON i.indexrelid = c.oid "
     "WHERE n.nspname = %s AND c.relname = %s AND i.indrelid = to_regclass(%s) "
     # an index of that name on another expression is not a lane index: as good as missing here
-    "AND strpos(pg_get_indexdef(c.oid), 'md5(key)') > 0"
+    "AND " + _ON_LANES
 )
 
 MISSING, BUILDING, INVALID, VALID = "missing", "building", "invalid", "valid"
@@ -56,7 +59,7 @@ MISSING, BUILDING, INVALID, VALID = "missing", "building", "invalid", "valid"
 _LABELLED = (
     "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
     "WHERE i.indrelid = to_regclass(%s) AND starts_with(coalesce(obj_description(c.oid, 'pg_class'), ''), %s) "
-    "AND strpos(pg_get_indexdef(c.oid), 'md5(key)') > 0 ORDER BY c.relname"
+    "AND " + _ON_LANES + " ORDER BY c.relname"
 )
 RETIRE_WAIT = 5.0  # seconds a drop may wait for other sessions' locks on the table before it is cancelled
 
@@ -79,7 +82,6 @@ class LaneIndex:
         if not (isinstance(lanes, int) and lanes > 1):
             raise ValueError(f"lanes {lanes!r}: a lane index is for 2 or more lanes")
         self.schema, self.table, self.lanes = schema, table, lanes
-        self.labelled = False  # the last state() found it carrying the reaper's label
         self.comment: str | None = None  # the comment the last state() found on it
         self.label_refused = False  # this role may not comment on it: do not ask every check
         self.name = lane_index_name(check_identifier(table, "table"), lanes)
@@ -88,9 +90,10 @@ class LaneIndex:
             t=qualified(schema, table),
             lane=sql.SQL(LANE_SQL.format(lanes=int(lanes))),
         )
-        self._drop = sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {i}").format(i=sql.Identifier(schema, self.name))
+        self._drop = _drop_statement(schema, self.name)
+        self._label_text = f"{LABEL} (lanes={lanes})"
         self._label = sql.SQL("COMMENT ON INDEX {i} IS {label}").format(
-            i=sql.Identifier(schema, self.name), label=sql.Literal(f"{LABEL} (lanes={lanes})")
+            i=sql.Identifier(schema, self.name), label=sql.Literal(self._label_text)
         )
         self._table = qualified(schema, table).as_string(None)
 
@@ -99,26 +102,30 @@ class LaneIndex:
         it once a configuration with another lane count has taken the table over)."""
         return f"{self._create.as_string(None)}; {self._label.as_string(None)};"
 
+    @property
+    def labelled(self) -> bool:
+        """The last state() found it carrying the reaper's label (or label() put it there)."""
+        return (self.comment or "").startswith(LABEL)
+
     def state(self, conn: psycopg.Connection) -> str:
-        """MISSING, BUILDING, INVALID or VALID: an index of this name on this table (`labelled` says
-        whether it carries the reaper's label)."""
+        """MISSING, BUILDING, INVALID or VALID: an index of this name on this table (its comment in
+        `comment`)."""
         row = conn.execute(_STATE, [self.schema, self.name, self._table]).fetchone()
         if row is None:
-            self.labelled, self.comment = False, None
+            self.comment = None
             return MISSING
         valid, building, self.comment = row
-        self.labelled = (self.comment or "").startswith(LABEL)
         return VALID if valid else BUILDING if building else INVALID
 
     def label(self, conn: psycopg.Connection) -> None:
         """Label the index (found on this table by state()): one this reaper builds or marks
         through is one a later configuration may retire. An index carrying another comment keeps
         it (and stays unlabelled); a role that does not own it is not asked again."""
-        if self.labelled or self.comment is not None or self.label_refused:
+        if self.comment is not None or self.label_refused:
             return
         try:
             conn.execute(self._label)
-            self.labelled = True
+            self.comment = self._label_text
         except psycopg.errors.InsufficientPrivilege:
             self.label_refused = True
 
@@ -138,6 +145,10 @@ class LaneIndex:
         elif found == INVALID:
             conn.execute(self._drop)
         return found
+
+
+def _drop_statement(schema: str, name: str) -> sql.Composed:
+    return sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {i}").format(i=sql.Identifier(schema, name))
 
 
 class NotHeld(RuntimeError):
@@ -162,7 +173,7 @@ def retire_lane_indexes(
             continue
         if not still_ours():
             raise NotHeld(f"{schema}.{table} is no longer this configuration's")
-        _drop_within(conn, sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {i}").format(i=sql.Identifier(schema, name)))
+        _drop_within(conn, _drop_statement(schema, name))
         dropped.append(name)
     return dropped
 

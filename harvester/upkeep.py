@@ -32,24 +32,20 @@ class Upkeep:
         leading: Callable[[], bool],
         stop: threading.Event,
         log: FilteringBoundLogger,
-        claim: OutboxClaim | None = None,
+        claim: OutboxClaim,
     ) -> None:
         """`store` is what the vacuum goes through (wrapped by the providers), `outbox` the store whose
         mark the lane index switches; `purged_rows` counts the rows the unit has deleted so far;
-        `claim` is the unit's hold of the table (harvester.claim; None: never held, nothing retired)."""
+        `claim` is the unit's hold of the table (harvester.claim)."""
         self.h, self.spec, self.store = h, spec, store
         self._purged_rows, self._leading, self._stop, self._log = purged_rows, leading, stop, log
-        self._holds_table: Callable[[], bool] = (lambda: claim.holding) if claim is not None else (lambda: False)
-        self._still_holds: Callable[[], bool] = claim.held_now if claim is not None else (lambda: False)
-        self.vacuums = 0  # that ran
-        self.vacuums_skipped = self.vacuums_skipped_in_a_row = 0  # that Postgres skipped (SKIP_LOCKED)
+        self.claim = claim
+        self.vacuums = 0  # that ran (Postgres skips a locked table: SKIP_LOCKED)
         self.lane_index: LaneIndexKeeper | None = None
-        self.kept_index: str | None = None  # the lane index this configuration uses, if any
         if spec.lanes > 1 and h.lane_index:
             index = LaneIndex(spec.schema, spec.table, spec.lanes)
-            self.kept_index = index.name
             self.lane_index = LaneIndexKeeper(index, spec.dsn, spec.lane == 0, outbox.use_lane_index, log)
-            self.lane_index.may_build = self._holds_table  # a configuration kept from the table builds nothing
+            self.lane_index.may_build = lambda: claim.holding  # a configuration kept from the table builds nothing
         self.retired: list[str] | None = None  # the lane indexes dropped, once that was done
         self._retire_failures = 0
         self._vacuum: threading.Thread | None = None
@@ -80,7 +76,7 @@ class Upkeep:
 
     def _vacuum_loop(self) -> None:
         """The leader vacuums the outbox every vacuum_interval while it is deleting rows."""
-        last_purged = self._purged_rows()
+        last_purged, skipped_in_a_row = self._purged_rows(), 0
         while not self._stop.wait(self.h.vacuum_interval):
             if not self._leading():
                 continue
@@ -95,13 +91,12 @@ class Upkeep:
                 continue
             if ran:
                 self.vacuums += 1
-                skipped_before, self.vacuums_skipped_in_a_row = self.vacuums_skipped_in_a_row, 0
-                if skipped_before:
-                    self._log.info("vacuum runs again", skipped=skipped_before)
+                if skipped_in_a_row:
+                    self._log.info("vacuum runs again", skipped=skipped_in_a_row)
+                skipped_in_a_row = 0
             else:
-                self.vacuums_skipped += 1
-                self.vacuums_skipped_in_a_row += 1
-                if self.vacuums_skipped_in_a_row == 1:  # once per stretch: it retries every vacuum_interval
+                skipped_in_a_row += 1
+                if skipped_in_a_row == 1:  # once per stretch: it retries every vacuum_interval
                     self._log.info("vacuum skipped: another session holds the table (a lane index build or drop, DDL)")
 
     def _retire_loop(self) -> None:
@@ -113,13 +108,12 @@ class Upkeep:
         while not self._stop.wait(wait):
             wait = 1.0
             keeper = self.lane_index
-            if not (self._leading() and self._holds_table() and (keeper is None or keeper.valid)):
+            if not (self._leading() and self.claim.holding and (keeper is None or keeper.valid)):
                 continue
             try:
                 with psycopg.connect(self.spec.dsn, autocommit=True, connect_timeout=10) as conn:
-                    retired = retire_lane_indexes(
-                        conn, self.spec.schema, self.spec.table, self.kept_index, self._still_holds
-                    )
+                    keep = keeper.index.name if keeper is not None else None  # the one this configuration uses
+                    retired = retire_lane_indexes(conn, self.spec.schema, self.spec.table, keep, self.claim.held_now)
             except NotHeld:
                 continue  # the next leadership (or hold) tries again
             except psycopg.errors.InsufficientPrivilege as exc:
