@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter
+from support.harness import limited_role
 
 from harvester.claim import CLAIM_AHEAD, ClaimTableMissing, OutboxClaim, OutboxClaimed, layout_of
 from harvester.pool import make_pool
@@ -164,23 +165,17 @@ def test_a_schema_without_the_table_gets_it_from_the_reaper(pg_dsn, bare_schema,
 
 
 def test_a_role_that_may_not_create_the_table_is_told_the_statement_and_marks_nothing(pg_dsn, bare_schema):
-    role = f"noclaim_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f"CREATE ROLE {role} LOGIN")
-        conn.execute(f'GRANT USAGE ON SCHEMA "{bare_schema}" TO {role}')
-    p = make_pool(pg_dsn.replace("postgres@", f"{role}@"), 1, name="claim-noowner")
-    try:
-        claim = OutboxClaim(p, bare_schema, "orders", LAYOUTS[0], "me")
-        with pytest.raises(ClaimTableMissing) as missing:
-            claim.hold(server_now(pg_dsn) + timedelta(seconds=5))
-        text = str(missing.value)
-        assert f'SET search_path TO "{bare_schema}"' in text and "CREATE TABLE IF NOT EXISTS harvest_claim" in text
-        assert claim.held is None
-    finally:
-        p.close()
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(f'REVOKE ALL ON SCHEMA "{bare_schema}" FROM {role}')
-            conn.execute(f"DROP ROLE {role}")
+    with limited_role(pg_dsn, bare_schema, "noclaim") as dsn:
+        p = make_pool(dsn, 1, name="claim-noowner")
+        try:
+            claim = OutboxClaim(p, bare_schema, "orders", LAYOUTS[0], "me")
+            with pytest.raises(ClaimTableMissing) as missing:
+                claim.hold(server_now(pg_dsn) + timedelta(seconds=5))
+            text = str(missing.value)
+            assert f'SET search_path TO "{bare_schema}"' in text and "CREATE TABLE IF NOT EXISTS harvest_claim" in text
+            assert claim.held is None
+        finally:
+            p.close()
 
 
 def test_identifiers_are_checked_before_any_sql(pool):
@@ -193,22 +188,16 @@ def test_identifiers_are_checked_before_any_sql(pool):
 
 
 def test_a_role_without_rights_on_the_table_is_told_the_grant(pg_dsn, schema):
-    role = f"nogrant_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f"CREATE ROLE {role} LOGIN")
-        conn.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}')
-    p = make_pool(pg_dsn.replace("postgres@", f"{role}@"), 1, name="claim-nogrant")
-    try:
-        claim = OutboxClaim(p, schema, "outbox", LAYOUTS[0], "me")
-        with pytest.raises(ClaimTableMissing) as refused:
-            claim.hold(server_now(pg_dsn) + timedelta(seconds=5))
-        assert f'GRANT SELECT, INSERT, UPDATE ON "{schema}"."harvest_claim"' in str(refused.value)
-        assert read_row(pg_dsn, schema) is None  # nothing held
-    finally:
-        p.close()
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(f'REVOKE ALL ON SCHEMA "{schema}" FROM {role}')
-            conn.execute(f"DROP ROLE {role}")
+    with limited_role(pg_dsn, schema, "nogrant") as dsn:
+        p = make_pool(dsn, 1, name="claim-nogrant")
+        try:
+            claim = OutboxClaim(p, schema, "outbox", LAYOUTS[0], "me")
+            with pytest.raises(ClaimTableMissing) as refused:
+                claim.hold(server_now(pg_dsn) + timedelta(seconds=5))
+            assert f'GRANT SELECT, INSERT, UPDATE ON "{schema}"."harvest_claim"' in str(refused.value)
+            assert read_row(pg_dsn, schema) is None  # nothing held
+        finally:
+            p.close()
 
 
 def test_units_creating_the_table_at_once_and_a_migration_all_succeed(pg_dsn):

@@ -3,8 +3,11 @@ units, units moving between reapers, and the lane count changed live (drain, the
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 from support.harness import Generator, Receiver, check_published, env_for, make_config, order_violations, wait_until
@@ -71,7 +74,28 @@ def test_sigkill_and_sigstop_of_reapers_leading_some_units(pg_dsn, kafka_bootstr
         receiver.close()
 
 
-def test_lanes_changed_live_by_draining_then_switching(pg_dsn, kafka_bootstrap, schema, topics, tmp_path):
+@dataclass
+class LaneChange:
+    """Rows flowing from a generator, and one reaper harvesting them in 1 lane on its own leader
+    topic `one` (`old`, leading); `two` is a leader topic for the 2-lane configuration that follows."""
+
+    receiver: Receiver
+    gen: Generator
+    old: ReaperProcess
+    one: str
+    two: str
+    procs: list[ReaperProcess]
+
+    def start_new(self, pg_dsn, schema, bootstrap, tmp_path) -> list[ReaperProcess]:
+        """Two reapers of one 2-lane configuration (one group for both)."""
+        env_new = _env(pg_dsn, schema, bootstrap, self.two, lanes=2)
+        new = [ReaperProcess(env_new, tmp_path / f"new{i}.log") for i in range(2)]
+        self.procs += new
+        return new
+
+
+@contextlib.contextmanager
+def lane_change(pg_dsn, kafka_bootstrap, schema, topics, tmp_path) -> Iterator[LaneChange]:
     topic = topics("data", partitions=PARTITIONS)
     one, two = topics("leader", partitions=1), topics("leader", partitions=2)
     receiver = Receiver(kafka_bootstrap, topic, PARTITIONS)
@@ -81,25 +105,28 @@ def test_lanes_changed_live_by_draining_then_switching(pg_dsn, kafka_bootstrap, 
         old = ReaperProcess(_env(pg_dsn, schema, kafka_bootstrap, one, lanes=1), tmp_path / "old.log")
         procs.append(old)
         assert wait_until(lambda: units_led(old) == {0}, 60)
-        # The new lane count on the OLD leader topic is refused: it would overlap the old units.
-        wrong = ReaperProcess(_env(pg_dsn, schema, kafka_bootstrap, one, lanes=2), tmp_path / "wrong.log")
-        assert wrong.wait(60) == 2
-        assert any("harvest unit(s) are configured" in (e.get("error") or "") for e in wrong.events())
-        time.sleep(2)
-        # Drain: the old generation stops (SIGTERM settles what is in flight) ...
-        assert old.terminate(60) == 0
-        # ... then switch: the new generation, on its own leader topic, marks from the head.
-        env_new = _env(pg_dsn, schema, kafka_bootstrap, two, lanes=2)  # one configuration (group) for both
-        new = [ReaperProcess(env_new, tmp_path / f"new{i}.log") for i in range(2)]
-        procs += new
-        assert wait_until(lambda: units_led(new[0]) | units_led(new[1]) == {0, 1}, 60)
-        time.sleep(3)
-        gen.stop()
-        check_published(receiver, gen)
+        yield LaneChange(receiver, gen, old, one, two, procs)
     finally:
         gen.stop()
         stop_all(procs)
         receiver.close()
+
+
+def test_lanes_changed_live_by_draining_then_switching(pg_dsn, kafka_bootstrap, schema, topics, tmp_path):
+    with lane_change(pg_dsn, kafka_bootstrap, schema, topics, tmp_path) as run:
+        # The new lane count on the OLD leader topic is refused: it would overlap the old units.
+        wrong = ReaperProcess(_env(pg_dsn, schema, kafka_bootstrap, run.one, lanes=2), tmp_path / "wrong.log")
+        assert wrong.wait(60) == 2
+        assert any("harvest unit(s) are configured" in (e.get("error") or "") for e in wrong.events())
+        time.sleep(2)
+        # Drain: the old generation stops (SIGTERM settles what is in flight) ...
+        assert run.old.terminate(60) == 0
+        # ... then switch: the new generation, on its own leader topic, marks from the head.
+        new = run.start_new(pg_dsn, schema, kafka_bootstrap, tmp_path)
+        assert wait_until(lambda: units_led(new[0]) | units_led(new[1]) == {0, 1}, 60)
+        time.sleep(3)
+        run.gen.stop()
+        check_published(run.receiver, run.gen)
 
 
 def test_lanes_changed_live_without_draining_are_held_apart_by_the_claim(
@@ -108,18 +135,9 @@ def test_lanes_changed_live_without_draining_are_held_apart_by_the_claim(
     """The operator skips the drain: the new lane count starts while the old reaper still harvests.
     The database's claim (harvester.claim) keeps the new layout from marking until the old one has
     stopped and its hold ran out, so no key is harvested by two units at once, and none regresses."""
-    topic = topics("data", partitions=PARTITIONS)
-    one, two = topics("leader", partitions=1), topics("leader", partitions=2)
-    receiver = Receiver(kafka_bootstrap, topic, PARTITIONS)
-    gen = Generator(pg_dsn, schema, topic, keys=40, per_txn=10).start(rate_per_s=800)
-    procs: list[ReaperProcess] = []
-    try:
-        old = ReaperProcess(_env(pg_dsn, schema, kafka_bootstrap, one, lanes=1), tmp_path / "old.log")
-        procs.append(old)
-        assert wait_until(lambda: units_led(old) == {0}, 60)
-        env_new = _env(pg_dsn, schema, kafka_bootstrap, two, lanes=2)  # one configuration (group) for both
-        new = [ReaperProcess(env_new, tmp_path / f"new{i}.log") for i in range(2)]
-        procs += new
+    with lane_change(pg_dsn, kafka_bootstrap, schema, topics, tmp_path) as run:
+        receiver, gen = run.receiver, run.gen
+        new = run.start_new(pg_dsn, schema, kafka_bootstrap, tmp_path)
 
         def refused(p: ReaperProcess) -> bool:
             return any(
@@ -130,7 +148,7 @@ def test_lanes_changed_live_without_draining_are_held_apart_by_the_claim(
         assert wait_until(lambda: units_led(new[0]) and units_led(new[1]), 60), (units_led(new[0]), units_led(new[1]))
         assert wait_until(lambda: refused(new[0]) and refused(new[1]), 20), "the new layout was not refused"
         time.sleep(3)  # both layouts up, rows flowing: only the old one marks
-        assert old.terminate(60) == 0
+        assert run.old.terminate(60) == 0
         stopped = time.monotonic()
         # The new layout takes the table once the old hold ran out (heartbeat_timeout + 1 s).
         # (gen.committed is read under the GIL as a whole set copy: rows committed after this are
@@ -146,10 +164,6 @@ def test_lanes_changed_live_without_draining_are_held_apart_by_the_claim(
         duplicates = len(receiver.records) - len(receiver.unique())
         print(f"{duplicates} duplicates of {len(receiver.unique())} records")
         assert duplicates <= 2000, duplicates  # max_in_flight
-    finally:
-        gen.stop()
-        stop_all(procs)
-        receiver.close()
 
 
 def test_reordered_outboxes_in_one_group_are_held_apart_by_the_claim(pg_dsn, kafka_bootstrap, schema, topics, tmp_path):

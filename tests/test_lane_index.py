@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.harness import insert_rows, lanes_config, outbox_count, wait_until
+from support.harness import insert_rows, lanes_config, limited_role, outbox_count, wait_until
 
 from harvester.lane_index import (
     BUILDING,
@@ -144,23 +144,12 @@ def test_an_interrupted_build_is_dropped_and_built_again(pg_dsn, schema):
 
 
 def test_a_reaper_that_may_not_build_it_says_so_backs_off_and_marks_without_it(pg_dsn, schema):
-    role = f"noowner_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f"CREATE ROLE {role} LOGIN")
-        conn.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}')
-        conn.execute(f'GRANT SELECT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "{schema}" TO {role}')
-    try:
-        dsn = pg_dsn.replace("postgres@", f"{role}@")
+    with limited_role(pg_dsn, schema, "noowner", "SELECT, UPDATE, DELETE") as dsn:
         used: list[bool] = []
         keeper = LaneIndexKeeper(LaneIndex(schema, "outbox", 2), dsn, True, used.append, get_log("test"))
         waits = [keeper.step(), keeper.step()]
         assert used == [False, False] and keeper.failures == 2 and waits[1] > waits[0], waits
         assert "CREATE INDEX CONCURRENTLY" in keeper.index.statement()
-    finally:
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(f'REVOKE ALL ON ALL TABLES IN SCHEMA "{schema}" FROM {role}')
-            conn.execute(f'REVOKE ALL ON SCHEMA "{schema}" FROM {role}')
-            conn.execute(f"DROP ROLE {role}")
 
 
 @pytest.mark.parametrize("enabled", [True, False])

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import psycopg
 from confluent_kafka import Consumer, TopicPartition
@@ -103,6 +104,25 @@ def insert_rows(
         )
     conn.commit()
     return len(data)
+
+
+@contextlib.contextmanager
+def limited_role(pg_dsn: str, schema: str, prefix: str, table_grants: str = "") -> Iterator[str]:
+    """A login role with USAGE on `schema` (and `table_grants` on its tables, e.g. "SELECT, UPDATE"),
+    owning nothing; yields its DSN and drops it afterwards."""
+    role = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+        conn.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}')
+        if table_grants:
+            conn.execute(f'GRANT {table_grants} ON ALL TABLES IN SCHEMA "{schema}" TO {role}')
+    try:
+        yield pg_dsn.replace("postgres@", f"{role}@")
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'REVOKE ALL ON ALL TABLES IN SCHEMA "{schema}" FROM {role}')
+            conn.execute(f'REVOKE ALL ON SCHEMA "{schema}" FROM {role}')
+            conn.execute(f"DROP ROLE {role}")
 
 
 def outbox_count(pg_dsn: str, schema: str) -> int:
