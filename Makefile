@@ -7,23 +7,36 @@ SERVICES := $(PYTHON) deploy/local/services.py
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: help venv services-up services-down services-status lint test test-fast demo prometheus-install prometheus-check bench clean
+.PHONY: help venv caches services-up services-down services-status lint test test-fast test-cold demo prometheus-install prometheus-check bench clean
 
 help:
 	@echo "make demo           run the product end to end on local services"
-	@echo "make test           venv + lint + services + the whole test suite (what CI runs)"
+	@echo "make test           venv + lint + downloads + services + the whole test suite (what CI runs)"
+	@echo "make test-cold      the same from a clean clone of HEAD with every cache moved aside, as on a fresh machine"
 	@echo "make lint           ruff check, ruff format --check, mypy (tracker/, harvester/)"
 	@echo "make services-up    start local Postgres, PgBouncer, Kafka and a Spark master + 2 workers (idempotent); prints DSNs, bootstrap, master"
 	@echo "make services-down  stop them"
 	@echo "make prometheus-check  promtool check + unit tests of deploy/prometheus/rules.yml (installs Debian's prometheus)"
 
+# One installer at a time (flock); a venv whose creation was interrupted (no working pip) is made
+# anew; the stamp is written only after everything installed.
 $(VENV)/.installed: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,spark]'
-	touch $@
+	flock $(VENV).lock sh -c '\
+	  { $(PY) -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }; } && \
+	  $(PY) -m pip install -q --upgrade pip && \
+	  $(PY) -m pip install -q -e ".[test,spark]" && \
+	  touch $@'
 
 venv: $(VENV)/.installed
+
+# Every first-use download, once, before the test workers start (Kafka's jars, Spark's Kafka
+# connector, the Node client, Debian's prometheus). Each is also safe to resolve on demand, from
+# several processes at once (deploy/local/first_use.py).
+caches: venv
+	$(SERVICES) fetch
+	$(PY) deploy/spark/jars.py
+	$(PYTHON) tests/clients/node/install.py
+	$(PYTHON) deploy/prometheus/local.py install
 
 services-up:
 	$(SERVICES) up
@@ -41,11 +54,17 @@ lint: venv
 	$(VENV)/bin/mypy
 
 # The fixtures use OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP when set, else these local services.
-test: venv lint services-up
+test: venv lint caches services-up
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
-test-fast: venv services-up
+test-fast: venv caches services-up
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
+
+# As on a fresh machine: a clean clone of HEAD whose .venv, .local, project cache and the pip, npm
+# and Maven caches are all new and empty, then CI's own command (.ci/run). Stops this checkout's
+# services first, since the clone starts its own on the same ports.
+test-cold:
+	bash deploy/local/test_cold.sh
 
 # From nothing: venv, local services (stopped again afterwards if the demo started them), two
 # reapers, an example app and consumers; 100,000 items, a leader killed midway, the completion event.
@@ -61,4 +80,4 @@ prometheus-check:
 
 clean:
 	$(SERVICES) down
-	rm -rf .local $(VENV)
+	rm -rf .local $(VENV) $(VENV).lock

@@ -1,6 +1,6 @@
 """The SQL functions from a non-Python client: Node with node-postgres, run by node's test runner.
 
-pg is installed from npm into .local/node-client by tests/clients/node/install.py (idempotent).
+pg is installed from npm into the machine cache by tests/clients/node/install.py (once, safely).
 Without node/npm the test fails (it never skips): CI must be able to run it.
 """
 

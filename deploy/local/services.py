@@ -2,6 +2,7 @@
 """Local PostgreSQL, PgBouncer and Apache Kafka (single KRaft node) for development, tests and CI.
 
     python3 deploy/local/services.py up|down|status|env [--only postgres|kafka|pgbouncer|spark]
+    python3 deploy/local/services.py fetch     # only resolve Kafka's jars into the machine's cache
 
 Idempotent. Everything lives under <repo>/.local (git-ignored). PostgreSQL comes from Debian's
 packages (apt-get installs it when missing); Kafka from its jars on Maven Central, resolved once by
@@ -10,7 +11,9 @@ before the project's virtualenv exists. Plus a Spark standalone master and two w
 (deploy/local/spark_cluster.py), from the venv's pyspark: `up` skips it while pyspark is not
 installed (`make venv`; `--only spark` fails instead); OUTBOX_SPARK=0 leaves Spark out of `up`/`down`.
 
-Environment: OUTBOX_LOCAL_DIR (state folder), OUTBOX_PG_PORT (55432), OUTBOX_KAFKA_PORT (59092),
+Downloads go through deploy/local/first_use.py (safe for several processes at once and for
+interruption). Environment: OUTBOX_CACHE_DIR (per-machine cache, ~/.cache/outbox-reaper),
+OUTBOX_KAFKA_LIB_CACHE (Kafka's jars, <cache>/kafka-lib), OUTBOX_LOCAL_DIR (state folder), OUTBOX_PG_PORT (55432), OUTBOX_KAFKA_PORT (59092),
 OUTBOX_KAFKA_CONTROLLER_PORT (59093), OUTBOX_KAFKA_HEAP (512m), OUTBOX_SERVICES_TIMEOUT (90 s),
 OUTBOX_PGBOUNCER_PORT (56432: PgBouncer in transaction pooling mode in front of the Postgres).
 """
@@ -34,6 +37,7 @@ import time
 import uuid
 from pathlib import Path
 
+import first_use  # deploy/local/first_use.py: downloads safe under concurrency and interruption
 import spark_cluster  # deploy/local/spark_cluster.py: Spark standalone master + 2 workers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,8 +53,11 @@ PG_DB = "outbox"
 PG_DIR = STATE / "postgres"
 KAFKA_DIR = STATE / "kafka"
 PGB_DIR = STATE / "pgbouncer"
-# Jars are shared by every checkout on the machine; a fresh clone then only copies them.
-KAFKA_LIB_CACHE = Path(os.environ.get("OUTBOX_KAFKA_LIB_CACHE", Path.home() / ".cache" / "outbox-reaper" / "kafka-lib"))
+
+
+def kafka_lib_cache() -> Path:
+    """Kafka's jars, shared by every checkout on the machine (read at each call: tests move it)."""
+    return Path(os.environ.get("OUTBOX_KAFKA_LIB_CACHE") or first_use.cache_root() / "kafka-lib")
 
 
 class ServiceError(RuntimeError):
@@ -84,17 +91,12 @@ def tail(path: Path, lines: int = 40) -> str:
 
 
 def pg_bindir() -> Path:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
-    if not found:
-        log("PostgreSQL server not found: installing Debian's postgresql package")
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        sudo = [] if os.geteuid() == 0 else ["sudo"]
-        run([*sudo, "apt-get", "update", "-q"], env=env)
-        run([*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", "postgresql"], env=env)
-        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
-        if not found:
-            raise ServiceError("apt-get installed postgresql but no /usr/lib/postgresql/<ver>/bin/initdb exists")
-    return Path(found[-1]).parent
+    def found() -> list[str]:
+        return sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
+
+    if not found():
+        first_use.apt_install("postgresql", lambda: bool(found()), log=log)
+    return Path(found()[-1]).parent
 
 
 def pg_user() -> str | None:
@@ -346,25 +348,21 @@ def kafka_metadata_ok(port: int = KAFKA_PORT, timeout: float = 2.0) -> bool:
 
 def ensure_debian_packages(command: str, package: str) -> None:
     """Install a missing tool from Debian's packages (root, or sudo), so a fresh machine needs nothing by hand."""
-    if shutil.which(command):
-        return
-    log(f"{command} not found: installing Debian's {package}")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    sudo = [] if os.geteuid() == 0 else ["sudo"]
-    run([*sudo, "apt-get", "update", "-q"], env=env)
-    run([*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", package], env=env)
+    first_use.apt_install(package, first_use.has_command(command), log=log)
 
 
 def kafka_jars() -> Path:
+    """Kafka's jars, resolved from Maven Central once per machine (safe for two resolvers at once)."""
     pom = HERE / "kafka" / "pom.xml"
     digest = hashlib.sha256(pom.read_bytes()).hexdigest()[:16]
-    cache = KAFKA_LIB_CACHE / digest
-    if not (cache / ".complete").exists():
-        ensure_debian_packages("java", "openjdk-17-jre-headless")
-        ensure_debian_packages("mvn", "maven")
+    cache = kafka_lib_cache() / digest
+    if first_use.is_complete(cache):
+        return cache
+    ensure_debian_packages("java", "openjdk-17-jre-headless")
+    ensure_debian_packages("mvn", "maven")
+
+    def resolve(folder: Path) -> None:
         log(f"resolving Kafka jars from Maven Central into {cache}")
-        tmp = cache.with_suffix(".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
         r = run(
             [
                 "mvn",
@@ -374,17 +372,17 @@ def kafka_jars() -> Path:
                 str(pom),
                 "dependency:copy-dependencies",
                 "-DincludeScope=runtime",
-                f"-DoutputDirectory={tmp}",
+                f"-DoutputDirectory={folder}",
             ],
             check=False,
             capture_output=True,
         )
         if r.returncode != 0:
             raise ServiceError(f"mvn could not resolve Kafka's jars:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-        shutil.rmtree(cache, ignore_errors=True)
-        tmp.rename(cache)
-        (cache / ".complete").write_text(digest)
-    return cache
+        if not any(folder.glob("kafka_*.jar")):
+            raise ServiceError(f"mvn resolved no kafka_*.jar into {folder}")
+
+    return first_use.populate(cache, resolve)
 
 
 def kafka_props(logdir: Path) -> str:
@@ -515,9 +513,16 @@ def status() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("action", choices=["up", "down", "status", "env"])
+    ap.add_argument("action", choices=["up", "down", "status", "env", "fetch"])
     ap.add_argument("--only", choices=["postgres", "kafka", "pgbouncer", "spark"])
     args = ap.parse_args(argv)
+    if args.action == "fetch":  # downloads only, nothing started: safe beside a running `up`
+        try:
+            print(f"KAFKA_LIB={kafka_jars()}")
+        except (ServiceError, first_use.FirstUseError) as exc:
+            print(f"[services] error: {exc}", file=sys.stderr)
+            return 1
+        return 0
     STATE.mkdir(parents=True, exist_ok=True)
     lock = open(STATE / "services.lock", "w")
     # Parallel test workers may all ask for `up` at once; one at a time does the work.
@@ -555,7 +560,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"export PGBOUNCER_DSN={pgb_dsn()}")
         else:
             return status()
-    except (ServiceError, spark_cluster.SparkClusterError, subprocess.CalledProcessError) as exc:
+    except (
+        ServiceError,
+        first_use.FirstUseError,
+        spark_cluster.SparkClusterError,
+        subprocess.CalledProcessError,
+    ) as exc:
         print(f"[services] error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -29,6 +29,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import first_use  # deploy/local/first_use.py: the node venv is built aside and renamed into place
+
 REPO = Path(__file__).resolve().parents[2]
 MASTER_PORT = int(os.environ.get("OUTBOX_SPARK_MASTER_PORT", "57077"))
 UI_PORT = int(os.environ.get("OUTBOX_SPARK_UI_PORT", "58080"))
@@ -93,8 +95,10 @@ def node_python(state: Path) -> Path:
         text=True,
         check=True,
     ).stdout.strip()
-    if not exe.exists():
-        subprocess.run([python, "-m", "venv", "--without-pip", str(node)], check=True)
+    # Built aside and renamed into place, so an interrupted build is never taken for a venv.
+    first_use.populate(
+        node, lambda folder: subprocess.run([python, "-m", "venv", "--without-pip", str(folder)], check=True)
+    )
     node_site = subprocess.run(
         [str(exe), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         capture_output=True,

@@ -13,7 +13,6 @@ port, and is stopped by whoever started it. Standard library only.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import shutil
@@ -32,6 +31,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 STATE = Path(os.environ.get("OUTBOX_LOCAL_DIR", REPO / ".local")).resolve() / "prometheus"
 RULES = HERE / "rules.yml"
+sys.path.insert(0, str(HERE.parent / "local"))
+import first_use  # noqa: E402  (deploy/local/first_use.py, standard library only)
+
 RULES_TEST = HERE / "rules_test.yml"
 
 
@@ -50,31 +52,13 @@ def binaries() -> tuple[str, str] | None:
 
 def ensure_installed() -> tuple[str, str]:
     """Return the paths of `prometheus` and `promtool`, installing Debian's package if needed."""
+    try:
+        # One apt-get at a time per machine; parallel test workers wait and then find it installed.
+        first_use.apt_install("prometheus", lambda: binaries() is not None, log=log)
+    except first_use.FirstUseError as exc:
+        raise PrometheusError(str(exc)) from None
     found = binaries()
-    if found:
-        return found
-    STATE.mkdir(parents=True, exist_ok=True)
-    # Parallel test workers may all get here; one installs, the others wait and find it.
-    with open(STATE / "install.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        found = binaries()
-        if found:
-            return found
-        log("prometheus not found: installing Debian's prometheus package")
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        sudo = [] if os.geteuid() == 0 else ["sudo"]
-        for cmd in (
-            ["apt-get", "update", "-q"],
-            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "prometheus"],
-        ):
-            r = subprocess.run([*sudo, *cmd], env=env, capture_output=True, text=True)
-            if r.returncode != 0:
-                raise PrometheusError(
-                    f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
-                )
-    found = binaries()
-    if not found:
-        raise PrometheusError("apt-get installed prometheus but `prometheus`/`promtool` are not on PATH")
+    assert found is not None  # apt_install checked it
     return found
 
 

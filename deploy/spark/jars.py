@@ -9,7 +9,11 @@ Kafka broker), and caches the jars per machine. Jars that pyspark already ships 
 client, slf4j, ...) are left out, so the session's classpath holds one copy of each. Standard
 library only; run it with the interpreter that has pyspark installed.
 
-Environment: OUTBOX_SPARK_JARS_CACHE (default ~/.cache/outbox-reaper/spark-kafka-jars).
+The cache is filled through deploy/local/first_use.py: one resolver at a time per machine (the
+others wait and reuse its result), in a private folder renamed into place once complete, so a killed
+resolver never leaves a cache that looks usable. `make test` resolves it before the test workers start.
+
+Environment: OUTBOX_SPARK_JARS_CACHE (default <OUTBOX_CACHE_DIR or ~/.cache/outbox-reaper>/spark-kafka-jars).
 """
 
 from __future__ import annotations
@@ -19,14 +23,20 @@ import importlib.metadata
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 POM = HERE / "pom.xml"
-CACHE = Path(os.environ.get("OUTBOX_SPARK_JARS_CACHE", Path.home() / ".cache" / "outbox-reaper" / "spark-kafka-jars"))
+sys.path.insert(0, str(HERE.parent / "local"))
+import first_use  # noqa: E402  (deploy/local/first_use.py, standard library only)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("OUTBOX_SPARK_JARS_CACHE") or first_use.cache_root() / "spark-kafka-jars")
+
+
 _JAR = re.compile(r"^(?P<artifact>.+)-(?P<version>\d[\w.]*)\.jar$")
 
 
@@ -53,27 +63,8 @@ def pyspark_jars_dir() -> Path:
     return Path(spec.origin).parent / "jars"
 
 
-def _ensure_maven() -> None:
-    """Install Maven from Debian's packages when missing (root, or sudo), as services.py does."""
-    if shutil.which("mvn") is not None:
-        return
-    print("[spark-jars] mvn not found: installing Debian's maven", file=sys.stderr, flush=True)
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    sudo = [] if os.geteuid() == 0 else ["sudo"]
-    for cmd in (
-        [*sudo, "apt-get", "update", "-q"],
-        [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", "maven"],
-    ):
-        if subprocess.run(cmd, env=env, check=False).returncode != 0:
-            break
-    if shutil.which("mvn") is None:
-        raise JarResolutionError("mvn is required to resolve the Spark Kafka connector: apt-get install maven")
-
-
-def _resolve(version: str, target: Path) -> None:
-    _ensure_maven()
-    tmp = target.with_suffix(".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+def _resolve(version: str, folder: Path) -> None:
+    _log(f"resolving spark-sql-kafka-0-10 {version} from Maven Central (into {folder}, renamed when complete)")
     r = subprocess.run(
         [
             "mvn",
@@ -84,7 +75,7 @@ def _resolve(version: str, target: Path) -> None:
             "dependency:copy-dependencies",
             "-DincludeScope=runtime",
             f"-Dspark.version={version}",
-            f"-DoutputDirectory={tmp}",
+            f"-DoutputDirectory={folder}",
         ],
         capture_output=True,
         text=True,
@@ -95,28 +86,30 @@ def _resolve(version: str, target: Path) -> None:
             f"mvn could not resolve spark-sql-kafka-0-10 {version} (it must match the installed pyspark):\n"
             f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         )
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+    if not any(folder.glob("spark-sql-kafka-0-10*.jar")):
+        raise JarResolutionError(f"mvn resolved no spark-sql-kafka-0-10 jar into {folder}")
 
 
 def spark_kafka_jars(version: str | None = None) -> list[Path]:
     """The connector's jars for `version` (default: the installed pyspark's), less those pyspark ships."""
     version = version or pyspark_version()
     digest = hashlib.sha256(POM.read_bytes() + version.encode()).hexdigest()[:16]
-    cache = CACHE / f"{version}-{digest}"
-    if not (cache / ".complete").exists():
-        print(
-            f"[spark-jars] resolving spark-sql-kafka-0-10 {version} from Maven Central into {cache}",
-            file=sys.stderr,
-            flush=True,
-        )
-        _resolve(version, cache)
-        (cache / ".complete").write_text(version)
+    cache = cache_dir() / f"{version}-{digest}"
+    if not first_use.is_complete(cache):
+        try:
+            first_use.apt_install("maven", first_use.has_command("mvn"), log=_log)
+        except first_use.FirstUseError as exc:
+            raise JarResolutionError(f"mvn is required to resolve the Spark Kafka connector: {exc}") from None
+        first_use.populate(cache, lambda folder: _resolve(version, folder))
     shipped = {_artifact(p.name) for p in pyspark_jars_dir().glob("*.jar")}
     jars = sorted(p for p in cache.glob("*.jar") if _artifact(p.name) not in shipped)
     if not any(p.name.startswith("spark-sql-kafka-0-10") for p in jars):
         raise JarResolutionError(f"no spark-sql-kafka-0-10 jar in {cache}")
     return jars
+
+
+def _log(msg: str) -> None:
+    print(f"[spark-jars] {msg}", file=sys.stderr, flush=True)
 
 
 def main() -> int:

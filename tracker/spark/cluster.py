@@ -56,9 +56,15 @@ def tracker_zip(directory: str | os.PathLike[str] | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"tracker-{hashlib.sha256(data).hexdigest()[:16]}.zip"
     if not path.exists():
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(path)
+        # A private name per writer (process or thread), renamed into place whole.
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".partial")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     return path
 
 

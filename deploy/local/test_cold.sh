@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The whole suite as on a fresh machine: a clean clone of this checkout's HEAD, run by CI's own
+# command (.ci/run), with every cache moved aside: new, empty folders for the project's cache
+# (OUTBOX_CACHE_DIR: Kafka's jars, Spark's connector, the Node client), pip's, npm's and Maven's,
+# and of course a new .venv and .local in the clone. Debian's packages stay installed (they are the
+# machine's, not a cache).
+#
+#   bash deploy/local/test_cold.sh [RUNS]     # RUNS (default 1) runs in a row on the same caches;
+#                                             # the second shows the warm time
+#   OUTBOX_COLD_DIR=/somewhere                # where the clone and caches go (default: a new temp dir)
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+runs=${1:-1}
+work=${OUTBOX_COLD_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/outbox-cold.XXXXXX")}
+mkdir -p "$work"
+
+# The clone starts its own services on the default ports: stop this checkout's, refuse others'.
+python3 "$repo/deploy/local/services.py" down >/dev/null || true
+for port in "${OUTBOX_PG_PORT:-55432}" "${OUTBOX_PGBOUNCER_PORT:-56432}" "${OUTBOX_KAFKA_PORT:-59092}" \
+  "${OUTBOX_SPARK_MASTER_PORT:-57077}"; do
+  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+    echo "test-cold: port $port is in use (services of another checkout?): stop them first" >&2
+    echo "  (python3 <that checkout>/deploy/local/services.py down)" >&2
+    exit 2
+  fi
+done
+
+rm -rf "$work/outbox-reaper"
+git clone -q "$repo" "$work/outbox-reaper"
+if [ -d "$repo/../shared" ]; then # CI lays the design of record beside the clone
+  ln -sfn "$(cd "$repo/../shared" && pwd)" "$work/shared"
+fi
+export OUTBOX_CACHE_DIR="$work/cache/outbox-reaper"
+export PIP_CACHE_DIR="$work/cache/pip"
+export npm_config_cache="$work/cache/npm"
+export MAVEN_OPTS="${MAVEN_OPTS:-} -Dmaven.repo.local=$work/cache/m2"
+echo "test-cold: clone and caches in $work"
+
+status=0
+cd "$work/outbox-reaper"
+for run in $(seq 1 "$runs"); do
+  started=$(date +%s)
+  if bash .ci/run; then result=passed; else result="failed (exit $?)" status=1; fi
+  echo "test-cold: run $run of $runs $result in $(($(date +%s) - started)) s"
+  [ "$status" = 0 ] || break
+done
+python3 deploy/local/services.py down >/dev/null || true
+exit "$status"
