@@ -18,10 +18,12 @@ help:
 	@echo "make services-down  stop them"
 	@echo "make prometheus-check  promtool check + unit tests of deploy/prometheus/rules.yml (installs Debian's prometheus)"
 
-# One installer at a time (flock); a venv whose creation was interrupted (no working pip) is made
-# anew; the stamp is written only after everything installed.
+# One installer at a time (flock; the one that waited finds the stamp and stops); a venv whose
+# creation was interrupted (no working pip) is made anew; the stamp is written only after
+# everything installed.
 $(VENV)/.installed: pyproject.toml
 	flock $(VENV).lock sh -c '\
+	  [ "$@" -nt pyproject.toml ] && exit 0; \
 	  { $(PY) -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }; } && \
 	  $(PY) -m pip install -q --upgrade pip && \
 	  $(PY) -m pip install -q -e ".[test,spark]" && \

@@ -11,11 +11,11 @@ caches); without mvn or npm these tests fail.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -34,19 +34,18 @@ FILES = 6
 BUILDER = textwrap.dedent(
     """
     import os, sys, time
+    from pathlib import Path
     sys.path.insert(0, sys.argv[1])
     import first_use
-    target, log, pause = sys.argv[2], sys.argv[3], float(sys.argv[4])
-    FILES = int(sys.argv[5])
+    target, log, pause, files = sys.argv[2], sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
 
-    def build(folder):
+    def build(folder, pass_fds):
         with open(log, "a") as f:
             f.write(f"start {os.getpid()}\\n")
-        for i in range(FILES):
+        for i in range(files):
             (folder / f"part-{i}").write_text(f"part {i}\\n" * 1000)
             time.sleep(pause)
 
-    from pathlib import Path
     print(first_use.populate(Path(target), build))
     """
 )
@@ -71,49 +70,125 @@ def _builder(target: Path, log: Path, pause: float) -> subprocess.Popen:
     )
 
 
+def _started(log: Path) -> list[int]:
+    try:
+        return [int(line.split()[1]) for line in log.read_text().splitlines()]
+    except FileNotFoundError:
+        return []
+
+
+class _Watcher(threading.Thread):
+    """Looks at the target as often as it can while builders run: it is absent or complete."""
+
+    def __init__(self, target: Path) -> None:
+        super().__init__(daemon=True)
+        self.target, self.stop, self.seen, self.failure = target, threading.Event(), 0, None
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                if self.target.exists():
+                    _assert_complete(self.target)
+                    self.seen += 1
+            except AssertionError as exc:
+                self.failure = exc
+                return
+            time.sleep(0.001)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    builders=st.integers(min_value=2, max_value=6),
-    kills=st.lists(st.tuples(st.integers(0, 5), st.floats(0.0, 0.12)), max_size=4),
-    pause=st.sampled_from([0.0, 0.005, 0.02]),
-    seed=st.integers(0, 2**32 - 1),
+    builders=st.integers(min_value=2, max_value=5),
+    # ("building", d): kill whoever is building, d seconds into its build; ("any", d): kill the
+    # i-th builder d seconds after the start, building or waiting for the lock.
+    kills=st.lists(st.tuples(st.sampled_from(["building", "any"]), st.integers(0, 4), st.floats(0.0, 0.1)), max_size=3),
+    pause=st.sampled_from([0.005, 0.02]),
 )
-def test_populate_builds_once_and_is_never_half_written(tmp_path_factory, builders, kills, pause, seed):
+def test_populate_builds_once_and_is_never_half_written(tmp_path_factory, builders, kills, pause):
     root = tmp_path_factory.mktemp("cache")
     target, log = root / "thing" / "v1-abc", root / "builds.log"
+    watcher = _Watcher(target)
+    watcher.start()
     procs = [_builder(target, log, pause) for _ in range(builders)]
+    by_pid = {p.pid: p for p in procs}
     killed: set[int] = set()
     started = time.monotonic()
-    for index, delay in sorted(kills, key=lambda k: k[1]):
-        index %= builders
-        time.sleep(max(0.0, started + delay - time.monotonic()))
-        # Whatever a reader sees at any moment is either nothing or the complete folder.
-        if target.exists():
-            _assert_complete(target)
-        if procs[index].poll() is None:
-            procs[index].send_signal(signal.SIGKILL)
-            killed.add(index)
-    outputs = {i: p.communicate(timeout=60) for i, p in enumerate(procs)}
-    for i, p in enumerate(procs):
-        if i in killed and p.returncode == -signal.SIGKILL:
-            continue
-        assert p.returncode == 0, outputs[i][1]
-        assert outputs[i][0].strip() == str(target)
-    real_kills = sum(procs[i].returncode == -signal.SIGKILL for i in killed)
-    builds = log.read_text().count("start") if log.exists() else 0
-    if real_kills < builders:
+    for kind, index, delay in kills:
+        if kind == "building":
+            # the newest build still running, once there is one (at most 10 s of waiting)
+            deadline, victim = time.monotonic() + 10, None
+            while victim is None and time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                running = [pid for pid in _started(log) if pid not in killed and by_pid[pid].poll() is None]
+                victim = by_pid[running[-1]] if running else None
+                if victim is None:
+                    time.sleep(0.002)
+            if victim is None:
+                continue
+            time.sleep(delay)
+        else:
+            victim = procs[index % builders]
+            time.sleep(max(0.0, started + delay - time.monotonic()))
+        if victim.poll() is None:
+            victim.send_signal(signal.SIGKILL)
+            killed.add(victim.pid)
+    outputs = {p.pid: p.communicate(timeout=60) for p in procs}
+    watcher.stop.set()
+    watcher.join()
+    assert watcher.failure is None, f"a reader saw a half-written target: {watcher.failure}"
+    really_killed = {p.pid for p in procs if p.returncode == -signal.SIGKILL}
+    for p in procs:
+        if p.pid not in really_killed:
+            assert p.returncode == 0, outputs[p.pid][1]
+            assert outputs[p.pid][0].strip() == str(target)
+    builds = _started(log)
+    if len(really_killed) < builders:
         _assert_complete(target)
-        assert 1 <= builds <= real_kills + 1, f"{builds} builds for {real_kills} killed builders"
-    else:
-        assert not target.exists() or first_use.is_complete(target)
-    # A later caller finds it (or builds it over the killed builders' leftovers), and cleans up.
-    rng = random.Random(seed)
-    again = _builder(target, log, rng.choice([0.0, 0.001]))
+        assert 1 <= len(builds) <= len(really_killed) + 1, f"{len(builds)} builds, {len(really_killed)} killed"
+        # every build but the last was a builder killed midway
+        assert set(builds[:-1]) <= really_killed
+    # A later caller finds it (or builds it over the killed builders' leftovers) and cleans up.
+    again = _builder(target, log, 0.0)
     out, err = again.communicate(timeout=60)
     assert again.returncode == 0, err
     _assert_complete(target)
-    if real_kills == builders:
+    if len(really_killed) == builders:
         assert _partials(target) == []
+
+
+def test_a_killed_builders_child_keeps_the_next_builder_waiting(tmp_path):
+    """A builder killed while its download tool still runs: the lock lives on in the tool, so the
+    next builder starts only after the tool has ended, not over its writes."""
+    target, marks = tmp_path / "cache" / "v1", tmp_path / "marks"
+    marks.mkdir()
+    script = textwrap.dedent(
+        """
+        import subprocess, sys, time
+        from pathlib import Path
+        sys.path.insert(0, sys.argv[1])
+        import first_use
+        marks = Path(sys.argv[3])
+        child = "import time, pathlib, sys; time.sleep(1.5); pathlib.Path(sys.argv[1], 'child-ended').write_text(str(time.time()))"
+
+        def build(folder, pass_fds):
+            if not (marks / "first").exists():
+                (marks / "first").write_text("")
+                subprocess.Popen([sys.executable, "-c", child, str(marks)], pass_fds=pass_fds)
+                time.sleep(60)  # killed here, its child still running
+            (marks / "second-started").write_text(str(time.time()))
+
+        first_use.populate(Path(sys.argv[2]), build)
+        """
+    )
+    first = subprocess.Popen([sys.executable, "-c", script, str(LOCAL), str(target), str(marks)])
+    deadline = time.monotonic() + 10
+    while not (marks / "first").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first.kill()  # the builder alone, as the OOM killer would
+    first.wait()
+    second = subprocess.run([sys.executable, "-c", script, str(LOCAL), str(target), str(marks)], timeout=60)
+    assert second.returncode == 0
+    assert float((marks / "second-started").read_text()) >= float((marks / "child-ended").read_text())
+    assert first_use.is_complete(target)
 
 
 def test_populate_rebuilds_an_unmarked_folder_and_cleans_up_after_a_failed_build(tmp_path):
@@ -121,7 +196,7 @@ def test_populate_rebuilds_an_unmarked_folder_and_cleans_up_after_a_failed_build
     target.mkdir(parents=True)
     (target / "half-written.jar").write_bytes(b"PK")  # what an older resolver left when killed
 
-    def failing(folder: Path) -> None:
+    def failing(folder: Path, _fds: tuple[int, ...]) -> None:
         (folder / "a.jar").write_bytes(b"x")
         raise OSError("network is down")
 
@@ -130,9 +205,20 @@ def test_populate_rebuilds_an_unmarked_folder_and_cleans_up_after_a_failed_build
     assert _partials(target) == [] and not first_use.is_complete(target)
 
     built: list[Path] = []
-    first_use.populate(target, lambda folder: (built.append(folder), (folder / "b.jar").write_bytes(b"y")))
+
+    def good(folder: Path, _fds: tuple[int, ...]) -> None:
+        built.append(folder)
+        (folder / "b.jar").write_bytes(b"y")
+
+    first_use.populate(target, good)
     assert len(built) == 1 and sorted(p.name for p in target.iterdir()) == [".complete", "b.jar"]
-    first_use.populate(target, lambda folder: pytest.fail("a complete target is never built again"))
+    first_use.populate(target, lambda folder, fds: pytest.fail("a complete target is never built again"))
+    # An unmarked folder its caller can vouch for is adopted, not rebuilt.
+    other = tmp_path / "jars" / "old"
+    other.mkdir()
+    (other / "whole.jar").write_bytes(b"z")
+    first_use.populate(other, lambda folder, fds: pytest.fail("adopted"), adopt=lambda d: (d / "whole.jar").exists())
+    assert first_use.is_complete(other) and (other / "whole.jar").read_bytes() == b"z"
 
 
 # ------------------------------------------------------------------ the real resolvers
@@ -152,9 +238,13 @@ def _resolvers() -> dict[str, tuple[list[str], str]]:
     }
 
 
-def _start(name: str, cache: Path) -> subprocess.Popen:
+def _start(name: str, cache: Path, *, cold_tools: Path | None = None) -> subprocess.Popen:
+    """Start a resolver with its cache at `cache`; `cold_tools`: empty Maven and npm caches there too."""
     cmd, variable = _resolvers()[name]
     env = {**os.environ, variable: str(cache)}
+    if cold_tools is not None:
+        env["MAVEN_OPTS"] = f"{env.get('MAVEN_OPTS', '')} -Dmaven.repo.local={cold_tools / 'm2'}"
+        env["npm_config_cache"] = str(cold_tools / "npm")
     # A session of its own, so an interruption reaches mvn or npm too, as Ctrl-C or a CI timeout would.
     return subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -171,10 +261,12 @@ def _complete_folders(cache: Path) -> list[Path]:
     return [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["kafka-jars", "spark-connector", "node-client"])
 def test_resolver_from_cold_with_three_processes_at_once(tmp_path, name):
+    """Truly cold: the project's cache and Maven's and npm's are empty, so this downloads."""
     cache = tmp_path / name
-    procs = [_start(name, cache) for _ in range(3)]
+    procs = [_start(name, cache, cold_tools=tmp_path / "tools") for _ in range(3)]
     outputs = [_finish(p) for p in procs]
     assert len(set(outputs)) == 1, outputs
     folders = _complete_folders(cache)
@@ -186,17 +278,17 @@ def test_resolver_from_cold_with_three_processes_at_once(tmp_path, name):
 def test_resolver_killed_midway_leaves_nothing_that_looks_usable(tmp_path, name):
     cache = tmp_path / name
     proc = _start(name, cache)
-    deadline = time.monotonic() + 120
-    # Kill it once it is building (its private folder exists), before it finished.
-    while time.monotonic() < deadline and proc.poll() is None and not list(cache.glob(".*.partial-*")):
-        time.sleep(0.02)
-    if proc.poll() is None:
-        time.sleep(random.uniform(0.0, 0.5))
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    for folder in _complete_folders(cache) if cache.exists() else []:
-        # Only a resolver that finished before the kill may have left a folder, and then a complete one.
-        assert first_use.is_complete(folder), f"{folder} is there without its completion mark"
+    deadline = time.monotonic() + 300
+    # Kill the resolver and its tool once the tool has written something into its private folder.
+    written = False
+    while time.monotonic() < deadline and proc.poll() is None and not written:
+        written = any(f.is_file() for partial in cache.glob(".*.partial-*") for f in partial.rglob("*"))
+        time.sleep(0.005)
+    assert written, f"the resolver ended before writing anything: {proc.communicate()}"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert _complete_folders(cache) == [], "a killed resolver left a folder where the cache goes"
     out = _finish(_start(name, cache))
     folders = _complete_folders(cache)
     assert len(folders) == 1 and first_use.is_complete(folders[0]) and str(folders[0]) in out

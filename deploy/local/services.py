@@ -110,6 +110,16 @@ def pg_user() -> str | None:
     return "postgres"
 
 
+PG_CONF_MARK = "# outbox-reaper local settings"
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def pg_dsn() -> str:
     return f"postgresql://postgres@127.0.0.1:{PG_PORT}/{PG_DB}"
 
@@ -135,34 +145,43 @@ def pg_up() -> None:
             mode = parent.stat().st_mode
             if not mode & 0o001:
                 os.chmod(parent, mode | 0o001)
-    if not (data / "PG_VERSION").exists():
-        log(f"initdb {data}")
-        run(
-            [
-                str(bindir / "initdb"),
-                "-D",
-                str(data),
-                "-U",
-                "postgres",
-                "--auth=trust",
-                "-E",
-                "UTF8",
-                "--locale=C.UTF-8",
-                "--no-instructions",
-            ],
-            user=user,
-            stdout=subprocess.DEVNULL,
-        )
-        with open(data / "postgresql.conf", "a") as conf:
-            conf.write(
-                "\n# outbox-reaper local settings\n"
-                f"listen_addresses = '127.0.0.1'\nport = {PG_PORT}\n"
-                f"unix_socket_directories = '{sockdir}'\n"
-                "max_connections = 300\nshared_buffers = 512MB\nwork_mem = 16MB\n"
-                "maintenance_work_mem = 256MB\nmax_wal_size = 4GB\ncheckpoint_timeout = 15min\n"
-                "wal_level = replica\nmax_prepared_transactions = 0\n"
-                "autovacuum_naptime = 10s\nlog_min_messages = warning\n"
+    if not first_use.is_complete(data):
+
+        def init(folder: Path, pass_fds: tuple[int, ...]) -> None:
+            log(f"initdb {data}")
+            if user:
+                shutil.chown(folder, user)
+            os.chmod(folder, 0o700)  # Postgres refuses a data folder others can read
+            run(
+                [
+                    str(bindir / "initdb"),
+                    "-D",
+                    str(folder),
+                    "-U",
+                    "postgres",
+                    "--auth=trust",
+                    "-E",
+                    "UTF8",
+                    "--locale=C.UTF-8",
+                    "--no-instructions",
+                ],
+                user=user,
+                stdout=subprocess.DEVNULL,
+                pass_fds=pass_fds,
             )
+            with open(folder / "postgresql.conf", "a") as conf:
+                conf.write(
+                    f"\n{PG_CONF_MARK}\n"
+                    f"listen_addresses = '127.0.0.1'\nport = {PG_PORT}\n"
+                    f"unix_socket_directories = '{sockdir}'\n"
+                    "max_connections = 300\nshared_buffers = 512MB\nwork_mem = 16MB\n"
+                    "maintenance_work_mem = 256MB\nmax_wal_size = 4GB\ncheckpoint_timeout = 15min\n"
+                    "wal_level = replica\nmax_prepared_transactions = 0\n"
+                    "autovacuum_naptime = 10s\nlog_min_messages = warning\n"
+                )
+
+        # A cluster made before the completion mark is whole if initdb got as far as our settings.
+        first_use.populate(data, init, adopt=lambda d: PG_CONF_MARK in _read(d / "postgresql.conf"))
     if pg_ready(bindir):
         log(f"postgres already running on 127.0.0.1:{PG_PORT}")
     else:
@@ -361,22 +380,10 @@ def kafka_jars() -> Path:
     ensure_debian_packages("java", "openjdk-17-jre-headless")
     ensure_debian_packages("mvn", "maven")
 
-    def resolve(folder: Path) -> None:
+    def resolve(folder: Path, pass_fds: tuple[int, ...]) -> None:
         log(f"resolving Kafka jars from Maven Central into {cache}")
-        r = run(
-            [
-                "mvn",
-                "-q",
-                "-B",
-                "-f",
-                str(pom),
-                "dependency:copy-dependencies",
-                "-DincludeScope=runtime",
-                f"-DoutputDirectory={folder}",
-            ],
-            check=False,
-            capture_output=True,
-        )
+        args = ["-q", "-B", "-f", str(pom), "dependency:copy-dependencies", "-DincludeScope=runtime"]
+        r = first_use.maven([*args, f"-DoutputDirectory={folder}"], pass_fds=pass_fds)
         if r.returncode != 0:
             raise ServiceError(f"mvn could not resolve Kafka's jars:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
         if not any(folder.glob("kafka_*.jar")):

@@ -95,9 +95,14 @@ def node_python(state: Path) -> Path:
         text=True,
         check=True,
     ).stdout.strip()
-    # Built aside and renamed into place, so an interrupted build is never taken for a venv.
+    # Built aside and renamed into place, so an interrupted build is never taken for a venv; one made
+    # before the completion mark is kept if its interpreter runs (a running cluster uses it).
     first_use.populate(
-        node, lambda folder: subprocess.run([python, "-m", "venv", "--without-pip", str(folder)], check=True)
+        node,
+        lambda folder, fds: subprocess.run(
+            [python, "-m", "venv", "--without-pip", str(folder)], check=True, pass_fds=fds
+        ),
+        adopt=lambda folder: subprocess.run([str(folder / "bin" / "python"), "-c", ""], check=False).returncode == 0,
     )
     node_site = subprocess.run(
         [str(exe), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -107,8 +112,19 @@ def node_python(state: Path) -> Path:
     ).stdout.strip()
     # A path line, not the venv's own .pth files: the editable install's finder (which would make
     # the checkout's tracker importable) is never run, so executors only have the zip they are sent.
-    Path(node_site, "outbox_deps.pth").write_text(site + "\n")
+    pth = Path(node_site, "outbox_deps.pth")
+    if _read(pth) != site + "\n":  # replaced whole: an executor starting now never reads it empty
+        fresh = pth.with_name(f".outbox_deps.{os.getpid()}.tmp")
+        fresh.write_text(site + "\n")
+        os.replace(fresh, pth)
     return exe
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def _alive(pidfile: Path, marker: str) -> int | None:

@@ -23,7 +23,6 @@ import importlib.metadata
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -63,24 +62,10 @@ def pyspark_jars_dir() -> Path:
     return Path(spec.origin).parent / "jars"
 
 
-def _resolve(version: str, folder: Path) -> None:
+def _resolve(version: str, folder: Path, pass_fds: tuple[int, ...]) -> None:
     _log(f"resolving spark-sql-kafka-0-10 {version} from Maven Central (into {folder}, renamed when complete)")
-    r = subprocess.run(
-        [
-            "mvn",
-            "-q",
-            "-B",
-            "-f",
-            str(POM),
-            "dependency:copy-dependencies",
-            "-DincludeScope=runtime",
-            f"-Dspark.version={version}",
-            f"-DoutputDirectory={folder}",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    args = ["-q", "-B", "-f", str(POM), "dependency:copy-dependencies", "-DincludeScope=runtime"]
+    r = first_use.maven([*args, f"-Dspark.version={version}", f"-DoutputDirectory={folder}"], pass_fds=pass_fds)
     if r.returncode != 0:
         raise JarResolutionError(
             f"mvn could not resolve spark-sql-kafka-0-10 {version} (it must match the installed pyspark):\n"
@@ -100,7 +85,7 @@ def spark_kafka_jars(version: str | None = None) -> list[Path]:
             first_use.apt_install("maven", first_use.has_command("mvn"), log=_log)
         except first_use.FirstUseError as exc:
             raise JarResolutionError(f"mvn is required to resolve the Spark Kafka connector: {exc}") from None
-        first_use.populate(cache, lambda folder: _resolve(version, folder))
+        first_use.populate(cache, lambda folder, fds: _resolve(version, folder, fds))
     shipped = {_artifact(p.name) for p in pyspark_jars_dir().glob("*.jar")}
     jars = sorted(p for p in cache.glob("*.jar") if _artifact(p.name) not in shipped)
     if not any(p.name.startswith("spark-sql-kafka-0-10") for p in jars):

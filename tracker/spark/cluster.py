@@ -61,6 +61,7 @@ def tracker_zip(directory: str | os.PathLike[str] | None = None) -> Path:
         try:
             with os.fdopen(fd, "wb") as out:
                 out.write(data)
+            os.chmod(tmp, 0o644)  # as a plain write would have left it (mkstemp makes it 0600)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

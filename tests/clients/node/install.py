@@ -30,7 +30,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("OUTBOX_NODE_CLIENT_CACHE") or first_use.cache_root() / "node-client")
 
 
-def _npm_ci(npm: str, folder: Path) -> None:
+def _npm_ci(npm: str, folder: Path, pass_fds: tuple[int, ...]) -> None:
     shutil.copy(HERE / "package.json", folder / "package.json")
     shutil.copy(HERE / "package-lock.json", folder / "package-lock.json")  # exact versions, all the way down
     r = subprocess.run(
@@ -39,6 +39,7 @@ def _npm_ci(npm: str, folder: Path) -> None:
         capture_output=True,
         text=True,
         timeout=600,
+        pass_fds=pass_fds,  # the install lock lives as long as npm does
     )
     if r.returncode != 0:
         raise RuntimeError(f"npm ci failed in {folder}:\n{r.stdout}\n{r.stderr}")
@@ -55,7 +56,7 @@ def install() -> Path:
         raise RuntimeError("node and npm are needed for the Node client test (Debian: apt-get install nodejs npm)")
     digest = hashlib.sha256((HERE / "package.json").read_bytes() + (HERE / "package-lock.json").read_bytes())
     target = cache_dir() / digest.hexdigest()[:16]
-    first_use.populate(target, lambda folder: _npm_ci(npm, folder))
+    first_use.populate(target, lambda folder, fds: _npm_ci(npm, folder, fds))
     return target / "node_modules"
 
 
