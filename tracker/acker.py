@@ -4,7 +4,10 @@ Runs in every reaper (a normal consumer group, not leader-only). Each loop:
 
 1. `consume(num_messages=max_poll_records)`: a poll's worth of ack messages (each value is one or
    more ',' separated item ids or runs `<batch>:<group>:<start>-<end>`, see tracker.consumer);
-2. fold them into one mask per (batch, group) (tracker.folding); malformed entries are set aside;
+2. fold them into one mask per (batch, group) (tracker.folding); malformed entries are set aside.
+   A fold holds at most `max_groups` groups (1 KiB each; 16,384 by default, 16 MiB): a poll naming
+   more is applied in several folds, each through steps 3-5, and a message that alone names more is
+   dead-lettered as too large, so what anyone can write to the ack topic never costs more memory;
 3. apply every mask in one database transaction (`tracker.acks.apply_masks(reject_invalid=True,
    skip_locked=True)`); unknown batches/groups, out-of-range indexes and expired batches come back
    as rejected. A batch whose row another transaction holds (a producer adding to it, a closer, a
@@ -37,7 +40,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from . import metrics
 from .acks import AckResult
 from .api import Tracker
-from .folding import Folded, fold_messages
+from .folding import GROUPS_PER_FOLD_MAX, Folded, fold_messages
 from .ids import GroupMask
 from .pooling import configure_for_pooler
 from .schema import check_identifier
@@ -67,6 +70,7 @@ class Acker:
         tracker: Tracker | None = None,
         lock_timeout: float = 2.0,
         deferred_retry: float = 0.05,
+        max_groups: int = GROUPS_PER_FOLD_MAX,
     ) -> None:
         self.dsn = dsn
         self.schema = check_identifier(schema, "schema")
@@ -90,6 +94,10 @@ class Acker:
             )
         self.lock_timeout = float(lock_timeout)
         self.deferred_retry = float(deferred_retry)
+        if not isinstance(max_groups, int) or max_groups < 1:
+            raise ValueError(f"max_groups must be a whole number >= 1, got {max_groups!r}")
+        # groups one fold (one apply) holds at most: 1 KiB each, whatever the ack topic carries
+        self.max_groups = max_groups
         # masks of batches that were locked elsewhere, applied with the next poll (or on their own)
         self._deferred: dict[tuple[int, int], GroupMask] = {}
         # partition -> first offset not safe to commit while something is deferred
@@ -173,8 +181,16 @@ class Acker:
                 log.info("acker stopped", **self.stats)
 
     def _handle(self, consumer: Consumer, producer: Producer, messages: list[Any]) -> bool:
-        """One poll: fold, apply, dead-letter, commit. False if it must be retried."""
-        folded = fold_messages(messages)
+        """One poll: fold, apply, dead-letter, commit, in as many folds as the poll's groups need
+        (each fold holds a bounded number of groups). False if it must be retried."""
+        while messages:
+            folded = fold_messages(messages, max_groups=self.max_groups)
+            if not self._handle_fold(consumer, producer, folded, _first_offsets(messages)):
+                return False  # rewound to `messages`' first offsets: the rest of the poll comes again
+            messages = folded.rest
+        return True
+
+    def _handle_fold(self, consumer: Consumer, producer: Producer, folded: Folded, rewind: dict[int, int]) -> bool:
         for err in folded.errors:
             if err.code() != KafkaError._PARTITION_EOF:
                 log.warning("consumer error", error=str(err))
@@ -189,7 +205,7 @@ class Acker:
             self.stats["retries"] += 1
             log.warning("ack poll failed; rewinding to retry", error=str(exc), error_type=type(exc).__name__)
             self._deferred = held
-            self._rewind(consumer, folded.first)
+            self._rewind(consumer, rewind)
             return False
         self.stats["polls"] += 1
         self.stats["messages"] += folded.messages
@@ -407,3 +423,12 @@ class Acker:
         except KafkaException:
             return 0
         return total
+
+
+def _first_offsets(messages: list[Any]) -> dict[int, int]:
+    """partition -> the offset of its first message in `messages` (where a retry starts again)."""
+    first: dict[int, int] = {}
+    for msg in messages:
+        if msg.error() is None:
+            first.setdefault(msg.partition(), msg.offset())
+    return first

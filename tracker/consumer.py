@@ -24,7 +24,7 @@ from confluent_kafka import KafkaError, Producer
 
 from .acks import AckResult, claim_op
 from .errors import InvalidArgument, MalformedItemId, TrackerError
-from .ids import GROUP_BITS_MAX, fold, format_run, parse_item_id
+from .ids import GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, fold, format_run, parse_item_id
 from .steps import Effect, Op
 
 ITEM_ID_HEADER = "item-id"
@@ -209,12 +209,17 @@ class AckProducer:
             parts: list[str] = []
             size = 0
             acks = 0
+            named = 0  # groups in the message: the acker sets aside one naming more than it folds at once
             for group_id, bits in sorted(groups, key=lambda g: g[0]):
+                if named == GROUPS_PER_FOLD_MAX:
+                    self._produce(key, parts, acks)
+                    parts, size, acks, named = [], 0, 0, 0
+                named += 1
                 for start, end in runs_of(bits):
                     entry = format_run(batch_id, group_id, start, end)
                     if parts and size + len(entry) + 1 > self.max_message_bytes:
                         self._produce(key, parts, acks)
-                        parts, size, acks = [], 0, 0
+                        parts, size, acks, named = [], 0, 0, 1
                     parts.append(entry)
                     size += len(entry) + 1
                     acks += end - start + 1

@@ -90,6 +90,23 @@ class InvalidValue(TrackerError, ValueError):
         super().__init__(f"{name} {shown}: {reason}")
 
 
+class TooManyGroups(TrackerError, ValueError):
+    """One call names more groups than one fold may hold. What a fold allocates is bounded by the
+    call's size and this limit, whatever the ids name; the call is refused before the masks of the
+    groups past the limit are allocated, and nothing was applied. Split the ids into several calls."""
+
+    def __init__(self, name: str, item_id: object, limit_bytes: int) -> None:
+        self.name, self.item_id, self.limit_bytes = name, item_id, limit_bytes
+        shown = repr(item_id)
+        if len(shown) > 80:
+            shown = shown[:80] + "..."
+        super().__init__(
+            f"{name}: the entries up to {shown} name more groups than one call may fold "
+            f"({limit_bytes:,} bytes of masks, at least {limit_bytes // 1024:,} whole groups of 8192 items); "
+            "split them into several calls"
+        )
+
+
 class UnsupportedConnection(TrackerError, TypeError):
     """`session` is not a connection the tracker can run in."""
 

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import IndexOutOfRange, MalformedItemId
-from .ids import GROUP_BITS_MAX, GroupMask, parse_ack
+from .ids import GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, GroupMask, parse_ack
 
 OUT_OF_RANGE = f"index out of range: no group holds more than {GROUP_BITS_MAX} items"
+__all__ = ["GROUPS_PER_FOLD_MAX", "OUT_OF_RANGE", "EntryFolder", "Folded", "fold_messages"]
 
 # An index as it is written in an item id (canonical decimal) -> (byte, bit, index) in a group's
 # mask: one dict lookup instead of a digit check, an int() and two shifts per single-id message
@@ -69,26 +70,71 @@ class Folded:
     last: dict[int, int] = field(default_factory=dict)  # partition -> last offset in the poll
     messages: int = 0
     errors: list[Any] = field(default_factory=list)  # KafkaErrors the poll returned instead of messages
+    rest: list[Any] = field(default_factory=list)  # messages left for the next fold (the bound was reached)
 
 
-def fold_messages(messages: list[Any]) -> Folded:
-    """Fold ack messages into masks, tolerating bad entries (kept in `.bad` with their reason)."""
+def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX) -> Folded:
+    """Fold ack messages into masks, tolerating bad entries (kept in `.bad` with their reason).
+
+    Bounded whatever the messages name: masks are 1 KiB a group, and a fold stops before the
+    message that could take it past `max_groups` groups, leaving it and those after it in `.rest`
+    for the next fold (fold, apply and commit, then fold the rest). A message that alone names
+    more than `max_groups` groups is set aside whole as too large."""
     out = Folded()
     folder = EntryFolder()
-    out.masks = folder.masks
+    out.masks = masks = folder.masks
     bad, first, last, add = out.bad, out.first, out.last, folder.add
-    # Fast path, most messages: one item id of a group already seen in this poll. Works on the
+    # Fast path, most messages: one item id of a group already seen in this fold. Works on the
     # raw bytes; anything else takes the validating path.
     by_head: dict[bytes, GroupMask] = {}
     index_bits = _INDEX_BITS
     count = 0
     # A poll returns runs of messages from one partition: offsets are read at run boundaries.
     current, previous = -1, None  # -1: no partition yet (a consumed message always has one)
-    for msg in messages:
+    for position, msg in enumerate(messages):
         err = msg.error()
         if err is not None:
             out.errors.append(err)
             continue
+        value = msg.value()
+        if value is not None:
+            head, _, tail = value.rpartition(b":")
+            mask = by_head.get(head)
+            if mask is not None:
+                bit = index_bits.get(tail)
+                if bit is not None:
+                    partition = msg.partition()
+                    if partition != current:
+                        if previous is not None:
+                            last[current] = previous.offset()
+                        current = partition
+                        if partition not in first:
+                            first[partition] = msg.offset()
+                    previous = msg
+                    count += 1
+                    mask.bits[bit[0]] |= bit[1]  # masks are created full size (1 KiB)
+                    mask.count += 1
+                    if bit[2] > mask.max_index:
+                        mask.max_index = bit[2]
+                    continue
+        # The validating path: decode, split, check the bound, then fold entry by entry.
+        entries: list[str] = []
+        reason = None
+        try:
+            entries = value.decode("ascii").split(",")
+        except (AttributeError, UnicodeDecodeError):
+            reason = "malformed: value is empty or not ASCII"
+        else:
+            # Each entry names at most one new group: stop before this message could take the
+            # fold past its bound (never at the first message: it always fits).
+            new = len(entries)
+            if new > max_groups:
+                new = len({e.rpartition(":")[0] for e in entries})
+            if new > max_groups:
+                reason = f"too large: names more than {max_groups} groups; split it"
+            elif masks and len(masks) + new > max_groups:
+                out.rest = messages[position:]
+                break
         partition = msg.partition()
         assert partition is not None
         if partition != current:
@@ -99,31 +145,16 @@ def fold_messages(messages: list[Any]) -> Folded:
                 first[partition] = msg.offset()
         previous = msg
         count += 1
-        value = msg.value()
-        if value is not None:
-            head, _, tail = value.rpartition(b":")
-            mask = by_head.get(head)
-            if mask is not None:
-                bit = index_bits.get(tail)
-                if bit is not None:
-                    mask.bits[bit[0]] |= bit[1]  # masks are created full size (1 KiB)
-                    mask.count += 1
-                    if bit[2] > mask.max_index:
-                        mask.max_index = bit[2]
-                    continue
-        try:
-            text = value.decode("ascii")
-        except (AttributeError, UnicodeDecodeError):
-            bad.append((msg.key(), value, "malformed: value is empty or not ASCII", partition, msg.offset()))
+        if reason is not None:
+            bad.append((msg.key(), value, reason, partition, msg.offset()))
             continue
-        entries = text.split(",")
         for entry in entries:
             reason = add(entry)
             if reason is not None:
                 bad.append((msg.key(), entry.encode(), reason, partition, msg.offset()))
-        if len(entries) == 1 and reason is None and "-" not in text:
-            parsed = parse_ack(text)
-            by_head[value.rpartition(b":")[0]] = folder.masks[(parsed.batch_id, parsed.group_id)]
+        if len(entries) == 1 and reason is None and "-" not in entries[0]:
+            parsed = parse_ack(entries[0])
+            by_head[value.rpartition(b":")[0]] = masks[(parsed.batch_id, parsed.group_id)]
     if previous is not None:
         last[current] = previous.offset()
     out.messages = count

@@ -14,10 +14,19 @@ from itertools import repeat
 from operator import add
 from typing import NamedTuple
 
-from .errors import IndexOutOfRange, MalformedItemId
+from .errors import IndexOutOfRange, MalformedItemId, TooManyGroups
 
 GROUP_BITS_MAX = 8192  # a group's bitfield stays <= 1 KiB so it is never TOASTed
 ID_MAX = (1 << 63) - 1  # batch and group ids are Postgres bigints
+# What one fold may allocate for masks, whatever the ids name: 16 MiB, at least 16,384 whole groups
+# (134 million items). A mask grows only to its highest index, so small groups cost bytes, not
+# kilobytes; a call past the limit is refused (TooManyGroups) before the masks past it exist.
+MASK_BYTES_MAX = 16 << 20
+# Whole groups (1 KiB masks) that fit in MASK_BYTES_MAX: what the acker and Spark hold in one round.
+GROUPS_PER_FOLD_MAX = MASK_BYTES_MAX // (GROUP_BITS_MAX >> 3)
+# The bulk path lays one flag byte per possible bit of every group named end to end (8 KiB a
+# group); past this many groups it gives way to the per-entry fold, which grows masks by need.
+_PLAIN_GROUPS_MAX = 128
 
 
 class ItemId(NamedTuple):
@@ -108,7 +117,7 @@ def _as_text(value: str | bytes) -> str:
     return value
 
 
-@dataclass
+@dataclass(slots=True)  # no per-instance dict: a fold may hold many thousands
 class GroupMask:
     """Indexes of one group folded into a bitfield, laid out as Postgres lays out a bit string:
     index i is bit (7 - i % 8) of byte i // 8, i.e. counted from the left."""
@@ -175,14 +184,17 @@ class GroupMask:
                         yield i
 
 
-def fold(acks: Iterable[str | bytes]) -> dict[tuple[int, int], GroupMask]:
+def fold(acks: Iterable[str | bytes], *, max_mask_bytes: int = MASK_BYTES_MAX) -> dict[tuple[int, int], GroupMask]:
     """Fold item ids and runs into one mask per (batch, group). Raises MalformedItemId on the first
-    malformed entry, before anything could be applied."""
+    malformed entry, before anything could be applied, and TooManyGroups if the masks would take
+    more than `max_mask_bytes`: memory is the ids' own size plus at most that, whatever they name."""
     acks = acks if isinstance(acks, list) else list(acks)
     if not acks:
         return {}
     masks = _fold_plain_ids(acks)
-    return masks if masks is not None else _fold_each(acks)
+    if masks is not None and sum(len(m.bits) for m in masks.values()) <= max_mask_bytes:
+        return masks
+    return _fold_each(acks, max_mask_bytes)  # also the one that names the entry past the limit
 
 
 _TO_DIGITS = bytes([48, 49]) + bytes(254)  # flag bytes 0/1 -> b'0'/b'1', for int(..., 2)
@@ -218,8 +230,12 @@ def _fold_plain_ids(acks: list) -> dict[tuple[int, int], GroupMask] | None:
         indexes = tokens[2::3]
         single_batch = None
     del text, tokens
+    groups = dict.fromkeys(keys)
+    if len(groups) > _PLAIN_GROUPS_MAX:
+        return None  # many groups: the per-entry fold sizes each mask by its highest index
     # One flag byte per possible bit of every group named, the groups laid end to end.
-    offsets = {key: k * GROUP_BITS_MAX for k, key in enumerate(dict.fromkeys(keys))}
+    offsets = {key: k * GROUP_BITS_MAX for k, key in enumerate(groups)}
+    del groups
     flags = bytearray(len(offsets) * GROUP_BITS_MAX)
     try:
         positions = map(add, map(offsets.__getitem__, keys), map(_INDEX_OF.__getitem__, indexes))
@@ -258,10 +274,12 @@ def _fold_plain_ids(acks: list) -> dict[tuple[int, int], GroupMask] | None:
     return masks
 
 
-def _fold_each(acks: Iterable[str | bytes]) -> dict[tuple[int, int], GroupMask]:
-    """One entry at a time: runs, bytes, anything; raises on the first malformed entry."""
+def _fold_each(acks: Iterable[str | bytes], max_mask_bytes: int = MASK_BYTES_MAX) -> dict[tuple[int, int], GroupMask]:
+    """One entry at a time: runs, bytes, anything; raises on the first malformed entry, and on the
+    first entry whose mask would take the masks past `max_mask_bytes`."""
     masks: dict[tuple[int, int], GroupMask] = {}
     prefixes: dict[str, tuple[int, int]] = {}
+    allocated = 0
     for ack in acks:
         text = ack if type(ack) is str else _as_text(ack)
         head, sep, tail = text.rpartition(":")
@@ -277,6 +295,12 @@ def _fold_each(acks: Iterable[str | bytes]) -> dict[tuple[int, int], GroupMask]:
             run = parse_ack(text)
             start, end = run.start, run.end
         mask = masks.get(key)
+        have = 0 if mask is None else len(mask.bits)
+        need = (end >> 3) + 1
+        if need > have:  # checked before the mask grows
+            allocated += need - have
+            if allocated > max_mask_bytes:
+                raise TooManyGroups("item_ids", ack, max_mask_bytes)
         if mask is None:
             mask = masks[key] = GroupMask(key[0], key[1], bytearray())
         mask.add(start, end)

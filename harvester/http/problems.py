@@ -16,6 +16,7 @@ from tracker.errors import (
     BatchNotOpen,
     IndexOutOfRange,
     MalformedItemId,
+    TooManyGroups,
     TrackerError,
     UnknownBatch,
     UnknownGroup,
@@ -74,6 +75,10 @@ def from_tracker(exc: TrackerError, *, batch_in_path: bool) -> Problem:
     """The problem for a tracker error; `batch_in_path`: the batch was named by the URL, not the body."""
     if isinstance(exc, MalformedItemId):
         return Problem("malformed-item-id", str(exc), item_id=_text(exc.item_id), field="ids")
+    if isinstance(exc, TooManyGroups):
+        return Problem(
+            "payload-too-large", str(exc), item_id=_text(exc.item_id), field="body.ids", limit=exc.limit_bytes
+        )
     if isinstance(exc, IndexOutOfRange):
         return Problem("index-out-of-range", str(exc), item_id=exc.item_id, field="ids")
     if isinstance(exc, UnknownGroup):

@@ -27,11 +27,12 @@ from tracker.errors import (
     BatchNotOpen,
     IndexOutOfRange,
     MalformedItemId,
+    TooManyGroups,
     TrackerError,
     UnknownBatch,
     UnknownGroup,
 )
-from tracker.ids import GROUP_BITS_MAX
+from tracker.ids import GROUP_BITS_MAX, MASK_BYTES_MAX
 from tracker.schema import check_identifier
 
 T = TypeVar("T")
@@ -103,6 +104,8 @@ def _tracker_error(exc: psycopg.Error) -> TrackerError | None:
         return BatchNotOpen(batch_id, state.group(1) if state else "not open")
     if code == "RT006":
         return BatchExpired(batch_id, item_id)
+    if code == "RT008":
+        return TooManyGroups("item_ids", detail, MASK_BYTES_MAX)
     return None
 
 

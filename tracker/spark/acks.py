@@ -2,9 +2,10 @@
 
 Each partition folds its ids into one mask per group (mapInArrow, vectorised for plain ids), the
 masks of a group are OR-ed across partitions (reduceByKey, partitioned by batch id), and each
-resulting partition applies its masks in one transaction through `tracker.acks.apply_masks`,
-exactly as the acker does. Applying is idempotent, so a retried or speculative task clears
-nothing twice.
+resulting partition applies its masks through `tracker.acks.apply_masks`, exactly as the acker
+does: in one transaction per at most 16,384 groups. Both steps hold at most that many groups'
+masks (1 KiB each) at once, whatever the ids name. Applying is idempotent, so a retried or
+speculative task clears nothing twice.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import psycopg
 
 from ..config import schema_of
-from ..ids import GROUP_BITS_MAX, GroupMask
+from ..ids import GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, GroupMask
 
 
 def _max_index(bits: bytes) -> int:
@@ -110,7 +111,21 @@ def _fold_single_ids(heads: Any, indexes: Any) -> list[tuple[int, int, bytes, in
     return out
 
 
-def _fold_partition(column: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
+_FOLD_SCHEMA = (
+    ("batch_id", "int64"),
+    ("group_id", "int64"),
+    ("mask", "binary"),
+    ("folded", "int64"),
+    ("bad", "string"),
+    ("reason", "string"),
+)
+
+
+def _fold_partition(column: str, max_groups: int = GROUPS_PER_FOLD_MAX) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """The fold of one partition's Arrow batches. Its memory is bounded whatever the ids name: once
+    the masks held reach `max_groups` groups (1 KiB each) they are emitted and the fold starts
+    afresh; the groups' masks from several emissions are OR-ed by the reduce that follows."""
+
     def fold(batches: Iterator[Any]) -> Iterator[Any]:
         import numpy as np
         import pyarrow as pa
@@ -119,11 +134,34 @@ def _fold_partition(column: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
         from ..folding import EntryFolder
 
         folder = EntryFolder()
-        add = folder.add
         heads: list[Any] = []
         indexes: list[Any] = []
+        plain_groups: set[Any] = set()  # the plain ids' '<batch>:<group>' heads held
         bad: list[str] = []
         reasons: list[str] = []
+        schema = pa.schema([(name, getattr(pa, kind)()) for name, kind in _FOLD_SCHEMA])
+
+        def emit() -> Any:
+            nonlocal folder, heads, indexes, plain_groups, bad, reasons
+            folded = [(m.batch_id, m.group_id, bytes(m.bits), m.count) for m in folder.masks.values()]
+            if heads:
+                folded += _fold_single_ids(pa.concat_arrays(heads), np.concatenate(indexes))
+            out = pa.RecordBatch.from_pydict(
+                {
+                    "batch_id": [f[0] for f in folded] + [None] * len(bad),
+                    "group_id": [f[1] for f in folded] + [None] * len(bad),
+                    "mask": [f[2] for f in folded] + [None] * len(bad),
+                    "folded": [f[3] for f in folded] + [None] * len(bad),
+                    "bad": [None] * len(folded) + bad,
+                    "reason": [None] * len(folded) + reasons,
+                },
+                schema=schema,
+            )
+            folder, heads, indexes, plain_groups, bad, reasons = EntryFolder(), [], [], set(), [], []
+            return out
+
+        def held() -> int:
+            return len(folder.masks) + len(plain_groups)
 
         def take_plain(values: Any) -> Any:
             """File the plain ids in range for the vectorised fold; return the other values."""
@@ -132,64 +170,57 @@ def _fold_partition(column: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
                 return values
             heads.append(head)
             indexes.append(index.to_numpy())
+            plain_groups.update(pc.unique(head).to_pylist())
             return values.filter(pc.invert(plain))
 
-        def fold_entry(entry: str) -> None:
-            reason = add(entry)
+        def checked(entry: str, reason: str | None = None) -> None:
+            if reason is None:
+                reason = folder.add(entry)
             if reason is not None:
                 bad.append(entry)
                 reasons.append(reason)
 
+        # Slices of at most max_groups values or entries: a slice adds at most that many groups, so
+        # the fold never holds more than twice the bound (a batch of 10,000 rows is one slice).
         for b in batches:
-            # Plain ids in range take the vectorised path; runs, lists, nulls and bad ones the checked one.
-            values = take_plain(b.column(column))
-            listed, entries = _listed_entries(values)
-            if entries is not None:
-                values = values.filter(pc.invert(listed))
-                for entry in take_plain(entries).to_pylist():  # runs, empty and out-of-range entries: ASCII only
-                    fold_entry(entry.decode("ascii") if isinstance(entry, bytes) else entry)
-            for value in values.to_pylist():
-                if value is None:
-                    bad.append("")
-                    reasons.append("malformed: null")
-                    continue
-                if isinstance(value, bytes):  # a binary column (e.g. a Kafka value)
-                    value = value.decode("ascii", "replace")
-                if not value.isascii():
-                    bad.append(value)
-                    reasons.append("malformed: not ASCII")
-                    continue
-                for entry in value.split(","):
-                    fold_entry(entry)
-        folded = [(m.batch_id, m.group_id, bytes(m.bits), m.count) for m in folder.masks.values()]
-        if heads:
-            folded += _fold_single_ids(pa.concat_arrays(heads), np.concatenate(indexes))
-        yield pa.RecordBatch.from_pydict(
-            {
-                "batch_id": [f[0] for f in folded] + [None] * len(bad),
-                "group_id": [f[1] for f in folded] + [None] * len(bad),
-                "mask": [f[2] for f in folded] + [None] * len(bad),
-                "folded": [f[3] for f in folded] + [None] * len(bad),
-                "bad": [None] * len(folded) + bad,
-                "reason": [None] * len(folded) + reasons,
-            },
-            schema=pa.schema(
-                [
-                    ("batch_id", pa.int64()),
-                    ("group_id", pa.int64()),
-                    ("mask", pa.binary()),
-                    ("folded", pa.int64()),
-                    ("bad", pa.string()),
-                    ("reason", pa.string()),
-                ]
-            ),
-        )
+            col = b.column(column)
+            for first in range(0, len(col), max_groups):
+                # Plain ids in range take the vectorised path; runs, lists, nulls and bad ones the checked one.
+                values = take_plain(col.slice(first, max_groups))
+                if held() >= max_groups:
+                    yield emit()
+                listed, entries = _listed_entries(values)
+                if entries is not None:
+                    values = values.filter(pc.invert(listed))
+                    for at in range(0, len(entries), max_groups):
+                        # runs, empty and out-of-range entries: ASCII only
+                        for entry in take_plain(entries.slice(at, max_groups)).to_pylist():
+                            checked(entry.decode("ascii") if isinstance(entry, bytes) else entry)
+                        if held() >= max_groups:
+                            yield emit()
+                for value in values.to_pylist():
+                    if value is None:
+                        checked("", "malformed: null")
+                        continue
+                    if isinstance(value, bytes):  # a binary column (e.g. a Kafka value)
+                        value = value.decode("ascii", "replace")
+                    if not value.isascii():
+                        checked(value, "malformed: not ASCII")
+                        continue
+                    for entry in value.split(","):
+                        checked(entry)
+                        if held() >= max_groups:
+                            yield emit()
+        yield emit()
 
     return fold
 
 
 def _apply_partition(
-    dsn: str, schema: str, after_apply: Callable[[int, int], None] | None = None
+    dsn: str,
+    schema: str,
+    after_apply: Callable[[int, int], None] | None = None,
+    max_groups: int = GROUPS_PER_FOLD_MAX,
 ) -> Callable[[Iterator[Any]], Iterator[dict]]:
     def apply(items: Iterator[Any]) -> Iterator[dict]:
         from pyspark import TaskContext
@@ -198,21 +229,40 @@ def _apply_partition(
 
         masks: dict[tuple[int, int], GroupMask] = {}
         rejected: list[tuple[str, str]] = []
-        for key, value in items:
-            if key[0] < 0:
-                rejected.append(value)
-                continue
-            bits, count = value
-            masks[key] = GroupMask(key[0], key[1], bytearray(bits), _max_index(bits), count)
-        result = {"acked": 0, "duplicates": 0, "completed": [], "rejected": rejected}
-        if masks:
-            with psycopg.connect(dsn, autocommit=True, application_name="tracker.spark ack") as conn:
-                r = apply_masks(conn, masks, schema=schema, reject_invalid=True)  # one transaction
-            if after_apply is not None:
-                ctx = TaskContext.get()
-                assert ctx is not None  # inside a Spark task
-                after_apply(ctx.partitionId(), ctx.attemptNumber())
-            result.update(acked=r.acked, duplicates=r.duplicates, completed=r.completed, rejected=rejected + r.rejected)
+        result: dict[str, Any] = {"acked": 0, "duplicates": 0, "completed": [], "rejected": rejected}
+        conn: psycopg.Connection | None = None
+
+        def apply_held() -> None:
+            # One transaction per at most max_groups masks, so a partition's memory stays bounded
+            # however many groups it was given (applying is idempotent: a retried task is harmless).
+            nonlocal conn, masks
+            if conn is None:
+                conn = psycopg.connect(dsn, autocommit=True, application_name="tracker.spark ack")
+            r = apply_masks(conn, masks, schema=schema, reject_invalid=True)
+            masks = {}
+            result["acked"] += r.acked
+            result["duplicates"] += r.duplicates
+            result["completed"] += r.completed
+            rejected.extend(r.rejected)
+
+        try:
+            for key, value in items:
+                if key[0] < 0:
+                    rejected.append(value)
+                    continue
+                bits, count = value
+                masks[key] = GroupMask(key[0], key[1], bytearray(bits), _max_index(bits), count)
+                if len(masks) >= max_groups:
+                    apply_held()
+            if masks:
+                apply_held()
+        finally:
+            if conn is not None:
+                conn.close()
+        if conn is not None and after_apply is not None:
+            ctx = TaskContext.get()
+            assert ctx is not None  # inside a Spark task
+            after_apply(ctx.partitionId(), ctx.attemptNumber())
         yield result
 
     return apply
@@ -246,9 +296,9 @@ def ack_dataframe(
 
     Bad entries (malformed, unknown batch/group, out of range, expired) are not applied and come
     back in `.rejected`; everything valid is applied. Idempotent: running it twice acks nothing new.
-    `partitions`: tasks that apply masks (default: the default parallelism), each in one transaction.
-    `after_apply(partition, attempt)` runs on the executor after a partition's transaction
-    (instrumentation, failure tests).
+    `partitions`: tasks that apply masks (default: the default parallelism), each in one transaction
+    per at most 16,384 groups. `after_apply(partition, attempt)` runs on the executor after a
+    partition's last transaction (instrumentation, failure tests).
 
     The database is exact whatever the attempts do; the totals are those of the attempts Spark
     kept: when a task is retried after its transaction committed (lost executor, speculation),
