@@ -9,16 +9,19 @@ must add items atomically with its own writes uses the SQL functions instead (RE
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Annotated, TypeVar
 
 import structlog
+from annotated_types import Ge, Le
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BeforeValidator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
@@ -28,15 +31,29 @@ from tracker.errors import TrackerError
 
 from . import models, problems
 from .completion import CompletionWatcher
+from .guard import Guard, send_problem
+from .health import Readiness
 from .observe import Observe, metrics
 from .problems import Problem
-from .security import BodyLimit, RateLimiter, Receive, Scope, Send, TokenAuth, headers_of, state_of
+from .security import BodyLimit, RateLimiter, Scope, Send, TokenAuth
 from .store import SqlFunctionStore, Store, StoreUnavailable, TrackerStore
+from .strict_json import StrictJSONRoute
 
 T = TypeVar("T")
 API_VERSION = "1.0.0"
 ID_MAX = (1 << 63) - 1
-BatchId = Annotated[int, Path(ge=0, le=ID_MAX, description="batch id")]
+
+
+def _canonical_decimal(value: object) -> object:
+    # Path parameters arrive as text: only '0' or digits without a leading zero name a batch (no
+    # sign, spaces, fraction, '_' separators or non-ASCII digits, which int() would take).
+    if isinstance(value, str) and not _CANONICAL.fullmatch(value):
+        raise ValueError("a batch id is written as a plain decimal: digits, no sign, spaces or leading zeros")
+    return value
+
+
+_CANONICAL = re.compile(r"0|[1-9][0-9]{0,18}")
+BatchId = Annotated[int, Path(description="batch id"), Ge(0), Le(ID_MAX), BeforeValidator(_canonical_decimal)]
 _bearer = HTTPBearer(auto_error=False, description="a token from http.tokens / http.tokens_file")
 _ERRORS = {  # documented responses of every /v1 route (besides its own)
     400: "invalid-request, malformed-item-id",
@@ -55,67 +72,6 @@ def _responses(*extra: int) -> dict:
         c: {"model": models.ProblemDoc, "description": d, "content": {problems.MEDIA_TYPE: {}}}
         for c, d in sorted(codes.items())
     }
-
-
-async def send_problem(scope: Scope, receive: Receive, send: Send, problem: Problem) -> None:
-    state_of(scope)["problem"] = problem.slug
-    await problems.response(problem, str(scope.get("path", "")))(scope, receive, send)
-
-
-class Guard:
-    """/v1: a valid bearer token, within its rate; POST bodies must be JSON."""
-
-    def __init__(self, app: Callable, auth: TokenAuth, limiter: RateLimiter, open_paths: set[str]) -> None:
-        self.app, self.auth, self.limiter, self.open_paths = app, auth, limiter, open_paths
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = str(scope.get("path", ""))
-        if scope["type"] != "http" or not path.startswith("/v1/") or path in self.open_paths:
-            await self.app(scope, receive, send)
-            return
-        headers = dict(headers_of(scope))
-        raw = headers.get(b"authorization")
-        token = self.auth.identify(raw.decode("latin-1") if raw is not None else None)
-        if token is None:
-            why = "no Authorization: Bearer header" if raw is None else "the bearer token is not valid"
-            await send_problem(
-                scope,
-                receive,
-                send,
-                Problem("unauthorized", why, headers={"WWW-Authenticate": 'Bearer realm="reaper"'}),
-            )
-            return
-        state_of(scope)["token"] = token
-        wait = self.limiter.take(token)
-        if wait > 0:
-            await send_problem(
-                scope,
-                receive,
-                send,
-                Problem(
-                    "rate-limited",
-                    f"token {token} is over its rate limit; retry after {wait:.3f} s",
-                    headers={"Retry-After": str(max(1, int(wait + 0.999)))},
-                    retry_after=round(wait, 3),
-                ),
-            )
-            return
-        if scope.get("method") == "POST":
-            ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-            has_body = headers.get(b"content-length", b"0") not in (b"0", b"") or b"transfer-encoding" in headers
-            if has_body and ctype != b"application/json":
-                await send_problem(
-                    scope,
-                    receive,
-                    send,
-                    Problem(
-                        "unsupported-media-type",
-                        f"Content-Type {ctype.decode('latin-1') or '(none)'!r}: send application/json",
-                        field="Content-Type",
-                    ),
-                )
-                return
-        await self.app(scope, receive, send)
 
 
 class Service(Observe):
@@ -178,6 +134,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         "`{group_id, start, upto}` into ids `<batch>:<group>:<index>`), close it, ack ids, "
         "and learn of completion by long-poll. Errors are RFC 9457 problem documents.",
     )
+    app.router.route_class = StrictJSONRoute  # before the routes: every body is read strictly
     app.state.draining = False
     app.state.watcher = watcher
 
@@ -211,6 +168,8 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
+        if isinstance(exc, problems.ProblemException):
+            return _problem(request, exc.problem)
         slug = {404: "not-found", 405: "method-not-allowed", 413: "payload-too-large"}.get(
             exc.status_code, "invalid-request"
         )
@@ -423,13 +382,13 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     async def healthz() -> Response:
         return PlainTextResponse("ok\n")
 
+    readiness = Readiness(store.ping, ttl=1.0)
+
     @app.get("/readyz", include_in_schema=False)
     async def readyz() -> Response:
         if app.state.draining:
             return PlainTextResponse("draining\n", status_code=503)
-        try:
-            await store.ping()
-        except (TimeoutError, StoreUnavailable, OSError):
+        if not await readiness.check():  # the database is asked at most once a second, whoever asks
             return PlainTextResponse("database unavailable\n", status_code=503)
         return PlainTextResponse("ok\n")
 

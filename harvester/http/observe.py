@@ -51,6 +51,15 @@ def route_of(scope: Scope) -> str:
     return path if isinstance(path, str) else "unmatched"
 
 
+# Label values come from a closed set: an invented method must not create a series.
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def method_of(scope: Scope) -> str:
+    method = scope.get("method")
+    return method if isinstance(method, str) and method in _METHODS else "other"
+
+
 class Observe:
     """Request id, latency and status of every request: one metric update and one access-log event."""
 
@@ -87,7 +96,7 @@ class Observe:
         finally:
             self.m.in_flight.dec()
             elapsed = time.perf_counter() - started
-            route, method = route_of(scope), str(scope.get("method", ""))
+            route, method = route_of(scope), method_of(scope)
             self.m.requests.labels(method, route, str(status)).inc()
             self.m.duration.labels(method, route).observe(elapsed)
             problem = state.get("problem")

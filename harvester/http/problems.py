@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
 from tracker.errors import (
@@ -58,15 +59,30 @@ class Problem(Exception):
         self.extensions = {k: v for k, v in extensions.items() if v is not None}
 
 
+class ProblemException(StarletteHTTPException):
+    """A problem raised where only an HTTPException passes through as it is (FastAPI's body parsing)."""
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem.status, problem.detail)
+        self.problem = problem
+
+
+def _utf8(value: object) -> object:
+    """Text a UTF-8 response can carry: an unpaired surrogate in what a caller sent is escaped."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
+
+
 def response(problem: Problem, instance: str) -> JSONResponse:
     status, title = TYPES[problem.slug]
     body = {
         "type": TYPE_BASE + problem.slug,
         "title": title,
         "status": status,
-        "detail": problem.detail,
-        "instance": instance,
-        **problem.extensions,
+        "detail": _utf8(problem.detail),
+        "instance": _utf8(instance),
+        **{k: _utf8(v) for k, v in problem.extensions.items()},
     }
     return JSONResponse(body, status_code=status, media_type=MEDIA_TYPE, headers=problem.headers)
 

@@ -1,0 +1,93 @@
+"""Request bodies read one way only: JSON that two parsers could read differently is refused.
+
+A body must be UTF-8 (RFC 8259), may not name a key twice in one object (which one wins differs
+between parsers), and no string in it may hold a NUL or an unpaired surrogate (neither can be
+stored in Postgres text nor written back in a UTF-8 response). The error names the field as a
+path (`body.ids[3]`), never echoes the bad text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+
+from .problems import Problem, ProblemException
+
+# A NUL, or a UTF-16 surrogate left alone by a "\ud800" escape (a valid pair decodes to one character).
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+class UnreadableBody(ValueError):
+    def __init__(self, field: str, reason: str) -> None:
+        field = field if len(field) <= 200 else field[:200] + "..."
+        self.field, self.reason = field, reason
+        super().__init__(f"{field}: {reason}")
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise UnreadableBody("body", f"the key {json.dumps(key)} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def loads(body: bytes) -> object:
+    """The body's JSON value; raises UnreadableBody, or json.JSONDecodeError for text that is not JSON."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnreadableBody("body", f"the body is not valid UTF-8 (byte {exc.start})") from None
+    value = json.loads(text, object_pairs_hook=_no_duplicates)
+    _check_strings(value)
+    return value
+
+
+def _check_strings(value: object) -> None:
+    # Iterative: json.loads bounds the nesting already, this adds no recursion of its own.
+    stack: list[tuple[str, object]] = [("body", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            bad = _UNSTORABLE.search(item)
+            if bad is not None:
+                what = "a NUL character" if bad.group() == "\x00" else "an unpaired UTF-16 surrogate"
+                raise UnreadableBody(path, f"the text holds {what} at position {bad.start()}")
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if _UNSTORABLE.search(key) is not None:
+                    raise UnreadableBody(path, "a key holds a NUL character or an unpaired surrogate")
+                stack.append((f"{path}.{key}", child))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", child) for i, child in enumerate(item))
+
+
+class StrictRequest(Request):
+    """A request whose `json()` is `loads` above: FastAPI reads every body through it."""
+
+    async def json(self) -> object:
+        if not hasattr(self, "_json"):
+            try:
+                self._json = loads(await self.body())
+            except UnreadableBody as exc:
+                # an HTTPException: FastAPI's body reading passes it on as it is
+                raise ProblemException(Problem("invalid-request", str(exc), field=exc.field)) from None
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    """The app's route class: its handlers get a StrictRequest."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(StrictRequest(request.scope, request.receive))
+
+        return strict

@@ -1,0 +1,190 @@
+"""The HTTP service read as a hostile client would, through a real server on both backends.
+
+The rules: text in a body is valid UTF-8 without NUL, and a body names each key once, or it is
+refused (400, naming the field); a batch id in a path is a plain decimal or refused, and nothing is
+done; one Authorization header; a request framed by both Content-Length and Transfer-Encoding is
+refused and its connection closed, so nothing hidden behind it runs; metric labels come from a
+closed set; /readyz asks the database at most once a second whoever calls it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import httpx
+import pytest
+from support.http_server import TOKEN, RunningServer, http_config
+
+from harvester.http.health import Readiness
+from harvester.http.store import StoreUnavailable
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(params=["tracker", "sql"])
+def server(request, pg_dsn, schema):
+    with RunningServer(http_config(pg_dsn, schema, backend=request.param), [TOKEN]) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+def _problem(r: httpx.Response, status: int, slug: str) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/problem+json")
+    doc = r.json()
+    assert doc["type"].endswith(":" + slug), doc
+    assert "Traceback" not in r.text and "SELECT" not in r.text
+    return doc
+
+
+def _open(client) -> int:
+    return client.post("/v1/batches", json={}).json()["batch_id"]
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        (b'{"ids": ["1:0:0", "1:0:\\ud800"]}', "body.ids[1]"),  # an unpaired surrogate
+        (b'{"ids": ["1:0:\\udc00x"]}', "body.ids[0]"),
+        (b'{"ids": ["1:0:0\\u0000"]}', "body.ids[0]"),  # a NUL
+        (b'{"ids": ["1:0:0"], "ids": ["2:0:0"]}', "body"),  # a key twice: which one wins?
+        (b'{"ids": ["1:0:\xff"]}', "body"),  # not UTF-8
+    ],
+)
+def test_text_that_cannot_be_read_one_way_is_refused_with_a_400(client, body, field):
+    r = client.post("/v1/acks", content=body, headers={"Content-Type": "application/json"})
+    doc = _problem(r, 400, "invalid-request")
+    assert doc["field"] == field
+
+
+def test_a_user_key_with_a_surrogate_or_nul_is_refused_and_no_batch_is_opened(client, pg_dsn, schema):
+    import psycopg
+
+    for body in (b'{"user_key": "a\\ud83d"}', b'{"user_key": "a\\u0000"}', b'{"completion_topic": "\\udfff"}'):
+        r = client.post("/v1/batches", content=body, headers={"Content-Type": "application/json"})
+        _problem(r, 400, "invalid-request")
+    with psycopg.connect(pg_dsn) as c:
+        assert c.execute(f'SELECT count(*) FROM "{schema}".batch').fetchone() == (0,)
+    # a valid pair is one character, and fine
+    r = client.post(
+        "/v1/batches", content=b'{"user_key": "\\ud83d\\ude00"}', headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 201 and r.json()["user_key"] == "\U0001f600"
+
+
+@pytest.mark.parametrize("spelled", ["+{id}", "-0", " {id}", "{id} ", "{id}.0", "0{id}", "1_{id}", "\u0661", "{id}e0"])
+def test_a_batch_id_that_is_not_a_plain_decimal_names_no_batch(client, spelled):
+    batch_id = _open(client)
+    path = spelled.format(id=batch_id)
+    for method, suffix in (("GET", ""), ("POST", "/close"), ("POST", "/items")):
+        r = client.request(method, f"/v1/batches/{path}{suffix}", json={"count": 3} if suffix == "/items" else None)
+        assert r.status_code == 400, (path, suffix, r.status_code, r.text)
+    status = client.get(f"/v1/batches/{batch_id}").json()
+    assert (status["state"], status["total"]) == ("open", 0)  # neither closed nor added to
+
+
+def test_two_authorization_headers_are_refused(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        r = c.post("/v1/batches", json={}, headers=[("Authorization", "Bearer nope-nope-nope-nope"), *AUTH.items()])
+        _problem(r, 400, "invalid-request")
+        r = c.post("/v1/batches", json={}, headers=[*AUTH.items(), *AUTH.items()])
+        _problem(r, 400, "invalid-request")
+
+
+def _raw_exchange(url: str, payload: bytes) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(payload)
+        chunks = []
+        while True:
+            try:
+                data = s.recv(65536)
+            except TimeoutError:
+                break
+            if not data:
+                break  # the server closed the connection
+            chunks.append(data)
+    return b"".join(chunks)
+
+
+def test_a_request_framed_two_ways_is_refused_and_what_it_hides_never_runs(server, client):
+    before = _open(client)
+    body = b'{"user_key": "outer"}'
+    smuggled = f"POST /v1/batches HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{{}}".encode()
+    chunked = f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+    request = (
+        b"POST /v1/batches HTTP/1.1\r\nHost: x\r\n"
+        + f"Authorization: Bearer {TOKEN}\r\n".encode()
+        + b"Content-Type: application/json\r\n"
+        + f"Content-Length: {len(chunked)}\r\n".encode()
+        + b"Transfer-Encoding: chunked\r\n\r\n"
+        + chunked
+        + smuggled
+    )
+    answer = _raw_exchange(server.url, request)
+    assert answer.count(b"HTTP/1.1 ") == 1, answer  # one answer, then the connection closed
+    assert answer.startswith(b"HTTP/1.1 400") and b"connection: close" in answer.lower()
+    assert _open(client) == before + 1  # neither the outer request nor the hidden one opened a batch
+
+
+def test_invented_methods_do_not_create_metric_series(server, client):
+    for method in ("FROBNICATE", "BREW", "X" * 40):
+        client.request(method, "/v1/batches")
+    metrics = httpx.get(f"{server.url}/metrics").text
+    lines = [line for line in metrics.splitlines() if "_http_requests_total{" in line]
+    assert lines and all(
+        'method="other"' in line or 'method="GET"' in line or 'method="POST"' in line for line in lines
+    )
+    assert "FROBNICATE" not in metrics and "BREW" not in metrics
+
+
+def test_readiness_asks_the_database_once_per_ttl_however_many_callers_ask():
+    calls = 0
+    now = [0.0]
+
+    async def ping() -> None:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        readiness = Readiness(ping, ttl=1.0, clock=lambda: now[0])
+        assert all(await asyncio.gather(*(readiness.check() for _ in range(200))))
+        assert calls == 1
+        now[0] = 0.5
+        assert await readiness.check() and calls == 1
+        now[0] = 1.5
+        assert await readiness.check() and calls == 2
+
+    asyncio.run(main())
+
+
+def test_readiness_reports_a_failed_ping_and_asks_again_after_the_ttl():
+    state = {"fail": True, "calls": 0}
+    now = [0.0]
+
+    async def ping() -> None:
+        state["calls"] += 1
+        if state["fail"]:
+            raise StoreUnavailable("down")
+
+    async def main() -> None:
+        readiness = Readiness(ping, ttl=1.0, clock=lambda: now[0])
+        assert not await readiness.check()
+        state["fail"] = False
+        assert not await readiness.check()  # still the known answer
+        now[0] = 2.0
+        assert await readiness.check() and state["calls"] == 2
+
+    asyncio.run(main())
+
+
+def test_readyz_through_the_server(server):
+    for _ in range(20):
+        assert httpx.get(f"{server.url}/readyz").status_code == 200
