@@ -1,7 +1,7 @@
 -- The SQL ack's cost bounded by what the caller sent. 0007's ack() expanded every run into a row
 -- per index (generate_series), so one 12-byte run cost 8,192 rows and 100,000 of them ~819 million.
 -- Here a run costs one bit string of at most 1 KiB, a single id one row, and the masks' total size
--- is checked before any is built: at most 16 MiB (tracker.ids.MASK_BYTES_MAX), else RT008 naming the
+-- is checked before any is built: at most 4 MiB (tracker.ids.MASK_BYTES_MAX), else RT008 naming the
 -- entry. Same signature, same errors otherwise, same results.
 -- Runs with search_path set to the configured schema.
 
@@ -47,20 +47,24 @@ BEGIN
         -- (ack_entry_error raises; this is only reached if the two checks ever disagree)
         RAISE EXCEPTION 'malformed item id %', quote_literal(bad) USING ERRCODE = 'RT001', DETAIL = bad;
     END IF;
-    -- What the masks will take, before any is built: a byte per 8 indexes up to each group's
-    -- highest, summed over the groups in the order they are first named (tracker.ids.MASK_BYTES_MAX,
-    -- 16 MiB: at least 16,384 whole groups). The first entry of the group that crosses it is named.
-    SELECT ids[x.first_ord] INTO bad
-    FROM (SELECT y.first_ord, sum(y.nbytes) OVER (ORDER BY y.first_ord) AS total
-          FROM (SELECT min(t.ord) AS first_ord,
-                       (max(coalesce(nullif(split_part(split_part(t.id, ':', 3), '-', 2), ''),
-                                     split_part(split_part(t.id, ':', 3), '-', 1))::integer) >> 3) + 1 AS nbytes
-                FROM unnest(ids) WITH ORDINALITY t(id, ord)
-                GROUP BY split_part(t.id, ':', 1)::bigint, split_part(t.id, ':', 2)::bigint) y) x
-    WHERE x.total > 16777216
-    ORDER BY x.first_ord LIMIT 1;
+    -- What the masks will take, before any is built, entry by entry as tracker.ids.fold counts it:
+    -- a mask grows to a byte per 8 indexes up to its group's highest so far. The entry whose growth
+    -- takes the total past 4 MiB (tracker.ids.MASK_BYTES_MAX: at least 4,096 whole groups) is named.
+    SELECT x.id INTO bad
+    FROM (SELECT y.id, y.ord, sum(y.grown) OVER (ORDER BY y.ord) AS total
+          FROM (SELECT z.id, z.ord, (z.reach >> 3) - coalesce((lag(z.reach) OVER w) >> 3, -1) AS grown
+                FROM (SELECT t.id, t.ord,
+                             max(coalesce(nullif(split_part(split_part(t.id, ':', 3), '-', 2), ''),
+                                          split_part(split_part(t.id, ':', 3), '-', 1))::integer)
+                                 OVER (PARTITION BY split_part(t.id, ':', 1)::bigint, split_part(t.id, ':', 2)::bigint
+                                       ORDER BY t.ord) AS reach,
+                             split_part(t.id, ':', 1)::bigint AS b, split_part(t.id, ':', 2)::bigint AS g
+                      FROM unnest(ids) WITH ORDINALITY t(id, ord)) z
+                WINDOW w AS (PARTITION BY z.b, z.g ORDER BY z.ord)) y) x
+    WHERE x.total > 4194304
+    ORDER BY x.ord LIMIT 1;
     IF FOUND THEN
-        RAISE EXCEPTION 'ids: the entries up to % name more groups than one call may fold (16,777,216 bytes of masks, at least 16,384 whole groups of 8192 items); split them into several calls', quote_literal(bad)
+        RAISE EXCEPTION 'ids: the entries up to % name more groups than one call may fold (4,194,304 bytes of masks, at least 4,096 whole groups of 8192 items); split them into several calls', quote_literal(bad)
             USING ERRCODE = 'RT008', DETAIL = bad;
     END IF;
     -- Masks without a row per index: single ids are OR-ed per byte (a row each); a run is built as a

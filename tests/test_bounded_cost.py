@@ -1,6 +1,6 @@
 """What an ack costs is bounded by what the caller sent, on every path, whatever the ids name.
 
-The rule: folding acks allocates at most MASK_BYTES_MAX (16 MiB) of masks, plus memory in
+The rule: folding acks allocates at most MASK_BYTES_MAX (4 MiB) of masks, plus memory in
 proportion to the ids themselves; a call past that is refused (TooManyGroups, RT008, HTTP 413)
 before the masks past the limit exist, and nothing is applied. The acker and Spark, which cannot
 refuse what they consume, fold and apply in rounds of at most GROUPS_PER_FOLD_MAX groups. Each path
@@ -26,12 +26,12 @@ from test_acker import batch_state, committed, make_acker, produce_raw, read_all
 from test_tracker_support import completion_events, invariant_violations
 
 import tracker
-from tracker.errors import TooManyGroups
+from tracker.errors import MalformedItemId, TooManyGroups
 from tracker.folding import GROUPS_PER_FOLD_MAX, fold_messages
 from tracker.ids import MASK_BYTES_MAX, _fold_each, fold
 from tracker.spark import _fold_partition
 
-# One past the limit: 16,385 groups whose masks would each take a whole KiB.
+# One past the limit: 4,097 groups whose masks would each take a whole KiB.
 OVER_LIMIT = GROUPS_PER_FOLD_MAX + 1
 
 
@@ -129,6 +129,23 @@ def test_the_python_api_refuses_the_worst_ack_and_the_transaction_is_untouched(c
     assert tracker.ack(conn, handle.item_ids, schema=schema).acked == 10
 
 
+@pytest.mark.parametrize("index", ["0", "8191", "0-8191"])
+def test_a_whole_ack_call_stays_within_its_stated_bound_on_existing_groups(conn, schema, index):
+    """The worst accepted call: every existing group of 4,096 whole ones named, at its last index.
+    What the call holds (masks, their hex, the statement's parameters) stays under 8 times the
+    masks' limit plus 48 bytes per byte of ids plus 2 MiB; masks are sent as folded and padded
+    to their group's size by the statement."""
+    batch = tracker.open_batch(conn, schema=schema)
+    handles = tracker.add_items(conn, batch, 8192 * GROUPS_PER_FOLD_MAX, schema=schema)
+    ids = [f"{batch.id}:{h.group_id}:{index}" for h in handles]
+    result, peak = _peak(lambda: tracker.ack(conn, ids, schema=schema, claims=False))
+    assert not isinstance(result, TooManyGroups)
+    assert result.acked == len(ids) * (8192 if "-" in index else 1)
+    bound = 8 * MASK_BYTES_MAX + 48 * _input_bytes(ids) + (2 << 20)
+    assert peak <= bound, f"peak {peak:,} bytes > bound {bound:,}"
+    assert invariant_violations(conn, schema) == []
+
+
 def test_the_asyncio_face_refuses_it_too(pg_dsn, schema):
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn) as aconn:
@@ -165,6 +182,37 @@ def test_the_sql_ack_refuses_the_worst_call_before_building_masks_and_folds_runs
     ).fetchone()
     assert (acked, duplicates) == (8192, 8192 * 1999)
     assert invariant_violations(conn, schema) == []
+
+
+WHOLE = [f"{10**6 + i}:0:0-8191" for i in range(GROUPS_PER_FOLD_MAX - 1)]
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        ["1:0:0", "2:0:0", *WHOLE, "1:0:8191"],  # the growth of a group named before takes it past
+        [*WHOLE, "5:5:5", "6:6:6-8191"],
+        [*WHOLE, "5:5:5", "6:6:6-8191", "not-an-id"],  # malformed entries are named first
+        [*WHOLE, "05:5:4095", "5:05:4096-8191", "7:0:0"],  # one group spelled two ways
+    ],
+    ids=["earlier-group", "last-entry", "malformed-later", "spellings"],
+)
+def test_the_sql_ack_and_the_python_fold_refuse_the_same_calls_naming_the_same_entry(conn, schema, ids):
+    try:
+        fold(ids)
+        expected = None
+    except TooManyGroups as exc:
+        expected = ("RT008", exc.item_id)
+    except MalformedItemId as exc:
+        expected = ("RT001", exc.item_id)
+    conn.execute("SAVEPOINT sql_ack")
+    try:
+        conn.execute(f'SELECT * FROM "{schema}".ack(%s)', [ids])
+        got = None
+    except psycopg.Error as exc:
+        got = (exc.sqlstate, exc.diag.message_detail)
+    conn.execute("ROLLBACK TO SAVEPOINT sql_ack")
+    assert expected is not None and got == expected
 
 
 # ---------------------------------------------------------------- HTTP, both backends
@@ -219,7 +267,6 @@ message_values = st.lists(
 @given(values=message_values, max_groups=st.integers(1, 12), partitions=st.integers(1, 3))
 def test_folds_of_a_poll_in_rounds_hold_at_most_max_groups_and_add_up_to_the_whole(values, max_groups, partitions):
     messages = [Msg(v, offset=i // partitions, partition=i % partitions) for i, v in enumerate(values)]
-    whole = fold_messages(messages, max_groups=10**9)
     got: dict = {}
     bad: list = []
     rest, rounds = messages, 0
@@ -236,13 +283,18 @@ def test_folds_of_a_poll_in_rounds_hold_at_most_max_groups_and_add_up_to_the_who
         # the offsets a round reports are exactly those of the messages it folded
         done = rest[: folded.messages]
         assert folded.last == {p: max(m.offset() for m in done if m.partition() == p) for p in folded.last}
+        assert folded.first == {p: min(m.offset() for m in done if m.partition() == p) for p in folded.first}
+        assert set(folded.first) == {m.partition() for m in done}
         rest = folded.rest
     too_large = [b for b in bad if b[2].startswith("too large")]
-    expect = {k: [int.from_bytes(m.bits, "big"), m.count] for k, m in whole.masks.items()}
-    if not too_large:
-        assert got == expect and [b[1:] for b in bad] == [b[1:] for b in whole.bad]
     for b in too_large:  # set aside whole, never half-folded
         assert len({e.rpartition(b":")[0] for e in b[1].split(b",")}) > max_groups
+    # the rounds add up to one fold of the messages that were not too large
+    kept = [m for m in messages if all(m.value() is not b[1] for b in too_large)]
+    expect_whole = fold_messages(kept, max_groups=10**9)
+    expect = {k: [int.from_bytes(m.bits, "big"), m.count] for k, m in expect_whole.masks.items()}
+    assert got == expect
+    assert [b[1:] for b in bad if not b[2].startswith("too large")] == [b[1:] for b in expect_whole.bad]
 
 
 def test_a_message_naming_more_groups_than_a_fold_holds_is_set_aside_as_too_large():
@@ -300,6 +352,130 @@ def test_the_acker_applies_a_poll_of_many_groups_in_bounded_rounds_and_rewinds_w
         assert invariant_violations(c, schema) == []
 
 
+def test_a_round_that_fails_after_earlier_rounds_committed_loses_nothing(pg_dsn, schema, kafka_bootstrap, topics):
+    """The third round of a poll fails once: the two before it stay committed, the rest of the
+    poll (on both partitions) is read again, every batch completes once, every offset is committed."""
+    from tracker.acker import Acker
+
+    class FailingThirdRound(Acker):
+        applies = 0
+
+        def _apply(self, masks):
+            FailingThirdRound.applies += 1
+            if FailingThirdRound.applies == 3:
+                raise psycopg.OperationalError("the database went away (injected)")
+            return super()._apply(masks)
+
+    topic, dlq = topics("acks", partitions=2), topics("dlq")
+    with psycopg.connect(pg_dsn) as c:
+        batches = [tracker.open_batch(c, schema=schema) for _ in range(40)]
+        handles = [h for b in batches for h in tracker.add_items(c, b, 2, schema=schema)]
+        for b in batches:
+            tracker.close_batch(c, b, schema=schema)
+        c.commit()
+    ids = [i for h in handles for i in h.item_ids]
+    produce_raw(kafka_bootstrap, topic, [(str(n % 2).encode(), i.encode()) for n, i in enumerate(ids)])
+    acker = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, max_groups=6, retry_backoff=0.2)
+    acker.__class__ = FailingThirdRound
+    with running(acker):
+        wait_for(lambda: all(batch_state(pg_dsn, schema, b.id) == ("complete", 0) for b in batches), what="batches")
+        wait_for(lambda: sum(committed(kafka_bootstrap, acker.group, topic, 2)) == 80, what="every offset")
+    assert FailingThirdRound.applies > 3 and acker.stats["retries"] == 1
+    with psycopg.connect(pg_dsn) as c:
+        assert len(completion_events(c, schema)) == 40
+        assert invariant_violations(c, schema) == []
+
+
+def test_a_failed_round_rewinds_every_partition_of_the_rest_of_the_poll():
+    """Without Kafka: a poll whose second round (partition 0 only) fails must rewind partition 1
+    too, whose messages were consumed with the poll but not yet folded."""
+    from tracker.acker import Acker
+    from tracker.acks import AckResult
+
+    class Consumer:
+        def __init__(self) -> None:
+            self.seeks: dict[int, int] = {}
+
+        def assignment(self):
+            from confluent_kafka import TopicPartition
+
+            return [TopicPartition("acks", 0), TopicPartition("acks", 1)]
+
+        def seek(self, tp) -> None:
+            self.seeks[tp.partition] = tp.offset
+
+    acker = Acker(
+        dsn="postgresql://unused",
+        schema="s",
+        bootstrap_servers="unused:1",
+        topic="acks",
+        group="g",
+        dead_letter_topic="dlq",
+        max_groups=2,
+    )
+    applied: list[set] = []
+
+    def apply(masks):
+        if len(applied) == 1:
+            applied.append(set())
+            raise psycopg.OperationalError("injected")
+        applied.append(set(masks))
+        return AckResult()
+
+    acker._apply = apply
+    acker._dead_letter = lambda producer, folded, result: 0
+    acker._commit = lambda consumer: None
+    messages = [Msg(f"1:{g}:0".encode(), offset=10 + g, partition=0) for g in range(4)]
+    messages += [Msg(f"2:{g}:0".encode(), offset=20 + g, partition=1) for g in range(3)]
+    consumer = Consumer()
+    assert acker._handle(consumer, None, messages) is False
+    assert applied[0] == {(1, 0), (1, 1)}  # the first round was applied and stays so
+    assert consumer.seeks == {0: 12, 1: 20}  # the failed round's first offset, and partition 1's
+    assert acker._uncommitted == {0: 12}
+
+
+def test_deferred_masks_count_against_the_bound_while_a_batch_stays_locked(pg_dsn, schema, kafka_bootstrap, topics):
+    """Acks for a batch another transaction holds locked are deferred; they count against the
+    fold's bound, so however many arrive, the acker holds at most about twice the bound."""
+    from tracker.acker import Acker
+
+    most = [0]
+
+    class Watched(Acker):
+        def _defer(self, result, first):
+            super()._defer(result, first)
+            most[0] = max(most[0], len(self._deferred))
+
+    topic, dlq = topics("acks"), topics("dlq")
+    with psycopg.connect(pg_dsn) as c:
+        locked = tracker.open_batch(c, schema=schema)
+        handles = [h for _ in range(30) for h in tracker.add_items(c, locked, 1, schema=schema)]
+        other = tracker.open_batch(c, schema=schema)
+        (other_handle,) = tracker.add_items(c, other, 5, schema=schema)
+        c.commit()
+    # 30 adds of one item: the first group takes them all, so name groups that do not exist too
+    ids = [f"{locked.id}:{g}:0" for g in range(1, 60)] + [i for h in handles for i in h.item_ids]
+    produce_raw(kafka_bootstrap, topic, [(b"k", i.encode()) for i in other_handle.item_ids + ids])
+    holder = psycopg.connect(pg_dsn)
+    holder.execute(f'SELECT 1 FROM "{schema}".batch WHERE id = %s FOR UPDATE', [locked.id])
+    acker = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, max_groups=8, lock_timeout=0.5)
+    acker.__class__ = Watched
+    try:
+        with running(acker):
+            wait_for(lambda: acker._paused, what="the partitions paused while the deferred masks fill a fold")
+            assert batch_state(pg_dsn, schema, other.id)[1] == 0  # acks before the bound was reached applied
+            holder.rollback()
+            wait_for(
+                lambda: not acker._deferred and committed(kafka_bootstrap, acker.group, topic, 1) == [len(ids) + 5]
+            )
+    finally:
+        holder.close()
+    assert most[0] <= 2 * 8, most
+    with psycopg.connect(pg_dsn) as c:
+        assert batch_state(pg_dsn, schema, locked.id)[1] == 0
+        assert invariant_violations(c, schema) == []
+
+
 # ---------------------------------------------------------------- Spark's fold (no JVM needed)
 
 
@@ -342,8 +518,39 @@ def test_the_ack_producer_never_packs_more_groups_into_a_message_than_the_acker_
     producer.flush()
     messages = read_all(kafka_bootstrap, topic, producer.messages_sent)
     groups = [len(m.value().split(b",")) for m in messages]
-    assert sum(groups) == 20_000 and max(groups) <= GROUPS_PER_FOLD_MAX and len(messages) == 2
-    first = fold_messages(messages)  # a full round, then the other message in the next
-    assert not first.bad and len(first.masks) == GROUPS_PER_FOLD_MAX and len(first.rest) == 1
-    second = fold_messages(first.rest)
-    assert not second.bad and not second.rest and len(second.masks) == 20_000 - GROUPS_PER_FOLD_MAX
+    assert sum(groups) == 20_000 and max(groups) <= GROUPS_PER_FOLD_MAX
+    assert len(messages) == -(-20_000 // GROUPS_PER_FOLD_MAX)
+    rest, folded_groups = messages, 0
+    while rest:  # a full round per message: none is set aside
+        folded = fold_messages(rest)
+        assert not folded.bad and len(folded.masks) <= GROUPS_PER_FOLD_MAX
+        folded_groups += len(folded.masks)
+        rest = folded.rest
+    assert folded_groups == 20_000
+
+
+def test_the_spark_apply_commits_every_max_groups_masks(pg_dsn, schema, monkeypatch):
+    """A partition given more groups than the bound applies them in several transactions, each
+    holding at most the bound's masks (no JVM needed: the partition function runs in-process)."""
+    import tracker.api
+    from tracker.spark.acks import _apply_partition
+
+    with psycopg.connect(pg_dsn) as c:
+        batches = [tracker.open_batch(c, schema=schema) for _ in range(10)]
+        handles = [h for b in batches for h in tracker.add_items(c, b, 9, schema=schema)]
+        for b in batches:
+            tracker.close_batch(c, b, schema=schema)
+        c.commit()
+    sizes: list[int] = []
+    real = tracker.api.apply_masks
+
+    def counted(conn, masks, **kw):
+        sizes.append(len(masks))
+        return real(conn, masks, **kw)
+
+    monkeypatch.setattr(tracker.api, "apply_masks", counted)
+    items = [((h.batch_id, h.group_id), (b"\xff\x80", 9)) for h in handles]
+    (totals,) = list(_apply_partition(pg_dsn, schema, max_groups=3)(iter(items)))
+    assert sizes == [3, 3, 3, 1] and totals["acked"] == 90 and sorted(totals["completed"]) == [b.id for b in batches]
+    with psycopg.connect(pg_dsn) as c:
+        assert invariant_violations(c, schema) == []

@@ -188,3 +188,38 @@ def test_readiness_reports_a_failed_ping_and_asks_again_after_the_ttl():
 def test_readyz_through_the_server(server):
     for _ in range(20):
         assert httpx.get(f"{server.url}/readyz").status_code == 200
+
+
+def test_a_large_ack_is_parsed_and_folded_off_the_event_loop(pg_dsn, schema, monkeypatch):
+    """The CPU work of a large request (JSON parsing, folding) runs in a worker thread, never on
+    the server's event loop, so one caller cannot hold up the others' requests."""
+    import threading
+
+    import harvester.http.strict_json as strict_json
+    import tracker.aio as aio
+
+    seen: dict[str, list[str]] = {"parse": [], "fold": []}
+    real_loads, real_fold = strict_json.loads, aio.fold
+
+    def loads(body):
+        seen["parse"].append(threading.current_thread().name)
+        return real_loads(body)
+
+    def fold(entries):
+        seen["fold"].append(threading.current_thread().name)
+        return real_fold(entries)
+
+    monkeypatch.setattr(strict_json, "loads", loads)
+    monkeypatch.setattr(aio, "fold", fold)
+    with (
+        RunningServer(http_config(pg_dsn, schema, backend="tracker"), [TOKEN]) as server,
+        httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as client,
+    ):
+        batch_id = _open(client)
+        (group,) = client.post(f"/v1/batches/{batch_id}/items", json={"count": 8000}).json()["groups"]
+        ids = [f"{batch_id}:{group['group_id']}:{i}" for i in range(8000)]
+        r = client.post("/v1/acks", json={"ids": ids})
+        assert r.status_code == 200 and r.json()["acked"] == 8000
+    loop_thread = server.thread.name
+    assert seen["parse"] and seen["fold"]
+    assert loop_thread not in seen["parse"][-1:] + seen["fold"][-1:], seen

@@ -5,7 +5,7 @@ Runs in every reaper (a normal consumer group, not leader-only). Each loop:
 1. `consume(num_messages=max_poll_records)`: a poll's worth of ack messages (each value is one or
    more ',' separated item ids or runs `<batch>:<group>:<start>-<end>`, see tracker.consumer);
 2. fold them into one mask per (batch, group) (tracker.folding); malformed entries are set aside.
-   A fold holds at most `max_groups` groups (1 KiB each; 16,384 by default, 16 MiB): a poll naming
+   A fold holds at most `max_groups` groups (1 KiB each; 4,096 by default, 4 MiB): a poll naming
    more is applied in several folds, each through steps 3-5, and a message that alone names more is
    dead-lettered as too large, so what anyone can write to the ack topic never costs more memory;
 3. apply every mask in one database transaction (`tracker.acks.apply_masks(reject_invalid=True,
@@ -100,6 +100,7 @@ class Acker:
         self.max_groups = max_groups
         # masks of batches that were locked elsewhere, applied with the next poll (or on their own)
         self._deferred: dict[tuple[int, int], GroupMask] = {}
+        self._paused = False  # the assigned partitions, while the deferred masks fill a fold
         # partition -> first offset not safe to commit while something is deferred
         self._blocked: dict[int, int] = {}
         self._deferred_logged = 0.0
@@ -160,6 +161,7 @@ class Acker:
             )
             log.info("acker started", topic=self.topic, group=self.group, dead_letter_topic=self.dead_letter_topic)
             while not stop.is_set():
+                self._pause_while_deferred_fill(consumer)
                 messages = consumer.consume(num_messages=self.max_poll_records, timeout=self.poll_timeout)
                 if messages:
                     if not self._handle(consumer, producer, messages):
@@ -180,11 +182,27 @@ class Acker:
                 metrics.acker_lag.set(0)
                 log.info("acker stopped", **self.stats)
 
+    def _pause_while_deferred_fill(self, consumer: Consumer) -> None:
+        """No new acks are fetched while the deferred masks fill a fold (a batch held locked for
+        long); consume() still runs, so the acker stays in its group and retries the deferred."""
+        full = len(self._deferred) >= self.max_groups
+        if full != self._paused:
+            partitions = consumer.assignment()
+            (consumer.pause if full else consumer.resume)(partitions)
+            self._paused = full
+            log.info("ack partitions paused: deferred masks fill a fold" if full else "ack partitions resumed")
+
     def _handle(self, consumer: Consumer, producer: Producer, messages: list[Any]) -> bool:
         """One poll: fold, apply, dead-letter, commit, in as many folds as the poll's groups need
         (each fold holds a bounded number of groups). False if it must be retried."""
         while messages:
-            folded = fold_messages(messages, max_groups=self.max_groups)
+            # Deferred masks count against the bound: while they fill it, no more is folded and the
+            # rest of the poll comes again later (the partitions are paused until there is room).
+            room = self.max_groups - len(self._deferred)
+            if room <= 0:
+                self._rewind(consumer, _first_offsets(messages))
+                return True
+            folded = fold_messages(messages, max_groups=self.max_groups, room=room)
             if not self._handle_fold(consumer, producer, folded, _first_offsets(messages)):
                 return False  # rewound to `messages`' first offsets: the rest of the poll comes again
             messages = folded.rest
@@ -374,6 +392,7 @@ class Acker:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("ack partitions assigned", partitions=[p.partition for p in partitions])
+        self._paused = False  # an assignment starts unpaused: the loop pauses it again if need be
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Everything applied so far is committed in the database: commit its offsets while we

@@ -83,7 +83,8 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             " SELECT g.batch_id, g.id, mk.mask, bit_count(g.bits & mk.mask) AS flipped"
             " FROM unnest(%s::int8[], %s::int8[], %s::text[]) AS u(batch_id, id, hex)"
             " JOIN {group} g ON g.batch_id = u.batch_id AND g.id = u.id"
-            " CROSS JOIN LATERAL (SELECT substring(('x' || u.hex)::varbit FROM 1 FOR g.size) AS mask) mk),"
+            " CROSS JOIN LATERAL (SELECT substring(('x' || rpad(u.hex, ((g.size + 7) / 8) * 2, '0'))::varbit"
+            " FROM 1 FOR g.size) AS mask) mk),"
             " cleared AS (UPDATE {group} g SET bits = g.bits & ~m.mask, pending = g.pending - m.flipped"
             " FROM m WHERE g.batch_id = m.batch_id AND g.id = m.id AND m.flipped > 0),"
             " d AS (SELECT batch_id, sum(flipped)::int8 AS flipped FROM m GROUP BY batch_id),"
@@ -198,10 +199,10 @@ def apply_op(
                 raise IndexOutOfRange(m.item_id(_first_index(m, size)), size, culprit=(m.batch_id, m.group_id))
             result.rejected.extend((run, f"index out of range (group size {size})") for run in _runs(m, size))
             count -= _set_bits_from(m, size)
+        # Sent as folded (up to its highest index, never past the group): the statement pads it to
+        # the group's size, so what this call holds stays what its ids named.
         nbytes = (size + 7) >> 3
-        bits = m.bits
-        if len(bits) != nbytes:
-            bits = bits[:nbytes] if len(bits) > nbytes else bits + bytes(nbytes - len(bits))
+        bits = m.bits if len(m.bits) <= nbytes else m.bits[:nbytes]
         batch_ids.append(m.batch_id)
         group_ids.append(m.group_id)
         hexes.append(bits.hex())

@@ -104,7 +104,12 @@ class TrackerCore:
 
     def _ack_op(self, item_ids: object, claims: bool = True) -> Op[AckResult]:
         entries = id_list(item_ids)
-        masks = fold(entries)
+        return self._ack_folded_op(entries, fold(entries), claims)
+
+    def _ack_folded_op(
+        self, entries: list[str | bytes], masks: dict[tuple[int, int], GroupMask], claims: bool
+    ) -> Op[AckResult]:
+        """The ack of `entries`, already folded into `masks` (the asyncio face folds off the loop)."""
         try:
             if not claims or sum(m.count for m in masks.values()) > acks.CLAIMS_PER_CALL_MAX:
                 # a bulk ack: masked updates under the batch locks (one row per item would cost

@@ -73,13 +73,15 @@ class Folded:
     rest: list[Any] = field(default_factory=list)  # messages left for the next fold (the bound was reached)
 
 
-def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX) -> Folded:
+def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX, room: int | None = None) -> Folded:
     """Fold ack messages into masks, tolerating bad entries (kept in `.bad` with their reason).
 
     Bounded whatever the messages name: masks are 1 KiB a group, and a fold stops before the
-    message that could take it past `max_groups` groups, leaving it and those after it in `.rest`
-    for the next fold (fold, apply and commit, then fold the rest). A message that alone names
-    more than `max_groups` groups is set aside whole as too large."""
+    message that would take it past `room` groups (default `max_groups`; never at the first
+    message, so every fold makes progress), leaving it and those after it in `.rest` for the next
+    fold (fold, apply and commit, then fold the rest). A message that alone names more than
+    `max_groups` groups is set aside whole as too large."""
+    room = max_groups if room is None else room
     out = Folded()
     folder = EntryFolder()
     out.masks = masks = folder.masks
@@ -125,14 +127,15 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX)
         except (AttributeError, UnicodeDecodeError):
             reason = "malformed: value is empty or not ASCII"
         else:
-            # Each entry names at most one new group: stop before this message could take the
-            # fold past its bound (never at the first message: it always fits).
+            # Each entry names at most one new group; counted exactly only when that bound says
+            # this message might not fit. Stop before a message that would take the fold past
+            # `room` (never at the first: every fold makes progress).
             new = len(entries)
-            if new > max_groups:
-                new = len({e.rpartition(":")[0] for e in entries})
+            if new > max_groups or (masks and len(masks) + new > room):
+                new = _new_groups(entries, masks)
             if new > max_groups:
                 reason = f"too large: names more than {max_groups} groups; split it"
-            elif masks and len(masks) + new > max_groups:
+            elif masks and len(masks) + new > room:
                 out.rest = messages[position:]
                 break
         partition = msg.partition()
@@ -159,3 +162,16 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX)
         last[current] = previous.offset()
     out.messages = count
     return out
+
+
+def _new_groups(entries: list[str], masks: dict[tuple[int, int], GroupMask]) -> int:
+    """How many groups the entries name that the fold does not hold yet (a head that does not
+    parse counts as new: it is at worst set aside)."""
+    new: set[object] = set()
+    for head in {e.rpartition(":")[0] for e in entries}:
+        b, _, g = head.partition(":")
+        plain = 0 < len(b) <= 19 and 0 < len(g) <= 19 and (b + g).isascii() and (b + g).isdigit()
+        key: object = (int(b), int(g)) if plain else head
+        if key not in masks:
+            new.add(key)
+    return len(new)

@@ -18,10 +18,10 @@ from .errors import IndexOutOfRange, MalformedItemId, TooManyGroups
 
 GROUP_BITS_MAX = 8192  # a group's bitfield stays <= 1 KiB so it is never TOASTed
 ID_MAX = (1 << 63) - 1  # batch and group ids are Postgres bigints
-# What one fold may allocate for masks, whatever the ids name: 16 MiB, at least 16,384 whole groups
-# (134 million items). A mask grows only to its highest index, so small groups cost bytes, not
+# What one fold may allocate for masks, whatever the ids name: 4 MiB, at least 4,096 whole groups
+# (33.5 million items). A mask grows only to its highest index, so small groups cost bytes, not
 # kilobytes; a call past the limit is refused (TooManyGroups) before the masks past it exist.
-MASK_BYTES_MAX = 16 << 20
+MASK_BYTES_MAX = 4 << 20
 # Whole groups (1 KiB masks) that fit in MASK_BYTES_MAX: what the acker and Spark hold in one round.
 GROUPS_PER_FOLD_MAX = MASK_BYTES_MAX // (GROUP_BITS_MAX >> 3)
 # The bulk path lays one flag byte per possible bit of every group named end to end (8 KiB a
@@ -275,13 +275,19 @@ def _fold_plain_ids(acks: list) -> dict[tuple[int, int], GroupMask] | None:
 
 
 def _fold_each(acks: Iterable[str | bytes], max_mask_bytes: int = MASK_BYTES_MAX) -> dict[tuple[int, int], GroupMask]:
-    """One entry at a time: runs, bytes, anything; raises on the first malformed entry, and on the
-    first entry whose mask would take the masks past `max_mask_bytes`."""
+    """One entry at a time: runs, bytes, anything. Raises on the first malformed entry; else, if
+    the masks would pass `max_mask_bytes`, TooManyGroups naming the entry that takes them past it
+    (the entries after it are only checked, never allocated for: malformed ones are named first,
+    as the SQL ack does)."""
     masks: dict[tuple[int, int], GroupMask] = {}
     prefixes: dict[str, tuple[int, int]] = {}
     allocated = 0
+    past: str | bytes | None = None  # the entry that took the masks past the limit
     for ack in acks:
         text = ack if type(ack) is str else _as_text(ack)
+        if past is not None:
+            parse_ack(text)  # raises on a malformed entry; nothing more is allocated
+            continue
         head, sep, tail = text.rpartition(":")
         key = prefixes.get(head)
         if key is None or not sep:
@@ -300,10 +306,14 @@ def _fold_each(acks: Iterable[str | bytes], max_mask_bytes: int = MASK_BYTES_MAX
         if need > have:  # checked before the mask grows
             allocated += need - have
             if allocated > max_mask_bytes:
-                raise TooManyGroups("item_ids", ack, max_mask_bytes)
+                past = ack
+                masks.clear()
+                continue
         if mask is None:
             mask = masks[key] = GroupMask(key[0], key[1], bytearray())
         mask.add(start, end)
+    if past is not None:
+        raise TooManyGroups("item_ids", past, max_mask_bytes)
     return masks
 
 

@@ -8,6 +8,7 @@ path (`body.ids[3]`), never echoes the bad text.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Callable, Coroutine
@@ -18,6 +19,8 @@ from fastapi.routing import APIRoute
 
 from .problems import Problem, ProblemException
 
+# Bodies up to this size are parsed on the event loop (well under a millisecond); larger in a thread.
+_PARSE_ON_LOOP_MAX = 64 * 1024
 # A NUL, or a UTF-16 surrogate left alone by a "\ud800" escape (a valid pair decodes to one character).
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
@@ -73,8 +76,10 @@ class StrictRequest(Request):
 
     async def json(self) -> object:
         if not hasattr(self, "_json"):
+            body = await self.body()
             try:
-                self._json = loads(await self.body())
+                # Parsing a large body is CPU work: in a thread, so it never holds up the event loop.
+                self._json = await asyncio.to_thread(loads, body) if len(body) > _PARSE_ON_LOOP_MAX else loads(body)
             except UnreadableBody as exc:
                 # an HTTPException: FastAPI's body reading passes it on as it is
                 raise ProblemException(Problem("invalid-request", str(exc), field=exc.field)) from None

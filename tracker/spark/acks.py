@@ -3,7 +3,7 @@
 Each partition folds its ids into one mask per group (mapInArrow, vectorised for plain ids), the
 masks of a group are OR-ed across partitions (reduceByKey, partitioned by batch id), and each
 resulting partition applies its masks through `tracker.acks.apply_masks`, exactly as the acker
-does: in one transaction per at most 16,384 groups. Both steps hold at most that many groups'
+does: in one transaction per at most 4,096 groups. Both steps hold at most that many groups'
 masks (1 KiB each) at once, whatever the ids name. Applying is idempotent, so a retried or
 speculative task clears nothing twice.
 """
@@ -297,7 +297,7 @@ def ack_dataframe(
     Bad entries (malformed, unknown batch/group, out of range, expired) are not applied and come
     back in `.rejected`; everything valid is applied. Idempotent: running it twice acks nothing new.
     `partitions`: tasks that apply masks (default: the default parallelism), each in one transaction
-    per at most 16,384 groups. `after_apply(partition, attempt)` runs on the executor after a
+    per at most 4,096 groups. `after_apply(partition, attempt)` runs on the executor after a
     partition's last transaction (instrumentation, failure tests).
 
     The database is exact whatever the attempts do; the totals are those of the attempts Spark
