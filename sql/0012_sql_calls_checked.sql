@@ -1,0 +1,343 @@
+-- The SQL functions checked up front, at a cost bounded by what the caller sent.
+--
+-- 1. ack(): 0007's version expanded every run into a row per index (generate_series), so one
+--    12-byte run cost 8,192 rows and 100,000 of them ~819 million. Here a run costs one bit string
+--    of at most 1 KiB, a single id one row, and the masks' total size is checked before any is
+--    built: at most 4 MiB (tracker.ids.MASK_BYTES_MAX), else RT008 naming the entry, as
+--    tracker.ids.fold does. Same signature, same errors otherwise, same results.
+-- 2. The completion topic of close_batch, ack, ack_masks and open_batch is checked when the call
+--    starts, as the Python API checks it (a non-empty name of at most 249 characters, Kafka's
+--    limit; open_batch also takes null for "the default"): RT007, instead of a NOT NULL or CHECK
+--    error from inside the function on the call that completes a batch, or a topic no producer
+--    can publish to. (close_batch, ack_masks and open_batch are 0007's, with the check added.)
+-- 3. Every function of the schema resolves names in the schema, pg_catalog and pg_temp only (0006,
+--    0009 and 0010 had taken the migration's search_path, which included public).
+
+DO $$ BEGIN
+    EXECUTE format('SET LOCAL search_path TO %I, pg_catalog, pg_temp', current_schema());
+END $$;
+
+
+CREATE FUNCTION completion_topic_check(topic text, nullable boolean DEFAULT false) RETURNS void
+LANGUAGE plpgsql IMMUTABLE SET search_path FROM CURRENT AS $$
+BEGIN
+    IF topic IS NULL THEN
+        IF nullable THEN
+            RETURN;
+        END IF;
+        RAISE EXCEPTION 'completion_topic must be a non-empty string, got null' USING ERRCODE = 'RT007', DETAIL = 'null';
+    END IF;
+    IF topic = '' THEN
+        RAISE EXCEPTION 'completion_topic must be a non-empty string, got an empty string'
+            USING ERRCODE = 'RT007', DETAIL = '';
+    END IF;
+    IF length(topic) > 249 THEN
+        RAISE EXCEPTION 'completion_topic % is longer than Kafka''s 249 characters', quote_literal(left(topic, 60) || '...')
+            USING ERRCODE = 'RT007', DETAIL = left(topic, 60);
+    END IF;
+END $$;
+
+
+CREATE OR REPLACE FUNCTION open_batch(user_key text DEFAULT NULL, completion_topic text DEFAULT NULL)
+RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
+DECLARE
+    new_id bigint;
+BEGIN
+    PERFORM completion_topic_check(open_batch.completion_topic, true);
+    IF open_batch.completion_topic = '' THEN
+        RAISE EXCEPTION 'completion_topic must be a non-empty string or null, got an empty string'
+            USING ERRCODE = 'RT007', DETAIL = '';
+    END IF;
+    INSERT INTO batch (user_key, completion_topic) VALUES (open_batch.user_key, open_batch.completion_topic)
+    RETURNING id INTO new_id;
+    RETURN new_id;
+END $$;
+
+CREATE OR REPLACE FUNCTION close_batch(batch bigint, completion_topic text DEFAULT 'batch-completions')
+RETURNS boolean LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
+DECLARE
+    st text;
+BEGIN
+    PERFORM completion_topic_check(close_batch.completion_topic);
+    WITH closed AS (
+        UPDATE batch b SET state = CASE WHEN b.pending = 0 THEN 'complete' ELSE 'closed' END,
+            closed_at = clock_timestamp(), completed_at = CASE WHEN b.pending = 0 THEN clock_timestamp() END,
+            last_activity_at = clock_timestamp()
+        WHERE b.id = close_batch.batch AND b.state = 'open'
+        RETURNING b.id, b.state, b.user_key, b.total, b.created_at, b.closed_at, b.completed_at, b.completion_topic),
+    finished AS (SELECT * FROM closed WHERE closed.state = 'complete'),
+    event AS (
+        INSERT INTO outbox (topic, key, value, header_keys, header_values)
+        SELECT coalesce(f.completion_topic, close_batch.completion_topic), convert_to(f.id::text, 'UTF8'),
+               convert_to(json_build_object('batch_id', f.id, 'user_key', f.user_key, 'total', f.total,
+                   'opened_at', f.created_at, 'closed_at', f.closed_at, 'completed_at', f.completed_at)::text, 'UTF8'),
+               ARRAY['batch-id'], ARRAY[convert_to(f.id::text, 'UTF8')]
+        FROM finished f)
+    SELECT closed.state INTO st FROM closed;
+    IF FOUND THEN
+        RETURN st = 'complete';
+    END IF;
+    SELECT b.state INTO st FROM batch b WHERE b.id = close_batch.batch;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'unknown batch %', coalesce(close_batch.batch::text, 'null')
+            USING ERRCODE = 'RT002', DETAIL = coalesce(close_batch.batch::text, 'null');
+    END IF;
+    IF st = 'expired' THEN
+        RAISE EXCEPTION 'batch % has expired', close_batch.batch USING ERRCODE = 'RT006', DETAIL = close_batch.batch::text;
+    END IF;
+    RETURN st = 'complete';
+END $$;
+
+CREATE OR REPLACE FUNCTION ack_masks(batch_ids bigint[], group_ids bigint[], masks text[],
+                          completion_topic text DEFAULT 'batch-completions')
+RETURNS TABLE (acked bigint, completed bigint[])
+LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
+#variable_conflict use_column
+DECLARE
+    bad record;
+BEGIN
+    PERFORM completion_topic_check(ack_masks.completion_topic);
+    IF batch_ids IS NULL OR group_ids IS NULL OR masks IS NULL
+       OR cardinality(batch_ids) <> cardinality(group_ids) OR cardinality(batch_ids) <> cardinality(masks) THEN
+        RAISE EXCEPTION 'batch_ids, group_ids and masks must be arrays of the same length'
+            USING ERRCODE = 'RT007', DETAIL = 'masks';
+    END IF;
+    SELECT u.ord, u.b, u.g, u.hex INTO bad
+    FROM unnest(batch_ids, group_ids, masks) WITH ORDINALITY u(b, g, hex, ord)
+    WHERE u.b IS NULL OR u.g IS NULL OR u.b < 0 OR u.g < 0 OR u.hex IS NULL
+       OR u.hex !~ '^[0-9A-Fa-f]*$' OR length(u.hex) > 2048
+    ORDER BY u.ord LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'mask % (batch %, group %) must be non-null ids >= 0 and at most 2048 hex digits',
+            bad.ord, coalesce(bad.b::text, 'null'), coalesce(bad.g::text, 'null')
+            USING ERRCODE = 'RT007', DETAIL = 'masks[' || bad.ord || ']';
+    END IF;
+
+    -- Masks as bit strings (whole bytes); masks with no bit set are left out. No temporary table:
+    -- the arrays are unnested again by each statement below, which is cheap.
+    PERFORM 1 FROM batch b WHERE b.id IN (SELECT u.b FROM unnest(batch_ids) u(b)) ORDER BY b.id FOR NO KEY UPDATE;
+
+    SELECT t.b, t.g, t.first_bit, b.state INTO bad
+    FROM (SELECT u.ord, u.b, u.g, position(B'1' IN ('x' || u.hex)::varbit) - 1 AS first_bit
+          FROM unnest(batch_ids, group_ids, masks) WITH ORDINALITY u(b, g, hex, ord)) t
+    LEFT JOIN batch b ON b.id = t.b
+    WHERE t.first_bit >= 0 AND (b.id IS NULL OR b.state = 'expired') ORDER BY t.ord LIMIT 1;
+    IF FOUND THEN
+        IF bad.state IS NULL THEN
+            RAISE EXCEPTION 'unknown batch % (item id ''%:%:%'')', bad.b, bad.b, bad.g, bad.first_bit
+                USING ERRCODE = 'RT002', DETAIL = bad.b || ':' || bad.g || ':' || bad.first_bit;
+        END IF;
+        RAISE EXCEPTION 'batch % has expired (item id ''%:%:%'')', bad.b, bad.b, bad.g, bad.first_bit
+            USING ERRCODE = 'RT006', DETAIL = bad.b || ':' || bad.g || ':' || bad.first_bit;
+    END IF;
+    SELECT t.b, t.g, t.first_bit, g.size,
+           g.size + position(B'1' IN substring(t.m FROM g.size + 1)) - 1 AS beyond
+    INTO bad
+    FROM (SELECT u.ord, u.b, u.g, mb.m, position(B'1' IN mb.m) - 1 AS first_bit
+          FROM unnest(batch_ids, group_ids, masks) WITH ORDINALITY u(b, g, hex, ord),
+               LATERAL (SELECT ('x' || u.hex)::varbit AS m) mb) t
+    LEFT JOIN batch_group g ON g.batch_id = t.b AND g.id = t.g
+    WHERE t.first_bit >= 0 AND (g.size IS NULL OR position(B'1' IN substring(t.m FROM g.size + 1)) > 0)
+    ORDER BY t.ord LIMIT 1;
+    IF FOUND THEN
+        IF bad.size IS NULL THEN
+            RAISE EXCEPTION 'unknown group % in batch % (item id ''%:%:%'')', bad.g, bad.b, bad.b, bad.g, bad.first_bit
+                USING ERRCODE = 'RT003', DETAIL = bad.b || ':' || bad.g || ':' || bad.first_bit;
+        END IF;
+        RAISE EXCEPTION 'item id ''%:%:%'' is out of range: its group has % items (index 0..%)',
+            bad.b, bad.g, bad.beyond, bad.size, bad.size - 1
+            USING ERRCODE = 'RT004', DETAIL = bad.b || ':' || bad.g || ':' || bad.beyond;
+    END IF;
+
+    RETURN QUERY
+    WITH m AS MATERIALIZED (
+        SELECT g.batch_id, g.id, mk.mask, bit_count(g.bits & mk.mask) AS flipped
+        FROM (SELECT u.b, u.g, bit_or(mb.m || repeat('0', 8192 - bit_length(mb.m))::varbit) AS m
+              FROM unnest(batch_ids, group_ids, masks) u(b, g, hex),
+                   LATERAL (SELECT ('x' || u.hex)::varbit AS m) mb
+              GROUP BY u.b, u.g) u
+        JOIN batch_group g ON g.batch_id = u.b AND g.id = u.g
+        CROSS JOIN LATERAL (SELECT substring(u.m FROM 1 FOR g.size) AS mask) mk),
+    cleared AS (
+        UPDATE batch_group g SET bits = g.bits & ~m.mask, pending = g.pending - m.flipped
+        FROM m WHERE g.batch_id = m.batch_id AND g.id = m.id AND m.flipped > 0),
+    d AS (SELECT m.batch_id, sum(m.flipped)::int8 AS flipped FROM m GROUP BY m.batch_id),
+    b AS (
+        UPDATE batch b SET pending = b.pending - d.flipped, last_activity_at = clock_timestamp(),
+            state = CASE WHEN b.state = 'closed' AND b.pending = d.flipped THEN 'complete' ELSE b.state END,
+            completed_at = CASE WHEN b.state = 'closed' AND b.pending = d.flipped THEN clock_timestamp()
+                                ELSE b.completed_at END
+        FROM d WHERE b.id = d.batch_id
+        RETURNING b.id, b.state, d.flipped, b.user_key, b.total, b.created_at, b.closed_at, b.completed_at,
+                  b.completion_topic),
+    -- completed here: complete now and bits flipped (an already complete batch has none left to flip)
+    finished AS (SELECT * FROM b WHERE b.state = 'complete' AND b.flipped > 0),
+    event AS (
+        INSERT INTO outbox (topic, key, value, header_keys, header_values)
+        SELECT coalesce(f.completion_topic, ack_masks.completion_topic), convert_to(f.id::text, 'UTF8'),
+               convert_to(json_build_object('batch_id', f.id, 'user_key', f.user_key, 'total', f.total,
+                   'opened_at', f.created_at, 'closed_at', f.closed_at, 'completed_at', f.completed_at)::text, 'UTF8'),
+               ARRAY['batch-id'], ARRAY[convert_to(f.id::text, 'UTF8')]
+        FROM finished f)
+    SELECT coalesce(sum(b.flipped), 0)::int8,
+           coalesce(array_agg(b.id ORDER BY b.id) FILTER (WHERE b.state = 'complete' AND b.flipped > 0), '{}')
+    FROM b;
+END $$;
+
+
+-- Ack item ids and runs ('<batch>:<group>:<index>', '<batch>:<group>:<start>-<end>', end inclusive),
+-- as tracker.ack(): malformed entries are found first (the first one raises, naming it), then what
+-- the masks will take is checked against the same bound as tracker.ids.fold (RT008 past it), then
+-- the ids are folded into one mask per group and applied by ack_masks. Idempotent: an id whose bit is
+-- already clear counts as a duplicate. completed: the batches this call completed.
+CREATE OR REPLACE FUNCTION ack(ids text[], completion_topic text DEFAULT 'batch-completions')
+RETURNS TABLE (acked bigint, duplicates bigint, completed bigint[])
+LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
+#variable_conflict use_column
+DECLARE
+    bad text;
+    counted bigint;
+    b_ids bigint[];
+    g_ids bigint[];
+    hexes text[];
+    r record;
+    code text;
+    culprit text;
+    size integer;
+BEGIN
+    PERFORM completion_topic_check(ack.completion_topic);
+    IF ids IS NULL OR coalesce(array_ndims(ids), 1) <> 1 THEN
+        RAISE EXCEPTION 'ids must be a one-dimensional array of item ids' USING ERRCODE = 'RT007', DETAIL = 'ids';
+    END IF;
+    -- The common shapes in one pass of cheap checks; ack_entry_error explains the first misfit.
+    SELECT t.id INTO bad
+    FROM unnest(ids) WITH ORDINALITY t(id, ord)
+    CROSS JOIN LATERAL (SELECT split_part(t.id, ':', 1) AS b, split_part(t.id, ':', 2) AS g,
+                               ltrim(split_part(split_part(t.id, ':', 3), '-', 1), '0') AS s,
+                               ltrim(split_part(split_part(t.id, ':', 3), '-', 2), '0') AS e) x
+    WHERE t.id IS NULL OR t.id !~ '^[0-9]+:[0-9]+:[0-9]+(-[0-9]+)?$'
+       OR length(x.b) > 19 OR length(x.g) > 19
+       OR (length(x.b) = 19 AND x.b::numeric > 9223372036854775807)
+       OR (length(x.g) = 19 AND x.g::numeric > 9223372036854775807)
+       OR length(x.s) > 4 OR length(x.e) > 4
+       OR coalesce(nullif(x.s, ''), '0')::integer >= 8192 OR coalesce(nullif(x.e, ''), '0')::integer >= 8192
+       OR (t.id LIKE '%-%' AND coalesce(nullif(x.e, ''), '0')::integer < coalesce(nullif(x.s, ''), '0')::integer)
+    ORDER BY t.ord LIMIT 1;
+    IF FOUND THEN
+        PERFORM ack_entry_error(bad);
+        -- (ack_entry_error raises; this is only reached if the two checks ever disagree)
+        RAISE EXCEPTION 'malformed item id %', quote_literal(bad) USING ERRCODE = 'RT001', DETAIL = bad;
+    END IF;
+    -- What the masks will take, before any is built, entry by entry as tracker.ids.fold counts it:
+    -- a mask grows to a byte per 8 indexes up to its group's highest so far. The entry whose growth
+    -- takes the total past 4 MiB (tracker.ids.MASK_BYTES_MAX: at least 4,096 whole groups) is named.
+    SELECT x.id INTO bad
+    FROM (SELECT y.id, y.ord, sum(y.grown) OVER (ORDER BY y.ord) AS total
+          FROM (SELECT z.id, z.ord, (z.reach >> 3) - coalesce((lag(z.reach) OVER w) >> 3, -1) AS grown
+                FROM (SELECT t.id, t.ord,
+                             max(coalesce(nullif(split_part(split_part(t.id, ':', 3), '-', 2), ''),
+                                          split_part(split_part(t.id, ':', 3), '-', 1))::integer)
+                                 OVER (PARTITION BY split_part(t.id, ':', 1)::bigint, split_part(t.id, ':', 2)::bigint
+                                       ORDER BY t.ord) AS reach,
+                             split_part(t.id, ':', 1)::bigint AS b, split_part(t.id, ':', 2)::bigint AS g
+                      FROM unnest(ids) WITH ORDINALITY t(id, ord)) z
+                WINDOW w AS (PARTITION BY z.b, z.g ORDER BY z.ord)) y) x
+    WHERE x.total > 4194304
+    ORDER BY x.ord LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'ids: the entries up to % name more groups than one call may fold (4,194,304 bytes of masks, at least 4,096 whole groups of 8192 items); split them into several calls', quote_literal(bad)
+            USING ERRCODE = 'RT008', DETAIL = bad;
+    END IF;
+    -- Masks without a row per index: single ids are OR-ed per byte (a row each); a run is built as a
+    -- bit string of its group's length (head byte, whole 'ff' bytes, tail byte), the runs of a
+    -- group OR-ed together and with the single ids' bytes, then written out 64 bits at a time.
+    WITH p AS MATERIALIZED (
+        SELECT t.ord, split_part(t.id, ':', 1)::bigint AS b, split_part(t.id, ':', 2)::bigint AS g,
+               split_part(split_part(t.id, ':', 3), '-', 1)::integer AS s,
+               coalesce(nullif(split_part(split_part(t.id, ':', 3), '-', 2), ''),
+                        split_part(split_part(t.id, ':', 3), '-', 1))::integer AS e
+        FROM unnest(ids) WITH ORDINALITY t(id, ord)),
+    grp AS (SELECT p.b, p.g, min(p.ord) AS first_ord, sum(p.e - p.s + 1)::int8 AS n, (max(p.e) >> 3) + 1 AS nbytes
+            FROM p GROUP BY p.b, p.g),
+    one AS (SELECT p.b, p.g, p.s >> 3 AS k, bit_or(128 >> (p.s & 7)) AS v
+            FROM p WHERE p.s = p.e GROUP BY p.b, p.g, p.s >> 3),
+    gaps AS (SELECT one.b, one.g, one.k, one.v,
+                    one.k - lag(one.k, 1, -1) OVER (PARTITION BY one.b, one.g ORDER BY one.k) - 1 AS zeros
+             FROM one),
+    ones AS (SELECT gaps.b, gaps.g,
+                    string_agg(repeat('00', gaps.zeros) || lpad(to_hex(gaps.v), 2, '0'), '' ORDER BY gaps.k) AS hex
+             FROM gaps GROUP BY gaps.b, gaps.g),
+    runs AS (SELECT p.b, p.g,
+                    bit_or(('x' || repeat('00', p.s >> 3)
+                            || CASE WHEN p.s >> 3 = p.e >> 3
+                                    THEN lpad(to_hex((255 >> (p.s & 7)) & (255 << (7 - (p.e & 7)))), 2, '0')
+                                    ELSE lpad(to_hex(255 >> (p.s & 7)), 2, '0')
+                                         || repeat('ff', (p.e >> 3) - (p.s >> 3) - 1)
+                                         || lpad(to_hex((255 << (7 - (p.e & 7))) & 255), 2, '0') END
+                            || repeat('00', grp.nbytes - (p.e >> 3) - 1))::varbit) AS m
+             FROM p JOIN grp ON grp.b = p.b AND grp.g = p.g
+             WHERE p.e > p.s GROUP BY p.b, p.g),
+    hx AS (SELECT grp.b, grp.g, grp.first_ord,
+                  CASE WHEN runs.m IS NULL THEN ones.hex
+                       ELSE (SELECT string_agg(lpad(to_hex(substring(mm.m FROM c * 64 + 1 FOR 64)::bit(64)::int8), 16, '0'),
+                                               '' ORDER BY c)
+                             FROM (SELECT runs.m | ('x' || rpad(coalesce(ones.hex, ''), 2 * grp.nbytes, '0'))::varbit AS m) mm,
+                                  generate_series(0, (grp.nbytes - 1) / 8) c) END AS hex
+           FROM grp LEFT JOIN ones ON ones.b = grp.b AND ones.g = grp.g
+                    LEFT JOIN runs ON runs.b = grp.b AND runs.g = grp.g)
+    SELECT (SELECT sum(grp.n) FROM grp), array_agg(hx.b ORDER BY hx.first_ord), array_agg(hx.g ORDER BY hx.first_ord),
+           array_agg(hx.hex ORDER BY hx.first_ord)
+    INTO counted, b_ids, g_ids, hexes
+    FROM hx;
+    IF b_ids IS NULL THEN
+        acked := 0; duplicates := 0; completed := '{}';
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    BEGIN
+        SELECT * INTO r FROM ack_masks(b_ids, g_ids, hexes, ack.completion_topic);
+    EXCEPTION WHEN SQLSTATE 'RT002' OR SQLSTATE 'RT003' OR SQLSTATE 'RT004' OR SQLSTATE 'RT006' THEN
+        -- Name the caller's entry as written (a run, not its first bad index), as tracker.ack does:
+        -- the first entry of the batch (and group; for RT004 one reaching past the group's size).
+        GET STACKED DIAGNOSTICS code = RETURNED_SQLSTATE, culprit = PG_EXCEPTION_DETAIL;
+        SELECT t.id, g.size INTO bad, size
+        FROM unnest(ids) WITH ORDINALITY t(id, ord)
+        CROSS JOIN LATERAL string_to_array(t.id, ':') sp
+        CROSS JOIN LATERAL string_to_array(culprit, ':') cp
+        LEFT JOIN batch_group g ON g.batch_id = cp[1]::bigint AND g.id = cp[2]::bigint
+        WHERE sp[1]::bigint = cp[1]::bigint
+          AND (code IN ('RT002', 'RT006') OR sp[2]::bigint = cp[2]::bigint)
+          AND (code <> 'RT004'
+               OR coalesce(nullif(split_part(sp[3], '-', 2), ''), split_part(sp[3], '-', 1))::integer >= g.size)
+        ORDER BY t.ord LIMIT 1;
+        bad := coalesce(bad, culprit);
+        CASE code
+            WHEN 'RT002' THEN
+                RAISE EXCEPTION 'unknown batch % (item id %)', split_part(culprit, ':', 1), quote_literal(bad)
+                    USING ERRCODE = code, DETAIL = bad;
+            WHEN 'RT003' THEN
+                RAISE EXCEPTION 'unknown group % in batch % (item id %)', split_part(culprit, ':', 2),
+                    split_part(culprit, ':', 1), quote_literal(bad) USING ERRCODE = code, DETAIL = bad;
+            WHEN 'RT004' THEN
+                RAISE EXCEPTION 'item id % is out of range: its group has % items (index 0..%)', quote_literal(bad),
+                    size, size - 1 USING ERRCODE = code, DETAIL = bad;
+            ELSE
+                RAISE EXCEPTION 'batch % has expired (item id %)', split_part(culprit, ':', 1), quote_literal(bad)
+                    USING ERRCODE = code, DETAIL = bad;
+        END CASE;
+    END;
+    acked := r.acked;
+    duplicates := greatest(0, counted - r.acked);
+    completed := r.completed;
+    RETURN NEXT;
+END $$;
+
+
+DO $$
+DECLARE
+    f regprocedure;
+BEGIN
+    FOR f IN SELECT p.oid::regprocedure FROM pg_proc p WHERE p.pronamespace = current_schema()::regnamespace LOOP
+        EXECUTE format('ALTER FUNCTION %s SET search_path TO %I, pg_catalog, pg_temp', f, current_schema());
+    END LOOP;
+END $$;

@@ -1,0 +1,68 @@
+"""The SQL functions check their completion topic when the call starts, and resolve names only in
+their schema, pg_catalog and pg_temp (from a plain psycopg client, as any other language calls them)."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import tracker
+
+LONG = "t" * 250  # Kafka's limit is 249
+
+
+def _state(conn, schema):
+    return (
+        conn.execute(
+            sql.SQL("SELECT id, state, pending FROM {} ORDER BY id").format(sql.Identifier(schema, "batch"))
+        ).fetchall(),
+        conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "outbox"))).fetchone(),
+    )
+
+
+@pytest.mark.parametrize(
+    "call, args",
+    [
+        ("open_batch(%s, %s)", ["k", ""]),
+        ("open_batch(%s, %s)", ["k", LONG]),
+        ("close_batch(%s, %s)", ["{batch}", None]),
+        ("close_batch(%s, %s)", ["{batch}", ""]),
+        ("close_batch(%s, %s)", ["{batch}", LONG]),
+        ("ack(%s, %s)", [["{item}"], None]),
+        ("ack(%s, %s)", [["{item}"], LONG]),
+        ("ack_masks(%s, %s, %s, %s)", [["{batch}"], [0], ["80"], ""]),
+    ],
+)
+def test_a_bad_completion_topic_is_refused_up_front_even_on_the_completing_call(conn, schema, call, args):
+    batch = tracker.open_batch(conn, schema=schema)
+    (handle,) = tracker.add_items(conn, batch, 1, schema=schema)
+    if not call.startswith("close"):
+        tracker.close_batch(conn, batch, schema=schema)  # the ack would complete it
+    conn.commit()
+    fill = {"{batch}": batch.id, "{item}": handle.item_ids[0]}
+    args = [[fill.get(a, a) for a in x] if isinstance(x, list) else fill.get(x, x) for x in args]
+    before = _state(conn, schema)
+    with pytest.raises(psycopg.Error) as raised:
+        conn.execute(sql.SQL("SELECT * FROM {}." + call).format(sql.Identifier(schema)), args)
+    assert raised.value.sqlstate == "RT007"
+    assert "completion_topic" in raised.value.diag.message_primary
+    assert "INSERT" not in str(raised.value) and "violates" not in str(raised.value)
+    conn.rollback()
+    assert _state(conn, schema) == before
+
+
+def test_open_batch_still_takes_null_for_the_default_topic(conn, schema):
+    (batch_id,) = conn.execute(sql.SQL("SELECT {}.open_batch('k', NULL)").format(sql.Identifier(schema))).fetchone()
+    assert batch_id >= 1
+
+
+def test_every_function_resolves_names_in_its_schema_pg_catalog_and_pg_temp_only(conn, schema):
+    rows = conn.execute(
+        "SELECT p.proname, p.proconfig FROM pg_proc p WHERE p.pronamespace = %s::regnamespace", [schema]
+    ).fetchall()
+    assert len(rows) >= 10
+    for name, config in rows:
+        paths = [c for c in config or [] if c.startswith("search_path=")]
+        assert len(paths) == 1, (name, config)
+        assert paths[0].replace('"', "") == f"search_path={schema}, pg_catalog, pg_temp", (name, config)
