@@ -147,6 +147,9 @@ class HttpConfig:
     rate_limit: float = 200.0  # requests per second per token (token bucket); 0 = off
     rate_burst: int = 400
     long_poll_max: float = 60.0  # longest wait a completion long-poll may ask for, seconds
+    max_waits_per_token: int = 32  # long-polls and event streams one token may hold open at once
+    header_timeout: float = 10.0  # a connection sends its request's headers within this, seconds
+    body_timeout: float = 30.0  # and then its body within this
     completion_poll_interval: float = 0.25
     pool_size: int = 8
     request_timeout: float = 30.0  # one database call, seconds
@@ -402,6 +405,9 @@ def validate_http(h: HttpConfig) -> None:
         "max_items_per_add",
         "rate_burst",
         "long_poll_max",
+        "max_waits_per_token",
+        "header_timeout",
+        "body_timeout",
         "completion_poll_interval",
         "pool_size",
         "request_timeout",

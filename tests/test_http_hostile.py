@@ -223,3 +223,97 @@ def test_a_large_ack_is_parsed_and_folded_off_the_event_loop(pg_dsn, schema, mon
     loop_thread = server.thread.name
     assert seen["parse"] and seen["fold"]
     assert loop_thread not in seen["parse"][-1:] + seen["fold"][-1:], seen
+
+
+def _silent_until_closed(url: str, send: list[tuple[float, bytes]], limit: float = 20.0) -> float:
+    """Send the pieces at their times, then read until the server closes; seconds until it did."""
+    import time
+
+    host, port = url.removeprefix("http://").split(":")
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=limit) as s:
+        for at, piece in send:
+            time.sleep(max(0.0, started + at - time.monotonic()))
+            try:
+                s.sendall(piece)
+            except OSError:
+                break  # already closed
+        try:
+            while s.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize(
+    "what, pieces",
+    [
+        ("nothing at all", []),
+        (
+            "half its headers, a byte every 0.2 s",
+            [(0.2 * i, b"GET /healthz HTTP/1.1\r\nHost: x\r\n"[i : i + 1]) for i in range(25)],
+        ),
+        (
+            "half its body",
+            [
+                (
+                    0.0,
+                    b"POST /v1/batches HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{",
+                )
+            ],
+        ),
+    ],
+)
+def test_a_slow_client_cannot_hold_a_connection(pg_dsn, schema, what, pieces):
+    cfg = http_config(pg_dsn, schema, header_timeout=1.0, body_timeout=1.0)
+    with RunningServer(cfg, [TOKEN]) as server:
+        took = _silent_until_closed(server.url, pieces)
+    # closed by the server (the read would otherwise have waited out its 20 s), trickling or not
+    assert took < 15, f"{what}: still open after {took:.1f} s"
+
+
+def test_open_waits_are_capped_per_token(pg_dsn, schema):
+    import threading
+
+    other = "another-token-0123456789"
+    cfg = http_config(pg_dsn, schema, max_waits_per_token=2, completion_poll_interval=0.05)
+    with (
+        RunningServer(cfg, [TOKEN, other]) as server,
+        httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as client,
+    ):
+        batch_id = _open(client)
+        answers: list[int] = []
+        polls = [
+            threading.Thread(
+                target=lambda: answers.append(client.get(f"/v1/batches/{batch_id}/completion?wait=30").status_code)
+            )
+            for _ in range(2)
+        ]
+        for t in polls:
+            t.start()
+        import time
+
+        deadline = time.monotonic() + 10
+        refused = None
+        while time.monotonic() < deadline:
+            r = client.get(f"/v1/batches/{batch_id}/completion?wait=30", timeout=2)
+            if r.status_code == 429:
+                refused = r
+                break
+            time.sleep(0.05)
+        assert refused is not None, "a third open wait was not refused"
+        doc = _problem(refused, 429, "rate-limited")
+        assert doc["limit"] == 2
+        # another token has its own count
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {other}"}, timeout=60) as c2:
+            assert c2.get(f"/v1/batches/{batch_id}/completion?wait=0").status_code == 200
+        assert client.post(f"/v1/batches/{batch_id}/close").json()["complete"] is True  # wakes both polls
+        for t in polls:
+            t.join(30)
+        assert answers == [200, 200]
+        # released: a new wait is taken again, and a stream that ends releases its place too
+        for _ in range(3):
+            with client.stream("GET", f"/v1/batches/{batch_id}/events") as r:
+                assert r.status_code == 200 and "complete" in r.read().decode()
+        assert client.get(f"/v1/batches/{batch_id}/completion?wait=0").status_code == 200

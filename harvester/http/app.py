@@ -23,7 +23,7 @@ from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BeforeValidator
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.responses import PlainTextResponse, Response
 
 from harvester.config import Config
 from tracker import BatchStatus
@@ -38,6 +38,7 @@ from .problems import Problem
 from .security import BodyLimit, RateLimiter, Scope, Send, TokenAuth
 from .store import SqlFunctionStore, Store, StoreUnavailable, TrackerStore
 from .strict_json import StrictJSONRoute
+from .waits import HeldStream, WaitsPerToken
 
 T = TypeVar("T")
 API_VERSION = "1.0.0"
@@ -201,6 +202,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         except TrackerError as exc:
             raise problems.from_tracker(exc, batch_in_path=batch_in_path) from None
 
+    waits = WaitsPerToken(h.max_waits_per_token)
     v1 = [Depends(_bearer)]  # every /v1 route documents the bearer token (Guard checks it)
 
     @app.post(
@@ -283,7 +285,9 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         dependencies=v1,
     )
     async def completion(
-        batch_id: BatchId, wait: Annotated[float, Query(ge=0, description="seconds to wait at most")] = 30.0
+        request: Request,
+        batch_id: BatchId,
+        wait: Annotated[float, Query(ge=0, description="seconds to wait at most")] = 30.0,
     ) -> models.Status:
         if wait > h.long_poll_max:
             raise Problem(
@@ -293,13 +297,17 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
                 limit=h.long_poll_max,
             )
         deadline = time.monotonic() + wait
-        s = await call(store.status(batch_id), batch_in_path=True)
-        while s.state in ("open", "closed") and not app.state.draining:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            await watcher.wait(batch_id, left)
+        release = waits.hold(request.state.token)
+        try:
             s = await call(store.status(batch_id), batch_in_path=True)
+            while s.state in ("open", "closed") and not app.state.draining:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                await watcher.wait(batch_id, left)
+                s = await call(store.status(batch_id), batch_in_path=True)
+        finally:
+            release()
         return _status(batch_id, s)
 
     @app.get(
@@ -316,8 +324,9 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         },
         dependencies=v1,
     )
-    async def events(batch_id: BatchId) -> Response:
+    async def events(request: Request, batch_id: BatchId) -> Response:
         first = await call(store.status(batch_id), batch_in_path=True)  # 404 before the stream starts
+        release = waits.hold(request.state.token)
 
         async def stream() -> AsyncIterator[bytes]:
             s, last = first, None
@@ -339,8 +348,11 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
                 if s.state == last:
                     yield b": keep-alive\n\n"
 
-        return StreamingResponse(
-            stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return HeldStream(
+            stream(),
+            release,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     async def _ack(ids: list[str]) -> models.AckResult:

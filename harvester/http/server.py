@@ -14,6 +14,7 @@ import uvicorn
 from harvester.config import Config
 
 from .app import create_app
+from .deadlines import DeadlineProtocol
 from .security import check_startup, load_tokens
 
 
@@ -58,6 +59,7 @@ def build(cfg: Config) -> tuple[uvicorn.Server, object]:
         ssl_certfile=h.tls_certfile or None,
         ssl_keyfile=h.tls_keyfile or None,
         h11_max_incomplete_event_size=64 * 1024,
+        http=DeadlineProtocol.with_timeouts(h.header_timeout, h.body_timeout),
     )
     return _DrainingServer(config, drain), app
 

@@ -9,6 +9,7 @@ import uvicorn
 
 from harvester import config as config_mod
 from harvester.http.app import create_app
+from harvester.http.deadlines import DeadlineProtocol
 
 TOKEN = "test-token-0123456789abcdef"
 OTHER_TOKEN = "other-token-0123456789abcdef"
@@ -17,8 +18,17 @@ OTHER_TOKEN = "other-token-0123456789abcdef"
 class RunningServer:
     def __init__(self, cfg: config_mod.Config, tokens: list[str]) -> None:
         self.app = create_app(cfg, tokens=tokens)
+        h = cfg.http
         self.server = uvicorn.Server(
-            uvicorn.Config(self.app, host="127.0.0.1", port=0, lifespan="on", access_log=False, log_config=None)
+            uvicorn.Config(
+                self.app,
+                host="127.0.0.1",
+                port=0,
+                lifespan="on",
+                access_log=False,
+                log_config=None,
+                http=DeadlineProtocol.with_timeouts(h.header_timeout, h.body_timeout),  # as `reaper serve`
+            )
         )
         self.thread = threading.Thread(target=self.server.run, name="http-test-server", daemon=True)
 
