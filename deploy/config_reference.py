@@ -94,6 +94,7 @@ DESCRIPTIONS = {
     "http.long_poll_max": "longest completion long-poll wait a client may ask for, seconds",
     "http.max_waits_per_token": "long-polls and event streams one token may hold open at once (429 past it)",
     "http.header_timeout": "seconds a connection has to send a request's headers (from connect, or the end of the last response); then it is closed",
+    "http.idempotency_window": "seconds an Idempotency-Key's answer is kept for retries (expired keys are deleted in chunks)",
     "http.body_timeout": "seconds a request has to send its body once its headers are in; then the connection is closed",
     "http.completion_poll_interval": "how often the server checks the batches long-polls wait on, seconds",
     "http.pool_size": "database connections of the HTTP server",

@@ -150,6 +150,7 @@ class HttpConfig:
     max_waits_per_token: int = 32  # long-polls and event streams one token may hold open at once
     header_timeout: float = 10.0  # a connection sends its request's headers within this, seconds
     body_timeout: float = 30.0  # and then its body within this
+    idempotency_window: float = 86400.0  # how long an Idempotency-Key's answer is kept, seconds
     completion_poll_interval: float = 0.25
     pool_size: int = 8
     request_timeout: float = 30.0  # one database call, seconds
@@ -408,6 +409,7 @@ def validate_http(h: HttpConfig) -> None:
         "max_waits_per_token",
         "header_timeout",
         "body_timeout",
+        "idempotency_window",
         "completion_poll_interval",
         "pool_size",
         "request_timeout",

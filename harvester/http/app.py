@@ -9,21 +9,22 @@ must add items atomically with its own writes uses the SQL functions instead (RE
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, TypeVar
 
 import structlog
 from annotated_types import Ge, Le
-from fastapi import Depends, FastAPI, Path, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BeforeValidator
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from harvester.config import Config
 from tracker import BatchStatus
@@ -33,6 +34,7 @@ from . import models, problems
 from .completion import CompletionWatcher
 from .guard import Guard, send_problem
 from .health import Readiness
+from .idempotency import Idempotency, Reply, fingerprint, key_of
 from .observe import Observe, metrics
 from .problems import Problem
 from .security import BodyLimit, RateLimiter, Scope, Send, TokenAuth
@@ -54,6 +56,14 @@ def _canonical_decimal(value: object) -> object:
 
 
 _CANONICAL = re.compile(r"0|[1-9][0-9]{0,18}")
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        description='a quoted key, e.g. "8e03978e-40d5": a retry with the same key and request gets the first answer '
+        "back and changes nothing (kept for http.idempotency_window)",
+    ),
+]
 BatchId = Annotated[int, Path(description="batch id"), Ge(0), Le(ID_MAX), BeforeValidator(_canonical_decimal)]
 _bearer = HTTPBearer(auto_error=False, description="a token from http.tokens / http.tokens_file")
 _ERRORS = {  # documented responses of every /v1 route (besides its own)
@@ -73,6 +83,14 @@ def _responses(*extra: int) -> dict:
         c: {"model": models.ProblemDoc, "description": d, "content": {problems.MEDIA_TYPE: {}}}
         for c, d in sorted(codes.items())
     }
+
+
+async def _expire_keys(idempotency: Idempotency, every: float = 60.0) -> None:
+    """Delete expired Idempotency-Keys, a bounded chunk at a time, until none is left, every minute."""
+    while True:
+        while await idempotency.expire() > 0:
+            await asyncio.sleep(0)
+        await asyncio.sleep(every)
 
 
 class Service(Observe):
@@ -116,10 +134,12 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await store.open()
         watcher.start()
+        expiry = asyncio.create_task(_expire_keys(idempotency), name="idempotency-expiry")
         log.info("http service started", schema=cfg.database.schema, auth=bool(tokens))
         try:
             yield
         finally:
+            expiry.cancel()
             await watcher.stop()
             await store.close()
             log.info("http service stopped")
@@ -202,7 +222,22 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         except TrackerError as exc:
             raise problems.from_tracker(exc, batch_in_path=batch_in_path) from None
 
-    waits = WaitsPerToken(h.max_waits_per_token)
+    waits = app.state.waits = WaitsPerToken(h.max_waits_per_token)
+    idempotency = Idempotency(store, h.idempotency_window)
+
+    async def respond(request: Request, work: Callable[[Store], Awaitable[Reply]]) -> Response:
+        """Run a POST's work, once per Idempotency-Key when the request carries one."""
+        key = key_of(request.scope)
+        if key is None:
+            reply, replayed = await work(store), False
+        else:
+            print_ = fingerprint(request.method, request.url.path, await request.body())
+            reply, replayed = await idempotency.run(request.state.token, key, print_, work)
+        if reply.completed:
+            watcher.notify(reply.completed)  # after the commit: a woken long-poll sees the completion
+        headers = {**reply.headers, **({"Idempotent-Replayed": "true"} if replayed else {})}
+        return JSONResponse(reply.doc, status_code=reply.status, headers=headers)
+
     v1 = [Depends(_bearer)]  # every /v1 route documents the bearer token (Guard checks it)
 
     @app.post(
@@ -214,19 +249,25 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         summary="Open a batch",
         dependencies=v1,
     )
-    async def create_batch(response: Response, body: models.CreateBatch | None = None) -> models.Batch:
+    async def create_batch(
+        request: Request, idempotency_key: IdempotencyKey = None, body: models.CreateBatch | None = None
+    ) -> Response:
         body = body or models.CreateBatch()
         if body.user_key is not None and "\x00" in body.user_key:
             raise Problem("invalid-request", "user_key contains a NUL character", field="body.user_key")
-        b = await call(store.open_batch(body.user_key, body.completion_topic), batch_in_path=False)
-        response.headers["Location"] = f"/v1/batches/{b.id}"
-        return models.Batch(
-            batch_id=b.id,
-            user_key=b.user_key,
-            completion_topic=b.completion_topic,
-            state="open",
-            created_at=b.created_at,
-        )
+
+        async def work(s: Store) -> Reply:
+            b = await call(s.open_batch(body.user_key, body.completion_topic), batch_in_path=False)
+            doc = models.Batch(
+                batch_id=b.id,
+                user_key=b.user_key,
+                completion_topic=b.completion_topic,
+                state="open",
+                created_at=b.created_at,
+            )
+            return Reply(201, doc.model_dump(mode="json"), {"Location": f"/v1/batches/{b.id}"})
+
+        return await respond(request, work)
 
     @app.get(
         "/v1/batches/{batch_id}",
@@ -247,7 +288,9 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         summary="Track more items; returns the groups that hold them",
         dependencies=v1,
     )
-    async def add_items(batch_id: BatchId, body: models.AddItems) -> models.Added:
+    async def add_items(
+        request: Request, batch_id: BatchId, body: models.AddItems, idempotency_key: IdempotencyKey = None
+    ) -> Response:
         if body.count > h.max_items_per_add:
             raise Problem(
                 "invalid-request",
@@ -255,12 +298,13 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
                 field="body.count",
                 limit=h.max_items_per_add,
             )
-        handles = await call(store.add_items(batch_id, body.count), batch_in_path=True)
-        return models.Added(
-            batch_id=batch_id,
-            count=body.count,
-            groups=[models.Group(group_id=g.group_id, start=g.start, upto=g.upto) for g in handles],
-        )
+
+        async def work(s: Store) -> Reply:
+            handles = await call(s.add_items(batch_id, body.count), batch_in_path=True)
+            groups = [models.Group(group_id=g.group_id, start=g.start, upto=g.upto) for g in handles]
+            return Reply(200, models.Added(batch_id=batch_id, count=body.count, groups=groups).model_dump(mode="json"))
+
+        return await respond(request, work)
 
     @app.post(
         "/v1/batches/{batch_id}/close",
@@ -270,11 +314,13 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         summary="Close a batch (no more items)",
         dependencies=v1,
     )
-    async def close(batch_id: BatchId) -> models.Closed:
-        complete = await call(store.close_batch(batch_id), batch_in_path=True)
-        if complete:
-            watcher.notify([batch_id])
-        return models.Closed(batch_id=batch_id, complete=complete)
+    async def close(request: Request, batch_id: BatchId, idempotency_key: IdempotencyKey = None) -> Response:
+        async def work(s: Store) -> Reply:
+            complete = await call(s.close_batch(batch_id), batch_in_path=True)
+            doc = models.Closed(batch_id=batch_id, complete=complete).model_dump(mode="json")
+            return Reply(200, doc, completed=[batch_id] if complete else [])
+
+        return await respond(request, work)
 
     @app.get(
         "/v1/batches/{batch_id}/completion",
@@ -355,7 +401,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _ack(ids: list[str]) -> models.AckResult:
+    async def _ack(request: Request, ids: list[str]) -> Response:
         if len(ids) > h.max_ids_per_request:
             raise Problem(
                 "payload-too-large",
@@ -363,10 +409,15 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
                 field="body.ids",
                 limit=h.max_ids_per_request,
             )
-        r = await call(store.ack(ids), batch_in_path=False)
-        if r.completed:
-            watcher.notify(r.completed)
-        return models.AckResult(acked=r.acked, duplicates=r.duplicates, completed=r.completed)
+
+        async def work(s: Store) -> Reply:
+            r = await call(s.ack(ids), batch_in_path=False)
+            doc = models.AckResult(acked=r.acked, duplicates=r.duplicates, completed=r.completed).model_dump(
+                mode="json"
+            )
+            return Reply(200, doc, completed=list(r.completed))
+
+        return await respond(request, work)
 
     @app.post(
         "/v1/acks",
@@ -376,8 +427,8 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         summary="Ack item ids and runs (bulk)",
         dependencies=v1,
     )
-    async def ack_bulk(body: models.AckIds) -> models.AckResult:
-        return await _ack(body.ids)
+    async def ack_bulk(request: Request, body: models.AckIds, idempotency_key: IdempotencyKey = None) -> Response:
+        return await _ack(request, body.ids)
 
     @app.post(
         "/v1/acks/{item_id}",
@@ -387,8 +438,10 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         summary="Ack one item id or run",
         dependencies=v1,
     )
-    async def ack_one(item_id: Annotated[str, Path(max_length=64)]) -> models.AckResult:
-        return await _ack([item_id])
+    async def ack_one(
+        request: Request, item_id: Annotated[str, Path(max_length=64)], idempotency_key: IdempotencyKey = None
+    ) -> Response:
+        return await _ack(request, [item_id])
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> Response:

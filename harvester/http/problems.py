@@ -40,6 +40,7 @@ TYPES: dict[str, tuple[int, str]] = {
     "unsupported-media-type": (415, "Request body must be application/json"),
     "unknown-group": (422, "Unknown group"),
     "index-out-of-range": (422, "Item index out of range"),
+    "idempotency-key-reused": (422, "Idempotency-Key used for another request"),
     "unknown-batch-in-body": (422, "Unknown batch"),
     "rate-limited": (429, "Too many requests"),
     "internal": (500, "Internal server error"),

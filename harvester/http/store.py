@@ -10,11 +10,13 @@ backends with the same methods (http.backend):
 from __future__ import annotations
 
 import asyncio
+import copy
 import datetime as dt
 import re
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Self, TypeVar
 
 import psycopg
 from psycopg import sql
@@ -121,6 +123,8 @@ async def _configure(conn: psycopg.AsyncConnection) -> None:
 class _PoolStore:
     def __init__(self, dsn: str, schema: str, *, completion_topic: str, pool_size: int, timeout: float) -> None:
         self.q = _statements(schema)
+        self.schema = schema
+        self._bound: psycopg.AsyncConnection | None = None
         self.completion_topic = completion_topic
         self.timeout = timeout
         self.pool = AsyncConnectionPool(
@@ -140,10 +144,22 @@ class _PoolStore:
     async def close(self) -> None:
         await self.pool.close()
 
+    def _acquire(self) -> AbstractAsyncContextManager[psycopg.AsyncConnection]:
+        """A connection for one call: the pool's, or the one this store is bound to."""
+        if self._bound is not None:
+            return nullcontext(self._bound)
+        return self.pool.connection()
+
+    def bound(self, conn: psycopg.AsyncConnection) -> Self:
+        """This store, running every call on `conn` (in the transaction the caller holds there)."""
+        view = copy.copy(self)
+        view._bound = conn
+        return view
+
     async def _fetch(self, query: str, params: list) -> list[tuple]:
         try:
             async with asyncio.timeout(self.timeout):
-                async with self.pool.connection() as conn:
+                async with self._acquire() as conn:
                     cur = await conn.execute(query, params)
                     return await cur.fetchall()
         except psycopg.Error as exc:
@@ -174,7 +190,7 @@ class TrackerStore(_PoolStore):
     async def _call(self, call: Callable[[psycopg.AsyncConnection], Awaitable[T]]) -> T:
         try:
             async with asyncio.timeout(self.timeout):
-                async with self.pool.connection() as conn:
+                async with self._acquire() as conn:
                     return await call(conn)
         except (psycopg.OperationalError, psycopg.errors.QueryCanceled) as exc:
             raise StoreUnavailable(type(exc).__name__) from None
