@@ -23,6 +23,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     mig = sub.add_parser("migrate", help="apply pending schema migrations (safe to run concurrently)")
     mig.add_argument("--dry-run", action="store_true", help="print the SQL that would run and change nothing")
+    mig.add_argument(
+        "--roles",
+        choices=["print", "create"],
+        help="after migrating, print (for a DBA) or run the least-privilege roles' grants: "
+        "<schema>_producer, _consumer, _operator, _app, _reaper (create needs CREATEROLE)",
+    )
     sub.add_parser("run", help="run the harvester, acker, sweeper and metrics server until SIGTERM")
     sub.add_parser("serve", help="serve the tracker over HTTP (http section of the configuration) until SIGTERM")
     admin.add_parsers(sub)  # outbox status, dead list|requeue, batch show|expire
@@ -45,8 +51,10 @@ def cmd_serve(cfg: config_mod.Config) -> int:
         return EXIT_CONFIG
 
 
-def cmd_migrate(cfg: config_mod.Config, dry_run: bool) -> int:
+def cmd_migrate(cfg: config_mod.Config, dry_run: bool, roles_action: str | None = None) -> int:
     import psycopg
+
+    from tracker import roles
 
     dsn, name = cfg.database.dsn, cfg.database.schema
     if dry_run:
@@ -58,9 +66,17 @@ def cmd_migrate(cfg: config_mod.Config, dry_run: bool) -> int:
             print(f"-- {m.name}\nBEGIN;\n{text.rstrip()}\nCOMMIT;\n")
         return EXIT_OK
     applied = schema.migrate(dsn, name)
+    note = "-- " if roles_action == "print" else ""  # the output is then an SQL script
     for n in applied:
-        print(f"applied {n}")
-    print(f"schema {name!r} is up to date ({len(applied)} applied)")
+        print(f"{note}applied {n}")
+    print(f"{note}schema {name!r} is up to date ({len(applied)} applied)")
+    if roles_action is not None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            if roles_action == "print":
+                print(roles.script(conn, name), end="")
+            else:
+                roles.create(conn, name)
+                print(f"roles {', '.join(roles.role_name(name, r) for r in roles.ROLES)} granted")
     return EXIT_OK
 
 
@@ -92,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return admin.main(cfg, args)
     try:
         if args.command == "migrate":
-            return cmd_migrate(cfg, args.dry_run)
+            return cmd_migrate(cfg, args.dry_run, args.roles)
     except Exception as exc:  # a clear one-line error, secrets redacted
         print(f"reaper {args.command}: {type(exc).__name__}: {config_mod.redact_dsn(str(exc))}", file=sys.stderr)
         return EXIT_FAILURE

@@ -1,0 +1,211 @@
+"""Least privilege, logged in as each role: it can do its job and nothing else.
+
+The group roles come from `tracker.roles` (what `reaper migrate --roles create` runs); each test
+logs in as a role that is a member of one of them, never as the owner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg import errors, sql
+
+import tracker
+from tracker import roles
+from tracker.schema import migrate
+
+
+def _drop_role(conn: psycopg.Connection, role: str) -> None:
+    if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role]).fetchone():
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+@pytest.fixture
+def granted(pg_dsn, schema) -> Iterator[str]:
+    """The schema's roles created and granted; dropped afterwards (roles are the cluster's)."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        roles.create(conn, schema)
+    try:
+        yield schema
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for r in roles.ROLES:
+                _drop_role(conn, roles.role_name(schema, r))
+
+
+@contextlib.contextmanager
+def login_as(pg_dsn: str, schema: str, role: str) -> Iterator[psycopg.Connection]:
+    name = f"login_{role}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute(
+            sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(
+                sql.Identifier(name), sql.Identifier(roles.role_name(schema, role))
+            )
+        )
+    try:
+        with psycopg.connect(pg_dsn.replace("postgres@", f"{name}@")) as conn:
+            yield conn
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            _drop_role(admin, name)
+
+
+def _denied(conn: psycopg.Connection, statement: str, params: list | None = None) -> None:
+    conn.execute("SAVEPOINT denied")
+    with pytest.raises(errors.InsufficientPrivilege):
+        conn.execute(statement, params)
+    conn.execute("ROLLBACK TO SAVEPOINT denied")
+
+
+def _call(conn: psycopg.Connection, schema: str, call: str, params: list) -> list[tuple]:
+    return conn.execute(sql.SQL("SELECT * FROM {}." + call).format(sql.Identifier(schema)), params).fetchall()
+
+
+def test_a_producer_uses_the_functions_and_cannot_touch_the_tables(pg_dsn, granted):
+    s = granted
+    with login_as(pg_dsn, s, "producer") as conn:
+        ((batch_id,),) = _call(conn, s, "open_batch(%s, %s)", ["catalog-1", None])
+        groups = _call(conn, s, "add_items(%s, %s)", [batch_id, 3])
+        assert [(g[0], g[1]) for g in groups] == [(batch_id, 0)]
+        assert _call(conn, s, "close_batch(%s, %s)", [batch_id, "batch-completions"]) == [(False,)]
+        assert _call(conn, s, "batch_status(%s)", [batch_id])[0][0] == "closed"
+        conn.commit()
+        _denied(conn, f"UPDATE \"{s}\".batch_group SET bits = B'000', pending = 0 WHERE batch_id = %s", [batch_id])
+        _denied(conn, f'UPDATE "{s}".batch SET pending = 0 WHERE id = %s', [batch_id])
+        _denied(conn, f'SELECT * FROM "{s}".batch')
+        _denied(conn, f'SELECT * FROM "{s}".ack(%s)', [[f"{batch_id}:0:0"]])
+        _denied(conn, f'SELECT * FROM "{s}".ack_claim_items(%s, %s, %s, %s, %s)', [[1], [0], [0], f'"{s}".outbox', "t"])
+
+
+def test_a_consumer_acks_and_completes_through_the_functions_only(pg_dsn, granted):
+    s = granted
+    with psycopg.connect(pg_dsn) as owner:
+        batch = tracker.open_batch(owner, schema=s)
+        (handle,) = tracker.add_items(owner, batch, 2, schema=s)
+        tracker.close_batch(owner, batch, schema=s)
+        owner.commit()
+    with login_as(pg_dsn, s, "consumer") as conn:
+        ((acked, duplicates, completed),) = _call(conn, s, "ack(%s, %s)", [handle.item_ids, "batch-completions"])
+        assert (acked, duplicates, completed) == (2, 0, [batch.id])
+        conn.commit()
+        _denied(conn, f'INSERT INTO "{s}".outbox (topic, value) VALUES (%s, %s)', ["any-topic", b"x"])
+        _denied(conn, f'UPDATE "{s}".batch_group SET bits = bits')
+        _denied(conn, f'SELECT * FROM "{s}".open_batch(%s, %s)', [None, None])
+    with psycopg.connect(pg_dsn) as owner:
+        assert tracker.status(owner, batch, schema=s).state == "complete"
+        events = owner.execute(f'SELECT count(*) FROM "{s}".outbox WHERE topic = %s', ["batch-completions"]).fetchone()
+        assert events == (1,)
+
+
+def test_an_operator_reads_everything_and_writes_nothing(pg_dsn, granted):
+    s = granted
+    with psycopg.connect(pg_dsn) as owner:
+        batch = tracker.open_batch(owner, schema=s)
+        owner.commit()
+    with login_as(pg_dsn, s, "operator") as conn:
+        for table in ("batch", "batch_group", "outbox", "outbox_dead", "harvest_claim", "schema_migrations"):
+            conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(s, table))).fetchone()
+        assert _call(conn, s, "batch_status(%s)", [batch.id])[0][0] == "open"
+        _denied(conn, f'INSERT INTO "{s}".outbox (topic, value) VALUES (%s, %s)', ["t", b"x"])
+        _denied(conn, f'UPDATE "{s}".batch SET state = %s', ["expired"])
+        _denied(conn, f'DELETE FROM "{s}".batch')
+        _denied(conn, f'SELECT * FROM "{s}".close_batch(%s, %s)', [batch.id, "t"])
+
+
+def test_the_python_api_runs_as_the_app_role_in_its_own_transaction(pg_dsn, granted):
+    s = granted
+    with login_as(pg_dsn, s, "app") as conn:
+        batch = tracker.open_batch(conn, schema=s)
+        (handle,) = tracker.add_items(conn, batch, 4, schema=s)
+        enqueued = tracker.outbox.enqueue(conn, batch, [b"v", b"w"], topic="items", schema=s)
+        tracker.close_batch(conn, batch, schema=s)
+        conn.commit()
+        ids = handle.item_ids + [i for h in enqueued for i in h.item_ids]
+        assert tracker.ack(conn, ids[:2], schema=s).acked == 2  # the claims path: a function and a trigger
+        conn.commit()
+        assert tracker.ack(conn, ids[2:], schema=s, claims=False).acked == 4  # the masked path
+        conn.commit()
+        assert tracker.status(conn, batch, schema=s).state == "complete"
+        _denied(conn, f'DELETE FROM "{s}".outbox_dead')  # the sidecar's tables are not the app's
+
+
+def test_the_reaper_role_applies_masks_and_drains_the_outbox(pg_dsn, granted):
+    s = granted
+    with psycopg.connect(pg_dsn) as owner:
+        batch = tracker.open_batch(owner, schema=s)
+        (handle,) = tracker.add_items(owner, batch, 3, schema=s)
+        tracker.close_batch(owner, batch, schema=s)
+        owner.commit()
+    with login_as(pg_dsn, s, "reaper") as conn:
+        result = tracker.apply_masks(
+            conn, tracker.fold(handle.item_ids), schema=s, reject_invalid=True, skip_locked=True
+        )
+        assert result.acked == 3 and result.completed == [batch.id]
+        conn.commit()
+        rows = conn.execute(f'DELETE FROM "{s}".outbox RETURNING topic').fetchall()
+        assert ("batch-completions",) in rows
+        conn.commit()
+
+
+def test_reaper_migrate_works_without_superuser_and_prints_the_grants(pg_dsn):
+    role, name = f"migrator_{uuid.uuid4().hex[:8]}", f"m_{uuid.uuid4().hex[:10]}"
+    db = psycopg.conninfo.conninfo_to_dict(pg_dsn)["dbname"]
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        admin.execute(sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(db), sql.Identifier(role)))
+    try:
+        dsn = pg_dsn.replace("postgres@", f"{role}@")
+        assert migrate(dsn, name)  # every migration, as a role that only may create a schema
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            assert not conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()[0]
+            text = roles.script(conn, name)
+            owner = conn.execute(
+                "SELECT DISTINCT pg_get_userbyid(proowner) FROM pg_proc WHERE pronamespace = %s::regnamespace", [name]
+            ).fetchall()
+        assert owner == [(role,)]
+        assert f'GRANT EXECUTE ON FUNCTION "{name}"."ack"(text[],text) TO "{name}_consumer"' in text
+        assert f'"{name}_producer"' in text and "batch_group" not in text.split(f'"{name}_producer"')[0][-200:]
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+            admin.execute(
+                sql.SQL("REVOKE CREATE ON DATABASE {} FROM {}").format(sql.Identifier(db), sql.Identifier(role))
+            )
+            _drop_role(admin, role)
+
+
+def test_reaper_migrate_roles_print_is_a_script_a_dba_can_run(pg_dsn):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    name = f"p_{uuid.uuid4().hex[:10]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
+    env.update(REAPER_DATABASE__DSN=pg_dsn, REAPER_DATABASE__SCHEMA=name)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "harvester.cli", "migrate", "--roles", "print"],
+            cwd=Path(__file__).resolve().parents[1],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        assert all(line.startswith(("--", "GRANT", "DO $$")) for line in r.stdout.splitlines() if line), r.stdout
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            admin.execute(r.stdout)  # as printed: creates the roles and grants
+            assert admin.execute("SELECT count(*) FROM pg_roles WHERE rolname LIKE %s", [f"{name}\\_%"]).fetchone() == (
+                len(roles.ROLES),
+            )
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            for role in roles.ROLES:
+                _drop_role(admin, roles.role_name(name, role))
+            admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
