@@ -314,3 +314,93 @@ def test_open_waits_are_capped_per_token(pg_dsn, schema):
             with client.stream("GET", f"/v1/batches/{batch_id}/events") as r:
                 assert r.status_code == 200 and "complete" in r.read().decode()
         assert client.get(f"/v1/batches/{batch_id}/completion?wait=0").status_code == 200
+
+
+def test_strict_parsing_costs_memory_in_proportion_to_the_body_whatever_its_shape():
+    """A field's path is spelled out only for the one reported: a long key over a long list costs
+    the body's size, not the key's length times the list's."""
+    import json
+    import tracemalloc
+
+    from harvester.http.strict_json import loads
+
+    for body in (
+        json.dumps({"ids": {"k" * 100_000: [0] * 3000}}).encode(),
+        json.dumps({"a" * 5000: {"b" * 5000: [[["x"] * 100] * 20] * 5}}).encode(),
+    ):
+        tracemalloc.start()
+        loads(body)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 20 * len(body) + (1 << 20), (len(body), peak)
+
+
+def test_what_h11_refuses_is_a_problem_document_too(server):
+    answer = _raw_exchange(server.url, b"POST /v1/batches HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: identity\r\n\r\n{}")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/problem+json" in head.lower(), answer
+    import json
+
+    assert json.loads(body)["type"].endswith(":invalid-request")
+
+
+def test_an_item_id_in_a_path_with_a_nul_is_a_malformed_id_on_both_backends(client):
+    for bad in ("1:0:%00", "%001:0:0", "1:0:0-%00", "1:0:x"):
+        r = client.post(f"/v1/acks/{bad}")
+        assert r.status_code == 400 and r.json()["type"].endswith(":malformed-item-id"), (bad, r.text)
+
+
+def test_a_client_that_stops_reading_its_responses_is_disconnected(pg_dsn, schema):
+    import time
+
+    cfg = http_config(pg_dsn, schema, header_timeout=1.0, body_timeout=1.0)
+    with RunningServer(cfg, [TOKEN]) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect((host, int(port)))
+        try:
+            s.sendall(b"GET /v1/openapi.json HTTP/1.1\r\nHost: x\r\n\r\n" * 300)
+            time.sleep(4)  # never reading: the server's writes stall past body_timeout
+            s.settimeout(10)
+            got, closed = b"", False
+            while True:
+                try:
+                    data = s.recv(1 << 20)
+                except TimeoutError:
+                    break
+                if not data:
+                    closed = True
+                    break
+                got += data
+        finally:
+            s.close()
+    assert closed and got.count(b"HTTP/1.1 200") < 300
+
+
+def test_a_long_poll_whose_client_left_frees_its_place_at_once(pg_dsn, schema):
+    import time
+
+    from harvester.http.security import token_id
+
+    cfg = http_config(pg_dsn, schema, max_waits_per_token=1)
+    with (
+        RunningServer(cfg, [TOKEN]) as server,
+        httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as client,
+    ):
+        batch_id = _open(client)
+        waits = server.app.fastapi.state.waits
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(
+                f"GET /v1/batches/{batch_id}/completion?wait=50 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode()
+            )
+            deadline = time.monotonic() + 30
+            while waits.held(token_id(TOKEN)) < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert waits.held(token_id(TOKEN)) == 1
+        deadline = time.monotonic() + 30  # the client left: its place is freed well before its 50 s
+        while waits.held(token_id(TOKEN)) > 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert waits.held(token_id(TOKEN)) == 0
+        assert client.get(f"/v1/batches/{batch_id}/completion?wait=0").status_code == 200

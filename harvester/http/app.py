@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, TypeVar
 
+import psycopg
 import structlog
 from annotated_types import Ge, Le
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
@@ -28,7 +29,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from harvester.config import Config
 from tracker import BatchStatus
-from tracker.errors import TrackerError
+from tracker.errors import MalformedItemId, TrackerError
 
 from . import models, problems
 from .completion import CompletionWatcher
@@ -83,6 +84,12 @@ def _responses(*extra: int) -> dict:
         c: {"model": models.ProblemDoc, "description": d, "content": {problems.MEDIA_TYPE: {}}}
         for c, d in sorted(codes.items())
     }
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (its request, a GET, has no body left to read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _expire_keys(idempotency: Idempotency, every: float = 60.0) -> None:
@@ -334,7 +341,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         request: Request,
         batch_id: BatchId,
         wait: Annotated[float, Query(ge=0, description="seconds to wait at most")] = 30.0,
-    ) -> models.Status:
+    ) -> models.Status | Response:
         if wait > h.long_poll_max:
             raise Problem(
                 "invalid-request",
@@ -344,15 +351,21 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             )
         deadline = time.monotonic() + wait
         release = waits.hold(request.state.token)
+        gone = asyncio.ensure_future(_disconnected(request))  # a client that leaves frees its place at once
         try:
             s = await call(store.status(batch_id), batch_in_path=True)
             while s.state in ("open", "closed") and not app.state.draining:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                await watcher.wait(batch_id, left)
+                waiting = asyncio.ensure_future(watcher.wait(batch_id, left))
+                await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if gone.done():
+                    waiting.cancel()
+                    return Response(status_code=204)  # nobody is there to read it
                 s = await call(store.status(batch_id), batch_in_path=True)
         finally:
+            gone.cancel()
             release()
         return _status(batch_id, s)
 
@@ -389,7 +402,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
                     return
                 try:
                     s = await store.status(batch_id)
-                except (TrackerError, StoreUnavailable):
+                except (TrackerError, StoreUnavailable, psycopg.Error):
                     return  # the batch was removed (retention) or the database went away: end the stream
                 if s.state == last:
                     yield b": keep-alive\n\n"
@@ -439,8 +452,12 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         dependencies=v1,
     )
     async def ack_one(
-        request: Request, item_id: Annotated[str, Path(max_length=64)], idempotency_key: IdempotencyKey = None
+        request: Request,
+        item_id: Annotated[str, Path(max_length=64)],
+        idempotency_key: IdempotencyKey = None,
     ) -> Response:
+        if "\x00" in item_id:  # a NUL cannot reach PostgreSQL text: refused here, named like any malformed id
+            raise problems.from_tracker(MalformedItemId(item_id, "holds a NUL character"), batch_in_path=False)
         return await _ack(request, [item_id])
 
     @app.get("/healthz", include_in_schema=False)

@@ -3,13 +3,15 @@
 uvicorn closes a keep-alive connection that stays silent, but a connection that sends nothing
 after connecting, or half its headers, or a body a byte at a time, is kept for as long as the
 client likes (a slowloris). This protocol gives each request a deadline for its headers (from the
-connection, or from the end of the previous response) and then one for its body; past either the
-connection is closed. The deadlines are totals, not per read: trickling bytes does not extend them.
+connection, or from the end of the previous response) and then one for its body, and a client that
+stops reading what it is sent gets the body deadline to start again; past any the connection is
+closed. The deadlines are totals, not per read: trickling bytes does not extend them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import h11
@@ -23,6 +25,7 @@ class DeadlineProtocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
+        self._stalled: asyncio.TimerHandle | None = None  # while the client does not read
         self._waiting_for: str | None = None  # "headers" | "body" | None
 
     @classmethod
@@ -38,6 +41,9 @@ class DeadlineProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -47,6 +53,55 @@ class DeadlineProtocol(H11Protocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._track()
+
+    def pause_writing(self) -> None:
+        # The client is not reading what we send: it gets body_timeout to start again.
+        super().pause_writing()
+        if self._stalled is None and not self.transport.is_closing():
+            self._stalled = self.loop.call_later(self.body_timeout, self._expire_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+
+    def _expire_stalled(self) -> None:
+        self._stalled = None
+        if not self.transport.is_closing():
+            self.logger.info("closing a connection whose client stopped reading its responses")
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
+            self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        # What h11 refuses (a malformed request line or header, an unknown Transfer-Encoding) gets
+        # a problem document like every other refusal, not uvicorn's plain text.
+        body = json.dumps(
+            {
+                "type": "urn:outbox-reaper:problem:invalid-request",
+                "title": "The request is not valid",
+                "status": 400,
+                "detail": "the request is not valid HTTP/1.1 (its request line, headers or framing)",
+                "field": "headers",
+            }
+        ).encode()
+        response = h11.Response(
+            status_code=400,
+            headers=[
+                (b"content-type", b"application/problem+json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+            reason=b"Bad Request",
+        )
+        try:
+            output = self.conn.send(response) + self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
+        except h11.LocalProtocolError:  # already answering: nothing more can be said
+            output = b""
+        self.transport.write(output)
+        self.transport.close()
 
     def _track(self) -> None:
         """Arm the deadline that fits what the client still owes us (none while we respond)."""

@@ -28,6 +28,7 @@ from tracker.errors import (
     BatchExpired,
     BatchNotOpen,
     IndexOutOfRange,
+    InvalidValue,
     MalformedItemId,
     TooManyGroups,
     TrackerError,
@@ -168,6 +169,8 @@ class _PoolStore:
                 raise err from None
             if isinstance(exc, (psycopg.OperationalError, psycopg.errors.QueryCanceled)):
                 raise StoreUnavailable(type(exc).__name__) from None
+            if isinstance(exc, psycopg.DataError):  # e.g. a NUL, which PostgreSQL text cannot hold
+                raise InvalidValue("request", "(a value of the request)", str(exc).splitlines()[0]) from None
             raise
         except (TimeoutError, PoolTimeout) as exc:
             raise StoreUnavailable("the database did not answer in time") from exc

@@ -36,7 +36,8 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     out: dict[str, object] = {}
     for key, value in pairs:
         if key in out:
-            raise UnreadableBody("body", f"the key {json.dumps(key)} appears twice in one object")
+            shown = json.dumps(key if len(key) <= 40 else key[:40] + "...")
+            raise UnreadableBody("body", f"the key {shown} appears twice in one object")
         out[key] = value
     return out
 
@@ -53,22 +54,32 @@ def loads(body: bytes) -> object:
 
 
 def _check_strings(value: object) -> None:
-    # Iterative: json.loads bounds the nesting already, this adds no recursion of its own.
-    stack: list[tuple[str, object]] = [("body", value)]
+    # Iterative (json.loads bounds the nesting already), and a field's path is spelled out only for
+    # the one reported: each value carries a link to its parent, never a copy of the path so far.
+    stack: list[tuple[object, tuple[object, str | int] | None]] = [(value, None)]
     while stack:
-        path, item = stack.pop()
+        item, where = stack.pop()
         if isinstance(item, str):
             bad = _UNSTORABLE.search(item)
             if bad is not None:
                 what = "a NUL character" if bad.group() == "\x00" else "an unpaired UTF-16 surrogate"
-                raise UnreadableBody(path, f"the text holds {what} at position {bad.start()}")
+                raise UnreadableBody(_path(where), f"the text holds {what} at position {bad.start()}")
         elif isinstance(item, dict):
             for key, child in item.items():
                 if _UNSTORABLE.search(key) is not None:
-                    raise UnreadableBody(path, "a key holds a NUL character or an unpaired surrogate")
-                stack.append((f"{path}.{key}", child))
+                    raise UnreadableBody(_path(where), "a key holds a NUL character or an unpaired surrogate")
+                stack.append((child, (where, key)))
         elif isinstance(item, list):
-            stack.extend((f"{path}[{i}]", child) for i, child in enumerate(item))
+            stack.extend((child, (where, i)) for i, child in enumerate(item))
+
+
+def _path(where: tuple[object, str | int] | None) -> str:
+    parts: list[str] = []
+    while where is not None:
+        parent, step = where
+        parts.append(f"[{step}]" if isinstance(step, int) else f".{step if len(step) <= 40 else step[:40] + '...'}")
+        where = parent  # type: ignore[assignment]
+    return "body" + "".join(reversed(parts))
 
 
 class StrictRequest(Request):
