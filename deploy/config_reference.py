@@ -85,6 +85,7 @@ DESCRIPTIONS = {
     "http.port": "`reaper serve`: TCP port",
     "http.tokens": "bearer tokens, comma-separated (prefer tokens_file); none: refuse to start unless local_mode",
     "http.tokens_file": "file of bearer tokens, one per line ('#' starts a comment)",
+    "http.tenants_file": "YAML file of tenants: each one's token hashes (sha256:...) and allowed completion topics; re-read on change and on SIGHUP",
     "http.local_mode": "true: serve without tokens, on a loopback address only",
     "http.max_body_bytes": "largest request body accepted (413 above)",
     "http.max_ids_per_request": "most ack entries (ids or runs) in one request",

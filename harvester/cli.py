@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub.add_parser("run", help="run the harvester, acker, sweeper and metrics server until SIGTERM")
     sub.add_parser("serve", help="serve the tracker over HTTP (http section of the configuration) until SIGTERM")
+    tok = sub.add_parser("token", help="make a bearer token for a tenant of http.tenants_file")
+    tok.add_argument("action", choices=["new"])
+    tok.add_argument("--tenant", required=True, help="the tenant it speaks for")
     admin.add_parsers(sub)  # outbox status, dead list|requeue, batch show|expire
     return ap
 
@@ -93,8 +96,19 @@ def cmd_run(cfg: config_mod.Config) -> int:
         return EXIT_FAILURE
 
 
+def cmd_token(tenant: str) -> int:
+    from .http.tenants import new_token
+
+    token, digest = new_token()
+    print(f"token (give it to the client; it is not stored anywhere): {token}")
+    print(f"add to http.tenants_file under tenants.{tenant}.tokens: {digest}")
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "token":  # needs no configuration
+        return cmd_token(args.tenant)
     try:
         cfg = config_mod.load(args.config)
     except config_mod.ConfigError as exc:

@@ -140,6 +140,7 @@ class HttpConfig:
     port: int = 8400
     tokens: str = ""
     tokens_file: str = ""
+    tenants_file: str = ""  # YAML: tenants, their token hashes and completion topics (re-read on change)
     local_mode: bool = False  # no tokens, loopback only: a developer's machine
     max_body_bytes: int = 4 * 1024 * 1024
     max_ids_per_request: int = 100000  # ack entries (ids or runs) in one request

@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from harvester.config import Config
 from tracker import BatchStatus
-from tracker.errors import MalformedItemId, TrackerError
+from tracker.errors import MalformedItemId, TrackerError, UnknownBatch
 
 from . import models, problems
 from .completion import CompletionWatcher
@@ -38,9 +38,10 @@ from .health import Readiness
 from .idempotency import Idempotency, Reply, fingerprint, key_of
 from .observe import Observe, metrics
 from .problems import Problem
-from .security import BodyLimit, RateLimiter, Scope, Send, TokenAuth
+from .security import BodyLimit, RateLimiter, Scope, Send
 from .store import SqlFunctionStore, Store, StoreUnavailable, TrackerStore
 from .strict_json import StrictJSONRoute
+from .tenants import DEFAULT, TenantAuth
 from .waits import HeldStream, WaitsPerToken
 
 T = TypeVar("T")
@@ -84,6 +85,12 @@ def _responses(*extra: int) -> dict:
         c: {"model": models.ProblemDoc, "description": d, "content": {problems.MEDIA_TYPE: {}}}
         for c, d in sorted(codes.items())
     }
+
+
+def _column(tenant: object) -> str | None:
+    """The batch's tenant column: null for the default tenant (as batches opened by the Python API or SQL)."""
+    name = getattr(tenant, "name", DEFAULT)
+    return None if name == DEFAULT else str(name)
 
 
 async def _disconnected(request: Request) -> None:
@@ -135,7 +142,9 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         timeout=h.request_timeout,
     )
     watcher = CompletionWatcher(store.finished, h.completion_poll_interval)
+    auth = TenantAuth(tokens or [], h.tenants_file, cfg.harvester.default_completion_topic)
     log = structlog.get_logger("reaper.http")
+    audit = structlog.get_logger("reaper.audit")
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -165,6 +174,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     app.router.route_class = StrictJSONRoute  # before the routes: every body is read strictly
     app.state.draining = False
     app.state.watcher = watcher
+    app.state.auth = auth  # `reaper serve` reloads its tenants on SIGHUP
 
     def _instance(request: Request) -> str:
         return request.url.path
@@ -232,6 +242,25 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     waits = app.state.waits = WaitsPerToken(h.max_waits_per_token)
     idempotency = Idempotency(store, h.idempotency_window)
 
+    async def own(s: Store, request: Request, batch_ids: list[int]) -> None:
+        """Another tenant's batch answers as one that does not exist."""
+        foreign = await s.foreign(batch_ids, request.state.tenant.name)
+        if foreign:
+            raise problems.from_tracker(UnknownBatch(foreign[0]), batch_in_path=True)
+
+    async def own_acked(s: Store, request: Request, ids: list[str]) -> None:
+        named: dict[int, int] = {}  # batch -> the position of the first entry naming it
+        for position, entry in enumerate(ids):
+            head = entry.partition(":")[0]
+            if 0 < len(head) <= 19 and head.isascii() and head.isdigit():
+                named.setdefault(int(head), position)
+        if not named:
+            return
+        foreign = await s.foreign(list(named), request.state.tenant.name)
+        if foreign:
+            first = min(foreign, key=named.__getitem__)
+            raise problems.from_tracker(UnknownBatch(first, ids[named[first]]), batch_in_path=False)
+
     async def respond(request: Request, work: Callable[[Store], Awaitable[Reply]]) -> Response:
         """Run a POST's work, once per Idempotency-Key when the request carries one."""
         key = key_of(request.scope)
@@ -243,6 +272,16 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         if reply.completed:
             watcher.notify(reply.completed)  # after the commit: a woken long-poll sees the completion
         headers = {**reply.headers, **({"Idempotent-Replayed": "true"} if replayed else {})}
+        audit.info(  # one line per write, naming who did it
+            "audit",
+            tenant=request.state.tenant.name,
+            token=request.state.token,
+            method=request.method,
+            path=request.url.path,
+            status=reply.status,
+            replayed=replayed,
+            request_id=request.scope.get("state", {}).get("request_id"),
+        )
         return JSONResponse(reply.doc, status_code=reply.status, headers=headers)
 
     v1 = [Depends(_bearer)]  # every /v1 route documents the bearer token (Guard checks it)
@@ -263,8 +302,17 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         if body.user_key is not None and "\x00" in body.user_key:
             raise Problem("invalid-request", "user_key contains a NUL character", field="body.user_key")
 
+        tenant = request.state.tenant
+        topic = body.completion_topic or cfg.harvester.default_completion_topic
+        if not tenant.may_complete_into(topic):
+            raise Problem(
+                "forbidden",
+                f"tenant {tenant.name} may not complete batches into topic {topic!r} (http.tenants_file)",
+                field="body.completion_topic",
+            )
+
         async def work(s: Store) -> Reply:
-            b = await call(s.open_batch(body.user_key, body.completion_topic), batch_in_path=False)
+            b = await call(s.open_batch(body.user_key, body.completion_topic, _column(tenant)), batch_in_path=False)
             doc = models.Batch(
                 batch_id=b.id,
                 user_key=b.user_key,
@@ -284,7 +332,8 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         summary="A batch's status",
         dependencies=v1,
     )
-    async def get_status(batch_id: BatchId) -> models.Status:
+    async def get_status(request: Request, batch_id: BatchId) -> models.Status:
+        await own(store, request, [batch_id])
         return _status(batch_id, await call(store.status(batch_id), batch_in_path=True))
 
     @app.post(
@@ -307,6 +356,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             )
 
         async def work(s: Store) -> Reply:
+            await own(s, request, [batch_id])
             handles = await call(s.add_items(batch_id, body.count), batch_in_path=True)
             groups = [models.Group(group_id=g.group_id, start=g.start, upto=g.upto) for g in handles]
             return Reply(200, models.Added(batch_id=batch_id, count=body.count, groups=groups).model_dump(mode="json"))
@@ -323,6 +373,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     )
     async def close(request: Request, batch_id: BatchId, idempotency_key: IdempotencyKey = None) -> Response:
         async def work(s: Store) -> Reply:
+            await own(s, request, [batch_id])
             complete = await call(s.close_batch(batch_id), batch_in_path=True)
             doc = models.Closed(batch_id=batch_id, complete=complete).model_dump(mode="json")
             return Reply(200, doc, completed=[batch_id] if complete else [])
@@ -350,6 +401,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
                 limit=h.long_poll_max,
             )
         deadline = time.monotonic() + wait
+        await own(store, request, [batch_id])
         release = waits.hold(request.state.token)
         gone = asyncio.ensure_future(_disconnected(request))  # a client that leaves frees its place at once
         try:
@@ -384,6 +436,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         dependencies=v1,
     )
     async def events(request: Request, batch_id: BatchId) -> Response:
+        await own(store, request, [batch_id])
         first = await call(store.status(batch_id), batch_in_path=True)  # 404 before the stream starts
         release = waits.hold(request.state.token)
 
@@ -424,6 +477,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             )
 
         async def work(s: Store) -> Reply:
+            await own_acked(s, request, ids)
             r = await call(s.ack(ids), batch_in_path=False)
             doc = models.AckResult(acked=r.acked, duplicates=r.duplicates, completed=r.completed).model_dump(
                 mode="json"
@@ -495,7 +549,6 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
 
     app.openapi = openapi  # type: ignore[method-assign]
 
-    auth = TokenAuth(tokens or [])
     limiter = RateLimiter(h.rate_limit, h.rate_burst)
 
     async def too_large(scope: Scope, send: Send) -> None:

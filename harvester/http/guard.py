@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 from . import problems
 from .problems import Problem
-from .security import RateLimiter, Receive, Scope, Send, TokenAuth, headers_of, state_of
+from .security import RateLimiter, Receive, Scope, Send, headers_of, state_of
+from .tenants import TenantAuth
 
 
 async def send_problem(scope: Scope, receive: Receive, send: Send, problem: Problem) -> None:
@@ -19,7 +20,7 @@ class Guard:
     """Every request framed one way only; /v1: one valid bearer token, within its rate; POST
     bodies must be JSON."""
 
-    def __init__(self, app: Callable, auth: TokenAuth, limiter: RateLimiter, open_paths: set[str]) -> None:
+    def __init__(self, app: Callable, auth: TenantAuth, limiter: RateLimiter, open_paths: set[str]) -> None:
         self.app, self.auth, self.limiter, self.open_paths = app, auth, limiter, open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -56,8 +57,9 @@ class Guard:
             return
         headers = dict(headers_of(scope))
         raw = headers.get(b"authorization")
-        token = self.auth.identify(raw.decode("latin-1") if raw is not None else None)
-        if token is None:
+        self.auth.maybe_reload()
+        caller = self.auth.identify(raw.decode("latin-1") if raw is not None else None)
+        if caller is None:
             why = "no Authorization: Bearer header" if raw is None else "the bearer token is not valid"
             await send_problem(
                 scope,
@@ -66,7 +68,9 @@ class Guard:
                 Problem("unauthorized", why, headers={"WWW-Authenticate": 'Bearer realm="reaper"'}),
             )
             return
+        token = caller.token
         state_of(scope)["token"] = token
+        state_of(scope)["tenant"] = caller.tenant
         wait = self.limiter.take(token)
         if wait > 0:
             await send_problem(

@@ -31,6 +31,7 @@ TYPES: dict[str, tuple[int, str]] = {
     "invalid-request": (400, "The request is not valid"),
     "malformed-item-id": (400, "Malformed item id"),
     "unauthorized": (401, "Missing or wrong bearer token"),
+    "forbidden": (403, "Not allowed for this tenant"),
     "not-found": (404, "No such resource"),
     "unknown-batch": (404, "Unknown batch"),
     "method-not-allowed": (405, "Method not allowed"),

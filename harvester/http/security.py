@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import hmac
 import ipaddress
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
@@ -55,7 +54,7 @@ def load_tokens(cfg: HttpConfig) -> list[str]:
 
 def check_startup(cfg: HttpConfig, tokens: list[str]) -> None:
     """Refuse to serve without tokens unless explicitly in local mode, on a loopback address."""
-    if tokens:
+    if tokens or cfg.tenants_file:
         return
     if not cfg.local_mode:
         raise ConfigError(
@@ -74,29 +73,6 @@ def check_startup(cfg: HttpConfig, tokens: list[str]) -> None:
 def token_id(token: str) -> str:
     """A short stable name for a token, for logs, metrics and rate limiting (never the token)."""
     return "tok-" + hashlib.sha256(token.encode()).hexdigest()[:10]
-
-
-class TokenAuth:
-    def __init__(self, tokens: list[str]) -> None:
-        # Compare digests: equal lengths, and every configured token is compared on every request.
-        self._digests = [(hashlib.sha256(t.encode()).digest(), token_id(t)) for t in tokens]
-        self.enabled = bool(tokens)
-
-    def identify(self, authorization: str | None) -> str | None:
-        """The token id of a valid `Authorization: Bearer <token>` header, else None."""
-        if not self.enabled:
-            return "local"
-        if not authorization:
-            return None
-        scheme, _, credential = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not credential.strip():
-            return None
-        digest = hashlib.sha256(credential.strip().encode("utf-8", "surrogateescape")).digest()
-        found = None
-        for known, name in self._digests:
-            if hmac.compare_digest(known, digest):
-                found = name
-        return found
 
 
 class RateLimiter:

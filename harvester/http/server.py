@@ -65,6 +65,9 @@ def build(cfg: Config) -> tuple[uvicorn.Server, object]:
 
 
 def serve(cfg: Config) -> int:
-    server, _ = build(cfg)
+    server, app = build(cfg)
+    auth = app.fastapi.state.auth  # type: ignore[attr-defined]
+    # SIGHUP re-reads http.tenants_file (it is also re-read when it changes): tokens added or revoked
+    signal.signal(signal.SIGHUP, lambda _sig, _frame: auth.reload())
     server.run()
     return 0 if server.started else 1

@@ -13,8 +13,8 @@ import asyncio
 import copy
 import datetime as dt
 import re
-from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, nullcontext
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Self, TypeVar
 
@@ -23,7 +23,7 @@ from psycopg import sql
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from tracker.aio import AsyncTracker
-from tracker.batches import BatchStatus, GroupHandle
+from tracker.batches import Batch, BatchStatus, GroupHandle
 from tracker.errors import (
     BatchExpired,
     BatchNotOpen,
@@ -65,6 +65,9 @@ def _statements(schema: str) -> dict[str, str]:
     q = {
         # now() is the transaction's start, which is the new row's created_at (its default)
         "open": "SELECT {s}.open_batch(%s, %s), now()",
+        "tenant": "UPDATE {batch} SET tenant = %s WHERE id = %s",
+        # batches that exist and belong to another tenant (`default` also sees those opened without one)
+        "foreign": "SELECT id FROM {batch} WHERE id = ANY(%s) AND coalesce(tenant, 'default') <> %s ORDER BY id",
         "add": "SELECT batch_id, group_id, start, upto FROM {s}.add_items(%s, %s)",
         "close": "SELECT {s}.close_batch(%s, %s)",
         "ack": "SELECT acked, duplicates, completed FROM {s}.ack(%s::text[], %s)",
@@ -157,12 +160,12 @@ class _PoolStore:
         view._bound = conn
         return view
 
-    async def _fetch(self, query: str, params: list) -> list[tuple]:
+    @asynccontextmanager
+    async def _database(self) -> AsyncIterator[psycopg.AsyncConnection]:
+        """A connection within the call's time limit; database errors as the tracker's typed ones."""
         try:
-            async with asyncio.timeout(self.timeout):
-                async with self._acquire() as conn:
-                    cur = await conn.execute(query, params)
-                    return await cur.fetchall()
+            async with asyncio.timeout(self.timeout), self._acquire() as conn:
+                yield conn
         except psycopg.Error as exc:
             err = _tracker_error(exc)
             if err is not None:
@@ -175,8 +178,17 @@ class _PoolStore:
         except (TimeoutError, PoolTimeout) as exc:
             raise StoreUnavailable("the database did not answer in time") from exc
 
+    async def _fetch(self, query: str, params: list) -> list[tuple]:
+        async with self._database() as conn:
+            cur = await conn.execute(query, params)
+            return await cur.fetchall()
+
     async def ping(self) -> None:
         await self._fetch("SELECT 1", [])
+
+    async def foreign(self, batch_ids: list[int], tenant: str) -> list[int]:
+        """Which of these batches belong to another tenant (to be answered as if they did not exist)."""
+        return [r[0] for r in await self._fetch(self.q["foreign"], [batch_ids, tenant])]
 
     async def finished(self, batch_ids: list[int]) -> set[int]:
         """Which of these batches are complete or expired (one query for every long-poll waiter)."""
@@ -200,9 +212,17 @@ class TrackerStore(_PoolStore):
         except (TimeoutError, PoolTimeout) as exc:
             raise StoreUnavailable("the database did not answer in time") from exc
 
-    async def open_batch(self, user_key: str | None, completion_topic: str | None) -> OpenedBatch:
+    async def open_batch(self, user_key: str | None, completion_topic: str | None, tenant: str | None) -> OpenedBatch:
         t = self.tracker
-        b = await self._call(lambda c: t.open_batch(c, user_key=user_key, completion_topic=completion_topic))
+
+        async def open_for(c: psycopg.AsyncConnection) -> Batch:
+            async with c.transaction():  # the batch and its tenant together (a savepoint when bound)
+                b = await t.open_batch(c, user_key=user_key, completion_topic=completion_topic)
+                if tenant is not None:
+                    await c.execute(self.q["tenant"], [tenant, b.id])
+                return b
+
+        b = await self._call(open_for)
         assert b.created_at is not None  # open_batch returns the new row's created_at (NOT NULL)
         return OpenedBatch(b.id, b.user_key, b.completion_topic, b.created_at)
 
@@ -227,9 +247,17 @@ class TrackerStore(_PoolStore):
 class SqlFunctionStore(_PoolStore):
     """The SQL functions of migration 0007, as any other language calls them."""
 
-    async def open_batch(self, user_key: str | None, completion_topic: str | None) -> OpenedBatch:
-        ((batch_id, created_at),) = await self._fetch(self.q["open"], [user_key, completion_topic])
-        return OpenedBatch(batch_id, user_key, completion_topic, created_at)
+    async def open_batch(self, user_key: str | None, completion_topic: str | None, tenant: str | None) -> OpenedBatch:
+        if tenant is None:
+            ((batch_id, created_at),) = await self._fetch(self.q["open"], [user_key, completion_topic])
+            return OpenedBatch(batch_id, user_key, completion_topic, created_at)
+        async with self._database() as conn, conn.transaction():
+            # the batch and its tenant together (a savepoint when bound to a caller's transaction)
+            cur = await conn.execute(self.q["open"], [user_key, completion_topic])
+            row = await cur.fetchone()
+            assert row is not None
+            await conn.execute(self.q["tenant"], [tenant, row[0]])
+        return OpenedBatch(row[0], user_key, completion_topic, row[1])
 
     async def add_items(self, batch_id: int, n: int) -> list[GroupHandle]:
         rows = await self._fetch(self.q["add"], [batch_id, n])

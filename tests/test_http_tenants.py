@@ -1,0 +1,160 @@
+"""Tenants through a real server on both backends: another tenant's batch is indistinguishable from
+one that does not exist, completion topics are allowed per tenant, tokens are stored as hashes and
+added or revoked without a restart, and every write leaves an audit line naming its tenant."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+import structlog
+from psycopg import sql
+from support.http_server import RunningServer, http_config
+
+from harvester.config import ConfigError
+from harvester.http.tenants import TenantAuth, parse
+
+BILLING = "billing-token-0123456789abcdef"
+SEARCH = "search-token-0123456789abcdef"
+LATER = "later-token-0123456789abcdef"
+
+
+def _hash(token: str) -> str:
+    return "sha256:" + hashlib.sha256(token.encode()).hexdigest()
+
+
+def _write(path: Path, tenants: dict[str, tuple[list[str], list[str] | None]]) -> None:
+    lines = ["tenants:"]
+    for name, (tokens, topics) in tenants.items():
+        lines.append(f"  {name}:")
+        lines.append(f"    tokens: [{', '.join(repr(_hash(t)) for t in tokens)}]")
+        if topics is not None:
+            lines.append(f"    completion_topics: [{', '.join(topics)}]")
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture(params=["tracker", "sql"])
+def servers(request, pg_dsn, schema, tmp_path):
+    tenants_file = tmp_path / "tenants.yaml"
+    _write(tenants_file, {"billing": ([BILLING], ["billing-done"]), "search": ([SEARCH], None)})
+    cfg = http_config(pg_dsn, schema, backend=request.param, tenants_file=str(tenants_file))
+    with RunningServer(cfg, []) as server:
+        yield server, tenants_file
+
+
+def _client(server, token: str) -> httpx.Client:
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+
+
+def _state(pg_dsn, schema):
+    with psycopg.connect(pg_dsn) as c:
+        return (
+            c.execute(
+                sql.SQL("SELECT id, state, total, pending, tenant FROM {} ORDER BY id").format(
+                    sql.Identifier(schema, "batch")
+                )
+            ).fetchall(),
+            c.execute(
+                sql.SQL("SELECT batch_id, id, bits::text FROM {} ORDER BY 1, 2").format(
+                    sql.Identifier(schema, "batch_group")
+                )
+            ).fetchall(),
+        )
+
+
+def test_another_tenants_batch_is_indistinguishable_from_one_that_does_not_exist(servers, pg_dsn, schema):
+    server, _ = servers
+    with _client(server, BILLING) as billing, _client(server, SEARCH) as search:
+        r = billing.post("/v1/batches", json={"completion_topic": "billing-done", "user_key": "secret"})
+        batch_id = r.json()["batch_id"]
+        (group,) = billing.post(f"/v1/batches/{batch_id}/items", json={"count": 3}).json()["groups"]
+        absent = batch_id + 1000
+        before = _state(pg_dsn, schema)
+        for theirs, nobodys in (
+            (search.get(f"/v1/batches/{batch_id}"), search.get(f"/v1/batches/{absent}")),
+            (
+                search.post(f"/v1/batches/{batch_id}/items", json={"count": 1}),
+                search.post(f"/v1/batches/{absent}/items", json={"count": 1}),
+            ),
+            (search.post(f"/v1/batches/{batch_id}/close"), search.post(f"/v1/batches/{absent}/close")),
+            (
+                search.get(f"/v1/batches/{batch_id}/completion?wait=0"),
+                search.get(f"/v1/batches/{absent}/completion?wait=0"),
+            ),
+            # (a short read timeout: were the stream served, the test would fail here, not hang)
+            (search.get(f"/v1/batches/{batch_id}/events", timeout=5), search.get(f"/v1/batches/{absent}/events")),
+            (
+                search.post("/v1/acks", json={"ids": [f"{batch_id}:{group['group_id']}:0"]}),
+                search.post("/v1/acks", json={"ids": [f"{absent}:0:0"]}),
+            ),
+        ):
+            assert theirs.status_code == nobodys.status_code and theirs.status_code in (404, 422), theirs.text
+            mask = lambda d: {k: v for k, v in d.items() if k not in ("detail", "batch_id", "item_id", "instance")}
+            assert mask(theirs.json()) == mask(nobodys.json())
+            assert "secret" not in theirs.text
+        # a mixed ack is refused whole: nothing of it is applied, nothing counted for the owner
+        mixed = search.post("/v1/acks", json={"ids": [f"{batch_id}:{group['group_id']}:1"]})
+        assert mixed.status_code == 422
+        assert _state(pg_dsn, schema) == before
+        # the owner still sees and completes it
+        assert (
+            billing.post("/v1/acks", json={"ids": [f"{batch_id}:{group['group_id']}:{i}" for i in range(3)]}).json()[
+                "acked"
+            ]
+            == 3
+        )
+        assert billing.post(f"/v1/batches/{batch_id}/close").json()["complete"] is True
+
+
+def test_completion_topics_are_allowed_per_tenant(servers):
+    server, _ = servers
+    with _client(server, BILLING) as billing, _client(server, SEARCH) as search:
+        assert billing.post("/v1/batches", json={"completion_topic": "billing-done"}).status_code == 201
+        refused = billing.post("/v1/batches", json={"completion_topic": "payments-internal"})
+        assert refused.status_code == 403 and refused.json()["type"].endswith(":forbidden")
+        assert billing.post("/v1/batches", json={}).status_code == 403  # the default topic is not in its list
+        assert search.post("/v1/batches", json={}).status_code == 201  # no list: the server's default topic only
+        assert search.post("/v1/batches", json={"completion_topic": "elsewhere"}).status_code == 403
+
+
+def test_tokens_are_added_and_revoked_without_a_restart(servers):
+    server, tenants_file = servers
+    with _client(server, LATER) as later, _client(server, SEARCH) as search:
+        assert later.get("/v1/batches/1").status_code == 401
+        _write(tenants_file, {"billing": ([BILLING, LATER], ["billing-done"])})  # LATER added, SEARCH revoked
+        deadline = time.monotonic() + 10
+        while later.get("/v1/batches/1").status_code == 401 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert later.get("/v1/batches/1").status_code == 404  # known now (and the batch does not exist)
+        assert search.get("/v1/batches/1").status_code == 401
+        tenants_file.write_text("tenants: [not, a, mapping]\n")  # a broken file keeps what was loaded
+        time.sleep(1.2)
+        assert later.get("/v1/batches/1").status_code == 404
+
+
+def test_every_write_leaves_an_audit_line_naming_its_tenant(servers):
+    server, _ = servers
+    with structlog.testing.capture_logs() as logs, _client(server, BILLING) as billing:
+        batch_id = billing.post("/v1/batches", json={"completion_topic": "billing-done"}).json()["batch_id"]
+        billing.post(f"/v1/batches/{batch_id}/close")
+    audits = [e for e in logs if e.get("event") == "audit"]
+    assert [(a["tenant"], a["method"], a["path"], a["status"]) for a in audits] == [
+        ("billing", "POST", "/v1/batches", 201),
+        ("billing", "POST", f"/v1/batches/{batch_id}/close", 200),
+    ]
+    assert all(a["token"].startswith("tok-") and BILLING not in str(a) for a in audits)
+
+
+def test_the_tenants_file_holds_hashes_only_and_names_what_is_wrong():
+    with pytest.raises(ConfigError, match="sha256"):
+        parse("tenants:\n  a:\n    tokens: ['plain-token-in-clear']\n", "batch-completions")
+    with pytest.raises(ConfigError, match="default"):
+        parse("tenants:\n  default:\n    tokens: []\n", "batch-completions")
+    callers = parse(f"tenants:\n  a:\n    tokens: ['{_hash(BILLING)}']\n", "done")
+    assert [(c.tenant.name, c.tenant.completion_topics) for _, c in callers] == [("a", frozenset({"done"}))]
+    auth = TenantAuth([], "", "done")
+    assert auth.identify(None) is not None  # no tokens at all: local mode, the default tenant
