@@ -1,6 +1,7 @@
 """HTTP benchmark: `python -m bench.http [--quick]`. The last line of output is one JSON object.
 
-Starts `reaper serve` (a subprocess, its own schema, rate limit off, access logs at warning level)
+Starts `reaper serve` (a subprocess, its own schema, rate limit off, access logs at warning level,
+tenants on, every POST with an Idempotency-Key)
 against the local Postgres (OUTBOX_TEST_DSN, else the local services) and measures, in one run:
 
   bulk_ack        POST /v1/acks with --ids ids per request (default 10,000), --bulk-concurrency in
@@ -12,6 +13,9 @@ against the local Postgres (OUTBOX_TEST_DSN, else the local services) and measur
                   rate just measured; open loop): p50/p99 latency at that stated load
   per_ack_direct  baseline: tracker.ack(conn, [one id]) per ack, one transaction each, no HTTP
   bulk_direct     baseline: tracker.ack(conn, 10,000 ids) per call, no HTTP
+  worst_requests  the server's peak memory (VmHWM above its resident set before) for the costliest
+                  requests within the limits: 100,000 ids in distinct groups at their last index,
+                  and 100,000 ids of distinct small batches
 
 The machine is shared (2 cores, Postgres and the client beside the server): compare the ratios.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import signal
@@ -56,13 +61,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _tenants_file() -> Path:
+    """The server runs with tenants on: the bench's token belongs to one, stored as its hash."""
+    path = REPO / "bench" / "results" / "http-tenants.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(TOKEN.encode()).hexdigest()
+    path.write_text(f"tenants:\n  bench:\n    tokens: ['sha256:{digest}']\n")
+    return path
+
+
 def start_server(schema: str, port: int, pool: int) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
     env.update(
         {
             "REAPER_DATABASE__DSN": DSN,
             "REAPER_DATABASE__SCHEMA": schema,
-            "REAPER_HTTP__TOKENS": TOKEN,
+            "REAPER_HTTP__TENANTS_FILE": str(_tenants_file()),
             "REAPER_HTTP__PORT": str(port),
             "REAPER_HTTP__RATE_LIMIT": "0",
             "REAPER_HTTP__POOL_SIZE": str(pool),
@@ -136,9 +150,11 @@ RETRIES = {"count": 0}
 async def _post(client: httpx.AsyncClient, url: str, **kw: object) -> httpx.Response:
     """POST, retried on a transport error (a keep-alive connection the server closed just then):
     safe, as acks are idempotent. Retries are counted in the output."""
+    # Every write carries an Idempotency-Key (the same one for its retries), as a careful client's would.
+    headers = {**kw.pop("headers", {}), "Idempotency-Key": f'"{uuid.uuid4().hex}"'}  # type: ignore[dict-item]
     for attempt in range(3):
         try:
-            return await client.post(url, **kw)
+            return await client.post(url, headers=headers, **kw)
         except httpx.TransportError:
             if attempt == 2:
                 raise
@@ -263,7 +279,44 @@ async def http_scenarios(url: str, a: argparse.Namespace) -> dict:
             "p99_ms": round(_pct(lat, 0.99) * 1000, 2),
         }
         say(f"at_load: {out['at_load']}")
+
+        # the costliest requests within the limits, one at a time: the server's peak memory for each
+        worst = {
+            "distinct_groups_last_index": [f"{10**9 + i}:0:8191" for i in range(100_000)],
+            "distinct_small_batches": [f"{10**9 + i}:0:3" for i in range(100_000)],
+        }
+        out["worst_requests"] = {}
+        for name, worst_ids in worst.items():
+            body = json.dumps({"ids": worst_ids}).encode()
+            before = _reset_peak(a.server_pid)
+            r = await _post(client, "/v1/acks", content=body, headers={"content-type": "application/json"})
+            peak = _memory(a.server_pid)["VmHWM"]
+            out["worst_requests"][name] = {
+                "status": r.status_code,
+                "body_mb": round(len(body) / 1e6, 2),
+                "peak_above_rss_mb": round(max(0, peak - before) / 1024, 1),
+            }
+        say(f"worst_requests: {out['worst_requests']}")
         return out
+
+
+def _memory(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM of a process, in KiB."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0])
+    return fields
+
+
+def _reset_peak(pid: int) -> int:
+    """Reset the process's VmHWM to its current resident set (Linux: clear_refs 5); returns it."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        pass  # not allowed here: the peak then reads as the lifetime high-water mark
+    return _memory(pid)["VmRSS"]
 
 
 def direct_baselines(schema: str, a: argparse.Namespace) -> dict:
@@ -308,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         port = _free_port()
         proc = start_server(schema, port, a.pool)
+        a.server_pid = proc.pid
         try:
             load_before = os.getloadavg()
             results = asyncio.run(http_scenarios(f"http://127.0.0.1:{port}", a))
