@@ -10,7 +10,9 @@
 --    limit; open_batch also takes null for "the default"): RT007, instead of a NOT NULL or CHECK
 --    error from inside the function on the call that completes a batch, or a topic no producer
 --    can publish to. (close_batch, ack_masks and open_batch are 0007's, with the check added.)
--- 3. Every function of the schema resolves names in the schema, pg_catalog and pg_temp only (0006,
+-- 3. Ids are written one way only, as tracker.ids reads them: a number with a leading zero ('07')
+--    is malformed (RT001), not another spelling of 7.
+-- 4. Every function of the schema resolves names in the schema, pg_catalog and pg_temp only (0006,
 --    0009 and 0010 had taken the migration's search_path, which included public).
 
 DO $$ BEGIN
@@ -215,7 +217,7 @@ BEGIN
     CROSS JOIN LATERAL (SELECT split_part(t.id, ':', 1) AS b, split_part(t.id, ':', 2) AS g,
                                ltrim(split_part(split_part(t.id, ':', 3), '-', 1), '0') AS s,
                                ltrim(split_part(split_part(t.id, ':', 3), '-', 2), '0') AS e) x
-    WHERE t.id IS NULL OR t.id !~ '^[0-9]+:[0-9]+:[0-9]+(-[0-9]+)?$'
+    WHERE t.id IS NULL OR t.id !~ '^(0|[1-9][0-9]*):(0|[1-9][0-9]*):(0|[1-9][0-9]*)(-(0|[1-9][0-9]*))?$'
        OR length(x.b) > 19 OR length(x.g) > 19
        OR (length(x.b) = 19 AND x.b::numeric > 9223372036854775807)
        OR (length(x.g) = 19 AND x.g::numeric > 9223372036854775807)
@@ -225,8 +227,9 @@ BEGIN
     ORDER BY t.ord LIMIT 1;
     IF FOUND THEN
         PERFORM ack_entry_error(bad);
-        -- (ack_entry_error raises; this is only reached if the two checks ever disagree)
-        RAISE EXCEPTION 'malformed item id %', quote_literal(bad) USING ERRCODE = 'RT001', DETAIL = bad;
+        -- ack_entry_error explains every misfit but one: a number written with a leading zero
+        RAISE EXCEPTION 'malformed item id %: a number in it has a leading zero (ids are written as plain decimals)',
+            quote_literal(bad) USING ERRCODE = 'RT001', DETAIL = bad;
     END IF;
     -- What the masks will take, before any is built, entry by entry as tracker.ids.fold counts it:
     -- a mask grows to a byte per 8 indexes up to its group's highest so far. The entry whose growth

@@ -193,7 +193,7 @@ WHOLE = [f"{10**6 + i}:0:0-8191" for i in range(GROUPS_PER_FOLD_MAX - 1)]
         ["1:0:0", "2:0:0", *WHOLE, "1:0:8191"],  # the growth of a group named before takes it past
         [*WHOLE, "5:5:5", "6:6:6-8191"],
         [*WHOLE, "5:5:5", "6:6:6-8191", "not-an-id"],  # malformed entries are named first
-        [*WHOLE, "05:5:4095", "5:05:4096-8191", "7:0:0"],  # one group spelled two ways
+        [*WHOLE, "05:5:4095", "5:05:4096-8191", "7:0:0"],  # leading zeros: malformed on both
     ],
     ids=["earlier-group", "last-entry", "malformed-later", "spellings"],
 )

@@ -404,3 +404,15 @@ def test_a_long_poll_whose_client_left_frees_its_place_at_once(pg_dsn, schema):
             time.sleep(0.02)
         assert waits.held(token_id(TOKEN)) == 0
         assert client.get(f"/v1/batches/{batch_id}/completion?wait=0").status_code == 200
+
+
+@pytest.mark.parametrize("spelled", ["01:0:1", "1:00:1", "1:0:01", "1:0:1-02"])
+def test_an_item_id_with_a_leading_zero_is_malformed_in_a_body_and_in_a_path(client, spelled):
+    """'01' and '1' would be two spellings of one batch: ids are read one way only."""
+    batch_id = _open(client)
+    client.post(f"/v1/batches/{batch_id}/items", json={"count": 3})
+    entry = spelled.replace("1:", f"{batch_id}:", 1) if spelled.startswith("1:") else spelled
+    for r in (client.post("/v1/acks", json={"ids": [entry]}), client.post(f"/v1/acks/{entry}")):
+        doc = _problem(r, 400, "malformed-item-id")
+        assert doc["item_id"] == entry
+    assert client.get(f"/v1/batches/{batch_id}").json()["pending"] == 3

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import IndexOutOfRange, MalformedItemId
-from .ids import GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, GroupMask, parse_ack
+from .ids import _INDEX_OF, GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, GroupMask, parse_ack
 
 OUT_OF_RANGE = f"index out of range: no group holds more than {GROUP_BITS_MAX} items"
 __all__ = ["GROUPS_PER_FOLD_MAX", "OUT_OF_RANGE", "EntryFolder", "Folded", "fold_messages"]
@@ -36,8 +36,9 @@ class EntryFolder:
     def add(self, entry: str) -> str | None:
         head, sep, tail = entry.rpartition(":")
         key = self._prefixes.get(head)
-        if key is not None and tail.isdigit() and tail.isascii() and len(tail) < 6:
-            start = end = int(tail)  # the common case: another index of a group already seen
+        index = _INDEX_OF.get(tail) if key is not None else None
+        if index is not None:
+            start = end = index  # the common case: another index of a group already seen, written canonically
         else:
             try:
                 run = parse_ack(entry)

@@ -42,10 +42,17 @@ def format_item_id(batch_id: int, group_id: int, index: int) -> str:
     return f"{batch_id}:{group_id}:{index}"
 
 
-def _nonneg(text: str, whole: object, limit: int = ID_MAX, what: str = "id") -> int:
-    # str.isdigit accepts non-ASCII digits; ids are plain ASCII decimal.
+def _canonical(text: str, whole: object) -> None:
+    # str.isdigit accepts non-ASCII digits; ids are plain ASCII decimal, written one way only:
+    # '7', never '07' (which two readers could take for two different ids).
     if not text or not text.isascii() or not text.isdigit():
         raise MalformedItemId(whole, f"{text!r} is not a non-negative decimal")
+    if len(text) > 1 and text[0] == "0":
+        raise MalformedItemId(whole, f"{text[:24]!r} has a leading zero: ids are written as plain decimals")
+
+
+def _nonneg(text: str, whole: object, limit: int = ID_MAX, what: str = "id") -> int:
+    _canonical(text, whole)
     # Bounded before int(): a 10,000-digit "id" must not cost a big-integer conversion.
     if len(text) > 19 or int(text) > limit:
         raise MalformedItemId(whole, f"{what} {text[:24]} is larger than {limit}")
@@ -55,9 +62,8 @@ def _nonneg(text: str, whole: object, limit: int = ID_MAX, what: str = "id") -> 
 def _index(text: str, whole: object) -> int:
     # No group holds more than GROUP_BITS_MAX items: a larger index can never be valid, and must
     # not make a fold allocate a mask for it.
-    if not text or not text.isascii() or not text.isdigit():
-        raise MalformedItemId(whole, f"{text!r} is not a non-negative decimal")
-    digits = text.lstrip("0") or "0"
+    _canonical(text, whole)
+    digits = text
     if len(digits) > 4 or int(digits) >= GROUP_BITS_MAX:
         raise IndexOutOfRange(whole if isinstance(whole, str) else repr(whole), GROUP_BITS_MAX, any_group=True)
     return int(digits)
@@ -200,7 +206,8 @@ def fold(acks: Iterable[str | bytes], *, max_mask_bytes: int = MASK_BYTES_MAX) -
 _TO_DIGITS = bytes([48, 49]) + bytes(254)  # flag bytes 0/1 -> b'0'/b'1', for int(..., 2)
 # Plain ids, one per line: three non-empty ASCII decimals. Possessive, so the check is one linear pass.
 # Digit counts are bounded so no token can be a huge number; values past a bigint are checked below.
-_PLAIN_IDS = re.compile(r"(?:[0-9]{1,19}+:[0-9]{1,19}+:[0-9]{1,4}+\n)*+[0-9]{1,19}+:[0-9]{1,19}+:[0-9]{1,4}+")
+_ID = r"(?:0|[1-9][0-9]{0,18}+)"
+_PLAIN_IDS = re.compile(rf"(?:{_ID}:{_ID}:[0-9]{{1,4}}+\n)*+{_ID}:{_ID}:[0-9]{{1,4}}+")
 # The canonical spelling of every index a group can hold; anything else takes the slow path.
 _INDEX_OF = {str(i): i for i in range(GROUP_BITS_MAX)}
 
@@ -255,11 +262,9 @@ def _fold_plain_ids(acks: list) -> dict[tuple[int, int], GroupMask] | None:
         last = flags.rfind(1, offset, offset + GROUP_BITS_MAX) - offset
         nbytes = (last >> 3) + 1
         value = int(flags[offset : offset + nbytes * 8].translate(_TO_DIGITS), 2)
-        mask = GroupMask(batch_id, group_id, bytearray(value.to_bytes(nbytes, "big")), last, value.bit_count())
-        if (batch_id, group_id) in masks:  # '007' and '7' name the same batch or group
-            masks[(batch_id, group_id)].merge(mask)
-        else:
-            masks[(batch_id, group_id)] = mask
+        masks[(batch_id, group_id)] = GroupMask(
+            batch_id, group_id, bytearray(value.to_bytes(nbytes, "big")), last, value.bit_count()
+        )
     if sum(m.count for m in masks.values()) != n:
         # Some id came twice: count ids, not bits, per group (duplicates are reported as such).
         counts = Counter(keys)

@@ -36,10 +36,10 @@ def _or_masks(a: tuple[bytes, int], b: tuple[bytes, int]) -> tuple[bytes, int]:
     return merged, a[1] + b[1]
 
 
-# A plain id: '<batch>:<group>:<index>', decimals, the index at most 4 digits. A regex without
-# alternatives (RE2 runs it fast; the bigint bound is checked apart, on the digit strings: equal
-# lengths compare like numbers). Anything else takes the checked path.
-_SHAPE = r"^[0-9]{1,19}:[0-9]{1,19}:[0-9]{1,4}$"
+# A plain id: '<batch>:<group>:<index>', canonical decimals (no leading zero), the index at most 4
+# digits (RE2 runs it fast; the bigint bound is checked apart, on the digit strings: equal lengths
+# compare like numbers). Anything else takes the checked path, which names it.
+_SHAPE = r"^(0|[1-9][0-9]{0,18}):(0|[1-9][0-9]{0,18}):(0|[1-9][0-9]{0,3})$"
 _BIGINT_MAX = "9223372036854775807"
 
 
