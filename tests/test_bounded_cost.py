@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.http_server import TOKEN, RunningServer, http_config
 from test_acker import batch_state, committed, make_acker, produce_raw, read_all, running, wait_for
+from test_folding import Msg
 from test_tracker_support import completion_events, invariant_violations
 
 import tracker
@@ -238,26 +239,6 @@ def test_the_http_service_answers_the_worst_request_with_413_and_keeps_serving(p
 # ---------------------------------------------------------------- the acker's folds
 
 
-class Msg:
-    def __init__(self, value: bytes | None, offset: int, partition: int = 0) -> None:
-        self._value, self._offset, self._partition = value, offset, partition
-
-    def error(self):
-        return None
-
-    def partition(self):
-        return self._partition
-
-    def offset(self):
-        return self._offset
-
-    def key(self):
-        return b"k"
-
-    def value(self):
-        return self._value
-
-
 message_values = st.lists(
     st.lists(entry, min_size=1, max_size=6).map(lambda es: ",".join(es).encode()), min_size=1, max_size=60
 )
@@ -306,17 +287,23 @@ def test_a_message_naming_more_groups_than_a_fold_holds_is_set_aside_as_too_larg
     assert mask.count == 2
 
 
+def _closed_batches(pg_dsn: str, schema: str, n: int, items: int) -> tuple[list, list]:
+    """n closed batches of `items` items each (one group each): (batches, their group handles)."""
+    with psycopg.connect(pg_dsn) as c:
+        batches = [tracker.open_batch(c, schema=schema) for _ in range(n)]
+        handles = [h for b in batches for h in tracker.add_items(c, b, items, schema=schema)]
+        for b in batches:
+            tracker.close_batch(c, b, schema=schema)
+        c.commit()
+    return batches, handles
+
+
 def test_the_acker_applies_a_poll_of_many_groups_in_bounded_rounds_and_rewinds_without_loss(
     pg_dsn, schema, kafka_bootstrap, topics
 ):
     """60 groups in one poll, at most 8 a round; the database away for the first rounds."""
     topic, dlq = topics("acks", partitions=2), topics("dlq")
-    with psycopg.connect(pg_dsn) as c:
-        batches = [tracker.open_batch(c, schema=schema) for _ in range(60)]
-        handles = [h for b in batches for h in tracker.add_items(c, b, 3, schema=schema)]
-        for b in batches:
-            tracker.close_batch(c, b, schema=schema)
-        c.commit()
+    batches, handles = _closed_batches(pg_dsn, schema, 60, 3)
     assert len({(h.batch_id, h.group_id) for h in handles}) == 60
     ids = [i for h in handles for i in h.item_ids]
     too_large = ",".join(f"{10**6 + i}:0:0" for i in range(40)).encode()  # 40 groups > 8
@@ -367,12 +354,7 @@ def test_a_round_that_fails_after_earlier_rounds_committed_loses_nothing(pg_dsn,
             return super()._apply(masks)
 
     topic, dlq = topics("acks", partitions=2), topics("dlq")
-    with psycopg.connect(pg_dsn) as c:
-        batches = [tracker.open_batch(c, schema=schema) for _ in range(40)]
-        handles = [h for b in batches for h in tracker.add_items(c, b, 2, schema=schema)]
-        for b in batches:
-            tracker.close_batch(c, b, schema=schema)
-        c.commit()
+    batches, handles = _closed_batches(pg_dsn, schema, 40, 2)
     ids = [i for h in handles for i in h.item_ids]
     produce_raw(kafka_bootstrap, topic, [(str(n % 2).encode(), i.encode()) for n, i in enumerate(ids)])
     acker = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, max_groups=6, retry_backoff=0.2)
@@ -535,12 +517,7 @@ def test_the_spark_apply_commits_every_max_groups_masks(pg_dsn, schema, monkeypa
     import tracker.api
     from tracker.spark.acks import _apply_partition
 
-    with psycopg.connect(pg_dsn) as c:
-        batches = [tracker.open_batch(c, schema=schema) for _ in range(10)]
-        handles = [h for b in batches for h in tracker.add_items(c, b, 9, schema=schema)]
-        for b in batches:
-            tracker.close_batch(c, b, schema=schema)
-        c.commit()
+    batches, handles = _closed_batches(pg_dsn, schema, 10, 9)
     sizes: list[int] = []
     real = tracker.api.apply_masks
 
