@@ -2,8 +2,10 @@
 -- owner (SECURITY DEFINER; their search_path is pinned to this schema, pg_catalog and pg_temp by
 -- 0012), so a caller needs EXECUTE on them and no privilege on batch, batch_group or outbox: it
 -- cannot corrupt the bits and counts the guarantees rest on. No function is executable by PUBLIC
--- any more: `reaper migrate --roles print|create` grants each role exactly what it needs
--- (tracker/roles.py).
+-- any more (`reaper migrate` revokes it again after every run, since each new function gets it):
+-- `reaper migrate --roles print|create` grants each role exactly what it needs (tracker/roles.py).
+-- A later migration that replaces one of these functions must say SECURITY DEFINER again
+-- (tests/test_roles.py checks both).
 -- Runs with search_path set to the configured schema.
 
 DO $$
@@ -19,7 +21,3 @@ BEGIN
     EXECUTE format('REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA %I FROM PUBLIC', current_schema());
 END $$;
 
--- and so for the functions later migrations create
-DO $$ BEGIN
-    EXECUTE format('ALTER DEFAULT PRIVILEGES IN SCHEMA %I REVOKE EXECUTE ON FUNCTIONS FROM PUBLIC', current_schema());
-END $$;

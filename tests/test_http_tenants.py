@@ -158,3 +158,46 @@ def test_the_tenants_file_holds_hashes_only_and_names_what_is_wrong():
     assert [(c.tenant.name, c.tenant.completion_topics) for _, c in callers] == [("a", frozenset({"done"}))]
     auth = TenantAuth([], "", "done")
     assert auth.identify(None) is not None  # no tokens at all: local mode, the default tenant
+
+
+def test_an_ack_answers_the_same_whether_or_not_another_tenants_batch_exists(servers):
+    """The entries are checked first and the batches in the tracker's order: an ack naming another
+    tenant's batch gets the answer it would get if that batch had never been opened."""
+    server, _ = servers
+    with _client(server, BILLING) as billing, _client(server, SEARCH) as search:
+        theirs = billing.post("/v1/batches", json={"completion_topic": "billing-done"}).json()["batch_id"]
+        billing.post(f"/v1/batches/{theirs}/items", json={"count": 3})
+        mine = search.post("/v1/batches", json={}).json()["batch_id"]
+        search.post(f"/v1/batches/{mine}/items", json={"count": 3})
+        absent = theirs + 1000
+        for template in (
+            ["zz", "{b}:0:0"],  # a malformed entry first: named, whatever follows
+            ["{absent}:0:0", "{b}:0:0"],  # an absent batch first: named first
+            ["{mine}:0:01", "{b}:0:0"],  # a malformed own entry first
+            ["{mine}:0:0", "{b}:0:0"],  # own entries, then the other tenant's batch
+        ):
+
+            def ack(b: int) -> httpx.Response:
+                ids = [t.format(b=b, absent=absent, mine=mine) for t in template]
+                return search.post("/v1/acks", json={"ids": ids})
+
+            a, b = ack(theirs), ack(absent + 1)
+            strip = lambda r: {
+                k: v for k, v in r.json().items() if k not in ("detail", "batch_id", "item_id", "instance")
+            }
+            assert (a.status_code, strip(a)) == (b.status_code, strip(b)), (template, a.text, b.text)
+
+            # and the same entry is named: the other tenant's batch where the absent one would be
+            def entry(r: httpx.Response, stand_in: int) -> tuple[str, str]:
+                head, _, rest = str(r.json().get("item_id")).partition(":")
+                return ("B" if head == str(stand_in) else head), rest
+
+            assert entry(a, theirs) == entry(b, absent + 1), (a.text, b.text)
+
+
+def test_the_reapers_own_topics_are_no_completion_topic_for_anyone(servers):
+    server, _ = servers
+    with _client(server, SEARCH) as search:
+        for topic in ("acks", "acks-dead-letter", "__reaper_leader"):
+            r = search.post("/v1/batches", json={"completion_topic": topic})
+            assert r.status_code == 403 and r.json()["type"].endswith(":forbidden"), r.text

@@ -209,3 +209,50 @@ def test_reaper_migrate_roles_print_is_a_script_a_dba_can_run(pg_dsn):
             for role in roles.ROLES:
                 _drop_role(admin, roles.role_name(name, role))
             admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+def test_after_migrate_no_function_is_executable_by_public_and_the_callers_run_as_owner(pg_dsn, schema):
+    with psycopg.connect(pg_dsn) as conn:
+        rows = conn.execute(
+            "SELECT p.proname, has_function_privilege('public', p.oid, 'EXECUTE'), p.prosecdef"
+            " FROM pg_proc p WHERE p.pronamespace = %s::regnamespace",
+            [schema],
+        ).fetchall()
+    assert rows and not [name for name, public, _ in rows if public], "PUBLIC may execute these"
+    definer = {name for name, _, secdef in rows if secdef}
+    assert definer == set(roles.PRODUCER_FUNCTIONS) | set(roles.CONSUMER_FUNCTIONS)
+
+
+def test_the_reaper_role_reads_but_never_writes_which_migrations_ran(pg_dsn, granted):
+    s = granted
+    with login_as(pg_dsn, s, "reaper") as conn:
+        assert (
+            conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(s, "schema_migrations"))).fetchone()[
+                0
+            ]
+            > 0
+        )
+        _denied(conn, f'DELETE FROM "{s}".schema_migrations')
+
+
+def test_an_upgrade_by_the_schemas_owner_needs_no_create_on_the_database(pg_dsn):
+    role, name = f"owner_{uuid.uuid4().hex[:8]}", f"u_{uuid.uuid4().hex[:10]}"
+    db = psycopg.conninfo.conninfo_to_dict(pg_dsn)["dbname"]
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        admin.execute(sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(db), sql.Identifier(role)))
+    try:
+        dsn = pg_dsn.replace("postgres@", f"{role}@")
+        assert migrate(dsn, name)
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:  # the first install done, CREATE taken back
+            admin.execute(
+                sql.SQL("REVOKE CREATE ON DATABASE {} FROM {}").format(sql.Identifier(db), sql.Identifier(role))
+            )
+        assert migrate(dsn, name) == []  # the owner's next run (an upgrade) needs no CREATE on the database
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+            admin.execute(
+                sql.SQL("REVOKE CREATE ON DATABASE {} FROM {}").format(sql.Identifier(db), sql.Identifier(role))
+            )
+            _drop_role(admin, role)

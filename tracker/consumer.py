@@ -70,8 +70,11 @@ def item_id_of(message: Any) -> str:
 def batch_id_of_message(message: Any) -> int:
     """The batch id of a Kafka message, from its `batch-id` header (else its item id)."""
     raw = _header(message, BATCH_ID_HEADER)
-    if raw is not None and raw.isdigit():
-        return int(raw)
+    if raw is not None:
+        try:  # read as an item id's batch part is: a plain decimal within a bigint, or malformed
+            return parse_item_id(raw + b":0:0").batch_id
+        except MalformedItemId:
+            pass
     return parse_item_id(item_id_of(message)).batch_id
 
 

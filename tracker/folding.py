@@ -36,8 +36,7 @@ class EntryFolder:
     def add(self, entry: str) -> str | None:
         head, sep, tail = entry.rpartition(":")
         key = self._prefixes.get(head)
-        index = _INDEX_OF.get(tail) if key is not None else None
-        if index is not None:
+        if key is not None and (index := _INDEX_OF.get(tail)) is not None:
             start = end = index  # the common case: another index of a group already seen, written canonically
         else:
             try:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import psycopg
 from psycopg import sql
 
-from .schema import check_identifier
+from .schema import MIGRATIONS_TABLE, check_identifier
 
 ROLES = ("producer", "consumer", "operator", "app", "reaper")
 PRODUCER_FUNCTIONS = ("open_batch", "add_items", "enqueue", "close_batch", "batch_status")
@@ -92,6 +92,9 @@ def grants(conn: psycopg.Connection, schema: str) -> list[sql.Composed]:
     for t in tables:
         table = sql.Identifier(schema, t)
         out.append(sql.SQL("GRANT SELECT ON {} TO {}").format(table, sql.Identifier(role_name(schema, "operator"))))
+        if t == MIGRATIONS_TABLE:  # which migrations ran is the migrator's to write, no one else's
+            out.append(sql.SQL("GRANT SELECT ON {} TO {}").format(table, sql.Identifier(role_name(schema, "reaper"))))
+            continue
         out.append(
             sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {}").format(
                 table, sql.Identifier(role_name(schema, "reaper"))

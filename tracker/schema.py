@@ -20,6 +20,8 @@ from .errors import InvalidIdentifier
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 MIGRATIONS_TABLE = "schema_migrations"
+# From this migration on, no function of the schema is executable by PUBLIC (0014_least_privilege).
+LEAST_PRIVILEGE_VERSION = 14
 
 
 def check_identifier(value: object, what: str = "identifier") -> str:
@@ -131,7 +133,10 @@ def migrate(dsn_or_conn: str | psycopg.Connection, schema: str) -> list[str]:
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", [key])
                 if not names:
-                    conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+                    # Only when missing: CREATE SCHEMA needs CREATE on the database even when the
+                    # schema exists, and an upgrade by the schema's owner must not need it.
+                    if conn.execute("SELECT to_regnamespace(%s)", [f'"{schema}"']).fetchone() == (None,):
+                        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
                     conn.execute(
                         sql.SQL(
                             "CREATE TABLE IF NOT EXISTS {} (version integer PRIMARY KEY, name text NOT NULL, "
@@ -142,6 +147,13 @@ def migrate(dsn_or_conn: str | psycopg.Connection, schema: str) -> list[str]:
                 _check_drift(schema, wanted, done)
                 todo = next((m for m in wanted if m.version not in done), None)
                 if todo is None:
+                    if names and max(done) >= LEAST_PRIVILEGE_VERSION:
+                        # PUBLIC's EXECUTE comes back with every new function: taken away after each run
+                        conn.execute(
+                            sql.SQL("REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA {} FROM PUBLIC").format(
+                                sql.Identifier(schema)
+                            )
+                        )
                     return names
                 conn.execute(sql.SQL("SET LOCAL search_path TO {}, public").format(sql.Identifier(schema)))
                 conn.execute(todo.text)

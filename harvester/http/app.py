@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from harvester.config import Config
 from tracker import BatchStatus
 from tracker.errors import MalformedItemId, TrackerError, UnknownBatch
+from tracker.ids import fold
 
 from . import models, problems
 from .completion import CompletionWatcher
@@ -240,26 +241,35 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             raise problems.from_tracker(exc, batch_in_path=batch_in_path) from None
 
     waits = app.state.waits = WaitsPerToken(h.max_waits_per_token)
+    reserved_topics = {cfg.acker.topic, cfg.acker.dead_letter_topic, cfg.harvester.leader_topic}
     idempotency = Idempotency(store, h.idempotency_window)
 
     async def own(s: Store, request: Request, batch_ids: list[int]) -> None:
         """Another tenant's batch answers as one that does not exist."""
-        foreign = await s.foreign(batch_ids, request.state.tenant.name)
-        if foreign:
-            raise problems.from_tracker(UnknownBatch(foreign[0]), batch_in_path=True)
+        owners = await s.owners(batch_ids)
+        for batch_id in batch_ids:
+            owner = owners.get(batch_id)
+            if owner is not None and owner[0] != request.state.tenant.name:
+                raise problems.from_tracker(UnknownBatch(batch_id), batch_in_path=True)
 
     async def own_acked(s: Store, request: Request, ids: list[str]) -> None:
-        named: dict[int, int] = {}  # batch -> the position of the first entry naming it
+        """An ack naming another tenant's batch answers as if that batch did not exist. The entries are
+        checked first (as the tracker checks them), and the batches in the order the tracker meets
+        them, so no answer depends on whether another tenant's batch exists."""
+        try:
+            await asyncio.to_thread(fold, ids) if len(ids) > 2000 else fold(ids)
+        except TrackerError as exc:
+            raise problems.from_tracker(exc, batch_in_path=False) from None
+        named: dict[int, int] = {}  # batch -> the position of the first entry naming it (ids are canonical now)
         for position, entry in enumerate(ids):
-            head = entry.partition(":")[0]
-            if 0 < len(head) <= 19 and head.isascii() and head.isdigit():
-                named.setdefault(int(head), position)
-        if not named:
-            return
-        foreign = await s.foreign(list(named), request.state.tenant.name)
-        if foreign:
-            first = min(foreign, key=named.__getitem__)
-            raise problems.from_tracker(UnknownBatch(first, ids[named[first]]), batch_in_path=False)
+            named.setdefault(int(entry.partition(":")[0]), position)
+        owners = await s.owners(list(named))
+        for batch_id in sorted(named, key=named.__getitem__):
+            owner = owners.get(batch_id)
+            if owner is None or owner[1] == "expired":
+                return  # the tracker names this one first, whoever asks
+            if owner[0] != request.state.tenant.name:
+                raise problems.from_tracker(UnknownBatch(batch_id, ids[named[batch_id]]), batch_in_path=False)
 
     async def respond(request: Request, work: Callable[[Store], Awaitable[Reply]]) -> Response:
         """Run a POST's work, once per Idempotency-Key when the request carries one."""
@@ -268,7 +278,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             reply, replayed = await work(store), False
         else:
             print_ = fingerprint(request.method, request.url.path, await request.body())
-            reply, replayed = await idempotency.run(request.state.token, key, print_, work)
+            reply, replayed = await idempotency.run(request.state.scope, key, print_, work)
         if reply.completed:
             watcher.notify(reply.completed)  # after the commit: a woken long-poll sees the completion
         headers = {**reply.headers, **({"Idempotent-Replayed": "true"} if replayed else {})}
@@ -304,6 +314,12 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
 
         tenant = request.state.tenant
         topic = body.completion_topic or cfg.harvester.default_completion_topic
+        if topic in reserved_topics:  # completions there would be read as acks, leadership or dead letters
+            raise Problem(
+                "forbidden",
+                f"topic {topic!r} is one the reaper itself reads (acks, leadership, dead letters)",
+                field="body.completion_topic",
+            )
         if not tenant.may_complete_into(topic):
             raise Problem(
                 "forbidden",

@@ -71,6 +71,7 @@ class Guard:
         token = caller.token
         state_of(scope)["token"] = token
         state_of(scope)["tenant"] = caller.tenant
+        state_of(scope)["scope"] = caller.scope
         wait = self.limiter.take(token)
         if wait > 0:
             await send_problem(

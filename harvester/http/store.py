@@ -66,8 +66,8 @@ def _statements(schema: str) -> dict[str, str]:
         # now() is the transaction's start, which is the new row's created_at (its default)
         "open": "SELECT {s}.open_batch(%s, %s), now()",
         "tenant": "UPDATE {batch} SET tenant = %s WHERE id = %s",
-        # batches that exist and belong to another tenant (`default` also sees those opened without one)
-        "foreign": "SELECT id FROM {batch} WHERE id = ANY(%s) AND coalesce(tenant, 'default') <> %s ORDER BY id",
+        # each batch's tenant (`default` for those opened without one, by the Python API or SQL) and state
+        "owners": "SELECT id, coalesce(tenant, 'default'), state FROM {batch} WHERE id = ANY(%s)",
         "add": "SELECT batch_id, group_id, start, upto FROM {s}.add_items(%s, %s)",
         "close": "SELECT {s}.close_batch(%s, %s)",
         "ack": "SELECT acked, duplicates, completed FROM {s}.ack(%s::text[], %s)",
@@ -186,9 +186,9 @@ class _PoolStore:
     async def ping(self) -> None:
         await self._fetch("SELECT 1", [])
 
-    async def foreign(self, batch_ids: list[int], tenant: str) -> list[int]:
-        """Which of these batches belong to another tenant (to be answered as if they did not exist)."""
-        return [r[0] for r in await self._fetch(self.q["foreign"], [batch_ids, tenant])]
+    async def owners(self, batch_ids: list[int]) -> dict[int, tuple[str, str]]:
+        """batch id -> (its tenant, its state), for those of these batches that exist."""
+        return {r[0]: (r[1], r[2]) for r in await self._fetch(self.q["owners"], [batch_ids])}
 
     async def finished(self, batch_ids: list[int]) -> set[int]:
         """Which of these batches are complete or expired (one query for every long-poll waiter)."""

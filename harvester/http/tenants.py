@@ -51,9 +51,10 @@ class Tenant:
 class Caller:
     token: str  # the token's id (logs, metrics, rate limits), never the token
     tenant: Tenant
+    scope: str  # what its Idempotency-Keys belong to: its tenant and its token's whole digest
 
 
-LOCAL = Caller("local", Tenant(DEFAULT, None))
+LOCAL = Caller("local", Tenant(DEFAULT, None), f"{DEFAULT}:local")
 
 
 def new_token() -> tuple[str, str]:
@@ -85,7 +86,7 @@ def parse(text: str, default_topic: str, where: str = "http.tenants_file") -> li
             m = _HASH.fullmatch(entry) if isinstance(entry, str) else None
             if m is None:
                 raise ConfigError(where, f"tenant {name}: tokens are stored as 'sha256:<64 hex digits>', not in clear")
-            out.append((bytes.fromhex(m.group(1)), Caller("tok-" + m.group(1)[:10], tenant)))
+            out.append((bytes.fromhex(m.group(1)), Caller("tok-" + m.group(1)[:10], tenant, f"{name}:{m.group(1)}")))
     return out
 
 
@@ -100,7 +101,11 @@ class TenantAuth:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         default = Tenant(DEFAULT, None)
-        self._plain = [(hashlib.sha256(t.encode()).digest(), Caller(token_id(t), default)) for t in tokens]
+        self._plain = [
+            (d, Caller(token_id(t), default, f"{DEFAULT}:{d.hex()}"))
+            for t in tokens
+            for d in [hashlib.sha256(t.encode()).digest()]
+        ]
         self._file, self._topic, self._clock = tenants_file, default_topic, clock
         self._from_file: list[tuple[bytes, Caller]] = []
         self._seen: tuple[float, int] | None = None  # the file's (mtime, size) last read
