@@ -300,7 +300,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         "/v1/batches",
         status_code=201,
         response_model=models.Batch,
-        responses=_responses(),
+        responses=_responses(403, 422),  # 403: a completion topic not allowed; 422: an Idempotency-Key reused
         tags=["batches"],
         summary="Open a batch",
         dependencies=v1,
@@ -355,7 +355,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     @app.post(
         "/v1/batches/{batch_id}/items",
         response_model=models.Added,
-        responses=_responses(404, 409, 410),
+        responses=_responses(404, 409, 410, 422),
         tags=["batches"],
         summary="Track more items; returns the groups that hold them",
         dependencies=v1,
@@ -382,7 +382,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     @app.post(
         "/v1/batches/{batch_id}/close",
         response_model=models.Closed,
-        responses=_responses(404, 410),
+        responses=_responses(404, 410, 422),
         tags=["batches"],
         summary="Close a batch (no more items)",
         dependencies=v1,
