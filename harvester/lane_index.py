@@ -42,24 +42,24 @@ LABEL = "outbox-reaper lane index"
 # Building: a CREATE INDEX in progress on it, or another session holding the table's SHARE UPDATE
 # EXCLUSIVE lock (a build, by any role: pg_stat_progress_create_index hides other roles' builds from
 # a role without pg_read_all_stats; or a VACUUM, which only delays the check).
+# _ON_LANES is read in the select list, never in WHERE: there the planner may evaluate it on other
+# schemas' indexes before the name filters, and pg_get_indexdef fails on one dropped meanwhile.
 _STATE = (
     "SELECT i.indisvalid, EXISTS (SELECT 1 FROM pg_stat_progress_create_index p WHERE p.index_relid = c.oid) "
     "OR EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'relation' AND l.relation = i.indrelid "
     "AND l.mode = 'ShareUpdateExclusiveLock' AND l.granted AND l.pid <> pg_backend_pid()), "
-    "obj_description(c.oid, 'pg_class') "
+    "obj_description(c.oid, 'pg_class'), " + _ON_LANES + " "
     "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace JOIN pg_index i ON i.indexrelid = c.oid "
-    "WHERE n.nspname = %s AND c.relname = %s AND i.indrelid = to_regclass(%s) "
-    # an index of that name on another expression is not a lane index: as good as missing here
-    "AND " + _ON_LANES
+    "WHERE n.nspname = %s AND c.relname = %s AND i.indrelid = to_regclass(%s)"
 )
 
 MISSING, BUILDING, INVALID, VALID = "missing", "building", "invalid", "valid"
 
 # The labelled lane indexes of a table (on its lane expression, whatever else the label says).
 _LABELLED = (
-    "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+    "SELECT c.relname, " + _ON_LANES + " FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
     "WHERE i.indrelid = to_regclass(%s) AND starts_with(coalesce(obj_description(c.oid, 'pg_class'), ''), %s) "
-    "AND " + _ON_LANES + " ORDER BY c.relname"
+    "ORDER BY c.relname"
 )
 RETIRE_WAIT = 5.0  # seconds a drop may wait for other sessions' locks on the table before it is cancelled
 
@@ -111,10 +111,10 @@ class LaneIndex:
         """MISSING, BUILDING, INVALID or VALID: an index of this name on this table (its comment in
         `comment`)."""
         row = conn.execute(_STATE, [self.schema, self.name, self._table]).fetchone()
-        if row is None:
+        if row is None or not row[3]:  # an index of that name on another expression: as good as missing
             self.comment = None
             return MISSING
-        valid, building, self.comment = row
+        valid, building, self.comment, _ = row
         return VALID if valid else BUILDING if building else INVALID
 
     def label(self, conn: psycopg.Connection) -> None:
@@ -168,8 +168,8 @@ def retire_lane_indexes(
     RETIRE_WAIT (QueryCanceled; the index is left invalid, and labelled, for the next attempt)."""
     t = qualified(check_identifier(schema, "schema"), check_identifier(table, "table")).as_string(conn)
     dropped = []
-    for (name,) in conn.execute(_LABELLED, [t, LABEL]).fetchall():
-        if name == keep:
+    for name, on_lanes in conn.execute(_LABELLED, [t, LABEL]).fetchall():
+        if name == keep or not on_lanes:
             continue
         if not still_ours():
             raise NotHeld(f"{schema}.{table} is no longer this configuration's")
