@@ -55,6 +55,34 @@ def login_as(pg_dsn: str, schema: str, role: str) -> Iterator[psycopg.Connection
             _drop_role(admin, name)
 
 
+def _closed_batch(pg_dsn: str, schema: str, n: int):
+    """A closed batch of n items, made by the schema's owner: (batch, its group handle)."""
+    with psycopg.connect(pg_dsn) as owner:
+        batch = tracker.open_batch(owner, schema=schema)
+        (handle,) = tracker.add_items(owner, batch, n, schema=schema)
+        tracker.close_batch(owner, batch, schema=schema)
+        owner.commit()
+    return batch, handle
+
+
+@contextlib.contextmanager
+def _schema_creator(pg_dsn: str, prefix: str) -> Iterator[tuple[str, str, str]]:
+    """A login role that may only create schemas in the database (no superuser), and a schema name
+    for it: (role, its DSN, schema). The schema, the grant and the role go afterwards."""
+    role, name = f"{prefix}_{uuid.uuid4().hex[:8]}", f"{prefix[0]}_{uuid.uuid4().hex[:10]}"
+    db = sql.Identifier(psycopg.conninfo.conninfo_to_dict(pg_dsn)["dbname"])
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        admin.execute(sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(db, sql.Identifier(role)))
+    try:
+        yield role, pg_dsn.replace("postgres@", f"{role}@"), name
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+            admin.execute(sql.SQL("REVOKE CREATE ON DATABASE {} FROM {}").format(db, sql.Identifier(role)))
+            _drop_role(admin, role)
+
+
 def _denied(conn: psycopg.Connection, statement: str, params: list | None = None) -> None:
     conn.execute("SAVEPOINT denied")
     with pytest.raises(errors.InsufficientPrivilege):
@@ -84,11 +112,7 @@ def test_a_producer_uses_the_functions_and_cannot_touch_the_tables(pg_dsn, grant
 
 def test_a_consumer_acks_and_completes_through_the_functions_only(pg_dsn, granted):
     s = granted
-    with psycopg.connect(pg_dsn) as owner:
-        batch = tracker.open_batch(owner, schema=s)
-        (handle,) = tracker.add_items(owner, batch, 2, schema=s)
-        tracker.close_batch(owner, batch, schema=s)
-        owner.commit()
+    batch, handle = _closed_batch(pg_dsn, s, 2)
     with login_as(pg_dsn, s, "consumer") as conn:
         ((acked, duplicates, completed),) = _call(conn, s, "ack(%s, %s)", [handle.item_ids, "batch-completions"])
         assert (acked, duplicates, completed) == (2, 0, [batch.id])
@@ -136,11 +160,7 @@ def test_the_python_api_runs_as_the_app_role_in_its_own_transaction(pg_dsn, gran
 
 def test_the_reaper_role_applies_masks_and_drains_the_outbox(pg_dsn, granted):
     s = granted
-    with psycopg.connect(pg_dsn) as owner:
-        batch = tracker.open_batch(owner, schema=s)
-        (handle,) = tracker.add_items(owner, batch, 3, schema=s)
-        tracker.close_batch(owner, batch, schema=s)
-        owner.commit()
+    batch, handle = _closed_batch(pg_dsn, s, 3)
     with login_as(pg_dsn, s, "reaper") as conn:
         result = tracker.apply_masks(
             conn, tracker.fold(handle.item_ids), schema=s, reject_invalid=True, skip_locked=True
@@ -153,13 +173,7 @@ def test_the_reaper_role_applies_masks_and_drains_the_outbox(pg_dsn, granted):
 
 
 def test_reaper_migrate_works_without_superuser_and_prints_the_grants(pg_dsn):
-    role, name = f"migrator_{uuid.uuid4().hex[:8]}", f"m_{uuid.uuid4().hex[:10]}"
-    db = psycopg.conninfo.conninfo_to_dict(pg_dsn)["dbname"]
-    with psycopg.connect(pg_dsn, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
-        admin.execute(sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(db), sql.Identifier(role)))
-    try:
-        dsn = pg_dsn.replace("postgres@", f"{role}@")
+    with _schema_creator(pg_dsn, "migrator") as (role, dsn, name):
         assert migrate(dsn, name)  # every migration, as a role that only may create a schema
         with psycopg.connect(dsn, autocommit=True) as conn:
             assert not conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()[0]
@@ -170,13 +184,6 @@ def test_reaper_migrate_works_without_superuser_and_prints_the_grants(pg_dsn):
         assert owner == [(role,)]
         assert f'GRANT EXECUTE ON FUNCTION "{name}"."ack"(text[],text) TO "{name}_consumer"' in text
         assert f'"{name}_producer"' in text and "batch_group" not in text.split(f'"{name}_producer"')[0][-200:]
-    finally:
-        with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
-            admin.execute(
-                sql.SQL("REVOKE CREATE ON DATABASE {} FROM {}").format(sql.Identifier(db), sql.Identifier(role))
-            )
-            _drop_role(admin, role)
 
 
 def test_reaper_migrate_roles_print_is_a_script_a_dba_can_run(pg_dsn):
@@ -236,23 +243,9 @@ def test_the_reaper_role_reads_but_never_writes_which_migrations_ran(pg_dsn, gra
 
 
 def test_an_upgrade_by_the_schemas_owner_needs_no_create_on_the_database(pg_dsn):
-    role, name = f"owner_{uuid.uuid4().hex[:8]}", f"u_{uuid.uuid4().hex[:10]}"
-    db = psycopg.conninfo.conninfo_to_dict(pg_dsn)["dbname"]
-    with psycopg.connect(pg_dsn, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
-        admin.execute(sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(db), sql.Identifier(role)))
-    try:
-        dsn = pg_dsn.replace("postgres@", f"{role}@")
+    with _schema_creator(pg_dsn, "owner") as (role, dsn, name):
         assert migrate(dsn, name)
+        db = sql.Identifier(psycopg.conninfo.conninfo_to_dict(pg_dsn)["dbname"])
         with psycopg.connect(pg_dsn, autocommit=True) as admin:  # the first install done, CREATE taken back
-            admin.execute(
-                sql.SQL("REVOKE CREATE ON DATABASE {} FROM {}").format(sql.Identifier(db), sql.Identifier(role))
-            )
+            admin.execute(sql.SQL("REVOKE CREATE ON DATABASE {} FROM {}").format(db, sql.Identifier(role)))
         assert migrate(dsn, name) == []  # the owner's next run (an upgrade) needs no CREATE on the database
-    finally:
-        with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
-            admin.execute(
-                sql.SQL("REVOKE CREATE ON DATABASE {} FROM {}").format(sql.Identifier(db), sql.Identifier(role))
-            )
-            _drop_role(admin, role)
