@@ -105,6 +105,8 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
             if mask is not None:
                 bit = index_bits.get(tail)
                 if bit is not None:
+                    # The offset bookkeeping below is written out here and again on the validating
+                    # path on purpose: sharing it costs this loop ~10% (1M messages: 0.33 -> 0.37 s).
                     partition = msg.partition()
                     if partition != current:
                         if previous is not None:
