@@ -29,8 +29,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from harvester.config import Config
 from tracker import BatchStatus
-from tracker.errors import MalformedItemId, TrackerError, UnknownBatch
-from tracker.ids import fold
+from tracker.errors import MalformedItemId, TrackerError
 
 from . import models, problems
 from .completion import CompletionWatcher
@@ -42,7 +41,7 @@ from .problems import Problem
 from .security import BodyLimit, RateLimiter, Scope, Send
 from .store import SqlFunctionStore, Store, StoreUnavailable, TrackerStore
 from .strict_json import StrictJSONRoute
-from .tenants import DEFAULT, TenantAuth
+from .tenants import DEFAULT, TenantAuth, own, own_acked
 from .waits import HeldStream, WaitsPerToken
 
 T = TypeVar("T")
@@ -244,33 +243,6 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     reserved_topics = {cfg.acker.topic, cfg.acker.dead_letter_topic, cfg.harvester.leader_topic}
     idempotency = Idempotency(store, h.idempotency_window)
 
-    async def own(s: Store, request: Request, batch_ids: list[int]) -> None:
-        """Another tenant's batch answers as one that does not exist."""
-        owners = await s.owners(batch_ids)
-        for batch_id in batch_ids:
-            owner = owners.get(batch_id)
-            if owner is not None and owner[0] != request.state.tenant.name:
-                raise problems.from_tracker(UnknownBatch(batch_id), batch_in_path=True)
-
-    async def own_acked(s: Store, request: Request, ids: list[str]) -> None:
-        """An ack naming another tenant's batch answers as if that batch did not exist. The entries are
-        checked first (as the tracker checks them), and the batches in the order the tracker meets
-        them, so no answer depends on whether another tenant's batch exists."""
-        try:
-            await asyncio.to_thread(fold, ids) if len(ids) > 2000 else fold(ids)
-        except TrackerError as exc:
-            raise problems.from_tracker(exc, batch_in_path=False) from None
-        named: dict[int, int] = {}  # batch -> the position of the first entry naming it (ids are canonical now)
-        for position, entry in enumerate(ids):
-            named.setdefault(int(entry.partition(":")[0]), position)
-        owners = await s.owners(list(named))
-        for batch_id in sorted(named, key=named.__getitem__):
-            owner = owners.get(batch_id)
-            if owner is None or owner[1] == "expired":
-                return  # the tracker names this one first, whoever asks
-            if owner[0] != request.state.tenant.name:
-                raise problems.from_tracker(UnknownBatch(batch_id, ids[named[batch_id]]), batch_in_path=False)
-
     async def respond(request: Request, work: Callable[[Store], Awaitable[Reply]]) -> Response:
         """Run a POST's work, once per Idempotency-Key when the request carries one."""
         key = key_of(request.scope)
@@ -349,7 +321,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         dependencies=v1,
     )
     async def get_status(request: Request, batch_id: BatchId) -> models.Status:
-        await own(store, request, [batch_id])
+        await own(store, request.state.tenant, [batch_id])
         return _status(batch_id, await call(store.status(batch_id), batch_in_path=True))
 
     @app.post(
@@ -372,7 +344,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             )
 
         async def work(s: Store) -> Reply:
-            await own(s, request, [batch_id])
+            await own(s, request.state.tenant, [batch_id])
             handles = await call(s.add_items(batch_id, body.count), batch_in_path=True)
             groups = [models.Group(group_id=g.group_id, start=g.start, upto=g.upto) for g in handles]
             return Reply(200, models.Added(batch_id=batch_id, count=body.count, groups=groups).model_dump(mode="json"))
@@ -389,7 +361,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     )
     async def close(request: Request, batch_id: BatchId, idempotency_key: IdempotencyKey = None) -> Response:
         async def work(s: Store) -> Reply:
-            await own(s, request, [batch_id])
+            await own(s, request.state.tenant, [batch_id])
             complete = await call(s.close_batch(batch_id), batch_in_path=True)
             doc = models.Closed(batch_id=batch_id, complete=complete).model_dump(mode="json")
             return Reply(200, doc, completed=[batch_id] if complete else [])
@@ -417,7 +389,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
                 limit=h.long_poll_max,
             )
         deadline = time.monotonic() + wait
-        await own(store, request, [batch_id])
+        await own(store, request.state.tenant, [batch_id])
         release = waits.hold(request.state.token)
         gone = asyncio.ensure_future(_disconnected(request))  # a client that leaves frees its place at once
         try:
@@ -452,7 +424,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         dependencies=v1,
     )
     async def events(request: Request, batch_id: BatchId) -> Response:
-        await own(store, request, [batch_id])
+        await own(store, request.state.tenant, [batch_id])
         first = await call(store.status(batch_id), batch_in_path=True)  # 404 before the stream starts
         release = waits.hold(request.state.token)
 
@@ -493,7 +465,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             )
 
         async def work(s: Store) -> Reply:
-            await own_acked(s, request, ids)
+            await own_acked(s, request.state.tenant, ids)
             r = await call(s.ack(ids), batch_in_path=False)
             doc = models.AckResult(acked=r.acked, duplicates=r.duplicates, completed=r.completed).model_dump(
                 mode="json"

@@ -16,6 +16,7 @@ topic and also sees batches opened without a tenant (by the Python API or SQL).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import os
@@ -30,8 +31,12 @@ import structlog
 import yaml
 
 from harvester.config import ConfigError
+from tracker.errors import TrackerError, UnknownBatch
+from tracker.ids import fold
 
+from . import problems
 from .security import token_id
+from .store import Store
 
 DEFAULT = "default"
 _HASH = re.compile(r"sha256:([0-9a-f]{64})")
@@ -160,3 +165,32 @@ class TenantAuth:
             if hmac.compare_digest(known, digest):
                 found = caller
         return found
+
+
+async def own(store: Store, tenant: Tenant, batch_ids: list[int]) -> None:
+    """Another tenant's batch answers as one that does not exist (the unknown-batch problem)."""
+    owners = await store.owners(batch_ids)
+    for batch_id in batch_ids:
+        owner = owners.get(batch_id)
+        if owner is not None and owner[0] != tenant.name:
+            raise problems.from_tracker(UnknownBatch(batch_id), batch_in_path=True)
+
+
+async def own_acked(store: Store, tenant: Tenant, ids: list[str]) -> None:
+    """An ack naming another tenant's batch answers as if that batch did not exist. The entries are
+    checked first (as the tracker checks them), and the batches in the order the tracker meets
+    them, so no answer depends on whether another tenant's batch exists."""
+    try:
+        await asyncio.to_thread(fold, ids) if len(ids) > 2000 else fold(ids)
+    except TrackerError as exc:
+        raise problems.from_tracker(exc, batch_in_path=False) from None
+    named: dict[int, int] = {}  # batch -> the position of the first entry naming it (ids are canonical)
+    for position, entry in enumerate(ids):
+        named.setdefault(int(entry.partition(":")[0]), position)
+    owners = await store.owners(list(named))
+    for batch_id in sorted(named, key=named.__getitem__):
+        owner = owners.get(batch_id)
+        if owner is None or owner[1] == "expired":
+            return  # the tracker names this one first, whoever asks
+        if owner[0] != tenant.name:
+            raise problems.from_tracker(UnknownBatch(batch_id, ids[named[batch_id]]), batch_in_path=False)
