@@ -5,7 +5,7 @@ One closed batch of 400 items; `workers` threads (default 16, one process, so th
 costs little CPU) each take ids from a queue, run exactly_once with a 20 ms effect and commit;
 a monitor samples pg_stat_activity every 20 ms. Measured for the locking path before issue 12
 (apply_masks in the caller's transaction, then the effect) and for tracker.exactly_once (claims),
-one after the other in the same run, with a tracker.settler.Settler running as in `reaper run`.
+one after the other in the same run, with a harvester.services.claim_settler.ClaimSettler running as in `reaper run`.
 Reports items/s and the share of the workers' samples spent in Lock waits.
 """
 
@@ -23,8 +23,8 @@ import uuid
 import psycopg
 
 import tracker
+from harvester.services.claim_settler import ClaimSettler
 from tracker import schema as schema_mod
-from tracker.settler import Settler
 
 DSN = os.environ.get("OUTBOX_TEST_DSN", "postgresql://postgres@127.0.0.1:55432/outbox")
 
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
     schema = f"bench_{uuid.uuid4().hex[:10]}"
     schema_mod.migrate(DSN, schema)
     stop = threading.Event()
-    threading.Thread(target=Settler(dsn=DSN, schema=schema).run, args=(stop,), daemon=True).start()
+    threading.Thread(target=ClaimSettler(dsn=DSN, schema=schema).run, args=(stop,), daemon=True).start()
     try:
         out = {"bench": "consumer_waits", "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
         for path in ("direct", "library"):

@@ -15,12 +15,12 @@ Against the local Postgres (OUTBOX_TEST_DSN, else the local services). Workers a
   completion     200 closed batches of 20 items; 16 workers ack single ids in random order, commit
                  each and record the commit's return time; a watcher polls the outbox every ~1 ms.
                  Latency = completion row first seen - the batch's last ack commit. p50/p99/max.
-  (library path: a tracker.settler.Settler runs beside the workers in a process of its own, as
+  (library path: a harvester.services.claim_settler.ClaimSettler runs beside the workers in a process of its own, as
   in `reaper run`.)
   acker          (--acker N > 0) bench.acks' single_id scenario: N single-id ack messages
                  through one `reaper run` acker.
 
-`--path direct` runs the consumer scenarios through `tracker.acks.apply_masks` inside the
+`--path direct` runs the consumer scenarios through `tracker.core.acks.apply_masks` inside the
 caller's transaction (batch rows locked until commit: the behaviour before issue 12), so a
 before/after pair can be measured in one run (`--path both`). The machine is shared: compare
 ratios measured in the same run.
@@ -132,9 +132,9 @@ def latency_worker(path: str, schema: str, ids: list[str], barrier, out) -> None
 
 
 def settler_process(schema: str, stop) -> None:
-    from tracker.settler import Settler
+    from harvester.services.claim_settler import ClaimSettler
 
-    Settler(dsn=DSN, schema=schema, interval=SETTLE_INTERVAL).run(stop)
+    ClaimSettler(dsn=DSN, schema=schema, interval=SETTLE_INTERVAL).run(stop)
 
 
 # ---------------------------------------------------------------- scenarios

@@ -114,7 +114,7 @@ def bench_latency(seconds: float, rate: float, kafka_producer: dict | None = Non
 def bench_fenced(seconds: float, rate: float, rounds: int = 2, **harvester) -> dict:
     """Unfenced and transactional latency, alternated in the same run, and the transactional
     publishing as it was before 24 November 2026 (one producer, linger.ms 2, Nagle on) as a baseline."""
-    from harvester import publish
+    from harvester.publishing import publisher as publish
 
     plain, fenced, before = [], [], []
     for _ in range(rounds):

@@ -207,7 +207,7 @@ def bench_lane_index(dsn: str, rows: int = 200_000, keys: int = 1000, mark: int 
     `mark`-row lane mark along the primary key and through the index, by lane count, over a backlog
     of `rows`; and the time to COPY the backlog in (the application's insert) with and without it."""
     from harvester.lane_index import LaneIndex
-    from harvester.store import FOREVER, OutboxStore, make_pool
+    from harvester.publishing.outbox_sql import FOREVER, OutboxStore, make_pool
 
     schema = f"bench_lane_index_{uuid.uuid4().hex[:8]}"
     schema_mod.migrate(dsn, schema)

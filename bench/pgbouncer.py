@@ -17,7 +17,7 @@ import time
 
 from harvester import config as config_mod
 from harvester import logs
-from harvester.mpr import Harvester
+from harvester.publishing.mark_purge_reset import Harvester
 from harvester.run import tune_gc
 
 from .harvest import BOOTSTRAP, DSN, Env, prefill, say

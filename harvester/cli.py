@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from harvester import admin
+from harvester import config as config_mod
 from tracker import schema
-
-from . import admin
-from . import config as config_mod
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -39,10 +38,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(cfg: config_mod.Config) -> int:
-    from . import run as run_mod
+    from harvester import run as run_mod
 
     try:
-        from .http import server
+        from harvester.services.http import server
     except ImportError as exc:
         print(f"reaper serve: {exc.name or exc} is not installed: pip install 'outbox-reaper[http]'", file=sys.stderr)
         return EXIT_FAILURE
@@ -84,7 +83,7 @@ def cmd_migrate(cfg: config_mod.Config, dry_run: bool, roles_action: str | None 
 
 
 def cmd_run(cfg: config_mod.Config) -> int:
-    from . import run as run_mod
+    from harvester import run as run_mod
 
     run_mod.configure_logging(cfg)
     try:
@@ -97,7 +96,7 @@ def cmd_run(cfg: config_mod.Config) -> int:
 
 
 def cmd_token(tenant: str) -> int:
-    from .http.tenants import new_token
+    from harvester.services.http.tenants import new_token
 
     token, digest = new_token()
     print(f"token (give it to the client; it is not stored anywhere): {token}")

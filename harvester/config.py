@@ -110,7 +110,7 @@ class SweeperConfig:
 
 @dataclass
 class SettlerConfig:
-    """Issue 12: folds consumers' ack claims whose commit found the batch row busy (tracker.settler)."""
+    """Issue 12: folds consumers' ack claims whose commit found the batch row busy (tracker.settle)."""
 
     enabled: bool = True
     interval: float = 0.01  # bounds how long a completion can lag its last ack's commit
@@ -133,7 +133,7 @@ class LoggingConfig:
 
 @dataclass
 class HttpConfig:
-    """`reaper serve`: the tracker over HTTP (harvester/http/). Tokens: `tokens` (comma-separated)
+    """`reaper serve`: the tracker over HTTP (harvester/services/http/). Tokens: `tokens` (comma-separated)
     and/or `tokens_file` (one token per line, '#' comments); none = refuse to start unless local_mode."""
 
     host: str = "127.0.0.1"

@@ -26,9 +26,8 @@ import psycopg
 from psycopg import sql
 from structlog.typing import FilteringBoundLogger
 
+from harvester.publishing.outbox_sql import LANE_SQL
 from tracker.schema import check_identifier, qualified
-
-from .store import LANE_SQL
 
 MAX_IDENTIFIER = 63  # Postgres truncates longer names; ours must not collide when it would
 
@@ -160,7 +159,7 @@ def retire_lane_indexes(
 ) -> list[str]:
     """Drop (CONCURRENTLY, on an autocommit connection) the labelled lane indexes of the table
     other than `keep`: those a configuration with another lane count (or none) built. Returns the
-    names dropped. Run by a unit whose layout holds the table (harvester.claim), checked again by
+    names dropped. Run by a unit whose layout holds the table (harvester.publishing.ownership), checked again by
     `still_ours` before each drop (NotHeld when it says no), so no other configuration marks
     through them any more; an index only speeds marks up, so one dropped under a configuration
     that takes the table back later is rebuilt by it. A drop waits for every session holding a
@@ -216,7 +215,9 @@ class LaneIndexKeeper:
         self, index: LaneIndex, dsn: str, builder: bool, use: Callable[[bool], None], log: FilteringBoundLogger
     ):
         self.index, self.dsn, self.builder, self._use, self._log = index, dsn, builder, use, log
-        self.may_build: Callable[[], bool] = lambda: True  # harvester.claim: while its layout holds the table
+        self.may_build: Callable[[], bool] = lambda: (
+            True
+        )  # harvester.publishing.ownership: while its layout holds the table
         self.valid = False
         self.failures = 0  # in a row; back to 0 once the index is seen valid
         self._last_state: str | None = None

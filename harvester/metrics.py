@@ -47,7 +47,7 @@ class HarvesterMetrics:
         )
         self.claim_refusals = Counter(
             f"{p}_outbox_claim_refusals_total",
-            "Marks not made because this configuration could not hold the outbox table (harvester.claim): "
+            "Marks not made because this configuration could not hold the outbox table (harvester.publishing.ownership): "
             "another configuration (Kafka cluster, leader group/topic, outbox, lanes) holds it, or "
             "harvest_claim is missing or not permitted",
         )

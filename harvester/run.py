@@ -23,17 +23,17 @@ from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
 import tracker
+from harvester import logs
+from harvester.config import Config, redact, redact_dsn
+from harvester.election.neli import KafkaClusterUnknown, LeaderTopicMismatch
+from harvester.metrics import HealthServer
+from harvester.metrics import get as get_metrics
+from harvester.publishing.outbox_sql import OutboxStore, make_pool
+from harvester.publishing.ports import DEFAULT, Providers
+from harvester.publishing.publisher import logs_safe
+from harvester.services.sweeper import sweep_loop
+from harvester.units import Harvester
 from tracker.schema import qualified
-
-from . import logs
-from .config import Config, redact, redact_dsn
-from .metrics import HealthServer
-from .metrics import get as get_metrics
-from .neli import KafkaClusterUnknown, LeaderTopicMismatch
-from .ports import DEFAULT, Providers
-from .publish import logs_safe
-from .store import OutboxStore, make_pool
-from .units import Harvester
 
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG, EXIT_UNAVAILABLE, EXIT_DRAIN_TIMEOUT = 0, 1, 2, 3, 4
 
@@ -137,30 +137,8 @@ def _gauges_loop(cfg: Config, store: OutboxStore, pool, stop: threading.Event) -
             return
 
 
-def _sweeper_loop(cfg: Config, pool, stop: threading.Event, sweeper) -> None:
-    log = logs.get("reaper.sweeper")
-    s = cfg.sweeper
-    while not stop.wait(s.interval):
-        try:
-            with pool.connection() as conn:
-                result = sweeper.sweep(
-                    conn,
-                    schema=cfg.database.schema,
-                    idle_expiry=s.idle_expiry,
-                    retention=s.retention,
-                    chunk=s.chunk,
-                    outbox_table=cfg.database.outbox_table,
-                    completion_topic=cfg.harvester.default_completion_topic,
-                    expiry_topic=s.expiry_topic or None,
-                )
-            if result.expired or result.deleted:
-                log.info("swept", expired=result.expired, deleted=result.deleted)
-        except Exception as exc:
-            log.warning("sweep failed", error=logs_safe(exc))
-
-
 def _start_acker(cfg: Config, stop: threading.Event, failures: list) -> threading.Thread:
-    from tracker.acker import Acker
+    from harvester.services.acker import Acker
 
     a = cfg.acker
     acker = Acker(
@@ -252,17 +230,15 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
                 threading.Thread(target=_gauges_loop, args=(cfg, store, pool, stop), daemon=True, name="reaper-gauges")
             )
         if cfg.sweeper.enabled:
-            from tracker import sweeper  # the tracker's sweeper; several reapers may sweep at once safely
-
             threads.append(
-                threading.Thread(
-                    target=_sweeper_loop, args=(cfg, pool, stop, sweeper), daemon=True, name="reaper-sweeper"
-                )
+                threading.Thread(target=sweep_loop, args=(cfg, pool, stop), daemon=True, name="reaper-sweeper")
             )
         if cfg.settler.enabled:
-            from tracker.settler import Settler  # folds ack claims left by busy commits; safe with several reapers
+            from harvester.services.claim_settler import (
+                ClaimSettler,  # folds ack claims left by busy commits; safe with several reapers
+            )
 
-            settler = Settler(
+            settler = ClaimSettler(
                 dsn=cfg.database.dsn,
                 schema=cfg.database.schema,
                 outbox_table=cfg.database.outbox_table,

@@ -7,7 +7,7 @@ means leading unit u. Every unit has its own heartbeat, fence, leader id, pool, 
 harvester.transactional_id) transactional id `<transactional_id>.<unit name>` (the plain id when
 there is one unit), so a new leader of unit u fences only unit u's previous leader.
 
-Lanes: a row belongs to lane md5(key) mod lanes (harvester.store.lane_of), so every row of a key
+Lanes: a row belongs to lane md5(key) mod lanes (harvester.publishing.outbox_sql.lane_of), so every row of a key
 is harvested by one unit and keeps its order. Changing the lane count would move keys between
 lanes, so it is done by draining, then switching: stop every reaper of the old configuration, then
 start the new one with a new leader topic and group (a leader topic whose partition count
@@ -23,13 +23,13 @@ import uuid
 
 from psycopg_pool import ConnectionPool
 
-from .config import Config, UnitSpec, units
-from .metrics import HarvesterMetrics, UnitMetrics
-from .metrics import get as get_metrics
-from .mpr import UnitHarvester
-from .neli import Neli
-from .ports import DEFAULT, Providers
-from .publish import Lifecycle, Publisher
+from harvester.config import Config, UnitSpec, units
+from harvester.election.neli import Neli
+from harvester.metrics import HarvesterMetrics, UnitMetrics
+from harvester.metrics import get as get_metrics
+from harvester.publishing.mark_purge_reset import UnitHarvester
+from harvester.publishing.ports import DEFAULT, Providers
+from harvester.publishing.publisher import Lifecycle, Publisher
 
 
 def transactional_id(base: str, spec: UnitSpec, count: int) -> str:

@@ -11,12 +11,12 @@ from collections.abc import Callable
 import psycopg
 from structlog.typing import FilteringBoundLogger
 
-from .claim import OutboxClaim
-from .config import HarvesterConfig, UnitSpec
-from .lane_index import LaneIndex, LaneIndexKeeper, NotHeld, retire_lane_indexes
-from .ports import StoreLike
-from .publish import logs_safe
-from .store import OutboxStore
+from harvester.config import HarvesterConfig, UnitSpec
+from harvester.lane_index import LaneIndex, LaneIndexKeeper, NotHeld, retire_lane_indexes
+from harvester.publishing.outbox_sql import OutboxStore
+from harvester.publishing.ownership import OutboxClaim
+from harvester.publishing.ports import StoreLike
+from harvester.publishing.publisher import logs_safe
 
 RETIRE_BACKOFF_MAX = 900.0  # seconds: retries of a lane index drop that keeps failing, from 30 s doubling
 
@@ -36,7 +36,7 @@ class Upkeep:
     ) -> None:
         """`store` is what the vacuum goes through (wrapped by the providers), `outbox` the store whose
         mark the lane index switches; `purged_rows` counts the rows the unit has deleted so far;
-        `claim` is the unit's hold of the table (harvester.claim)."""
+        `claim` is the unit's hold of the table (harvester.publishing.ownership)."""
         self.h, self.spec, self.store = h, spec, store
         self._purged_rows, self._leading, self._stop, self._log = purged_rows, leading, stop, log
         self.claim = claim

@@ -26,10 +26,11 @@ import pytest
 from test_tracker_support import invariant_violations
 
 import tracker
+from harvester.services.claim_settler import ClaimSettler
 from tracker import apply_masks
-from tracker.acks import CLAIMS_PER_CALL_MAX
+from tracker.core.acks import CLAIMS_PER_CALL_MAX
 from tracker.ids import fold
-from tracker.settler import Settler, settle
+from tracker.settle import settle
 
 ROUNDS = int(os.environ.get("ACK_RACE_ROUNDS", "40"))
 THREADS, PROCESSES = 3, 3
@@ -181,7 +182,7 @@ def _race(pg_dsn: str, schema: str, paths: list[str], isolations: list[str]) -> 
     )
     procs = [ctx.Process(target=ack_worker, args=(pg_dsn, schema, q, results_p), daemon=True) for q in proc_jobs]
     stop = threading.Event()
-    settler = Settler(dsn=pg_dsn, schema=schema, interval=0.005)
+    settler = ClaimSettler(dsn=pg_dsn, schema=schema, interval=0.005)
     threads.append(threading.Thread(target=settler.run, args=(stop,), daemon=True))
     for w in [*threads, *procs]:
         w.start()
@@ -320,7 +321,7 @@ def test_exactly_once_on_the_same_items_runs_each_effect_once(pg_dsn, schema):
         ctx.Process(target=exactly_once_worker, args=(pg_dsn, schema, q, results_p), daemon=True) for q in proc_jobs
     ]
     stop = threading.Event()
-    settler = Settler(dsn=pg_dsn, schema=schema, interval=0.005)
+    settler = ClaimSettler(dsn=pg_dsn, schema=schema, interval=0.005)
     threads.append(threading.Thread(target=settler.run, args=(stop,), daemon=True))
     for w in [*threads, *procs]:
         w.start()

@@ -12,7 +12,8 @@ import pytest
 from test_tracker_support import invariant_violations
 
 import tracker
-from tracker.settler import Settler, settle
+from harvester.services.claim_settler import ClaimSettler
+from tracker.settle import settle
 
 
 def _closed(conn: psycopg.Connection, schema: str, n: int):
@@ -46,7 +47,7 @@ def test_a_commit_that_finds_the_batch_busy_leaves_its_claim_to_the_settler(pg_d
         conn.commit()
         holder.rollback()
         stop = threading.Event()
-        settler = Settler(dsn=pg_dsn, schema=schema, interval=0.005)
+        settler = ClaimSettler(dsn=pg_dsn, schema=schema, interval=0.005)
         t = threading.Thread(target=settler.run, args=(stop,), daemon=True)
         t.start()
         try:

@@ -19,7 +19,7 @@ from support.harness import read_messages
 from test_tracker_support import completion_events, invariant_violations
 
 import tracker
-from tracker.acker import Acker
+from harvester.services.acker import Acker
 from tracker.consumer import AckProducer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,7 +149,7 @@ def test_acker_applies_ids_and_runs_once_and_commits_offsets(pg_dsn, schema, kaf
 
 CRASHING_ACKER = textwrap.dedent("""
     import os, sys, threading
-    from tracker.acker import Acker
+    from harvester.services.acker import Acker
 
     class CrashAfterDbCommit(Acker):
         def _commit(self, consumer):

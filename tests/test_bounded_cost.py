@@ -342,7 +342,7 @@ def test_the_acker_applies_a_poll_of_many_groups_in_bounded_rounds_and_rewinds_w
 def test_a_round_that_fails_after_earlier_rounds_committed_loses_nothing(pg_dsn, schema, kafka_bootstrap, topics):
     """The third round of a poll fails once: the two before it stay committed, the rest of the
     poll (on both partitions) is read again, every batch completes once, every offset is committed."""
-    from tracker.acker import Acker
+    from harvester.services.acker import Acker
 
     class FailingThirdRound(Acker):
         applies = 0
@@ -371,8 +371,8 @@ def test_a_round_that_fails_after_earlier_rounds_committed_loses_nothing(pg_dsn,
 def test_a_failed_round_rewinds_every_partition_of_the_rest_of_the_poll():
     """Without Kafka: a poll whose second round (partition 0 only) fails must rewind partition 1
     too, whose messages were consumed with the poll but not yet folded."""
-    from tracker.acker import Acker
-    from tracker.acks import AckResult
+    from harvester.services.acker import Acker
+    from tracker.core.acks import AckResult
 
     class Consumer:
         def __init__(self) -> None:
@@ -419,7 +419,7 @@ def test_a_failed_round_rewinds_every_partition_of_the_rest_of_the_poll():
 def test_deferred_masks_count_against_the_bound_while_a_batch_stays_locked(pg_dsn, schema, kafka_bootstrap, topics):
     """Acks for a batch another transaction holds locked are deferred; they count against the
     fold's bound, so however many arrive, the acker holds at most about twice the bound."""
-    from tracker.acker import Acker
+    from harvester.services.acker import Acker
 
     most = [0]
 
@@ -514,18 +514,18 @@ def test_the_ack_producer_never_packs_more_groups_into_a_message_than_the_acker_
 def test_the_spark_apply_commits_every_max_groups_masks(pg_dsn, schema, monkeypatch):
     """A partition given more groups than the bound applies them in several transactions, each
     holding at most the bound's masks (no JVM needed: the partition function runs in-process)."""
-    import tracker.api
+    import tracker.sync
     from tracker.spark.acks import _apply_partition
 
     batches, handles = _closed_batches(pg_dsn, schema, 10, 9)
     sizes: list[int] = []
-    real = tracker.api.apply_masks
+    real = tracker.sync.apply_masks
 
     def counted(conn, masks, **kw):
         sizes.append(len(masks))
         return real(conn, masks, **kw)
 
-    monkeypatch.setattr(tracker.api, "apply_masks", counted)
+    monkeypatch.setattr(tracker.sync, "apply_masks", counted)
     items = [((h.batch_id, h.group_id), (b"\xff\x80", 9)) for h in handles]
     (totals,) = list(_apply_partition(pg_dsn, schema, max_groups=3)(iter(items)))
     assert sizes == [3, 3, 3, 1] and totals["acked"] == 90 and sorted(totals["completed"]) == [b.id for b in batches]

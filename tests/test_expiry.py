@@ -12,7 +12,7 @@ import pytest
 import tracker
 from tracker import outbox
 from tracker.errors import BatchExpired, UnknownBatch
-from tracker.sweeper import EXPIRY_EVENT, BatchNotExpirable, expire_batch, sweep
+from tracker.expiry import EXPIRY_EVENT, BatchNotExpirable, expire_batch, sweep
 
 
 def _age(conn, schema: str, ids: list[int], hours: int = 2) -> None:

@@ -1,4 +1,4 @@
-"""One configuration harvests an outbox table at a time (harvester.claim), on the real Postgres:
+"""One configuration harvests an outbox table at a time (harvester.publishing.ownership), on the real Postgres:
 the hold against a model over random sequences, the takeover only after `held_until`, the table
 created where missing, and a role that may not create it."""
 
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter
 from support.harness import limited_role
 
-from harvester.claim import CLAIM_AHEAD, ClaimTableMissing, OutboxClaim, OutboxClaimed, layout_of
-from harvester.pool import make_pool
+from harvester.db_pool import make_pool
+from harvester.publishing.ownership import CLAIM_AHEAD, ClaimTableMissing, OutboxClaim, OutboxClaimed, layout_of
 
 LAYOUTS = [
     layout_of("c1", "g", "t", "default", 0, 1),

@@ -93,7 +93,7 @@ def test_the_product_has_no_fault_injection():
     knows no flag for it."""
     r = _run(["run", "--enable-fault-injection"], _env())
     assert r.returncode == 2 and "unrecognized arguments" in r.stderr, r.stderr
-    code = "import sys, harvester.cli, harvester.run, harvester.mpr; print(sorted(m for m in sys.modules if 'faults' in m.split('.') or 'faulty_reaper' in m))"
+    code = "import sys, harvester.cli, harvester.run, harvester.publishing.mark_purge_reset; print(sorted(m for m in sys.modules if 'faults' in m.split('.') or 'faulty_reaper' in m))"
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
     assert not (REPO / "harvester" / "faults.py").exists()

@@ -21,10 +21,10 @@ import uuid
 from support.harness import Generator, Receiver, make_config, order_violations, outbox_count, wait_until
 
 from harvester.config import units
-from harvester.lease import LEADER, Lease
+from harvester.election.lease import LEADER, Lease
 from harvester.metrics import UnitMetrics
 from harvester.metrics import get as get_metrics
-from harvester.mpr import UnitHarvester
+from harvester.publishing.mark_purge_reset import UnitHarvester
 
 HB_TIMEOUT = 1.0
 

@@ -13,9 +13,9 @@ import pytest
 from support.harness import insert_rows, lanes_config, make_config, outbox_count, wait_until
 
 from harvester.metrics import get as get_metrics
-from harvester.publish import LifecycleError, Publisher, producer_config
-from harvester.settle import Settler
-from harvester.store import FOREVER, MarkRefused, OutboxStore, lane_of, make_pool
+from harvester.publishing.deliveries import DeliverySettler
+from harvester.publishing.outbox_sql import FOREVER, MarkRefused, OutboxStore, lane_of, make_pool
+from harvester.publishing.publisher import LifecycleError, Publisher, producer_config
 from harvester.units import Harvester
 
 
@@ -63,7 +63,7 @@ def test_settler_counts_every_report_once_with_many_workers_and_reporting_thread
         me = uuid.uuid4()
         rows = store.mark(me, n, until=FOREVER)
         assert len(rows) == n
-        settler = Settler(store, get_metrics(), batch=97, workers=4)
+        settler = DeliverySettler(store, get_metrics(), batch=97, workers=4)
         settler.start()
         settler.reserve(n)
         ids = [r[0] for r in rows]
@@ -116,7 +116,7 @@ def test_a_reaper_that_never_led_retires_no_producer(pg_dsn, kafka_bootstrap, sc
 def test_a_transactional_slot_holds_a_set_of_producers_taken_in_turn_and_retired_together(kafka_bootstrap):
     from confluent_kafka import Producer
 
-    from harvester.slot import ProducerSlot
+    from harvester.publishing.producer_slot import ProducerSlot
 
     made: list[dict] = []
 
@@ -160,7 +160,7 @@ def test_a_transactional_slot_holds_a_set_of_producers_taken_in_turn_and_retired
 def test_a_fenced_leader_fences_at_once_and_a_standby_never_does(pg_dsn, kafka_bootstrap, schema, topics):
     """Leadership starts with init_transactions on every producer of the set (before any row);
     a standby of the same transactional id initialises nothing: that would fence the leader."""
-    from harvester.transactional import TXN_PRODUCERS
+    from harvester.publishing.transactional import TXN_PRODUCERS
 
     leader, data = topics("leader", partitions=1), topics("data", partitions=3)
     txn_id = f"parts-{uuid.uuid4().hex[:8]}"
@@ -221,9 +221,9 @@ def test_a_mark_sent_after_the_lease_ended_marks_nothing(pg_dsn, kafka_bootstrap
     """The server itself refuses a mark that reaches it after the leadership it was checked under
     ended: a leader paused between its lease check and its mark takes no row from its successor."""
     from harvester.config import units
-    from harvester.lease import Lease
-    from harvester.mpr import UnitHarvester
-    from harvester.ports import Providers
+    from harvester.election.lease import Lease
+    from harvester.publishing.mark_purge_reset import UnitHarvester
+    from harvester.publishing.ports import Providers
 
     data = topics("data", partitions=1)
     with psycopg.connect(pg_dsn) as conn:
@@ -260,7 +260,7 @@ def test_a_mark_sent_after_the_lease_ended_marks_nothing(pg_dsn, kafka_bootstrap
 def test_the_database_clock_maps_a_deadline_early_never_late(pg_dsn, schema, max_age):
     """A monotonic time mapped onto the server's clock is never later than the server's own reading
     of that moment (so a mark's deadline can only err towards refusing), and off by about a round trip."""
-    from harvester.db_clock import DatabaseClock
+    from harvester.election.db_clock import DatabaseClock
 
     pool = make_pool(pg_dsn, 1)
     try:
@@ -279,8 +279,8 @@ def test_the_database_clock_maps_a_deadline_early_never_late(pg_dsn, schema, max
 def test_a_mark_that_finishes_after_its_deadline_is_taken_back(pg_dsn, schema, topics, lanes):
     """A mark that reached the server in time but waited on a row lock past its deadline marks
     nothing: the check after it, in the same implicit transaction, takes it back."""
-    from harvester.db_clock import DatabaseClock
-    from harvester.store import MarkRefused
+    from harvester.election.db_clock import DatabaseClock
+    from harvester.publishing.outbox_sql import MarkRefused
 
     data = topics("data", partitions=1)
     with psycopg.connect(pg_dsn) as conn:
@@ -328,7 +328,7 @@ def test_a_mark_that_finishes_after_its_deadline_is_taken_back(pg_dsn, schema, t
 def test_the_database_clock_counts_in_elapsed_time_across_a_daylight_saving_change(server_now):
     """A server whose TimeZone has daylight saving returns zoned times; a deadline five seconds on
     is five elapsed seconds on, not five seconds on the local wall clock (an hour off across a change)."""
-    from harvester.db_clock import DatabaseClock
+    from harvester.election.db_clock import DatabaseClock
 
     clock = DatabaseClock(lambda: server_now)
     clock.refresh()
@@ -363,7 +363,7 @@ def test_a_revocation_lets_the_unit_go_only_once_no_mark_is_on_its_way(kafka_boo
     mark starts after it. A mark that takes too long is waited for a bounded time only."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from harvester.neli import FOLLOWER, Neli
+    from harvester.election.neli import FOLLOWER, Neli
 
     neli = Neli(
         bootstrap=kafka_bootstrap,

@@ -13,7 +13,7 @@ from support.faults import FaultPlan
 from support.harness import Generator, Receiver, insert_rows, make_config, order_violations, outbox_count, wait_until
 
 from harvester.metrics import get as get_metrics
-from harvester.store import FOREVER, OutboxStore, make_pool
+from harvester.publishing.outbox_sql import FOREVER, OutboxStore, make_pool
 from harvester.units import Harvester
 
 PARTITIONS = 4

@@ -21,10 +21,10 @@ from support.harness import insert_rows, outbox_count, wait_until
 from test_harvester_pipeline import PARTITIONS, _publish_all_in_order, setup  # noqa: F401 (fixture)
 
 from harvester.metrics import get as get_metrics
-from harvester.ports import Providers
-from harvester.publish import Publisher, producer_config
-from harvester.store import FOREVER, OutboxStore, make_pool
-from harvester.transactional import TXN_PRODUCERS, TransactionalStrategy
+from harvester.publishing.outbox_sql import FOREVER, OutboxStore, make_pool
+from harvester.publishing.ports import Providers
+from harvester.publishing.publisher import Publisher, producer_config
+from harvester.publishing.transactional import TXN_PRODUCERS, TransactionalStrategy
 
 
 def _txn_id() -> str:

@@ -11,9 +11,9 @@ import pytest
 from support.harness import Receiver, insert_rows, make_config, order_violations, outbox_count, wait_until
 
 from harvester import config as config_mod
+from harvester.election.neli import LeaderTopicMismatch
 from harvester.metrics import get as get_metrics
-from harvester.neli import LeaderTopicMismatch
-from harvester.store import FOREVER, lane_of
+from harvester.publishing.outbox_sql import FOREVER, lane_of
 from harvester.units import Harvester
 from tracker import schema as schema_mod
 
@@ -36,7 +36,7 @@ def _rows(n: int, keys: int, tag: bytes = b"") -> list[tuple[bytes, bytes]]:
 def test_a_lane_mark_walks_the_primary_key_and_never_scans_the_whole_table(pg_dsn, schema, topics, lanes):
     """With a backlog the planner misjudges `lane(key) = n` (it guesses 0.5% of rows) and would
     scan and sort the whole table on every mark; the mark must walk the primary key in id order."""
-    from harvester.store import OutboxStore, make_pool
+    from harvester.publishing.outbox_sql import OutboxStore, make_pool
 
     topic = topics("data", partitions=1)
     with psycopg.connect(pg_dsn) as conn:
@@ -75,7 +75,7 @@ def test_a_lane_mark_walks_the_primary_key_and_never_scans_the_whole_table(pg_ds
 @pytest.mark.parametrize("lanes", [1, 3])
 def test_lane_of_agrees_with_the_mark_query(pg_dsn, schema, topics, lanes):
     """Every row is marked by exactly the lane lane_of(key) names (null keys: lane 0)."""
-    from harvester.store import OutboxStore, make_pool
+    from harvester.publishing.outbox_sql import OutboxStore, make_pool
 
     topic = topics("data", partitions=1)
     keys = [None, b"", b"k", b"\x00\xff"] + [b"key-%d" % i for i in range(60)]

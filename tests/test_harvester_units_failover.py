@@ -133,7 +133,7 @@ def test_lanes_changed_live_without_draining_are_held_apart_by_the_claim(
     pg_dsn, kafka_bootstrap, schema, topics, tmp_path
 ):
     """The operator skips the drain: the new lane count starts while the old reaper still harvests.
-    The database's claim (harvester.claim) keeps the new layout from marking until the old one has
+    The database's claim (harvester.publishing.ownership) keeps the new layout from marking until the old one has
     stopped and its hold ran out, so no key is harvested by two units at once, and none regresses."""
     with lane_change(pg_dsn, kafka_bootstrap, schema, topics, tmp_path) as run:
         receiver, gen = run.receiver, run.gen

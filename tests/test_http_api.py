@@ -12,7 +12,7 @@ from psycopg import sql
 from support.http_server import OTHER_TOKEN, TOKEN, RunningServer, http_config
 
 import tracker
-from harvester.http import openapi
+from harvester.services.http import openapi
 
 
 @pytest.fixture(params=["tracker"])
@@ -106,7 +106,7 @@ def test_a_second_token_works_and_is_logged_by_its_id_only(server):
 def test_checked_in_openapi_document_equals_the_served_one(server):
     served = httpx.get(server.url + "/v1/openapi.json").json()  # no token needed for the document
     assert openapi.render(served) == openapi.CHECKED_IN.read_text(), (
-        "harvester/http/openapi.json is stale: run .venv/bin/python -m harvester.http.openapi > harvester/http/openapi.json"
+        "harvester/services/http/openapi.json is stale: run .venv/bin/python -m harvester.services.http.openapi > harvester/services/http/openapi.json"
     )
     assert set(served["paths"]) == {
         "/v1/batches",

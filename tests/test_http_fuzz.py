@@ -25,7 +25,7 @@ from schemathesis.checks import (
 )
 from support.http_server import TOKEN, RunningServer, http_config
 
-from harvester.http import openapi
+from harvester.services.http import openapi
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 # Random requests per operation and backend (the fuzzing phase; the coverage phase adds its own

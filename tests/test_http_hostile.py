@@ -16,8 +16,8 @@ import httpx
 import pytest
 from support.http_server import TOKEN, RunningServer, http_config
 
-from harvester.http.health import Readiness
-from harvester.http.store import StoreUnavailable
+from harvester.services.http.backend import StoreUnavailable
+from harvester.services.http.health import Readiness
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -194,7 +194,7 @@ def test_a_large_ack_is_parsed_and_folded_off_the_event_loop(pg_dsn, schema, mon
     the server's event loop, so one caller cannot hold up the others' requests."""
     import threading
 
-    import harvester.http.strict_json as strict_json
+    import harvester.services.http.strict_json as strict_json
     import tracker.aio as aio
 
     seen: dict[str, list[str]] = {"parse": [], "fold": []}
@@ -293,7 +293,7 @@ def test_open_waits_are_capped_per_token(pg_dsn, schema):
             t.start()
         import time
 
-        from harvester.http.security import token_id
+        from harvester.services.http.security import token_id
 
         waits = server.app.fastapi.state.waits
         deadline = time.monotonic() + 60
@@ -322,7 +322,7 @@ def test_strict_parsing_costs_memory_in_proportion_to_the_body_whatever_its_shap
     import json
     import tracemalloc
 
-    from harvester.http.strict_json import loads
+    from harvester.services.http.strict_json import loads
 
     for body in (
         json.dumps({"ids": {"k" * 100_000: [0] * 3000}}).encode(),
@@ -381,7 +381,7 @@ def test_a_client_that_stops_reading_its_responses_is_disconnected(pg_dsn, schem
 def test_a_long_poll_whose_client_left_frees_its_place_at_once(pg_dsn, schema):
     import time
 
-    from harvester.http.security import token_id
+    from harvester.services.http.security import token_id
 
     cfg = http_config(pg_dsn, schema, max_waits_per_token=1)
     with (

@@ -145,8 +145,8 @@ def test_keys_expire_after_the_window_and_are_deleted(pg_dsn, schema):
     time.sleep(1.5)
     import asyncio
 
-    from harvester.http.idempotency import Idempotency
-    from harvester.http.store import TrackerStore
+    from harvester.services.http.backend import TrackerStore
+    from harvester.services.http.idempotency import Idempotency
 
     async def sweep() -> int:
         store = TrackerStore(pg_dsn, schema, completion_topic="batch-completions", pool_size=1, timeout=10)

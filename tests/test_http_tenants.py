@@ -16,7 +16,7 @@ from psycopg import sql
 from support.http_server import RunningServer, http_config
 
 from harvester.config import ConfigError
-from harvester.http.tenants import TenantAuth, parse
+from harvester.services.http.tenants import TenantAuth, parse
 
 BILLING = "billing-token-0123456789abcdef"
 SEARCH = "search-token-0123456789abcdef"

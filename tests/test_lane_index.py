@@ -24,7 +24,7 @@ from harvester.lane_index import (
     lane_index_name,
 )
 from harvester.logs import get as get_log
-from harvester.store import FOREVER, LANE_MARK_PLAN, LANE_SQL, OutboxStore, lane_of, make_pool
+from harvester.publishing.outbox_sql import FOREVER, LANE_MARK_PLAN, LANE_SQL, OutboxStore, lane_of, make_pool
 from harvester.units import Harvester
 
 
@@ -297,8 +297,8 @@ def test_only_an_index_on_this_table_is_labelled_and_an_unlabelled_one_in_use_ge
 def test_nothing_is_dropped_while_another_configuration_holds_the_table(pg_dsn, kafka_bootstrap, schema, topics):
     from datetime import timedelta
 
-    from harvester.claim import OutboxClaim, layout_of
-    from harvester.pool import make_pool as pool_of
+    from harvester.db_pool import make_pool as pool_of
+    from harvester.publishing.ownership import OutboxClaim, layout_of
 
     _build(pg_dsn, LaneIndex(schema, "outbox", 3))
     p = pool_of(pg_dsn, 1, name="other-layout")

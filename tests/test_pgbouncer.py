@@ -126,7 +126,7 @@ def test_pool_through_pgbouncer_runs_each_store_statement_many_times(pgbouncer_d
 
     from support.harness import insert_rows
 
-    from harvester.store import FOREVER, OutboxStore, make_pool
+    from harvester.publishing.outbox_sql import FOREVER, OutboxStore, make_pool
 
     @contextlib.contextmanager
     def other_server(on: bool):
@@ -433,7 +433,7 @@ def test_private_pgbouncer_starts_stops_and_restarts_idempotently_in_transaction
 def test_a_vacuum_postgres_skipped_is_told_apart_from_one_that_ran(pg_dsn, pgbouncer_dsn, schema, via):
     """VACUUM (SKIP_LOCKED) says only in a WARNING that it skipped a locked table (a lane index
     build or drop, DDL): the store reports it, so the upkeep counts only the vacuums that ran."""
-    from harvester.store import OutboxStore, make_pool
+    from harvester.publishing.outbox_sql import OutboxStore, make_pool
 
     pool = make_pool(pgbouncer_dsn if via == "pgbouncer" else pg_dsn, 1, name="vacuum-skip")
     try:

@@ -70,7 +70,7 @@ CONTRACT_METRICS = {
     "reaper_acker_deferred_masks",
     # a mark the database refused as arriving or finishing after the lease ended
     "reaper_marks_refused_total",
-    # marks not made because another configuration holds the outbox table (harvester.claim)
+    # marks not made because another configuration holds the outbox table (harvester.publishing.ownership)
     "reaper_outbox_claim_refusals_total",
 }
 HISTOGRAMS = {

@@ -26,7 +26,7 @@ import tracker
 from harvester.config import ConfigError
 from harvester.units import Harvester
 from tracker import outbox, tracing
-from tracker.sweeper import sweep
+from tracker.expiry import sweep
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,8 +12,8 @@ from test_tracker_support import completion_events, invariant_violations, snapsh
 
 import tracker
 from tracker import outbox
+from tracker.expiry import sweep
 from tracker.ids import GROUP_BITS_MAX
-from tracker.sweeper import sweep
 
 
 @pytest.fixture

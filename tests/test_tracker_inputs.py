@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from test_tracker_support import snapshot
 
 import tracker
+from tracker.core.validate import MAX_ITEMS_PER_CALL
 from tracker.ids import GROUP_BITS_MAX
-from tracker.validate import MAX_ITEMS_PER_CALL
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

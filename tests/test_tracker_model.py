@@ -17,9 +17,9 @@ from test_tracker_support import invariant_violations
 
 import tracker
 from tracker import outbox
-from tracker.acks import CLAIMS_PER_CALL_MAX
+from tracker.core.acks import CLAIMS_PER_CALL_MAX
+from tracker.expiry import sweep
 from tracker.ids import GROUP_BITS_MAX
-from tracker.sweeper import sweep
 
 
 class ModelBatch:
@@ -205,7 +205,7 @@ class TrackerMachine(RuleBasedStateMachine):
         )
         assert sweep(self.conn, schema=self.schema, idle_expiry=3600, retention=10 * 86400).expired == 1
         b.state = "expired"
-        b.events += 1  # the expiry event, on the batch's completion topic (tracker.sweeper)
+        b.events += 1  # the expiry event, on the batch's completion topic (tracker.expiry)
 
     @rule(data=st.data())
     def status(self, data):

@@ -16,13 +16,12 @@ default tracker of `schema=` ("reaper"); for another outbox table or completion 
 its methods.
 """
 
-from . import aio, outbox
-from .acks import AckResult
-from .aio import AsyncTracker
-from .api import Tracker, ack, add_items, apply_masks, close_batch, exactly_once, open_batch, status
-from .batches import Batch, BatchStatus, GroupHandle
-from .consumer import AckProducer, MissingItemId, Processed, item_id_of
-from .errors import (
+from tracker import aio, outbox
+from tracker.aio import AsyncTracker
+from tracker.consumer import AckProducer, MissingItemId, Processed, item_id_of
+from tracker.core.acks import AckResult
+from tracker.core.batches import Batch, BatchStatus, GroupHandle
+from tracker.errors import (
     BatchExpired,
     BatchNotOpen,
     CallerTransactionAborted,
@@ -37,9 +36,10 @@ from .errors import (
     UnknownGroup,
     UnsupportedConnection,
 )
-from .ids import GroupMask, IdRun, ItemId, expand, fold, format_item_id, format_run, parse_ack, parse_item_id
-from .outbox import Message
-from .settler import Settler, SettleResult, settle
+from tracker.ids import GroupMask, IdRun, ItemId, expand, fold, format_item_id, format_run, parse_ack, parse_item_id
+from tracker.outbox import Message
+from tracker.settle import SettleResult, settle
+from tracker.sync import Tracker, ack, add_items, apply_masks, close_batch, exactly_once, open_batch, status
 
 __all__ = [
     "Tracker",
@@ -53,7 +53,6 @@ __all__ = [
     "apply_masks",
     "status",
     "settle",
-    "Settler",
     "SettleResult",
     "AckProducer",
     "exactly_once",

@@ -25,17 +25,18 @@ from typing import TypeVar
 
 import psycopg
 
-from . import adriver, apgdriver
-from .acks import AckResult
-from .batches import Batch, BatchStatus, GroupHandle
-from .config import DEFAULT_SCHEMA
-from .consumer import Processed
-from .core import ItemIds, TrackerCore
-from .ids import GroupMask, fold
-from .outbox import Headers, KeyArg
-from .session import AsyncSession, async_connection
-from .steps import Op
-from .validate import id_list
+from tracker.config import DEFAULT_SCHEMA
+from tracker.consumer import Processed
+from tracker.core.acks import AckResult
+from tracker.core.batches import Batch, BatchStatus, GroupHandle
+from tracker.core.operations import ItemIds, TrackerCore
+from tracker.core.steps import Op
+from tracker.core.validate import id_list
+from tracker.drivers import async_asyncpg as apgdriver
+from tracker.drivers import async_psycopg as adriver
+from tracker.drivers.connections import AsyncSession, async_connection
+from tracker.ids import GroupMask, fold
+from tracker.outbox import Headers, KeyArg
 
 # Acks of up to this many entries fold on the event loop (well under a millisecond); larger ones in
 # a thread.

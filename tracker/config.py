@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import InvalidValue
-from .schema import check_identifier
-from .validate import check_topic
+from tracker.core.validate import check_topic
+from tracker.errors import InvalidValue
+from tracker.schema import check_identifier
 
 DEFAULT_SCHEMA = "reaper"
 DEFAULT_OUTBOX_TABLE = "outbox"

@@ -22,10 +22,10 @@ from typing import Any, Generic, TypeVar
 
 from confluent_kafka import KafkaError, Producer
 
-from .acks import AckResult, claim_op
-from .errors import InvalidArgument, MalformedItemId, TrackerError
-from .ids import GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, fold, format_run, parse_item_id
-from .steps import Effect, Op
+from tracker.core.acks import AckResult, claim_op
+from tracker.core.steps import Effect, Op
+from tracker.errors import InvalidArgument, MalformedItemId, TrackerError
+from tracker.ids import GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, fold, format_run, parse_item_id
 
 ITEM_ID_HEADER = "item-id"
 BATCH_ID_HEADER = "batch-id"
@@ -172,7 +172,7 @@ class AckProducer:
 
     def ack(self, item_ids: str | bytes | Iterable[str | bytes]) -> None:
         """Buffer item ids or runs; raises MalformedItemId (buffering none of the call) on a bad one."""
-        from .folding import EntryFolder  # the acker's bounds-checked fold: no mask beyond 8192 bits
+        from tracker.folding import EntryFolder  # the acker's bounds-checked fold: no mask beyond 8192 bits
 
         if isinstance(item_ids, (str, bytes)):
             item_ids = [item_ids]
@@ -280,7 +280,7 @@ def exactly_once_op(q: dict[str, str], item_id: object, completion_topic: str) -
     """Ack `item_id` and, only if this call is the first to ack it, run the caller's effect, in one
     savepoint of the caller's transaction (nothing is committed here).
 
-    The ack goes first and is a claim (tracker.acks.claim_op): it locks this one item, not its
+    The ack goes first and is a claim (tracker.core.acks.claim_op): it locks this one item, not its
     batch or group, so the consumers of one batch run their effects in parallel. A concurrent
     redelivery of the same item waits on the claim until this transaction ends, then finds the
     item acked and skips the effect. Under REPEATABLE READ / SERIALIZABLE a redelivery whose
@@ -301,7 +301,7 @@ def exactly_once_op(q: dict[str, str], item_id: object, completion_topic: str) -
 def exactly_once(
     session: object, item_id: str | bytes, effect: Callable[[Any], T], *, schema: str | None = None
 ) -> Processed[T]:
-    """`Tracker.exactly_once` on the default tracker of `schema` (see tracker.api)."""
-    from .api import default  # the face is built on this module: import it at call time
+    """`Tracker.exactly_once` on the default tracker of `schema` (see tracker.sync)."""
+    from tracker.sync import default  # the face is built on this module: import it at call time
 
     return default(schema).exactly_once(session, item_id, effect)  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """Folding ack messages: item ids and runs, as consumers send them, into one mask per group.
 
-Used by the reaper's acker (tracker.acker), by tracker.consumer's AckProducer (to pack acks) and
+Used by the reaper's acker (harvester.services.acker), by tracker.consumer's AckProducer (to pack acks) and
 by the Spark fold (tracker.spark.acks). Bad entries never spoil the good ones: each comes back
 with its reason, and nothing allocates a mask for an index no group can hold.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import IndexOutOfRange, MalformedItemId
-from .ids import _INDEX_OF, GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, GroupMask, parse_ack
+from tracker.errors import IndexOutOfRange, MalformedItemId
+from tracker.ids import _INDEX_OF, GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, GroupMask, parse_ack
 
 OUT_OF_RANGE = f"index out of range: no group holds more than {GROUP_BITS_MAX} items"
 __all__ = ["GROUPS_PER_FOLD_MAX", "OUT_OF_RANGE", "EntryFolder", "Folded", "fold_messages"]

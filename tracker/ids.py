@@ -14,7 +14,7 @@ from itertools import repeat
 from operator import add
 from typing import NamedTuple
 
-from .errors import IndexOutOfRange, MalformedItemId, TooManyGroups
+from tracker.errors import IndexOutOfRange, MalformedItemId, TooManyGroups
 
 GROUP_BITS_MAX = 8192  # a group's bitfield stays <= 1 KiB so it is never TOASTed
 ID_MAX = (1 << 63) - 1  # batch and group ids are Postgres bigints

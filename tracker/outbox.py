@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, NamedTuple, Union
 
 from psycopg import sql
 
-from . import tracing
-from .batches import GroupHandle, batch_id_of, reserve_op
-from .errors import InvalidArgument, InvalidValue
-from .ids import GROUP_BITS_MAX
-from .steps import Op, Write
-from .validate import check_topic, utf8
+from tracker import tracing
+from tracker.core.batches import GroupHandle, batch_id_of, reserve_op
+from tracker.core.steps import Op, Write
+from tracker.core.validate import check_topic, utf8
+from tracker.errors import InvalidArgument, InvalidValue
+from tracker.ids import GROUP_BITS_MAX
 
 if TYPE_CHECKING:
-    from .session import SyncSession
+    from tracker.drivers.connections import SyncSession
 
 __all__ = ["Message", "enqueue"]
 
@@ -310,7 +310,7 @@ def enqueue(
     headers: Headers = None,
     schema: str | None = None,
 ) -> list[GroupHandle]:
-    """`Tracker.enqueue` on the default tracker of `schema` (see tracker.api.Tracker.enqueue)."""
-    from .api import default  # the face is built on this module: import it at call time
+    """`Tracker.enqueue` on the default tracker of `schema` (see tracker.sync.Tracker.enqueue)."""
+    from tracker.sync import default  # the face is built on this module: import it at call time
 
     return default(schema).enqueue(session, batch, items, topic=topic, key=key, headers=headers)  # type: ignore[arg-type]

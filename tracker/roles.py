@@ -23,7 +23,7 @@ from __future__ import annotations
 import psycopg
 from psycopg import sql
 
-from .schema import MIGRATIONS_TABLE, check_identifier
+from tracker.schema import MIGRATIONS_TABLE, check_identifier
 
 ROLES = ("producer", "consumer", "operator", "app", "reaper")
 PRODUCER_FUNCTIONS = ("open_batch", "add_items", "enqueue", "close_batch", "batch_status")

@@ -15,7 +15,7 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from .errors import InvalidIdentifier
+from tracker.errors import InvalidIdentifier
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")

@@ -5,6 +5,6 @@ commits what it did as a whole (a requeue of many rows: chunk by chunk), and exi
 in `harvester.admin.common`.
 """
 
-from .commands import COMMANDS, add_parsers, main
+from harvester.admin.commands import COMMANDS, add_parsers, main
 
 __all__ = ["COMMANDS", "add_parsers", "main"]

@@ -18,13 +18,12 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import sql
 
+from harvester.admin.common import EXIT_NOT_FOUND, EXIT_REFUSED, AdminError, ago, one_row, require_tables, when
+from harvester.config import Config
 from tracker.errors import UnknownBatch
+from tracker.expiry import BatchNotExpirable, Expired, expire_batch
 from tracker.ids import ItemId, format_item_id, format_run
 from tracker.schema import qualified
-from tracker.sweeper import BatchNotExpirable, Expired, expire_batch
-
-from ..config import Config
-from .common import EXIT_NOT_FOUND, EXIT_REFUSED, AdminError, ago, one_row, require_tables, when
 
 _GROUPS_PER_QUERY = 32  # 32 x 1 KiB bitfields per round trip
 _RUN = re.compile("1+")

@@ -15,15 +15,14 @@ from typing import Any
 
 import psycopg
 
+from harvester import logs
+from harvester.admin import batch as batch_mod
+from harvester.admin import dead as dead_mod
+from harvester.admin import status as status_mod
+from harvester.admin.common import EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, AdminError, connect, to_json
+from harvester.config import Config, redact_dsn
 from tracker.errors import MalformedItemId, TrackerError
 from tracker.ids import ID_MAX, ItemId, parse_item_id
-
-from .. import logs
-from ..config import Config, redact_dsn
-from . import batch as batch_mod
-from . import dead as dead_mod
-from . import status as status_mod
-from .common import EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, AdminError, connect, to_json
 
 COMMANDS = ("outbox", "dead", "batch")
 MAX_LIMIT = 10_000  # rows or runs one page may show

@@ -9,9 +9,8 @@ from typing import Any
 
 import psycopg
 
+from harvester.config import Config, redact_dsn
 from tracker.schema import qualified
-
-from ..config import Config, redact_dsn
 
 EXIT_OK = 0
 EXIT_FAILURE = 1  # the database or Kafka failed while the command ran

@@ -25,9 +25,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from harvester.admin.common import EXIT_NOT_FOUND, AdminError, one_row, require_tables, text_or_hex, when
 from tracker.schema import qualified
-
-from .common import EXIT_NOT_FOUND, AdminError, one_row, require_tables, text_or_hex, when
 
 
 @dataclass

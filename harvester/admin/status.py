@@ -16,12 +16,11 @@ import psycopg
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
+from harvester import logs
+from harvester.admin.common import EXIT_UNAVAILABLE, AdminError, duration, one_row, require_tables
+from harvester.config import Config
+from harvester.publishing.outbox_sql import BACKLOG_EXACT
 from tracker.schema import qualified
-
-from .. import logs
-from ..config import Config
-from ..store import BACKLOG_EXACT
-from .common import EXIT_UNAVAILABLE, AdminError, duration, one_row, require_tables
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Fault injection for tests: a producer and an outbox store that fail at given rates.
 
 Not part of the product: no module under harvester/ imports this one. Tests build a FaultPlan and
-hand its `providers()` to the Harvester (harvester.ports.Providers); a reaper subprocess with faults
+hand its `providers()` to the Harvester (harvester.publishing.ports.Providers); a reaper subprocess with faults
 is started through tests/support/faulty_reaper.py, which reads the plan from REAPER_FAULT_INJECTION
 (JSON) and runs `reaper run` with those providers. Two delivery failure kinds model what the real
 idempotent producer can do under reaper's settings (infinite message timeout, gapless guarantee):
@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from harvester.ports import Providers
+from harvester.publishing.ports import Providers
 
 ENV_VAR = "REAPER_FAULT_INJECTION"
 
@@ -145,7 +145,7 @@ class FaultyProducer:
 
 
 class FaultyStore:
-    """Wraps harvester.store.OutboxStore; its mark, purge and reset fail at the plan's rates."""
+    """Wraps harvester.publishing.outbox_sql.OutboxStore; its mark, purge and reset fail at the plan's rates."""
 
     def __init__(self, store: Any, plan: FaultPlan) -> None:
         self._store, self._plan = store, plan

@@ -8,8 +8,8 @@ import time
 import uvicorn
 
 from harvester import config as config_mod
-from harvester.http.app import create_app
-from harvester.http.deadlines import DeadlineProtocol
+from harvester.services.http.app import create_app
+from harvester.services.http.deadlines import DeadlineProtocol
 
 TOKEN = "test-token-0123456789abcdef"
 OTHER_TOKEN = "other-token-0123456789abcdef"

@@ -12,9 +12,9 @@ apply); stream.py: streaming acks and their progress; cluster.py: sessions and s
 tracker to executors. pyspark is imported only when a job runs.
 """
 
-from .acks import AckTotals, _fold_partition, _fold_single_ids, _max_index, _or_masks, ack_dataframe  # noqa: F401
-from .cluster import local_session, session, tracker_zip
-from .fanout import (  # noqa: F401
+from tracker.spark.acks import AckTotals, _fold_partition, _fold_single_ids, _max_index, _or_masks, ack_dataframe  # noqa: F401
+from tracker.spark.cluster import local_session, session, tracker_zip
+from tracker.spark.fanout import (  # noqa: F401
     MAX_CHUNKS,
     MAX_PARTITIONS,
     MAX_RUNS,
@@ -26,7 +26,7 @@ from .fanout import (  # noqa: F401
     run_group_range,
     spark_group_id,
 )
-from .stream import StreamTotals, ack_stream
+from tracker.spark.stream import StreamTotals, ack_stream
 
 __all__ = [
     "fan_out",

@@ -2,7 +2,7 @@
 
 Each partition folds its ids into one mask per group (mapInArrow, vectorised for plain ids), the
 masks of a group are OR-ed across partitions (reduceByKey, partitioned by batch id), and each
-resulting partition applies its masks through `tracker.acks.apply_masks`, exactly as the acker
+resulting partition applies its masks through `tracker.core.acks.apply_masks`, exactly as the acker
 does: in one transaction per at most 4,096 groups. Both steps hold at most that many groups'
 masks (1 KiB each) at once, whatever the ids name. Applying is idempotent, so a retried or
 speculative task clears nothing twice.
@@ -16,8 +16,8 @@ from typing import Any
 
 import psycopg
 
-from ..config import schema_of
-from ..ids import GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, GroupMask
+from tracker.config import schema_of
+from tracker.ids import GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, GroupMask
 
 
 def _max_index(bits: bytes) -> int:
@@ -131,7 +131,7 @@ def _fold_partition(column: str, max_groups: int = GROUPS_PER_FOLD_MAX) -> Calla
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        from ..folding import EntryFolder
+        from tracker.folding import EntryFolder
 
         folder = EntryFolder()
         heads: list[Any] = []
@@ -225,7 +225,7 @@ def _apply_partition(
     def apply(items: Iterator[Any]) -> Iterator[dict]:
         from pyspark import TaskContext
 
-        from ..api import apply_masks
+        from tracker.sync import apply_masks
 
         masks: dict[tuple[int, int], GroupMask] = {}
         rejected: list[tuple[str, str]] = []

@@ -22,9 +22,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..config import DEFAULT_OUTBOX_TABLE, schema_of
-from ..errors import BatchNotOpen, UnknownBatch
-from ..ids import GROUP_BITS_MAX
+from tracker.config import DEFAULT_OUTBOX_TABLE, schema_of
+from tracker.errors import BatchNotOpen, UnknownBatch
+from tracker.ids import GROUP_BITS_MAX
 
 # Group ids of Spark fan-out: flag | run << 40 | partition << 20 | chunk. Counter-allocated
 # groups (batch.next_group) count up from 0 and never get near 2**62.
@@ -303,8 +303,8 @@ def fan_out(
     """
     from pyspark.sql.types import StringType, StructField, StructType
 
-    from ..api import close_batch, open_batch
-    from ..batches import batch_id_of
+    from tracker.core.batches import batch_id_of
+    from tracker.sync import close_batch, open_batch
 
     if not isinstance(topic, str) or not topic:
         raise ValueError(f"topic must be a non-empty string, got {topic!r}")

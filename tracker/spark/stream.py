@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import schema_of
-from .acks import AckTotals, ack_dataframe
-from .progress import Progress, listener
+from tracker.config import schema_of
+from tracker.spark.acks import AckTotals, ack_dataframe
+from tracker.spark.progress import Progress, listener
 
 # Micro-batches as large as this by default: ~3 s of work at ~300k acks/s, ~40 MB of ids spread
 # over the tasks; larger ones add latency and executor memory, smaller ones per-batch overhead.
@@ -117,7 +117,7 @@ def ack_stream(
 def _dead_letter(conf: dict, dead_letter_topic: str, source_topic: str, rejected: list[tuple[str, str]]) -> None:
     from confluent_kafka import Producer
 
-    from .. import metrics
+    from tracker import metrics
 
     producer = Producer(conf)
     for entry, reason in rejected:

@@ -1,0 +1,144 @@
+"""The harvester's Postgres connection pool: dead connections discarded at once, reconnects bounded.
+
+psycopg_pool as it comes hands out idle connections unchecked (after a database restart each dead
+one fails one statement), backs reconnection off exponentially from 1 s (after a long outage the
+next attempt can be many seconds after Postgres accepts connections again) and, with `check=`,
+sleeps 1 s and more between failed checks. Recovery must take well under a second, so:
+
+- a connection whose socket is readable while idle has been closed by the server (a restart or
+  a terminated backend sends its goodbye and closes): it is closed and replaced, and every other
+  idle connection is checked at once, before the statement is tried. The check is one `select()`
+  with no round trip, cheap enough for every checkout;
+- a connection broken during a statement is discarded when it is returned (psycopg_pool does that
+  by itself) and the remaining idle ones are checked the same way;
+- reconnection attempts are spaced RECONNECT_FIRST, doubling, at most `reconnect_backoff_max`
+  apart (default RECONNECT_MAX), and never give up: a pool of a long-running sidecar must not shrink
+  because the database was gone for an hour.
+"""
+
+from __future__ import annotations
+
+import select
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+from psycopg_pool import ConnectionPool
+from psycopg_pool.base import AttemptWithBackoff
+
+from harvester import logs
+from tracker.pooling import configure_for_pooler
+
+RECONNECT_FIRST = 0.05  # seconds before the second connection attempt
+RECONNECT_MAX = 0.25  # bound of the doubling: publishing resumes this soon after Postgres is back
+CONNECT_TIMEOUT = 5  # seconds: a connect to a host that does not answer at all
+
+
+def configure_connection(conn: psycopg.Connection) -> bool:
+    """Set up a new pool connection; return whether it goes through a pooler."""
+    # Through a transaction pooler (PgBouncer in transaction mode) psycopg must not prepare, and a
+    # session SET would stay on a server connection that other clients share (their commits would
+    # stop waiting for the WAL flush too): there, set synchronous_commit on the reaper's role instead.
+    if configure_for_pooler(conn):
+        return True
+    # A lost mark or purge only causes a duplicate publication later: no need to wait for the WAL flush.
+    conn.execute("SET synchronous_commit = off")
+    return False
+
+
+def closed_by_server(conn: psycopg.Connection) -> bool:
+    """True when an idle connection is unusable: closed, broken, or its socket has something to
+    read (the server's termination notice or EOF; reaper's connections LISTEN to nothing). A rare
+    asynchronous message from a healthy server (a ParameterStatus after a configuration reload)
+    reads the same: that connection is replaced for nothing, which costs one reconnect."""
+    if conn.closed or conn.broken:
+        return True
+    try:
+        readable, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+    except (OSError, ValueError, psycopg.OperationalError):
+        return True
+    return bool(readable)
+
+
+class _BoundedAttempt(AttemptWithBackoff):
+    INITIAL_DELAY = RECONNECT_FIRST
+
+    def __init__(self, *, timeout: float, cap: float) -> None:
+        super().__init__(timeout=timeout)
+        self._cap = cap
+
+    def update_delay(self, now: float) -> None:
+        super().update_delay(now)
+        self.delay = min(self.delay, self._cap)
+
+
+class HarvestPool(ConnectionPool):
+    """A ConnectionPool whose `connection()` never hands out a connection the server has closed."""
+
+    def __init__(self, *args, reconnect_backoff_max: float = RECONNECT_MAX, **kwargs) -> None:
+        self.reconnect_backoff_max = reconnect_backoff_max
+        self.discarded = 0  # connections found dead at checkout (a test and a log read it)
+        super().__init__(*args, **kwargs)
+
+    def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
+        # psycopg_pool's own back-off starts at 1 s and doubles up to reconnect_timeout.
+        if attempt is None:
+            attempt = _BoundedAttempt(timeout=self.reconnect_timeout, cap=self.reconnect_backoff_max)
+        super()._add_connection(attempt, growing)
+
+    def reconnect_failed(self) -> None:
+        # Never reached with reconnect_timeout=inf; kept so a finite one still refills on demand.
+        super().reconnect_failed()
+
+    @contextmanager
+    def connection(self, timeout: float | None = None) -> Iterator[psycopg.Connection]:
+        conn = self.getconn(timeout)
+        while closed_by_server(conn):
+            self.discarded += 1
+            conn.close()  # closed: putconn discards it and schedules a replacement
+            self.putconn(conn)
+            self.check()  # the others most likely died with it: replace them all now
+            conn = self.getconn(timeout)
+        try:
+            with conn:
+                yield conn
+        finally:
+            broken = conn.closed or conn.broken
+            self.putconn(conn)
+            if broken:
+                self.check()
+
+
+def make_pool(
+    dsn: str,
+    size: int,
+    *,
+    name: str = "reaper",
+    open_wait: float | None = 30.0,
+    reconnect_backoff_max: float = RECONNECT_MAX,
+) -> HarvestPool:
+    said = False
+
+    def configure(conn: psycopg.Connection) -> None:
+        nonlocal said
+        if configure_connection(conn) and not said:
+            said = True
+            logs.get("reaper.store").info(
+                "database reached through a pooler (e.g. PgBouncer): prepared "
+                "statements off, synchronous_commit left to the role",
+                pool=name,
+            )
+
+    pool = HarvestPool(
+        dsn,
+        min_size=size,
+        max_size=size,
+        name=name,
+        open=False,
+        kwargs={"autocommit": True, "application_name": "reaper", "connect_timeout": CONNECT_TIMEOUT},
+        configure=configure,
+        reconnect_timeout=float("inf"),
+        reconnect_backoff_max=reconnect_backoff_max,
+    )
+    pool.open(wait=open_wait is not None, timeout=open_wait or 30.0)
+    return pool

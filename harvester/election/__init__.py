@@ -1,0 +1,1 @@
+"""Leader election: Fast NELI leases on the leader topic, one per harvest unit."""

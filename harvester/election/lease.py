@@ -1,0 +1,104 @@
+"""One harvest unit's leadership lease, as harvester.election.neli's election keeps it and the marker reads it.
+
+States: FOLLOWER (partition u not held), LEADER, FENCED (held, but no heartbeat came back in time).
+The lease is valid, and the leader id given out, only while heartbeats come back within
+`hb_timeout` of the time they were sent; a revocation waits for the marks on their way (`marking`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from harvester import logs
+from harvester.metrics import MetricsLike
+
+FOLLOWER, LEADER, FENCED = "follower", "leader", "fenced"
+
+
+class Lease:
+    """One unit's leadership: assigned (FOLLOWER until partition u is held) / LEADER / FENCED.
+
+    `leader_id()` is computed from the clock when asked, not from the last state the polling
+    thread saw: a process that was paused (SIGSTOP, a long stall) sees itself fenced at once.
+    """
+
+    def __init__(
+        self, unit: int, hb_timeout: float, metrics: MetricsLike, on_change: Callable[[str, uuid.UUID | None], None]
+    ) -> None:
+        self.unit, self.hb_timeout, self._m = unit, hb_timeout, metrics
+        self.on_change = on_change
+        self._log = logs.get("reaper.neli")
+        self._lock = threading.Lock()
+        self._marks_done = threading.Condition(self._lock)
+        self._marking = 0  # marks on their way (see marking())
+        self._state = FOLLOWER
+        self._leader_id: uuid.UUID | None = None
+        self.holding = False
+        self.last_heartbeat = 0.0  # monotonic SEND time of the newest own heartbeat read back
+        self.last_sent = 0.0
+        self.paused_until = 0.0
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def leader_id(self) -> uuid.UUID | None:
+        """The id to publish under, or None when not leading or already overdue for a heartbeat."""
+        if self._state != LEADER:
+            return None
+        if time.monotonic() - self.last_heartbeat > self.hb_timeout:
+            return None
+        return self._leader_id
+
+    def valid_until(self) -> float:
+        """Monotonic time after which the current leadership is void unless a heartbeat returns."""
+        return self.last_heartbeat + self.hb_timeout if self._state == LEADER else 0.0
+
+    @contextmanager
+    def marking(self) -> Iterator[uuid.UUID | None]:
+        """Held by the marker from its lease check until its mark statement has returned; yields the
+        leader id, or None (mark nothing). A revocation (`end_marks`) lets the partition go only once
+        no mark is on its way, so a unit handed to another reaper by a rebalance is never marked by
+        this one after the other started. (A lease that merely expires is bounded by the database
+        itself: OutboxStore.mark's `until`.)"""
+        with self._marks_done:
+            leader_id = self.leader_id()  # lock-free: the lock is not re-entrant
+            if leader_id is not None:
+                self._marking += 1
+        try:
+            yield leader_id
+        finally:
+            if leader_id is not None:
+                with self._marks_done:
+                    self._marking -= 1
+                    self._marks_done.notify_all()
+
+    def end_marks(self, timeout: float) -> bool:
+        """After leadership ended: wait up to `timeout` for marks on their way; True once none is."""
+        with self._marks_done:
+            return self._marks_done.wait_for(lambda: self._marking == 0, timeout)
+
+    def pause_heartbeats(self, seconds: float) -> None:
+        """Test hook: send no heartbeat for `seconds` (as if the leader topic were unreachable)."""
+        self.paused_until = time.monotonic() + seconds
+
+    def set(self, state: str, leader_id: uuid.UUID | None) -> None:
+        with self._lock:
+            if state == self._state and leader_id == self._leader_id:
+                return
+            self._state, self._leader_id = state, leader_id
+        self._m.leader.set(1 if state == LEADER else 0)
+        self._log.info(f"neli {state}", state=state, unit=self.unit, leader_id=str(leader_id) if leader_id else None)
+        self.on_change(state, leader_id)
+
+    def acquire(self, resumed: bool = False) -> None:
+        if not resumed:  # partition just assigned: a heartbeat timeout's grace from now
+            self.last_heartbeat = time.monotonic()
+        # (resumed: valid from the send time of the heartbeat that ended the fence, no longer)
+        self.last_sent = 0.0
+        self._m.acquisitions.inc()
+        self.set(LEADER, uuid.uuid4())

@@ -1,0 +1,412 @@
+"""Leader election, Fast NELI style, one lease per partition of the leader topic (one per harvest unit).
+
+Every reaper subscribes one consumer, in one group, to the leader topic; the member holding
+partition u leads unit u (harvester.units). Each lease below is independent: its own heartbeat,
+fence, leader id and state; one consumer and one producer serve them all, and they never touch a
+database, so one unit's stall cannot hold up another's leadership. The leader of a unit produces a
+heartbeat to its partition at most every
+`min_poll_interval` and consumes its own heartbeats. It fences itself (stops publishing) when none
+has come back within `heartbeat_timeout`, which is shorter than the group's session timeout, so a
+leader cut off from Kafka stops before the group can hand partition 0 to another member. It
+resumes if heartbeats return while it still holds the partition. Each acquisition (and each
+resumption) gets a fresh random leader id.
+
+After a stall of this process itself (SIGSTOP, a VM pause: the election loop did not run for longer
+than `heartbeat_timeout`), the group may have handed the partition on meanwhile, and the process is
+the last to know: its own heartbeats come back before librdkafka reports the lost session. So a
+resumption waits RESUME_GRACE after such a stall, time for the consumer's next group heartbeat to
+learn of a lost session (on_lost) first. A fence caused by Kafka being away (the loop kept running)
+resumes as soon as heartbeats return.
+
+`leader_id()` is computed from the clock when asked, not from the last state the polling thread
+saw: a process that was paused (SIGSTOP, a long GC-like stall) sees itself fenced at once.
+Cooperative-sticky assignment keeps partition 0 with its holder when other members join.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from confluent_kafka import OFFSET_END, Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from harvester import logs
+from harvester.election.lease import FENCED, FOLLOWER, LEADER, Lease
+from harvester.metrics import MetricsLike
+
+RESUME_GRACE = 1.0  # seconds: several group heartbeats (heartbeat.interval.ms is at most 250 ms)
+# A revocation waits this long at most (and at most a quarter of heartbeat_timeout, so the other
+# units' heartbeats are not held up) for marks on their way to finish: see Lease.marking.
+REVOKE_MARK_WAIT = 1.0
+# A leader consumer without a group member id for this many session timeouts is replaced by a new
+# one (see Neli._check_membership).
+OUT_OF_GROUP_SESSIONS = 2
+CONNECT_LOG_EVERY = 10.0  # seconds: see _QuietReconnects
+
+
+class LeaderTopicMismatch(RuntimeError):
+    """The leader topic's partition count differs from the configured number of harvest units."""
+
+
+class KafkaClusterUnknown(RuntimeError):
+    """The brokers did not say which cluster they are (harvester.publishing.ownership needs it to tell elections apart)."""
+
+
+def ensure_leader_topic(admin_conf: dict, topic: str, timeout: float = 30.0, partitions: int = 1) -> str:
+    """Create the leader topic, one partition per unit, if it is missing (brokers here do not
+    auto-create). An existing topic with another partition count is refused: reapers that disagree
+    on the units could lead overlapping lanes (see README "Harvest units": drain, then switch).
+    Returns the Kafka cluster's id (one election per cluster); KafkaClusterUnknown without one."""
+    admin = AdminClient(admin_conf)
+    try:
+        return _ensure_topic(admin, topic, timeout, partitions)
+    finally:
+        admin.poll(0)  # an admin client's log lines wait for a poll: hand them to its logger
+
+
+def _ensure_topic(admin: AdminClient, topic: str, timeout: float, partitions: int) -> str:
+    md = admin.list_topics(topic=topic, timeout=timeout)
+    cluster = md.cluster_id or ""
+    if not cluster:
+        # Reapers of one election that disagreed on the cluster would hold each other's tables off
+        # (harvester.publishing.ownership): refuse rather than run as "unknown" beside others that know it.
+        raise KafkaClusterUnknown(
+            "the Kafka brokers' metadata names no cluster id (brokers before 0.10.1, or "
+            "broker.version.fallback below 0.10.1 with api.version.request=false in kafka.client): the reaper needs it"
+        )
+    t = md.topics.get(topic)
+    if t is not None and t.error is None:
+        if len(t.partitions) != partitions:
+            raise LeaderTopicMismatch(
+                f"leader topic {topic!r} has {len(t.partitions)} partition(s) but {partitions} harvest unit(s) are "
+                "configured: to change the units or lanes, stop every reaper, then start them with a new "
+                "harvester.leader_topic and harvester.leader_group"
+            )
+        return cluster
+    fut = admin.create_topics(
+        [
+            NewTopic(
+                topic,
+                num_partitions=partitions,
+                replication_factor=-1,
+                config={"retention.ms": "3600000", "cleanup.policy": "delete"},
+            )
+        ],
+        operation_timeout=timeout,
+    )[topic]
+    try:
+        fut.result(timeout=timeout)
+    except KafkaException as exc:
+        if exc.args[0].code() != exc.args[0].TOPIC_ALREADY_EXISTS:
+            raise
+    return cluster
+
+
+class _QuietReconnects:
+    """A client's librdkafka log with its "Connect to <address> failed" lines cut to one per address
+    per CONNECT_LOG_EVERY seconds.
+
+    While every broker is down, librdkafka re-bootstraps after each failed connection: it drops
+    the broker handle and makes a fresh one, which has no back-off and no memory of the previous
+    error, so the consumer tries (and logs) every reconnect.backoff.ms / 2, about 25 ms. The
+    attempts are what reconnect it within ~25 ms of the broker answering; only the lines go."""
+
+    def __init__(self, inner: logs.KafkaLogger) -> None:
+        self._inner = inner
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._dropped = 0
+
+    def log(self, level: int, fmt: str, *args) -> None:
+        text = fmt % args if args else fmt
+        head, sep, tail = text.partition("Connect to ")
+        if sep and " failed: " in tail:
+            address, now = tail.split(" ", 1)[0], time.monotonic()
+            with self._lock:
+                if now - self._last.get(address, -CONNECT_LOG_EVERY) < CONNECT_LOG_EVERY:
+                    self._dropped += 1
+                    return
+                self._last[address] = now
+                dropped, self._dropped = self._dropped, 0
+            if dropped:
+                text += f" ({dropped} more failed connection attempts not logged)"
+        self._inner.log(level, "%s", text)
+
+
+class Neli:
+    def __init__(
+        self,
+        *,
+        bootstrap: str,
+        client: dict,
+        consumer: dict,
+        producer: dict,
+        topic: str,
+        group: str,
+        min_poll_interval: float,
+        heartbeat_timeout: float,
+        session_timeout: float,
+        metrics: MetricsLike | Callable[[int], MetricsLike],
+        on_change: Callable[[str, uuid.UUID | None], None] = lambda s, lid: None,
+        units: int = 1,
+    ) -> None:
+        """`metrics`: one set for all units, or a function giving unit u's. `on_change` is unit
+        0's callback; set `lease(u).on_change` for the others."""
+        self.topic, self.min_poll, self.hb_timeout = topic, min_poll_interval, heartbeat_timeout
+        self.session_timeout = session_timeout
+        self._log = logs.get("reaper.neli")
+        self.instance = uuid.uuid4().hex.encode()  # tags this process's heartbeats
+        unit_metrics = metrics if callable(metrics) else (lambda u: metrics)
+        self._m = unit_metrics(0)
+        self.leases = [
+            Lease(u, heartbeat_timeout, unit_metrics(u), on_change if u == 0 else (lambda s, lid: None))
+            for u in range(units)
+        ]
+        base = {"bootstrap.servers": bootstrap, **client}
+        self._admin_conf = {**base, "logger": logs.KafkaLogger("leader-admin")}
+        self.cluster_id: str | None = None  # the Kafka cluster's id, once prepare() read it
+        self._consumer_conf = {
+            # Rejoin within about a second after a broker restart (librdkafka's default back-off
+            # grows to 10 s between connection attempts); configuration may still override it.
+            **base,
+            "reconnect.backoff.ms": 50,
+            "reconnect.backoff.max.ms": 1000,
+            **consumer,
+            "group.id": group,
+            "session.timeout.ms": int(session_timeout * 1000),
+            # A member learns of a rebalance (the leader left) on its next group heartbeat: keep
+            # them frequent so a SIGTERM handover is not delayed by up to session/10.
+            "heartbeat.interval.ms": max(100, min(250, int(session_timeout * 1000) // 3)),
+            "partition.assignment.strategy": "cooperative-sticky",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "latest",
+            "log_level": 4,
+            "logger": _QuietReconnects(logs.KafkaLogger("leader-consumer")),
+        }
+        self._producer_conf = {
+            **base,
+            **producer,
+            "linger.ms": 0,
+            "acks": 1,
+            "enable.idempotence": False,
+            "message.timeout.ms": max(1000, int(heartbeat_timeout * 1000)),
+            "log_level": 4,
+            "reconnect.backoff.ms": 50,
+            "reconnect.backoff.max.ms": 1000,
+            "logger": _QuietReconnects(logs.KafkaLogger("heartbeat-producer")),
+        }
+        self._last_pulse = time.monotonic()
+        self._in_group_at = time.monotonic()  # last time the consumer had a group member id
+        self._resume_after = 0.0  # monotonic: no resumption before this (see RESUME_GRACE)
+        self._stop = threading.Event()
+        self._closed = threading.Event()
+        self._consumer: Consumer | None = None
+        self._producer: Producer | None = None
+        self._thread = threading.Thread(target=self._run, name="reaper-neli", daemon=True)
+
+    # ------------------------------------------------------------------ public
+
+    def prepare(self) -> str:
+        """Make sure the leader topic is there (and agrees with the units) before anything starts;
+        return the Kafka cluster's id. Done once; start() does it if nobody did."""
+        if self.cluster_id is None:
+            self.cluster_id = ensure_leader_topic(self._admin_conf, self.topic, partitions=len(self.leases))
+        return self.cluster_id
+
+    def start(self) -> Neli:
+        self.prepare()
+        self._producer = Producer(self._producer_conf)
+        self._consumer = self._new_consumer()
+        self._thread.start()
+        return self
+
+    def _new_consumer(self) -> Consumer:
+        consumer = Consumer(self._consumer_conf)
+        consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
+        return consumer
+
+    def lease(self, unit: int) -> Lease:
+        return self.leases[unit]
+
+    # Unit 0's lease, for one-unit deployments and tests.
+    @property
+    def state(self) -> str:
+        return self.leases[0].state
+
+    def leader_id(self) -> uuid.UUID | None:
+        return self.leases[0].leader_id()
+
+    def valid_until(self) -> float:
+        return self.leases[0].valid_until()
+
+    def pause_heartbeats(self, seconds: float) -> None:
+        """Test hook: no heartbeat for any unit for `seconds` (as if the leader topic were unreachable)."""
+        for lease in self.leases:
+            lease.pause_heartbeats(seconds)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Leave the group (the partitions move to a standby at once) and stop."""
+        self._stop.set()
+        if self._thread.ident is None:
+            return  # never started
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ internals
+
+    def _mine(self, partitions: list[TopicPartition]) -> list[Lease]:
+        return [self.leases[p.partition] for p in partitions if 0 <= p.partition < len(self.leases)]
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        consumer.incremental_assign([TopicPartition(p.topic, p.partition, OFFSET_END) for p in partitions])
+        if consumer is not self._consumer:
+            return  # a replaced consumer (closing) never leads
+        for lease in self._mine(partitions):
+            if not lease.holding:
+                lease.holding = True
+                lease.acquire()
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # A replaced consumer (see _check_membership) held nothing.
+        revoked = [lease for lease in self._mine(partitions) if lease.holding] if consumer is self._consumer else []
+        for lease in revoked:
+            lease.holding = False
+            lease._m.revocations.inc()
+            lease.set(FOLLOWER, None)
+        # Let the marks on their way return before giving the partitions up (the group hands them
+        # on once this callback returns): all units within one bound, since the other units'
+        # heartbeats wait for this thread too.
+        deadline = time.monotonic() + min(REVOKE_MARK_WAIT, self.hb_timeout / 4)
+        for lease in revoked:
+            if not lease.end_marks(max(0.0, deadline - time.monotonic())):
+                self._log.warning("revoked with a mark still on its way", unit=lease.unit)
+        try:
+            consumer.incremental_unassign(partitions)
+        except KafkaException:
+            pass
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._on_revoke(consumer, partitions)
+
+    def _pulse(self) -> None:
+        consumer, producer = self._consumer, self._producer
+        assert consumer is not None and producer is not None  # start() made both before this thread ran
+        messages = consumer.consume(64, self.min_poll / 2)
+        # Checked after consume(), where this thread spends nearly all its time (and so where a
+        # SIGSTOP or a VM pause lands): the time since the previous pulse ended includes the stall.
+        returned = time.monotonic()
+        if returned - self._last_pulse > self.hb_timeout:
+            self._resume_after = returned + RESUME_GRACE
+            self._in_group_at += returned - self._last_pulse  # our own stall is no sign of a stuck consumer
+            self._log.warning(
+                "this process stalled: no resumption for a while", stalled_s=round(returned - self._last_pulse, 3)
+            )
+        for msg in messages:
+            part = msg.partition()
+            if msg.error() is None and part is not None and 0 <= part < len(self.leases):
+                sent_at = self._sent_at(msg.value())
+                if sent_at is not None:
+                    # A heartbeat vouches for the time it was SENT: one sent before a pause (SIGSTOP,
+                    # a long stall) and read after it must not revive the leadership it outlived.
+                    lease = self.leases[part]
+                    lease.last_heartbeat = max(lease.last_heartbeat, sent_at)
+        now = time.monotonic()
+        for lease in self.leases:
+            if lease.holding:
+                self._beat(lease, now)
+        producer.poll(0)
+        self._check_membership(now)
+        self._last_pulse = time.monotonic()
+
+    def _check_membership(self, now: float) -> None:
+        """Replace the consumer when it has had no group member id for OUT_OF_GROUP_SESSIONS
+        session timeouts.
+
+        librdkafka's consumer can stay out of the group for good after a broker restart: its
+        session timed out while the broker was down, it was left with no broker handle but the
+        logical coordinator's, and so it never connected again, not even once the broker was back
+        (librdkafka issue #5301 is alike). A consumer that reaches the coordinator has a member id
+        from its first JoinGroup reply on, as a standby too and while a rebalance waits for
+        others; one without is in no group and holds no partition, so replacing it takes
+        leadership from no one. During a long Kafka outage it is replaced every two sessions,
+        which costs nothing."""
+        consumer = self._consumer
+        assert consumer is not None
+        if consumer.memberid():
+            self._in_group_at = now
+            return
+        out_of_group = now - self._in_group_at
+        if out_of_group < OUT_OF_GROUP_SESSIONS * self.session_timeout:
+            return
+        self._log.warning("leader consumer out of the group for long: replacing it", seconds=round(out_of_group, 1))
+        for lease in self.leases:  # none is held without a member id; never lead on a dropped consumer
+            if lease.holding:
+                lease.holding = False
+                lease._m.revocations.inc()
+                lease.set(FOLLOWER, None)
+        self._consumer = self._new_consumer()
+        self._in_group_at = time.monotonic()
+        # Closed aside: a wedged librdkafka handle may take long to close, and this thread keeps the leases.
+        threading.Thread(target=self._close, args=(consumer,), name="reaper-neli-close", daemon=True).start()
+
+    def _close(self, consumer: Consumer) -> None:
+        try:
+            consumer.close()
+        except Exception as exc:
+            self._log.warning("replaced leader consumer: close failed", error=str(exc))
+
+    def _beat(self, lease: Lease, now: float) -> None:
+        if now - lease.last_sent >= self.min_poll and now >= lease.paused_until:
+            lease.last_sent = now
+            assert self._producer is not None  # only called from _pulse, after start()
+            try:
+                self._producer.produce(
+                    self.topic, value=b"%s:%d" % (self.instance, time.monotonic_ns()), partition=lease.unit
+                )
+            except BufferError:
+                pass  # Kafka unreachable for long: the missing heartbeats fence us
+        overdue = now - lease.last_heartbeat > self.hb_timeout
+        if lease.state == LEADER and overdue:
+            lease._m.fences.inc()
+            self._log.warning(
+                "no heartbeat within heartbeat_timeout: fencing",
+                heartbeat_timeout=self.hb_timeout,
+                unit=lease.unit,
+                leader_id=str(lease._leader_id),
+            )
+            lease.set(FENCED, None)
+        elif lease.state == FENCED and not overdue and now >= self._resume_after:
+            self._log.info("heartbeats are back and the partition is still held: resuming", unit=lease.unit)
+            lease.acquire(resumed=True)
+
+    def _sent_at(self, value: bytes | None) -> float | None:
+        """The monotonic send time of one of this process's heartbeats; None for anything else."""
+        instance, sep, stamp = (value or b"").partition(b":")
+        if not sep or instance != self.instance or not stamp.isdigit():
+            return None
+        return int(stamp) / 1e9
+
+    def _run(self) -> None:
+        producer = self._producer
+        assert self._consumer is not None and producer is not None  # start() made both before this thread ran
+        self._last_pulse = self._in_group_at = time.monotonic()  # not from __init__: a slow start is no stall
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._pulse()
+                except KafkaException as exc:
+                    self._log.warning("leader consumer error", error=str(exc))
+                    time.sleep(self.min_poll)
+                    self._last_pulse = time.monotonic()  # an error, not a stall of this process
+        finally:
+            for lease in self.leases:
+                lease.holding = False
+                lease.set(FOLLOWER, None)
+            try:
+                self._consumer.close()  # leaves the group: the partitions move without waiting for the session
+            except Exception as exc:
+                self._log.warning("leader consumer close failed", error=str(exc))
+            producer.flush(1)
+            self._closed.set()

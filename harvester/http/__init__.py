@@ -1,5 +1,0 @@
-"""The tracker over HTTP: `reaper serve` (server.py), the ASGI app (app.py)."""
-
-from .app import create_app
-
-__all__ = ["create_app"]

@@ -1,0 +1,252 @@
+"""The settler: delivery reports become batched purges, resets and quarantines; the throttle's count.
+
+Contract:
+- `report()` (librdkafka's delivery callback, from whichever thread serves the producer) and
+  `file()` (a committed transaction's reports) queue reports; `workers` threads, each on its own
+  pooled connection, settle them in batches of up to `batch`: delivered rows are purged, failed
+  rows reset, rows Kafka can never accept quarantined, each only while still marked by the leader
+  id of the report (a newer leadership owns the row otherwise).
+- Every row counted by `reserve()` is uncounted exactly once: by `release()` (never produced, or
+  dropped) or by being settled. `wait_below()` and `drain()` wait on that count.
+- A failed database statement leaves its rows marked and raises `on_failure` (a remark publishes
+  them again: duplicates, never loss).
+- The counters (`delivered`, `purged_rows`, `dead_rows`) only grow, under one lock: several workers
+  and the producing thread add to them, and the remark back-off reads them.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from confluent_kafka import KafkaError
+
+from harvester import logs
+from harvester.config import redact_dsn
+from harvester.metrics import MetricsLike
+from harvester.publishing.ports import StoreLike
+
+_PURGED = (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT)
+# Delivery-report errors that concern this record alone and can never succeed. Deliberately NOT here:
+# - MSG_SIZE_TOO_LARGE, INVALID_RECORD, RECORD_LIST_TOO_LARGE from the broker: they fail a whole
+#   batch, and quarantining would bury the good records that shared it (a record above the
+#   client's message.max.bytes is refused by produce() already);
+# - TOPIC_AUTHORIZATION_FAILED, _UNKNOWN_TOPIC, UNKNOWN_TOPIC_OR_PART: an ACL or a topic not yet
+#   created (brokers here do not auto-create) is an operator's fix away; quarantining would move
+#   every row of that topic out of the outbox. They are retried, with the remark back-off.
+PERMANENT_DELIVERY = frozenset({KafkaError._UNKNOWN_PARTITION, KafkaError._INVALID_ARG, KafkaError.TOPIC_EXCEPTION})
+SAMPLE_EVERY = 64  # produce-latency histogram samples 1 in 64 reports: observe() per record costs too much
+WAKE_AT = 512  # queued reports that wake a worker (Event.set() takes a lock: not once per record)
+
+Report = tuple  # (row_id, leader_id, KafkaError | None)
+
+
+def error_reason(err: KafkaError) -> str:
+    """What goes to the dead table and the log: the error's name and librdkafka's text, no payload."""
+    return f"{err.name()}: {err.str()}"
+
+
+def logs_safe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {redact_dsn(str(exc))}"
+
+
+class DeliverySettler:
+    def __init__(
+        self,
+        store: StoreLike,
+        metrics: MetricsLike,
+        *,
+        batch: int = 5000,
+        workers: int = 2,
+        on_failure: Callable[[str], None] = lambda why: None,
+        on_fatal: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._store, self._m, self._batch = store, metrics, batch
+        self._on_failure, self._on_fatal = on_failure, on_fatal
+        self._log = logs.get("reaper.settle")
+        self.reports: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._cond = threading.Condition()  # guards the in-flight count
+        self._in_flight = 0
+        self._counts = threading.Lock()  # guards the counters below
+        self.delivered = 0  # records acknowledged by Kafka
+        self.purged_rows = 0  # rows deleted (read by the leader's vacuum upkeep)
+        self.dead_rows = 0  # rows moved to the dead table
+        self._sampled = 0  # only the thread serving the producer's callbacks touches it
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"reaper-settle-{i}", daemon=True) for i in range(workers)
+        ]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self, timeout: float) -> None:
+        """Settle what is queued, then stop the workers."""
+        self._stop.set()
+        self._wake.set()
+        for t in self._threads:
+            t.join(timeout)
+
+    # ------------------------------------------------------------------ the throttle's count
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def reserve(self, n: int) -> None:
+        with self._cond:
+            self._in_flight += n
+        self._m.in_flight.set(self._in_flight)
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self._in_flight -= n
+            self._cond.notify_all()
+        self._m.in_flight.set(self._in_flight)
+
+    def wait_below(self, limit: int, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._in_flight < limit, timeout)
+
+    def drain(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._in_flight > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+        return True
+
+    @property
+    def progress(self) -> int:
+        """Grows whenever a record is settled for good (acknowledged or quarantined)."""
+        with self._counts:
+            return self.delivered + self.dead_rows
+
+    # ------------------------------------------------------------------ reports in
+
+    def sample(self, msg) -> None:
+        self._sampled += 1
+        if self._sampled >= SAMPLE_EVERY:
+            self._sampled = 0
+            lat = msg.latency()
+            if lat is not None:
+                self._m.produce_duration.observe(lat)
+
+    def report(self, row_id: int, leader_id: uuid.UUID, err: KafkaError | None, msg) -> None:
+        """A delivery report (the producer's per-record callback)."""
+        self.reports.append((row_id, leader_id, err))
+        if err is None:
+            self.sample(msg)
+        else:
+            code = err.code()
+            if code in _PURGED:
+                # Purged by us (retire, close): the leadership or producer they belonged to is
+                # already gone; the report only resets the row under the old id. A remark here
+                # would disturb the next leadership for nothing.
+                pass
+            elif code in PERMANENT_DELIVERY and not err.fatal():
+                # Settled by quarantine and counted in records_dead_total only.
+                pass
+            else:
+                self._m.produce_errors.inc()
+                if err.fatal() or code == KafkaError._FATAL:
+                    self._on_fatal()
+                self._on_failure(f"delivery failed: {err.str()}")
+        if len(self.reports) >= WAKE_AT and not self._wake.is_set():
+            self._wake.set()
+
+    def file(self, reports: list[Report]) -> None:
+        """Reports settled together (a committed transaction's)."""
+        self.reports.extend(reports)
+        self._wake.set()
+
+    def wake_if_pending(self) -> None:
+        if self.reports:
+            self._wake.set()
+
+    def dead(self, n: int, ids: list[int], reason: str) -> None:
+        with self._counts:
+            self.dead_rows += n
+        self._m.dead.inc(n)
+        self._log.error(
+            "outbox rows Kafka will never accept moved to the dead table", row_ids=ids, reason=reason, moved=n
+        )
+
+    # ------------------------------------------------------------------ settling
+
+    def _take(self) -> list[Report]:
+        out: list[Report] = []
+        reports, n = self.reports, self._batch
+        try:
+            while len(out) < n:
+                out.append(reports.popleft())
+        except IndexError:
+            pass
+        return out
+
+    def _loop(self) -> None:
+        while not self._stop.is_set() or self.reports:
+            self._wake.wait(0.02)
+            self._wake.clear()
+            while batch := self._take():
+                if len(self.reports) >= WAKE_AT:
+                    self._wake.set()  # let another worker take the next batch meanwhile
+                self._settle(batch)
+
+    def _settle(self, batch: list[Report]) -> None:
+        done: dict[uuid.UUID, list[int]] = {}
+        failed: dict[uuid.UUID, list[int]] = {}
+        dead: dict[tuple[uuid.UUID, str], list[int]] = {}
+        for row_id, leader_id, err in batch:
+            if err is None:
+                done.setdefault(leader_id, []).append(row_id)
+            elif err.code() in PERMANENT_DELIVERY and not err.fatal():
+                dead.setdefault((leader_id, error_reason(err)), []).append(row_id)
+            else:
+                failed.setdefault(leader_id, []).append(row_id)
+        try:
+            for leader_id, ids in done.items():
+                self._m.published.inc(len(ids))
+                with self._counts:
+                    self.delivered += len(ids)
+                started = time.perf_counter()
+                try:
+                    n = self._store.purge(leader_id, ids)
+                except Exception as exc:
+                    self._failed_db("purge", exc)
+                    continue
+                self._m.purge_duration.observe(time.perf_counter() - started)
+                self._m.purged.inc(n)
+                with self._counts:
+                    self.purged_rows += n
+                if n < len(ids):  # remarked under a newer id meanwhile: that copy purges them
+                    self._log.debug("purge hit fewer rows", wanted=len(ids), purged=n)
+            for leader_id, ids in failed.items():
+                try:
+                    n = self._store.reset(leader_id, ids)
+                except Exception as exc:
+                    self._failed_db("reset", exc)
+                    continue
+                self._m.reset.inc(n)
+            for (leader_id, reason), ids in dead.items():
+                try:
+                    n = self._store.quarantine(leader_id, ids, reason)
+                except Exception as exc:
+                    self._failed_db("quarantine", exc)  # still marked: found again, refused again
+                    continue
+                if n:
+                    self.dead(n, ids, reason)
+        finally:
+            self.release(len(batch))
+
+    def _failed_db(self, what: str, exc: Exception) -> None:
+        # The rows stay marked by an old id; the remark that follows publishes them again.
+        self._log.warning(f"{what} failed", error=logs_safe(exc))
+        self._on_failure(f"{what} failed")

@@ -1,0 +1,152 @@
+"""Plain publishing: marked rows go to the idempotent producer in id order, no Kafka transaction.
+
+Contract of a publishing strategy (this one and harvester.publishing.transactional):
+- `produce_rows(rows, leader_id, still_valid, valid_until)` hands rows to the slot's current
+  producer in the order given and returns how many it got through (handed over or quarantined);
+  fewer than given means it stopped early, and the caller must not publish later rows under the
+  same leader id (the rest stay marked by it). It stops before the first row
+  once the leadership deadline `valid_until()` has passed or `still_valid()` is false (checked
+  every 256 rows), or when the producer was retired meanwhile. Rows not handed over are released
+  from the throttle's count (they stay marked by an old id and the next mark finds them).
+- A local produce error is raised (the caller forces a remark), except for a record Kafka can
+  never accept (PERMANENT_PRODUCE): its row is quarantined at once and the rest go on. If that
+  quarantine fails, QuarantineError is raised, so nothing of its key overtakes it.
+- `on_retire()` is called by the slot when it swaps producers.
+
+Ordering rests on the producer settings in config.REQUIRED_PRODUCER (idempotence, no message
+timeout, gapless guarantee): within a partition a record is never written after an earlier one
+failed, so a remark from the head of the outbox restores per-key order without a per-key barrier.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from functools import partial
+
+from confluent_kafka import KafkaError, KafkaException
+
+from harvester.publishing.deliveries import DeliverySettler, error_reason, logs_safe
+from harvester.publishing.ports import ProducerLike, StoreLike
+from harvester.publishing.producer_slot import ProducerSlot
+
+# produce() refusals that are about the record itself and can never succeed, however often retried:
+# larger than message.max.bytes, an explicit partition the topic does not have, an invalid argument
+# or topic name.
+PERMANENT_PRODUCE = frozenset(
+    {KafkaError.MSG_SIZE_TOO_LARGE, KafkaError._UNKNOWN_PARTITION, KafkaError._INVALID_ARG, KafkaError.TOPIC_EXCEPTION}
+)
+
+Valid = Callable[[], bool]
+Deadline = Callable[[], float]
+
+
+class QuarantineError(RuntimeError):
+    """A row that Kafka refused for good could not be moved to the dead table (database error or
+    the row is no longer marked by this leader id): stop producing and remark."""
+
+    def __init__(self, row_id: int, reason: str, detail: str) -> None:
+        self.row_id, self.reason = row_id, reason
+        super().__init__(f"outbox row {row_id} ({reason}) was not quarantined: {detail}")
+
+
+class PlainStrategy:
+    def __init__(self, slot: ProducerSlot, settler: DeliverySettler, store: StoreLike) -> None:
+        self.slot, self.settler, self._store = slot, settler, store
+        self.produced = 0  # records handed to a producer (only the producing thread writes it)
+        self.queue_full_waits = 0  # produce() found the local queue full and waited (same thread)
+        self.queue_full_patience = 1.0
+        # harvester.trace_spans: called with (topic, header keys, header values) per produced row
+        self.trace: Callable[[str, list, list], None] | None = None
+
+    def on_retire(self) -> None:
+        pass
+
+    def produce_rows(self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Valid, valid_until: Deadline) -> int:
+        return self.write(self.slot.current, rows, leader_id, still_valid, valid_until, self.settler.report)
+
+    def write(
+        self,
+        producer: ProducerLike,
+        rows: list[tuple],
+        leader_id: uuid.UUID,
+        still_valid: Valid,
+        valid_until: Deadline,
+        report: Callable,
+    ) -> int:
+        """The produce loop shared by both strategies; `report` is the per-record callback
+        (called as report(row_id, leader_id, err, msg)). Releases what it did not hand over.
+        Returns the rows got through: handed over or quarantined."""
+        slot, clock, swap, trace = self.slot, time.monotonic, self.slot._swap, self.trace
+        sent = quarantined = 0
+        slot.used = True
+        try:
+            deadline = valid_until()
+            for i, row in enumerate(rows):
+                if clock() >= deadline or (i & 255 == 0 and not still_valid()):
+                    break
+                row_id, topic, key, value, hkeys, hvals, partition = row
+                # Positional, in the order of confluent-kafka's produce(topic, value, key, partition,
+                # callback, on_delivery, timestamp, headers): keywords cost ~1 µs a record here.
+                args = (
+                    topic,
+                    value,
+                    key,
+                    -1 if partition is None else partition,
+                    partial(report, row_id, leader_id),
+                    None,
+                    0,
+                    list(zip(hkeys, hvals)) if hkeys else None,
+                )
+                try:
+                    with swap:  # inlined ProducerSlot.send: a method call per record costs
+                        if slot.current is not producer:
+                            break  # retired (fence, revocation): not one more record into it
+                        producer.produce(*args)
+                except BufferError:
+                    if not self._wait_for_room(producer, args, deadline, still_valid):
+                        break
+                except KafkaException as exc:
+                    err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+                    if err is None or err.code() not in PERMANENT_PRODUCE:
+                        raise
+                    # Never acceptable: move it aside (or stop here if that fails, so nothing of
+                    # its key overtakes it) and carry on with the next record.
+                    self._quarantine_now(leader_id, row_id, error_reason(err))
+                    quarantined += 1
+                    continue
+                sent += 1
+                if trace is not None:
+                    trace(topic, hkeys, hvals)
+                if sent & 255 == 0:
+                    deadline = valid_until()
+        finally:
+            self.produced += sent
+            if sent < len(rows):
+                self.settler.release(len(rows) - sent)  # includes the quarantined rows: settled here
+        return sent + quarantined
+
+    def _wait_for_room(self, producer: ProducerLike, args: tuple, deadline: float, still_valid: Valid) -> bool:
+        """The local queue is full: nothing after this record was enqueued either, so waiting and
+        retrying the same record keeps the order. False if the producer was retired meanwhile;
+        BufferError once the patience or the leadership runs out."""
+        self.queue_full_waits += 1
+        clock = time.monotonic
+        give_up = min(deadline, clock() + self.queue_full_patience)
+        while True:
+            time.sleep(0.001)
+            try:
+                return self.slot.send(producer, args)
+            except BufferError:
+                if clock() >= give_up or not still_valid():
+                    raise
+
+    def _quarantine_now(self, leader_id: uuid.UUID, row_id: int, reason: str) -> None:
+        try:
+            n = self._store.quarantine(leader_id, [row_id], reason)
+        except Exception as exc:
+            raise QuarantineError(row_id, reason, logs_safe(exc)) from exc
+        if n != 1:
+            raise QuarantineError(row_id, reason, "no longer marked by this leader id")
+        self.settler.dead(n, [row_id], reason)

@@ -1,0 +1,254 @@
+"""The harvester's SQL on the outbox: mark, purge, reset, quarantine, vacuum and the backlog gauges.
+
+Identifiers come from configuration, are validated and quoted with psycopg.sql.Identifier.
+Connections come from a psycopg_pool pool in autocommit mode: every statement is its own
+transaction, one round trip, prepared by psycopg after a few uses (not through a transaction
+pooler such as PgBouncer: see `configure_connection`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from operator import itemgetter
+
+import psycopg
+from psycopg import sql
+from psycopg_pool import ConnectionPool
+
+from harvester.db_pool import configure_connection, make_pool  # noqa: F401  (the pool lives in harvester.db_pool)
+from tracker.schema import qualified
+
+COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
+LOCK_NOT_AVAILABLE = "55P03"  # the SQLSTATE of VACUUM (SKIP_LOCKED)'s "skipping vacuum" warning
+
+
+class MarkRefused(RuntimeError):
+    """The mark reached the server, or finished there, after its `until`: nothing was marked."""
+
+
+# A mark's `until` when the caller sets none (tools, tests): a timestamptz the server accepts.
+FOREVER = datetime(9999, 12, 31, tzinfo=UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    rows: int  # exact up to BACKLOG_EXACT, above it the id span (see OutboxStore.backlog)
+    oldest_age: float  # seconds since the oldest unpublished row was created; 0 when empty
+    exact: bool = True  # False when `rows` is the id span
+
+
+# Counting is exact up to here (a few ms). Above it the gauge reads the id span instead (two
+# primary-key probes): a gauge must not scan millions of rows every few seconds just when the
+# database is already behind. The span is current even when nothing is published or vacuumed (a
+# stall, which is when the gauge matters); it is an upper bound, counting ids that rolled-back
+# inserts used and rows published out of id order that are already gone.
+BACKLOG_EXACT = 100_000
+
+
+def bigint_array(ids: Sequence[int]) -> str:
+    """The text form of a bigint[] parameter (still bound, never SQL text; the server parses it and
+    refuses anything but integers): about 4x cheaper than psycopg adapting a list element by element,
+    which counts at tens of thousands of ids a second."""
+    return "{" + ",".join(map(str, ids)) + "}"
+
+
+def lane_of(key: bytes | None, lanes: int) -> int:
+    """The lane of a key: the first 32 bits of its MD5, modulo the lane count; a null key is in lane 0.
+    The same in SQL (LANE_SQL) and here, so an application can tell which unit harvests a key."""
+    if key is None or lanes == 1:
+        return 0
+    return int(hashlib.md5(key).hexdigest()[:8], 16) % lanes
+
+
+# MD5 rather than hashtextextended(): defined the same everywhere (and in every client language),
+# and a few hundred nanoseconds per row is small beside the mark's own cost.
+LANE_SQL = "coalesce(mod(('x' || left(md5(key), 8))::bit(32)::bigint, {lanes}), 0)"
+
+# The planner cannot estimate `LANE_SQL = lane` (it guesses 0.5% of the rows match), so with a
+# backlog it prefers scanning and sorting the whole table, every mark, to walking the primary key
+# in id order: 200k rows, lanes=2: 210 ms per 5,000-row mark against 19 ms. A lane's mark pins the
+# id-order walk for its own (implicit) transaction only: nothing leaks to the pooled session.
+LANE_MARK_PLAN = (
+    "SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true), "
+    "set_config('max_parallel_workers_per_gather', '0', true)"
+)
+
+
+class OutboxStore:
+    def __init__(
+        self,
+        pool: ConnectionPool,
+        schema: str,
+        table: str = "outbox",
+        dead_table: str | None = None,
+        lane: int = 0,
+        lanes: int = 1,
+    ) -> None:
+        if not (isinstance(lanes, int) and isinstance(lane, int) and 0 <= lane < lanes):
+            raise ValueError(f"lane {lane!r} of {lanes!r}: need 0 <= lane < lanes")
+        self.pool = pool
+        self.lane, self.lanes = lane, lanes
+        t = qualified(schema, table)
+        self.table = t
+        dead = qualified(schema, dead_table or f"{table}_dead")
+        # id = ANY(ARRAY(subquery)) keeps the plan on the primary key (a join plan seq-scans the
+        # table). No SKIP LOCKED: skipping a row locked by a purge/reset in progress, or by an
+        # application, would let a later row of the same key be marked before it. Without FOR
+        # UPDATE in the subquery the UPDATE itself waits for such a lock and then re-checks the row
+        # (gone: skipped; still unmarked by us: marked), at half the WAL of lock-then-update.
+        # Always from the head, never above a cursor: a row committed late below a cursor would be
+        # passed over while a causally later row of its key (a higher id) is marked (invariant 6).
+        # A lane (lanes > 1) marks only the rows whose key hashes to it: every row of a key is in one
+        # lane, so per-key order is kept within one unit, and no row is ever marked by two units.
+        mark = (
+            "UPDATE {t} SET leader_id = %(me)s WHERE id = ANY(ARRAY("
+            "SELECT id FROM {t} WHERE (leader_id IS NULL OR leader_id <> %(me)s){in_lane}"
+            " ORDER BY {order} LIMIT %(n)s)) AND (leader_id IS NULL OR leader_id <> %(me)s) "
+            "AND statement_timestamp() < %(until)s "
+            "RETURNING id, topic, key, value, header_keys, header_values, kafka_partition"
+        )
+        if lanes == 1:
+            self._mark = sql.SQL(mark).format(t=t, in_lane=sql.SQL(""), order=sql.SQL("id"))
+            self._mark_indexed = self._mark
+        else:
+            lane_expr = sql.SQL(LANE_SQL.format(lanes=int(lanes)))
+            self._mark = sql.SQL(mark).format(
+                t=t,
+                in_lane=sql.SQL(" AND {e} = {lane}").format(e=lane_expr, lane=sql.Literal(int(lane))),
+                order=sql.SQL("id"),
+            )
+            # Through the lane index (harvester.lane_index), as a range of it: with `lane = L` the
+            # planner would take the ordering as plain id order and keep walking the primary key.
+            self._mark_indexed = sql.SQL(mark).format(
+                t=t,
+                in_lane=sql.SQL(" AND ({e}, id) >= ({lane}, {low}) AND ({e}, id) < ({above}, {low})").format(
+                    e=lane_expr,
+                    lane=sql.Literal(int(lane)),
+                    above=sql.Literal(int(lane) + 1),
+                    low=sql.SQL("(-9223372036854775807 - 1)::bigint"),
+                ),
+                order=sql.SQL("{e}, id").format(e=lane_expr),
+            )
+        self._lane_index = False
+        self._now = "SELECT clock_timestamp()"
+        # Run after the mark, before the one Sync: if the mark finished after `until` (it waited on
+        # a row lock, say), this divides by zero and the implicit transaction takes the mark back.
+        self._finished_in_time = "SELECT 1 / (clock_timestamp() < %(until)s)::int"
+        self._purge = sql.SQL("DELETE FROM {t} WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(t=t)
+        self._reset = sql.SQL("UPDATE {t} SET leader_id = NULL WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(
+            t=t
+        )
+        # One statement: the row leaves the outbox and enters the dead table together, or not at all.
+        self._quarantine = sql.SQL(
+            "WITH gone AS (DELETE FROM {t} WHERE id = ANY(%(ids)s::bigint[]) AND leader_id = %(me)s "
+            "RETURNING id, created_at, topic, key, value, header_keys, header_values, kafka_partition, leader_id) "
+            "INSERT INTO {d} (id, created_at, topic, key, value, header_keys, header_values, kafka_partition, "
+            "leader_id, reason) SELECT id, created_at, topic, key, value, header_keys, header_values, "
+            "kafka_partition, leader_id, %(reason)s FROM gone"
+        ).format(t=t, d=dead)
+        # SKIP_LOCKED: not behind a lane index build (harvester.lane_index) or the application's DDL.
+        self._vacuum = sql.SQL("VACUUM (SKIP_LOCKED) {t}").format(t=t)
+        self._oldest = sql.SQL(
+            "SELECT extract(epoch FROM clock_timestamp() - created_at) FROM {t} ORDER BY id LIMIT 1"
+        ).format(t=t)
+        self._count = sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {t} LIMIT %s) AS s").format(t=t)
+        self._span = sql.SQL("SELECT max(id) - min(id) + 1 FROM {t}").format(t=t)
+
+    def mark(self, leader_id: uuid.UUID, limit: int, *, until: datetime) -> list[tuple]:
+        """Mark up to `limit` of the lowest-id rows not marked by `leader_id`; sorted by id.
+
+        Every mark scans from the head of the table. Skipping ahead with a cursor would miss a row
+        whose (slow) transaction commits below the cursor while a later row of the same key is
+        marked above it; the leader's vacuum upkeep keeps the head cheap to scan instead.
+
+        `until` is the end of the leadership the mark was checked under, on the server's clock
+        (harvester.election.db_clock; FOREVER for tools and tests). A mark that reaches the server after it
+        does nothing, and one that finishes after it (it waited on a row lock) is taken back with
+        the rest of its implicit transaction: both raise MarkRefused, and nothing is marked. A
+        leader paused between its lease check and its mark (SIGSTOP, a VM pause) so takes no row
+        from its successor on waking. All or nothing: never a set with holes in id order.
+        """
+        params = {"me": leader_id, "n": limit, "until": until}
+        statement = self._mark_indexed if self._lane_index else self._mark
+        with self.pool.connection() as conn:
+            try:
+                # One pipeline, one Sync: the statements run in one implicit transaction (all that
+                # SET LOCAL lasts; what the closing check takes back), in one round trip.
+                with conn.pipeline():
+                    if self.lanes > 1:
+                        conn.execute(LANE_MARK_PLAN)
+                    cur = conn.execute(statement, params, binary=True)
+                    if until is not FOREVER:
+                        conn.execute(self._finished_in_time, {"until": until})
+            except psycopg.errors.DivisionByZero:
+                raise MarkRefused(f"the mark finished after its deadline {until.isoformat()}") from None
+            rows = cur.fetchall()
+        rows.sort(key=itemgetter(0))
+        return rows
+
+    def use_lane_index(self, valid: bool) -> None:
+        """Mark through the lane index (harvester.lane_index) while `valid`, else along the primary key."""
+        self._lane_index = bool(valid) and self.lanes > 1
+
+    def database_now(self) -> datetime:
+        """The database server's clock."""
+        with self.pool.connection() as conn:
+            row = conn.execute(self._now).fetchone()
+        assert row is not None  # a SELECT without FROM returns one row
+        return row[0]
+
+    def purge(self, leader_id: uuid.UUID, ids: Sequence[int]) -> int:
+        """Delete published rows still marked by `leader_id`; return how many went."""
+        with self.pool.connection() as conn:
+            return conn.execute(self._purge, [bigint_array(ids), leader_id]).rowcount
+
+    def reset(self, leader_id: uuid.UUID, ids: Sequence[int]) -> int:
+        """Unmark rows whose publication failed, if still marked by `leader_id`."""
+        with self.pool.connection() as conn:
+            return conn.execute(self._reset, [bigint_array(ids), leader_id]).rowcount
+
+    def quarantine(self, leader_id: uuid.UUID, ids: Sequence[int], reason: str) -> int:
+        """Move rows Kafka will never accept, if still marked by `leader_id`, to the dead table.
+
+        Returns how many moved (0: the rows were remarked by a newer id or are already gone).
+        """
+        with self.pool.connection() as conn:
+            return conn.execute(
+                self._quarantine, {"ids": bigint_array(ids), "me": leader_id, "reason": reason}
+            ).rowcount
+
+    def vacuum(self) -> bool:
+        """VACUUM the outbox; False when Postgres skipped it (SKIP_LOCKED: another session holds a
+        conflicting lock, e.g. a lane index build or drop, or DDL), which it says only in a WARNING."""
+        skipped: list[str] = []
+
+        def on_notice(diag: psycopg.errors.Diagnostic) -> None:
+            if diag.sqlstate == LOCK_NOT_AVAILABLE:
+                skipped.append(diag.message_primary or "")
+
+        with self.pool.connection() as conn:
+            conn.add_notice_handler(on_notice)
+            try:
+                conn.execute(self._vacuum)
+            finally:
+                conn.remove_notice_handler(on_notice)
+        return not skipped
+
+    def backlog(self, exact_up_to: int = BACKLOG_EXACT) -> Backlog:
+        """Rows in the outbox and the age of the oldest: an exact count up to `exact_up_to` rows,
+        above it the id span max(id) - min(id) + 1 (see BACKLOG_EXACT), at least `exact_up_to` + 1."""
+        with self.pool.connection() as conn:
+            counted = conn.execute(self._count, [exact_up_to + 1]).fetchone()
+            assert counted is not None  # an aggregate without GROUP BY returns exactly one row
+            rows = counted[0]
+            exact = rows <= exact_up_to
+            if not exact:
+                spanned = conn.execute(self._span).fetchone()
+                assert spanned is not None  # likewise one row; max() - min() is NULL on an empty table
+                rows = max(exact_up_to + 1, spanned[0] or 0)
+            oldest = conn.execute(self._oldest).fetchone()
+        return Backlog(rows=rows, oldest_age=max(0.0, float(oldest[0])) if oldest else 0.0, exact=exact)

@@ -1,0 +1,280 @@
+"""The HTTP service's data access: a pool of autocommit psycopg AsyncConnections and one of two
+backends with the same methods (http.backend):
+
+- `TrackerStore` (default): the tracker's asyncio face, `tracker.aio.AsyncTracker`; each call is
+  its own transaction (the connection is in autocommit, so the tracker opens and ends it).
+- `SqlFunctionStore`: the SQL functions of migration 0007, called as non-Python clients call them;
+  RT SQLSTATEs come back as the tracker's own typed exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime as dt
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Self, TypeVar
+
+import psycopg
+from psycopg import sql
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from tracker.aio import AsyncTracker
+from tracker.core.batches import Batch, BatchStatus, GroupHandle
+from tracker.errors import (
+    BatchExpired,
+    BatchNotOpen,
+    IndexOutOfRange,
+    InvalidValue,
+    MalformedItemId,
+    TooManyGroups,
+    TrackerError,
+    UnknownBatch,
+    UnknownGroup,
+)
+from tracker.ids import GROUP_BITS_MAX, MASK_BYTES_MAX
+from tracker.schema import check_identifier
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class OpenedBatch:
+    id: int
+    user_key: str | None
+    completion_topic: str | None
+    created_at: dt.datetime
+
+
+@dataclass
+class AckOutcome:
+    acked: int = 0
+    duplicates: int = 0
+    completed: list[int] = field(default_factory=list)
+
+
+class StoreUnavailable(Exception):
+    """The database could not be reached or did not answer in time."""
+
+
+def _statements(schema: str) -> dict[str, str]:
+    s = sql.Identifier(check_identifier(schema, "schema"))
+    q = {
+        # now() is the transaction's start, which is the new row's created_at (its default)
+        "open": "SELECT {s}.open_batch(%s, %s), now()",
+        "tenant": "UPDATE {batch} SET tenant = %s WHERE id = %s",
+        # each batch's tenant (`default` for those opened without one, by the Python API or SQL) and state
+        "owners": "SELECT id, coalesce(tenant, 'default'), state FROM {batch} WHERE id = ANY(%s)",
+        "add": "SELECT batch_id, group_id, start, upto FROM {s}.add_items(%s, %s)",
+        "close": "SELECT {s}.close_batch(%s, %s)",
+        "ack": "SELECT acked, duplicates, completed FROM {s}.ack(%s::text[], %s)",
+        "status": "SELECT state, total, pending, user_key, created_at, closed_at, completed_at, last_activity_at, "
+        "expired_at FROM {s}.batch_status(%s)",
+        "finished": "SELECT id FROM {batch} WHERE id = ANY(%s) AND state IN ('complete', 'expired')",
+    }
+    return {k: sql.SQL(v).format(s=s, batch=sql.Identifier(schema, "batch")).as_string(None) for k, v in q.items()}
+
+
+_SIZE = re.compile(r"its group has (\d+) items")
+_STATE = re.compile(r"^batch \d+ is (\w+):")
+
+
+def _tracker_error(exc: psycopg.Error) -> TrackerError | None:
+    """The typed tracker error an RT SQLSTATE stands for (DETAIL holds the offending value)."""
+    code, detail = exc.sqlstate or "", exc.diag.message_detail or ""
+    message = exc.diag.message_primary or ""
+    parts = detail.split(":")
+    item_id = detail if len(parts) == 3 else None
+    try:
+        batch_id = int(parts[0])
+    except ValueError:
+        batch_id = -1
+    if code == "RT001":
+        return MalformedItemId(detail)
+    if code == "RT002":
+        return UnknownBatch(batch_id, item_id)
+    if code == "RT003":
+        return UnknownGroup(batch_id, int(parts[1]), item_id)
+    if code == "RT004":
+        size = _SIZE.search(message)
+        return (
+            IndexOutOfRange(detail, int(size.group(1)))
+            if size
+            else IndexOutOfRange(detail, GROUP_BITS_MAX, any_group=True)
+        )
+    if code == "RT005":
+        state = _STATE.search(message)
+        return BatchNotOpen(batch_id, state.group(1) if state else "not open")
+    if code == "RT006":
+        return BatchExpired(batch_id, item_id)
+    if code == "RT008":
+        return TooManyGroups("item_ids", detail, MASK_BYTES_MAX)
+    return None
+
+
+async def _configure(conn: psycopg.AsyncConnection) -> None:
+    """Behind a transaction pooler (PgBouncer), no named prepared statements (tracker/pooling.py):
+    the pooler answers the startup's backend pid itself, so it differs from the real one."""
+    cur = await conn.execute("SELECT pg_backend_pid()", prepare=False)
+    row = await cur.fetchone()
+    if row is not None and row[0] != conn.info.backend_pid:
+        conn.prepare_threshold = None
+
+
+class _PoolStore:
+    def __init__(self, dsn: str, schema: str, *, completion_topic: str, pool_size: int, timeout: float) -> None:
+        self.q = _statements(schema)
+        self.schema = schema
+        self._bound: psycopg.AsyncConnection | None = None
+        self.completion_topic = completion_topic
+        self.timeout = timeout
+        self.pool = AsyncConnectionPool(
+            dsn,
+            min_size=1,
+            max_size=pool_size,
+            open=False,
+            timeout=timeout,
+            kwargs={"autocommit": True},
+            name="reaper-http",
+            configure=_configure,
+        )
+
+    async def open(self) -> None:
+        await self.pool.open(wait=False)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    def _acquire(self) -> AbstractAsyncContextManager[psycopg.AsyncConnection]:
+        """A connection for one call: the pool's, or the one this store is bound to."""
+        if self._bound is not None:
+            return nullcontext(self._bound)
+        return self.pool.connection()
+
+    def bound(self, conn: psycopg.AsyncConnection) -> Self:
+        """This store, running every call on `conn` (in the transaction the caller holds there)."""
+        view = copy.copy(self)
+        view._bound = conn
+        return view
+
+    @asynccontextmanager
+    async def _database(self) -> AsyncIterator[psycopg.AsyncConnection]:
+        """A connection within the call's time limit; database errors as the tracker's typed ones."""
+        try:
+            async with asyncio.timeout(self.timeout), self._acquire() as conn:
+                yield conn
+        except psycopg.Error as exc:
+            err = _tracker_error(exc)
+            if err is not None:
+                raise err from None
+            if isinstance(exc, (psycopg.OperationalError, psycopg.errors.QueryCanceled)):
+                raise StoreUnavailable(type(exc).__name__) from None
+            if isinstance(exc, psycopg.DataError):  # e.g. a NUL, which PostgreSQL text cannot hold
+                raise InvalidValue("request", "(a value of the request)", str(exc).splitlines()[0]) from None
+            raise
+        except (TimeoutError, PoolTimeout) as exc:
+            raise StoreUnavailable("the database did not answer in time") from exc
+
+    async def _fetch(self, query: str, params: list) -> list[tuple]:
+        async with self._database() as conn:
+            cur = await conn.execute(query, params)
+            return await cur.fetchall()
+
+    async def ping(self) -> None:
+        await self._fetch("SELECT 1", [])
+
+    async def owners(self, batch_ids: list[int]) -> dict[int, tuple[str, str]]:
+        """batch id -> (its tenant, its state), for those of these batches that exist."""
+        return {r[0]: (r[1], r[2]) for r in await self._fetch(self.q["owners"], [batch_ids])}
+
+    async def finished(self, batch_ids: list[int]) -> set[int]:
+        """Which of these batches are complete or expired (one query for every long-poll waiter)."""
+        return {r[0] for r in await self._fetch(self.q["finished"], [batch_ids])}
+
+
+class TrackerStore(_PoolStore):
+    """The tracker's asyncio face on pooled autocommit connections."""
+
+    def __init__(self, dsn: str, schema: str, *, completion_topic: str, pool_size: int, timeout: float) -> None:
+        super().__init__(dsn, schema, completion_topic=completion_topic, pool_size=pool_size, timeout=timeout)
+        self.tracker = AsyncTracker(schema=schema, completion_topic=completion_topic)
+
+    async def _call(self, call: Callable[[psycopg.AsyncConnection], Awaitable[T]]) -> T:
+        try:
+            async with asyncio.timeout(self.timeout):
+                async with self._acquire() as conn:
+                    return await call(conn)
+        except (psycopg.OperationalError, psycopg.errors.QueryCanceled) as exc:
+            raise StoreUnavailable(type(exc).__name__) from None
+        except (TimeoutError, PoolTimeout) as exc:
+            raise StoreUnavailable("the database did not answer in time") from exc
+
+    async def open_batch(self, user_key: str | None, completion_topic: str | None, tenant: str | None) -> OpenedBatch:
+        t = self.tracker
+
+        async def open_for(c: psycopg.AsyncConnection) -> Batch:
+            async with c.transaction():  # the batch and its tenant together (a savepoint when bound)
+                b = await t.open_batch(c, user_key=user_key, completion_topic=completion_topic)
+                if tenant is not None:
+                    await c.execute(self.q["tenant"], [tenant, b.id])
+                return b
+
+        b = await self._call(open_for)
+        assert b.created_at is not None  # open_batch returns the new row's created_at (NOT NULL)
+        return OpenedBatch(b.id, b.user_key, b.completion_topic, b.created_at)
+
+    async def add_items(self, batch_id: int, n: int) -> list[GroupHandle]:
+        return await self._call(lambda c: self.tracker.add_items(c, batch_id, n))
+
+    async def close_batch(self, batch_id: int) -> bool:
+        return await self._call(lambda c: self.tracker.close_batch(c, batch_id))
+
+    async def ack(self, ids: list[str]) -> AckOutcome:
+        if not ids:
+            return AckOutcome()
+        # The server's own short transaction: the masked path reports `completed` exactly (claims
+        # would settle at commit and report nothing), and its batch locks last only this request.
+        r = await self._call(lambda c: self.tracker.ack(c, ids, claims=False))
+        return AckOutcome(r.acked, r.duplicates, list(r.completed))
+
+    async def status(self, batch_id: int) -> BatchStatus:
+        return await self._call(lambda c: self.tracker.status(c, batch_id))
+
+
+class SqlFunctionStore(_PoolStore):
+    """The SQL functions of migration 0007, as any other language calls them."""
+
+    async def open_batch(self, user_key: str | None, completion_topic: str | None, tenant: str | None) -> OpenedBatch:
+        if tenant is None:
+            ((batch_id, created_at),) = await self._fetch(self.q["open"], [user_key, completion_topic])
+            return OpenedBatch(batch_id, user_key, completion_topic, created_at)
+        async with self._database() as conn, conn.transaction():
+            # the batch and its tenant together (a savepoint when bound to a caller's transaction)
+            cur = await conn.execute(self.q["open"], [user_key, completion_topic])
+            row = await cur.fetchone()
+            assert row is not None
+            await conn.execute(self.q["tenant"], [tenant, row[0]])
+        return OpenedBatch(row[0], user_key, completion_topic, row[1])
+
+    async def add_items(self, batch_id: int, n: int) -> list[GroupHandle]:
+        rows = await self._fetch(self.q["add"], [batch_id, n])
+        return [GroupHandle(b, g, upto, start) for b, g, start, upto in rows]
+
+    async def close_batch(self, batch_id: int) -> bool:
+        ((complete,),) = await self._fetch(self.q["close"], [batch_id, self.completion_topic])
+        return bool(complete)
+
+    async def ack(self, ids: list[str]) -> AckOutcome:
+        rows = await self._fetch(self.q["ack"], [ids, self.completion_topic])
+        acked, duplicates, completed = rows[0]
+        return AckOutcome(acked, duplicates, list(completed))
+
+    async def status(self, batch_id: int) -> BatchStatus:
+        rows = await self._fetch(self.q["status"], [batch_id])
+        return BatchStatus(*rows[0])
+
+
+Store = TrackerStore | SqlFunctionStore

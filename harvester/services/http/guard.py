@@ -1,0 +1,104 @@
+"""The gate in front of the app: every request framed one way only; /v1 requests with exactly one
+valid bearer token, within its rate limit, and JSON bodies. Refusals are problem documents."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from harvester.services.http import problems
+from harvester.services.http.problems import Problem
+from harvester.services.http.security import RateLimiter, Receive, Scope, Send, headers_of, state_of
+from harvester.services.http.tenants import TenantAuth
+
+
+async def send_problem(scope: Scope, receive: Receive, send: Send, problem: Problem) -> None:
+    state_of(scope)["problem"] = problem.slug
+    await problems.response(problem, str(scope.get("path", "")))(scope, receive, send)
+
+
+class Guard:
+    """Every request framed one way only; /v1: one valid bearer token, within its rate; POST
+    bodies must be JSON."""
+
+    def __init__(self, app: Callable, auth: TenantAuth, limiter: RateLimiter, open_paths: set[str]) -> None:
+        self.app, self.auth, self.limiter, self.open_paths = app, auth, limiter, open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        names = [name for name, _ in headers_of(scope)]
+        if b"transfer-encoding" in names and b"content-length" in names:
+            # Framed two ways: a proxy in front may have read it the other way, and what follows
+            # could be a request it never saw. Refused, and the connection closed after it.
+            await send_problem(
+                scope,
+                receive,
+                send,
+                Problem(
+                    "invalid-request",
+                    "the request has both Content-Length and Transfer-Encoding",
+                    field="headers",
+                    headers={"Connection": "close"},
+                ),
+            )
+            return
+        path = str(scope.get("path", ""))
+        if not path.startswith("/v1/") or path in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        if names.count(b"authorization") > 1:
+            await send_problem(
+                scope,
+                receive,
+                send,
+                Problem("invalid-request", "the request has more than one Authorization header", field="headers"),
+            )
+            return
+        headers = dict(headers_of(scope))
+        raw = headers.get(b"authorization")
+        self.auth.maybe_reload()
+        caller = self.auth.identify(raw.decode("latin-1") if raw is not None else None)
+        if caller is None:
+            why = "no Authorization: Bearer header" if raw is None else "the bearer token is not valid"
+            await send_problem(
+                scope,
+                receive,
+                send,
+                Problem("unauthorized", why, headers={"WWW-Authenticate": 'Bearer realm="reaper"'}),
+            )
+            return
+        token = caller.token
+        state_of(scope)["token"] = token
+        state_of(scope)["tenant"] = caller.tenant
+        state_of(scope)["scope"] = caller.scope
+        wait = self.limiter.take(token)
+        if wait > 0:
+            await send_problem(
+                scope,
+                receive,
+                send,
+                Problem(
+                    "rate-limited",
+                    f"token {token} is over its rate limit; retry after {wait:.3f} s",
+                    headers={"Retry-After": str(max(1, int(wait + 0.999)))},
+                    retry_after=round(wait, 3),
+                ),
+            )
+            return
+        if scope.get("method") == "POST":
+            ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            has_body = headers.get(b"content-length", b"0") not in (b"0", b"") or b"transfer-encoding" in headers
+            if has_body and ctype != b"application/json":
+                await send_problem(
+                    scope,
+                    receive,
+                    send,
+                    Problem(
+                        "unsupported-media-type",
+                        f"Content-Type {ctype.decode('latin-1') or '(none)'!r}: send application/json",
+                        field="Content-Type",
+                    ),
+                )
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,72 @@
+"""`reaper serve`: uvicorn running the HTTP app, TLS if configured, graceful shutdown on SIGTERM.
+
+On SIGTERM/SIGINT the server stops accepting connections, /readyz turns 503, long-polls answer at
+once with the batch's current state, in-flight requests get up to http.shutdown_timeout seconds,
+then the database pool closes.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import uvicorn
+
+from harvester.config import Config
+from harvester.services.http.app import create_app
+from harvester.services.http.deadlines import DeadlineProtocol
+from harvester.services.http.security import check_startup, load_tokens
+
+
+class _DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_exit) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:  # noqa: ANN001 (uvicorn's signature)
+        # Drain, then stop as uvicorn does, but without recording the signal: uvicorn would raise
+        # it again after a clean shutdown, and `reaper serve` should then exit 0.
+        self._on_exit()
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+
+
+def build(cfg: Config) -> tuple[uvicorn.Server, object]:
+    """The configured server and its ASGI app; raises ConfigError (no tokens, bad TLS files...)."""
+    h = cfg.http
+    tokens = load_tokens(h)
+    check_startup(h, tokens)
+    app = create_app(cfg, tokens=tokens)
+    fastapi_app = app.fastapi
+
+    def drain() -> None:
+        fastapi_app.state.draining = True
+        fastapi_app.state.watcher.release_all()
+
+    config = uvicorn.Config(
+        app,
+        host=h.host,
+        port=h.port,
+        lifespan="on",
+        access_log=False,
+        log_config=None,
+        server_header=False,
+        proxy_headers=True,
+        forwarded_allow_ips=h.forwarded_allow_ips,
+        timeout_graceful_shutdown=int(h.shutdown_timeout),
+        ssl_certfile=h.tls_certfile or None,
+        ssl_keyfile=h.tls_keyfile or None,
+        h11_max_incomplete_event_size=64 * 1024,
+        http=DeadlineProtocol.with_timeouts(h.header_timeout, h.body_timeout),
+    )
+    return _DrainingServer(config, drain), app
+
+
+def serve(cfg: Config) -> int:
+    server, app = build(cfg)
+    auth = app.fastapi.state.auth  # type: ignore[attr-defined]
+    # SIGHUP re-reads http.tenants_file (it is also re-read when it changes): tokens added or revoked
+    signal.signal(signal.SIGHUP, lambda _sig, _frame: auth.reload())
+    server.run()
+    return 0 if server.started else 1

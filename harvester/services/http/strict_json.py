@@ -1,0 +1,109 @@
+"""Request bodies read one way only: JSON that two parsers could read differently is refused.
+
+A body must be UTF-8 (RFC 8259), may not name a key twice in one object (which one wins differs
+between parsers), and no string in it may hold a NUL or an unpaired surrogate (neither can be
+stored in Postgres text nor written back in a UTF-8 response). The error names the field as a
+path (`body.ids[3]`), never echoes the bad text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+
+from harvester.services.http.problems import Problem, ProblemException
+
+# Bodies up to this size are parsed on the event loop (well under a millisecond); larger in a thread.
+_PARSE_ON_LOOP_MAX = 64 * 1024
+# A NUL, or a UTF-16 surrogate left alone by a "\ud800" escape (a valid pair decodes to one character).
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+class UnreadableBody(ValueError):
+    def __init__(self, field: str, reason: str) -> None:
+        field = field if len(field) <= 200 else field[:200] + "..."
+        self.field, self.reason = field, reason
+        super().__init__(f"{field}: {reason}")
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            shown = json.dumps(key if len(key) <= 40 else key[:40] + "...")
+            raise UnreadableBody("body", f"the key {shown} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def loads(body: bytes) -> object:
+    """The body's JSON value; raises UnreadableBody, or json.JSONDecodeError for text that is not JSON."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnreadableBody("body", f"the body is not valid UTF-8 (byte {exc.start})") from None
+    value = json.loads(text, object_pairs_hook=_no_duplicates)
+    _check_strings(value)
+    return value
+
+
+def _check_strings(value: object) -> None:
+    # Iterative (json.loads bounds the nesting already), and a field's path is spelled out only for
+    # the one reported: each value carries a link to its parent, never a copy of the path so far.
+    stack: list[tuple[object, tuple[object, str | int] | None]] = [(value, None)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            bad = _UNSTORABLE.search(item)
+            if bad is not None:
+                what = "a NUL character" if bad.group() == "\x00" else "an unpaired UTF-16 surrogate"
+                raise UnreadableBody(_path(where), f"the text holds {what} at position {bad.start()}")
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if _UNSTORABLE.search(key) is not None:
+                    raise UnreadableBody(_path(where), "a key holds a NUL character or an unpaired surrogate")
+                stack.append((child, (where, key)))
+        elif isinstance(item, list):
+            stack.extend((child, (where, i)) for i, child in enumerate(item))
+
+
+def _path(where: tuple[object, str | int] | None) -> str:
+    parts: list[str] = []
+    while where is not None:
+        parent, step = where
+        parts.append(f"[{step}]" if isinstance(step, int) else f".{step if len(step) <= 40 else step[:40] + '...'}")
+        where = parent  # type: ignore[assignment]
+    return "body" + "".join(reversed(parts))
+
+
+class StrictRequest(Request):
+    """A request whose `json()` is `loads` above: FastAPI reads every body through it."""
+
+    async def json(self) -> object:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                # Parsing a large body is CPU work: in a thread, so it never holds up the event loop.
+                self._json = await asyncio.to_thread(loads, body) if len(body) > _PARSE_ON_LOOP_MAX else loads(body)
+            except UnreadableBody as exc:
+                # an HTTPException: FastAPI's body reading passes it on as it is
+                raise ProblemException(Problem("invalid-request", str(exc), field=exc.field)) from None
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    """The app's route class: its handlers get a StrictRequest."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(StrictRequest(request.scope, request.receive))
+
+        return strict

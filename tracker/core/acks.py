@@ -1,0 +1,277 @@
+"""Acks: fold item ids into one mask per group; two ways to apply them.
+
+`claim_op` (`Tracker.ack`, `exactly_once`: consumers, in the caller's transaction; issue 12): no batch or group row
+is locked or updated. One claim row per item is inserted into `ack_claim`, whose primary key is
+the per-item exclusion: a concurrent claim of the same item waits on the unique index until the
+first transaction ends, then finds its committed claim (a duplicate) or, once settled, the cleared
+bit. The bit is then read by a fresh statement (READ COMMITTED: it sees what the wait waited for;
+REPEATABLE READ / SERIALIZABLE: `ack_fresh_check` raises a serialization failure if the group row
+changed since the snapshot or is being changed right now, instead of handing a stale "still
+pending" to exactly_once; it never waits and keeps no lock, so it never holds a settle up). An
+item counts as acked by this call if its claim is new and its bit still set. Bits, pending counts
+and the completion decision are folded at commit by `ack_settle` (sql/0006_ack_claims.sql) under
+the batch row lock, or later by the next settle of the batch (tracker.settle) if that lock was
+busy at commit. So acks of one batch, and their effects, commit in parallel; `completed` is
+always empty here (completion happens at or after commit).
+
+`apply_op` (`Tracker.apply_masks`: the reaper's acker, Spark, in their own short transactions): lock the named batches
+(FOR NO KEY UPDATE, in batch-id order, so concurrent acks and closes never deadlock; optionally
+SKIP LOCKED, returning what it skipped), read the named groups' sizes, validate, then one
+statement that clears the masked bits of every group, lowers each group's and each batch's
+pending by the number of bits that actually flipped (`bit_count(bits & mask)`), completes the
+batches that became `closed and pending = 0` and writes their completion events. Duplicates flip
+nothing, so they never double count; a re-ack after completion reports only duplicates.
+
+Both paths count flips against the bits as they are under the batch row lock, so they agree on
+counts and on the one completion whichever of them clears a bit first.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from psycopg import sql
+
+from tracker.core.batches import completion_insert
+from tracker.core.steps import Op, Query, Round
+from tracker.errors import BatchExpired, IndexOutOfRange, UnknownBatch, UnknownGroup
+from tracker.ids import GroupMask, format_run
+
+# `Tracker.ack` claims item by item up to this many ids per call; a larger call is a bulk ack and
+# takes the masked path (apply_op: batch rows locked until the caller commits, `completed` filled).
+CLAIMS_PER_CALL_MAX = 1000
+
+
+@dataclass
+class AckResult:
+    # bits this call cleared; for claims (tracker.ack of <= CLAIMS_PER_CALL_MAX ids): items claimed whose
+    # bit was set when claimed (a concurrent masked ack may clear that bit first; stored counts stay exact)
+    acked: int = 0
+    duplicates: int = 0  # ids whose bit was already clear (or named twice in the call)
+    completed: list[int] = field(default_factory=list)  # batches this call completed
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (item id or run, reason), reject_invalid only
+    # apply_op(skip_locked=True): masks of batches another transaction held locked, not applied
+    skipped: dict[tuple[int, int], GroupMask] = field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=64)
+def statements(schema: str, outbox_table: str) -> dict[str, str]:
+    t = {
+        "batch": sql.Identifier(schema, "batch"),
+        "group": sql.Identifier(schema, "batch_group"),
+        "claim_items": sql.Identifier(schema, "ack_claim_items"),
+        "outbox": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None)),
+    }
+    q = {
+        "lock": sql.SQL("SELECT id, state FROM {batch} WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE"),
+        "lock_skip": sql.SQL(
+            "SELECT id, state FROM {batch} WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE SKIP LOCKED"
+        ),
+        "states": sql.SQL("SELECT id, state FROM {batch} WHERE id = ANY(%s)"),
+        # validate + claim + read + freshness check in one statement (sql/0010_ack_claim_items.sql)
+        "claim_items": sql.SQL(
+            "SELECT * FROM {claim_items}(%s::int8[], %s::int8[], %s::int4[], {outbox}::regclass, %s)"
+        ),
+        "sizes": sql.SQL(
+            "SELECT g.batch_id, g.id, g.size FROM unnest(%s::int8[], %s::int8[]) AS u(batch_id, id) "
+            "JOIN {group} g ON g.batch_id = u.batch_id AND g.id = u.id"
+        ),
+        "apply": sql.SQL(
+            "WITH m AS MATERIALIZED ("
+            " SELECT g.batch_id, g.id, mk.mask, bit_count(g.bits & mk.mask) AS flipped"
+            " FROM unnest(%s::int8[], %s::int8[], %s::text[]) AS u(batch_id, id, hex)"
+            " JOIN {group} g ON g.batch_id = u.batch_id AND g.id = u.id"
+            " CROSS JOIN LATERAL (SELECT substring(('x' || rpad(u.hex, ((g.size + 7) / 8) * 2, '0'))::varbit"
+            " FROM 1 FOR g.size) AS mask) mk),"
+            " cleared AS (UPDATE {group} g SET bits = g.bits & ~m.mask, pending = g.pending - m.flipped"
+            " FROM m WHERE g.batch_id = m.batch_id AND g.id = m.id AND m.flipped > 0),"
+            " d AS (SELECT batch_id, sum(flipped)::int8 AS flipped FROM m GROUP BY batch_id),"
+            " b AS (UPDATE {batch} b SET pending = b.pending - d.flipped, last_activity_at = clock_timestamp(),"
+            " state = CASE WHEN b.state = 'closed' AND b.pending = d.flipped THEN 'complete' ELSE b.state END,"
+            " completed_at = CASE WHEN b.state = 'closed' AND b.pending = d.flipped THEN clock_timestamp()"
+            " ELSE b.completed_at END"
+            " FROM d WHERE b.id = d.batch_id"
+            " RETURNING b.id, b.state, d.flipped, b.user_key, b.total, b.created_at, b.closed_at, b.completed_at,"
+            " b.completion_topic, b.traceparent, b.tracestate),"
+            # A batch completed here: new state complete and bits flipped (a batch that was
+            # already complete has no set bit left to flip).
+            " finished AS (SELECT * FROM b WHERE state = 'complete' AND flipped > 0),"
+            " event AS ({insert})"
+            " SELECT id, flipped, state = 'complete' AND flipped > 0 FROM b"
+        ),
+    }
+    insert = completion_insert(schema, outbox_table)
+    return {k: v.format(insert=insert, **t).as_string(None) for k, v in q.items()}
+
+
+def _first_index(mask: GroupMask, lo: int = 0) -> int:
+    return next(mask.indexes(lo), lo)
+
+
+def _runs(mask: GroupMask, lo: int = 0) -> list[str]:
+    """The set bits at or above `lo`, as ids and runs (for rejects)."""
+    out: list[str] = []
+    start = prev = -2
+    for i in mask.indexes(lo):
+        if start >= 0 and i != prev + 1:
+            out.append(format_run(mask.batch_id, mask.group_id, start, prev))
+            start = -2
+        if start < 0:
+            start = i
+        prev = i
+    if start >= 0:
+        out.append(format_run(mask.batch_id, mask.group_id, start, prev))
+    return out
+
+
+def _set_bits_from(mask: GroupMask, lo: int) -> int:
+    total = 0
+    first_byte = lo >> 3
+    if lo & 7 and first_byte < len(mask.bits):
+        total += bin(mask.bits[first_byte] & (0xFF >> (lo & 7))).count("1")
+        first_byte += 1
+    return total + int.from_bytes(mask.bits[first_byte:], "big").bit_count()
+
+
+def apply_op(
+    q: dict[str, str],
+    masks: Mapping[tuple[int, int], GroupMask],
+    completion_topic: str,
+    reject_invalid: bool,
+    *,
+    last: bool = True,
+    skip_locked: bool = False,
+) -> Op[AckResult]:
+    """Apply folded masks (from `tracker.ids.fold`) in the caller's transaction.
+
+    reject_invalid=False: the first unknown batch/group, out-of-range index or expired batch raises
+    its typed error and nothing is applied. reject_invalid=True: those entries are left out and
+    returned in `rejected` as (item id or run, reason); the valid rest is applied.
+    skip_locked=True: batches another transaction holds locked are not waited for; their masks
+    come back in `skipped`, to be applied later (the acker).
+    """
+    result = AckResult()
+    todo = [m for m in masks.values() if m.count]
+    if not todo:
+        return result
+    batch_ids = sorted({m.batch_id for m in todo})
+    # One round trip: savepoint, batch locks (in id order), then the groups' sizes, read after
+    # the locks are held so that an add committed while we waited is seen.
+    queries = [
+        Query(q["lock_skip" if skip_locked else "lock"], [batch_ids], "all"),
+        Query(q["sizes"], [[m.batch_id for m in todo], [m.group_id for m in todo]], "all"),
+    ]
+    if skip_locked:
+        queries.append(Query(q["states"], [batch_ids], "all"))
+    rows = yield Round(tuple(queries))
+    lock_rows, size_rows = rows[0], rows[1]
+    states = dict(lock_rows)
+    if skip_locked:
+        held = {b for b, _state in rows[2]} - states.keys()
+        result.skipped = {(m.batch_id, m.group_id): m for m in todo if m.batch_id in held}
+        todo = [m for m in todo if m.batch_id not in held]
+    sizes = {(b, g): size for b, g, size in size_rows}
+    live: list[GroupMask] = []
+    for m in todo:
+        state = states.get(m.batch_id)
+        if state is None or state == "expired":
+            first = m.item_id(_first_index(m))
+            if not reject_invalid:
+                raise UnknownBatch(m.batch_id, first) if state is None else BatchExpired(m.batch_id, first)
+            reason = "unknown batch" if state is None else "batch expired"
+            result.rejected.extend((run, reason) for run in _runs(m))
+        else:
+            live.append(m)
+    batch_ids, group_ids, hexes = [], [], []
+    counted = 0
+    for m in live:
+        size = sizes.get((m.batch_id, m.group_id))
+        if size is None:
+            if not reject_invalid:
+                raise UnknownGroup(m.batch_id, m.group_id, m.item_id(_first_index(m)))
+            result.rejected.extend((run, "unknown group") for run in _runs(m))
+            continue
+        count = m.count
+        if m.max_index >= size:
+            if not reject_invalid:
+                raise IndexOutOfRange(m.item_id(_first_index(m, size)), size, culprit=(m.batch_id, m.group_id))
+            result.rejected.extend((run, f"index out of range (group size {size})") for run in _runs(m, size))
+            count -= _set_bits_from(m, size)
+        # Sent as folded (up to its highest index, never past the group): the statement pads it to
+        # the group's size, so what this call holds stays what its ids named.
+        nbytes = (size + 7) >> 3
+        bits = m.bits if len(m.bits) <= nbytes else m.bits[:nbytes]
+        batch_ids.append(m.batch_id)
+        group_ids.append(m.group_id)
+        hexes.append(bits.hex())
+        counted += count
+    if not batch_ids:
+        return result
+    (applied,) = yield Round((Query(q["apply"], [batch_ids, group_ids, hexes, completion_topic], "all"),), last)
+    for batch_id, flipped, completed in applied:
+        result.acked += flipped
+        if completed:
+            result.completed.append(batch_id)
+    result.duplicates = max(0, counted - result.acked)
+    return result
+
+
+def claim_op(
+    q: dict[str, str], masks: Mapping[tuple[int, int], GroupMask], completion_topic: str, *, last: bool = True
+) -> Op[AckResult]:
+    """Ack folded masks in the caller's transaction by claiming their items (see the module doc):
+    no batch-wide lock; counts, bits and completion are settled at commit (or by the next settle).
+
+    Raises UnknownBatch, UnknownGroup, IndexOutOfRange or BatchExpired naming the first offending
+    id; then nothing of the call was applied. `acked`: items whose claim is new in this
+    transaction and whose bit was still set; the rest are `duplicates`; `completed` stays empty.
+
+    One statement, `ack_claim_items` (sql/0010): it validates first and claims nothing when an id
+    is bad, returning what the typed error needs instead. last=True (an ack): the round also ends
+    the call; last=False (exactly_once: an effect follows).
+    """
+    result = AckResult()
+    todo = [m for m in masks.values() if m.count]
+    if not todo:
+        return result
+    b_col: list[int] = []
+    g_col: list[int] = []
+    i_col: list[int] = []
+    for m in todo:
+        for i in m.indexes():
+            b_col.append(m.batch_id)
+            g_col.append(m.group_id)
+            i_col.append(i)
+    (rows,) = yield Round((Query(q["claim_items"], [b_col, g_col, i_col, completion_topic], "all"),), last)
+    if rows and rows[0][5] is None:  # validation rows: something named is bad, nothing was claimed
+        _claimable(
+            todo,
+            [(b, state) for b, _g, _i, state, _size, _c, _bit in rows if state is not None],
+            [(b, g, size) for b, g, _i, _state, size, _c, _bit in rows if size is not None],
+        )
+        raise AssertionError(f"ack_claim_items refused {len(rows)} group(s) the checks here accept")  # pragma: no cover
+    counted = sum(m.count for m in todo)
+    result.acked = sum(1 for _b, _g, _i, _state, _size, claimed, bit in rows if claimed and bit == 1)
+    result.duplicates = max(0, counted - result.acked)
+    return result
+
+
+def _claimable(todo: list[GroupMask], state_rows: list[tuple], size_rows: list[tuple]) -> int:
+    """Raise the typed error of the first bad mask; else the number of ids the masks count."""
+    states = dict(state_rows)
+    sizes = {(b, g): size for b, g, size in size_rows}
+    counted = 0
+    for m in todo:
+        state = states.get(m.batch_id)
+        if state is None or state == "expired":
+            first = m.item_id(_first_index(m))
+            raise UnknownBatch(m.batch_id, first) if state is None else BatchExpired(m.batch_id, first)
+        size = sizes.get((m.batch_id, m.group_id))
+        if size is None:
+            raise UnknownGroup(m.batch_id, m.group_id, m.item_id(_first_index(m)))
+        if m.max_index >= size:
+            raise IndexOutOfRange(m.item_id(_first_index(m, size)), size, culprit=(m.batch_id, m.group_id))
+        counted += m.count
+    return counted

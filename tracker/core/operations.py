@@ -1,0 +1,175 @@
+"""What the sync and asyncio faces share: a tracker's configuration, its statements and metrics,
+and the operations built from them (generators of steps, no I/O; see steps.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Union
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+
+from tracker import metrics, outbox
+from tracker.config import DEFAULT_COMPLETION_TOPIC, DEFAULT_OUTBOX_TABLE, DEFAULT_SCHEMA, TrackerConfig
+from tracker.consumer import Processed, exactly_once_op
+from tracker.core import acks, batches
+from tracker.core.acks import AckResult
+from tracker.core.batches import Batch, BatchStatus, GroupHandle
+from tracker.core.steps import Op
+from tracker.core.validate import id_list
+from tracker.errors import BatchExpired, IndexOutOfRange, InvalidArgument, TrackerError, UnknownBatch, UnknownGroup
+from tracker.ids import GroupMask, fold, parse_ack
+
+ItemIds = Union[str, bytes, Iterable[str | bytes]]
+
+
+class TrackerCore:
+    """Configuration and operations; `Tracker` and `AsyncTracker` add the faces."""
+
+    def __init__(
+        self,
+        *,
+        schema: str = DEFAULT_SCHEMA,
+        outbox_table: str = DEFAULT_OUTBOX_TABLE,
+        completion_topic: str = DEFAULT_COMPLETION_TOPIC,
+        registry: CollectorRegistry | None = REGISTRY,
+    ) -> None:
+        self.config = TrackerConfig(schema, outbox_table, completion_topic)
+        self._q_batches = batches.statements(schema, outbox_table)
+        self._q_acks = acks.statements(schema, outbox_table)
+        self._copy_sql, self._insert_sql = outbox.statements(schema, outbox_table)
+        self._m: tuple[Counter, Counter, Counter, Counter, Counter, Histogram] | None = None
+        if registry is not None:
+            m = metrics.for_registry(registry)
+            self._m = (
+                m.batches_opened.labels(schema),
+                m.batches_closed.labels(schema),
+                m.batches_completed.labels(schema),
+                m.acks_applied.labels(schema),
+                m.acks_duplicate.labels(schema),
+                m.ack_apply_duration.labels(schema),
+            )
+
+    @property
+    def schema(self) -> str:
+        return self.config.schema
+
+    @property
+    def outbox_table(self) -> str:
+        return self.config.outbox_table
+
+    @property
+    def completion_topic(self) -> str:
+        return self.config.completion_topic
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"{type(self).__name__}(schema={c.schema!r}, outbox_table={c.outbox_table!r}, "
+            f"completion_topic={c.completion_topic!r})"
+        )
+
+    # ------------------------------------------------------------ operations
+
+    def _open_op(self, user_key: object, completion_topic: object) -> Op[Batch]:
+        return batches.open_op(self._q_batches, user_key, completion_topic)
+
+    def _add_op(self, batch: object, n: object) -> Op[list[GroupHandle]]:
+        return batches.add_op(self._q_batches, batch, n)  # type: ignore[arg-type]
+
+    def _enqueue_op(
+        self, batch: object, items: object, topic: object, key: object, headers: object
+    ) -> Op[list[GroupHandle]]:
+        return outbox.enqueue_op(
+            self._q_batches,
+            self._copy_sql,
+            self._insert_sql,
+            batch,
+            items,
+            topic,
+            key,
+            headers,
+            (self.config.schema, self.config.outbox_table),
+        )
+
+    def _close_op(self, batch: object) -> Op[tuple[bool, bool]]:
+        return batches.close_op(self._q_batches, batch, self.config.completion_topic)  # type: ignore[arg-type]
+
+    def _status_op(self, batch: object) -> Op[BatchStatus]:
+        return batches.status_op(self._q_batches, batch)  # type: ignore[arg-type]
+
+    def _apply_op(self, masks: object, reject_invalid: bool, skip_locked: bool = False) -> Op[AckResult]:
+        if not isinstance(masks, Mapping) or not all(isinstance(m, GroupMask) for m in masks.values()):
+            raise InvalidArgument("masks", masks, "a mapping of (batch, group) to GroupMask, from tracker.fold")
+        return acks.apply_op(self._q_acks, masks, self.config.completion_topic, reject_invalid, skip_locked=skip_locked)
+
+    def _ack_op(self, item_ids: object, claims: bool = True) -> Op[AckResult]:
+        entries = id_list(item_ids)
+        return self._ack_folded_op(entries, fold(entries), claims)
+
+    def _ack_folded_op(
+        self, entries: list[str | bytes], masks: dict[tuple[int, int], GroupMask], claims: bool
+    ) -> Op[AckResult]:
+        """The ack of `entries`, already folded into `masks` (the asyncio face folds off the loop)."""
+        try:
+            if not claims or sum(m.count for m in masks.values()) > acks.CLAIMS_PER_CALL_MAX:
+                # a bulk ack: masked updates under the batch locks (one row per item would cost
+                # far more; bulk ackers run short transactions of their own)
+                return (yield from acks.apply_op(self._q_acks, masks, self.config.completion_topic, False))
+            # claims (issue 12): no batch lock held for the caller's transaction
+            return (yield from acks.claim_op(self._q_acks, masks, self.config.completion_topic))
+        except (IndexOutOfRange, UnknownGroup, UnknownBatch, BatchExpired) as exc:
+            raise as_written(exc, entries) from None
+
+    def _exactly_once_op(self, item_id: object) -> Op[Processed[object]]:
+        return exactly_once_op(self._q_acks, item_id, self.config.completion_topic)
+
+    # ------------------------------------------------------------ metrics of returned calls
+
+    def _count_open(self) -> None:
+        if self._m:
+            self._m[0].inc()
+
+    def _count_close(self, complete: bool, closed_now: bool) -> None:
+        if self._m and closed_now:
+            self._m[1].inc()
+            if complete:
+                self._m[2].inc()
+
+    def _count_ack(self, result: AckResult, started: float) -> None:
+        if self._m:
+            self._m[3].inc(result.acked)
+            self._m[4].inc(result.duplicates)
+            self._m[2].inc(len(result.completed))
+            self._m[5].observe(time.perf_counter() - started)
+
+
+def as_written(exc: TrackerError, entries: list[str | bytes]) -> TrackerError:
+    """The same error, naming the caller's entry (a run as the caller wrote it, not its first bad
+    index). Only on the error path: one pass over the call's entries."""
+    for entry in entries:
+        try:
+            run = parse_ack(entry)
+        except TrackerError:
+            continue
+        if isinstance(exc, IndexOutOfRange) and isinstance(exc.culprit, tuple):
+            batch_id, group_id = exc.culprit
+            if (run.batch_id, run.group_id) == (batch_id, group_id) and run.end >= exc.size:
+                return IndexOutOfRange(_shown(entry), exc.size)
+        elif isinstance(exc, UnknownGroup):
+            if (run.batch_id, run.group_id) == (exc.batch_id, exc.group_id):
+                return UnknownGroup(exc.batch_id, exc.group_id, _shown(entry))
+        elif isinstance(exc, UnknownBatch):
+            if run.batch_id == exc.batch_id:
+                return UnknownBatch(exc.batch_id, _shown(entry))
+        elif isinstance(exc, BatchExpired):
+            if run.batch_id == exc.batch_id:
+                return BatchExpired(exc.batch_id, _shown(entry))
+    return exc
+
+
+def _shown(entry: str | bytes) -> str:
+    return entry if isinstance(entry, str) else entry.decode("ascii", "backslashreplace")
+
+
+Effect = Callable[..., object]

@@ -1,0 +1,1 @@
+"""Drivers: run the core's steps on the caller's connection (psycopg sync, psycopg async, asyncpg)."""

@@ -1,0 +1,166 @@
+"""The sync face's driver: runs a core operation's steps on a psycopg `Connection`.
+
+Every call is all or nothing inside the caller's transaction, whatever the connection's mode:
+
+- a transaction is open (autocommit off, or autocommit on inside `conn.transaction()`, nested or
+  not, or a SQLAlchemy session/`begin_nested()`): the call runs in a savepoint of it, released on
+  success, rolled back to on failure; the caller's transaction is never committed or rolled back;
+- autocommit off and nothing open yet: the savepoint's statement begins the caller's transaction
+  (as any statement would); the caller commits it;
+- autocommit on and no block: there is no caller transaction, so the call is one of its own;
+- the caller in pipeline mode: the caller's queued statements are synced first, so the status read
+  is true; `Write` steps use INSERT instead of COPY, which libpq refuses in pipeline mode;
+- the caller's transaction already failed: `CallerTransactionAborted`, nothing sent.
+
+The decision reads the connection's *transaction status*, never `autocommit` alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import psycopg
+from psycopg import pq
+from psycopg.rows import tuple_row
+
+from tracker.core.steps import Effect, Op, Query, Round, Write
+from tracker.errors import CallerTransactionAborted
+
+T = TypeVar("T")
+_SAVEPOINT = "tracker_call"
+
+
+@dataclass(frozen=True, slots=True)
+class Boundary:
+    start: str
+    end: str
+    undo: tuple[str, ...]
+
+
+OWN_TRANSACTION = Boundary("BEGIN", "COMMIT", ("ROLLBACK",))
+SAVEPOINT = Boundary(
+    "SAVEPOINT " + _SAVEPOINT,
+    "RELEASE SAVEPOINT " + _SAVEPOINT,
+    ("ROLLBACK TO SAVEPOINT " + _SAVEPOINT, "RELEASE SAVEPOINT " + _SAVEPOINT),
+)
+
+
+def boundary(autocommit: bool, status: pq.TransactionStatus) -> Boundary:
+    """How a call is made all-or-nothing, from the connection's mode and transaction status."""
+    if status == pq.TransactionStatus.INERROR:
+        raise CallerTransactionAborted()
+    if status == pq.TransactionStatus.IDLE and autocommit:
+        return OWN_TRANSACTION
+    return SAVEPOINT
+
+
+def in_pipeline(conn: psycopg.Connection | psycopg.AsyncConnection) -> bool:
+    return conn.pgconn.pipeline_status != pq.PipelineStatus.OFF
+
+
+def usable(conn: psycopg.Connection | psycopg.AsyncConnection) -> bool:
+    return not conn.closed and conn.pgconn.status == pq.ConnStatus.OK
+
+
+def in_transaction(conn: psycopg.Connection | psycopg.AsyncConnection) -> bool:
+    return conn.info.transaction_status in (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
+
+
+def _send(conn: psycopg.Connection, queries: tuple[Query, ...]) -> list[object]:
+    if len(queries) == 1 and not in_pipeline(conn):
+        cursors = [psycopg.Cursor(conn, row_factory=tuple_row)]
+        cursors[0].execute(queries[0].sql, queries[0].params)
+    else:
+        with conn.pipeline():
+            cursors = []
+            for q in queries:
+                cur = psycopg.Cursor(conn, row_factory=tuple_row)
+                # Never prepared inside a pipeline: a statement that fails there skips the Parse of
+                # the ones after it, and psycopg could then believe those prepared ("prepared statement
+                # _pg3_N does not exist" later, in the caller's transaction).
+                cur.execute(q.sql, q.params, prepare=False)
+                cursors.append(cur)
+    out: list[object] = []
+    for q, cur in zip(queries, cursors):
+        if q.fetch == "one":
+            out.append(cur.fetchone())
+        elif q.fetch == "all":
+            out.append(cur.fetchall())
+        else:
+            out.append(None)
+    return out
+
+
+def _write(conn: psycopg.Connection, step: Write) -> None:
+    cur = psycopg.Cursor(conn, row_factory=tuple_row)
+    if in_pipeline(conn):
+        cur.executemany(step.insert_sql, step.rows())
+        return
+    with cur.copy(step.copy_sql) as copy:
+        for chunk in step.chunks():
+            copy.write(chunk)
+
+
+def run(conn: psycopg.Connection, op: Op[T], *, effect: Callable[[], object] | None = None) -> T:
+    """Drive `op` to its result on `conn`, all or nothing inside the caller's transaction."""
+    if in_pipeline(conn):
+        with conn.pipeline():  # nested: its exit syncs the caller's queued statements
+            pass
+    edge = boundary(conn.autocommit, conn.info.transaction_status)
+    started = ended = False
+    try:
+        try:
+            step = next(op)
+        except StopIteration as done:  # nothing to send (e.g. an ack of no ids)
+            return done.value
+        while True:
+            if isinstance(step, Round):
+                prefix = () if started else (Query(edge.start),)
+                suffix = (Query(edge.end),) if step.last else ()
+                started = True  # from here a failure must be undone, even in this round
+                results = _send(conn, prefix + step.queries + suffix)
+                ended = step.last
+                result: object = results[len(prefix) : len(prefix) + len(step.queries)]
+            elif isinstance(step, Write):
+                if not started:
+                    started = True
+                    _send(conn, (Query(edge.start),))
+                _write(conn, step)
+                result = None
+            elif isinstance(step, Effect):
+                if effect is None:
+                    raise RuntimeError("the operation asked for an effect but none was given")
+                result = effect()
+            else:  # pragma: no cover - the core yields only the steps above
+                raise TypeError(f"unknown step {step!r}")
+            try:
+                step = op.send(result)
+            except StopIteration as done:
+                if started and not ended:
+                    _send(conn, (Query(edge.end),))
+                return done.value
+    except BaseException:
+        op.close()
+        if started and not ended:
+            _undo(conn, edge)
+        raise
+
+
+def _undo(conn: psycopg.Connection, edge: Boundary) -> None:
+    """Roll the call back to where it began. In pipeline mode the status is only true once the
+    pipeline has synced (it reads ACTIVE while results are pending), so sync first."""
+    if not usable(conn):
+        return
+    if in_pipeline(conn):
+        try:
+            with conn.pipeline():
+                pass
+        except psycopg.Error:
+            pass  # the failure being undone, or one behind it: the status is true now
+    if not in_transaction(conn):
+        return
+    with conn.pipeline():
+        for statement in edge.undo:
+            psycopg.Cursor(conn).execute(statement)

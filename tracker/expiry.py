@@ -1,0 +1,235 @@
+"""Orphans: expire batches idle too long, delete finished ones after the retention time.
+
+Idle means no add, close or ack for `idle_expiry` seconds (`last_activity_at`). Both open and
+closed batches expire: a closed batch whose acks stopped arriving is as orphaned as an open one
+whose producer died, and without expiry it would never reach retention and never be deleted.
+Complete batches are deleted `retention` seconds after completion, expired ones `retention`
+seconds after expiry; their groups go with them (ON DELETE CASCADE).
+
+Expiry is an event: the statement that expires a batch also writes one *expiry event* into the
+outbox (like the completion event: the same statement, so exactly once). It goes to
+`expiry_topic` when set, else the batch's completion topic, else the default completion topic;
+key = batch id, value = JSON with `"event": "expired"`, the user key, counts and the reason.
+`expire_batch` expires one batch on an operator's request (`reaper batch expire`) the same way.
+
+Work is done in chunks of at most `chunk` batches per statement, each picking its rows with
+FOR UPDATE SKIP LOCKED: several sweepers never wait on each other or on a batch an application
+transaction holds (that batch is busy, hence not idle, and is looked at next time). A batch a
+racing sweeper expired first fails the state re-check under the row lock, so it is expired (and
+announced) once. Every chunk commits on its own, which keeps locks short, when the connection is
+autocommit or was idle when `sweep` was called (e.g. fresh from a pool); a connection already in
+a transaction is left to its caller to commit.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import pq, sql
+
+from tracker import metrics, tracing
+from tracker.config import DEFAULT_COMPLETION_TOPIC, DEFAULT_OUTBOX_TABLE
+from tracker.core.steps import Op, one
+from tracker.drivers import sync_psycopg as driver
+from tracker.errors import TrackerError, UnknownBatch
+from tracker.schema import check_identifier
+
+EXPIRY_EVENT = "batch-expired"  # the `event` header of an expiry event
+
+
+@dataclass
+class SweepResult:
+    expired: int = 0
+    deleted: int = 0
+
+
+@dataclass(frozen=True)
+class Expired:
+    """A batch `expire_batch` expired: its counts at expiry."""
+
+    batch_id: int
+    user_key: str | None
+    total: int
+    pending: int
+    topic: str  # where its expiry event went
+
+
+# The expiry itself, its event and its topic, in one statement around a CTE `pick` (ids, locked).
+# The UPDATE re-checks the state: under READ COMMITTED it sees the row as its locker committed it.
+_EXPIRE = (
+    """
+expired AS (
+  UPDATE {batch} b SET state = 'expired', expired_at = clock_timestamp() FROM pick
+  WHERE b.id = pick.id AND b.state IN ('open', 'closed')
+  RETURNING b.id, b.user_key, b.total, b.pending, b.created_at, b.closed_at, b.last_activity_at, b.expired_at,
+            b.traceparent, b.tracestate,
+            coalesce(%(expiry_topic)s, b.completion_topic, %(default_topic)s) AS topic),
+event AS (
+  INSERT INTO {outbox} (topic, key, value, header_keys, header_values)
+  SELECT e.topic, convert_to(e.id::text, 'UTF8'),
+         convert_to((jsonb_build_object(
+             'event', 'expired', 'batch_id', e.id, 'user_key', e.user_key, 'total', e.total,
+             'pending', e.pending, 'acked', e.total - e.pending, 'reason', %(reason)s::text,
+             'state', CASE WHEN e.closed_at IS NULL THEN 'open' ELSE 'closed' END,
+             'opened_at', e.created_at, 'closed_at', e.closed_at, 'last_activity_at', e.last_activity_at,
+             'expired_at', e.expired_at) || %(detail)s::jsonb)::text, 'UTF8'),
+         ARRAY['batch-id', 'event']"""
+    + tracing.sql_header_keys("e")
+    + """,
+         ARRAY[convert_to(e.id::text, 'UTF8'), convert_to(%(event)s::text, 'UTF8')]"""
+    + tracing.sql_header_values("e")
+    + """
+  FROM expired e ORDER BY e.id)
+SELECT id, user_key, total, pending, topic FROM expired"""
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _statements(schema: str, outbox_table: str) -> dict[str, str]:
+    names = {"batch": sql.Identifier(schema, "batch"), "outbox": sql.Identifier(schema, outbox_table)}
+    q = {
+        "expire": sql.SQL(
+            "WITH pick AS (SELECT id FROM {batch} WHERE state IN ('open', 'closed') "
+            "AND last_activity_at < clock_timestamp() - make_interval(secs => %(idle)s) "
+            "ORDER BY id LIMIT %(chunk)s FOR NO KEY UPDATE SKIP LOCKED), " + _EXPIRE
+        ),
+        # An operator's expiry waits for the row lock: a busy batch is expired once its holder is done.
+        "expire_one": sql.SQL("WITH pick AS (SELECT id FROM {batch} WHERE id = %(id)s FOR NO KEY UPDATE), " + _EXPIRE),
+        "state": sql.SQL("SELECT state FROM {batch} WHERE id = %s"),
+        "delete": sql.SQL(
+            "WITH old AS (SELECT id FROM {batch} WHERE state IN ('complete', 'expired') "
+            "AND coalesce(completed_at, expired_at) < clock_timestamp() - make_interval(secs => %(retention)s) "
+            "ORDER BY coalesce(completed_at, expired_at) LIMIT %(chunk)s FOR UPDATE SKIP LOCKED) "
+            "DELETE FROM {batch} b USING old WHERE b.id = old.id RETURNING b.id"
+        ),
+    }
+    return {k: v.format(**names).as_string(None) for k, v in q.items()}
+
+
+def _topics(
+    outbox_table: str | None, completion_topic: str | None, expiry_topic: str | None
+) -> tuple[str, str, str | None]:
+    table = check_identifier(DEFAULT_OUTBOX_TABLE if outbox_table is None else outbox_table, "outbox table")
+    default = DEFAULT_COMPLETION_TOPIC if completion_topic is None else completion_topic
+    for name, value in (("completion_topic", default), ("expiry_topic", expiry_topic)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+    return table, default, expiry_topic
+
+
+def sweep(
+    conn: psycopg.Connection,
+    *,
+    schema: str,
+    idle_expiry: float,
+    retention: float,
+    chunk: int = 1000,
+    max_chunks: int | None = None,
+    outbox_table: str | None = None,
+    completion_topic: str | None = None,
+    expiry_topic: str | None = None,
+) -> SweepResult:
+    """Expire idle batches (one expiry event each), then delete old finished ones, `chunk` at a
+    time until none are left (or `max_chunks` statements of each kind ran). Returns how many of each.
+
+    `outbox_table` and `completion_topic` default to the default tracker's ("outbox",
+    "batch-completions"); `expiry_topic` (None: each batch's completion topic) is where expiry events go.
+    """
+    check_identifier(schema, "schema")
+    table, default_topic, expiry_topic = _topics(outbox_table, completion_topic, expiry_topic)
+    for name, value in (("idle_expiry", idle_expiry), ("retention", retention)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+    q = _statements(schema, table)
+    result = SweepResult()
+    # A connection with no transaction open is ours to commit chunk by chunk.
+    commit_chunks = not conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE
+    expire = {
+        "idle": float(idle_expiry),
+        "chunk": chunk,
+        "expiry_topic": expiry_topic,
+        "default_topic": default_topic,
+        "reason": "idle",
+        "event": EXPIRY_EVENT,
+        "detail": json.dumps({"idle_expiry_seconds": float(idle_expiry)}),
+    }
+    for kind, params in (("expire", expire), ("delete", {"retention": float(retention), "chunk": chunk})):
+        rounds = 0
+        while max_chunks is None or rounds < max_chunks:
+            rounds += 1
+            # Every row the expiry's CTE picked is locked by it and still open or closed (the lock
+            # re-checks the state), so it expires all it picked: fewer than `chunk` means done.
+            n = len(conn.execute(q[kind], params).fetchall())
+            if commit_chunks:
+                conn.commit()
+            if kind == "expire":
+                result.expired += n
+                metrics.batches_expired.inc(n)
+            else:
+                result.deleted += n
+            if n < chunk:
+                break
+    return result
+
+
+class BatchNotExpirable(TrackerError, ValueError):
+    """Expiring a batch that is already complete."""
+
+    def __init__(self, batch_id: int, state: str) -> None:
+        self.batch_id, self.state = batch_id, state
+        super().__init__(f"batch {batch_id} is {state}: only open or closed batches can be expired")
+
+
+def expire_batch(
+    conn: psycopg.Connection,
+    batch_id: int,
+    *,
+    schema: str,
+    reason: str = "operator",
+    note: str | None = None,
+    outbox_table: str | None = None,
+    completion_topic: str | None = None,
+    expiry_topic: str | None = None,
+) -> Expired | None:
+    """Expire one open or closed batch now and write its expiry event, in the caller's transaction
+    (never committed or rolled back here; see tracker.drivers.sync_psycopg). Returns None if it was already expired; raises
+    UnknownBatch or BatchNotExpirable (a complete batch) and then changes nothing."""
+    if not isinstance(batch_id, int) or isinstance(batch_id, bool) or batch_id < 0:
+        raise ValueError(f"batch id must be an int >= 0, got {batch_id!r}")
+    check_identifier(schema, "schema")
+    table, default_topic, expiry_topic = _topics(outbox_table, completion_topic, expiry_topic)
+    if not isinstance(reason, str) or not reason or (note is not None and not isinstance(note, str)):
+        raise ValueError(f"reason must be a non-empty string and note a string or None, got {reason!r}, {note!r}")
+    q = _statements(schema, table)
+    params = {
+        "id": batch_id,
+        "expiry_topic": expiry_topic,
+        "default_topic": default_topic,
+        "reason": reason,
+        "event": EXPIRY_EVENT,
+        "detail": json.dumps({"note": note} if note else {}),
+    }
+    got = driver.run(conn, _expire_op(q, params, batch_id))
+    if got is not None:
+        metrics.batches_expired.inc()
+    return got
+
+
+def _expire_op(q: dict[str, str], params: Mapping[str, object], batch_id: int) -> Op[Expired | None]:
+    """The expiry as core steps: the caller-transaction rules of tracker.drivers.sync_psycopg apply (a savepoint
+    in an open transaction, a transaction of its own on an idle autocommit connection)."""
+    [row] = yield one(q["expire_one"], params)
+    if row is not None:
+        return Expired(*row)
+    [state] = yield one(q["state"], [batch_id])
+    if state is None:
+        raise UnknownBatch(batch_id)
+    if state[0] == "expired":
+        return None
+    raise BatchNotExpirable(batch_id, state[0])

@@ -1,0 +1,111 @@
+"""Settling: fold consumers' committed ack claims into bits, counts and completion.
+
+Most claims are settled by their own transaction's commit (sql/0006_ack_claims.sql). A commit
+that finds the batch row busy (another settle, the acker, an add or a close in progress), or
+that runs under REPEATABLE READ / SERIALIZABLE, leaves its claims committed as they are; they
+wait for the next settle of that batch. `settle()` is that next settle, on demand; the reaper's claim settler
+(harvester.services.claim_settler) runs it in a loop (every `interval` seconds, in short transactions of its own that
+never wait for a lock), which bounds how long a completion can lag the commit of the batch's last
+ack. A close settles its batch too.
+
+Every settle runs `ack_settle` under the batch row lock, like every other writer of a batch's
+groups, so the completion decision stays in exactly one transaction.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import structlog
+from prometheus_client import REGISTRY, CollectorRegistry
+from psycopg import sql
+
+from tracker import metrics
+from tracker.config import DEFAULT_COMPLETION_TOPIC, DEFAULT_OUTBOX_TABLE, DEFAULT_SCHEMA, TrackerConfig
+from tracker.core.steps import Op, Query, Round
+from tracker.drivers import sync_psycopg as driver
+from tracker.drivers.connections import SyncSession, sync_connection
+from tracker.errors import InvalidArgument, InvalidValue
+
+log = structlog.get_logger("reaper.settler")
+
+
+@dataclass
+class SettleResult:
+    acked: int = 0  # bits the settles cleared
+    completed: list[int] = field(default_factory=list)  # batches they completed
+    busy: list[int] = field(default_factory=list)  # batches whose row was locked elsewhere
+
+
+@functools.lru_cache(maxsize=64)
+def statements(schema: str, outbox_table: str) -> dict[str, str]:
+    names = {
+        "claim": sql.Identifier(schema, "ack_claim"),
+        "settle": sql.Identifier(schema, "ack_settle"),
+        "outbox": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None)),
+    }
+    q = {
+        # Committed claims only (READ COMMITTED): in-flight ones settle at their own commit.
+        "claimed": sql.SQL("SELECT DISTINCT batch_id FROM {claim} ORDER BY batch_id LIMIT %s"),
+        # In batch-id order: with wait=true, two settles lock their batches in the same order.
+        "settle": sql.SQL(
+            "SELECT u.b, s.flipped, s.completed FROM unnest(%s::int8[]) WITH ORDINALITY AS u(b, n),"
+            " LATERAL {settle}(u.b, {outbox}::regclass, %s, %s) AS s ORDER BY u.n"
+        ),
+    }
+    return {k: v.format(**names).as_string(None) for k, v in q.items()}
+
+
+def settle_op(
+    q: dict[str, str], batch_ids: list[int] | None, completion_topic: str, wait: bool, limit: int
+) -> Op[SettleResult]:
+    result = SettleResult()
+    if batch_ids is None:
+        (rows,) = yield Round((Query(q["claimed"], [limit], "all"),))
+        batch_ids = [b for (b,) in rows]
+    if not batch_ids:
+        return result
+    (rows,) = yield Round((Query(q["settle"], [batch_ids, completion_topic, wait], "all"),), last=True)
+    for b, flipped, completed in rows:
+        if flipped is None:
+            result.busy.append(b)
+            continue
+        result.acked += flipped
+        if completed:
+            result.completed.append(b)
+    return result
+
+
+def settle(
+    session: SyncSession,
+    batch_ids: Iterable[int] | None = None,
+    *,
+    schema: str = DEFAULT_SCHEMA,
+    outbox_table: str = DEFAULT_OUTBOX_TABLE,
+    completion_topic: str = DEFAULT_COMPLETION_TOPIC,
+    wait: bool = False,
+    limit: int = 1000,
+    registry: CollectorRegistry | None = REGISTRY,
+) -> SettleResult:
+    """Settle committed claims of `batch_ids` (default: of up to `limit` batches that have any) in
+    the caller's transaction. wait=False skips a batch whose row another transaction holds (it
+    comes back in `busy`); wait=True waits for it. Completion events go to `outbox_table`, on the
+    batch's own completion topic or else `completion_topic`."""
+    config = TrackerConfig(schema, outbox_table, completion_topic)
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        raise InvalidArgument("limit", limit, "an int")
+    if limit < 1:
+        raise InvalidValue("limit", limit, "must be >= 1")
+    ids: list[int] | None = None
+    if batch_ids is not None:
+        ids = sorted(set(batch_ids))
+        for b in ids:
+            if not isinstance(b, int) or isinstance(b, bool) or b < 0:
+                raise InvalidArgument("batch_ids", b, "batch ids (ints >= 0)")
+    q = statements(config.schema, config.outbox_table)
+    result = driver.run(sync_connection(session), settle_op(q, ids, config.completion_topic, wait, limit))
+    if registry is not None and result.completed:
+        metrics.for_registry(registry).batches_completed.labels(config.schema).inc(len(result.completed))
+    return result

@@ -1,0 +1,171 @@
+"""The sync face: `Tracker`, on a psycopg `Connection` or a SQLAlchemy `Session`/`Connection`.
+
+    t = Tracker(schema="reaper", outbox_table="outbox", completion_topic="batch-completions")
+    batch = t.open_batch(session, user_key="catalog-42")
+    t.enqueue(session, batch, items, topic="process-item")
+    t.close_batch(session, batch)
+
+Every call runs inside the caller's transaction and never commits or rolls it back (see
+tracker/drivers/sync_psycopg.py for each connection mode). The asyncio face is `tracker.aio.AsyncTracker`.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+from tracker.config import DEFAULT_SCHEMA
+from tracker.consumer import Processed
+from tracker.core.acks import AckResult
+from tracker.core.batches import Batch, BatchStatus, GroupHandle
+from tracker.core.operations import ItemIds, TrackerCore
+from tracker.drivers import sync_psycopg as driver
+from tracker.drivers.connections import SyncSession, sync_connection
+from tracker.ids import GroupMask
+from tracker.outbox import Headers, KeyArg
+
+T = TypeVar("T")
+
+
+class Tracker(TrackerCore):
+    """Fan-out tracking for one schema and outbox table. Thread-safe (holds no connection)."""
+
+    def open_batch(
+        self, session: SyncSession, *, user_key: str | None = None, completion_topic: str | None = None
+    ) -> Batch:
+        """Open a batch. Items are added by `enqueue` or `add_items`; `close_batch` closes it."""
+        op = self._open_op(user_key, completion_topic)
+        batch = driver.run(sync_connection(session), op)
+        self._count_open()
+        return batch
+
+    def add_items(self, session: SyncSession, batch: Batch | int, n: int) -> list[GroupHandle]:
+        """Track `n` items without writing messages (for producers that publish elsewhere)."""
+        op = self._add_op(batch, n)
+        return driver.run(sync_connection(session), op)
+
+    def enqueue(
+        self,
+        session: SyncSession,
+        batch: Batch | int,
+        items: object,
+        *,
+        topic: str,
+        key: KeyArg = None,
+        headers: Headers = None,
+    ) -> list[GroupHandle]:
+        """Write one outbox message per item on `topic` and track the items in `batch`.
+
+        Items are bytes, str, JSON-serialisable values, or `Message(value, key=, headers=)` for a
+        per-item key and headers. `key` is the default key (or a function of the item giving it);
+        `headers` are added to every message. Returns the groups holding the items, in item order.
+        """
+        op = self._enqueue_op(batch, items, topic, key, headers)
+        return driver.run(sync_connection(session), op)
+
+    def close_batch(self, session: SyncSession, batch: Batch | int) -> bool:
+        """Close the batch: no more items. Returns whether it is complete (now or already).
+        Closing a closed or complete batch changes nothing; an expired one raises BatchExpired."""
+        op = self._close_op(batch)
+        complete, closed_now = driver.run(sync_connection(session), op)
+        self._count_close(complete, closed_now)
+        return complete
+
+    def status(self, session: SyncSession, batch: Batch | int) -> BatchStatus:
+        return driver.run(sync_connection(session), self._status_op(batch))
+
+    def ack(self, session: SyncSession, item_ids: ItemIds, *, claims: bool = True) -> AckResult:
+        """Ack item ids (and runs '<b>:<g>:<start>-<end>') in the caller's transaction, as claims
+        (tracker/core/acks.py): no batch lock is held; bits, counts and completion change at commit.
+        A call of more than `tracker.core.acks.CLAIMS_PER_CALL_MAX` (1000) ids is a bulk ack: masked
+        updates under the batch row locks, applied at once, `completed` filled. `claims=False`
+        takes that path for any call: for a short transaction of your own (a request handler that
+        commits at once) that wants `completed` reported exactly; it holds the acked batches' row
+        locks until you commit.
+
+        Raises MalformedItemId, UnknownBatch, UnknownGroup, IndexOutOfRange or BatchExpired naming
+        the offending entry as written; then nothing of the call was applied.
+        """
+        started = time.perf_counter()
+        op = self._ack_op(item_ids, claims)
+        result = driver.run(sync_connection(session), op)
+        self._count_ack(result, started)
+        return result
+
+    def apply_masks(
+        self,
+        session: SyncSession,
+        masks: Mapping[tuple[int, int], GroupMask],
+        *,
+        reject_invalid: bool = False,
+        skip_locked: bool = False,
+    ) -> AckResult:
+        """Apply folded masks (`tracker.fold`): bulk acks. reject_invalid=True leaves out unknown
+        batches/groups and out-of-range indexes and returns them in `rejected`. Locks the named
+        batch rows until the caller commits (for short transactions: the acker, Spark);
+        skip_locked=True returns the masks of batches held elsewhere in `skipped` instead."""
+        started = time.perf_counter()
+        op = self._apply_op(masks, reject_invalid, skip_locked)
+        result = driver.run(sync_connection(session), op)
+        self._count_ack(result, started)
+        return result
+
+    def exactly_once(
+        self, session: SyncSession, item_id: str | bytes, effect: Callable[[SyncSession], T]
+    ) -> Processed[T]:
+        """Ack `item_id` and, only if its bit was still set, run `effect(session)`, all in one
+        savepoint of the caller's transaction: the effect and the ack commit or roll back together.
+        A redelivery of a processed item returns first_time=False and does not run the effect."""
+        started = time.perf_counter()
+        op = self._exactly_once_op(item_id)
+        result = driver.run(sync_connection(session), op, effect=lambda: effect(session))
+        self._count_ack(result.ack, started)
+        return result  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=32)
+def default(schema: str | None = None) -> Tracker:
+    """The default Tracker of a schema (outbox table "outbox", topic "batch-completions"): what the
+    module-level functions use. Anything else: build a `Tracker(...)` and call its methods."""
+    return Tracker(schema=schema or DEFAULT_SCHEMA)
+
+
+def open_batch(
+    session: SyncSession, *, user_key: str | None = None, completion_topic: str | None = None, schema: str | None = None
+) -> Batch:
+    return default(schema).open_batch(session, user_key=user_key, completion_topic=completion_topic)
+
+
+def add_items(session: SyncSession, batch: Batch | int, n: int, *, schema: str | None = None) -> list[GroupHandle]:
+    return default(schema).add_items(session, batch, n)
+
+
+def close_batch(session: SyncSession, batch: Batch | int, *, schema: str | None = None) -> bool:
+    return default(schema).close_batch(session, batch)
+
+
+def status(session: SyncSession, batch: Batch | int, *, schema: str | None = None) -> BatchStatus:
+    return default(schema).status(session, batch)
+
+
+def ack(session: SyncSession, item_ids: ItemIds, *, schema: str | None = None, claims: bool = True) -> AckResult:
+    return default(schema).ack(session, item_ids, claims=claims)
+
+
+def apply_masks(
+    session: SyncSession,
+    masks: Mapping[tuple[int, int], GroupMask],
+    *,
+    schema: str | None = None,
+    reject_invalid: bool = False,
+    skip_locked: bool = False,
+) -> AckResult:
+    return default(schema).apply_masks(session, masks, reject_invalid=reject_invalid, skip_locked=skip_locked)
+
+
+def exactly_once(
+    session: SyncSession, item_id: str | bytes, effect: Callable[[SyncSession], T], *, schema: str | None = None
+) -> Processed[T]:
+    return default(schema).exactly_once(session, item_id, effect)
