@@ -8,7 +8,7 @@ Runs in every reaper (a normal consumer group, not leader-only). Each loop:
    A fold holds at most `max_groups` groups (1 KiB each; 4,096 by default, 4 MiB): a poll naming
    more is applied in several folds, each through steps 3-5, and a message that alone names more is
    dead-lettered as too large, so what anyone can write to the ack topic never costs more memory;
-3. apply every mask in one database transaction (`tracker.core.acks.apply_masks(reject_invalid=True,
+3. apply every mask in one database transaction (`tracker.Tracker.apply_masks(reject_invalid=True,
    skip_locked=True)`); unknown batches/groups, out-of-range indexes and expired batches come back
    as rejected. A batch whose row another transaction holds (a producer adding to it, a closer, a
    settle) is not waited for: its masks are deferred (metric `reaper_acker_deferred_total`, a log
@@ -37,8 +37,7 @@ import psycopg
 import structlog
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
-from tracker import metrics
-from tracker.core.acks import AckResult
+from tracker import AckResult, metrics
 from tracker.folding import GROUPS_PER_FOLD_MAX, Folded, fold_messages
 from tracker.ids import GroupMask
 from tracker.pooling import configure_for_pooler

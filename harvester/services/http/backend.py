@@ -22,8 +22,8 @@ import psycopg
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from tracker import Batch, BatchStatus, GroupHandle
 from tracker.aio import AsyncTracker
-from tracker.core.batches import Batch, BatchStatus, GroupHandle
 from tracker.errors import (
     BatchExpired,
     BatchNotOpen,
