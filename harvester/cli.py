@@ -7,11 +7,8 @@ import sys
 
 from harvester import admin
 from harvester import config as config_mod
+from harvester.exit_codes import ExitCode
 from tracker import schema
-
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_CONFIG = 2
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,13 +41,13 @@ def cmd_serve(cfg: config_mod.Config) -> int:
         from harvester.services.http import server
     except ImportError as exc:
         print(f"reaper serve: {exc.name or exc} is not installed: pip install 'outbox-reaper[http]'", file=sys.stderr)
-        return EXIT_FAILURE
+        return ExitCode.FAILURE
     run_mod.configure_logging(cfg)
     try:
         return server.serve(cfg)
     except config_mod.ConfigError as exc:
         print(f"reaper serve: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        return ExitCode.USAGE
 
 
 def cmd_migrate(cfg: config_mod.Config, dry_run: bool, roles_action: str | None = None) -> int:
@@ -59,27 +56,30 @@ def cmd_migrate(cfg: config_mod.Config, dry_run: bool, roles_action: str | None 
     from tracker import roles
 
     dsn, name = cfg.database.dsn, cfg.database.schema
-    if dry_run:
-        with psycopg.connect(dsn, autocommit=True) as conn:
+    try:  # never prepared: migrate also runs through PgBouncer in transaction mode
+        conn = psycopg.connect(dsn, autocommit=True, connect_timeout=10, prepare_threshold=None)
+    except psycopg.OperationalError as exc:
+        print(f"reaper migrate: database unreachable: {config_mod.redact_dsn(str(exc)).strip()}", file=sys.stderr)
+        return ExitCode.UNAVAILABLE
+    with conn:
+        if dry_run:
             pending = schema.pending_sql(conn, name)
-        if not pending:
-            print(f"-- schema {name!r} is up to date")
-        for m, text in pending:
-            print(f"-- {m.name}\nBEGIN;\n{text.rstrip()}\nCOMMIT;\n")
-        return EXIT_OK
-    applied = schema.migrate(dsn, name)
-    note = "-- " if roles_action == "print" else ""  # the output is then an SQL script
-    for n in applied:
-        print(f"{note}applied {n}")
-    print(f"{note}schema {name!r} is up to date ({len(applied)} applied)")
-    if roles_action is not None:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            if roles_action == "print":
-                print(roles.script(conn, name), end="")
-            else:
-                roles.create(conn, name)
-                print(f"roles {', '.join(roles.role_name(name, r) for r in roles.ROLES)} granted")
-    return EXIT_OK
+            if not pending:
+                print(f"-- schema {name!r} is up to date")
+            for m, text in pending:
+                print(f"-- {m.name}\nBEGIN;\n{text.rstrip()}\nCOMMIT;\n")
+            return ExitCode.OK
+        applied = schema.migrate(conn, name)
+        note = "-- " if roles_action == "print" else ""  # the output is then an SQL script
+        for n in applied:
+            print(f"{note}applied {n}")
+        print(f"{note}schema {name!r} is up to date ({len(applied)} applied)")
+        if roles_action == "print":
+            print(roles.script(conn, name), end="")
+        elif roles_action == "create":
+            roles.create(conn, name)
+            print(f"roles {', '.join(roles.role_name(name, r) for r in roles.ROLES)} granted")
+    return ExitCode.OK
 
 
 def cmd_run(cfg: config_mod.Config) -> int:
@@ -92,7 +92,7 @@ def cmd_run(cfg: config_mod.Config) -> int:
         run_mod.logs.get("reaper").error(
             "reaper run failed", error=f"{type(exc).__name__}: {config_mod.redact_dsn(str(exc))}"
         )
-        return EXIT_FAILURE
+        return ExitCode.FAILURE
 
 
 def cmd_token(tenant: str) -> int:
@@ -101,7 +101,7 @@ def cmd_token(tenant: str) -> int:
     token, digest = new_token()
     print(f"token (give it to the client; it is not stored anywhere): {token}")
     print(f"add to http.tenants_file under tenants.{tenant}.tokens: {digest}")
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_mod.load(args.config)
     except config_mod.ConfigError as exc:
         print(f"reaper: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        return ExitCode.USAGE
     if args.command == "run":
         return cmd_run(cfg)
     if args.command == "serve":
@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_migrate(cfg, args.dry_run, args.roles)
     except Exception as exc:  # a clear one-line error, secrets redacted
         print(f"reaper {args.command}: {type(exc).__name__}: {config_mod.redact_dsn(str(exc))}", file=sys.stderr)
-        return EXIT_FAILURE
-    return EXIT_FAILURE
+        return ExitCode.FAILURE
+    return ExitCode.FAILURE
 
 
 if __name__ == "__main__":

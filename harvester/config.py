@@ -3,18 +3,27 @@
 Every key has a default; `REAPER_<SECTION>__<KEY>` overrides `<section>.<key>` (e.g.
 `REAPER_DATABASE__DSN`, `REAPER_HARVESTER__HEARTBEAT_TIMEOUT`). Kafka client settings under
 `kafka.client` are passed to librdkafka as they are (`REAPER_KAFKA__CLIENT__SASL_PASSWORD` sets
-`sasl.password`). A bad value fails at start with a ConfigError naming the key.
+`sasl.password`). A bad value fails at start with a ConfigError naming the key and the value.
+
+The schema is written once, below: each key is a dataclass field whose type and default are the
+field's, and whose rule (description, bounds, allowed values, secrecy) is `key(...)`'s metadata.
+Coercion, the per-key checks, the environment-variable names, the redaction of secrets and the
+configuration reference (deploy/config_reference.py) are all derived from it. Checks that relate
+two keys are written out in `_check_relations`.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
+import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, get_origin, get_type_hints
 
 import yaml
 
@@ -29,6 +38,11 @@ REQUIRED_PRODUCER = {
     "message.timeout.ms": 0,  # no timeouts: they are the one failure that can leave a gap
     "enable.gapless.guarantee": True,  # any other gap-making failure is fatal: nothing after it is written
 }
+# librdkafka settings reaper sets itself; configuration may not name them.
+RESERVED_KAFKA = ("bootstrap.servers", "group.id", "on_delivery", "error_cb", "on_commit")
+
+MAX_LANES = 64
+MAX_UNITS = 256
 
 
 class ConfigError(ValueError):
@@ -37,129 +51,296 @@ class ConfigError(ValueError):
         super().__init__(f"configuration key {key!r}: {message}")
 
 
+# ------------------------------------------------------------------ the schema's vocabulary
+
+
+@dataclass(frozen=True)
+class Check:
+    """A rule for a text key: it must fully match `regex` (or be a plain SQL identifier, when
+    `identifier` names what it is); `optional`: the empty string is allowed too (= off)."""
+
+    allowed: str  # how the configuration reference describes the rule
+    regex: str = ""
+    refusal: str = ""  # the message when it does not match; {value!r} is the value
+    identifier: str = ""
+    optional: bool = False
+
+    def problem(self, value: str) -> str | None:
+        if self.optional and value == "":
+            return None
+        if self.identifier:
+            try:
+                check_identifier(value, self.identifier)
+            except InvalidIdentifier as exc:
+                return str(exc)
+            return None
+        if not re.fullmatch(self.regex, value):
+            return self.refusal.format(value=value)
+        return None
+
+
+TOPIC = Check("Kafka topic name", r"[A-Za-z0-9._-]{1,249}", "{value!r} is not a valid Kafka topic name")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a key's field does not say itself: its description, bounds, allowed values, secrecy."""
+
+    doc: str
+    gt: float | None = None  # numbers: value > gt
+    ge: float | None = None  # value >= ge
+    le: float | None = None  # value <= le
+    note: str = ""  # what a boundary value means, e.g. "0 = off"
+    choices: tuple[str, ...] = ()  # text: one of these
+    ignore_case: bool = False  # ... in any case
+    check: Check | None = None  # text: a pattern or identifier
+    secret: bool = False  # hidden in logs, error messages and `redacted()` (passwords in DSNs always are)
+
+
+def key(default: Any, doc: str, **rule: Any) -> Any:
+    """A configuration key: a dataclass field with its default and its Rule."""
+    meta = {"rule": Rule(doc, **rule)}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=functools.partial(copy.deepcopy, default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ------------------------------------------------------------------ the schema
+
+POSITIVE: dict[str, Any] = {"gt": 0}
+
+
+class OutboxEntry(TypedDict, total=False):
+    """One entry of harvester.outboxes; missing keys come from the `database` section (lanes: 1)."""
+
+    name: str
+    dsn: str
+    schema: str
+    table: str
+    lanes: int
+
+
 @dataclass
 class DatabaseConfig:
-    dsn: str = "postgresql://postgres@127.0.0.1:55432/outbox"
-    schema: str = "reaper"
-    outbox_table: str = "outbox"
-    pool_size: int = 6
+    dsn: str = key(
+        "postgresql://postgres@127.0.0.1:55432/outbox",
+        "libpq URI or key=value string of the database holding the outbox",
+    )
+    schema: str = key(
+        "reaper",
+        "schema of the outbox, batch and batch_group tables (`reaper migrate` creates it)",
+        check=Check("SQL identifier", identifier="schema"),
+    )
+    outbox_table: str = key(
+        "outbox", "name of the outbox table in that schema", check=Check("SQL identifier", identifier="table")
+    )
+    pool_size: int = key(
+        6, "database connections of one reaper (mark, purge workers, upkeep, acker, sweeper)", **POSITIVE
+    )
 
 
 @dataclass
 class KafkaConfig:
-    bootstrap_servers: str = "127.0.0.1:59092"
-    client: dict[str, Any] = field(default_factory=dict)  # passed through to every librdkafka client
-    producer: dict[str, Any] = field(default_factory=dict)  # producer-only settings, over `client`
-    consumer: dict[str, Any] = field(default_factory=dict)  # consumer-only settings, over `client`
+    bootstrap_servers: str = key("127.0.0.1:59092", "Kafka brokers, host:port[,host:port...]")
+    client: dict[str, Any] = key({}, "librdkafka settings for every client (security.protocol, sasl.*, ssl.*, ...)")
+    producer: dict[str, Any] = key({}, "librdkafka settings for the producer only, over kafka.client")
+    consumer: dict[str, Any] = key({}, "librdkafka settings for the consumers only, over kafka.client")
 
 
 @dataclass
 class HarvesterConfig:
-    enabled: bool = True
-    leader_topic: str = "__reaper_leader"
-    leader_group: str = "reaper"
-    min_poll_interval: float = 0.1
-    heartbeat_timeout: float = 5.0
-    session_timeout: float = 15.0
-    mark_batch: int = 5000
-    max_in_flight: int = 20000
-    mark_deadline: float = 5.0  # one mark + produce cycle longer than this forces a remark
-    idle_poll_interval: float = 0.005  # sleep after a mark that found nothing
-    purge_batch: int = 5000
-    purge_workers: int = 2
-    vacuum_interval: float = 2.0  # leader vacuums the outbox this often while it purges; 0 = autovacuum only
-    drain_timeout: float = 10.0
-    default_completion_topic: str = "batch-completions"
-    # Set (the same value on every instance of one deployment) to publish in Kafka transactions: each
-    # new leader's init_transactions fences the previous leader's producer at the broker, so even a
-    # paused (SIGSTOP, frozen VM) old leader can write nothing after the takeover. Empty: off.
-    transactional_id: str = ""
-    # Emit an OpenTelemetry PRODUCER span per published row, linked to the trace context stored with
-    # it (needs the `otel` extra; spans go to the process's global tracer provider).
-    trace_spans: bool = False
-    # Harvest units (README "Harvest units"): each outbox table is split into `lanes` units by a hash
-    # of the key; every unit is led by one reaper at a time. `lanes` applies to the outbox of the
-    # `database` section, used when `outboxes` is empty; `outboxes` lists several, each a mapping
-    # {name, dsn, schema, table, lanes} whose missing keys come from `database` (lanes: 1).
-    lanes: int = 1
-    outboxes: list = field(default_factory=list)
-    # With lanes > 1: build (CONCURRENTLY, by lane 0's leader) and mark through an index on (lane, id),
-    # so each lane reads its own rows only (harvester.lane_index).
-    lane_index: bool = True
+    enabled: bool = key(True, "run the harvester (leader election and publishing) in this process")
+    leader_topic: str = key(
+        "__reaper_leader",
+        "topic for leader election, one partition per harvest unit; the holder of partition u leads unit u",
+        check=TOPIC,
+    )
+    leader_group: str = key("reaper", "consumer group of all instances of one deployment")
+    min_poll_interval: float = key(0.1, "seconds between the leader's heartbeats", **POSITIVE)
+    heartbeat_timeout: float = key(
+        5.0, "a leader that sees none of its heartbeats for this long fences itself (seconds)", **POSITIVE
+    )
+    session_timeout: float = key(
+        15.0, "leader-group session timeout (seconds); must exceed heartbeat_timeout", **POSITIVE
+    )
+    mark_batch: int = key(5000, "rows claimed by one mark query", **POSITIVE)
+    max_in_flight: int = key(20000, "records produced and awaiting their delivery reports", **POSITIVE)
+    mark_deadline: float = key(5.0, "a mark-and-produce cycle longer than this forces a remark (seconds)", **POSITIVE)
+    idle_poll_interval: float = key(0.005, "pause after a mark that found nothing (seconds)", **POSITIVE)
+    purge_batch: int = key(5000, "rows deleted by one purge statement", **POSITIVE)
+    purge_workers: int = key(2, "connections purging delivered rows in parallel", **POSITIVE)
+    vacuum_interval: float = key(
+        2.0,
+        "the leader vacuums the outbox this often while it purges (seconds)",
+        ge=0,
+        note="0 = autovacuum only",
+    )
+    drain_timeout: float = key(10.0, "on shutdown, wait this long for in-flight records (seconds)", **POSITIVE)
+    default_completion_topic: str = key(
+        "batch-completions", "topic of completion events for batches opened without one", check=TOPIC
+    )
+    # Each new leader's init_transactions fences the previous leader's producer at the broker, so
+    # even a paused (SIGSTOP, frozen VM) old leader can write nothing after the takeover.
+    transactional_id: str = key(
+        "",
+        "publish in Kafka transactions under this id (same on every instance; producers `<id>` and `<id>#1`, taken "
+        "in turn): a new leader fences the old one at the broker; rows are purged after commit. Empty = off",
+        check=Check(
+            "empty, or 1-200 of A-Z a-z 0-9 . _ : -",
+            r"[A-Za-z0-9._:-]{1,200}",
+            "{value!r} must be 1-200 of A-Z a-z 0-9 . _ : -",
+            optional=True,
+        ),
+    )
+    trace_spans: bool = key(
+        False,
+        "emit an OpenTelemetry PRODUCER span per published row, linked to the trace context stored with it "
+        "(needs the otel extra and a configured tracer provider)",
+    )
+    lanes: int = key(
+        1,
+        "harvest units of the `database` outbox: rows are split by md5(key) mod lanes; change only by draining, "
+        'then switching (README "Harvest units")',
+        ge=1,
+        le=MAX_LANES,
+    )
+    outboxes: list[OutboxEntry] = key(
+        [],
+        "outboxes to harvest, each {name, dsn, schema, table, lanes} (missing keys from `database`); empty: the "
+        "`database` outbox",
+    )
+    lane_index: bool = key(
+        True,
+        "with lanes > 1, build (CONCURRENTLY, by lane 0's leader) and mark through an index on (lane, id), so each "
+        "lane reads only its own rows; costs each outbox insert one index entry",
+    )
 
 
 @dataclass
 class AckerConfig:
-    enabled: bool = True
-    topic: str = "acks"
-    group: str = "reaper-acker"
-    dead_letter_topic: str = "acks-dead-letter"
-    max_poll_records: int = 100000
-    poll_timeout: float = 0.2
+    enabled: bool = key(True, "run the acker (ack-topic consumer) in this process")
+    topic: str = key("acks", "topic consumers produce acks to, keyed by batch id", check=TOPIC)
+    group: str = key("reaper-acker", "consumer group of the ackers")
+    dead_letter_topic: str = key("acks-dead-letter", "rejected acks go here with the reason", check=TOPIC)
+    max_poll_records: int = key(100000, "acks folded into one round of masked UPDATEs", **POSITIVE)
+    poll_timeout: float = key(0.2, "seconds one poll waits for ack messages")
 
 
 @dataclass
 class SweeperConfig:
-    enabled: bool = True
-    interval: float = 30.0
-    idle_expiry: float = 86400.0
-    retention: float = 7 * 86400.0
-    chunk: int = 1000
-    expiry_topic: str = ""  # expiry events go here; empty: each batch's completion topic
+    enabled: bool = key(True, "run the sweeper (expiry and retention) in this process")
+    interval: float = key(30.0, "seconds between sweeps", **POSITIVE)
+    idle_expiry: float = key(
+        86400.0, "expire open and closed batches with no add, close or ack for this long (seconds)", **POSITIVE
+    )
+    retention: float = key(
+        7 * 86400.0, "delete complete and expired batches this long after they finished (seconds)", **POSITIVE
+    )
+    chunk: int = key(1000, "batches handled per sweep statement", **POSITIVE)
+    expiry_topic: str = key(
+        "",
+        "topic of expiry events (one per expired batch); empty = the batch's completion topic",
+        check=dataclasses.replace(TOPIC, allowed="empty, or a Kafka topic name", optional=True),
+    )
 
 
 @dataclass
 class SettlerConfig:
-    """Issue 12: folds consumers' ack claims whose commit found the batch row busy (tracker.settle)."""
-
-    enabled: bool = True
-    interval: float = 0.01  # bounds how long a completion can lag its last ack's commit
+    enabled: bool = key(True, "run the settler: folds consumers' ack claims whose commit found the batch row busy")
+    interval: float = key(
+        0.01,
+        "how often the settler looks for unsettled claims (seconds); bounds how long a completion can lag its "
+        "last ack's commit",
+        **POSITIVE,
+    )
 
 
 @dataclass
 class MetricsConfig:
-    enabled: bool = True
-    host: str = "0.0.0.0"
-    port: int = 9400
-    prefix: str = "reaper"
-    backlog_interval: float = 5.0
+    enabled: bool = key(True, "serve /metrics, /healthz and /readyz")
+    host: str = key("0.0.0.0", "address the HTTP endpoint listens on")
+    port: int = key(9400, "port of /metrics, /healthz and /readyz (0 = any free port)", ge=0, le=65535)
+    prefix: str = key(
+        "reaper",
+        "prefix of the harvester's metric names",
+        check=Check(
+            "metric name: A-Z a-z 0-9 _, not starting with a digit",
+            r"[a-zA-Z_][a-zA-Z0-9_]*",
+            "{value!r} is not a valid metric name prefix",
+        ),
+    )
+    backlog_interval: float = key(5.0, "seconds between the backlog and batch-table gauge queries", **POSITIVE)
 
 
 @dataclass
 class LoggingConfig:
-    format: str = "auto"  # auto (console in a terminal, else json) | json | console
-    level: str = "info"
+    format: str = key(
+        "auto", "json, console, or auto (console in a terminal, else json)", choices=("auto", "json", "console")
+    )
+    level: str = key(
+        "info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"), ignore_case=True
+    )
 
 
 @dataclass
 class HttpConfig:
-    """`reaper serve`: the tracker over HTTP (harvester/services/http/). Tokens: `tokens` (comma-separated)
-    and/or `tokens_file` (one token per line, '#' comments); none = refuse to start unless local_mode."""
+    """`reaper serve`: the tracker over HTTP (harvester/services/http/)."""
 
-    host: str = "127.0.0.1"
-    port: int = 8400
-    tokens: str = ""
-    tokens_file: str = ""
-    tenants_file: str = ""  # YAML: tenants, their token hashes and completion topics (re-read on change)
-    local_mode: bool = False  # no tokens, loopback only: a developer's machine
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_ids_per_request: int = 100000  # ack entries (ids or runs) in one request
-    max_items_per_add: int = 10000000  # items in one add request
-    rate_limit: float = 200.0  # requests per second per token (token bucket); 0 = off
-    rate_burst: int = 400
-    long_poll_max: float = 60.0  # longest wait a completion long-poll may ask for, seconds
-    max_waits_per_token: int = 32  # long-polls and event streams one token may hold open at once
-    header_timeout: float = 10.0  # a connection sends its request's headers within this, seconds
-    body_timeout: float = 30.0  # and then its body within this
-    idempotency_window: float = 86400.0  # how long an Idempotency-Key's answer is kept, seconds
-    completion_poll_interval: float = 0.25
-    pool_size: int = 8
-    request_timeout: float = 30.0  # one database call, seconds
-    tls_certfile: str = ""  # both set: serve HTTPS; else put a TLS proxy in front (README)
-    tls_keyfile: str = ""
-    forwarded_allow_ips: str = "127.0.0.1"  # proxies whose X-Forwarded-For/-Proto are believed
-    shutdown_timeout: float = 10.0
-    backend: str = "tracker"  # tracker (the asyncio face) | sql (the SQL functions of migration 0007)
+    host: str = key("127.0.0.1", "`reaper serve`: address to listen on")
+    port: int = key(8400, "`reaper serve`: TCP port", gt=0, le=65535)
+    tokens: str = key(
+        "",
+        "bearer tokens, comma-separated (prefer tokens_file); none: refuse to start unless local_mode",
+        secret=True,
+    )
+    tokens_file: str = key("", "file of bearer tokens, one per line ('#' starts a comment)")
+    tenants_file: str = key(
+        "",
+        "YAML file of tenants: each one's token hashes (sha256:...) and allowed completion topics; re-read on "
+        "change and on SIGHUP",
+    )
+    local_mode: bool = key(False, "true: serve without tokens, on a loopback address only")
+    max_body_bytes: int = key(4 * 1024 * 1024, "largest request body accepted (413 above)", **POSITIVE)
+    max_ids_per_request: int = key(100000, "most ack entries (ids or runs) in one request", **POSITIVE)
+    max_items_per_add: int = key(10000000, "most items in one add request", **POSITIVE)
+    rate_limit: float = key(200.0, "requests per second per token (token bucket)", ge=0, note="0 = off")
+    rate_burst: int = key(400, "token bucket size: requests a token may send at once", **POSITIVE)
+    long_poll_max: float = key(60.0, "longest completion long-poll wait a client may ask for, seconds", **POSITIVE)
+    max_waits_per_token: int = key(
+        32, "long-polls and event streams one token may hold open at once (429 past it)", **POSITIVE
+    )
+    header_timeout: float = key(
+        10.0,
+        "seconds a connection has to send a request's headers (from connect, or the end of the last response); "
+        "then it is closed",
+        **POSITIVE,
+    )
+    body_timeout: float = key(
+        30.0,
+        "seconds a request has to send its body once its headers are in; then the connection is closed",
+        **POSITIVE,
+    )
+    idempotency_window: float = key(
+        86400.0,
+        "seconds an Idempotency-Key's answer is kept for retries (expired keys are deleted in chunks)",
+        **POSITIVE,
+    )
+    completion_poll_interval: float = key(
+        0.25, "how often the server checks the batches long-polls wait on, seconds", **POSITIVE
+    )
+    pool_size: int = key(8, "database connections of the HTTP server", **POSITIVE)
+    request_timeout: float = key(30.0, "longest database call of one request, seconds (503 after)", **POSITIVE)
+    tls_certfile: str = key(
+        "", "PEM certificate chain: serve HTTPS (with tls_keyfile); empty: plain HTTP behind a TLS proxy"
+    )
+    tls_keyfile: str = key("", "PEM private key of tls_certfile")
+    forwarded_allow_ips: str = key("127.0.0.1", "proxies whose X-Forwarded-For / X-Forwarded-Proto headers are trusted")
+    shutdown_timeout: float = key(10.0, "on SIGTERM, seconds to let in-flight requests finish", **POSITIVE)
+    backend: str = key(
+        "tracker",
+        "tracker (the tracker's asyncio face) or sql (the SQL functions, as other languages call them)",
+        choices=("tracker", "sql"),
+    )
 
 
 @dataclass
@@ -175,9 +356,73 @@ class Config:
     http: HttpConfig = field(default_factory=HttpConfig)
 
 
-def _coerce(key: str, value: Any, target: type, default: Any) -> Any:
-    kind = type(default)
-    try:
+# ------------------------------------------------------------------ what the schema derives
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One key of the schema, as everything derived from it sees it."""
+
+    section: str
+    name: str
+    kind: type  # bool, int, float, str, dict (librdkafka pass-through) or list
+    default: Any
+    rule: Rule
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    @property
+    def env(self) -> str:
+        """Its environment variable; a mapping takes one per entry: `<env>__<NAME>`."""
+        return f"{ENV_PREFIX}{self.section.upper()}__{self.name.upper()}"
+
+    @property
+    def is_mapping(self) -> bool:
+        return self.kind is dict
+
+    @property
+    def bounds(self) -> str:
+        r = self.rule
+        if r.ge is not None and r.le is not None:
+            return f"from {_num(r.ge)} to {_num(r.le)}"
+        parts = [f"{op} {_num(v)}" for op, v in ((">", r.gt), (">=", r.ge), ("<=", r.le)) if v is not None]
+        return " and ".join(parts)
+
+    @property
+    def kind_word(self) -> str:
+        return _KIND_WORDS[self.kind]
+
+    @property
+    def allowed(self) -> str:
+        """The rule in words, for the configuration reference."""
+        r = self.rule
+        words = [
+            _KIND_WORDS[self.kind] + (f" {self.bounds}" if self.bounds else "") + (f" ({r.note})" if r.note else "")
+        ]
+        if r.choices:
+            words.append(", ".join(r.choices))
+        if r.check is not None:
+            words.append(r.check.allowed)
+        if r.secret:
+            words.append("secret: hidden in logs")
+        return "; ".join(words)
+
+    def shown(self, value: Any) -> str:
+        """The value for an error message: as written, unless it is secret."""
+        return repr(self.redact(value))
+
+    def redact(self, value: Any) -> Any:
+        if self.rule.secret:
+            return "***" if value else value
+        if isinstance(value, str):
+            return redact_dsn(value)
+        return redact(self.dotted, value)  # mappings and lists: by the names of their entries
+
+    def coerce(self, value: Any) -> Any:
+        """The value as written (YAML scalar, environment text, Python value) as this key's type."""
+        kind, wrong = self.kind, f"expected {self.kind.__name__}, got {self.shown(value)}"
         if kind is bool:
             if isinstance(value, bool):
                 return value
@@ -186,45 +431,105 @@ def _coerce(key: str, value: Any, target: type, default: Any) -> Any:
                 return True
             if text in ("0", "false", "no", "off"):
                 return False
-            raise ValueError
-        if kind is int:
-            if isinstance(value, bool):
-                raise ValueError
-            return int(value)
-        if kind is float:
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        if kind is str:
-            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-                raise ValueError
-            return str(value)
-        if kind is dict:
-            if not isinstance(value, Mapping):
-                raise ValueError
-            return {str(k): v for k, v in value.items()}
-        if kind is list:
+        elif kind is int and not isinstance(value, bool):
+            if isinstance(value, int):
+                return value
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            if isinstance(value, str):  # from the environment: "2" is 2, "2.7" is refused
+                try:
+                    return int(value)
+                except ValueError:
+                    pass
+        elif kind is float and not isinstance(value, bool):
+            if isinstance(value, (int, float)):
+                return float(value)
+            if isinstance(value, str):
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+        elif kind is str:
+            if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+                return str(value)
+        elif kind is dict:
+            if isinstance(value, Mapping):
+                return {str(k): v for k, v in value.items()}
+        elif kind is list:
             if isinstance(value, str):  # from the environment: a YAML (or JSON) list
-                value = yaml.safe_load(value)
-            if not isinstance(value, list):
-                raise ValueError
-            return list(value)
-    except (TypeError, ValueError):
-        raise ConfigError(key, f"expected {kind.__name__}, got {redact(key, value)!r}") from None
-    return value
+                try:
+                    value = yaml.safe_load(value)
+                except yaml.YAMLError:
+                    raise ConfigError(self.dotted, f"{wrong}: not valid YAML") from None
+            if isinstance(value, list):
+                return list(value)
+        raise ConfigError(self.dotted, wrong)
 
+    def check(self, value: Any, written: Any = None) -> None:
+        """Raise ConfigError when `value` (coerced) breaks this key's rule; name it as `written`."""
+        r, shown = self.rule, self.shown(value if written is None else written)
+        if self.kind is float and not math.isfinite(value):
+            raise ConfigError(self.dotted, f"must be a finite number, got {shown}")
+        if self.kind in (int, float) and (
+            (r.gt is not None and not value > r.gt)
+            or (r.ge is not None and not value >= r.ge)
+            or (r.le is not None and not value <= r.le)
+        ):
+            note = f" ({r.note})" if r.note else ""
+            raise ConfigError(self.dotted, f"must be {self.bounds}{note}, got {shown}")
+        if r.choices and (value.lower() if r.ignore_case else value) not in r.choices:
+            *head, last = r.choices
+            raise ConfigError(self.dotted, f"{shown}: use {', '.join(head)} or {last}")
+        if r.check is not None:
+            problem = r.check.problem(value)
+            if problem is not None:
+                raise ConfigError(self.dotted, problem)
+
+
+_KIND_WORDS = {bool: "true or false", int: "integer", float: "number", str: "text", dict: "mapping", list: "list"}
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+@functools.cache
+def settings() -> tuple[Setting, ...]:
+    """Every configuration key, in the order of the sections and their fields."""
+    out = []
+    defaults = Config()
+    for section in dataclasses.fields(Config):
+        obj = getattr(defaults, section.name)
+        hints = get_type_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            kind = get_origin(hints[f.name]) or hints[f.name]
+            out.append(Setting(section.name, f.name, kind, getattr(obj, f.name), f.metadata["rule"]))
+    return tuple(out)
+
+
+def sections() -> dict[str, dict[str, Setting]]:
+    out: dict[str, dict[str, Setting]] = {}
+    for s in settings():
+        out.setdefault(s.section, {})[s.name] = s
+    return out
+
+
+# ------------------------------------------------------------------ secrets
 
 _SECRET = re.compile(r"(password|secret|token|credential|sasl\.jaas|ssl\.key)", re.I)
 
 
 def redact(key: str, value: Any) -> Any:
-    """Hide secrets: values of secret-looking keys, and passwords inside DSNs."""
+    """Hide secrets in free-form values (librdkafka settings, outbox entries): values of
+    secret-looking keys, and passwords inside DSNs."""
     if isinstance(value, str):
         if _SECRET.search(key):
             return "***"
         return redact_dsn(value)
     if isinstance(value, Mapping):
         return {k: redact(f"{key}.{k}", v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(f"{key}[{i}]", v) for i, v in enumerate(value)]
     return value
 
 
@@ -233,22 +538,33 @@ def redact_dsn(text: str) -> str:
     return re.sub(r"(password\s*=\s*)('[^']*'|\S+)", r"\1***", text, flags=re.I)
 
 
+def redacted(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The whole configuration as plain data, secrets hidden: for logs and for showing it."""
+    out: dict[str, dict[str, Any]] = {}
+    for s in settings():
+        out.setdefault(s.section, {})[s.name] = s.redact(getattr(getattr(cfg, s.section), s.name))
+    return out
+
+
+# ------------------------------------------------------------------ loading
+
+
 def _apply(section_obj: Any, section: str, values: Mapping[str, Any]) -> None:
-    fields = {f.name: f for f in dataclasses.fields(section_obj)}
-    for key, value in values.items():
-        full = f"{section}.{key}"
-        if key not in fields:
-            raise ConfigError(full, f"unknown key (known: {', '.join(sorted(fields))})")
-        default = getattr(section_obj, key)
-        if isinstance(default, dict) and isinstance(value, Mapping):
-            merged = dict(default)
-            merged.update(_coerce(full, value, dict, default))
-            setattr(section_obj, key, merged)
+    known = sections()[section]
+    for name, written in values.items():
+        s = known.get(name)
+        if s is None:
+            raise ConfigError(f"{section}.{name}", f"unknown key (known: {', '.join(sorted(known))})")
+        value = s.coerce(written)
+        if s.is_mapping:
+            value = {**getattr(section_obj, name), **value}
         else:
-            setattr(section_obj, key, _coerce(full, value, type(default), default))
+            s.check(value, written)
+        setattr(section_obj, name, value)
 
 
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    mappings = {(s.section, s.name) for s in settings() if s.is_mapping}
     out: dict[str, dict[str, Any]] = {}
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX) or "__" not in name:
@@ -257,9 +573,9 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
         section = parts[0]
         if len(parts) == 2:
             out.setdefault(section, {})[parts[1]] = value
-        elif len(parts) == 3 and section == "kafka" and parts[1] in ("client", "producer", "consumer"):
+        elif len(parts) == 3 and (section, parts[1]) in mappings:
             # REAPER_KAFKA__CLIENT__SASL_USERNAME -> sasl.username
-            out.setdefault("kafka", {}).setdefault(parts[1], {})[parts[2].replace("_", ".")] = value
+            out.setdefault(section, {}).setdefault(parts[1], {})[parts[2].replace("_", ".")] = value
         else:
             raise ConfigError(name, "environment override must be REAPER_<SECTION>__<KEY>")
     return out
@@ -286,11 +602,11 @@ def load(
     layers.append(_env_overrides(os.environ if environ is None else environ))
     if overrides:
         layers.append(overrides)
-    sections = {f.name for f in dataclasses.fields(cfg)}
+    known = sections()
     for layer in layers:
         for section, values in layer.items():
-            if section not in sections:
-                raise ConfigError(section, f"unknown section (known: {', '.join(sorted(sections))})")
+            if section not in known:
+                raise ConfigError(section, f"unknown section (known: {', '.join(sorted(known))})")
             if not isinstance(values, Mapping):
                 raise ConfigError(section, "must be a mapping")
             _apply(getattr(cfg, section), section, values)
@@ -299,68 +615,25 @@ def load(
 
 
 def validate(cfg: Config) -> None:
-    for key, value, what in (
-        ("database.schema", cfg.database.schema, "schema"),
-        ("database.outbox_table", cfg.database.outbox_table, "table"),
-    ):
-        try:
-            check_identifier(value, what)
-        except InvalidIdentifier as exc:
-            raise ConfigError(key, str(exc)) from None
-    topic = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-    for key in (
-        "harvester.leader_topic",
-        "acker.topic",
-        "acker.dead_letter_topic",
-        "harvester.default_completion_topic",
-    ):
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if not topic.match(value):
-            raise ConfigError(key, f"{value!r} is not a valid Kafka topic name")
-    if cfg.sweeper.expiry_topic and not topic.match(cfg.sweeper.expiry_topic):
-        raise ConfigError("sweeper.expiry_topic", f"{cfg.sweeper.expiry_topic!r} is not a valid Kafka topic name")
+    """Every key's own rule (for a Config built in code too), then the rules relating keys."""
+    for s in settings():
+        value = getattr(getattr(cfg, s.section), s.name)
+        if not s.is_mapping:
+            s.check(s.coerce(value))
+    _check_relations(cfg)
+
+
+def _check_relations(cfg: Config) -> None:
     if cfg.harvester.trace_spans:
         from tracker import tracing
 
         if not tracing.enabled():
             raise ConfigError("harvester.trace_spans", "needs OpenTelemetry: pip install 'outbox-reaper[otel]'")
-    txn_id = cfg.harvester.transactional_id
-    if txn_id and not re.match(r"^[A-Za-z0-9._:-]{1,200}$", txn_id):
-        raise ConfigError("harvester.transactional_id", f"{txn_id!r} must be 1-200 of A-Z a-z 0-9 . _ : -")
-    positive = [
-        "harvester.min_poll_interval",
-        "harvester.heartbeat_timeout",
-        "harvester.session_timeout",
-        "harvester.mark_batch",
-        "harvester.max_in_flight",
-        "database.pool_size",
-        "acker.max_poll_records",
-        "harvester.mark_deadline",
-        "harvester.idle_poll_interval",
-        "harvester.purge_batch",
-        "harvester.purge_workers",
-        "harvester.drain_timeout",
-        "sweeper.interval",
-        "sweeper.idle_expiry",
-        "sweeper.retention",
-        "sweeper.chunk",
-        "metrics.backlog_interval",
-        "settler.interval",
-    ]
-    for key in positive:
-        section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) <= 0:
-            raise ConfigError(key, f"must be > 0, got {getattr(getattr(cfg, section), name)!r}")
     if cfg.harvester.heartbeat_timeout >= cfg.harvester.session_timeout:
         raise ConfigError(
             "harvester.heartbeat_timeout",
             "must be shorter than harvester.session_timeout, so a cut-off leader fences itself "
             "before the group can hand its partition to another",
-        )
-    if cfg.harvester.vacuum_interval < 0:
-        raise ConfigError(
-            "harvester.vacuum_interval", f"must be >= 0 (0 = autovacuum only), got {cfg.harvester.vacuum_interval!r}"
         )
     if cfg.database.pool_size < cfg.harvester.purge_workers + 2:
         raise ConfigError(
@@ -380,57 +653,21 @@ def validate(cfg: Config) -> None:
                 )
     for section in ("client", "producer", "consumer"):
         for k in getattr(cfg.kafka, section):
-            if k in ("bootstrap.servers", "group.id", "on_delivery", "error_cb", "on_commit"):
+            if k in RESERVED_KAFKA:
                 raise ConfigError(
                     f"kafka.{section}.{k}",
                     "is set by reaper itself; use kafka.bootstrap_servers or the harvester/acker group keys",
                 )
             if k == "transactional.id":
                 raise ConfigError(f"kafka.{section}.{k}", "is set by reaper itself; use harvester.transactional_id")
-    if not 0 <= cfg.metrics.port <= 65535:
-        raise ConfigError("metrics.port", f"{cfg.metrics.port} is not a TCP port")
-    if cfg.logging.format not in ("auto", "json", "console"):
-        raise ConfigError("logging.format", f"{cfg.logging.format!r}: use auto, json or console")
-    if cfg.logging.level.lower() not in ("debug", "info", "warning", "error"):
-        raise ConfigError("logging.level", f"{cfg.logging.level!r}: use debug, info, warning or error")
-    validate_http(cfg.http)
-    if not re.match(r"^[a-zA-Z_][a-zA-Z0-9_]*$", cfg.metrics.prefix):
-        raise ConfigError("metrics.prefix", f"{cfg.metrics.prefix!r} is not a valid metric name prefix")
+    if bool(cfg.http.tls_certfile) != bool(cfg.http.tls_keyfile):
+        raise ConfigError("http.tls_certfile", "set both http.tls_certfile and http.tls_keyfile, or neither")
     units(cfg)  # raises ConfigError naming the offending outbox key
 
 
-def validate_http(h: HttpConfig) -> None:
-    for name in (
-        "port",
-        "max_body_bytes",
-        "max_ids_per_request",
-        "max_items_per_add",
-        "rate_burst",
-        "long_poll_max",
-        "max_waits_per_token",
-        "header_timeout",
-        "body_timeout",
-        "idempotency_window",
-        "completion_poll_interval",
-        "pool_size",
-        "request_timeout",
-        "shutdown_timeout",
-    ):
-        if getattr(h, name) <= 0:
-            raise ConfigError(f"http.{name}", f"must be > 0, got {getattr(h, name)!r}")
-    if h.port > 65535:
-        raise ConfigError("http.port", f"{h.port} is not a TCP port")
-    if h.rate_limit < 0:
-        raise ConfigError("http.rate_limit", f"must be >= 0 (0 = off), got {h.rate_limit!r}")
-    if h.backend not in ("tracker", "sql"):
-        raise ConfigError("http.backend", f"{h.backend!r}: use tracker or sql")
-    if bool(h.tls_certfile) != bool(h.tls_keyfile):
-        raise ConfigError("http.tls_certfile", "set both http.tls_certfile and http.tls_keyfile, or neither")
+# ------------------------------------------------------------------ harvest units
 
-
-MAX_LANES = 64
-MAX_UNITS = 256
-_OUTBOX_KEYS = {"name", "dsn", "schema", "table", "lanes"}
+_OUTBOX_KEYS = set(OutboxEntry.__annotations__)
 
 
 @dataclass(frozen=True)
@@ -453,7 +690,7 @@ class UnitSpec:
 def units(cfg: Config) -> list[UnitSpec]:
     """The harvest units of a configuration, in leader-topic partition order (validated)."""
     h, db = cfg.harvester, cfg.database
-    entries = h.outboxes or [{"name": "default", "lanes": h.lanes}]
+    entries: list[Any] = h.outboxes or [OutboxEntry(name="default", lanes=h.lanes)]
     if h.outboxes and h.lanes != 1:
         raise ConfigError("harvester.lanes", "applies only when harvester.outboxes is empty; set lanes per outbox")
     out: list[UnitSpec] = []

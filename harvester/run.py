@@ -1,12 +1,6 @@
 """`reaper run`: the harvester, the acker, the sweeper loop and the metrics server in one process.
 
-Exit codes (documented in the README by the operability engineer):
-  0  stopped by SIGTERM/SIGINT after in-flight records were settled
-  1  a component failed unexpectedly (logged with its error)
-  2  bad configuration (the message names the key)
-  3  a dependency was unavailable at start (database, migrated schema, Kafka)
-  4  stopped by a signal, but in-flight records were still unsettled at drain_timeout
-     (harmless: the next leader publishes them again; duplicates, never loss)
+Exit codes: harvester.exit_codes.ExitCode (OK, FAILURE, USAGE, UNAVAILABLE at start, DRAIN_TIMEOUT).
 """
 
 from __future__ import annotations
@@ -24,8 +18,9 @@ from psycopg import sql
 
 import tracker
 from harvester import logs
-from harvester.config import Config, redact, redact_dsn
+from harvester.config import Config, redact_dsn, redacted
 from harvester.election.neli import KafkaClusterUnknown, LeaderTopicMismatch
+from harvester.exit_codes import ExitCode
 from harvester.metrics import HealthServer
 from harvester.metrics import get as get_metrics
 from harvester.publishing.outbox_sql import OutboxStore, make_pool
@@ -34,8 +29,6 @@ from harvester.publishing.publisher import logs_safe
 from harvester.services.sweeper import sweep_loop
 from harvester.units import Harvester
 from tracker.schema import qualified
-
-EXIT_OK, EXIT_FAILURE, EXIT_CONFIG, EXIT_UNAVAILABLE, EXIT_DRAIN_TIMEOUT = 0, 1, 2, 3, 4
 
 
 class Unavailable(RuntimeError):
@@ -189,7 +182,7 @@ def tune_gc() -> None:
 def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
     log = logs.get("reaper")
     tune_gc()
-    log.info("starting", version=_version(), config=redact("config", _as_dict(cfg)), providers=providers.description)
+    log.info("starting", version=_version(), config=redacted(cfg), providers=providers.description)
     stop = threading.Event()
     term = threading.Event()
 
@@ -211,16 +204,16 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
         pool = make_pool(cfg.database.dsn, 2, name="reaper-aux")
     except Unavailable as exc:
         log.error("cannot start", error=redact_dsn(str(exc)))
-        return EXIT_UNAVAILABLE
+        return ExitCode.UNAVAILABLE
     except Exception as exc:
         log.error("cannot start", error=logs_safe(exc))
-        return EXIT_UNAVAILABLE
+        return ExitCode.UNAVAILABLE
 
     failures: list[tuple[str, BaseException]] = []
     threads: list[threading.Thread] = []
     http = None
     harvester = None
-    code = EXIT_OK
+    code = ExitCode.OK
     try:
         store = OutboxStore(pool, cfg.database.schema, cfg.database.outbox_table)
         if cfg.metrics.enabled:
@@ -255,7 +248,7 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
                 harvester = Harvester(cfg, providers=providers).start()
             except (LeaderTopicMismatch, KafkaClusterUnknown) as exc:
                 log.error("cannot start", error=str(exc))
-                code = EXIT_CONFIG
+                code = ExitCode.USAGE
                 return code
         while not term.wait(0.2):
             if harvester is not None and harvester.error is not None:
@@ -277,16 +270,10 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
     if failures:
         for what, err in failures:
             log.error("component failed", component=what, error=logs_safe(err))
-        code = EXIT_FAILURE
+        code = ExitCode.FAILURE
     elif not drained:
-        code = EXIT_DRAIN_TIMEOUT
+        code = ExitCode.DRAIN_TIMEOUT
     return code
-
-
-def _as_dict(cfg: Config) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(cfg)
 
 
 def configure_logging(cfg: Config) -> None:

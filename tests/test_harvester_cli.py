@@ -116,6 +116,15 @@ def test_unreachable_database_exits_3_and_secrets_stay_out_of_the_output():
     assert any(e["event"] == "starting" for e in events) and all("leader_id" in e for e in events)
 
 
+def test_migrate_with_the_database_unreachable_exits_3_like_every_command():
+    env = _env(REAPER_DATABASE__DSN="postgresql://app:s3cret-pw@127.0.0.1:1/outbox")
+    for args in (["migrate"], ["migrate", "--dry-run"], ["outbox", "status"]):
+        r = _run(args, env)
+        assert r.returncode == 3, (args, r.stdout, r.stderr)
+        assert "s3cret-pw" not in r.stdout + r.stderr
+    assert "reaper migrate: database unreachable" in _run(["migrate"], env).stderr
+
+
 def test_console_log_format_is_readable_text():
     r = _run(
         ["run"], _env(REAPER_DATABASE__DSN="postgresql://app@127.0.0.1:1/outbox", REAPER_LOGGING__FORMAT="console")

@@ -2,7 +2,7 @@
 
 Each command opens one database connection, checks its arguments before it changes anything,
 commits what it did as a whole (a requeue of many rows: chunk by chunk), and exits with the codes
-in `harvester.admin.common`.
+in `harvester.exit_codes`.
 """
 
 from harvester.admin.commands import COMMANDS, add_parsers, main

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import sql
 
-from harvester.admin.common import EXIT_NOT_FOUND, EXIT_REFUSED, AdminError, ago, one_row, require_tables, when
+from harvester.admin.common import AdminError, ago, one_row, require_tables, when
 from harvester.config import Config
+from harvester.exit_codes import ExitCode
 from tracker.errors import UnknownBatch
 from tracker.expiry import BatchNotExpirable, Expired, expire_batch
 from tracker.ids import ItemId, format_item_id, format_run
@@ -64,7 +65,7 @@ def show(
     ).fetchone()
     if row is None:
         conn.rollback()
-        raise AdminError(f"unknown batch {batch_id}", EXIT_NOT_FOUND)
+        raise AdminError(f"unknown batch {batch_id}", ExitCode.NOT_FOUND)
     groups, groups_pending = one_row(
         conn.execute(
             sql.SQL("SELECT count(*), count(*) FILTER (WHERE pending > 0) FROM {} WHERE batch_id = %s").format(g),
@@ -115,10 +116,10 @@ def expire(cfg: Config, conn: psycopg.Connection, batch_id: int, note: str | Non
         )
     except UnknownBatch:
         conn.rollback()
-        raise AdminError(f"unknown batch {batch_id}", EXIT_NOT_FOUND) from None
+        raise AdminError(f"unknown batch {batch_id}", ExitCode.NOT_FOUND) from None
     except BatchNotExpirable as exc:
         conn.rollback()
-        raise AdminError(str(exc), EXIT_REFUSED) from None
+        raise AdminError(str(exc), ExitCode.REFUSED) from None
     if got is not None:
         conn.execute(
             sql.SQL("INSERT INTO {} (action, rows, detail) VALUES ('batch-expire', 1, %s::jsonb)").format(

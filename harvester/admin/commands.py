@@ -2,7 +2,7 @@
 
 Output goes to stdout (a table or, with --json, one JSON document); errors go to stderr as one
 line (and, with --json, also as {"error": ..., "exit_code": ...} on stdout), with the exit codes
-of harvester.admin.common. Every argument is checked before anything touches the database.
+of harvester.exit_codes. Every argument is checked before anything touches the database.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from harvester import logs
 from harvester.admin import batch as batch_mod
 from harvester.admin import dead as dead_mod
 from harvester.admin import status as status_mod
-from harvester.admin.common import EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, AdminError, connect, to_json
+from harvester.admin.common import AdminError, connect, to_json
 from harvester.config import Config, redact_dsn
+from harvester.exit_codes import ExitCode
 from tracker.errors import MalformedItemId, TrackerError
 from tracker.ids import ID_MAX, ItemId, parse_item_id
 
@@ -146,7 +147,7 @@ def _run(cfg: Config, args: argparse.Namespace) -> tuple[Any, str, int]:
     db = cfg.database
     cmd = (args.command, args.admin_command)
     if cmd == ("batch", "show") and args.after is not None and args.after.batch_id != args.batch_id:
-        raise AdminError(f"--after {args.after} names batch {args.after.batch_id}, not {args.batch_id}", EXIT_USAGE)
+        raise AdminError(f"--after {args.after} names batch {args.after.batch_id}, not {args.batch_id}", ExitCode.USAGE)
     with connect(cfg) as conn:
         if cmd == ("outbox", "status"):
             st = status_mod.outbox_status(cfg, conn, args.timeout)
@@ -155,12 +156,12 @@ def _run(cfg: Config, args: argparse.Namespace) -> tuple[Any, str, int]:
             page = dead_mod.list_dead(
                 conn, db.schema, db.outbox_table, reason=args.reason, after=args.after, limit=args.limit
             )
-            return page, dead_mod.render_page(page), EXIT_OK
+            return page, dead_mod.render_page(page), ExitCode.OK
         if cmd == ("dead", "requeue"):
             if args.ids:
                 ids = [i for group in args.ids for i in group]
                 if len(ids) > MAX_IDS:
-                    raise AdminError(f"--id names {len(ids)} ids; at most {MAX_IDS} at once", EXIT_USAGE)
+                    raise AdminError(f"--id names {len(ids)} ids; at most {MAX_IDS} at once", ExitCode.USAGE)
                 done = dead_mod.requeue_ids(conn, db.schema, db.outbox_table, ids, dry_run=args.dry_run)
             else:
                 with _progress(not args.json) as bar:
@@ -174,10 +175,10 @@ def _run(cfg: Config, args: argparse.Namespace) -> tuple[Any, str, int]:
                         dry_run=args.dry_run,
                         progress=lambda n, total: bar.update(task, completed=n, total=total),
                     )
-            return done, dead_mod.render_requeued(done), EXIT_OK
+            return done, dead_mod.render_requeued(done), ExitCode.OK
         if cmd == ("batch", "show"):
             view = batch_mod.show(conn, db.schema, args.batch_id, after=args.after, limit=args.limit)
-            return view, batch_mod.render(view), EXIT_OK
+            return view, batch_mod.render(view), ExitCode.OK
         if cmd == ("batch", "expire"):
             got = batch_mod.expire(cfg, conn, args.batch_id, args.note)
             result = {
@@ -185,8 +186,8 @@ def _run(cfg: Config, args: argparse.Namespace) -> tuple[Any, str, int]:
                 "expired": got is not None,
                 "event": dataclasses.asdict(got) if got else None,
             }
-            return result, batch_mod.render_expired(args.batch_id, got), EXIT_OK
-    raise AdminError(f"unknown command {' '.join(cmd)}", EXIT_USAGE)
+            return result, batch_mod.render_expired(args.batch_id, got), ExitCode.OK
+    raise AdminError(f"unknown command {' '.join(cmd)}", ExitCode.USAGE)
 
 
 def main(cfg: Config, args: argparse.Namespace) -> int:
@@ -204,9 +205,9 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     except AdminError as exc:
         return _fail(args, name, str(exc), exc.code)
     except psycopg.OperationalError as exc:
-        return _fail(args, name, f"database unavailable: {redact_dsn(str(exc)).strip()}", EXIT_UNAVAILABLE)
+        return _fail(args, name, f"database unavailable: {redact_dsn(str(exc)).strip()}", ExitCode.UNAVAILABLE)
     except Exception as exc:  # a database or Kafka error mid-command: its transaction was rolled back
-        return _fail(args, name, f"{type(exc).__name__}: {redact_dsn(str(exc)).strip()}", EXIT_FAILURE)
+        return _fail(args, name, f"{type(exc).__name__}: {redact_dsn(str(exc)).strip()}", ExitCode.FAILURE)
     if args.json:
         is_record = dataclasses.is_dataclass(result) and not isinstance(result, type)
         print(to_json(dataclasses.asdict(result) if is_record else result))

@@ -1,5 +1,5 @@
-"""What the admin commands share: exit codes, the typed error they fail with, the database
-connection, and small formatters for their human output."""
+"""What the admin commands share: the typed error they fail with (its exit code is a
+harvester.exit_codes.ExitCode), the database connection, and small formatters for their human output."""
 
 from __future__ import annotations
 
@@ -10,20 +10,14 @@ from typing import Any
 import psycopg
 
 from harvester.config import Config, redact_dsn
+from harvester.exit_codes import ExitCode
 from tracker.schema import qualified
-
-EXIT_OK = 0
-EXIT_FAILURE = 1  # the database or Kafka failed while the command ran
-EXIT_USAGE = 2  # bad arguments or configuration (argparse uses 2 as well)
-EXIT_UNAVAILABLE = 3  # the database or Kafka is unreachable, or the schema is not migrated
-EXIT_NOT_FOUND = 5  # the batch or dead row named does not exist
-EXIT_REFUSED = 6  # the thing named exists but its state refuses the action
 
 
 class AdminError(Exception):
     """A command failed before changing anything; `code` is the process exit code."""
 
-    def __init__(self, message: str, code: int = EXIT_FAILURE) -> None:
+    def __init__(self, message: str, code: ExitCode = ExitCode.FAILURE) -> None:
         super().__init__(message)
         self.code = code
 
@@ -38,24 +32,24 @@ def connect(cfg: Config) -> psycopg.Connection:
             cfg.database.dsn, connect_timeout=10, application_name="reaper-admin", prepare_threshold=None
         )
     except psycopg.OperationalError as exc:
-        raise AdminError(f"database unreachable: {redact_dsn(str(exc)).strip()}", EXIT_UNAVAILABLE) from None
+        raise AdminError(f"database unreachable: {redact_dsn(str(exc)).strip()}", ExitCode.UNAVAILABLE) from None
 
 
 def one_row(cursor: psycopg.Cursor[tuple[Any, ...]]) -> tuple[Any, ...]:
     """The single row of a query that always returns one (an aggregate, a RETURNING of one row)."""
     row = cursor.fetchone()
     if row is None:
-        raise AdminError("the database returned no row where one was expected", 1)
+        raise AdminError("the database returned no row where one was expected", ExitCode.FAILURE)
     return row
 
 
 def require_tables(conn: psycopg.Connection, schema: str, *tables: str) -> None:
-    """Fail clearly (exit 3) when the schema lacks a table: not migrated, or migrated by an older reaper."""
+    """Fail clearly (ExitCode.UNAVAILABLE) when the schema lacks a table: not migrated, or migrated by an older reaper."""
     for table in tables:
         found = one_row(conn.execute("SELECT to_regclass(%s)", [qualified(schema, table).as_string(conn)]))[0]
         if found is None:
             conn.rollback()
-            raise AdminError(f"table {schema}.{table} does not exist: run `reaper migrate`", EXIT_UNAVAILABLE)
+            raise AdminError(f"table {schema}.{table} does not exist: run `reaper migrate`", ExitCode.UNAVAILABLE)
 
 
 def when(value: dt.datetime | None) -> str:

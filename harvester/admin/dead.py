@@ -25,7 +25,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from harvester.admin.common import EXIT_NOT_FOUND, AdminError, one_row, require_tables, text_or_hex, when
+from harvester.admin.common import AdminError, one_row, require_tables, text_or_hex, when
+from harvester.exit_codes import ExitCode
 from tracker.schema import qualified
 
 
@@ -135,7 +136,7 @@ def requeue_ids(
         shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
         raise AdminError(
             f"not in {schema}.{table}_dead (never quarantined, or already requeued): {shown}; nothing was requeued",
-            EXIT_NOT_FOUND,
+            ExitCode.NOT_FOUND,
         )
     if dry_run:
         conn.rollback()

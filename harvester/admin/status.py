@@ -17,8 +17,9 @@ from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
 from harvester import logs
-from harvester.admin.common import EXIT_UNAVAILABLE, AdminError, duration, one_row, require_tables
+from harvester.admin.common import AdminError, duration, one_row, require_tables
 from harvester.config import Config
+from harvester.exit_codes import ExitCode
 from harvester.publishing.outbox_sql import BACKLOG_EXACT
 from tracker.schema import qualified
 
@@ -164,8 +165,8 @@ def render(status: OutboxStatus) -> str:
     return "\n".join(lines)
 
 
-def exit_code(status: OutboxStatus) -> int:
-    return EXIT_UNAVAILABLE if status.kafka_error else 0
+def exit_code(status: OutboxStatus) -> ExitCode:
+    return ExitCode.UNAVAILABLE if status.kafka_error else ExitCode.OK
 
 
 __all__ = ["OutboxStatus", "UnitStatus", "outbox_status", "render", "exit_code", "AdminError"]

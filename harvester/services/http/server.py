@@ -12,6 +12,7 @@ import signal
 import uvicorn
 
 from harvester.config import Config
+from harvester.exit_codes import ExitCode
 from harvester.services.http.app import create_app
 from harvester.services.http.deadlines import DeadlineProtocol
 from harvester.services.http.security import check_startup, load_tokens
@@ -69,4 +70,4 @@ def serve(cfg: Config) -> int:
     # SIGHUP re-reads http.tenants_file (it is also re-read when it changes): tokens added or revoked
     signal.signal(signal.SIGHUP, lambda _sig, _frame: auth.reload())
     server.run()
-    return 0 if server.started else 1
+    return ExitCode.OK if server.started else ExitCode.FAILURE

@@ -1,0 +1,55 @@
+"""The exit codes of every `reaper` command, in one place (README's table is generated from here)."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """What a `reaper` process's exit status means; `meaning` is the README's wording."""
+
+    meaning: str
+
+    def __new__(cls, code: int, meaning: str) -> ExitCode:
+        member = int.__new__(cls, code)
+        member._value_ = code
+        member.meaning = meaning
+        return member
+
+    OK = 0, "done; `reaper run` and `reaper serve`: stopped by SIGTERM/SIGINT after in-flight records were settled"
+    FAILURE = (
+        1,
+        (
+            "the database or Kafka failed while the command ran (its transaction was rolled back), or a component of "
+            "`reaper run` failed (the log says which and why)"
+        ),
+    )
+    USAGE = (
+        2,
+        (
+            "bad arguments or configuration (the message names the key or value), a leader topic whose partitions "
+            "disagree with the units, or brokers that name no cluster id"
+        ),
+    )
+    UNAVAILABLE = (
+        3,
+        (
+            "the database or Kafka is unreachable, or the schema is not migrated (`reaper run` checks at start; "
+            "`outbox status` still prints what the database says)"
+        ),
+    )
+    DRAIN_TIMEOUT = (
+        4,
+        (
+            "`reaper run` stopped by a signal with records still unsettled at `harvester.drain_timeout` (the next "
+            "leader re-publishes them: duplicates, never loss)"
+        ),
+    )
+    NOT_FOUND = 5, "the batch or dead row named does not exist"
+    REFUSED = 6, "the state refuses the action (expiring a complete batch)"
+
+
+def markdown_table() -> str:
+    rows = ["| exit code | name | meaning |", "|---|---|---|"]
+    rows += [f"| {c.value} | `{c.name}` | {c.meaning} |" for c in ExitCode]
+    return "\n".join(rows)
