@@ -157,7 +157,9 @@ def _start_acker(cfg: Config, stop: threading.Event, failures: list) -> threadin
             schema=cfg.database.schema,
             outbox_table=cfg.database.outbox_table,
             completion_topic=cfg.harvester.default_completion_topic,
+            metrics_prefix=cfg.metrics.prefix,
         ),
+        metrics=get_metrics(cfg.metrics.prefix),
     )
 
     def run() -> None:
@@ -244,6 +246,7 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
                 outbox_table=cfg.database.outbox_table,
                 completion_topic=cfg.harvester.default_completion_topic,
                 interval=cfg.settler.interval,
+                metrics=m,
             )
             threads.append(threading.Thread(target=settler.run, args=(stop,), daemon=True, name="reaper-settler"))
         for t in threads:

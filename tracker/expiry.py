@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import pq, sql
 
-from tracker import metrics, tracing
+from tracker import tracing
 from tracker.config import DEFAULT_COMPLETION_TOPIC, DEFAULT_OUTBOX_TABLE
 from tracker.core.steps import Op, one
 from tracker.drivers import sync_psycopg as driver
@@ -170,7 +170,6 @@ def sweep(
                 conn.commit()
             if kind == "expire":
                 result.expired += n
-                metrics.batches_expired.inc(n)
             else:
                 result.deleted += n
             if n < chunk:
@@ -215,10 +214,7 @@ def expire_batch(
         "event": EXPIRY_EVENT,
         "detail": json.dumps({"note": note} if note else {}),
     }
-    got = driver.run(conn, _expire_op(q, params, batch_id))
-    if got is not None:
-        metrics.batches_expired.inc()
-    return got
+    return driver.run(conn, _expire_op(q, params, batch_id))
 
 
 def _expire_op(q: dict[str, str], params: Mapping[str, object], batch_id: int) -> Op[Expired | None]:

@@ -33,6 +33,7 @@ class TrackerCore:
         outbox_table: str = DEFAULT_OUTBOX_TABLE,
         completion_topic: str = DEFAULT_COMPLETION_TOPIC,
         registry: CollectorRegistry | None = REGISTRY,
+        metrics_prefix: str = metrics.DEFAULT_PREFIX,
     ) -> None:
         self.config = TrackerConfig(schema, outbox_table, completion_topic)
         self._q_batches = batches.statements(schema, outbox_table)
@@ -40,7 +41,7 @@ class TrackerCore:
         self._copy_sql, self._insert_sql = outbox.statements(schema, outbox_table)
         self._m: tuple[Counter, Counter, Counter, Counter, Counter, Histogram] | None = None
         if registry is not None:
-            m = metrics.for_registry(registry)
+            m = metrics.for_registry(registry, metrics_prefix)
             self._m = (
                 m.batches_opened.labels(schema),
                 m.batches_closed.labels(schema),
