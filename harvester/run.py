@@ -182,7 +182,7 @@ GC_THRESHOLD_0 = 50_000
 
 
 def tune_gc() -> None:
-    """Garbage-collector settings for a reaper process: called by `reaper run` (and the benchmark)."""
+    """Garbage-collector settings for a reaper process: called by `reaper run`, and by anything else that runs a harvester in-process."""
     gc.freeze()  # what start-up loaded (modules, config) is never walked again
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(GC_THRESHOLD_0, gen1, gen2)

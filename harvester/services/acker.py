@@ -143,7 +143,7 @@ class Acker:
         self._consumer: Consumer | None = None
         self._conn: psycopg.Connection | None = None
         self._lag_due = 0.0
-        # counters for tests and benchmarks (the Prometheus metrics are process-wide)
+        # what this acker did, per instance (the Prometheus metrics are process-wide)
         self.stats = {
             "polls": 0,
             "messages": 0,
