@@ -1,6 +1,6 @@
 """`reaper run`: the harvester, the acker, the sweeper loop and the metrics server in one process.
 
-Exit codes (documented in the README by the operability engineer):
+Exit codes (documented in the README):
   0  stopped by SIGTERM/SIGINT after in-flight records were settled
   1  a component failed unexpectedly (logged with its error)
   2  bad configuration (the message names the key)

@@ -182,7 +182,7 @@ def test_two_trackers_in_one_process_do_not_interfere(pg_dsn, conn, schema):
         a = first.open_batch(conn)
         b = second.open_batch(conn)
         first.add_items(conn, a, 3)
-        first.ack(conn, [f"{a.id}:0:0-2"])  # claims (issue 12): the close settles them and completes
+        first.ack(conn, [f"{a.id}:0:0-2"])  # claims: the close settles them and completes
         assert first.close_batch(conn, a) is True
         assert second.close_batch(conn, b) is True
         conn.commit()

@@ -326,9 +326,9 @@ class Neli:
         librdkafka's consumer can stay out of the group for good after a broker restart: its
         session timed out while the broker was down, it was left with no broker handle but the
         logical coordinator's, and so it never connected again, not even once the broker was back
-        (librdkafka issue #5301 is alike). A consumer that reaches the coordinator has a member id
-        from its first JoinGroup reply on, as a standby too and while a rebalance waits for
-        others; one without is in no group and holds no partition, so replacing it takes
+        (https://github.com/confluentinc/librdkafka/issues/5301 is alike). A consumer that
+        reaches the coordinator has a member id from its first JoinGroup reply on, as a standby
+        too and while a rebalance waits for others; one without is in no group and holds no partition, so replacing it takes
         leadership from no one. During a long Kafka outage it is replaced every two sessions,
         which costs nothing."""
         consumer = self._consumer

@@ -117,7 +117,7 @@ class TrackerCore:
                 # a bulk ack: masked updates under the batch locks (one row per item would cost
                 # far more; bulk ackers run short transactions of their own)
                 return (yield from acks.apply_op(self._q_acks, masks, self.config.completion_topic, False))
-            # claims (issue 12): no batch lock held for the caller's transaction
+            # claims: no batch lock held for the caller's transaction (its consumers run in parallel)
             return (yield from acks.claim_op(self._q_acks, masks, self.config.completion_topic))
         except (IndexOutOfRange, UnknownGroup, UnknownBatch, BatchExpired) as exc:
             raise as_written(exc, entries) from None
