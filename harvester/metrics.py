@@ -148,13 +148,12 @@ class HarvesterMetrics:
         self.acker_deferred_masks = Gauge(
             f"{p}_acker_deferred_masks", "Group masks the acker holds for locked batches", registry=r
         )
-        # The claim settler (harvester.services.claim_settler) and the sweeper (harvester.services.sweeper).
+        # The claim settler (harvester.services.claim_settler); the sweeper's expiries count in the tracker's collectors.
         self.settle_busy = Counter(
             f"{p}_settle_busy_total",
             "Batch settles skipped because another transaction held the batch row (tried again)",
             registry=r,
         )
-        self.batches_expired = Counter(f"{p}_batches_expired_total", "Batches expired by the sweeper", registry=r)
 
 
 class _Both:

@@ -29,9 +29,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import psycopg
+from prometheus_client import REGISTRY, CollectorRegistry
 from psycopg import pq, sql
 
-from tracker import tracing
+from tracker import metrics, tracing
 from tracker.config import DEFAULT_COMPLETION_TOPIC, DEFAULT_OUTBOX_TABLE
 from tracker.core.steps import Op, one
 from tracker.drivers import sync_psycopg as driver
@@ -132,12 +133,15 @@ def sweep(
     outbox_table: str | None = None,
     completion_topic: str | None = None,
     expiry_topic: str | None = None,
+    registry: CollectorRegistry | None = REGISTRY,
+    metrics_prefix: str = metrics.DEFAULT_PREFIX,
 ) -> SweepResult:
     """Expire idle batches (one expiry event each), then delete old finished ones, `chunk` at a
     time until none are left (or `max_chunks` statements of each kind ran). Returns how many of each.
 
     `outbox_table` and `completion_topic` default to the default tracker's ("outbox",
     "batch-completions"); `expiry_topic` (None: each batch's completion topic) is where expiry events go.
+    Expired batches are counted in `<metrics_prefix>_batches_expired_total` of `registry` (None: not counted).
     """
     check_identifier(schema, "schema")
     table, default_topic, expiry_topic = _topics(outbox_table, completion_topic, expiry_topic)
@@ -147,6 +151,7 @@ def sweep(
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
         raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
     q = _statements(schema, table)
+    expired = metrics.for_registry(registry, metrics_prefix).batches_expired.labels(schema) if registry else None
     result = SweepResult()
     # A connection with no transaction open is ours to commit chunk by chunk.
     commit_chunks = not conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE
@@ -170,6 +175,8 @@ def sweep(
                 conn.commit()
             if kind == "expire":
                 result.expired += n
+                if expired is not None:
+                    expired.inc(n)
             else:
                 result.deleted += n
             if n < chunk:
@@ -195,6 +202,8 @@ def expire_batch(
     outbox_table: str | None = None,
     completion_topic: str | None = None,
     expiry_topic: str | None = None,
+    registry: CollectorRegistry | None = REGISTRY,
+    metrics_prefix: str = metrics.DEFAULT_PREFIX,
 ) -> Expired | None:
     """Expire one open or closed batch now and write its expiry event, in the caller's transaction
     (never committed or rolled back here; see tracker.drivers.sync_psycopg). Returns None if it was already expired; raises
@@ -214,7 +223,10 @@ def expire_batch(
         "event": EXPIRY_EVENT,
         "detail": json.dumps({"note": note} if note else {}),
     }
-    return driver.run(conn, _expire_op(q, params, batch_id))
+    got = driver.run(conn, _expire_op(q, params, batch_id))
+    if got is not None and registry is not None:
+        metrics.for_registry(registry, metrics_prefix).batches_expired.labels(schema).inc()
+    return got
 
 
 def _expire_op(q: dict[str, str], params: Mapping[str, object], batch_id: int) -> Op[Expired | None]:

@@ -56,6 +56,12 @@ class TrackerMetrics:
         self.batches_opened = Counter(
             f"{p}_batches_opened_total", "Batches opened" + _CALLER, labels, registry=registry
         )
+        self.batches_expired = Counter(
+            f"{p}_batches_expired_total",
+            "Batches expired (by a sweep or an operator's expire_batch)" + _CALLER,
+            labels,
+            registry=registry,
+        )
         self.batches_closed = Counter(
             f"{p}_batches_closed_total", "Batches closed" + _CALLER, labels, registry=registry
         )

@@ -12,7 +12,6 @@ from psycopg_pool import ConnectionPool
 
 from harvester import logs
 from harvester.config import Config
-from harvester.metrics import get as get_metrics
 from harvester.publishing.deliveries import logs_safe
 from tracker import expiry
 
@@ -20,7 +19,6 @@ from tracker import expiry
 def sweep_loop(cfg: Config, pool: ConnectionPool, stop: threading.Event) -> None:
     """Every `sweeper.interval`: expire idle open batches, delete finished ones past retention."""
     log = logs.get("reaper.sweeper")
-    m = get_metrics(cfg.metrics.prefix)
     s = cfg.sweeper
     while not stop.wait(s.interval):
         try:
@@ -34,9 +32,8 @@ def sweep_loop(cfg: Config, pool: ConnectionPool, stop: threading.Event) -> None
                     outbox_table=cfg.database.outbox_table,
                     completion_topic=cfg.harvester.default_completion_topic,
                     expiry_topic=s.expiry_topic or None,
+                    metrics_prefix=cfg.metrics.prefix,
                 )
-            if result.expired:
-                m.batches_expired.inc(result.expired)
             if result.expired or result.deleted:
                 log.info("swept", expired=result.expired, deleted=result.deleted)
         except Exception as exc:
