@@ -3,7 +3,7 @@ Last line: one JSON object.
 
 One closed batch of 400 items; `workers` threads (default 16, one process, so the Python side
 costs little CPU) each take ids from a queue, run exactly_once with a 20 ms effect and commit;
-a monitor samples pg_stat_activity every 20 ms. Measured for the locking path before issue 12
+a monitor samples pg_stat_activity every 20 ms. Measured for the locking path used before ack claims
 (apply_masks in the caller's transaction, then the effect) and for tracker.exactly_once (claims),
 one after the other in the same run, with a harvester.services.claim_settler.ClaimSettler running as in `reaper run`.
 Reports items/s and the share of the workers' samples spent in Lock waits.

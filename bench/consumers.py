@@ -7,8 +7,8 @@ Against the local Postgres (OUTBOX_TEST_DSN, else the local services). Workers a
                  shared queue and call `tracker.exactly_once(conn, id, effect)`, the effect
                  inserting a row and sleeping 20 ms, then commit. items/s at W = 1, 4, 16 and the
                  ratio 16-vs-1. Every item's effect must be committed exactly once (checked).
-                 16 workers on 400 items (25 each, 0.7 s) are timed too, as issue 12 first tried
-                 them: there the start and the last worker's tail weigh several times more than
+                 16 workers on 400 items (25 each, 0.7 s) are timed too, the first size these were
+                 measured at: there the start and the last worker's tail weigh several times more than
                  in the 1-worker run, so that figure is reported beside the ratio, not in it.
   single_acks    one closed batch; 16 workers each ack single ids of their own share with
                  `tracker.ack` and commit each, for a fixed time. acks/s.
@@ -21,7 +21,7 @@ Against the local Postgres (OUTBOX_TEST_DSN, else the local services). Workers a
                  through one `reaper run` acker.
 
 `--path direct` runs the consumer scenarios through `tracker.core.acks.apply_masks` inside the
-caller's transaction (batch rows locked until commit: the behaviour before issue 12), so a
+caller's transaction (batch rows locked until commit: the behaviour before ack claims), so a
 before/after pair can be measured in one run (`--path both`). The machine is shared: compare
 ratios measured in the same run.
 """
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=["library", "direct", "both"],
         default="library",
         help="library: tracker.ack / tracker.exactly_once as shipped; direct: the locking "
-        "apply_masks path in the caller's transaction (the behaviour before issue 12)",
+        "apply_masks path in the caller's transaction (the behaviour before ack claims)",
     )
     ap.add_argument("--acker", type=int, default=1_000_000, help="single-id acks through the reaper's acker (0: skip)")
     args = ap.parse_args(argv)

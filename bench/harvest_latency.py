@@ -14,14 +14,33 @@ import time
 import uuid
 
 import psycopg
+from prometheus_client import CollectorRegistry
 
 from bench.harvest import DSN, VALUE, Env
+from harvester.metrics import HarvesterMetrics
 from harvester.units import Harvester
+
+
+def recording_commits() -> tuple[HarvesterMetrics, list[float]]:
+    """The harvester's collectors on a private registry, its transaction-commit histogram also
+    keeping every duration it observes (in the list returned)."""
+    metrics, seen = HarvesterMetrics("bench", registry=CollectorRegistry()), []
+    histogram = metrics.txn_duration
+
+    class Recording:
+        def observe(self, amount: float) -> None:
+            seen.append(amount)
+            histogram.observe(amount)
+
+    metrics.txn_duration = Recording()  # type: ignore[assignment]
+    return metrics, seen
 
 
 def bench_latency(seconds: float, rate: float, kafka_producer: dict | None = None, **harvester) -> dict:
     env = Env()
-    h = Harvester(env.config(kafka_producer, **harvester)).start()
+    # Commit durations, as the harvester observes them in its transaction-commit histogram.
+    metrics, commit_seconds = recording_commits()
+    h = Harvester(env.config(kafka_producer, **harvester), metrics=metrics).start()
     acked: dict[int, float] = {}
     try:
         while not h.leading:
@@ -94,8 +113,8 @@ def bench_latency(seconds: float, rate: float, kafka_producer: dict | None = Non
             )[:20],
         }
         strategy = h.publisher.strategy
-        if h.publisher.transactional and len(strategy.commit_seconds) >= 2:
-            c = statistics.quantiles(strategy.commit_seconds, n=100)
+        if h.publisher.transactional and len(commit_seconds) >= 2:
+            c = statistics.quantiles(commit_seconds, n=100)
             out.update(
                 {
                     "transactions": strategy.committed,

@@ -77,7 +77,6 @@ class HarvestPool(ConnectionPool):
 
     def __init__(self, *args, reconnect_backoff_max: float = RECONNECT_MAX, **kwargs) -> None:
         self.reconnect_backoff_max = reconnect_backoff_max
-        self.discarded = 0  # connections found dead at checkout (a test and a log read it)
         super().__init__(*args, **kwargs)
 
     def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
@@ -94,7 +93,6 @@ class HarvestPool(ConnectionPool):
     def connection(self, timeout: float | None = None) -> Iterator[psycopg.Connection]:
         conn = self.getconn(timeout)
         while closed_by_server(conn):
-            self.discarded += 1
             conn.close()  # closed: putconn discards it and schedules a replacement
             self.putconn(conn)
             self.check()  # the others most likely died with it: replace them all now

@@ -1,7 +1,11 @@
 """Prometheus collectors of the reaper sidecar and its HTTP endpoints (/metrics, /healthz, /readyz).
 
-Names are fixed (see the team brief); the prefix is `metrics.prefix` (default "reaper"). Collectors
-live in the default registry, created once per process and prefix. No per-record or per-batch labels.
+Every name the sidecar exports starts with `metrics.prefix` (default "reaper"): the harvester's,
+the acker's, the claim settler's and the sweeper's collectors below, and the tracker calls'
+collectors (tracker.metrics) its Tracker registers under the same prefix. The names after the
+prefix are part of the product's interface (README "Metrics reference"); the alert rules and the
+Grafana dashboard in deploy/ are generated from them (`names`). Collectors live in the default
+registry, created once per process and prefix. No per-record or per-batch labels.
 """
 
 from __future__ import annotations
@@ -11,7 +15,18 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Protocol
 
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.metrics import MetricWrapperBase
+
+from tracker.metrics import DEFAULT_PREFIX, TrackerMetrics, check_prefix
 
 _DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _lock = threading.Lock()
@@ -19,78 +34,126 @@ _instances: dict[str, HarvesterMetrics] = {}
 
 
 class HarvesterMetrics:
-    def __init__(self, prefix: str = "reaper") -> None:
-        p = prefix
-        self.build_info = Gauge(f"{p}_build_info", "Build of the running reaper (value 1)", ["version"])
-        self.leader = Gauge(f"{p}_leader", "Harvest units this instance leads and is not fenced for (1 with one unit)")
-        self.acquisitions = Counter(f"{p}_leader_acquisitions_total", "Leadership acquisitions (partition 0 assigned)")
-        self.fences = Counter(f"{p}_leader_fences_total", "Times the leader fenced itself (no heartbeat in time)")
-        self.revocations = Counter(f"{p}_leader_revocations_total", "Times partition 0 was revoked or lost")
-        self.marked = Counter(f"{p}_records_marked_total", "Outbox rows marked for publication")
-        self.published = Counter(f"{p}_records_published_total", "Records acknowledged by Kafka")
-        self.purged = Counter(f"{p}_records_purged_total", "Outbox rows deleted after acknowledgement")
-        self.reset = Counter(f"{p}_records_reset_total", "Outbox rows unmarked after a failed publication")
+    def __init__(self, prefix: str = DEFAULT_PREFIX, registry: CollectorRegistry | None = REGISTRY) -> None:
+        self.prefix = p = check_prefix(prefix, "metrics.prefix")
+        r = registry
+        self.build_info = Gauge(f"{p}_build_info", "Build of the running reaper (value 1)", ["version"], registry=r)
+        self.leader = Gauge(
+            f"{p}_leader", "Harvest units this instance leads and is not fenced for (1 with one unit)", registry=r
+        )
+        self.acquisitions = Counter(
+            f"{p}_leader_acquisitions_total", "Leadership acquisitions (partition 0 assigned)", registry=r
+        )
+        self.fences = Counter(
+            f"{p}_leader_fences_total", "Times the leader fenced itself (no heartbeat in time)", registry=r
+        )
+        self.revocations = Counter(f"{p}_leader_revocations_total", "Times partition 0 was revoked or lost", registry=r)
+        self.marked = Counter(f"{p}_records_marked_total", "Outbox rows marked for publication", registry=r)
+        self.published = Counter(f"{p}_records_published_total", "Records acknowledged by Kafka", registry=r)
+        self.purged = Counter(f"{p}_records_purged_total", "Outbox rows deleted after acknowledgement", registry=r)
+        self.reset = Counter(f"{p}_records_reset_total", "Outbox rows unmarked after a failed publication", registry=r)
         self.dead = Counter(
-            f"{p}_records_dead_total", "Outbox rows Kafka will never accept, moved to the dead table (outbox_dead)"
+            f"{p}_records_dead_total",
+            "Outbox rows Kafka will never accept, moved to the dead table (outbox_dead)",
+            registry=r,
         )
         self.produce_errors = Counter(
             f"{p}_produce_errors_total",
             "Failed produce calls and delivery reports, retried (rows Kafka can never accept count in records_dead_total)",
+            registry=r,
         )
         self.force_remarks = Counter(
-            f"{p}_force_remarks_total", "Times queued work was dropped and marking restarted from the head"
+            f"{p}_force_remarks_total", "Times queued work was dropped and marking restarted from the head", registry=r
         )
         self.marks_refused = Counter(
             f"{p}_marks_refused_total",
             "Marks the database refused because they reached or finished there after the lease ended "
             "(nothing marked; rising while leading: check the clocks)",
+            registry=r,
         )
         self.claim_refusals = Counter(
             f"{p}_outbox_claim_refusals_total",
             "Marks not made because this configuration could not hold the outbox table (harvester.publishing.ownership): "
             "another configuration (Kafka cluster, leader group/topic, outbox, lanes) holds it, or "
             "harvest_claim is missing or not permitted",
+            registry=r,
         )
-        self.mark_duration = Histogram(f"{p}_mark_duration_seconds", "Mark query duration", buckets=_DURATION_BUCKETS)
+        self.mark_duration = Histogram(
+            f"{p}_mark_duration_seconds", "Mark query duration", buckets=_DURATION_BUCKETS, registry=r
+        )
         self.purge_duration = Histogram(
-            f"{p}_purge_duration_seconds", "Batched purge statement duration", buckets=_DURATION_BUCKETS
+            f"{p}_purge_duration_seconds", "Batched purge statement duration", buckets=_DURATION_BUCKETS, registry=r
         )
         self.produce_duration = Histogram(
             f"{p}_produce_duration_seconds",
             "Enqueue to delivery report, sampled 1 in 64 records",
             buckets=_DURATION_BUCKETS,
+            registry=r,
         )
         self.txn_duration = Histogram(
             f"{p}_transaction_commit_duration_seconds",
             "commit_transaction duration (harvester.transactional_id set)",
             buckets=_DURATION_BUCKETS,
+            registry=r,
         )
         self.txn_aborted = Counter(
             f"{p}_transactions_aborted_total",
             "Kafka transactions aborted, their rows left for a remark (harvester.transactional_id set)",
+            registry=r,
         )
-        self.in_flight = Gauge(f"{p}_records_in_flight", "Records produced and not yet settled")
+        self.in_flight = Gauge(f"{p}_records_in_flight", "Records produced and not yet settled", registry=r)
         self.backlog_rows = Gauge(
             f"{p}_outbox_backlog_rows",
             "Rows in the outbox (exact up to 100,000, above that the id span max(id) - min(id) + 1)",
+            registry=r,
         )
-        self.oldest_age = Gauge(f"{p}_outbox_oldest_age_seconds", "Age of the oldest row in the outbox")
-        self.batches = Gauge(f"{p}_batches", "Batches by state", ["state"])
+        self.oldest_age = Gauge(f"{p}_outbox_oldest_age_seconds", "Age of the oldest row in the outbox", registry=r)
+        self.batches = Gauge(f"{p}_batches", "Batches by state", ["state"], registry=r)
         self.dead_rows = Gauge(
-            f"{p}_outbox_dead_rows", "Rows in the outbox's dead table (quarantined, not yet requeued)"
+            f"{p}_outbox_dead_rows", "Rows in the outbox's dead table (quarantined, not yet requeued)", registry=r
         )
         self.requeued_rows = Gauge(
             f"{p}_outbox_requeued_rows",
             "Rows `reaper dead requeue` moved back into the outbox, all time (read from admin_log)",
+            registry=r,
         )
-        self.items_pending = Gauge(f"{p}_items_pending", "Items not yet acknowledged in open and closed batches")
+        self.items_pending = Gauge(
+            f"{p}_items_pending", "Items not yet acknowledged in open and closed batches", registry=r
+        )
         # Per harvest unit (README "Harvest units"): one series per unit this instance has run.
         u = ["unit"]
-        self.unit_leader = Gauge(f"{p}_unit_leader", "1 while this instance leads the unit and is not fenced", u)
-        self.unit_marked = Counter(f"{p}_unit_records_marked_total", "Outbox rows marked, by unit", u)
-        self.unit_published = Counter(f"{p}_unit_records_published_total", "Records acknowledged by Kafka, by unit", u)
-        self.unit_force_remarks = Counter(f"{p}_unit_force_remarks_total", "Forced remarks, by unit", u)
-        self.unit_in_flight = Gauge(f"{p}_unit_records_in_flight", "Records produced and not yet settled, by unit", u)
+        self.unit_leader = Gauge(
+            f"{p}_unit_leader", "1 while this instance leads the unit and is not fenced", u, registry=r
+        )
+        self.unit_marked = Counter(f"{p}_unit_records_marked_total", "Outbox rows marked, by unit", u, registry=r)
+        self.unit_published = Counter(
+            f"{p}_unit_records_published_total", "Records acknowledged by Kafka, by unit", u, registry=r
+        )
+        self.unit_force_remarks = Counter(f"{p}_unit_force_remarks_total", "Forced remarks, by unit", u, registry=r)
+        self.unit_in_flight = Gauge(
+            f"{p}_unit_records_in_flight", "Records produced and not yet settled, by unit", u, registry=r
+        )
+        # The acker (harvester.services.acker); the acks it applies count in the tracker's collectors.
+        self.acks_dead_lettered = Counter(
+            f"{p}_acks_dead_lettered_total", "Ack messages sent to the dead-letter topic", registry=r
+        )
+        self.acker_lag = Gauge(
+            f"{p}_acker_lag_messages", "Ack-topic messages not yet consumed by this acker", registry=r
+        )
+        self.acker_deferred = Counter(
+            f"{p}_acker_deferred_total",
+            "Acker applies that skipped batches locked by another transaction (retried later)",
+            registry=r,
+        )
+        self.acker_deferred_masks = Gauge(
+            f"{p}_acker_deferred_masks", "Group masks the acker holds for locked batches", registry=r
+        )
+        # The claim settler (harvester.services.claim_settler); the sweeper's expiries count in the tracker's collectors.
+        self.settle_busy = Counter(
+            f"{p}_settle_busy_total",
+            "Batch settles skipped because another transaction held the batch row (tried again)",
+            registry=r,
+        )
 
 
 class _Both:
@@ -193,11 +256,43 @@ class UnitMetrics:
         self.force_remarks = _Both(base.force_remarks, base.unit_force_remarks.labels(unit))
 
 
-def get(prefix: str = "reaper") -> HarvesterMetrics:
+def get(prefix: str = DEFAULT_PREFIX) -> HarvesterMetrics:
+    """The sidecar's collectors with this prefix in the default registry, made on first use."""
     with _lock:
         if prefix not in _instances:
             _instances[prefix] = HarvesterMetrics(prefix)
         return _instances[prefix]
+
+
+def exported_name(collector: MetricWrapperBase) -> str:
+    """The name a collector's samples carry, as queries write it: counters with `_total`,
+    histograms without their `_bucket`/`_sum`/`_count` suffixes."""
+    family = next(iter(collector.describe()))
+    return f"{family.name}_total" if family.type == "counter" else family.name
+
+
+def names(prefix: str = DEFAULT_PREFIX) -> dict[str, str]:
+    """Every metric `reaper run` exports with this prefix, by attribute name (HarvesterMetrics'
+    and TrackerMetrics'), read from the collectors themselves (made on a throwaway registry)."""
+    scratch = CollectorRegistry()
+    found: dict[str, str] = {}
+    for source in (HarvesterMetrics(prefix, scratch), TrackerMetrics(scratch, prefix)):
+        for attr, value in vars(source).items():
+            if isinstance(value, (Counter, Gauge, Histogram)):
+                assert attr not in found, f"two collectors named {attr}"
+                found[attr] = exported_name(value)
+    return found
+
+
+def histograms(prefix: str = DEFAULT_PREFIX) -> set[str]:
+    """The names among `names(prefix)` that are histograms (queried as `<name>_bucket` and so on)."""
+    scratch = CollectorRegistry()
+    return {
+        exported_name(v)
+        for source in (HarvesterMetrics(prefix, scratch), TrackerMetrics(scratch, prefix))
+        for v in vars(source).values()
+        if isinstance(v, Histogram)
+    }
 
 
 class HealthServer:

@@ -150,7 +150,9 @@ def _start_acker(cfg: Config, stop: threading.Event, failures: list) -> threadin
             schema=cfg.database.schema,
             outbox_table=cfg.database.outbox_table,
             completion_topic=cfg.harvester.default_completion_topic,
+            metrics_prefix=cfg.metrics.prefix,
         ),
+        metrics=get_metrics(cfg.metrics.prefix),
     )
 
     def run() -> None:
@@ -173,7 +175,7 @@ GC_THRESHOLD_0 = 50_000
 
 
 def tune_gc() -> None:
-    """Garbage-collector settings for a reaper process: called by `reaper run` (and the benchmark)."""
+    """Garbage-collector settings for a reaper process: called by `reaper run`, and by anything else that runs a harvester in-process."""
     gc.freeze()  # what start-up loaded (modules, config) is never walked again
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(GC_THRESHOLD_0, gen1, gen2)
@@ -237,6 +239,7 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
                 outbox_table=cfg.database.outbox_table,
                 completion_topic=cfg.harvester.default_completion_topic,
                 interval=cfg.settler.interval,
+                metrics=m,
             )
             threads.append(threading.Thread(target=settler.run, args=(stop,), daemon=True, name="reaper-settler"))
         for t in threads:

@@ -21,8 +21,6 @@ from __future__ import annotations
 import time
 import uuid
 
-from psycopg_pool import ConnectionPool
-
 from harvester.config import Config, UnitSpec, units
 from harvester.election.neli import Neli
 from harvester.metrics import HarvesterMetrics, UnitMetrics
@@ -45,14 +43,11 @@ class Harvester:
         *,
         providers: Providers = DEFAULT,
         metrics: HarvesterMetrics | None = None,
-        pool: ConnectionPool | None = None,
     ) -> None:
-        """`pool`: a connection pool for a one-unit configuration (tests); otherwise each unit opens its own."""
         self.cfg, self.h = cfg, cfg.harvester
+        self.providers = providers
         self.m = metrics or get_metrics(cfg.metrics.prefix)
         self.specs = units(cfg)
-        if pool is not None and len(self.specs) != 1:
-            raise ValueError("a shared pool is only for a one-unit configuration")
         self._life = Lifecycle("harvester")
         self._unit_metrics = [UnitMetrics(self.m, s.name) for s in self.specs]
         self.units = [
@@ -62,7 +57,6 @@ class Harvester:
                 providers=providers,
                 metrics=self._unit_metrics[s.index],
                 transactional_id=transactional_id(self.h.transactional_id, s, len(self.specs)),
-                pool=pool,
             )
             for s in self.specs
         ]
@@ -84,6 +78,7 @@ class Harvester:
             session_timeout=h.session_timeout,
             metrics=lambda u: self._unit_metrics[u],
             units=len(self.units),
+            make_producer=self.providers.heartbeat_producer,
         )
         try:
             cluster = self.neli.prepare()  # the leader topic agrees with the units before any starts

@@ -212,7 +212,7 @@ def test_postgres_restart_mid_stream(kafka_bootstrap, topics, private, tmp_path)
         private.up(only="postgres")
         gap = resume_gap(private.dsn, name, time.monotonic())
         print(f"publishing resumed {gap:.3f} s after Postgres accepted connections again")
-        # Goal 1 s (issue 14); generous for a loaded CI machine.
+        # Goal 1 s; generous for a loaded CI machine.
         assert gap < POSTGRES_GAP_LIMIT, f"publishing resumed {gap:.3f} s after Postgres accepted connections again"
         time.sleep(1)
         a.terminate()  # the standby, idle through the restart, leads now

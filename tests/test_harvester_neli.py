@@ -6,13 +6,21 @@ import time
 import uuid
 
 import pytest
+from support.faults import HeldHeartbeats
 from support.harness import wait_until
 
 from harvester.election.neli import FENCED, FOLLOWER, LEADER, Neli
 from harvester.metrics import get as get_metrics
 
 
-def _neli(bootstrap: str, topic: str, group: str, changes: list | None = None, cls: type[Neli] = Neli) -> Neli:
+def _neli(
+    bootstrap: str,
+    topic: str,
+    group: str,
+    changes: list | None = None,
+    cls: type[Neli] = Neli,
+    heartbeats: HeldHeartbeats | None = None,
+) -> Neli:
     return cls(
         bootstrap=bootstrap,
         client={},
@@ -25,19 +33,21 @@ def _neli(bootstrap: str, topic: str, group: str, changes: list | None = None, c
         session_timeout=3.0,
         metrics=get_metrics(),
         on_change=(lambda s, lid: changes.append((s, lid))) if changes is not None else (lambda s, lid: None),
+        make_producer=heartbeats or HeldHeartbeats(),
     )
 
 
 def test_fences_without_heartbeats_and_resumes_with_a_fresh_leader_id(kafka_bootstrap, topics):
     topic, group = topics("leader"), f"g-{uuid.uuid4().hex[:8]}"
     changes: list = []
-    n = _neli(kafka_bootstrap, topic, group, changes).start()
+    heartbeats = HeldHeartbeats()
+    n = _neli(kafka_bootstrap, topic, group, changes, heartbeats=heartbeats).start()
     try:
         assert wait_until(lambda: n.leader_id() is not None, 30)
         first = n.leader_id()
         time.sleep(1.5)
         assert n.leader_id() == first, "heartbeats flowing: the leader stays leader with the same id"
-        n.pause_heartbeats(2.5)
+        heartbeats.hold(2.5)
         assert wait_until(lambda: n.leader_id() is None, 3), "no heartbeat for longer than the timeout: still leading"
         assert wait_until(lambda: n.state == FENCED, 3)
         assert wait_until(lambda: n.leader_id() is not None, 10), "heartbeats came back: never resumed"
@@ -77,11 +87,12 @@ def test_a_heartbeat_read_back_late_vouches_only_for_when_it_was_sent(kafka_boot
     from confluent_kafka import Producer
 
     topic, group = topics("leader"), f"g-{uuid.uuid4().hex[:8]}"
-    n = _neli(kafka_bootstrap, topic, group).start()
+    heartbeats = HeldHeartbeats()
+    n = _neli(kafka_bootstrap, topic, group, heartbeats=heartbeats).start()
     p = Producer({"bootstrap.servers": kafka_bootstrap})
     try:
         assert wait_until(lambda: n.leader_id() is not None, 30)
-        n.pause_heartbeats(4.0)
+        heartbeats.hold(4.0)
         stale_until = time.monotonic() + 3.0
         while time.monotonic() < stale_until:  # its own heartbeats, sent 2 s ago, arriving only now
             p.produce(topic, value=b"%s:%d" % (n.instance, time.monotonic_ns() - 2_000_000_000), partition=0)

@@ -13,7 +13,7 @@ import time
 
 import psycopg
 from support.blackhole import BlackholeProxy
-from support.faults import FaultPlan
+from support.faults import FaultPlan, HeldHeartbeats
 from support.harness import Receiver, insert_rows, make_config, order_violations, outbox_count, wait_until
 
 from harvester.metrics import get as get_metrics
@@ -22,6 +22,7 @@ from harvester.units import Harvester
 
 @contextlib.contextmanager
 def running(cfg, faults=None, drain_timeout=10):
+    """`faults`: a FaultPlan or HeldHeartbeats (anything with providers())."""
     h = Harvester(cfg, **({"providers": faults.providers()} if faults is not None else {})).start()
     try:
         assert wait_until(lambda: h.leading, 30), "the only reaper never became leader"
@@ -155,8 +156,9 @@ def test_fence_purges_in_flight_records_and_replaces_the_producer(pg_dsn, kafka_
     cfg = make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader)
     cfg.kafka.producer = {"bootstrap.servers": proxy.address}  # heartbeats go straight to Kafka
     receiver = Receiver(kafka_bootstrap, topic, 1)
+    heartbeats = HeldHeartbeats()
     try:
-        with running(cfg, drain_timeout=1) as h:
+        with running(cfg, faults=heartbeats, drain_timeout=1) as h:
             pub = h.publisher
             with psycopg.connect(pg_dsn) as c:
                 insert_rows(c, schema, topic, [(b"k", b"k:%d" % i) for i in range(10)])
@@ -171,7 +173,7 @@ def test_fence_purges_in_flight_records_and_replaces_the_producer(pg_dsn, kafka_
             assert pub.delivered == 10
             first_id = h.current_id
             reset_before, remarks_before = _counter("reset"), _counter("force_remarks")
-            h.neli.pause_heartbeats(6.0)  # no heartbeat: fence after heartbeat_timeout (1 s)
+            heartbeats.hold(6.0)  # no heartbeat: fence after heartbeat_timeout (1 s)
             assert wait_until(lambda: h.neli.state == "fenced", 10)
             # Everything the old producer held, queued AND in flight, is dropped and reported purged...
             assert wait_until(lambda: len(old) == 0, 10), f"{len(old)} records left with the fenced producer"

@@ -31,6 +31,7 @@ from psycopg import sql
 from test_prometheus_rules import CONTRACT_METRICS, DASHBOARD, concrete, dashboard_targets, local
 
 import tracker
+from harvester import metrics
 from tracker import outbox
 from tracker.consumer import AckProducer, item_id_of
 
@@ -72,14 +73,7 @@ def prom_value(prom, expr: str) -> float:
     return float(result[0]["value"][1]) if result else float("nan")
 
 
-@pytest.mark.timeout(300)
-def test_every_dashboard_panel_returns_data_from_a_running_reaper(pg_dsn, kafka_bootstrap, schema, topics, tmp_path):
-    t = {
-        name: topics(f"live-{name}", partitions=p)
-        for name, p in (("leader", 1), ("items", 2), ("acks", 2), ("dlq", 1), ("done", 1))
-    }
-    port = local.free_port()
-    job = f"reaper_live_{uuid.uuid4().hex[:8]}"
+def reaper_env(pg_dsn: str, kafka_bootstrap: str, schema: str, t: dict[str, str], port: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
     env.update(
         {
@@ -105,6 +99,18 @@ def test_every_dashboard_panel_returns_data_from_a_running_reaper(pg_dsn, kafka_
             "REAPER_LOGGING__FORMAT": "json",
         }
     )
+    return env
+
+
+@pytest.mark.timeout(300)
+def test_every_dashboard_panel_returns_data_from_a_running_reaper(pg_dsn, kafka_bootstrap, schema, topics, tmp_path):
+    t = {
+        name: topics(f"live-{name}", partitions=p)
+        for name, p in (("leader", 1), ("items", 2), ("acks", 2), ("dlq", 1), ("done", 1))
+    }
+    port = local.free_port()
+    job = f"reaper_live_{uuid.uuid4().hex[:8]}"
+    env = reaper_env(pg_dsn, kafka_bootstrap, schema, t, port)
     log = tmp_path / "reaper.log"
     # Prometheus first, so it sees every counter from zero.
     with local.LocalPrometheus([f"127.0.0.1:{port}"], job=job, scrape_interval="1s") as prom, open(log, "wb") as out:
@@ -258,6 +264,58 @@ def test_every_dashboard_panel_returns_data_from_a_running_reaper(pg_dsn, kafka_
             exported = {s["__name__"] for s in prom.api("series", **{"match[]": f'{{job="{job}"}}'})}
             missing = {m for m in CONTRACT_METRICS if m not in exported and f"{m}_bucket" not in exported}
             assert not missing, f"metrics the reaper does not export: {sorted(missing)}"
+        finally:
+            if reaper.poll() is None:
+                reaper.terminate()
+                try:
+                    reaper.wait(30)
+                except subprocess.TimeoutExpired:
+                    reaper.kill()
+                    reaper.wait()
+
+
+def families(port: int) -> set[str]:
+    """Names of the metric families /metrics serves (counters without `_total`), with or without samples."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return set()
+    return {fam.name for fam in text_string_to_metric_families(text)}
+
+
+@pytest.mark.timeout(120)
+def test_a_reaper_with_another_prefix_exports_every_metric_under_it(pg_dsn, kafka_bootstrap, schema, topics, tmp_path):
+    # metrics.prefix renames every collector of the process: the harvester's, the acker's and its
+    # tracker's, the claim settler's and the sweeper's. Nothing keeps the default name.
+    t = {
+        name: topics(f"prefix-{name}", partitions=p)
+        for name, p in (("leader", 1), ("acks", 1), ("dlq", 1), ("done", 1))
+    }
+    port = local.free_port()
+    env = reaper_env(pg_dsn, kafka_bootstrap, schema, t, port)
+    env["REAPER_METRICS__PREFIX"] = "acme"
+    expected = {name.removesuffix("_total") for name in metrics.names("acme").values()}
+    log = tmp_path / "reaper.log"
+    with open(log, "wb") as out:
+        reaper = subprocess.Popen(
+            [sys.executable, "-m", "harvester.cli", "run"],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        try:
+            wait_until("the leader's metrics", lambda: scrape(port).get("acme_leader") == 1.0, 90, reaper, log)
+            served = wait_until("every collector", lambda: (f := families(port)) >= expected and f, 30, reaper, log)
+            ours = {
+                name
+                for name in served
+                if not name.startswith(("python_", "process_"))  # prometheus_client's own collectors
+                and name.removesuffix("_created") not in expected - {name}  # a counter's creation time
+            }
+            assert ours == expected, (sorted(ours - expected), sorted(expected - ours))
         finally:
             if reaper.poll() is None:
                 reaper.terminate()

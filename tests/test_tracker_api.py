@@ -182,7 +182,7 @@ def test_two_trackers_in_one_process_do_not_interfere(pg_dsn, conn, schema):
         a = first.open_batch(conn)
         b = second.open_batch(conn)
         first.add_items(conn, a, 3)
-        first.ack(conn, [f"{a.id}:0:0-2"])  # claims (issue 12): the close settles them and completes
+        first.ack(conn, [f"{a.id}:0:0-2"])  # claims: the close settles them and completes
         assert first.close_batch(conn, a) is True
         assert second.close_batch(conn, b) is True
         conn.commit()
@@ -201,6 +201,31 @@ def test_two_trackers_in_one_process_do_not_interfere(pg_dsn, conn, schema):
         conn.rollback()
         conn.execute(f'DROP SCHEMA "{other_schema}" CASCADE')
         conn.commit()
+
+
+def test_a_tracker_names_its_metrics_with_its_prefix(conn, schema):
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    default = tracker.Tracker(schema=schema, registry=registry)
+    mine = tracker.Tracker(schema=schema, registry=registry, metrics_prefix="billing")
+    default.open_batch(conn)
+    b = mine.open_batch(conn)
+    mine.add_items(conn, b, 2)
+    mine.ack(conn, [f"{b.id}:0:0-1"])
+    mine.close_batch(conn, b)
+    conn.rollback()
+    value = registry.get_sample_value
+    assert value("reaper_batches_opened_total", {"schema": schema}) == 1
+    assert value("billing_batches_opened_total", {"schema": schema}) == 1
+    assert value("billing_batches_closed_total", {"schema": schema}) == 1
+    assert value("billing_acks_applied_total", {"schema": schema}) == 2
+    assert value("reaper_acks_applied_total", {"schema": schema}) == 0
+    for bad in ("9lives", "no-dash", ""):
+        with pytest.raises(tracker.InvalidValue, match=repr(bad)):
+            tracker.Tracker(schema=schema, registry=registry, metrics_prefix=bad)
+    with pytest.raises(tracker.InvalidArgument, match="metrics_prefix"):
+        tracker.Tracker(schema=schema, registry=registry, metrics_prefix=None)
 
 
 # ---------------------------------------------------------------- errors: each one changes nothing
@@ -484,9 +509,8 @@ def test_concurrent_sweepers_share_the_work(pg_dsn, schema):
 def test_lifecycle_metrics_count(conn, schema):
     from prometheus_client import REGISTRY
 
-    def value(name):  # the tracker's collectors are labelled by schema; the sweeper's are not
-        labels = {} if name == "reaper_batches_expired_total" else {"schema": schema}
-        return REGISTRY.get_sample_value(name, labels) or 0.0
+    def value(name):  # the tracker's collectors are labelled by schema
+        return REGISTRY.get_sample_value(name, {"schema": schema}) or 0.0
 
     names = [
         "reaper_batches_opened_total",

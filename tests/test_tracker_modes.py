@@ -59,7 +59,7 @@ BEGIN
 END $$;
 CREATE TRIGGER poison BEFORE INSERT OR UPDATE ON batch FOR EACH ROW EXECUTE FUNCTION poison_batch();
 CREATE TRIGGER poison BEFORE INSERT ON outbox FOR EACH ROW EXECUTE FUNCTION poison_outbox();
--- acks are claims (issue 12): a claim of the poisoned closed batch is refused
+-- acks are claims: a claim of the poisoned closed batch is refused
 CREATE FUNCTION poison_claim() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
   IF (SELECT user_key FROM batch WHERE id = NEW.batch_id) = 'fixture-poison-close' THEN

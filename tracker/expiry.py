@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import psycopg
+from prometheus_client import REGISTRY, CollectorRegistry
 from psycopg import pq, sql
 
 from tracker import metrics, tracing
@@ -132,12 +133,15 @@ def sweep(
     outbox_table: str | None = None,
     completion_topic: str | None = None,
     expiry_topic: str | None = None,
+    registry: CollectorRegistry | None = REGISTRY,
+    metrics_prefix: str = metrics.DEFAULT_PREFIX,
 ) -> SweepResult:
     """Expire idle batches (one expiry event each), then delete old finished ones, `chunk` at a
     time until none are left (or `max_chunks` statements of each kind ran). Returns how many of each.
 
     `outbox_table` and `completion_topic` default to the default tracker's ("outbox",
     "batch-completions"); `expiry_topic` (None: each batch's completion topic) is where expiry events go.
+    Expired batches are counted in `<metrics_prefix>_batches_expired_total` of `registry` (None: not counted).
     """
     check_identifier(schema, "schema")
     table, default_topic, expiry_topic = _topics(outbox_table, completion_topic, expiry_topic)
@@ -147,6 +151,7 @@ def sweep(
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
         raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
     q = _statements(schema, table)
+    expired = metrics.for_registry(registry, metrics_prefix).batches_expired.labels(schema) if registry else None
     result = SweepResult()
     # A connection with no transaction open is ours to commit chunk by chunk.
     commit_chunks = not conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE
@@ -170,7 +175,8 @@ def sweep(
                 conn.commit()
             if kind == "expire":
                 result.expired += n
-                metrics.batches_expired.inc(n)
+                if expired is not None:
+                    expired.inc(n)
             else:
                 result.deleted += n
             if n < chunk:
@@ -196,6 +202,8 @@ def expire_batch(
     outbox_table: str | None = None,
     completion_topic: str | None = None,
     expiry_topic: str | None = None,
+    registry: CollectorRegistry | None = REGISTRY,
+    metrics_prefix: str = metrics.DEFAULT_PREFIX,
 ) -> Expired | None:
     """Expire one open or closed batch now and write its expiry event, in the caller's transaction
     (never committed or rolled back here; see tracker.drivers.sync_psycopg). Returns None if it was already expired; raises
@@ -216,8 +224,8 @@ def expire_batch(
         "detail": json.dumps({"note": note} if note else {}),
     }
     got = driver.run(conn, _expire_op(q, params, batch_id))
-    if got is not None:
-        metrics.batches_expired.inc()
+    if got is not None and registry is not None:
+        metrics.for_registry(registry, metrics_prefix).batches_expired.labels(schema).inc()
     return got
 
 

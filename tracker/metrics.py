@@ -1,83 +1,85 @@
-"""Prometheus collectors of the tracker and the acker.
+"""Prometheus collectors of the tracker's calls.
 
-The tracker calls' collectors (`TrackerMetrics`) are made once per registry and labelled by schema,
-so two `Tracker`s in one process count apart. They count when a call returns: a call made in the
-caller's transaction is counted even if the caller later rolls back (psycopg has no commit hook),
-and the help texts say so. The acker's own collectors below count its own committed transactions.
-No per-batch or per-record labels.
+`TrackerMetrics` is made once per registry and prefix, and labelled by schema, so two `Tracker`s
+in one process count apart. The names are `<prefix>_acks_applied_total` and so on; the prefix is
+`reaper` unless the `Tracker` (or `settle`) is given another one. They count when a call returns:
+a call made in the caller's transaction is counted even if the caller later rolls back (psycopg
+has no commit hook), and the help texts say so. No per-batch or per-record labels.
+
+The reaper's own loops (acker, claim settler, sweeper) count in the sidecar's collectors
+(harvester.metrics), under its configured prefix.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import weakref
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
+from tracker.errors import InvalidArgument, InvalidValue
+
+DEFAULT_PREFIX = "reaper"
 _CALLER = " (counted when the call returns; the caller's transaction may still roll back)"
 
 
+def check_prefix(prefix: object, name: str = "metrics_prefix") -> str:
+    """`prefix` if it can start a Prometheus metric name; else InvalidArgument (not a str) or
+    InvalidValue naming it as written."""
+    if not isinstance(prefix, str):
+        raise InvalidArgument(name, prefix, "a str")
+    if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", prefix):
+        raise InvalidValue(name, prefix, "is not a metric name prefix (letters, digits, _; not starting with a digit)")
+    return prefix
+
+
 class TrackerMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry | None, prefix: str = DEFAULT_PREFIX) -> None:
+        p = check_prefix(prefix)
         labels = ["schema"]
         self.acks_applied = Counter(
-            "reaper_acks_applied_total", "Item acks that cleared a pending bit" + _CALLER, labels, registry=registry
+            f"{p}_acks_applied_total", "Item acks that cleared a pending bit" + _CALLER, labels, registry=registry
         )
         self.acks_duplicate = Counter(
-            "reaper_acks_duplicate_total", "Item acks whose bit was already clear" + _CALLER, labels, registry=registry
+            f"{p}_acks_duplicate_total", "Item acks whose bit was already clear" + _CALLER, labels, registry=registry
         )
         self.ack_apply_duration = Histogram(
-            "reaper_ack_apply_duration_seconds", "Time to apply one set of folded ack masks", labels, registry=registry
+            f"{p}_ack_apply_duration_seconds", "Time to apply one set of folded ack masks", labels, registry=registry
         )
         self.batches_completed = Counter(
-            "reaper_batches_completed_total",
+            f"{p}_batches_completed_total",
             "Batches completed (closed with nothing pending)" + _CALLER,
             labels,
             registry=registry,
         )
         self.batches_opened = Counter(
-            "reaper_batches_opened_total", "Batches opened" + _CALLER, labels, registry=registry
+            f"{p}_batches_opened_total", "Batches opened" + _CALLER, labels, registry=registry
+        )
+        self.batches_expired = Counter(
+            f"{p}_batches_expired_total",
+            "Batches expired (by a sweep or an operator's expire_batch)" + _CALLER,
+            labels,
+            registry=registry,
         )
         self.batches_closed = Counter(
-            "reaper_batches_closed_total", "Batches closed" + _CALLER, labels, registry=registry
+            f"{p}_batches_closed_total", "Batches closed" + _CALLER, labels, registry=registry
         )
 
 
-_made: weakref.WeakKeyDictionary[CollectorRegistry, TrackerMetrics] = weakref.WeakKeyDictionary()
+_made: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, TrackerMetrics]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def for_registry(registry: CollectorRegistry) -> TrackerMetrics:
-    """The tracker collectors of `registry`, registered on first use."""
+def for_registry(registry: CollectorRegistry, prefix: str = DEFAULT_PREFIX) -> TrackerMetrics:
+    """The tracker collectors of `registry` with names starting `<prefix>_`, registered on first use."""
+    check_prefix(prefix)
     with _lock:
-        got = _made.get(registry)
+        by_prefix = _made.setdefault(registry, {})
+        got = by_prefix.get(prefix)
         if got is None:
-            got = _made[registry] = TrackerMetrics(registry)
+            got = by_prefix[prefix] = TrackerMetrics(registry, prefix)
         return got
 
 
-# The acker's and sweeper's collectors (default registry).
-acks_dead_lettered = Counter("reaper_acks_dead_lettered_total", "Ack messages sent to the dead-letter topic")
-acker_lag = Gauge("reaper_acker_lag_messages", "Ack-topic messages not yet consumed by this acker")
-batches_expired = Counter("reaper_batches_expired_total", "Batches expired by the sweeper")
-
-# issue 12: the acker's bounded waits and the settler (default registry)
-acker_deferred = Counter(
-    "reaper_acker_deferred_total", "Acker applies that skipped batches locked by another transaction (retried later)"
-)
-acker_deferred_masks = Gauge("reaper_acker_deferred_masks", "Group masks the acker holds for locked batches")
-settle_busy = Counter(
-    "reaper_settle_busy_total", "Batch settles skipped because another transaction held the batch row (tried again)"
-)
-
-__all__ = [
-    "TrackerMetrics",
-    "for_registry",
-    "REGISTRY",
-    "acks_dead_lettered",
-    "acker_lag",
-    "batches_expired",
-    "acker_deferred",
-    "acker_deferred_masks",
-    "settle_busy",
-]
+__all__ = ["DEFAULT_PREFIX", "REGISTRY", "TrackerMetrics", "check_prefix", "for_registry"]

@@ -206,9 +206,6 @@ class _Call(NamedTuple):
             yield h, self.items[pos : pos + h.count]
             pos += h.count
 
-    def item_key(self, value: Item) -> bytes | None:
-        return _key_bytes(self.key_fn(value)) if self.key_fn else self.default_key
-
     def copy_chunks(self) -> Iterator[bytes]:
         """The binary COPY payload, in chunks of about 1 MiB."""
         enc = self.enc

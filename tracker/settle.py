@@ -88,11 +88,13 @@ def settle(
     wait: bool = False,
     limit: int = 1000,
     registry: CollectorRegistry | None = REGISTRY,
+    metrics_prefix: str = metrics.DEFAULT_PREFIX,
 ) -> SettleResult:
     """Settle committed claims of `batch_ids` (default: of up to `limit` batches that have any) in
     the caller's transaction. wait=False skips a batch whose row another transaction holds (it
     comes back in `busy`); wait=True waits for it. Completion events go to `outbox_table`, on the
-    batch's own completion topic or else `completion_topic`."""
+    batch's own completion topic or else `completion_topic`. Completions are counted in
+    `<metrics_prefix>_batches_completed_total` of `registry` (None: not counted)."""
     config = TrackerConfig(schema, outbox_table, completion_topic)
     if not isinstance(limit, int) or isinstance(limit, bool):
         raise InvalidArgument("limit", limit, "an int")
@@ -107,5 +109,7 @@ def settle(
     q = statements(config.schema, config.outbox_table)
     result = driver.run(sync_connection(session), settle_op(q, ids, config.completion_topic, wait, limit))
     if registry is not None and result.completed:
-        metrics.for_registry(registry).batches_completed.labels(config.schema).inc(len(result.completed))
+        metrics.for_registry(registry, metrics_prefix).batches_completed.labels(config.schema).inc(
+            len(result.completed)
+        )
     return result

@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
-"""Writes deploy/grafana/dashboards/reaper.json, the Grafana dashboard for outbox-reaper.
+"""The Grafana dashboard of outbox-reaper, as data; deploy/monitoring.py writes it to
+deploy/grafana/dashboards/reaper.json (default prefix) or, with --prefix, for another prefix.
 
-    python3 deploy/grafana/dashboard.py          # rewrite the JSON
-    python3 deploy/grafana/dashboard.py --check  # exit 1 if the JSON is not what this script writes
-
-The panels are listed here once, as data, so the JSON stays consistent (grid, ids, datasource);
+Every metric name comes from the sidecar's collectors (harvester.metrics.names), so the panels
+query exactly what a reaper with that `metrics.prefix` exports. The panels are listed here once,
+as data, so the JSON stays consistent (grid, ids, datasource);
 tests/test_prometheus_live.py queries every expression against a real Prometheus scraping a
 running reaper. `$job` selects the deployment, `$__rate_interval` is Grafana's rate window.
 """
@@ -12,10 +11,11 @@ running reaper. `$job` selects the deployment, `$__rate_interval` is Grafana's r
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
+from types import SimpleNamespace
 
-OUT = Path(__file__).resolve().parent / "dashboards" / "reaper.json"
+from harvester.metrics import names
+from tracker.metrics import DEFAULT_PREFIX
+
 DS = {"type": "prometheus", "uid": "${datasource}"}
 J = '{job=~"$job"}'
 R = "[$__rate_interval]"
@@ -29,346 +29,348 @@ def quantile(q: float, histogram: str) -> str:
     return f"histogram_quantile({q}, sum by (le) (rate({histogram}_bucket{J}{R})))"
 
 
-# (row title, [(panel title, kind, unit, width, [(expr, legend)], description)])
-ROWS = [
-    (
-        "Overview",
-        [
-            (
-                "Leaders",
-                "stat",
-                "none",
-                3,
-                [(f"sum(reaper_leader{J})", "leaders")],
-                "Harvest units led (by instances not fenced). The unit count is healthy (1 with one outbox and one "
-                "lane); 0 means nothing publishes.",
-            ),
-            (
-                "Instances",
-                "stat",
-                "none",
-                3,
-                [(f"count(reaper_build_info{J})", "instances")],
-                "Reaper instances being scraped.",
-            ),
-            (
-                "Published / s",
-                "stat",
-                "ops",
-                3,
-                [(rate("reaper_records_published_total"), "published/s")],
-                "Outbox rows published to Kafka per second, all instances.",
-            ),
-            (
-                "Backlog rows",
-                "stat",
-                "short",
-                3,
-                [(f"max(reaper_outbox_backlog_rows{J})", "rows")],
-                "Rows in the outbox table (committed, not yet purged).",
-            ),
-            (
-                "Oldest unpublished row",
-                "stat",
-                "s",
-                4,
-                [(f"max(reaper_outbox_oldest_age_seconds{J})", "age")],
-                "Age of the oldest row still in the outbox: the delay consumers see.",
-            ),
-            (
-                "Items pending",
-                "stat",
-                "short",
-                4,
-                [(f"max(reaper_items_pending{J})", "pending")],
-                "Items of open and closed batches not yet acknowledged.",
-            ),
-            (
-                "Version",
-                "stat",
-                "none",
-                4,
-                [(f"count by (version) (reaper_build_info{J})", "{{version}}")],
-                "Instances per reaper version (reaper_build_info).",
-            ),
-        ],
-    ),
-    (
-        "Throughput",
-        [
-            (
-                "Records per second",
-                "timeseries",
-                "ops",
-                12,
-                [
-                    (rate("reaper_records_marked_total"), "marked"),
-                    (rate("reaper_records_published_total"), "published"),
-                    (rate("reaper_records_purged_total"), "purged"),
-                ],
-                "Marked by the leader, published (delivery report received) and purged (deleted from the outbox).",
-            ),
-            (
-                "Records in flight",
-                "timeseries",
-                "short",
-                12,
-                [(f"sum by (instance) (reaper_records_in_flight{J})", "{{instance}}")],
-                "Produced and awaiting a delivery report; bounded by harvester.max_in_flight.",
-            ),
-            (
-                "Produce latency (enqueue to delivery report)",
-                "timeseries",
-                "s",
-                12,
-                [
-                    (quantile(0.5, "reaper_produce_duration_seconds"), "p50"),
-                    (quantile(0.99, "reaper_produce_duration_seconds"), "p99"),
-                ],
-                "From handing the record to the producer to its delivery report.",
-            ),
-            (
-                "Mark and purge statements, transaction commits",
-                "timeseries",
-                "s",
-                12,
-                [
-                    (quantile(0.99, "reaper_mark_duration_seconds"), "mark p99"),
-                    (quantile(0.99, "reaper_purge_duration_seconds"), "purge p99"),
-                    (quantile(0.99, "reaper_transaction_commit_duration_seconds"), "commit p99"),
-                ],
-                "Duration of the mark query, of one batched purge statement and (harvester.transactional_id) "
-                "of one Kafka transaction commit.",
-            ),
-        ],
-    ),
-    (
-        "Backlog",
-        [
-            (
-                "Outbox backlog rows",
-                "timeseries",
-                "short",
-                12,
-                [(f"max(reaper_outbox_backlog_rows{J})", "rows")],
-                "Rows waiting in the outbox table. Growth with steady publishing means producers outpace the harvester.",
-            ),
-            (
-                "Age of the oldest unpublished row",
-                "timeseries",
-                "s",
-                12,
-                [(f"max(reaper_outbox_oldest_age_seconds{J})", "oldest")],
-                "Alerts: ReaperOutboxBacklogOld (> 5 min), ReaperOutboxBacklogVeryOld (> 30 min).",
-            ),
-        ],
-    ),
-    (
-        "Leadership",
-        [
-            (
-                "Leader by instance",
-                "timeseries",
-                "none",
-                12,
-                [(f"max by (instance) (reaper_leader{J})", "{{instance}}")],
-                "1 while an instance leads and is not fenced. A handover shows as one line dropping and another rising.",
-            ),
-            (
-                "Leadership changes",
-                "timeseries",
-                "short",
-                12,
-                [
-                    (f"sum(increase(reaper_leader_acquisitions_total{J}{R}))", "acquisitions"),
-                    (f"sum(increase(reaper_leader_fences_total{J}{R}))", "fences"),
-                    (f"sum(increase(reaper_leader_revocations_total{J}{R}))", "revocations"),
-                ],
-                "Acquired leadership; fenced itself after missing heartbeats; lost partition 0 in a rebalance.",
-            ),
-        ],
-    ),
-    (
-        "Harvest units",
-        [
-            (
-                "Leader of each unit",
-                "timeseries",
-                "none",
-                8,
-                [(f"max by (unit, instance) (reaper_unit_leader{J})", "{{unit}} @ {{instance}}")],
-                "1 while the instance leads the unit (an outbox, or a lane of one) and is not fenced. Units spread "
-                "over the instances; alerts: ReaperUnitNoLeader, ReaperSeveralLeaders.",
-            ),
-            (
-                "Marked and published per unit",
-                "timeseries",
-                "ops",
-                8,
-                [
-                    (f"sum by (unit) (rate(reaper_unit_records_marked_total{J}{R}))", "{{unit}} marked"),
-                    (f"sum by (unit) (rate(reaper_unit_records_published_total{J}{R}))", "{{unit}} published"),
-                ],
-                "Rows marked and records acknowledged by Kafka per second, by unit. A unit at 0 while its backlog "
-                "grows is stalled.",
-            ),
-            (
-                "In flight and remarks per unit",
-                "timeseries",
-                "short",
-                8,
-                [
-                    (f"sum by (unit) (reaper_unit_records_in_flight{J})", "{{unit}} in flight"),
-                    (f"sum by (unit) (increase(reaper_unit_force_remarks_total{J}{R}))", "{{unit}} remarks"),
-                ],
-                "Records produced and not yet settled, and forced remarks, by unit.",
-            ),
-        ],
-    ),
-    (
-        "Failures",
-        [
-            (
-                "Resets, produce errors, force remarks, quarantined rows",
-                "timeseries",
-                "ops",
-                12,
-                [
-                    (rate("reaper_records_reset_total"), "reset"),
-                    (rate("reaper_produce_errors_total"), "produce errors"),
-                    (rate("reaper_force_remarks_total"), "force remarks"),
-                    (rate("reaper_records_dead_total"), "quarantined (outbox_dead)"),
-                    (rate("reaper_transactions_aborted_total"), "transactions aborted"),
-                    (rate("reaper_marks_refused_total"), "marks refused after the lease"),
-                    (
-                        rate("reaper_outbox_claim_refusals_total"),
-                        "marks held back: table held by another configuration",
-                    ),
-                ],
-                "A failed delivery resets its row and forces a re-mark from the head of the outbox. A row Kafka "
-                "can never accept (too large, no such partition, invalid topic name) is moved to outbox_dead. "
-                "With harvester.transactional_id, a failed record aborts its batch's transaction. A mark that "
-                "reaches or finishes in the database after the lease ended is refused (nothing marked). Marks "
-                "held back: another configuration (leader group/topic, outbox name, lanes) holds the table.",
-            ),
-            (
-                "Dead-lettered acks",
-                "timeseries",
-                "ops",
-                12,
-                [(rate("reaper_acks_dead_lettered_total"), "dead-lettered")],
-                "Acks the tracker rejected (unknown batch or group, bad index, malformed id, expired batch).",
-            ),
-            (
-                "Acks waiting on busy batches",
-                "timeseries",
-                "short",
-                12,
-                [
-                    (rate("reaper_acker_deferred_total"), "acker applies deferred"),
-                    (f"max(reaper_acker_deferred_masks{J})", "masks held by the acker"),
-                    (rate("reaper_settle_busy_total"), "settles skipped: batch busy"),
-                ],
-                "The acker skips (SKIP LOCKED) batches another transaction holds and retries them; the settler "
-                "skips busy batches until its next pass. Steady non-zero values mean a long transaction sits on a batch.",
-            ),
-            (
-                "Dead rows and requeues",
-                "timeseries",
-                "short",
-                12,
-                [
-                    (f"max(reaper_outbox_dead_rows{J})", "in outbox_dead"),
-                    (f"max(delta(reaper_outbox_requeued_rows{J}{R}))", "requeued"),
-                ],
-                "Rows waiting in outbox_dead (`reaper dead list`), and rows `reaper dead requeue` moved back into "
-                "the outbox. Alert: ReaperDeadRowsWaiting (any for an hour).",
-            ),
-            (
-                "Expired batches",
-                "timeseries",
-                "short",
-                12,
-                [
-                    (f"sum(increase(reaper_batches_expired_total{J}{R}))", "expired by sweepers"),
-                    ('max(reaper_batches{job=~"$job", state="expired"})', "expired, kept until retention"),
-                ],
-                "Batches that will never complete: idle past sweeper.idle_expiry, or `reaper batch expire`. Each "
-                "sent one expiry event. Alert: ReaperBatchesExpired.",
-            ),
-        ],
-    ),
-    (
-        "Acks",
-        [
-            (
-                "Acks per second",
-                "timeseries",
-                "ops",
-                8,
-                [
-                    (rate("reaper_acks_applied_total"), "applied"),
-                    (rate("reaper_acks_duplicate_total"), "duplicate"),
-                ],
-                "Bits cleared by the acker, and acks for bits already clear (redeliveries, retries).",
-            ),
-            (
-                "Ack apply duration",
-                "timeseries",
-                "s",
-                8,
-                [
-                    (quantile(0.5, "reaper_ack_apply_duration_seconds"), "p50"),
-                    (quantile(0.99, "reaper_ack_apply_duration_seconds"), "p99"),
-                ],
-                "Applying one polled chunk of acks as per-group masks.",
-            ),
-            (
-                "Acker lag",
-                "timeseries",
-                "short",
-                8,
-                [(f"sum by (instance) (reaper_acker_lag_messages{J})", "{{instance}}")],
-                "Ack messages not yet consumed, per instance (its assigned partitions).",
-            ),
-        ],
-    ),
-    (
-        "Batches",
-        [
-            (
-                "Batches by state",
-                "timeseries",
-                "short",
-                8,
-                [(f"max by (state) (reaper_batches{J})", "{{state}}")],
-                "Rows of the batch table per state (open, closed, complete, expired).",
-            ),
-            (
-                "Items pending",
-                "timeseries",
-                "short",
-                8,
-                [(f"max(reaper_items_pending{J})", "pending")],
-                "Items not yet acknowledged across open and closed batches.",
-            ),
-            (
-                "Batch lifecycle",
-                "timeseries",
-                "short",
-                8,
-                [
-                    (f"sum(increase(reaper_batches_opened_total{J}{R}))", "opened"),
-                    (f"sum(increase(reaper_batches_closed_total{J}{R}))", "closed"),
-                    (f"sum(increase(reaper_batches_completed_total{J}{R}))", "completed"),
-                    (f"sum(increase(reaper_batches_expired_total{J}{R}))", "expired"),
-                ],
-                "Counted in the process where each happened: opened/closed in applications that serve "
-                "metrics, completed by the acker (or an app's tracker.ack), expired by the sweeper.",
-            ),
-        ],
-    ),
-]
+def rows(prefix: str) -> list:
+    """(row title, [(panel title, kind, unit, width, [(expr, legend)], description)]) for `prefix`."""
+    m = SimpleNamespace(**names(prefix))
+    return [
+        (
+            "Overview",
+            [
+                (
+                    "Leaders",
+                    "stat",
+                    "none",
+                    3,
+                    [(f"sum({m.leader}{J})", "leaders")],
+                    "Harvest units led (by instances not fenced). The unit count is healthy (1 with one outbox and one "
+                    "lane); 0 means nothing publishes.",
+                ),
+                (
+                    "Instances",
+                    "stat",
+                    "none",
+                    3,
+                    [(f"count({m.build_info}{J})", "instances")],
+                    "Reaper instances being scraped.",
+                ),
+                (
+                    "Published / s",
+                    "stat",
+                    "ops",
+                    3,
+                    [(rate(m.published), "published/s")],
+                    "Outbox rows published to Kafka per second, all instances.",
+                ),
+                (
+                    "Backlog rows",
+                    "stat",
+                    "short",
+                    3,
+                    [(f"max({m.backlog_rows}{J})", "rows")],
+                    "Rows in the outbox table (committed, not yet purged).",
+                ),
+                (
+                    "Oldest unpublished row",
+                    "stat",
+                    "s",
+                    4,
+                    [(f"max({m.oldest_age}{J})", "age")],
+                    "Age of the oldest row still in the outbox: the delay consumers see.",
+                ),
+                (
+                    "Items pending",
+                    "stat",
+                    "short",
+                    4,
+                    [(f"max({m.items_pending}{J})", "pending")],
+                    "Items of open and closed batches not yet acknowledged.",
+                ),
+                (
+                    "Version",
+                    "stat",
+                    "none",
+                    4,
+                    [(f"count by (version) ({m.build_info}{J})", "{{version}}")],
+                    f"Instances per reaper version ({m.build_info}).",
+                ),
+            ],
+        ),
+        (
+            "Throughput",
+            [
+                (
+                    "Records per second",
+                    "timeseries",
+                    "ops",
+                    12,
+                    [
+                        (rate(m.marked), "marked"),
+                        (rate(m.published), "published"),
+                        (rate(m.purged), "purged"),
+                    ],
+                    "Marked by the leader, published (delivery report received) and purged (deleted from the outbox).",
+                ),
+                (
+                    "Records in flight",
+                    "timeseries",
+                    "short",
+                    12,
+                    [(f"sum by (instance) ({m.in_flight}{J})", "{{instance}}")],
+                    "Produced and awaiting a delivery report; bounded by harvester.max_in_flight.",
+                ),
+                (
+                    "Produce latency (enqueue to delivery report)",
+                    "timeseries",
+                    "s",
+                    12,
+                    [
+                        (quantile(0.5, m.produce_duration), "p50"),
+                        (quantile(0.99, m.produce_duration), "p99"),
+                    ],
+                    "From handing the record to the producer to its delivery report.",
+                ),
+                (
+                    "Mark and purge statements, transaction commits",
+                    "timeseries",
+                    "s",
+                    12,
+                    [
+                        (quantile(0.99, m.mark_duration), "mark p99"),
+                        (quantile(0.99, m.purge_duration), "purge p99"),
+                        (quantile(0.99, m.txn_duration), "commit p99"),
+                    ],
+                    "Duration of the mark query, of one batched purge statement and (harvester.transactional_id) "
+                    "of one Kafka transaction commit.",
+                ),
+            ],
+        ),
+        (
+            "Backlog",
+            [
+                (
+                    "Outbox backlog rows",
+                    "timeseries",
+                    "short",
+                    12,
+                    [(f"max({m.backlog_rows}{J})", "rows")],
+                    "Rows waiting in the outbox table. Growth with steady publishing means producers outpace the harvester.",
+                ),
+                (
+                    "Age of the oldest unpublished row",
+                    "timeseries",
+                    "s",
+                    12,
+                    [(f"max({m.oldest_age}{J})", "oldest")],
+                    "Alerts: ReaperOutboxBacklogOld (> 5 min), ReaperOutboxBacklogVeryOld (> 30 min).",
+                ),
+            ],
+        ),
+        (
+            "Leadership",
+            [
+                (
+                    "Leader by instance",
+                    "timeseries",
+                    "none",
+                    12,
+                    [(f"max by (instance) ({m.leader}{J})", "{{instance}}")],
+                    "1 while an instance leads and is not fenced. A handover shows as one line dropping and another rising.",
+                ),
+                (
+                    "Leadership changes",
+                    "timeseries",
+                    "short",
+                    12,
+                    [
+                        (f"sum(increase({m.acquisitions}{J}{R}))", "acquisitions"),
+                        (f"sum(increase({m.fences}{J}{R}))", "fences"),
+                        (f"sum(increase({m.revocations}{J}{R}))", "revocations"),
+                    ],
+                    "Acquired leadership; fenced itself after missing heartbeats; lost partition 0 in a rebalance.",
+                ),
+            ],
+        ),
+        (
+            "Harvest units",
+            [
+                (
+                    "Leader of each unit",
+                    "timeseries",
+                    "none",
+                    8,
+                    [(f"max by (unit, instance) ({m.unit_leader}{J})", "{{unit}} @ {{instance}}")],
+                    "1 while the instance leads the unit (an outbox, or a lane of one) and is not fenced. Units spread "
+                    "over the instances; alerts: ReaperUnitNoLeader, ReaperSeveralLeaders.",
+                ),
+                (
+                    "Marked and published per unit",
+                    "timeseries",
+                    "ops",
+                    8,
+                    [
+                        (f"sum by (unit) (rate({m.unit_marked}{J}{R}))", "{{unit}} marked"),
+                        (f"sum by (unit) (rate({m.unit_published}{J}{R}))", "{{unit}} published"),
+                    ],
+                    "Rows marked and records acknowledged by Kafka per second, by unit. A unit at 0 while its backlog "
+                    "grows is stalled.",
+                ),
+                (
+                    "In flight and remarks per unit",
+                    "timeseries",
+                    "short",
+                    8,
+                    [
+                        (f"sum by (unit) ({m.unit_in_flight}{J})", "{{unit}} in flight"),
+                        (f"sum by (unit) (increase({m.unit_force_remarks}{J}{R}))", "{{unit}} remarks"),
+                    ],
+                    "Records produced and not yet settled, and forced remarks, by unit.",
+                ),
+            ],
+        ),
+        (
+            "Failures",
+            [
+                (
+                    "Resets, produce errors, force remarks, quarantined rows",
+                    "timeseries",
+                    "ops",
+                    12,
+                    [
+                        (rate(m.reset), "reset"),
+                        (rate(m.produce_errors), "produce errors"),
+                        (rate(m.force_remarks), "force remarks"),
+                        (rate(m.dead), "quarantined (outbox_dead)"),
+                        (rate(m.txn_aborted), "transactions aborted"),
+                        (rate(m.marks_refused), "marks refused after the lease"),
+                        (
+                            rate(m.claim_refusals),
+                            "marks held back: table held by another configuration",
+                        ),
+                    ],
+                    "A failed delivery resets its row and forces a re-mark from the head of the outbox. A row Kafka "
+                    "can never accept (too large, no such partition, invalid topic name) is moved to outbox_dead. "
+                    "With harvester.transactional_id, a failed record aborts its batch's transaction. A mark that "
+                    "reaches or finishes in the database after the lease ended is refused (nothing marked). Marks "
+                    "held back: another configuration (leader group/topic, outbox name, lanes) holds the table.",
+                ),
+                (
+                    "Dead-lettered acks",
+                    "timeseries",
+                    "ops",
+                    12,
+                    [(rate(m.acks_dead_lettered), "dead-lettered")],
+                    "Acks the tracker rejected (unknown batch or group, bad index, malformed id, expired batch).",
+                ),
+                (
+                    "Acks waiting on busy batches",
+                    "timeseries",
+                    "short",
+                    12,
+                    [
+                        (rate(m.acker_deferred), "acker applies deferred"),
+                        (f"max({m.acker_deferred_masks}{J})", "masks held by the acker"),
+                        (rate(m.settle_busy), "settles skipped: batch busy"),
+                    ],
+                    "The acker skips (SKIP LOCKED) batches another transaction holds and retries them; the settler "
+                    "skips busy batches until its next pass. Steady non-zero values mean a long transaction sits on a batch.",
+                ),
+                (
+                    "Dead rows and requeues",
+                    "timeseries",
+                    "short",
+                    12,
+                    [
+                        (f"max({m.dead_rows}{J})", "in outbox_dead"),
+                        (f"max(delta({m.requeued_rows}{J}{R}))", "requeued"),
+                    ],
+                    "Rows waiting in outbox_dead (`reaper dead list`), and rows `reaper dead requeue` moved back into "
+                    "the outbox. Alert: ReaperDeadRowsWaiting (any for an hour).",
+                ),
+                (
+                    "Expired batches",
+                    "timeseries",
+                    "short",
+                    12,
+                    [
+                        (f"sum(increase({m.batches_expired}{J}{R}))", "expired by sweepers"),
+                        (f'max({m.batches}{{job=~"$job", state="expired"}})', "expired, kept until retention"),
+                    ],
+                    "Batches that will never complete: idle past sweeper.idle_expiry, or `reaper batch expire`. Each "
+                    "sent one expiry event. Alert: ReaperBatchesExpired.",
+                ),
+            ],
+        ),
+        (
+            "Acks",
+            [
+                (
+                    "Acks per second",
+                    "timeseries",
+                    "ops",
+                    8,
+                    [
+                        (rate(m.acks_applied), "applied"),
+                        (rate(m.acks_duplicate), "duplicate"),
+                    ],
+                    "Bits cleared by the acker, and acks for bits already clear (redeliveries, retries).",
+                ),
+                (
+                    "Ack apply duration",
+                    "timeseries",
+                    "s",
+                    8,
+                    [
+                        (quantile(0.5, m.ack_apply_duration), "p50"),
+                        (quantile(0.99, m.ack_apply_duration), "p99"),
+                    ],
+                    "Applying one polled chunk of acks as per-group masks.",
+                ),
+                (
+                    "Acker lag",
+                    "timeseries",
+                    "short",
+                    8,
+                    [(f"sum by (instance) ({m.acker_lag}{J})", "{{instance}}")],
+                    "Ack messages not yet consumed, per instance (its assigned partitions).",
+                ),
+            ],
+        ),
+        (
+            "Batches",
+            [
+                (
+                    "Batches by state",
+                    "timeseries",
+                    "short",
+                    8,
+                    [(f"max by (state) ({m.batches}{J})", "{{state}}")],
+                    "Rows of the batch table per state (open, closed, complete, expired).",
+                ),
+                (
+                    "Items pending",
+                    "timeseries",
+                    "short",
+                    8,
+                    [(f"max({m.items_pending}{J})", "pending")],
+                    "Items not yet acknowledged across open and closed batches.",
+                ),
+                (
+                    "Batch lifecycle",
+                    "timeseries",
+                    "short",
+                    8,
+                    [
+                        (f"sum(increase({m.batches_opened}{J}{R}))", "opened"),
+                        (f"sum(increase({m.batches_closed}{J}{R}))", "closed"),
+                        (f"sum(increase({m.batches_completed}{J}{R}))", "completed"),
+                        (f"sum(increase({m.batches_expired}{J}{R}))", "expired"),
+                    ],
+                    "Counted in the process where each happened: opened/closed in applications that serve "
+                    "metrics, completed by the acker (or an app's tracker.ack), expired by the sweeper.",
+                ),
+            ],
+        ),
+    ]
 
 
 def panel(pid: int, title: str, kind: str, unit: str, gridpos: dict, targets: list, description: str) -> dict:
@@ -421,9 +423,10 @@ def panel(pid: int, title: str, kind: str, unit: str, gridpos: dict, targets: li
     return p
 
 
-def dashboard() -> dict:
+def dashboard(prefix: str = DEFAULT_PREFIX) -> dict:
+    m = SimpleNamespace(**names(prefix))
     panels, pid, y = [], 1, 0
-    for row_title, row_panels in ROWS:
+    for row_title, row_panels in rows(prefix):
         panels.append(
             {
                 "id": pid,
@@ -445,8 +448,8 @@ def dashboard() -> dict:
             pid, x = pid + 1, x + width
         y += height
     return {
-        "uid": "outbox-reaper",
-        "title": "outbox-reaper",
+        "uid": "outbox-reaper" if prefix == DEFAULT_PREFIX else f"outbox-reaper-{prefix}"[:40],
+        "title": "outbox-reaper" if prefix == DEFAULT_PREFIX else f"outbox-reaper ({prefix})",
         "description": "Transactional-outbox harvester and fan-out tracker: throughput, backlog, leadership, failures, acks, batches.",
         "tags": ["outbox-reaper", "kafka", "postgres"],
         "editable": True,
@@ -476,8 +479,8 @@ def dashboard() -> dict:
                     "label": "Job",
                     "type": "query",
                     "datasource": DS,
-                    "query": {"query": "label_values(reaper_build_info, job)", "refId": "job"},
-                    "definition": "label_values(reaper_build_info, job)",
+                    "query": {"query": f"label_values({m.build_info}, job)", "refId": "job"},
+                    "definition": f"label_values({m.build_info}, job)",
                     "refresh": 2,
                     "includeAll": True,
                     "multi": True,
@@ -493,21 +496,5 @@ def dashboard() -> dict:
     }
 
 
-def render() -> str:
-    return json.dumps(dashboard(), indent=2) + "\n"
-
-
-def main(argv: list[str]) -> int:
-    if "--check" in argv:
-        if not OUT.exists() or OUT.read_text() != render():
-            print(f"{OUT} is out of date: run python3 deploy/grafana/dashboard.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(render())
-    print(f"wrote {OUT}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+def render(prefix: str = DEFAULT_PREFIX) -> str:
+    return json.dumps(dashboard(prefix), indent=2) + "\n"

@@ -113,6 +113,7 @@ def expire(cfg: Config, conn: psycopg.Connection, batch_id: int, note: str | Non
             outbox_table=db.outbox_table,
             completion_topic=cfg.harvester.default_completion_topic,
             expiry_topic=cfg.sweeper.expiry_topic or None,
+            metrics_prefix=cfg.metrics.prefix,
         )
     except UnknownBatch:
         conn.rollback()

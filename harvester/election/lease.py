@@ -40,7 +40,6 @@ class Lease:
         self.holding = False
         self.last_heartbeat = 0.0  # monotonic SEND time of the newest own heartbeat read back
         self.last_sent = 0.0
-        self.paused_until = 0.0
 
     @property
     def state(self) -> str:
@@ -81,10 +80,6 @@ class Lease:
         """After leadership ended: wait up to `timeout` for marks on their way; True once none is."""
         with self._marks_done:
             return self._marks_done.wait_for(lambda: self._marking == 0, timeout)
-
-    def pause_heartbeats(self, seconds: float) -> None:
-        """Test hook: send no heartbeat for `seconds` (as if the leader topic were unreachable)."""
-        self.paused_until = time.monotonic() + seconds
 
     def set(self, state: str, leader_id: uuid.UUID | None) -> None:
         with self._lock:

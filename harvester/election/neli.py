@@ -36,6 +36,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from harvester import logs
 from harvester.election.lease import FENCED, FOLLOWER, LEADER, Lease
 from harvester.metrics import MetricsLike
+from harvester.publishing.ports import ProducerFactory, ProducerLike
 
 RESUME_GRACE = 1.0  # seconds: several group heartbeats (heartbeat.interval.ms is at most 250 ms)
 # A revocation waits this long at most (and at most a quarter of heartbeat_timeout, so the other
@@ -152,9 +153,11 @@ class Neli:
         metrics: MetricsLike | Callable[[int], MetricsLike],
         on_change: Callable[[str, uuid.UUID | None], None] = lambda s, lid: None,
         units: int = 1,
+        make_producer: ProducerFactory = Producer,
     ) -> None:
         """`metrics`: one set for all units, or a function giving unit u's. `on_change` is unit
-        0's callback; set `lease(u).on_change` for the others."""
+        0's callback; set `lease(u).on_change` for the others. `make_producer` makes the heartbeat
+        producer from its configuration (harvester.publishing.ports.Providers.heartbeat_producer)."""
         self.topic, self.min_poll, self.hb_timeout = topic, min_poll_interval, heartbeat_timeout
         self.session_timeout = session_timeout
         self._log = logs.get("reaper.neli")
@@ -204,7 +207,8 @@ class Neli:
         self._stop = threading.Event()
         self._closed = threading.Event()
         self._consumer: Consumer | None = None
-        self._producer: Producer | None = None
+        self._make_producer = make_producer
+        self._producer: ProducerLike | None = None
         self._thread = threading.Thread(target=self._run, name="reaper-neli", daemon=True)
 
     # ------------------------------------------------------------------ public
@@ -218,7 +222,7 @@ class Neli:
 
     def start(self) -> Neli:
         self.prepare()
-        self._producer = Producer(self._producer_conf)
+        self._producer = self._make_producer(self._producer_conf)
         self._consumer = self._new_consumer()
         self._thread.start()
         return self
@@ -241,11 +245,6 @@ class Neli:
 
     def valid_until(self) -> float:
         return self.leases[0].valid_until()
-
-    def pause_heartbeats(self, seconds: float) -> None:
-        """Test hook: no heartbeat for any unit for `seconds` (as if the leader topic were unreachable)."""
-        for lease in self.leases:
-            lease.pause_heartbeats(seconds)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Leave the group (the partitions move to a standby at once) and stop."""
@@ -327,9 +326,9 @@ class Neli:
         librdkafka's consumer can stay out of the group for good after a broker restart: its
         session timed out while the broker was down, it was left with no broker handle but the
         logical coordinator's, and so it never connected again, not even once the broker was back
-        (librdkafka issue #5301 is alike). A consumer that reaches the coordinator has a member id
-        from its first JoinGroup reply on, as a standby too and while a rebalance waits for
-        others; one without is in no group and holds no partition, so replacing it takes
+        (https://github.com/confluentinc/librdkafka/issues/5301 is alike). A consumer that
+        reaches the coordinator has a member id from its first JoinGroup reply on, as a standby
+        too and while a rebalance waits for others; one without is in no group and holds no partition, so replacing it takes
         leadership from no one. During a long Kafka outage it is replaced every two sessions,
         which costs nothing."""
         consumer = self._consumer
@@ -358,7 +357,7 @@ class Neli:
             self._log.warning("replaced leader consumer: close failed", error=str(exc))
 
     def _beat(self, lease: Lease, now: float) -> None:
-        if now - lease.last_sent >= self.min_poll and now >= lease.paused_until:
+        if now - lease.last_sent >= self.min_poll:
             lease.last_sent = now
             assert self._producer is not None  # only called from _pulse, after start()
             try:

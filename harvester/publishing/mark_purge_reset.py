@@ -58,7 +58,6 @@ class UnitHarvester:
         providers: Providers = DEFAULT,
         metrics: MetricsLike | None = None,
         transactional_id: str = "",
-        pool: ConnectionPool | None = None,
     ) -> None:
         self.cfg, self.spec = cfg, spec
         h = cfg.harvester
@@ -68,8 +67,7 @@ class UnitHarvester:
         self.providers = providers
         self._life = Lifecycle("harvester")
         self._led = False  # NELI made this process leader at least once
-        self._own_pool = pool is None
-        self.pool = pool
+        self.pool: ConnectionPool | None = None  # made by start(), closed by close()
         self.store: StoreLike | None = None
         self._db_clock: DatabaseClock | None = None  # the leadership deadline on the server's clock
         self.claim: OutboxClaim | None = None  # this unit's layout holds its table before it marks
@@ -95,8 +93,7 @@ class UnitHarvester:
         the election on `kafka_cluster` (its id); a stopped unit cannot be started again (LifecycleError)."""
         self._life.start()
         cfg, h, spec = self.cfg, self.h, self.spec
-        if self.pool is None:
-            self.pool = make_pool(spec.dsn, cfg.database.pool_size, name=f"reaper-harvester-{spec.name}")
+        self.pool = make_pool(spec.dsn, cfg.database.pool_size, name=f"reaper-harvester-{spec.name}")
         store = OutboxStore(self.pool, spec.schema, spec.table, lane=spec.lane, lanes=spec.lanes)
         self.store = self.providers.store(store)
         self._db_clock = DatabaseClock(self.store.database_now)
@@ -161,7 +158,7 @@ class UnitHarvester:
             self.publisher.close()
         if self.upkeep is not None:
             self.upkeep.join(5)
-        if self._own_pool and self.pool is not None:
+        if self.pool is not None:
             self.pool.close()
 
     @property

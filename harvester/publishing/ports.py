@@ -1,7 +1,8 @@
 """The interfaces the harvester reaches Kafka and the outbox through, and how to supply them.
 
-Production passes nothing and gets confluent_kafka.Producer and harvester.publishing.outbox_sql.OutboxStore. Tests
-supply other providers (tests/support/faults.py wraps both to inject failures); no production
+Production passes nothing and gets confluent_kafka.Producer (for records and for leader
+heartbeats) and harvester.publishing.outbox_sql.OutboxStore. Tests supply other providers
+(tests/support/faults.py wraps them to inject failures or hold heartbeats back); no production
 module imports them.
 """
 
@@ -55,6 +56,7 @@ class Providers:
 
     producer: ProducerFactory = field(default=Producer)
     store: StoreWrapper = field(default=_same)
+    heartbeat_producer: ProducerFactory = field(default=Producer)  # the leader election's (harvester.election.neli)
     description: str | None = None  # logged at start when not the defaults
 
 

@@ -37,7 +37,9 @@ import psycopg
 import structlog
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
-from tracker import AckResult, metrics
+from harvester.metrics import HarvesterMetrics
+from harvester.metrics import get as get_metrics
+from tracker import AckResult
 from tracker.folding import GROUPS_PER_FOLD_MAX, Folded, fold_messages
 from tracker.ids import GroupMask
 from tracker.pooling import configure_for_pooler
@@ -70,11 +72,16 @@ class Acker:
         lock_timeout: float = 2.0,
         deferred_retry: float = 0.05,
         max_groups: int = GROUPS_PER_FOLD_MAX,
+        metrics: HarvesterMetrics | None = None,
     ) -> None:
         self.dsn = dsn
         self.schema = check_identifier(schema, "schema")
+        # the sidecar's collectors (default: those of the default prefix)
+        self.metrics = metrics if metrics is not None else get_metrics()
         # where acks are applied and completion events written (its schema must be `schema`)
-        self.tracker = tracker if tracker is not None else Tracker(schema=self.schema)
+        self.tracker = (
+            tracker if tracker is not None else Tracker(schema=self.schema, metrics_prefix=self.metrics.prefix)
+        )
         if self.tracker.schema != self.schema:
             raise ValueError(f"the acker's tracker is for schema {self.tracker.schema!r}, not {self.schema!r}")
         self.topic = topic
@@ -136,7 +143,7 @@ class Acker:
         self._consumer: Consumer | None = None
         self._conn: psycopg.Connection | None = None
         self._lag_due = 0.0
-        # counters for tests and benchmarks (the Prometheus metrics are process-wide)
+        # what this acker did, per instance (the Prometheus metrics are process-wide)
         self.stats = {
             "polls": 0,
             "messages": 0,
@@ -178,7 +185,7 @@ class Acker:
                 producer.flush(10)
                 if self._conn is not None:
                     self._conn.close()
-                metrics.acker_lag.set(0)
+                self.metrics.acker_lag.set(0)
                 log.info("acker stopped", **self.stats)
 
     def _pause_while_deferred_fill(self, consumer: Consumer) -> None:
@@ -256,13 +263,13 @@ class Acker:
         self._deferred = result.skipped
         if not result.skipped:
             self._blocked.clear()
-            metrics.acker_deferred_masks.set(0)
+            self.metrics.acker_deferred_masks.set(0)
             return
         for partition, offset in first.items():
             self._blocked[partition] = min(offset, self._blocked.get(partition, offset))
         self.stats["deferred"] += 1
-        metrics.acker_deferred.inc()
-        metrics.acker_deferred_masks.set(len(result.skipped))
+        self.metrics.acker_deferred.inc()
+        self.metrics.acker_deferred_masks.set(len(result.skipped))
         now = time.monotonic()
         if now - self._deferred_logged >= 1.0:  # at most one line a second while a batch stays locked
             self._deferred_logged = now
@@ -351,7 +358,7 @@ class Acker:
                     f"dead letters not delivered: {left} queued, failures {failures[:3]}",
                 )
             )
-        metrics.acks_dead_lettered.inc(len(letters))
+        self.metrics.acks_dead_lettered.inc(len(letters))
         log.warning(
             "acks dead-lettered",
             count=len(letters),
@@ -422,7 +429,7 @@ class Acker:
         if now < self._lag_due:
             return
         self._lag_due = now + self.lag_interval
-        metrics.acker_lag.set(self.lag(consumer))
+        self.metrics.acker_lag.set(self.lag(consumer))
 
     def lag(self, consumer: Consumer | None = None) -> int:
         """Messages in the assigned partitions beyond this acker's position (high watermark from

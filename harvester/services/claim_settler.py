@@ -14,7 +14,8 @@ import time
 import psycopg
 import structlog
 
-from tracker import metrics
+from harvester.metrics import HarvesterMetrics
+from harvester.metrics import get as get_metrics
 from tracker.config import DEFAULT_COMPLETION_TOPIC, DEFAULT_OUTBOX_TABLE, DEFAULT_SCHEMA, TrackerConfig
 from tracker.errors import InvalidValue
 from tracker.pooling import configure_for_pooler
@@ -36,6 +37,7 @@ class ClaimSettler:
         completion_topic: str = DEFAULT_COMPLETION_TOPIC,
         interval: float = 0.01,
         limit: int = 1000,
+        metrics: HarvesterMetrics | None = None,
     ) -> None:
         if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval <= 0:
             raise InvalidValue("interval", interval, "must be a number of seconds > 0")
@@ -43,6 +45,7 @@ class ClaimSettler:
         self.config = TrackerConfig(schema, outbox_table, completion_topic)
         self.interval = float(interval)
         self.limit = limit
+        self.metrics = metrics if metrics is not None else get_metrics()
         self.stats = {"passes": 0, "acked": 0, "completed": 0, "busy": 0, "errors": 0}
 
     def run(self, stop: threading.Event) -> None:
@@ -61,6 +64,7 @@ class ClaimSettler:
                         outbox_table=c.outbox_table,
                         completion_topic=c.completion_topic,
                         limit=self.limit,
+                        metrics_prefix=self.metrics.prefix,
                     )
                     self.stats["passes"] += 1
                     self.stats["acked"] += r.acked
@@ -69,7 +73,7 @@ class ClaimSettler:
                     if r.completed:
                         log.info("settled", acked=r.acked, completed=len(r.completed), busy=len(r.busy))
                     if r.busy:
-                        metrics.settle_busy.inc(len(r.busy))
+                        self.metrics.settle_busy.inc(len(r.busy))
                     stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
                 except psycopg.Error as exc:
                     self.stats["errors"] += 1

@@ -32,6 +32,7 @@ def sweep_loop(cfg: Config, pool: ConnectionPool, stop: threading.Event) -> None
                     outbox_table=cfg.database.outbox_table,
                     completion_topic=cfg.harvester.default_completion_topic,
                     expiry_topic=s.expiry_topic or None,
+                    metrics_prefix=cfg.metrics.prefix,
                 )
             if result.expired or result.deleted:
                 log.info("swept", expired=result.expired, deleted=result.deleted)

@@ -170,3 +170,36 @@ class FaultyStore:
         if self._plan.roll(self._plan.reset_error_rate):
             raise psycopg.OperationalError("injected reset fault")
         return self._store.reset(leader_id, ids)
+
+
+class HeldHeartbeats:
+    """A heartbeat producer factory for the leader election (Neli's `make_producer`,
+    Providers.heartbeat_producer) whose heartbeats can be held back for a while, as if the leader
+    topic were unreachable: `hold(seconds)`, and produce() sends nothing until then."""
+
+    def __init__(self) -> None:
+        self.until = 0.0
+
+    def hold(self, seconds: float) -> None:
+        self.until = time.monotonic() + seconds
+
+    def __call__(self, conf: dict) -> _HeldProducer:
+        return _HeldProducer(Producer(conf), self)
+
+    def providers(self) -> Providers:
+        return Providers(heartbeat_producer=self, description="heartbeats can be held back")
+
+
+class _HeldProducer:
+    def __init__(self, inner: Producer, held: HeldHeartbeats) -> None:
+        self._inner, self._held = inner, held
+
+    def produce(self, *args: Any, **kwargs: Any) -> None:
+        if time.monotonic() >= self._held.until:
+            self._inner.produce(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)

@@ -1,7 +1,7 @@
 """Acks: fold item ids into one mask per group; two ways to apply them.
 
-`claim_op` (`Tracker.ack`, `exactly_once`: consumers, in the caller's transaction; issue 12): no batch or group row
-is locked or updated. One claim row per item is inserted into `ack_claim`, whose primary key is
+`claim_op` (`Tracker.ack`, `exactly_once`: consumers, in the caller's transaction): no batch or
+group row is locked or updated, so consumers of one batch never wait on each other's transactions. One claim row per item is inserted into `ack_claim`, whose primary key is
 the per-item exclusion: a concurrent claim of the same item waits on the unique index until the
 first transaction ends, then finds its committed claim (a duplicate) or, once settled, the cleared
 bit. The bit is then read by a fresh statement (READ COMMITTED: it sees what the wait waited for;

@@ -33,6 +33,7 @@ class TrackerCore:
         outbox_table: str = DEFAULT_OUTBOX_TABLE,
         completion_topic: str = DEFAULT_COMPLETION_TOPIC,
         registry: CollectorRegistry | None = REGISTRY,
+        metrics_prefix: str = metrics.DEFAULT_PREFIX,
     ) -> None:
         self.config = TrackerConfig(schema, outbox_table, completion_topic)
         self._q_batches = batches.statements(schema, outbox_table)
@@ -40,7 +41,7 @@ class TrackerCore:
         self._copy_sql, self._insert_sql = outbox.statements(schema, outbox_table)
         self._m: tuple[Counter, Counter, Counter, Counter, Counter, Histogram] | None = None
         if registry is not None:
-            m = metrics.for_registry(registry)
+            m = metrics.for_registry(registry, metrics_prefix)
             self._m = (
                 m.batches_opened.labels(schema),
                 m.batches_closed.labels(schema),
@@ -116,7 +117,7 @@ class TrackerCore:
                 # a bulk ack: masked updates under the batch locks (one row per item would cost
                 # far more; bulk ackers run short transactions of their own)
                 return (yield from acks.apply_op(self._q_acks, masks, self.config.completion_topic, False))
-            # claims (issue 12): no batch lock held for the caller's transaction
+            # claims: no batch lock held for the caller's transaction (its consumers run in parallel)
             return (yield from acks.claim_op(self._q_acks, masks, self.config.completion_topic))
         except (IndexOutOfRange, UnknownGroup, UnknownBatch, BatchExpired) as exc:
             raise as_written(exc, entries) from None

@@ -24,6 +24,9 @@ batch_duration = Histogram(
     ["query"],
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
+dead_lettered = Counter(
+    "reaper_spark_stream_acks_dead_lettered_total", "Ack messages a Spark ack stream sent to the dead-letter topic"
+)
 lag = Gauge(
     "reaper_spark_stream_lag_messages",
     "Ack messages on the topic not yet read by the stream (largest partition)",

@@ -14,7 +14,7 @@ from typing import Any
 
 from tracker.config import schema_of
 from tracker.spark.acks import AckTotals, ack_dataframe
-from tracker.spark.progress import Progress, listener
+from tracker.spark.progress import Progress, dead_lettered, listener
 
 # Micro-batches as large as this by default: ~3 s of work at ~300k acks/s, ~40 MB of ids spread
 # over the tasks; larger ones add latency and executor memory, smaller ones per-batch overhead.
@@ -117,8 +117,6 @@ def ack_stream(
 def _dead_letter(conf: dict, dead_letter_topic: str, source_topic: str, rejected: list[tuple[str, str]]) -> None:
     from confluent_kafka import Producer
 
-    from tracker import metrics
-
     producer = Producer(conf)
     for entry, reason in rejected:
         key = entry.split(":", 1)[0].encode() if entry else None
@@ -131,4 +129,4 @@ def _dead_letter(conf: dict, dead_letter_topic: str, source_topic: str, rejected
     left = producer.flush(60)
     if left:
         raise RuntimeError(f"{left} dead letters were not delivered to {dead_letter_topic}")
-    metrics.acks_dead_lettered.inc(len(rejected))
+    dead_lettered.inc(len(rejected))

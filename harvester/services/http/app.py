@@ -132,14 +132,16 @@ def _status(batch_id: int, s: BatchStatus) -> models.Status:
 def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None = None) -> Service:
     """The ASGI application. `tokens`: the bearer tokens (security.load_tokens); empty = local mode."""
     h = cfg.http
-    backend = SqlFunctionStore if h.backend == "sql" else TrackerStore
-    store = store or backend(
-        cfg.database.dsn,
-        cfg.database.schema,
-        completion_topic=cfg.harvester.default_completion_topic,
-        pool_size=h.pool_size,
-        timeout=h.request_timeout,
-    )
+    if store is None:
+        where = (cfg.database.dsn, cfg.database.schema)
+        topic, size, timeout = cfg.harvester.default_completion_topic, h.pool_size, h.request_timeout
+        store = (
+            SqlFunctionStore(*where, completion_topic=topic, pool_size=size, timeout=timeout)
+            if h.backend == "sql"
+            else TrackerStore(
+                *where, completion_topic=topic, pool_size=size, timeout=timeout, metrics_prefix=cfg.metrics.prefix
+            )
+        )
     watcher = CompletionWatcher(store.finished, h.completion_poll_interval)
     auth = TenantAuth(tokens or [], h.tenants_file, cfg.harvester.default_completion_topic)
     log = structlog.get_logger("reaper.http")

@@ -36,6 +36,7 @@ from tracker.errors import (
     UnknownGroup,
 )
 from tracker.ids import GROUP_BITS_MAX, MASK_BYTES_MAX
+from tracker.metrics import DEFAULT_PREFIX
 from tracker.schema import check_identifier
 
 T = TypeVar("T")
@@ -198,9 +199,19 @@ class _PoolStore:
 class TrackerStore(_PoolStore):
     """The tracker's asyncio face on pooled autocommit connections."""
 
-    def __init__(self, dsn: str, schema: str, *, completion_topic: str, pool_size: int, timeout: float) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        schema: str,
+        *,
+        completion_topic: str,
+        pool_size: int,
+        timeout: float,
+        metrics_prefix: str = DEFAULT_PREFIX,
+    ) -> None:
         super().__init__(dsn, schema, completion_topic=completion_topic, pool_size=pool_size, timeout=timeout)
-        self.tracker = AsyncTracker(schema=schema, completion_topic=completion_topic)
+        # the tracker calls count under the service's prefix (metrics.prefix), like its HTTP metrics
+        self.tracker = AsyncTracker(schema=schema, completion_topic=completion_topic, metrics_prefix=metrics_prefix)
 
     async def _call(self, call: Callable[[psycopg.AsyncConnection], Awaitable[T]]) -> T:
         try:
