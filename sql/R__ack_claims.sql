@@ -2,7 +2,7 @@
 -- batch row was locked by someone else and p_wait is false (nothing done: the holder or a later
 -- settle folds them). Clears bits only where they are set, lowers group and batch pending by the
 -- bits that flipped, completes a closed batch whose pending reaches 0 and writes its single
--- completion event (same content as tracker.batches.completion_insert).
+-- completion event (completion_event, R__events.sql).
 CREATE OR REPLACE FUNCTION ack_settle(p_batch bigint, p_outbox regclass, p_topic text, p_wait boolean DEFAULT false,
                            OUT flipped bigint, OUT completed boolean)
 LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
@@ -43,18 +43,8 @@ BEGIN
     RETURNING * INTO b;
     IF b.state = 'complete' THEN  -- flipped > 0, so it was not complete before: this settle completed it
         completed := true;
-        EXECUTE format('INSERT INTO %s (topic, key, value, header_keys, header_values) VALUES ($1, $2, $3, $4, $5)',
-                       p_outbox)
-          USING coalesce(b.completion_topic, p_topic), convert_to(b.id::text, 'UTF8'),
-                convert_to(json_build_object('batch_id', b.id, 'user_key', b.user_key, 'total', b.total,
-                           'opened_at', b.created_at, 'closed_at', b.closed_at,
-                           'completed_at', b.completed_at)::text, 'UTF8'),
-                ARRAY['batch-id']
-                  || CASE WHEN b.traceparent IS NULL THEN '{}'::text[] ELSE ARRAY['traceparent'] END
-                  || CASE WHEN b.tracestate IS NULL THEN '{}'::text[] ELSE ARRAY['tracestate'] END,
-                ARRAY[convert_to(b.id::text, 'UTF8')]
-                  || CASE WHEN b.traceparent IS NULL THEN '{}'::bytea[] ELSE ARRAY[convert_to(b.traceparent, 'UTF8')] END
-                  || CASE WHEN b.tracestate IS NULL THEN '{}'::bytea[] ELSE ARRAY[convert_to(b.tracestate, 'UTF8')] END;
+        EXECUTE format('INSERT INTO %s (topic, key, value, header_keys, header_values) '
+                       'SELECT * FROM completion_event($1, $2)', p_outbox) USING b, p_topic;
     END IF;
 END
 $$;

@@ -195,15 +195,11 @@ BEGIN
             closed_at = clock_timestamp(), completed_at = CASE WHEN b.pending = 0 THEN clock_timestamp() END,
             last_activity_at = clock_timestamp()
         WHERE b.id = close_batch.batch AND b.state = 'open'
-        RETURNING b.id, b.state, b.user_key, b.total, b.created_at, b.closed_at, b.completed_at, b.completion_topic),
-    finished AS (SELECT * FROM closed WHERE closed.state = 'complete'),
+        RETURNING b.state, b AS whole),
     event AS (
         INSERT INTO outbox (topic, key, value, header_keys, header_values)
-        SELECT coalesce(f.completion_topic, close_batch.completion_topic), convert_to(f.id::text, 'UTF8'),
-               convert_to(json_build_object('batch_id', f.id, 'user_key', f.user_key, 'total', f.total,
-                   'opened_at', f.created_at, 'closed_at', f.closed_at, 'completed_at', f.completed_at)::text, 'UTF8'),
-               ARRAY['batch-id'], ARRAY[convert_to(f.id::text, 'UTF8')]
-        FROM finished f)
+        SELECT e.* FROM closed f CROSS JOIN LATERAL completion_event(f.whole, close_batch.completion_topic) e
+        WHERE f.state = 'complete')
     SELECT closed.state INTO st FROM closed;
     IF FOUND THEN
         RETURN st = 'complete';
@@ -326,17 +322,12 @@ BEGIN
             completed_at = CASE WHEN b.state = 'closed' AND b.pending = d.flipped THEN clock_timestamp()
                                 ELSE b.completed_at END
         FROM d WHERE b.id = d.batch_id
-        RETURNING b.id, b.state, d.flipped, b.user_key, b.total, b.created_at, b.closed_at, b.completed_at,
-                  b.completion_topic),
+        RETURNING b.id, b.state, d.flipped, b AS whole),
     -- completed here: complete now and bits flipped (an already complete batch has none left to flip)
-    finished AS (SELECT * FROM b WHERE b.state = 'complete' AND b.flipped > 0),
     event AS (
         INSERT INTO outbox (topic, key, value, header_keys, header_values)
-        SELECT coalesce(f.completion_topic, ack_masks.completion_topic), convert_to(f.id::text, 'UTF8'),
-               convert_to(json_build_object('batch_id', f.id, 'user_key', f.user_key, 'total', f.total,
-                   'opened_at', f.created_at, 'closed_at', f.closed_at, 'completed_at', f.completed_at)::text, 'UTF8'),
-               ARRAY['batch-id'], ARRAY[convert_to(f.id::text, 'UTF8')]
-        FROM finished f)
+        SELECT e.* FROM b f CROSS JOIN LATERAL completion_event(f.whole, ack_masks.completion_topic) e
+        WHERE f.state = 'complete' AND f.flipped > 0)
     SELECT coalesce(sum(b.flipped), 0)::int8,
            coalesce(array_agg(b.id ORDER BY b.id) FILTER (WHERE b.state = 'complete' AND b.flipped > 0), '{}')
     FROM b;

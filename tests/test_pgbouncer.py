@@ -62,7 +62,7 @@ def test_concurrent_reaper_migrate_through_pgbouncer_and_direct(pg_dsn, pgbounce
     try:
         results = _migrate_procs([pgbouncer_dsn, pg_dsn, pgbouncer_dsn, pg_dsn, pgbouncer_dsn], name)
         assert [rc for rc, _, _ in results] == [0] * 5, results
-        names = [m.name for m in schema_mod.migrations()]
+        names = [m.name for m in schema_mod.migrations()] + [d.name for d in schema_mod.definitions()]
         applied = sorted(
             line.split()[1] for _, out, _ in results for line in out.splitlines() if line.startswith("applied ")
         )

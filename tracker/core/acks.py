@@ -93,8 +93,7 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             " completed_at = CASE WHEN b.state = 'closed' AND b.pending = d.flipped THEN clock_timestamp()"
             " ELSE b.completed_at END"
             " FROM d WHERE b.id = d.batch_id"
-            " RETURNING b.id, b.state, d.flipped, b.user_key, b.total, b.created_at, b.closed_at, b.completed_at,"
-            " b.completion_topic, b.traceparent, b.tracestate),"
+            " RETURNING b.id, b.state, d.flipped, b AS whole),"
             # A batch completed here: new state complete and bits flipped (a batch that was
             # already complete has no set bit left to flip).
             " finished AS (SELECT * FROM b WHERE state = 'complete' AND flipped > 0),"
