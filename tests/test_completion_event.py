@@ -54,7 +54,9 @@ def _call(conn: psycopg.Connection, schema: str, function: str, *args: object) -
 def _hold_batch_row(pg_dsn: str, schema: str, b: int) -> psycopg.Connection:
     """Another transaction holding the batch row: a commit-time settle skips the batch."""
     holder = psycopg.connect(pg_dsn)
-    holder.execute(sql.SQL("SELECT 1 FROM {} WHERE id = %s FOR NO KEY UPDATE").format(sql.Identifier(schema, "batch")), [b])
+    holder.execute(
+        sql.SQL("SELECT 1 FROM {} WHERE id = %s FOR NO KEY UPDATE").format(sql.Identifier(schema, "batch")), [b]
+    )
     return holder
 
 

@@ -107,17 +107,17 @@ def migrations(directory: Path | None = None) -> list[Migration]:
     """The versioned migrations, in order (`directory`: another sql/ folder than this installation's)."""
     found = []
     for path in _files(directory):
-        m = _MIGRATION_NAME.match(path.name)
-        if m:
-            found.append(Migration(int(m.group(1)), path.name, path.read_text()))
+        named = _MIGRATION_NAME.match(path.name)
+        if named:
+            found.append(Migration(int(named.group(1)), path.name, path.read_text()))
     versions = [m.version for m in found]
     if len(set(versions)) != len(versions):
         raise RuntimeError(f"duplicate migration numbers in sql/: {versions}")
-    for m in found:
-        taken = (set(m.replaces) - {m.version}) & set(versions)
+    for baseline in found:
+        taken = (set(baseline.replaces) - {baseline.version}) & set(versions)
         if taken:
-            raise RuntimeError(f"{m.name} replaces migrations still in sql/: {sorted(taken)}")
-    replaced = [v for m in found for v in m.replaces]
+            raise RuntimeError(f"{baseline.name} replaces migrations still in sql/: {sorted(taken)}")
+    replaced = [v for b in found for v in b.replaces]
     if len(set(replaced)) != len(replaced):
         raise RuntimeError(f"a migration is replaced by two baselines in sql/: {replaced}")
     return found
