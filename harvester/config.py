@@ -159,7 +159,7 @@ class HttpConfig:
     tls_keyfile: str = ""
     forwarded_allow_ips: str = "127.0.0.1"  # proxies whose X-Forwarded-For/-Proto are believed
     shutdown_timeout: float = 10.0
-    backend: str = "tracker"  # tracker (the asyncio face) | sql (the SQL functions of migration 0007)
+    backend: str = "tracker"  # tracker (the asyncio face) | sql (the SQL functions of sql/R__sql_api.sql)
 
 
 @dataclass
