@@ -1,7 +1,7 @@
 """Acks of ids whose batch or group is being created right now get a typed error or an ack, never
 anything else.
 
-ack_claim_items (sql/0010) decides validity and reports what it saw in one statement: the review
+ack_claim_items (sql/R__ack_claims.sql) decides validity and reports what it saw in one statement: the review
 of 2026-11-23 found that with two statements, one could see a batch missing and the next see it
 committed, and the caller then got an AssertionError instead of UnknownBatch/UnknownGroup.
 """

@@ -62,7 +62,7 @@ def test_concurrent_reaper_migrate_through_pgbouncer_and_direct(pg_dsn, pgbounce
     try:
         results = _migrate_procs([pgbouncer_dsn, pg_dsn, pgbouncer_dsn, pg_dsn, pgbouncer_dsn], name)
         assert [rc for rc, _, _ in results] == [0] * 5, results
-        names = [m.name for m in schema_mod.migrations()]
+        names = [m.name for m in schema_mod.migrations()] + [d.name for d in schema_mod.definitions()]
         applied = sorted(
             line.split()[1] for _, out, _ in results for line in out.splitlines() if line.startswith("applied ")
         )
@@ -84,7 +84,9 @@ def test_migrate_through_pgbouncer_on_a_callers_connection_keeps_its_prepare_thr
         # The default threshold (5) would have psycopg prepare the per-migration lock statement,
         # which PgBouncer 1.18 cannot carry across transactions; migrate() turns it off while it runs.
         with psycopg.connect(pgbouncer_dsn, autocommit=True) as conn:
-            assert schema_mod.migrate(conn, name) == [m.name for m in schema_mod.migrations()]
+            assert schema_mod.migrate(conn, name) == [m.name for m in schema_mod.migrations()] + [
+                d.name for d in schema_mod.definitions()
+            ]
             assert conn.prepare_threshold == 5
             assert schema_mod.migrate(conn, name) == []
         assert _advisory_locks(pg_dsn, name) == []

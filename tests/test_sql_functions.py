@@ -1,4 +1,4 @@
-"""The SQL functions of migration 0007 (any language, inside the caller's transaction).
+"""The SQL functions of sql/R__sql_api.sql (any language, inside the caller's transaction).
 
 From psql (a real subprocess) and psycopg; hypothesis checks that the functions and the Python API
 agree on results, errors (class and the id they name) and the state they leave behind.

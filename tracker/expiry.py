@@ -32,14 +32,14 @@ import psycopg
 from prometheus_client import REGISTRY, CollectorRegistry
 from psycopg import pq, sql
 
-from tracker import metrics, tracing
+from tracker import metrics
 from tracker.config import DEFAULT_COMPLETION_TOPIC, DEFAULT_OUTBOX_TABLE
 from tracker.core.steps import Op, one
 from tracker.drivers import sync_psycopg as driver
 from tracker.errors import TrackerError, UnknownBatch
 from tracker.schema import check_identifier
 
-EXPIRY_EVENT = "batch-expired"  # the `event` header of an expiry event
+EXPIRY_EVENT = "batch-expired"  # the `event` header of an expiry event (written by the schema's expiry_event)
 
 
 @dataclass
@@ -61,37 +61,26 @@ class Expired:
 
 # The expiry itself, its event and its topic, in one statement around a CTE `pick` (ids, locked).
 # The UPDATE re-checks the state: under READ COMMITTED it sees the row as its locker committed it.
-_EXPIRE = (
-    """
+_EXPIRE = """
 expired AS (
   UPDATE {batch} b SET state = 'expired', expired_at = clock_timestamp() FROM pick
   WHERE b.id = pick.id AND b.state IN ('open', 'closed')
-  RETURNING b.id, b.user_key, b.total, b.pending, b.created_at, b.closed_at, b.last_activity_at, b.expired_at,
-            b.traceparent, b.tracestate,
+  RETURNING b.id, b.user_key, b.total, b.pending, b AS whole,
             coalesce(%(expiry_topic)s, b.completion_topic, %(default_topic)s) AS topic),
 event AS (
   INSERT INTO {outbox} (topic, key, value, header_keys, header_values)
-  SELECT e.topic, convert_to(e.id::text, 'UTF8'),
-         convert_to((jsonb_build_object(
-             'event', 'expired', 'batch_id', e.id, 'user_key', e.user_key, 'total', e.total,
-             'pending', e.pending, 'acked', e.total - e.pending, 'reason', %(reason)s::text,
-             'state', CASE WHEN e.closed_at IS NULL THEN 'open' ELSE 'closed' END,
-             'opened_at', e.created_at, 'closed_at', e.closed_at, 'last_activity_at', e.last_activity_at,
-             'expired_at', e.expired_at) || %(detail)s::jsonb)::text, 'UTF8'),
-         ARRAY['batch-id', 'event']"""
-    + tracing.sql_header_keys("e")
-    + """,
-         ARRAY[convert_to(e.id::text, 'UTF8'), convert_to(%(event)s::text, 'UTF8')]"""
-    + tracing.sql_header_values("e")
-    + """
-  FROM expired e ORDER BY e.id)
+  SELECT ev.* FROM expired e CROSS JOIN LATERAL {expiry_event}(e.whole, e.topic, %(reason)s, %(detail)s::jsonb) ev
+  ORDER BY e.id)
 SELECT id, user_key, total, pending, topic FROM expired"""
-)
 
 
 @functools.lru_cache(maxsize=64)
 def _statements(schema: str, outbox_table: str) -> dict[str, str]:
-    names = {"batch": sql.Identifier(schema, "batch"), "outbox": sql.Identifier(schema, outbox_table)}
+    names = {
+        "batch": sql.Identifier(schema, "batch"),
+        "outbox": sql.Identifier(schema, outbox_table),
+        "expiry_event": sql.Identifier(schema, "expiry_event"),  # the event itself: sql/R__events.sql
+    }
     q = {
         "expire": sql.SQL(
             "WITH pick AS (SELECT id FROM {batch} WHERE state IN ('open', 'closed') "
@@ -161,7 +150,6 @@ def sweep(
         "expiry_topic": expiry_topic,
         "default_topic": default_topic,
         "reason": "idle",
-        "event": EXPIRY_EVENT,
         "detail": json.dumps({"idle_expiry_seconds": float(idle_expiry)}),
     }
     for kind, params in (("expire", expire), ("delete", {"retention": float(retention), "chunk": chunk})):
@@ -220,7 +208,6 @@ def expire_batch(
         "expiry_topic": expiry_topic,
         "default_topic": default_topic,
         "reason": reason,
-        "event": EXPIRY_EVENT,
         "detail": json.dumps({"note": note} if note else {}),
     }
     got = driver.run(conn, _expire_op(q, params, batch_id))

@@ -2,7 +2,7 @@
 
 Each role is a NOLOGIN group named `<schema>_<role>`; grant it to your login roles
 (`GRANT reaper_producer TO billing_service`). The SQL functions a producer or a consumer calls run
-as their owner (SECURITY DEFINER, migration 0014, with a pinned search_path), so those callers get
+as their owner (SECURITY DEFINER, with a pinned search_path: sql/R__sql_api.sql), so those callers get
 EXECUTE on functions and no privilege on any table: they cannot touch the bits and counts the
 guarantees rest on.
 
@@ -23,18 +23,13 @@ from __future__ import annotations
 import psycopg
 from psycopg import sql
 
-from tracker.schema import MIGRATIONS_TABLE, check_identifier
+from tracker.schema import DEFINITIONS_TABLE, EVERY_FUNCTION_ROLES, MIGRATIONS_TABLE, check_identifier, role_name
 
 ROLES = ("producer", "consumer", "operator", "app", "reaper")
 PRODUCER_FUNCTIONS = ("open_batch", "add_items", "enqueue", "close_batch", "batch_status")
 CONSUMER_FUNCTIONS = ("ack", "ack_masks", "batch_status")
 # The tables the Python API writes in the application's transaction.
 APP_TABLES = ("batch", "batch_group", "outbox", "ack_claim", "ack_settle_request")
-
-
-def role_name(schema: str, role: str) -> str:
-    name = f"{check_identifier(schema, 'schema')}_{role}"
-    return check_identifier(name, "role name")
 
 
 def _functions(conn: psycopg.Connection, schema: str, names: tuple[str, ...] | None) -> list[str]:
@@ -81,8 +76,7 @@ def grants(conn: psycopg.Connection, schema: str) -> list[sql.Composed]:
         "producer": _functions(conn, schema, PRODUCER_FUNCTIONS),
         "consumer": _functions(conn, schema, CONSUMER_FUNCTIONS),
         "operator": _functions(conn, schema, ("batch_status",)),
-        "app": everything,
-        "reaper": everything,
+        **{role: everything for role in EVERY_FUNCTION_ROLES},  # `reaper migrate` grants them new ones too
     }
     for role, functions in per_role.items():
         for f in functions:
@@ -92,7 +86,7 @@ def grants(conn: psycopg.Connection, schema: str) -> list[sql.Composed]:
     for t in tables:
         table = sql.Identifier(schema, t)
         out.append(sql.SQL("GRANT SELECT ON {} TO {}").format(table, sql.Identifier(role_name(schema, "operator"))))
-        if t == MIGRATIONS_TABLE:  # which migrations ran is the migrator's to write, no one else's
+        if t in (MIGRATIONS_TABLE, DEFINITIONS_TABLE):  # what was migrated is the migrator's to write alone
             out.append(sql.SQL("GRANT SELECT ON {} TO {}").format(table, sql.Identifier(role_name(schema, "reaper"))))
             continue
         out.append(

@@ -1,4 +1,18 @@
-"""Schema names and migrations: the numbered plain-SQL files in sql/, applied in order.
+"""Schema names and migrations: the plain-SQL files in sql/.
+
+Two kinds of file, as Flyway has them:
+- versioned migrations, `NNNN_name.sql`: tables, indexes and data, applied once each, in order,
+  and checksummed: a changed file that was applied stops `migrate` (MigrationDrift);
+- repeatable definitions, `R__name.sql`: every function of the schema, defined once in the tree
+  with CREATE OR REPLACE, applied in name order after the versioned migrations whenever their
+  text differs from the one last applied (recorded in `schema_definitions`). A function changes by
+  editing its definition; no migration copies its body.
+
+A versioned file may be a baseline: lines `-- replaces NNNN_name.sql sha256:<hex>` name the files
+it took the place of and the checksum each had. A schema that applied those files is at the
+baseline: a replaced file with the same number as the baseline counts as the baseline applied, and
+the others are neither run again nor refused (a recorded checksum other than the listed one still
+is drift).
 
 `reaper migrate` calls `migrate()`. The files use unqualified names; each runs with search_path set
 to the configured (validated, quoted) schema, so no identifier is ever formatted into SQL raw.
@@ -19,9 +33,13 @@ from tracker.errors import InvalidIdentifier
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
+_DEFINITION_NAME = re.compile(r"^R__[a-z0-9_]+\.sql$")
+_REPLACES = re.compile(r"^-- replaces (\d{4})_[a-z0-9_]+\.sql sha256:([0-9a-f]{64})$", re.MULTILINE)
 MIGRATIONS_TABLE = "schema_migrations"
-# From this migration on, no function of the schema is executable by PUBLIC (0014_least_privilege).
-LEAST_PRIVILEGE_VERSION = 14
+DEFINITIONS_TABLE = "schema_definitions"
+# The roles (tracker.roles) that may execute every function of the schema: `migrate` grants them
+# the functions it creates, when they exist, so an upgrade never leaves them without one.
+EVERY_FUNCTION_ROLES = ("app", "reaper")
 
 
 def check_identifier(value: object, what: str = "identifier") -> str:
@@ -29,6 +47,11 @@ def check_identifier(value: object, what: str = "identifier") -> str:
     if not isinstance(value, str) or not _IDENT.match(value) or len(value.encode()) > 63:
         raise InvalidIdentifier(what, value)
     return value
+
+
+def role_name(schema: str, role: str) -> str:
+    """The NOLOGIN role `<schema>_<role>` (tracker.roles)."""
+    return check_identifier(f"{check_identifier(schema, 'schema')}_{role}", "role name")
 
 
 def qualified(schema: str, table: str) -> sql.Composed:
@@ -47,6 +70,23 @@ class Migration:
     def checksum(self) -> str:
         return hashlib.sha256(self.text.encode()).hexdigest()
 
+    @property
+    def replaces(self) -> dict[int, str]:
+        """The files this baseline took the place of: version -> the checksum it had."""
+        return {int(v): c for v, c in _REPLACES.findall(self.text)}
+
+
+@dataclass(frozen=True)
+class Definition:
+    """A repeatable definition (R__name.sql): applied again whenever its text changes."""
+
+    name: str
+    text: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
 
 def _sql_dir() -> Path:
     here = Path(__file__).resolve().parent.parent / "sql"
@@ -55,17 +95,37 @@ def _sql_dir() -> Path:
     return Path(str(resources.files("tracker._sql")))  # installed from a wheel
 
 
-def migrations() -> list[Migration]:
+def _files(directory: Path | None) -> list[Path]:
+    paths = sorted((directory or _sql_dir()).glob("*.sql"))
+    for path in paths:
+        if not (_MIGRATION_NAME.match(path.name) or _DEFINITION_NAME.match(path.name)):
+            raise RuntimeError(f"unexpected file in sql/: {path.name} (want NNNN_name.sql or R__name.sql)")
+    return paths
+
+
+def migrations(directory: Path | None = None) -> list[Migration]:
+    """The versioned migrations, in order (`directory`: another sql/ folder than this installation's)."""
     found = []
-    for path in sorted(_sql_dir().glob("*.sql")):
-        m = _MIGRATION_NAME.match(path.name)
-        if not m:
-            raise RuntimeError(f"unexpected file in sql/: {path.name} (want NNNN_name.sql)")
-        found.append(Migration(int(m.group(1)), path.name, path.read_text()))
+    for path in _files(directory):
+        named = _MIGRATION_NAME.match(path.name)
+        if named:
+            found.append(Migration(int(named.group(1)), path.name, path.read_text()))
     versions = [m.version for m in found]
     if len(set(versions)) != len(versions):
         raise RuntimeError(f"duplicate migration numbers in sql/: {versions}")
+    for baseline in found:
+        taken = (set(baseline.replaces) - {baseline.version}) & set(versions)
+        if taken:
+            raise RuntimeError(f"{baseline.name} replaces migrations still in sql/: {sorted(taken)}")
+    replaced = [v for b in found for v in b.replaces]
+    if len(set(replaced)) != len(replaced):
+        raise RuntimeError(f"a migration is replaced by two baselines in sql/: {replaced}")
     return found
+
+
+def definitions(directory: Path | None = None) -> list[Definition]:
+    """The repeatable definitions, in the order they are applied (by name)."""
+    return [Definition(p.name, p.read_text()) for p in _files(directory) if _DEFINITION_NAME.match(p.name)]
 
 
 class MigrationDrift(RuntimeError):
@@ -77,34 +137,100 @@ def migration_lock_key(schema: str) -> int:
     return int.from_bytes(hashlib.sha256(f"outbox-reaper:migrate:{schema}".encode()).digest()[:8], "big") >> 1
 
 
-def applied(conn: psycopg.Connection, schema: str) -> dict[int, str]:
-    row = conn.execute(
-        "SELECT to_regclass(%s)", [f'"{check_identifier(schema, "schema")}".{MIGRATIONS_TABLE}']
-    ).fetchone()
+def _recorded(conn: psycopg.Connection, schema: str, table: str, key: str) -> dict:
+    row = conn.execute("SELECT to_regclass(%s)", [f'"{check_identifier(schema, "schema")}".{table}']).fetchone()
     assert row is not None  # a SELECT without FROM returns exactly one row
     if row[0] is None:
         return {}
     rows = conn.execute(
-        sql.SQL("SELECT version, checksum FROM {}").format(qualified(schema, MIGRATIONS_TABLE))
+        sql.SQL("SELECT {}, checksum FROM {}").format(sql.Identifier(key), qualified(schema, table))
     ).fetchall()
-    return {v: c for v, c in rows}
+    return {k: c for k, c in rows}
 
 
-def pending_sql(conn: psycopg.Connection, schema: str) -> list[tuple[Migration, str]]:
-    """The migrations not yet applied, each with the exact SQL `migrate` would run."""
-    done = applied(conn, schema)
-    prefix = sql.SQL("SET LOCAL search_path TO {}, public;\n").format(sql.Identifier(schema)).as_string(conn)
-    return [(m, prefix + m.text) for m in migrations() if m.version not in done]
+def applied(conn: psycopg.Connection, schema: str) -> dict[int, str]:
+    """The versioned migrations recorded as applied: version -> checksum."""
+    return _recorded(conn, schema, MIGRATIONS_TABLE, "version")
+
+
+def applied_definitions(conn: psycopg.Connection, schema: str) -> dict[str, str]:
+    """The repeatable definitions recorded as applied: name -> checksum of the text applied last."""
+    return _recorded(conn, schema, DEFINITIONS_TABLE, "name")
+
+
+def _path(conn: psycopg.Connection, schema: str, item: Migration | Definition) -> str:
+    # Definitions keep this path (SET search_path FROM CURRENT): the schema, pg_catalog, then pg_temp
+    # LAST, so that a caller's temporary table named like ours can never stand in for it.
+    tail = "public" if isinstance(item, Migration) else "pg_catalog, pg_temp"
+    return sql.SQL("SET LOCAL search_path TO {}, " + tail).format(sql.Identifier(schema)).as_string(conn)
+
+
+def pending_sql(conn: psycopg.Connection, schema: str) -> list[tuple[Migration | Definition, str]]:
+    """What `migrate` would run now, in order, each with its exact SQL."""
+    done, defined = applied(conn, schema), applied_definitions(conn, schema)
+    todo: list[Migration | Definition] = [m for m in migrations() if m.version not in done]
+    todo += [d for d in definitions() if defined.get(d.name) != d.checksum]
+    return [(item, f"{_path(conn, schema, item)};\n{item.text}") for item in todo]
 
 
 def _check_drift(schema: str, wanted: list[Migration], done: dict[int, str]) -> None:
     for m in wanted:
-        if m.version in done and done[m.version] != m.checksum:
+        if m.version in done and done[m.version] not in {m.checksum, m.replaces.get(m.version)}:
             raise MigrationDrift(f"migration {m.name} was applied to schema {schema!r} and has since changed")
+        for version, checksum in m.replaces.items():
+            if version != m.version and version in done and done[version] != checksum:
+                raise MigrationDrift(
+                    f"migration {version:04d} applied to schema {schema!r} is not the one baseline {m.name} replaces"
+                )
 
 
-def migrate(dsn_or_conn: str | psycopg.Connection, schema: str) -> list[str]:
-    """Apply pending migrations to `schema`, each in a transaction of its own; return the names applied.
+def _bookkeeping(conn: psycopg.Connection, schema: str) -> None:
+    """The schema and the two record tables, created when missing (inside the lock)."""
+    # Only when missing: CREATE SCHEMA needs CREATE on the database even when the schema exists, and
+    # an upgrade by the schema's owner must not need it.
+    if conn.execute("SELECT to_regnamespace(%s)", [f'"{schema}"']).fetchone() == (None,):
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+    conn.execute(
+        sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {} (version integer PRIMARY KEY, name text NOT NULL, "
+            "checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+        ).format(qualified(schema, MIGRATIONS_TABLE))
+    )
+    conn.execute(
+        sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {} (name text PRIMARY KEY, checksum text NOT NULL, "
+            "applied_at timestamptz NOT NULL DEFAULT now())"
+        ).format(qualified(schema, DEFINITIONS_TABLE))
+    )
+
+
+def _next(
+    conn: psycopg.Connection, schema: str, wanted: list[Migration], defs: list[Definition]
+) -> Migration | Definition | None:
+    """What to apply next: the first versioned migration not applied, else the first definition
+    whose text is not the one applied last, else None."""
+    done = applied(conn, schema)
+    _check_drift(schema, wanted, done)
+    todo = next((m for m in wanted if m.version not in done), None)
+    if todo is not None:
+        return todo
+    defined = applied_definitions(conn, schema)
+    return next((d for d in defs if defined.get(d.name) != d.checksum), None)
+
+
+def _privileges(conn: psycopg.Connection, schema: str) -> None:
+    # PUBLIC's EXECUTE comes back with every new function: taken away after each run (a per-schema
+    # default privilege would not do it). The roles that run every function get the new ones.
+    s = sql.Identifier(schema)
+    conn.execute(sql.SQL("REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA {} FROM PUBLIC").format(s))
+    names = [role_name(schema, r) for r in EVERY_FUNCTION_ROLES]
+    for (role,) in conn.execute("SELECT rolname FROM pg_roles WHERE rolname = ANY(%s) ORDER BY 1", [names]):
+        conn.execute(sql.SQL("GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {} TO {}").format(s, sql.Identifier(role)))
+
+
+def migrate(dsn_or_conn: str | psycopg.Connection, schema: str, directory: Path | None = None) -> list[str]:
+    """Apply pending migrations to `schema`, each in a transaction of its own, then the changed
+    definitions, each in a transaction of its own; return the names applied.
 
     Every transaction first takes a transaction-level advisory lock on the schema
     (pg_advisory_xact_lock), then re-reads what is applied and checks checksums. A session lock
@@ -112,6 +238,7 @@ def migrate(dsn_or_conn: str | psycopg.Connection, schema: str) -> list[str]:
     server connection ran it, and the unlock lands on another. So it is safe to run from several
     processes at once, directly or through PgBouncer: they queue on the lock and the later ones
     find nothing left to do. Raises MigrationDrift if an applied file has since been edited.
+    `directory`: another sql/ folder than this installation's.
     """
     check_identifier(schema, "schema")
     own = isinstance(dsn_or_conn, str)
@@ -127,40 +254,34 @@ def migrate(dsn_or_conn: str | psycopg.Connection, schema: str) -> list[str]:
     threshold, conn.prepare_threshold = conn.prepare_threshold, None
     try:
         names: list[str] = []
-        key, wanted = migration_lock_key(schema), migrations()
-        table = qualified(schema, MIGRATIONS_TABLE)
+        key, wanted, defs = migration_lock_key(schema), migrations(directory), definitions(directory)
         while True:
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", [key])
                 if not names:
-                    # Only when missing: CREATE SCHEMA needs CREATE on the database even when the
-                    # schema exists, and an upgrade by the schema's owner must not need it.
-                    if conn.execute("SELECT to_regnamespace(%s)", [f'"{schema}"']).fetchone() == (None,):
-                        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+                    _bookkeeping(conn, schema)
+                todo = _next(conn, schema, wanted, defs)
+                if todo is None:
+                    if names:
+                        _privileges(conn, schema)
+                    return names
+                conn.execute(_path(conn, schema, todo))
+                conn.execute(todo.text)
+                if isinstance(todo, Migration):
+                    conn.execute(
+                        sql.SQL("INSERT INTO {} (version, name, checksum) VALUES (%s, %s, %s)").format(
+                            qualified(schema, MIGRATIONS_TABLE)
+                        ),
+                        [todo.version, todo.name, todo.checksum],
+                    )
+                else:
                     conn.execute(
                         sql.SQL(
-                            "CREATE TABLE IF NOT EXISTS {} (version integer PRIMARY KEY, name text NOT NULL, "
-                            "checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
-                        ).format(table)
+                            "INSERT INTO {} (name, checksum) VALUES (%s, %s) "
+                            "ON CONFLICT (name) DO UPDATE SET checksum = excluded.checksum, applied_at = now()"
+                        ).format(qualified(schema, DEFINITIONS_TABLE)),
+                        [todo.name, todo.checksum],
                     )
-                done = applied(conn, schema)
-                _check_drift(schema, wanted, done)
-                todo = next((m for m in wanted if m.version not in done), None)
-                if todo is None:
-                    if names and max(done) >= LEAST_PRIVILEGE_VERSION:
-                        # PUBLIC's EXECUTE comes back with every new function: taken away after each run
-                        conn.execute(
-                            sql.SQL("REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA {} FROM PUBLIC").format(
-                                sql.Identifier(schema)
-                            )
-                        )
-                    return names
-                conn.execute(sql.SQL("SET LOCAL search_path TO {}, public").format(sql.Identifier(schema)))
-                conn.execute(todo.text)
-                conn.execute(
-                    sql.SQL("INSERT INTO {} (version, name, checksum) VALUES (%s, %s, %s)").format(table),
-                    [todo.version, todo.name, todo.checksum],
-                )
             names.append(todo.name)
     finally:
         conn.prepare_threshold = threshold

@@ -1,6 +1,6 @@
 """Settling: fold consumers' committed ack claims into bits, counts and completion.
 
-Most claims are settled by their own transaction's commit (sql/0006_ack_claims.sql). A commit
+Most claims are settled by their own transaction's commit (sql/R__ack_claims.sql). A commit
 that finds the batch row busy (another settle, the acker, an add or a close in progress), or
 that runs under REPEATABLE READ / SERIALIZABLE, leaves its claims committed as they are; they
 wait for the next settle of that batch. `settle()` is that next settle, on demand; the reaper's claim settler

@@ -3,9 +3,9 @@
 Producer side: `outbox.enqueue` stores the active span's context in each row's headers
 (`traceparent`, `tracestate`), and the harvester publishes row headers as Kafka headers, so the
 records carry it; `open_batch` stores it on the batch, and the batch's completion and expiry
-events carry that (the opening span's) context. Consumer side: `context_of(message)` gives the
-context a Kafka message carries, `link_of(message)` a span link to it, and
-`consumer_span(message)` a CONSUMER span continuing the producer's trace.
+events carry that (the opening span's) context (the schema builds them: sql/R__events.sql).
+Consumer side: `context_of(message)` gives the context a Kafka message carries, `link_of(message)`
+a span link to it, and `consumer_span(message)` a CONSUMER span continuing the producer's trace.
 
 Without the `otel` extra (opentelemetry-api) every function here returns at once: no import is
 attempted again, no header is added, nothing is allocated per row. With it but no valid active
@@ -150,21 +150,3 @@ def producer_span(tracer: Tracer, topic: str, header_keys: Sequence[str], header
         attributes={"messaging.system": "kafka", "messaging.operation": "publish", "messaging.destination.name": topic},
     )
     span.end()
-
-
-def sql_header_keys(alias: str) -> str:
-    """SQL (for sql.SQL: braces doubled) appending 'traceparent'/'tracestate' to a text[] of header
-    names when row `alias` of a batch has them; the values side is `sql_header_values`."""
-    return (
-        f" || CASE WHEN {alias}.traceparent IS NULL THEN '{{{{}}}}'::text[] ELSE ARRAY['traceparent'] END"
-        f" || CASE WHEN {alias}.tracestate IS NULL THEN '{{{{}}}}'::text[] ELSE ARRAY['tracestate'] END"
-    )
-
-
-def sql_header_values(alias: str) -> str:
-    return (
-        f" || CASE WHEN {alias}.traceparent IS NULL THEN '{{{{}}}}'::bytea[]"
-        f" ELSE ARRAY[convert_to({alias}.traceparent, 'UTF8')] END"
-        f" || CASE WHEN {alias}.tracestate IS NULL THEN '{{{{}}}}'::bytea[]"
-        f" ELSE ARRAY[convert_to({alias}.tracestate, 'UTF8')] END"
-    )

@@ -9,7 +9,7 @@ REPEATABLE READ / SERIALIZABLE: `ack_fresh_check` raises a serialization failure
 changed since the snapshot or is being changed right now, instead of handing a stale "still
 pending" to exactly_once; it never waits and keeps no lock, so it never holds a settle up). An
 item counts as acked by this call if its claim is new and its bit still set. Bits, pending counts
-and the completion decision are folded at commit by `ack_settle` (sql/0006_ack_claims.sql) under
+and the completion decision are folded at commit by `ack_settle` (sql/R__ack_claims.sql) under
 the batch row lock, or later by the next settle of the batch (tracker.settle) if that lock was
 busy at commit. So acks of one batch, and their effects, commit in parallel; `completed` is
 always empty here (completion happens at or after commit).
@@ -70,7 +70,7 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             "SELECT id, state FROM {batch} WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE SKIP LOCKED"
         ),
         "states": sql.SQL("SELECT id, state FROM {batch} WHERE id = ANY(%s)"),
-        # validate + claim + read + freshness check in one statement (sql/0010_ack_claim_items.sql)
+        # validate + claim + read + freshness check in one statement (sql/R__ack_claims.sql)
         "claim_items": sql.SQL(
             "SELECT * FROM {claim_items}(%s::int8[], %s::int8[], %s::int4[], {outbox}::regclass, %s)"
         ),
@@ -93,8 +93,7 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             " completed_at = CASE WHEN b.state = 'closed' AND b.pending = d.flipped THEN clock_timestamp()"
             " ELSE b.completed_at END"
             " FROM d WHERE b.id = d.batch_id"
-            " RETURNING b.id, b.state, d.flipped, b.user_key, b.total, b.created_at, b.closed_at, b.completed_at,"
-            " b.completion_topic, b.traceparent, b.tracestate),"
+            " RETURNING b.id, b.state, d.flipped, b AS whole),"
             # A batch completed here: new state complete and bits flipped (a batch that was
             # already complete has no set bit left to flip).
             " finished AS (SELECT * FROM b WHERE state = 'complete' AND flipped > 0),"
@@ -228,7 +227,7 @@ def claim_op(
     id; then nothing of the call was applied. `acked`: items whose claim is new in this
     transaction and whose bit was still set; the rest are `duplicates`; `completed` stays empty.
 
-    One statement, `ack_claim_items` (sql/0010): it validates first and claims nothing when an id
+    One statement, `ack_claim_items` (sql/R__ack_claims.sql): it validates first and claims nothing when an id
     is bad, returning what the typed error needs instead. last=True (an ack): the round also ends
     the call; last=False (exactly_once: an effect follows).
     """

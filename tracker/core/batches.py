@@ -102,17 +102,18 @@ def batch_id_of(batch: Batch | int, name: str = "batch") -> int:
 
 def completion_insert(schema: str, outbox_table: str) -> sql.Composable:
     """`INSERT INTO outbox ... SELECT ... FROM finished`: one completion event per row of a CTE
-    named `finished` (id, user_key, total, created_at, closed_at, completed_at, completion_topic,
-    traceparent, tracestate). Takes one parameter, the default completion topic. The event carries
-    the batch's opening span context (tracker.tracing) as `traceparent`/`tracestate` headers."""
+    named `finished` whose column `whole` is the batch row as the completing statement left it.
+    Takes one parameter, the default completion topic. The event itself (topic, key, JSON value,
+    headers with the batch's opening span context) is the schema's `completion_event`
+    (sql/R__events.sql), the one definition every completion path inserts."""
     return sql.SQL(
         "INSERT INTO {outbox} (topic, key, value, header_keys, header_values) "
-        "SELECT coalesce(f.completion_topic, {topic}), convert_to(f.id::text, 'UTF8'), "
-        "convert_to(json_build_object('batch_id', f.id, 'user_key', f.user_key, 'total', f.total, "
-        "'opened_at', f.created_at, 'closed_at', f.closed_at, 'completed_at', f.completed_at)::text, 'UTF8'), "
-        "ARRAY['batch-id']" + tracing.sql_header_keys("f") + ", "
-        "ARRAY[convert_to(f.id::text, 'UTF8')]" + tracing.sql_header_values("f") + " FROM finished f"
-    ).format(outbox=sql.Identifier(schema, outbox_table), topic=sql.Placeholder())
+        "SELECT e.* FROM finished f CROSS JOIN LATERAL {event}(f.whole, {topic}) e"
+    ).format(
+        outbox=sql.Identifier(schema, outbox_table),
+        event=sql.Identifier(schema, "completion_event"),
+        topic=sql.Placeholder(),
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -152,11 +153,10 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             "next_group = %(next)s::int8, last_activity_at = clock_timestamp() WHERE id = %(b)s::int8"
         ),
         "close": sql.SQL(
-            "WITH closed AS (UPDATE {batch} SET state = CASE WHEN pending = 0 THEN 'complete' ELSE 'closed' END, "
+            "WITH closed AS (UPDATE {batch} AS b SET state = CASE WHEN pending = 0 THEN 'complete' ELSE 'closed' END, "
             "closed_at = clock_timestamp(), completed_at = CASE WHEN pending = 0 THEN clock_timestamp() END, "
             "last_activity_at = clock_timestamp() WHERE id = %s AND state = 'open' "
-            "RETURNING id, state, user_key, total, created_at, closed_at, completed_at, completion_topic, "
-            "traceparent, tracestate), "
+            "RETURNING b.state, b AS whole), "
             "finished AS (SELECT * FROM closed WHERE state = 'complete'), "
             "event AS ({insert}) SELECT state FROM closed"
         ),

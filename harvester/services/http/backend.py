@@ -3,7 +3,7 @@ backends with the same methods (http.backend):
 
 - `TrackerStore` (default): the tracker's asyncio face, `tracker.aio.AsyncTracker`; each call is
   its own transaction (the connection is in autocommit, so the tracker opens and ends it).
-- `SqlFunctionStore`: the SQL functions of migration 0007, called as non-Python clients call them;
+- `SqlFunctionStore`: the SQL functions of sql/R__sql_api.sql, called as non-Python clients call them;
   RT SQLSTATEs come back as the tracker's own typed exceptions.
 """
 
@@ -256,7 +256,7 @@ class TrackerStore(_PoolStore):
 
 
 class SqlFunctionStore(_PoolStore):
-    """The SQL functions of migration 0007, as any other language calls them."""
+    """The SQL functions of sql/R__sql_api.sql, as any other language calls them."""
 
     async def open_batch(self, user_key: str | None, completion_topic: str | None, tenant: str | None) -> OpenedBatch:
         if tenant is None:

@@ -24,18 +24,33 @@
 -- with `SET jit = off`: their set-returning steps are estimated at thousands of rows, and JIT
 -- compiling the fold of one 10k-id ack took ~2.3 s of a 2.7 s call (measured, PG 15).
 
--- The path the functions keep: this schema, then pg_catalog, then pg_temp LAST, so that a caller's
--- temporary table named like ours (batch, outbox...) can never stand in for it. The schema name
--- comes from the catalog (migrate has set it as the current schema) and is quoted by %I.
-DO $$ BEGIN
-    EXECUTE format('SET LOCAL search_path TO %I, pg_catalog, pg_temp', current_schema());
+
+CREATE OR REPLACE FUNCTION completion_topic_check(topic text, nullable boolean DEFAULT false) RETURNS void
+LANGUAGE plpgsql IMMUTABLE SET search_path FROM CURRENT AS $$
+BEGIN
+    IF topic IS NULL THEN
+        IF nullable THEN
+            RETURN;
+        END IF;
+        RAISE EXCEPTION 'completion_topic must be a non-empty string, got null' USING ERRCODE = 'RT007', DETAIL = 'null';
+    END IF;
+    IF topic = '' THEN
+        RAISE EXCEPTION 'completion_topic must be a non-empty string, got an empty string'
+            USING ERRCODE = 'RT007', DETAIL = '';
+    END IF;
+    IF length(topic) > 249 THEN
+        RAISE EXCEPTION 'completion_topic % is longer than Kafka''s 249 characters', quote_literal(left(topic, 60) || '...')
+            USING ERRCODE = 'RT007', DETAIL = left(topic, 60);
+    END IF;
 END $$;
 
-CREATE FUNCTION open_batch(user_key text DEFAULT NULL, completion_topic text DEFAULT NULL)
-RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
+
+CREATE OR REPLACE FUNCTION open_batch(user_key text DEFAULT NULL, completion_topic text DEFAULT NULL)
+RETURNS bigint LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
 DECLARE
     new_id bigint;
 BEGIN
+    PERFORM completion_topic_check(open_batch.completion_topic, true);
     IF open_batch.completion_topic = '' THEN
         RAISE EXCEPTION 'completion_topic must be a non-empty string or null, got an empty string'
             USING ERRCODE = 'RT007', DETAIL = '';
@@ -48,9 +63,9 @@ END $$;
 
 -- Track `items` more items: top up the batch's last group, then new groups of at most 8192 bits.
 -- A call adds at most 1,073,741,824 items (131,072 groups, 128 MiB of bits: the Python API's bound).
-CREATE FUNCTION add_items(batch bigint, items bigint)
+CREATE OR REPLACE FUNCTION add_items(batch bigint, items bigint)
 RETURNS TABLE (batch_id bigint, group_id bigint, start integer, upto integer)
-LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
 #variable_conflict use_column
 DECLARE
     st text;
@@ -112,11 +127,11 @@ END $$;
 -- the call's header_keys/header_values. `key` is every message's key unless `keys` (one per
 -- payload, null = use `key`) says otherwise. Without this function: add_items, then an INSERT
 -- into outbox per item (README, "From any language: SQL").
-CREATE FUNCTION enqueue(batch bigint, topic text, payloads bytea[], key bytea DEFAULT NULL,
+CREATE OR REPLACE FUNCTION enqueue(batch bigint, topic text, payloads bytea[], key bytea DEFAULT NULL,
                         header_keys text[] DEFAULT '{}', header_values bytea[] DEFAULT '{}',
                         keys bytea[] DEFAULT NULL)
 RETURNS TABLE (batch_id bigint, group_id bigint, start integer, upto integer)
-LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
 #variable_conflict use_column
 DECLARE
     h record;
@@ -169,25 +184,22 @@ BEGIN
 END $$;
 
 
-CREATE FUNCTION close_batch(batch bigint, completion_topic text DEFAULT 'batch-completions')
-RETURNS boolean LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
+CREATE OR REPLACE FUNCTION close_batch(batch bigint, completion_topic text DEFAULT 'batch-completions')
+RETURNS boolean LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
 DECLARE
     st text;
 BEGIN
+    PERFORM completion_topic_check(close_batch.completion_topic);
     WITH closed AS (
         UPDATE batch b SET state = CASE WHEN b.pending = 0 THEN 'complete' ELSE 'closed' END,
             closed_at = clock_timestamp(), completed_at = CASE WHEN b.pending = 0 THEN clock_timestamp() END,
             last_activity_at = clock_timestamp()
         WHERE b.id = close_batch.batch AND b.state = 'open'
-        RETURNING b.id, b.state, b.user_key, b.total, b.created_at, b.closed_at, b.completed_at, b.completion_topic),
-    finished AS (SELECT * FROM closed WHERE closed.state = 'complete'),
+        RETURNING b.state, b AS whole),
     event AS (
         INSERT INTO outbox (topic, key, value, header_keys, header_values)
-        SELECT coalesce(f.completion_topic, close_batch.completion_topic), convert_to(f.id::text, 'UTF8'),
-               convert_to(json_build_object('batch_id', f.id, 'user_key', f.user_key, 'total', f.total,
-                   'opened_at', f.created_at, 'closed_at', f.closed_at, 'completed_at', f.completed_at)::text, 'UTF8'),
-               ARRAY['batch-id'], ARRAY[convert_to(f.id::text, 'UTF8')]
-        FROM finished f)
+        SELECT e.* FROM closed f CROSS JOIN LATERAL completion_event(f.whole, close_batch.completion_topic) e
+        WHERE f.state = 'complete')
     SELECT closed.state INTO st FROM closed;
     IF FOUND THEN
         RETURN st = 'complete';
@@ -204,10 +216,10 @@ BEGIN
 END $$;
 
 
-CREATE FUNCTION batch_status(batch bigint)
+CREATE OR REPLACE FUNCTION batch_status(batch bigint)
 RETURNS TABLE (state text, total bigint, pending bigint, user_key text, created_at timestamptz,
                closed_at timestamptz, completed_at timestamptz, last_activity_at timestamptz, expired_at timestamptz)
-LANGUAGE plpgsql STABLE SET search_path FROM CURRENT SET jit = off AS $$
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
 #variable_conflict use_column
 BEGIN
     RETURN QUERY SELECT b.state, b.total, b.pending, b.user_key, b.created_at, b.closed_at, b.completed_at,
@@ -230,14 +242,15 @@ END $$;
 -- pending counts by the bits that actually flipped, one UPDATE of the batches, completion and its
 -- event for batches that became closed with nothing pending. Switch this body if acks move to
 -- another path (issue 12).
-CREATE FUNCTION ack_masks(batch_ids bigint[], group_ids bigint[], masks text[],
+CREATE OR REPLACE FUNCTION ack_masks(batch_ids bigint[], group_ids bigint[], masks text[],
                           completion_topic text DEFAULT 'batch-completions')
 RETURNS TABLE (acked bigint, completed bigint[])
-LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
 #variable_conflict use_column
 DECLARE
     bad record;
 BEGIN
+    PERFORM completion_topic_check(ack_masks.completion_topic);
     IF batch_ids IS NULL OR group_ids IS NULL OR masks IS NULL
        OR cardinality(batch_ids) <> cardinality(group_ids) OR cardinality(batch_ids) <> cardinality(masks) THEN
         RAISE EXCEPTION 'batch_ids, group_ids and masks must be arrays of the same length'
@@ -309,17 +322,12 @@ BEGIN
             completed_at = CASE WHEN b.state = 'closed' AND b.pending = d.flipped THEN clock_timestamp()
                                 ELSE b.completed_at END
         FROM d WHERE b.id = d.batch_id
-        RETURNING b.id, b.state, d.flipped, b.user_key, b.total, b.created_at, b.closed_at, b.completed_at,
-                  b.completion_topic),
+        RETURNING b.id, b.state, d.flipped, b AS whole),
     -- completed here: complete now and bits flipped (an already complete batch has none left to flip)
-    finished AS (SELECT * FROM b WHERE b.state = 'complete' AND b.flipped > 0),
     event AS (
         INSERT INTO outbox (topic, key, value, header_keys, header_values)
-        SELECT coalesce(f.completion_topic, ack_masks.completion_topic), convert_to(f.id::text, 'UTF8'),
-               convert_to(json_build_object('batch_id', f.id, 'user_key', f.user_key, 'total', f.total,
-                   'opened_at', f.created_at, 'closed_at', f.closed_at, 'completed_at', f.completed_at)::text, 'UTF8'),
-               ARRAY['batch-id'], ARRAY[convert_to(f.id::text, 'UTF8')]
-        FROM finished f)
+        SELECT e.* FROM b f CROSS JOIN LATERAL completion_event(f.whole, ack_masks.completion_topic) e
+        WHERE f.state = 'complete' AND f.flipped > 0)
     SELECT coalesce(sum(b.flipped), 0)::int8,
            coalesce(array_agg(b.id ORDER BY b.id) FILTER (WHERE b.state = 'complete' AND b.flipped > 0), '{}')
     FROM b;
@@ -327,7 +335,7 @@ END $$;
 
 
 -- Why an ack entry is malformed, raised exactly as tracker.ids.parse_ack would (first problem wins).
-CREATE FUNCTION ack_entry_error(entry text) RETURNS void
+CREATE OR REPLACE FUNCTION ack_entry_error(entry text) RETURNS void
 LANGUAGE plpgsql IMMUTABLE SET search_path FROM CURRENT SET jit = off AS $$
 DECLARE
     parts text[];
@@ -381,12 +389,13 @@ END $$;
 
 
 -- Ack item ids and runs ('<batch>:<group>:<index>', '<batch>:<group>:<start>-<end>', end inclusive),
--- as tracker.ack(): malformed entries are found first (the first one raises, naming it), then the
--- ids are folded into one mask per group and applied by ack_masks. Idempotent: an id whose bit is
+-- as tracker.ack(): malformed entries are found first (the first one raises, naming it), then what
+-- the masks will take is checked against the same bound as tracker.ids.fold (RT008 past it), then
+-- the ids are folded into one mask per group and applied by ack_masks. Idempotent: an id whose bit is
 -- already clear counts as a duplicate. completed: the batches this call completed.
-CREATE FUNCTION ack(ids text[], completion_topic text DEFAULT 'batch-completions')
+CREATE OR REPLACE FUNCTION ack(ids text[], completion_topic text DEFAULT 'batch-completions')
 RETURNS TABLE (acked bigint, duplicates bigint, completed bigint[])
-LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
 #variable_conflict use_column
 DECLARE
     bad text;
@@ -399,6 +408,7 @@ DECLARE
     culprit text;
     size integer;
 BEGIN
+    PERFORM completion_topic_check(ack.completion_topic);
     IF ids IS NULL OR coalesce(array_ndims(ids), 1) <> 1 THEN
         RAISE EXCEPTION 'ids must be a one-dimensional array of item ids' USING ERRCODE = 'RT007', DETAIL = 'ids';
     END IF;
@@ -408,7 +418,7 @@ BEGIN
     CROSS JOIN LATERAL (SELECT split_part(t.id, ':', 1) AS b, split_part(t.id, ':', 2) AS g,
                                ltrim(split_part(split_part(t.id, ':', 3), '-', 1), '0') AS s,
                                ltrim(split_part(split_part(t.id, ':', 3), '-', 2), '0') AS e) x
-    WHERE t.id IS NULL OR t.id !~ '^[0-9]+:[0-9]+:[0-9]+(-[0-9]+)?$'
+    WHERE t.id IS NULL OR t.id !~ '^(0|[1-9][0-9]*):(0|[1-9][0-9]*):(0|[1-9][0-9]*)(-(0|[1-9][0-9]*))?$'
        OR length(x.b) > 19 OR length(x.g) > 19
        OR (length(x.b) = 19 AND x.b::numeric > 9223372036854775807)
        OR (length(x.g) = 19 AND x.g::numeric > 9223372036854775807)
@@ -418,29 +428,71 @@ BEGIN
     ORDER BY t.ord LIMIT 1;
     IF FOUND THEN
         PERFORM ack_entry_error(bad);
-        -- (ack_entry_error raises; this is only reached if the two checks ever disagree)
-        RAISE EXCEPTION 'malformed item id %', quote_literal(bad) USING ERRCODE = 'RT001', DETAIL = bad;
+        -- ack_entry_error explains every misfit but one: a number written with a leading zero
+        RAISE EXCEPTION 'malformed item id %: a number in it has a leading zero (ids are written as plain decimals)',
+            quote_literal(bad) USING ERRCODE = 'RT001', DETAIL = bad;
     END IF;
+    -- What the masks will take, before any is built, entry by entry as tracker.ids.fold counts it:
+    -- a mask grows to a byte per 8 indexes up to its group's highest so far. The entry whose growth
+    -- takes the total past 4 MiB (tracker.ids.MASK_BYTES_MAX: at least 4,096 whole groups) is named.
+    SELECT x.id INTO bad
+    FROM (SELECT y.id, y.ord, sum(y.grown) OVER (ORDER BY y.ord) AS total
+          FROM (SELECT z.id, z.ord, (z.reach >> 3) - coalesce((lag(z.reach) OVER w) >> 3, -1) AS grown
+                FROM (SELECT t.id, t.ord,
+                             max(coalesce(nullif(split_part(split_part(t.id, ':', 3), '-', 2), ''),
+                                          split_part(split_part(t.id, ':', 3), '-', 1))::integer)
+                                 OVER (PARTITION BY split_part(t.id, ':', 1)::bigint, split_part(t.id, ':', 2)::bigint
+                                       ORDER BY t.ord) AS reach,
+                             split_part(t.id, ':', 1)::bigint AS b, split_part(t.id, ':', 2)::bigint AS g
+                      FROM unnest(ids) WITH ORDINALITY t(id, ord)) z
+                WINDOW w AS (PARTITION BY z.b, z.g ORDER BY z.ord)) y) x
+    WHERE x.total > 4194304
+    ORDER BY x.ord LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'ids: the entries up to % name more groups than one call may fold (4,194,304 bytes of masks, at least 4,096 whole groups of 8192 items); split them into several calls', quote_literal(bad)
+            USING ERRCODE = 'RT008', DETAIL = bad;
+    END IF;
+    -- Masks without a row per index: single ids are OR-ed per byte (a row each); a run is built as a
+    -- bit string of its group's length (head byte, whole 'ff' bytes, tail byte), the runs of a
+    -- group OR-ed together and with the single ids' bytes, then written out 64 bits at a time.
     WITH p AS MATERIALIZED (
         SELECT t.ord, split_part(t.id, ':', 1)::bigint AS b, split_part(t.id, ':', 2)::bigint AS g,
                split_part(split_part(t.id, ':', 3), '-', 1)::integer AS s,
                coalesce(nullif(split_part(split_part(t.id, ':', 3), '-', 2), ''),
                         split_part(split_part(t.id, ':', 3), '-', 1))::integer AS e
         FROM unnest(ids) WITH ORDINALITY t(id, ord)),
-    grp AS (SELECT p.b, p.g, min(p.ord) AS first_ord, sum(p.e - p.s + 1)::int8 AS n FROM p GROUP BY p.b, p.g),
-    -- one byte per 8 indexes (bit 7 - i % 8 of byte i / 8); the bytes between two set ones are zeros
-    byt AS (SELECT p.b, p.g, i >> 3 AS k, bit_or(128 >> (i & 7)) AS v
-            FROM p CROSS JOIN LATERAL generate_series(p.s, p.e) i GROUP BY p.b, p.g, i >> 3),
-    gaps AS (SELECT byt.b, byt.g, byt.k, byt.v,
-                    byt.k - lag(byt.k, 1, -1::bigint) OVER (PARTITION BY byt.b, byt.g ORDER BY byt.k) - 1 AS zeros
-             FROM byt),
-    hx AS (SELECT gaps.b, gaps.g,
-                  string_agg(repeat('00', gaps.zeros::integer) || lpad(to_hex(gaps.v), 2, '0'), '' ORDER BY gaps.k) AS hex
-           FROM gaps GROUP BY gaps.b, gaps.g)
-    SELECT (SELECT sum(grp.n) FROM grp), array_agg(hx.b ORDER BY grp.first_ord), array_agg(hx.g ORDER BY grp.first_ord),
-           array_agg(hx.hex ORDER BY grp.first_ord)
+    grp AS (SELECT p.b, p.g, min(p.ord) AS first_ord, sum(p.e - p.s + 1)::int8 AS n, (max(p.e) >> 3) + 1 AS nbytes
+            FROM p GROUP BY p.b, p.g),
+    one AS (SELECT p.b, p.g, p.s >> 3 AS k, bit_or(128 >> (p.s & 7)) AS v
+            FROM p WHERE p.s = p.e GROUP BY p.b, p.g, p.s >> 3),
+    gaps AS (SELECT one.b, one.g, one.k, one.v,
+                    one.k - lag(one.k, 1, -1) OVER (PARTITION BY one.b, one.g ORDER BY one.k) - 1 AS zeros
+             FROM one),
+    ones AS (SELECT gaps.b, gaps.g,
+                    string_agg(repeat('00', gaps.zeros) || lpad(to_hex(gaps.v), 2, '0'), '' ORDER BY gaps.k) AS hex
+             FROM gaps GROUP BY gaps.b, gaps.g),
+    runs AS (SELECT p.b, p.g,
+                    bit_or(('x' || repeat('00', p.s >> 3)
+                            || CASE WHEN p.s >> 3 = p.e >> 3
+                                    THEN lpad(to_hex((255 >> (p.s & 7)) & (255 << (7 - (p.e & 7)))), 2, '0')
+                                    ELSE lpad(to_hex(255 >> (p.s & 7)), 2, '0')
+                                         || repeat('ff', (p.e >> 3) - (p.s >> 3) - 1)
+                                         || lpad(to_hex((255 << (7 - (p.e & 7))) & 255), 2, '0') END
+                            || repeat('00', grp.nbytes - (p.e >> 3) - 1))::varbit) AS m
+             FROM p JOIN grp ON grp.b = p.b AND grp.g = p.g
+             WHERE p.e > p.s GROUP BY p.b, p.g),
+    hx AS (SELECT grp.b, grp.g, grp.first_ord,
+                  CASE WHEN runs.m IS NULL THEN ones.hex
+                       ELSE (SELECT string_agg(lpad(to_hex(substring(mm.m FROM c * 64 + 1 FOR 64)::bit(64)::int8), 16, '0'),
+                                               '' ORDER BY c)
+                             FROM (SELECT runs.m | ('x' || rpad(coalesce(ones.hex, ''), 2 * grp.nbytes, '0'))::varbit AS m) mm,
+                                  generate_series(0, (grp.nbytes - 1) / 8) c) END AS hex
+           FROM grp LEFT JOIN ones ON ones.b = grp.b AND ones.g = grp.g
+                    LEFT JOIN runs ON runs.b = grp.b AND runs.g = grp.g)
+    SELECT (SELECT sum(grp.n) FROM grp), array_agg(hx.b ORDER BY hx.first_ord), array_agg(hx.g ORDER BY hx.first_ord),
+           array_agg(hx.hex ORDER BY hx.first_ord)
     INTO counted, b_ids, g_ids, hexes
-    FROM hx JOIN grp ON grp.b = hx.b AND grp.g = hx.g;
+    FROM hx;
     IF b_ids IS NULL THEN
         acked := 0; duplicates := 0; completed := '{}';
         RETURN NEXT;

@@ -1,0 +1,58 @@
+-- The events a batch announces, each defined here once. Every path that completes a batch (a close,
+-- the Python API's acks, the acker's and Spark's masks, a settle of consumers' claims, the SQL
+-- functions close_batch, ack and ack_masks, the HTTP service through either backend) inserts into
+-- the outbox what completion_event returns, and the sweeper's and the operator's expiry what
+-- expiry_event returns, so payload and headers cannot differ between paths:
+--   INSERT INTO outbox (topic, key, value, header_keys, header_values)
+--   SELECT e.* FROM finished f CROSS JOIN LATERAL completion_event(f.whole, <default topic>) e
+-- where `whole` is the batch row as the completing statement left it.
+--
+-- Every event: key = the batch id; headers `batch-id`, then the event's own, then the W3C trace
+-- context of the span that opened the batch (`traceparent`, `tracestate`, tracker.tracing) when it
+-- had one.
+
+CREATE OR REPLACE FUNCTION batch_event(b batch, to_topic text, body text, event_keys text[], event_values bytea[],
+                                       OUT topic text, OUT key bytea, OUT value bytea,
+                                       OUT header_keys text[], OUT header_values bytea[])
+LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
+    SELECT to_topic, convert_to(b.id::text, 'UTF8'), convert_to(body, 'UTF8'),
+           ARRAY['batch-id'] || event_keys
+               || CASE WHEN b.traceparent IS NULL THEN '{}'::text[] ELSE ARRAY['traceparent'] END
+               || CASE WHEN b.tracestate IS NULL THEN '{}'::text[] ELSE ARRAY['tracestate'] END,
+           ARRAY[convert_to(b.id::text, 'UTF8')] || event_values
+               || CASE WHEN b.traceparent IS NULL THEN '{}'::bytea[] ELSE ARRAY[convert_to(b.traceparent, 'UTF8')] END
+               || CASE WHEN b.tracestate IS NULL THEN '{}'::bytea[] ELSE ARRAY[convert_to(b.tracestate, 'UTF8')] END
+$$;
+
+
+-- The completion event of a batch that has just become complete: to its own completion topic, else
+-- `default_topic`; the value is JSON {batch_id, user_key, total, opened_at, closed_at, completed_at}.
+CREATE OR REPLACE FUNCTION completion_event(b batch, default_topic text,
+                                            OUT topic text, OUT key bytea, OUT value bytea,
+                                            OUT header_keys text[], OUT header_values bytea[])
+LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
+    SELECT * FROM batch_event(
+        b, coalesce(b.completion_topic, default_topic),
+        json_build_object('batch_id', b.id, 'user_key', b.user_key, 'total', b.total,
+                          'opened_at', b.created_at, 'closed_at', b.closed_at, 'completed_at', b.completed_at)::text,
+        '{}', '{}')
+$$;
+
+
+-- The expiry event of a batch that has just expired (tracker.expiry), to `to_topic`: the value is
+-- JSON with "event": "expired", the counts at expiry, the state it expired in, `reason`, and the
+-- keys of `detail`; the header `event` says batch-expired (tracker.expiry.EXPIRY_EVENT).
+CREATE OR REPLACE FUNCTION expiry_event(b batch, to_topic text, reason text, detail jsonb,
+                                        OUT topic text, OUT key bytea, OUT value bytea,
+                                        OUT header_keys text[], OUT header_values bytea[])
+LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
+    SELECT * FROM batch_event(
+        b, to_topic,
+        (jsonb_build_object(
+            'event', 'expired', 'batch_id', b.id, 'user_key', b.user_key, 'total', b.total,
+            'pending', b.pending, 'acked', b.total - b.pending, 'reason', reason,
+            'state', CASE WHEN b.closed_at IS NULL THEN 'open' ELSE 'closed' END,
+            'opened_at', b.created_at, 'closed_at', b.closed_at, 'last_activity_at', b.last_activity_at,
+            'expired_at', b.expired_at) || coalesce(detail, '{}'))::text,
+        ARRAY['event'], ARRAY[convert_to('batch-expired', 'UTF8')])
+$$;

@@ -1,0 +1,202 @@
+"""Every path that completes a batch writes the same completion event: one row on the batch's
+completion topic, key = batch id, JSON value {batch_id, user_key, total, opened_at, closed_at,
+completed_at} (in that order, the batch's own values), headers `batch-id` and, when the batch was
+opened under a span, `traceparent` and `tracestate`. The paths: a close (Python, SQL function,
+HTTP on both backends), a bulk ack (Python, SQL `ack`, SQL `ack_masks`, HTTP on both backends),
+the acker's masks (`apply_masks`), claims settled at their commit, by `tracker.settle` and by a
+close that folds them. The event is built once, by the schema's completion_event; this test is
+what keeps every path on it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Callable
+
+import httpx
+import psycopg
+import pytest
+from psycopg import sql
+from support.http_server import TOKEN, RunningServer, http_config
+
+import tracker
+from tracker.ids import fold
+
+TOPIC = "events-done"
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+TRACESTATE = "vendor=abc,other=1"
+ITEMS = 2
+
+
+def _open(conn: psycopg.Connection, t: tracker.Tracker, traced: bool) -> tuple[int, list[str]]:
+    """An open batch of ITEMS items, with the opening span's context stored as open_batch stores it."""
+    b = t.open_batch(conn, user_key="uk-1", completion_topic=TOPIC)
+    [g] = t.add_items(conn, b, ITEMS)
+    if traced:
+        conn.execute(
+            sql.SQL("UPDATE {} SET traceparent = %s, tracestate = %s WHERE id = %s").format(
+                sql.Identifier(t.config.schema, "batch")
+            ),
+            [TRACEPARENT, TRACESTATE, b.id],
+        )
+    return b.id, g.item_ids
+
+
+def _call(conn: psycopg.Connection, schema: str, function: str, *args: object) -> None:
+    conn.execute(
+        sql.SQL("SELECT * FROM {}({})").format(
+            sql.Identifier(schema, function), sql.SQL(", ").join(sql.Placeholder() * len(args))
+        ),
+        list(args),
+    )
+
+
+def _hold_batch_row(pg_dsn: str, schema: str, b: int) -> psycopg.Connection:
+    """Another transaction holding the batch row: a commit-time settle skips the batch."""
+    holder = psycopg.connect(pg_dsn)
+    holder.execute(
+        sql.SQL("SELECT 1 FROM {} WHERE id = %s FOR NO KEY UPDATE").format(sql.Identifier(schema, "batch")), [b]
+    )
+    return holder
+
+
+def _committed_claims(pg_dsn: str, schema: str, t: tracker.Tracker, conn: psycopg.Connection, b: int, ids: list[str]):
+    holder = _hold_batch_row(pg_dsn, schema, b)
+    try:
+        t.ack(conn, ids)  # claims: settled at commit only if the batch row is free, and it is not
+        conn.commit()
+    finally:
+        holder.rollback()
+        holder.close()
+
+
+def python_close(ctx) -> None:
+    ctx.t.ack(ctx.conn, ctx.ids, claims=False)
+    ctx.t.close_batch(ctx.conn, ctx.b)
+
+
+def python_bulk_ack(ctx) -> None:
+    ctx.t.close_batch(ctx.conn, ctx.b)
+    ctx.t.ack(ctx.conn, ctx.ids, claims=False)
+
+
+def acker_masks(ctx) -> None:
+    ctx.t.close_batch(ctx.conn, ctx.b)
+    ctx.t.apply_masks(ctx.conn, fold(ctx.ids))
+
+
+def claims_settled_at_commit(ctx) -> None:
+    ctx.t.close_batch(ctx.conn, ctx.b)
+    ctx.conn.commit()
+    ctx.t.ack(ctx.conn, ctx.ids)
+
+
+def claims_settled_by_settle(ctx) -> None:
+    ctx.t.close_batch(ctx.conn, ctx.b)
+    ctx.conn.commit()
+    _committed_claims(ctx.pg_dsn, ctx.schema, ctx.t, ctx.conn, ctx.b, ctx.ids)
+    assert tracker.settle(ctx.conn, [ctx.b], schema=ctx.schema).completed == [ctx.b]
+
+
+def claims_settled_by_close(ctx) -> None:
+    ctx.conn.commit()
+    _committed_claims(ctx.pg_dsn, ctx.schema, ctx.t, ctx.conn, ctx.b, ctx.ids)
+    assert ctx.t.close_batch(ctx.conn, ctx.b) is True
+
+
+def sql_close_batch(ctx) -> None:
+    _call(ctx.conn, ctx.schema, "ack", ctx.ids)
+    _call(ctx.conn, ctx.schema, "close_batch", ctx.b)
+
+
+def sql_ack(ctx) -> None:
+    _call(ctx.conn, ctx.schema, "close_batch", ctx.b)
+    _call(ctx.conn, ctx.schema, "ack", ctx.ids)
+
+
+def sql_ack_masks(ctx) -> None:
+    _call(ctx.conn, ctx.schema, "close_batch", ctx.b)
+    masks = fold(ctx.ids)
+    _call(
+        ctx.conn,
+        ctx.schema,
+        "ack_masks",
+        [b for b, _ in masks],
+        [g for _, g in masks],
+        [bytes(m.bits).hex() for m in masks.values()],
+    )
+
+
+def _http(backend: str, close_last: bool) -> Callable:
+    def path(ctx) -> None:
+        ctx.conn.commit()
+        with RunningServer(http_config(ctx.pg_dsn, ctx.schema, backend=backend), [TOKEN]) as s:
+            with httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as c:
+                if not close_last:
+                    assert c.post(f"/v1/batches/{ctx.b}/close").status_code == 200
+                r = c.post("/v1/acks", json={"ids": ctx.ids})
+                assert r.status_code == 200, r.text
+                if close_last:
+                    assert c.post(f"/v1/batches/{ctx.b}/close").json()["complete"] is True
+                else:
+                    assert r.json()["completed"] == [ctx.b]
+
+    path.__name__ = f"http_{backend}_{'close' if close_last else 'ack'}"
+    return path
+
+
+PATHS = [
+    python_close,
+    python_bulk_ack,
+    acker_masks,
+    claims_settled_at_commit,
+    claims_settled_by_settle,
+    claims_settled_by_close,
+    sql_close_batch,
+    sql_ack,
+    sql_ack_masks,
+    _http("tracker", close_last=True),
+    _http("tracker", close_last=False),
+    _http("sql", close_last=True),
+    _http("sql", close_last=False),
+]
+
+
+class Ctx:
+    def __init__(self, **kw: object) -> None:
+        self.__dict__.update(kw)
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "untraced"])
+@pytest.mark.parametrize("path", PATHS, ids=[p.__name__ for p in PATHS])
+def test_every_completion_path_writes_the_same_event(pg_dsn, schema, path, traced):
+    t = tracker.Tracker(schema=schema)
+    with psycopg.connect(pg_dsn) as conn:
+        b, ids = _open(conn, t, traced)
+        path(Ctx(conn=conn, t=t, b=b, ids=ids, schema=schema, pg_dsn=pg_dsn))
+        conn.commit()
+        rows = conn.execute(
+            sql.SQL(
+                "SELECT topic, convert_from(key, 'UTF8'), value, header_keys, header_values FROM {} "
+                "WHERE key = convert_to(%s, 'UTF8') ORDER BY id"
+            ).format(sql.Identifier(schema, "outbox")),
+            [str(b)],
+        ).fetchall()
+        batch = conn.execute(
+            sql.SQL("SELECT state, created_at, closed_at, completed_at FROM {} WHERE id = %s").format(
+                sql.Identifier(schema, "batch")
+            ),
+            [b],
+        ).fetchone()
+    assert batch is not None and batch[0] == "complete"
+    assert len(rows) == 1, rows  # exactly one completion event
+    topic, key, value, header_keys, header_values = rows[0]
+    assert (topic, key) == (TOPIC, str(b))
+    headers = list(zip(header_keys, [bytes(v).decode() for v in header_values]))
+    expected = [("batch-id", str(b))] + ([("traceparent", TRACEPARENT), ("tracestate", TRACESTATE)] if traced else [])
+    assert headers == expected
+    event = json.loads(bytes(value))
+    assert list(event) == ["batch_id", "user_key", "total", "opened_at", "closed_at", "completed_at"]
+    assert (event["batch_id"], event["user_key"], event["total"]) == (b, "uk-1", ITEMS)
+    stamps = [dt.datetime.fromisoformat(event[k]) for k in ("opened_at", "closed_at", "completed_at")]
+    assert stamps == list(batch[1:])

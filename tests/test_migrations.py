@@ -1,0 +1,199 @@
+"""Migrations as upgrades: a schema migrated by the chain this tree replaced (the numbered files
+that held function bodies, run by the migrator of that time, both read from git) and then by this
+tree ends exactly as a fresh one: the same function definitions, tables, indexes, constraints,
+triggers and privileges. A changed repeatable definition is applied again, and only it; a replaced
+file recorded with another checksum than the baseline names is drift."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from tracker import roles
+from tracker import schema as schema_mod
+
+REPO = Path(__file__).resolve().parents[1]
+# The last commit whose sql/ held the function bodies in numbered files.
+OLD_CHAIN = "c4a30f3"
+
+
+def _git(*args: str) -> bytes:
+    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, check=True).stdout
+
+
+@pytest.fixture(scope="module")
+def old_migrator(tmp_path_factory):
+    """The old chain's sql/ and its tracker/schema.py, from git, as a module migrating from them."""
+    try:
+        files = _git("ls-tree", "--name-only", OLD_CHAIN, "sql/").decode().split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip(f"needs the git history of this repository (commit {OLD_CHAIN})")
+    root = tmp_path_factory.mktemp("old-chain")
+    (root / "sql").mkdir()
+    (root / "tracker").mkdir()
+    for name in files:
+        if name.endswith(".sql"):
+            (root / name).write_bytes(_git("show", f"{OLD_CHAIN}:{name}"))
+    (root / "tracker" / "schema.py").write_bytes(_git("show", f"{OLD_CHAIN}:tracker/schema.py"))
+    spec = importlib.util.spec_from_file_location("old_chain_schema", root / "tracker" / "schema.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    assert [m.name for m in module.migrations()][-1] == "0015_batch_tenant.sql"
+    return module
+
+
+@pytest.fixture
+def schemas(pg_dsn) -> Iterator[list[str]]:
+    """Names for schemas of this test; they and their roles are dropped afterwards."""
+    names: list[str] = []
+    yield names
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for name in names:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+            for r in roles.ROLES:
+                role = roles.role_name(name, r)
+                if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role]).fetchone():
+                    conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+                    conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def _new(schemas: list[str]) -> str:
+    schemas.append(f"t_{uuid.uuid4().hex[:12]}")
+    return schemas[-1]
+
+
+def _state(conn: psycopg.Connection, schema: str) -> dict[str, list]:
+    """Everything migrate decides about a schema, its name replaced by SCHEMA and its roles' by ROLE_."""
+    queries = {
+        "functions": "SELECT p.oid::regprocedure::text, pg_get_functiondef(p.oid), p.prosecdef, p.proconfig::text,"
+        " coalesce(p.proacl::text, '') FROM pg_proc p WHERE p.pronamespace = %(s)s::regnamespace ORDER BY 1",
+        "columns": "SELECT table_name, column_name, data_type, is_nullable, coalesce(column_default, '')"
+        " FROM information_schema.columns WHERE table_schema = %(s)s ORDER BY 1, 2",
+        "relations": "SELECT c.relname, c.relkind, c.relpersistence, coalesce(c.reloptions::text, ''),"
+        " coalesce(c.relacl::text, '') FROM pg_class c WHERE c.relnamespace = %(s)s::regnamespace ORDER BY 1",
+        "indexes": "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = %(s)s ORDER BY 1",
+        "constraints": "SELECT t.relname, c.conname, pg_get_constraintdef(c.oid) FROM pg_constraint c"
+        " JOIN pg_class t ON t.oid = c.conrelid WHERE c.connamespace = %(s)s::regnamespace ORDER BY 1, 2",
+        "triggers": "SELECT tgname, pg_get_triggerdef(t.oid) FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid"
+        " WHERE c.relnamespace = %(s)s::regnamespace AND NOT t.tgisinternal ORDER BY 1",
+        "schema": "SELECT coalesce(nspacl::text, '') FROM pg_namespace WHERE nspname = %(s)s",
+    }
+
+    def norm(value: object) -> object:
+        return value.replace(f"{schema}_", "ROLE_").replace(schema, "SCHEMA") if isinstance(value, str) else value
+
+    return {
+        k: [tuple(norm(v) for v in row) for row in conn.execute(q, {"s": schema}).fetchall()]
+        for k, q in queries.items()
+    }
+
+
+def test_a_schema_migrated_by_the_old_chain_ends_as_a_fresh_one(pg_dsn, old_migrator, schemas):
+    old, fresh = _new(schemas), _new(schemas)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        assert len(old_migrator.migrate(conn, old)) == 13
+        roles.create(conn, old)  # the roles as granted then: the new functions are not theirs yet
+        before = _state(conn, old)
+        applied = schema_mod.migrate(conn, old)
+        # Nothing versioned runs again (0006 is at the baseline); every definition is (re)applied.
+        assert applied == [d.name for d in schema_mod.definitions()]
+        assert schema_mod.migrate(conn, old) == []
+        # The Python API's statements call the new event functions as the app's and the reaper's
+        # roles the moment the upgrade is done: migrate has granted them already.
+        for role in ("app", "reaper"):
+            assert conn.execute(
+                "SELECT has_function_privilege(%s, %s, 'EXECUTE')",
+                [roles.role_name(old, role), f'"{old}".completion_event("{old}".batch, text)'],
+            ).fetchone() == (True,)
+        roles.create(conn, old)  # `reaper migrate --roles create`, as every upgrade runs it
+        upgraded = _state(conn, old)
+
+        assert schema_mod.migrate(conn, fresh)[:3] == ["0001_outbox.sql", "0002_batches.sql", "0005_spark_fanout.sql"]
+        roles.create(conn, fresh)
+        assert _state(conn, fresh) == upgraded
+    # The upgrade did change something: the events' functions are new, the SQL paths' completions
+    # now carry the trace headers.
+    assert len(upgraded["functions"]) > len(before["functions"])
+    assert {r[0] for r in before["functions"]} < {r[0] for r in upgraded["functions"]}
+    assert [r[1] for r in upgraded["functions"] if r[0].startswith("SCHEMA.close_batch")] != [
+        r[1] for r in before["functions"] if r[0].startswith("SCHEMA.close_batch")
+    ]
+    # Tables and indexes were the old chain's already: the baseline added none.
+    for k in ("columns", "indexes", "constraints", "triggers"):
+        assert [r for r in upgraded[k] if "schema_definitions" not in str(r)] == before[k], k
+
+
+def test_the_old_chain_partly_applied_upgrades_too(pg_dsn, old_migrator, schemas, tmp_path):
+    """A schema the old chain took only to 0007 (an older release) gets the versioned files after it
+    and every definition, and ends as a fresh one."""
+    partial, fresh = _new(schemas), _new(schemas)
+    old_sql = Path(old_migrator.__file__).parents[1] / "sql"
+    early = tmp_path / "sql"
+    early.mkdir()
+    for path in sorted(old_sql.glob("*.sql"))[:5]:  # 0001, 0002, 0005, 0006, 0007
+        shutil.copy(path, early / path.name)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        assert schema_mod.migrate(conn, partial, early)[-1] == "0007_sql_functions.sql"
+        assert schema_mod.migrate(conn, partial)[:4] == [
+            "0008_ops.sql",
+            "0011_harvest_claim.sql",
+            "0013_http_idempotency.sql",
+            "0015_batch_tenant.sql",
+        ]
+        schema_mod.migrate(conn, fresh)
+        assert _state(conn, partial) == _state(conn, fresh)
+
+
+def test_a_replaced_file_with_another_checksum_is_drift(pg_dsn, old_migrator, schemas):
+    name = _new(schemas)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        old_migrator.migrate(conn, name)
+        table = sql.Identifier(name, "schema_migrations")
+        for version, pattern in (
+            (12, "0012 applied .* baseline 0006_baseline.sql"),
+            (6, "0006_baseline.sql was applied"),
+        ):
+            (checksum,) = conn.execute(
+                sql.SQL("SELECT checksum FROM {} WHERE version = %s").format(table), [version]
+            ).fetchone()
+            conn.execute(sql.SQL("UPDATE {} SET checksum = 'edited' WHERE version = %s").format(table), [version])
+            with pytest.raises(schema_mod.MigrationDrift, match=pattern):
+                schema_mod.migrate(conn, name)
+            conn.execute(sql.SQL("UPDATE {} SET checksum = %s WHERE version = %s").format(table), [checksum, version])
+        assert schema_mod.migrate(conn, name) == [d.name for d in schema_mod.definitions()]
+
+
+def test_a_changed_definition_is_applied_again_and_only_it(pg_dsn, schemas, tmp_path):
+    name = _new(schemas)
+    tree = tmp_path / "sql"
+    shutil.copytree(schema_mod._sql_dir(), tree, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        assert schema_mod.migrate(conn, name, tree)[-3:] == [d.name for d in schema_mod.definitions(tree)]
+        assert schema_mod.migrate(conn, name, tree) == []
+        events = tree / "R__events.sql"
+        events.write_text(
+            events.read_text().replace("'completed_at', b.completed_at)", "'completed_at', b.completed_at, 'v', 2)")
+        )
+        assert schema_mod.migrate(conn, name, tree) == ["R__events.sql"]
+        assert schema_mod.migrate(conn, name, tree) == []
+        (definition,) = conn.execute(
+            "SELECT pg_get_functiondef(%s::regprocedure)", [f'"{name}".completion_event("{name}".batch, text)']
+        ).fetchone()
+        assert "'v', 2" in definition
+        # PUBLIC gets EXECUTE on a function CREATE makes; migrate takes it away again after every run.
+        assert conn.execute(
+            "SELECT count(*) FROM pg_proc p WHERE p.pronamespace = %s::regnamespace"
+            " AND has_function_privilege('public', p.oid, 'EXECUTE')",
+            [name],
+        ).fetchone() == (0,)
