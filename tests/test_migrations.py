@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import os
 import subprocess
 import sys
 import uuid
@@ -36,6 +37,8 @@ def old_migrator(tmp_path_factory):
     try:
         files = _git("ls-tree", "--name-only", OLD_CHAIN, "sql/").decode().split()
     except (OSError, subprocess.CalledProcessError):
+        if os.environ.get("CI") == "true":  # CI runs in a clone: the history is there, or this is a failure
+            raise
         pytest.skip(f"needs the git history of this repository (commit {OLD_CHAIN})")
     root = tmp_path_factory.mktemp("old-chain")
     (root / "sql").mkdir()
