@@ -7,8 +7,8 @@ file recorded with another checksum than the baseline names is drift."""
 from __future__ import annotations
 
 import importlib.util
-import shutil
 import os
+import shutil
 import subprocess
 import sys
 import uuid
