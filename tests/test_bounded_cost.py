@@ -28,9 +28,7 @@ from test_tracker_support import completion_events, invariant_violations
 
 import tracker
 from tracker.errors import MalformedItemId, TooManyGroups
-from tracker.folding import GROUPS_PER_FOLD_MAX, fold_messages
-from tracker.ids import MASK_BYTES_MAX, _fold_each, fold
-from tracker.spark import _fold_partition
+from tracker.folding import GROUPS_PER_FOLD_MAX, MASK_BYTES_MAX, _fold_each, fold, fold_arrow, fold_messages
 
 # One past the limit: 4,097 groups whose masks would each take a whole KiB.
 OVER_LIMIT = GROUPS_PER_FOLD_MAX + 1
@@ -466,7 +464,7 @@ def test_the_spark_fold_emits_at_most_max_groups_masks_at_a_time_and_they_add_up
     rows = [f"{i}:0:{i % 8192}" for i in range(300)] + [f"{i}:1:0-{i}" for i in range(120)]
     rows += [",".join(f"{i}:2:5" for i in range(j, j + 20)) for j in range(0, 200, 20)]
     batches = [pa.RecordBatch.from_pydict({"item_id": rows[k : k + 64]}) for k in range(0, len(rows), 64)]
-    out = list(_fold_partition("item_id", max_groups=max_groups)(iter(batches)))
+    out = list(fold_arrow("item_id", max_groups=max_groups)(iter(batches)))
     assert len(out) >= (300 + 120 + 200) // (2 * max_groups)
     got: dict = {}
     for rb in out:

@@ -7,9 +7,8 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracker.folding import EntryFolder, fold_messages
+from tracker.folding import EntryFolder, fold_arrow, fold_messages
 from tracker.ids import fold
-from tracker.spark import _fold_partition
 
 valid = st.builds(lambda b, g, i: f"{b}:{g}:{i}", st.integers(0, 3), st.integers(0, 3), st.integers(0, 8191))
 runs = st.builds(
@@ -79,7 +78,7 @@ def test_spark_fold_matches_the_entry_fold(values, typ):
         )
         for k in range(0, len(values), 7)
     ]
-    (out,) = list(_fold_partition("ack")(iter(batches)))
+    (out,) = list(fold_arrow("ack")(iter(batches)))
     got: dict = {}
     for b, g, mask, n in zip(*(out.column(c).to_pylist() for c in ("batch_id", "group_id", "mask", "folded"))):
         if b is None:
@@ -135,7 +134,7 @@ def test_spark_fold_bigint_edges_and_binary_values_match_the_entry_fold():
     want, want_bad = _expected(edges, "malformed: not ASCII")
     for typ, vals in ((pa.string(), edges), (pa.binary(), [e.encode() for e in edges])):
         batch = pa.RecordBatch.from_pydict({"ack": vals}, schema=pa.schema([("ack", typ)]))
-        (out,) = list(_fold_partition("ack")(iter([batch])))
+        (out,) = list(fold_arrow("ack")(iter([batch])))
         got = {
             (b, g): (m.rstrip(b"\0"), n)
             for b, g, m, n in zip(*(out.column(c).to_pylist() for c in ("batch_id", "group_id", "mask", "folded")))

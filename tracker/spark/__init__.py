@@ -12,7 +12,7 @@ apply); stream.py: streaming acks and their progress; cluster.py: sessions and s
 tracker to executors. pyspark is imported only when a job runs.
 """
 
-from tracker.spark.acks import AckTotals, _fold_partition, _fold_single_ids, _max_index, _or_masks, ack_dataframe  # noqa: F401
+from tracker.spark.acks import AckTotals, ack_dataframe
 from tracker.spark.cluster import local_session, session, tracker_zip
 from tracker.spark.fanout import (  # noqa: F401
     MAX_CHUNKS,
