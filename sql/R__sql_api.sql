@@ -360,6 +360,10 @@ BEGIN
             RAISE EXCEPTION 'malformed item id %: % is not a non-negative decimal', quote_literal(entry), quote_literal(part)
                 USING ERRCODE = 'RT001', DETAIL = entry;
         END IF;
+        IF part ~ '^0[0-9]' THEN
+            RAISE EXCEPTION 'malformed item id %: a number in it has a leading zero (ids are written as plain decimals)',
+                quote_literal(entry) USING ERRCODE = 'RT001', DETAIL = entry;
+        END IF;
         IF length(part) > 19 OR part::numeric > 9223372036854775807 THEN
             RAISE EXCEPTION 'malformed item id %: id % is larger than 9223372036854775807', quote_literal(entry), left(part, 24)
                 USING ERRCODE = 'RT001', DETAIL = entry;
@@ -373,6 +377,10 @@ BEGIN
         IF part !~ '^[0-9]+$' THEN
             RAISE EXCEPTION 'malformed item id %: % is not a non-negative decimal', quote_literal(entry), quote_literal(part)
                 USING ERRCODE = 'RT001', DETAIL = entry;
+        END IF;
+        IF part ~ '^0[0-9]' THEN
+            RAISE EXCEPTION 'malformed item id %: a number in it has a leading zero (ids are written as plain decimals)',
+                quote_literal(entry) USING ERRCODE = 'RT001', DETAIL = entry;
         END IF;
         IF length(ltrim(part, '0')) > 4 OR coalesce(nullif(ltrim(part, '0'), ''), '0')::integer >= 8192 THEN
             RAISE EXCEPTION 'item id % is out of range: no group holds more than 8192 items', quote_literal(entry)
@@ -428,7 +436,7 @@ BEGIN
     ORDER BY t.ord LIMIT 1;
     IF FOUND THEN
         PERFORM ack_entry_error(bad);
-        -- ack_entry_error explains every misfit but one: a number written with a leading zero
+        -- ack_entry_error explains every misfit the pattern above finds; this is its backstop
         RAISE EXCEPTION 'malformed item id %: a number in it has a leading zero (ids are written as plain decimals)',
             quote_literal(bad) USING ERRCODE = 'RT001', DETAIL = bad;
     END IF;

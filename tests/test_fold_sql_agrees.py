@@ -113,27 +113,6 @@ class _Undo(Exception):
     """Rolls the savepoint back, carrying what was read inside it."""
 
 
-def _sql_says_out_of_range(entry: str) -> bool:
-    """The one known difference: an index written with a leading zero and past any group ('1:0:08192').
-    Python refuses it as malformed (a leading zero is malformed, whatever the number); the SQL ack
-    (migrations 0007/0012, checksummed) checks the range first and answers RT004. Same entry named."""
-    parts = entry.split(":")
-    if len(parts) != 3 or not all(p.isascii() and p.isdigit() and int(p) <= 2**63 - 1 for p in parts[:2]):
-        return False
-    for p in parts[2].split("-", 1):
-        if not (p.isascii() and p.isdigit()):
-            return False
-        if int(p) >= GROUP_BITS_MAX:
-            return p.startswith("0")
-    return False
-
-
-def _agree(got: tuple, want: tuple) -> None:
-    if want[0] == "refused" and want[1] == "RT001" and _sql_says_out_of_range(want[2]):
-        want = ("refused", "RT004", want[2])
-    assert got == want
-
-
 @_SETTINGS
 @given(entries=_entries)
 @example(entries=["B0:0:1", "B0:0:1", "B1:2:0-8191", "B0:0:7-9"])
@@ -141,10 +120,9 @@ def _agree(got: tuple, want: tuple) -> None:
 @example(entries=["B0:1:5-3", "B0:0:8192"])
 def test_python_and_sql_fold_the_same_ids_alike(conn, schema, batches, entries):
     entries = _fill(entries, batches)
-    _agree(_sql(conn, schema, entries), _python(entries))
+    assert _sql(conn, schema, entries) == _python(entries)
 
 
-@pytest.mark.xfail(strict=True, reason="the SQL ack reads the range of '08192' before its leading zero")
 def test_an_index_with_a_leading_zero_past_any_group_is_malformed_in_sql_too(conn, schema):
     assert _sql(conn, schema, ["1:0:08192"]) == ("refused", "RT001", "1:0:08192")
 
@@ -163,7 +141,7 @@ def test_each_entry_is_taken_or_refused_alike_by_the_acker_fold_and_sql(conn, sc
         assert got == ("ok", bits, sum(m.count for m in folder.masks.values()))
     else:
         want = "RT004" if reason.startswith("index out of range") else "RT001"
-        _agree(got, ("refused", want, entry))
+        assert got == ("refused", want, entry)
 
 
 # Near the bound: whole groups up to a little short of MASK_BYTES_MAX, then random entries that may
@@ -191,4 +169,4 @@ def test_python_and_sql_refuse_the_same_entry_past_the_mask_bound(conn, schema, 
     if py[0] == "ok":
         assert got[:2] == ("refused", "RT002")  # folded alike; then its batches are unknown
     else:
-        _agree(got, py)
+        assert got == py
