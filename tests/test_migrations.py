@@ -280,7 +280,7 @@ def test_a_migrate_killed_before_its_grants_is_repaired_by_the_next(pg_dsn, old_
         old_migrator.migrate(conn, name)
         roles.create(conn, name)
         real = schema_mod._privileges
-        monkeypatch.setattr(schema_mod, "_privileges", lambda *a: (_ for _ in ()).throw(SystemExit("killed")))
+        monkeypatch.setattr(schema_mod, "_privileges", lambda *a, **k: (_ for _ in ()).throw(SystemExit("killed")))
         with pytest.raises(SystemExit):
             schema_mod.migrate(conn, name)
         monkeypatch.setattr(schema_mod, "_privileges", real)
