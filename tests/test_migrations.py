@@ -11,6 +11,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+import tracker
 from tracker import roles
 from tracker import schema as schema_mod
 
@@ -200,3 +203,95 @@ def test_a_changed_definition_is_applied_again_and_only_it(pg_dsn, schemas, tmp_
             " AND has_function_privilege('public', p.oid, 'EXECUTE')",
             [name],
         ).fetchone() == (0,)
+
+
+def _old_chain_batch(conn: psycopg.Connection, schema: str, items: int = 2) -> list[str]:
+    """A closed batch of `items` items made through the old chain's SQL functions; its item ids."""
+    (b,) = conn.execute(sql.SQL("SELECT {}()").format(sql.Identifier(schema, "open_batch"))).fetchone()
+    groups = conn.execute(sql.SQL("SELECT * FROM {}(%s, %s)").format(sql.Identifier(schema, "add_items")), [b, items])
+    ids = [f"{bid}:{gid}:{i}" for bid, gid, start, upto in groups.fetchall() for i in range(start, upto)]
+    conn.execute(sql.SQL("SELECT {}(%s)").format(sql.Identifier(schema, "close_batch")), [b])
+    return ids
+
+
+def test_an_upgrade_never_leaves_live_acks_between_two_definitions(pg_dsn, old_migrator, schemas):
+    """While `reaper migrate` upgrades a running system, a consumer's ack that completes a batch
+    commits: it never meets R__ack_claims.sql's ack_settle (which calls completion_event) committed
+    before R__events.sql's completion_event. Here the upgrade is held between the two definitions
+    (someone holds the row it records R__events.sql under); a kill there leaves the same state."""
+    name = _new(schemas)
+    with psycopg.connect(pg_dsn, autocommit=True) as setup:
+        old_migrator.migrate(setup, name)
+        ids = _old_chain_batch(setup, name)
+    holder = psycopg.connect(pg_dsn)
+    migrator = psycopg.connect(pg_dsn, autocommit=True)
+    done: list[object] = []
+    try:
+        schema_mod._bookkeeping(holder, name)
+        holder.commit()
+        holder.execute(
+            sql.SQL("INSERT INTO {} (name, checksum) VALUES ('R__events.sql', 'held')").format(
+                sql.Identifier(name, "schema_definitions")
+            )
+        )
+        worker = threading.Thread(target=lambda: done.append(_try(schema_mod.migrate, migrator, name)))
+        worker.start()
+        pid = migrator.info.backend_pid
+        with psycopg.connect(pg_dsn, autocommit=True) as watch:
+            deadline = time.monotonic() + 20
+            while not watch.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'", [pid]
+            ).fetchone():
+                assert time.monotonic() < deadline and worker.is_alive(), done
+                time.sleep(0.05)
+        # The upgrade waits now. A consumer acks the last items of a closed batch and commits.
+        t = tracker.Tracker(schema=name)
+        with psycopg.connect(pg_dsn) as consumer:
+            t.ack(consumer, ids)
+            consumer.commit()  # the commit-time settle completes the batch and writes its event
+            (events,) = consumer.execute(
+                sql.SQL("SELECT count(*) FROM {} WHERE topic = 'batch-completions'").format(
+                    sql.Identifier(name, "outbox")
+                )
+            ).fetchone()
+        assert events == 1
+    finally:
+        holder.rollback()
+        holder.close()
+        worker.join(30)
+        migrator.close()
+    assert done and not isinstance(done[0], BaseException), done
+
+
+def _try(f, *args):
+    try:
+        return f(*args)
+    except BaseException as exc:  # reported by the test, not lost in the thread
+        return exc
+
+
+def test_a_migrate_killed_before_its_grants_is_repaired_by_the_next(pg_dsn, old_migrator, schemas, monkeypatch):
+    """A migrate that dies after committing the new functions (each CREATE gives PUBLIC EXECUTE, and
+    the app's and reaper's roles have no EXECUTE on the new ones) must not leave them so: the next
+    migrate, which finds nothing to apply, still may not let PUBLIC run a SECURITY DEFINER function
+    such as ack(), and the app's role must be able to complete batches."""
+    name = _new(schemas)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        old_migrator.migrate(conn, name)
+        roles.create(conn, name)
+        real = schema_mod._privileges
+        monkeypatch.setattr(schema_mod, "_privileges", lambda *a, **k: (_ for _ in ()).throw(SystemExit("killed")))
+        with pytest.raises(SystemExit):
+            schema_mod.migrate(conn, name)
+        monkeypatch.setattr(schema_mod, "_privileges", real)
+        schema_mod.migrate(conn, name)  # the operator runs it again
+        public = conn.execute(
+            "SELECT array_agg(p.proname ORDER BY p.proname) FROM pg_proc p WHERE p.pronamespace = %s::regnamespace"
+            " AND has_function_privilege('public', p.oid, 'EXECUTE')",
+            [name],
+        ).fetchone()
+        assert public == (None,)
+        assert conn.execute(
+            "SELECT has_function_privilege(%s, %s, 'EXECUTE')",
+            [roles.role_name(name, "app"), f'"{name}".completion_event("{name}".batch, text)'],
+        ).fetchone() == (True,)

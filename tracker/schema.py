@@ -206,31 +206,44 @@ def _bookkeeping(conn: psycopg.Connection, schema: str) -> None:
 
 def _next(
     conn: psycopg.Connection, schema: str, wanted: list[Migration], defs: list[Definition]
-) -> Migration | Definition | None:
-    """What to apply next: the first versioned migration not applied, else the first definition
-    whose text is not the one applied last, else None."""
+) -> Migration | list[Definition]:
+    """What to apply next: the first versioned migration not applied, else every definition whose
+    text is not the one applied last (all of them together: one may call another's function, so
+    the schema never shows some new definitions without the others)."""
     done = applied(conn, schema)
     _check_drift(schema, wanted, done)
     todo = next((m for m in wanted if m.version not in done), None)
     if todo is not None:
         return todo
     defined = applied_definitions(conn, schema)
-    return next((d for d in defs if defined.get(d.name) != d.checksum), None)
+    return [d for d in defs if defined.get(d.name) != d.checksum]
 
 
-def _privileges(conn: psycopg.Connection, schema: str) -> None:
-    # PUBLIC's EXECUTE comes back with every new function: taken away after each run (a per-schema
-    # default privilege would not do it). The roles that run every function get the new ones.
+def _privileges(conn: psycopg.Connection, schema: str, *, only_if_needed: bool = False) -> None:
+    # PUBLIC's EXECUTE comes back with every new function: taken away in the transaction that made
+    # it (a per-schema default privilege would not do it). The roles that run every function get
+    # the new ones. only_if_needed: change nothing (no catalog write) when that holds already.
     s = sql.Identifier(schema)
-    conn.execute(sql.SQL("REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA {} FROM PUBLIC").format(s))
     names = [role_name(schema, r) for r in EVERY_FUNCTION_ROLES]
-    for (role,) in conn.execute("SELECT rolname FROM pg_roles WHERE rolname = ANY(%s) ORDER BY 1", [names]):
+    roles = [r for (r,) in conn.execute("SELECT rolname FROM pg_roles WHERE rolname = ANY(%s) ORDER BY 1", [names])]
+    if only_if_needed:
+        row = conn.execute(
+            "SELECT EXISTS (SELECT FROM pg_proc p WHERE p.pronamespace = %s::regnamespace"
+            " AND (has_function_privilege('public', p.oid, 'EXECUTE')"
+            " OR EXISTS (SELECT FROM unnest(%s::text[]) r WHERE NOT has_function_privilege(r, p.oid, 'EXECUTE'))))",
+            [f'"{schema}"', roles],
+        ).fetchone()
+        if row == (False,):
+            return
+    conn.execute(sql.SQL("REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA {} FROM PUBLIC").format(s))
+    for role in roles:
         conn.execute(sql.SQL("GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {} TO {}").format(s, sql.Identifier(role)))
 
 
 def migrate(dsn_or_conn: str | psycopg.Connection, schema: str, directory: Path | None = None) -> list[str]:
     """Apply pending migrations to `schema`, each in a transaction of its own, then the changed
-    definitions, each in a transaction of its own; return the names applied.
+    definitions, all in one transaction; return the names applied. Every transaction also takes
+    EXECUTE on the schema's functions from PUBLIC and grants it to the app's and reaper's roles.
 
     Every transaction first takes a transaction-level advisory lock on the schema
     (pg_advisory_xact_lock), then re-reads what is applied and checks checksums. A session lock
@@ -261,28 +274,31 @@ def migrate(dsn_or_conn: str | psycopg.Connection, schema: str, directory: Path 
                 if not names:
                     _bookkeeping(conn, schema)
                 todo = _next(conn, schema, wanted, defs)
-                if todo is None:
-                    if names:
-                        _privileges(conn, schema)
+                items = [todo] if isinstance(todo, Migration) else todo
+                for item in items:
+                    conn.execute(_path(conn, schema, item))
+                    conn.execute(item.text)
+                    if isinstance(item, Migration):
+                        conn.execute(
+                            sql.SQL("INSERT INTO {} (version, name, checksum) VALUES (%s, %s, %s)").format(
+                                qualified(schema, MIGRATIONS_TABLE)
+                            ),
+                            [item.version, item.name, item.checksum],
+                        )
+                    else:
+                        conn.execute(
+                            sql.SQL(
+                                "INSERT INTO {} (name, checksum) VALUES (%s, %s) "
+                                "ON CONFLICT (name) DO UPDATE SET checksum = excluded.checksum, applied_at = now()"
+                            ).format(qualified(schema, DEFINITIONS_TABLE)),
+                            [item.name, item.checksum],
+                        )
+                # In the same transaction as what it applied (a kill between the two would leave
+                # PUBLIC its EXECUTE), and on every run (repairing one that died before this line).
+                _privileges(conn, schema, only_if_needed=not items)
+                if not items:
                     return names
-                conn.execute(_path(conn, schema, todo))
-                conn.execute(todo.text)
-                if isinstance(todo, Migration):
-                    conn.execute(
-                        sql.SQL("INSERT INTO {} (version, name, checksum) VALUES (%s, %s, %s)").format(
-                            qualified(schema, MIGRATIONS_TABLE)
-                        ),
-                        [todo.version, todo.name, todo.checksum],
-                    )
-                else:
-                    conn.execute(
-                        sql.SQL(
-                            "INSERT INTO {} (name, checksum) VALUES (%s, %s) "
-                            "ON CONFLICT (name) DO UPDATE SET checksum = excluded.checksum, applied_at = now()"
-                        ).format(qualified(schema, DEFINITIONS_TABLE)),
-                        [todo.name, todo.checksum],
-                    )
-            names.append(todo.name)
+            names.extend(item.name for item in items)
     finally:
         conn.prepare_threshold = threshold
         if own:
