@@ -68,3 +68,14 @@ def test_acker_poll_timeout_must_be_positive(value):
     with pytest.raises(config.ConfigError) as err:
         config.load(environ={"REAPER_ACKER__POLL_TIMEOUT": value})
     assert err.value.key == "acker.poll_timeout" and repr(value) in str(err.value)
+
+
+def test_a_nested_kafka_mapping_is_refused_at_load_naming_the_dotted_key(tmp_path: Path):
+    # `sasl: {password: ...}` is how YAML would spell sasl.password; librdkafka knows only the dotted
+    # names, so it used to pass the configuration and fail when the first client was made (exit 1).
+    path = tmp_path / "reaper.yaml"
+    path.write_text("kafka:\n  client:\n    sasl:\n      password: kafka-s3cret\n")
+    with pytest.raises(config.ConfigError) as err:
+        config.load(path, environ={})
+    assert err.value.key == "kafka.client.sasl", err.value
+    assert "sasl.password" in str(err.value) and "kafka-s3cret" not in str(err.value), err.value
