@@ -661,7 +661,14 @@ def _check_relations(cfg: Config) -> None:
                     "per-key order across failures; remove this setting",
                 )
     for section in ("client", "producer", "consumer"):
-        for k in getattr(cfg.kafka, section):
+        for k, v in getattr(cfg.kafka, section).items():
+            if isinstance(v, (Mapping, list)):
+                inner = f"{k}.{next(iter(v))}" if isinstance(v, Mapping) and v else f"{k}.<name>"
+                raise ConfigError(
+                    f"kafka.{section}.{k}",
+                    f"librdkafka settings are single values under their dotted names (e.g. {inner}: ...), "
+                    "not nested mappings or lists",
+                )
             if k in RESERVED_KAFKA:
                 raise ConfigError(
                     f"kafka.{section}.{k}",
