@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict, get_origin, get_type_hints
 
+import psycopg
 import yaml
+from psycopg.conninfo import conninfo_to_dict
 
 from tracker.errors import InvalidIdentifier
 from tracker.schema import check_identifier
@@ -223,7 +225,7 @@ class AckerConfig:
     group: str = key("reaper-acker", "consumer group of the ackers")
     dead_letter_topic: str = key("acks-dead-letter", "rejected acks go here with the reason", check=TOPIC)
     max_poll_records: int = key(100000, "acks folded into one round of masked UPDATEs", **POSITIVE)
-    poll_timeout: float = key(0.2, "seconds one poll waits for ack messages")
+    poll_timeout: float = key(0.2, "seconds one poll waits for ack messages", **POSITIVE)
 
 
 @dataclass
@@ -262,7 +264,7 @@ class MetricsConfig:
     port: int = key(9400, "port of /metrics, /healthz and /readyz (0 = any free port)", ge=0, le=65535)
     prefix: str = key(
         "reaper",
-        "prefix of the harvester's metric names",
+        "prefix of every metric name the sidecar exports (harvester, acker, settler, sweeper, tracker calls, `reaper serve`)",
         check=Check(
             "metric name: A-Z a-z 0-9 _, not starting with a digit",
             r"[a-zA-Z_][a-zA-Z0-9_]*",
@@ -563,6 +565,13 @@ def _apply(section_obj: Any, section: str, values: Mapping[str, Any]) -> None:
         setattr(section_obj, name, value)
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong and where, without the offending line: it may hold a password."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or type(exc).__name__
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
+
+
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     mappings = {(s.section, s.name) for s in settings() if s.is_mapping}
     out: dict[str, dict[str, Any]] = {}
@@ -595,7 +604,7 @@ def load(
         except FileNotFoundError:
             raise ConfigError("--config", f"file not found: {path}") from None
         except yaml.YAMLError as exc:
-            raise ConfigError("--config", f"{path} is not valid YAML: {exc}") from None
+            raise ConfigError("--config", f"{path} is not valid YAML: {_yaml_problem(exc)}") from None
         if not isinstance(data, Mapping):
             raise ConfigError("--config", f"{path} must hold a mapping of sections")
         layers.append(data)
@@ -652,7 +661,14 @@ def _check_relations(cfg: Config) -> None:
                     "per-key order across failures; remove this setting",
                 )
     for section in ("client", "producer", "consumer"):
-        for k in getattr(cfg.kafka, section):
+        for k, v in getattr(cfg.kafka, section).items():
+            if isinstance(v, (Mapping, list)):
+                inner = f"{k}.{next(iter(v))}" if isinstance(v, Mapping) and v else f"{k}.<name>"
+                raise ConfigError(
+                    f"kafka.{section}.{k}",
+                    f"librdkafka settings are single values under their dotted names (e.g. {inner}: ...), "
+                    "not nested mappings or lists",
+                )
             if k in RESERVED_KAFKA:
                 raise ConfigError(
                     f"kafka.{section}.{k}",
@@ -715,8 +731,13 @@ def units(cfg: Config) -> list[UnitSpec]:
             except (InvalidIdentifier, TypeError) as exc:
                 raise ConfigError(f"{key}.{what}", str(exc)) from None
         dsn = entry.get("dsn", db.dsn)
+        dsn_key = f"{key}.dsn" if "dsn" in entry else "database.dsn"
         if not isinstance(dsn, str) or not dsn:
-            raise ConfigError(f"{key}.dsn", "must be a non-empty libpq URI or key=value string")
+            raise ConfigError(dsn_key, "must be a non-empty libpq URI or key=value string")
+        try:
+            conninfo_to_dict(dsn)
+        except psycopg.Error as exc:
+            raise ConfigError(dsn_key, f"not a libpq URI or key=value string: {redact_dsn(str(exc)).strip()}") from None
         lanes = entry.get("lanes", 1)
         if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
             lanes_key = "harvester.lanes" if not h.outboxes else f"{key}.lanes"
