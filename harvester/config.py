@@ -6,18 +6,16 @@ Every key has a default; `REAPER_<SECTION>__<KEY>` overrides `<section>.<key>` (
 `sasl.password`). A bad value fails at start with a ConfigError naming the key and the value.
 
 The schema is written once, below: each key is a dataclass field whose type and default are the
-field's, and whose rule (description, bounds, allowed values, secrecy) is `key(...)`'s metadata.
-Coercion, the per-key checks, the environment-variable names, the redaction of secrets and the
+field's, and whose rule (description, bounds, allowed values, secrecy) is `key(...)`'s metadata
+(the vocabulary is harvester.config_schema). Coercion, the per-key checks, the environment-variable names, the redaction of secrets and the
 configuration reference (deploy/config_reference.py) are all derived from it. Checks that relate
 two keys are written out in `_check_relations`.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -29,10 +27,19 @@ import psycopg
 import yaml
 from psycopg.conninfo import conninfo_to_dict
 
+from harvester.config_schema import (  # noqa: F401  (ConfigError, redact, redact_dsn: importers use them from here)
+    ENV_PREFIX,
+    TOPIC,
+    Check,
+    ConfigError,
+    Rule,
+    Setting,
+    key,
+    redact,
+    redact_dsn,
+)
 from tracker.errors import InvalidIdentifier
 from tracker.schema import check_identifier
-
-ENV_PREFIX = "REAPER_"
 
 # Producer settings the harvester's per-key ordering rests on; configuration may not change them.
 REQUIRED_PRODUCER = {
@@ -45,66 +52,6 @@ RESERVED_KAFKA = ("bootstrap.servers", "group.id", "on_delivery", "error_cb", "o
 
 MAX_LANES = 64
 MAX_UNITS = 256
-
-
-class ConfigError(ValueError):
-    def __init__(self, key: str, message: str) -> None:
-        self.key = key
-        super().__init__(f"configuration key {key!r}: {message}")
-
-
-# ------------------------------------------------------------------ the schema's vocabulary
-
-
-@dataclass(frozen=True)
-class Check:
-    """A rule for a text key: it must fully match `regex` (or be a plain SQL identifier, when
-    `identifier` names what it is); `optional`: the empty string is allowed too (= off)."""
-
-    allowed: str  # how the configuration reference describes the rule
-    regex: str = ""
-    refusal: str = ""  # the message when it does not match; {value!r} is the value
-    identifier: str = ""
-    optional: bool = False
-
-    def problem(self, value: str) -> str | None:
-        if self.optional and value == "":
-            return None
-        if self.identifier:
-            try:
-                check_identifier(value, self.identifier)
-            except InvalidIdentifier as exc:
-                return str(exc)
-            return None
-        if not re.fullmatch(self.regex, value):
-            return self.refusal.format(value=value)
-        return None
-
-
-TOPIC = Check("Kafka topic name", r"[A-Za-z0-9._-]{1,249}", "{value!r} is not a valid Kafka topic name")
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What a key's field does not say itself: its description, bounds, allowed values, secrecy."""
-
-    doc: str
-    gt: float | None = None  # numbers: value > gt
-    ge: float | None = None  # value >= ge
-    le: float | None = None  # value <= le
-    note: str = ""  # what a boundary value means, e.g. "0 = off"
-    choices: tuple[str, ...] = ()  # text: one of these
-    ignore_case: bool = False  # ... in any case
-    check: Check | None = None  # text: a pattern or identifier
-    secret: bool = False  # hidden in logs, error messages and `redacted()` (passwords in DSNs always are)
-
-
-def key(default: Any, doc: str, **rule: Any) -> Any:
-    """A configuration key: a dataclass field with its default and its Rule."""
-    meta = {"rule": Rule(doc, **rule)}
-    if isinstance(default, (dict, list)):
-        return field(default_factory=functools.partial(copy.deepcopy, default), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 # ------------------------------------------------------------------ the schema
@@ -361,140 +308,6 @@ class Config:
 # ------------------------------------------------------------------ what the schema derives
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One key of the schema, as everything derived from it sees it."""
-
-    section: str
-    name: str
-    kind: type  # bool, int, float, str, dict (librdkafka pass-through) or list
-    default: Any
-    rule: Rule
-
-    @property
-    def dotted(self) -> str:
-        return f"{self.section}.{self.name}"
-
-    @property
-    def env(self) -> str:
-        """Its environment variable; a mapping takes one per entry: `<env>__<NAME>`."""
-        return f"{ENV_PREFIX}{self.section.upper()}__{self.name.upper()}"
-
-    @property
-    def is_mapping(self) -> bool:
-        return self.kind is dict
-
-    @property
-    def bounds(self) -> str:
-        r = self.rule
-        if r.ge is not None and r.le is not None:
-            return f"from {_num(r.ge)} to {_num(r.le)}"
-        parts = [f"{op} {_num(v)}" for op, v in ((">", r.gt), (">=", r.ge), ("<=", r.le)) if v is not None]
-        return " and ".join(parts)
-
-    @property
-    def kind_word(self) -> str:
-        return _KIND_WORDS[self.kind]
-
-    @property
-    def allowed(self) -> str:
-        """The rule in words, for the configuration reference."""
-        r = self.rule
-        words = [
-            _KIND_WORDS[self.kind] + (f" {self.bounds}" if self.bounds else "") + (f" ({r.note})" if r.note else "")
-        ]
-        if r.choices:
-            words.append(", ".join(r.choices))
-        if r.check is not None:
-            words.append(r.check.allowed)
-        if r.secret:
-            words.append("secret: hidden in logs")
-        return "; ".join(words)
-
-    def shown(self, value: Any) -> str:
-        """The value for an error message: as written, unless it is secret."""
-        return repr(self.redact(value))
-
-    def redact(self, value: Any) -> Any:
-        if self.rule.secret:
-            return "***" if value else value
-        if isinstance(value, str):
-            return redact_dsn(value)
-        return redact(self.dotted, value)  # mappings and lists: by the names of their entries
-
-    def coerce(self, value: Any) -> Any:
-        """The value as written (YAML scalar, environment text, Python value) as this key's type."""
-        kind, wrong = self.kind, f"expected {self.kind.__name__}, got {self.shown(value)}"
-        if kind is bool:
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-        elif kind is int and not isinstance(value, bool):
-            if isinstance(value, int):
-                return value
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            if isinstance(value, str):  # from the environment: "2" is 2, "2.7" is refused
-                try:
-                    return int(value)
-                except ValueError:
-                    pass
-        elif kind is float and not isinstance(value, bool):
-            if isinstance(value, (int, float)):
-                return float(value)
-            if isinstance(value, str):
-                try:
-                    return float(value)
-                except ValueError:
-                    pass
-        elif kind is str:
-            if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-                return str(value)
-        elif kind is dict:
-            if isinstance(value, Mapping):
-                return {str(k): v for k, v in value.items()}
-        elif kind is list:
-            if isinstance(value, str):  # from the environment: a YAML (or JSON) list
-                try:
-                    value = yaml.safe_load(value)
-                except yaml.YAMLError:
-                    raise ConfigError(self.dotted, f"{wrong}: not valid YAML") from None
-            if isinstance(value, list):
-                return list(value)
-        raise ConfigError(self.dotted, wrong)
-
-    def check(self, value: Any, written: Any = None) -> None:
-        """Raise ConfigError when `value` (coerced) breaks this key's rule; name it as `written`."""
-        r, shown = self.rule, self.shown(value if written is None else written)
-        if self.kind is float and not math.isfinite(value):
-            raise ConfigError(self.dotted, f"must be a finite number, got {shown}")
-        if self.kind in (int, float) and (
-            (r.gt is not None and not value > r.gt)
-            or (r.ge is not None and not value >= r.ge)
-            or (r.le is not None and not value <= r.le)
-        ):
-            note = f" ({r.note})" if r.note else ""
-            raise ConfigError(self.dotted, f"must be {self.bounds}{note}, got {shown}")
-        if r.choices and (value.lower() if r.ignore_case else value) not in r.choices:
-            *head, last = r.choices
-            raise ConfigError(self.dotted, f"{shown}: use {', '.join(head)} or {last}")
-        if r.check is not None:
-            problem = r.check.problem(value)
-            if problem is not None:
-                raise ConfigError(self.dotted, problem)
-
-
-_KIND_WORDS = {bool: "true or false", int: "integer", float: "number", str: "text", dict: "mapping", list: "list"}
-
-
-def _num(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else str(value)
-
-
 @functools.cache
 def settings() -> tuple[Setting, ...]:
     """Every configuration key, in the order of the sections and their fields."""
@@ -514,30 +327,6 @@ def sections() -> dict[str, dict[str, Setting]]:
     for s in settings():
         out.setdefault(s.section, {})[s.name] = s
     return out
-
-
-# ------------------------------------------------------------------ secrets
-
-_SECRET = re.compile(r"(password|secret|token|credential|sasl\.jaas|ssl\.key)", re.I)
-
-
-def redact(key: str, value: Any) -> Any:
-    """Hide secrets in free-form values (librdkafka settings, outbox entries): values of
-    secret-looking keys, and passwords inside DSNs."""
-    if isinstance(value, str):
-        if _SECRET.search(key):
-            return "***"
-        return redact_dsn(value)
-    if isinstance(value, Mapping):
-        return {k: redact(f"{key}.{k}", v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [redact(f"{key}[{i}]", v) for i, v in enumerate(value)]
-    return value
-
-
-def redact_dsn(text: str) -> str:
-    text = re.sub(r"(://[^:/@\s]+:)[^@\s]*@", r"\1***@", text)
-    return re.sub(r"(password\s*=\s*)('[^']*'|\S+)", r"\1***", text, flags=re.I)
 
 
 def redacted(cfg: Config) -> dict[str, dict[str, Any]]:
