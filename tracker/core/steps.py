@@ -69,4 +69,3 @@ Op = Generator[Step, Any, T]
 def one(sql: str, params: Params = None, *, last: bool = False) -> Round:
     """A round trip of one query whose single row (or None) is wanted."""
     return Round((Query(sql, params, "one"),), last)
-
