@@ -175,3 +175,15 @@ def test_the_module_map_lists_every_module_and_nothing_else() -> None:
         present.add(rel[: -len("__init__.py")] if path.name == "__init__.py" else rel)
     assert sorted(set(listed) - present) == [], "listed in docs/architecture.md but not in the tree"
     assert sorted(present - set(listed)) == [], "in the tree but missing from docs/architecture.md's map"
+
+
+def test_every_package_ships_in_the_distribution() -> None:
+    """pyproject.toml names its packages one by one: a new folder missing there would be left out of
+    the wheel while every test, run from the checkout, still passed."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    present = {
+        module_name(ROOT, p.parent / "__init__.py") for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")
+    }
+    assert sorted(present - listed) == []

@@ -12,6 +12,10 @@
 
 Module-level functions use a default `AsyncTracker()` (schema "reaper"); build your own
 `AsyncTracker(schema=..., outbox_table=..., completion_topic=...)` for anything else.
+
+The region marked below is also the sync face (tracker/sync.py is generated from it by
+deploy/async_to_sync.py): methods, parameters and docstrings are written once, here. What differs
+between the faces is written by hand above the region in each file.
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ from typing import TypeVar
 import psycopg
 
 from tracker.config import DEFAULT_SCHEMA
-from tracker.consumer import Processed
-from tracker.core.acks import AckResult
+from tracker.core.acks import AckResult, Processed
 from tracker.core.batches import Batch, BatchStatus, GroupHandle
+from tracker.core.enqueue import Headers, KeyArg
 from tracker.core.operations import ItemIds, TrackerCore
 from tracker.core.steps import Op
 from tracker.core.validate import id_list
@@ -36,7 +40,6 @@ from tracker.drivers import async_asyncpg as apgdriver
 from tracker.drivers import async_psycopg as adriver
 from tracker.drivers.connections import AsyncSession, async_connection
 from tracker.ids import GroupMask, fold
-from tracker.outbox import Headers, KeyArg
 
 # Acks of up to this many entries fold on the event loop (well under a millisecond); larger ones in
 # a thread.
@@ -53,18 +56,39 @@ async def _run(session: AsyncSession, op: Op[T], effect: Callable[[], Awaitable[
     return await apgdriver.run(conn, op, effect=effect)
 
 
+async def _fold(entries: list[str | bytes]) -> dict[tuple[int, int], GroupMask]:
+    # Folding a large ack is CPU work: done in a thread, so it never holds up the event loop.
+    return await asyncio.to_thread(fold, entries) if len(entries) > _FOLD_ON_LOOP_MAX else fold(entries)
+
+
+def _effect_call(effect: AsyncEffect[T], session: AsyncSession) -> Callable[[], Awaitable[object]]:
+    """`effect(session)`, awaited if it returns an awaitable (a coroutine function)."""
+
+    async def call() -> object:
+        value = effect(session)
+        return await value if inspect.isawaitable(value) else value
+
+    return call
+
+
+# <async face>
 class AsyncTracker(TrackerCore):
-    """Fan-out tracking for one schema and outbox table, for asyncio. Holds no connection."""
+    """Fan-out tracking for one schema and outbox table. Holds no connection: one tracker serves
+    every session (and thread)."""
 
     async def open_batch(
         self, session: AsyncSession, *, user_key: str | None = None, completion_topic: str | None = None
     ) -> Batch:
+        """Open a batch. Items are added by `enqueue` or `add_items`; `close_batch` closes it.
+        `user_key` comes back in the completion event; `completion_topic` overrides the tracker's."""
         op = self._open_op(user_key, completion_topic)
         batch = await _run(session, op)
         self._count_open()
         return batch
 
     async def add_items(self, session: AsyncSession, batch: Batch | int, n: int) -> list[GroupHandle]:
+        """Track `n` items without writing messages (for producers that publish elsewhere).
+        Returns the groups holding them, in item order."""
         op = self._add_op(batch, n)
         return await _run(session, op)
 
@@ -78,25 +102,42 @@ class AsyncTracker(TrackerCore):
         key: KeyArg = None,
         headers: Headers = None,
     ) -> list[GroupHandle]:
+        """Write one outbox message per item on `topic` and track the items in `batch`.
+
+        Items are bytes, str, JSON-serialisable values, or `Message(value, key=, headers=)` for a
+        per-item key and headers. `key` is the default key (or a function of the item giving it);
+        `headers` are added to every message. Returns the groups holding the items, in item order.
+        """
         op = self._enqueue_op(batch, items, topic, key, headers)
         return await _run(session, op)
 
     async def close_batch(self, session: AsyncSession, batch: Batch | int) -> bool:
+        """Close the batch: no more items. Returns whether it is complete (now or already).
+        Closing a closed or complete batch changes nothing; an expired one raises BatchExpired."""
         op = self._close_op(batch)
         complete, closed_now = await _run(session, op)
         self._count_close(complete, closed_now)
         return complete
 
     async def status(self, session: AsyncSession, batch: Batch | int) -> BatchStatus:
+        """The batch's state and counts, as this transaction sees them."""
         return await _run(session, self._status_op(batch))
 
     async def ack(self, session: AsyncSession, item_ids: ItemIds, *, claims: bool = True) -> AckResult:
-        """`Tracker.ack` for asyncio (claims, or with claims=False the masked path)."""
+        """Ack item ids (and runs '<b>:<g>:<start>-<end>') in the caller's transaction, as claims
+        (tracker/core/acks.py): no batch lock is held; bits, counts and completion change at commit.
+        A call of more than `tracker.core.acks.CLAIMS_PER_CALL_MAX` (1000) ids is a bulk ack: masked
+        updates under the batch row locks, applied at once, `completed` filled. `claims=False`
+        takes that path for any call: for a short transaction of your own (a request handler that
+        commits at once) that wants `completed` reported exactly; it holds the acked batches' row
+        locks until you commit.
+
+        Raises MalformedItemId, UnknownBatch, UnknownGroup, IndexOutOfRange or BatchExpired naming
+        the offending entry as written; then nothing of the call was applied.
+        """
         started = time.perf_counter()
         entries = id_list(item_ids)
-        # Folding a large ack is CPU work: done in a thread, so it never holds up the event loop.
-        masks = await asyncio.to_thread(fold, entries) if len(entries) > _FOLD_ON_LOOP_MAX else fold(entries)
-        op = self._ack_folded_op(entries, masks, claims)
+        op = self._ack_op(entries, await _fold(entries), claims)
         result = await _run(session, op)
         self._count_ack(result, started)
         return result
@@ -109,6 +150,10 @@ class AsyncTracker(TrackerCore):
         reject_invalid: bool = False,
         skip_locked: bool = False,
     ) -> AckResult:
+        """Apply folded masks (`tracker.fold`): bulk acks. reject_invalid=True leaves out unknown
+        batches/groups and out-of-range indexes and returns them in `rejected`. Locks the named
+        batch rows until the caller commits (for short transactions: the acker, Spark);
+        skip_locked=True returns the masks of batches held elsewhere in `skipped` instead."""
         started = time.perf_counter()
         op = self._apply_op(masks, reject_invalid, skip_locked)
         result = await _run(session, op)
@@ -116,22 +161,21 @@ class AsyncTracker(TrackerCore):
         return result
 
     async def exactly_once(self, session: AsyncSession, item_id: str | bytes, effect: AsyncEffect[T]) -> Processed[T]:
-        """`Tracker.exactly_once` for asyncio: `effect(session)` may be a coroutine function."""
+        """Ack `item_id` and, only if its bit was still set, run `effect(session)`, all in one
+        savepoint of the caller's transaction: the effect and the ack commit or roll back together.
+        A redelivery of a processed item returns first_time=False and does not run the effect.
+        On the asyncio face `effect` may be a coroutine function."""
         started = time.perf_counter()
-
-        async def run_effect() -> object:
-            value = effect(session)
-            return await value if inspect.isawaitable(value) else value
-
         op = self._exactly_once_op(item_id)
-        result = await _run(session, op, effect=run_effect)
+        result = await _run(session, op, effect=_effect_call(effect, session))
         self._count_ack(result.ack, started)
         return result  # type: ignore[return-value]
 
 
 @functools.lru_cache(maxsize=32)
 def default(schema: str | None = None) -> AsyncTracker:
-    """The default AsyncTracker of a schema (outbox table "outbox", topic "batch-completions")."""
+    """The default AsyncTracker of a schema (outbox table "outbox", topic "batch-completions"): what
+    the module-level functions use. For anything else build an AsyncTracker and call its methods."""
     return AsyncTracker(schema=schema or DEFAULT_SCHEMA)
 
 
@@ -142,12 +186,14 @@ async def open_batch(
     completion_topic: str | None = None,
     schema: str | None = None,
 ) -> Batch:
+    """`AsyncTracker.open_batch` on the default tracker of `schema`."""
     return await default(schema).open_batch(session, user_key=user_key, completion_topic=completion_topic)
 
 
 async def add_items(
     session: AsyncSession, batch: Batch | int, n: int, *, schema: str | None = None
 ) -> list[GroupHandle]:
+    """`AsyncTracker.add_items` on the default tracker of `schema`."""
     return await default(schema).add_items(session, batch, n)
 
 
@@ -161,18 +207,22 @@ async def enqueue(
     headers: Headers = None,
     schema: str | None = None,
 ) -> list[GroupHandle]:
+    """`AsyncTracker.enqueue` on the default tracker of `schema`."""
     return await default(schema).enqueue(session, batch, items, topic=topic, key=key, headers=headers)
 
 
 async def close_batch(session: AsyncSession, batch: Batch | int, *, schema: str | None = None) -> bool:
+    """`AsyncTracker.close_batch` on the default tracker of `schema`."""
     return await default(schema).close_batch(session, batch)
 
 
 async def status(session: AsyncSession, batch: Batch | int, *, schema: str | None = None) -> BatchStatus:
+    """`AsyncTracker.status` on the default tracker of `schema`."""
     return await default(schema).status(session, batch)
 
 
 async def ack(session: AsyncSession, item_ids: ItemIds, *, schema: str | None = None, claims: bool = True) -> AckResult:
+    """`AsyncTracker.ack` on the default tracker of `schema`."""
     return await default(schema).ack(session, item_ids, claims=claims)
 
 
@@ -182,15 +232,20 @@ async def apply_masks(
     *,
     schema: str | None = None,
     reject_invalid: bool = False,
+    skip_locked: bool = False,
 ) -> AckResult:
-    return await default(schema).apply_masks(session, masks, reject_invalid=reject_invalid)
+    """`AsyncTracker.apply_masks` on the default tracker of `schema`."""
+    return await default(schema).apply_masks(session, masks, reject_invalid=reject_invalid, skip_locked=skip_locked)
 
 
 async def exactly_once(
     session: AsyncSession, item_id: str | bytes, effect: AsyncEffect[T], *, schema: str | None = None
 ) -> Processed[T]:
+    """`AsyncTracker.exactly_once` on the default tracker of `schema`."""
     return await default(schema).exactly_once(session, item_id, effect)
 
+
+# </async face>
 
 __all__ = [
     "AsyncTracker",

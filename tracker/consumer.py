@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 from confluent_kafka import KafkaError, Producer
 
-from tracker.core.acks import AckResult, claim_op
-from tracker.core.steps import Effect, Op
-from tracker.errors import InvalidArgument, MalformedItemId, TrackerError
-from tracker.ids import GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, fold, format_run, parse_item_id
+from tracker.core.acks import Processed as Processed
+from tracker.errors import MalformedItemId, TrackerError
+from tracker.ids import GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, format_run, parse_item_id
+from tracker.sync import exactly_once as exactly_once
 
 ITEM_ID_HEADER = "item-id"
 BATCH_ID_HEADER = "batch-id"
@@ -264,44 +263,3 @@ class AckProducer:
     def __exit__(self, *exc: object) -> None:
         if exc[0] is None:
             self.close()
-
-
-# ---------------------------------------------------------------- exactly-once effects
-
-
-@dataclass
-class Processed(Generic[T]):
-    first_time: bool  # this call cleared the bit and ran the effect
-    value: T | None  # what the effect returned (None when it did not run)
-    ack: AckResult
-
-
-def exactly_once_op(q: dict[str, str], item_id: object, completion_topic: str) -> Op[Processed[object]]:
-    """Ack `item_id` and, only if this call is the first to ack it, run the caller's effect, in one
-    savepoint of the caller's transaction (nothing is committed here).
-
-    The ack goes first and is a claim (tracker.core.acks.claim_op): it locks this one item, not its
-    batch or group, so the consumers of one batch run their effects in parallel. A concurrent
-    redelivery of the same item waits on the claim until this transaction ends, then finds the
-    item acked and skips the effect. Under REPEATABLE READ / SERIALIZABLE a redelivery whose
-    snapshot predates the first one's settle gets a serialization failure (retry the
-    transaction), never a second effect. If the effect raises, the claim is rolled back with it
-    and the error propagates: the item stays pending and a redelivery processes it again.
-    """
-    if not isinstance(item_id, (str, bytes)):
-        raise InvalidArgument("item_id", item_id, "one item id (str or bytes)")
-    run = parse_item_id(item_id)  # one item, not a run: one effect
-    result = yield from claim_op(q, fold([str(run)]), completion_topic, last=False)
-    if result.acked == 0:
-        return Processed(False, None, result)
-    value = yield Effect()
-    return Processed(True, value, result)
-
-
-def exactly_once(
-    session: object, item_id: str | bytes, effect: Callable[[Any], T], *, schema: str | None = None
-) -> Processed[T]:
-    """`Tracker.exactly_once` on the default tracker of `schema` (see tracker.sync)."""
-    from tracker.sync import default  # the face is built on this module: import it at call time
-
-    return default(schema).exactly_once(session, item_id, effect)  # type: ignore[arg-type]

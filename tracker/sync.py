@@ -7,6 +7,9 @@
 
 Every call runs inside the caller's transaction and never commits or rolls it back (see
 tracker/drivers/sync_psycopg.py for each connection mode). The asyncio face is `tracker.aio.AsyncTracker`.
+
+The region marked below is generated from the asyncio face (tracker/aio.py) by
+deploy/async_to_sync.py: edit it there. What differs between the faces is written by hand above.
 """
 
 from __future__ import annotations
@@ -17,34 +20,52 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from tracker.config import DEFAULT_SCHEMA
-from tracker.consumer import Processed
-from tracker.core.acks import AckResult
+from tracker.core.acks import AckResult, Processed
 from tracker.core.batches import Batch, BatchStatus, GroupHandle
+from tracker.core.enqueue import Headers, KeyArg
 from tracker.core.operations import ItemIds, TrackerCore
+from tracker.core.steps import Op
+from tracker.core.validate import id_list
 from tracker.drivers import sync_psycopg as driver
 from tracker.drivers.connections import SyncSession, sync_connection
-from tracker.ids import GroupMask
-from tracker.outbox import Headers, KeyArg
+from tracker.ids import GroupMask, fold
 
 T = TypeVar("T")
+SyncEffect = Callable[[SyncSession], T]
 
 
+def _run(session: SyncSession, op: Op[T], effect: Callable[[], object] | None = None) -> T:
+    return driver.run(sync_connection(session), op, effect=effect)
+
+
+_fold = fold
+
+
+def _effect_call(effect: SyncEffect[T], session: SyncSession) -> Callable[[], object]:
+    """`effect(session)`."""
+    return functools.partial(effect, session)
+
+
+# <sync face: generated from tracker/aio.py by deploy/async_to_sync.py; do not edit>
 class Tracker(TrackerCore):
-    """Fan-out tracking for one schema and outbox table. Thread-safe (holds no connection)."""
+    """Fan-out tracking for one schema and outbox table. Holds no connection: one tracker serves
+    every session (and thread)."""
 
     def open_batch(
         self, session: SyncSession, *, user_key: str | None = None, completion_topic: str | None = None
     ) -> Batch:
-        """Open a batch. Items are added by `enqueue` or `add_items`; `close_batch` closes it."""
+        """Open a batch. Items are added by `enqueue` or `add_items`; `close_batch` closes it.
+        `user_key` comes back in the completion event; `completion_topic` overrides the tracker's."""
         op = self._open_op(user_key, completion_topic)
-        batch = driver.run(sync_connection(session), op)
+        batch = _run(session, op)
         self._count_open()
         return batch
 
     def add_items(self, session: SyncSession, batch: Batch | int, n: int) -> list[GroupHandle]:
-        """Track `n` items without writing messages (for producers that publish elsewhere)."""
+        """Track `n` items without writing messages (for producers that publish elsewhere).
+        Returns the groups holding them, in item order."""
         op = self._add_op(batch, n)
-        return driver.run(sync_connection(session), op)
+        return _run(session, op)
 
     def enqueue(
         self,
@@ -63,18 +84,19 @@ class Tracker(TrackerCore):
         `headers` are added to every message. Returns the groups holding the items, in item order.
         """
         op = self._enqueue_op(batch, items, topic, key, headers)
-        return driver.run(sync_connection(session), op)
+        return _run(session, op)
 
     def close_batch(self, session: SyncSession, batch: Batch | int) -> bool:
         """Close the batch: no more items. Returns whether it is complete (now or already).
         Closing a closed or complete batch changes nothing; an expired one raises BatchExpired."""
         op = self._close_op(batch)
-        complete, closed_now = driver.run(sync_connection(session), op)
+        complete, closed_now = _run(session, op)
         self._count_close(complete, closed_now)
         return complete
 
     def status(self, session: SyncSession, batch: Batch | int) -> BatchStatus:
-        return driver.run(sync_connection(session), self._status_op(batch))
+        """The batch's state and counts, as this transaction sees them."""
+        return _run(session, self._status_op(batch))
 
     def ack(self, session: SyncSession, item_ids: ItemIds, *, claims: bool = True) -> AckResult:
         """Ack item ids (and runs '<b>:<g>:<start>-<end>') in the caller's transaction, as claims
@@ -89,8 +111,9 @@ class Tracker(TrackerCore):
         the offending entry as written; then nothing of the call was applied.
         """
         started = time.perf_counter()
-        op = self._ack_op(item_ids, claims)
-        result = driver.run(sync_connection(session), op)
+        entries = id_list(item_ids)
+        op = self._ack_op(entries, _fold(entries), claims)
+        result = _run(session, op)
         self._count_ack(result, started)
         return result
 
@@ -108,49 +131,71 @@ class Tracker(TrackerCore):
         skip_locked=True returns the masks of batches held elsewhere in `skipped` instead."""
         started = time.perf_counter()
         op = self._apply_op(masks, reject_invalid, skip_locked)
-        result = driver.run(sync_connection(session), op)
+        result = _run(session, op)
         self._count_ack(result, started)
         return result
 
-    def exactly_once(
-        self, session: SyncSession, item_id: str | bytes, effect: Callable[[SyncSession], T]
-    ) -> Processed[T]:
+    def exactly_once(self, session: SyncSession, item_id: str | bytes, effect: SyncEffect[T]) -> Processed[T]:
         """Ack `item_id` and, only if its bit was still set, run `effect(session)`, all in one
         savepoint of the caller's transaction: the effect and the ack commit or roll back together.
-        A redelivery of a processed item returns first_time=False and does not run the effect."""
+        A redelivery of a processed item returns first_time=False and does not run the effect.
+        On the asyncio face `effect` may be a coroutine function."""
         started = time.perf_counter()
         op = self._exactly_once_op(item_id)
-        result = driver.run(sync_connection(session), op, effect=lambda: effect(session))
+        result = _run(session, op, effect=_effect_call(effect, session))
         self._count_ack(result.ack, started)
         return result  # type: ignore[return-value]
 
 
 @functools.lru_cache(maxsize=32)
 def default(schema: str | None = None) -> Tracker:
-    """The default Tracker of a schema (outbox table "outbox", topic "batch-completions"): what the
-    module-level functions use. Anything else: build a `Tracker(...)` and call its methods."""
+    """The default Tracker of a schema (outbox table "outbox", topic "batch-completions"): what
+    the module-level functions use. For anything else build an Tracker and call its methods."""
     return Tracker(schema=schema or DEFAULT_SCHEMA)
 
 
 def open_batch(
-    session: SyncSession, *, user_key: str | None = None, completion_topic: str | None = None, schema: str | None = None
+    session: SyncSession,
+    *,
+    user_key: str | None = None,
+    completion_topic: str | None = None,
+    schema: str | None = None,
 ) -> Batch:
+    """`Tracker.open_batch` on the default tracker of `schema`."""
     return default(schema).open_batch(session, user_key=user_key, completion_topic=completion_topic)
 
 
 def add_items(session: SyncSession, batch: Batch | int, n: int, *, schema: str | None = None) -> list[GroupHandle]:
+    """`Tracker.add_items` on the default tracker of `schema`."""
     return default(schema).add_items(session, batch, n)
 
 
+def enqueue(
+    session: SyncSession,
+    batch: Batch | int,
+    items: object,
+    *,
+    topic: str,
+    key: KeyArg = None,
+    headers: Headers = None,
+    schema: str | None = None,
+) -> list[GroupHandle]:
+    """`Tracker.enqueue` on the default tracker of `schema`."""
+    return default(schema).enqueue(session, batch, items, topic=topic, key=key, headers=headers)
+
+
 def close_batch(session: SyncSession, batch: Batch | int, *, schema: str | None = None) -> bool:
+    """`Tracker.close_batch` on the default tracker of `schema`."""
     return default(schema).close_batch(session, batch)
 
 
 def status(session: SyncSession, batch: Batch | int, *, schema: str | None = None) -> BatchStatus:
+    """`Tracker.status` on the default tracker of `schema`."""
     return default(schema).status(session, batch)
 
 
 def ack(session: SyncSession, item_ids: ItemIds, *, schema: str | None = None, claims: bool = True) -> AckResult:
+    """`Tracker.ack` on the default tracker of `schema`."""
     return default(schema).ack(session, item_ids, claims=claims)
 
 
@@ -162,10 +207,15 @@ def apply_masks(
     reject_invalid: bool = False,
     skip_locked: bool = False,
 ) -> AckResult:
+    """`Tracker.apply_masks` on the default tracker of `schema`."""
     return default(schema).apply_masks(session, masks, reject_invalid=reject_invalid, skip_locked=skip_locked)
 
 
 def exactly_once(
-    session: SyncSession, item_id: str | bytes, effect: Callable[[SyncSession], T], *, schema: str | None = None
+    session: SyncSession, item_id: str | bytes, effect: SyncEffect[T], *, schema: str | None = None
 ) -> Processed[T]:
+    """`Tracker.exactly_once` on the default tracker of `schema`."""
     return default(schema).exactly_once(session, item_id, effect)
+
+
+# </sync face>

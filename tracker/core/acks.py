@@ -24,6 +24,9 @@ nothing, so they never double count; a re-ack after completion reports only dupl
 
 Both paths count flips against the bits as they are under the batch row lock, so they agree on
 counts and on the one completion whichever of them clears a bit first.
+
+`exactly_once_op` (`Tracker.exactly_once`): a claim of one item, then the caller's effect only if
+the claim cleared something.
 """
 
 from __future__ import annotations
@@ -31,13 +34,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from psycopg import sql
 
 from tracker.core.batches import completion_insert
-from tracker.core.steps import Op, Query, Round
-from tracker.errors import BatchExpired, IndexOutOfRange, UnknownBatch, UnknownGroup
-from tracker.ids import GroupMask, format_run
+from tracker.core.steps import Effect, Op, Query, Round
+from tracker.errors import BatchExpired, IndexOutOfRange, InvalidArgument, UnknownBatch, UnknownGroup
+from tracker.ids import GroupMask, fold, format_run, parse_item_id
+
+T = TypeVar("T")
 
 # `Tracker.ack` claims item by item up to this many ids per call; a larger call is a bulk ack and
 # takes the masked path (apply_op: batch rows locked until the caller commits, `completed` filled).
@@ -274,3 +280,35 @@ def _claimable(todo: list[GroupMask], state_rows: list[tuple], size_rows: list[t
             raise IndexOutOfRange(m.item_id(_first_index(m, size)), size, culprit=(m.batch_id, m.group_id))
         counted += m.count
     return counted
+
+
+# ---------------------------------------------------------------- exactly-once effects
+
+
+@dataclass
+class Processed(Generic[T]):
+    first_time: bool  # this call cleared the bit and ran the effect
+    value: T | None  # what the effect returned (None when it did not run)
+    ack: AckResult
+
+
+def exactly_once_op(q: dict[str, str], item_id: object, completion_topic: str) -> Op[Processed[object]]:
+    """Ack `item_id` and, only if this call is the first to ack it, run the caller's effect, in one
+    savepoint of the caller's transaction (nothing is committed here).
+
+    The ack goes first and is a claim (tracker.core.acks.claim_op): it locks this one item, not its
+    batch or group, so the consumers of one batch run their effects in parallel. A concurrent
+    redelivery of the same item waits on the claim until this transaction ends, then finds the
+    item acked and skips the effect. Under REPEATABLE READ / SERIALIZABLE a redelivery whose
+    snapshot predates the first one's settle gets a serialization failure (retry the
+    transaction), never a second effect. If the effect raises, the claim is rolled back with it
+    and the error propagates: the item stays pending and a redelivery processes it again.
+    """
+    if not isinstance(item_id, (str, bytes)):
+        raise InvalidArgument("item_id", item_id, "one item id (str or bytes)")
+    run = parse_item_id(item_id)  # one item, not a run: one effect
+    result = yield from claim_op(q, fold([str(run)]), completion_topic, last=False)
+    if result.acked == 0:
+        return Processed(False, None, result)
+    value = yield Effect()
+    return Processed(True, value, result)

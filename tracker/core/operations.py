@@ -4,21 +4,19 @@ and the operations built from them (generators of steps, no I/O; see steps.py)."
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Union
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
-from tracker import metrics, outbox
+from tracker import metrics
 from tracker.config import DEFAULT_COMPLETION_TOPIC, DEFAULT_OUTBOX_TABLE, DEFAULT_SCHEMA, TrackerConfig
-from tracker.consumer import Processed, exactly_once_op
-from tracker.core import acks, batches
-from tracker.core.acks import AckResult
+from tracker.core import acks, batches, enqueue
+from tracker.core.acks import AckResult, Processed, exactly_once_op
 from tracker.core.batches import Batch, BatchStatus, GroupHandle
 from tracker.core.steps import Op
-from tracker.core.validate import id_list
 from tracker.errors import BatchExpired, IndexOutOfRange, InvalidArgument, TrackerError, UnknownBatch, UnknownGroup
-from tracker.ids import GroupMask, fold, parse_ack
+from tracker.ids import GroupMask, parse_ack
 
 ItemIds = Union[str, bytes, Iterable[str | bytes]]
 
@@ -38,7 +36,7 @@ class TrackerCore:
         self.config = TrackerConfig(schema, outbox_table, completion_topic)
         self._q_batches = batches.statements(schema, outbox_table)
         self._q_acks = acks.statements(schema, outbox_table)
-        self._copy_sql, self._insert_sql = outbox.statements(schema, outbox_table)
+        self._copy_sql, self._insert_sql = enqueue.statements(schema, outbox_table)
         self._m: tuple[Counter, Counter, Counter, Counter, Counter, Histogram] | None = None
         if registry is not None:
             m = metrics.for_registry(registry, metrics_prefix)
@@ -81,7 +79,7 @@ class TrackerCore:
     def _enqueue_op(
         self, batch: object, items: object, topic: object, key: object, headers: object
     ) -> Op[list[GroupHandle]]:
-        return outbox.enqueue_op(
+        return enqueue.enqueue_op(
             self._q_batches,
             self._copy_sql,
             self._insert_sql,
@@ -104,11 +102,7 @@ class TrackerCore:
             raise InvalidArgument("masks", masks, "a mapping of (batch, group) to GroupMask, from tracker.fold")
         return acks.apply_op(self._q_acks, masks, self.config.completion_topic, reject_invalid, skip_locked=skip_locked)
 
-    def _ack_op(self, item_ids: object, claims: bool = True) -> Op[AckResult]:
-        entries = id_list(item_ids)
-        return self._ack_folded_op(entries, fold(entries), claims)
-
-    def _ack_folded_op(
+    def _ack_op(
         self, entries: list[str | bytes], masks: dict[tuple[int, int], GroupMask], claims: bool
     ) -> Op[AckResult]:
         """The ack of `entries`, already folded into `masks` (the asyncio face folds off the loop)."""
@@ -171,6 +165,3 @@ def as_written(exc: TrackerError, entries: list[str | bytes]) -> TrackerError:
 
 def _shown(entry: str | bytes) -> str:
     return entry if isinstance(entry, str) else entry.decode("ascii", "backslashreplace")
-
-
-Effect = Callable[..., object]

@@ -1,9 +1,9 @@
 """The step protocol between the tracker's I/O-free core and its two faces.
 
 Every tracker operation (open, add, enqueue, close, ack, exactly_once, status) is a generator that
-does no I/O: it yields steps and receives their results. The sync face (`tracker.drivers.sync_psycopg`) runs the
-steps on a psycopg `Connection`, the asyncio face (`tracker.drivers.async_psycopg`) on an `AsyncConnection`, so
-the SQL, the COPY encoding and every check exist once.
+does no I/O: it yields steps and receives their results. A driver (tracker/drivers/) runs the steps on
+its connection, inside the call's boundary (tracker/drivers/calls.py), so the SQL, the COPY
+encoding and every check exist once.
 
     Round(queries, last=False) -> list of results, one per query, sent in one round trip:
         fetch "none" -> None, "one" -> a row tuple or None, "all" -> a list of row tuples
@@ -69,12 +69,3 @@ Op = Generator[Step, Any, T]
 def one(sql: str, params: Params = None, *, last: bool = False) -> Round:
     """A round trip of one query whose single row (or None) is wanted."""
     return Round((Query(sql, params, "one"),), last)
-
-
-def run_sql(sql: str, params: Params = None, *, last: bool = False) -> Round:
-    """A round trip of one statement whose result is not needed."""
-    return Round((Query(sql, params, "none"),), last)
-
-
-def all_rows(sql: str, params: Params = None, *, last: bool = False) -> Round:
-    return Round((Query(sql, params, "all"),), last)

@@ -1,5 +1,6 @@
-"""The asyncio face on asyncpg: the same steps and transaction rules as `tracker.drivers.sync_psycopg`, on an
-`asyncpg.Connection` (directly or behind a SQLAlchemy `AsyncSession` on postgresql+asyncpg://).
+"""The asyncio face on asyncpg: the same steps, step loop (tracker/drivers/calls.py) and transaction
+rules as `tracker.drivers.sync_psycopg`, on an `asyncpg.Connection` (directly or behind a
+SQLAlchemy `AsyncSession` on postgresql+asyncpg://).
 
 asyncpg has no autocommit switch: outside a transaction block every statement commits on its own.
 So a call inside a transaction (`async with conn.transaction():`, or the one SQLAlchemy began) runs
@@ -13,11 +14,11 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from tracker.core.steps import Effect, Op, Params, Query, Round, Write
-from tracker.drivers.sync_psycopg import OWN_TRANSACTION, SAVEPOINT, Boundary
+from tracker.core.steps import Op, Params, Query, Write
+from tracker.drivers.calls import OWN_TRANSACTION, SAVEPOINT, AsyncIo, Boundary, drive_async, frame
 from tracker.errors import CallerTransactionAborted
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ async def _one(conn: asyncpg.Connection, q: Query) -> object:
     return None
 
 
-async def _send(conn: asyncpg.Connection, queries: Iterable[Query]) -> list[object]:
+async def _send(conn: asyncpg.Connection, queries: Sequence[Query]) -> list[object]:
     return [await _one(conn, q) for q in queries]
 
 
@@ -87,54 +88,25 @@ async def _write(conn: asyncpg.Connection, step: Write) -> None:
     )
 
 
-async def _start(conn: asyncpg.Connection, edge: Boundary) -> None:
+async def _begin(conn: asyncpg.Connection, sql: str) -> None:
     import asyncpg
 
     try:
-        await conn.execute(edge.start)
+        await conn.execute(sql)
     except asyncpg.exceptions.InFailedSQLTransactionError:
         raise CallerTransactionAborted() from None
 
 
+async def _undo(conn: asyncpg.Connection, edge: Boundary) -> None:
+    if not conn.is_closed() and conn.is_in_transaction():
+        for statement in edge.undo:
+            await conn.execute(statement)
+
+
+_IO: AsyncIo[asyncpg.Connection] = (_send, _write, _begin, _undo)
+
+
 async def run(conn: asyncpg.Connection, op: Op[T], *, effect: Callable[[], Awaitable[object]] | None = None) -> T:
     """Drive `op` to its result on `conn`, all or nothing inside the caller's transaction."""
-    edge: Boundary = SAVEPOINT if conn.is_in_transaction() else OWN_TRANSACTION
-    started = ended = False
-    try:
-        try:
-            step = next(op)
-        except StopIteration as done:  # nothing to send (e.g. an ack of no ids)
-            return done.value
-        while True:
-            if isinstance(step, Round):
-                if not started:
-                    await _start(conn, edge)
-                    started = True
-                result: object = await _send(conn, step.queries)
-                if step.last:
-                    await conn.execute(edge.end)
-                    ended = True
-            elif isinstance(step, Write):
-                if not started:
-                    await _start(conn, edge)
-                    started = True
-                await _write(conn, step)
-                result = None
-            elif isinstance(step, Effect):
-                if effect is None:
-                    raise RuntimeError("the operation asked for an effect but none was given")
-                result = await effect()
-            else:  # pragma: no cover - the core yields only the steps above
-                raise TypeError(f"unknown step {step!r}")
-            try:
-                step = op.send(result)
-            except StopIteration as done:
-                if started and not ended:
-                    await conn.execute(edge.end)
-                return done.value
-    except BaseException:
-        op.close()
-        if started and not ended and not conn.is_closed() and conn.is_in_transaction():
-            for statement in edge.undo:
-                await conn.execute(statement)
-        raise
+    edge = SAVEPOINT if conn.is_in_transaction() else OWN_TRANSACTION
+    return await drive_async(frame(op, edge, pipelined=False), conn, _IO, effect)

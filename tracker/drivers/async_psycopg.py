@@ -1,21 +1,28 @@
-"""The asyncio face's driver: the same steps and the same transaction rules as `tracker.drivers.sync_psycopg`,
-on a psycopg `AsyncConnection` (directly or behind a SQLAlchemy `AsyncSession`)."""
+"""The asyncio face's driver on psycopg: runs a core operation's steps on an `AsyncConnection`
+(directly or behind a SQLAlchemy `AsyncSession`).
+
+The region below is also the sync driver (tracker/drivers/sync_psycopg.py, generated from it by
+deploy/async_to_sync.py); the transaction rules are in sync_psycopg.py's docstring and the step
+loop in tracker/drivers/calls.py.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import psycopg
 from psycopg.rows import tuple_row
 
-from tracker.core.steps import Effect, Op, Query, Round, Write
-from tracker.drivers.sync_psycopg import Boundary, boundary, in_pipeline, in_transaction, usable
+from tracker.core.steps import Op, Query, Write
+from tracker.drivers.calls import AsyncIo, Boundary, boundary, drive_async, frame
+from tracker.drivers.sync_psycopg import in_pipeline, in_transaction, usable
 
 T = TypeVar("T")
 
 
-async def _send(conn: psycopg.AsyncConnection, queries: tuple[Query, ...]) -> list[object]:
+# <async psycopg>
+async def _send(conn: psycopg.AsyncConnection, queries: Sequence[Query]) -> list[object]:
     if len(queries) == 1 and not in_pipeline(conn):
         cursors = [psycopg.AsyncCursor(conn, row_factory=tuple_row)]
         await cursors[0].execute(queries[0].sql, queries[0].params)
@@ -50,53 +57,13 @@ async def _write(conn: psycopg.AsyncConnection, step: Write) -> None:
             await copy.write(chunk)
 
 
-async def run(conn: psycopg.AsyncConnection, op: Op[T], *, effect: Callable[[], Awaitable[object]] | None = None) -> T:
-    """Drive `op` to its result on `conn`, all or nothing inside the caller's transaction."""
-    if in_pipeline(conn):
-        async with conn.pipeline():  # nested: its exit syncs the caller's queued statements
-            pass
-    edge = boundary(conn.autocommit, conn.info.transaction_status)
-    started = ended = False
-    try:
-        try:
-            step = next(op)
-        except StopIteration as done:  # nothing to send (e.g. an ack of no ids)
-            return done.value
-        while True:
-            if isinstance(step, Round):
-                prefix = () if started else (Query(edge.start),)
-                suffix = (Query(edge.end),) if step.last else ()
-                started = True
-                results = await _send(conn, prefix + step.queries + suffix)
-                ended = step.last
-                result: object = results[len(prefix) : len(prefix) + len(step.queries)]
-            elif isinstance(step, Write):
-                if not started:
-                    started = True
-                    await _send(conn, (Query(edge.start),))
-                await _write(conn, step)
-                result = None
-            elif isinstance(step, Effect):
-                if effect is None:
-                    raise RuntimeError("the operation asked for an effect but none was given")
-                result = await effect()
-            else:  # pragma: no cover - the core yields only the steps above
-                raise TypeError(f"unknown step {step!r}")
-            try:
-                step = op.send(result)
-            except StopIteration as done:
-                if started and not ended:
-                    await _send(conn, (Query(edge.end),))
-                return done.value
-    except BaseException:
-        op.close()
-        if started and not ended:
-            await _undo(conn, edge)
-        raise
+async def _begin(conn: psycopg.AsyncConnection, sql: str) -> None:
+    await psycopg.AsyncCursor(conn).execute(sql)
 
 
 async def _undo(conn: psycopg.AsyncConnection, edge: Boundary) -> None:
-    """See tracker.drivers.sync_psycopg._undo."""
+    """Roll the call back to where it began. In pipeline mode the status is only true once the
+    pipeline has synced (it reads ACTIVE while results are pending), so sync first."""
     if not usable(conn):
         return
     if in_pipeline(conn):
@@ -104,9 +71,24 @@ async def _undo(conn: psycopg.AsyncConnection, edge: Boundary) -> None:
             async with conn.pipeline():
                 pass
         except psycopg.Error:
-            pass
+            pass  # the failure being undone, or one behind it: the status is true now
     if not in_transaction(conn):
         return
     async with conn.pipeline():
         for statement in edge.undo:
             await psycopg.AsyncCursor(conn).execute(statement)
+
+
+_IO: AsyncIo[psycopg.AsyncConnection] = (_send, _write, _begin, _undo)
+
+
+async def run(conn: psycopg.AsyncConnection, op: Op[T], *, effect: Callable[[], Awaitable[object]] | None = None) -> T:
+    """Drive `op` to its result on `conn`, all or nothing inside the caller's transaction."""
+    if in_pipeline(conn):
+        async with conn.pipeline():  # nested: its exit syncs the caller's queued statements
+            pass
+    edge = boundary(conn.autocommit, conn.info.transaction_status)
+    return await drive_async(frame(op, edge), conn, _IO, effect)
+
+
+# </async psycopg>

@@ -12,48 +12,24 @@ Every call is all or nothing inside the caller's transaction, whatever the conne
   is true; `Write` steps use INSERT instead of COPY, which libpq refuses in pipeline mode;
 - the caller's transaction already failed: `CallerTransactionAborted`, nothing sent.
 
-The decision reads the connection's *transaction status*, never `autocommit` alone.
+The decision reads the connection's *transaction status*, never `autocommit` alone
+(tracker/drivers/calls.py: `boundary`, and the step loop every driver shares). The I/O calls below
+are generated from the asyncio driver (tracker/drivers/async_psycopg.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import psycopg
 from psycopg import pq
 from psycopg.rows import tuple_row
 
-from tracker.core.steps import Effect, Op, Query, Round, Write
-from tracker.errors import CallerTransactionAborted
+from tracker.core.steps import Op, Query, Write
+from tracker.drivers.calls import Boundary, SyncIo, boundary, drive, frame
 
 T = TypeVar("T")
-_SAVEPOINT = "tracker_call"
-
-
-@dataclass(frozen=True, slots=True)
-class Boundary:
-    start: str
-    end: str
-    undo: tuple[str, ...]
-
-
-OWN_TRANSACTION = Boundary("BEGIN", "COMMIT", ("ROLLBACK",))
-SAVEPOINT = Boundary(
-    "SAVEPOINT " + _SAVEPOINT,
-    "RELEASE SAVEPOINT " + _SAVEPOINT,
-    ("ROLLBACK TO SAVEPOINT " + _SAVEPOINT, "RELEASE SAVEPOINT " + _SAVEPOINT),
-)
-
-
-def boundary(autocommit: bool, status: pq.TransactionStatus) -> Boundary:
-    """How a call is made all-or-nothing, from the connection's mode and transaction status."""
-    if status == pq.TransactionStatus.INERROR:
-        raise CallerTransactionAborted()
-    if status == pq.TransactionStatus.IDLE and autocommit:
-        return OWN_TRANSACTION
-    return SAVEPOINT
 
 
 def in_pipeline(conn: psycopg.Connection | psycopg.AsyncConnection) -> bool:
@@ -68,7 +44,8 @@ def in_transaction(conn: psycopg.Connection | psycopg.AsyncConnection) -> bool:
     return conn.info.transaction_status in (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
 
 
-def _send(conn: psycopg.Connection, queries: tuple[Query, ...]) -> list[object]:
+# <sync psycopg: generated from tracker/drivers/async_psycopg.py by deploy/async_to_sync.py; do not edit>
+def _send(conn: psycopg.Connection, queries: Sequence[Query]) -> list[object]:
     if len(queries) == 1 and not in_pipeline(conn):
         cursors = [psycopg.Cursor(conn, row_factory=tuple_row)]
         cursors[0].execute(queries[0].sql, queries[0].params)
@@ -103,49 +80,8 @@ def _write(conn: psycopg.Connection, step: Write) -> None:
             copy.write(chunk)
 
 
-def run(conn: psycopg.Connection, op: Op[T], *, effect: Callable[[], object] | None = None) -> T:
-    """Drive `op` to its result on `conn`, all or nothing inside the caller's transaction."""
-    if in_pipeline(conn):
-        with conn.pipeline():  # nested: its exit syncs the caller's queued statements
-            pass
-    edge = boundary(conn.autocommit, conn.info.transaction_status)
-    started = ended = False
-    try:
-        try:
-            step = next(op)
-        except StopIteration as done:  # nothing to send (e.g. an ack of no ids)
-            return done.value
-        while True:
-            if isinstance(step, Round):
-                prefix = () if started else (Query(edge.start),)
-                suffix = (Query(edge.end),) if step.last else ()
-                started = True  # from here a failure must be undone, even in this round
-                results = _send(conn, prefix + step.queries + suffix)
-                ended = step.last
-                result: object = results[len(prefix) : len(prefix) + len(step.queries)]
-            elif isinstance(step, Write):
-                if not started:
-                    started = True
-                    _send(conn, (Query(edge.start),))
-                _write(conn, step)
-                result = None
-            elif isinstance(step, Effect):
-                if effect is None:
-                    raise RuntimeError("the operation asked for an effect but none was given")
-                result = effect()
-            else:  # pragma: no cover - the core yields only the steps above
-                raise TypeError(f"unknown step {step!r}")
-            try:
-                step = op.send(result)
-            except StopIteration as done:
-                if started and not ended:
-                    _send(conn, (Query(edge.end),))
-                return done.value
-    except BaseException:
-        op.close()
-        if started and not ended:
-            _undo(conn, edge)
-        raise
+def _begin(conn: psycopg.Connection, sql: str) -> None:
+    psycopg.Cursor(conn).execute(sql)
 
 
 def _undo(conn: psycopg.Connection, edge: Boundary) -> None:
@@ -164,3 +100,18 @@ def _undo(conn: psycopg.Connection, edge: Boundary) -> None:
     with conn.pipeline():
         for statement in edge.undo:
             psycopg.Cursor(conn).execute(statement)
+
+
+_IO: SyncIo[psycopg.Connection] = (_send, _write, _begin, _undo)
+
+
+def run(conn: psycopg.Connection, op: Op[T], *, effect: Callable[[], object] | None = None) -> T:
+    """Drive `op` to its result on `conn`, all or nothing inside the caller's transaction."""
+    if in_pipeline(conn):
+        with conn.pipeline():  # nested: its exit syncs the caller's queued statements
+            pass
+    edge = boundary(conn.autocommit, conn.info.transaction_status)
+    return drive(frame(op, edge), conn, _IO, effect)
+
+
+# </sync psycopg>

@@ -1,0 +1,216 @@
+"""What every driver shares: how a call is made all-or-nothing, and its step loop, without I/O.
+
+A driver runs a core operation (tracker/core/steps.py) as one call inside the caller's transaction:
+
+- `boundary()` picks how the call begins and ends (a savepoint of the caller's transaction, or a
+  transaction of its own when there is none) from the connection's mode and transaction status;
+- `frame(op, edge)` wraps the operation: it adds the boundary's statements to the operation's
+  rounds (the start to the first round, the end to the last one, so they cost no round trip of
+  their own where the driver pipelines), and on any failure closes the operation and asks for
+  the undo. It does no I/O: it yields what to do (`Round`, `Write`, `Effect`, and `Begin` /
+  `Undo` below) and receives the results;
+- `drive` / `drive_async` feed a frame to a driver's I/O calls: the one part each driver writes
+  for itself (sync_psycopg.py, async_psycopg.py, async_asyncpg.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar, Union
+
+from psycopg import pq
+
+from tracker.core.steps import Effect, Op, Query, Round, Write
+from tracker.errors import CallerTransactionAborted
+
+T = TypeVar("T")
+C = TypeVar("C")
+_SAVEPOINT = "tracker_call"
+
+
+@dataclass(frozen=True, slots=True)
+class Boundary:
+    start: str
+    end: str
+    undo: tuple[str, ...]
+
+
+OWN_TRANSACTION = Boundary("BEGIN", "COMMIT", ("ROLLBACK",))
+SAVEPOINT = Boundary(
+    "SAVEPOINT " + _SAVEPOINT,
+    "RELEASE SAVEPOINT " + _SAVEPOINT,
+    ("ROLLBACK TO SAVEPOINT " + _SAVEPOINT, "RELEASE SAVEPOINT " + _SAVEPOINT),
+)
+
+
+def boundary(autocommit: bool, status: pq.TransactionStatus) -> Boundary:
+    """How a call is made all-or-nothing, from the connection's mode and transaction status."""
+    if status == pq.TransactionStatus.INERROR:
+        raise CallerTransactionAborted()
+    if status == pq.TransactionStatus.IDLE and autocommit:
+        return OWN_TRANSACTION
+    return SAVEPOINT
+
+
+@dataclass(frozen=True, slots=True)
+class Begin:
+    """Send the boundary's start alone (before a `Write`, or on a driver that does not pipeline).
+    A failure here means nothing of the call was sent: there is nothing to undo."""
+
+    sql: str
+
+
+@dataclass(frozen=True, slots=True)
+class Undo:
+    """The call failed after it began: roll it back to where it began (if the connection and the
+    transaction are still there)."""
+
+    edge: Boundary
+
+
+Io = Union[Round, Write, Effect, Begin, Undo]
+# A framed call: yields what to do, receives a Round's results (None for the others), returns the
+# operation's result.
+Frame = Generator[Io, Any, T]
+
+
+def frame(op: Op[T], edge: Boundary, *, pipelined: bool = True) -> Frame[T]:
+    """The call of `op` inside `edge`. `pipelined`: the driver sends a round's queries in one trip,
+    so the start rides with the first round; otherwise it is sent alone (as `Begin`) first."""
+    started = ended = False
+    try:
+        try:
+            step = next(op)
+        except StopIteration as done:  # nothing to send (e.g. an ack of no ids)
+            return done.value
+        while True:
+            result: object = None
+            if type(step) is Round:
+                if not started and not pipelined:
+                    yield Begin(edge.start)
+                    started = True
+                if started:
+                    if step.last:
+                        results = yield Round(step.queries + (Query(edge.end),))
+                        ended = True
+                        result = results[:-1]
+                    else:
+                        result = yield step
+                else:
+                    started = True  # from here a failure must be undone, even in this round
+                    suffix = (Query(edge.end),) if step.last else ()
+                    results = yield Round((Query(edge.start),) + step.queries + suffix)
+                    ended = step.last
+                    result = results[1 : 1 + len(step.queries)]
+            elif type(step) is Write:
+                if not started:
+                    yield Begin(edge.start)
+                    started = True
+                yield step
+            elif type(step) is Effect:
+                result = yield step
+            else:  # pragma: no cover - the core yields only the steps above
+                raise TypeError(f"unknown step {step!r}")
+            try:
+                step = op.send(result)
+            except StopIteration as done:
+                if started and not ended:
+                    yield Round((Query(edge.end),))
+                return done.value
+    except GeneratorExit:  # pragma: no cover - a driver always runs its frame to the end
+        op.close()
+        raise
+    except BaseException:
+        op.close()
+        if started and not ended:
+            yield Undo(edge)
+        raise
+
+
+# A driver's I/O calls on its connection type C: (send a round -> one result per query, run a
+# write, begin alone, undo). The effect is the caller's (no argument).
+SyncIo = tuple[
+    Callable[[C, Sequence[Query]], list[object]],
+    Callable[[C, Write], None],
+    Callable[[C, str], None],
+    Callable[[C, Boundary], None],
+]
+AsyncIo = tuple[
+    Callable[[C, Sequence[Query]], Awaitable[list[object]]],
+    Callable[[C, Write], Awaitable[None]],
+    Callable[[C, str], Awaitable[None]],
+    Callable[[C, Boundary], Awaitable[None]],
+]
+
+
+def _no_effect() -> Any:
+    raise RuntimeError("the operation asked for an effect but none was given")
+
+
+async def _no_effect_async() -> Any:
+    _no_effect()
+
+
+# <sync drive: generated from the async region below by deploy/async_to_sync.py; do not edit>
+def drive(calls: Frame[T], conn: C, io: SyncIo[C], effect: Callable[[], object] | None) -> T:
+    """Run a frame's I/O with a driver's calls. A failure of an I/O call is thrown into the frame,
+    which asks for the undo and raises it again."""
+    send, write, begin, undo = io
+    call_effect = effect or _no_effect
+    try:
+        step = next(calls)
+        while True:
+            try:
+                result: object = None
+                if type(step) is Round:
+                    result = send(conn, step.queries)
+                elif type(step) is Write:
+                    write(conn, step)
+                elif type(step) is Effect:
+                    result = call_effect()
+                elif type(step) is Begin:
+                    begin(conn, step.sql)
+                elif type(step) is Undo:
+                    undo(conn, step.edge)
+            except BaseException as exc:
+                step = calls.throw(exc)
+            else:
+                step = calls.send(result)
+    except StopIteration as done:
+        return done.value
+
+
+# </sync drive>
+
+
+# <async drive>
+async def drive_async(calls: Frame[T], conn: C, io: AsyncIo[C], effect: Callable[[], Awaitable[object]] | None) -> T:
+    """Run a frame's I/O with a driver's calls. A failure of an I/O call is thrown into the frame,
+    which asks for the undo and raises it again."""
+    send, write, begin, undo = io
+    call_effect = effect or _no_effect_async
+    try:
+        step = next(calls)
+        while True:
+            try:
+                result: object = None
+                if type(step) is Round:
+                    result = await send(conn, step.queries)
+                elif type(step) is Write:
+                    await write(conn, step)
+                elif type(step) is Effect:
+                    result = await call_effect()
+                elif type(step) is Begin:
+                    await begin(conn, step.sql)
+                elif type(step) is Undo:
+                    await undo(conn, step.edge)
+            except BaseException as exc:
+                step = calls.throw(exc)
+            else:
+                step = calls.send(result)
+    except StopIteration as done:
+        return done.value
+
+
+# </async drive>
