@@ -1,4 +1,4 @@
-"""The settler: delivery reports become batched purges, resets and quarantines; the throttle's count.
+"""The delivery settler: delivery reports become batched purges, resets and quarantines; the throttle's count.
 
 Contract:
 - `report()` (librdkafka's delivery callback, from whichever thread serves the producer) and
