@@ -19,7 +19,7 @@ its methods.
 from tracker import aio, outbox
 from tracker.aio import AsyncTracker
 from tracker.consumer import AckProducer, MissingItemId, Processed, item_id_of
-from tracker.core.acks import AckResult
+from tracker.core.acks import CLAIMS_PER_CALL_MAX, AckResult
 from tracker.core.batches import Batch, BatchStatus, GroupHandle
 from tracker.errors import (
     BatchExpired,
@@ -60,6 +60,7 @@ __all__ = [
     "MissingItemId",
     "Processed",
     "AckResult",
+    "CLAIMS_PER_CALL_MAX",
     "Batch",
     "BatchStatus",
     "GroupHandle",
