@@ -1,5 +1,5 @@
-"""Cost of building completion events with the schema's completion_event (one call per completed
-batch, via a LATERAL join) against the statements of commit c4a30f3, which built them inline.
+"""Cost of building completion events with the schema's completion_event (called through a LATERAL
+join; the planner inlines it) against the statements of commit c4a30f3, which built them inline.
 
 Runs the same bulk ack (`Tracker.ack(..., claims=False)`: masked updates of 1000 batches in one
 statement) in both trees, each against a schema its own migrate made: once completing none of the

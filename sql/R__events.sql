@@ -10,19 +10,44 @@
 -- Every event: key = the batch id; headers `batch-id`, then the event's own, then the W3C trace
 -- context of the span that opened the batch (`traceparent`, `tracestate`, tracker.tracing) when it
 -- had one.
+--
+-- The planner inlines these functions into the statement that calls them from FROM, so an event
+-- costs what its expressions cost and no function call: that takes LANGUAGE sql, STABLE, not
+-- STRICT, not SECURITY DEFINER, RETURNS SETOF (one row all the same) and no SET clause. Their
+-- names cannot follow the caller's search_path nonetheless: the SQL-standard bodies (BEGIN ATOMIC)
+-- are bound when created, under the schema's path. The price of that binding: the functions
+-- depend on the batch columns they read, so a versioned migration cannot drop or retype one of
+-- those columns while they exist (it drops them and deletes this file's row in
+-- schema_definitions; the same migrate run then defines them again).
+
+-- They used to return one row and not a set, which CREATE OR REPLACE cannot change: that shape is
+-- dropped here, in the transaction that defines them again, so no caller ever finds them missing.
+DO $$
+DECLARE
+    f regprocedure;
+BEGIN
+    FOREACH f IN ARRAY ARRAY[to_regprocedure('completion_event(batch, text)'),
+                             to_regprocedure('expiry_event(batch, text, text, jsonb)'),
+                             to_regprocedure('batch_event(batch, text, text, text[], bytea[])')] LOOP
+        IF f IS NOT NULL AND NOT (SELECT p.proretset FROM pg_proc p WHERE p.oid = f) THEN
+            EXECUTE format('DROP FUNCTION %s', f);
+        END IF;
+    END LOOP;
+END $$;
 
 CREATE OR REPLACE FUNCTION batch_event(b batch, to_topic text, body text, event_keys text[], event_values bytea[],
                                        OUT topic text, OUT key bytea, OUT value bytea,
                                        OUT header_keys text[], OUT header_values bytea[])
-LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
+RETURNS SETOF record LANGUAGE sql STABLE
+BEGIN ATOMIC
     SELECT to_topic, convert_to(b.id::text, 'UTF8'), convert_to(body, 'UTF8'),
            ARRAY['batch-id'] || event_keys
                || CASE WHEN b.traceparent IS NULL THEN '{}'::text[] ELSE ARRAY['traceparent'] END
                || CASE WHEN b.tracestate IS NULL THEN '{}'::text[] ELSE ARRAY['tracestate'] END,
            ARRAY[convert_to(b.id::text, 'UTF8')] || event_values
                || CASE WHEN b.traceparent IS NULL THEN '{}'::bytea[] ELSE ARRAY[convert_to(b.traceparent, 'UTF8')] END
-               || CASE WHEN b.tracestate IS NULL THEN '{}'::bytea[] ELSE ARRAY[convert_to(b.tracestate, 'UTF8')] END
-$$;
+               || CASE WHEN b.tracestate IS NULL THEN '{}'::bytea[] ELSE ARRAY[convert_to(b.tracestate, 'UTF8')] END;
+END;
 
 
 -- The completion event of a batch that has just become complete: to its own completion topic, else
@@ -30,13 +55,14 @@ $$;
 CREATE OR REPLACE FUNCTION completion_event(b batch, default_topic text,
                                             OUT topic text, OUT key bytea, OUT value bytea,
                                             OUT header_keys text[], OUT header_values bytea[])
-LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
+RETURNS SETOF record LANGUAGE sql STABLE
+BEGIN ATOMIC
     SELECT * FROM batch_event(
         b, coalesce(b.completion_topic, default_topic),
         json_build_object('batch_id', b.id, 'user_key', b.user_key, 'total', b.total,
                           'opened_at', b.created_at, 'closed_at', b.closed_at, 'completed_at', b.completed_at)::text,
-        '{}', '{}')
-$$;
+        '{}', '{}');
+END;
 
 
 -- The expiry event of a batch that has just expired (tracker.expiry), to `to_topic`: the value is
@@ -45,7 +71,8 @@ $$;
 CREATE OR REPLACE FUNCTION expiry_event(b batch, to_topic text, reason text, detail jsonb,
                                         OUT topic text, OUT key bytea, OUT value bytea,
                                         OUT header_keys text[], OUT header_values bytea[])
-LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
+RETURNS SETOF record LANGUAGE sql STABLE
+BEGIN ATOMIC
     SELECT * FROM batch_event(
         b, to_topic,
         (jsonb_build_object(
@@ -54,5 +81,5 @@ LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
             'state', CASE WHEN b.closed_at IS NULL THEN 'open' ELSE 'closed' END,
             'opened_at', b.created_at, 'closed_at', b.closed_at, 'last_activity_at', b.last_activity_at,
             'expired_at', b.expired_at) || coalesce(detail, '{}'))::text,
-        ARRAY['event'], ARRAY[convert_to('batch-expired', 'UTF8')])
-$$;
+        ARRAY['event'], ARRAY[convert_to('batch-expired', 'UTF8')]);
+END;

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import uuid
 from collections.abc import Callable
 
 import httpx
@@ -20,6 +21,7 @@ from psycopg import sql
 from support.http_server import TOKEN, RunningServer, http_config
 
 import tracker
+from tracker.expiry import EXPIRY_EVENT, expire_batch
 from tracker.ids import fold
 
 TOPIC = "events-done"
@@ -200,3 +202,76 @@ def test_every_completion_path_writes_the_same_event(pg_dsn, schema, path, trace
     assert (event["batch_id"], event["user_key"], event["total"]) == (b, "uk-1", ITEMS)
     stamps = [dt.datetime.fromisoformat(event[k]) for k in ("opened_at", "closed_at", "completed_at")]
     assert stamps == list(batch[1:])
+
+
+# The events as the callers insert them (tracker.core.batches.completion_insert, tracker.expiry,
+# close_batch, ack_masks, ack_settle): from FROM, one event per batch row.
+EVENT_CALLS = {
+    "completion_event": "{event}(b, 'default-topic')",
+    "expiry_event": "{event}(b, 'expiry-topic', 'idle', '{{\"note\": \"n\"}}'::jsonb)",
+}
+
+
+@pytest.mark.parametrize("function", sorted(EVENT_CALLS))
+def test_the_events_are_inlined_into_the_statement_that_inserts_them(conn, schema, function):
+    """No function call per event: the plan holds the event's own expressions, not a scan of the
+    function (a SET clause, SECURITY DEFINER, STRICT, VOLATILE or a non-SETOF result would undo it)."""
+    conn.execute("SET search_path TO public")  # as an application calls them: qualified, from anywhere
+    call = sql.SQL(EVENT_CALLS[function]).format(event=sql.Identifier(schema, function))
+    plan = "\n".join(
+        line
+        for (line,) in conn.execute(
+            sql.SQL(
+                "EXPLAIN (VERBOSE, COSTS OFF) INSERT INTO {} (topic, key, value, header_keys, header_values) "
+                "SELECT e.* FROM {} b CROSS JOIN LATERAL {} e"
+            ).format(sql.Identifier(schema, "outbox"), sql.Identifier(schema, "batch"), call)
+        ).fetchall()
+    )
+    assert "Function Scan" not in plan and "_event" not in plan, plan
+    assert "convert_to" in plan and "batch-id" in plan, plan  # batch_event's body, inlined in turn
+
+
+def test_the_events_ignore_the_callers_search_path(pg_dsn, schema):
+    """Inlined, the events still resolve their names where migrate created them: a caller whose
+    search_path puts its own batch_event and convert_to before pg_catalog gets the same events."""
+    decoy = f"d_{uuid.uuid4().hex[:10]}"
+    t = tracker.Tracker(schema=schema)
+    with psycopg.connect(pg_dsn) as conn:
+        b, ids = _open(conn, t, traced=True)
+        expiring = t.open_batch(conn, user_key="uk-2")
+        conn.commit()
+        d, batch = sql.Identifier(decoy), sql.Identifier(schema, "batch")
+        try:
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(d))
+            conn.execute(
+                sql.SQL(
+                    "CREATE FUNCTION {}.convert_to(text, name) RETURNS bytea LANGUAGE sql AS $$ SELECT 'decoy'::bytea $$"
+                ).format(d)
+            )
+            conn.execute(
+                sql.SQL(
+                    "CREATE FUNCTION {}.batch_event(b {}, to_topic text, body text, event_keys text[],"
+                    " event_values bytea[], OUT topic text, OUT key bytea, OUT value bytea, OUT header_keys text[],"
+                    " OUT header_values bytea[]) RETURNS SETOF record LANGUAGE sql"
+                    " AS $$ SELECT 'decoy', 'decoy'::bytea, 'decoy'::bytea, '{{}}'::text[], '{{}}'::bytea[] $$"
+                ).format(d, batch)
+            )
+            conn.execute(sql.SQL("SET search_path TO {}, pg_catalog").format(d))
+            t.close_batch(conn, b)
+            t.ack(conn, ids, claims=False)  # completes the batch: a bulk ack's completion_insert
+            assert expire_batch(conn, expiring.id, schema=schema) is not None
+            rows = conn.execute(
+                sql.SQL(
+                    "SELECT topic, pg_catalog.convert_from(key, 'UTF8'), header_keys,"
+                    " (SELECT array_agg(pg_catalog.convert_from(v, 'UTF8')) FROM unnest(header_values) v)"
+                    " FROM {} ORDER BY id"
+                ).format(sql.Identifier(schema, "outbox"))
+            ).fetchall()
+        finally:
+            conn.rollback()
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(d))
+            conn.commit()
+    assert rows == [
+        (TOPIC, str(b), ["batch-id", "traceparent", "tracestate"], [str(b), TRACEPARENT, TRACESTATE]),
+        ("batch-completions", str(expiring.id), ["batch-id", "event"], [str(expiring.id), EXPIRY_EVENT]),
+    ]

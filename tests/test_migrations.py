@@ -161,6 +161,44 @@ def test_the_old_chain_partly_applied_upgrades_too(pg_dsn, old_migrator, schemas
         assert _state(conn, partial) == _state(conn, fresh)
 
 
+# The last commit whose R__events.sql made the events return one row (not inlinable).
+ONE_ROW_EVENTS = "9bc4e59"
+
+
+def test_events_that_returned_one_row_are_replaced_and_the_schema_ends_as_a_fresh_one(pg_dsn, schemas, tmp_path):
+    """CREATE OR REPLACE cannot turn a function returning one row into a set-returning one:
+    R__events.sql drops that shape in the transaction that defines the events again."""
+    upgraded, fresh = _new(schemas), _new(schemas)
+    tree = tmp_path / "sql"
+    tree.mkdir()
+    try:
+        files = _git("ls-tree", "--name-only", ONE_ROW_EVENTS, "sql/").decode().split()
+    except (OSError, subprocess.CalledProcessError):
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(f"needs the git history of this repository (commit {ONE_ROW_EVENTS})")
+    for name in files:
+        if name.endswith(".sql"):
+            (tree / Path(name).name).write_bytes(_git("show", f"{ONE_ROW_EVENTS}:{name}"))
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        schema_mod.migrate(conn, upgraded, tree)
+        roles.create(conn, upgraded)
+        retset = (
+            "SELECT bool_and(proretset) FROM pg_proc WHERE pronamespace = %s::regnamespace AND proname LIKE '%%_event'"
+        )
+        assert conn.execute(retset, [upgraded]).fetchone() == (False,)
+        assert schema_mod.migrate(conn, upgraded) == ["R__events.sql"]
+        assert conn.execute(retset, [upgraded]).fetchone() == (True,)
+        for role in ("app", "reaper"):
+            assert conn.execute(
+                "SELECT has_function_privilege(%s, %s, 'EXECUTE')",
+                [roles.role_name(upgraded, role), f'"{upgraded}".expiry_event("{upgraded}".batch, text, text, jsonb)'],
+            ).fetchone() == (True,)
+        schema_mod.migrate(conn, fresh)
+        roles.create(conn, fresh)
+        assert _state(conn, upgraded) == _state(conn, fresh)
+
+
 def test_a_replaced_file_with_another_checksum_is_drift(pg_dsn, old_migrator, schemas):
     name = _new(schemas)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
