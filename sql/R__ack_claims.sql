@@ -1,13 +1,12 @@
 -- Fold the committed (and the caller's own) claims of one batch. Returns flipped = NULL when the
 -- batch row was locked by someone else and p_wait is false (nothing done: the holder or a later
 -- settle folds them). Clears bits only where they are set, lowers group and batch pending by the
--- bits that flipped, completes a closed batch whose pending reaches 0 and writes its single
--- completion event (completion_event, R__events.sql).
+-- bits that flipped (flips of a batch already finished count as late), then finishes what can
+-- (batch_finish, R__outcomes.sql: a closed batch whose pending reaches 0 and its one completion event).
 CREATE OR REPLACE FUNCTION ack_settle(p_batch bigint, p_outbox regclass, p_topic text, p_wait boolean DEFAULT false,
                            OUT flipped bigint, OUT completed boolean)
 LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
-    b batch;
 BEGIN
     completed := false;
     IF p_wait THEN
@@ -36,16 +35,10 @@ BEGIN
         RETURN;
     END IF;
     UPDATE batch SET pending = pending - flipped, last_activity_at = clock_timestamp(),
-           state = CASE WHEN state = 'closed' AND pending = flipped THEN 'complete' ELSE state END,
-           completed_at = CASE WHEN state = 'closed' AND pending = flipped THEN clock_timestamp()
-                          ELSE completed_at END
-     WHERE id = p_batch
-    RETURNING * INTO b;
-    IF b.state = 'complete' THEN  -- flipped > 0, so it was not complete before: this settle completed it
-        completed := true;
-        EXECUTE format('INSERT INTO %s (topic, key, value, header_keys, header_values) '
-                       'SELECT * FROM completion_event($1, $2)', p_outbox) USING b, p_topic;
-    END IF;
+           late = late + CASE WHEN state = 'complete' THEN flipped ELSE 0 END
+     WHERE id = p_batch;
+    -- this settle finished it (and maybe its parents): batch_finish (R__outcomes.sql)
+    completed := p_batch = ANY(batch_finish(ARRAY[p_batch], p_outbox, p_topic));
 END
 $$;
 

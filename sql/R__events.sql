@@ -50,8 +50,13 @@ BEGIN ATOMIC
 END;
 
 
--- The completion event of a batch that has just become complete: to its own completion topic, else
--- `default_topic`; the value is JSON {batch_id, user_key, total, opened_at, closed_at, completed_at}.
+-- The completion event of a batch that has just finished: to its own completion topic, else
+-- `default_topic`. Value (schema_version 2; the version 1 keys batch_id, user_key, total, opened_at,
+-- closed_at, completed_at unchanged): "event": "batch.completed", "outcome" ("succeeded", or
+-- "failed" when an item or a child failed or a threshold finished it early), its own items'
+-- "succeeded", "failed" and "pending" (non-zero only for an early finish), "parent_id",
+-- "children" {"total", "failed"} and "rollup" {"total", "succeeded", "failed"}: its items and
+-- those of every finished descendant. Headers unchanged (no `event` header: an expiry event has one).
 CREATE OR REPLACE FUNCTION completion_event(b batch, default_topic text,
                                             OUT topic text, OUT key bytea, OUT value bytea,
                                             OUT header_keys text[], OUT header_values bytea[])
@@ -60,13 +65,22 @@ BEGIN ATOMIC
     SELECT * FROM batch_event(
         b, coalesce(b.completion_topic, default_topic),
         json_build_object('batch_id', b.id, 'user_key', b.user_key, 'total', b.total,
-                          'opened_at', b.created_at, 'closed_at', b.closed_at, 'completed_at', b.completed_at)::text,
+                          'opened_at', b.created_at, 'closed_at', b.closed_at, 'completed_at', b.completed_at,
+                          'event', 'batch.completed', 'schema_version', 2, 'outcome', b.outcome, 'succeeded', b.total - b.pending - b.failed,
+                          'failed', b.failed, 'pending', b.pending, 'parent_id', b.parent_id,
+                          'children', json_build_object('total', b.children, 'failed', b.children_failed),
+                          'rollup', json_build_object(
+                              'total', b.total + b.rollup_total,
+                              'succeeded', b.total - b.pending - b.failed + b.rollup_total - b.rollup_failed,
+                              'failed', b.failed + b.rollup_failed))::text,
         '{}', '{}');
 END;
 
 
--- The expiry event of a batch that has just expired (tracker.expiry), to `to_topic`: the value is
--- JSON with "event": "expired", the counts at expiry, the state it expired in, `reason`, and the
+-- The expiry event of a batch that has just expired (tracker.expiry), to `to_topic`. Value
+-- (schema_version 2, the envelope of the completion event): "event": "expired" (as in version 1), "outcome":
+-- "expired", the counts at expiry (its version 1 keys pending, acked, state, reason,
+-- last_activity_at, expired_at unchanged, "acked" counting succeeded and failed items), the
 -- keys of `detail`; the header `event` says batch-expired (tracker.expiry.EXPIRY_EVENT).
 CREATE OR REPLACE FUNCTION expiry_event(b batch, to_topic text, reason text, detail jsonb,
                                         OUT topic text, OUT key bytea, OUT value bytea,
@@ -76,8 +90,15 @@ BEGIN ATOMIC
     SELECT * FROM batch_event(
         b, to_topic,
         (jsonb_build_object(
-            'event', 'expired', 'batch_id', b.id, 'user_key', b.user_key, 'total', b.total,
+            'event', 'expired', 'schema_version', 2, 'outcome', 'expired',
+            'batch_id', b.id, 'user_key', b.user_key, 'total', b.total,
             'pending', b.pending, 'acked', b.total - b.pending, 'reason', reason,
+            'succeeded', b.total - b.pending - b.failed, 'failed', b.failed, 'parent_id', b.parent_id,
+            'children', jsonb_build_object('total', b.children, 'failed', b.children_failed),
+            'rollup', jsonb_build_object(
+                'total', b.total + b.rollup_total,
+                'succeeded', b.total - b.pending - b.failed + b.rollup_total - b.rollup_failed,
+                'failed', b.failed + b.rollup_failed),
             'state', CASE WHEN b.closed_at IS NULL THEN 'open' ELSE 'closed' END,
             'opened_at', b.created_at, 'closed_at', b.closed_at, 'last_activity_at', b.last_activity_at,
             'expired_at', b.expired_at) || coalesce(detail, '{}'))::text,

@@ -1,10 +1,13 @@
 -- Tracker functions for producers and consumers in any language, inside their own transaction:
---   open_batch(user_key, completion_topic)            -> batch id
+--   open_batch(user_key, completion_topic, parent, tolerated_failures, tolerated_failure_ratio) -> batch id
 --   add_items(batch, items)                            -> group handles (batch_id, group_id, start, upto)
 --   enqueue(batch, topic, payloads, key, header_keys, header_values, keys) -> group handles
 --   close_batch(batch, completion_topic)               -> true if the batch is complete
 --   ack(ids, completion_topic)                         -> (acked, duplicates, completed batch ids)
 --   ack_masks(batch_ids, group_ids, masks, completion_topic) -> (acked, completed)   (pre-folded masks)
+--   fail(ids, reason, completion_topic)                -> (failed, duplicates, completed batch ids)
+--   fail_masks(batch_ids, group_ids, masks, reason, completion_topic) -> (failed, completed)
+--   failures(batch, after, lim)                        -> (item_id, reason) rows, a page
 --   batch_status(batch)                                -> one row, as tracker.status()
 -- Same invariants as the Python API (tracker/batches.py, tracker/acks.py): every writer locks the
 -- batch row first; groups hold at most 8192 bits; completion happens in exactly one transaction
@@ -45,19 +48,114 @@ BEGIN
 END $$;
 
 
-CREATE OR REPLACE FUNCTION open_batch(user_key text DEFAULT NULL, completion_topic text DEFAULT NULL)
+-- A failure reason: 1 to 500 characters (refused, not cut: what the caller wrote is what is stored).
+CREATE OR REPLACE FUNCTION failure_reason_check(reason text) RETURNS void
+LANGUAGE plpgsql IMMUTABLE SET search_path FROM CURRENT AS $$
+BEGIN
+    IF reason IS NULL OR reason = '' THEN
+        RAISE EXCEPTION 'reason must be a non-empty string, got %', coalesce(quote_literal(reason), 'null')
+            USING ERRCODE = 'RT007', DETAIL = coalesce(reason, 'null');
+    END IF;
+    IF length(reason) > 500 THEN
+        RAISE EXCEPTION 'reason % is longer than 500 characters (% characters)', quote_literal(left(reason, 60) || '...'),
+            length(reason) USING ERRCODE = 'RT007', DETAIL = left(reason, 60);
+    END IF;
+END $$;
+
+
+-- open_batch gained parent and thresholds: its two-argument form is dropped in this transaction.
+DROP FUNCTION IF EXISTS open_batch(text, text);
+DROP FUNCTION IF EXISTS batch_status(bigint);
+
+CREATE OR REPLACE FUNCTION open_batch(user_key text DEFAULT NULL, completion_topic text DEFAULT NULL,
+                                      parent bigint DEFAULT NULL, tolerated_failures bigint DEFAULT NULL,
+                                      tolerated_failure_ratio float8 DEFAULT NULL)
 RETURNS bigint LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
 DECLARE
     new_id bigint;
+    st text;
+    d smallint := 0;
 BEGIN
     PERFORM completion_topic_check(open_batch.completion_topic, true);
     IF open_batch.completion_topic = '' THEN
         RAISE EXCEPTION 'completion_topic must be a non-empty string or null, got an empty string'
             USING ERRCODE = 'RT007', DETAIL = '';
     END IF;
-    INSERT INTO batch (user_key, completion_topic) VALUES (open_batch.user_key, open_batch.completion_topic)
+    IF open_batch.tolerated_failures < 0 THEN
+        RAISE EXCEPTION 'tolerated_failures must be >= 0, got %', open_batch.tolerated_failures
+            USING ERRCODE = 'RT007', DETAIL = open_batch.tolerated_failures::text;
+    END IF;
+    IF NOT (open_batch.tolerated_failure_ratio BETWEEN 0 AND 1) THEN
+        RAISE EXCEPTION 'tolerated_failure_ratio must be between 0 and 1, got %', open_batch.tolerated_failure_ratio
+            USING ERRCODE = 'RT007', DETAIL = open_batch.tolerated_failure_ratio::text;
+    END IF;
+    IF open_batch.parent IS NOT NULL THEN
+        UPDATE batch p SET children = p.children + 1, children_open = p.children_open + 1,
+               last_activity_at = clock_timestamp()
+         WHERE p.id = open_batch.parent AND p.state = 'open' AND p.depth < 7
+        RETURNING p.depth + 1 INTO d;
+        IF NOT FOUND THEN
+            SELECT p.state, p.depth INTO st, d FROM batch p WHERE p.id = open_batch.parent;
+            IF NOT FOUND THEN
+                RAISE EXCEPTION 'unknown batch % (parent)', open_batch.parent
+                    USING ERRCODE = 'RT002', DETAIL = open_batch.parent::text;
+            ELSIF st <> 'open' THEN
+                RAISE EXCEPTION 'parent batch % is %: children can only be opened under an open batch', open_batch.parent, st
+                    USING ERRCODE = 'RT005', DETAIL = open_batch.parent::text;
+            END IF;
+            RAISE EXCEPTION 'parent batch % is at depth %: batches nest at most 8 levels', open_batch.parent, d
+                USING ERRCODE = 'RT007', DETAIL = open_batch.parent::text;
+        END IF;
+    END IF;
+    INSERT INTO batch (user_key, completion_topic, parent_id, depth, tolerated_failures, tolerated_failure_ratio)
+    VALUES (open_batch.user_key, open_batch.completion_topic, open_batch.parent, d,
+            open_batch.tolerated_failures, open_batch.tolerated_failure_ratio)
     RETURNING id INTO new_id;
     RETURN new_id;
+END $$;
+
+
+-- The failed items of a batch with their reasons, in (group, index) order after the item id
+-- `after` (null: from the start), at most `lim` (1 to 1000) rows. The next page starts after the
+-- last item id returned; fewer than `lim` rows: the last page.
+CREATE OR REPLACE FUNCTION failures(batch bigint, after text DEFAULT NULL, lim integer DEFAULT 100)
+RETURNS TABLE (item_id text, reason text)
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
+#variable_conflict use_column
+DECLARE
+    ag bigint := -1;
+    ai integer := 8192;
+    parts text[];
+BEGIN
+    IF failures.lim IS NULL OR failures.lim < 1 OR failures.lim > 1000 THEN
+        RAISE EXCEPTION 'lim must be between 1 and 1000, got %', coalesce(failures.lim::text, 'null')
+            USING ERRCODE = 'RT007', DETAIL = coalesce(failures.lim::text, 'null');
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM batch b WHERE b.id = failures.batch) THEN
+        RAISE EXCEPTION 'unknown batch %', coalesce(failures.batch::text, 'null')
+            USING ERRCODE = 'RT002', DETAIL = coalesce(failures.batch::text, 'null');
+    END IF;
+    IF failures.after IS NOT NULL THEN
+        parts := regexp_match(failures.after, '^(0|[1-9][0-9]{0,18}):(0|[1-9][0-9]{0,18}):(0|[1-9][0-9]{0,3})$');
+        IF parts IS NULL OR parts[1]::numeric <> failures.batch OR parts[2]::numeric > 9223372036854775807
+           OR parts[3]::integer >= 8192 THEN
+            RAISE EXCEPTION 'after % is not an item id of batch %', quote_literal(failures.after), failures.batch
+                USING ERRCODE = 'RT007', DETAIL = failures.after;
+        END IF;
+        ag := parts[2]::bigint;
+        ai := parts[3]::integer;
+    ELSE
+        ag := -1;
+    END IF;
+    RETURN QUERY
+        SELECT f.batch_id || ':' || f.group_id || ':' || i, r.text
+          FROM group_failure f
+          JOIN failure_reason r ON r.id = f.reason_id
+          CROSS JOIN LATERAL generate_series(CASE WHEN f.group_id = ag THEN ai + 1 ELSE 0 END,
+                                             bit_length(f.bits) - 1) AS i
+         WHERE f.batch_id = failures.batch AND f.group_id >= ag AND get_bit(f.bits, i) = 1
+         ORDER BY f.group_id, i
+         LIMIT failures.lim;
 END $$;
 
 
@@ -190,19 +288,10 @@ DECLARE
     st text;
 BEGIN
     PERFORM completion_topic_check(close_batch.completion_topic);
-    WITH closed AS (
-        UPDATE batch b SET state = CASE WHEN b.pending = 0 THEN 'complete' ELSE 'closed' END,
-            closed_at = clock_timestamp(), completed_at = CASE WHEN b.pending = 0 THEN clock_timestamp() END,
-            last_activity_at = clock_timestamp()
-        WHERE b.id = close_batch.batch AND b.state = 'open'
-        RETURNING b.state, b AS whole),
-    event AS (
-        INSERT INTO outbox (topic, key, value, header_keys, header_values)
-        SELECT e.* FROM closed f CROSS JOIN LATERAL completion_event(f.whole, close_batch.completion_topic) e
-        WHERE f.state = 'complete')
-    SELECT closed.state INTO st FROM closed;
+    UPDATE batch b SET state = 'closed', closed_at = clock_timestamp(), last_activity_at = clock_timestamp()
+     WHERE b.id = close_batch.batch AND b.state = 'open';
     IF FOUND THEN
-        RETURN st = 'complete';
+        RETURN close_batch.batch = ANY(batch_finish(ARRAY[close_batch.batch], 'outbox'::regclass, close_batch.completion_topic));
     END IF;
     SELECT b.state INTO st FROM batch b WHERE b.id = close_batch.batch;
     IF NOT FOUND THEN
@@ -218,12 +307,14 @@ END $$;
 
 CREATE OR REPLACE FUNCTION batch_status(batch bigint)
 RETURNS TABLE (state text, total bigint, pending bigint, user_key text, created_at timestamptz,
-               closed_at timestamptz, completed_at timestamptz, last_activity_at timestamptz, expired_at timestamptz)
+               closed_at timestamptz, completed_at timestamptz, last_activity_at timestamptz, expired_at timestamptz,
+               outcome text, succeeded bigint, failed bigint, late bigint, parent_id bigint, children_open integer)
 LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
 #variable_conflict use_column
 BEGIN
     RETURN QUERY SELECT b.state, b.total, b.pending, b.user_key, b.created_at, b.closed_at, b.completed_at,
-                        b.last_activity_at, b.expired_at
+                        b.last_activity_at, b.expired_at, b.outcome, b.total - b.pending - b.failed, b.failed,
+                        b.late, b.parent_id, b.children_open
                  FROM batch b WHERE b.id = batch_status.batch;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'unknown batch %', coalesce(batch_status.batch::text, 'null')
@@ -242,15 +333,18 @@ END $$;
 -- pending counts by the bits that actually flipped, one UPDATE of the batches, completion and its
 -- event for batches that became closed with nothing pending. Switch this body if acks move to
 -- another path (issue 12).
-CREATE OR REPLACE FUNCTION ack_masks(batch_ids bigint[], group_ids bigint[], masks text[],
-                          completion_topic text DEFAULT 'batch-completions')
+CREATE OR REPLACE FUNCTION outcome_masks(batch_ids bigint[], group_ids bigint[], masks text[],
+                          completion_topic text, reason text)
 RETURNS TABLE (acked bigint, completed bigint[])
-LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
 #variable_conflict use_column
 DECLARE
     bad record;
 BEGIN
-    PERFORM completion_topic_check(ack_masks.completion_topic);
+    PERFORM completion_topic_check(outcome_masks.completion_topic);
+    IF outcome_masks.reason IS NOT NULL THEN
+        PERFORM failure_reason_check(outcome_masks.reason);
+    END IF;
     IF batch_ids IS NULL OR group_ids IS NULL OR masks IS NULL
        OR cardinality(batch_ids) <> cardinality(group_ids) OR cardinality(batch_ids) <> cardinality(masks) THEN
         RAISE EXCEPTION 'batch_ids, group_ids and masks must be arrays of the same length'
@@ -269,7 +363,7 @@ BEGIN
 
     -- Masks as bit strings (whole bytes); masks with no bit set are left out. No temporary table:
     -- the arrays are unnested again by each statement below, which is cheap.
-    PERFORM 1 FROM batch b WHERE b.id IN (SELECT u.b FROM unnest(batch_ids) u(b)) ORDER BY b.id FOR NO KEY UPDATE;
+    PERFORM 1 FROM batch b WHERE b.id IN (SELECT u.b FROM unnest(batch_ids) u(b)) ORDER BY b.id DESC FOR NO KEY UPDATE;
 
     SELECT t.b, t.g, t.first_bit, b.state INTO bad
     FROM (SELECT u.ord, u.b, u.g, position(B'1' IN ('x' || u.hex)::varbit) - 1 AS first_bit
@@ -304,33 +398,29 @@ BEGIN
     END IF;
 
     RETURN QUERY
-    WITH m AS MATERIALIZED (
-        SELECT g.batch_id, g.id, mk.mask, bit_count(g.bits & mk.mask) AS flipped
-        FROM (SELECT u.b, u.g, bit_or(mb.m || repeat('0', 8192 - bit_length(mb.m))::varbit) AS m
-              FROM unnest(batch_ids, group_ids, masks) u(b, g, hex),
-                   LATERAL (SELECT ('x' || u.hex)::varbit AS m) mb
-              GROUP BY u.b, u.g) u
-        JOIN batch_group g ON g.batch_id = u.b AND g.id = u.g
-        CROSS JOIN LATERAL (SELECT substring(u.m FROM 1 FOR g.size) AS mask) mk),
-    cleared AS (
-        UPDATE batch_group g SET bits = g.bits & ~m.mask, pending = g.pending - m.flipped
-        FROM m WHERE g.batch_id = m.batch_id AND g.id = m.id AND m.flipped > 0),
-    d AS (SELECT m.batch_id, sum(m.flipped)::int8 AS flipped FROM m GROUP BY m.batch_id),
-    b AS (
-        UPDATE batch b SET pending = b.pending - d.flipped, last_activity_at = clock_timestamp(),
-            state = CASE WHEN b.state = 'closed' AND b.pending = d.flipped THEN 'complete' ELSE b.state END,
-            completed_at = CASE WHEN b.state = 'closed' AND b.pending = d.flipped THEN clock_timestamp()
-                                ELSE b.completed_at END
-        FROM d WHERE b.id = d.batch_id
-        RETURNING b.id, b.state, d.flipped, b AS whole),
-    -- completed here: complete now and bits flipped (an already complete batch has none left to flip)
-    event AS (
-        INSERT INTO outbox (topic, key, value, header_keys, header_values)
-        SELECT e.* FROM b f CROSS JOIN LATERAL completion_event(f.whole, ack_masks.completion_topic) e
-        WHERE f.state = 'complete' AND f.flipped > 0)
-    SELECT coalesce(sum(b.flipped), 0)::int8,
-           coalesce(array_agg(b.id ORDER BY b.id) FILTER (WHERE b.state = 'complete' AND b.flipped > 0), '{}')
-    FROM b;
+    SELECT coalesce(sum(r.flipped), 0)::int8,
+           coalesce(array_agg(r.batch_id ORDER BY r.batch_id) FILTER (WHERE r.completed), '{}')
+      FROM outcome_apply(batch_ids, group_ids, masks, outcome_masks.reason, 'outbox'::regclass,
+                         outcome_masks.completion_topic) r;
+END $$;
+
+
+-- ack_masks: acks; fail_masks: failures under one reason (at most 500 characters). Both record
+-- pre-folded masks through outcome_masks; `acked` counts the items this call flipped.
+CREATE OR REPLACE FUNCTION ack_masks(batch_ids bigint[], group_ids bigint[], masks text[],
+                          completion_topic text DEFAULT 'batch-completions')
+RETURNS TABLE (acked bigint, completed bigint[])
+LANGUAGE sql SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
+    SELECT * FROM outcome_masks(batch_ids, group_ids, masks, completion_topic, NULL)
+$$;
+
+CREATE OR REPLACE FUNCTION fail_masks(batch_ids bigint[], group_ids bigint[], masks text[], reason text,
+                          completion_topic text DEFAULT 'batch-completions')
+RETURNS TABLE (failed bigint, completed bigint[])
+LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
+BEGIN
+    PERFORM failure_reason_check(fail_masks.reason);
+    RETURN QUERY SELECT * FROM outcome_masks(batch_ids, group_ids, masks, completion_topic, fail_masks.reason);
 END $$;
 
 
@@ -401,9 +491,9 @@ END $$;
 -- the masks will take is checked against the same bound as tracker.ids.fold (RT008 past it), then
 -- the ids are folded into one mask per group and applied by ack_masks. Idempotent: an id whose bit is
 -- already clear counts as a duplicate. completed: the batches this call completed.
-CREATE OR REPLACE FUNCTION ack(ids text[], completion_topic text DEFAULT 'batch-completions')
+CREATE OR REPLACE FUNCTION outcome_ids(ids text[], completion_topic text, reason text)
 RETURNS TABLE (acked bigint, duplicates bigint, completed bigint[])
-LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
 #variable_conflict use_column
 DECLARE
     bad text;
@@ -416,7 +506,10 @@ DECLARE
     culprit text;
     size integer;
 BEGIN
-    PERFORM completion_topic_check(ack.completion_topic);
+    PERFORM completion_topic_check(outcome_ids.completion_topic);
+    IF outcome_ids.reason IS NOT NULL THEN
+        PERFORM failure_reason_check(outcome_ids.reason);
+    END IF;
     IF ids IS NULL OR coalesce(array_ndims(ids), 1) <> 1 THEN
         RAISE EXCEPTION 'ids must be a one-dimensional array of item ids' USING ERRCODE = 'RT007', DETAIL = 'ids';
     END IF;
@@ -507,7 +600,7 @@ BEGIN
         RETURN;
     END IF;
     BEGIN
-        SELECT * INTO r FROM ack_masks(b_ids, g_ids, hexes, ack.completion_topic);
+        SELECT * INTO r FROM outcome_masks(b_ids, g_ids, hexes, outcome_ids.completion_topic, outcome_ids.reason);
     EXCEPTION WHEN SQLSTATE 'RT002' OR SQLSTATE 'RT003' OR SQLSTATE 'RT004' OR SQLSTATE 'RT006' THEN
         -- Name the caller's entry as written (a run, not its first bad index), as tracker.ack does:
         -- the first entry of the batch (and group; for RT004 one reaching past the group's size).
@@ -542,4 +635,43 @@ BEGIN
     duplicates := greatest(0, counted - r.acked);
     completed := r.completed;
     RETURN NEXT;
+END $$;
+
+CREATE OR REPLACE FUNCTION ack(ids text[], completion_topic text DEFAULT 'batch-completions')
+RETURNS TABLE (acked bigint, duplicates bigint, completed bigint[])
+LANGUAGE sql SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
+    SELECT * FROM outcome_ids(ids, completion_topic, NULL)
+$$;
+
+
+-- Fail item ids and runs, as ack() takes them, under one reason (1 to 500 characters): each item
+-- whose bit is still set ends failed (its first terminal outcome); one already acked or failed is
+-- a duplicate. completed: the batches this call finished (a threshold, or the last pending item).
+CREATE OR REPLACE FUNCTION fail(ids text[], reason text, completion_topic text DEFAULT 'batch-completions')
+RETURNS TABLE (failed bigint, duplicates bigint, completed bigint[])
+LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
+BEGIN
+    PERFORM failure_reason_check(fail.reason);
+    RETURN QUERY SELECT * FROM outcome_ids(ids, fail.completion_topic, fail.reason);
+END $$;
+
+
+-- The functions created again above (a new signature) get back the grants of the least-privilege
+-- roles that exist (tracker.roles: producers and consumers); `reaper migrate` grants every function
+-- to the roles that run them all.
+DO $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN SELECT * FROM (VALUES
+            ('producer', 'open_batch(text, text, bigint, bigint, float8)'), ('producer', 'batch_status(bigint)'),
+            ('producer', 'failures(bigint, text, integer)'), ('consumer', 'batch_status(bigint)'),
+            ('consumer', 'failures(bigint, text, integer)'), ('consumer', 'fail(text[], text, text)'),
+            ('consumer', 'fail_masks(bigint[], bigint[], text[], text, text)')) AS v(role, fn)
+    LOOP
+        IF EXISTS (SELECT FROM pg_roles WHERE rolname = current_schema() || '_' || r.role) THEN
+            EXECUTE format('GRANT EXECUTE ON FUNCTION %I.%s TO %I', current_schema(), r.fn,
+                           current_schema() || '_' || r.role);
+        END IF;
+    END LOOP;
 END $$;

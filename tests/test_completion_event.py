@@ -198,7 +198,15 @@ def test_every_completion_path_writes_the_same_event(pg_dsn, schema, path, trace
     expected = [("batch-id", str(b))] + ([("traceparent", TRACEPARENT), ("tracestate", TRACESTATE)] if traced else [])
     assert headers == expected
     event = json.loads(bytes(value))
-    assert list(event) == ["batch_id", "user_key", "total", "opened_at", "closed_at", "completed_at"]
+    # schema version 2: the version 1 keys first, unchanged, then the outcome and its summary
+    assert list(event) == [
+        *("batch_id", "user_key", "total", "opened_at", "closed_at", "completed_at"),
+        *("event", "schema_version", "outcome", "succeeded", "failed", "pending", "parent_id", "children", "rollup"),
+    ]
+    assert (event["event"], event["schema_version"], event["outcome"]) == ("batch.completed", 2, "succeeded")
+    assert (event["succeeded"], event["failed"], event["pending"], event["parent_id"]) == (ITEMS, 0, 0, None)
+    assert event["children"] == {"total": 0, "failed": 0}
+    assert event["rollup"] == {"total": ITEMS, "succeeded": ITEMS, "failed": 0}
     assert (event["batch_id"], event["user_key"], event["total"]) == (b, "uk-1", ITEMS)
     stamps = [dt.datetime.fromisoformat(event[k]) for k in ("opened_at", "closed_at", "completed_at")]
     assert stamps == list(batch[1:])

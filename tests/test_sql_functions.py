@@ -213,7 +213,8 @@ def test_a_callers_temporary_tables_cannot_stand_in_for_ours(pg_dsn, schema):
         assert conn.execute("SELECT count(*) FROM pg_temp.outbox").fetchone()[0] == 0
         assert _counts(conn, schema) == (1, 0, 1)  # the batch and its completion event, in the schema
         path = conn.execute(
-            "SELECT proconfig FROM pg_proc WHERE oid = %s::regprocedure", [f'"{schema}".open_batch(text, text)']
+            "SELECT proconfig FROM pg_proc WHERE oid = %s::regprocedure",
+            [f'"{schema}".open_batch(text, text, bigint, bigint, float8)'],
         ).fetchone()[0]
         assert path == [f"search_path={schema}, pg_catalog, pg_temp", "jit=off"]
 

@@ -26,8 +26,8 @@ from psycopg import sql
 from tracker.schema import DEFINITIONS_TABLE, EVERY_FUNCTION_ROLES, MIGRATIONS_TABLE, check_identifier, role_name
 
 ROLES = ("producer", "consumer", "operator", "app", "reaper")
-PRODUCER_FUNCTIONS = ("open_batch", "add_items", "enqueue", "close_batch", "batch_status")
-CONSUMER_FUNCTIONS = ("ack", "ack_masks", "batch_status")
+PRODUCER_FUNCTIONS = ("open_batch", "add_items", "enqueue", "close_batch", "batch_status", "failures")
+CONSUMER_FUNCTIONS = ("ack", "ack_masks", "fail", "fail_masks", "batch_status", "failures")
 # The tables the Python API writes in the application's transaction.
 APP_TABLES = ("batch", "batch_group", "outbox", "ack_claim", "ack_settle_request")
 

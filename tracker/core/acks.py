@@ -15,7 +15,8 @@ busy at commit. So acks of one batch, and their effects, commit in parallel; `co
 always empty here (completion happens at or after commit).
 
 `apply_op` (`Tracker.apply_masks`: the reaper's acker, Spark, in their own short transactions): lock the named batches
-(FOR NO KEY UPDATE, in batch-id order, so concurrent acks and closes never deadlock; optionally
+(FOR NO KEY UPDATE, in descending batch-id order, a child before its parent, so concurrent acks,
+closes and finishes walking up to a parent never deadlock; optionally
 SKIP LOCKED, returning what it skipped), read the named groups' sizes, validate, then one
 statement that clears the masked bits of every group, lowers each group's and each batch's
 pending by the number of bits that actually flipped (`bit_count(bits & mask)`), completes the
@@ -38,7 +39,6 @@ from typing import Generic, TypeVar
 
 from psycopg import sql
 
-from tracker.core.batches import completion_insert
 from tracker.core.steps import Effect, Op, Query, Round
 from tracker.errors import BatchExpired, IndexOutOfRange, InvalidArgument, UnknownBatch, UnknownGroup
 from tracker.ids import GroupMask, fold, format_run, parse_item_id
@@ -68,12 +68,13 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
         "batch": sql.Identifier(schema, "batch"),
         "group": sql.Identifier(schema, "batch_group"),
         "claim_items": sql.Identifier(schema, "ack_claim_items"),
+        "apply": sql.Identifier(schema, "outcome_apply"),
         "outbox": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None)),
     }
     q = {
-        "lock": sql.SQL("SELECT id, state FROM {batch} WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE"),
+        "lock": sql.SQL("SELECT id, state FROM {batch} WHERE id = ANY(%s) ORDER BY id DESC FOR NO KEY UPDATE"),
         "lock_skip": sql.SQL(
-            "SELECT id, state FROM {batch} WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE SKIP LOCKED"
+            "SELECT id, state FROM {batch} WHERE id = ANY(%s) ORDER BY id DESC FOR NO KEY UPDATE SKIP LOCKED"
         ),
         "states": sql.SQL("SELECT id, state FROM {batch} WHERE id = ANY(%s)"),
         # validate + claim + read + freshness check in one statement (sql/R__ack_claims.sql)
@@ -84,31 +85,14 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             "SELECT g.batch_id, g.id, g.size FROM unnest(%s::int8[], %s::int8[]) AS u(batch_id, id) "
             "JOIN {group} g ON g.batch_id = u.batch_id AND g.id = u.id"
         ),
+        # Clear the masked bits, count flips (as failures under `reason` when it is not null),
+        # finish what can: outcome_apply (sql/R__outcomes.sql), under the locks taken above.
         "apply": sql.SQL(
-            "WITH m AS MATERIALIZED ("
-            " SELECT g.batch_id, g.id, mk.mask, bit_count(g.bits & mk.mask) AS flipped"
-            " FROM unnest(%s::int8[], %s::int8[], %s::text[]) AS u(batch_id, id, hex)"
-            " JOIN {group} g ON g.batch_id = u.batch_id AND g.id = u.id"
-            " CROSS JOIN LATERAL (SELECT substring(('x' || rpad(u.hex, ((g.size + 7) / 8) * 2, '0'))::varbit"
-            " FROM 1 FOR g.size) AS mask) mk),"
-            " cleared AS (UPDATE {group} g SET bits = g.bits & ~m.mask, pending = g.pending - m.flipped"
-            " FROM m WHERE g.batch_id = m.batch_id AND g.id = m.id AND m.flipped > 0),"
-            " d AS (SELECT batch_id, sum(flipped)::int8 AS flipped FROM m GROUP BY batch_id),"
-            " b AS (UPDATE {batch} b SET pending = b.pending - d.flipped, last_activity_at = clock_timestamp(),"
-            " state = CASE WHEN b.state = 'closed' AND b.pending = d.flipped THEN 'complete' ELSE b.state END,"
-            " completed_at = CASE WHEN b.state = 'closed' AND b.pending = d.flipped THEN clock_timestamp()"
-            " ELSE b.completed_at END"
-            " FROM d WHERE b.id = d.batch_id"
-            " RETURNING b.id, b.state, d.flipped, b AS whole),"
-            # A batch completed here: new state complete and bits flipped (a batch that was
-            # already complete has no set bit left to flip).
-            " finished AS (SELECT * FROM b WHERE state = 'complete' AND flipped > 0),"
-            " event AS ({insert})"
-            " SELECT id, flipped, state = 'complete' AND flipped > 0 FROM b"
+            "SELECT batch_id, flipped, completed FROM {apply}(%s::int8[], %s::int8[], %s::text[], %s::text, "
+            "{outbox}::regclass, %s)"
         ),
     }
-    insert = completion_insert(schema, outbox_table)
-    return {k: v.format(insert=insert, **t).as_string(None) for k, v in q.items()}
+    return {k: v.format(**t).as_string(None) for k, v in q.items()}
 
 
 def _first_index(mask: GroupMask, lo: int = 0) -> int:
@@ -148,6 +132,7 @@ def apply_op(
     *,
     last: bool = True,
     skip_locked: bool = False,
+    reason: str | None = None,
 ) -> Op[AckResult]:
     """Apply folded masks (from `tracker.ids.fold`) in the caller's transaction.
 
@@ -156,6 +141,8 @@ def apply_op(
     returned in `rejected` as (item id or run, reason); the valid rest is applied.
     skip_locked=True: batches another transaction holds locked are not waited for; their masks
     come back in `skipped`, to be applied later (the acker).
+    reason (checked by the caller: tracker.core.validate.check_reason): the items flipped fail
+    under it instead of succeeding; `acked` then counts the items this call failed.
     """
     result = AckResult()
     todo = [m for m in masks.values() if m.count]
@@ -214,7 +201,7 @@ def apply_op(
         counted += count
     if not batch_ids:
         return result
-    (applied,) = yield Round((Query(q["apply"], [batch_ids, group_ids, hexes, completion_topic], "all"),), last)
+    (applied,) = yield Round((Query(q["apply"], [batch_ids, group_ids, hexes, reason, completion_topic], "all"),), last)
     for batch_id, flipped, completed in applied:
         result.acked += flipped
         if completed:

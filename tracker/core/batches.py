@@ -122,6 +122,7 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
         "batch": sql.Identifier(schema, "batch"),
         "group": sql.Identifier(schema, "batch_group"),
         "settle": sql.Identifier(schema, "ack_settle"),
+        "finish": sql.Identifier(schema, "batch_finish"),
         "outbox": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None)),
     }
     q = {
@@ -153,13 +154,11 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             "next_group = %(next)s::int8, last_activity_at = clock_timestamp() WHERE id = %(b)s::int8"
         ),
         "close": sql.SQL(
-            "WITH closed AS (UPDATE {batch} AS b SET state = CASE WHEN pending = 0 THEN 'complete' ELSE 'closed' END, "
-            "closed_at = clock_timestamp(), completed_at = CASE WHEN pending = 0 THEN clock_timestamp() END, "
-            "last_activity_at = clock_timestamp() WHERE id = %s AND state = 'open' "
-            "RETURNING b.state, b AS whole), "
-            "finished AS (SELECT * FROM closed WHERE state = 'complete'), "
-            "event AS ({insert}) SELECT state FROM closed"
+            "UPDATE {batch} SET state = 'closed', closed_at = clock_timestamp(), last_activity_at = clock_timestamp() "
+            "WHERE id = %s AND state = 'open' RETURNING state"
         ),
+        # What can finish now finishes (sql/R__outcomes.sql), with its one completion event.
+        "finish": sql.SQL("SELECT {finish}(ARRAY[%s::int8], {outbox}::regclass, %s)"),
         # Issue 12: a close first folds the consumers' committed ack claims of the batch (waiting
         # for its row lock, as the close does anyway), so it decides completion on every ack
         # committed so far.
@@ -239,15 +238,16 @@ def close_op(q: dict[str, str], batch: Batch | int, completion_topic: str) -> Op
     batch_id = batch_id_of(batch)
     # Settle, close and, should the close change nothing, the state it found: one round trip.
     # Not the last round: the settle may have written, so an error raised below must undo it.
-    _settled, closed, now = yield Round(
+    _settled, closed, _finished, now = yield Round(
         (
             Query(q["settle"], [batch_id, completion_topic], "none"),
-            Query(q["close"], [batch_id, completion_topic], "one"),
+            Query(q["close"], [batch_id], "one"),
+            Query(q["finish"], [batch_id, completion_topic], "none"),
             Query(q["state"], [batch_id], "one"),
         )
     )
     if closed is not None:
-        return closed[0] == "complete", True
+        return now is not None and now[0] == "complete", True
     if now is None:
         raise UnknownBatch(batch_id)
     if now[0] == "expired":

@@ -1,0 +1,160 @@
+-- Outcomes: how a batch finishes, and the masked path that records acks and failures.
+--
+-- One pending bit per item is the whole state of an item: an ack clears it (succeeded), a failure
+-- clears it too (failed) and records the bits it flipped under its reason. The first terminal
+-- outcome that commits wins; a later ack or failure of the item is a duplicate. Counts move only by
+-- the bits that actually flipped, under the batch row lock, so pending + succeeded + failed = total
+-- per group and per batch at every commit (succeeded = total - pending - failed).
+--
+-- Lock order: a batch's row before its groups; a child's row before its parent's (batch_finish
+-- walks up the chain), never parent before child. Statements that lock several batches lock them
+-- in descending id order: a child's id is always above its parent's.
+-- Runs with search_path set to the configured schema.
+
+
+-- The id of a failure reason, stored once per text (by its sha256). Never takes a row lock that
+-- outlives the statement, so failing transactions sharing a reason never wait on each other for
+-- longer than an insert of that reason.
+CREATE OR REPLACE FUNCTION failure_reason_id(p_text text) RETURNS bigint
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    d bytea := sha256(convert_to(p_text, 'UTF8'));
+    rid bigint;
+BEGIN
+    SELECT r.id INTO rid FROM failure_reason r WHERE r.digest = d;
+    IF FOUND THEN
+        RETURN rid;
+    END IF;
+    INSERT INTO failure_reason (digest, text) VALUES (d, p_text) ON CONFLICT (digest) DO NOTHING RETURNING id INTO rid;
+    IF rid IS NULL THEN  -- inserted by a transaction that committed while we waited: a new statement sees it
+        SELECT r.id INTO rid FROM failure_reason r WHERE r.digest = d;
+        IF rid IS NULL THEN
+            RAISE EXCEPTION 'could not serialize failure: reason inserted concurrently; retry the transaction'
+                USING ERRCODE = 'serialization_failure';
+        END IF;
+    END IF;
+    RETURN rid;
+END $$;
+
+
+-- Finish what can finish, under the row locks the caller holds on p_ids: a batch that is open or
+-- closed finishes (state complete, an outcome, its one completion event into p_outbox) when
+--   * it is closed, nothing is pending and no child is open: outcome succeeded, or failed when
+--     an item or a child failed;
+--   * more failed than tolerated_failures (its own failed items plus those rolled up from its
+--     finished children), open or closed: early, outcome failed;
+--   * it is closed, no child is open and its failed items (with the roll-up) are more than
+--     tolerated_failure_ratio of its items (with the roll-up): early when items are still pending.
+-- A finished (or, p_expired, just expired) child is then folded into its parent, locked here
+-- (child before parent): children_open - 1, its whole tree's items into rollup_total, those that did
+-- not succeed (failed, or pending at an early finish or expiry) into rollup_failed, and
+-- children_failed + 1 unless it succeeded; then the parent is looked at the same way, up the chain.
+-- A parent already finished or expired keeps its counts of children open but emits nothing more.
+-- Returns the batches finished here.
+CREATE OR REPLACE FUNCTION batch_finish(p_ids bigint[], p_outbox regclass, p_topic text,
+                                        p_expired bigint[] DEFAULT '{}') RETURNS bigint[]
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    todo bigint[] := coalesce(p_ids, '{}');
+    up bigint[] := coalesce(p_expired, '{}');
+    done bigint[] := '{}';
+    cur bigint;
+    b batch;
+BEGIN
+    LOOP
+        IF cardinality(up) > 0 THEN  -- a child finished or expired: fold it into its parent
+            cur := up[1];
+            up := up[2:];
+            SELECT * INTO b FROM batch WHERE id = cur;
+            IF b.parent_id IS NOT NULL THEN
+                UPDATE batch p SET children_open = p.children_open - 1,
+                       rollup_total = p.rollup_total + b.total + b.rollup_total,
+                       rollup_failed = p.rollup_failed + b.pending + b.failed + b.rollup_failed,
+                       children_failed = p.children_failed + CASE WHEN b.outcome = 'succeeded' THEN 0 ELSE 1 END,
+                       last_activity_at = clock_timestamp()
+                 WHERE p.id = b.parent_id;
+                todo := todo || b.parent_id;
+            END IF;
+            CONTINUE;
+        END IF;
+        EXIT WHEN cardinality(todo) = 0;
+        cur := todo[1];
+        todo := todo[2:];
+        UPDATE batch x SET state = 'complete', completed_at = clock_timestamp(),
+               outcome = CASE WHEN x.pending > 0 OR x.failed > 0 OR x.rollup_failed > 0 OR x.children_failed > 0
+                                   OR x.children_open > 0 THEN 'failed' ELSE 'succeeded' END
+         WHERE x.id = cur AND x.state IN ('open', 'closed')
+           AND ((x.state = 'closed' AND x.pending = 0 AND x.children_open = 0)
+                OR x.failed + x.rollup_failed > x.tolerated_failures
+                OR (x.state = 'closed' AND x.children_open = 0
+                    AND x.failed + x.rollup_failed > x.tolerated_failure_ratio * (x.total + x.rollup_total)))
+        RETURNING * INTO b;
+        IF FOUND THEN
+            done := done || cur;
+            EXECUTE format('INSERT INTO %s (topic, key, value, header_keys, header_values) '
+                           'SELECT * FROM completion_event($1, $2)', p_outbox) USING b, p_topic;
+            up := up || cur;
+        END IF;
+    END LOOP;
+    RETURN done;
+END $$;
+
+
+-- Record masks of acks (p_reason NULL) or failures (p_reason: their reason) under the batch row
+-- locks the caller holds (descending id order): p_hex[k] is the hex of group (p_batch[k],
+-- p_group[k])'s bits, index i being bit (7 - i % 8) of byte i / 8, cut or zero-padded to the
+-- group's size. Clears the bits still set, lowers pending (and raises failed) by the bits that
+-- flipped, counts flips of a finished batch as late, stores failed bits under their reason, then
+-- finishes what can (batch_finish). One row per batch named: bits flipped, whether it finished
+-- here. Validation is the caller's (tracker.core.acks.apply_op, ack_masks).
+CREATE OR REPLACE FUNCTION outcome_apply(p_batch bigint[], p_group bigint[], p_hex text[], p_reason text,
+                                         p_outbox regclass, p_topic text)
+RETURNS TABLE (batch_id bigint, flipped bigint, completed boolean)
+LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
+#variable_conflict use_column
+DECLARE
+    rid bigint;
+    finished bigint[];
+    touched bigint[];
+    fb bigint[];
+    fg bigint[];
+    fm varbit[];
+    fn bigint[];
+BEGIN
+    IF p_reason IS NOT NULL THEN
+        rid := failure_reason_id(p_reason);
+    END IF;
+    WITH u AS (
+        SELECT u.b, u.g, bit_or(substring(('x' || rpad(u.hex, ((g.size + 7) / 8) * 2, '0'))::varbit FROM 1 FOR g.size)) AS mask
+          FROM unnest(p_batch, p_group, p_hex) AS u(b, g, hex)
+          JOIN batch_group g ON g.batch_id = u.b AND g.id = u.g
+         GROUP BY u.b, u.g),
+    f AS MATERIALIZED (SELECT u.b, u.g, g.bits & u.mask AS mask, bit_count(g.bits & u.mask) AS n
+                         FROM u JOIN batch_group g ON g.batch_id = u.b AND g.id = u.g),
+    cleared AS (
+        UPDATE batch_group g SET bits = g.bits & ~f.mask, pending = g.pending - f.n,
+               failed = g.failed + CASE WHEN rid IS NULL THEN 0 ELSE f.n END
+          FROM f WHERE g.batch_id = f.b AND g.id = f.g AND f.n > 0)
+    SELECT array_agg(f.b), array_agg(f.g), array_agg(f.mask), array_agg(f.n) INTO fb, fg, fm, fn FROM f;
+    IF fb IS NULL THEN
+        RETURN;
+    END IF;
+    IF rid IS NOT NULL THEN
+        -- A group may have grown since an earlier failure of it was stored: pad to the longer.
+        INSERT INTO group_failure AS gf (batch_id, group_id, reason_id, bits)
+        SELECT o.b, o.g, rid, o.m FROM unnest(fb, fg, fm, fn) AS o(b, g, m, n) WHERE o.n > 0
+        ON CONFLICT (batch_id, group_id, reason_id) DO UPDATE
+           SET bits = (gf.bits || repeat('0', bit_length(excluded.bits) - bit_length(gf.bits))::varbit) | excluded.bits;
+    END IF;
+    WITH d AS (SELECT o.b, sum(o.n)::int8 AS n FROM unnest(fb, fn) AS o(b, n) GROUP BY o.b),
+    b AS (UPDATE batch b SET pending = b.pending - d.n,
+                 failed = b.failed + CASE WHEN rid IS NULL THEN 0 ELSE d.n END,
+                 late = b.late + CASE WHEN b.state = 'complete' THEN d.n ELSE 0 END,
+                 last_activity_at = clock_timestamp()
+            FROM d WHERE b.id = d.b AND d.n > 0 RETURNING b.id)
+    SELECT array_agg(b.id ORDER BY b.id DESC) INTO touched FROM b;
+    finished := batch_finish(touched, p_outbox, p_topic);
+    RETURN QUERY
+        SELECT o.b, sum(o.n)::int8, o.b = ANY(finished)
+          FROM unnest(fb, fn) AS o(b, n) GROUP BY o.b ORDER BY o.b;
+END $$;
