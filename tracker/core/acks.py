@@ -38,7 +38,7 @@ from typing import Generic, TypeVar
 
 from psycopg import sql
 
-from tracker.core.batches import completion_insert
+from tracker.core.batches import render
 from tracker.core.steps import Effect, Op, Query, Round
 from tracker.errors import BatchExpired, IndexOutOfRange, InvalidArgument, UnknownBatch, UnknownGroup
 from tracker.ids import GroupMask, fold, format_run, parse_item_id
@@ -64,12 +64,6 @@ class AckResult:
 
 @functools.lru_cache(maxsize=64)
 def statements(schema: str, outbox_table: str) -> dict[str, str]:
-    t = {
-        "batch": sql.Identifier(schema, "batch"),
-        "group": sql.Identifier(schema, "batch_group"),
-        "claim_items": sql.Identifier(schema, "ack_claim_items"),
-        "outbox": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None)),
-    }
     q = {
         "lock": sql.SQL("SELECT id, state FROM {batch} WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE"),
         "lock_skip": sql.SQL(
@@ -107,8 +101,7 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             " SELECT id, flipped, state = 'complete' AND flipped > 0 FROM b"
         ),
     }
-    insert = completion_insert(schema, outbox_table)
-    return {k: v.format(insert=insert, **t).as_string(None) for k, v in q.items()}
+    return render(schema, outbox_table, q, claim_items="ack_claim_items")
 
 
 def _first_index(mask: GroupMask, lo: int = 0) -> int:
