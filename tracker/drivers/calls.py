@@ -134,10 +134,15 @@ def frame(op: Op[T], edge: Boundary, *, pipelined: bool = True) -> Frame[T]:
     except GeneratorExit:  # pragma: no cover - a driver always runs its frame to the end
         op.close()
         raise
-    except BaseException:
+    except BaseException as failure:
         op.close()
         if started and not ended:
-            yield Undo(edge)
+            try:
+                yield Undo(edge)
+            except Exception as undo_failed:
+                # The call's failure is what the caller must see (a cancellation above all: asyncio
+                # relies on it); the undo's own error rides along as a note.
+                failure.add_note(f"undoing the call failed too: {undo_failed!r}")
         raise
 
 
