@@ -77,7 +77,7 @@ def test_asyncpg_cancelled_at_begin_leaves_no_transaction_open(pg_dsn, schema, m
     assert not left_open, "the cancelled call left the connection inside a transaction of its own"
 
 
-class MyConnection(asyncpg.Connection):  # type: ignore[misc]
+class MyConnection(asyncpg.Connection):
     """An application's own connection class (asyncpg.connect(connection_class=...))."""
 
 
