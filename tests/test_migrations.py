@@ -187,7 +187,8 @@ def test_events_that_returned_one_row_are_replaced_and_the_schema_ends_as_a_fres
             "SELECT bool_and(proretset) FROM pg_proc WHERE pronamespace = %s::regnamespace AND proname LIKE '%%_event'"
         )
         assert conn.execute(retset, [upgraded]).fetchone() == (False,)
-        assert schema_mod.migrate(conn, upgraded) == ["R__events.sql"]
+        applied = schema_mod.migrate(conn, upgraded)  # the files changed since that commit, R__events.sql among them
+        assert "R__events.sql" in applied and all(name.startswith("R__") for name in applied)
         assert conn.execute(retset, [upgraded]).fetchone() == (True,)
         for role in ("app", "reaper"):
             assert conn.execute(
