@@ -445,24 +445,12 @@ BEGIN
         RAISE EXCEPTION 'malformed item id %: needs exactly three '':''-separated parts', quote_literal(entry)
             USING ERRCODE = 'RT001', DETAIL = entry;
     END IF;
-    FOREACH part IN ARRAY parts[1:2] LOOP
-        IF part !~ '^[0-9]+$' THEN
-            RAISE EXCEPTION 'malformed item id %: % is not a non-negative decimal', quote_literal(entry), quote_literal(part)
-                USING ERRCODE = 'RT001', DETAIL = entry;
-        END IF;
-        IF part ~ '^0[0-9]' THEN
-            RAISE EXCEPTION 'malformed item id %: a number in it has a leading zero (ids are written as plain decimals)',
-                quote_literal(entry) USING ERRCODE = 'RT001', DETAIL = entry;
-        END IF;
-        IF length(part) > 19 OR part::numeric > 9223372036854775807 THEN
-            RAISE EXCEPTION 'malformed item id %: id % is larger than 9223372036854775807', quote_literal(entry), left(part, 24)
-                USING ERRCODE = 'RT001', DETAIL = entry;
-        END IF;
-    END LOOP;
     dash := position('-' IN parts[3]);
     start_s := CASE WHEN dash > 0 THEN left(parts[3], dash - 1) ELSE parts[3] END;
     end_s := CASE WHEN dash > 0 THEN substr(parts[3], dash + 1) END;
-    FOREACH part IN ARRAY ARRAY[start_s, end_s] LOOP
+    -- The batch and group ids (n = 1, 2), then the index or the run's start and end (n = 3, 4).
+    FOR n IN 1..4 LOOP
+        part := (ARRAY[parts[1], parts[2], start_s, end_s])[n];
         CONTINUE WHEN part IS NULL;
         IF part !~ '^[0-9]+$' THEN
             RAISE EXCEPTION 'malformed item id %: % is not a non-negative decimal', quote_literal(entry), quote_literal(part)
@@ -472,7 +460,12 @@ BEGIN
             RAISE EXCEPTION 'malformed item id %: a number in it has a leading zero (ids are written as plain decimals)',
                 quote_literal(entry) USING ERRCODE = 'RT001', DETAIL = entry;
         END IF;
-        IF length(ltrim(part, '0')) > 4 OR coalesce(nullif(ltrim(part, '0'), ''), '0')::integer >= 8192 THEN
+        IF n <= 2 THEN
+            IF length(part) > 19 OR part::numeric > 9223372036854775807 THEN
+                RAISE EXCEPTION 'malformed item id %: id % is larger than 9223372036854775807', quote_literal(entry), left(part, 24)
+                    USING ERRCODE = 'RT001', DETAIL = entry;
+            END IF;
+        ELSIF length(ltrim(part, '0')) > 4 OR coalesce(nullif(ltrim(part, '0'), ''), '0')::integer >= 8192 THEN
             RAISE EXCEPTION 'item id % is out of range: no group holds more than 8192 items', quote_literal(entry)
                 USING ERRCODE = 'RT004', DETAIL = entry;
         END IF;

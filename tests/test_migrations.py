@@ -194,8 +194,11 @@ def test_events_that_returned_one_row_are_replaced_and_the_schema_ends_as_a_fres
             "SELECT bool_and(proretset) FROM pg_proc WHERE pronamespace = %s::regnamespace AND proname LIKE '%%_event'"
         )
         assert conn.execute(retset, [upgraded]).fetchone() == (False,)
-        # 0016 and every definition changed since that commit; R__events.sql among them
-        assert schema_mod.migrate(conn, upgraded) == ["0016_outcomes.sql", *[d.name for d in schema_mod.definitions()]]
+        # the numbered migrations since that commit (0016), then the definitions changed since it,
+        # R__events.sql among them
+        applied = schema_mod.migrate(conn, upgraded)
+        assert applied[0] == "0016_outcomes.sql" and "R__events.sql" in applied
+        assert all(name.startswith("R__") for name in applied[1:])
         assert conn.execute(retset, [upgraded]).fetchone() == (True,)
         for role in ("app", "reaper"):
             assert conn.execute(

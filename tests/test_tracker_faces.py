@@ -176,3 +176,17 @@ def test_frame_undoes_an_operation_error_but_not_a_failed_begin(pipelined: bool)
     if not pipelined:  # the caller's transaction refused the start: nothing to undo
         seen = _trace(pipelined, fail_at=Begin)
         assert seen == [Begin(SAVEPOINT.start), ("raised", "io failed")]
+
+
+def test_renamed_names_keep_their_article() -> None:
+    """`an AsyncTracker` must not become `an Tracker` in the sync face's docstrings."""
+    sys.path.insert(0, str(REPO / "deploy"))
+    try:
+        from async_to_sync import REGIONS, RENAME
+    finally:
+        sys.path.remove(str(REPO / "deploy"))
+    consonant = [v for v in RENAME.values() if v[0].lower() not in "aeiou_"]
+    for target in {t for _s, _n, t in REGIONS}:
+        text = (REPO / target).read_text()
+        for name in consonant:
+            assert f"an {name}" not in text, (target, name)

@@ -175,7 +175,7 @@ class AsyncTracker(TrackerCore):
 @functools.lru_cache(maxsize=32)
 def default(schema: str | None = None) -> AsyncTracker:
     """The default AsyncTracker of a schema (outbox table "outbox", topic "batch-completions"): what
-    the module-level functions use. For anything else build an AsyncTracker and call its methods."""
+    the module-level functions use. For anything else build your own AsyncTracker and call its methods."""
     return AsyncTracker(schema=schema or DEFAULT_SCHEMA)
 
 

@@ -67,15 +67,18 @@ class BatchExpired(TrackerError):
         super().__init__(f"batch {batch_id} has expired{via}")
 
 
+def _shown(value: object, limit: int) -> str:
+    """`value` as the caller wrote it (its repr), cut after `limit` characters."""
+    shown = repr(value)
+    return shown[:limit] + "..." if len(shown) > limit else shown
+
+
 class InvalidArgument(TrackerError, TypeError):
     """An argument of the wrong type or shape (a whole argument, not one entry of it)."""
 
     def __init__(self, name: str, value: object, expected: str) -> None:
         self.name, self.value, self.expected = name, value, expected
-        shown = repr(value)
-        if len(shown) > 200:
-            shown = shown[:200] + "..."
-        super().__init__(f"{name} must be {expected}, got {type(value).__name__} {shown}")
+        super().__init__(f"{name} must be {expected}, got {type(value).__name__} {_shown(value, 200)}")
 
 
 class InvalidValue(TrackerError, ValueError):
@@ -84,10 +87,7 @@ class InvalidValue(TrackerError, ValueError):
 
     def __init__(self, name: str, value: object, reason: str) -> None:
         self.name, self.value, self.reason = name, value, reason
-        shown = repr(value)
-        if len(shown) > 200:
-            shown = shown[:200] + "..."
-        super().__init__(f"{name} {shown}: {reason}")
+        super().__init__(f"{name} {_shown(value, 200)}: {reason}")
 
 
 class TooManyGroups(TrackerError, ValueError):
@@ -97,9 +97,7 @@ class TooManyGroups(TrackerError, ValueError):
 
     def __init__(self, name: str, item_id: object, limit_bytes: int) -> None:
         self.name, self.item_id, self.limit_bytes = name, item_id, limit_bytes
-        shown = repr(item_id)
-        if len(shown) > 80:
-            shown = shown[:80] + "..."
+        shown = _shown(item_id, 80)
         super().__init__(
             f"{name}: the entries up to {shown} name more groups than one call may fold "
             f"({limit_bytes:,} bytes of masks, at least {limit_bytes // 1024:,} whole groups of 8192 items); "

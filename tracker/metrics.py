@@ -38,33 +38,20 @@ class TrackerMetrics:
     def __init__(self, registry: CollectorRegistry | None, prefix: str = DEFAULT_PREFIX) -> None:
         p = check_prefix(prefix)
         labels = ["schema"]
-        self.acks_applied = Counter(
-            f"{p}_acks_applied_total", "Item acks that cleared a pending bit" + _CALLER, labels, registry=registry
-        )
-        self.acks_duplicate = Counter(
-            f"{p}_acks_duplicate_total", "Item acks whose bit was already clear" + _CALLER, labels, registry=registry
-        )
+
+        def calls(name: str, doc: str) -> Counter:
+            """`<prefix>_<name>_total`: what the tracker's calls did, by schema, counted when they return."""
+            return Counter(f"{p}_{name}_total", doc + _CALLER, labels, registry=registry)
+
+        self.acks_applied = calls("acks_applied", "Item acks that cleared a pending bit")
+        self.acks_duplicate = calls("acks_duplicate", "Item acks whose bit was already clear")
         self.ack_apply_duration = Histogram(
             f"{p}_ack_apply_duration_seconds", "Time to apply one set of folded ack masks", labels, registry=registry
         )
-        self.batches_completed = Counter(
-            f"{p}_batches_completed_total",
-            "Batches completed (closed with nothing pending)" + _CALLER,
-            labels,
-            registry=registry,
-        )
-        self.batches_opened = Counter(
-            f"{p}_batches_opened_total", "Batches opened" + _CALLER, labels, registry=registry
-        )
-        self.batches_expired = Counter(
-            f"{p}_batches_expired_total",
-            "Batches expired (by a sweep or an operator's expire_batch)" + _CALLER,
-            labels,
-            registry=registry,
-        )
-        self.batches_closed = Counter(
-            f"{p}_batches_closed_total", "Batches closed" + _CALLER, labels, registry=registry
-        )
+        self.batches_completed = calls("batches_completed", "Batches completed (closed with nothing pending)")
+        self.batches_opened = calls("batches_opened", "Batches opened")
+        self.batches_expired = calls("batches_expired", "Batches expired (by a sweep or an operator's expire_batch)")
+        self.batches_closed = calls("batches_closed", "Batches closed")
 
 
 _made: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, TrackerMetrics]] = weakref.WeakKeyDictionary()

@@ -24,6 +24,7 @@ from psycopg import sql
 
 from tracker import metrics
 from tracker.config import DEFAULT_COMPLETION_TOPIC, DEFAULT_OUTBOX_TABLE, DEFAULT_SCHEMA, TrackerConfig
+from tracker.core.batches import render
 from tracker.core.steps import Op, Query, Round
 from tracker.drivers import sync_psycopg as driver
 from tracker.drivers.connections import SyncSession, sync_connection
@@ -41,11 +42,6 @@ class SettleResult:
 
 @functools.lru_cache(maxsize=64)
 def statements(schema: str, outbox_table: str) -> dict[str, str]:
-    names = {
-        "claim": sql.Identifier(schema, "ack_claim"),
-        "settle": sql.Identifier(schema, "ack_settle"),
-        "outbox": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None)),
-    }
     q = {
         # Committed claims only (READ COMMITTED): in-flight ones settle at their own commit.
         "claimed": sql.SQL("SELECT DISTINCT batch_id FROM {claim} ORDER BY batch_id LIMIT %s"),
@@ -55,7 +51,7 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             " LATERAL {settle}(u.b, {outbox}::regclass, %s, %s) AS s ORDER BY u.n"
         ),
     }
-    return {k: v.format(**names).as_string(None) for k, v in q.items()}
+    return render(schema, outbox_table, q, claim="ack_claim", settle="ack_settle")
 
 
 def settle_op(

@@ -150,7 +150,7 @@ class Tracker(TrackerCore):
 @functools.lru_cache(maxsize=32)
 def default(schema: str | None = None) -> Tracker:
     """The default Tracker of a schema (outbox table "outbox", topic "batch-completions"): what
-    the module-level functions use. For anything else build an Tracker and call its methods."""
+    the module-level functions use. For anything else build your own Tracker and call its methods."""
     return Tracker(schema=schema or DEFAULT_SCHEMA)
 
 

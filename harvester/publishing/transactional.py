@@ -79,14 +79,6 @@ class TransactionalStrategy:
         self.records_committed = 0
 
     @property
-    def produced(self) -> int:
-        return self._plain.produced
-
-    @property
-    def queue_full_waits(self) -> int:
-        return self._plain.queue_full_waits
-
-    @property
     def ready(self) -> bool:
         """init_transactions() ran on every producer of the current set (the old leader is fenced)."""
         producers = self.slot.producers

@@ -39,6 +39,7 @@ from typing import Generic, TypeVar
 
 from psycopg import sql
 
+from tracker.core.batches import render
 from tracker.core.steps import Effect, Op, Query, Round
 from tracker.errors import BatchExpired, IndexOutOfRange, InvalidArgument, UnknownBatch, UnknownGroup
 from tracker.ids import GroupMask, fold, format_run, parse_item_id
@@ -64,13 +65,6 @@ class AckResult:
 
 @functools.lru_cache(maxsize=64)
 def statements(schema: str, outbox_table: str) -> dict[str, str]:
-    t = {
-        "batch": sql.Identifier(schema, "batch"),
-        "group": sql.Identifier(schema, "batch_group"),
-        "claim_items": sql.Identifier(schema, "ack_claim_items"),
-        "apply": sql.Identifier(schema, "outcome_apply"),
-        "outbox": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None)),
-    }
     q = {
         "lock": sql.SQL("SELECT id, state FROM {batch} WHERE id = ANY(%s) ORDER BY id DESC FOR NO KEY UPDATE"),
         "lock_skip": sql.SQL(
@@ -92,7 +86,7 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             "{outbox}::regclass, %s)"
         ),
     }
-    return {k: v.format(**t).as_string(None) for k, v in q.items()}
+    return render(schema, outbox_table, q, claim_items="ack_claim_items", apply="outcome_apply")
 
 
 def _first_index(mask: GroupMask, lo: int = 0) -> int:

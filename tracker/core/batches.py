@@ -116,15 +116,22 @@ def completion_insert(schema: str, outbox_table: str) -> sql.Composable:
     )
 
 
-@functools.lru_cache(maxsize=64)
-def statements(schema: str, outbox_table: str) -> dict[str, str]:
-    t = {
+def render(schema: str, outbox_table: str, q: dict[str, sql.SQL], **objects: str) -> dict[str, str]:
+    """The statements `q` as text, with their names filled in: {batch} and {group} (the schema's
+    tables), {outbox} (the outbox table as a regclass literal, for the SQL functions that take it),
+    {insert} (completion_insert) and each of `objects` (name -> a function or table of the schema)."""
+    names: dict[str, sql.Composable] = {
         "batch": sql.Identifier(schema, "batch"),
         "group": sql.Identifier(schema, "batch_group"),
-        "settle": sql.Identifier(schema, "ack_settle"),
-        "finish": sql.Identifier(schema, "batch_finish"),
         "outbox": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None)),
+        "insert": completion_insert(schema, outbox_table),
     }
+    names.update((k, sql.Identifier(schema, v)) for k, v in objects.items())
+    return {k: v.format(**names).as_string(None) for k, v in q.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def statements(schema: str, outbox_table: str) -> dict[str, str]:
     q = {
         "open": sql.SQL("INSERT INTO {batch} (user_key, completion_topic) VALUES (%s, %s) RETURNING id, created_at"),
         # With an active span (tracker.tracing): its context, for the completion and expiry events.
@@ -169,8 +176,7 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             "FROM {batch} WHERE id = %s"
         ),
     }
-    insert = completion_insert(schema, outbox_table)
-    return {k: v.format(insert=insert, **t).as_string(None) for k, v in q.items()}
+    return render(schema, outbox_table, q, settle="ack_settle", finish="batch_finish")
 
 
 # ---------------------------------------------------------------- operations (no I/O: see steps.py)

@@ -98,7 +98,10 @@ async def _begin(conn: asyncpg.Connection, sql: str) -> None:
 
 
 async def _undo(conn: asyncpg.Connection, edge: Boundary) -> None:
-    if not conn.is_closed() and conn.is_in_transaction():
+    # A call's own transaction is rolled back even if the connection does not look inside one: after
+    # a cancellation its status is the one before the cancelled statement (BEGIN) until the next
+    # statement, and a ROLLBACK outside a transaction changes nothing.
+    if not conn.is_closed() and (edge == OWN_TRANSACTION or conn.is_in_transaction()):
         for statement in edge.undo:
             await conn.execute(statement)
 

@@ -12,11 +12,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import psycopg
+from psycopg import pq
 from psycopg.rows import tuple_row
 
 from tracker.core.steps import Op, Query, Write
 from tracker.drivers.calls import AsyncIo, Boundary, boundary, drive_async, frame
 from tracker.drivers.sync_psycopg import in_pipeline, in_transaction, usable
+from tracker.errors import CallerTransactionAborted
 
 T = TypeVar("T")
 
@@ -85,8 +87,13 @@ _IO: AsyncIo[psycopg.AsyncConnection] = (_send, _write, _begin, _undo)
 async def run(conn: psycopg.AsyncConnection, op: Op[T], *, effect: Callable[[], Awaitable[object]] | None = None) -> T:
     """Drive `op` to its result on `conn`, all or nothing inside the caller's transaction."""
     if in_pipeline(conn):
-        async with conn.pipeline():  # nested: its exit syncs the caller's queued statements
-            pass
+        try:
+            async with conn.pipeline():  # nested: its exit syncs the caller's queued statements
+                pass
+        except psycopg.Error as exc:  # one of them failed: the caller's transaction is aborted
+            if conn.info.transaction_status == pq.TransactionStatus.INERROR:
+                raise CallerTransactionAborted() from exc
+            raise
     edge = boundary(conn.autocommit, conn.info.transaction_status)
     return await drive_async(frame(op, edge), conn, _IO, effect)
 

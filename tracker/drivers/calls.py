@@ -75,6 +75,21 @@ Io = Union[Round, Write, Effect, Begin, Undo]
 Frame = Generator[Io, Any, T]
 
 
+def _begin(edge: Boundary) -> Generator[Io, Any, bool]:
+    """Begin alone. If that fails, nothing of the call ran, so there is nothing to undo; except an
+    interruption (a cancellation, Ctrl-C) landing once the server has the BEGIN of a transaction of
+    the call's own: undone (a ROLLBACK with no transaction open changes nothing), or the connection
+    would stay inside a transaction nobody ends. A savepoint is never undone here: rolling back to
+    one that was never made would abort the caller's transaction."""
+    try:
+        yield Begin(edge.start)
+    except BaseException:
+        if edge == OWN_TRANSACTION:
+            yield Undo(edge)
+        raise
+    return True
+
+
 def frame(op: Op[T], edge: Boundary, *, pipelined: bool = True) -> Frame[T]:
     """The call of `op` inside `edge`. `pipelined`: the driver sends a round's queries in one trip,
     so the start rides with the first round; otherwise it is sent alone (as `Begin`) first."""
@@ -88,8 +103,7 @@ def frame(op: Op[T], edge: Boundary, *, pipelined: bool = True) -> Frame[T]:
             result: object = None
             if type(step) is Round:
                 if not started and not pipelined:
-                    yield Begin(edge.start)
-                    started = True
+                    started = yield from _begin(edge)
                 if started:
                     if step.last:
                         results = yield Round(step.queries + (Query(edge.end),))
@@ -105,8 +119,7 @@ def frame(op: Op[T], edge: Boundary, *, pipelined: bool = True) -> Frame[T]:
                     result = results[1 : 1 + len(step.queries)]
             elif type(step) is Write:
                 if not started:
-                    yield Begin(edge.start)
-                    started = True
+                    started = yield from _begin(edge)
                 yield step
             elif type(step) is Effect:
                 result = yield step
@@ -121,10 +134,15 @@ def frame(op: Op[T], edge: Boundary, *, pipelined: bool = True) -> Frame[T]:
     except GeneratorExit:  # pragma: no cover - a driver always runs its frame to the end
         op.close()
         raise
-    except BaseException:
+    except BaseException as failure:
         op.close()
         if started and not ended:
-            yield Undo(edge)
+            try:
+                yield Undo(edge)
+            except Exception as undo_failed:
+                # The call's failure is what the caller must see (a cancellation above all: asyncio
+                # relies on it); the undo's own error rides along as a note.
+                failure.add_note(f"undoing the call failed too: {undo_failed!r}")
         raise
 
 

@@ -58,7 +58,11 @@ def sync_connection(session: object) -> psycopg.Connection:
 
 
 def _is_asyncpg(conn: object) -> bool:
-    return type(conn).__module__.startswith("asyncpg") and hasattr(conn, "is_in_transaction")
+    """An asyncpg Connection (an application's subclass too: asyncpg.connect(connection_class=...))
+    or a pool's proxy of one."""
+    return any(c.__module__.startswith("asyncpg") for c in type(conn).__mro__[:-1]) and hasattr(
+        conn, "is_in_transaction"
+    )
 
 
 async def async_connection(session: object) -> psycopg.AsyncConnection | asyncpg.Connection:

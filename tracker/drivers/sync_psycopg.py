@@ -10,7 +10,8 @@ Every call is all or nothing inside the caller's transaction, whatever the conne
 - autocommit on and no block: there is no caller transaction, so the call is one of its own;
 - the caller in pipeline mode: the caller's queued statements are synced first, so the status read
   is true; `Write` steps use INSERT instead of COPY, which libpq refuses in pipeline mode;
-- the caller's transaction already failed: `CallerTransactionAborted`, nothing sent.
+- the caller's transaction already failed (in pipeline mode: one of the caller's queued statements
+  failed when synced): `CallerTransactionAborted` (the caller's error as its cause), nothing sent.
 
 The decision reads the connection's *transaction status*, never `autocommit` alone
 (tracker/drivers/calls.py: `boundary`, and the step loop every driver shares). The I/O calls below
@@ -28,6 +29,7 @@ from psycopg.rows import tuple_row
 
 from tracker.core.steps import Op, Query, Write
 from tracker.drivers.calls import Boundary, SyncIo, boundary, drive, frame
+from tracker.errors import CallerTransactionAborted
 
 T = TypeVar("T")
 
@@ -108,8 +110,13 @@ _IO: SyncIo[psycopg.Connection] = (_send, _write, _begin, _undo)
 def run(conn: psycopg.Connection, op: Op[T], *, effect: Callable[[], object] | None = None) -> T:
     """Drive `op` to its result on `conn`, all or nothing inside the caller's transaction."""
     if in_pipeline(conn):
-        with conn.pipeline():  # nested: its exit syncs the caller's queued statements
-            pass
+        try:
+            with conn.pipeline():  # nested: its exit syncs the caller's queued statements
+                pass
+        except psycopg.Error as exc:  # one of them failed: the caller's transaction is aborted
+            if conn.info.transaction_status == pq.TransactionStatus.INERROR:
+                raise CallerTransactionAborted() from exc
+            raise
     edge = boundary(conn.autocommit, conn.info.transaction_status)
     return drive(frame(op, edge), conn, _IO, effect)
 
