@@ -56,7 +56,9 @@ END;
 -- "failed" when an item or a child failed or a threshold finished it early), its own items'
 -- "succeeded", "failed" and "pending" (non-zero only for an early finish), "parent_id",
 -- "children" {"total", "failed"} and "rollup" {"total", "succeeded", "failed"}: its items and
--- those of every finished descendant. Headers unchanged (no `event` header: an expiry event has one).
+-- those of every descendant that finished before it, items still pending (an early finish) counted
+-- as failed, so rollup succeeded + failed = total. The roll-up is exactly what the batch adds to its
+-- parent's (batch_finish, sql/R__outcomes.sql); a descendant finishing after it is not counted. Headers unchanged (no `event` header: an expiry event has one).
 CREATE OR REPLACE FUNCTION completion_event(b batch, default_topic text,
                                             OUT topic text, OUT key bytea, OUT value bytea,
                                             OUT header_keys text[], OUT header_values bytea[])
@@ -72,14 +74,15 @@ BEGIN ATOMIC
                           'rollup', json_build_object(
                               'total', b.total + b.rollup_total,
                               'succeeded', b.total - b.pending - b.failed + b.rollup_total - b.rollup_failed,
-                              'failed', b.failed + b.rollup_failed))::text,
+                              'failed', b.pending + b.failed + b.rollup_failed))::text,
         '{}', '{}');
 END;
 
 
 -- The expiry event of a batch that has just expired (tracker.expiry), to `to_topic`. Value
 -- (schema_version 2, the envelope of the completion event): "event": "expired" (as in version 1), "outcome":
--- "expired", the counts at expiry (its version 1 keys pending, acked, state, reason,
+-- "expired", the counts at expiry ("rollup" as the completion event's: items pending at expiry
+-- count as failed, which is what the parent counts for it; its version 1 keys pending, acked, state, reason,
 -- last_activity_at, expired_at unchanged, "acked" counting succeeded and failed items), the
 -- keys of `detail`; the header `event` says batch-expired (tracker.expiry.EXPIRY_EVENT).
 CREATE OR REPLACE FUNCTION expiry_event(b batch, to_topic text, reason text, detail jsonb,
@@ -98,7 +101,7 @@ BEGIN ATOMIC
             'rollup', jsonb_build_object(
                 'total', b.total + b.rollup_total,
                 'succeeded', b.total - b.pending - b.failed + b.rollup_total - b.rollup_failed,
-                'failed', b.failed + b.rollup_failed),
+                'failed', b.pending + b.failed + b.rollup_failed),
             'state', CASE WHEN b.closed_at IS NULL THEN 'open' ELSE 'closed' END,
             'opened_at', b.created_at, 'closed_at', b.closed_at, 'last_activity_at', b.last_activity_at,
             'expired_at', b.expired_at) || coalesce(detail, '{}'))::text,

@@ -49,6 +49,10 @@ END $$;
 -- (child before parent): children_open - 1, its whole tree's items into rollup_total, those that did
 -- not succeed (failed, or pending at an early finish or expiry) into rollup_failed, and
 -- children_failed + 1 unless it succeeded; then the parent is looked at the same way, up the chain.
+-- The one roll-up rule: a child adds to its parent exactly the roll-up its own completion or expiry
+-- event reports (sql/R__events.sql): total = its items and its finished descendants' items,
+-- failed = those that failed or were still pending when it finished or expired. A descendant that
+-- finishes after its parent finished is folded into that parent only (no further up).
 -- A parent already finished or expired keeps its counts of children open but emits nothing more.
 -- Returns the batches finished here.
 CREATE OR REPLACE FUNCTION batch_finish(p_ids bigint[], p_outbox regclass, p_topic text,

@@ -117,15 +117,20 @@ END $$;
 
 -- The failed items of a batch with their reasons, in (group, index) order after the item id
 -- `after` (null: from the start), at most `lim` (1 to 1000) rows. The next page starts after the
--- last item id returned; fewer than `lim` rows: the last page.
+-- last item id returned; fewer than `lim` rows: the last page. Walks group by group (the failed
+-- items of one group are in the group's failure rows, at most 8192 bits each): a page reads the
+-- failure rows of at most `lim` groups, however many items failed in the batch.
 CREATE OR REPLACE FUNCTION failures(batch bigint, after text DEFAULT NULL, lim integer DEFAULT 100)
 RETURNS TABLE (item_id text, reason text)
 LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
 #variable_conflict use_column
 DECLARE
     ag bigint := -1;
-    ai integer := 8192;
+    ai integer := -1;
     parts text[];
+    g bigint;
+    left_n integer;
+    n integer;
 BEGIN
     IF failures.lim IS NULL OR failures.lim < 1 OR failures.lim > 1000 THEN
         RAISE EXCEPTION 'lim must be between 1 and 1000, got %', coalesce(failures.lim::text, 'null')
@@ -144,18 +149,23 @@ BEGIN
         END IF;
         ag := parts[2]::bigint;
         ai := parts[3]::integer;
-    ELSE
-        ag := -1;
     END IF;
-    RETURN QUERY
-        SELECT f.batch_id || ':' || f.group_id || ':' || i, r.text
-          FROM group_failure f
-          JOIN failure_reason r ON r.id = f.reason_id
-          CROSS JOIN LATERAL generate_series(CASE WHEN f.group_id = ag THEN ai + 1 ELSE 0 END,
-                                             bit_length(f.bits) - 1) AS i
-         WHERE f.batch_id = failures.batch AND f.group_id >= ag AND get_bit(f.bits, i) = 1
-         ORDER BY f.group_id, i
-         LIMIT failures.lim;
+    left_n := failures.lim;
+    FOR g IN SELECT DISTINCT f.group_id FROM group_failure f
+              WHERE f.batch_id = failures.batch AND f.group_id >= greatest(ag, 0)
+              ORDER BY f.group_id LOOP
+        RETURN QUERY
+            SELECT failures.batch || ':' || g || ':' || i, r.text
+              FROM group_failure f
+              JOIN failure_reason r ON r.id = f.reason_id
+             CROSS JOIN LATERAL generate_series(CASE WHEN g = ag THEN ai + 1 ELSE 0 END, bit_length(f.bits) - 1) AS i
+             WHERE f.batch_id = failures.batch AND f.group_id = g AND get_bit(f.bits, i) = 1
+             ORDER BY i
+             LIMIT left_n;
+        GET DIAGNOSTICS n = ROW_COUNT;
+        left_n := left_n - n;
+        EXIT WHEN left_n <= 0;
+    END LOOP;
 END $$;
 
 

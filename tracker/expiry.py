@@ -23,6 +23,7 @@ a transaction is left to its caller to commit.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections.abc import Mapping
@@ -65,13 +66,13 @@ _EXPIRE = """
 expired AS (
   UPDATE {batch} b SET state = 'expired', expired_at = clock_timestamp() FROM pick
   WHERE b.id = pick.id AND b.state IN ('open', 'closed')
-  RETURNING b.id, b.user_key, b.total, b.pending, b AS whole,
+  RETURNING b.id, b.user_key, b.total, b.pending, b.parent_id, b AS whole,
             coalesce(%(expiry_topic)s, b.completion_topic, %(default_topic)s) AS topic),
 event AS (
   INSERT INTO {outbox} (topic, key, value, header_keys, header_values)
   SELECT ev.* FROM expired e CROSS JOIN LATERAL {expiry_event}(e.whole, e.topic, %(reason)s, %(detail)s::jsonb) ev
   ORDER BY e.id)
-SELECT id, user_key, total, pending, topic FROM expired"""
+SELECT id, user_key, total, pending, topic, parent_id FROM expired"""
 
 
 @functools.lru_cache(maxsize=64)
@@ -80,13 +81,22 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
         "batch": sql.Identifier(schema, "batch"),
         "outbox": sql.Identifier(schema, outbox_table),
         "expiry_event": sql.Identifier(schema, "expiry_event"),  # the event itself: sql/R__events.sql
+        "finish": sql.Identifier(schema, "batch_finish"),  # sql/R__outcomes.sql
+        "outbox_name": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None)),
     }
     q = {
+        # A batch with open children is not idle: it waits for them (they expire first when idle,
+        # and each expired child counts as activity of its parent). Children before parents
+        # (descending ids), as every path that locks several batches.
         "expire": sql.SQL(
-            "WITH pick AS (SELECT id FROM {batch} WHERE state IN ('open', 'closed') "
+            "WITH pick AS (SELECT id FROM {batch} WHERE state IN ('open', 'closed') AND children_open = 0 "
             "AND last_activity_at < clock_timestamp() - make_interval(secs => %(idle)s) "
-            "ORDER BY id LIMIT %(chunk)s FOR NO KEY UPDATE SKIP LOCKED), " + _EXPIRE
+            "ORDER BY id DESC LIMIT %(chunk)s FOR NO KEY UPDATE SKIP LOCKED), " + _EXPIRE
         ),
+        # The expired children are folded into their parents, in the expiring transaction: an
+        # expired child counts as finished and failed (its pending items failed) for its parent,
+        # which may finish now (its one completion event).
+        "finish": sql.SQL("SELECT {finish}('{{}}'::int8[], {outbox_name}::regclass, %s, %s::int8[])"),
         # An operator's expiry waits for the row lock: a busy batch is expired once its holder is done.
         "expire_one": sql.SQL("WITH pick AS (SELECT id FROM {batch} WHERE id = %(id)s FOR NO KEY UPDATE), " + _EXPIRE),
         "state": sql.SQL("SELECT state FROM {batch} WHERE id = %s"),
@@ -158,7 +168,12 @@ def sweep(
             rounds += 1
             # Every row the expiry's CTE picked is locked by it and still open or closed (the lock
             # re-checks the state), so it expires all it picked: fewer than `chunk` means done.
-            n = len(conn.execute(q[kind], params).fetchall())
+            with conn.transaction() if conn.autocommit else contextlib.nullcontext():
+                rows = conn.execute(q[kind], params).fetchall()
+                children = [r[0] for r in rows if kind == "expire" and r[5] is not None]
+                if children:
+                    conn.execute(q["finish"], [default_topic, children])
+            n = len(rows)
             if commit_chunks:
                 conn.commit()
             if kind == "expire":
@@ -221,7 +236,9 @@ def _expire_op(q: dict[str, str], params: Mapping[str, object], batch_id: int) -
     in an open transaction, a transaction of its own on an idle autocommit connection)."""
     [row] = yield one(q["expire_one"], params)
     if row is not None:
-        return Expired(*row)
+        if row[5] is not None:  # a child: its parent is told in this transaction (see "finish")
+            yield one(q["finish"], [params["default_topic"], [row[0]]])
+        return Expired(*row[:5])
     [state] = yield one(q["state"], [batch_id])
     if state is None:
         raise UnknownBatch(batch_id)
