@@ -354,7 +354,7 @@ ASYNC_MODES = [
     "sa_asyncpg_session",
     "sa_asyncpg_begin_nested",
 ]
-OPS = ["open", "enqueue", "add_items", "close", "ack", "exactly_once", "status"]
+OPS = ["open", "open_child", "enqueue", "add_items", "close", "ack", "fail", "failures", "exactly_once", "status"]
 
 
 # ---------------------------------------------------------------- the operations, good and poisoned
@@ -397,6 +397,16 @@ def call(t: Any, op: str, session: Any, fx: Fixture, caller: Caller, *, poisoned
     b = fx.open_batch.id
     if op == "open":
         return t.open_batch(session, user_key="poison-open" if poisoned else "new", completion_topic="done")
+    if op == "open_child":
+        # poisoned: the parent is counted, then the child's row is refused
+        key = "poison-open" if poisoned else "child"
+        return t.open_batch(session, user_key=key, parent=fx.open_batch, tolerated_failures=1)
+    if op == "fail":
+        if poisoned:  # failing every item finishes the batch, and its completion event is refused
+            return t.fail(session, [f"{fx.poison_closed.id}:0:0-2"], "gave up")
+        return t.fail(session, [f"{fx.closed_batch.id}:0:0", f"{b}:0:2"], "gave up")
+    if op == "failures":
+        return t.failures(session, 10**12 if poisoned else fx.closed_batch, limit=10)
     if op == "enqueue":
         target = fx.poison_batch if poisoned else fx.open_batch
         return t.enqueue(
@@ -435,6 +445,7 @@ def call(t: Any, op: str, session: Any, fx: Fixture, caller: Caller, *, poisoned
 
 EXPECTED_ERROR: dict[str, tuple[type[BaseException], ...]] = {
     "status": (tracker.UnknownBatch,),
+    "failures": (tracker.UnknownBatch,),
     "exactly_once": (psycopg.errors.DivisionByZero,),
 }
 
@@ -498,7 +509,7 @@ def _assert_outcome(
     assert tags == sorted(expected), (mode, op, outcome, tags)
     if outcome == "failed":
         assert state == before, f"{mode}/{op}: a failed call left rows behind"
-    elif op != "status":
+    elif op not in ("status", "failures"):
         assert state != before, f"{mode}/{op}: the call's work is missing after the caller committed"
     else:
         assert state == before
@@ -518,6 +529,7 @@ async def _async_cell(dsn: str, schema: str, mode: str, op: str, outcome: str, e
 
                 errors = {
                     "status": (tracker.UnknownBatch,),
+                    "failures": (tracker.UnknownBatch,),
                     "exactly_once": (asyncpg.exceptions.DivisionByZeroError,),
                 }.get(op, (asyncpg.exceptions.RaiseError,))
             with pytest.raises(errors):

@@ -12,6 +12,8 @@ def snapshot(conn: psycopg.Connection, schema: str) -> dict[str, list[tuple]]:
         "batch": conn.execute(f"SELECT * FROM {s}.batch ORDER BY id").fetchall(),
         "batch_group": conn.execute(f"SELECT * FROM {s}.batch_group ORDER BY batch_id, id").fetchall(),
         "outbox": conn.execute(f"SELECT * FROM {s}.outbox ORDER BY id").fetchall(),
+        "group_failure": conn.execute(f"SELECT * FROM {s}.group_failure ORDER BY 1, 2, 3").fetchall(),
+        "failure_reason": conn.execute(f"SELECT * FROM {s}.failure_reason ORDER BY id").fetchall(),
     }
 
 

@@ -19,17 +19,19 @@ its methods.
 from tracker import aio, outbox
 from tracker.aio import AsyncTracker
 from tracker.consumer import AckProducer, MissingItemId, Processed, item_id_of
-from tracker.core.acks import CLAIMS_PER_CALL_MAX, AckResult
+from tracker.core.acks import CLAIMS_PER_CALL_MAX, AckResult, FailResult, FailurePage
 from tracker.core.batches import Batch, BatchStatus, GroupHandle
 from tracker.errors import (
     BatchExpired,
     BatchNotOpen,
     CallerTransactionAborted,
+    DepthExceeded,
     IndexOutOfRange,
     InvalidArgument,
     InvalidIdentifier,
     InvalidValue,
     MalformedItemId,
+    ParentNotOpen,
     TooManyGroups,
     TrackerError,
     UnknownBatch,
@@ -39,7 +41,18 @@ from tracker.errors import (
 from tracker.ids import GroupMask, IdRun, ItemId, expand, fold, format_item_id, format_run, parse_ack, parse_item_id
 from tracker.outbox import Message
 from tracker.settle import SettleResult, settle
-from tracker.sync import Tracker, ack, add_items, apply_masks, close_batch, exactly_once, open_batch, status
+from tracker.sync import (
+    Tracker,
+    ack,
+    add_items,
+    apply_masks,
+    close_batch,
+    exactly_once,
+    fail,
+    failures,
+    open_batch,
+    status,
+)
 
 __all__ = [
     "Tracker",
@@ -51,6 +64,10 @@ __all__ = [
     "close_batch",
     "ack",
     "apply_masks",
+    "fail",
+    "failures",
+    "FailResult",
+    "FailurePage",
     "status",
     "settle",
     "SettleResult",
@@ -68,6 +85,8 @@ __all__ = [
     "BatchExpired",
     "BatchNotOpen",
     "CallerTransactionAborted",
+    "DepthExceeded",
+    "ParentNotOpen",
     "IndexOutOfRange",
     "InvalidArgument",
     "InvalidIdentifier",

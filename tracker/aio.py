@@ -30,12 +30,12 @@ from typing import TypeVar
 import psycopg
 
 from tracker.config import DEFAULT_SCHEMA
-from tracker.core.acks import AckResult, Processed
+from tracker.core.acks import AckResult, FailResult, FailurePage, Processed
 from tracker.core.batches import Batch, BatchStatus, GroupHandle
 from tracker.core.enqueue import Headers, KeyArg
 from tracker.core.operations import ItemIds, TrackerCore
 from tracker.core.steps import Op
-from tracker.core.validate import id_list
+from tracker.core.validate import check_reason, id_list
 from tracker.drivers import async_asyncpg as apgdriver
 from tracker.drivers import async_psycopg as adriver
 from tracker.drivers.connections import AsyncSession, async_connection
@@ -77,11 +77,24 @@ class AsyncTracker(TrackerCore):
     every session (and thread)."""
 
     async def open_batch(
-        self, session: AsyncSession, *, user_key: str | None = None, completion_topic: str | None = None
+        self,
+        session: AsyncSession,
+        *,
+        user_key: str | None = None,
+        completion_topic: str | None = None,
+        parent: Batch | int | None = None,
+        tolerated_failures: int | None = None,
+        tolerated_failure_ratio: float | None = None,
     ) -> Batch:
         """Open a batch. Items are added by `enqueue` or `add_items`; `close_batch` closes it.
-        `user_key` comes back in the completion event; `completion_topic` overrides the tracker's."""
-        op = self._open_op(user_key, completion_topic)
+        `user_key` comes back in the completion event; `completion_topic` overrides the tracker's.
+
+        `parent`: open it as a child of that open batch (ParentNotOpen when it is closed, complete
+        or expired; DepthExceeded below 8 levels); the parent finishes only after its children.
+        `tolerated_failures` / `tolerated_failure_ratio`: the batch finishes early, as failed, once
+        more items failed than that many, or (closed) than that fraction of its items; with its
+        children's roll-up. Without them it waits for every item."""
+        op = self._open_op(user_key, completion_topic, parent, tolerated_failures, tolerated_failure_ratio)
         batch = await _run(session, op)
         self._count_open()
         return batch
@@ -160,6 +173,28 @@ class AsyncTracker(TrackerCore):
         self._count_ack(result, started)
         return result
 
+    async def fail(self, session: AsyncSession, item_ids: ItemIds, reason: str) -> FailResult:
+        """Record item ids (and runs) as failed under `reason` (1 to 500 characters, stored once
+        however many items share it), in the caller's transaction. The first outcome recorded for an
+        item wins: a later ack or failure of it is a duplicate, so record a failure only when you
+        give up on the item. Takes the masked path: the named batches' rows stay locked until you
+        commit, and `completed` lists the batches this call finished (last item, or a threshold).
+
+        Raises MalformedItemId, UnknownBatch, UnknownGroup, IndexOutOfRange or BatchExpired naming
+        the offending entry as written, InvalidValue for a reason too long or empty; then nothing
+        of the call was applied.
+        """
+        checked = check_reason(reason)
+        entries = id_list(item_ids)
+        return await _run(session, self._fail_op(entries, await _fold(entries), checked))
+
+    async def failures(
+        self, session: AsyncSession, batch: Batch | int, *, after: str | None = None, limit: int = 100
+    ) -> FailurePage:
+        """A page of the batch's failed items with their reasons, in item order: at most `limit`
+        (1 to 1000) after the item id `after` (a previous page's `next`; None: from the start)."""
+        return await _run(session, self._failures_op(batch, after, limit))
+
     async def exactly_once(self, session: AsyncSession, item_id: str | bytes, effect: AsyncEffect[T]) -> Processed[T]:
         """Ack `item_id` and, only if its bit was still set, run `effect(session)`, all in one
         savepoint of the caller's transaction: the effect and the ack commit or roll back together.
@@ -184,10 +219,20 @@ async def open_batch(
     *,
     user_key: str | None = None,
     completion_topic: str | None = None,
+    parent: Batch | int | None = None,
+    tolerated_failures: int | None = None,
+    tolerated_failure_ratio: float | None = None,
     schema: str | None = None,
 ) -> Batch:
     """`AsyncTracker.open_batch` on the default tracker of `schema`."""
-    return await default(schema).open_batch(session, user_key=user_key, completion_topic=completion_topic)
+    return await default(schema).open_batch(
+        session,
+        user_key=user_key,
+        completion_topic=completion_topic,
+        parent=parent,
+        tolerated_failures=tolerated_failures,
+        tolerated_failure_ratio=tolerated_failure_ratio,
+    )
 
 
 async def add_items(
@@ -238,6 +283,23 @@ async def apply_masks(
     return await default(schema).apply_masks(session, masks, reject_invalid=reject_invalid, skip_locked=skip_locked)
 
 
+async def fail(session: AsyncSession, item_ids: ItemIds, reason: str, *, schema: str | None = None) -> FailResult:
+    """`AsyncTracker.fail` on the default tracker of `schema`."""
+    return await default(schema).fail(session, item_ids, reason)
+
+
+async def failures(
+    session: AsyncSession,
+    batch: Batch | int,
+    *,
+    after: str | None = None,
+    limit: int = 100,
+    schema: str | None = None,
+) -> FailurePage:
+    """`AsyncTracker.failures` on the default tracker of `schema`."""
+    return await default(schema).failures(session, batch, after=after, limit=limit)
+
+
 async def exactly_once(
     session: AsyncSession, item_id: str | bytes, effect: AsyncEffect[T], *, schema: str | None = None
 ) -> Processed[T]:
@@ -257,5 +319,7 @@ __all__ = [
     "status",
     "ack",
     "apply_masks",
+    "fail",
+    "failures",
     "exactly_once",
 ]

@@ -58,6 +58,22 @@ class BatchNotOpen(TrackerError):
         super().__init__(f"batch {batch_id} is {state}: items can only be added to an open batch")
 
 
+class ParentNotOpen(TrackerError):
+    """Opening a child batch under a parent that is closed, complete or expired."""
+
+    def __init__(self, batch_id: int, state: str) -> None:
+        self.batch_id, self.state = batch_id, state
+        super().__init__(f"parent batch {batch_id} is {state}: children can only be opened under an open batch")
+
+
+class DepthExceeded(TrackerError, ValueError):
+    """Opening a child batch deeper than batches nest (8 levels: a top batch and 7 below it)."""
+
+    def __init__(self, batch_id: int, depth: int, max_depth: int) -> None:
+        self.batch_id, self.depth = batch_id, depth
+        super().__init__(f"parent batch {batch_id} is at depth {depth}: batches nest at most {max_depth + 1} levels")
+
+
 class BatchExpired(TrackerError):
     """Acking or closing a batch that the sweeper expired."""
 

@@ -20,12 +20,12 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from tracker.config import DEFAULT_SCHEMA
-from tracker.core.acks import AckResult, Processed
+from tracker.core.acks import AckResult, FailResult, FailurePage, Processed
 from tracker.core.batches import Batch, BatchStatus, GroupHandle
 from tracker.core.enqueue import Headers, KeyArg
 from tracker.core.operations import ItemIds, TrackerCore
 from tracker.core.steps import Op
-from tracker.core.validate import id_list
+from tracker.core.validate import check_reason, id_list
 from tracker.drivers import sync_psycopg as driver
 from tracker.drivers.connections import SyncSession, sync_connection
 from tracker.ids import GroupMask, fold
@@ -52,11 +52,24 @@ class Tracker(TrackerCore):
     every session (and thread)."""
 
     def open_batch(
-        self, session: SyncSession, *, user_key: str | None = None, completion_topic: str | None = None
+        self,
+        session: SyncSession,
+        *,
+        user_key: str | None = None,
+        completion_topic: str | None = None,
+        parent: Batch | int | None = None,
+        tolerated_failures: int | None = None,
+        tolerated_failure_ratio: float | None = None,
     ) -> Batch:
         """Open a batch. Items are added by `enqueue` or `add_items`; `close_batch` closes it.
-        `user_key` comes back in the completion event; `completion_topic` overrides the tracker's."""
-        op = self._open_op(user_key, completion_topic)
+        `user_key` comes back in the completion event; `completion_topic` overrides the tracker's.
+
+        `parent`: open it as a child of that open batch (ParentNotOpen when it is closed, complete
+        or expired; DepthExceeded below 8 levels); the parent finishes only after its children.
+        `tolerated_failures` / `tolerated_failure_ratio`: the batch finishes early, as failed, once
+        more items failed than that many, or (closed) than that fraction of its items; with its
+        children's roll-up. Without them it waits for every item."""
+        op = self._open_op(user_key, completion_topic, parent, tolerated_failures, tolerated_failure_ratio)
         batch = _run(session, op)
         self._count_open()
         return batch
@@ -135,6 +148,28 @@ class Tracker(TrackerCore):
         self._count_ack(result, started)
         return result
 
+    def fail(self, session: SyncSession, item_ids: ItemIds, reason: str) -> FailResult:
+        """Record item ids (and runs) as failed under `reason` (1 to 500 characters, stored once
+        however many items share it), in the caller's transaction. The first outcome recorded for an
+        item wins: a later ack or failure of it is a duplicate, so record a failure only when you
+        give up on the item. Takes the masked path: the named batches' rows stay locked until you
+        commit, and `completed` lists the batches this call finished (last item, or a threshold).
+
+        Raises MalformedItemId, UnknownBatch, UnknownGroup, IndexOutOfRange or BatchExpired naming
+        the offending entry as written, InvalidValue for a reason too long or empty; then nothing
+        of the call was applied.
+        """
+        checked = check_reason(reason)
+        entries = id_list(item_ids)
+        return _run(session, self._fail_op(entries, _fold(entries), checked))
+
+    def failures(
+        self, session: SyncSession, batch: Batch | int, *, after: str | None = None, limit: int = 100
+    ) -> FailurePage:
+        """A page of the batch's failed items with their reasons, in item order: at most `limit`
+        (1 to 1000) after the item id `after` (a previous page's `next`; None: from the start)."""
+        return _run(session, self._failures_op(batch, after, limit))
+
     def exactly_once(self, session: SyncSession, item_id: str | bytes, effect: SyncEffect[T]) -> Processed[T]:
         """Ack `item_id` and, only if its bit was still set, run `effect(session)`, all in one
         savepoint of the caller's transaction: the effect and the ack commit or roll back together.
@@ -159,10 +194,20 @@ def open_batch(
     *,
     user_key: str | None = None,
     completion_topic: str | None = None,
+    parent: Batch | int | None = None,
+    tolerated_failures: int | None = None,
+    tolerated_failure_ratio: float | None = None,
     schema: str | None = None,
 ) -> Batch:
     """`Tracker.open_batch` on the default tracker of `schema`."""
-    return default(schema).open_batch(session, user_key=user_key, completion_topic=completion_topic)
+    return default(schema).open_batch(
+        session,
+        user_key=user_key,
+        completion_topic=completion_topic,
+        parent=parent,
+        tolerated_failures=tolerated_failures,
+        tolerated_failure_ratio=tolerated_failure_ratio,
+    )
 
 
 def add_items(session: SyncSession, batch: Batch | int, n: int, *, schema: str | None = None) -> list[GroupHandle]:
@@ -209,6 +254,23 @@ def apply_masks(
 ) -> AckResult:
     """`Tracker.apply_masks` on the default tracker of `schema`."""
     return default(schema).apply_masks(session, masks, reject_invalid=reject_invalid, skip_locked=skip_locked)
+
+
+def fail(session: SyncSession, item_ids: ItemIds, reason: str, *, schema: str | None = None) -> FailResult:
+    """`Tracker.fail` on the default tracker of `schema`."""
+    return default(schema).fail(session, item_ids, reason)
+
+
+def failures(
+    session: SyncSession,
+    batch: Batch | int,
+    *,
+    after: str | None = None,
+    limit: int = 100,
+    schema: str | None = None,
+) -> FailurePage:
+    """`Tracker.failures` on the default tracker of `schema`."""
+    return default(schema).failures(session, batch, after=after, limit=limit)
 
 
 def exactly_once(

@@ -40,7 +40,7 @@ from typing import Generic, TypeVar
 from psycopg import sql
 
 from tracker.core.batches import render
-from tracker.core.steps import Effect, Op, Query, Round
+from tracker.core.steps import Effect, Op, Query, Round, one
 from tracker.errors import BatchExpired, IndexOutOfRange, InvalidArgument, UnknownBatch, UnknownGroup
 from tracker.ids import GroupMask, fold, format_run, parse_item_id
 
@@ -61,6 +61,28 @@ class AckResult:
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (item id or run, reason), reject_invalid only
     # apply_op(skip_locked=True): masks of batches another transaction held locked, not applied
     skipped: dict[tuple[int, int], GroupMask] = field(default_factory=dict)
+
+
+@dataclass
+class FailResult:
+    """What `fail` did: items this call failed (their bit was still set), ids already finished
+    (acked or failed before: the first outcome recorded for an item wins) and batches it finished."""
+
+    failed: int = 0
+    duplicates: int = 0
+    completed: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FailurePage:
+    """One page of a batch's failed items: (item id, reason) in (group, index) order; `next` is the
+    cursor of the next page (pass it as `after`), None on the last page."""
+
+    items: list[tuple[str, str]]
+    next: str | None
+
+
+FAILURES_LIMIT_MAX = 1000
 
 
 @functools.lru_cache(maxsize=64)
@@ -85,8 +107,11 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             "SELECT batch_id, flipped, completed FROM {apply}(%s::int8[], %s::int8[], %s::text[], %s::text, "
             "{outbox}::regclass, %s)"
         ),
+        "exists": sql.SQL("SELECT 1 FROM {batch} WHERE id = %s"),
+        # A page walked group by group (sql/R__sql_api.sql: failures).
+        "failures": sql.SQL("SELECT item_id, reason FROM {failures}(%s::int8, %s::text, %s::int4)"),
     }
-    return render(schema, outbox_table, q, claim_items="ack_claim_items", apply="outcome_apply")
+    return render(schema, outbox_table, q, claim_items="ack_claim_items", apply="outcome_apply", failures="failures")
 
 
 def _first_index(mask: GroupMask, lo: int = 0) -> int:
@@ -166,8 +191,8 @@ def apply_op(
             first = m.item_id(_first_index(m))
             if not reject_invalid:
                 raise UnknownBatch(m.batch_id, first) if state is None else BatchExpired(m.batch_id, first)
-            reason = "unknown batch" if state is None else "batch expired"
-            result.rejected.extend((run, reason) for run in _runs(m))
+            why = "unknown batch" if state is None else "batch expired"
+            result.rejected.extend((run, why) for run in _runs(m))
         else:
             live.append(m)
     batch_ids, group_ids, hexes = [], [], []
@@ -293,3 +318,24 @@ def exactly_once_op(q: dict[str, str], item_id: object, completion_topic: str) -
         return Processed(False, None, result)
     value = yield Effect()
     return Processed(True, value, result)
+
+
+def fail_op(
+    q: dict[str, str], masks: Mapping[tuple[int, int], GroupMask], completion_topic: str, reason: str
+) -> Op[FailResult]:
+    """Fail folded masks under `reason` (checked: tracker.core.validate.check_reason) in the caller's
+    transaction. Failures take the masked path (apply_op), not claims: a failure is rare, and the
+    masked path records it, its reason and any finish (threshold or last item) at once; it holds
+    the named batches' row locks until the caller commits."""
+    got = yield from apply_op(q, masks, completion_topic, False, reason=reason)
+    return FailResult(got.acked, got.duplicates, got.completed)
+
+
+def failures_op(q: dict[str, str], batch_id: int, after: str | None, limit: int) -> Op[FailurePage]:
+    """A page of the batch's failed items after the item id `after` (checked by the caller)."""
+    (exists,) = yield one(q["exists"], [batch_id])
+    if exists is None:
+        raise UnknownBatch(batch_id)
+    (rows,) = yield Round((Query(q["failures"], [batch_id, after, limit], "all"),), True)
+    items = [(item_id, reason) for item_id, reason in rows]
+    return FailurePage(items, items[-1][0] if len(items) == limit else None)

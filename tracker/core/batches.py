@@ -43,8 +43,8 @@ from psycopg import sql
 
 from tracker import tracing
 from tracker.core.steps import Op, Query, Round, one
-from tracker.core.validate import check_count, check_topic, optional_text
-from tracker.errors import BatchExpired, BatchNotOpen, InvalidArgument, UnknownBatch
+from tracker.core.validate import check_count, check_thresholds, check_topic, optional_text
+from tracker.errors import BatchExpired, BatchNotOpen, DepthExceeded, InvalidArgument, ParentNotOpen, UnknownBatch
 from tracker.ids import GROUP_BITS_MAX, ID_MAX, expand
 
 
@@ -86,10 +86,20 @@ class BatchStatus:
     completed_at: dt.datetime | None
     last_activity_at: dt.datetime
     expired_at: dt.datetime | None = None
+    outcome: str | None = None  # when complete: "succeeded", or "failed" (an item or a child failed, or a threshold)
+    failed: int = 0  # its own items that failed
+    late: int = 0  # outcomes recorded after it finished (counted in succeeded/failed, changing no outcome)
+    parent_id: int | None = None
+    children_open: int = 0  # children not finished yet
 
     @property
     def complete(self) -> bool:
         return self.state == "complete"
+
+    @property
+    def succeeded(self) -> int:
+        """Its own items that succeeded: pending + succeeded + failed = total."""
+        return self.total - self.pending - self.failed
 
 
 def batch_id_of(batch: Batch | int, name: str = "batch") -> int:
@@ -139,6 +149,17 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             "INSERT INTO {batch} (user_key, completion_topic, traceparent, tracestate) "
             "VALUES (%s, %s, %s, %s) RETURNING id, created_at"
         ),
+        # A child: counted in its open parent (under the parent's row lock), one level deeper.
+        "open_under": sql.SQL(
+            "UPDATE {batch} SET children = children + 1, children_open = children_open + 1, "
+            "last_activity_at = clock_timestamp() WHERE id = %s AND state = 'open' AND depth < %s RETURNING depth + 1"
+        ),
+        "parent": sql.SQL("SELECT state, depth FROM {batch} WHERE id = %s"),
+        "open_full": sql.SQL(
+            "INSERT INTO {batch} (user_key, completion_topic, traceparent, tracestate, parent_id, depth, "
+            "tolerated_failures, tolerated_failure_ratio) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
+            "RETURNING id, created_at"
+        ),
         "lock": sql.SQL("SELECT state, next_group FROM {batch} WHERE id = %s FOR NO KEY UPDATE"),
         # Top up the batch's last group when an earlier add left it partly filled.
         "top_up": sql.SQL(
@@ -172,8 +193,8 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
         "settle": sql.SQL("SELECT {settle}(%s, {outbox}::regclass, %s, true)"),
         "state": sql.SQL("SELECT state FROM {batch} WHERE id = %s"),
         "status": sql.SQL(
-            "SELECT state, total, pending, user_key, created_at, closed_at, completed_at, last_activity_at, expired_at "
-            "FROM {batch} WHERE id = %s"
+            "SELECT state, total, pending, user_key, created_at, closed_at, completed_at, last_activity_at, expired_at, "
+            "outcome, failed, late, parent_id, children_open FROM {batch} WHERE id = %s"
         ),
     }
     return render(schema, outbox_table, q, settle="ack_settle", finish="batch_finish")
@@ -182,11 +203,39 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
 # ---------------------------------------------------------------- operations (no I/O: see steps.py)
 
 
-def open_op(q: dict[str, str], user_key: object, completion_topic: object) -> Op[Batch]:
+# The deepest a batch can be (0: no parent): batches nest at most 8 levels (sql/0016_outcomes.sql).
+DEPTH_MAX = 7
+
+
+def open_op(
+    q: dict[str, str],
+    user_key: object,
+    completion_topic: object,
+    parent: object = None,
+    tolerated_failures: object = None,
+    tolerated_failure_ratio: object = None,
+) -> Op[Batch]:
     user_key = optional_text(user_key, "user_key")
     if completion_topic is not None:
         check_topic(completion_topic, "completion_topic")
+    n, r = check_thresholds(tolerated_failures, tolerated_failure_ratio)
+    parent_id = None if parent is None else batch_id_of(parent, "parent")  # type: ignore[arg-type]
     traceparent, tracestate = tracing.current()
+    if parent_id is not None or n is not None or r is not None:
+        depth = 0
+        if parent_id is not None:
+            (got,) = yield one(q["open_under"], [parent_id, DEPTH_MAX])
+            if got is None:
+                (found,) = yield one(q["parent"], [parent_id])
+                if found is None:
+                    raise UnknownBatch(parent_id)
+                if found[0] != "open":
+                    raise ParentNotOpen(parent_id, found[0])
+                raise DepthExceeded(parent_id, found[1], DEPTH_MAX)
+            depth = got[0]
+        params = [user_key, completion_topic, traceparent, tracestate, parent_id, depth, n, r]
+        (row,) = yield one(q["open_full"], params, last=True)
+        return Batch(row[0], user_key, completion_topic, row[1])  # type: ignore[arg-type]
     if traceparent is None:
         (row,) = yield one(q["open"], [user_key, completion_topic], last=True)
     else:

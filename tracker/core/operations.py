@@ -15,8 +15,16 @@ from tracker.core import acks, batches, enqueue
 from tracker.core.acks import AckResult, Processed, exactly_once_op
 from tracker.core.batches import Batch, BatchStatus, GroupHandle
 from tracker.core.steps import Op
-from tracker.errors import BatchExpired, IndexOutOfRange, InvalidArgument, TrackerError, UnknownBatch, UnknownGroup
-from tracker.ids import GroupMask, parse_ack
+from tracker.errors import (
+    BatchExpired,
+    IndexOutOfRange,
+    InvalidArgument,
+    InvalidValue,
+    TrackerError,
+    UnknownBatch,
+    UnknownGroup,
+)
+from tracker.ids import GROUP_BITS_MAX, GroupMask, parse_ack, parse_item_id
 
 ItemIds = Union[str, bytes, Iterable[str | bytes]]
 
@@ -70,8 +78,17 @@ class TrackerCore:
 
     # ------------------------------------------------------------ operations
 
-    def _open_op(self, user_key: object, completion_topic: object) -> Op[Batch]:
-        return batches.open_op(self._q_batches, user_key, completion_topic)
+    def _open_op(
+        self,
+        user_key: object,
+        completion_topic: object,
+        parent: object = None,
+        tolerated_failures: object = None,
+        tolerated_failure_ratio: object = None,
+    ) -> Op[Batch]:
+        return batches.open_op(
+            self._q_batches, user_key, completion_topic, parent, tolerated_failures, tolerated_failure_ratio
+        )
 
     def _add_op(self, batch: object, n: object) -> Op[list[GroupHandle]]:
         return batches.add_op(self._q_batches, batch, n)  # type: ignore[arg-type]
@@ -115,6 +132,30 @@ class TrackerCore:
             return (yield from acks.claim_op(self._q_acks, masks, self.config.completion_topic))
         except (IndexOutOfRange, UnknownGroup, UnknownBatch, BatchExpired) as exc:
             raise as_written(exc, entries) from None
+
+    def _fail_op(
+        self, entries: list[str | bytes], masks: dict[tuple[int, int], GroupMask], reason: str
+    ) -> Op[acks.FailResult]:
+        try:
+            return (yield from acks.fail_op(self._q_acks, masks, self.config.completion_topic, reason))
+        except (IndexOutOfRange, UnknownGroup, UnknownBatch, BatchExpired) as exc:
+            raise as_written(exc, entries) from None
+
+    def _failures_op(self, batch: object, after: object, limit: object) -> Op[acks.FailurePage]:
+        batch_id = batches.batch_id_of(batch)  # type: ignore[arg-type]
+        if not isinstance(limit, int) or isinstance(limit, bool):
+            raise InvalidArgument("limit", limit, f"an int from 1 to {acks.FAILURES_LIMIT_MAX}")
+        if not 1 <= limit <= acks.FAILURES_LIMIT_MAX:
+            raise InvalidValue("limit", limit, f"must be between 1 and {acks.FAILURES_LIMIT_MAX}")
+        cursor = None
+        if after is not None:
+            if not isinstance(after, str):
+                raise InvalidArgument("after", after, "an item id str (a page's `next`) or None")
+            item = parse_item_id(after)
+            if item.batch_id != batch_id or item.index >= GROUP_BITS_MAX:
+                raise InvalidValue("after", after, f"is not an item id of batch {batch_id}")
+            cursor = str(item)
+        return (yield from acks.failures_op(self._q_acks, batch_id, cursor, limit))
 
     def _exactly_once_op(self, item_id: object) -> Op[Processed[object]]:
         return exactly_once_op(self._q_acks, item_id, self.config.completion_topic)

@@ -65,3 +65,35 @@ def id_list(item_ids: object, name: str = "item_ids") -> list[str | bytes]:
     ):
         raise InvalidArgument(name, item_ids, "an item id (str or bytes) or a list/iterable of them")
     return item_ids if isinstance(item_ids, list) else list(item_ids)
+
+
+# A failure reason is stored once per text (sql/0016_outcomes.sql) and capped: longer is refused,
+# never cut (the caller's value is what is stored).
+REASON_MAX = 500
+
+
+def check_reason(reason: object, name: str = "reason") -> str:
+    if not isinstance(reason, str):
+        raise InvalidArgument(name, reason, f"a non-empty str of at most {REASON_MAX} characters")
+    if not reason:
+        raise InvalidValue(name, reason, "must be a non-empty string")
+    utf8(reason, name)
+    if len(reason) > REASON_MAX:
+        raise InvalidValue(name, reason, f"is longer than {REASON_MAX} characters ({len(reason)})")
+    return reason
+
+
+def check_thresholds(tolerated_failures: object, tolerated_failure_ratio: object) -> tuple[int | None, float | None]:
+    n, r = tolerated_failures, tolerated_failure_ratio
+    if n is not None:
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise InvalidArgument("tolerated_failures", n, "an int >= 0 or None")
+        if not 0 <= n <= (1 << 63) - 1:
+            raise InvalidValue("tolerated_failures", n, "must be between 0 and 2**63 - 1")
+    if r is not None:
+        if not isinstance(r, (int, float)) or isinstance(r, bool):
+            raise InvalidArgument("tolerated_failure_ratio", r, "a number from 0 to 1 or None")
+        if not 0 <= r <= 1:  # NaN fails this too
+            raise InvalidValue("tolerated_failure_ratio", r, "must be between 0 and 1")
+        r = float(r)
+    return n, r
