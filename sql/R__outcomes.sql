@@ -125,9 +125,6 @@ DECLARE
     fm varbit[];
     fn bigint[];
 BEGIN
-    IF p_reason IS NOT NULL THEN
-        rid := failure_reason_id(p_reason);
-    END IF;
     WITH u AS (
         SELECT u.b, u.g, bit_or(substring(('x' || rpad(u.hex, ((g.size + 7) / 8) * 2, '0'))::varbit FROM 1 FOR g.size)) AS mask
           FROM unnest(p_batch, p_group, p_hex) AS u(b, g, hex)
@@ -137,13 +134,14 @@ BEGIN
                          FROM u JOIN batch_group g ON g.batch_id = u.b AND g.id = u.g),
     cleared AS (
         UPDATE batch_group g SET bits = g.bits & ~f.mask, pending = g.pending - f.n,
-               failed = g.failed + CASE WHEN rid IS NULL THEN 0 ELSE f.n END
+               failed = g.failed + CASE WHEN p_reason IS NULL THEN 0 ELSE f.n END
           FROM f WHERE g.batch_id = f.b AND g.id = f.g AND f.n > 0)
     SELECT array_agg(f.b), array_agg(f.g), array_agg(f.mask), array_agg(f.n) INTO fb, fg, fm, fn FROM f;
     IF fb IS NULL THEN
         RETURN;
     END IF;
-    IF rid IS NOT NULL THEN
+    IF p_reason IS NOT NULL AND 0 < ANY(fn) THEN  -- a reason is stored only when an item failed under it
+        rid := failure_reason_id(p_reason);
         -- A group may have grown since an earlier failure of it was stored: pad to the longer.
         INSERT INTO group_failure AS gf (batch_id, group_id, reason_id, bits)
         SELECT o.b, o.g, rid, o.m FROM unnest(fb, fg, fm, fn) AS o(b, g, m, n) WHERE o.n > 0
@@ -152,7 +150,7 @@ BEGIN
     END IF;
     WITH d AS (SELECT o.b, sum(o.n)::int8 AS n FROM unnest(fb, fn) AS o(b, n) GROUP BY o.b),
     b AS (UPDATE batch b SET pending = b.pending - d.n,
-                 failed = b.failed + CASE WHEN rid IS NULL THEN 0 ELSE d.n END,
+                 failed = b.failed + CASE WHEN p_reason IS NULL THEN 0 ELSE d.n END,
                  late = b.late + CASE WHEN b.state = 'complete' THEN d.n ELSE 0 END,
                  last_activity_at = clock_timestamp()
             FROM d WHERE b.id = d.b AND d.n > 0 RETURNING b.id)

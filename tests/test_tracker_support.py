@@ -18,8 +18,10 @@ def snapshot(conn: psycopg.Connection, schema: str) -> dict[str, list[tuple]]:
 
 
 def invariant_violations(conn: psycopg.Connection, schema: str) -> list[tuple]:
-    """Invariant 1: group.pending = bit_count(bits); batch.pending = sum(group.pending); plus the
-    states that follow from it (complete => closed and nothing pending)."""
+    """Invariant 1: group.pending = bit_count(bits); batch.pending = sum(group.pending) and
+    batch.failed = sum(group.failed), pending + failed <= total; plus the states that follow from it:
+    complete <=> an outcome; closed with nothing pending and no child open => complete; finished
+    with items pending (early, by a threshold) or never closed => failed."""
     s = f'"{schema}"'
     return conn.execute(f"""
         SELECT 'group', g.batch_id, g.id, g.pending, bit_count(g.bits) FROM {s}.batch_group g
@@ -28,9 +30,16 @@ def invariant_violations(conn: psycopg.Connection, schema: str) -> list[tuple]:
         SELECT 'batch', b.id, NULL, b.pending, coalesce(sum(g.pending), 0) FROM {s}.batch b
           LEFT JOIN {s}.batch_group g ON g.batch_id = b.id
          GROUP BY b.id HAVING b.pending <> coalesce(sum(g.pending), 0) OR b.total <> coalesce(sum(g.size), 0)
+            OR b.failed <> coalesce(sum(g.failed), 0)
+        UNION ALL
+        SELECT 'group counts', g.batch_id, g.id, g.pending, g.failed FROM {s}.batch_group g
+         WHERE g.pending + g.failed > g.size
         UNION ALL
         SELECT 'state', b.id, NULL, b.pending, NULL FROM {s}.batch b
-         WHERE (b.state = 'complete') <> (b.closed_at IS NOT NULL AND b.pending = 0 AND b.state <> 'expired')
+         WHERE (b.state = 'complete') <> (b.outcome IS NOT NULL)
+            OR (b.state = 'closed' AND b.pending = 0 AND b.children_open = 0)
+            OR (b.state = 'complete' AND (b.pending > 0 OR b.closed_at IS NULL) AND b.outcome <> 'failed')
+            OR b.pending + b.failed > b.total
         """).fetchall()
 
 
