@@ -69,8 +69,13 @@ def test_a_commit_that_finds_the_batch_busy_leaves_its_claim_to_the_settler(pg_d
         assert (event["batch_id"], event["total"], sorted(event)) == (
             b.id,
             2,
-            ["batch_id", "closed_at", "completed_at", "opened_at", "total", "user_key"],
+            sorted(
+                ["batch_id", "closed_at", "completed_at", "opened_at", "total", "user_key"]  # version 1
+                + ["event", "schema_version", "outcome", "succeeded", "failed", "pending", "parent_id"]
+                + ["children", "rollup"]
+            ),
         )
+        assert (event["schema_version"], event["outcome"], event["succeeded"]) == (2, "succeeded", 2)
         assert (keys, values) == (["batch-id"], [str(b.id).encode()])
         assert conn.execute(f'SELECT count(*) FROM "{schema}".ack_claim').fetchone()[0] == 0
         assert invariant_violations(conn, schema) == []
