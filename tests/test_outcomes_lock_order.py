@@ -1,0 +1,111 @@
+"""Finishing children in two trees at once: the walk up to a parent must not deadlock.
+
+Every path that finishes a child also folds it into its parent, taking the parent's row lock
+after the locks it already holds (batch_finish, sql/R__outcomes.sql). Two calls that each finish
+a child of one tree while holding a batch of the other tree (here: an item of the other tree's
+parent, named in the same call) wait on each other's parent: a deadlock, though each call, alone,
+locks in the documented order (descending ids, a child before its parent).
+
+  * masked path (tracker.fail, tracker.ack(claims=False), apply_masks, SQL fail/ack_masks): one
+    library call raises DeadlockDetected (the caller's transaction stays usable: a savepoint);
+  * claims path (tracker.ack, settled at commit): the caller's COMMIT raises DeadlockDetected, so
+    the caller's whole transaction, its own effects with it, is rolled back.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import psycopg
+import pytest
+
+import tracker
+
+ROUNDS = 4
+
+
+def _two_trees(conn: psycopg.Connection, schema: str) -> tuple[list[str], list[str]]:
+    def mk(n: int, parent: int | None = None, close: bool = True) -> tuple[int, list[str]]:
+        b = tracker.open_batch(conn, parent=parent, schema=schema)  # type: ignore[arg-type]
+        groups = tracker.add_items(conn, b, n, schema=schema)
+        if close:
+            tracker.close_batch(conn, b, schema=schema)
+        conn.commit()
+        return b.id, [f"{b.id}:{g.group_id}:{i}" for g in groups for i in range(g.start, g.upto)]
+
+    p1, p1_items = mk(2, close=False)
+    p2, p2_items = mk(2, close=False)
+    _c1, c1_items = mk(1, parent=p1)
+    _c2, c2_items = mk(1, parent=p2)
+    # each call: the last item of one tree's child, and an item of the other tree's parent
+    return [c1_items[0], p2_items[0]], [c2_items[0], p1_items[0]]
+
+
+def _at_once(dsn: str, call, first: list[str], second: list[str]) -> list[str]:
+    barrier = threading.Barrier(2)
+    out = ["", ""]
+
+    def run(k: int, ids: list[str]) -> None:
+        with psycopg.connect(dsn) as c:
+            barrier.wait()
+            try:
+                call(c, ids)
+                c.commit()
+                out[k] = "ok"
+            except psycopg.Error as exc:
+                out[k] = type(exc).__name__
+
+    threads = [threading.Thread(target=run, args=(k, ids)) for k, ids in enumerate((first, second))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(lambda s: lambda c, ids: tracker.fail(c, ids, "gave up", schema=s), id="fail"),
+        pytest.param(lambda s: lambda c, ids: tracker.ack(c, ids, schema=s, claims=False), id="ack-masked"),
+        pytest.param(lambda s: lambda c, ids: tracker.ack(c, ids, schema=s), id="ack-claims-at-commit"),
+    ],
+)
+def test_finishing_children_of_two_trees_at_once_never_deadlocks(pg_dsn, schema, conn, path):
+    call = path(schema)
+    seen = []
+    for _ in range(ROUNDS):
+        first, second = _two_trees(conn, schema)
+        seen.append(_at_once(pg_dsn, call, first, second))
+    assert all(r == ["ok", "ok"] for r in seen), seen
+
+
+@pytest.mark.parametrize("path", ["acker-skip-locked", "ack-claims-at-commit"])
+def test_finishing_a_child_never_waits_for_a_transaction_holding_its_parent(pg_dsn, schema, conn, path):
+    """The acker "never waits for an application transaction" (README), and a claims ack never
+    waits at commit (it skips a held batch: the holder or a later settle folds it). A producer
+    opening another child under the same parent holds the parent's row until it commits; the final
+    ack of a closed child must not wait for that producer."""
+    parent = tracker.open_batch(conn, schema=schema)
+    conn.commit()
+    child = tracker.open_batch(conn, parent=parent, schema=schema)
+    [g] = tracker.add_items(conn, child, 1, schema=schema)
+    tracker.close_batch(conn, child, schema=schema)
+    conn.commit()
+    tracker.open_batch(conn, parent=parent, schema=schema)  # a producer's open transaction: holds the parent
+    try:
+        with psycopg.connect(pg_dsn) as c:
+            c.execute("SET lock_timeout = '2s'")
+            item = f"{child.id}:{g.group_id}:0"
+            try:
+                if path == "acker-skip-locked":
+                    tracker.apply_masks(c, tracker.fold([item]), skip_locked=True, schema=schema)
+                else:
+                    tracker.ack(c, [item], schema=schema)
+                c.commit()
+                waited = None
+            except psycopg.errors.LockNotAvailable as exc:
+                waited = exc
+        assert waited is None, f"waited for the producer's transaction holding the parent: {waited}"
+    finally:
+        conn.rollback()
