@@ -346,3 +346,47 @@ def test_a_migrate_killed_before_its_grants_is_repaired_by_the_next(pg_dsn, old_
             "SELECT has_function_privilege(%s, %s, 'EXECUTE')",
             [roles.role_name(name, "app"), f'"{name}".completion_event("{name}".batch, text)'],
         ).fetchone() == (True,)
+
+
+def test_an_upgrade_waits_for_a_live_ack_that_holds_its_batch_and_never_deadlocks_with_it(
+    pg_dsn, old_migrator, schemas
+):
+    """Every writer locks a batch's row before it reads or writes the batch's groups. A consumer's
+    ack on the old chain has locked its batch when `reaper migrate` starts 0016 (which alters both
+    tables): the upgrade must wait for that ack, not take the groups' table first and meet the
+    ack's next statement in a deadlock (failing the ack or the upgrade)."""
+    name = _new(schemas)
+    with psycopg.connect(pg_dsn, autocommit=True) as setup:
+        old_migrator.migrate(setup, name)
+        ids = _old_chain_batch(setup, name)
+    batch_id = int(ids[0].split(":")[0])
+    migrator = psycopg.connect(pg_dsn, autocommit=True)
+    done: list[object] = []
+    worker = threading.Thread(target=lambda: done.append(_try(schema_mod.migrate, migrator, name)))
+    try:
+        with psycopg.connect(pg_dsn) as consumer:
+            consumer.execute(
+                sql.SQL("SELECT state FROM {} WHERE id = %s FOR NO KEY UPDATE").format(sql.Identifier(name, "batch")),
+                [batch_id],
+            )
+            worker.start()
+            pid = migrator.info.backend_pid
+            with psycopg.connect(pg_dsn, autocommit=True) as watch:
+                deadline = time.monotonic() + 20
+                while not watch.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'", [pid]
+                ).fetchone():
+                    assert time.monotonic() < deadline and worker.is_alive(), done
+                    time.sleep(0.05)
+            # The upgrade waits for the consumer, which goes on with its ack and commits.
+            consumer.execute(sql.SQL("SELECT * FROM {}(%s)").format(sql.Identifier(name, "ack")), [ids])
+            consumer.commit()
+    finally:
+        worker.join(30)
+        migrator.close()
+    assert done and not isinstance(done[0], BaseException), done
+    with psycopg.connect(pg_dsn) as conn:
+        (events,) = conn.execute(
+            sql.SQL("SELECT count(*) FROM {} WHERE topic = 'batch-completions'").format(sql.Identifier(name, "outbox"))
+        ).fetchone()
+    assert events == 1
