@@ -3,6 +3,11 @@
 -- The functions that use these columns are the repeatable definitions (R__*.sql).
 -- Runs with search_path set to the configured schema.
 
+-- Every writer locks a batch's row before its groups (and reads batch before batch_group): so
+-- does this migration, else a live ack holding the batch while it waits for batch_group deadlocks
+-- with it.
+LOCK TABLE batch, batch_group IN ACCESS EXCLUSIVE MODE;
+
 -- Per group: items that failed (succeeded = size - pending - failed). Their bits are cleared as an
 -- ack's are, so one pending bit per item stays the whole state of an item.
 ALTER TABLE batch_group ADD COLUMN failed integer NOT NULL DEFAULT 0 CHECK (failed >= 0);
