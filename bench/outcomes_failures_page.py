@@ -1,0 +1,61 @@
+"""Cost of one page of failures() when the items of one group failed under many distinct reasons,
+and the storage they take.
+
+A group's failed items with one reason share one group_failure row of the group's size in bits
+(1 KiB for 8192 items). With a reason per item (an error message carrying an id or a time), a
+group holds one such row per failed item, and failures() walks every bit of every row of the
+group (generate_series over 8192 bits per row, then sorts) before it returns even one item.
+
+    python -m bench.outcomes_failures_page 8192     # needs OUTBOX_TEST_DSN
+
+Measured (8192 items of one group, each failed alone with its own reason; shared CI machine):
+group_failure 9.7 MB (1.2 KB per failed item) and failure_reason 1.7 MB; one page of 1, 100 or
+1000 items: 4.5 to 6 s whatever the limit (4096 items: 1.1 s, so quadratic in the items of a group).
+With one shared reason the same page takes 2 to 6 ms.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+
+import psycopg
+
+from tracker import schema as schema_mod
+
+
+def main() -> None:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
+    dsn = os.environ["OUTBOX_TEST_DSN"]
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    schema_mod.migrate(dsn, name)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute(f'SET search_path TO "{name}"')
+            for distinct in (False, True):
+                (b,) = c.execute("SELECT open_batch()").fetchone()
+                c.execute("SELECT * FROM add_items(%s, %s)", [b, n])
+                for i in range(n):
+                    reason = f"HTTP 503 from upstream, request {i}" if distinct else "HTTP 503 from upstream"
+                    c.execute("SELECT * FROM fail(ARRAY[%s], %s)", [f"{b}:0:{i}", reason])
+                (rows, size) = c.execute(
+                    "SELECT count(*), pg_size_pretty(sum(pg_column_size(f.*))) FROM group_failure f WHERE batch_id = %s",
+                    [b],
+                ).fetchone()
+                for limit in (1, 100, 1000):
+                    started = time.monotonic()
+                    got = c.execute("SELECT * FROM failures(%s, NULL, %s)", [b, limit]).fetchall()
+                    took = time.monotonic() - started
+                    print(
+                        f"items={n} distinct_reasons={distinct} group_failure_rows={rows} ({size}) "
+                        f"limit={limit} rows={len(got)} page_s={took:.3f}"
+                    )
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+if __name__ == "__main__":
+    main()
