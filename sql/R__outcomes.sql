@@ -160,3 +160,24 @@ BEGIN
         SELECT o.b, sum(o.n)::int8, o.b = ANY(finished)
           FROM unnest(fb, fn) AS o(b, n) GROUP BY o.b ORDER BY o.b;
 END $$;
+
+
+-- A writer of the previous release (a consumer or producer not yet redeployed when `reaper
+-- migrate` ran) completes a batch with its own statement, which sets state 'complete' and no
+-- outcome, then builds the completion event from the row it updated. This trigger gives that row
+-- the outcome batch_finish would have given it, so the row and its event always have one.
+CREATE OR REPLACE FUNCTION batch_outcome_of_old_writer() RETURNS trigger
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+BEGIN
+    NEW.outcome := CASE WHEN NEW.pending > 0 OR NEW.failed > 0 OR NEW.rollup_failed > 0 OR NEW.children_failed > 0
+                             OR NEW.children_open > 0 THEN 'failed' ELSE 'succeeded' END;
+    RETURN NEW;
+END $$;
+
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT FROM pg_trigger WHERE tgrelid = 'batch'::regclass AND tgname = 'batch_outcome_of_old_writer') THEN
+        CREATE TRIGGER batch_outcome_of_old_writer BEFORE UPDATE OF state ON batch
+            FOR EACH ROW WHEN (NEW.state = 'complete' AND NEW.outcome IS NULL)
+            EXECUTE FUNCTION batch_outcome_of_old_writer();
+    END IF;
+END $$;
