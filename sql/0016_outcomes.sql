@@ -41,6 +41,21 @@ ALTER TABLE batch
 -- Children of a batch, for the cascade of its deletion (retention) and for reading.
 CREATE INDEX batch_parent ON batch (parent_id) WHERE parent_id IS NOT NULL;
 
+-- A child that finished (or expired), not yet folded into its parent. The finishing transaction
+-- inserts this row and never locks the parent's row (which a producer opening another child, or
+-- a consumer acking the parent's own items, may hold for its whole transaction); the parent folds
+-- the row in under its own row lock (its close, its acks and failures, a settle), once: the row is
+-- deleted as it is folded. The counts are the roll-up the child's own event reports. The foreign
+-- key's check takes only a KEY SHARE lock, which no writer of the parent's row conflicts with.
+CREATE TABLE child_finished (
+    parent_id    bigint  NOT NULL REFERENCES batch (id) ON DELETE CASCADE,
+    child_id     bigint  NOT NULL,
+    total        bigint  NOT NULL CHECK (total >= 0),   -- its items and its finished descendants'
+    failed       bigint  NOT NULL CHECK (failed >= 0),  -- those failed, or pending when it finished or expired
+    child_failed boolean NOT NULL,                      -- it did not finish succeeded
+    PRIMARY KEY (parent_id, child_id)
+);
+
 -- Failure reasons, each text stored once however many items share it (looked up by its digest).
 CREATE TABLE failure_reason (
     id     bigserial PRIMARY KEY,

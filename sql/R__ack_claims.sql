@@ -1,8 +1,9 @@
 -- Fold the committed (and the caller's own) claims of one batch. Returns flipped = NULL when the
 -- batch row was locked by someone else and p_wait is false (nothing done: the holder or a later
 -- settle folds them). Clears bits only where they are set, lowers group and batch pending by the
--- bits that flipped (flips of a batch already finished count as late), then finishes what can
--- (batch_finish, R__outcomes.sql: a closed batch whose pending reaches 0 and its one completion event).
+-- bits that flipped (flips of a batch already finished count as late), then folds in its finished
+-- children and finishes what can (batch_finish, R__outcomes.sql: a closed batch whose pending
+-- reaches 0 and no child open, and its one completion event).
 CREATE OR REPLACE FUNCTION ack_settle(p_batch bigint, p_outbox regclass, p_topic text, p_wait boolean DEFAULT false,
                            OUT flipped bigint, OUT completed boolean)
 LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
@@ -31,13 +32,12 @@ BEGIN
     u AS (UPDATE batch_group g SET bits = g.bits & ~f.mask, pending = g.pending - f.n
             FROM f WHERE g.batch_id = p_batch AND g.id = f.id AND f.n > 0)
     SELECT coalesce(sum(f.n), 0) INTO flipped FROM f;
-    IF flipped = 0 THEN
-        RETURN;
+    IF flipped > 0 THEN
+        UPDATE batch SET pending = pending - flipped, last_activity_at = clock_timestamp(),
+               late = late + CASE WHEN state = 'complete' THEN flipped ELSE 0 END
+         WHERE id = p_batch;
     END IF;
-    UPDATE batch SET pending = pending - flipped, last_activity_at = clock_timestamp(),
-           late = late + CASE WHEN state = 'complete' THEN flipped ELSE 0 END
-     WHERE id = p_batch;
-    -- this settle finished it (and maybe its parents): batch_finish (R__outcomes.sql)
+    -- fold in its finished children, then this settle may finish it: batch_finish (R__outcomes.sql)
     completed := p_batch = ANY(batch_finish(ARRAY[p_batch], p_outbox, p_topic));
 END
 $$;

@@ -6,9 +6,9 @@
 -- the bits that actually flipped, under the batch row lock, so pending + succeeded + failed = total
 -- per group and per batch at every commit (succeeded = total - pending - failed).
 --
--- Lock order: a batch's row before its groups; a child's row before its parent's (batch_finish
--- walks up the chain), never parent before child. Statements that lock several batches lock them
--- in descending id order: a child's id is always above its parent's.
+-- Lock order: a batch's row before its groups. A finishing child never locks its parent's row (it
+-- leaves a child_finished row that the parent folds in under its own lock: batch_finish).
+-- Statements that lock several batches lock them in descending id order.
 -- Runs with search_path set to the configured schema.
 
 
@@ -37,23 +37,30 @@ BEGIN
 END $$;
 
 
--- Finish what can finish, under the row locks the caller holds on p_ids: a batch that is open or
--- closed finishes (state complete, an outcome, its one completion event into p_outbox) when
+-- Finish what can finish, under the row locks the caller holds on p_ids. Each batch first folds
+-- in its children that finished since (child_finished rows, deleted as they are folded, so each
+-- once): children_open - 1, the child's roll-up into rollup_total and rollup_failed, and
+-- children_failed + 1 unless it succeeded. Then a batch that is open or closed finishes (state
+-- complete, an outcome, its one completion event into p_outbox) when
 --   * it is closed, nothing is pending and no child is open: outcome succeeded, or failed when
 --     an item or a child failed;
 --   * more failed than tolerated_failures (its own failed items plus those rolled up from its
 --     finished children), open or closed: early, outcome failed;
 --   * it is closed, no child is open and its failed items (with the roll-up) are more than
 --     tolerated_failure_ratio of its items (with the roll-up): early when items are still pending.
--- A finished (or, p_expired, just expired) child is then folded into its parent, locked here
--- (child before parent): children_open - 1, its whole tree's items into rollup_total, those that did
--- not succeed (failed, or pending at an early finish or expiry) into rollup_failed, and
--- children_failed + 1 unless it succeeded; then the parent is looked at the same way, up the chain.
+-- A batch finished here (or, p_expired, just expired) with a parent inserts its child_finished row
+-- for that parent and never locks the parent's row: lock order is never child then parent, so two
+-- transactions finishing children of two trees cannot deadlock, and a child's final ack never
+-- waits for a transaction holding its parent (a producer opening another child). The parent folds
+-- the row in at the next moment that locks it anyway: its close, its own acks or failures, or a
+-- settle (tracker.settle, the reaper's claim settler, which looks for batches with child_finished
+-- rows): a parent finishes at the first of those after its last child, within the settler's
+-- interval. Up the chain likewise, one level per fold.
 -- The one roll-up rule: a child adds to its parent exactly the roll-up its own completion or expiry
 -- event reports (sql/R__events.sql): total = its items and its finished descendants' items,
 -- failed = those that failed or were still pending when it finished or expired. A descendant that
 -- finishes after its parent finished is folded into that parent only (no further up).
--- A parent already finished or expired keeps its counts of children open but emits nothing more.
+-- A parent already finished or expired folds its children all the same but emits nothing more.
 -- Returns the batches finished here.
 CREATE OR REPLACE FUNCTION batch_finish(p_ids bigint[], p_outbox regclass, p_topic text,
                                         p_expired bigint[] DEFAULT '{}') RETURNS bigint[]
@@ -66,24 +73,28 @@ DECLARE
     b batch;
 BEGIN
     LOOP
-        IF cardinality(up) > 0 THEN  -- a child finished or expired: fold it into its parent
+        IF cardinality(up) > 0 THEN  -- a child finished or expired: a row for its parent to fold in
             cur := up[1];
             up := up[2:];
-            SELECT * INTO b FROM batch WHERE id = cur;
-            IF b.parent_id IS NOT NULL THEN
-                UPDATE batch p SET children_open = p.children_open - 1,
-                       rollup_total = p.rollup_total + b.total + b.rollup_total,
-                       rollup_failed = p.rollup_failed + b.pending + b.failed + b.rollup_failed,
-                       children_failed = p.children_failed + CASE WHEN b.outcome = 'succeeded' THEN 0 ELSE 1 END,
-                       last_activity_at = clock_timestamp()
-                 WHERE p.id = b.parent_id;
-                todo := todo || b.parent_id;
-            END IF;
+            INSERT INTO child_finished (parent_id, child_id, total, failed, child_failed)
+            SELECT c.parent_id, c.id, c.total + c.rollup_total, c.pending + c.failed + c.rollup_failed,
+                   c.outcome IS DISTINCT FROM 'succeeded'
+              FROM batch c WHERE c.id = cur AND c.parent_id IS NOT NULL
+            ON CONFLICT DO NOTHING;
             CONTINUE;
         END IF;
         EXIT WHEN cardinality(todo) = 0;
         cur := todo[1];
         todo := todo[2:];
+        -- A new statement: in READ COMMITTED it sees every row committed before the lock was ours.
+        WITH f AS (DELETE FROM child_finished c WHERE c.parent_id = cur
+                   RETURNING c.total, c.failed, c.child_failed),
+        s AS (SELECT count(*) AS n, sum(f.total) AS t, sum(f.failed) AS fl,
+                     count(*) FILTER (WHERE f.child_failed) AS cf FROM f)
+        UPDATE batch p SET children_open = p.children_open - s.n, rollup_total = p.rollup_total + s.t,
+               rollup_failed = p.rollup_failed + s.fl, children_failed = p.children_failed + s.cf,
+               last_activity_at = clock_timestamp()
+          FROM s WHERE p.id = cur AND s.n > 0;
         UPDATE batch x SET state = 'complete', completed_at = clock_timestamp(),
                outcome = CASE WHEN x.pending > 0 OR x.failed > 0 OR x.rollup_failed > 0 OR x.children_failed > 0
                                    OR x.children_open > 0 THEN 'failed' ELSE 'succeeded' END
@@ -109,7 +120,7 @@ END $$;
 -- p_group[k])'s bits, index i being bit (7 - i % 8) of byte i / 8, cut or zero-padded to the
 -- group's size. Clears the bits still set, lowers pending (and raises failed) by the bits that
 -- flipped, counts flips of a finished batch as late, stores failed bits under their reason, then
--- finishes what can (batch_finish). One row per batch named: bits flipped, whether it finished
+-- folds in the named batches' finished children and finishes what can (batch_finish). One row per batch named: bits flipped, whether it finished
 -- here. Validation is the caller's (tracker.core.acks.apply_op, ack_masks).
 CREATE OR REPLACE FUNCTION outcome_apply(p_batch bigint[], p_group bigint[], p_hex text[], p_reason text,
                                          p_outbox regclass, p_topic text)
@@ -155,6 +166,8 @@ BEGIN
                  last_activity_at = clock_timestamp()
             FROM d WHERE b.id = d.b AND d.n > 0 RETURNING b.id)
     SELECT array_agg(b.id ORDER BY b.id DESC) INTO touched FROM b;
+    -- Every batch named (all locked by the caller), flipped or not: each folds in its finished children.
+    SELECT array_agg(DISTINCT o.b ORDER BY o.b DESC) INTO touched FROM unnest(fb) AS o(b);
     finished := batch_finish(touched, p_outbox, p_topic);
     RETURN QUERY
         SELECT o.b, sum(o.n)::int8, o.b = ANY(finished)

@@ -132,7 +132,9 @@ def test_parent_finishes_after_its_children_with_their_rollup(conn, schema):
     r = tracker.fail(conn, f"{g.id}:0:1", "lost", schema=schema)
     assert r.completed == []
     r = tracker.ack(conn, f"{g.id}:0:0", schema=schema, claims=False)
-    assert r.completed == [g.id]  # c2 and p finish in the same transaction, one event each
+    assert r.completed == [g.id]  # g never locks c2: c2 and p finish at the next settle
+    assert tracker.status(conn, c2, schema=schema).state == "closed"
+    assert tracker.settle(conn, schema=schema).completed == [c2.id, p.id]  # one level per pass
     ev = events(conn, schema)
     assert all(len(ev[b.id]) == 1 for b in (p, c1, c2, g))
     assert ev[g.id][0]["parent_id"] == c2.id and ev[g.id][0]["outcome"] == "failed"
@@ -155,6 +157,8 @@ def test_parent_threshold_applies_to_the_rollup(conn, schema):
     tracker.fail(conn, [f"{c.id}:0:0-1"], "x", schema=schema)
     assert tracker.status(conn, p, schema=schema).state == "open"  # c not finished yet
     tracker.ack(conn, f"{c.id}:0:2", schema=schema, claims=False)
+    assert tracker.status(conn, p, schema=schema).state == "open"  # c finished: p folds it in at its next settle
+    assert tracker.settle(conn, schema=schema).completed == [p.id]
     s = tracker.status(conn, p, schema=schema)
     assert (s.state, s.outcome) == ("complete", "failed")  # 2 rolled-up failures > 1, never closed
 
@@ -223,7 +227,7 @@ def test_bad_fail_and_failures_arguments_are_typed_and_named(conn, schema):
     conn.execute("SELECT 1")
 
 
-def test_an_expired_child_tells_its_parent_in_the_same_transaction(conn, schema):
+def test_an_expired_child_reaches_its_parent_at_the_next_settle(conn, schema):
     p = tracker.open_batch(conn, schema=schema)
     c = tracker.open_batch(conn, parent=p, schema=schema)
     tracker.add_items(conn, c, 4, schema=schema)
@@ -235,6 +239,9 @@ def test_an_expired_child_tells_its_parent_in_the_same_transaction(conn, schema)
     ev = events(conn, schema)
     assert ev[c.id][0]["outcome"] == "expired"
     assert ev[c.id][0]["rollup"] == {"total": 4, "succeeded": 1, "failed": 3}
+    assert p.id not in ev  # the expiry never locks the parent: it folds the child in when settled
+    assert tracker.settle(conn, schema=schema).completed == [p.id]
+    ev = events(conn, schema)
     # the parent counted exactly what the child's event reports, and finished (failed) with it
     [done] = ev[p.id]
     assert (done["event"], done["outcome"]) == ("batch.completed", "failed")
@@ -248,6 +255,8 @@ def test_operator_expiry_of_a_child_reaches_the_parent(conn, schema):
     c = tracker.open_batch(conn, parent=p, schema=schema)
     tracker.close_batch(conn, p, schema=schema)
     assert expire_batch(conn, c.id, schema=schema) is not None
+    assert tracker.status(conn, p, schema=schema).children_open == 1  # until p is settled
+    assert tracker.settle(conn, schema=schema).completed == [p.id]
     assert tracker.status(conn, p, schema=schema).outcome == "failed"
     assert len(events(conn, schema)[p.id]) == 1
 
@@ -277,7 +286,7 @@ def test_async_face_fail_failures_and_children(pg_dsn, schema):
             page = await aio.failures(c, ch, after=page.next, limit=1, schema=schema)
             assert page.items == [(f"{ch.id}:0:1", "nope")]
             s = await aio.status(c, p, schema=schema)
-            assert (s.state, s.children_open) == ("open", 0)
+            assert (s.state, s.children_open) == ("open", 1)  # ch finished: p's close folds it in
             assert await aio.close_batch(c, p, schema=schema) is True
             assert (await aio.status(c, p, schema=schema)).outcome == "failed"
 

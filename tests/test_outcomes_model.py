@@ -1,6 +1,7 @@
 """Outcomes under random interleavings (hypothesis state machine on the real database) against a
 plain Python model: acks, failures, duplicates, retries (an ack after a failure), closes, children
-opened under open parents, children finishing, thresholds, expiry.
+opened under open parents, children finishing (folded into their parents at the parents' next
+close, ack, failure or settle), settles, thresholds, expiry.
 
 After every step: pending + succeeded + failed = total per group and per batch, the database's
 counts, state and outcome equal the model's, and each batch has exactly the events the model
@@ -34,6 +35,7 @@ class Model:
         self.late = 0
         self.children = self.children_open = self.children_failed = 0
         self.rollup_total = self.rollup_failed = 0
+        self.unfolded: list[tuple[dict, bool]] = []  # finished children not folded in yet (child_finished)
         self.events: list[dict] = []  # what its one event must say
 
     @property
@@ -94,16 +96,19 @@ class Model:
         return {"succeeded": self.succeeded, "failed": self.failed, "pending": self.pending, "rollup": self.rollup()}
 
     def fold(self) -> None:
-        """Finished or expired: counted in its parent as its event says."""
-        p = self.parent
-        if p is None:
-            return
-        r = self.rollup()
-        p.children_open -= 1
-        p.rollup_total += r["total"]
-        p.rollup_failed += r["failed"]
-        p.children_failed += 0 if self.outcome == "succeeded" else 1
-        p.try_finish()
+        """Finished or expired: leaves its roll-up, as its event says, for its parent to fold in
+        under the parent's own row lock (it never locks its parent)."""
+        if self.parent is not None:
+            self.parent.unfolded.append((self.rollup(), self.outcome != "succeeded"))
+
+    def absorb(self) -> None:
+        """Under its own row lock (its close, acks, failures, a settle): fold in finished children."""
+        for r, failed in self.unfolded:
+            self.children_open -= 1
+            self.rollup_total += r["total"]
+            self.rollup_failed += r["failed"]
+            self.children_failed += 1 if failed else 0
+        self.unfolded = []
 
     def record(self, keys: list[tuple[int, int]], outcome: str) -> int:
         flipped = 0
@@ -111,10 +116,10 @@ class Model:
             if self.items[k] is None:
                 self.items[k] = outcome
                 flipped += 1
-        if flipped:
-            if self.state == "complete":
-                self.late += flipped
-            self.try_finish()
+        if flipped and self.state == "complete":
+            self.late += flipped
+        self.absorb()
+        self.try_finish()
         return flipped
 
 
@@ -196,6 +201,8 @@ class OutcomesMachine(RuleBasedStateMachine):
             return
         complete = tracker.close_batch(self.conn, b.id, schema=self.schema)
         self.conn.commit()
+        b.absorb()  # the close settles the batch first (folding its finished children in)
+        b.try_finish()
         if b.state == "open":
             b.state = "closed"
             b.try_finish()
@@ -211,6 +218,30 @@ class OutcomesMachine(RuleBasedStateMachine):
         b.state = "expired"
         b.events.append({"event": "expired", "outcome": "expired", **b.counts()})
         b.fold()
+
+    @rule()
+    def settle(self):
+        """The reaper's settle loop: batches with finished children not folded in, in id order,
+        pass after pass while a pass finishes something (its parent then has a row to fold in)."""
+        r = tracker.settle(self.conn, schema=self.schema, registry=None)
+        self.conn.commit()
+        completed = []
+        for _ in range(8):
+            ids = sorted(b.id for b in self.batches.values() if b.unfolded)
+            if not ids:
+                break
+            finished = False
+            for i in ids:
+                b = self.batches[i]
+                was = b.state
+                b.absorb()
+                b.try_finish()
+                if b.state != was:
+                    completed.append(i)
+                    finished = True
+            if not finished:
+                break
+        assert r.completed == completed
 
     def teardown(self):
         self.conn.rollback()

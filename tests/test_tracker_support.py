@@ -21,7 +21,8 @@ def invariant_violations(conn: psycopg.Connection, schema: str) -> list[tuple]:
     """Invariant 1: group.pending = bit_count(bits); batch.pending = sum(group.pending) and
     batch.failed = sum(group.failed), pending + failed <= total; plus the states that follow from it:
     complete <=> an outcome; closed with nothing pending and no child open => complete; finished
-    with items pending (early, by a threshold) or never closed => failed."""
+    with items pending (early, by a threshold) or never closed => failed; children_open = children
+    not finished + finished children not yet folded in (child_finished rows)."""
     s = f'"{schema}"'
     return conn.execute(f"""
         SELECT 'group', g.batch_id, g.id, g.pending, bit_count(g.bits) FROM {s}.batch_group g
@@ -40,6 +41,10 @@ def invariant_violations(conn: psycopg.Connection, schema: str) -> list[tuple]:
             OR (b.state = 'closed' AND b.pending = 0 AND b.children_open = 0)
             OR (b.state = 'complete' AND (b.pending > 0 OR b.closed_at IS NULL) AND b.outcome <> 'failed')
             OR b.pending + b.failed > b.total
+        UNION ALL
+        SELECT 'children open', b.id, NULL, b.children_open, NULL FROM {s}.batch b
+         WHERE b.children_open <> (SELECT count(*) FROM {s}.batch c WHERE c.parent_id = b.id AND c.state IN ('open', 'closed'))
+                                + (SELECT count(*) FROM {s}.child_finished f WHERE f.parent_id = b.id)
         """).fetchall()
 
 

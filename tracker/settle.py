@@ -3,7 +3,10 @@
 Most claims are settled by their own transaction's commit (sql/R__ack_claims.sql). A commit
 that finds the batch row busy (another settle, the acker, an add or a close in progress), or
 that runs under REPEATABLE READ / SERIALIZABLE, leaves its claims committed as they are; they
-wait for the next settle of that batch. `settle()` is that next settle, on demand; the reaper's claim settler
+wait for the next settle of that batch. A child that finishes
+leaves a row for its parent (it never locks the parent's row), folded in by the parent's next
+close, ack, failure or settle: `settle()` with no ids also settles those parents.
+`settle()` is that next settle, on demand; the reaper's claim settler
 (harvester.services.claim_settler) runs it in a loop (every `interval` seconds, in short transactions of its own that
 never wait for a lock), which bounds how long a completion can lag the commit of the batch's last
 ack. A close settles its batch too.
@@ -32,6 +35,8 @@ from tracker.errors import InvalidArgument, InvalidValue
 
 log = structlog.get_logger("reaper.settler")
 
+MAX_DEPTH = 7  # the deepest a batch nests (sql/0016_outcomes.sql: batch.depth)
+
 
 @dataclass
 class SettleResult:
@@ -43,34 +48,47 @@ class SettleResult:
 @functools.lru_cache(maxsize=64)
 def statements(schema: str, outbox_table: str) -> dict[str, str]:
     q = {
-        # Committed claims only (READ COMMITTED): in-flight ones settle at their own commit.
-        "claimed": sql.SQL("SELECT DISTINCT batch_id FROM {claim} ORDER BY batch_id LIMIT %s"),
+        # Committed claims only (READ COMMITTED): in-flight ones settle at their own commit. And
+        # parents of committed finished children not folded in yet (sql/R__outcomes.sql).
+        "claimed": sql.SQL(
+            "SELECT batch_id FROM (SELECT batch_id FROM {claim} UNION SELECT parent_id FROM {child}) AS s "
+            "ORDER BY batch_id LIMIT %s"
+        ),
         # In batch-id order: with wait=true, two settles lock their batches in the same order.
         "settle": sql.SQL(
             "SELECT u.b, s.flipped, s.completed FROM unnest(%s::int8[]) WITH ORDINALITY AS u(b, n),"
             " LATERAL {settle}(u.b, {outbox}::regclass, %s, %s) AS s ORDER BY u.n"
         ),
     }
-    return render(schema, outbox_table, q, claim="ack_claim", settle="ack_settle")
+    return render(schema, outbox_table, q, claim="ack_claim", child="child_finished", settle="ack_settle")
 
 
 def settle_op(
     q: dict[str, str], batch_ids: list[int] | None, completion_topic: str, wait: bool, limit: int
 ) -> Op[SettleResult]:
     result = SettleResult()
-    if batch_ids is None:
-        (rows,) = yield Round((Query(q["claimed"], [limit], "all"),))
-        batch_ids = [b for (b,) in rows]
-    if not batch_ids:
-        return result
-    (rows,) = yield Round((Query(q["settle"], [batch_ids, completion_topic, wait], "all"),), last=True)
-    for b, flipped, completed in rows:
-        if flipped is None:
-            result.busy.append(b)
-            continue
-        result.acked += flipped
-        if completed:
-            result.completed.append(b)
+    named = batch_ids is not None
+    # Without ids: a batch finished by one pass leaves a row for its parent, settled by the next
+    # pass of the same call (one level per pass; batches nest at most MAX_DEPTH + 1 deep).
+    for _pass in range(1 if named else MAX_DEPTH + 1):
+        if not named:
+            (rows,) = yield Round((Query(q["claimed"], [limit], "all"),))
+            batch_ids = [b for (b,) in rows]
+        if not batch_ids:
+            return result
+        (rows,) = yield Round((Query(q["settle"], [batch_ids, completion_topic, wait], "all"),))
+        finished = False
+        for b, flipped, completed in rows:
+            if flipped is None:
+                if b not in result.busy:
+                    result.busy.append(b)
+                continue
+            result.acked += flipped
+            if completed:
+                result.completed.append(b)
+                finished = True
+        if not finished:
+            break
     return result
 
 
