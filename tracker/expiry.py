@@ -86,16 +86,16 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
     }
     q = {
         # A batch with open children is not idle: it waits for them (they expire first when idle,
-        # and each expired child counts as activity of its parent). Children before parents
+        # and each expired child, once folded in, counts as activity of its parent). Children before parents
         # (descending ids), as every path that locks several batches.
         "expire": sql.SQL(
             "WITH pick AS (SELECT id FROM {batch} WHERE state IN ('open', 'closed') AND children_open = 0 "
             "AND last_activity_at < clock_timestamp() - make_interval(secs => %(idle)s) "
             "ORDER BY id DESC LIMIT %(chunk)s FOR NO KEY UPDATE SKIP LOCKED), " + _EXPIRE
         ),
-        # The expired children are folded into their parents, in the expiring transaction: an
-        # expired child counts as finished and failed (its pending items failed) for its parent,
-        # which may finish now (its one completion event).
+        # The expired children leave their roll-up for their parents (never locked here), which
+        # fold it in under their own row lock at their next close, ack or settle: an expired child
+        # counts as finished and failed (its pending items failed) for its parent.
         "finish": sql.SQL("SELECT {finish}('{{}}'::int8[], {outbox_name}::regclass, %s, %s::int8[])"),
         # An operator's expiry waits for the row lock: a busy batch is expired once its holder is done.
         "expire_one": sql.SQL("WITH pick AS (SELECT id FROM {batch} WHERE id = %(id)s FOR NO KEY UPDATE), " + _EXPIRE),

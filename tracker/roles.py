@@ -29,7 +29,16 @@ ROLES = ("producer", "consumer", "operator", "app", "reaper")
 PRODUCER_FUNCTIONS = ("open_batch", "add_items", "enqueue", "close_batch", "batch_status", "failures")
 CONSUMER_FUNCTIONS = ("ack", "ack_masks", "fail", "fail_masks", "batch_status", "failures")
 # The tables the Python API writes in the application's transaction.
-APP_TABLES = ("batch", "batch_group", "outbox", "ack_claim", "ack_settle_request")
+APP_TABLES = (
+    "batch",
+    "batch_group",
+    "outbox",
+    "ack_claim",
+    "ack_settle_request",
+    "child_finished",
+    "group_failure",
+    "failure_reason",
+)
 
 
 def _functions(conn: psycopg.Connection, schema: str, names: tuple[str, ...] | None) -> list[str]:

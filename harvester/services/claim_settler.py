@@ -3,7 +3,9 @@
 Most claims settle at their own commit; a commit that found its batch row busy leaves them for the
 next settle. This loop is that next settle, every `interval` seconds, in short transactions of its
 own that skip busy batches, so a completion never lags the batch's last ack by much more than
-`interval`. Several reapers may run it at once.
+`interval`. It also settles parents with finished children not folded in yet (a finishing child
+never locks its parent), so a parent finishes within about `interval` of its last child.
+Several reapers may run it at once.
 """
 
 from __future__ import annotations

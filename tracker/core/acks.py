@@ -15,8 +15,8 @@ busy at commit. So acks of one batch, and their effects, commit in parallel; `co
 always empty here (completion happens at or after commit).
 
 `apply_op` (`Tracker.apply_masks`: the reaper's acker, Spark, in their own short transactions): lock the named batches
-(FOR NO KEY UPDATE, in descending batch-id order, a child before its parent, so concurrent acks,
-closes and finishes walking up to a parent never deadlock; optionally
+(FOR NO KEY UPDATE, in descending batch-id order, so concurrent acks and closes never deadlock; a
+finishing child never locks its parent, it leaves a row the parent folds in later; optionally
 SKIP LOCKED, returning what it skipped), read the named groups' sizes, validate, then one
 statement that clears the masked bits of every group, lowers each group's and each batch's
 pending by the number of bits that actually flipped (`bit_count(bits & mask)`), completes the
