@@ -109,3 +109,41 @@ def test_finishing_a_child_never_waits_for_a_transaction_holding_its_parent(pg_d
         assert waited is None, f"waited for the producer's transaction holding the parent: {waited}"
     finally:
         conn.rollback()
+
+
+def test_the_reapers_settler_finishes_the_parents_of_a_finished_child(pg_dsn, schema, conn):
+    """A finished child leaves its roll-up for its parent: the settler loop folds it in (the parent
+    under its own row lock) and the parent, then the grandparent, finish, one event each, within
+    a few settler intervals."""
+    import time
+
+    from harvester.services.claim_settler import ClaimSettler
+
+    top = tracker.open_batch(conn, schema=schema)
+    mid = tracker.open_batch(conn, parent=top, schema=schema)
+    leaf = tracker.open_batch(conn, parent=mid, schema=schema)
+    [g] = tracker.add_items(conn, leaf, 1, schema=schema)
+    for b in (leaf, mid, top):
+        tracker.close_batch(conn, b, schema=schema)
+    conn.commit()
+    stop = threading.Event()
+    settler = ClaimSettler(dsn=pg_dsn, schema=schema, interval=0.01)
+    thread = threading.Thread(target=settler.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        with psycopg.connect(pg_dsn) as c:
+            tracker.ack(c, [f"{leaf.id}:{g.group_id}:0"], schema=schema)
+        deadline = time.monotonic() + 5
+        while tracker.status(conn, top, schema=schema).state != "complete" and time.monotonic() < deadline:
+            conn.rollback()
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        thread.join(10)
+    conn.rollback()
+    rows = conn.execute(
+        f"SELECT convert_from(key, 'UTF8')::int8, count(*) FROM \"{schema}\".outbox GROUP BY 1 ORDER BY 1"
+    ).fetchall()
+    assert rows == [(top.id, 1), (mid.id, 1), (leaf.id, 1)]
+    s = tracker.status(conn, top, schema=schema)
+    assert (s.state, s.outcome, s.children_open) == ("complete", "succeeded", 0)
