@@ -28,7 +28,7 @@ from psycopg import pq
 from psycopg.rows import tuple_row
 
 from tracker.core.steps import Op, Query, Write
-from tracker.drivers.calls import Boundary, SyncIo, boundary, drive, frame
+from tracker.drivers.calls import SyncIo, Undo, boundary, drive, frame
 from tracker.errors import CallerTransactionAborted
 
 T = TypeVar("T")
@@ -50,7 +50,10 @@ def in_transaction(conn: psycopg.Connection | psycopg.AsyncConnection) -> bool:
 def _send(conn: psycopg.Connection, queries: Sequence[Query]) -> list[object]:
     if len(queries) == 1 and not in_pipeline(conn):
         cursors = [psycopg.Cursor(conn, row_factory=tuple_row)]
-        cursors[0].execute(queries[0].sql, queries[0].params)
+        # A statement without parameters (a call's end, alone) is never prepared: each call's
+        # savepoint has a name of its own, so it would only churn the prepared-statement cache.
+        prepare = False if queries[0].params is None else None
+        cursors[0].execute(queries[0].sql, queries[0].params, prepare=prepare)
     else:
         with conn.pipeline():
             cursors = []
@@ -83,12 +86,21 @@ def _write(conn: psycopg.Connection, step: Write) -> None:
 
 
 def _begin(conn: psycopg.Connection, sql: str) -> None:
-    psycopg.Cursor(conn).execute(sql)
+    psycopg.Cursor(conn).execute(sql, prepare=False)
 
 
-def _undo(conn: psycopg.Connection, edge: Boundary) -> None:
-    """Roll the call back to where it began. In pipeline mode the status is only true once the
-    pipeline has synced (it reads ACTIVE while results are pending), so sync first."""
+def _pipelined(conn: psycopg.Connection, statements: Sequence[str]) -> None:
+    with conn.pipeline():
+        for statement in statements:
+            psycopg.Cursor(conn).execute(statement, prepare=False)
+
+
+def _undo(conn: psycopg.Connection, undo: Undo) -> None:
+    """Roll the call back to where it began. An interruption leaves no result pending: psycopg
+    reads them all (after asking the server to cancel the statement running), so the connection is
+    idle again. In pipeline mode the status is only true once the pipeline has synced (it reads
+    ACTIVE while results are pending), so sync first. A savepoint that may be gone (`Undo.unsure`)
+    is rolled back to behind a probe, unless the transaction failed inside it (so it is there)."""
     if not usable(conn):
         return
     if in_pipeline(conn):
@@ -99,9 +111,15 @@ def _undo(conn: psycopg.Connection, edge: Boundary) -> None:
             pass  # the failure being undone, or one behind it: the status is true now
     if not in_transaction(conn):
         return
-    with conn.pipeline():
-        for statement in edge.undo:
-            psycopg.Cursor(conn).execute(statement)
+    edge = undo.edge
+    if not undo.unsure or edge.savepoint is None or conn.info.transaction_status == pq.TransactionStatus.INERROR:
+        _pipelined(conn, edge.undo)
+        return
+    try:
+        _pipelined(conn, (edge.probe, *edge.undo))
+    except psycopg.errors.InvalidSavepointSpecification:
+        # The call's end ran: its work was released into the caller's transaction, and stands.
+        _pipelined(conn, edge.unprobe)
 
 
 _IO: SyncIo[psycopg.Connection] = (_send, _write, _begin, _undo)
