@@ -7,7 +7,8 @@ So a call inside a transaction (`async with conn.transaction():`, or the one SQL
 in a savepoint of it; a call outside one is its own transaction. Statements are the core's, with
 psycopg-style placeholders (`%s`, `%(name)s`) turned into asyncpg's `$n` once per statement text;
 rows come back as tuples. asyncpg sends one statement per round trip (no pipeline), so a call may
-cost a few more round trips than on psycopg.
+cost a few more round trips than on psycopg. An interrupted call (a cancellation, a timeout) is
+undone as sync_psycopg.py's docstring says: its work stands if its end had run.
 """
 
 from __future__ import annotations

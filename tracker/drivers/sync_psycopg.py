@@ -12,6 +12,13 @@ Every call is all or nothing inside the caller's transaction, whatever the conne
   is true; `Write` steps use INSERT instead of COPY, which libpq refuses in pipeline mode;
 - the caller's transaction already failed (in pipeline mode: one of the caller's queued statements
   failed when synced): `CallerTransactionAborted` (the caller's error as its cause), nothing sent.
+- interrupted (Ctrl-C, an asyncio cancellation or timeout) while the round carrying the call's start
+  or end was on its way, the call cannot know whether the server ran it: it rolls back to its
+  savepoint behind a probe savepoint. If the end had run, the savepoint is gone and the call's
+  work stands, released into the caller's transaction as a completed statement of the caller's
+  would; either way the caller's transaction stays usable and the call raises the interruption.
+  Each call's savepoint has a name of its own, so a call nested in another's effect
+  (`exactly_once`) never touches the outer call's.
 
 The decision reads the connection's *transaction status*, never `autocommit` alone
 (tracker/drivers/calls.py: `boundary`, and the step loop every driver shares). The I/O calls below
