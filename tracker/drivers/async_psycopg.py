@@ -13,6 +13,7 @@ from typing import TypeVar
 
 import psycopg
 from psycopg import pq
+from psycopg.generators import copy_end
 from psycopg.rows import tuple_row
 
 from tracker.core.steps import Op, Query, Write
@@ -57,9 +58,20 @@ async def _write(conn: psycopg.AsyncConnection, step: Write) -> None:
     if in_pipeline(conn):
         await cur.executemany(step.insert_sql, step.rows())
         return
-    async with cur.copy(step.copy_sql) as copy:
-        for chunk in step.chunks():
-            await copy.write(chunk)
+    try:
+        async with cur.copy(step.copy_sql) as copy:
+            for chunk in step.chunks():
+                await copy.write(chunk)
+    except BaseException:
+        if conn.pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
+            # Interrupted while the COPY began: psycopg read its reply but left the COPY open, the
+            # server waiting for data (and every later statement for it). End it as failed, so the
+            # call can be undone.
+            try:
+                await conn.wait(copy_end(conn.pgconn, b"interrupted"))
+            except psycopg.Error:
+                pass  # the failure this asks for
+        raise
 
 
 async def _begin(conn: psycopg.AsyncConnection, sql: str) -> None:

@@ -32,6 +32,7 @@ from typing import TypeVar
 
 import psycopg
 from psycopg import pq
+from psycopg.generators import copy_end
 from psycopg.rows import tuple_row
 
 from tracker.core.steps import Op, Query, Write
@@ -87,9 +88,20 @@ def _write(conn: psycopg.Connection, step: Write) -> None:
     if in_pipeline(conn):
         cur.executemany(step.insert_sql, step.rows())
         return
-    with cur.copy(step.copy_sql) as copy:
-        for chunk in step.chunks():
-            copy.write(chunk)
+    try:
+        with cur.copy(step.copy_sql) as copy:
+            for chunk in step.chunks():
+                copy.write(chunk)
+    except BaseException:
+        if conn.pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
+            # Interrupted while the COPY began: psycopg read its reply but left the COPY open, the
+            # server waiting for data (and every later statement for it). End it as failed, so the
+            # call can be undone.
+            try:
+                conn.wait(copy_end(conn.pgconn, b"interrupted"))
+            except psycopg.Error:
+                pass  # the failure this asks for
+        raise
 
 
 def _begin(conn: psycopg.Connection, sql: str) -> None:
