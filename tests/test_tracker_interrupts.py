@@ -354,3 +354,38 @@ def test_a_timed_out_call_inside_an_exactly_once_effect_leaves_the_outer_call_al
     assert _caller_rows(pg_dsn, schema) == [("before",)]
     with psycopg.connect(pg_dsn) as c:
         assert c.execute(f'SELECT count(*) FROM "{schema}".outbox WHERE topic = %s', ["inner"]).fetchone() == (1,)
+
+
+def test_a_call_interrupted_as_its_copy_began_leaves_no_copy_open(pg_dsn, schema, monkeypatch):
+    """psycopg, interrupted while a COPY starts, reads the server's reply but leaves the COPY open
+    (the server waiting for data): the call must end it, or the caller's next statement hangs."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def copy(cur: psycopg.AsyncCursor, statement: str, params: object = None, **kwargs: object):
+        await cur._conn.wait(cur._start_copy_gen(statement, params))
+        monkeypatch.undo()
+        raise asyncio.CancelledError  # as psycopg raises a cancellation landing in that wait
+        yield  # pragma: no cover
+
+    t = AsyncTracker(schema=schema)
+    with psycopg.connect(pg_dsn) as c:
+        c.execute(f'CREATE TABLE "{schema}".caller_rows (tag text)')
+        batch = tracker.open_batch(c, schema=schema)
+        c.commit()
+        before = snapshot(c, schema)
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
+            await conn.execute(f'INSERT INTO "{schema}".caller_rows VALUES (%s)', ["before"])
+            monkeypatch.setattr(psycopg.AsyncCursor, "copy", copy)
+            with pytest.raises(asyncio.CancelledError):
+                await t.enqueue(conn, batch, [b"x"], topic="t")
+            async with asyncio.timeout(10):
+                await conn.execute(f'INSERT INTO "{schema}".caller_rows VALUES (%s)', ["after"])
+                await conn.commit()
+
+    asyncio.run(main())
+    assert _caller_rows(pg_dsn, schema) == [("before",), ("after",)]
+    with psycopg.connect(pg_dsn) as c:
+        assert snapshot(c, schema) == before
