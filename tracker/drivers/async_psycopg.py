@@ -121,7 +121,10 @@ async def run(conn: psycopg.AsyncConnection, op: Op[T], *, effect: Callable[[], 
             async with conn.pipeline():  # nested: its exit syncs the caller's queued statements
                 pass
         except psycopg.Error as exc:  # one of them failed: the caller's transaction is aborted
-            if conn.info.transaction_status == pq.TransactionStatus.INERROR:
+            # The status may still read ACTIVE while the pipeline's sync is unread; outside
+            # autocommit a server error in the caller's statements has aborted its transaction.
+            aborted = conn.info.transaction_status == pq.TransactionStatus.INERROR
+            if aborted or (not conn.autocommit and exc.sqlstate is not None):
                 raise CallerTransactionAborted() from exc
             raise
     edge = boundary(conn.autocommit, conn.info.transaction_status)
