@@ -168,7 +168,7 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             "finished AS (SELECT * FROM closed WHERE state = 'complete'), "
             "event AS ({insert}) SELECT state FROM closed"
         ),
-        # Issue 12: a close first folds the consumers' committed ack claims of the batch (waiting
+        # A close first folds the consumers' committed ack claims of the batch (waiting
         # for its row lock, as the close does anyway), so it decides completion on every ack
         # committed so far.
         "settle": sql.SQL("SELECT {settle}(%s, {outbox}::regclass, %s, true)"),
