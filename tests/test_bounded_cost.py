@@ -28,7 +28,8 @@ from test_tracker_support import completion_events, invariant_violations
 
 import tracker
 from tracker.errors import MalformedItemId, TooManyGroups
-from tracker.folding import GROUPS_PER_FOLD_MAX, MASK_BYTES_MAX, _fold_each, fold, fold_arrow, fold_messages
+from tracker.folding import GROUPS_PER_FOLD_MAX, MASK_BYTES_MAX, fold, fold_arrow, fold_messages
+from tracker.folding.entries import _fold_each
 
 # One past the limit: 4,097 groups whose masks would each take a whole KiB.
 OVER_LIMIT = GROUPS_PER_FOLD_MAX + 1

@@ -14,7 +14,7 @@ import pytest
 import tracker
 from tracker import aio, consumer, outbox, sync
 from tracker.core.steps import Effect, Query, Round, Write
-from tracker.drivers.calls import SAVEPOINT, Begin, Undo, frame
+from tracker.drivers.calls import Begin, Undo, frame, savepoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -128,8 +128,14 @@ def _op(fail_after: int = 99):
     return value, row
 
 
-def _trace(pipelined: bool, fail_at: type | None = None, fail_after: int = 99) -> list[object]:
-    """The frame's requests, answering each Round with one result per query."""
+SAVEPOINT = savepoint()
+
+
+def _trace(
+    pipelined: bool, fail_at: type | None = None, fail_after: int = 99, failure: BaseException | None = None
+) -> list[object]:
+    """The frame's requests, answering each Round with one result per query; `fail_at`: the first
+    request of that type fails (with `failure`, by default a RuntimeError)."""
     calls = frame(_op(fail_after), SAVEPOINT, pipelined=pipelined)
     seen: list[object] = []
     reply: object = None
@@ -139,7 +145,7 @@ def _trace(pipelined: bool, fail_at: type | None = None, fail_after: int = 99) -
         try:
             if fail_at is not None and type(step) is fail_at:
                 fail_at = None
-                step = calls.throw(RuntimeError("io failed"))
+                step = calls.throw(failure or RuntimeError("io failed"))
                 continue
             if type(step) is Round:
                 reply = [f"r{q.sql[-1]}" if q.sql.startswith("q") else None for q in step.queries]
@@ -149,7 +155,7 @@ def _trace(pipelined: bool, fail_at: type | None = None, fail_after: int = 99) -
         except StopIteration as done:
             seen.append(("result", done.value))
             return seen
-        except (RuntimeError, ValueError) as exc:
+        except (RuntimeError, ValueError, KeyboardInterrupt) as exc:
             seen.append(("raised", str(exc)))
             return seen
 
@@ -166,16 +172,49 @@ def test_frame_begins_alone_when_not_pipelined_and_undoes_a_failure() -> None:
     seen = _trace(pipelined=False, fail_at=Effect)
     assert seen[0] == Begin(SAVEPOINT.start)
     assert [q.sql for q in seen[1].queries] == ["q1"]
-    assert Undo(SAVEPOINT) in seen and seen[-1] == ("raised", "io failed")
+    assert Undo(SAVEPOINT, unsure=False) in seen and seen[-1] == ("raised", "io failed")
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
 def test_frame_undoes_an_operation_error_but_not_a_failed_begin(pipelined: bool) -> None:
     seen = _trace(pipelined, fail_after=1)
-    assert seen[-2:] == [Undo(SAVEPOINT), ("raised", "op failed")]
+    assert seen[-2:] == [Undo(SAVEPOINT, unsure=False), ("raised", "op failed")]
     if not pipelined:  # the caller's transaction refused the start: nothing to undo
         seen = _trace(pipelined, fail_at=Begin)
         assert seen == [Begin(SAVEPOINT.start), ("raised", "io failed")]
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_frame_undoes_an_interruption_of_the_boundary_behind_a_probe(pipelined: bool) -> None:
+    """Interrupted while the round carrying the start (pipelined) or the end was on its way, or at
+    the start sent alone: the server may have run it or not, so the undo is `unsure`; interrupted
+    elsewhere, the savepoint is known to be there."""
+    stop = KeyboardInterrupt("stop")
+    seen = _trace(pipelined, fail_at=Round, failure=stop)  # the first round: the start rides it when pipelined
+    assert seen[-2:] == [Undo(SAVEPOINT, unsure=pipelined), ("raised", "stop")]
+    seen = _trace(pipelined, fail_at=Effect, failure=stop)
+    assert seen[-2:] == [Undo(SAVEPOINT, unsure=False), ("raised", "stop")]
+    if not pipelined:
+        seen = _trace(pipelined, fail_at=Begin, failure=stop)
+        assert seen == [Begin(SAVEPOINT.start), Undo(SAVEPOINT, unsure=True), ("raised", "stop")]
+
+
+def test_frame_undoes_an_interruption_of_the_last_round_behind_a_probe() -> None:
+    calls = frame(_op(), SAVEPOINT)
+    step = calls.send(None)
+    step = calls.send([None, "r1"])  # the Write
+    step = calls.send(None)  # the Effect
+    step = calls.send("effect")  # the last round, carrying the end
+    assert [q.sql for q in step.queries] == ["q2", SAVEPOINT.end]
+    assert calls.throw(KeyboardInterrupt()) == Undo(SAVEPOINT, unsure=True)
+    with pytest.raises(KeyboardInterrupt):
+        calls.send(None)
+
+
+def test_every_call_has_a_savepoint_of_its_own() -> None:
+    names = {savepoint().savepoint for _ in range(1000)}
+    assert len(names) == 1000
+    assert all(n is not None and n.isidentifier() for n in names)
 
 
 def test_renamed_names_keep_their_article() -> None:

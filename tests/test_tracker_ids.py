@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 
 from tracker import MalformedItemId, fold, format_run, parse_ack, parse_item_id
-from tracker.folding import GROUP_BITS_MAX, _fold_each, _fold_plain_ids, iter_ids
+from tracker.folding import GROUP_BITS_MAX, iter_ids
+from tracker.folding.entries import _fold_each, _fold_plain_ids
 
 plain = st.builds(
     lambda b, g, i: f"{b}:{g}:{i}", st.integers(0, 3), st.integers(0, 3), st.integers(0, GROUP_BITS_MAX - 1)

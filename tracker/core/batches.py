@@ -187,7 +187,7 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
         ),
         # What can finish now finishes (sql/R__outcomes.sql), with its one completion event.
         "finish": sql.SQL("SELECT {finish}(ARRAY[%s::int8], {outbox}::regclass, %s)"),
-        # Issue 12: a close first folds the consumers' committed ack claims of the batch (waiting
+        # A close first folds the consumers' committed ack claims of the batch (waiting
         # for its row lock, as the close does anyway), so it decides completion on every ack
         # committed so far.
         "settle": sql.SQL("SELECT {settle}(%s, {outbox}::regclass, %s, true)"),

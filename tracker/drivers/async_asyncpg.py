@@ -7,7 +7,8 @@ So a call inside a transaction (`async with conn.transaction():`, or the one SQL
 in a savepoint of it; a call outside one is its own transaction. Statements are the core's, with
 psycopg-style placeholders (`%s`, `%(name)s`) turned into asyncpg's `$n` once per statement text;
 rows come back as tuples. asyncpg sends one statement per round trip (no pipeline), so a call may
-cost a few more round trips than on psycopg.
+cost a few more round trips than on psycopg. An interrupted call (a cancellation, a timeout) is
+undone as sync_psycopg.py's docstring says: its work stands if its end had run.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from typing import TYPE_CHECKING, TypeVar
 
 from tracker.core.steps import Op, Params, Query, Write
-from tracker.drivers.calls import OWN_TRANSACTION, SAVEPOINT, AsyncIo, Boundary, drive_async, frame
+from tracker.drivers.calls import OWN_TRANSACTION, AsyncIo, Undo, drive_async, frame, savepoint
 from tracker.errors import CallerTransactionAborted
 
 if TYPE_CHECKING:
@@ -97,13 +98,37 @@ async def _begin(conn: asyncpg.Connection, sql: str) -> None:
         raise CallerTransactionAborted() from None
 
 
-async def _undo(conn: asyncpg.Connection, edge: Boundary) -> None:
-    # A call's own transaction is rolled back even if the connection does not look inside one: after
-    # a cancellation its status is the one before the cancelled statement (BEGIN) until the next
-    # statement, and a ROLLBACK outside a transaction changes nothing.
-    if not conn.is_closed() and (edge == OWN_TRANSACTION or conn.is_in_transaction()):
-        for statement in edge.undo:
-            await conn.execute(statement)
+async def _undo(conn: asyncpg.Connection, undo: Undo) -> None:
+    """Roll the call back to where it began. An interruption leaves no result pending: asyncpg asks
+    the server to cancel the statement running and discards its results before the next statement.
+    A call's own transaction is rolled back even if the connection does not look inside one: after
+    a cancellation its status is the one before the cancelled statement (BEGIN) until the next
+    statement, and a ROLLBACK outside a transaction changes nothing. A savepoint that may be gone
+    (`Undo.unsure`) is rolled back to behind a probe; a probe refused since the transaction failed
+    (inside the call's savepoint, so it is there) is not needed."""
+    import asyncpg
+
+    edge = undo.edge
+    if conn.is_closed() or not (edge == OWN_TRANSACTION or conn.is_in_transaction()):
+        return
+    if undo.unsure and edge.savepoint is not None:
+        try:
+            await conn.execute(edge.probe)
+        except asyncpg.exceptions.InFailedSQLTransactionError:
+            pass
+        else:
+            rollback, release = edge.undo
+            try:
+                await conn.execute(rollback)
+            except asyncpg.exceptions.InvalidSavepointSpecificationError:
+                # The call's end ran: its work was released into the caller's transaction, and stands.
+                for statement in edge.unprobe:
+                    await conn.execute(statement)
+                return
+            await conn.execute(release)
+            return
+    for statement in edge.undo:
+        await conn.execute(statement)
 
 
 _IO: AsyncIo[asyncpg.Connection] = (_send, _write, _begin, _undo)
@@ -111,5 +136,5 @@ _IO: AsyncIo[asyncpg.Connection] = (_send, _write, _begin, _undo)
 
 async def run(conn: asyncpg.Connection, op: Op[T], *, effect: Callable[[], Awaitable[object]] | None = None) -> T:
     """Drive `op` to its result on `conn`, all or nothing inside the caller's transaction."""
-    edge = SAVEPOINT if conn.is_in_transaction() else OWN_TRANSACTION
+    edge = savepoint() if conn.is_in_transaction() else OWN_TRANSACTION
     return await drive_async(frame(op, edge, pipelined=False), conn, _IO, effect)

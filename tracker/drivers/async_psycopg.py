@@ -13,10 +13,11 @@ from typing import TypeVar
 
 import psycopg
 from psycopg import pq
+from psycopg.generators import copy_end
 from psycopg.rows import tuple_row
 
 from tracker.core.steps import Op, Query, Write
-from tracker.drivers.calls import AsyncIo, Boundary, boundary, drive_async, frame
+from tracker.drivers.calls import AsyncIo, Undo, boundary, drive_async, frame
 from tracker.drivers.sync_psycopg import in_pipeline, in_transaction, usable
 from tracker.errors import CallerTransactionAborted
 
@@ -27,7 +28,10 @@ T = TypeVar("T")
 async def _send(conn: psycopg.AsyncConnection, queries: Sequence[Query]) -> list[object]:
     if len(queries) == 1 and not in_pipeline(conn):
         cursors = [psycopg.AsyncCursor(conn, row_factory=tuple_row)]
-        await cursors[0].execute(queries[0].sql, queries[0].params)
+        # A statement without parameters (a call's end, alone) is never prepared: each call's
+        # savepoint has a name of its own, so it would only churn the prepared-statement cache.
+        prepare = False if queries[0].params is None else None
+        await cursors[0].execute(queries[0].sql, queries[0].params, prepare=prepare)
     else:
         async with conn.pipeline():
             cursors = []
@@ -54,18 +58,38 @@ async def _write(conn: psycopg.AsyncConnection, step: Write) -> None:
     if in_pipeline(conn):
         await cur.executemany(step.insert_sql, step.rows())
         return
-    async with cur.copy(step.copy_sql) as copy:
-        for chunk in step.chunks():
-            await copy.write(chunk)
+    try:
+        async with cur.copy(step.copy_sql) as copy:
+            for chunk in step.chunks():
+                await copy.write(chunk)
+    except BaseException:
+        if conn.pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
+            # Interrupted while the COPY began: psycopg read its reply but left the COPY open, the
+            # server waiting for data (and every later statement for it). End it as failed, so the
+            # call can be undone.
+            try:
+                await conn.wait(copy_end(conn.pgconn, b"interrupted"))
+            except psycopg.Error:
+                pass  # the failure this asks for
+        raise
 
 
 async def _begin(conn: psycopg.AsyncConnection, sql: str) -> None:
-    await psycopg.AsyncCursor(conn).execute(sql)
+    await psycopg.AsyncCursor(conn).execute(sql, prepare=False)
 
 
-async def _undo(conn: psycopg.AsyncConnection, edge: Boundary) -> None:
-    """Roll the call back to where it began. In pipeline mode the status is only true once the
-    pipeline has synced (it reads ACTIVE while results are pending), so sync first."""
+async def _pipelined(conn: psycopg.AsyncConnection, statements: Sequence[str]) -> None:
+    async with conn.pipeline():
+        for statement in statements:
+            await psycopg.AsyncCursor(conn).execute(statement, prepare=False)
+
+
+async def _undo(conn: psycopg.AsyncConnection, undo: Undo) -> None:
+    """Roll the call back to where it began. An interruption leaves no result pending: psycopg
+    reads them all (after asking the server to cancel the statement running), so the connection is
+    idle again. In pipeline mode the status is only true once the pipeline has synced (it reads
+    ACTIVE while results are pending), so sync first. A savepoint that may be gone (`Undo.unsure`)
+    is rolled back to behind a probe, unless the transaction failed inside it (so it is there)."""
     if not usable(conn):
         return
     if in_pipeline(conn):
@@ -76,9 +100,15 @@ async def _undo(conn: psycopg.AsyncConnection, edge: Boundary) -> None:
             pass  # the failure being undone, or one behind it: the status is true now
     if not in_transaction(conn):
         return
-    async with conn.pipeline():
-        for statement in edge.undo:
-            await psycopg.AsyncCursor(conn).execute(statement)
+    edge = undo.edge
+    if not undo.unsure or edge.savepoint is None or conn.info.transaction_status == pq.TransactionStatus.INERROR:
+        await _pipelined(conn, edge.undo)
+        return
+    try:
+        await _pipelined(conn, (edge.probe, *edge.undo))
+    except psycopg.errors.InvalidSavepointSpecification:
+        # The call's end ran: its work was released into the caller's transaction, and stands.
+        await _pipelined(conn, edge.unprobe)
 
 
 _IO: AsyncIo[psycopg.AsyncConnection] = (_send, _write, _begin, _undo)
@@ -91,7 +121,10 @@ async def run(conn: psycopg.AsyncConnection, op: Op[T], *, effect: Callable[[], 
             async with conn.pipeline():  # nested: its exit syncs the caller's queued statements
                 pass
         except psycopg.Error as exc:  # one of them failed: the caller's transaction is aborted
-            if conn.info.transaction_status == pq.TransactionStatus.INERROR:
+            # The status may still read ACTIVE while the pipeline's sync is unread; outside
+            # autocommit a server error in the caller's statements has aborted its transaction.
+            aborted = conn.info.transaction_status == pq.TransactionStatus.INERROR
+            if aborted or (not conn.autocommit and exc.sqlstate is not None):
                 raise CallerTransactionAborted() from exc
             raise
     edge = boundary(conn.autocommit, conn.info.transaction_status)

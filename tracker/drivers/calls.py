@@ -15,6 +15,7 @@ A driver runs a core operation (tracker/core/steps.py) as one call inside the ca
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, Union
@@ -26,22 +27,46 @@ from tracker.errors import CallerTransactionAborted
 
 T = TypeVar("T")
 C = TypeVar("C")
-_SAVEPOINT = "tracker_call"
+# Each call's savepoint has a name of its own: a call nested in another's effect (exactly_once)
+# can never roll back, or release, the outer call's savepoint.
+_CALLS = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
 class Boundary:
+    """How a call begins and ends: a savepoint of the caller's transaction, named `savepoint`, or
+    (`savepoint` None) a transaction of the call's own."""
+
     start: str
     end: str
-    undo: tuple[str, ...]
+    savepoint: str | None = None
+
+    @property
+    def undo(self) -> tuple[str, ...]:
+        """Roll the call back, when its start is known to have run and its end not."""
+        if self.savepoint is None:
+            return ("ROLLBACK",)
+        return ("ROLLBACK TO SAVEPOINT " + self.savepoint, "RELEASE SAVEPOINT " + self.savepoint)
+
+    @property
+    def probe(self) -> str:
+        """A savepoint made before rolling back to the call's own when that one may be gone (its
+        end ran, or its start never did): if rolling back to the call's fails, rolling back to the
+        probe undoes that failure alone (`unprobe`), and the caller's transaction goes on."""
+        return f"SAVEPOINT {self.savepoint}_probe"
+
+    @property
+    def unprobe(self) -> tuple[str, ...]:
+        return (f"ROLLBACK TO SAVEPOINT {self.savepoint}_probe", f"RELEASE SAVEPOINT {self.savepoint}_probe")
 
 
-OWN_TRANSACTION = Boundary("BEGIN", "COMMIT", ("ROLLBACK",))
-SAVEPOINT = Boundary(
-    "SAVEPOINT " + _SAVEPOINT,
-    "RELEASE SAVEPOINT " + _SAVEPOINT,
-    ("ROLLBACK TO SAVEPOINT " + _SAVEPOINT, "RELEASE SAVEPOINT " + _SAVEPOINT),
-)
+OWN_TRANSACTION = Boundary("BEGIN", "COMMIT")
+
+
+def savepoint() -> Boundary:
+    """A savepoint boundary with a name no other call of this process has."""
+    name = f"tracker_call_{next(_CALLS)}"
+    return Boundary("SAVEPOINT " + name, "RELEASE SAVEPOINT " + name, name)
 
 
 def boundary(autocommit: bool, status: pq.TransactionStatus) -> Boundary:
@@ -50,7 +75,7 @@ def boundary(autocommit: bool, status: pq.TransactionStatus) -> Boundary:
         raise CallerTransactionAborted()
     if status == pq.TransactionStatus.IDLE and autocommit:
         return OWN_TRANSACTION
-    return SAVEPOINT
+    return savepoint()
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +89,14 @@ class Begin:
 @dataclass(frozen=True, slots=True)
 class Undo:
     """The call failed after it began: roll it back to where it began (if the connection and the
-    transaction are still there)."""
+    transaction are still there). `unsure`: the failure came while the boundary's start or end was
+    on its way (an interruption: a cancellation, Ctrl-C), so the server may have run it or not; a
+    savepoint is then rolled back to behind a probe (`Boundary.probe`). If the call's end had run,
+    its work stands, released into the caller's transaction like any statement of the caller's that
+    completed, and the call still raises its interruption."""
 
     edge: Boundary
+    unsure: bool = False
 
 
 Io = Union[Round, Write, Effect, Begin, Undo]
@@ -75,17 +105,26 @@ Io = Union[Round, Write, Effect, Begin, Undo]
 Frame = Generator[Io, Any, T]
 
 
+def _undo(edge: Boundary, failure: BaseException, unsure: bool) -> Generator[Io, Any, None]:
+    try:
+        yield Undo(edge, unsure)
+    except Exception as undo_failed:
+        # The call's failure is what the caller must see (a cancellation above all: asyncio relies
+        # on it); the undo's own error rides along as a note.
+        failure.add_note(f"undoing the call failed too: {undo_failed!r}")
+
+
 def _begin(edge: Boundary) -> Generator[Io, Any, bool]:
-    """Begin alone. If that fails, nothing of the call ran, so there is nothing to undo; except an
-    interruption (a cancellation, Ctrl-C) landing once the server has the BEGIN of a transaction of
-    the call's own: undone (a ROLLBACK with no transaction open changes nothing), or the connection
-    would stay inside a transaction nobody ends. A savepoint is never undone here: rolling back to
-    one that was never made would abort the caller's transaction."""
+    """Begin alone. If the server refused it (an `Exception`), nothing of the call ran, so there is
+    nothing to undo. An interruption (a cancellation, Ctrl-C) may land once the server ran it: a
+    transaction of the call's own is rolled back (a ROLLBACK with no transaction open changes
+    nothing), or the connection would stay inside a transaction nobody ends; a savepoint is rolled
+    back to behind a probe (`Undo.unsure`), since it may never have been made."""
     try:
         yield Begin(edge.start)
-    except BaseException:
-        if edge == OWN_TRANSACTION:
-            yield Undo(edge)
+    except BaseException as failure:
+        if edge.savepoint is None or not isinstance(failure, Exception):
+            yield from _undo(edge, failure, unsure=True)
         raise
     return True
 
@@ -94,6 +133,7 @@ def frame(op: Op[T], edge: Boundary, *, pipelined: bool = True) -> Frame[T]:
     """The call of `op` inside `edge`. `pipelined`: the driver sends a round's queries in one trip,
     so the start rides with the first round; otherwise it is sent alone (as `Begin`) first."""
     started = ended = False
+    bounding = False  # a round carrying the boundary's start or end is on its way
     try:
         try:
             step = next(op)
@@ -106,15 +146,18 @@ def frame(op: Op[T], edge: Boundary, *, pipelined: bool = True) -> Frame[T]:
                     started = yield from _begin(edge)
                 if started:
                     if step.last:
+                        bounding = True
                         results = yield Round(step.queries + (Query(edge.end),))
+                        bounding = False
                         ended = True
                         result = results[:-1]
                     else:
                         result = yield step
                 else:
-                    started = True  # from here a failure must be undone, even in this round
+                    started = bounding = True  # from here a failure must be undone, even in this round
                     suffix = (Query(edge.end),) if step.last else ()
                     results = yield Round((Query(edge.start),) + step.queries + suffix)
+                    bounding = False
                     ended = step.last
                     result = results[1 : 1 + len(step.queries)]
             elif type(step) is Write:
@@ -129,6 +172,7 @@ def frame(op: Op[T], edge: Boundary, *, pipelined: bool = True) -> Frame[T]:
                 step = op.send(result)
             except StopIteration as done:
                 if started and not ended:
+                    bounding = True
                     yield Round((Query(edge.end),))
                 return done.value
     except GeneratorExit:  # pragma: no cover - a driver always runs its frame to the end
@@ -137,12 +181,7 @@ def frame(op: Op[T], edge: Boundary, *, pipelined: bool = True) -> Frame[T]:
     except BaseException as failure:
         op.close()
         if started and not ended:
-            try:
-                yield Undo(edge)
-            except Exception as undo_failed:
-                # The call's failure is what the caller must see (a cancellation above all: asyncio
-                # relies on it); the undo's own error rides along as a note.
-                failure.add_note(f"undoing the call failed too: {undo_failed!r}")
+            yield from _undo(edge, failure, bounding)
         raise
 
 
@@ -152,13 +191,13 @@ SyncIo = tuple[
     Callable[[C, Sequence[Query]], list[object]],
     Callable[[C, Write], None],
     Callable[[C, str], None],
-    Callable[[C, Boundary], None],
+    Callable[[C, Undo], None],
 ]
 AsyncIo = tuple[
     Callable[[C, Sequence[Query]], Awaitable[list[object]]],
     Callable[[C, Write], Awaitable[None]],
     Callable[[C, str], Awaitable[None]],
-    Callable[[C, Boundary], Awaitable[None]],
+    Callable[[C, Undo], Awaitable[None]],
 ]
 
 
@@ -190,7 +229,7 @@ def drive(calls: Frame[T], conn: C, io: SyncIo[C], effect: Callable[[], object] 
                 elif type(step) is Begin:
                     begin(conn, step.sql)
                 elif type(step) is Undo:
-                    undo(conn, step.edge)
+                    undo(conn, step)
             except BaseException as exc:
                 step = calls.throw(exc)
             else:
@@ -222,7 +261,7 @@ async def drive_async(calls: Frame[T], conn: C, io: AsyncIo[C], effect: Callable
                 elif type(step) is Begin:
                     await begin(conn, step.sql)
                 elif type(step) is Undo:
-                    await undo(conn, step.edge)
+                    await undo(conn, step)
             except BaseException as exc:
                 step = calls.throw(exc)
             else:
