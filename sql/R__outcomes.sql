@@ -48,8 +48,9 @@ END $$;
 --     finished children), open or closed: early, outcome failed;
 --   * it is closed, no child is open and its failed items (with the roll-up) are more than
 --     tolerated_failure_ratio of its items (with the roll-up): early when items are still pending.
--- A batch finished here (or, p_expired, just expired) with a parent inserts its child_finished row
--- for that parent and never locks the parent's row: lock order is never child then parent, so two
+-- A batch with a parent that finishes here (or expires anywhere) leaves its child_finished row for
+-- that parent (the trigger batch_child_finished, below) and never locks the parent's row: lock
+-- order is never child then parent, so two
 -- transactions finishing children of two trees cannot deadlock, and a child's final ack never
 -- waits for a transaction holding its parent (a producer opening another child). The parent folds
 -- the row in at the next moment that locks it anyway: its close, its own acks or failures, or a
@@ -62,27 +63,17 @@ END $$;
 -- finishes after its parent finished is folded into that parent only (no further up).
 -- A parent already finished or expired folds its children all the same but emits nothing more.
 -- Returns the batches finished here.
-CREATE OR REPLACE FUNCTION batch_finish(p_ids bigint[], p_outbox regclass, p_topic text,
-                                        p_expired bigint[] DEFAULT '{}') RETURNS bigint[]
+-- (Its earlier form also took the ids of batches just expired, to leave their rows: the trigger does.)
+DROP FUNCTION IF EXISTS batch_finish(bigint[], regclass, text, bigint[]);
+CREATE OR REPLACE FUNCTION batch_finish(p_ids bigint[], p_outbox regclass, p_topic text) RETURNS bigint[]
 LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     todo bigint[] := coalesce(p_ids, '{}');
-    up bigint[] := coalesce(p_expired, '{}');
     done bigint[] := '{}';
     cur bigint;
     b batch;
 BEGIN
     LOOP
-        IF cardinality(up) > 0 THEN  -- a child finished or expired: a row for its parent to fold in
-            cur := up[1];
-            up := up[2:];
-            INSERT INTO child_finished (parent_id, child_id, total, failed, child_failed)
-            SELECT c.parent_id, c.id, c.total + c.rollup_total, c.pending + c.failed + c.rollup_failed,
-                   c.outcome IS DISTINCT FROM 'succeeded'
-              FROM batch c WHERE c.id = cur AND c.parent_id IS NOT NULL
-            ON CONFLICT DO NOTHING;
-            CONTINUE;
-        END IF;
         EXIT WHEN cardinality(todo) = 0;
         cur := todo[1];
         todo := todo[2:];
@@ -108,7 +99,6 @@ BEGIN
             done := done || cur;
             EXECUTE format('INSERT INTO %s (topic, key, value, header_keys, header_values) '
                            'SELECT * FROM completion_event($1, $2)', p_outbox) USING b, p_topic;
-            up := up || cur;
         END IF;
     END LOOP;
     RETURN done;
@@ -192,5 +182,31 @@ DO $$ BEGIN
         CREATE TRIGGER batch_outcome_of_old_writer BEFORE UPDATE OF state ON batch
             FOR EACH ROW WHEN (NEW.state = 'complete' AND NEW.outcome IS NULL)
             EXECUTE FUNCTION batch_outcome_of_old_writer();
+    END IF;
+END $$;
+
+
+-- A child that finishes or expires leaves its roll-up for its parent: whichever statement moves it
+-- from open or closed to complete or expired (batch_finish, the sweeper's and the operator's
+-- expiry, and a writer of the previous release, which knows nothing of parents), the row is written
+-- in that statement's transaction and never locks the parent's row (the foreign key's check takes
+-- KEY SHARE, which only a deletion of the parent conflicts with: retention deletes no parent with
+-- a child open). The counts are the roll-up its completion or expiry event reports.
+CREATE OR REPLACE FUNCTION batch_child_finished() RETURNS trigger
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+BEGIN
+    INSERT INTO child_finished (parent_id, child_id, total, failed, child_failed)
+    VALUES (NEW.parent_id, NEW.id, NEW.total + NEW.rollup_total, NEW.pending + NEW.failed + NEW.rollup_failed,
+            NEW.outcome IS DISTINCT FROM 'succeeded')
+    ON CONFLICT DO NOTHING;
+    RETURN NULL;
+END $$;
+
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT FROM pg_trigger WHERE tgrelid = 'batch'::regclass AND tgname = 'batch_child_finished') THEN
+        CREATE TRIGGER batch_child_finished AFTER UPDATE OF state ON batch
+            FOR EACH ROW WHEN (NEW.parent_id IS NOT NULL AND OLD.state IN ('open', 'closed')
+                               AND NEW.state IN ('complete', 'expired'))
+            EXECUTE FUNCTION batch_child_finished();
     END IF;
 END $$;

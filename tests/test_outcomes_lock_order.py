@@ -1,15 +1,13 @@
 """Finishing children in two trees at once: the walk up to a parent must not deadlock.
 
-Every path that finishes a child also folds it into its parent, taking the parent's row lock
-after the locks it already holds (batch_finish, sql/R__outcomes.sql). Two calls that each finish
-a child of one tree while holding a batch of the other tree (here: an item of the other tree's
-parent, named in the same call) wait on each other's parent: a deadlock, though each call, alone,
-locks in the documented order (descending ids, a child before its parent).
-
-  * masked path (tracker.fail, tracker.ack(claims=False), apply_masks, SQL fail/ack_masks): one
-    library call raises DeadlockDetected (the caller's transaction stays usable: a savepoint);
-  * claims path (tracker.ack, settled at commit): the caller's COMMIT raises DeadlockDetected, so
-    the caller's whole transaction, its own effects with it, is rolled back.
+A path that finished a child and then took its parent's row lock after the locks it already held
+would deadlock here: two calls that each finish a child of one tree while holding a batch of the
+other tree (an item of the other tree's parent, named in the same call) would wait on each
+other's parent, though each call, alone, locks in the documented order (descending ids). A
+finishing child therefore never locks its parent (it leaves a child_finished row, folded in by the
+parent under its own lock: sql/R__outcomes.sql), on the masked path (tracker.fail,
+tracker.ack(claims=False), apply_masks, SQL fail/ack_masks) as on the claims path (tracker.ack,
+settled at commit, where a deadlock would roll back the caller's whole transaction at COMMIT).
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Idle means no add, close or ack for `idle_expiry` seconds (`last_activity_at`). 
 closed batches expire: a closed batch whose acks stopped arriving is as orphaned as an open one
 whose producer died, and without expiry it would never reach retention and never be deleted.
 Complete batches are deleted `retention` seconds after completion, expired ones `retention`
-seconds after expiry; their groups go with them (ON DELETE CASCADE).
+seconds after expiry; their groups go with them (ON DELETE CASCADE). A parent goes only once no
+child of it is open. First, each sweep folds finished children into their parents (as a settle
+does, tracker.settle), so a parent finishes, or expires when idle, even where no settler runs.
 
 Expiry is an event: the statement that expires a batch also writes one *expiry event* into the
 outbox (like the completion event: the same statement, so exactly once). It goes to
@@ -47,6 +49,7 @@ EXPIRY_EVENT = "batch-expired"  # the `event` header of an expiry event (written
 class SweepResult:
     expired: int = 0
     deleted: int = 0
+    completed: int = 0  # parents that finished when their finished children were folded in
 
 
 @dataclass(frozen=True)
@@ -66,13 +69,13 @@ _EXPIRE = """
 expired AS (
   UPDATE {batch} b SET state = 'expired', expired_at = clock_timestamp() FROM pick
   WHERE b.id = pick.id AND b.state IN ('open', 'closed')
-  RETURNING b.id, b.user_key, b.total, b.pending, b.parent_id, b AS whole,
+  RETURNING b.id, b.user_key, b.total, b.pending, b AS whole,
             coalesce(%(expiry_topic)s, b.completion_topic, %(default_topic)s) AS topic),
 event AS (
   INSERT INTO {outbox} (topic, key, value, header_keys, header_values)
   SELECT ev.* FROM expired e CROSS JOIN LATERAL {expiry_event}(e.whole, e.topic, %(reason)s, %(detail)s::jsonb) ev
   ORDER BY e.id)
-SELECT id, user_key, total, pending, topic, parent_id FROM expired"""
+SELECT id, user_key, total, pending, topic FROM expired"""
 
 
 @functools.lru_cache(maxsize=64)
@@ -82,6 +85,7 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
         "outbox": sql.Identifier(schema, outbox_table),
         "expiry_event": sql.Identifier(schema, "expiry_event"),  # the event itself: sql/R__events.sql
         "finish": sql.Identifier(schema, "batch_finish"),  # sql/R__outcomes.sql
+        "child": sql.Identifier(schema, "child_finished"),
         "outbox_name": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None)),
     }
     q = {
@@ -93,15 +97,27 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
             "AND last_activity_at < clock_timestamp() - make_interval(secs => %(idle)s) "
             "ORDER BY id DESC LIMIT %(chunk)s FOR NO KEY UPDATE SKIP LOCKED), " + _EXPIRE
         ),
-        # The expired children leave their roll-up for their parents (never locked here), which
-        # fold it in under their own row lock at their next close, ack or settle: an expired child
-        # counts as finished and failed (its pending items failed) for its parent.
-        "finish": sql.SQL("SELECT {finish}('{{}}'::int8[], {outbox_name}::regclass, %s, %s::int8[])"),
+        # An expired child leaves its roll-up for its parent (the schema's trigger
+        # batch_child_finished, in the expiring statement; the parent's row is never locked), which
+        # folds it in under its own row lock at its next close, ack or settle, or at this fold: an
+        # expired child counts as finished and failed (its pending items failed) for its parent.
+        # The fold finishes what can (batch_finish), so a parent finishes or, idle, expires even
+        # where no settler runs. Parents a transaction holds are skipped (folded by that holder or
+        # next time); descending ids, as every path that locks several batches.
+        "fold": sql.SQL(
+            "WITH p AS (SELECT b.id FROM {batch} b WHERE b.id IN (SELECT f.parent_id FROM {child} f) "
+            "ORDER BY b.id DESC LIMIT %(chunk)s FOR NO KEY UPDATE SKIP LOCKED) "
+            "SELECT coalesce(cardinality({finish}(array_agg(p.id ORDER BY p.id DESC), {outbox_name}::regclass, "
+            "%(default_topic)s)), 0), count(*) FROM p"
+        ),
         # An operator's expiry waits for the row lock: a busy batch is expired once its holder is done.
         "expire_one": sql.SQL("WITH pick AS (SELECT id FROM {batch} WHERE id = %(id)s FOR NO KEY UPDATE), " + _EXPIRE),
         "state": sql.SQL("SELECT state FROM {batch} WHERE id = %s"),
+        # Not a parent with a child still open (finished early or expired before it): the child's
+        # row for it would wait for the deletion while the deletion waits for the child's row (its
+        # parent_id set to null), a deadlock with the child's final ack. It goes once they are done.
         "delete": sql.SQL(
-            "WITH old AS (SELECT id FROM {batch} WHERE state IN ('complete', 'expired') "
+            "WITH old AS (SELECT id FROM {batch} WHERE state IN ('complete', 'expired') AND children_open = 0 "
             "AND coalesce(completed_at, expired_at) < clock_timestamp() - make_interval(secs => %(retention)s) "
             "ORDER BY coalesce(completed_at, expired_at) LIMIT %(chunk)s FOR UPDATE SKIP LOCKED) "
             "DELETE FROM {batch} b USING old WHERE b.id = old.id RETURNING b.id"
@@ -135,7 +151,8 @@ def sweep(
     registry: CollectorRegistry | None = REGISTRY,
     metrics_prefix: str = metrics.DEFAULT_PREFIX,
 ) -> SweepResult:
-    """Expire idle batches (one expiry event each), then delete old finished ones, `chunk` at a
+    """Fold finished children into their parents (which may finish them: one completion event
+    each), expire idle batches (one expiry event each), then delete old finished ones, `chunk` at a
     time until none are left (or `max_chunks` statements of each kind ran). Returns how many of each.
 
     `outbox_table` and `completion_topic` default to the default tracker's ("outbox",
@@ -162,7 +179,10 @@ def sweep(
         "reason": "idle",
         "detail": json.dumps({"idle_expiry_seconds": float(idle_expiry)}),
     }
-    for kind, params in (("expire", expire), ("delete", {"retention": float(retention), "chunk": chunk})):
+    fold = {"chunk": chunk, "default_topic": default_topic}
+    completed = metrics.for_registry(registry, metrics_prefix).batches_completed.labels(schema) if registry else None
+    kinds = (("fold", fold), ("expire", expire), ("delete", {"retention": float(retention), "chunk": chunk}))
+    for kind, params in kinds:
         rounds = 0
         while max_chunks is None or rounds < max_chunks:
             rounds += 1
@@ -170,12 +190,17 @@ def sweep(
             # re-checks the state), so it expires all it picked: fewer than `chunk` means done.
             with conn.transaction() if conn.autocommit else contextlib.nullcontext():
                 rows = conn.execute(q[kind], params).fetchall()
-                children = [r[0] for r in rows if kind == "expire" and r[5] is not None]
-                if children:
-                    conn.execute(q["finish"], [default_topic, children])
-            n = len(rows)
             if commit_chunks:
                 conn.commit()
+            if kind == "fold":
+                [(finished, n)] = rows
+                result.completed += finished
+                if completed is not None and finished:
+                    completed.inc(finished)
+                if n < chunk and not finished:  # a parent that finished may have left a row for its own
+                    break
+                continue
+            n = len(rows)
             if kind == "expire":
                 result.expired += n
                 if expired is not None:
@@ -235,10 +260,8 @@ def _expire_op(q: dict[str, str], params: Mapping[str, object], batch_id: int) -
     """The expiry as core steps: the caller-transaction rules of tracker.drivers.sync_psycopg apply (a savepoint
     in an open transaction, a transaction of its own on an idle autocommit connection)."""
     [row] = yield one(q["expire_one"], params)
-    if row is not None:
-        if row[5] is not None:  # a child: its parent is told in this transaction (see "finish")
-            yield one(q["finish"], [params["default_topic"], [row[0]]])
-        return Expired(*row[:5])
+    if row is not None:  # a child left its row for its parent in that statement (see "fold")
+        return Expired(*row)
     [state] = yield one(q["state"], [batch_id])
     if state is None:
         raise UnknownBatch(batch_id)

@@ -5,7 +5,8 @@ that finds the batch row busy (another settle, the acker, an add or a close in p
 that runs under REPEATABLE READ / SERIALIZABLE, leaves its claims committed as they are; they
 wait for the next settle of that batch. A child that finishes
 leaves a row for its parent (it never locks the parent's row), folded in by the parent's next
-close, ack, failure or settle: `settle()` with no ids also settles those parents.
+close, ack, failure or settle, or the reaper's next sweep (tracker.expiry): `settle()` with no
+ids also settles those parents. An application running no reaper calls it periodically.
 `settle()` is that next settle, on demand; the reaper's claim settler
 (harvester.services.claim_settler) runs it in a loop (every `interval` seconds, in short transactions of its own that
 never wait for a lock), which bounds how long a completion can lag the commit of the batch's last

@@ -17,7 +17,8 @@ from tracker import expiry
 
 
 def sweep_loop(cfg: Config, pool: ConnectionPool, stop: threading.Event) -> None:
-    """Every `sweeper.interval`: expire idle open batches, delete finished ones past retention."""
+    """Every `sweeper.interval`: fold finished children into their parents, expire idle open
+    batches, delete finished ones past retention."""
     log = logs.get("reaper.sweeper")
     s = cfg.sweeper
     while not stop.wait(s.interval):
@@ -34,7 +35,7 @@ def sweep_loop(cfg: Config, pool: ConnectionPool, stop: threading.Event) -> None
                     expiry_topic=s.expiry_topic or None,
                     metrics_prefix=cfg.metrics.prefix,
                 )
-            if result.expired or result.deleted:
-                log.info("swept", expired=result.expired, deleted=result.deleted)
+            if result.expired or result.deleted or result.completed:
+                log.info("swept", expired=result.expired, deleted=result.deleted, completed=result.completed)
         except Exception as exc:
             log.warning("sweep failed", error=logs_safe(exc))
