@@ -154,3 +154,29 @@ def test_retention_deleting_a_parent_never_deadlocks_with_its_childs_final_ack(p
     assert not any(isinstance(r, Exception) for r in result), result
     assert tracker.status(conn, c, schema=schema).state == "complete"
     assert invariant_violations(conn, schema) == []
+
+
+def test_operator_expiry_of_a_parent_counts_the_children_that_finished_before_it(conn, schema):
+    """A child finished (its row not folded in yet), then an operator expires the parent: the
+    parent's expiry event reports the child's roll-up, as its row does once folded."""
+    from tracker.expiry import expire_batch
+
+    p = tracker.open_batch(conn, schema=schema)
+    c = tracker.open_batch(conn, parent=p, schema=schema)
+    [g] = tracker.add_items(conn, c, 2, schema=schema)
+    tracker.close_batch(conn, c, schema=schema)
+    conn.commit()
+    tracker.ack(conn, [f"{c.id}:{g.group_id}:0", f"{c.id}:{g.group_id}:1"], schema=schema)
+    conn.commit()
+    assert tracker.status(conn, c, schema=schema).state == "complete"
+    assert expire_batch(conn, p.id, schema=schema) is not None
+    conn.commit()
+    tracker.settle(conn, schema=schema)
+    conn.commit()
+    [expired] = events(conn, schema)[p.id]
+    row = conn.execute(
+        "SELECT total + rollup_total, pending + failed + rollup_failed, children_failed FROM batch WHERE id = %s",
+        [p.id],
+    ).fetchone()
+    assert (expired["rollup"]["total"], expired["rollup"]["failed"], expired["children"]["failed"]) == row
+    assert expired["rollup"] == {"total": 2, "succeeded": 2, "failed": 0}
