@@ -37,10 +37,30 @@ BEGIN
 END $$;
 
 
+-- Fold the finished children of batch p_id into it, under its row lock (the caller's): each
+-- child_finished row once (deleted as it is folded): children_open - 1, the child's roll-up into
+-- rollup_total and rollup_failed, children_failed + 1 unless it succeeded. Returns how many.
+-- Its statement is a new one: in READ COMMITTED it sees every row committed before the lock was ours.
+CREATE OR REPLACE FUNCTION batch_fold(p_id bigint) RETURNS bigint
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    n bigint;
+BEGIN
+    WITH f AS (DELETE FROM child_finished c WHERE c.parent_id = p_id
+               RETURNING c.total, c.failed, c.child_failed),
+    s AS (SELECT count(*) AS n, sum(f.total) AS t, sum(f.failed) AS fl,
+                 count(*) FILTER (WHERE f.child_failed) AS cf FROM f),
+    u AS (UPDATE batch p SET children_open = p.children_open - s.n, rollup_total = p.rollup_total + s.t,
+                 rollup_failed = p.rollup_failed + s.fl, children_failed = p.children_failed + s.cf,
+                 last_activity_at = clock_timestamp()
+            FROM s WHERE p.id = p_id AND s.n > 0)
+    SELECT s.n INTO n FROM s;
+    RETURN n;
+END $$;
+
+
 -- Finish what can finish, under the row locks the caller holds on p_ids. Each batch first folds
--- in its children that finished since (child_finished rows, deleted as they are folded, so each
--- once): children_open - 1, the child's roll-up into rollup_total and rollup_failed, and
--- children_failed + 1 unless it succeeded. Then a batch that is open or closed finishes (state
+-- in its children that finished since (batch_fold). Then a batch that is open or closed finishes (state
 -- complete, an outcome, its one completion event into p_outbox) when
 --   * it is closed, nothing is pending and no child is open: outcome succeeded, or failed when
 --     an item or a child failed;
@@ -77,15 +97,7 @@ BEGIN
         EXIT WHEN cardinality(todo) = 0;
         cur := todo[1];
         todo := todo[2:];
-        -- A new statement: in READ COMMITTED it sees every row committed before the lock was ours.
-        WITH f AS (DELETE FROM child_finished c WHERE c.parent_id = cur
-                   RETURNING c.total, c.failed, c.child_failed),
-        s AS (SELECT count(*) AS n, sum(f.total) AS t, sum(f.failed) AS fl,
-                     count(*) FILTER (WHERE f.child_failed) AS cf FROM f)
-        UPDATE batch p SET children_open = p.children_open - s.n, rollup_total = p.rollup_total + s.t,
-               rollup_failed = p.rollup_failed + s.fl, children_failed = p.children_failed + s.cf,
-               last_activity_at = clock_timestamp()
-          FROM s WHERE p.id = cur AND s.n > 0;
+        PERFORM batch_fold(cur);
         UPDATE batch x SET state = 'complete', completed_at = clock_timestamp(),
                outcome = CASE WHEN x.pending > 0 OR x.failed > 0 OR x.rollup_failed > 0 OR x.children_failed > 0
                                    OR x.children_open > 0 THEN 'failed' ELSE 'succeeded' END

@@ -215,6 +215,7 @@ class OutcomesMachine(RuleBasedStateMachine):
             return
         assert expire_batch(self.conn, b.id, schema=self.schema, registry=None) is not None
         self.conn.commit()
+        b.absorb()  # the operator's expiry folds in the children that finished before it
         b.state = "expired"
         b.events.append({"event": "expired", "outcome": "expired", **b.counts()})
         b.fold()

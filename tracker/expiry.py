@@ -86,6 +86,7 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
         "expiry_event": sql.Identifier(schema, "expiry_event"),  # the event itself: sql/R__events.sql
         "finish": sql.Identifier(schema, "batch_finish"),  # sql/R__outcomes.sql
         "child": sql.Identifier(schema, "child_finished"),
+        "fold_fn": sql.Identifier(schema, "batch_fold"),
         "outbox_name": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None)),
     }
     q = {
@@ -111,6 +112,9 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
             "%(default_topic)s)), 0), count(*) FROM p"
         ),
         # An operator's expiry waits for the row lock: a busy batch is expired once its holder is done.
+        # It first folds in the children that finished before it (not yet folded), so its expiry
+        # event, and the roll-up it leaves for its own parent, count them (batch_fold).
+        "fold_one": sql.SQL("SELECT {fold_fn}(b.id) FROM (SELECT id FROM {batch} WHERE id = %s FOR NO KEY UPDATE) b"),
         "expire_one": sql.SQL("WITH pick AS (SELECT id FROM {batch} WHERE id = %(id)s FOR NO KEY UPDATE), " + _EXPIRE),
         "state": sql.SQL("SELECT state FROM {batch} WHERE id = %s"),
         # Not a parent with a child still open (finished early or expired before it): the child's
@@ -233,7 +237,8 @@ def expire_batch(
     registry: CollectorRegistry | None = REGISTRY,
     metrics_prefix: str = metrics.DEFAULT_PREFIX,
 ) -> Expired | None:
-    """Expire one open or closed batch now and write its expiry event, in the caller's transaction
+    """Expire one open or closed batch now (its children that finished before it folded in first,
+    so its event counts them) and write its expiry event, in the caller's transaction
     (never committed or rolled back here; see tracker.drivers.sync_psycopg). Returns None if it was already expired; raises
     UnknownBatch or BatchNotExpirable (a complete batch) and then changes nothing."""
     if not isinstance(batch_id, int) or isinstance(batch_id, bool) or batch_id < 0:
@@ -259,6 +264,7 @@ def expire_batch(
 def _expire_op(q: dict[str, str], params: Mapping[str, object], batch_id: int) -> Op[Expired | None]:
     """The expiry as core steps: the caller-transaction rules of tracker.drivers.sync_psycopg apply (a savepoint
     in an open transaction, a transaction of its own on an idle autocommit connection)."""
+    yield one(q["fold_one"], [batch_id])
     [row] = yield one(q["expire_one"], params)
     if row is not None:  # a child left its row for its parent in that statement (see "fold")
         return Expired(*row)
