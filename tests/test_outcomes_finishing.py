@@ -14,11 +14,13 @@ locks that row's insertion can wait on:
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
 import psycopg
 from test_outcomes_api import events
+from test_outcomes_race import _claim, _close, _fail, check, event_counts, race, setup  # noqa: F401 (fixture)
 from test_tracker_support import invariant_violations
 
 import tracker
@@ -180,3 +182,78 @@ def test_operator_expiry_of_a_parent_counts_the_children_that_finished_before_it
     ).fetchone()
     assert (expired["rollup"]["total"], expired["rollup"]["failed"], expired["children"]["failed"]) == row
     assert expired["rollup"] == {"total": 2, "succeeded": 2, "failed": 0}
+
+
+ROUNDS = 15
+
+
+def test_sweeper_fold_races_settler_and_a_childs_final_ack(pg_dsn, schema, setup):  # noqa: F811
+    """The sweep's fold and a settle (or the parent's close) fold the same parent at once: each row
+    once, one event per batch, no error, no deadlock."""
+    conn, make = setup
+    rng = random.Random("sweep-fold-vs-settle")
+    for k in range(ROUNDS):
+        p = make(close=False)
+        c = make(1, parent=p)
+        if k % 2 == 0:
+            tracker.close_batch(conn, p, schema=schema)
+            conn.commit()
+        tracker.ack(conn, f"{c}:0:0", schema=schema, claims=False)  # the child completes: a row for p
+        conn.commit()
+        other = (lambda cn: tracker.settle(cn, schema=schema, registry=None)) if k % 2 == 0 else _close(schema, p)
+        race(pg_dsn, lambda cn: sweep(cn, schema=schema, idle_expiry=3600, retention=3600, registry=None), other, rng)
+        check(conn, schema, [p, c])
+        assert tracker.status(conn, p, schema=schema).outcome == "succeeded"
+
+
+def test_retention_races_a_childs_final_ack_under_an_early_finished_parent(pg_dsn, schema, setup):  # noqa: F811
+    conn, make = setup
+    rng = random.Random("retention-vs-child")
+    for k in range(ROUNDS):
+        p = make(1, close=False, tolerated_failures=0)
+        c = make(2, parent=p)
+        tracker.fail(conn, f"{p}:0:0", "bad", schema=schema)
+        conn.commit()
+        conn.execute(
+            f"UPDATE \"{schema}\".batch SET completed_at = completed_at - interval '1 hour' WHERE id = %s", [p]
+        )
+        conn.commit()
+        ids = [f"{c}:0:0", f"{c}:0:1"]
+        final = _claim(schema, ids) if k % 2 else (lambda cn: tracker.ack(cn, ids, schema=schema, claims=False))
+        race(pg_dsn, final, lambda cn: sweep(cn, schema=schema, idle_expiry=3600, retention=60, registry=None), rng)
+        conn.rollback()
+        tracker.settle(conn, schema=schema, registry=None)
+        conn.commit()
+        assert tracker.status(conn, c, schema=schema).state == "complete"
+        assert invariant_violations(conn, schema) == []
+        # the parent goes once its child finished and was folded in
+        sweep(conn, schema=schema, idle_expiry=3600, retention=60, registry=None)
+        assert conn.execute(f'SELECT count(*) FROM "{schema}".batch WHERE id = %s', [p]).fetchone()[0] == 0
+
+
+def test_operator_expiry_of_a_parent_races_its_childs_final_ack(pg_dsn, schema, setup):  # noqa: F811
+    from tracker.expiry import expire_batch
+
+    conn, make = setup
+    rng = random.Random("expire-parent-vs-child")
+    for k in range(ROUNDS):
+        p = make(close=False)
+        c = make(1, parent=p)
+        if k % 2 == 0:
+            tracker.close_batch(conn, p, schema=schema)
+            conn.commit()
+        race(
+            pg_dsn,
+            _claim(schema, [f"{c}:0:0"]) if k % 2 else _fail(schema, [f"{c}:0:0"]),
+            lambda cn: expire_batch(cn, p, schema=schema, registry=None),
+            rng,
+        )
+        check(conn, schema, [c])
+        assert event_counts(conn, schema, [p]) == {p: 1}
+        conn.rollback()
+        [ev] = events(conn, schema)[p]
+        row = conn.execute(
+            f'SELECT total + rollup_total, children_open FROM "{schema}".batch WHERE id = %s', [p]
+        ).fetchone()
+        # the event counted the child exactly when it had finished before the expiry
+        assert ev["rollup"]["total"] in (0, 1) and row == (1, 0)
