@@ -195,11 +195,15 @@ class SweeperConfig:
 
 @dataclass
 class SettlerConfig:
-    enabled: bool = key(True, "run the settler: folds consumers' ack claims whose commit found the batch row busy")
+    enabled: bool = key(
+        True,
+        "run the settler: folds consumers' ack claims whose commit found the batch row busy, and finished "
+        "children into their parents",
+    )
     interval: float = key(
         0.01,
-        "how often the settler looks for unsettled claims (seconds); bounds how long a completion can lag its "
-        "last ack's commit",
+        "how often the settler looks for unsettled claims and finished children (seconds); bounds how long a "
+        "completion can lag its last ack's commit, and a parent its last child's finish",
         **POSITIVE,
     )
 

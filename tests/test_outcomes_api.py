@@ -168,7 +168,7 @@ def test_child_refused_under_a_parent_not_open_and_too_deep(conn, schema):
     tracker.close_batch(conn, p, schema=schema)  # empty: complete
     with pytest.raises(tracker.ParentNotOpen, match=f"parent batch {p.id} is complete"):
         tracker.open_batch(conn, parent=p, schema=schema)
-    with pytest.raises(tracker.UnknownBatch, match="unknown batch 999999999"):
+    with pytest.raises(tracker.UnknownBatch, match=r"unknown batch 999999999 \(parent\)"):
         tracker.open_batch(conn, parent=999999999, schema=schema)
     top = b = tracker.open_batch(conn, schema=schema)
     for _ in range(7):

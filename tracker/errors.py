@@ -25,9 +25,9 @@ class MalformedItemId(TrackerError, ValueError):
 
 
 class UnknownBatch(TrackerError, LookupError):
-    def __init__(self, batch_id: int, item_id: str | None = None) -> None:
-        self.batch_id, self.item_id = batch_id, item_id
-        via = f" (item id {item_id!r})" if item_id else ""
+    def __init__(self, batch_id: int, item_id: str | None = None, *, role: str | None = None) -> None:
+        self.batch_id, self.item_id, self.role = batch_id, item_id, role
+        via = f" (item id {item_id!r})" if item_id else f" ({role})" if role else ""
         super().__init__(f"unknown batch {batch_id}{via}")
 
 

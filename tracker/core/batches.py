@@ -228,7 +228,7 @@ def open_op(
             if got is None:
                 (found,) = yield one(q["parent"], [parent_id])
                 if found is None:
-                    raise UnknownBatch(parent_id)
+                    raise UnknownBatch(parent_id, role="parent")
                 if found[0] != "open":
                     raise ParentNotOpen(parent_id, found[0])
                 raise DepthExceeded(parent_id, found[1], DEPTH_MAX)
