@@ -103,11 +103,11 @@ def show(
         conn.execute(sql.SQL("SELECT children, children_failed FROM {} WHERE id = %s").format(b), [batch_id])
     )
     if view.children:
-        found = conn.execute(
+        kids = conn.execute(
             sql.SQL("SELECT id FROM {} WHERE parent_id = %s ORDER BY id LIMIT %s").format(b),
             [batch_id, CHILDREN_SHOWN],
-        )
-        view.child_ids = [r[0] for r in found.fetchall()]
+        ).fetchall()
+        view.child_ids = [r[0] for r in kids]
     page_of_failures = t.failures(
         conn, batch_id, after=None if failures_after is None else str(failures_after), limit=failures_limit
     )
