@@ -431,6 +431,48 @@ def test_batch_show_cli_human_and_json(cfg, pg_dsn, schema):
     assert missing.returncode == 5 and "unknown batch 987654321" in missing.stderr
 
 
+def test_batch_show_cli_outcome_counts_parent_children_and_failures_paged(cfg, pg_dsn, schema):
+    with psycopg.connect(pg_dsn) as c:
+        p = tracker.open_batch(c, user_key="parent", tolerated_failures=5, schema=schema)
+        kids = [tracker.open_batch(c, parent=p, schema=schema) for _ in range(2)]
+        tracker.add_items(c, p, 6, schema=schema)
+        tracker.add_items(c, kids[0], 1, schema=schema)
+        tracker.fail(c, [f"{p.id}:0:0", f"{p.id}:0:2-3"], "timeout: upstream", schema=schema)
+        tracker.fail(c, [f"{p.id}:0:5"], "bad row", schema=schema)
+        tracker.ack(c, [f"{p.id}:0:1", f"{p.id}:0:4", f"{kids[0].id}:0:0"], schema=schema)
+        tracker.close_batch(c, kids[0], schema=schema)
+        tracker.close_batch(c, p, schema=schema)
+        c.commit()
+    v = as_json(reaper(cfg, "batch", "show", str(p.id), "--json", "--failures-limit", "3"))
+    assert (v["state"], v["outcome"], v["succeeded"], v["failed"], v["pending"]) == ("closed", None, 2, 4, 0)
+    assert (v["children"], v["children_open"], v["child_ids"], v["parent_id"]) == (2, 1, [k.id for k in kids], None)
+    assert v["failures"] == [
+        {"item_id": f"{p.id}:0:0", "reason": "timeout: upstream"},
+        {"item_id": f"{p.id}:0:2", "reason": "timeout: upstream"},
+        {"item_id": f"{p.id}:0:3", "reason": "timeout: upstream"},
+    ]
+    assert v["failures_next"] == f"{p.id}:0:3"
+    nxt = as_json(reaper(cfg, "batch", "show", str(p.id), "--json", "--failures-after", v["failures_next"]))
+    assert nxt["failures"] == [{"item_id": f"{p.id}:0:5", "reason": "bad row"}] and nxt["failures_next"] is None
+    text = reaper(cfg, "batch", "show", str(p.id), "--failures-limit", "3").stdout
+    assert "6 total, 0 pending, 2 succeeded, 4 failed" in text and "outcome        -" in text
+    assert f"children       2 (1 not finished, 0 failed): {kids[0].id}, {kids[1].id}" in text
+    assert f"{p.id}:0:2  'timeout: upstream'" in text and f"--failures-after {p.id}:0:3" in text
+    with psycopg.connect(pg_dsn) as c:  # the last child finishes; its parent folds it in at its next close
+        tracker.close_batch(c, kids[1], schema=schema)
+        c.commit()
+        assert tracker.close_batch(c, p, schema=schema) is True
+        c.commit()
+    text = reaper(cfg, "batch", "show", str(kids[1].id)).stdout
+    assert f"parent         {p.id}" in text and "outcome        succeeded" in text
+    done = as_json(reaper(cfg, "batch", "show", str(p.id), "--json"))
+    assert (done["state"], done["outcome"], done["children_open"]) == ("complete", "failed", 0)  # 4 failed items
+    bad = reaper(cfg, "batch", "show", str(p.id), "--failures-after", f"{p.id + 1}:0:0")
+    assert bad.returncode != 0 and f"names batch {p.id + 1}, not {p.id}" in bad.stderr
+    bad = reaper(cfg, "batch", "show", str(p.id), "--failures-limit", "1001")
+    assert bad.returncode != 0 and "--failures-limit" in bad.stderr
+
+
 def test_batch_expire_writes_the_expiry_event_which_the_harvester_publishes(
     cfg, pg_dsn, schema, topics, kafka_bootstrap
 ):

@@ -115,8 +115,10 @@ def test_checked_in_openapi_document_equals_the_served_one(server):
         "/v1/batches/{batch_id}/close",
         "/v1/batches/{batch_id}/completion",
         "/v1/batches/{batch_id}/events",
+        "/v1/batches/{batch_id}/failures",
         "/v1/acks",
         "/v1/acks/{item_id}",
+        "/v1/failures",
     }
     ack = served["paths"]["/v1/acks"]["post"]["responses"]
     assert {"200", "400", "401", "413", "422", "429"} <= set(ack)

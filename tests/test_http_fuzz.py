@@ -29,7 +29,7 @@ from harvester.services.http import openapi
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 # Random requests per operation and backend (the fuzzing phase; the coverage phase adds its own
-# fixed cases): 8 operations x 2 backends take some 20 s on two cores.
+# fixed cases): 10 operations x 2 backends take some 25 s on two cores.
 MAX_EXAMPLES = 40
 # What must never reach a client: a Python traceback, a driver's name, SQL.
 LEAKS = re.compile(r'Traceback|File "|psycopg|asyncpg|sqlalchemy|SELECT |INSERT |UPDATE |DELETE FROM|pg_catalog')
@@ -72,8 +72,9 @@ IDEMPOTENCY_KEYS = ['"fuzz-1"', '"fuzz-2"', '"fuzz-3"']
 
 def _seed(c: httpx.Client) -> tuple[list[int], list[str]]:
     batches, ids = [], []
-    for items, close, ack in ((0, False, False), (3, False, False), (3, True, False), (2, True, True)):
-        b = c.post("/v1/batches", json={"user_key": "fuzz"}).json()["batch_id"]
+    for items, close, ack in ((0, False, False), (3, False, False), (3, True, False), (2, True, True), (4, True, None)):
+        opened = {"user_key": "fuzz", **({"tolerated_failures": 1, "parent": batches[0]} if ack is None else {})}
+        b = c.post("/v1/batches", json=opened).json()["batch_id"]
         batches.append(b)
         mine = []
         if items:
@@ -84,6 +85,8 @@ def _seed(c: httpx.Client) -> tuple[list[int], list[str]]:
             c.post(f"/v1/batches/{b}/close").raise_for_status()
         if ack:
             c.post("/v1/acks", json={"ids": mine}).raise_for_status()
+        if ack is None:  # a child of the first batch, finished failed by a threshold: failures to page through
+            c.post("/v1/failures", json={"ids": mine[:2], "reason": "fuzz"}).raise_for_status()
         ids += mine
     return batches, ids
 
@@ -106,9 +109,11 @@ def flatmap_path_parameters(ctx, path_parameters):
 
 @fuzzed.hook
 def flatmap_body(ctx, body):
-    if ctx.operation.path != "/v1/acks" or not isinstance(body, dict) or not SEEDED["ids"]:
+    if ctx.operation.path not in ("/v1/acks", "/v1/failures") or not isinstance(body, dict) or not SEEDED["ids"]:
         return st.just(body)
-    return st.one_of(st.just(body), st.lists(st.sampled_from(SEEDED["ids"]), max_size=8).map(lambda i: {"ids": i}))
+    extra = {"reason": body.get("reason", "fuzz")} if ctx.operation.path == "/v1/failures" else {}
+    real = st.lists(st.sampled_from(SEEDED["ids"]), max_size=8).map(lambda i: {"ids": i, **extra})
+    return st.one_of(st.just(body), real)
 
 
 @fuzzed.hook

@@ -1,5 +1,6 @@
 """Hypothesis: the HTTP API and the Python API agree, call for call, on results, on errors (the
-problem type against the exception class, and the id or batch each names) and on the state left."""
+problem type against the exception class, and the id or batch each names) and on the state left:
+acks, failures and their pages, adds, closes and statuses with their outcomes and counts."""
 
 from __future__ import annotations
 
@@ -57,6 +58,10 @@ def _http(c: httpx.Client, op: tuple) -> tuple:
         r = c.post(f"/v1/batches/{op[1]}/close")
     elif kind == "ack":
         r = c.post("/v1/acks", json={"ids": list(op[1])})
+    elif kind == "fail":
+        r = c.post("/v1/failures", json={"ids": list(op[1]), "reason": op[2]})
+    elif kind == "failures":
+        r = c.get(f"/v1/batches/{op[1]}/failures", params={"limit": op[3], **({"after": op[2]} if op[2] else {})})
     else:
         r = c.get(f"/v1/batches/{op[1]}")
     if r.status_code >= 400:
@@ -71,7 +76,11 @@ def _http(c: httpx.Client, op: tuple) -> tuple:
         return ("ok", body["complete"])
     if kind == "ack":
         return ("ok", (body["acked"], body["duplicates"], sorted(body["completed"])))
-    return ("ok", (body["state"], body["total"], body["pending"]))
+    if kind == "fail":
+        return ("ok", (body["failed"], body["duplicates"], sorted(body["completed"])))
+    if kind == "failures":
+        return ("ok", ([(f["item_id"], f["reason"]) for f in body["failures"]], body["next"]))
+    return ("ok", (body["state"], body["total"], body["pending"], body["outcome"], body["failed"], body["late"]))
 
 
 def _python(conn: psycopg.Connection, t: tracker.Tracker, op: tuple) -> tuple:
@@ -84,8 +93,14 @@ def _python(conn: psycopg.Connection, t: tracker.Tracker, op: tuple) -> tuple:
         if kind == "ack":
             r = t.ack(conn, list(op[1]), claims=False)  # the server acks on the masked path
             return ("ok", (r.acked, r.duplicates, sorted(r.completed)))
+        if kind == "fail":
+            f = t.fail(conn, list(op[1]), op[2])
+            return ("ok", (f.failed, f.duplicates, sorted(f.completed)))
+        if kind == "failures":
+            page = t.failures(conn, op[1], after=op[2], limit=op[3])
+            return ("ok", ([tuple(i) for i in page.items], page.next))
         s = t.status(conn, op[1])
-        return ("ok", (s.state, s.total, s.pending))
+        return ("ok", (s.state, s.total, s.pending, s.outcome, s.failed, s.late))
     except UnknownBatch as exc:
         return ("error", "unknown-batch", exc.item_id or str(exc.batch_id))
     except TrackerError as exc:
@@ -113,6 +128,13 @@ _ops = st.lists(
         st.tuples(st.just("add"), st.integers(1, 3), st.one_of(st.integers(0, 30), st.integers(8180, 9000))),
         st.tuples(st.just("close"), st.integers(1, 3)),
         st.tuples(st.just("ack"), st.lists(_ids, min_size=1, max_size=6)),
+        st.tuples(st.just("fail"), st.lists(_ids, min_size=1, max_size=6), st.sampled_from(["timeout", "bad row"])),
+        st.tuples(
+            st.just("failures"),
+            st.integers(1, 3),
+            st.one_of(st.none(), st.builds(lambda g, i: f"{{b}}:{g}:{i}", st.integers(0, 2), st.integers(0, 30))),
+            st.integers(1, 3),
+        ),
         st.tuples(st.just("status"), st.integers(1, 3)),
     ),
     min_size=1,
@@ -136,12 +158,15 @@ def test_http_agrees_with_the_python_api(pg_dsn, twins, ops):
                     sql.Identifier(name, "batch"), sql.Identifier(name, "batch_group"), sql.Identifier(name, "outbox")
                 )
             )
-        # batches 1 and 2 exist in both; 3 in neither
-        assert [client.post("/v1/batches", json={}).json()["batch_id"] for _ in range(2)] == [1, 2]
-        assert [t.open_batch(conn).id for _ in range(2)] == [1, 2]
+        # batches 1 and 2 exist in both (2 tolerates one failed item); 3 in neither
+        assert client.post("/v1/batches", json={}).json()["batch_id"] == 1
+        assert client.post("/v1/batches", json={"tolerated_failures": 1}).json()["batch_id"] == 2
+        assert [t.open_batch(conn).id, t.open_batch(conn, tolerated_failures=1).id] == [1, 2]
         for op in ops:
+            if op[0] == "failures" and op[2] is not None:  # a cursor of the batch read
+                op = (op[0], op[1], op[2].format(b=op[1]), op[3])
             assert _http(client, op) == _python(conn, t, op), op
-        state = "SELECT id, state, total, pending, next_group FROM {} ORDER BY id"
+        state = "SELECT id, state, total, pending, next_group, failed, late, outcome FROM {} ORDER BY id"
         groups = "SELECT batch_id, id, size, pending, bits::text FROM {} ORDER BY batch_id, id"
         for q, table in ((state, "batch"), (groups, "batch_group")):
             rows = [

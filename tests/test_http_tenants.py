@@ -201,3 +201,32 @@ def test_the_reapers_own_topics_are_no_completion_topic_for_anyone(servers):
         for topic in ("acks", "acks-dead-letter", "__reaper_leader"):
             r = search.post("/v1/batches", json={"completion_topic": topic})
             assert r.status_code == 403 and r.json()["type"].endswith(":forbidden"), r.text
+
+
+def test_another_tenants_batch_cannot_be_failed_read_or_parented(servers, pg_dsn, schema):
+    """Failures follow the ack rule, their page and a child's parent the status rule: another
+    tenant's batch answers exactly as one that does not exist, and nothing changes."""
+    server, _ = servers
+    with _client(server, BILLING) as billing, _client(server, SEARCH) as search:
+        theirs = billing.post("/v1/batches", json={"completion_topic": "billing-done"}).json()["batch_id"]
+        billing.post(f"/v1/batches/{theirs}/items", json={"count": 3})
+        billing.post("/v1/failures", json={"ids": [f"{theirs}:0:0"], "reason": "billing secret"})
+        absent = theirs + 1000
+        before = _state(pg_dsn, schema)
+        for a, b in (
+            (
+                search.post("/v1/failures", json={"ids": [f"{theirs}:0:1"], "reason": "r"}),
+                search.post("/v1/failures", json={"ids": [f"{absent}:0:1"], "reason": "r"}),
+            ),
+            (search.get(f"/v1/batches/{theirs}/failures"), search.get(f"/v1/batches/{absent}/failures")),
+            (search.post("/v1/batches", json={"parent": theirs}), search.post("/v1/batches", json={"parent": absent})),
+        ):
+            assert a.status_code == b.status_code and a.status_code in (404, 422), a.text
+            mask = lambda d: {k: v for k, v in d.items() if k not in ("detail", "batch_id", "item_id", "instance")}
+            assert mask(a.json()) == mask(b.json())
+            assert "billing secret" not in a.text
+        assert _state(pg_dsn, schema) == before
+        page = billing.get(f"/v1/batches/{theirs}/failures").json()  # the owner reads its own
+        assert page["failures"] == [{"item_id": f"{theirs}:0:0", "reason": "billing secret"}]
+        child = billing.post("/v1/batches", json={"completion_topic": "billing-done", "parent": theirs})
+        assert child.status_code == 201 and child.json()["parent_id"] == theirs

@@ -352,3 +352,47 @@ def test_spark_submit_of_the_example_job_fans_a_parquet_dataset_out_to_a_complet
             c.commit()
         assert [json.loads(v)["user_key"] for _, v in completion_events(c, schema)] == ["submitted"]
     _assert_completed_once(pg_dsn, schema, out["batch_id"])
+
+
+def test_outcomes_survive_an_executor_lost_after_committing_failures(spark, pg_dsn, schema, tmp_path):
+    """An executor dies right after a partition of failures committed: the retry records nothing
+    twice, the acks that follow finish the batch, once, with exact counts."""
+    n, log = 12_000, tmp_path / "events"
+    with psycopg.connect(pg_dsn) as c:
+        b = tracker.open_batch(c, completion_topic="cluster-outcomes", tolerated_failures=n, schema=schema)
+        tracker.add_items(c, b, n, schema=schema)
+        tracker.close_batch(c, b, schema=schema)
+        c.commit()
+
+    def die_after(partition, attempt):
+        _record(log, f"applied:{partition}:{attempt}")
+        if _once(tmp_path / "after"):
+            _record(log, f"kill-after:{partition}:{attempt}")
+            kill_own_executor()
+            os._exit(1)
+
+    gid = lambda k: f"{b.id}:{k // 8192}:{k % 8192}"  # noqa: E731
+    rows = [(gid(k), "failed", f"reason {k % 5}") if k % 4 == 0 else (gid(k), "succeeded", None) for k in range(n)]
+    df = spark.createDataFrame(rows, "item_id string, outcome string, reason string").repartition(4)
+    got = tspark.outcome_dataframe(df, dsn=pg_dsn, schema=schema, after_apply=die_after)
+    events = _events(log)
+    killed = next(e for e in events if e.startswith("kill-after:"))
+    partition = killed.split(":")[1]
+    # one batch: its masks are applied by one partition, so its failures ran, were killed after
+    # committing, ran again (a stage resubmitted after losing an executor counts attempts from 0),
+    # then its acks ran
+    assert sum(e.startswith(f"applied:{partition}:") for e in events) == 3, events
+    assert got.failed + got.succeeded + got.duplicates == n  # a retried commit reports duplicates
+    with psycopg.connect(pg_dsn) as c:
+        st = tracker.status(c, b, schema=schema)
+        assert (st.state, st.outcome, st.failed, st.succeeded, st.pending) == (
+            "complete",
+            "failed",
+            n // 4,
+            n - n // 4,
+            0,
+        )
+        assert invariant_violations(c, schema) == []
+        assert len(completion_events(c, schema, "cluster-outcomes")) == 1
+        failed = tracker.failures(c, b, limit=1000, schema=schema)
+        assert failed.items[:3] == [(gid(0), "reason 0"), (gid(4), "reason 4"), (gid(8), "reason 3")]

@@ -498,3 +498,52 @@ def test_racing_calls_complete_the_batch_exactly_once(pg_dsn, schema, kind):
                 [b],
             ).fetchone()[0]
             assert (state, pending, events) == ("complete", 0, 1)
+
+
+def test_psql_outcomes_threshold_child_failures_and_the_completion_events(pg_dsn, schema):
+    """From psql: a parent with a threshold and a child, failures recorded by id (`fail`) and by
+    pre-folded mask (`fail_masks`), read back a page at a time (`failures`), one event per batch."""
+    s = f'"{schema}"'
+    out = _psql(
+        pg_dsn,
+        f"""
+\\set ON_ERROR_STOP 1
+BEGIN;
+SELECT {s}.open_batch(user_key => 'psql-parent', completion_topic => 'psql-done', tolerated_failures => 2) AS p \\gset
+SELECT {s}.open_batch(user_key => 'psql-child', completion_topic => 'psql-done', parent => :p) AS c \\gset
+SELECT count(*) FROM {s}.add_items(:p, 4);
+SELECT count(*) FROM {s}.add_items(:c, 2);
+SELECT {s}.close_batch(:c, 'psql-done');
+SELECT {s}.close_batch(:p, 'psql-done');
+COMMIT;
+SELECT 'fail ' || failed || '/' || duplicates || '/' || completed::text FROM {s}.fail(ARRAY[:p || ':0:0', :p || ':0:0'], 'timeout', 'psql-done');
+SELECT 'masks ' || failed || '/' || completed::text FROM {s}.fail_masks(ARRAY[:c]::int8[], ARRAY[0]::int8[], ARRAY['C0'], 'bad row', 'psql-done');
+SELECT 'child ' || state || '/' || outcome || '/' || failed || '/' || succeeded FROM {s}.batch_status(:c);
+SELECT 'parent ' || state || '/' || coalesce(outcome, '-') || '/' || children_open FROM {s}.batch_status(:p);
+SELECT 'ack ' || acked || '/' || completed::text FROM {s}.ack(ARRAY[:p || ':0:1-3'], 'psql-done');
+SELECT 'parent ' || state || '/' || outcome || '/' || failed || '/' || succeeded || '/' || children_open FROM {s}.batch_status(:p);
+SELECT 'page ' || item_id || '=' || reason FROM {s}.failures(:c, NULL, 1);
+SELECT 'page ' || item_id || '=' || reason FROM {s}.failures(:c, :c || ':0:0', 1);
+SELECT 'page ' || count(*) FROM {s}.failures(:c, :c || ':0:1', 1);
+SELECT 'page ' || item_id || '=' || reason FROM {s}.failures(:p);
+SELECT 'event ' || (v->>'batch_id') || '/' || (v->>'outcome') || '/' || (v->>'failed') || '/' || (v->'rollup'->>'failed')
+  FROM (SELECT convert_from(value, 'UTF8')::json AS v, id FROM {s}.outbox WHERE topic = 'psql-done') e ORDER BY id;
+""",
+    )
+    p, c = 1, 2
+    assert out.stdout.splitlines()[2:] == [
+        "f",  # the child: closed, nothing recorded
+        "f",  # the parent: closed, waiting for its items and its child
+        "fail 1/1/{}",  # one failed; the same id again a duplicate; 1 failure of 2 tolerated
+        f"masks 2/{{{c}}}",  # both of the child's items: it finishes, failed
+        "child complete/failed/2/0",
+        "parent closed/-/1",  # the finished child is folded in by the parent's next write
+        f"ack 3/{{{p}}}",  # the parent's last items: with its child folded in, it finishes
+        "parent complete/failed/1/3/0",
+        f"page {c}:0:0=bad row",
+        f"page {c}:0:1=bad row",
+        "page 0",
+        f"page {p}:0:0=timeout",
+        f"event {c}/failed/2/2",
+        f"event {p}/failed/1/3",
+    ], out.stdout

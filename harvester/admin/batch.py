@@ -3,7 +3,9 @@
 `show` reads the batch row, its group counts and the pending items as runs
 (`<batch>:<group>:<start>-<end>`), a page at a time: `--after <item id>` continues after that
 item. Runs are found from the groups' bitfields in Python, a few dozen groups per query, so a page
-costs what it shows, not what the batch holds.
+costs what it shows, not what the batch holds. It also shows the batch's outcome and counts
+(tracker.status), its parent and first children, and a page of its failed items with their
+reasons (tracker.failures; `--failures-after <item id>` continues after that item).
 `expire` expires an open or closed batch now, writes its expiry event through the outbox (the
 sweeper's event, reason "operator") and records the action in `admin_log`, in one transaction.
 """
@@ -21,12 +23,14 @@ from psycopg import sql
 from harvester.admin.common import AdminError, ago, one_row, require_tables, when
 from harvester.config import Config
 from harvester.exit_codes import ExitCode
+from tracker import Tracker
 from tracker.errors import UnknownBatch
 from tracker.expiry import BatchNotExpirable, Expired, expire_batch
 from tracker.ids import ItemId, format_item_id, format_run
 from tracker.schema import qualified
 
 _GROUPS_PER_QUERY = 32  # 32 x 1 KiB bitfields per round trip
+CHILDREN_SHOWN = 20  # the first children (by id) a view lists; `children` counts them all
 _RUN = re.compile("1+")
 
 
@@ -47,12 +51,30 @@ class BatchView:
     expired_at: dt.datetime | None
     last_activity_at: dt.datetime
     now: dt.datetime
+    outcome: str | None = None  # once complete: succeeded or failed
+    succeeded: int = 0
+    failed: int = 0
+    late: int = 0  # outcomes recorded after it finished
+    parent_id: int | None = None
+    children: int = 0
+    children_open: int = 0
+    children_failed: int = 0
+    child_ids: list[int] = field(default_factory=list)  # the first CHILDREN_SHOWN, by id
     pending_runs: list[str] = field(default_factory=list)
     next_after: str | None = None  # pass as --after for the next page; None: last page
+    failures: list[dict[str, str]] = field(default_factory=list)  # {item_id, reason}, in item order
+    failures_next: str | None = None  # pass as --failures-after for the next page; None: last page
 
 
 def show(
-    conn: psycopg.Connection, schema: str, batch_id: int, *, after: ItemId | None = None, limit: int = 100
+    conn: psycopg.Connection,
+    schema: str,
+    batch_id: int,
+    *,
+    after: ItemId | None = None,
+    limit: int = 100,
+    failures_after: ItemId | None = None,
+    failures_limit: int = 20,
 ) -> BatchView:
     require_tables(conn, schema, "batch", "batch_group")
     b, g = qualified(schema, "batch"), qualified(schema, "batch_group")
@@ -73,6 +95,24 @@ def show(
         )
     )
     view = BatchView(batch_id, row[0], row[1], row[2], row[3], row[2] - row[3], groups, groups_pending, *row[4:])
+    t = Tracker(schema=schema)
+    st = t.status(conn, batch_id)
+    view.outcome, view.succeeded, view.failed, view.late = st.outcome, st.succeeded, st.failed, st.late
+    view.parent_id, view.children_open = st.parent_id, st.children_open
+    view.children, view.children_failed = one_row(
+        conn.execute(sql.SQL("SELECT children, children_failed FROM {} WHERE id = %s").format(b), [batch_id])
+    )
+    if view.children:
+        kids = conn.execute(
+            sql.SQL("SELECT id FROM {} WHERE parent_id = %s ORDER BY id LIMIT %s").format(b),
+            [batch_id, CHILDREN_SHOWN],
+        ).fetchall()
+        view.child_ids = [r[0] for r in kids]
+    page_of_failures = t.failures(
+        conn, batch_id, after=None if failures_after is None else str(failures_after), limit=failures_limit
+    )
+    view.failures = [{"item_id": i, "reason": r} for i, r in page_of_failures.items]
+    view.failures_next = page_of_failures.next
     # Runs of set (pending) bits, group by group from the cursor, until the page is full plus one.
     group_from, index_from = (after.group_id, after.index + 1) if after else (0, 0)
     runs: list[tuple[int, int, int]] = []
@@ -140,7 +180,9 @@ def render(v: BatchView) -> str:
     lines = [
         f"batch {v.id}" + (f"  user key {v.user_key!r}" if v.user_key is not None else ""),
         f"  state          {v.state}",
-        f"  items          {v.total} total, {v.pending} pending, {v.acked} acked",
+        f"  outcome        {v.outcome or '-'}",
+        f"  items          {v.total} total, {v.pending} pending, {v.succeeded} succeeded, {v.failed} failed"
+        + (f" ({v.late} late)" if v.late else ""),
         f"  groups         {v.groups} ({v.groups_pending} with pending items)",
         f"  completion to  {v.completion_topic or '(the default completion topic)'}",
         f"  opened         {when(v.created_at)}{ago(v.created_at, v.now)}",
@@ -151,6 +193,20 @@ def render(v: BatchView) -> str:
     if v.expired_at:
         lines.append(f"  expired        {when(v.expired_at)}{ago(v.expired_at, v.now)}")
     lines.append(f"  last activity  {when(v.last_activity_at)}{ago(v.last_activity_at, v.now)}")
+    if v.parent_id is not None:
+        lines.append(f"  parent         {v.parent_id}")
+    if v.children:
+        more = f" (first {len(v.child_ids)})" if len(v.child_ids) < v.children else ""
+        lines.append(
+            f"  children       {v.children} ({v.children_open} not finished, {v.children_failed} failed): "
+            + ", ".join(map(str, v.child_ids))
+            + more
+        )
+    if v.failures:
+        lines.append(f"  failed items ({len(v.failures)} on this page):")
+        lines += [f"    {f['item_id']}  {f['reason']!r}" for f in v.failures]
+    if v.failures_next:
+        lines.append(f"  next failures: reaper batch show {v.id} --failures-after {v.failures_next}")
     if v.pending_runs:
         lines.append(f"  pending items ({len(v.pending_runs)} runs on this page):")
         lines += [f"    {r}" for r in v.pending_runs]

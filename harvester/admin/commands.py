@@ -120,6 +120,13 @@ def add_parsers(sub: Any) -> None:
     bs.add_argument("batch_id", type=_int_in("batch id", 0, ID_MAX))
     bs.add_argument("--after", type=_item_id, help="continue after this item id (paging)")
     bs.add_argument("--limit", type=_int_in("--limit", 1, MAX_LIMIT), default=100, help="runs per page (default 100)")
+    bs.add_argument("--failures-after", type=_item_id, help="failed items: continue after this item id (paging)")
+    bs.add_argument(
+        "--failures-limit",
+        type=_int_in("--failures-limit", 1, 1000),
+        default=20,
+        help="failed items (with their reasons) per page (default 20)",
+    )
     be = batch.add_parser("expire", parents=[out], help="expire an open or closed batch now and send its expiry event")
     be.add_argument("batch_id", type=_int_in("batch id", 0, ID_MAX))
     be.add_argument("--note", type=_text("--note"), help="why: carried in the expiry event and the admin log")
@@ -148,6 +155,9 @@ def _run(cfg: Config, args: argparse.Namespace) -> tuple[Any, str, int]:
     cmd = (args.command, args.admin_command)
     if cmd == ("batch", "show") and args.after is not None and args.after.batch_id != args.batch_id:
         raise AdminError(f"--after {args.after} names batch {args.after.batch_id}, not {args.batch_id}", ExitCode.USAGE)
+    fa = getattr(args, "failures_after", None)
+    if cmd == ("batch", "show") and fa is not None and fa.batch_id != args.batch_id:
+        raise AdminError(f"--failures-after {fa} names batch {fa.batch_id}, not {args.batch_id}", ExitCode.USAGE)
     with connect(cfg) as conn:
         if cmd == ("outbox", "status"):
             st = status_mod.outbox_status(cfg, conn, args.timeout)
@@ -177,7 +187,15 @@ def _run(cfg: Config, args: argparse.Namespace) -> tuple[Any, str, int]:
                     )
             return done, dead_mod.render_requeued(done), ExitCode.OK
         if cmd == ("batch", "show"):
-            view = batch_mod.show(conn, db.schema, args.batch_id, after=args.after, limit=args.limit)
+            view = batch_mod.show(
+                conn,
+                db.schema,
+                args.batch_id,
+                after=args.after,
+                limit=args.limit,
+                failures_after=args.failures_after,
+                failures_limit=args.failures_limit,
+            )
             return view, batch_mod.render(view), ExitCode.OK
         if cmd == ("batch", "expire"):
             got = batch_mod.expire(cfg, conn, args.batch_id, args.note)

@@ -4,12 +4,14 @@
     spark = tspark.session("spark://host:7077", python="/opt/venv/bin/python")  # ships the tracker
     result = tspark.fan_out(df, dsn=dsn, topic="process-item", user_key="catalog-42")
     tspark.ack_dataframe(acks_df, dsn=dsn)
+    tspark.outcome_dataframe(outcomes_df, dsn=dsn)  # item_id, outcome ('succeeded'/'failed'), reason
     query, totals = tspark.ack_stream(spark, bootstrap_servers=..., topic="acks", dsn=dsn,
                                       checkpoint_location="/checkpoints/acks")
 
 fanout.py: the fan-out and its exactly-once partition write; acks.py: DataFrame acks (fold, OR,
-apply); stream.py: streaming acks and their progress; cluster.py: sessions and shipping the
-tracker to executors. pyspark is imported only when a job runs.
+apply); outcomes.py: a DataFrame of outcomes (failures folded per reason, then acks); stream.py:
+streaming acks and their progress; cluster.py: sessions and shipping the tracker to executors.
+pyspark is imported only when a job runs.
 """
 
 from tracker.spark.acks import AckTotals, ack_dataframe
@@ -26,6 +28,7 @@ from tracker.spark.fanout import (  # noqa: F401
     run_group_range,
     spark_group_id,
 )
+from tracker.spark.outcomes import OutcomeTotals, outcome_dataframe
 from tracker.spark.stream import StreamTotals, ack_stream
 
 __all__ = [
@@ -40,6 +43,8 @@ __all__ = [
     "MAX_CHUNKS",
     "ack_dataframe",
     "AckTotals",
+    "outcome_dataframe",
+    "OutcomeTotals",
     "ack_stream",
     "StreamTotals",
     "session",

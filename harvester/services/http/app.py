@@ -10,7 +10,6 @@ must add items atomically with its own writes uses the SQL functions instead (RE
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -18,12 +17,10 @@ from typing import Annotated, TypeVar
 
 import psycopg
 import structlog
-from annotated_types import Ge, Le
-from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BeforeValidator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
@@ -35,55 +32,19 @@ from harvester.services.http.guard import Guard, send_problem
 from harvester.services.http.health import Readiness
 from harvester.services.http.idempotency import Idempotency, Reply, fingerprint, key_of
 from harvester.services.http.observe import Observe, metrics
+from harvester.services.http.outcomes import add_outcome_routes, check_thresholds, parent_problem
+from harvester.services.http.params import BatchId, IdempotencyKey, responses
 from harvester.services.http.problems import Problem
 from harvester.services.http.security import BodyLimit, RateLimiter, Scope, Send
 from harvester.services.http.strict_json import StrictJSONRoute
 from harvester.services.http.tenants import DEFAULT, TenantAuth, own, own_acked
 from harvester.services.http.waits import HeldStream, WaitsPerToken
 from tracker import BatchStatus
-from tracker.errors import MalformedItemId, TrackerError
+from tracker.errors import MalformedItemId, TrackerError, UnknownBatch
 
 T = TypeVar("T")
-API_VERSION = "1.0.0"
-ID_MAX = (1 << 63) - 1
-
-
-def _canonical_decimal(value: object) -> object:
-    # Path parameters arrive as text: only '0' or digits without a leading zero name a batch (no
-    # sign, spaces, fraction, '_' separators or non-ASCII digits, which int() would take).
-    if isinstance(value, str) and not _CANONICAL.fullmatch(value):
-        raise ValueError("a batch id is written as a plain decimal: digits, no sign, spaces or leading zeros")
-    return value
-
-
-_CANONICAL = re.compile(r"0|[1-9][0-9]{0,18}")
-IdempotencyKey = Annotated[
-    str | None,
-    Header(
-        alias="Idempotency-Key",
-        description='a quoted key, e.g. "8e03978e-40d5": a retry with the same key and request gets the first answer '
-        "back and changes nothing (kept for http.idempotency_window)",
-    ),
-]
-BatchId = Annotated[int, Path(description="batch id"), Ge(0), Le(ID_MAX), BeforeValidator(_canonical_decimal)]
+API_VERSION = "1.1.0"
 _bearer = HTTPBearer(auto_error=False, description="a token from http.tokens / http.tokens_file")
-_ERRORS = {  # documented responses of every /v1 route (besides its own)
-    400: "invalid-request, malformed-item-id",
-    401: "unauthorized",
-    413: "payload-too-large",
-    415: "unsupported-media-type",
-    429: "rate-limited",
-    500: "internal",
-    503: "unavailable",
-}
-
-
-def _responses(*extra: int) -> dict:
-    codes = {**_ERRORS, **{c: problems.TYPES[s][1] for s, (c, _) in problems.TYPES.items() if c in extra}}
-    return {
-        c: {"model": models.ProblemDoc, "description": d, "content": {problems.MEDIA_TYPE: {}}}
-        for c, d in sorted(codes.items())
-    }
 
 
 def _column(tenant: object) -> str | None:
@@ -126,6 +87,12 @@ def _status(batch_id: int, s: BatchStatus) -> models.Status:
         completed_at=s.completed_at,
         last_activity_at=s.last_activity_at,
         expired_at=s.expired_at,
+        outcome=s.outcome,
+        succeeded=s.succeeded,
+        failed=s.failed,
+        late=s.late,
+        parent_id=s.parent_id,
+        children_open=s.children_open,
     )
 
 
@@ -273,7 +240,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         "/v1/batches",
         status_code=201,
         response_model=models.Batch,
-        responses=_responses(403, 422),  # 403: a completion topic not allowed; 422: an Idempotency-Key reused
+        responses=responses(403, 409, 422),  # 403: a topic not allowed; 409: parent not open; 422: key reused
         tags=["batches"],
         summary="Open a batch",
         dependencies=v1,
@@ -300,14 +267,31 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
                 field="body.completion_topic",
             )
 
+        check_thresholds(body)
+
         async def work(s: Store) -> Reply:
-            b = await call(s.open_batch(body.user_key, body.completion_topic, _column(tenant)), batch_in_path=False)
+            if body.parent is not None:  # another tenant's parent answers as one that does not exist
+                owner = (await s.owners([body.parent])).get(body.parent)
+                if owner is not None and owner[0] != tenant.name:
+                    raise parent_problem(UnknownBatch(body.parent))
+            try:
+                b = await s.open_batch(
+                    body.user_key,
+                    body.completion_topic,
+                    _column(tenant),
+                    parent=body.parent,
+                    tolerated_failures=body.tolerated_failures,
+                    tolerated_failure_ratio=body.tolerated_failure_ratio,
+                )
+            except TrackerError as exc:
+                raise parent_problem(exc) from None
             doc = models.Batch(
                 batch_id=b.id,
                 user_key=b.user_key,
                 completion_topic=b.completion_topic,
                 state="open",
                 created_at=b.created_at,
+                parent_id=body.parent,
             )
             return Reply(201, doc.model_dump(mode="json"), {"Location": f"/v1/batches/{b.id}"})
 
@@ -316,7 +300,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     @app.get(
         "/v1/batches/{batch_id}",
         response_model=models.Status,
-        responses=_responses(404, 410),
+        responses=responses(404, 410),
         tags=["batches"],
         summary="A batch's status",
         dependencies=v1,
@@ -328,7 +312,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     @app.post(
         "/v1/batches/{batch_id}/items",
         response_model=models.Added,
-        responses=_responses(404, 409, 410, 422),
+        responses=responses(404, 409, 410, 422),
         tags=["batches"],
         summary="Track more items; returns the groups that hold them",
         dependencies=v1,
@@ -355,7 +339,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     @app.post(
         "/v1/batches/{batch_id}/close",
         response_model=models.Closed,
-        responses=_responses(404, 410, 422),
+        responses=responses(404, 410, 422),
         tags=["batches"],
         summary="Close a batch (no more items)",
         dependencies=v1,
@@ -372,7 +356,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     @app.get(
         "/v1/batches/{batch_id}/completion",
         response_model=models.Status,
-        responses=_responses(404),
+        responses=responses(404),
         tags=["batches"],
         summary="Long-poll: answers once the batch is complete or expired, or after `wait` s",
         dependencies=v1,
@@ -420,7 +404,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
                 "content": {"text/event-stream": {}},
                 "description": "event: status | complete | expired; data: the Status document",
             },
-            **_responses(404),
+            **responses(404),
         },
         dependencies=v1,
     )
@@ -478,7 +462,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     @app.post(
         "/v1/acks",
         response_model=models.AckResult,
-        responses=_responses(410, 422),
+        responses=responses(410, 422),
         tags=["acks"],
         summary="Ack item ids and runs (bulk)",
         dependencies=v1,
@@ -489,7 +473,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     @app.post(
         "/v1/acks/{item_id}",
         response_model=models.AckResult,
-        responses=_responses(410, 422),
+        responses=responses(410, 422),
         tags=["acks"],
         summary="Ack one item id or run",
         dependencies=v1,
@@ -502,6 +486,8 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         if "\x00" in item_id:  # a NUL cannot reach PostgreSQL text: refused here, named like any malformed id
             raise problems.from_tracker(MalformedItemId(item_id, "holds a NUL character"), batch_in_path=False)
         return await _ack(request, [item_id])
+
+    add_outcome_routes(app, store=store, h=h, respond=respond, call=call, dependencies=v1)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> Response:

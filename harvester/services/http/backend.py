@@ -27,9 +27,11 @@ from tracker.aio import AsyncTracker
 from tracker.errors import (
     BatchExpired,
     BatchNotOpen,
+    DepthExceeded,
     IndexOutOfRange,
     InvalidValue,
     MalformedItemId,
+    ParentNotOpen,
     TooManyGroups,
     TrackerError,
     UnknownBatch,
@@ -57,6 +59,16 @@ class AckOutcome:
     completed: list[int] = field(default_factory=list)
 
 
+@dataclass
+class FailOutcome:
+    failed: int = 0
+    duplicates: int = 0
+    completed: list[int] = field(default_factory=list)
+
+
+FailurePage = tuple[list[tuple[str, str]], str | None]  # (item id, reason) rows and the next page's cursor
+
+
 class StoreUnavailable(Exception):
     """The database could not be reached or did not answer in time."""
 
@@ -65,15 +77,17 @@ def _statements(schema: str) -> dict[str, str]:
     s = sql.Identifier(check_identifier(schema, "schema"))
     q = {
         # now() is the transaction's start, which is the new row's created_at (its default)
-        "open": "SELECT {s}.open_batch(%s, %s), now()",
+        "open": "SELECT {s}.open_batch(%s, %s, %s, %s, %s), now()",
         "tenant": "UPDATE {batch} SET tenant = %s WHERE id = %s",
         # each batch's tenant (`default` for those opened without one, by the Python API or SQL) and state
         "owners": "SELECT id, coalesce(tenant, 'default'), state FROM {batch} WHERE id = ANY(%s)",
         "add": "SELECT batch_id, group_id, start, upto FROM {s}.add_items(%s, %s)",
         "close": "SELECT {s}.close_batch(%s, %s)",
         "ack": "SELECT acked, duplicates, completed FROM {s}.ack(%s::text[], %s)",
+        "fail": "SELECT failed, duplicates, completed FROM {s}.fail(%s::text[], %s, %s)",
+        "failures": "SELECT item_id, reason FROM {s}.failures(%s, %s, %s)",
         "status": "SELECT state, total, pending, user_key, created_at, closed_at, completed_at, last_activity_at, "
-        "expired_at FROM {s}.batch_status(%s)",
+        "expired_at, outcome, failed, late, parent_id, children_open FROM {s}.batch_status(%s)",
         "finished": "SELECT id FROM {batch} WHERE id = ANY(%s) AND state IN ('complete', 'expired')",
     }
     return {k: sql.SQL(v).format(s=s, batch=sql.Identifier(schema, "batch")).as_string(None) for k, v in q.items()}
@@ -81,6 +95,9 @@ def _statements(schema: str) -> dict[str, str]:
 
 _SIZE = re.compile(r"its group has (\d+) items")
 _STATE = re.compile(r"^batch \d+ is (\w+):")
+_PARENT_STATE = re.compile(r"^parent batch \d+ is (\w+):")
+_PARENT_DEPTH = re.compile(r"^parent batch \d+ is at depth (\d+)")
+_DEPTH_MAX = 7  # the deepest a batch can be: batches nest at most 8 levels
 
 
 def _tracker_error(exc: psycopg.Error) -> TrackerError | None:
@@ -106,6 +123,12 @@ def _tracker_error(exc: psycopg.Error) -> TrackerError | None:
             if size
             else IndexOutOfRange(detail, GROUP_BITS_MAX, any_group=True)
         )
+    if code == "RT005" and (parent := _PARENT_STATE.search(message)):
+        return ParentNotOpen(batch_id, parent.group(1))
+    if code == "RT007" and (depth := _PARENT_DEPTH.search(message)):
+        return DepthExceeded(batch_id, int(depth.group(1)), _DEPTH_MAX)
+    if code == "RT007":  # an invalid argument: its name leads the message, DETAIL holds its value
+        return InvalidValue(message.split(" ", 1)[0], detail, message)
     if code == "RT005":
         state = _STATE.search(message)
         return BatchNotOpen(batch_id, state.group(1) if state else "not open")
@@ -223,12 +246,28 @@ class TrackerStore(_PoolStore):
         except (TimeoutError, PoolTimeout) as exc:
             raise StoreUnavailable("the database did not answer in time") from exc
 
-    async def open_batch(self, user_key: str | None, completion_topic: str | None, tenant: str | None) -> OpenedBatch:
+    async def open_batch(
+        self,
+        user_key: str | None,
+        completion_topic: str | None,
+        tenant: str | None,
+        *,
+        parent: int | None = None,
+        tolerated_failures: int | None = None,
+        tolerated_failure_ratio: float | None = None,
+    ) -> OpenedBatch:
         t = self.tracker
 
         async def open_for(c: psycopg.AsyncConnection) -> Batch:
             async with c.transaction():  # the batch and its tenant together (a savepoint when bound)
-                b = await t.open_batch(c, user_key=user_key, completion_topic=completion_topic)
+                b = await t.open_batch(
+                    c,
+                    user_key=user_key,
+                    completion_topic=completion_topic,
+                    parent=parent,
+                    tolerated_failures=tolerated_failures,
+                    tolerated_failure_ratio=tolerated_failure_ratio,
+                )
                 if tenant is not None:
                     await c.execute(self.q["tenant"], [tenant, b.id])
                 return b
@@ -251,6 +290,17 @@ class TrackerStore(_PoolStore):
         r = await self._call(lambda c: self.tracker.ack(c, ids, claims=False))
         return AckOutcome(r.acked, r.duplicates, list(r.completed))
 
+    async def fail(self, ids: list[str], reason: str) -> FailOutcome:
+        if not ids:
+            return FailOutcome()
+        # the server's own short transaction, as an ack's: the named batches stay locked only for it
+        r = await self._call(lambda c: self.tracker.fail(c, ids, reason))
+        return FailOutcome(r.failed, r.duplicates, list(r.completed))
+
+    async def failures(self, batch_id: int, after: str | None, limit: int) -> FailurePage:
+        page = await self._call(lambda c: self.tracker.failures(c, batch_id, after=after, limit=limit))
+        return list(page.items), page.next
+
     async def status(self, batch_id: int) -> BatchStatus:
         return await self._call(lambda c: self.tracker.status(c, batch_id))
 
@@ -258,13 +308,24 @@ class TrackerStore(_PoolStore):
 class SqlFunctionStore(_PoolStore):
     """The SQL functions of sql/R__sql_api.sql, as any other language calls them."""
 
-    async def open_batch(self, user_key: str | None, completion_topic: str | None, tenant: str | None) -> OpenedBatch:
+    async def open_batch(
+        self,
+        user_key: str | None,
+        completion_topic: str | None,
+        tenant: str | None,
+        *,
+        parent: int | None = None,
+        tolerated_failures: int | None = None,
+        tolerated_failure_ratio: float | None = None,
+    ) -> OpenedBatch:
+        ratio = None if tolerated_failure_ratio is None else float(tolerated_failure_ratio)
+        args = [user_key, completion_topic, parent, tolerated_failures, ratio]
         if tenant is None:
-            ((batch_id, created_at),) = await self._fetch(self.q["open"], [user_key, completion_topic])
+            ((batch_id, created_at),) = await self._fetch(self.q["open"], args)
             return OpenedBatch(batch_id, user_key, completion_topic, created_at)
         async with self._database() as conn, conn.transaction():
             # the batch and its tenant together (a savepoint when bound to a caller's transaction)
-            cur = await conn.execute(self.q["open"], [user_key, completion_topic])
+            cur = await conn.execute(self.q["open"], args)
             row = await cur.fetchone()
             assert row is not None
             await conn.execute(self.q["tenant"], [tenant, row[0]])
@@ -282,6 +343,15 @@ class SqlFunctionStore(_PoolStore):
         rows = await self._fetch(self.q["ack"], [ids, self.completion_topic])
         acked, duplicates, completed = rows[0]
         return AckOutcome(acked, duplicates, list(completed))
+
+    async def fail(self, ids: list[str], reason: str) -> FailOutcome:
+        rows = await self._fetch(self.q["fail"], [ids, reason, self.completion_topic])
+        failed, duplicates, completed = rows[0]
+        return FailOutcome(failed, duplicates, list(completed))
+
+    async def failures(self, batch_id: int, after: str | None, limit: int) -> FailurePage:
+        items = [(i, r) for i, r in await self._fetch(self.q["failures"], [batch_id, after, limit])]
+        return items, (items[-1][0] if len(items) == limit else None)
 
     async def status(self, batch_id: int) -> BatchStatus:
         rows = await self._fetch(self.q["status"], [batch_id])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
 
 class _Body(BaseModel):
@@ -20,6 +20,18 @@ class CreateBatch(_Body):
         pattern=r"^[A-Za-z0-9._-]+$",
         description="topic of this batch's completion event (default: the server's)",
     )
+    parent: StrictInt | None = Field(
+        default=None,
+        description="open it as a child of this open batch (of the same tenant): the parent finishes after its "
+        "children, failed if one of them failed",
+    )
+    tolerated_failures: StrictInt | None = Field(
+        default=None, description="finish early, as failed, once more than this many of its items failed"
+    )
+    tolerated_failure_ratio: StrictFloat | StrictInt | None = Field(
+        default=None,
+        description="0 to 1: finish early, as failed, once (closed) more than this fraction of its items failed",
+    )
 
 
 class AddItems(_Body):
@@ -32,12 +44,20 @@ class AckIds(_Body):
     )
 
 
+class FailIds(_Body):
+    ids: list[StrictStr] = Field(
+        ..., description="item ids '<batch>:<group>:<index>' and runs '<batch>:<group>:<start>-<end>'"
+    )
+    reason: StrictStr = Field(..., description="why they failed: 1 to 500 characters, stored once per distinct reason")
+
+
 class Batch(BaseModel):
     batch_id: int
     user_key: str | None
     completion_topic: str | None
     state: str
     created_at: dt.datetime
+    parent_id: int | None = None
 
 
 class Group(BaseModel):
@@ -65,6 +85,23 @@ class AckResult(BaseModel):
     completed: list[int] = Field(..., description="batches this request completed")
 
 
+class FailResult(BaseModel):
+    failed: int = Field(..., description="items this request failed (their first outcome)")
+    duplicates: int = Field(..., description="ids already acknowledged or failed (or named twice)")
+    completed: list[int] = Field(..., description="batches this request finished")
+
+
+class Failure(BaseModel):
+    item_id: str
+    reason: str
+
+
+class Failures(BaseModel):
+    batch_id: int
+    failures: list[Failure] = Field(..., description="failed items with their reasons, in item order")
+    next: str | None = Field(..., description="pass as `after` for the next page; null on the last page")
+
+
 class Status(BaseModel):
     batch_id: int
     state: str = Field(..., description="open, closed, complete or expired")
@@ -77,6 +114,14 @@ class Status(BaseModel):
     completed_at: dt.datetime | None
     last_activity_at: dt.datetime
     expired_at: dt.datetime | None
+    outcome: str | None = Field(
+        ..., description="once complete: succeeded, or failed (an item or a child failed, or a threshold)"
+    )
+    succeeded: int = Field(..., description="its own items that succeeded (pending + succeeded + failed = total)")
+    failed: int = Field(..., description="its own items that failed")
+    late: int = Field(..., description="outcomes recorded after it finished (counted, changing no outcome)")
+    parent_id: int | None
+    children_open: int = Field(..., description="children not finished yet")
 
 
 class ProblemDoc(BaseModel):

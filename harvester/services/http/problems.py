@@ -35,10 +35,12 @@ TYPES: dict[str, tuple[int, str]] = {
     "not-found": (404, "No such resource"),
     "unknown-batch": (404, "Unknown batch"),
     "method-not-allowed": (405, "Method not allowed"),
+    "parent-not-open": (409, "Parent batch is not open"),
     "batch-not-open": (409, "Batch is not open"),
     "batch-expired": (410, "Batch has expired"),
     "payload-too-large": (413, "Request body too large"),
     "unsupported-media-type": (415, "Request body must be application/json"),
+    "nesting-too-deep": (422, "Batches nest too deep"),
     "unknown-group": (422, "Unknown group"),
     "index-out-of-range": (422, "Item index out of range"),
     "idempotency-key-reused": (422, "Idempotency-Key used for another request"),
@@ -123,6 +125,10 @@ _FIELDS = {
     "user_key": "body.user_key",
     "completion_topic": "body.completion_topic",
     "item_ids": "body.ids",
+    "reason": "body.reason",
+    "parent": "body.parent",
+    "tolerated_failures": "body.tolerated_failures",
+    "tolerated_failure_ratio": "body.tolerated_failure_ratio",
 }
 
 

@@ -128,3 +128,66 @@ test('errors are typed SQLSTATEs naming the bad value, and change nothing', asyn
     await c.end();
   }
 });
+
+test('outcomes: a threshold and a child, fail and fail_masks, failures paged, one completion event each', async () => {
+  const c = await connect();
+  try {
+    const s = c.escapeIdentifier(schemaName);
+    await c.query('BEGIN');
+    const p = (await c.query(`SELECT ${fn(c, 'open_batch')}(user_key => $1, completion_topic => $2, tolerated_failures => $3) AS id`,
+      ['node-parent', 'node-outcomes', 1])).rows[0].id;
+    const k = (await c.query(`SELECT ${fn(c, 'open_batch')}(user_key => $1, completion_topic => $2, parent => $3) AS id`,
+      ['node-child', 'node-outcomes', p])).rows[0].id;
+    await c.query(`SELECT * FROM ${fn(c, 'add_items')}($1, 10)`, [p]);
+    await c.query(`SELECT * FROM ${fn(c, 'add_items')}($1, 3)`, [k]);
+    await c.query(`SELECT ${fn(c, 'close_batch')}($1, 'node-outcomes')`, [k]);
+    await c.query('COMMIT');
+
+    // the child: item 1 fails by id, items 0 and 2 by a pre-folded mask (bits 0 and 2: 1010 0000)
+    const one = (await c.query(`SELECT * FROM ${fn(c, 'fail')}($1::text[], $2, 'node-outcomes')`, [[`${k}:0:1`], 'no stock'])).rows[0];
+    assert.deepEqual([one.failed, one.duplicates, one.completed], ['1', '0', []]);
+    const masked = (await c.query(`SELECT * FROM ${fn(c, 'fail_masks')}($1::int8[], $2::int8[], $3::text[], $4, 'node-outcomes')`,
+      [[k], [0], ['E0'], 'bad row'])).rows[0];
+    assert.deepEqual([masked.failed, masked.completed], ['2', [k]]);  // item 1 already failed: not counted again
+    const child = (await c.query(`SELECT * FROM ${fn(c, 'batch_status')}($1)`, [k])).rows[0];
+    assert.deepEqual([child.state, child.outcome, child.failed, child.succeeded, child.parent_id], ['complete', 'failed', '3', '0', p]);
+
+    // the parent, still open, folds in its finished child at its next write: with the child's 3
+    // failed items rolled up, its own first failure is past its threshold (1 tolerated): it finishes early
+    const first = (await c.query(`SELECT * FROM ${fn(c, 'fail')}($1::text[], $2, 'node-outcomes')`, [[`${p}:0:0`], 'timeout'])).rows[0];
+    assert.deepEqual([first.failed, first.completed], ['1', [p]]);
+    const parent = (await c.query(`SELECT * FROM ${fn(c, 'batch_status')}($1)`, [p])).rows[0];
+    assert.deepEqual([parent.state, parent.outcome, parent.failed, parent.pending, parent.children_open], ['complete', 'failed', '1', '9', 0]);
+    // an ack after it finished is counted late and changes no outcome
+    const late = (await c.query(`SELECT * FROM ${fn(c, 'ack')}($1::text[], 'node-outcomes')`, [[`${p}:0:1`]])).rows[0];
+    assert.deepEqual([late.acked, late.completed], ['1', []]);
+    assert.equal((await c.query(`SELECT late FROM ${fn(c, 'batch_status')}($1)`, [p])).rows[0].late, '1');
+
+    // failures, a page at a time: after = the last item id of the previous page
+    const pages = [];
+    let after = null;
+    for (;;) {
+      const rows = (await c.query(`SELECT item_id, reason FROM ${fn(c, 'failures')}($1, $2, 2)`, [k, after])).rows;
+      pages.push(rows.map(r => `${r.item_id}=${r.reason}`));
+      if (rows.length < 2) break;
+      after = rows[rows.length - 1].item_id;
+    }
+    assert.deepEqual(pages, [[`${k}:0:0=bad row`, `${k}:0:1=no stock`], [`${k}:0:2=bad row`]]);
+    await assert.rejects(c.query(`SELECT * FROM ${fn(c, 'failures')}($1, $2, 2)`, [k, 'nope']), (err) => {
+      assert.equal(err.code, 'RT007', err.message);
+      assert.equal(err.detail, 'nope');
+      return true;
+    });
+    await assert.rejects(c.query(`SELECT * FROM ${fn(c, 'fail')}($1::text[], $2)`, [[`${p}:0:9`], '']), (err) => {
+      assert.equal(err.code, 'RT007', err.message);
+      return true;
+    });
+
+    const events = (await c.query(
+      `SELECT convert_from(value, 'UTF8')::json AS v FROM ${s}.outbox WHERE topic = 'node-outcomes' ORDER BY id`)).rows;
+    assert.deepEqual(events.map(e => [e.v.batch_id, e.v.outcome, e.v.failed, e.v.parent_id]),
+      [[Number(k), 'failed', 3, Number(p)], [Number(p), 'failed', 1, null]]);
+  } finally {
+    await c.end();
+  }
+});
