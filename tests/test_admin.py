@@ -23,6 +23,7 @@ from support.harness import Generator, Receiver, env_for, make_config, wait_unti
 import tracker
 from harvester.admin import batch as batch_mod
 from harvester.admin import dead as dead_mod
+from harvester.exit_codes import ExitCode
 from harvester.units import Harvester
 from tracker import outbox
 from tracker.ids import parse_item_id
@@ -471,6 +472,8 @@ def test_batch_show_cli_outcome_counts_parent_children_and_failures_paged(cfg, p
     assert bad.returncode != 0 and f"names batch {p.id + 1}, not {p.id}" in bad.stderr
     bad = reaper(cfg, "batch", "show", str(p.id), "--failures-limit", "1001")
     assert bad.returncode != 0 and "--failures-limit" in bad.stderr
+    bad = reaper(cfg, "batch", "show", str(p.id), "--failures-after", f"{p.id}:0:8192")
+    assert bad.returncode == ExitCode.USAGE and f"{p.id}:0:8192" in bad.stderr
 
 
 def test_batch_expire_writes_the_expiry_event_which_the_harvester_publishes(

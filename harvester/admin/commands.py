@@ -22,7 +22,7 @@ from harvester.admin import status as status_mod
 from harvester.admin.common import AdminError, connect, to_json
 from harvester.config import Config, redact_dsn
 from harvester.exit_codes import ExitCode
-from tracker.errors import MalformedItemId, TrackerError
+from tracker.errors import InvalidValue, MalformedItemId, TrackerError
 from tracker.ids import ID_MAX, ItemId, parse_item_id
 
 COMMANDS = ("outbox", "dead", "batch")
@@ -187,15 +187,18 @@ def _run(cfg: Config, args: argparse.Namespace) -> tuple[Any, str, int]:
                     )
             return done, dead_mod.render_requeued(done), ExitCode.OK
         if cmd == ("batch", "show"):
-            view = batch_mod.show(
-                conn,
-                db.schema,
-                args.batch_id,
-                after=args.after,
-                limit=args.limit,
-                failures_after=args.failures_after,
-                failures_limit=args.failures_limit,
-            )
+            try:
+                view = batch_mod.show(
+                    conn,
+                    db.schema,
+                    args.batch_id,
+                    after=args.after,
+                    limit=args.limit,
+                    failures_after=args.failures_after,
+                    failures_limit=args.failures_limit,
+                )
+            except InvalidValue as exc:  # a cursor past any group (an index of 8192 or more): the caller's input
+                raise AdminError(str(exc), ExitCode.USAGE) from None
             return view, batch_mod.render(view), ExitCode.OK
         if cmd == ("batch", "expire"):
             got = batch_mod.expire(cfg, conn, args.batch_id, args.note)
