@@ -509,23 +509,39 @@ def _masks_in(steps: list[Step]) -> int:
 
 def _relevel(steps: list[Step]) -> list[Step]:
     """The same steps in few statements, each batch's order kept: a batch's masks join the step of
-    its previous outcome while the outcome stays the same; when it changes (or for its first
-    masks), the first later step (or the first step) already holding that outcome, else a new one
-    (masks merged into copies: the given ones are left as they were)."""
+    its previous masks while it stays with acks or with failures; when it moves between the two (or
+    for its first masks), the first later step (or the first step) already holding that outcome,
+    else a new one. Failures of a batch under several reasons in one step are kept disjoint, the
+    earlier reason keeping an item. Masks are merged into copies: the given ones are left as they were."""
     levels: list[dict[str | None, dict[tuple[int, int], GroupMask]]] = []
-    state: dict[int, tuple[int, str | None]] = {}  # batch -> (level, outcome) of its last masks
+    state: dict[int, tuple[int, bool]] = {}  # batch -> (level, failed) of its last masks
     for reason, masks in steps:
+        failed = reason is not None
         for key, mask in masks.items():
             got = state.get(key[0])
-            if got is not None and got[1] == reason:
+            if got is not None and got[1] == failed:
                 level = got[0]
             else:
                 level = 0 if got is None else got[0] + 1
                 while level < len(levels) and reason not in levels[level]:
                     level += 1
-            state[key[0]] = (level, reason)
+            state[key[0]] = (level, failed)
             if level == len(levels):
                 levels.append({})
+            if failed:
+                taken = 0
+                for other, held in levels[level].items():
+                    if other is not None and other != reason and key in held:
+                        taken |= int.from_bytes(held[key].bits.ljust(len(mask.bits), b"\0")[: len(mask.bits)], "big")
+                if taken:
+                    bits = int.from_bytes(mask.bits, "big") & ~taken
+                    mask = GroupMask(
+                        mask.batch_id,
+                        mask.group_id,
+                        bytearray(bits.to_bytes(len(mask.bits), "big")),
+                        mask.max_index,
+                        mask.count,
+                    )
             into = levels[level].setdefault(reason, {})
             mine = into.get(key)
             if mine is None:

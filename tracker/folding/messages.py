@@ -48,7 +48,9 @@ class Folded:
 
 class OutcomeFolder:
     """Entries of both outcomes folded per (step, outcome): a batch stays in step 0's acks until a
-    failure of it is read; each change of a batch's outcome moves it to its next step."""
+    failure of it is read; each change of a batch's outcome between ack and failure moves it to its
+    next step. Failures of one batch under several reasons share a step, kept disjoint (an item
+    stays with the reason it failed under first), so they apply in any order."""
 
     __slots__ = ("steps", "acks", "state")
 
@@ -61,13 +63,14 @@ class OutcomeFolder:
     def folder(self, batch: str, outcome: str | None) -> EntryFolder:
         """Where the next entry of `batch` with this outcome goes (moving the batch on a change)."""
         step, current = self.state.get(batch, (0, None))
-        if current != outcome:
-            step, current = step + 1, outcome
-            self.state[batch] = (step, outcome)
+        if (current is None) != (outcome is None):
+            step += 1
             if step == len(self.steps):
                 self.steps.append({})
         elif outcome is None and step == 0:
             return self.acks
+        if current != outcome:
+            self.state[batch] = (step, outcome)
         level = self.steps[step]
         folder = level.get(outcome)
         if folder is None:
@@ -87,7 +90,7 @@ class OutcomeFolder:
             head = entry.rpartition(":")[0]
             batch = head.partition(":")[0]
             step, current = state.get(batch) or self.state.get(batch, (0, None))
-            if current != outcome:
+            if (current is None) != (outcome is None):
                 step += 1
             state[batch] = (step, outcome)
             key = (step, outcome, head)
@@ -98,6 +101,21 @@ class OutcomeFolder:
             if folder is None or _new_groups([entry], folder.masks):
                 n += 1
         return n
+
+    def disjoin(self, batch: str, outcome: str, entry: str) -> None:
+        """After a failure entry was folded under `outcome`: leave out of it the items its step
+        holds as failed under another reason (read first, so theirs)."""
+        level = self.steps[self.state[batch][0]]
+        if len(level) - (None in level) < 2:
+            return
+        run = parse_ack(entry)
+        key = (run.batch_id, run.group_id)
+        mine = level[outcome].masks[key]
+        for other_reason, other in level.items():
+            theirs = None if other_reason is None or other_reason == outcome else other.masks.get(key)
+            if theirs is not None:  # the steps' failure masks were disjoint: only the new items meet
+                for byte in range(run.start >> 3, (run.end >> 3) + 1):
+                    mine.bits[byte] &= ~theirs.bits[byte] & 0xFF
 
     def ordered(self) -> list[tuple[str | None, dict[tuple[int, int], GroupMask]]]:
         return [(outcome, f.masks) for level in self.steps for outcome, f in level.items() if f.masks]
@@ -124,14 +142,9 @@ def _headers_of(msg: Any) -> list[tuple[str, bytes]]:
     return list(headers or ())
 
 
-def _reason_header(msg: Any) -> bytes | None:
-    found = None
-    for key, value in _headers_of(msg):
-        if key == FAILURE_REASON_HEADER:
-            if found is not None:
-                return b""  # two reasons: which one was meant is unknown (refused as empty)
-            found = value if value is not None else b""
-    return found
+def _reason_headers(msg: Any) -> list[bytes]:
+    """The values of the message's `failure-reason` headers (an absent value read as empty)."""
+    return [value or b"" for key, value in _headers_of(msg) if key == FAILURE_REASON_HEADER]
 
 
 def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX, room: int | None = None) -> Folded:
@@ -154,6 +167,7 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
     index_bits = _INDEX_BITS
     count = 0
     held = 0  # masks held once the fold holds failures (before: len(masks))
+    checked: dict[bytes | None, str] = {}  # failure-reason headers already read in this fold
     # A poll returns runs of messages from one partition: offsets are read at run boundaries.
     current, previous = -1, None  # -1: no partition yet (a consumed message always has one)
     for position, msg in enumerate(messages):
@@ -196,11 +210,16 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
             reason = "malformed: value is empty or not ASCII"
         else:
             if b"!" in value and any(e[:1] == FAIL_MARK for e in entries):
-                raw_reason = _reason_header(msg)
-                try:
-                    failure = failure_reason(raw_reason)
-                except TrackerError as exc:
-                    reason = f"invalid failure: {exc}"
+                given = _reason_headers(msg)
+                raw_reason = given[0] if given else None
+                failure = checked.get(raw_reason) if len(given) == 1 else None
+                if failure is None:
+                    try:
+                        if len(given) > 1:  # which one was meant is unknown
+                            raise _NoReason(f"the {FAILURE_REASON_HEADER!r} header is given {len(given)} times")
+                        failure = checked[raw_reason] = failure_reason(raw_reason)
+                    except TrackerError as exc:
+                        reason = f"invalid failure: {exc}"
             if reason is None and (failure is not None or outcomes.state):
                 items = [
                     (failure, e[1:]) if e[:1] == FAIL_MARK else (None, e) for e in entries
@@ -253,10 +272,12 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
         # A fold holding failures: each entry goes to its batch's step for its outcome.
         for outcome, entry in items:
             batch = entry.partition(":")[0]
-            if by_head and outcomes.state.get(batch, (0, None))[1] != outcome:
-                by_head.clear()  # this batch's outcome changes: its acks leave the fast path's masks
+            if by_head and (outcomes.state.get(batch, (0, None))[1] is None) != (outcome is None):
+                by_head.clear()  # this batch moves between acks and failures: its acks leave the fast path's masks
             target = outcomes.folder(batch, outcome)
             reason = target.add(entry)
+            if reason is None and outcome is not None:
+                outcomes.disjoin(batch, outcome, entry)
             if reason is None and outcome is None and len(items) == 1 and "-" not in entry:
                 parsed = parse_ack(entry)
                 by_head[value.rpartition(b":")[0]] = target.masks[(parsed.batch_id, parsed.group_id)]
