@@ -260,7 +260,9 @@ class AckProducer:
         for (batch_id, group_id), bits in pending.items():
             by_batch.setdefault(batch_id, []).append((group_id, bits))
         mark = "" if reason is None else FAIL_MARK
-        headers = None if reason is None else [(FAILURE_REASON_HEADER, reason.encode())]
+        headers: list[tuple[str, str | bytes | None]] | None = (
+            None if reason is None else [(FAILURE_REASON_HEADER, reason.encode())]
+        )
         for batch_id, groups in by_batch.items():
             key = str(batch_id).encode()
             parts: list[str] = []
@@ -283,7 +285,9 @@ class AckProducer:
             if parts:
                 self._produce(key, parts, acks, headers)
 
-    def _produce(self, key: bytes, parts: list[str], acks: int, headers: list[tuple[str, bytes]] | None) -> None:
+    def _produce(
+        self, key: bytes, parts: list[str], acks: int, headers: list[tuple[str, str | bytes | None]] | None
+    ) -> None:
         value = ACK_SEPARATOR.join(parts).encode()
         while True:
             try:
