@@ -52,13 +52,14 @@ class OutcomeFolder:
     next step. Failures of one batch under several reasons share a step, kept disjoint (an item
     stays with the reason it failed under first), so they apply in any order."""
 
-    __slots__ = ("steps", "acks", "state")
+    __slots__ = ("steps", "acks", "state", "extra")
 
     def __init__(self) -> None:
         self.acks = EntryFolder()
         self.steps: list[dict[str | None, EntryFolder]] = [{None: self.acks}]
         # batch id as written -> (step, outcome), once a failure of the batch was read
         self.state: dict[str, tuple[int, str | None]] = {}
+        self.extra = 0  # masks held beyond the first step's acks (kept by the caller of `folder`)
 
     def folder(self, batch: str, outcome: str | None) -> EntryFolder:
         """Where the next entry of `batch` with this outcome goes (moving the batch on a change)."""
@@ -78,7 +79,7 @@ class OutcomeFolder:
         return folder
 
     def masks_held(self) -> int:
-        return sum(len(f.masks) for level in self.steps for f in level.values())
+        return len(self.acks.masks) + self.extra
 
     def new_masks(self, items: list[tuple[str | None, str]]) -> int:
         """How many masks folding these (outcome, entry) pairs would add (a head that does not parse
@@ -103,19 +104,26 @@ class OutcomeFolder:
         return n
 
     def disjoin(self, batch: str, outcome: str, entry: str) -> None:
-        """After a failure entry was folded under `outcome`: leave out of it the items its step
-        holds as failed under another reason (read first, so theirs)."""
+        """After a failure entry (valid) was folded under `outcome`: leave out of it the items its
+        step holds as failed under another reason (read first, so theirs)."""
         level = self.steps[self.state[batch][0]]
         if len(level) - (None in level) < 2:
             return
-        run = parse_ack(entry)
-        key = (run.batch_id, run.group_id)
-        mine = level[outcome].masks[key]
+        head, _, tail = entry.rpartition(":")
+        folder = level[outcome]
+        key = folder._heads.get(head)  # the entry was just folded: its head is known
+        if key is None:
+            run = parse_ack(entry)
+            key = (run.batch_id, run.group_id)
+        mine = folder.masks[key]
+        start, _, end = tail.partition("-")  # checked by the fold: plain decimals
+        first, last = int(start) >> 3, int(end or start) >> 3
         for other_reason, other in level.items():
             theirs = None if other_reason is None or other_reason == outcome else other.masks.get(key)
             if theirs is not None:  # the steps' failure masks were disjoint: only the new items meet
-                for byte in range(run.start >> 3, (run.end >> 3) + 1):
-                    mine.bits[byte] &= ~theirs.bits[byte] & 0xFF
+                bits, their_bits = mine.bits, theirs.bits
+                for byte in range(first, last + 1):
+                    bits[byte] &= ~their_bits[byte] & 0xFF
 
     def ordered(self) -> list[tuple[str | None, dict[tuple[int, int], GroupMask]]]:
         return [(outcome, f.masks) for level in self.steps for outcome, f in level.items() if f.masks]
@@ -164,6 +172,10 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
     # Fast path, most messages: one item id (an ack) of a group already seen in this fold, whose
     # batch has no failure in it. Works on the raw bytes; anything else takes the validating path.
     by_head: dict[bytes, GroupMask] = {}
+    # Likewise one failure ('!<id>') under the one reason header of a group already failed under
+    # it in this fold: (header value, head) -> its mask and the masks of the step's other reasons.
+    # Dropped whenever a mask is added or a batch moves between acks and failures.
+    fail_head: dict[tuple[bytes, bytes], tuple[GroupMask, list[GroupMask]]] = {}
     index_bits = _INDEX_BITS
     count = 0
     held = 0  # masks held once the fold holds failures (before: len(masks))
@@ -194,6 +206,36 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
                     previous = msg
                     count += 1
                     mask.bits[bit[0]] |= bit[1]  # masks are created full size (1 KiB)
+                    mask.count += 1
+                    if bit[2] > mask.max_index:
+                        mask.max_index = bit[2]
+                    continue
+            elif fail_head and value[:1] == b"!":
+                headers = msg.headers()
+                hit = (
+                    fail_head.get((headers[0][1], head))
+                    if headers and len(headers) == 1 and headers[0][0] == FAILURE_REASON_HEADER
+                    else None
+                )
+                bit = None if hit is None else index_bits.get(tail)
+                if bit is not None:
+                    partition = msg.partition()
+                    if partition != current:
+                        if previous is not None:
+                            last[current] = previous.offset()
+                        current = partition
+                        if partition not in first:
+                            first[partition] = msg.offset()
+                    previous = msg
+                    count += 1
+                    out.failures += 1
+                    mask, others = hit  # type: ignore[misc]
+                    byte, flag = bit[0], bit[1]
+                    for other in others:  # failed under another reason first: theirs
+                        if other.bits[byte] & flag:
+                            break
+                    else:
+                        mask.bits[byte] |= flag
                     mask.count += 1
                     if bit[2] > mask.max_index:
                         mask.max_index = bit[2]
@@ -272,10 +314,15 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
         # A fold holding failures: each entry goes to its batch's step for its outcome.
         for outcome, entry in items:
             batch = entry.partition(":")[0]
-            if by_head and (outcomes.state.get(batch, (0, None))[1] is None) != (outcome is None):
-                by_head.clear()  # this batch moves between acks and failures: its acks leave the fast path's masks
+            if (by_head or fail_head) and (outcomes.state.get(batch, (0, None))[1] is None) != (outcome is None):
+                by_head.clear()  # this batch moves between acks and failures: it leaves the fast paths' masks
+                fail_head.clear()
             target = outcomes.folder(batch, outcome)
+            before = len(target.masks)
             reason = target.add(entry)
+            if target is not folder and len(target.masks) != before:
+                outcomes.extra += len(target.masks) - before
+                fail_head.clear()  # a new mask: another reason's may now meet a registered one
             if reason is None and outcome is not None:
                 outcomes.disjoin(batch, outcome, entry)
             if reason is None and outcome is None and len(items) == 1 and "-" not in entry:
@@ -288,6 +335,14 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
                 bad.append((msg.key(), written.encode(), reason, partition, msg.offset()))
             elif outcome is not None:
                 out.failures += 1
+                if len(items) == 1 and "-" not in entry and raw_reason is not None:
+                    head_text = entry.rpartition(":")[0]
+                    key = target._heads[head_text]
+                    level = outcomes.steps[outcomes.state[batch][0]]
+                    others = [
+                        f.masks[key] for r, f in level.items() if r is not None and r != outcome and key in f.masks
+                    ]
+                    fail_head[(raw_reason, b"!" + head_text.encode())] = (target.masks[key], others)
     if previous is not None:
         last[current] = previous.offset()
     out.messages = count
