@@ -10,6 +10,9 @@ subprocess) and times from its partition assignment until every bit of the batch
   packed_shuffled  AckProducer flushing every 10,000 acks of fully shuffled ids: few runs, but
               thousands of entries per message
   update_per_ack   baseline in the same run: one autocommit UPDATE per ack on a sample
+  single_id_failed, run_form_failed   the same two shapes with failures instead of acks (entries
+              written '!<id>' under a `failure-reason` header, 4 reasons in turn; AckProducer.fail
+              for the run form): the failure path beside the ack path, as failures per second
 
 Ack order: ids are shuffled within windows of 100,000, as consumers finishing work out of order.
 The machine is shared (2 cores, Postgres and Kafka beside the benchmark): compare ratios.
@@ -104,7 +107,10 @@ def pending(env: Env, conn: psycopg.Connection | None = None) -> int:
         return c.execute(q).fetchone()[0]
 
 
-def produce_single(env: Env, ids: list[str]) -> int:
+REASONS = [f"bench failure {k}: upstream timed out" for k in range(4)]
+
+
+def produce_single(env: Env, ids: list[str], *, failed: bool = False) -> int:
     p = Producer(
         {
             "bootstrap.servers": BOOTSTRAP,
@@ -114,10 +120,19 @@ def produce_single(env: Env, ids: list[str]) -> int:
             "queue.buffering.max.messages": 1_000_000,
         }
     )
-    for i in ids:
+    headers = [[("failure-reason", r.encode())] for r in REASONS]
+    for n, i in enumerate(ids):
         while True:
             try:
-                p.produce(env.topic, key=i[: i.index(":")].encode(), value=i.encode())
+                if failed:  # one reason per 1,000 ids, in turn
+                    p.produce(
+                        env.topic,
+                        key=i[: i.index(":")].encode(),
+                        value=b"!" + i.encode(),
+                        headers=headers[n // 1000 % 4],
+                    )
+                else:
+                    p.produce(env.topic, key=i[: i.index(":")].encode(), value=i.encode())
                 break
             except BufferError:
                 p.poll(0.05)
@@ -125,11 +140,22 @@ def produce_single(env: Env, ids: list[str]) -> int:
     return len(ids)
 
 
-def produce_runs(env: Env, ids: list[str]) -> int:
+def produce_runs(env: Env, ids: list[str], *, failed: bool = False) -> int:
     with AckProducer(bootstrap_servers=BOOTSTRAP, topic=env.topic, max_pending=100_000, linger=3600) as acks:
         for k in range(0, len(ids), 100_000):
-            acks.ack(ids[k : k + 100_000])
+            if failed:  # one reason per 100,000 ids, in turn
+                acks.fail(ids[k : k + 100_000], REASONS[k // 100_000 % 4])
+            else:
+                acks.ack(ids[k : k + 100_000])
     return acks.messages_sent
+
+
+def produce_single_failed(env: Env, ids: list[str]) -> int:
+    return produce_single(env, ids, failed=True)
+
+
+def produce_runs_failed(env: Env, ids: list[str]) -> int:
+    return produce_runs(env, ids, failed=True)
 
 
 def produce_packed_shuffled(env: Env, ids: list[str]) -> int:
@@ -240,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     single = scenario("single_id", n_single, produce_single)
     runs = scenario("run_form", n_runs, produce_runs)
     packed = scenario("packed_shuffled", n_single, produce_packed_shuffled)
+    single_failed = scenario("single_id_failed", n_single, produce_single_failed)
+    runs_failed = scenario("run_form_failed", n_runs, produce_runs_failed)
+    for r in (single_failed, runs_failed):
+        r["failures_per_s"] = r.pop("acks_per_s")
+        r["failures"] = r.pop("acks")
     env = Env()
     try:
         sample = make_batches(env, 2 * GROUP_BITS_MAX)
@@ -256,12 +287,23 @@ def main(argv: list[str] | None = None) -> int:
         "single_id": single,
         "run_form": runs,
         "packed_shuffled": packed,
+        "single_id_failed": single_failed,
+        "run_form_failed": runs_failed,
         "update_per_ack": base,
         "update_per_ack_one_txn": one_txn,
         "single_id_acks_per_s": single["acks_per_s"],
         "run_form_acks_per_s": runs["acks_per_s"],
         "packed_shuffled_acks_per_s": packed["acks_per_s"],
         "update_per_ack_acks_per_s": base["acks_per_s"],
+        "single_id_failures_per_s": single_failed["failures_per_s"],
+        "run_form_failures_per_s": runs_failed["failures_per_s"],
+        # failures through the ack topic vs acks of the same shape (goal: >= 0.5, within 2x)
+        "ratio_single_id_failures_vs_acks": round(single_failed["failures_per_s"] / single["acks_per_s"], 2),
+        "ratio_run_form_failures_vs_acks": round(runs_failed["failures_per_s"] / runs["acks_per_s"], 2),
+        "failures_within_2x_of_acks": min(
+            single_failed["failures_per_s"] / single["acks_per_s"], runs_failed["failures_per_s"] / runs["acks_per_s"]
+        )
+        >= 0.5,
         "ratio_single_id_vs_update": round(single["acks_per_s"] / base["acks_per_s"], 1),
         "ratio_run_form_vs_update": round(runs["acks_per_s"] / base["acks_per_s"], 1),
         "ratio_single_id_vs_update_one_txn": round(single["acks_per_s"] / one_txn["acks_per_s"], 1),

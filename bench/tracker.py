@@ -8,6 +8,9 @@
   `Copy.write_row` (ratio = enqueue / plain).
 - ack: `tracker.ack` of N shuffled item ids in one call and in calls of 50,000 (what an acker
   folding a poll does), in acks/s, beside one UPDATE per ack (one transaction each) on a sample.
+- fail: `tracker.fail` of the same N shuffled ids in one call and in calls of 50,000 (4 reasons in
+  turn), in failures/s, interleaved with the acks above run for run, with the ratios fail / ack
+  (goal: within 2x, i.e. >= 0.5).
 - async: the asyncio face (`AsyncTracker` on a psycopg AsyncConnection) beside the sync face, runs
   interleaved in the same minutes: enqueue of N items and a bulk ack of N ids, with the ratios
   async / sync (goal: within 15%, i.e. >= 0.85).
@@ -141,8 +144,8 @@ def bench_ack(conn: psycopg.Connection, schema: str, n: int, sample: int, repeat
     s = f'"{schema}"'
     out: dict = {}
     for label, chunk in (("one_call", n), ("calls_of_50k", 50_000)):
-        best = float("inf")
-        for rep in range(repeats):
+        best = best_fail = float("inf")
+        for rep in range(repeats):  # acks and failures interleaved, run for run
             batch, ids = _fresh_ids(conn, schema, n, rep)
             t0 = time.perf_counter()
             acked = 0
@@ -152,7 +155,19 @@ def bench_ack(conn: psycopg.Connection, schema: str, n: int, sample: int, repeat
                 acked += r.acked
             best = min(best, time.perf_counter() - t0)
             assert acked == n and tracker.status(conn, batch, schema=schema).state == "complete"
+            batch, ids = _fresh_ids(conn, schema, n, rep)
+            t0 = time.perf_counter()
+            failed = 0
+            for k in range(0, n, chunk):
+                reason = f"bench failure {k // chunk % 4}: upstream timed out"
+                failed += tracker.fail(conn, ids[k : k + chunk], reason, schema=schema).failed
+                conn.commit()
+            best_fail = min(best_fail, time.perf_counter() - t0)
+            status = tracker.status(conn, batch, schema=schema)
+            assert failed == n and (status.state, status.failed) == ("complete", n)
         out[f"bulk_ack_{label}_acks_per_s"] = round(n / best)
+        out[f"fail_{label}_failures_per_s"] = round(n / best_fail)
+        out[f"fail_vs_ack_{label}"] = round(best / best_fail, 2)
     # Where the time goes: folding the ids in Python vs applying the masks in Postgres.
     fold_s = fold_cpu_s = apply_s = float("inf")
     for rep in range(repeats):
@@ -425,12 +440,14 @@ def main(argv: list[str] | None = None) -> int:
         "bulk_ack_acks_per_s": 1_000_000,
         "bits_per_item": 1.2,
         "async_vs_sync": 0.85,
+        "fail_vs_ack": 0.5,
     }
     result["targets_met"] = {
         "enqueue": result["enqueue_items_per_s"] >= 150_000,
         "async_face": min(result["faces"]["async_vs_sync_enqueue"], result["faces"]["async_vs_sync_bulk_ack"]) >= 0.85,
         "bulk_ack": result["bulk_ack_acks_per_s"] >= 1_000_000,
         "storage": result["bits_per_item"] <= 1.2,
+        "failures_within_2x_of_acks": min(result["fail_vs_ack_one_call"], result["fail_vs_ack_calls_of_50k"]) >= 0.5,
     }
     print(json.dumps(result))
     return 0

@@ -148,6 +148,12 @@ class HarvesterMetrics:
         self.acker_deferred_masks = Gauge(
             f"{p}_acker_deferred_masks", "Group masks the acker holds for locked batches", registry=r
         )
+        # Its failures: the tracker's acks_applied counts acks only, so failures count here.
+        self.acker_failures_applied = Counter(
+            f"{p}_acker_failures_applied_total",
+            "Item failures from the ack topic that finished a pending item",
+            registry=r,
+        )
         # The claim settler (harvester.services.claim_settler); the sweeper's expiries count in the tracker's collectors.
         self.settle_busy = Counter(
             f"{p}_settle_busy_total",

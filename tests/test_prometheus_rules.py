@@ -69,6 +69,8 @@ CONTRACT_METRICS = {
     "reaper_settle_busy_total",
     "reaper_acker_deferred_total",
     "reaper_acker_deferred_masks",
+    # failures read from the ack topic (their acks count in reaper_acks_applied_total)
+    "reaper_acker_failures_applied_total",
     # a mark the database refused as arriving or finishing after the lease ended
     "reaper_marks_refused_total",
     # marks not made because another configuration holds the outbox table (harvester.publishing.ownership)

@@ -188,6 +188,22 @@ class AsyncTracker(TrackerCore):
         entries = id_list(item_ids)
         return await _run(session, self._fail_op(entries, await _fold(entries), checked))
 
+    async def fail_masks(
+        self,
+        session: AsyncSession,
+        masks: Mapping[tuple[int, int], GroupMask],
+        reason: str,
+        *,
+        reject_invalid: bool = False,
+        skip_locked: bool = False,
+    ) -> AckResult:
+        """Record folded masks (`tracker.fold`) as failed under `reason` (checked as `fail` checks
+        it): `fail` for callers that fold themselves (the acker), with `apply_masks`' options and
+        result, `acked` counting the items this call failed. Locks the named batch rows until the
+        caller commits."""
+        checked = check_reason(reason)
+        return await _run(session, self._apply_op(masks, reject_invalid, skip_locked, checked))
+
     async def failures(
         self, session: AsyncSession, batch: Batch | int, *, after: str | None = None, limit: int = 100
     ) -> FailurePage:
@@ -288,6 +304,21 @@ async def fail(session: AsyncSession, item_ids: ItemIds, reason: str, *, schema:
     return await default(schema).fail(session, item_ids, reason)
 
 
+async def fail_masks(
+    session: AsyncSession,
+    masks: Mapping[tuple[int, int], GroupMask],
+    reason: str,
+    *,
+    schema: str | None = None,
+    reject_invalid: bool = False,
+    skip_locked: bool = False,
+) -> AckResult:
+    """`AsyncTracker.fail_masks` on the default tracker of `schema`."""
+    return await default(schema).fail_masks(
+        session, masks, reason, reject_invalid=reject_invalid, skip_locked=skip_locked
+    )
+
+
 async def failures(
     session: AsyncSession,
     batch: Batch | int,
@@ -320,6 +351,7 @@ __all__ = [
     "ack",
     "apply_masks",
     "fail",
+    "fail_masks",
     "failures",
     "exactly_once",
 ]

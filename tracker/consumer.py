@@ -1,15 +1,17 @@
 """Helpers for consumers of fanned-out messages: which item a message is, and three ways to ack it.
 
 - `item_id_of(message)`: the item id a Kafka message carries in its `item-id` header.
-- `AckProducer`: acks to the ack topic for the reaper's acker, keyed by batch id; contiguous
-  indexes of a group are compacted into the run form and one batch's acks share messages.
+- `AckProducer`: acks (and failures) to the ack topic for the reaper's acker, keyed by batch id;
+  contiguous indexes of a group are compacted into the run form and one batch's acks share messages.
 - `exactly_once(session, item_id, effect)`: the ack and the consumer's own database side effect
   in one transaction; the effect runs only if this item's bit was still set.
   (The direct path is `tracker.ack(session, ids)`.)
 
-Ack message format (what the acker reads): the value is one or more acks separated by ',', each an
-item id `<batch>:<group>:<index>` or a run `<batch>:<group>:<start>-<end>` (end inclusive); the
-key is the batch id in decimal, so one batch's acks meet in one partition.
+Ack message format (what the acker reads): the value is one or more entries separated by ',', each an
+item id `<batch>:<group>:<index>` or a run `<batch>:<group>:<start>-<end>` (end inclusive): an
+ack; or the same written after a '!': a failure, under the reason the message carries in its
+`failure-reason` header (UTF-8, 1 to 500 characters, as `tracker.fail` takes). The key is the
+batch id in decimal, so one batch's acks and failures meet in one partition, in order.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import Any, TypeVar
 from confluent_kafka import KafkaError, Producer
 
 from tracker.core.acks import Processed as Processed
+from tracker.core.validate import check_reason
 from tracker.errors import MalformedItemId, TrackerError
+from tracker.folding.messages import FAIL_MARK, FAILURE_REASON_HEADER
 from tracker.ids import GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, format_run, parse_item_id
 from tracker.sync import exactly_once as exactly_once
 
@@ -120,6 +124,24 @@ def compact(indexes: Iterable[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def _fold_ids(item_ids: str | bytes | Iterable[str | bytes]) -> dict[tuple[int, int], Any]:
+    """Item ids and runs folded with the acker's bounds-checked fold (no mask beyond 8192 bits);
+    raises MalformedItemId on the first bad one."""
+    from tracker.folding import EntryFolder
+
+    if isinstance(item_ids, (str, bytes)):
+        item_ids = [item_ids]
+    folder = EntryFolder()
+    for entry in item_ids:
+        text = entry.decode("ascii", "replace") if isinstance(entry, bytes) else entry
+        reason = folder.add(text) if isinstance(text, str) else "not a str"
+        if reason is not None:
+            if "out of range" in reason:
+                reason = f"index beyond any group (max {GROUP_BITS_MAX - 1}): {reason}"
+            raise MalformedItemId(entry, reason)
+    return folder.masks
+
+
 class AckDeliveryError(TrackerError):
     def __init__(self, failures: list[str]) -> None:
         self.failures = failures
@@ -127,12 +149,15 @@ class AckDeliveryError(TrackerError):
 
 
 class AckProducer:
-    """Buffers acks and produces them to the ack topic, compacted into runs.
+    """Buffers acks and failures and produces them to the ack topic, compacted into runs.
 
-    `ack()` validates each id and buffers it; the buffer is sent when it holds `max_pending` acks,
-    when `linger` seconds have passed since the oldest buffered ack (checked on every call), and
-    by `flush()`, which also waits until Kafka has every message. An ack is only safe once a
-    `flush()` has returned: call it before committing your own consumer offsets. Thread-safe.
+    `ack()` and `fail()` validate each id (and a failure's reason) and buffer it; the buffer is
+    sent when it holds `max_pending` ids, when `linger` seconds have passed since the oldest
+    buffered one (checked on every call), and by `flush()`, which also waits until Kafka has every
+    message. An ack or failure is only safe once a `flush()` has returned: call it before
+    committing your own consumer offsets. The first outcome given for an item wins, as with
+    `tracker.ack` and `tracker.fail`: one still buffered makes a later other outcome of the item a
+    duplicate (left out), and one already sent precedes it in the batch's partition. Thread-safe.
     """
 
     def __init__(
@@ -163,36 +188,58 @@ class AckProducer:
         self.max_message_bytes = max_message_bytes
         self._lock = threading.Lock()
         self._pending: dict[tuple[int, int], bytearray] = {}  # (batch, group) -> mask of acked indexes
+        # reason -> (batch, group) -> mask of failed indexes; disjoint from each other and from acks
+        self._failing: dict[str, dict[tuple[int, int], bytearray]] = {}
         self._count = 0
         self._oldest: float | None = None
         self._failures: list[str] = []
         self.messages_sent = 0
         self.acks_sent = 0
+        self.failures_sent = 0
 
     def ack(self, item_ids: str | bytes | Iterable[str | bytes]) -> None:
         """Buffer item ids or runs; raises MalformedItemId (buffering none of the call) on a bad one."""
-        from tracker.folding import EntryFolder  # the acker's bounds-checked fold: no mask beyond 8192 bits
+        self._buffer(_fold_ids(item_ids), None)
 
-        if isinstance(item_ids, (str, bytes)):
-            item_ids = [item_ids]
-        folder = EntryFolder()
-        for entry in item_ids:
-            text = entry.decode("ascii", "replace") if isinstance(entry, bytes) else entry
-            reason = folder.add(text) if isinstance(text, str) else "not a str"
-            if reason is not None:
-                if "out of range" in reason:
-                    reason = f"index beyond any group (max {GROUP_BITS_MAX - 1}): {reason}"
-                raise MalformedItemId(entry, reason)
+    def fail(self, item_ids: str | bytes | Iterable[str | bytes], reason: str) -> None:
+        """Buffer item ids or runs as failed under `reason` (1 to 500 characters, as `tracker.fail`
+        takes it). Raises InvalidValue or InvalidArgument for the reason, MalformedItemId for an
+        id; then none of the call is buffered."""
+        checked = check_reason(reason)
+        self._buffer(_fold_ids(item_ids), checked)
+
+    def _buffer(self, masks: dict[tuple[int, int], Any], reason: str | None) -> None:
         with self._lock:
-            for key, mask in folder.masks.items():
-                held = self._pending.get(key)
+            into = self._pending if reason is None else self._failing.setdefault(reason, {})
+            others = [m for r, m in self._failing.items() if r != reason]
+            if reason is not None:
+                others.append(self._pending)
+            for key, mask in masks.items():
+                bits = mask.bits
+                if others:  # the first outcome of an item wins: leave out ids another outcome holds
+                    taken = 0
+                    for other in others:
+                        held = other.get(key)
+                        if held is not None:
+                            taken |= int.from_bytes(held, "big") << (8 * (len(bits) - len(held)))
+                    if taken:
+                        mine = int.from_bytes(bits, "big") & ~taken
+                        if not mine:
+                            continue
+                        bits = bytearray(mine.to_bytes(len(bits), "big"))
+                held = into.get(key)
                 if held is None:
-                    self._pending[key] = mask.bits
+                    into[key] = bits
                 else:
-                    merged = int.from_bytes(held, "big") | int.from_bytes(mask.bits, "big")
-                    self._pending[key] = bytearray(merged.to_bytes(len(held), "big"))
+                    width = max(len(held), len(bits))
+                    merged = (int.from_bytes(held, "big") << (8 * (width - len(held)))) | (
+                        int.from_bytes(bits, "big") << (8 * (width - len(bits)))
+                    )
+                    into[key] = bytearray(merged.to_bytes(width, "big"))
                 self._count += mask.count
-            if self._oldest is None and folder.masks:
+            if reason is not None and not into:
+                del self._failing[reason]
+            if self._oldest is None and masks:
                 self._oldest = time.monotonic()
             due = self._count >= self.max_pending or (
                 self._oldest is not None and time.monotonic() - self._oldest >= self.linger
@@ -203,9 +250,19 @@ class AckProducer:
 
     def _send_locked(self) -> None:
         pending, self._pending, self._count, self._oldest = self._pending, {}, 0, None
+        failing, self._failing = self._failing, {}
+        self._send_masks(pending, None)
+        for reason, masks in failing.items():
+            self._send_masks(masks, reason)
+
+    def _send_masks(self, pending: dict[tuple[int, int], bytearray], reason: str | None) -> None:
         by_batch: dict[int, list[tuple[int, bytearray]]] = {}
         for (batch_id, group_id), bits in pending.items():
             by_batch.setdefault(batch_id, []).append((group_id, bits))
+        mark = "" if reason is None else FAIL_MARK
+        headers: list[tuple[str, str | bytes | None]] | None = (
+            None if reason is None else [(FAILURE_REASON_HEADER, reason.encode())]
+        )
         for batch_id, groups in by_batch.items():
             key = str(batch_id).encode()
             parts: list[str] = []
@@ -214,30 +271,40 @@ class AckProducer:
             named = 0  # groups in the message: the acker sets aside one naming more than it folds at once
             for group_id, bits in sorted(groups, key=lambda g: g[0]):
                 if named == GROUPS_PER_FOLD_MAX:
-                    self._produce(key, parts, acks)
+                    self._produce(key, parts, acks, headers)
                     parts, size, acks, named = [], 0, 0, 0
                 named += 1
                 for start, end in runs_of(bits):
-                    entry = format_run(batch_id, group_id, start, end)
+                    entry = mark + format_run(batch_id, group_id, start, end)
                     if parts and size + len(entry) + 1 > self.max_message_bytes:
-                        self._produce(key, parts, acks)
+                        self._produce(key, parts, acks, headers)
                         parts, size, acks, named = [], 0, 0, 1
                     parts.append(entry)
                     size += len(entry) + 1
                     acks += end - start + 1
             if parts:
-                self._produce(key, parts, acks)
+                self._produce(key, parts, acks, headers)
 
-    def _produce(self, key: bytes, parts: list[str], acks: int) -> None:
+    def _produce(
+        self, key: bytes, parts: list[str], acks: int, headers: list[tuple[str, str | bytes | None]] | None
+    ) -> None:
         value = ACK_SEPARATOR.join(parts).encode()
         while True:
             try:
-                self._producer.produce(self.topic, key=key, value=value, on_delivery=self._delivered)
+                if headers is None:
+                    self._producer.produce(self.topic, key=key, value=value, on_delivery=self._delivered)
+                else:
+                    self._producer.produce(
+                        self.topic, key=key, value=value, headers=headers, on_delivery=self._delivered
+                    )
                 break
             except BufferError:  # local queue full: let deliveries drain, then retry
                 self._producer.poll(0.1)
         self.messages_sent += 1
-        self.acks_sent += acks
+        if headers is None:
+            self.acks_sent += acks
+        else:
+            self.failures_sent += acks
 
     def _delivered(self, err: KafkaError | None, msg: Any) -> None:
         if err is not None:

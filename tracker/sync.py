@@ -163,6 +163,22 @@ class Tracker(TrackerCore):
         entries = id_list(item_ids)
         return _run(session, self._fail_op(entries, _fold(entries), checked))
 
+    def fail_masks(
+        self,
+        session: SyncSession,
+        masks: Mapping[tuple[int, int], GroupMask],
+        reason: str,
+        *,
+        reject_invalid: bool = False,
+        skip_locked: bool = False,
+    ) -> AckResult:
+        """Record folded masks (`tracker.fold`) as failed under `reason` (checked as `fail` checks
+        it): `fail` for callers that fold themselves (the acker), with `apply_masks`' options and
+        result, `acked` counting the items this call failed. Locks the named batch rows until the
+        caller commits."""
+        checked = check_reason(reason)
+        return _run(session, self._apply_op(masks, reject_invalid, skip_locked, checked))
+
     def failures(
         self, session: SyncSession, batch: Batch | int, *, after: str | None = None, limit: int = 100
     ) -> FailurePage:
@@ -259,6 +275,19 @@ def apply_masks(
 def fail(session: SyncSession, item_ids: ItemIds, reason: str, *, schema: str | None = None) -> FailResult:
     """`Tracker.fail` on the default tracker of `schema`."""
     return default(schema).fail(session, item_ids, reason)
+
+
+def fail_masks(
+    session: SyncSession,
+    masks: Mapping[tuple[int, int], GroupMask],
+    reason: str,
+    *,
+    schema: str | None = None,
+    reject_invalid: bool = False,
+    skip_locked: bool = False,
+) -> AckResult:
+    """`Tracker.fail_masks` on the default tracker of `schema`."""
+    return default(schema).fail_masks(session, masks, reason, reject_invalid=reject_invalid, skip_locked=skip_locked)
 
 
 def failures(

@@ -311,8 +311,10 @@ def rows(prefix: str) -> list:
                     [
                         (rate(m.acks_applied), "applied"),
                         (rate(m.acks_duplicate), "duplicate"),
+                        (rate(m.acker_failures_applied), "failures applied"),
                     ],
-                    "Bits cleared by the acker, and acks for bits already clear (redeliveries, retries).",
+                    "Bits cleared by the acker, acks for bits already clear (redeliveries, retries), and "
+                    "failures from the ack topic that finished a pending item.",
                 ),
                 (
                     "Ack apply duration",

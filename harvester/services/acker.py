@@ -3,16 +3,23 @@
 Runs in every reaper (a normal consumer group, not leader-only). Each loop:
 
 1. `consume(num_messages=max_poll_records)`: a poll's worth of ack messages (each value is one or
-   more ',' separated item ids or runs `<batch>:<group>:<start>-<end>`, see tracker.consumer);
-2. fold them into one mask per (batch, group) (tracker.folding); malformed entries are set aside.
+   more ',' separated item ids or runs `<batch>:<group>:<start>-<end>`, an entry written after a
+   '!' being a failure under its message's `failure-reason` header, see tracker.consumer);
+2. fold them into one mask per (batch, group) and outcome (tracker.folding); malformed entries are
+   set aside. Each batch's outcomes keep the order they were read in: the fold's steps (acks, or
+   failures of one reason) are applied in order, a batch moving to its next step only when its
+   outcome changes, so the first outcome of an item wins as if each message had been applied on
+   its own. Acks of batches that never fail share one step (one statement), as before.
    A fold holds at most `max_groups` groups (1 KiB each; 4,096 by default, 4 MiB): a poll naming
    more is applied in several folds, each through steps 3-5, and a message that alone names more is
    dead-lettered as too large, so what anyone can write to the ack topic never costs more memory;
-3. apply every mask in one database transaction (`tracker.Tracker.apply_masks(reject_invalid=True,
-   skip_locked=True)`); unknown batches/groups, out-of-range indexes and expired batches come back
-   as rejected. A batch whose row another transaction holds (a producer adding to it, a closer, a
-   settle) is not waited for: its masks are deferred (metric `reaper_acker_deferred_total`, a log
-   line) and merged into the next apply, and the offsets of every partition in the deferring poll
+3. apply every step in one database transaction (`tracker.Tracker.apply_masks` for acks,
+   `fail_masks` for each reason's failures, both with reject_invalid=True, skip_locked=True);
+   unknown batches/groups, out-of-range indexes and expired batches come back as rejected. A batch
+   whose row another transaction holds (a producer adding to it, a closer, a settle) is not waited
+   for: its masks, in this step and every later one, are deferred (metric
+   `reaper_acker_deferred_total`, a log line) and applied before the next poll's of that batch,
+   and the offsets of every partition in the deferring poll
    stay uncommitted from that poll's first offset until nothing is deferred any more, so a crash
    replays them (harmlessly: acks are idempotent) and nothing is lost. The connection also has a
    `lock_timeout` (`lock_timeout` seconds): any other wait fails the poll, which is retried;
@@ -31,6 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -40,7 +48,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from harvester.metrics import HarvesterMetrics
 from harvester.metrics import get as get_metrics
 from tracker import AckResult
-from tracker.folding import GROUPS_PER_FOLD_MAX, Folded, fold_messages
+from tracker.folding import FAIL_MARK, FAILURE_REASON_HEADER, GROUPS_PER_FOLD_MAX, Folded, fold_messages
 from tracker.ids import GroupMask
 from tracker.pooling import configure_for_pooler
 from tracker.schema import check_identifier
@@ -49,6 +57,21 @@ from tracker.sync import Tracker
 log = structlog.get_logger("reaper.acker")
 
 REASON_HEADER = "reason"
+
+# (reason or None for acks, masks): what one statement applies; a list of them is applied in order
+Step = tuple[str | None, dict[tuple[int, int], GroupMask]]
+
+
+@dataclass
+class Applied:
+    """What one apply of a list of steps did."""
+
+    acked: int = 0
+    failed: int = 0
+    duplicates: int = 0
+    completed: list[int] = field(default_factory=list)
+    rejected: list[tuple[str, str, str | None]] = field(default_factory=list)  # entry, why, failure reason
+    skipped: list[Step] = field(default_factory=list)  # steps of batches held elsewhere, in order
 
 
 class Acker:
@@ -104,8 +127,8 @@ class Acker:
             raise ValueError(f"max_groups must be a whole number >= 1, got {max_groups!r}")
         # groups one fold (one apply) holds at most: 1 KiB each, whatever the ack topic carries
         self.max_groups = max_groups
-        # masks of batches that were locked elsewhere, applied with the next poll (or on their own)
-        self._deferred: dict[tuple[int, int], GroupMask] = {}
+        # steps of batches that were locked elsewhere, applied before the next poll's (or on their own)
+        self._deferred: list[Step] = []
         self._paused = False  # the assigned partitions, while the deferred masks fill a fold
         # partition -> first offset not safe to commit while something is deferred
         self._blocked: dict[int, int] = {}
@@ -148,6 +171,7 @@ class Acker:
             "polls": 0,
             "messages": 0,
             "acked": 0,
+            "failed": 0,
             "duplicates": 0,
             "completed": 0,
             "dead_lettered": 0,
@@ -191,7 +215,7 @@ class Acker:
     def _pause_while_deferred_fill(self, consumer: Consumer) -> None:
         """No new acks are fetched while the deferred masks fill a fold (a batch held locked for
         long); consume() still runs, so the acker stays in its group and retries the deferred."""
-        full = len(self._deferred) >= self.max_groups
+        full = _masks_in(self._deferred) >= self.max_groups
         if full != self._paused:
             partitions = consumer.assignment()
             (consumer.pause if full else consumer.resume)(partitions)
@@ -204,7 +228,7 @@ class Acker:
         while messages:
             # Deferred masks count against the bound: while they fill it, no more is folded and the
             # rest of the poll comes again later (the partitions are paused until there is room).
-            room = self.max_groups - len(self._deferred)
+            room = self.max_groups - _masks_in(self._deferred)
             if room <= 0:
                 self._rewind(consumer, _first_offsets(messages))
                 return True
@@ -221,9 +245,9 @@ class Acker:
         if not folded.messages:
             return True
         held = self._deferred
-        masks = self._with_deferred(folded.masks)
+        steps = _relevel(self._deferred + folded.steps) if self._deferred else folded.steps
         try:
-            result = self._apply(masks)
+            result = self._apply(steps)
             dead = self._dead_letter(producer, folded, result)
         except Exception as exc:
             self.stats["retries"] += 1
@@ -233,9 +257,7 @@ class Acker:
             return False
         self.stats["polls"] += 1
         self.stats["messages"] += folded.messages
-        self.stats["acked"] += result.acked
-        self.stats["duplicates"] += result.duplicates
-        self.stats["completed"] += len(result.completed)
+        self._count(result)
         self.stats["dead_lettered"] += dead
         for partition, offset in folded.last.items():
             self._uncommitted[partition] = offset + 1
@@ -243,22 +265,15 @@ class Acker:
         self._commit(consumer)
         return True
 
-    def _with_deferred(self, masks: dict[tuple[int, int], GroupMask]) -> dict[tuple[int, int], GroupMask]:
-        """The poll's masks with the deferred ones merged in (the deferred dict is left as it was)."""
-        if not self._deferred:
-            return masks
-        merged = dict(masks)
-        for key, m in self._deferred.items():
-            mine = merged.get(key)
-            if mine is None:
-                merged[key] = m
-            else:
-                copy = GroupMask(mine.batch_id, mine.group_id, bytearray(mine.bits), mine.max_index, mine.count)
-                copy.merge(m)
-                merged[key] = copy
-        return merged
+    def _count(self, result: Applied) -> None:
+        self.stats["acked"] += result.acked
+        self.stats["failed"] += result.failed
+        self.stats["duplicates"] += result.duplicates
+        self.stats["completed"] += len(result.completed)
+        if result.failed:
+            self.metrics.acker_failures_applied.inc(result.failed)
 
-    def _defer(self, result: AckResult, first: dict[int, int]) -> None:
+    def _defer(self, result: Applied, first: dict[int, int]) -> None:
         """Keep what was skipped for the next apply; hold back the offsets it came from."""
         self._deferred = result.skipped
         if not result.skipped:
@@ -269,16 +284,17 @@ class Acker:
             self._blocked[partition] = min(offset, self._blocked.get(partition, offset))
         self.stats["deferred"] += 1
         self.metrics.acker_deferred.inc()
-        self.metrics.acker_deferred_masks.set(len(result.skipped))
+        masks = _masks_in(result.skipped)
+        self.metrics.acker_deferred_masks.set(masks)
         now = time.monotonic()
         if now - self._deferred_logged >= 1.0:  # at most one line a second while a batch stays locked
             self._deferred_logged = now
-            batches = sorted({b for b, _g in result.skipped})
+            batches = sorted({b for _r, step in result.skipped for b, _g in step})
             log.info(
                 "acks deferred: batch rows locked by another transaction; retrying",
                 batches=batches[:10],
                 batch_count=len(batches),
-                masks=len(result.skipped),
+                masks=masks,
             )
 
     def _retry_deferred(self, consumer: Consumer) -> None:
@@ -289,50 +305,78 @@ class Acker:
             self.stats["retries"] += 1
             log.warning("deferred acks failed; will retry", error=str(exc), error_type=type(exc).__name__)
             return
-        self.stats["acked"] += result.acked
-        self.stats["duplicates"] += result.duplicates
-        self.stats["completed"] += len(result.completed)
+        self._count(result)
         # (nothing is rejected here: these masks were valid when they were deferred, and a batch
         # that has since expired or gone simply has nothing left to clear)
         self._defer(result, {})
         self._commit(consumer)
 
-    def _apply(self, masks: dict[tuple[int, int], GroupMask]) -> AckResult:
-        if not masks:
-            return AckResult()
+    def _apply(self, steps: list[Step]) -> Applied:
+        """Apply the steps in order, in one transaction. A batch another transaction holds is not
+        waited for: its masks in that step and every later one come back in `skipped`, in order."""
+        if not any(masks for _r, masks in steps):
+            return Applied()
         conn = self._conn
         if conn is None or conn.closed or conn.broken:
             conn = self._conn = psycopg.connect(self.dsn, autocommit=True)
             configure_for_pooler(conn)  # PgBouncer in transaction mode: no prepared statements
             # a bound on any wait SKIP LOCKED does not cover; the poll is then retried
             conn.execute("SELECT set_config('lock_timeout', %s, false)", [f"{int(self.lock_timeout * 1000)}ms"])
+        out = Applied()
+        held: set[int] = set()  # batches skipped: none of their later steps may go before them
         try:
-            # an autocommit connection: apply_masks runs as one transaction of its own
-            return self.tracker.apply_masks(conn, masks, reject_invalid=True, skip_locked=True)
+            with conn.transaction():  # every step in one transaction: all of the poll or none
+                for reason, masks in steps:
+                    if held:
+                        later = {k: m for k, m in masks.items() if k[0] in held}
+                        if later:
+                            out.skipped.append((reason, later))
+                            masks = {k: m for k, m in masks.items() if k[0] not in held}
+                    if not masks:
+                        continue
+                    result: AckResult
+                    if reason is None:
+                        result = self.tracker.apply_masks(conn, masks, reject_invalid=True, skip_locked=True)
+                        out.acked += result.acked
+                    else:
+                        result = self.tracker.fail_masks(conn, masks, reason, reject_invalid=True, skip_locked=True)
+                        out.failed += result.acked
+                    out.duplicates += result.duplicates
+                    out.completed.extend(result.completed)
+                    out.rejected.extend((entry, why, reason) for entry, why in result.rejected)
+                    if result.skipped:
+                        out.skipped.append((reason, result.skipped))
+                        held.update(b for b, _g in result.skipped)
+            return out
         except psycopg.Error:
             if conn.broken or conn.closed:
                 self._conn = None
             raise
 
-    def _dead_letter(self, producer: Producer, folded: Folded, result: AckResult) -> int:
+    def _dead_letter(self, producer: Producer, folded: Folded, result: Applied) -> int:
+        """Bad and rejected entries to the dead-letter topic, each as a message that could be sent
+        to the ack topic again (a failure keeps its '!' and its failure-reason header), with the
+        reason it was set aside in the `reason` header."""
         letters: list[tuple[bytes | None, bytes | None, list[tuple[str, str | bytes | None]]]] = []
         source = self.topic.encode()
-        for key, entry, reason, partition, offset in folded.bad:
-            letters.append(
-                (
-                    key,
-                    entry,
-                    [
-                        (REASON_HEADER, reason.encode()),
-                        ("source-topic", source),
-                        ("source-partition", str(partition).encode()),
-                        ("source-offset", str(offset).encode()),
-                    ],
-                )
-            )
-        for rejected, reason in result.rejected:
+        for n, (key, entry, reason, partition, offset) in enumerate(folded.bad):
+            headers: list[tuple[str, str | bytes | None]] = [
+                (REASON_HEADER, reason.encode()),
+                ("source-topic", source),
+                ("source-partition", str(partition).encode()),
+                ("source-offset", str(offset).encode()),
+            ]
+            failure = folded.bad_failure.get(n)
+            if failure is not None:
+                headers.append((FAILURE_REASON_HEADER, failure))
+            letters.append((key, entry, headers))
+        for rejected, reason, failure_reason in result.rejected:
             batch_id = rejected.split(":", 1)[0].encode()
-            letters.append((batch_id, rejected.encode(), [(REASON_HEADER, reason.encode()), ("source-topic", source)]))
+            headers = [(REASON_HEADER, reason.encode()), ("source-topic", source)]
+            if failure_reason is not None:
+                headers.append((FAILURE_REASON_HEADER, failure_reason.encode()))
+                rejected = FAIL_MARK + rejected
+            letters.append((batch_id, rejected.encode(), headers))
         if not letters:
             return 0
         failures: list[str] = []
@@ -457,3 +501,53 @@ def _first_offsets(messages: list[Any]) -> dict[int, int]:
         if msg.error() is None:
             first.setdefault(msg.partition(), msg.offset())
     return first
+
+
+def _masks_in(steps: list[Step]) -> int:
+    return sum(len(masks) for _r, masks in steps)
+
+
+def _relevel(steps: list[Step]) -> list[Step]:
+    """The same steps in few statements, each batch's order kept: a batch's masks join the step of
+    its previous masks while it stays with acks or with failures; when it moves between the two (or
+    for its first masks), the first later step (or the first step) already holding that outcome,
+    else a new one. Failures of a batch under several reasons in one step are kept disjoint, the
+    earlier reason keeping an item. Masks are merged into copies: the given ones are left as they were."""
+    levels: list[dict[str | None, dict[tuple[int, int], GroupMask]]] = []
+    state: dict[int, tuple[int, bool]] = {}  # batch -> (level, failed) of its last masks
+    for reason, masks in steps:
+        failed = reason is not None
+        for key, mask in masks.items():
+            got = state.get(key[0])
+            if got is not None and got[1] == failed:
+                level = got[0]
+            else:
+                level = 0 if got is None else got[0] + 1
+                while level < len(levels) and reason not in levels[level]:
+                    level += 1
+            state[key[0]] = (level, failed)
+            if level == len(levels):
+                levels.append({})
+            if failed:
+                taken = 0
+                for other, held in levels[level].items():
+                    if other is not None and other != reason and key in held:
+                        taken |= int.from_bytes(held[key].bits.ljust(len(mask.bits), b"\0")[: len(mask.bits)], "big")
+                if taken:
+                    bits = int.from_bytes(mask.bits, "big") & ~taken
+                    mask = GroupMask(
+                        mask.batch_id,
+                        mask.group_id,
+                        bytearray(bits.to_bytes(len(mask.bits), "big")),
+                        mask.max_index,
+                        mask.count,
+                    )
+            into = levels[level].setdefault(reason, {})
+            mine = into.get(key)
+            if mine is None:
+                into[key] = mask
+            else:
+                copy = GroupMask(mine.batch_id, mine.group_id, bytearray(mine.bits), mine.max_index, mine.count)
+                copy.merge(mask)
+                into[key] = copy
+    return [(reason, masks) for level in levels for reason, masks in level.items()]

@@ -114,10 +114,14 @@ class TrackerCore:
     def _status_op(self, batch: object) -> Op[BatchStatus]:
         return batches.status_op(self._q_batches, batch)  # type: ignore[arg-type]
 
-    def _apply_op(self, masks: object, reject_invalid: bool, skip_locked: bool = False) -> Op[AckResult]:
+    def _apply_op(
+        self, masks: object, reject_invalid: bool, skip_locked: bool = False, reason: str | None = None
+    ) -> Op[AckResult]:
         if not isinstance(masks, Mapping) or not all(isinstance(m, GroupMask) for m in masks.values()):
             raise InvalidArgument("masks", masks, "a mapping of (batch, group) to GroupMask, from tracker.fold")
-        return acks.apply_op(self._q_acks, masks, self.config.completion_topic, reject_invalid, skip_locked=skip_locked)
+        return acks.apply_op(
+            self._q_acks, masks, self.config.completion_topic, reject_invalid, skip_locked=skip_locked, reason=reason
+        )
 
     def _ack_op(
         self, entries: list[str | bytes], masks: dict[tuple[int, int], GroupMask], claims: bool

@@ -38,9 +38,11 @@ from tracker.folding.entries import (
     parse_ack,
     parse_item_id,
 )
-from tracker.folding.messages import Folded, fold_messages
+from tracker.folding.messages import FAIL_MARK, FAILURE_REASON_HEADER, Folded, failure_reason, fold_messages
 
 __all__ = [
+    "FAIL_MARK",
+    "FAILURE_REASON_HEADER",
     "GROUP_BITS_MAX",
     "GROUPS_PER_FOLD_MAX",
     "ID_MAX",
@@ -53,6 +55,7 @@ __all__ = [
     "ItemId",
     "fold",
     "fold_arrow",
+    "failure_reason",
     "fold_messages",
     "iter_ids",
     "or_bits",

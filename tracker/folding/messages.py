@@ -1,12 +1,25 @@
 """Ack messages from the ack topic (the acker): folded per group, bad entries set aside with their
-partition and offset, a round bounded by `GROUPS_PER_FOLD_MAX` whole masks."""
+partition and offset, a round bounded by `GROUPS_PER_FOLD_MAX` whole masks.
+
+An entry is an ack, or, written with a leading `!`, a failure under the reason its message carries
+in the `failure-reason` header (1 to 500 characters of UTF-8, checked as `tracker.fail` checks a
+reason). The fold keeps each batch's outcomes in the order they were read: `Folded.steps` lists
+(reason or None for acks, masks) in the order to apply them, a batch's acks and failures in
+successive steps each time its outcome changes, so applying the steps in order records what
+applying the messages one by one would (the first outcome of an item wins)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from tracker.core.validate import check_reason
+from tracker.errors import TrackerError
 from tracker.folding.entries import _INDEX_BITS, GROUPS_PER_FOLD_MAX, EntryFolder, GroupMask, parse_ack
+
+# An entry written `!<item id or run>` is a failure, under the reason in its message's header:
+FAIL_MARK = "!"
+FAILURE_REASON_HEADER = "failure-reason"
 
 # ---------------------------------------------------------------- Kafka messages (the acker)
 
@@ -24,6 +37,122 @@ class Folded:
     messages: int = 0
     errors: list[Any] = field(default_factory=list)  # KafkaErrors the poll returned instead of messages
     rest: list[Any] = field(default_factory=list)  # messages left for the next fold (the bound was reached)
+    # (reason, masks) in the order to apply them: reason None for acks, else the failures' reason.
+    # `masks` above is the first step's acks: every ack of a fold that holds no failure.
+    steps: list[tuple[str | None, dict[tuple[int, int], GroupMask]]] = field(default_factory=list)
+    # index in `bad` -> the failure-reason header of a failure entry's message (as received), so
+    # its dead letter can be sent again as it was
+    bad_failure: dict[int, bytes] = field(default_factory=dict)
+    failures: int = 0  # failure entries folded (duplicates included)
+
+
+class OutcomeFolder:
+    """Entries of both outcomes folded per (step, outcome): a batch stays in step 0's acks until a
+    failure of it is read; each change of a batch's outcome between ack and failure moves it to its
+    next step. Failures of one batch under several reasons share a step, kept disjoint (an item
+    stays with the reason it failed under first), so they apply in any order."""
+
+    __slots__ = ("steps", "acks", "state", "extra")
+
+    def __init__(self) -> None:
+        self.acks = EntryFolder()
+        self.steps: list[dict[str | None, EntryFolder]] = [{None: self.acks}]
+        # batch id as written -> (step, outcome), once a failure of the batch was read
+        self.state: dict[str, tuple[int, str | None]] = {}
+        self.extra = 0  # masks held beyond the first step's acks (kept by the caller of `folder`)
+
+    def folder(self, batch: str, outcome: str | None) -> EntryFolder:
+        """Where the next entry of `batch` with this outcome goes (moving the batch on a change)."""
+        step, current = self.state.get(batch, (0, None))
+        if (current is None) != (outcome is None):
+            step += 1
+            if step == len(self.steps):
+                self.steps.append({})
+        elif outcome is None and step == 0:
+            return self.acks
+        if current != outcome:
+            self.state[batch] = (step, outcome)
+        level = self.steps[step]
+        folder = level.get(outcome)
+        if folder is None:
+            folder = level[outcome] = EntryFolder()
+        return folder
+
+    def masks_held(self) -> int:
+        return len(self.acks.masks) + self.extra
+
+    def new_masks(self, items: list[tuple[str | None, str]]) -> int:
+        """How many masks folding these (outcome, entry) pairs would add (a head that does not parse
+        counts as new: it is at worst set aside)."""
+        state: dict[str, tuple[int, str | None]] = {}
+        seen: set[tuple[int, str | None, str]] = set()
+        n = 0
+        for outcome, entry in items:
+            head = entry.rpartition(":")[0]
+            batch = head.partition(":")[0]
+            step, current = state.get(batch) or self.state.get(batch, (0, None))
+            if (current is None) != (outcome is None):
+                step += 1
+            state[batch] = (step, outcome)
+            key = (step, outcome, head)
+            if key in seen:
+                continue
+            seen.add(key)
+            folder = self.steps[step].get(outcome) if step < len(self.steps) else None
+            if folder is None or _new_groups([entry], folder.masks):
+                n += 1
+        return n
+
+    def disjoin(self, batch: str, outcome: str, entry: str) -> None:
+        """After a failure entry (valid) was folded under `outcome`: leave out of it the items its
+        step holds as failed under another reason (read first, so theirs)."""
+        level = self.steps[self.state[batch][0]]
+        if len(level) - (None in level) < 2:
+            return
+        head, _, tail = entry.rpartition(":")
+        folder = level[outcome]
+        key = folder._heads.get(head)  # the entry was just folded: its head is known
+        if key is None:
+            run = parse_ack(entry)
+            key = (run.batch_id, run.group_id)
+        mine = folder.masks[key]
+        start, _, end = tail.partition("-")  # checked by the fold: plain decimals
+        first, last = int(start) >> 3, int(end or start) >> 3
+        for other_reason, other in level.items():
+            theirs = None if other_reason is None or other_reason == outcome else other.masks.get(key)
+            if theirs is not None:  # the steps' failure masks were disjoint: only the new items meet
+                bits, their_bits = mine.bits, theirs.bits
+                for byte in range(first, last + 1):
+                    bits[byte] &= ~their_bits[byte] & 0xFF
+
+    def ordered(self) -> list[tuple[str | None, dict[tuple[int, int], GroupMask]]]:
+        return [(outcome, f.masks) for level in self.steps for outcome, f in level.items() if f.masks]
+
+
+def failure_reason(raw: bytes | None) -> str:
+    """The reason a `failure-reason` header carries; raises TrackerError (InvalidValue,
+    InvalidArgument) naming what is wrong, as `tracker.fail` refuses a reason."""
+    if raw is None:
+        raise _NoReason(f"failure entries need a {FAILURE_REASON_HEADER!r} header")
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _NoReason(f"the {FAILURE_REASON_HEADER!r} header is not UTF-8 ({exc.reason} at {exc.start})") from None
+    return check_reason(text, FAILURE_REASON_HEADER)
+
+
+class _NoReason(TrackerError, ValueError):
+    pass
+
+
+def _headers_of(msg: Any) -> list[tuple[str, bytes]]:
+    headers = msg.headers() if callable(getattr(msg, "headers", None)) else None
+    return list(headers or ())
+
+
+def _reason_headers(msg: Any) -> list[bytes]:
+    """The values of the message's `failure-reason` headers (an absent value read as empty)."""
+    return [value or b"" for key, value in _headers_of(msg) if key == FAILURE_REASON_HEADER]
 
 
 def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX, room: int | None = None) -> Folded:
@@ -36,14 +165,21 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
     `max_groups` groups is set aside whole as too large."""
     room = max_groups if room is None else room
     out = Folded()
-    folder = EntryFolder()
+    outcomes = OutcomeFolder()
+    folder = outcomes.acks
     out.masks = masks = folder.masks
     bad, first, last, add = out.bad, out.first, out.last, folder.add
-    # Fast path, most messages: one item id of a group already seen in this fold. Works on the
-    # raw bytes; anything else takes the validating path.
+    # Fast path, most messages: one item id (an ack) of a group already seen in this fold, whose
+    # batch has no failure in it. Works on the raw bytes; anything else takes the validating path.
     by_head: dict[bytes, GroupMask] = {}
+    # Likewise one failure ('!<id>') under the one reason header of a group already failed under
+    # it in this fold: (header value, head) -> its mask and the masks of the step's other reasons.
+    # Dropped whenever a mask is added or a batch moves between acks and failures.
+    fail_head: dict[tuple[bytes, bytes], tuple[GroupMask, list[GroupMask]]] = {}
     index_bits = _INDEX_BITS
     count = 0
+    held = 0  # masks held once the fold holds failures (before: len(masks))
+    checked: dict[bytes | None, str] = {}  # failure-reason headers already read in this fold
     # A poll returns runs of messages from one partition: offsets are read at run boundaries.
     current, previous = -1, None  # -1: no partition yet (a consumed message always has one)
     for position, msg in enumerate(messages):
@@ -74,25 +210,83 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
                     if bit[2] > mask.max_index:
                         mask.max_index = bit[2]
                     continue
+            elif fail_head and value[:1] == b"!":
+                headers = msg.headers()
+                hit = (
+                    fail_head.get((headers[0][1], head))
+                    if headers and len(headers) == 1 and headers[0][0] == FAILURE_REASON_HEADER
+                    else None
+                )
+                bit = None if hit is None else index_bits.get(tail)
+                if bit is not None:
+                    partition = msg.partition()
+                    if partition != current:
+                        if previous is not None:
+                            last[current] = previous.offset()
+                        current = partition
+                        if partition not in first:
+                            first[partition] = msg.offset()
+                    previous = msg
+                    count += 1
+                    out.failures += 1
+                    mask, others = hit  # type: ignore[misc]
+                    byte, flag = bit[0], bit[1]
+                    for other in others:  # failed under another reason first: theirs
+                        if other.bits[byte] & flag:
+                            break
+                    else:
+                        mask.bits[byte] |= flag
+                    mask.count += 1
+                    if bit[2] > mask.max_index:
+                        mask.max_index = bit[2]
+                    continue
         # The validating path: decode, split, check the bound, then fold entry by entry.
         entries: list[str] = []
         reason = None
+        failure: str | None = None  # the message's failure reason, when it has failure entries
+        raw_reason: bytes | None = None
+        items: list[tuple[str | None, str]] = []
         try:
             entries = value.decode("ascii").split(",")
         except (AttributeError, UnicodeDecodeError):
             reason = "malformed: value is empty or not ASCII"
         else:
-            # Each entry names at most one new group; counted exactly only when that bound says
-            # this message might not fit. Stop before a message that would take the fold past
-            # `room` (never at the first: every fold makes progress).
-            new = len(entries)
-            if new > max_groups or (masks and len(masks) + new > room):
-                new = _new_groups(entries, masks)
-            if new > max_groups:
-                reason = f"too large: names more than {max_groups} groups; split it"
-            elif masks and len(masks) + new > room:
-                out.rest = messages[position:]
-                break
+            if b"!" in value and any(e[:1] == FAIL_MARK for e in entries):
+                given = _reason_headers(msg)
+                raw_reason = given[0] if given else None
+                failure = checked.get(raw_reason) if len(given) == 1 else None
+                if failure is None:
+                    try:
+                        if len(given) > 1:  # which one was meant is unknown
+                            raise _NoReason(f"the {FAILURE_REASON_HEADER!r} header is given {len(given)} times")
+                        failure = checked[raw_reason] = failure_reason(raw_reason)
+                    except TrackerError as exc:
+                        reason = f"invalid failure: {exc}"
+            if reason is None and (failure is not None or outcomes.state):
+                items = [
+                    (failure, e[1:]) if e[:1] == FAIL_MARK else (None, e) for e in entries
+                ]  # (outcome, entry as an ack entry)
+                held = outcomes.masks_held() if outcomes.state else len(masks)
+                new = len(items)
+                if new > max_groups or (held and held + new > room):
+                    new = outcomes.new_masks(items)
+                if new > max_groups:
+                    reason = f"too large: names more than {max_groups} groups; split it"
+                elif held and held + new > room:
+                    out.rest = messages[position:]
+                    break
+            elif reason is None:
+                # Each entry names at most one new group; counted exactly only when that bound says
+                # this message might not fit. Stop before a message that would take the fold past
+                # `room` (never at the first: every fold makes progress).
+                new = len(entries)
+                if new > max_groups or (masks and len(masks) + new > room):
+                    new = _new_groups(entries, masks)
+                if new > max_groups:
+                    reason = f"too large: names more than {max_groups} groups; split it"
+                elif masks and len(masks) + new > room:
+                    out.rest = messages[position:]
+                    break
         partition = msg.partition()
         assert partition is not None
         if partition != current:
@@ -104,18 +298,55 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
         previous = msg
         count += 1
         if reason is not None:
+            if raw_reason is not None:
+                out.bad_failure[len(bad)] = bytes(raw_reason)
             bad.append((msg.key(), value, reason, partition, msg.offset()))
             continue
-        for entry in entries:
-            reason = add(entry)
+        if failure is None and not outcomes.state:
+            for entry in entries:
+                reason = add(entry)
+                if reason is not None:
+                    bad.append((msg.key(), entry.encode(), reason, partition, msg.offset()))
+            if len(entries) == 1 and reason is None and "-" not in entries[0]:
+                parsed = parse_ack(entries[0])
+                by_head[value.rpartition(b":")[0]] = masks[(parsed.batch_id, parsed.group_id)]
+            continue
+        # A fold holding failures: each entry goes to its batch's step for its outcome.
+        for outcome, entry in items:
+            batch = entry.partition(":")[0]
+            if (by_head or fail_head) and (outcomes.state.get(batch, (0, None))[1] is None) != (outcome is None):
+                by_head.clear()  # this batch moves between acks and failures: it leaves the fast paths' masks
+                fail_head.clear()
+            target = outcomes.folder(batch, outcome)
+            before = len(target.masks)
+            reason = target.add(entry)
+            if target is not folder and len(target.masks) != before:
+                outcomes.extra += len(target.masks) - before
+                fail_head.clear()  # a new mask: another reason's may now meet a registered one
+            if reason is None and outcome is not None:
+                outcomes.disjoin(batch, outcome, entry)
+            if reason is None and outcome is None and len(items) == 1 and "-" not in entry:
+                parsed = parse_ack(entry)
+                by_head[value.rpartition(b":")[0]] = target.masks[(parsed.batch_id, parsed.group_id)]
             if reason is not None:
-                bad.append((msg.key(), entry.encode(), reason, partition, msg.offset()))
-        if len(entries) == 1 and reason is None and "-" not in entries[0]:
-            parsed = parse_ack(entries[0])
-            by_head[value.rpartition(b":")[0]] = masks[(parsed.batch_id, parsed.group_id)]
+                if outcome is not None:
+                    out.bad_failure[len(bad)] = bytes(raw_reason or b"")
+                written = FAIL_MARK + entry if outcome is not None else entry
+                bad.append((msg.key(), written.encode(), reason, partition, msg.offset()))
+            elif outcome is not None:
+                out.failures += 1
+                if len(items) == 1 and "-" not in entry and raw_reason is not None:
+                    head_text = entry.rpartition(":")[0]
+                    key = target._heads[head_text]
+                    level = outcomes.steps[outcomes.state[batch][0]]
+                    others = [
+                        f.masks[key] for r, f in level.items() if r is not None and r != outcome and key in f.masks
+                    ]
+                    fail_head[(raw_reason, b"!" + head_text.encode())] = (target.masks[key], others)
     if previous is not None:
         last[current] = previous.offset()
     out.messages = count
+    out.steps = outcomes.ordered()
     return out
 
 
