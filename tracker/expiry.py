@@ -82,6 +82,8 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
         "outbox": sql.Identifier(schema, outbox_table),
         "expiry_event": sql.Identifier(schema, "expiry_event"),  # the event itself: sql/R__events.sql
         "finish": sql.Identifier(schema, "batch_finish"),  # sql/R__outcomes.sql
+        "forget": sql.Identifier(schema, "failure_reasons_forget"),  # sql/R__outcomes.sql
+        "group_failure": sql.Identifier(schema, "group_failure"),
         "outbox_name": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None)),
     }
     q = {
@@ -103,9 +105,14 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
         "delete": sql.SQL(
             "WITH old AS (SELECT id FROM {batch} WHERE state IN ('complete', 'expired') "
             "AND coalesce(completed_at, expired_at) < clock_timestamp() - make_interval(secs => %(retention)s) "
-            "ORDER BY coalesce(completed_at, expired_at) LIMIT %(chunk)s FOR UPDATE SKIP LOCKED) "
-            "DELETE FROM {batch} b USING old WHERE b.id = old.id RETURNING b.id"
+            "ORDER BY coalesce(completed_at, expired_at) LIMIT %(chunk)s FOR UPDATE SKIP LOCKED), "
+            "gone AS (DELETE FROM {batch} b USING old WHERE b.id = old.id RETURNING b.id) "
+            # With each batch, the reasons its failed items had (read before the cascade deletes them).
+            "SELECT gone.id, ARRAY(SELECT DISTINCT f.reason_id FROM {group_failure} f WHERE f.batch_id = gone.id) "
+            "FROM gone"
         ),
+        # Those reasons that no retained item failed under go too (sql/R__outcomes.sql).
+        "forget": sql.SQL("SELECT {forget}(%s::int8[])"),
     }
     return {k: v.format(**names).as_string(None) for k, v in q.items()}
 
@@ -136,7 +143,8 @@ def sweep(
     metrics_prefix: str = metrics.DEFAULT_PREFIX,
 ) -> SweepResult:
     """Expire idle batches (one expiry event each), then delete old finished ones, `chunk` at a
-    time until none are left (or `max_chunks` statements of each kind ran). Returns how many of each.
+    time until none are left (or `max_chunks` statements of each kind ran), and with them the
+    failure reasons that no retained item failed under. Returns how many batches of each.
 
     `outbox_table` and `completion_topic` default to the default tracker's ("outbox",
     "batch-completions"); `expiry_topic` (None: each batch's completion topic) is where expiry events go.
@@ -173,6 +181,9 @@ def sweep(
                 children = [r[0] for r in rows if kind == "expire" and r[5] is not None]
                 if children:
                     conn.execute(q["finish"], [default_topic, children])
+                reasons = sorted({r for row in rows for r in row[1]}) if kind == "delete" else []
+                if reasons:
+                    conn.execute(q["forget"], [reasons])
             n = len(rows)
             if commit_chunks:
                 conn.commit()
