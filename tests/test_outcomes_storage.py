@@ -53,9 +53,7 @@ def test_a_reason_row_takes_the_smaller_form_of_its_items(conn, schema):
     assert shared[6] <= 8192 // 8 + 16
     [few] = [r for r in rows if r[0] == "few"]
     assert (few[1], few[2], few[3], few[4]) == (5000, 7000, 3, None)
-    (stored,) = conn.execute(
-        "SELECT sum(pg_column_size(f.*)) FROM group_failure f"
-    ).fetchone()
+    (stored,) = conn.execute("SELECT sum(pg_column_size(f.*)) FROM group_failure f").fetchone()
     assert stored < 402 * 100 + 8192 // 8  # ~80 bytes a row, not 1 KiB: proportional to what failed
 
 
