@@ -1,17 +1,16 @@
 """Cost of one page of failures() when the items of one group failed under many distinct reasons,
 and the storage they take.
 
-A group's failed items with one reason share one group_failure row of the group's size in bits
-(1 KiB for 8192 items). With a reason per item (an error message carrying an id or a time), a
-group holds one such row per failed item, and failures() walks every bit of every row of the
-group (generate_series over 8192 bits per row, then sorts) before it returns even one item.
+A group's failed items with one reason share one group_failure row: their indexes (2 bytes each)
+when few, the group's bitmap when that is smaller. A page reads, per group, only the rows whose
+items it may return (by their first item) and from each only the items after its cursor.
 
     python -m bench.outcomes_failures_page 8192     # needs OUTBOX_TEST_DSN
 
 Measured (8192 items of one group, each failed alone with its own reason; shared CI machine):
-group_failure 9.7 MB (1.2 KB per failed item) and failure_reason 1.7 MB; one page of 1, 100 or
-1000 items: 4.5 to 6 s whatever the limit (4096 items: 1.1 s, so quadratic in the items of a group).
-With one shared reason the same page takes 2 to 6 ms.
+group_failure 632 kB (79 bytes per failed item); one page of 1, 100 or 1000 items: 1 to 11 ms.
+With one shared reason: one row of 1,088 bytes, pages of 1 to 7 ms. Before, with one bitmap of the
+group's size per reason and a page walking every bit of every row: 9.7 MB, 4.5 to 6 s a page.
 """
 
 from __future__ import annotations

@@ -19,6 +19,14 @@
   table), and the marginal cost per item; then fillfactor 100 vs 70: size before and after 20
   passes of partial acks, HOT share of the group updates, ack rate; with --churn, the size while
   acks keep arriving for a minute per fillfactor, autovacuum on.
+- outcomes storage (--outcomes-items N, default 10,000,000 in batches of 1,000,000): bits per item
+  at rest once every item has its outcome (batches complete), from pg_total_relation_size of
+  batch, batch_group and group_failure, with no item failed, with 1% failed under one shared
+  reason, and with 1% failed each under a reason of its own; the reason texts (failure_reason)
+  are counted apart as `reasons_bits_per_item`. At rest: the live rows alone (copied into fresh
+  tables of the same definition); `_vacuumed`: the tables after a plain VACUUM, which on a shared
+  server may keep dead versions another session's snapshot can still see. `--outcomes-only` runs
+  just this part.
 
 Every rate is the best of --repeats runs (3; 1 with --quick): the machine is shared.
 
@@ -385,6 +393,110 @@ def bench_storage(conn: psycopg.Connection, schema: str, n: int) -> dict:
     }
 
 
+OUTCOME_TABLES = ("batch", "batch_group", "group_failure")
+
+
+def _all_set(size: int) -> str:
+    """The hex of a mask with the bits of indexes 0..size-1 set."""
+    return "ff" * (size >> 3) + (f"{(0xFF00 >> (size & 7)) & 0xFF:02x}" if size & 7 else "")
+
+
+def _outcome_sizes(conn: psycopg.Connection, schema: str, items: int, live_only: bool) -> dict[str, float]:
+    """Total bytes (heap, TOAST, indexes) of the outcome tables per item. live_only: of copies of
+    their live rows (same columns, storage, indexes and fillfactor), i.e. what a VACUUM FULL with
+    no older snapshot anywhere on the server leaves: on a shared server another session's snapshot
+    keeps dead versions that neither VACUUM nor VACUUM FULL may drop."""
+    sizes = []
+    for t in (*OUTCOME_TABLES, "failure_reason"):
+        name = f'"{schema}".{t}'
+        if live_only:
+            (opts,) = conn.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass", [name]).fetchone()
+            with_opts = f" WITH ({', '.join(opts)})" if opts else ""
+            conn.execute(f'CREATE TABLE "{schema}".rest_{t} (LIKE {name} INCLUDING ALL){with_opts}')
+            conn.execute(f'INSERT INTO "{schema}".rest_{t} SELECT * FROM {name}')
+            name = f'"{schema}".rest_{t}'
+        sizes.append(conn.execute(f"SELECT pg_total_relation_size('{name}')").fetchone()[0])
+        if live_only:
+            conn.execute(f"DROP TABLE {name}")
+    return {
+        "bits_per_item": round(sum(sizes[:3]) * 8 / items, 4),
+        "reasons_bits_per_item": round(sizes[3] * 8 / items, 4),
+        **{f"{t}_bytes": v for t, v in zip((*OUTCOME_TABLES, "failure_reason"), sizes)},
+    }
+
+
+def bench_outcomes_storage(db: str, items: int, per_batch: int = 1_000_000, fraction: float = 0.01) -> dict:
+    """Bits per item at rest with outcomes: `items` in batches of `per_batch`, `fraction` of them
+    failed (every 1/fraction-th item, at a varying offset) with no, one shared, or distinct reasons;
+    the rest acked; every batch complete."""
+    out: dict = {"outcomes_items": items, "outcomes_failed_fraction": fraction}
+    step = round(1 / fraction)
+    for variant in ("none_failed", "shared_reason", "distinct_reasons"):
+        name = f"bench_out_{uuid.uuid4().hex[:8]}"
+        schema_mod.migrate(db, name)
+        t0 = time.perf_counter()
+        try:
+            with psycopg.connect(db, autocommit=True) as c:
+                c.execute(f'SET search_path TO "{name}"')
+                failed = 0
+                for start in range(0, items, per_batch):
+                    n = min(per_batch, items - start)
+                    (b,) = c.execute("SELECT open_batch()").fetchone()
+                    c.execute("SELECT * FROM add_items(%s, %s)", [b, n])
+                    groups = (n + 8191) // 8192
+                    picks = [k * step + (k * 37) % step for k in range(n // step)] if variant != "none_failed" else []
+                    failed += len(picks)
+                    if variant == "shared_reason":
+                        masks = [bytearray(1024) for _ in range(groups)]
+                        for i in picks:
+                            masks[i >> 13][(i & 8191) >> 3] |= 128 >> (i & 7)
+                        c.execute(
+                            "SELECT * FROM fail_masks(%s, %s, %s, 'HTTP 503 from the price service')",
+                            [[b] * groups, list(range(groups)), [m.hex() for m in masks]],
+                        )
+                    elif variant == "distinct_reasons":  # one call per item: server-side, committing as it goes
+                        c.execute("CREATE TEMP TABLE IF NOT EXISTS bench_fail (k int, g bigint, hex text, reason text)")
+                        c.execute("TRUNCATE bench_fail")
+                        with c.cursor().copy("COPY bench_fail FROM STDIN") as cp:
+                            for k, i in enumerate(picks):
+                                j = i & 8191
+                                hexed = "00" * (j >> 3) + f"{128 >> (j & 7):02x}"
+                                cp.write_row(
+                                    (k, i >> 13, hexed, f"HTTP 503 from the price service, request {start + i}")
+                                )
+                        c.execute(
+                            "DO $$ DECLARE r record; n int := 0; BEGIN "
+                            f"FOR r IN SELECT * FROM bench_fail ORDER BY k LOOP "
+                            f"PERFORM fail_masks(ARRAY[{b}::int8], ARRAY[r.g], ARRAY[r.hex], r.reason); "
+                            "n := n + 1; IF n % 500 = 0 THEN COMMIT; END IF; END LOOP; END $$"
+                        )
+                    c.execute(
+                        "SELECT * FROM ack_masks(%s, %s, %s)",
+                        [[b] * groups, list(range(groups)), [_all_set(min(8192, n - g * 8192)) for g in range(groups)]],
+                    )
+                    assert c.execute("SELECT close_batch(%s)", [b]).fetchone() == (True,)
+                (got,) = c.execute("SELECT sum(failed) FROM batch WHERE state = 'complete'").fetchone()
+                assert got == failed, (got, failed)
+                c.execute("VACUUM (ANALYZE) batch, batch_group, group_failure, failure_reason")
+                vacuumed = _outcome_sizes(c, name, items, live_only=False)
+                live = _outcome_sizes(c, name, items, live_only=True)
+            out[variant] = {
+                "failed_items": failed,
+                "bits_per_item": live["bits_per_item"],
+                "reasons_bits_per_item": live["reasons_bits_per_item"],
+                "bits_per_item_vacuumed": vacuumed["bits_per_item"],
+                "reasons_bits_per_item_vacuumed": vacuumed["reasons_bits_per_item"],
+                "bytes": {k: v for k, v in live.items() if k.endswith("_bytes")},
+                "build_s": round(time.perf_counter() - t0, 1),
+            }
+            log(json.dumps({variant: out[variant]}))
+        finally:
+            with psycopg.connect(db, autocommit=True) as c:
+                c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+    out["bits_per_item_with_outcomes"] = out["shared_reason"]["bits_per_item"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.tracker", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="100,000 items instead of 1,000,000, fewer repeats")
@@ -396,7 +508,19 @@ def main(argv: list[str] | None = None) -> int:
         help="also ~2 minutes of sustained acking with autovacuum on, fillfactor 100 vs 70",
     )
     p.add_argument("--no-fillfactor", action="store_true", help="skip the fillfactor 100 vs 70 comparison")
+    p.add_argument(
+        "--outcomes-items", type=int, help="items of the outcomes storage figure (default 10,000,000, quick 1,000,000)"
+    )
+    p.add_argument("--outcomes-only", action="store_true", help="only the outcomes storage figure")
     args = p.parse_args(argv)
+    args.outcomes_items = args.outcomes_items or (1_000_000 if args.quick else 10_000_000)
+    if args.outcomes_only:
+        got = bench_outcomes_storage(dsn(), args.outcomes_items)
+        got["bench"] = "tracker"
+        got["targets"] = {"bits_per_item_with_outcomes": 2.5}
+        got["targets_met"] = {"storage_with_outcomes": got["bits_per_item_with_outcomes"] <= 2.5}
+        print(json.dumps(got))
+        return 0
     n = args.items or (100_000 if args.quick else 1_000_000)
     repeats = args.repeats or (1 if args.quick else 3)
     sample = 1_000 if args.quick else 5_000
@@ -432,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.churn:
             log("sustained acking, fillfactor 100 vs 70 (~2 minutes) ...")
             result["churn"] = bench_churn(db, n)
+        log(f"outcomes storage, {args.outcomes_items} items ...")
+        result["outcomes"] = bench_outcomes_storage(db, args.outcomes_items)
     finally:
         with psycopg.connect(db, autocommit=True) as c:
             c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
@@ -439,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         "enqueue_items_per_s": 150_000,
         "bulk_ack_acks_per_s": 1_000_000,
         "bits_per_item": 1.2,
+        "bits_per_item_with_outcomes": 2.5,
         "async_vs_sync": 0.85,
         "fail_vs_ack": 0.5,
     }
@@ -448,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         "bulk_ack": result["bulk_ack_acks_per_s"] >= 1_000_000,
         "storage": result["bits_per_item"] <= 1.2,
         "failures_within_2x_of_acks": min(result["fail_vs_ack_one_call"], result["fail_vs_ack_calls_of_50k"]) >= 0.5,
+        "storage_with_outcomes": result["outcomes"]["bits_per_item_with_outcomes"] <= 2.5,
     }
     print(json.dumps(result))
     return 0

@@ -12,28 +12,128 @@
 -- Runs with search_path set to the configured schema.
 
 
--- The id of a failure reason, stored once per text (by its sha256). Never takes a row lock that
--- outlives the statement, so failing transactions sharing a reason never wait on each other for
--- longer than an insert of that reason.
+-- The id of a failure reason, stored once per text (by its sha256), with a KEY SHARE lock on its
+-- row until the transaction ends: retention (failure_reasons_forget) never deletes a reason that a
+-- failing transaction is about to store items under. KEY SHARE locks do not conflict with each
+-- other (nor with anything but the deletion of the row), so failing transactions sharing a reason
+-- never wait on each other, but for the insert of a new reason by two of them at once.
 CREATE OR REPLACE FUNCTION failure_reason_id(p_text text) RETURNS bigint
 LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     d bytea := sha256(convert_to(p_text, 'UTF8'));
     rid bigint;
 BEGIN
-    SELECT r.id INTO rid FROM failure_reason r WHERE r.digest = d;
-    IF FOUND THEN
-        RETURN rid;
-    END IF;
-    INSERT INTO failure_reason (digest, text) VALUES (d, p_text) ON CONFLICT (digest) DO NOTHING RETURNING id INTO rid;
-    IF rid IS NULL THEN  -- inserted by a transaction that committed while we waited: a new statement sees it
-        SELECT r.id INTO rid FROM failure_reason r WHERE r.digest = d;
-        IF rid IS NULL THEN
-            RAISE EXCEPTION 'could not serialize failure: reason inserted concurrently; retry the transaction'
-                USING ERRCODE = 'serialization_failure';
+    FOR attempt IN 1..3 LOOP
+        -- Waits for a retention deleting it; the row then is gone and is inserted anew below.
+        SELECT r.id INTO rid FROM failure_reason r WHERE r.digest = d FOR KEY SHARE;
+        IF FOUND THEN
+            RETURN rid;
         END IF;
+        INSERT INTO failure_reason (digest, text) VALUES (d, p_text) ON CONFLICT (digest) DO NOTHING RETURNING id INTO rid;
+        IF rid IS NOT NULL THEN
+            RETURN rid;
+        END IF;
+        -- Inserted by a transaction that committed while we waited: the next statement sees it.
+    END LOOP;
+    RAISE EXCEPTION 'could not serialize failure: reason inserted and deleted concurrently; retry the transaction'
+        USING ERRCODE = 'serialization_failure';
+END $$;
+
+
+-- Delete the reasons among p_ids that no failed item is stored under any more: retention calls it,
+-- in the transaction that deleted batches, with the reasons their failed items had (so its cost is
+-- that of what it deleted, never a scan of every reason). A reason that a failing transaction holds
+-- (failure_reason_id) is skipped, never waited for: that transaction is storing items under it.
+-- Returns how many reasons were deleted.
+CREATE OR REPLACE FUNCTION failure_reasons_forget(p_ids bigint[]) RETURNS integer
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    mine bigint[];
+    n integer;
+BEGIN
+    SELECT array_agg(r.id) INTO mine
+      FROM (SELECT r.id FROM failure_reason r WHERE r.id = ANY(p_ids) ORDER BY r.id FOR UPDATE SKIP LOCKED) r;
+    IF mine IS NULL THEN
+        RETURN 0;
     END IF;
-    RETURN rid;
+    -- A new statement, so a new snapshot: every use of these reasons committed before their locks
+    -- were ours is seen here, and a failing transaction wanting one now waits for this one to end
+    -- (then inserts it anew): no reason is deleted from under an item, no item stored without one.
+    DELETE FROM failure_reason r
+     WHERE r.id = ANY(mine) AND NOT EXISTS (SELECT FROM group_failure f WHERE f.reason_id = r.id);
+    GET DIAGNOSTICS n = ROW_COUNT;
+    RETURN n;
+END $$;
+
+
+-- The indexes of the bits set in p_bits after index p_after (-1: from the first), ascending, at
+-- most p_lim: each found by position() on the rest of the string, never a walk bit by bit.
+CREATE OR REPLACE FUNCTION failure_bits_items(p_bits varbit, p_after integer, p_lim integer) RETURNS SETOF integer
+LANGUAGE plpgsql IMMUTABLE STRICT AS $$
+DECLARE
+    i integer := p_after + 1;
+    k integer;
+    n integer := 0;
+    len integer := bit_length(p_bits);
+BEGIN
+    WHILE n < p_lim AND i < len LOOP
+        k := position(B'1' IN substring(p_bits FROM i + 1));
+        EXIT WHEN k = 0;
+        i := i + k - 1;
+        RETURN NEXT i;
+        i := i + 1;
+        n := n + 1;
+    END LOOP;
+END $$;
+
+
+-- The failed items of one group_failure row (its items, or the bits set in its bits) after index
+-- p_after (-1: from the first), ascending, at most p_lim. Items: a binary search (width_bucket
+-- counts the items <= p_after), then a slice.
+CREATE OR REPLACE FUNCTION failure_row_items(p_items smallint[], p_bits varbit, p_after integer, p_lim integer)
+RETURNS SETOF integer LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    k integer;
+BEGIN
+    IF p_items IS NULL THEN
+        RETURN QUERY SELECT failure_bits_items(p_bits, p_after, p_lim);
+        RETURN;
+    END IF;
+    k := CASE WHEN p_after < 0 THEN 0 ELSE width_bucket(p_after::smallint, p_items) END;
+    RETURN QUERY SELECT unnest(p_items[k + 1 : k + p_lim])::integer;
+END $$;
+
+
+-- A group_failure row (p_items or p_bits; both null: none yet) with p_n more items, the bits set in
+-- p_new (none already in the row: an item fails once), in whichever form is smaller: a smallint[]
+-- takes 20 bytes of header and 2 per item, a varbit 4 and one bit per index of the group. With
+-- its first and last item.
+CREATE OR REPLACE FUNCTION failure_row_add(p_items smallint[], p_bits varbit, p_new varbit, p_n integer,
+                                           OUT items smallint[], OUT bits varbit, OUT lo smallint, OUT hi smallint)
+LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    len integer := greatest(bit_length(p_new), coalesce(bit_length(p_bits), 0));  -- the group may have grown
+    n integer := coalesce(cardinality(p_items), 0) + coalesce(bit_count(p_bits), 0)::integer + p_n;
+    i integer;
+BEGIN
+    IF 2 * n + 20 <= (len + 7) / 8 + 4 THEN
+        SELECT array_agg(u.x ORDER BY u.x) INTO items
+          FROM (SELECT unnest(p_items) AS x
+                UNION ALL SELECT failure_bits_items(p_bits, -1, 8192)::smallint
+                UNION ALL SELECT failure_bits_items(p_new, -1, p_n)::smallint) u;
+        lo := items[1];
+        hi := items[cardinality(items)];
+        RETURN;
+    END IF;
+    bits := p_new || repeat('0', len - bit_length(p_new))::varbit;
+    IF p_bits IS NOT NULL THEN
+        bits := bits | (p_bits || repeat('0', len - bit_length(p_bits))::varbit);
+    END IF;
+    FOREACH i IN ARRAY coalesce(p_items, '{}') LOOP
+        bits := set_bit(bits, i, 1);
+    END LOOP;
+    lo := position(B'1' IN bits) - 1;
+    hi := length(rtrim(bits::text, '0')) - 1;
 END $$;
 
 
@@ -121,7 +221,7 @@ END $$;
 -- locks the caller holds (descending id order): p_hex[k] is the hex of group (p_batch[k],
 -- p_group[k])'s bits, index i being bit (7 - i % 8) of byte i / 8, cut or zero-padded to the
 -- group's size. Clears the bits still set, lowers pending (and raises failed) by the bits that
--- flipped, counts flips of a finished batch as late, stores failed bits under their reason, then
+-- flipped, counts flips of a finished batch as late, stores failed items under their reason, then
 -- folds in the named batches' finished children and finishes what can (batch_finish). One row per batch named: bits flipped, whether it finished
 -- here. Validation is the caller's (tracker.core.acks.apply_op, ack_masks).
 CREATE OR REPLACE FUNCTION outcome_apply(p_batch bigint[], p_group bigint[], p_hex text[], p_reason text,
@@ -155,11 +255,17 @@ BEGIN
     END IF;
     IF p_reason IS NOT NULL AND 0 < ANY(fn) THEN  -- a reason is stored only when an item failed under it
         rid := failure_reason_id(p_reason);
-        -- A group may have grown since an earlier failure of it was stored: pad to the longer.
-        INSERT INTO group_failure AS gf (batch_id, group_id, reason_id, bits)
-        SELECT o.b, o.g, rid, o.m FROM unnest(fb, fg, fm, fn) AS o(b, g, m, n) WHERE o.n > 0
-        ON CONFLICT (batch_id, group_id, reason_id) DO UPDATE
-           SET bits = (gf.bits || repeat('0', bit_length(excluded.bits) - bit_length(gf.bits))::varbit) | excluded.bits;
+        -- The items that failed here join the group's row for the reason, in the same call that
+        -- cleared their bits (one statement of the caller's), under the batch row lock: no other
+        -- writer of the row meanwhile.
+        INSERT INTO group_failure AS gf (batch_id, group_id, lo, hi, reason_id, items, bits)
+        SELECT o.b, o.g, a.lo, a.hi, rid, a.items, a.bits
+          FROM unnest(fb, fg, fm, fn) AS o(b, g, m, n)
+          LEFT JOIN group_failure old ON old.reason_id = rid AND old.batch_id = o.b AND old.group_id = o.g
+         CROSS JOIN LATERAL failure_row_add(old.items, old.bits, o.m, o.n::integer) a
+         WHERE o.n > 0
+        ON CONFLICT (reason_id, batch_id, group_id) DO UPDATE
+           SET lo = excluded.lo, hi = excluded.hi, items = excluded.items, bits = excluded.bits;
     END IF;
     WITH d AS (SELECT o.b, sum(o.n)::int8 AS n FROM unnest(fb, fn) AS o(b, n) GROUP BY o.b),
     b AS (UPDATE batch b SET pending = b.pending - d.n,

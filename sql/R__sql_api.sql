@@ -117,9 +117,13 @@ END $$;
 
 -- The failed items of a batch with their reasons, in (group, index) order after the item id
 -- `after` (null: from the start), at most `lim` (1 to 1000) rows. The next page starts after the
--- last item id returned; fewer than `lim` rows: the last page. Walks group by group (the failed
--- items of one group are in the group's failure rows, at most 8192 bits each): a page reads the
--- failure rows of at most `lim` groups, however many items failed in the batch.
+-- last item id returned; fewer than `lim` rows: the last page. Walks group by group, each found by
+-- one index probe. In a group, the items of a page after index a are in the rows (one per reason,
+-- sorted by their first item lo, no item in two rows) with lo > a, the first `lim` of them by lo
+-- (a later row's every item comes after `lim` earlier ones), and in the rows of several items with
+-- lo <= a < hi. From each row only its items after a are read, at most `lim` (a binary search in
+-- its items, or position() in its bits): a page costs O(lim + groups visited), whatever the
+-- number of failed items or reasons of a group, plus the rows of several items it starts inside of.
 CREATE OR REPLACE FUNCTION failures(batch bigint, after text DEFAULT NULL, lim integer DEFAULT 100)
 RETURNS TABLE (item_id text, reason text)
 LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
@@ -127,6 +131,7 @@ LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path FROM CURRENT SET jit = 
 DECLARE
     ag bigint := -1;
     ai integer := -1;
+    a integer;
     parts text[];
     g bigint;
     left_n integer;
@@ -151,20 +156,25 @@ BEGIN
         ai := parts[3]::integer;
     END IF;
     left_n := failures.lim;
-    FOR g IN SELECT DISTINCT f.group_id FROM group_failure f
-              WHERE f.batch_id = failures.batch AND f.group_id >= greatest(ag, 0)
-              ORDER BY f.group_id LOOP
+    g := (SELECT min(f.group_id) FROM group_failure f WHERE f.batch_id = failures.batch AND f.group_id >= greatest(ag, 0));
+    WHILE g IS NOT NULL LOOP
+        a := CASE WHEN g = ag THEN ai ELSE -1 END;
         RETURN QUERY
-            SELECT failures.batch || ':' || g || ':' || i, r.text
-              FROM group_failure f
+            SELECT failures.batch || ':' || g || ':' || x.i, r.text
+              FROM (SELECT f.reason_id, f.items, f.bits FROM group_failure f
+                     WHERE f.batch_id = failures.batch AND f.group_id = g AND f.lo <= a AND f.hi > a AND f.hi > f.lo
+                    UNION ALL
+                    (SELECT f.reason_id, f.items, f.bits FROM group_failure f
+                      WHERE f.batch_id = failures.batch AND f.group_id = g AND f.lo > a
+                      ORDER BY f.lo LIMIT left_n)) f
+             CROSS JOIN LATERAL failure_row_items(f.items, f.bits, a, left_n) AS x(i)
               JOIN failure_reason r ON r.id = f.reason_id
-             CROSS JOIN LATERAL generate_series(CASE WHEN g = ag THEN ai + 1 ELSE 0 END, bit_length(f.bits) - 1) AS i
-             WHERE f.batch_id = failures.batch AND f.group_id = g AND get_bit(f.bits, i) = 1
-             ORDER BY i
+             ORDER BY x.i
              LIMIT left_n;
         GET DIAGNOSTICS n = ROW_COUNT;
         left_n := left_n - n;
         EXIT WHEN left_n <= 0;
+        g := (SELECT min(f.group_id) FROM group_failure f WHERE f.batch_id = failures.batch AND f.group_id > g);
     END LOOP;
 END $$;
 
@@ -322,8 +332,10 @@ RETURNS TABLE (state text, total bigint, pending bigint, user_key text, created_
 LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
 #variable_conflict use_column
 BEGIN
+    -- A complete batch without an outcome finished before outcomes existed: it succeeded.
     RETURN QUERY SELECT b.state, b.total, b.pending, b.user_key, b.created_at, b.closed_at, b.completed_at,
-                        b.last_activity_at, b.expired_at, b.outcome, b.total - b.pending - b.failed, b.failed,
+                        b.last_activity_at, b.expired_at,
+                        coalesce(b.outcome, CASE WHEN b.state = 'complete' THEN 'succeeded' END), b.total - b.pending - b.failed, b.failed,
                         b.late, b.parent_id, b.children_open
                  FROM batch b WHERE b.id = batch_status.batch;
     IF NOT FOUND THEN

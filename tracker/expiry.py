@@ -87,6 +87,8 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
         "finish": sql.Identifier(schema, "batch_finish"),  # sql/R__outcomes.sql
         "child": sql.Identifier(schema, "child_finished"),
         "fold_fn": sql.Identifier(schema, "batch_fold"),
+        "forget": sql.Identifier(schema, "failure_reasons_forget"),  # sql/R__outcomes.sql
+        "group_failure": sql.Identifier(schema, "group_failure"),
         "outbox_name": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None)),
     }
     q = {
@@ -123,9 +125,14 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
         "delete": sql.SQL(
             "WITH old AS (SELECT id FROM {batch} WHERE state IN ('complete', 'expired') AND children_open = 0 "
             "AND coalesce(completed_at, expired_at) < clock_timestamp() - make_interval(secs => %(retention)s) "
-            "ORDER BY coalesce(completed_at, expired_at) LIMIT %(chunk)s FOR UPDATE SKIP LOCKED) "
-            "DELETE FROM {batch} b USING old WHERE b.id = old.id RETURNING b.id"
+            "ORDER BY coalesce(completed_at, expired_at) LIMIT %(chunk)s FOR UPDATE SKIP LOCKED), "
+            "gone AS (DELETE FROM {batch} b USING old WHERE b.id = old.id RETURNING b.id) "
+            # With each batch, the reasons its failed items had (read before the cascade deletes them).
+            "SELECT gone.id, ARRAY(SELECT DISTINCT f.reason_id FROM {group_failure} f WHERE f.batch_id = gone.id) "
+            "FROM gone"
         ),
+        # Those reasons that no retained item failed under go too (sql/R__outcomes.sql).
+        "forget": sql.SQL("SELECT {forget}(%s::int8[])"),
     }
     return {k: v.format(**names).as_string(None) for k, v in q.items()}
 
@@ -157,7 +164,8 @@ def sweep(
 ) -> SweepResult:
     """Fold finished children into their parents (which may finish them: one completion event
     each), expire idle batches (one expiry event each), then delete old finished ones, `chunk` at a
-    time until none are left (or `max_chunks` statements of each kind ran). Returns how many of each.
+    time until none are left (or `max_chunks` statements of each kind ran), and with them the
+    failure reasons that no retained item failed under. Returns how many batches of each.
 
     `outbox_table` and `completion_topic` default to the default tracker's ("outbox",
     "batch-completions"); `expiry_topic` (None: each batch's completion topic) is where expiry events go.
@@ -194,6 +202,9 @@ def sweep(
             # re-checks the state), so it expires all it picked: fewer than `chunk` means done.
             with conn.transaction() if conn.autocommit else contextlib.nullcontext():
                 rows = conn.execute(q[kind], params).fetchall()
+                reasons = sorted({r for row in rows for r in row[1]}) if kind == "delete" else []
+                if reasons:
+                    conn.execute(q["forget"], [reasons])
             if commit_chunks:
                 conn.commit()
             if kind == "fold":

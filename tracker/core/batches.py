@@ -193,8 +193,10 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
         "settle": sql.SQL("SELECT {settle}(%s, {outbox}::regclass, %s, true)"),
         "state": sql.SQL("SELECT state FROM {batch} WHERE id = %s"),
         "status": sql.SQL(
+            # A complete batch without an outcome finished before outcomes existed: it succeeded.
             "SELECT state, total, pending, user_key, created_at, closed_at, completed_at, last_activity_at, expired_at, "
-            "outcome, failed, late, parent_id, children_open FROM {batch} WHERE id = %s"
+            "coalesce(outcome, CASE WHEN state = 'complete' THEN 'succeeded' END), failed, late, parent_id, "
+            "children_open FROM {batch} WHERE id = %s"
         ),
     }
     return render(schema, outbox_table, q, settle="ack_settle", finish="batch_finish")
