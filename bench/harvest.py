@@ -21,7 +21,8 @@ working tree's each run in a process of their own on the same pre-filled outbox 
 migrated by that side's own code, and fresh topics per run), alternating new old, old new, ... for
 N pairs (bench/pairs.py), and after each pair the floor (bench/floor.py): a bare COPY of the same
 rows and a bare idempotent produce of them. Reports each pair's ratio new/old with the median, min
-and max, and the harvester's throughput as a fraction of the sequential and the overlapped floor.
+and max, and the harvester's throughput as a fraction of the sequential and the overlapped floor
+(last line: `baseline`, `floor`; `throughput.reaper.records_per_s` is the working tree's median).
 The machine is shared (2 cores, Postgres and Kafka beside the benchmark): compare ratios, not absolutes.
 """
 
@@ -447,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="KEY=VALUE",
         help="a harvester.KEY for the in-process reaper of throughput, hot_key, sustained and latency "
-        "(e.g. --set mark_batch=10000); repeatable",
+        "(e.g. --set mark_batch=10000), and with --baseline for both sides' reapers; repeatable",
     )
     ap.add_argument("--baseline", metavar="REF", help="compare throughput with commit REF's harvester, same run")
     ap.add_argument("--pairs", type=int, default=5, help="with --baseline: pairs of runs (default 5)")

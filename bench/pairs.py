@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -119,14 +120,25 @@ class Command:
 
     def __call__(self) -> float:
         started = time.monotonic()
-        p = subprocess.run(
-            self.argv, env=self.env, cwd=self.cwd, capture_output=True, text=True, timeout=self.timeout, check=False
-        )
-        lines = p.stdout.strip().splitlines()
+        with subprocess.Popen(
+            self.argv, env=self.env, cwd=self.cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        ) as p:
+            try:
+                stdout, stderr = p.communicate(timeout=self.timeout)
+            except BaseException:
+                # Interrupted (Ctrl-C reaches the child too) or timed out: give the child time to
+                # clean up after itself (drop its schema and topics) before killing it.
+                p.send_signal(signal.SIGINT)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                raise
+        lines = stdout.strip().splitlines()
         if p.returncode != 0 or not lines:
             raise CommandFailed(
                 f"{self.name}: {' '.join(self.argv)} exited {p.returncode}; its last output:\n"
-                f"{p.stdout[-1500:]}{p.stderr[-3000:]}"
+                f"{stdout[-1500:]}{stderr[-3000:]}"
             )
         try:
             out = json.loads(lines[-1])
