@@ -14,6 +14,15 @@ Against the local Postgres and Kafka (OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP, else th
                (bench/harvest_latency.py)
   recovery     publishing resumes how long after a restarted Kafka / Postgres answers again
                (private service instances; bench/harvest_recovery.py)
+
+`--baseline REF --only throughput [--pairs N] [--rows R]` compares instead of measuring against
+targets: REF's harvester (checked out once under .local/bench-baselines, bench/baseline.py) and the
+working tree's each run in a process of their own on the same pre-filled outbox (a fresh schema,
+migrated by that side's own code, and fresh topics per run), alternating new old, old new, ... for
+N pairs (bench/pairs.py), and after each pair the floor (bench/floor.py): a bare COPY of the same
+rows and a bare idempotent produce of them. Reports each pair's ratio new/old with the median, min
+and max, and the harvester's throughput as a fraction of the sequential and the overlapped floor
+(last line: `baseline`, `floor`; `throughput.reaper.records_per_s` is the working tree's median).
 The machine is shared (2 cores, Postgres and Kafka beside the benchmark): compare ratios, not absolutes.
 """
 
@@ -35,6 +44,9 @@ import psycopg
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from bench import baseline, floor
+from bench.harvest_once import prefill as prefill_rows
+from bench.pairs import Command, alternate, load_average, stderr_log, summary
 from harvester import config as config_mod
 from harvester import logs
 from harvester.run import tune_gc
@@ -105,23 +117,7 @@ class Env:
 
 
 def prefill(env: Env, n: int, keys: int) -> None:
-    with psycopg.connect(DSN) as conn:
-        with conn.cursor().copy(
-            f'COPY "{env.schema}".outbox (topic, key, value, header_keys, header_values) FROM STDIN'
-        ) as cp:
-            for i in range(n):
-                cp.write_row(
-                    (
-                        env.topic,
-                        b"key-%d" % (i % keys),
-                        VALUE,
-                        ["item-id", "batch-id"],
-                        [b"1:%d:%d" % (i // 8192, i % 8192), b"1"],
-                    )
-                )
-        conn.commit()
-        conn.autocommit = True
-        conn.execute(f'VACUUM ANALYZE "{env.schema}".outbox')
+    prefill_rows(DSN, env.schema, env.topic, n, keys)
 
 
 def harvest_all(env: Env, n: int, **harvester) -> dict:
@@ -366,6 +362,70 @@ def bench_failover(sig: int, session: float, heartbeat: float, rate: float = 500
         env.drop()
 
 
+def bench_baseline(ref: str, pairs: int, rows: int, overrides: dict, python: str, with_floor: bool) -> dict:
+    """REF's harvester against the working tree's, alternating, plus the floor after each pair."""
+    started_load = load_average()
+    tree = baseline.checkout(ref, log=say)
+    sha = (tree / baseline.MARK).read_text().strip()
+    mismatches = baseline.dependency_mismatches(tree) if python == sys.executable else None
+    if mismatches:
+        say(
+            f"baseline {ref}: this interpreter does not satisfy its declared dependencies ({'; '.join(mismatches)}); "
+            "running it anyway: if it fails, give it an interpreter of its own with --baseline-python"
+        )
+    script = str(REPO / "bench" / "harvest_once.py")
+    sets = [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]
+
+    def side(name: str, root: Path, interpreter: str) -> Command:
+        argv = [interpreter, "-P", script, "--dsn", DSN, "--bootstrap", BOOTSTRAP, "--rows", str(rows), *sets]
+        return Command(
+            name, argv, "records_per_s", env=baseline.side_env(root), cwd=root, expect={"code": str(root.resolve())}
+        )
+
+    new, old = side("new", REPO, sys.executable), side("old", tree, python)
+    floors: list[dict] = []
+
+    def after_pair(i: int) -> dict | None:
+        if not with_floor:
+            return None
+        f = floor.measure(DSN, BOOTSTRAP, rows)
+        floors.append(f)
+        say(f"floor after pair {i + 1}: {json.dumps(f)}")
+        return f
+
+    say(f"baseline {ref} ({sha[:12]}) at {tree}: {pairs} pairs of {rows} rows, load average {started_load}")
+    cmp = alternate(new, old, pairs, after_pair=after_pair, log=stderr_log("bench.harvest"))
+    cmp["load_average_at_start"] = started_load
+    out: dict = {
+        "throughput": {"reaper": {"records": rows, "records_per_s": round(cmp["new"]["median"])}},
+        "baseline": {
+            "ref": ref,
+            "commit": sha,
+            "checkout": str(tree),
+            "python": python,
+            "dependency_mismatches": mismatches,
+            "rows": rows,
+            **cmp,
+            "runs": {"new": new.runs, "old": old.runs},
+        },
+    }
+    if floors:
+        fraction = {
+            f"{side}_of_{kind}": summary([p[side] / f[f"{kind}_per_s"] for p, f in zip(cmp["pairs"], floors)])
+            for side in ("new", "old")
+            for kind in ("sequential", "overlapped")
+        }
+        out["floor"] = {
+            "records": rows,
+            "sequential_per_s": summary([f["sequential_per_s"] for f in floors]),
+            "overlapped_per_s": summary([f["overlapped_per_s"] for f in floors]),
+            "copy_per_s": summary([f["copy_per_s"] for f in floors]),
+            "produce_per_s": summary([f["produce_per_s"] for f in floors]),
+            "fraction": fraction,
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes and short windows (development)")
@@ -388,9 +448,25 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="KEY=VALUE",
         help="a harvester.KEY for the in-process reaper of throughput, hot_key, sustained and latency "
-        "(e.g. --set mark_batch=10000); repeatable",
+        "(e.g. --set mark_batch=10000), and with --baseline for both sides' reapers; repeatable",
     )
+    ap.add_argument("--baseline", metavar="REF", help="compare throughput with commit REF's harvester, same run")
+    ap.add_argument("--pairs", type=int, default=5, help="with --baseline: pairs of runs (default 5)")
+    ap.add_argument("--rows", type=int, help="with --baseline: rows per run (default 200,000; 50,000 with --quick)")
+    ap.add_argument(
+        "--baseline-python",
+        metavar="PATH",
+        help="with --baseline: the interpreter for REF (default this one; give one whose packages "
+        "satisfy REF's dependencies if this one's do not)",
+    )
+    ap.add_argument("--no-floor", action="store_true", help="with --baseline: skip the floor measurements")
     args = ap.parse_args(argv)
+    if args.baseline is not None and set(args.only or ["throughput"]) != {"throughput"}:
+        ap.error("--baseline compares throughput only: use it with --only throughput")
+    if args.pairs < 1:
+        ap.error("--pairs must be at least 1")
+    if args.rows is not None and args.rows < 1:
+        ap.error("--rows must be at least 1")
     overrides = {}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -418,7 +494,15 @@ def main(argv: list[str] | None = None) -> int:
             "recovery_gap_s": {"postgres": 1.0, "kafka": 3.0},
         },
     }
-    if "throughput" in want:
+    if args.baseline is not None:
+        rows = args.rows or (50_000 if q else 200_000)
+        result.update(
+            bench_baseline(
+                args.baseline, args.pairs, rows, overrides, args.baseline_python or sys.executable, not args.no_floor
+            )
+        )
+        say(json.dumps({k: result[k] for k in ("baseline", "floor") if k in result}))
+    elif "throughput" in want:
         result["throughput"] = bench_throughput(100_000 if q else 500_000, 300 if q else 1000, **overrides)
         say(json.dumps(result["throughput"]))
     if "hot_key" in want:

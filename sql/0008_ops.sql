@@ -1,5 +1,7 @@
--- The operator's kit (issue 15): trace context of a batch's opening span, and an audit log of
+-- The operator's kit: trace context of a batch's opening span, and an audit log of
 -- what operators did with `reaper dead requeue` and `reaper batch expire`.
+-- Only comments changed since this file was first applied; the checksum it had then:
+-- replaces 0008_ops.sql sha256:068bca96d42d02d63d9e2f97fb94b7f42b2d96c26a89882a0f373a202848cf9c
 
 -- W3C trace context of the span that opened the batch (null: none was active). The batch's
 -- completion and expiry events carry it as `traceparent`/`tracestate` headers. Nullable columns

@@ -354,7 +354,7 @@ END $$;
 -- tracker/acks.py (`apply`): lock the batches in id order, one UPDATE of the groups' bits and
 -- pending counts by the bits that actually flipped, one UPDATE of the batches, completion and its
 -- event for batches that became closed with nothing pending. Switch this body if acks move to
--- another path (issue 12).
+-- another path.
 CREATE OR REPLACE FUNCTION outcome_masks(batch_ids bigint[], group_ids bigint[], masks text[],
                           completion_topic text, reason text)
 RETURNS TABLE (acked bigint, completed bigint[])

@@ -1,0 +1,106 @@
+"""What a relay cannot beat: reading the rows and producing them, with nothing else around.
+
+On the same pre-filled outbox as the harvester (bench/harvest_once.py's `prefill`, in a fresh
+schema and topic):
+
+  copy      one binary `COPY (SELECT <the columns the harvester's mark returns> ... ORDER BY id)
+            TO STDOUT`, every row parsed into Python values (psycopg 3)
+  produce   those records with their keys and headers, through one producer with the harvester's
+            idempotent settings (harvester.publishing.publisher.producer_config), in the
+            harvester's positional produce call with a delivery callback per record, then flush:
+            every record acknowledged by Kafka
+
+The sequential floor is copy then produce (copy_s + produce_s): a relay that reads, then sends,
+then reads again. The overlapped floor is max(copy_s, produce_s): a relay that reads the next rows
+while the previous ones are on their way. Deleting the rows is not in either: the harvester does it
+on top. The process runs with `reaper run`'s garbage-collector settings, as the harvester does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import psycopg
+from confluent_kafka import Producer
+
+from bench.harvest_once import PARTITIONS, create_topics, drop, prefill
+from harvester.publishing.publisher import producer_config
+from tracker import schema as schema_mod
+
+COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
+TYPES = ["int8", "text", "bytea", "bytea", "text[]", "bytea[]", "int4"]
+
+
+def copy_rows(dsn: str, schema: str) -> list[tuple]:
+    with psycopg.connect(dsn) as conn:
+        with conn.cursor().copy(
+            f'COPY (SELECT {COLUMNS} FROM "{schema}".outbox ORDER BY id) TO STDOUT (FORMAT BINARY)'
+        ) as cp:
+            cp.set_types(TYPES)
+            return list(cp.rows())
+
+
+def produce_rows(producer: Producer, rows: list[tuple]) -> int:
+    """Produce every row, wait for every acknowledgement; returns how many failed."""
+    failed = [0]
+
+    def report(err, msg) -> None:
+        if err is not None:
+            failed[0] += 1
+
+    for i, (_id, topic, key, value, hkeys, hvals, partition) in enumerate(rows):
+        args = (
+            topic,
+            value,
+            key,
+            -1 if partition is None else partition,
+            report,
+            None,
+            0,
+            list(zip(hkeys, hvals)) if hkeys else None,
+        )
+        while True:
+            try:
+                producer.produce(*args)
+                break
+            except BufferError:
+                producer.poll(0.01)
+        if i & 1023 == 0:
+            producer.poll(0)
+    if producer.flush(300) != 0:
+        raise RuntimeError("records still unacknowledged 300 s after the last produce")
+    return failed[0]
+
+
+def measure(dsn: str, bootstrap: str, rows: int, keys: int = 1000) -> dict[str, Any]:
+    schema = f"bench_{uuid.uuid4().hex[:10]}"
+    admin = None
+    topics: list[str] = []
+    try:
+        schema_mod.migrate(dsn, schema)
+        admin, topic, leader_topic = create_topics(bootstrap, PARTITIONS)
+        topics = [topic, leader_topic]
+        prefill(dsn, schema, topic, rows, keys)
+        producer = Producer(producer_config(bootstrap, {}, {}))
+        producer.list_topics(topic, timeout=30)  # connected, metadata known: as a leader's producer is
+        started = time.perf_counter()
+        got = copy_rows(dsn, schema)
+        copied = time.perf_counter()
+        failed = produce_rows(producer, got)
+        produced = time.perf_counter()
+        if len(got) != rows or failed:
+            raise RuntimeError(f"floor: copied {len(got)} of {rows} rows, {failed} deliveries failed")
+    finally:
+        drop(dsn, schema, admin, topics)
+    copy_s, produce_s = copied - started, produced - copied
+    return {
+        "records": rows,
+        "copy_s": round(copy_s, 3),
+        "produce_s": round(produce_s, 3),
+        "copy_per_s": round(rows / copy_s),
+        "produce_per_s": round(rows / produce_s),
+        "sequential_per_s": round(rows / (copy_s + produce_s)),
+        "overlapped_per_s": round(rows / max(copy_s, produce_s)),
+    }
