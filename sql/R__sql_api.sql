@@ -328,7 +328,8 @@ END $$;
 CREATE OR REPLACE FUNCTION batch_status(batch bigint)
 RETURNS TABLE (state text, total bigint, pending bigint, user_key text, created_at timestamptz,
                closed_at timestamptz, completed_at timestamptz, last_activity_at timestamptz, expired_at timestamptz,
-               outcome text, succeeded bigint, failed bigint, late bigint, parent_id bigint, children_open integer)
+               outcome text, succeeded bigint, failed bigint, late bigint, parent_id bigint, children_open integer,
+               children integer, children_failed integer)
 LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
 #variable_conflict use_column
 BEGIN
@@ -336,7 +337,7 @@ BEGIN
     RETURN QUERY SELECT b.state, b.total, b.pending, b.user_key, b.created_at, b.closed_at, b.completed_at,
                         b.last_activity_at, b.expired_at,
                         coalesce(b.outcome, CASE WHEN b.state = 'complete' THEN 'succeeded' END), b.total - b.pending - b.failed, b.failed,
-                        b.late, b.parent_id, b.children_open
+                        b.late, b.parent_id, b.children_open, b.children, b.children_failed
                  FROM batch b WHERE b.id = batch_status.batch;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'unknown batch %', coalesce(batch_status.batch::text, 'null')

@@ -370,8 +370,7 @@ def test_a_round_that_fails_after_earlier_rounds_committed_loses_nothing(pg_dsn,
 def test_a_failed_round_rewinds_every_partition_of_the_rest_of_the_poll():
     """Without Kafka: a poll whose second round (partition 0 only) fails must rewind partition 1
     too, whose messages were consumed with the poll but not yet folded."""
-    from harvester.services.acker import Acker
-    from tracker.core.acks import AckResult
+    from harvester.services.acker import Acker, Applied
 
     class Consumer:
         def __init__(self) -> None:
@@ -396,12 +395,12 @@ def test_a_failed_round_rewinds_every_partition_of_the_rest_of_the_poll():
     )
     applied: list[set] = []
 
-    def apply(masks):
+    def apply(steps):
         if len(applied) == 1:
             applied.append(set())
             raise psycopg.OperationalError("injected")
-        applied.append(set(masks))
-        return AckResult()
+        applied.append({key for _reason, masks in steps for key in masks})
+        return Applied()
 
     acker._apply = apply
     acker._dead_letter = lambda producer, folded, result: 0

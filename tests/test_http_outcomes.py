@@ -65,6 +65,7 @@ def test_a_threshold_and_a_child_finish_a_parent_failed_with_its_failures_paged(
     s = client.get(f"/v1/batches/{parent}").json()
     assert (s["state"], s["outcome"], s["failed"], s["succeeded"], s["pending"]) == ("complete", "failed", 3, 1, 1)
     assert s["children_open"] == 0 and s["parent_id"] is None
+    assert (s["children"], s["children_failed"]) == (1, 0)  # the child finished succeeded
     c = client.get(f"/v1/batches/{child}").json()
     assert (c["outcome"], c["succeeded"], c["failed"]) == ("succeeded", 2, 0)
     # a failure after it finished is counted late, changing no outcome

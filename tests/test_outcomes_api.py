@@ -145,6 +145,7 @@ def test_parent_finishes_after_its_children_with_their_rollup(conn, schema):
     assert (ev[p.id][0]["outcome"], ev[p.id][0]["succeeded"], ev[p.id][0]["failed"]) == ("failed", 2, 0)
     s = tracker.status(conn, p, schema=schema)
     assert (s.outcome, s.children_open, s.parent_id) == ("failed", 0, None)
+    assert (s.children, s.children_failed) == (2, 1)  # c2 finished failed (its child g did)
     assert tracker.status(conn, g, schema=schema).parent_id == c2.id
     assert invariant_violations(conn, schema) == []
 

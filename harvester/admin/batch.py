@@ -99,9 +99,7 @@ def show(
     st = t.status(conn, batch_id)
     view.outcome, view.succeeded, view.failed, view.late = st.outcome, st.succeeded, st.failed, st.late
     view.parent_id, view.children_open = st.parent_id, st.children_open
-    view.children, view.children_failed = one_row(
-        conn.execute(sql.SQL("SELECT children, children_failed FROM {} WHERE id = %s").format(b), [batch_id])
-    )
+    view.children, view.children_failed = st.children, st.children_failed
     if view.children:
         kids = conn.execute(
             sql.SQL("SELECT id FROM {} WHERE parent_id = %s ORDER BY id LIMIT %s").format(b),

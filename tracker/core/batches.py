@@ -91,6 +91,8 @@ class BatchStatus:
     late: int = 0  # outcomes recorded after it finished (counted in succeeded/failed, changing no outcome)
     parent_id: int | None = None
     children_open: int = 0  # children not finished yet
+    children: int = 0  # children opened under it
+    children_failed: int = 0  # children folded in that finished failed or expired
 
     @property
     def complete(self) -> bool:
@@ -196,7 +198,7 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             # A complete batch without an outcome finished before outcomes existed: it succeeded.
             "SELECT state, total, pending, user_key, created_at, closed_at, completed_at, last_activity_at, expired_at, "
             "coalesce(outcome, CASE WHEN state = 'complete' THEN 'succeeded' END), failed, late, parent_id, "
-            "children_open FROM {batch} WHERE id = %s"
+            "children_open, children, children_failed FROM {batch} WHERE id = %s"
         ),
     }
     return render(schema, outbox_table, q, settle="ack_settle", finish="batch_finish")

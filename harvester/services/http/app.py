@@ -93,6 +93,8 @@ def _status(batch_id: int, s: BatchStatus) -> models.Status:
         late=s.late,
         parent_id=s.parent_id,
         children_open=s.children_open,
+        children=s.children,
+        children_failed=s.children_failed,
     )
 
 

@@ -87,7 +87,7 @@ def _statements(schema: str) -> dict[str, str]:
         "fail": "SELECT failed, duplicates, completed FROM {s}.fail(%s::text[], %s, %s)",
         "failures": "SELECT item_id, reason FROM {s}.failures(%s, %s, %s)",
         "status": "SELECT state, total, pending, user_key, created_at, closed_at, completed_at, last_activity_at, "
-        "expired_at, outcome, failed, late, parent_id, children_open FROM {s}.batch_status(%s)",
+        "expired_at, outcome, failed, late, parent_id, children_open, children, children_failed FROM {s}.batch_status(%s)",
         "finished": "SELECT id FROM {batch} WHERE id = ANY(%s) AND state IN ('complete', 'expired')",
     }
     return {k: sql.SQL(v).format(s=s, batch=sql.Identifier(schema, "batch")).as_string(None) for k, v in q.items()}

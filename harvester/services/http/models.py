@@ -122,6 +122,8 @@ class Status(BaseModel):
     late: int = Field(..., description="outcomes recorded after it finished (counted, changing no outcome)")
     parent_id: int | None
     children_open: int = Field(..., description="children not finished yet")
+    children: int = Field(..., description="children opened under it")
+    children_failed: int = Field(..., description="children that finished failed or expired")
 
 
 class ProblemDoc(BaseModel):
