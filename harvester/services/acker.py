@@ -47,7 +47,6 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from harvester.metrics import HarvesterMetrics
 from harvester.metrics import get as get_metrics
-from tracker import AckResult
 from tracker.folding import FAIL_MARK, FAILURE_REASON_HEADER, GROUPS_PER_FOLD_MAX, Folded, fold_messages
 from tracker.ids import GroupMask
 from tracker.pooling import configure_for_pooler
@@ -323,35 +322,26 @@ class Acker:
             # a bound on any wait SKIP LOCKED does not cover; the poll is then retried
             conn.execute("SELECT set_config('lock_timeout', %s, false)", [f"{int(self.lock_timeout * 1000)}ms"])
         out = Applied()
-        held: set[int] = set()  # batches skipped: none of their later steps may go before them
         try:
             with conn.transaction():  # every step in one transaction: all of the poll or none
-                for reason, masks in steps:
-                    if held:
-                        later = {k: m for k, m in masks.items() if k[0] in held}
-                        if later:
-                            out.skipped.append((reason, later))
-                            masks = {k: m for k, m in masks.items() if k[0] not in held}
-                    if not masks:
-                        continue
-                    result: AckResult
-                    if reason is None:
-                        result = self.tracker.apply_masks(conn, masks, reject_invalid=True, skip_locked=True)
-                        out.acked += result.acked
-                    else:
-                        result = self.tracker.fail_masks(conn, masks, reason, reject_invalid=True, skip_locked=True)
-                        out.failed += result.acked
-                    out.duplicates += result.duplicates
-                    out.completed.extend(result.completed)
-                    out.rejected.extend((entry, why, reason) for entry, why in result.rejected)
-                    if result.skipped:
-                        out.skipped.append((reason, result.skipped))
-                        held.update(b for b, _g in result.skipped)
-            return out
+                # every batch locked at once, one statement a step, sent together: a batch held
+                # elsewhere is skipped in every step, its masks kept in their order
+                results = self.tracker.apply_outcomes(conn, steps, reject_invalid=True, skip_locked=True)
         except psycopg.Error:
             if conn.broken or conn.closed:
                 self._conn = None
             raise
+        for (reason, _masks), result in zip(steps, results):
+            if reason is None:
+                out.acked += result.acked
+            else:
+                out.failed += result.acked
+            out.duplicates += result.duplicates
+            out.completed.extend(result.completed)
+            out.rejected.extend((entry, why, reason) for entry, why in result.rejected)
+            if result.skipped:
+                out.skipped.append((reason, result.skipped))
+        return out
 
     def _dead_letter(self, producer: Producer, folded: Folded, result: Applied) -> int:
         """Bad and rejected entries to the dead-letter topic, each as a message that could be sent

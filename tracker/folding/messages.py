@@ -173,9 +173,13 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
     # batch has no failure in it. Works on the raw bytes; anything else takes the validating path.
     by_head: dict[bytes, GroupMask] = {}
     # Likewise one failure ('!<id>') under the one reason header of a group already failed under
-    # it in this fold: (header value, head) -> its mask and the masks of the step's other reasons.
-    # Dropped whenever a mask is added or a batch moves between acks and failures.
-    fail_head: dict[tuple[bytes, bytes], tuple[GroupMask, list[GroupMask]]] = {}
+    # it in this fold: header value -> head -> its mask, the mask's bits and the bits of the step's
+    # other reasons' masks of the group. Dropped whenever a mask is added or a batch moves between
+    # acks and failures.
+    fail_head: dict[bytes, dict[bytes, tuple[GroupMask, bytearray, tuple[bytearray, ...]]]] = {}
+    failures = 0
+    last_raw: bytes | None = None  # the header value last looked up in `fail_head`, and its heads
+    last_heads: dict[bytes, tuple[GroupMask, bytearray, tuple[bytearray, ...]]] | None = None
     index_bits = _INDEX_BITS
     count = 0
     held = 0  # masks held once the fold holds failures (before: len(masks))
@@ -212,11 +216,15 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
                     continue
             elif fail_head and value[:1] == b"!":
                 headers = msg.headers()
-                hit = (
-                    fail_head.get((headers[0][1], head))
-                    if headers and len(headers) == 1 and headers[0][0] == FAILURE_REASON_HEADER
-                    else None
-                )
+                hit = None
+                if headers is not None and len(headers) == 1:
+                    name, raw = headers[0]
+                    if name == FAILURE_REASON_HEADER:
+                        # A run of messages shares a reason: comparing costs less than hashing.
+                        if raw != last_raw:
+                            last_raw, last_heads = raw, fail_head.get(raw)
+                        if last_heads is not None:
+                            hit = last_heads.get(head)
                 bit = None if hit is None else index_bits.get(tail)
                 if bit is not None:
                     partition = msg.partition()
@@ -228,14 +236,14 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
                             first[partition] = msg.offset()
                     previous = msg
                     count += 1
-                    out.failures += 1
-                    mask, others = hit  # type: ignore[misc]
+                    failures += 1
+                    mask, bits, others = hit  # type: ignore[misc]
                     byte, flag = bit[0], bit[1]
                     for other in others:  # failed under another reason first: theirs
-                        if other.bits[byte] & flag:
+                        if other[byte] & flag:
                             break
                     else:
-                        mask.bits[byte] |= flag
+                        bits[byte] |= flag
                     mask.count += 1
                     if bit[2] > mask.max_index:
                         mask.max_index = bit[2]
@@ -317,12 +325,14 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
             if (by_head or fail_head) and (outcomes.state.get(batch, (0, None))[1] is None) != (outcome is None):
                 by_head.clear()  # this batch moves between acks and failures: it leaves the fast paths' masks
                 fail_head.clear()
+                last_raw = last_heads = None
             target = outcomes.folder(batch, outcome)
             before = len(target.masks)
             reason = target.add(entry)
             if target is not folder and len(target.masks) != before:
                 outcomes.extra += len(target.masks) - before
                 fail_head.clear()  # a new mask: another reason's may now meet a registered one
+                last_raw = last_heads = None
             if reason is None and outcome is not None:
                 outcomes.disjoin(batch, outcome, entry)
             if reason is None and outcome is None and len(items) == 1 and "-" not in entry:
@@ -334,18 +344,21 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
                 written = FAIL_MARK + entry if outcome is not None else entry
                 bad.append((msg.key(), written.encode(), reason, partition, msg.offset()))
             elif outcome is not None:
-                out.failures += 1
+                failures += 1
                 if len(items) == 1 and "-" not in entry and raw_reason is not None:
                     head_text = entry.rpartition(":")[0]
                     key = target._heads[head_text]
                     level = outcomes.steps[outcomes.state[batch][0]]
-                    others = [
-                        f.masks[key] for r, f in level.items() if r is not None and r != outcome and key in f.masks
-                    ]
-                    fail_head[(raw_reason, b"!" + head_text.encode())] = (target.masks[key], others)
+                    others = tuple(
+                        f.masks[key].bits for r, f in level.items() if r is not None and r != outcome and key in f.masks
+                    )
+                    mask = target.masks[key]
+                    fail_head.setdefault(raw_reason, {})[b"!" + head_text.encode()] = (mask, mask.bits, others)
+                    last_raw = last_heads = None
     if previous is not None:
         last[current] = previous.offset()
     out.messages = count
+    out.failures = failures
     out.steps = outcomes.ordered()
     return out
 
