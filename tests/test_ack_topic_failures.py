@@ -327,3 +327,37 @@ def test_single_id_messages_under_few_reasons_keep_the_first_outcome_of_every_it
     assert folded.bad == [] and folded.rest == []
     assert apply_in_order(folded.steps) == expected
     assert folded.failures == sum(1 + p for _b, _g, _i, r, p in picked if r is not None)
+
+
+def test_relevel_merges_deferred_steps_into_the_fewest_statements():
+    """A batch deferred with its failures, then a poll acking and failing another: two statements
+    (the new batch's acks, then both batches' failures), not three; each batch's order kept."""
+    a, b = (
+        fold_messages([Msg(b"!1:0:0", 0, [(FAILURE_REASON_HEADER, b"r")])]),
+        fold_messages([Msg(b"2:0:0", 0), Msg(b"!2:0:1", 1, [(FAILURE_REASON_HEADER, b"r")])]),
+    )
+    got = _relevel(a.steps + b.steps)
+    assert [(r, sorted(m)) for r, m in got] == [(None, [(2, 0)]), ("r", [(1, 0), (2, 0)])]
+    # and a batch joining the levels of others, a failure under a new reason among theirs
+    c = fold_messages(
+        [
+            Msg(b"3:0:0", 0),
+            Msg(b"!3:0:1", 1, [(FAILURE_REASON_HEADER, b"r")]),
+            Msg(b"3:0:2", 2),
+            Msg(b"4:0:0", 3),
+            Msg(b"!4:0:1", 4, [(FAILURE_REASON_HEADER, b"s")]),
+            Msg(b"4:0:2", 5),
+        ]
+    )
+    assert [r for r, _m in _relevel(c.steps)] == [None, "r", "s", None]
+
+
+@settings(max_examples=200, deadline=None)
+@given(messages, messages)
+def test_relevel_never_adds_statements(first, second):
+    """Deferred steps and a poll's, re-levelled: never more statements than they were, and per
+    batch the same runs of outcomes."""
+    steps = fold_messages(build(first)[0]).steps + fold_messages(build(second)[0]).steps
+    got = _relevel(steps)
+    assert len(got) <= len(steps)
+    assert per_batch_runs([(r, items_of(m)) for r, m in got]) == per_batch_runs([(r, items_of(m)) for r, m in steps])
