@@ -302,3 +302,62 @@ def test_producer_sends_a_failure_after_a_buffered_ack_of_the_item_as_nothing():
     sent = sorted((m.value(), m.headers()) for m in rec.sent)
     assert sent == [(b"!5:0:4-5", [(FAILURE_REASON_HEADER, b"late")]), (b"5:0:0-3,5:0:6", None)]
     assert (p.acks_sent, p.failures_sent) == (5, 2)
+
+
+single = st.tuples(
+    st.integers(1, 2), st.integers(0, 1), st.integers(0, 12), st.sampled_from([None, "r1", "r2", "r3"]), st.booleans()
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(single, max_size=60))
+def test_single_id_messages_under_few_reasons_keep_the_first_outcome_of_every_item(picked):
+    """The fold's fast paths (one id a message: acks, and failures under a reason already seen for
+    the group in the fold), mixed with messages of two entries that take the validating path: the
+    steps decide every item as applying the messages one by one would (its first outcome)."""
+    msgs, expected = [], {}
+    for n, (b, g, i, reason, pair) in enumerate(picked):
+        written = [f"{b}:{g}:{i}"] + ([f"{b}:{g}:{i + 1}"] if pair else [])
+        mark = "" if reason is None else "!"
+        headers = None if reason is None else [(FAILURE_REASON_HEADER, reason.encode())]
+        msgs.append(Msg(",".join(mark + w for w in written).encode(), n, headers))
+        for k in range(i, i + 1 + pair):
+            expected.setdefault((b, g, k), reason)
+    folded = fold_messages(msgs)
+    assert folded.bad == [] and folded.rest == []
+    assert apply_in_order(folded.steps) == expected
+    assert folded.failures == sum(1 + p for _b, _g, _i, r, p in picked if r is not None)
+
+
+def test_relevel_merges_deferred_steps_into_the_fewest_statements():
+    """A batch deferred with its failures, then a poll acking and failing another: two statements
+    (the new batch's acks, then both batches' failures), not three; each batch's order kept."""
+    a, b = (
+        fold_messages([Msg(b"!1:0:0", 0, [(FAILURE_REASON_HEADER, b"r")])]),
+        fold_messages([Msg(b"2:0:0", 0), Msg(b"!2:0:1", 1, [(FAILURE_REASON_HEADER, b"r")])]),
+    )
+    got = _relevel(a.steps + b.steps)
+    assert [(r, sorted(m)) for r, m in got] == [(None, [(2, 0)]), ("r", [(1, 0), (2, 0)])]
+    # and a batch joining the levels of others, a failure under a new reason among theirs
+    c = fold_messages(
+        [
+            Msg(b"3:0:0", 0),
+            Msg(b"!3:0:1", 1, [(FAILURE_REASON_HEADER, b"r")]),
+            Msg(b"3:0:2", 2),
+            Msg(b"4:0:0", 3),
+            Msg(b"!4:0:1", 4, [(FAILURE_REASON_HEADER, b"s")]),
+            Msg(b"4:0:2", 5),
+        ]
+    )
+    assert [r for r, _m in _relevel(c.steps)] == [None, "r", "s", None]
+
+
+@settings(max_examples=200, deadline=None)
+@given(messages, messages)
+def test_relevel_never_adds_statements(first, second):
+    """Deferred steps and a poll's, re-levelled: never more statements than they were, and per
+    batch the same runs of outcomes."""
+    steps = fold_messages(build(first)[0]).steps + fold_messages(build(second)[0]).steps
+    got = _relevel(steps)
+    assert len(got) <= len(steps)
+    assert per_batch_runs([(r, items_of(m)) for r, m in got]) == per_batch_runs([(r, items_of(m)) for r, m in steps])

@@ -24,7 +24,7 @@ import asyncio
 import functools
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 import psycopg
@@ -204,6 +204,23 @@ class AsyncTracker(TrackerCore):
         checked = check_reason(reason)
         return await _run(session, self._apply_op(masks, reject_invalid, skip_locked, checked))
 
+    async def apply_outcomes(
+        self,
+        session: AsyncSession,
+        steps: Sequence[tuple[str | None, Mapping[tuple[int, int], GroupMask]]],
+        *,
+        reject_invalid: bool = False,
+        skip_locked: bool = False,
+    ) -> list[AckResult]:
+        """`apply_masks` (reason None) and `fail_masks` (a reason, checked as `fail` checks it) of
+        each (reason, masks) step, in order, in two round trips whatever the number of steps: the
+        named batches are locked at once, so with skip_locked=True a batch held elsewhere is
+        skipped in every step. A result per step, as those calls return it."""
+        started = time.perf_counter()
+        results = await _run(session, self._apply_steps_op(steps, reject_invalid, skip_locked))
+        self._count_acks(steps, results, started)
+        return results
+
     async def failures(
         self, session: AsyncSession, batch: Batch | int, *, after: str | None = None, limit: int = 100
     ) -> FailurePage:
@@ -331,6 +348,18 @@ async def failures(
     return await default(schema).failures(session, batch, after=after, limit=limit)
 
 
+async def apply_outcomes(
+    session: AsyncSession,
+    steps: Sequence[tuple[str | None, Mapping[tuple[int, int], GroupMask]]],
+    *,
+    reject_invalid: bool = False,
+    skip_locked: bool = False,
+    schema: str | None = None,
+) -> list[AckResult]:
+    """`AsyncTracker.apply_outcomes` on the default tracker of `schema`."""
+    return await default(schema).apply_outcomes(session, steps, reject_invalid=reject_invalid, skip_locked=skip_locked)
+
+
 async def exactly_once(
     session: AsyncSession, item_id: str | bytes, effect: AsyncEffect[T], *, schema: str | None = None
 ) -> Processed[T]:
@@ -352,6 +381,7 @@ __all__ = [
     "apply_masks",
     "fail",
     "fail_masks",
+    "apply_outcomes",
     "failures",
     "exactly_once",
 ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from tracker.config import DEFAULT_SCHEMA
@@ -179,6 +179,23 @@ class Tracker(TrackerCore):
         checked = check_reason(reason)
         return _run(session, self._apply_op(masks, reject_invalid, skip_locked, checked))
 
+    def apply_outcomes(
+        self,
+        session: SyncSession,
+        steps: Sequence[tuple[str | None, Mapping[tuple[int, int], GroupMask]]],
+        *,
+        reject_invalid: bool = False,
+        skip_locked: bool = False,
+    ) -> list[AckResult]:
+        """`apply_masks` (reason None) and `fail_masks` (a reason, checked as `fail` checks it) of
+        each (reason, masks) step, in order, in two round trips whatever the number of steps: the
+        named batches are locked at once, so with skip_locked=True a batch held elsewhere is
+        skipped in every step. A result per step, as those calls return it."""
+        started = time.perf_counter()
+        results = _run(session, self._apply_steps_op(steps, reject_invalid, skip_locked))
+        self._count_acks(steps, results, started)
+        return results
+
     def failures(
         self, session: SyncSession, batch: Batch | int, *, after: str | None = None, limit: int = 100
     ) -> FailurePage:
@@ -300,6 +317,18 @@ def failures(
 ) -> FailurePage:
     """`Tracker.failures` on the default tracker of `schema`."""
     return default(schema).failures(session, batch, after=after, limit=limit)
+
+
+def apply_outcomes(
+    session: SyncSession,
+    steps: Sequence[tuple[str | None, Mapping[tuple[int, int], GroupMask]]],
+    *,
+    reject_invalid: bool = False,
+    skip_locked: bool = False,
+    schema: str | None = None,
+) -> list[AckResult]:
+    """`Tracker.apply_outcomes` on the default tracker of `schema`."""
+    return default(schema).apply_outcomes(session, steps, reject_invalid=reject_invalid, skip_locked=skip_locked)
 
 
 def exactly_once(

@@ -47,7 +47,6 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from harvester.metrics import HarvesterMetrics
 from harvester.metrics import get as get_metrics
-from tracker import AckResult
 from tracker.folding import FAIL_MARK, FAILURE_REASON_HEADER, GROUPS_PER_FOLD_MAX, Folded, fold_messages
 from tracker.ids import GroupMask
 from tracker.pooling import configure_for_pooler
@@ -323,35 +322,26 @@ class Acker:
             # a bound on any wait SKIP LOCKED does not cover; the poll is then retried
             conn.execute("SELECT set_config('lock_timeout', %s, false)", [f"{int(self.lock_timeout * 1000)}ms"])
         out = Applied()
-        held: set[int] = set()  # batches skipped: none of their later steps may go before them
         try:
             with conn.transaction():  # every step in one transaction: all of the poll or none
-                for reason, masks in steps:
-                    if held:
-                        later = {k: m for k, m in masks.items() if k[0] in held}
-                        if later:
-                            out.skipped.append((reason, later))
-                            masks = {k: m for k, m in masks.items() if k[0] not in held}
-                    if not masks:
-                        continue
-                    result: AckResult
-                    if reason is None:
-                        result = self.tracker.apply_masks(conn, masks, reject_invalid=True, skip_locked=True)
-                        out.acked += result.acked
-                    else:
-                        result = self.tracker.fail_masks(conn, masks, reason, reject_invalid=True, skip_locked=True)
-                        out.failed += result.acked
-                    out.duplicates += result.duplicates
-                    out.completed.extend(result.completed)
-                    out.rejected.extend((entry, why, reason) for entry, why in result.rejected)
-                    if result.skipped:
-                        out.skipped.append((reason, result.skipped))
-                        held.update(b for b, _g in result.skipped)
-            return out
+                # every batch locked at once, one statement a step, sent together: a batch held
+                # elsewhere is skipped in every step, its masks kept in their order
+                results = self.tracker.apply_outcomes(conn, steps, reject_invalid=True, skip_locked=True)
         except psycopg.Error:
             if conn.broken or conn.closed:
                 self._conn = None
             raise
+        for (reason, _masks), result in zip(steps, results):
+            if reason is None:
+                out.acked += result.acked
+            else:
+                out.failed += result.acked
+            out.duplicates += result.duplicates
+            out.completed.extend(result.completed)
+            out.rejected.extend((entry, why, reason) for entry, why in result.rejected)
+            if result.skipped:
+                out.skipped.append((reason, result.skipped))
+        return out
 
     def _dead_letter(self, producer: Producer, folded: Folded, result: Applied) -> int:
         """Bad and rejected entries to the dead-letter topic, each as a message that could be sent
@@ -508,30 +498,25 @@ def _masks_in(steps: list[Step]) -> int:
 
 
 def _relevel(steps: list[Step]) -> list[Step]:
-    """The same steps in few statements, each batch's order kept: a batch's masks join the step of
-    its previous masks while it stays with acks or with failures; when it moves between the two (or
-    for its first masks), the first later step (or the first step) already holding that outcome,
-    else a new one. Failures of a batch under several reasons in one step are kept disjoint, the
-    earlier reason keeping an item. Masks are merged into copies: the given ones are left as they were."""
-    levels: list[dict[str | None, dict[tuple[int, int], GroupMask]]] = []
-    state: dict[int, tuple[int, bool]] = {}  # batch -> (level, failed) of its last masks
+    """The same steps in few statements, each batch's order kept. A batch's outcomes are runs of
+    acks and of failures (a run of failures under one or more reasons, kept disjoint: the earlier
+    reason keeps an item); the runs of each batch in turn (in order of first appearance) are placed
+    in order into the levels built so far, each run into an existing level or a new one inserted
+    between them, choosing the placement that adds the fewest statements (a statement per (level,
+    reason)). Masks are merged into copies: the given ones are left as they were."""
+    # batch -> its runs in order: (failed, reason -> (batch, group) -> mask)
+    runs: dict[int, list[tuple[bool, dict[str | None, dict[tuple[int, int], GroupMask]]]]] = {}
     for reason, masks in steps:
         failed = reason is not None
         for key, mask in masks.items():
-            got = state.get(key[0])
-            if got is not None and got[1] == failed:
-                level = got[0]
-            else:
-                level = 0 if got is None else got[0] + 1
-                while level < len(levels) and reason not in levels[level]:
-                    level += 1
-            state[key[0]] = (level, failed)
-            if level == len(levels):
-                levels.append({})
+            mine = runs.setdefault(key[0], [])
+            if not mine or mine[-1][0] != failed:
+                mine.append((failed, {}))
+            by_reason = mine[-1][1]
             if failed:
                 taken = 0
-                for other, held in levels[level].items():
-                    if other is not None and other != reason and key in held:
+                for other, held in by_reason.items():
+                    if other != reason and key in held:
                         taken |= int.from_bytes(held[key].bits.ljust(len(mask.bits), b"\0")[: len(mask.bits)], "big")
                 if taken:
                     bits = int.from_bytes(mask.bits, "big") & ~taken
@@ -542,12 +527,58 @@ def _relevel(steps: list[Step]) -> list[Step]:
                         mask.max_index,
                         mask.count,
                     )
-            into = levels[level].setdefault(reason, {})
-            mine = into.get(key)
-            if mine is None:
+            into = by_reason.setdefault(reason, {})
+            before = into.get(key)
+            if before is None:
                 into[key] = mask
             else:
-                copy = GroupMask(mine.batch_id, mine.group_id, bytearray(mine.bits), mine.max_index, mine.count)
+                copy = GroupMask(
+                    before.batch_id, before.group_id, bytearray(before.bits), before.max_index, before.count
+                )
                 copy.merge(mask)
                 into[key] = copy
+    levels: list[dict[str | None, dict[tuple[int, int], GroupMask]]] = []
+    for mine in runs.values():
+        levels = _place(levels, [by_reason for _failed, by_reason in mine])
     return [(reason, masks) for level in levels for reason, masks in level.items()]
+
+
+def _place(
+    levels: list[dict[str | None, dict[tuple[int, int], GroupMask]]],
+    runs: list[dict[str | None, dict[tuple[int, int], GroupMask]]],
+) -> list[dict[str | None, dict[tuple[int, int], GroupMask]]]:
+    """The levels with one batch's runs placed in order, fewest statements added: an alignment of
+    the runs with the levels, each run joining a level (a statement for each of its reasons the
+    level lacks) or a new level inserted (a statement for each of its reasons)."""
+    n, k = len(levels), len(runs)
+    join = [[sum(r not in level for r in run) for level in levels] for run in runs]
+    cost = [[0] * (n + 1) for _ in range(k + 1)]
+    for i in range(1, k + 1):
+        cost[i][0] = cost[i - 1][0] + len(runs[i - 1])
+        for j in range(1, n + 1):
+            cost[i][j] = min(
+                cost[i][j - 1],  # level j-1 holds none of these runs
+                cost[i - 1][j - 1] + join[i - 1][j - 1],  # run i-1 joins level j-1
+                cost[i - 1][j] + len(runs[i - 1]),  # run i-1 in a new level after level j-1
+            )
+    joins: dict[int, int] = {}  # run -> the level it joins
+    new: dict[int, list[int]] = {}  # j -> runs in new levels inserted before level j, in order
+    i, j = k, n
+    while i > 0:
+        if j > 0 and cost[i][j] == cost[i - 1][j - 1] + join[i - 1][j - 1]:
+            joins[i - 1] = j - 1
+            i, j = i - 1, j - 1
+        elif j > 0 and cost[i][j] == cost[i][j - 1]:
+            j -= 1
+        else:
+            new.setdefault(j, []).insert(0, i - 1)
+            i -= 1
+    out: list[dict[str | None, dict[tuple[int, int], GroupMask]]] = []
+    for j in range(n + 1):
+        out.extend({reason: dict(masks) for reason, masks in runs[r].items()} for r in new.get(j, ()))
+        if j < n:
+            out.append(levels[j])
+    for r, j in joins.items():
+        for reason, masks in runs[r].items():
+            levels[j].setdefault(reason, {}).update(masks)
+    return out

@@ -33,7 +33,7 @@ the claim cleared something.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -163,70 +163,102 @@ def apply_op(
     reason (checked by the caller: tracker.core.validate.check_reason): the items flipped fail
     under it instead of succeeding; `acked` then counts the items this call failed.
     """
-    result = AckResult()
-    todo = [m for m in masks.values() if m.count]
-    if not todo:
-        return result
-    batch_ids = sorted({m.batch_id for m in todo})
-    # One round trip: savepoint, batch locks (in id order), then the groups' sizes, read after
-    # the locks are held so that an add committed while we waited is seen.
+    (result,) = yield from apply_steps_op(
+        q, [(reason, masks)], completion_topic, reject_invalid, last=last, skip_locked=skip_locked
+    )
+    return result
+
+
+def apply_steps_op(
+    q: dict[str, str],
+    steps: Sequence[tuple[str | None, Mapping[tuple[int, int], GroupMask]]],
+    completion_topic: str,
+    reject_invalid: bool,
+    *,
+    last: bool = True,
+    skip_locked: bool = False,
+) -> Op[list[AckResult]]:
+    """`apply_op` of each (reason or None for acks, masks) step in order, in two round trips
+    whatever the number of steps: every named batch locked at once (so a batch held elsewhere is
+    skipped in every step: its masks come back in each step's `skipped`), the groups' sizes read
+    once, then one statement per step with masks to apply, sent together and run in order. A
+    result per step; with reject_invalid=False the first invalid entry of any step raises and
+    nothing is applied."""
+    results = [AckResult() for _ in steps]
+    todos = [[m for m in masks.values() if m.count] for _reason, masks in steps]
+    if not any(todos):
+        return results
+    batch_ids = sorted({m.batch_id for todo in todos for m in todo})
+    keys = list(dict.fromkeys((m.batch_id, m.group_id) for todo in todos for m in todo))
+    # One round trip: batch locks (in id order), then the groups' sizes, read after the locks are
+    # held so that an add committed while we waited is seen.
     queries = [
         Query(q["lock_skip" if skip_locked else "lock"], [batch_ids], "all"),
-        Query(q["sizes"], [[m.batch_id for m in todo], [m.group_id for m in todo]], "all"),
+        Query(q["sizes"], [[b for b, _g in keys], [g for _b, g in keys]], "all"),
     ]
     if skip_locked:
         queries.append(Query(q["states"], [batch_ids], "all"))
     rows = yield Round(tuple(queries))
     lock_rows, size_rows = rows[0], rows[1]
     states = dict(lock_rows)
+    held: set[int] = set()
     if skip_locked:
         held = {b for b, _state in rows[2]} - states.keys()
-        result.skipped = {(m.batch_id, m.group_id): m for m in todo if m.batch_id in held}
-        todo = [m for m in todo if m.batch_id not in held]
     sizes = {(b, g): size for b, g, size in size_rows}
-    live: list[GroupMask] = []
-    for m in todo:
-        state = states.get(m.batch_id)
-        if state is None or state == "expired":
-            first = m.item_id(_first_index(m))
-            if not reject_invalid:
-                raise UnknownBatch(m.batch_id, first) if state is None else BatchExpired(m.batch_id, first)
-            why = "unknown batch" if state is None else "batch expired"
-            result.rejected.extend((run, why) for run in _runs(m))
-        else:
-            live.append(m)
-    batch_ids, group_ids, hexes = [], [], []
-    counted = 0
-    for m in live:
-        size = sizes.get((m.batch_id, m.group_id))
-        if size is None:
-            if not reject_invalid:
-                raise UnknownGroup(m.batch_id, m.group_id, m.item_id(_first_index(m)))
-            result.rejected.extend((run, "unknown group") for run in _runs(m))
-            continue
-        count = m.count
-        if m.max_index >= size:
-            if not reject_invalid:
-                raise IndexOutOfRange(m.item_id(_first_index(m, size)), size, culprit=(m.batch_id, m.group_id))
-            result.rejected.extend((run, f"index out of range (group size {size})") for run in _runs(m, size))
-            count -= _set_bits_from(m, size)
-        # Sent as folded (up to its highest index, never past the group): the statement pads it to
-        # the group's size, so what this call holds stays what its ids named.
-        nbytes = (size + 7) >> 3
-        bits = m.bits if len(m.bits) <= nbytes else m.bits[:nbytes]
-        batch_ids.append(m.batch_id)
-        group_ids.append(m.group_id)
-        hexes.append(bits.hex())
-        counted += count
-    if not batch_ids:
-        return result
-    (applied,) = yield Round((Query(q["apply"], [batch_ids, group_ids, hexes, reason, completion_topic], "all"),), last)
-    for batch_id, flipped, completed in applied:
-        result.acked += flipped
-        if completed:
-            result.completed.append(batch_id)
-    result.duplicates = max(0, counted - result.acked)
-    return result
+    statements: list[tuple[int, int, Query]] = []  # (step, ids it names, statement)
+    for n, (result, todo) in enumerate(zip(results, todos)):
+        if held:
+            result.skipped = {(m.batch_id, m.group_id): m for m in todo if m.batch_id in held}
+            todo = [m for m in todo if m.batch_id not in held]
+        live: list[GroupMask] = []
+        for m in todo:
+            state = states.get(m.batch_id)
+            if state is None or state == "expired":
+                first = m.item_id(_first_index(m))
+                if not reject_invalid:
+                    raise UnknownBatch(m.batch_id, first) if state is None else BatchExpired(m.batch_id, first)
+                why = "unknown batch" if state is None else "batch expired"
+                result.rejected.extend((run, why) for run in _runs(m))
+            else:
+                live.append(m)
+        batch_of, group_of, hexes = [], [], []
+        counted = 0
+        for m in live:
+            size = sizes.get((m.batch_id, m.group_id))
+            if size is None:
+                if not reject_invalid:
+                    raise UnknownGroup(m.batch_id, m.group_id, m.item_id(_first_index(m)))
+                result.rejected.extend((run, "unknown group") for run in _runs(m))
+                continue
+            count = m.count
+            if m.max_index >= size:
+                if not reject_invalid:
+                    raise IndexOutOfRange(m.item_id(_first_index(m, size)), size, culprit=(m.batch_id, m.group_id))
+                result.rejected.extend((run, f"index out of range (group size {size})") for run in _runs(m, size))
+                count -= _set_bits_from(m, size)
+            # Sent as folded (up to its highest index, never past the group): the statement pads it
+            # to the group's size, so what this call holds stays what its ids named.
+            nbytes = (size + 7) >> 3
+            bits = m.bits if len(m.bits) <= nbytes else m.bits[:nbytes]
+            batch_of.append(m.batch_id)
+            group_of.append(m.group_id)
+            hexes.append(bits.hex())
+            counted += count
+        if batch_of:
+            reason = steps[n][0]
+            query = Query(q["apply"], [batch_of, group_of, hexes, reason, completion_topic], "all")
+            statements.append((n, counted, query))
+    if not statements:
+        return results
+    applied = yield Round(tuple(query for _n, _c, query in statements), last)
+    for (n, counted, _query), rows_of_step in zip(statements, applied):
+        result = results[n]
+        for batch_id, flipped, completed in rows_of_step:
+            result.acked += flipped
+            if completed:
+                result.completed.append(batch_id)
+        result.duplicates = max(0, counted - result.acked)
+    return results
 
 
 def claim_op(

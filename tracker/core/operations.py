@@ -15,6 +15,7 @@ from tracker.core import acks, batches, enqueue
 from tracker.core.acks import AckResult, Processed, exactly_once_op
 from tracker.core.batches import Batch, BatchStatus, GroupHandle
 from tracker.core.steps import Op
+from tracker.core.validate import check_reason
 from tracker.errors import (
     BatchExpired,
     IndexOutOfRange,
@@ -123,6 +124,21 @@ class TrackerCore:
             self._q_acks, masks, self.config.completion_topic, reject_invalid, skip_locked=skip_locked, reason=reason
         )
 
+    def _apply_steps_op(self, steps: object, reject_invalid: bool, skip_locked: bool) -> Op[list[AckResult]]:
+        if not isinstance(steps, (list, tuple)):
+            raise InvalidArgument("steps", steps, "a list of (reason or None, masks from tracker.fold)")
+        checked: list[tuple[str | None, Mapping[tuple[int, int], GroupMask]]] = []
+        for step in steps:
+            if not isinstance(step, tuple) or len(step) != 2:
+                raise InvalidArgument("steps", step, "a (reason or None, masks from tracker.fold) pair")
+            reason, masks = step
+            if not isinstance(masks, Mapping) or not all(isinstance(m, GroupMask) for m in masks.values()):
+                raise InvalidArgument("masks", masks, "a mapping of (batch, group) to GroupMask, from tracker.fold")
+            checked.append((None if reason is None else check_reason(reason), masks))
+        return acks.apply_steps_op(
+            self._q_acks, checked, self.config.completion_topic, reject_invalid, skip_locked=skip_locked
+        )
+
     def _ack_op(
         self, entries: list[str | bytes], masks: dict[tuple[int, int], GroupMask], claims: bool
     ) -> Op[AckResult]:
@@ -175,6 +191,19 @@ class TrackerCore:
             self._m[1].inc()
             if complete:
                 self._m[2].inc()
+
+    def _count_acks(self, steps: object, results: list[AckResult], started: float) -> None:
+        """The metrics of the ack steps of an apply_outcomes call, as one ack call."""
+        acked = [r for (reason, _m), r in zip(steps, results) if reason is None]  # type: ignore[call-overload]
+        if acked:
+            self._count_ack(
+                AckResult(
+                    acked=sum(r.acked for r in acked),
+                    duplicates=sum(r.duplicates for r in acked),
+                    completed=[b for r in acked for b in r.completed],
+                ),
+                started,
+            )
 
     def _count_ack(self, result: AckResult, started: float) -> None:
         if self._m:

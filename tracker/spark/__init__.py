@@ -10,7 +10,8 @@
 
 fanout.py: the fan-out and its exactly-once partition write; acks.py: DataFrame acks (fold, OR,
 apply); outcomes.py: a DataFrame of outcomes (failures folded per reason, then acks); stream.py:
-streaming acks and their progress; cluster.py: sessions and shipping the tracker to executors.
+streaming acks and failures from the ack topic (in each partition's order, as the acker applies
+them) and their progress; cluster.py: sessions and shipping the tracker to executors.
 pyspark is imported only when a job runs.
 """
 
@@ -29,7 +30,7 @@ from tracker.spark.fanout import (  # noqa: F401
     spark_group_id,
 )
 from tracker.spark.outcomes import OutcomeTotals, outcome_dataframe
-from tracker.spark.stream import StreamTotals, ack_stream
+from tracker.spark.stream import OrderedTotals, StreamTotals, ack_stream, ordered_outcomes
 
 __all__ = [
     "fan_out",
@@ -47,6 +48,8 @@ __all__ = [
     "OutcomeTotals",
     "ack_stream",
     "StreamTotals",
+    "ordered_outcomes",
+    "OrderedTotals",
     "session",
     "local_session",
     "tracker_zip",

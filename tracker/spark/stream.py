@@ -1,14 +1,19 @@
 """Streaming acks: a Structured Streaming query over the ack topic, one bulk ack per micro-batch.
 
-Every micro-batch (foreachBatch) is acked by `ack_dataframe`: folded per group, OR-ed, applied in
-one transaction per partition. Offsets live in the checkpoint; a micro-batch replayed after a
-failure re-applies its acks, which re-clears clear bits and changes nothing.
+Every micro-batch (foreachBatch) of acks alone is acked by `ack_dataframe`: folded per group,
+OR-ed, applied in one transaction per partition. A micro-batch holding failures (entries written
+'!<id>' under a `failure-reason` header) is applied as the reaper's acker applies a poll: each
+Kafka partition's records in one task, in offset order, folded by `tracker.folding.fold_messages`
+into each batch's ordered steps of acks and failures, applied by `apply_outcomes` in one
+transaction per fold; so an item's first outcome in its partition wins, as with the acker. Offsets
+live in the checkpoint; a micro-batch replayed after a failure re-applies its outcomes, which finds
+every item already decided and changes nothing.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +28,7 @@ DEFAULT_MAX_OFFSETS_PER_TRIGGER = 1_000_000
 
 @dataclass
 class StreamTotals(AckTotals):
+    failed: int = 0  # items failed (from '!' entries under their failure-reason)
     batches: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     progress: Progress = field(default_factory=Progress)  # from the query listener: rows/s, duration, lag
@@ -88,18 +94,31 @@ def ack_stream(
     # One batch's acks share a Kafka partition (keyed by batch id): split partitions' offset ranges
     # over several tasks, or one task reads and folds a hot batch's acks alone.
     reader = reader.option("minPartitions", str(min_partitions or 2 * spark.sparkContext.defaultParallelism))
-    stream = reader.load().selectExpr("value AS ack")  # binary: bad bytes are dead-lettered, never decoded
+    reader = reader.option("includeHeaders", "true")  # a failure's reason is in its record's header
+    # binary: bad bytes are dead-lettered, never decoded
+    stream = reader.load().selectExpr("value AS ack", "key", "partition", "offset", "headers")
     # kafka_options are the Java consumer's (Spark's source); the dead-letter producer is librdkafka's
     producer_conf = {"bootstrap.servers": bootstrap_servers, "enable.idempotence": True, **(dead_letter_client or {})}
 
     def each(batch_df: Any, epoch_id: int) -> None:
-        result = ack_dataframe(
-            batch_df, dsn=dsn, schema=s, column="ack", partitions=partitions, after_apply=after_apply
-        )
-        if result.rejected and dead_letter_topic:
-            _dead_letter(producer_conf, dead_letter_topic, topic, result.rejected)
+        batch_df.persist()
+        try:
+            if _has_failures(batch_df):
+                ordered = ordered_outcomes(batch_df, dsn=dsn, schema=s, after_apply=after_apply)
+                letters = ordered.letters
+                result: AckTotals = ordered
+            else:
+                result = ack_dataframe(
+                    batch_df, dsn=dsn, schema=s, column="ack", partitions=partitions, after_apply=after_apply
+                )
+                letters = [(entry, why, None) for entry, why in result.rejected]
+        finally:
+            batch_df.unpersist()
+        if letters and dead_letter_topic:
+            _dead_letter(producer_conf, dead_letter_topic, topic, letters)
         with totals.lock:
             totals.add(result)
+            totals.failed += getattr(result, "failed", 0)
             totals.batches += 1
 
     writer = stream.writeStream.foreachBatch(each).option("checkpointLocation", checkpoint_location)
@@ -114,19 +133,157 @@ def ack_stream(
     return query, totals
 
 
-def _dead_letter(conf: dict, dead_letter_topic: str, source_topic: str, rejected: list[tuple[str, str]]) -> None:
+def _has_failures(batch_df: Any) -> bool:
+    """Whether any record of the micro-batch holds a '!' (a failure entry, or a bad value that the
+    ordered path dead-letters just as the ack path would)."""
+    from pyspark.sql import functions as f
+
+    return bool(batch_df.where(f.instr(f.col("ack").cast("string"), "!") > 0).limit(1).count())
+
+
+@dataclass
+class OrderedTotals(AckTotals):
+    failed: int = 0
+    # (entry as written, why it was set aside, its failure-reason header as received or None)
+    letters: list[tuple[str, str, bytes | None]] = field(default_factory=list)
+
+
+class _Record:
+    """A record of Spark's Kafka source, read as `fold_messages` reads a consumed message."""
+
+    __slots__ = ("_partition", "_offset", "_key", "_value", "_headers")
+
+    def __init__(self, row: Any) -> None:
+        self._partition, self._offset = row.partition, row.offset
+        self._key = None if row.key is None else bytes(row.key)
+        self._value = None if row.ack is None else bytes(row.ack)
+        headers = row.headers
+        self._headers = [(h.key, None if h.value is None else bytes(h.value)) for h in headers] if headers else None
+
+    def error(self) -> None:
+        return None
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+    def key(self) -> bytes | None:
+        return self._key
+
+    def value(self) -> bytes | None:
+        return self._value
+
+    def headers(self) -> list[tuple[str, bytes | None]] | None:
+        return self._headers
+
+
+# Records one ordered task folds at a time (each fold then holds at most GROUPS_PER_FOLD_MAX groups).
+RECORDS_PER_FOLD = 100_000
+
+
+def _ordered_partition(
+    dsn: str, schema: str, after_apply: Callable[[int, int], None] | None = None
+) -> Callable[[Iterator[Any]], Iterator[dict]]:
+    def apply(rows: Iterator[Any]) -> Iterator[dict]:
+        import psycopg
+        from pyspark import TaskContext
+
+        from tracker.folding import FAIL_MARK, fold_messages
+        from tracker.sync import apply_outcomes
+
+        letters: list[tuple[str, str, bytes | None]] = []
+        result: dict[str, Any] = {"acked": 0, "failed": 0, "duplicates": 0, "completed": [], "rejected": []}
+        conn: psycopg.Connection | None = None
+
+        def fold_and_apply(records: list[_Record]) -> None:
+            nonlocal conn
+            rest: list[Any] = records
+            while rest:
+                folded = fold_messages(rest)
+                for n, (_key, value, why, _partition, _offset) in enumerate(folded.bad):
+                    written = (value or b"").decode("ascii", "replace")
+                    letters.append((written, why, folded.bad_failure.get(n)))
+                if any(masks for _r, masks in folded.steps):
+                    if conn is None:
+                        conn = psycopg.connect(dsn, autocommit=True, application_name="tracker.spark ack stream")
+                    with conn.transaction():  # a fold's steps in order, all or none
+                        applied = apply_outcomes(conn, folded.steps, reject_invalid=True, schema=schema)
+                    for (reason, _masks), r in zip(folded.steps, applied):
+                        result["acked" if reason is None else "failed"] += r.acked
+                        result["duplicates"] += r.duplicates
+                        result["completed"] += r.completed
+                        for entry, why in r.rejected:
+                            if reason is None:
+                                letters.append((entry, why, None))
+                            else:
+                                letters.append((FAIL_MARK + entry, why, reason.encode()))
+                rest = folded.rest
+
+        try:
+            records: list[_Record] = []
+            for row in rows:
+                records.append(_Record(row))
+                if len(records) >= RECORDS_PER_FOLD:
+                    fold_and_apply(records)
+                    records = []
+            fold_and_apply(records)
+        finally:
+            if conn is not None:
+                conn.close()
+        if conn is not None and after_apply is not None:
+            ctx = TaskContext.get()
+            assert ctx is not None  # inside a Spark task
+            after_apply(ctx.partitionId(), ctx.attemptNumber())
+        result["rejected"] = [(entry, why) for entry, why, _failure in letters]
+        result["letters"] = letters
+        yield result
+
+    return apply
+
+
+def ordered_outcomes(
+    df: Any, *, dsn: str, schema: str | None = None, after_apply: Callable[[int, int], None] | None = None
+) -> OrderedTotals:
+    """Apply records of the ack topic (columns `ack` (the value), `key`, `partition`, `offset`,
+    `headers`, as Spark's Kafka source gives them with includeHeaders) as the reaper's acker
+    does: each Kafka partition's records in one task, in offset order, acks and failures (under
+    their `failure-reason`) folded into each batch's ordered steps, one transaction per fold. Bad
+    and rejected entries come back in `.letters` as they would be dead-lettered."""
+    s = schema_of(schema)
+    ordered = df.select("ack", "key", "partition", "offset", "headers")
+    n = max(1, ordered.select("partition").distinct().count())
+    results = (
+        ordered.repartition(n, "partition")
+        .sortWithinPartitions("partition", "offset")
+        .rdd.mapPartitions(_ordered_partition(dsn, s, after_apply))
+        .collect()
+    )
+    totals = OrderedTotals()
+    for r in results:
+        totals.add(r)
+        totals.failed += r["failed"]
+        totals.letters.extend((entry, why, failure) for entry, why, failure in r["letters"])
+    return totals
+
+
+def _dead_letter(
+    conf: dict, dead_letter_topic: str, source_topic: str, letters: list[tuple[str, str, bytes | None]]
+) -> None:
     from confluent_kafka import Producer
 
     producer = Producer(conf)
-    for entry, reason in rejected:
-        key = entry.split(":", 1)[0].encode() if entry else None
-        producer.produce(
-            dead_letter_topic,
-            key=key,
-            value=entry.encode(),
-            headers=[("reason", reason.encode()), ("source-topic", source_topic.encode())],
-        )
+    for entry, reason, failure in letters:
+        key = entry.lstrip("!").split(":", 1)[0].encode() if entry else None
+        headers: list[tuple[str, str | bytes | None]] = [
+            ("reason", reason.encode()),
+            ("source-topic", source_topic.encode()),
+        ]
+        if failure is not None:  # sent again to the ack topic, it fails under the same reason
+            headers.append(("failure-reason", failure))
+        producer.produce(dead_letter_topic, key=key, value=entry.encode(), headers=headers)
     left = producer.flush(60)
     if left:
         raise RuntimeError(f"{left} dead letters were not delivered to {dead_letter_topic}")
-    dead_lettered.inc(len(rejected))
+    dead_lettered.inc(len(letters))
