@@ -128,3 +128,21 @@ def test_a_bad_outcome_or_reason_is_a_typed_error_naming_it_and_records_nothing(
         assert tracker.status(c, b, schema=schema).pending == 5
     with pytest.raises(ValueError, match="'why'"):
         tspark.outcome_dataframe(df, dsn=pg_dsn, schema=schema, reason_column="why")
+
+
+def test_the_first_reason_in_sort_order_wins_when_a_partition_holds_more_groups_than_a_round(spark, pg_dsn, schema):
+    """A partition of more (group, reason) masks than one transaction takes (4,096) is recorded in
+    several rounds: an item failed under two reasons still ends under the first in sort order."""
+    groups = 4_200
+    b = _batch(pg_dsn, schema, groups * 8192)
+    rows = [(f"{b}:{g}:0", "failed", r) for g in range(groups) for r in ("b-second", "a-first")]
+    df = spark.createDataFrame(rows, "item_id string, outcome string, reason string").repartition(3)
+    got = tspark.outcome_dataframe(df, dsn=pg_dsn, schema=schema, partitions=1)
+    assert (got.failed, got.duplicates, got.rejected) == (groups, groups, [])
+    with psycopg.connect(pg_dsn) as c:
+        reasons = c.execute(
+            psycopg.sql.SQL("SELECT r.text, count(*) FROM {} f JOIN {} r ON r.id = f.reason_id GROUP BY 1").format(
+                psycopg.sql.Identifier(schema, "group_failure"), psycopg.sql.Identifier(schema, "failure_reason")
+            )
+        ).fetchall()
+    assert reasons == [("a-first", groups)]

@@ -4,9 +4,9 @@ failures, a reason column.
 Failed rows take the path acks take (ack_dataframe), with the reason carried along: each partition
 is sorted by reason and each run of one reason folded into masks per group (tracker.folding.
 fold_arrow in mapInArrow); the masks of a (group, reason) are OR-ed across partitions
-(reduceByKey, partitioned by batch id), and each resulting partition records them as failures
-under their reason, reasons in sort order, in one transaction per at most 4,096 groups. Then the
-succeeded rows are acked by ack_dataframe. Recording is idempotent (an item's first outcome wins:
+(a shuffle partitioned by batch id and sorted by batch, group and reason), and each resulting
+partition records them as failures under their reason, reasons in sort order, in one transaction
+per at most 4,096 groups. Then the succeeded rows are acked by ack_dataframe. Recording is idempotent (an item's first outcome wins:
 a retried or speculative task changes nothing twice), and deterministic whatever the partitioning:
 an item named as failed and as succeeded ends failed, one named under several reasons ends with
 the first reason in sort order.
@@ -62,10 +62,12 @@ def _fail_partition(
             rejected.extend(r.rejected)
 
         try:
-            # A partition holds every (group, reason) mask of its batches (partitioned by batch id):
-            # held as they come, at most max_groups at once; recorded reason by reason in sort order.
+            # A partition holds every (group, reason) mask of its batches (partitioned by batch id),
+            # sorted by (batch, group, reason): the masks of one key are OR-ed as they come, held at
+            # most max_groups at once and recorded reason by reason in sort order. A group's reasons
+            # come in sort order, so one split across rounds still meets its first reason first.
             held = 0
-            for key, value in items:
+            for key, value in _merged(items):
                 if key[0] < 0:
                     rejected.append(value)
                     continue
@@ -91,6 +93,22 @@ def _fail_partition(
         yield result
 
     return apply
+
+
+def _merged(items: Iterator[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
+    """Sorted (key, (bits, count)) pairs with the masks of each key OR-ed into one (bad entries,
+    keys of their own, pass as they are)."""
+    key: Any = None
+    value: Any = None
+    for k, v in items:
+        if key is not None and k == key and k[0] >= 0:
+            value = or_bits(value, v)
+            continue
+        if key is not None:
+            yield key, value
+        key, value = k, v
+    if key is not None:
+        yield key, value
 
 
 def _fold_by_reason(column: str, reason_column: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
@@ -211,7 +229,9 @@ def outcome_dataframe(
 
     results = (
         folded.rdd.mapPartitionsWithIndex(keyed)
-        .reduceByKey(or_bits, numPartitions=n, partitionFunc=lambda k: k[0])
+        # sorted by key within each batch's partition (spilling as Spark sorts): _fail_partition
+        # then meets each group's reasons in sort order, whatever rounds it records them in
+        .repartitionAndSortWithinPartitions(numPartitions=n, partitionFunc=lambda k: k[0])
         .mapPartitions(_fail_partition(dsn, s, after_apply))
         .collect()
     )

@@ -275,7 +275,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             if body.parent is not None:  # another tenant's parent answers as one that does not exist
                 owner = (await s.owners([body.parent])).get(body.parent)
                 if owner is not None and owner[0] != tenant.name:
-                    raise parent_problem(UnknownBatch(body.parent))
+                    raise parent_problem(UnknownBatch(body.parent, role="parent"))
             try:
                 b = await s.open_batch(
                     body.user_key,

@@ -112,8 +112,8 @@ def _tracker_error(exc: psycopg.Error) -> TrackerError | None:
         batch_id = -1
     if code == "RT001":
         return MalformedItemId(detail)
-    if code == "RT002":
-        return UnknownBatch(batch_id, item_id)
+    if code == "RT002":  # open_batch names an unknown parent as such, as the tracker does
+        return UnknownBatch(batch_id, item_id, role="parent" if message.endswith("(parent)") else None)
     if code == "RT003":
         return UnknownGroup(batch_id, int(parts[1]), item_id)
     if code == "RT004":

@@ -189,7 +189,9 @@ async def own_acked(store: Store, tenant: Tenant, ids: list[str]) -> None:
     owners = await store.owners(list(named))
     for batch_id in sorted(named, key=named.__getitem__):
         owner = owners.get(batch_id)
-        if owner is None or owner[1] == "expired":
+        if owner is None:
             return  # the tracker names this one first, whoever asks
-        if owner[0] != tenant.name:
+        if owner[0] != tenant.name:  # expired or not: that it expired would tell that it exists
             raise problems.from_tracker(UnknownBatch(batch_id, ids[named[batch_id]]), batch_in_path=False)
+        if owner[1] == "expired":
+            return  # the tracker names this one first (the caller's own batch)
