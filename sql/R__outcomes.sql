@@ -69,7 +69,7 @@ END $$;
 -- The indexes of the bits set in p_bits after index p_after (-1: from the first), ascending, at
 -- most p_lim: each found by position() on the rest of the string, never a walk bit by bit.
 CREATE OR REPLACE FUNCTION failure_bits_items(p_bits varbit, p_after integer, p_lim integer) RETURNS SETOF integer
-LANGUAGE plpgsql IMMUTABLE STRICT AS $$
+LANGUAGE plpgsql IMMUTABLE STRICT SET search_path FROM CURRENT AS $$
 DECLARE
     i integer := p_after + 1;
     k integer;
@@ -91,7 +91,7 @@ END $$;
 -- p_after (-1: from the first), ascending, at most p_lim. Items: a binary search (width_bucket
 -- counts the items <= p_after), then a slice.
 CREATE OR REPLACE FUNCTION failure_row_items(p_items smallint[], p_bits varbit, p_after integer, p_lim integer)
-RETURNS SETOF integer LANGUAGE plpgsql IMMUTABLE AS $$
+RETURNS SETOF integer LANGUAGE plpgsql IMMUTABLE SET search_path FROM CURRENT AS $$
 DECLARE
     k integer;
 BEGIN
@@ -110,7 +110,7 @@ END $$;
 -- its first and last item.
 CREATE OR REPLACE FUNCTION failure_row_add(p_items smallint[], p_bits varbit, p_new varbit, p_n integer,
                                            OUT items smallint[], OUT bits varbit, OUT lo smallint, OUT hi smallint)
-LANGUAGE plpgsql IMMUTABLE AS $$
+LANGUAGE plpgsql IMMUTABLE SET search_path FROM CURRENT AS $$
 DECLARE
     len integer := greatest(bit_length(p_new), coalesce(bit_length(p_bits), 0));  -- the group may have grown
     n integer := coalesce(cardinality(p_items), 0) + coalesce(bit_count(p_bits), 0)::integer + p_n;
