@@ -27,7 +27,7 @@ from functools import partial
 
 from confluent_kafka import KafkaError, KafkaException
 
-from harvester.publishing.deliveries import DeliverySettler, error_reason, logs_safe
+from harvester.publishing.deliveries import DeliverySettler, Flight, error_reason, logs_safe
 from harvester.publishing.ports import ProducerLike, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
 
@@ -64,7 +64,8 @@ class PlainStrategy:
         pass
 
     def produce_rows(self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Valid, valid_until: Deadline) -> int:
-        return self.write(self.slot.current, rows, leader_id, still_valid, valid_until, self.settler.report)
+        flight = self.settler.flight(leader_id)  # settled as one once every report is in
+        return self.write(self.slot.current, rows, leader_id, still_valid, valid_until, flight.report, flight)
 
     def write(
         self,
@@ -74,16 +75,21 @@ class PlainStrategy:
         still_valid: Valid,
         valid_until: Deadline,
         report: Callable,
+        flight: Flight | None = None,
     ) -> int:
         """The produce loop shared by both strategies; `report` is the per-record callback
-        (called as report(row_id, leader_id, err, msg)). Releases what it did not hand over.
-        Returns the rows got through: handed over or quarantined."""
+        (called as report(row_id, leader_id, err, msg)). Releases what it did not hand over, and
+        tells `flight` (if any) the ids it handed over. Returns the rows got through: handed over
+        or quarantined."""
         slot, clock, swap, trace = self.slot, time.monotonic, self.slot._swap, self.trace
         sent = quarantined = 0
+        stop = 0  # rows[stop:] were not handed over
+        moved: list[int] = []  # quarantined instead
         slot.used = True
         try:
             deadline = valid_until()
             for i, row in enumerate(rows):
+                stop = i
                 if clock() >= deadline or (i & 255 == 0 and not still_valid()):
                     break
                 row_id, topic, key, value, hkeys, hvals, partition = row
@@ -114,6 +120,7 @@ class PlainStrategy:
                     # Never acceptable: move it aside (or stop here if that fails, so nothing of
                     # its key overtakes it) and carry on with the next record.
                     self._quarantine_now(leader_id, row_id, error_reason(err))
+                    moved.append(row_id)
                     quarantined += 1
                     continue
                 sent += 1
@@ -121,7 +128,15 @@ class PlainStrategy:
                     trace(topic, hkeys, hvals)
                 if sent & 255 == 0:
                     deadline = valid_until()
+            else:
+                stop = len(rows)
         finally:
+            if flight is not None:
+                ids = [row[0] for row in rows[:stop]]
+                if moved:
+                    gone = set(moved)
+                    ids = [row_id for row_id in ids if row_id not in gone]
+                flight.handed(ids)
             self.produced += sent
             if sent < len(rows):
                 self.settler.release(len(rows) - sent)  # includes the quarantined rows: settled here
