@@ -13,7 +13,7 @@ schema and topic):
 The sequential floor is copy then produce (copy_s + produce_s): a relay that reads, then sends,
 then reads again. The overlapped floor is max(copy_s, produce_s): a relay that reads the next rows
 while the previous ones are on their way. Deleting the rows is not in either: the harvester does it
-on top. The process runs with `reaper run`'s garbage-collector settings, as the harvester does.
+on top. The process runs with `reaper run`'s process settings, as the harvester does.
 """
 
 from __future__ import annotations

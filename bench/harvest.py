@@ -49,7 +49,7 @@ from bench.harvest_once import prefill as prefill_rows
 from bench.pairs import Command, alternate, load_average, stderr_log, summary
 from harvester import config as config_mod
 from harvester import logs
-from harvester.run import tune_gc
+from harvester.run import tune_process
 from harvester.units import Harvester
 from tracker import schema as schema_mod
 
@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--set {item!r}: expected KEY=VALUE")
         overrides[key.strip()] = value.strip()  # coerced and validated by the configuration loader
     logs.configure("json", "warning")
-    tune_gc()  # the in-process reapers run with the process settings of `reaper run`
+    tune_process()  # the in-process reapers run with the process settings of `reaper run`
     q = args.quick
     want = set(
         args.only or ["throughput", "hot_key", "sustained", "latency", "failover", "recovery", "units", "fenced"]

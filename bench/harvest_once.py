@@ -99,11 +99,12 @@ def harvest(dsn: str, bootstrap: str, rows: int, keys: int, overrides: dict[str,
     import harvester
     from harvester import config as config_mod
     from harvester import logs
-    from harvester.run import tune_gc
+    from harvester import run as run_mod
     from tracker import schema as schema_mod
 
     logs.configure("json", "warning")
-    tune_gc()  # the process settings of `reaper run`
+    # the process settings of `reaper run` (before tune_process, its garbage-collector settings)
+    (getattr(run_mod, "tune_process", None) or run_mod.tune_gc)()
     Harvester = _harvester_class()
     schema = f"bench_{uuid.uuid4().hex[:10]}"
     admin = None

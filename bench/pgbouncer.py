@@ -18,7 +18,7 @@ import time
 from harvester import config as config_mod
 from harvester import logs
 from harvester.publishing.mark_purge_reset import Harvester
-from harvester.run import tune_gc
+from harvester.run import tune_process
 
 from .harvest import BOOTSTRAP, DSN, Env, prefill, say
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="50,000 rows a round, 2 rounds each")
     args = ap.parse_args(argv)
     logs.configure("json", "warning")
-    tune_gc()
+    tune_process()
     n, rounds = (50_000, 2) if args.quick else (200_000, 3)
     rates: dict[str, list[float]] = {"direct": [], "pgbouncer": []}
     for r in range(rounds):

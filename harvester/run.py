@@ -175,15 +175,30 @@ GC_THRESHOLD_0 = 50_000
 
 
 def tune_gc() -> None:
-    """Garbage-collector settings for a reaper process: called by `reaper run`, and by anything else that runs a harvester in-process."""
+    """Garbage-collector settings for a reaper process (see tune_process)."""
     gc.freeze()  # what start-up loaded (modules, config) is never walked again
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(GC_THRESHOLD_0, gen1, gen2)
 
 
+# The interpreter's thread switch interval. The marking thread is the harvester's slowest stage:
+# each time its mark returns from Postgres it needs the GIL back, and with the default 5 ms it waits
+# up to that long while the producing thread runs its produce loop (which holds the GIL). 0.5 ms
+# hands the GIL over ten times sooner: ~15% more records a second on a pre-filled outbox here, at
+# the cost of more frequent thread switches in a busy process.
+SWITCH_INTERVAL = 0.0005
+
+
+def tune_process() -> None:
+    """Process settings for a reaper: the garbage collector's (tune_gc) and the thread switch
+    interval. Called by `reaper run`, and by anything else that runs a harvester in-process."""
+    tune_gc()
+    sys.setswitchinterval(SWITCH_INTERVAL)
+
+
 def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
     log = logs.get("reaper")
-    tune_gc()
+    tune_process()
     log.info("starting", version=_version(), config=redacted(cfg), providers=providers.description)
     stop = threading.Event()
     term = threading.Event()

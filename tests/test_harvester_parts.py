@@ -14,7 +14,7 @@ from support.harness import insert_rows, lanes_config, make_config, outbox_count
 
 from harvester.metrics import get as get_metrics
 from harvester.publishing.deliveries import DeliverySettler
-from harvester.publishing.outbox_sql import FOREVER, MarkRefused, OutboxStore, lane_of, make_pool
+from harvester.publishing.outbox_sql import FOREVER, PURGE_RUN, MarkRefused, OutboxStore, lane_of, make_pool, runs_of
 from harvester.publishing.publisher import LifecycleError, Publisher, producer_config
 from harvester.units import Harvester
 
@@ -89,6 +89,110 @@ def test_settler_counts_every_report_once_with_many_workers_and_reporting_thread
 class _Msg:
     def latency(self) -> float:
         return 0.001
+
+
+def _outbox(pg_dsn: str, schema: str) -> dict[int, uuid.UUID | None]:
+    with psycopg.connect(pg_dsn) as c:
+        return dict(c.execute(f'SELECT id, leader_id FROM "{schema}".outbox ORDER BY id').fetchall())
+
+
+def test_runs_of_covers_exactly_the_ids_given():
+    long = list(range(1000, 1000 + PURGE_RUN))
+    assert runs_of(long) == ([(1000, 1000 + PURGE_RUN - 1)], [])
+    assert runs_of(long[::-1] + long[:5]) == ([(1000, 1000 + PURGE_RUN - 1)], [])  # any order, duplicates
+    assert runs_of(long[:-1]) == ([], long[:-1])  # too short for a range
+    # As many ids as the span, yet not the span: a duplicate must not stand for the id it hides.
+    tricky = [5, 5, *range(7, 7 + PURGE_RUN)]
+    assert runs_of(tricky) == ([(7, 6 + PURGE_RUN)], [5])
+    gapped = [*range(1, 1 + PURGE_RUN), *range(2 + PURGE_RUN, 4 + PURGE_RUN), *range(500, 500 + 2 * PURGE_RUN)]
+    assert runs_of(gapped) == (
+        [(1, PURGE_RUN), (500, 499 + 2 * PURGE_RUN)],
+        [2 + PURGE_RUN, 3 + PURGE_RUN],
+    )
+    assert runs_of([]) == ([], [])
+
+
+def test_purge_deletes_exactly_the_ids_given_still_marked_by_the_leader_id(pg_dsn, schema, conn):
+    n = 4 * PURGE_RUN
+    insert_rows(conn, schema, "t", [(b"k", b"v%d" % i) for i in range(n)])
+    pool = make_pool(pg_dsn, 1)
+    try:
+        store = OutboxStore(pool, schema)
+        me, other = uuid.uuid4(), uuid.uuid4()
+        ids = [r[0] for r in store.mark(me, n, until=FOREVER)]
+        assert len(ids) == n
+        taken_over = ids[10]  # inside a run, remarked by a newer id meanwhile
+        conn.execute(f'UPDATE "{schema}".outbox SET leader_id = %s WHERE id = %s', [other, taken_over])
+        conn.commit()
+        left_out = {ids[PURGE_RUN + 5], ids[3 * PURGE_RUN + 1]}  # inside the span of what is purged
+        given = [i for i in ids[: 2 * PURGE_RUN] + ids[3 * PURGE_RUN :] if i not in left_out]
+        given += ids[2 * PURGE_RUN : 2 * PURGE_RUN + 3] + given[:7]  # a few singles, duplicates
+        expect_gone = set(given) - {taken_over}
+        assert store.purge(me, given) == len(expect_gone)
+        left = _outbox(pg_dsn, schema)
+        assert set(left) == set(ids) - expect_gone
+        assert left[taken_over] == other and all(left[i] == me for i in left_out)
+        assert store.purge(me, given) == 0  # already gone
+    finally:
+        pool.close()
+
+
+def test_mark_takes_the_lowest_rows_not_marked_by_its_id_and_leaves_its_own(pg_dsn, schema, conn):
+    insert_rows(conn, schema, "t", [(b"k", b"v%d" % i) for i in range(20)])
+    pool = make_pool(pg_dsn, 1)
+    try:
+        store = OutboxStore(pool, schema)
+        me, other = uuid.uuid4(), uuid.uuid4()
+        ids = sorted(_outbox(pg_dsn, schema))
+        mine, others = [ids[2], ids[3], ids[7]], [ids[4], ids[10]]
+        conn.execute(f'UPDATE "{schema}".outbox SET leader_id = %s WHERE id = ANY(%s)', [me, mine])
+        conn.execute(f'UPDATE "{schema}".outbox SET leader_id = %s WHERE id = ANY(%s)', [other, others])
+        conn.commit()
+        got = [r[0] for r in store.mark(me, 6, until=FOREVER)]
+        assert got == [ids[0], ids[1], ids[4], ids[5], ids[6], ids[8]]
+        after = _outbox(pg_dsn, schema)
+        assert [i for i in ids if after[i] == me] == sorted(got + mine)
+        assert after[ids[10]] == other and after[ids[9]] is None
+        assert [r[0] for r in store.mark(me, 100, until=FOREVER)] == [i for i in ids if i not in got + mine]
+        assert store.mark(me, 100, until=FOREVER) == []
+    finally:
+        pool.close()
+
+
+def test_a_flight_is_settled_once_all_it_handed_over_has_reports(pg_dsn, schema, conn):
+    """Reports before and after the producer says what it handed over; a failed record is reset,
+    the delivered ones purged, the ones never handed over left to the remark, the count exact."""
+    from confluent_kafka import KafkaError
+
+    insert_rows(conn, schema, "t", [(b"k", b"v%d" % i) for i in range(10)])
+    pool = make_pool(pg_dsn, 2)
+    try:
+        store = OutboxStore(pool, schema)
+        me = uuid.uuid4()
+        ids = [r[0] for r in store.mark(me, 10, until=FOREVER)]
+        failures: list[str] = []
+        settler = DeliverySettler(store, get_metrics(), workers=2, on_failure=failures.append)
+        settler.start()
+        settler.reserve(10)
+        flight = settler.flight(me)
+        for row_id in ids[:5]:
+            flight.report(row_id, me, None, _Msg())
+        settler.release(2)  # the producer handed over 8 of the 10 (as PlainStrategy.write does)
+        flight.handed(ids[:8])
+        time.sleep(0.1)
+        assert settler.in_flight == 8 and settler.delivered == 0  # three reports still out
+        flight.report(ids[5], me, KafkaError(KafkaError._MSG_TIMED_OUT), _Msg())
+        flight.report(ids[6], me, None, _Msg())
+        assert settler.in_flight == 8
+        flight.report(ids[7], me, None, _Msg())
+        assert settler.drain(30), settler.in_flight
+        settler.stop(10)
+        assert failures and "delivery failed" in failures[0]
+        assert (settler.delivered, settler.purged_rows) == (7, 7)
+        left = _outbox(pg_dsn, schema)
+        assert left == {ids[5]: None, ids[8]: me, ids[9]: me}
+    finally:
+        pool.close()
 
 
 def test_a_reaper_that_never_led_retires_no_producer(pg_dsn, kafka_bootstrap, schema, topics):

@@ -68,6 +68,7 @@ class DeliverySettler:
         self._on_failure, self._on_fatal = on_failure, on_fatal
         self._log = logs.get("reaper.settle")
         self.reports: collections.deque = collections.deque()
+        self.flights: collections.deque[Flight] = collections.deque()  # complete, waiting to be settled
         self._wake = threading.Event()
         self._cond = threading.Condition()  # guards the in-flight count
         self._in_flight = 0
@@ -134,10 +135,13 @@ class DeliverySettler:
     def sample(self, msg) -> None:
         self._sampled += 1
         if self._sampled >= SAMPLE_EVERY:
-            self._sampled = 0
-            lat = msg.latency()
-            if lat is not None:
-                self._m.produce_duration.observe(lat)
+            self._sample_now(msg)
+
+    def _sample_now(self, msg) -> None:
+        self._sampled = 0
+        lat = msg.latency()
+        if lat is not None:
+            self._m.produce_duration.observe(lat)
 
     def report(self, row_id: int, leader_id: uuid.UUID, err: KafkaError | None, msg) -> None:
         """A delivery report (the producer's per-record callback)."""
@@ -145,22 +149,35 @@ class DeliverySettler:
         if err is None:
             self.sample(msg)
         else:
-            code = err.code()
-            if code in _PURGED:
-                # Purged by us (retire, close): the leadership or producer they belonged to is
-                # already gone; the report only resets the row under the old id. A remark here
-                # would disturb the next leadership for nothing.
-                pass
-            elif code in PERMANENT_DELIVERY and not err.fatal():
-                # Settled by quarantine and counted in records_dead_total only.
-                pass
-            else:
-                self._m.produce_errors.inc()
-                if err.fatal() or code == KafkaError._FATAL:
-                    self._on_fatal()
-                self._on_failure(f"delivery failed: {err.str()}")
+            self.failed_report(err)
         if len(self.reports) >= WAKE_AT and not self._wake.is_set():
             self._wake.set()
+
+    def failed_report(self, err: KafkaError) -> None:
+        """What a failed delivery report sets off at once (its row is settled later)."""
+        code = err.code()
+        if code in _PURGED:
+            # Purged by us (retire, close): the leadership or producer they belonged to is
+            # already gone; the report only resets the row under the old id. A remark here
+            # would disturb the next leadership for nothing.
+            pass
+        elif code in PERMANENT_DELIVERY and not err.fatal():
+            # Settled by quarantine and counted in records_dead_total only.
+            pass
+        else:
+            self._m.produce_errors.inc()
+            if err.fatal() or code == KafkaError._FATAL:
+                self._on_fatal()
+            self._on_failure(f"delivery failed: {err.str()}")
+
+    def flight(self, leader_id: uuid.UUID) -> Flight:
+        """A Flight for records about to be produced under `leader_id` (plain publishing)."""
+        return Flight(self, leader_id)
+
+    def file_flight(self, flight: Flight) -> None:
+        """A flight whose every record has its report."""
+        self.flights.append(flight)
+        self._wake.set()
 
     def file(self, reports: list[Report]) -> None:
         """Reports settled together (a committed transaction's)."""
@@ -168,7 +185,7 @@ class DeliverySettler:
         self._wake.set()
 
     def wake_if_pending(self) -> None:
-        if self.reports:
+        if self.reports or self.flights:
             self._wake.set()
 
     def dead(self, n: int, ids: list[int], reason: str) -> None:
@@ -192,9 +209,17 @@ class DeliverySettler:
         return out
 
     def _loop(self) -> None:
-        while not self._stop.is_set() or self.reports:
+        while not self._stop.is_set() or self.reports or self.flights:
             self._wake.wait(0.02)
             self._wake.clear()
+            while True:
+                try:
+                    flight = self.flights.popleft()
+                except IndexError:
+                    break
+                if self.flights:
+                    self._wake.set()  # let another worker take the next flight meanwhile
+                self._settle_flight(flight)
             while batch := self._take():
                 if len(self.reports) >= WAKE_AT:
                     self._wake.set()  # let another worker take the next batch meanwhile
@@ -202,6 +227,25 @@ class DeliverySettler:
 
     def _settle(self, batch: list[Report]) -> None:
         done: dict[uuid.UUID, list[int]] = {}
+        try:
+            self._apply(done, batch)
+        finally:
+            self.release(len(batch))
+
+    def _settle_flight(self, flight: Flight) -> None:
+        """Purge a flight's delivered rows (all but the failed ones), settle the failed ones."""
+        ids = flight.ids
+        if flight.failed:
+            gone = {row_id for row_id, _, _ in flight.failed}
+            ids = [row_id for row_id in ids if row_id not in gone]
+        try:
+            self._apply({flight.leader_id: ids} if ids else {}, flight.failed)
+        finally:
+            self.release(len(flight.ids))
+
+    def _apply(self, done: dict[uuid.UUID, list[int]], batch: list[Report]) -> None:
+        """Purge `done` (delivered rows by leader id) and the delivered rows of `batch`; reset its
+        failed rows, quarantine those Kafka can never accept."""
         failed: dict[uuid.UUID, list[int]] = {}
         dead: dict[tuple[uuid.UUID, str], list[int]] = {}
         for row_id, leader_id, err in batch:
@@ -211,8 +255,9 @@ class DeliverySettler:
                 dead.setdefault((leader_id, error_reason(err)), []).append(row_id)
             else:
                 failed.setdefault(leader_id, []).append(row_id)
-        try:
-            for leader_id, ids in done.items():
+        for leader_id, all_ids in done.items():
+            for at in range(0, len(all_ids), self._batch):
+                ids = all_ids[at : at + self._batch]
                 self._m.published.inc(len(ids))
                 with self._counts:
                     self.delivered += len(ids)
@@ -228,25 +273,77 @@ class DeliverySettler:
                     self.purged_rows += n
                 if n < len(ids):  # remarked under a newer id meanwhile: that copy purges them
                     self._log.debug("purge hit fewer rows", wanted=len(ids), purged=n)
-            for leader_id, ids in failed.items():
-                try:
-                    n = self._store.reset(leader_id, ids)
-                except Exception as exc:
-                    self._failed_db("reset", exc)
-                    continue
-                self._m.reset.inc(n)
-            for (leader_id, reason), ids in dead.items():
-                try:
-                    n = self._store.quarantine(leader_id, ids, reason)
-                except Exception as exc:
-                    self._failed_db("quarantine", exc)  # still marked: found again, refused again
-                    continue
-                if n:
-                    self.dead(n, ids, reason)
-        finally:
-            self.release(len(batch))
+        for leader_id, ids in failed.items():
+            try:
+                n = self._store.reset(leader_id, ids)
+            except Exception as exc:
+                self._failed_db("reset", exc)
+                continue
+            self._m.reset.inc(n)
+        for (leader_id, reason), ids in dead.items():
+            try:
+                n = self._store.quarantine(leader_id, ids, reason)
+            except Exception as exc:
+                self._failed_db("quarantine", exc)  # still marked: found again, refused again
+                continue
+            if n:
+                self.dead(n, ids, reason)
 
     def _failed_db(self, what: str, exc: Exception) -> None:
         # The rows stay marked by an old id; the remark that follows publishes them again.
         self._log.warning(f"{what} failed", error=logs_safe(exc))
         self._on_failure(f"{what} failed")
+
+
+class Flight:
+    """The records of one plain produce call, settled together once each has its delivery report:
+    one purge per flight (its ids are one id range when the mark found no gap, see
+    OutboxStore.purge) instead of a report queued per record and a purge per queued batch.
+
+    `report` is the per-record callback, called by the one thread serving the producer's callbacks
+    (harvester.publishing.producer_slot). The producing thread calls `handed()` once it is done with
+    the ids it got through; the flight is filed with its settler when both agree that every record
+    handed over has its report, exactly once. Only rows delivered are purged; failed rows are reset
+    (or quarantined) as single reports are, and rows never handed over are the producer's to release.
+    """
+
+    __slots__ = ("_settler", "leader_id", "ids", "_expected", "_reported", "failed", "_filed", "_lock")
+
+    def __init__(self, settler: DeliverySettler, leader_id: uuid.UUID) -> None:
+        self._settler, self.leader_id = settler, leader_id
+        self.ids: list[int] = []  # the ids handed over, set by handed()
+        self._expected = -1  # unknown until handed(): no count of reports reaches it
+        self._reported = 0
+        self.failed: list[Report] = []
+        self._filed = False
+        self._lock = threading.Lock()
+
+    def report(self, row_id: int, leader_id: uuid.UUID, err: KafkaError | None, msg) -> None:
+        settler = self._settler
+        if err is None:
+            settler._sampled += 1
+            if settler._sampled >= SAMPLE_EVERY:
+                settler._sample_now(msg)
+        else:
+            self.failed.append((row_id, leader_id, err))
+            settler.failed_report(err)
+        self._reported += 1
+        if self._reported == self._expected:
+            self._file()
+
+    def handed(self, ids: list[int]) -> None:
+        """The ids handed over to the producer, in order (the producing thread, once, after its
+        last produce): their reports settle them."""
+        self.ids = ids
+        self._expected = len(ids)
+        if not ids:
+            return
+        if self._reported >= self._expected:
+            self._file()
+
+    def _file(self) -> None:
+        with self._lock:
+            if self._filed:
+                return
+            self._filed = True
+        self._settler.file_flight(self)

@@ -27,7 +27,7 @@ from functools import partial
 
 from confluent_kafka import KafkaError, KafkaException
 
-from harvester.publishing.deliveries import DeliverySettler, error_reason, logs_safe
+from harvester.publishing.deliveries import DeliverySettler, Flight, error_reason, logs_safe
 from harvester.publishing.ports import ProducerLike, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
 
@@ -37,6 +37,9 @@ from harvester.publishing.producer_slot import ProducerSlot
 PERMANENT_PRODUCE = frozenset(
     {KafkaError.MSG_SIZE_TOO_LARGE, KafkaError._UNKNOWN_PARTITION, KafkaError._INVALID_ARG, KafkaError.TOPIC_EXCEPTION}
 )
+
+VALID_EVERY = 256  # rows between two checks of still_valid() (and refreshes of the deadline)
+SWAP_HOLD = 64  # rows produced under one hold of the slot's swap lock
 
 Valid = Callable[[], bool]
 Deadline = Callable[[], float]
@@ -64,7 +67,8 @@ class PlainStrategy:
         pass
 
     def produce_rows(self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Valid, valid_until: Deadline) -> int:
-        return self.write(self.slot.current, rows, leader_id, still_valid, valid_until, self.settler.report)
+        flight = self.settler.flight(leader_id)  # settled as one once every report is in
+        return self.write(self.slot.current, rows, leader_id, still_valid, valid_until, flight.report, flight)
 
     def write(
         self,
@@ -74,58 +78,98 @@ class PlainStrategy:
         still_valid: Valid,
         valid_until: Deadline,
         report: Callable,
+        flight: Flight | None = None,
     ) -> int:
         """The produce loop shared by both strategies; `report` is the per-record callback
-        (called as report(row_id, leader_id, err, msg)). Releases what it did not hand over.
-        Returns the rows got through: handed over or quarantined."""
+        (called as report(row_id, leader_id, err, msg)). Releases what it did not hand over, and
+        tells `flight` (if any) the ids it handed over. Returns the rows got through: handed over
+        or quarantined."""
         slot, clock, swap, trace = self.slot, time.monotonic, self.slot._swap, self.trace
-        sent = quarantined = 0
+        n, i, check_at = len(rows), 0, 0  # rows[:i] are handed over or quarantined
+        moved: list[int] = []  # quarantined instead
         slot.used = True
         try:
             deadline = valid_until()
-            for i, row in enumerate(rows):
-                if clock() >= deadline or (i & 255 == 0 and not still_valid()):
+            while i < n:
+                if i >= check_at:
+                    if not still_valid():
+                        break
+                    deadline, check_at = valid_until(), i + VALID_EVERY
+                end = min(n, i + SWAP_HOLD, check_at)
+                expired = False
+                failed: BufferError | KafkaException | None = None
+                # Inlined ProducerSlot.send, the swap lock held for a few records at a time (a lock
+                # and a method call per record cost): a retired producer gets not one more record.
+                with swap:
+                    if slot.current is not producer:
+                        break  # retired (fence, revocation)
+                    produce = producer.produce
+                    try:
+                        while i < end:
+                            if clock() >= deadline:
+                                expired = True
+                                break
+                            row_id, topic, key, value, hkeys, hvals, partition = rows[i]
+                            # Positional, in the order of confluent-kafka's produce(topic, value, key,
+                            # partition, callback, on_delivery, timestamp, headers): keywords cost
+                            # ~1 µs a record here.
+                            produce(
+                                topic,
+                                value,
+                                key,
+                                -1 if partition is None else partition,
+                                partial(report, row_id, leader_id),
+                                None,
+                                0,
+                                list(zip(hkeys, hvals)) if hkeys else None,
+                            )
+                            i += 1
+                            if trace is not None:
+                                trace(topic, hkeys, hvals)
+                    except (BufferError, KafkaException) as exc:
+                        failed = exc  # rows[i] was not handed over
+                if expired:
                     break
-                row_id, topic, key, value, hkeys, hvals, partition = row
-                # Positional, in the order of confluent-kafka's produce(topic, value, key, partition,
-                # callback, on_delivery, timestamp, headers): keywords cost ~1 µs a record here.
-                args = (
-                    topic,
-                    value,
-                    key,
-                    -1 if partition is None else partition,
-                    partial(report, row_id, leader_id),
-                    None,
-                    0,
-                    list(zip(hkeys, hvals)) if hkeys else None,
-                )
-                try:
-                    with swap:  # inlined ProducerSlot.send: a method call per record costs
-                        if slot.current is not producer:
-                            break  # retired (fence, revocation): not one more record into it
-                        producer.produce(*args)
-                except BufferError:
+                if failed is None:
+                    continue
+                row_id, topic, key, value, hkeys, hvals, partition = rows[i]
+                if isinstance(failed, BufferError):
+                    args = (
+                        topic,
+                        value,
+                        key,
+                        -1 if partition is None else partition,
+                        partial(report, row_id, leader_id),
+                        None,
+                        0,
+                        list(zip(hkeys, hvals)) if hkeys else None,
+                    )
                     if not self._wait_for_room(producer, args, deadline, still_valid):
                         break
-                except KafkaException as exc:
-                    err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
-                    if err is None or err.code() not in PERMANENT_PRODUCE:
-                        raise
-                    # Never acceptable: move it aside (or stop here if that fails, so nothing of
-                    # its key overtakes it) and carry on with the next record.
-                    self._quarantine_now(leader_id, row_id, error_reason(err))
-                    quarantined += 1
+                    i += 1
+                    if trace is not None:
+                        trace(topic, hkeys, hvals)
                     continue
-                sent += 1
-                if trace is not None:
-                    trace(topic, hkeys, hvals)
-                if sent & 255 == 0:
-                    deadline = valid_until()
+                err = failed.args[0] if failed.args and isinstance(failed.args[0], KafkaError) else None
+                if err is None or err.code() not in PERMANENT_PRODUCE:
+                    raise failed
+                # Never acceptable: move it aside (or stop here if that fails, so nothing of its
+                # key overtakes it) and carry on with the next record.
+                self._quarantine_now(leader_id, row_id, error_reason(err))
+                moved.append(row_id)
+                i += 1
         finally:
+            sent = i - len(moved)
+            if flight is not None:
+                ids = [row[0] for row in rows[:i]]
+                if moved:
+                    gone = set(moved)
+                    ids = [row_id for row_id in ids if row_id not in gone]
+                flight.handed(ids)
             self.produced += sent
-            if sent < len(rows):
-                self.settler.release(len(rows) - sent)  # includes the quarantined rows: settled here
-        return sent + quarantined
+            if sent < n:
+                self.settler.release(n - sent)  # includes the quarantined rows: settled here
+        return i
 
     def _wait_for_room(self, producer: ProducerLike, args: tuple, deadline: float, still_valid: Valid) -> bool:
         """The local queue is full: nothing after this record was enqueued either, so waiting and

@@ -56,6 +56,33 @@ def bigint_array(ids: Sequence[int]) -> str:
     return "{" + ",".join(map(str, ids)) + "}"
 
 
+# A purge deletes a run of at least this many consecutive ids by range (one index range scan), and
+# the rest by id list (one index probe per id): about half the database CPU per purged row.
+PURGE_RUN = 64
+
+
+def runs_of(ids: Sequence[int]) -> tuple[list[tuple[int, int]], list[int]]:
+    """The distinct ids as runs of consecutive ids at least PURGE_RUN long (first, last) and the ids
+    in no such run. A run covers exactly its ids: ids are unique in the table, so the rows whose id
+    lies between a run's first and last are the rows with one of its ids."""
+    ordered = sorted(set(ids))
+    if not ordered:
+        return [], []
+    if ordered[-1] - ordered[0] + 1 == len(ordered):  # the common case: one mark, nothing in between
+        return ([(ordered[0], ordered[-1])], []) if len(ordered) >= PURGE_RUN else ([], ordered)
+    runs: list[tuple[int, int]] = []
+    singles: list[int] = []
+    start = 0
+    for i in range(1, len(ordered) + 1):
+        if i == len(ordered) or ordered[i] != ordered[i - 1] + 1:
+            if i - start >= PURGE_RUN:
+                runs.append((ordered[start], ordered[i - 1]))
+            else:
+                singles.extend(ordered[start:i])
+            start = i
+    return runs, singles
+
+
 def lane_of(key: bytes | None, lanes: int) -> int:
     """The lane of a key: the first 32 bits of its MD5, modulo the lane count; a null key is in lane 0.
     The same in SQL (LANE_SQL) and here, so an application can tell which unit harvests a key."""
@@ -112,7 +139,18 @@ class OutboxStore:
             "RETURNING id, topic, key, value, header_keys, header_values, kafka_partition"
         )
         if lanes == 1:
-            self._mark = sql.SQL(mark).format(t=t, in_lane=sql.SQL(""), order=sql.SQL("id"))
+            # With one lane the rows to mark are exactly those not marked by `me` with an id between
+            # the lowest and the highest id of that same subquery (same snapshot: it took them all,
+            # in id order), so the UPDATE walks that id range once instead of probing the primary
+            # key once per id: about a quarter less database CPU per marked row. The row-level
+            # re-check of a row changed meanwhile is the same as by id list (its id still matches).
+            self._mark = sql.SQL(
+                "WITH head AS (SELECT min(id) AS low, max(id) AS high FROM ("
+                "SELECT id FROM {t} WHERE (leader_id IS NULL OR leader_id <> %(me)s) ORDER BY id LIMIT %(n)s) AS s) "
+                "UPDATE {t} SET leader_id = %(me)s WHERE id >= (SELECT low FROM head) AND id <= (SELECT high FROM head) "
+                "AND (leader_id IS NULL OR leader_id <> %(me)s) AND statement_timestamp() < %(until)s "
+                "RETURNING id, topic, key, value, header_keys, header_values, kafka_partition"
+            ).format(t=t)
             self._mark_indexed = self._mark
         else:
             lane_expr = sql.SQL(LANE_SQL.format(lanes=int(lanes)))
@@ -139,6 +177,7 @@ class OutboxStore:
         # a row lock, say), this divides by zero and the implicit transaction takes the mark back.
         self._finished_in_time = "SELECT 1 / (clock_timestamp() < %(until)s)::int"
         self._purge = sql.SQL("DELETE FROM {t} WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(t=t)
+        self._purge_run = sql.SQL("DELETE FROM {t} WHERE id >= %s AND id <= %s AND leader_id = %s").format(t=t)
         self._reset = sql.SQL("UPDATE {t} SET leader_id = NULL WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(
             t=t
         )
@@ -202,9 +241,17 @@ class OutboxStore:
         return row[0]
 
     def purge(self, leader_id: uuid.UUID, ids: Sequence[int]) -> int:
-        """Delete published rows still marked by `leader_id`; return how many went."""
+        """Delete published rows still marked by `leader_id`; return how many went. Runs of
+        consecutive ids go by range (see runs_of), in one round trip and one transaction with the rest."""
+        runs, singles = runs_of(ids)
         with self.pool.connection() as conn:
-            return conn.execute(self._purge, [bigint_array(ids), leader_id]).rowcount
+            if not runs:
+                return conn.execute(self._purge, [bigint_array(singles), leader_id]).rowcount
+            with conn.pipeline():
+                cursors = [conn.execute(self._purge_run, [first, last, leader_id]) for first, last in runs]
+                if singles:
+                    cursors.append(conn.execute(self._purge, [bigint_array(singles), leader_id]))
+            return sum(c.rowcount for c in cursors)
 
     def reset(self, leader_id: uuid.UUID, ids: Sequence[int]) -> int:
         """Unmark rows whose publication failed, if still marked by `leader_id`."""
