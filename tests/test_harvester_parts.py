@@ -159,38 +159,47 @@ def test_mark_takes_the_lowest_rows_not_marked_by_its_id_and_leaves_its_own(pg_d
         pool.close()
 
 
-def test_a_flight_is_settled_once_all_it_handed_over_has_reports(pg_dsn, schema, conn):
-    """Reports before and after the producer says what it handed over; a failed record is reset,
-    the delivered ones purged, the ones never handed over left to the remark, the count exact."""
-    from confluent_kafka import KafkaError
+def test_a_delivered_record_is_purged_without_waiting_for_the_rest_of_its_produce_call(pg_dsn, schema, conn):
+    """k1 and x go in one produce call, k2 (k1's key) in the next; k1 and k2 are delivered while x
+    (another partition, say) has no report yet. Both are purged: were k1 held for x, k2 purged
+    first, and a remark then, k1 would be published again after k2, its key's last value going
+    back. Through PlainStrategy's own wiring, with a producer that only keeps the callbacks."""
+    from harvester.publishing.idempotent import PlainStrategy
+    from harvester.publishing.producer_slot import ProducerSlot
 
-    insert_rows(conn, schema, "t", [(b"k", b"v%d" % i) for i in range(10)])
+    class Held:  # keeps each record's delivery callback; nothing reaches a broker
+        def __init__(self, conf: dict) -> None:
+            self.callbacks: list = []
+
+        def produce(self, topic, value, key, partition, callback, on_delivery, timestamp, headers) -> None:
+            self.callbacks.append(callback)
+
+    insert_rows(conn, schema, "t", [(b"k", b"1"), (b"x", b"x"), (b"k", b"2")])
     pool = make_pool(pg_dsn, 2)
     try:
         store = OutboxStore(pool, schema)
         me = uuid.uuid4()
-        ids = [r[0] for r in store.mark(me, 10, until=FOREVER)]
-        failures: list[str] = []
-        settler = DeliverySettler(store, get_metrics(), workers=2, on_failure=failures.append)
+        k1, x, k2 = [r[0] for r in store.mark(me, 10, until=FOREVER)]
+        settler = DeliverySettler(store, get_metrics(), workers=2, on_failure=lambda why: None)
         settler.start()
-        settler.reserve(10)
-        flight = settler.flight(me)
-        for row_id in ids[:5]:
-            flight.report(row_id, me, None, _Msg())
-        settler.release(2)  # the producer handed over 8 of the 10 (as PlainStrategy.write does)
-        flight.handed(ids[:8])
-        time.sleep(0.1)
-        assert settler.in_flight == 8 and settler.delivered == 0  # three reports still out
-        flight.report(ids[5], me, KafkaError(KafkaError._MSG_TIMED_OUT), _Msg())
-        flight.report(ids[6], me, None, _Msg())
-        assert settler.in_flight == 8
-        flight.report(ids[7], me, None, _Msg())
-        assert settler.drain(30), settler.in_flight
+        slot = ProducerSlot({}, Held)
+        plain = PlainStrategy(slot, settler, store)
+
+        def rows(*ids: int) -> list[tuple]:
+            return [(i, "t", b"k", b"v", [], [], None) for i in ids]
+
+        settler.reserve(3)
+        assert plain.produce_rows(rows(k1, x), me, lambda: True, lambda: float("inf")) == 2
+        assert plain.produce_rows(rows(k2), me, lambda: True, lambda: float("inf")) == 1
+        first, unreported, second = slot.current.callbacks
+        first(None, _Msg())
+        second(None, _Msg())
+        assert wait_until(lambda: settler.purged_rows == 2, 10), settler.purged_rows
+        assert _outbox(pg_dsn, schema) == {x: me}
+        unreported(None, _Msg())
+        assert settler.drain(10)
         settler.stop(10)
-        assert failures and "delivery failed" in failures[0]
-        assert (settler.delivered, settler.purged_rows) == (7, 7)
-        left = _outbox(pg_dsn, schema)
-        assert left == {ids[5]: None, ids[8]: me, ids[9]: me}
+        assert _outbox(pg_dsn, schema) == {}
     finally:
         pool.close()
 

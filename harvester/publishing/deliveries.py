@@ -68,7 +68,6 @@ class DeliverySettler:
         self._on_failure, self._on_fatal = on_failure, on_fatal
         self._log = logs.get("reaper.settle")
         self.reports: collections.deque = collections.deque()
-        self.flights: collections.deque[Flight] = collections.deque()  # complete, waiting to be settled
         self._wake = threading.Event()
         self._cond = threading.Condition()  # guards the in-flight count
         self._in_flight = 0
@@ -170,22 +169,13 @@ class DeliverySettler:
                 self._on_fatal()
             self._on_failure(f"delivery failed: {err.str()}")
 
-    def flight(self, leader_id: uuid.UUID) -> Flight:
-        """A Flight for records about to be produced under `leader_id` (plain publishing)."""
-        return Flight(self, leader_id)
-
-    def file_flight(self, flight: Flight) -> None:
-        """A flight whose every record has its report."""
-        self.flights.append(flight)
-        self._wake.set()
-
     def file(self, reports: list[Report]) -> None:
         """Reports settled together (a committed transaction's)."""
         self.reports.extend(reports)
         self._wake.set()
 
     def wake_if_pending(self) -> None:
-        if self.reports or self.flights:
+        if self.reports:
             self._wake.set()
 
     def dead(self, n: int, ids: list[int], reason: str) -> None:
@@ -209,17 +199,9 @@ class DeliverySettler:
         return out
 
     def _loop(self) -> None:
-        while not self._stop.is_set() or self.reports or self.flights:
+        while not self._stop.is_set() or self.reports:
             self._wake.wait(0.02)
             self._wake.clear()
-            while True:
-                try:
-                    flight = self.flights.popleft()
-                except IndexError:
-                    break
-                if self.flights:
-                    self._wake.set()  # let another worker take the next flight meanwhile
-                self._settle_flight(flight)
             while batch := self._take():
                 if len(self.reports) >= WAKE_AT:
                     self._wake.set()  # let another worker take the next batch meanwhile
@@ -231,17 +213,6 @@ class DeliverySettler:
             self._apply(done, batch)
         finally:
             self.release(len(batch))
-
-    def _settle_flight(self, flight: Flight) -> None:
-        """Purge a flight's delivered rows (all but the failed ones), settle the failed ones."""
-        ids = flight.ids
-        if flight.failed:
-            gone = {row_id for row_id, _, _ in flight.failed}
-            ids = [row_id for row_id in ids if row_id not in gone]
-        try:
-            self._apply({flight.leader_id: ids} if ids else {}, flight.failed)
-        finally:
-            self.release(len(flight.ids))
 
     def _apply(self, done: dict[uuid.UUID, list[int]], batch: list[Report]) -> None:
         """Purge `done` (delivered rows by leader id) and the delivered rows of `batch`; reset its
@@ -293,57 +264,3 @@ class DeliverySettler:
         # The rows stay marked by an old id; the remark that follows publishes them again.
         self._log.warning(f"{what} failed", error=logs_safe(exc))
         self._on_failure(f"{what} failed")
-
-
-class Flight:
-    """The records of one plain produce call, settled together once each has its delivery report:
-    one purge per flight (its ids are one id range when the mark found no gap, see
-    OutboxStore.purge) instead of a report queued per record and a purge per queued batch.
-
-    `report` is the per-record callback, called by the one thread serving the producer's callbacks
-    (harvester.publishing.producer_slot). The producing thread calls `handed()` once it is done with
-    the ids it got through; the flight is filed with its settler when both agree that every record
-    handed over has its report, exactly once. Only rows delivered are purged; failed rows are reset
-    (or quarantined) as single reports are, and rows never handed over are the producer's to release.
-    """
-
-    __slots__ = ("_settler", "leader_id", "ids", "_expected", "_reported", "failed", "_filed", "_lock")
-
-    def __init__(self, settler: DeliverySettler, leader_id: uuid.UUID) -> None:
-        self._settler, self.leader_id = settler, leader_id
-        self.ids: list[int] = []  # the ids handed over, set by handed()
-        self._expected = -1  # unknown until handed(): no count of reports reaches it
-        self._reported = 0
-        self.failed: list[Report] = []
-        self._filed = False
-        self._lock = threading.Lock()
-
-    def report(self, row_id: int, leader_id: uuid.UUID, err: KafkaError | None, msg) -> None:
-        settler = self._settler
-        if err is None:
-            settler._sampled += 1
-            if settler._sampled >= SAMPLE_EVERY:
-                settler._sample_now(msg)
-        else:
-            self.failed.append((row_id, leader_id, err))
-            settler.failed_report(err)
-        self._reported += 1
-        if self._reported == self._expected:
-            self._file()
-
-    def handed(self, ids: list[int]) -> None:
-        """The ids handed over to the producer, in order (the producing thread, once, after its
-        last produce): their reports settle them."""
-        self.ids = ids
-        self._expected = len(ids)
-        if not ids:
-            return
-        if self._reported >= self._expected:
-            self._file()
-
-    def _file(self) -> None:
-        with self._lock:
-            if self._filed:
-                return
-            self._filed = True
-        self._settler.file_flight(self)

@@ -27,7 +27,7 @@ from functools import partial
 
 from confluent_kafka import KafkaError, KafkaException
 
-from harvester.publishing.deliveries import DeliverySettler, Flight, error_reason, logs_safe
+from harvester.publishing.deliveries import DeliverySettler, error_reason, logs_safe
 from harvester.publishing.ports import ProducerLike, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
 
@@ -67,8 +67,10 @@ class PlainStrategy:
         pass
 
     def produce_rows(self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Valid, valid_until: Deadline) -> int:
-        flight = self.settler.flight(leader_id)  # settled as one once every report is in
-        return self.write(self.slot.current, rows, leader_id, still_valid, valid_until, flight.report, flight)
+        # A report per record: a delivered record is purged without waiting for the other records of
+        # its produce call (one stuck on another partition would hold it, and a later record of its
+        # key could be purged first: after a remark the earlier one would be published last).
+        return self.write(self.slot.current, rows, leader_id, still_valid, valid_until, self.settler.report)
 
     def write(
         self,
@@ -78,12 +80,10 @@ class PlainStrategy:
         still_valid: Valid,
         valid_until: Deadline,
         report: Callable,
-        flight: Flight | None = None,
     ) -> int:
         """The produce loop shared by both strategies; `report` is the per-record callback
-        (called as report(row_id, leader_id, err, msg)). Releases what it did not hand over, and
-        tells `flight` (if any) the ids it handed over. Returns the rows got through: handed over
-        or quarantined."""
+        (called as report(row_id, leader_id, err, msg)). Releases what it did not hand over.
+        Returns the rows got through: handed over or quarantined."""
         slot, clock, swap, trace = self.slot, time.monotonic, self.slot._swap, self.trace
         n, i, check_at = len(rows), 0, 0  # rows[:i] are handed over or quarantined
         moved: list[int] = []  # quarantined instead
@@ -160,12 +160,6 @@ class PlainStrategy:
                 i += 1
         finally:
             sent = i - len(moved)
-            if flight is not None:
-                ids = [row[0] for row in rows[:i]]
-                if moved:
-                    gone = set(moved)
-                    ids = [row_id for row_id in ids if row_id not in gone]
-                flight.handed(ids)
             self.produced += sent
             if sent < n:
                 self.settler.release(n - sent)  # includes the quarantined rows: settled here
