@@ -544,3 +544,50 @@ def test_a_revocation_lets_the_unit_go_only_once_no_mark_is_on_its_way(kafka_boo
             holder.join(5)
     finally:
         consumer.close()
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_mark_waiting_on_a_lock_takes_only_its_snapshot_rows_still_unmarked_by_it(pg_dsn, schema, conn, lanes):
+    """The mark's rows are its own snapshot's: a row committed meanwhile inside the id range it walks
+    (an id taken before the rows above it) is left for the next mark, and a row taken by its own id
+    while the mark waited on its lock is neither marked again nor returned (the row-level re-check)."""
+    key = b"k"  # one key: with two lanes every row is in the lane of this key
+    lane = lane_of(key, lanes)
+    insert_rows(conn, schema, "t", [(key, b"a%d" % i) for i in range(3)])
+    before = sorted(_outbox(pg_dsn, schema))
+    me = uuid.uuid4()
+    late = psycopg.connect(pg_dsn)
+    pool = make_pool(pg_dsn, 1)
+    try:
+        late_id = late.execute(
+            f'INSERT INTO "{schema}".outbox (topic, key, value) VALUES (%s, %s, %s) RETURNING id', ["t", key, b"late"]
+        ).fetchone()[0]
+        late.execute(f'UPDATE "{schema}".outbox SET value = %s WHERE id = %s', [b"changed", before[1]])
+        late.execute(f'UPDATE "{schema}".outbox SET leader_id = %s WHERE id = %s', [me, before[2]])
+        insert_rows(conn, schema, "t", [(key, b"b%d" % i) for i in range(3)])
+        after = sorted(set(_outbox(pg_dsn, schema)) - set(before))
+        assert late_id < after[0]
+        store = OutboxStore(pool, schema, lane=lane, lanes=lanes)
+        got: list = []
+        marking = threading.Thread(target=lambda: got.append(store.mark(me, 100, until=FOREVER)))
+        marking.start()
+        watch = psycopg.connect(pg_dsn, autocommit=True)
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%%SET leader_id%%' "
+            "AND position(%s in query) > 0"
+        )
+        try:
+            assert wait_until(lambda: watch.execute(waiting, [f'"{schema}"']).fetchone()[0] > 0, 10), (
+                "the mark never waited on the row lock"
+            )
+        finally:
+            watch.close()
+        late.commit()
+        marking.join(10)
+        assert [r[0] for r in got[0]] == [before[0], before[1], *after]
+        rows = _outbox(pg_dsn, schema)
+        assert rows[late_id] is None and rows[before[2]] == me
+        assert [r[0] for r in store.mark(me, 100, until=FOREVER)] == [late_id]
+    finally:
+        late.close()
+        pool.close()
