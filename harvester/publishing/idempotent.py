@@ -86,7 +86,7 @@ class PlainStrategy:
         Returns the rows got through: handed over or quarantined."""
         slot, clock, swap, trace = self.slot, time.monotonic, self.slot._swap, self.trace
         n, i, check_at = len(rows), 0, 0  # rows[:i] are handed over or quarantined
-        moved: list[int] = []  # quarantined instead
+        quarantined = 0  # of rows[:i], moved aside instead of handed over
         slot.used = True
         try:
             deadline = valid_until()
@@ -156,10 +156,10 @@ class PlainStrategy:
                 # Never acceptable: move it aside (or stop here if that fails, so nothing of its
                 # key overtakes it) and carry on with the next record.
                 self._quarantine_now(leader_id, row_id, error_reason(err))
-                moved.append(row_id)
+                quarantined += 1
                 i += 1
         finally:
-            sent = i - len(moved)
+            sent = i - quarantined
             self.produced += sent
             if sent < n:
                 self.settler.release(n - sent)  # includes the quarantined rows: settled here
