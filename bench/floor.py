@@ -27,7 +27,9 @@ from confluent_kafka import Producer
 
 from bench.harvest_once import PARTITIONS, create_topics, drop, prefill
 from harvester.publishing.publisher import producer_config
+from tracker import message_ids
 from tracker import schema as schema_mod
+from tracker.message_ids import MESSAGE_ID_HEADER
 
 COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
 TYPES = ["int8", "text", "bytea", "bytea", "text[]", "bytea[]", "int4"]
@@ -42,8 +44,9 @@ def copy_rows(dsn: str, schema: str) -> list[tuple]:
             return list(cp.rows())
 
 
-def produce_rows(producer: Producer, rows: list[tuple]) -> int:
-    """Produce every row, wait for every acknowledgement; returns how many failed."""
+def produce_rows(producer: Producer, rows: list[tuple], prefix: str) -> int:
+    """Produce every row with its headers and its message id (as the harvester does), wait for every
+    acknowledgement; returns how many failed."""
     failed = [0]
 
     def report(err, msg) -> None:
@@ -59,7 +62,7 @@ def produce_rows(producer: Producer, rows: list[tuple]) -> int:
             report,
             None,
             0,
-            list(zip(hkeys, hvals)) if hkeys else None,
+            [*zip(hkeys, hvals), (MESSAGE_ID_HEADER, prefix + str(_id))],
         )
         while True:
             try:
@@ -85,10 +88,12 @@ def measure(dsn: str, bootstrap: str, rows: int, keys: int = 1000) -> dict[str, 
         prefill(dsn, schema, topic, rows, keys)
         producer = Producer(producer_config(bootstrap, {}, {}))
         producer.list_topics(topic, timeout=30)  # connected, metadata known: as a leader's producer is
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            prefix = message_ids.prefix(message_ids.namespace(conn, schema))
         started = time.perf_counter()
         got = copy_rows(dsn, schema)
         copied = time.perf_counter()
-        failed = produce_rows(producer, got)
+        failed = produce_rows(producer, got, prefix)
         produced = time.perf_counter()
         if len(got) != rows or failed:
             raise RuntimeError(f"floor: copied {len(got)} of {rows} rows, {failed} deliveries failed")

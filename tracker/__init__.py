@@ -39,6 +39,7 @@ from tracker.errors import (
     UnsupportedConnection,
 )
 from tracker.ids import GroupMask, IdRun, ItemId, expand, fold, format_item_id, format_run, parse_ack, parse_item_id
+from tracker.message_ids import MESSAGE_ID_HEADER, message_id_of
 from tracker.outbox import Message
 from tracker.settle import SettleResult, settle
 from tracker.sync import (
@@ -78,6 +79,8 @@ __all__ = [
     "AckProducer",
     "exactly_once",
     "item_id_of",
+    "MESSAGE_ID_HEADER",
+    "message_id_of",
     "MissingItemId",
     "Processed",
     "AckResult",

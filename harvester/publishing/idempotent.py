@@ -30,6 +30,7 @@ from confluent_kafka import KafkaError, KafkaException
 from harvester.publishing.deliveries import DeliverySettler, error_reason, logs_safe
 from harvester.publishing.ports import ProducerLike, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
+from tracker.message_ids import MESSAGE_ID_HEADER
 
 # produce() refusals that are about the record itself and can never succeed, however often retried:
 # larger than message.max.bytes, an explicit partition the topic does not have, an invalid argument
@@ -66,11 +67,13 @@ class PlainStrategy:
     def on_retire(self) -> None:
         pass
 
-    def produce_rows(self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Valid, valid_until: Deadline) -> int:
+    def produce_rows(
+        self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Valid, valid_until: Deadline, prefix: str
+    ) -> int:
         # A report per record: a delivered record is purged without waiting for the other records of
         # its produce call (one stuck on another partition would hold it, and a later record of its
         # key could be purged first: after a remark the earlier one would be published last).
-        return self.write(self.slot.current, rows, leader_id, still_valid, valid_until, self.settler.report)
+        return self.write(self.slot.current, rows, leader_id, still_valid, valid_until, self.settler.report, prefix)
 
     def write(
         self,
@@ -80,11 +83,14 @@ class PlainStrategy:
         still_valid: Valid,
         valid_until: Deadline,
         report: Callable,
+        prefix: str,
     ) -> int:
         """The produce loop shared by both strategies; `report` is the per-record callback
         (called as report(row_id, leader_id, err, msg)). Releases what it did not hand over.
-        Returns the rows got through: handed over or quarantined."""
+        Every record gets the rows' own headers, then `message-id` = prefix + row id
+        (tracker.message_ids). Returns the rows got through: handed over or quarantined."""
         slot, clock, swap, trace = self.slot, time.monotonic, self.slot._swap, self.trace
+        mid = MESSAGE_ID_HEADER
         n, i, check_at = len(rows), 0, 0  # rows[:i] are handed over or quarantined
         quarantined = 0  # of rows[:i], moved aside instead of handed over
         slot.used = True
@@ -121,7 +127,9 @@ class PlainStrategy:
                                 partial(report, row_id, leader_id),
                                 None,
                                 0,
-                                list(zip(hkeys, hvals)) if hkeys else None,
+                                [*zip(hkeys, hvals), (mid, prefix + str(row_id))]
+                                if hkeys
+                                else [(mid, prefix + str(row_id))],
                             )
                             i += 1
                             if trace is not None:
@@ -142,7 +150,7 @@ class PlainStrategy:
                         partial(report, row_id, leader_id),
                         None,
                         0,
-                        list(zip(hkeys, hvals)) if hkeys else None,
+                        [*zip(hkeys, hvals), (mid, prefix + str(row_id))],
                     )
                     if not self._wait_for_room(producer, args, deadline, still_valid):
                         break

@@ -38,6 +38,7 @@ from harvester.publishing.ownership import ClaimTableMissing, OutboxClaim, Outbo
 from harvester.publishing.ports import DEFAULT, Providers, StoreLike
 from harvester.publishing.publisher import Lifecycle, Publisher, QuarantineError, logs_safe, producer_config
 from harvester.upkeep import Upkeep
+from tracker import message_ids
 
 CLAIM_RETRY = 1.0  # seconds between holds while another layout holds the table (harvester.publishing.ownership)
 SLOW_MARK = 1.0  # seconds: a mark this slow has the lane index checked (see _mark_trouble)
@@ -243,6 +244,9 @@ class UnitHarvester:
         db_clock, claim = self._db_clock, self.claim
         assert db_clock is not None and claim is not None  # likewise
         backoff, progress_at_remark = 0.0, -1
+        # The message-id prefix of the rows marked (tracker.message_ids), read from the database the
+        # marks go to once per leadership and again after any failed mark (the DSN may lead elsewhere).
+        prefix: str | None = None
         while not self._stop.is_set():
             neli_id = self.neli.leader_id()
             if neli_id is None:
@@ -258,6 +262,7 @@ class UnitHarvester:
                 # are still marked by the old id, and only a new id marks them again, from the head.
                 self._me = uuid.uuid4()  # set before clearing the flag: queued batches go stale first
                 self._neli_id = neli_id
+                prefix = None
                 self._remark.clear()
                 logs.leader_context.set(self._me)
                 self.log.info("leading: marking from the head")
@@ -299,12 +304,16 @@ class UnitHarvester:
                 try:
                     deadline = db_clock.at(until)
                     claim.hold(deadline, db_clock.generation)  # no other configuration marks before `deadline`
+                    if prefix is None:
+                        prefix = message_ids.prefix(self.store.namespace())
                     started = time.monotonic()
                     # Always from the head (see OutboxStore.mark): rows committed late are found by
                     # the very next mark, before any causally later row of their key.
                     rows = self.store.mark(me, limit, until=deadline)
                 except Exception as exc:
                     trouble = exc
+            if trouble is not None:
+                prefix = None
             if isinstance(trouble, (OutboxClaimed, ClaimTableMissing)):
                 claim.report_refusal(trouble, self.log, m.claim_refusals)
                 self._stop.wait(CLAIM_RETRY)
@@ -340,7 +349,7 @@ class UnitHarvester:
             pub.reserve(len(rows))  # marked rows count as in flight until settled or dropped
             while True:
                 try:
-                    self._batches.put((me, rows, started), timeout=0.05)
+                    self._batches.put((me, rows, started, prefix), timeout=0.05)
                     break
                 except queue.Full:
                     if self._stop.is_set() or not self._valid(me):
@@ -363,10 +372,10 @@ class UnitHarvester:
         carry = None  # a batch taken while gathering that belongs to a newer id
         while not (self._stop.is_set() and self._batches.empty() and carry is None):
             if carry is not None:
-                (me, rows, started), carry = carry, None
+                (me, rows, started, prefix), carry = carry, None
             else:
                 try:
-                    me, rows, started = self._batches.get(timeout=0.05)
+                    me, rows, started, prefix = self._batches.get(timeout=0.05)
                 except queue.Empty:
                     leader = self._me
                     if leader is not None and self._valid(leader):
@@ -380,7 +389,7 @@ class UnitHarvester:
                     more = self._batches.get_nowait()
                 except queue.Empty:
                     break
-                if more[0] == me:
+                if more[0] == me and more[3] == prefix:
                     rows = rows + more[1]
                 else:
                     carry = more
@@ -389,7 +398,7 @@ class UnitHarvester:
                 self._skipped(me, "marked rows dropped unsent")
                 continue
             try:
-                sent = pub.produce_rows(rows, me, partial(self._valid, me), self.neli.valid_until)
+                sent = pub.produce_rows(rows, me, partial(self._valid, me), self.neli.valid_until, prefix)
             except (BufferError, KafkaException, QuarantineError) as exc:
                 m.produce_errors.inc()
                 self.log.warning("produce failed", error=str(exc))

@@ -20,6 +20,7 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from harvester.db_pool import configure_connection, make_pool  # noqa: F401  (the pool lives in harvester.db_pool)
+from tracker import message_ids
 from tracker.schema import qualified
 
 COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
@@ -119,6 +120,7 @@ class OutboxStore:
             raise ValueError(f"lane {lane!r} of {lanes!r}: need 0 <= lane < lanes")
         self.pool = pool
         self.lane, self.lanes = lane, lanes
+        self.schema_name, self.table_name = schema, table
         t = qualified(schema, table)
         self.table = t
         dead = qualified(schema, dead_table or f"{table}_dead")
@@ -196,6 +198,11 @@ class OutboxStore:
         ).format(t=t)
         self._count = sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {t} LIMIT %s) AS s").format(t=t)
         self._span = sql.SQL("SELECT max(id) - min(id) + 1 FROM {t}").format(t=t)
+
+    def namespace(self) -> uuid.UUID:
+        """The table's message-id namespace (tracker.message_ids; registered on first use)."""
+        with self.pool.connection() as conn:
+            return message_ids.namespace(conn, self.schema_name, self.table_name)
 
     def mark(self, leader_id: uuid.UUID, limit: int, *, until: datetime) -> list[tuple]:
         """Mark up to `limit` of the lowest-id rows not marked by `leader_id`; sorted by id.

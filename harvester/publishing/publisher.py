@@ -141,8 +141,11 @@ class Publisher:
 
     # ------------------------------------------------------------------ what the harvester uses
 
-    def produce_rows(self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Valid, valid_until: Deadline) -> int:
-        return self.strategy.produce_rows(rows, leader_id, still_valid, valid_until)
+    def produce_rows(
+        self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Valid, valid_until: Deadline, prefix: str
+    ) -> int:
+        """`prefix`: the message-id prefix of the rows' table (tracker.message_ids.prefix)."""
+        return self.strategy.produce_rows(rows, leader_id, still_valid, valid_until, prefix)
 
     def prepare(self, still_valid: Valid, valid_until: Deadline) -> None:
         """Between batches, from the producing thread: get ready to publish (fenced mode: fence the

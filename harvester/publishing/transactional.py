@@ -88,7 +88,9 @@ class TransactionalStrategy:
     def plain(self) -> PlainStrategy:
         return self._plain
 
-    def produce_rows(self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Valid, valid_until: Deadline) -> int:
+    def produce_rows(
+        self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Valid, valid_until: Deadline, prefix: str
+    ) -> int:
         producer = self.slot.current
         try:
             seq = self.begin(producer, still_valid, valid_until)
@@ -99,7 +101,9 @@ class TransactionalStrategy:
             self.settler.release(len(rows))
             return 0
         try:
-            return self._plain.write(producer, rows, leader_id, still_valid, valid_until, partial(self.report, seq))
+            return self._plain.write(
+                producer, rows, leader_id, still_valid, valid_until, partial(self.report, seq), prefix
+            )
         except BaseException:
             if self._open is producer:
                 # librdkafka may already refuse every record of this transaction (an abortable

@@ -1,0 +1,289 @@
+"""The `message-id` header: on every record the harvester publishes, whatever wrote the row (Python,
+the SQL functions, a plain INSERT, the tracker's completion and expiry events), in every unit and
+lane, plain or fenced; the same every time a row is published again; never the same for two rows of
+two outbox tables; kept by an upgrade that rewrites no table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import psycopg
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from support.faults import FaultPlan
+from support.harness import Receiver, make_config, wait_until
+
+import tracker
+from harvester.publishing.ports import DEFAULT
+from harvester.units import Harvester
+from tracker import expiry, message_ids
+from tracker import schema as schema_mod
+from tracker.errors import InvalidValue
+from tracker.message_ids import MESSAGE_ID_HEADER, NamespaceUnavailable
+
+REPO = Path(__file__).resolve().parents[1]
+PREVIOUS = "833fe98"  # the last commit whose schema has no message-id namespace
+PARTITIONS = 3
+
+
+@pytest.fixture
+def other_schema(pg_dsn):
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    schema_mod.migrate(pg_dsn, name)
+    yield name
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+def _namespace(pg_dsn: str, schema: str, table: str = "outbox") -> uuid.UUID:
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        return message_ids.namespace(c, schema, table)
+
+
+def _write_every_kind(pg_dsn: str, schema: str, topic: str, tag: str) -> None:
+    """Rows from each kind of writer, each with a value unique to it."""
+    with psycopg.connect(pg_dsn) as c:
+        c.execute(f'SET search_path TO "{schema}"')
+        # A plain INSERT, with and without headers of its own, keyed and not (lanes).
+        for i in range(40):
+            hk, hv = (["origin"], [b"test"]) if i % 2 else ([], [])
+            c.execute(
+                "INSERT INTO outbox (topic, key, value, header_keys, header_values) VALUES (%s, %s, %s, %s, %s)",
+                [topic, None if i % 7 == 0 else b"k%d" % (i % 5), f"{tag}-insert-{i}".encode(), hk, hv],
+            )
+        # Python's enqueue.
+        batch = tracker.open_batch(c, completion_topic=topic, schema=schema)
+        tracker.outbox.enqueue(c, batch, [f"{tag}-py-{i}" for i in range(10)], topic=topic, schema=schema)
+        (sql_batch,) = c.execute("SELECT open_batch(completion_topic => %s)", [topic]).fetchone()
+        # The SQL functions other languages call.
+        c.execute(
+            "SELECT * FROM enqueue(%s, %s, %s)", [sql_batch, topic, [f"{tag}-sql-{i}".encode() for i in range(10)]]
+        )
+        c.commit()
+    with psycopg.connect(pg_dsn) as c:
+        c.execute(f'SET search_path TO "{schema}"')
+        (empty,) = c.execute("SELECT open_batch(completion_topic => %s)", [topic]).fetchone()
+        c.execute("SELECT close_batch(%s, %s)", [empty, topic])  # nothing pending: complete, one event
+        c.commit()
+        expiry.expire_batch(c, sql_batch, schema=schema, completion_topic=topic)  # the expiry event
+        c.commit()
+
+
+def _snapshot(pg_dsn: str, schema: str) -> dict[bytes, int]:
+    """value -> outbox row id of every row waiting in `schema`'s outbox."""
+    with psycopg.connect(pg_dsn) as c:
+        return {bytes(v): i for i, v in c.execute(f'SELECT id, value FROM "{schema}".outbox')}
+
+
+def _ids_by_value(receiver: Receiver) -> dict[bytes, list[list[bytes]]]:
+    """value -> for each record of it received, the values of its message-id headers."""
+    out: dict[bytes, list[list[bytes]]] = defaultdict(list)
+    with receiver._lock:
+        records = list(receiver.records)
+    for _, value, headers in records:
+        out[value].append([v for k, v in headers if k == MESSAGE_ID_HEADER])
+    return out
+
+
+@pytest.mark.parametrize("fenced", [False, True], ids=["plain", "transactional"])
+def test_every_record_of_every_unit_and_lane_carries_its_rows_message_id(
+    pg_dsn, kafka_bootstrap, schema, other_schema, topics, fenced
+):
+    topic = topics("data", partitions=PARTITIONS)
+    outboxes = [{"name": "a", "schema": schema, "lanes": 2}, {"name": "b", "schema": other_schema}]
+    harvester = {"outboxes": outboxes, **({"transactional_id": f"t-{uuid.uuid4().hex[:10]}"} if fenced else {})}
+    cfg = make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=topics("leader", partitions=3), harvester=harvester)
+    expected: dict[bytes, str] = {}
+    for s in (schema, other_schema):
+        _write_every_kind(pg_dsn, s, topic, s)
+        ns = _namespace(pg_dsn, s)
+        expected.update({v: f"{ns}:{i}" for v, i in _snapshot(pg_dsn, s).items()})
+    assert len(expected) == 2 * (40 + 10 + 10 + 2)  # and a completion and an expiry event in each
+    receiver = Receiver(kafka_bootstrap, topic, PARTITIONS)
+    h = Harvester(cfg).start()
+    try:
+        assert wait_until(lambda: set(expected) <= set(receiver.values()), 60), "not everything was published"
+        assert sorted(h.leading_units()) == ["a.0", "a.1", "b"]
+    finally:
+        h.stop(5)
+        receiver.close()
+    got = _ids_by_value(receiver)
+    assert set(got) == set(expected)
+    for value, records in got.items():
+        for ids in records:
+            assert ids == [expected[value].encode()], value
+    # Lanes, and the event rows, went through the header path too.
+    assert any(b"batch.completed" in v for v in got) and any(b'"expired"' in v for v in got)
+
+
+def test_a_row_published_again_carries_the_same_message_id(pg_dsn, kafka_bootstrap, schema, topics):
+    """Records written but reported failed are reset and republished after a forced remark (new
+    marking ids); then the same rows come back as a restored backup or a promoted standby would
+    hold them (same ids) and a new leader, of a new group, publishes them again."""
+    topic = topics("data", partitions=PARTITIONS)
+    with psycopg.connect(pg_dsn) as c:
+        c.execute(f'SET search_path TO "{schema}"')
+        c.execute(
+            "INSERT INTO outbox (topic, key, value) SELECT %s, ('k' || (i %% 9))::bytea, ('v' || i)::bytea "
+            "FROM generate_series(1, 300) i",
+            [topic],
+        )
+        c.commit()
+        saved = c.execute("SELECT id, topic, key, value FROM outbox ORDER BY id").fetchall()
+    ns = _namespace(pg_dsn, schema)
+    expected = {bytes(v): f"{ns}:{i}".encode() for i, _, _, v in saved}
+    receiver = Receiver(kafka_bootstrap, topic, PARTITIONS)
+    faults = FaultPlan(delivery_error_rate=0.2, seed=5)
+    try:
+        for round_ in (1, 2):
+            cfg = make_config(pg_dsn, schema, kafka_bootstrap, harvester={"mark_batch": 50})
+            h = Harvester(cfg, providers=faults.providers() if round_ == 1 else DEFAULT).start()
+            try:
+                assert wait_until(lambda: not _snapshot(pg_dsn, schema), 60), f"round {round_}: rows left"
+                if round_ == 1:
+                    assert h.publisher is not None and h.publisher.produced > len(saved)  # remarks sent rows again
+            finally:
+                h.stop(5)
+            if round_ == 1:
+                with psycopg.connect(pg_dsn) as c:  # the rows again, with their ids
+                    with c.cursor() as cur:
+                        cur.executemany(
+                            f'INSERT INTO "{schema}".outbox (id, topic, key, value) VALUES (%s, %s, %s, %s)', saved
+                        )
+        assert wait_until(lambda: all(len(r) >= 2 for r in _ids_by_value(receiver).values()), 30)
+    finally:
+        receiver.close()
+    got = _ids_by_value(receiver)
+    assert set(got) == set(expected)
+    assert sum(len(r) for r in got.values()) > 2 * len(expected)  # faulted records were published again too
+    for value, records in got.items():
+        assert all(ids == [expected[value]] for ids in records), value
+
+
+def test_namespaces_are_per_table_stable_and_registered_once(pg_dsn, schema, other_schema):
+    first, second = _namespace(pg_dsn, schema), _namespace(pg_dsn, other_schema)
+    assert first != second and _namespace(pg_dsn, schema) == first
+    # A table the migrations did not create gets one on first use: one for every caller at once.
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(f'CREATE TABLE "{schema}".outbox2 (LIKE "{schema}".outbox INCLUDING ALL)')
+    got: list[uuid.UUID] = []
+    start = threading.Barrier(6)
+
+    def register() -> None:
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            start.wait()
+            got.append(message_ids.namespace(c, schema, "outbox2"))
+
+    threads = [threading.Thread(target=register) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(got) == 6 and len(set(got)) == 1 and got[0] not in (first, second)
+    # Dropped and created anew, its ids start again: a new namespace, so no id comes twice.
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(f'DROP TABLE "{schema}".outbox2')
+        c.execute(f'CREATE TABLE "{schema}".outbox2 (LIKE "{schema}".outbox INCLUDING ALL)')
+    assert _namespace(pg_dsn, schema, "outbox2") != got[0]
+    # A renamed table keeps its rows, hence its namespace.
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        renamed_from = message_ids.namespace(c, schema, "outbox2")
+        c.execute(f'ALTER TABLE "{schema}".outbox2 RENAME TO outbox3')
+        assert message_ids.namespace(c, schema, "outbox3") == renamed_from
+        with pytest.raises(NamespaceUnavailable, match="outbox2"):
+            message_ids.namespace(c, schema, "outbox2")
+        c.execute(f'DROP TABLE "{schema}".outbox_namespace')
+        with pytest.raises(NamespaceUnavailable, match="reaper migrate"):
+            message_ids.namespace(c, schema, "outbox")
+
+
+def test_a_namespace_read_in_a_transaction_leaves_it_open_and_unchanged(pg_dsn, schema):
+    with psycopg.connect(pg_dsn) as c:
+        c.execute(f'CREATE TABLE "{schema}".outbox4 (LIKE "{schema}".outbox INCLUDING ALL)')
+        ns = message_ids.namespace(c, schema, "outbox4")
+        assert c.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        c.rollback()  # the caller's rollback undoes the table and its registration alike
+        c.execute(f'CREATE TABLE "{schema}".outbox4 (LIKE "{schema}".outbox INCLUDING ALL)')
+        assert message_ids.namespace(c, schema, "outbox4") != ns
+        c.rollback()
+
+
+NAMESPACES = st.uuids()
+ROW_IDS = st.integers(min_value=1, max_value=2**63 - 1)
+
+
+@given(NAMESPACES, ROW_IDS, NAMESPACES, ROW_IDS)
+def test_message_ids_are_short_ascii_and_name_one_row_of_one_table(ns_a, id_a, ns_b, id_b):
+    a, b = message_ids.message_id(ns_a, id_a), message_ids.message_id(ns_b, id_b)
+    for mid, ns, row in ((a, ns_a, id_a), (b, ns_b, id_b)):
+        assert mid.isascii() and len(mid) <= message_ids.MESSAGE_ID_MAX
+        assert mid == message_ids.prefix(ns) + str(row)  # the harvester's way of building it
+        head, _, tail = mid.rpartition(":")
+        assert (uuid.UUID(head), int(tail)) == (ns, row)
+    assert (a == b) == ((ns_a, id_a) == (ns_b, id_b))
+
+
+class _Msg:
+    def __init__(self, headers) -> None:
+        self._headers = headers
+
+    def headers(self):
+        return self._headers
+
+
+@given(st.lists(st.tuples(st.sampled_from(["origin", "message-id", "item-id"]), st.binary(max_size=120))))
+def test_message_id_of_reads_the_last_header_and_refuses_what_no_harvester_writes(headers):
+    ours = [v for k, v in headers if k == MESSAGE_ID_HEADER]
+    if not ours:
+        assert message_ids.message_id_of(_Msg(headers)) is None
+        return
+    last = ours[-1]
+    if 1 <= len(last) <= message_ids.MESSAGE_ID_MAX and last.isascii():
+        assert message_ids.message_id_of(_Msg(headers)) == last.decode()
+    else:
+        with pytest.raises(InvalidValue, match=MESSAGE_ID_HEADER):
+            message_ids.message_id_of(_Msg(headers))
+
+
+def test_an_upgrade_gives_the_outbox_its_namespace_without_rewriting_it(pg_dsn, tmp_path, kafka_bootstrap, topics):
+    try:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", PREVIOUS, "sql"], capture_output=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(f"needs the git history of this repository (commit {PREVIOUS})")
+    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive.stdout, check=True)
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    schema_mod.migrate(pg_dsn, name, tmp_path / "sql")
+    topic = topics("data", partitions=1)
+    try:
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute(f'SET search_path TO "{name}"')
+            c.execute(
+                "INSERT INTO outbox (topic, value) SELECT %s, ('old' || i)::bytea FROM generate_series(1, 50) i",
+                [topic],
+            )
+            before = c.execute("SELECT pg_relation_filenode('outbox')").fetchone()
+            assert c.execute("SELECT to_regclass('outbox_namespace')").fetchone() == (None,)
+            assert schema_mod.migrate(pg_dsn, name)[0] == "0017_message_id.sql"
+            assert c.execute("SELECT pg_relation_filenode('outbox')").fetchone() == before
+            ids = dict(c.execute("SELECT value, id FROM outbox").fetchall())
+        ns = _namespace(pg_dsn, name)
+        receiver = Receiver(kafka_bootstrap, topic, 1)
+        h = Harvester(make_config(pg_dsn, name, kafka_bootstrap)).start()
+        try:
+            assert wait_until(lambda: len(_ids_by_value(receiver)) == 50, 60)
+        finally:
+            h.stop(5)
+            receiver.close()
+        for value, records in _ids_by_value(receiver).items():
+            assert all(r == [f"{ns}:{ids[value]}".encode()] for r in records)
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
