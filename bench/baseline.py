@@ -13,6 +13,9 @@ own folder first on PYTHONPATH. `dependency_mismatches` says whether that interp
 packages satisfy the baseline's declared dependencies; if not, the baseline may still run (most
 changes are additions), or fail on import, and its error is shown: give it an interpreter of its
 own then (`--baseline-python`, a venv with the baseline's dependencies installed).
+
+`compare` is what every benchmark's `--baseline REF` runs: one script of the working tree, under
+the working tree's code and under REF's, alternating (bench.pairs).
 """
 
 from __future__ import annotations
@@ -22,10 +25,14 @@ import importlib.util
 import io
 import os
 import subprocess
+import sys
 import tarfile
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
+
+from bench.pairs import Command, alternate, load_average
 
 REPO = Path(__file__).resolve().parents[1]
 MARK = ".bench-commit"  # the full sha, written into every copy
@@ -117,3 +124,52 @@ def side_env(tree: Path) -> dict[str, str]:
     }
     env["PYTHONPATH"] = str(tree)
     return env
+
+
+def compare(
+    ref: str,
+    script: Path,
+    args: Sequence[str],
+    figure: str,
+    pairs: int,
+    *,
+    log: Callable[[str], None],
+    python: str = sys.executable,
+    after_pair: Callable[[int], Any] | None = None,
+) -> dict[str, Any]:
+    """Run `script` (a file of the working tree that imports nothing from bench/: under REF's path,
+    `bench` would be REF's) with `args`, once under the working tree's code and once under REF's
+    checkout per pair, alternating which goes first (bench.pairs.alternate), each run in a process of
+    its own (`python -P`, the tree alone on PYTHONPATH). Every run's last line is a JSON object with
+    `figure` and `code` (the folder its code came from, checked). `python`: the interpreter for REF.
+
+    Returns the ref, its commit and checkout, the interpreter, `dependency_mismatches` (None when
+    REF has an interpreter of its own), what `alternate` returns (the order, each pair's figures and
+    ratio new/old, their summaries, the load averages) and every run's whole object (`runs`)."""
+    started_load = load_average()
+    tree = checkout(ref, log=log)
+    sha = (tree / MARK).read_text().strip()
+    mismatches = dependency_mismatches(tree) if python == sys.executable else None
+    if mismatches:
+        log(
+            f"baseline {ref}: this interpreter does not satisfy its declared dependencies ({'; '.join(mismatches)}); "
+            "running it anyway: if it fails, give it an interpreter of its own with --baseline-python"
+        )
+
+    def side(name: str, root: Path, interpreter: str) -> Command:
+        argv = [interpreter, "-P", str(script), *args]
+        return Command(name, argv, figure, env=side_env(root), cwd=root, expect={"code": str(root.resolve())})
+
+    new, old = side("new", REPO, sys.executable), side("old", tree, python)
+    log(f"baseline {ref} ({sha[:12]}) at {tree}: {pairs} pairs, load average {started_load}")
+    cmp = alternate(new, old, pairs, after_pair=after_pair, log=log)
+    cmp["load_average_at_start"] = started_load
+    return {
+        "ref": ref,
+        "commit": sha,
+        "checkout": str(tree),
+        "python": python,
+        "dependency_mismatches": mismatches,
+        **cmp,
+        "runs": {"new": new.runs, "old": old.runs},
+    }

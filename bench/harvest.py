@@ -46,7 +46,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench import baseline, floor
 from bench.harvest_once import prefill as prefill_rows
-from bench.pairs import Command, alternate, load_average, stderr_log, summary
+from bench.pairs import summary
 from harvester import config as config_mod
 from harvester import logs
 from harvester.run import tune_process
@@ -364,25 +364,8 @@ def bench_failover(sig: int, session: float, heartbeat: float, rate: float = 500
 
 def bench_baseline(ref: str, pairs: int, rows: int, overrides: dict, python: str, with_floor: bool) -> dict:
     """REF's harvester against the working tree's, alternating, plus the floor after each pair."""
-    started_load = load_average()
-    tree = baseline.checkout(ref, log=say)
-    sha = (tree / baseline.MARK).read_text().strip()
-    mismatches = baseline.dependency_mismatches(tree) if python == sys.executable else None
-    if mismatches:
-        say(
-            f"baseline {ref}: this interpreter does not satisfy its declared dependencies ({'; '.join(mismatches)}); "
-            "running it anyway: if it fails, give it an interpreter of its own with --baseline-python"
-        )
-    script = str(REPO / "bench" / "harvest_once.py")
     sets = [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]
-
-    def side(name: str, root: Path, interpreter: str) -> Command:
-        argv = [interpreter, "-P", script, "--dsn", DSN, "--bootstrap", BOOTSTRAP, "--rows", str(rows), *sets]
-        return Command(
-            name, argv, "records_per_s", env=baseline.side_env(root), cwd=root, expect={"code": str(root.resolve())}
-        )
-
-    new, old = side("new", REPO, sys.executable), side("old", tree, python)
+    args = ["--dsn", DSN, "--bootstrap", BOOTSTRAP, "--rows", str(rows), *sets]
     floors: list[dict] = []
 
     def after_pair(i: int) -> dict | None:
@@ -393,21 +376,12 @@ def bench_baseline(ref: str, pairs: int, rows: int, overrides: dict, python: str
         say(f"floor after pair {i + 1}: {json.dumps(f)}")
         return f
 
-    say(f"baseline {ref} ({sha[:12]}) at {tree}: {pairs} pairs of {rows} rows, load average {started_load}")
-    cmp = alternate(new, old, pairs, after_pair=after_pair, log=stderr_log("bench.harvest"))
-    cmp["load_average_at_start"] = started_load
+    say(f"{pairs} pairs of {rows} rows")
+    script = REPO / "bench" / "harvest_once.py"
+    cmp = baseline.compare(ref, script, args, "records_per_s", pairs, log=say, python=python, after_pair=after_pair)
     out: dict = {
         "throughput": {"reaper": {"records": rows, "records_per_s": round(cmp["new"]["median"])}},
-        "baseline": {
-            "ref": ref,
-            "commit": sha,
-            "checkout": str(tree),
-            "python": python,
-            "dependency_mismatches": mismatches,
-            "rows": rows,
-            **cmp,
-            "runs": {"new": new.runs, "old": old.runs},
-        },
+        "baseline": {**cmp, "rows": rows},
     }
     if floors:
         fraction = {

@@ -2,6 +2,10 @@
 
     python -m bench.tracker            # 1,000,000 items and acks
     python -m bench.tracker --quick    # 100,000: a short run while developing
+    python -m bench.tracker --baseline REF [--pairs 5] [--items 100,000]
+                                       # REF's code against the working tree's, alternating in one
+                                       # run: enqueue and ack rates, ratios pair by pair
+                                       # (bench/tracker_baseline.py)
 
 - enqueue: `outbox.enqueue` of N items (open batch, groups, N outbox rows with item-id/batch-id
   headers, commit) in items/s, beside a plain binary COPY of the same N rows by psycopg's
@@ -512,7 +516,35 @@ def main(argv: list[str] | None = None) -> int:
         "--outcomes-items", type=int, help="items of the outcomes storage figure (default 10,000,000, quick 1,000,000)"
     )
     p.add_argument("--outcomes-only", action="store_true", help="only the outcomes storage figure")
+    p.add_argument(
+        "--baseline", metavar="REF", help="compare enqueue and ack rates with commit REF's tracker, same run"
+    )
+    p.add_argument("--pairs", type=int, default=5, help="with --baseline: pairs of runs (default 5)")
+    p.add_argument(
+        "--baseline-python",
+        metavar="PATH",
+        help="with --baseline: the interpreter for REF (default this one; give one whose packages "
+        "satisfy REF's dependencies if this one's do not)",
+    )
     args = p.parse_args(argv)
+    if args.pairs < 1:
+        p.error("--pairs must be at least 1")
+    if args.items is not None and args.items < 1:
+        p.error("--items must be at least 1")
+    if args.baseline is not None:
+        from bench.tracker_baseline import bench_baseline
+
+        n = args.items or (20_000 if args.quick else 100_000)
+        got = bench_baseline(
+            args.baseline,
+            args.pairs,
+            n,
+            dsn(),
+            lambda msg: log(f"[bench.tracker] {msg}"),
+            args.baseline_python or sys.executable,
+        )
+        print(json.dumps({"bench": "tracker", "quick": args.quick, "items": n, "baseline": got}))
+        return 0
     args.outcomes_items = args.outcomes_items or (1_000_000 if args.quick else 10_000_000)
     if args.outcomes_only:
         got = bench_outcomes_storage(dsn(), args.outcomes_items)
