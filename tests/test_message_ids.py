@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
+import time
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -20,7 +21,7 @@ from support.faults import FaultPlan
 from support.harness import Receiver, make_config, wait_until
 
 import tracker
-from harvester.publishing.ports import DEFAULT
+from harvester.publishing.ports import DEFAULT, Providers
 from harvester.units import Harvester
 from tracker import expiry, message_ids
 from tracker import schema as schema_mod
@@ -164,6 +165,88 @@ def test_a_row_published_again_carries_the_same_message_id(pg_dsn, kafka_bootstr
     assert sum(len(r) for r in got.values()) > 2 * len(expected)  # faulted records were published again too
     for value, records in got.items():
         assert all(ids == [expected[value]] for ids in records), value
+
+
+class _NeverPurges:
+    """The outbox store of a leader whose purges never reach the database (it dies before they do):
+    its published rows stay, marked by it, for the next leader to publish again."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self.withheld = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def purge(self, leader_id, ids) -> int:
+        self.withheld += len(ids)
+        return 0
+
+
+def test_the_next_leader_of_the_group_publishes_a_row_again_with_the_same_message_id(
+    pg_dsn, kafka_bootstrap, schema, topics
+):
+    topic, leader = topics("data", partitions=PARTITIONS), topics("leader", partitions=1)
+    with psycopg.connect(pg_dsn) as c:
+        c.execute(
+            f'INSERT INTO "{schema}".outbox (topic, key, value) '
+            "SELECT %s, ('k' || (i %% 7))::bytea, ('f' || i)::bytea FROM generate_series(1, 200) i",
+            [topic],
+        )
+        c.commit()
+    ns = _namespace(pg_dsn, schema)
+    expected = {v: f"{ns}:{i}".encode() for v, i in _snapshot(pg_dsn, schema).items()}
+    group = f"g-{uuid.uuid4().hex[:10]}"
+    stores: list[_NeverPurges] = []
+
+    def never_purges(store):
+        stores.append(_NeverPurges(store))
+        return stores[-1]
+
+    receiver = Receiver(kafka_bootstrap, topic, PARTITIONS)
+    cfg = make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader, group=group)
+    first = Harvester(cfg, providers=Providers(store=never_purges)).start()
+    second = None
+    try:
+        assert wait_until(lambda: set(expected) <= set(receiver.values()), 60), "the first leader published nothing"
+        assert stores and stores[0].withheld >= len(expected) and len(_snapshot(pg_dsn, schema)) == len(expected)
+        second = Harvester(cfg).start()  # the standby, in the same group
+        time.sleep(1)
+        first.stop(5)  # leaves the group: the standby leads and marks every row again from the head
+        assert wait_until(lambda: not _snapshot(pg_dsn, schema), 60), "the next leader did not publish the rows"
+        assert wait_until(lambda: all(len(r) >= 2 for r in _ids_by_value(receiver).values()), 30)
+    finally:
+        first.stop(5)
+        if second is not None:
+            second.stop(5)
+        receiver.close()
+    got = _ids_by_value(receiver)
+    assert set(got) == set(expected)
+    for value, records in got.items():
+        assert len(records) >= 2 and all(ids == [expected[value]] for ids in records), value
+
+
+def test_a_logical_restore_keeps_the_namespace_of_the_table_it_recreates(pg_dsn, schema):
+    """A dump writes outbox_namespace.outbox as the table's name (regclass as text, as pg_dump's
+    COPY does) and a restore resolves it to the table it has just created (a new oid)."""
+    before = _namespace(pg_dsn, schema)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(f'SET search_path TO "{schema}"')
+        with c.cursor().copy("COPY outbox_namespace TO STDOUT") as cp:
+            dump = b"".join(bytes(chunk) for chunk in cp)
+        assert dump.startswith(f"{schema}.outbox\t".encode()) or dump.startswith(b"outbox\t")
+        old_oid = c.execute("SELECT 'outbox'::regclass::oid").fetchone()
+        c.execute("DROP TABLE outbox_namespace")
+        c.execute("DROP TABLE outbox CASCADE")
+        c.execute(f'CREATE TABLE outbox (LIKE "{schema}".outbox_dead)')  # any table: a new oid
+        assert c.execute("SELECT 'outbox'::regclass::oid").fetchone() != old_oid
+        c.execute(
+            "CREATE TABLE outbox_namespace (outbox regclass PRIMARY KEY, namespace uuid NOT NULL UNIQUE, "
+            "created_at timestamptz NOT NULL)"
+        )
+        with c.cursor().copy("COPY outbox_namespace FROM STDIN") as cp:
+            cp.write(dump)
+    assert _namespace(pg_dsn, schema) == before
 
 
 def test_namespaces_are_per_table_stable_and_registered_once(pg_dsn, schema, other_schema):
