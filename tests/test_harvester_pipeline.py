@@ -15,6 +15,8 @@ from support.harness import Generator, Receiver, insert_rows, make_config, order
 from harvester.metrics import get as get_metrics
 from harvester.publishing.outbox_sql import FOREVER, OutboxStore, make_pool
 from harvester.units import Harvester
+from tracker import message_ids
+from tracker.message_ids import MESSAGE_ID_HEADER
 
 PARTITIONS = 4
 
@@ -84,16 +86,19 @@ def test_publishes_headers_null_keys_and_values_and_explicit_partitions(setup, p
                 b"tomb",
             ],
         )
+    ns = message_ids.namespace(conn, schema)
+    ids = [i for (i,) in conn.execute(f'SELECT id FROM "{schema}".outbox ORDER BY id')]
     conn.commit()
+    mid = [(MESSAGE_ID_HEADER, f"{ns}:{i}".encode()) for i in ids]  # the harvester's, after the row's own
     with running(make()):
         assert wait_until(lambda: len(receiver.records) >= 3, 30)
         assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30)
     got = sorted(receiver.records, key=lambda r: (r[0] or b"", r[1] or b""))
     assert got == sorted(
         [
-            (b"k1", b"v1", [("item-id", b"1:0:0"), ("bin", bytes(range(256)))]),
-            (None, b"no key", []),
-            (b"tomb", None, []),
+            (b"k1", b"v1", [("item-id", b"1:0:0"), ("bin", bytes(range(256))), mid[0]]),
+            (None, b"no key", [mid[1]]),
+            (b"tomb", None, [mid[2]]),
         ],
         key=lambda r: (r[0] or b"", r[1] or b""),
     )
