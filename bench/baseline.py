@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.pairs import Command, alternate, load_average
+from bench.pairs import Command, alternate, load_average, summary
 
 REPO = Path(__file__).resolve().parents[1]
 MARK = ".bench-commit"  # the full sha, written into every copy
@@ -136,6 +136,7 @@ def compare(
     log: Callable[[str], None],
     python: str = sys.executable,
     after_pair: Callable[[int], Any] | None = None,
+    more: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run `script` (a file of the working tree that imports nothing from bench/: under REF's path,
     `bench` would be REF's) with `args`, once under the working tree's code and once under REF's
@@ -145,7 +146,9 @@ def compare(
 
     Returns the ref, its commit and checkout, the interpreter, `dependency_mismatches` (None when
     REF has an interpreter of its own), what `alternate` returns (the order, each pair's figures and
-    ratio new/old, their summaries, the load averages) and every run's whole object (`runs`)."""
+    ratio new/old, their summaries, the load averages), every run's whole object (`runs`) and
+    `figures`: for `figure` and each of `more` (other keys of the runs' last lines), the ratios
+    new/old pair by pair (`ratios`), their summary (`ratio`) and each side's (`new`, `old`)."""
     started_load = load_average()
     tree = checkout(ref, log=log)
     sha = (tree / MARK).read_text().strip()
@@ -164,6 +167,16 @@ def compare(
     log(f"baseline {ref} ({sha[:12]}) at {tree}: {pairs} pairs, load average {started_load}")
     cmp = alternate(new, old, pairs, after_pair=after_pair, log=log)
     cmp["load_average_at_start"] = started_load
+    figures: dict[str, Any] = {}
+    for name in (figure, *more):
+        ratios = [round(n[name] / o[name], 3) for n, o in zip(new.runs, old.runs)]
+        figures[name] = {
+            "ratios": ratios,
+            "ratio": summary(ratios),
+            "new": summary([r[name] for r in new.runs]),
+            "old": summary([r[name] for r in old.runs]),
+        }
+        log(f"{name}: ratios new/old {ratios}, median {figures[name]['ratio']['median']}")
     return {
         "ref": ref,
         "commit": sha,
@@ -172,4 +185,5 @@ def compare(
         "dependency_mismatches": mismatches,
         **cmp,
         "runs": {"new": new.runs, "old": old.runs},
+        "figures": figures,
     }

@@ -362,6 +362,11 @@ def bench_failover(sig: int, session: float, heartbeat: float, rate: float = 500
         env.drop()
 
 
+# Reaper CPU per record (every thread of the harvesting process), compared pair by pair beside the
+# rate: below 1 the working tree is cheaper. Steadier than the rate when the machine is busy.
+CPU = ("cpu_us_per_record",)
+
+
 def bench_baseline(ref: str, pairs: int, rows: int, overrides: dict, python: str, with_floor: bool) -> dict:
     """REF's harvester against the working tree's, alternating, plus the floor after each pair."""
     sets = [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]
@@ -378,7 +383,9 @@ def bench_baseline(ref: str, pairs: int, rows: int, overrides: dict, python: str
 
     say(f"{pairs} pairs of {rows} rows")
     script = REPO / "bench" / "harvest_once.py"
-    cmp = baseline.compare(ref, script, args, "records_per_s", pairs, log=say, python=python, after_pair=after_pair)
+    cmp = baseline.compare(
+        ref, script, args, "records_per_s", pairs, log=say, python=python, after_pair=after_pair, more=CPU
+    )
     out: dict = {
         "throughput": {"reaper": {"records": rows, "records_per_s": round(cmp["new"]["median"])}},
         "baseline": {**cmp, "rows": rows},

@@ -9,7 +9,8 @@ once with REF's, each in its own process:
 run migrates a fresh schema with TREE's own migrations, creates fresh topics, pre-fills the outbox
 (`prefill`: the rows every side and the floor get), and times the harvester from the moment it
 leads until every row is purged. The last line of output is one JSON object: records_per_s,
-seconds, records, and `code`, the folder the harvester was imported from.
+seconds, records, cpu_us_per_record (the process's CPU, every thread, over that window: steadier
+than the rate on a busy machine), and `code`, the folder the harvester was imported from.
 
 This file imports nothing from bench/ (under REF's path, `bench` would be REF's), and it copes
 with the harvester's API as it was before harvest units (`harvester.mpr`). An editable install of
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import resource
 import sys
 import time
 import uuid
@@ -86,6 +88,11 @@ def only_tree_on_path() -> None:
     sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
 
 
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _harvester_class():
     if importlib.util.find_spec("harvester.units") is not None:
         from harvester.units import Harvester
@@ -134,12 +141,12 @@ def harvest(dsn: str, bootstrap: str, rows: int, keys: int, overrides: dict[str,
         try:
             while not h.leading:
                 time.sleep(0.01)
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), _cpu_s()
             while h.publisher.purged_rows < rows:
                 time.sleep(0.01)
                 if time.perf_counter() - started > 900:
                     raise RuntimeError(f"only {h.publisher.purged_rows} of {rows} purged after 900 s")
-            elapsed = time.perf_counter() - started
+            elapsed, cpu = time.perf_counter() - started, _cpu_s() - cpu
         finally:
             h.stop(10)
         with psycopg.connect(dsn) as c:
@@ -152,6 +159,7 @@ def harvest(dsn: str, bootstrap: str, rows: int, keys: int, overrides: dict[str,
         "records": rows,
         "seconds": round(elapsed, 3),
         "records_per_s": round(rows / elapsed),
+        "cpu_us_per_record": round(cpu * 1e6 / rows, 2),
         "code": str(Path(harvester.__file__).resolve().parents[1]),
     }
 

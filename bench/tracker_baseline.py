@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 from bench import baseline
-from bench.pairs import summary
 
 FIGURES = ("enqueue_items_per_s", "ack_acks_per_s")  # the first one is what bench.pairs alternates on
 
@@ -25,16 +24,5 @@ def bench_baseline(
     script = baseline.REPO / "bench" / "tracker_once.py"
     args = ["--dsn", dsn, "--items", str(items)]
     log(f"{pairs} pairs of {items} items")
-    cmp = baseline.compare(ref, script, args, FIGURES[0], pairs, log=log, python=python)
-    runs = cmp["runs"]
-    figures: dict[str, Any] = {}
-    for name in FIGURES:
-        ratios = [round(n[name] / o[name], 3) for n, o in zip(runs["new"], runs["old"])]
-        figures[name] = {
-            "ratios": ratios,
-            "ratio": summary(ratios),
-            "new": summary([r[name] for r in runs["new"]]),
-            "old": summary([r[name] for r in runs["old"]]),
-        }
-        log(f"{name}: ratios new/old {ratios}, median {figures[name]['ratio']['median']}")
-    return {**cmp, "items": items, "figures": figures}
+    cmp = baseline.compare(ref, script, args, FIGURES[0], pairs, log=log, python=python, more=FIGURES[1:])
+    return {**cmp, "items": items}

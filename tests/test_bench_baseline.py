@@ -114,6 +114,11 @@ def test_baseline_run_alternates_and_reports_ratios_and_floor(
         assert set(b[key]) == {"median", "min", "max", "spread"}
         assert b[key]["min"] <= b[key]["median"] <= b[key]["max"]
     assert len(b["load_average_at_start"]) == 3
+    # The rate and the CPU per record, each compared pair by pair.
+    assert set(b["figures"]) == {"records_per_s", "cpu_us_per_record"}
+    assert b["figures"]["records_per_s"]["ratios"] == [pair["ratio"] for pair in b["pairs"]]
+    for run in b["runs"]["new"] + b["runs"]["old"]:
+        assert run["cpu_us_per_record"] > 0
     # Each side ran its own code: the working tree's, and the commit's checked-out copy.
     assert [r["code"] for r in b["runs"]["new"]] == [str(REPO)] * 2
     assert [r["code"] for r in b["runs"]["old"]] == [str(tmp_path / sha)] * 2
