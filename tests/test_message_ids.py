@@ -106,6 +106,7 @@ def test_every_record_of_every_unit_and_lane_carries_its_rows_message_id(
         ns = _namespace(pg_dsn, s)
         expected.update({v: f"{ns}:{i}" for v, i in _snapshot(pg_dsn, s).items()})
     assert len(expected) == 2 * (40 + 10 + 10 + 2)  # and a completion and an expiry event in each
+    assert len(set(expected.values())) == len(expected)  # no id of one table is an id of the other
     receiver = Receiver(kafka_bootstrap, topic, PARTITIONS)
     h = Harvester(cfg).start()
     try:
