@@ -58,6 +58,7 @@ def exit_code_page() -> str:
 
 def metrics_page() -> str:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
     from tracker.metrics import TrackerMetrics
 
     scratch = CollectorRegistry()
@@ -103,9 +104,7 @@ json.dump(list(walk(cli._parser(), [])), sys.stdout)
 
 def _helps() -> list[tuple[list[str], str]]:
     env = {**os.environ, "COLUMNS": "100", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "-c", _WALK], capture_output=True, text=True, env=env, cwd=REPO, check=True
-    )
+    done = subprocess.run([sys.executable, "-c", _WALK], capture_output=True, text=True, env=env, cwd=REPO, check=True)
     return [(path, text) for path, text in json.loads(done.stdout)]
 
 
