@@ -15,7 +15,7 @@ except metadata.PackageNotFoundError:
 
 extensions = ["myst_parser"]
 source_suffix = {".md": "markdown"}
-exclude_patterns = ["_build"]
+exclude_patterns = ["_build", "_extra"]
 # Headings get anchors so pages can link to a section (`page.md#a-section`), and a link to a
 # section that does not exist is a warning, hence an error in the strict build.
 myst_heading_anchors = 4
@@ -25,6 +25,7 @@ nitpicky = True
 html_theme = "furo"
 html_title = f"outbox-reaper {release}"
 html_static_path: list[str] = []
-# The OpenAPI document, downloadable as served by `reaper serve`.
-html_extra_path = ["../harvester/services/http/openapi.json"]
+# Files served as they are: the OpenAPI document (as `reaper serve` serves it) and the events'
+# JSON Schemas (docs/_extra/schemas, generated).
+html_extra_path = ["../harvester/services/http/openapi.json", "_extra"]
 version = release
