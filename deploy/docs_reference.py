@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -26,7 +27,7 @@ sys.path.insert(0, str(REPO))
 from deploy import config_reference  # noqa: E402
 from harvester import exit_codes  # noqa: E402
 from harvester import metrics as harvester_metrics  # noqa: E402
-from tracker import errors, event_schema  # noqa: E402
+from tracker import errors, event_schema, roles  # noqa: E402
 
 OUT = REPO / "docs" / "reference"
 SCHEMAS = REPO / "docs" / "_extra" / "schemas"
@@ -269,6 +270,46 @@ later version; ignore the ones you do not know.
     return _page("Events", intro, "\n\n".join(sections))
 
 
+def _sql_literal(text: str) -> str:
+    """The value of adjacent SQL string constants ('a' 'b' on separate lines), quotes unescaped."""
+    return "".join(part.replace("''", "'") for part in re.findall(r"'((?:[^']|'')*)'", text))
+
+
+def sql_functions() -> dict[str, tuple[str, str]]:
+    """Every function producers and consumers may call: its header as declared, and its comment."""
+    text = "\n".join(p.read_text() for p in sorted((REPO / "sql").glob("R__*.sql")))
+    found: dict[str, tuple[str, str]] = {}
+    for name in dict.fromkeys((*roles.PRODUCER_FUNCTIONS, *roles.CONSUMER_FUNCTIONS)):
+        header = re.search(rf"CREATE OR REPLACE FUNCTION ({name}\(.*?)\s+LANGUAGE\b", text, re.S)
+        comment = re.search(rf"COMMENT ON FUNCTION {name} IS (.*?);\n", text, re.S)
+        if not header or not comment:
+            raise SystemExit(f"sql/: function {name} has no CREATE OR REPLACE FUNCTION or no COMMENT ON FUNCTION")
+        found[name] = (" ".join(header.group(1).split()), _sql_literal(comment.group(1)))
+    return found
+
+
+def sql_page() -> str:
+    sections = []
+    for name, (header, comment) in sql_functions().items():
+        who = [
+            r
+            for r, names in (("producer", roles.PRODUCER_FUNCTIONS), ("consumer", roles.CONSUMER_FUNCTIONS))
+            if name in names
+        ]
+        granted = " and ".join(f"`<schema>_{r}`" for r in who)
+        sections.append(f"## `{name}`\n\n```sql\n{header}\n```\n\n{comment}\n\nGranted to {granted}.")
+    intro = """
+`reaper migrate` installs these functions in the tracker's schema, so a producer or a consumer in
+any language with a Postgres driver works inside its own transaction, with the same guarantees as
+the Python API. They run as their owner with a pinned `search_path`, and the least-privilege roles
+(`reaper migrate --roles print`) get `EXECUTE` on them and no privilege on any table. Errors are
+SQLSTATEs of class `RT` ([Errors](errors.md)); a failed call changes nothing, and, like any SQL
+error, aborts the caller's transaction (wrap it in a `SAVEPOINT` to carry on). The same text is
+each function's comment in the database (`\\df+ <schema>.ack` in psql).
+"""
+    return _page("SQL functions", intro, "\n\n".join(sections))
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "configuration.md": configuration,
     "exit-codes.md": exit_code_page,
@@ -277,6 +318,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "errors.md": errors_page,
     "http.md": http_page,
     "events.md": events_page,
+    "sql.md": sql_page,
 }
 
 

@@ -80,3 +80,28 @@ def test_no_internal_references_where_users_read():
         for pattern in (r"\bissues? #?\d+\b", r"\.\./shared\b", r"DESIGN\.md", r"/work/"):
             bad += [f"{path.relative_to(REPO)}: {m.group(0)!r}" for m in re.finditer(pattern, text, re.IGNORECASE)]
     assert not bad, bad
+
+
+def test_sql_reference_matches_the_functions_the_database_holds(conn, schema):
+    """Each documented function exists with the documented arguments, and its comment in the
+    database (what `\\df+` shows) is the page's text."""
+    documented = docs_reference.sql_functions()
+    rows = conn.execute(
+        "SELECT p.proname, pg_get_function_arguments(p.oid), obj_description(p.oid, 'pg_proc') "
+        "FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = %s AND p.proname = ANY(%s)",
+        [schema, list(documented)],
+    ).fetchall()
+    found = {name: (args, comment) for name, args, comment in rows}
+    assert set(found) == set(documented) and len(rows) == len(documented), "one function each, none missing"
+    for name, (header, comment) in documented.items():
+        args, in_db = found[name]
+        assert in_db == comment, name
+        declared = header[len(name) + 1 : header.index(") RETURNS")]
+        assert _normalized(args, cast=True) == _normalized(declared), name
+
+
+def _normalized(arguments: str, cast: bool = False) -> str:
+    """An argument list as one comparable string: the catalog writes defaults with their casts
+    (`NULL::text`) and float8 by its long name."""
+    text = re.sub(r"\s+", " ", arguments.replace("float8", "double precision")).lower()
+    return re.sub(r"::[a-z ]+?(\[\])?(?=,|$)", "", text) if cast else text
