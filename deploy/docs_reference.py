@@ -297,7 +297,8 @@ def sql_page() -> str:
             if name in names
         ]
         granted = " and ".join(f"`<schema>_{r}`" for r in who)
-        sections.append(f"## `{name}`\n\n```sql\n{header}\n```\n\n{comment}\n\nGranted to {granted}.")
+        shown = "<!-- example: not run (a declaration, not a call) -->"
+        sections.append(f"## `{name}`\n\n{shown}\n```sql\n{header}\n```\n\n{comment}\n\nGranted to {granted}.")
     intro = """
 `reaper migrate` installs these functions in the tracker's schema, so a producer or a consumer in
 any language with a Postgres driver works inside its own transaction, with the same guarantees as
