@@ -7,13 +7,14 @@ SERVICES := $(PYTHON) deploy/local/services.py
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: help venv caches services-up services-down services-status lint test test-fast test-cold demo prometheus-install prometheus-check bench clean
+.PHONY: help venv caches services-up services-down services-status lint test test-fast test-cold docs docs-build demo prometheus-install prometheus-check bench clean
 
 help:
 	@echo "make demo           run the product end to end on local services"
 	@echo "make test           venv + lint + downloads + services + the whole test suite (what CI runs)"
 	@echo "make test-cold      the same from a clean clone of HEAD with every cache moved aside, as on a fresh machine"
 	@echo "make lint           ruff check, ruff format --check, mypy (tracker/, harvester/)"
+	@echo "make docs           build the documentation site strictly and serve it on http://127.0.0.1:8000"
 	@echo "make services-up    start local Postgres, PgBouncer, Kafka and a Spark master + 2 workers (idempotent); prints DSNs, bootstrap, master"
 	@echo "make services-down  stop them"
 	@echo "make prometheus-check  promtool check + unit tests of deploy/prometheus/rules.yml (installs Debian's prometheus)"
@@ -67,6 +68,16 @@ test-fast: venv caches services-up
 # services first, since the clone starts its own on the same ports.
 test-cold:
 	bash deploy/local/test_cold.sh
+
+# The documentation site (docs/, Sphinx): regenerate nothing, build strictly (warnings and broken
+# links fail, as in `make test`), then serve the result locally.
+DOCS_PORT ?= 8000
+docs-build: venv
+	$(PY) -m sphinx -W --keep-going -n -q -b html docs .local/docs-site
+
+docs: docs-build
+	@echo "serving .local/docs-site on http://127.0.0.1:$(DOCS_PORT) (Ctrl-C stops)"
+	$(PY) -m http.server --bind 127.0.0.1 --directory .local/docs-site $(DOCS_PORT)
 
 # From nothing: venv, local services (stopped again afterwards if the demo started them), two
 # reapers, an example app and consumers; 100,000 items, a leader killed midway, the completion event.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from harvester import admin
+from harvester import admin, product_version
 from harvester import config as config_mod
 from harvester.exit_codes import ExitCode
 from tracker import schema
@@ -15,6 +15,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="reaper", description="Transactional-outbox harvester and fan-out tracker sidecar"
     )
+    ap.add_argument("--version", action="version", version=f"reaper (outbox-reaper) {product_version()}")
     ap.add_argument("-c", "--config", help="YAML configuration file (REAPER_<SECTION>__<KEY> variables override it)")
     sub = ap.add_subparsers(dest="command", required=True)
     mig = sub.add_parser("migrate", help="apply pending schema migrations (safe to run concurrently)")

@@ -10,14 +10,13 @@ import signal
 import sys
 import threading
 import time
-from importlib.metadata import PackageNotFoundError, version
 
 import psycopg
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
 import tracker
-from harvester import logs
+from harvester import logs, product_version
 from harvester.config import Config, redact_dsn, redacted
 from harvester.election.neli import KafkaClusterUnknown, LeaderTopicMismatch
 from harvester.exit_codes import ExitCode
@@ -33,13 +32,6 @@ from tracker.schema import qualified
 
 class Unavailable(RuntimeError):
     pass
-
-
-def _version() -> str:
-    try:
-        return version("outbox-reaper")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _check_database(cfg: Config) -> None:
@@ -199,7 +191,7 @@ def tune_process() -> None:
 def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
     log = logs.get("reaper")
     tune_process()
-    log.info("starting", version=_version(), config=redacted(cfg), providers=providers.description)
+    log.info("starting", version=product_version(), config=redacted(cfg), providers=providers.description)
     stop = threading.Event()
     term = threading.Event()
 
@@ -213,7 +205,7 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
     # The acker and sweeper run tracker code in this process: completion events go to this
     # schema's outbox table and, for batches opened without one, to the configured topic.
     m = get_metrics(cfg.metrics.prefix)
-    m.build_info.labels(_version()).set(1)
+    m.build_info.labels(product_version()).set(1)
     admin = _admin(cfg)
     try:
         _check_database(cfg)

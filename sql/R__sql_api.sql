@@ -691,3 +691,32 @@ BEGIN
         END IF;
     END LOOP;
 END $$;
+
+
+-- What each function a producer or consumer calls does, for `\df+` and the documentation's SQL
+-- reference (generated from these lines).
+COMMENT ON FUNCTION open_batch IS 'Open a batch in the caller''s transaction and return its id. '
+    'completion_topic: where its completion event goes (null: the reaper''s default completion topic). '
+    'parent: an open batch to nest it under (at most 8 levels). tolerated_failures, tolerated_failure_ratio: '
+    'finish it early, as failed, once more of its items fail than this.';
+COMMENT ON FUNCTION add_items IS 'Track `items` more items of an open batch (at most 2^30 per call): its last group '
+    'is topped up, then new groups of at most 8,192 items are made. Each row returned holds items start .. upto - 1, '
+    'whose ids are ''<batch_id>:<group_id>:<index>''.';
+COMMENT ON FUNCTION enqueue IS 'add_items for one item per payload, and one outbox message per payload (a null '
+    'payload is a tombstone) with the headers item-id and batch-id, then header_keys/header_values. `key` is every '
+    'message''s key unless `keys` gives one per payload (null: use `key`). Returns the group rows.';
+COMMENT ON FUNCTION close_batch IS 'Close a batch: it takes no more items. Returns true when nothing is pending, '
+    'in which case it finishes in this call and its completion event is written. completion_topic: for a batch '
+    'opened without one.';
+COMMENT ON FUNCTION batch_status IS 'A batch''s state (open, closed, complete or expired), outcome, counts, times, '
+    'parent and children.';
+COMMENT ON FUNCTION failures IS 'A page of at most `lim` (1 to 1000) failed items of a batch with their reasons, '
+    'in item order, after the item id `after` (null: from the start).';
+COMMENT ON FUNCTION ack IS 'Record items as succeeded: ids ''<batch>:<group>:<index>'' and runs '
+    '''<batch>:<group>:<start>-<end>''. Idempotent: an item''s first outcome wins, later ones count as '
+    'duplicates. Returns the items this call acked, the duplicates, and the batches it finished.';
+COMMENT ON FUNCTION ack_masks IS 'ack for ids already folded into one mask per group (hex; item i is bit 7 - i % 8 '
+    'of byte i / 8).';
+COMMENT ON FUNCTION fail IS 'Record items as failed under `reason` (1 to 500 characters), as ack does for '
+    'successes: the first outcome wins. Returns the items this call failed, the duplicates, and the batches it finished.';
+COMMENT ON FUNCTION fail_masks IS 'fail for ids already folded into one mask per group (as ack_masks).';

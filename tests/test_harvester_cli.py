@@ -207,3 +207,11 @@ def _safe_get(url: str) -> tuple[int, str]:
         return _get(url)
     except OSError:
         return 0, ""
+
+
+def test_version_names_the_installed_distribution_and_needs_no_configuration():
+    from importlib.metadata import version
+
+    done = _run(["--version"], _env(REAPER_DATABASE__DSN="postgresql://nobody@127.0.0.1:1/none"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"reaper (outbox-reaper) {version('outbox-reaper')}"

@@ -8,6 +8,8 @@ class TrackerError(Exception):
 
 
 class InvalidIdentifier(TrackerError, ValueError):
+    """A schema, table or role name from configuration that is not a plain SQL identifier."""
+
     def __init__(self, what: str, value: object) -> None:
         self.what, self.value = what, value
         super().__init__(
@@ -16,6 +18,8 @@ class InvalidIdentifier(TrackerError, ValueError):
 
 
 class MalformedItemId(TrackerError, ValueError):
+    """An item id that is not `<batch>:<group>:<index>` in plain decimals."""
+
     def __init__(self, item_id: object, reason: str = "") -> None:
         self.item_id = item_id
         why = f": {reason}" if reason else ""
@@ -25,6 +29,8 @@ class MalformedItemId(TrackerError, ValueError):
 
 
 class UnknownBatch(TrackerError, LookupError):
+    """A batch id that names no batch (or, over HTTP, another tenant's batch)."""
+
     def __init__(self, batch_id: int, item_id: str | None = None, *, role: str | None = None) -> None:
         self.batch_id, self.item_id, self.role = batch_id, item_id, role
         via = f" (item id {item_id!r})" if item_id else f" ({role})" if role else ""
@@ -32,6 +38,8 @@ class UnknownBatch(TrackerError, LookupError):
 
 
 class UnknownGroup(TrackerError, LookupError):
+    """An item id whose group does not exist in its batch."""
+
     def __init__(self, batch_id: int, group_id: int, item_id: str | None = None) -> None:
         self.batch_id, self.group_id, self.item_id = batch_id, group_id, item_id
         via = f" (item id {item_id!r})" if item_id else ""
@@ -39,6 +47,8 @@ class UnknownGroup(TrackerError, LookupError):
 
 
 class IndexOutOfRange(TrackerError, IndexError):
+    """An item id whose index lies past the end of its group."""
+
     def __init__(
         self, item_id: str, size: int, *, any_group: bool = False, culprit: tuple[int, int] | None = None
     ) -> None:
@@ -145,3 +155,23 @@ class CallerTransactionAborted(TrackerError):
 
     def __init__(self) -> None:
         super().__init__("the caller's transaction is aborted (a statement in it failed): roll it back first")
+
+
+# The SQLSTATEs the SQL functions raise (class RT), what each means and the error the Python API
+# raises for the same mistake. tests/test_docs.py checks that every code the SQL raises is here.
+SQLSTATES: dict[str, tuple[str, tuple[type[TrackerError], ...]]] = {
+    "RT001": ("a malformed item id", (MalformedItemId,)),
+    "RT002": ("an unknown batch (or an unknown parent, named as such)", (UnknownBatch,)),
+    "RT003": ("an unknown group", (UnknownGroup,)),
+    "RT004": ("an item index out of range", (IndexOutOfRange,)),
+    "RT005": (
+        "a batch (or a parent) that is not open: adding to a closed, finished or expired batch",
+        (BatchNotOpen, ParentNotOpen),
+    ),
+    "RT006": ("an expired batch (an outcome or a close)", (BatchExpired,)),
+    "RT007": (
+        "an invalid argument (its name leads the message, its value is in DETAIL), or a nesting too deep",
+        (InvalidArgument, InvalidValue, DepthExceeded),
+    ),
+    "RT008": ("ids that name more groups than one call may fold (4 MiB of masks): split them", (TooManyGroups,)),
+}

@@ -1,0 +1,112 @@
+"""Every code example of the README and the documentation runs, against the real local services, as
+a reader would run it (tests/support/examples.py says what counts as an example)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import examples
+
+REPO = Path(__file__).resolve().parents[1]
+# The documentation's pages. The README joins them once its examples are whole (each its imports
+# and connection strings); until then its long-form examples are checked by the tests of each feature.
+SOURCES = sorted((REPO / "docs").rglob("*.md"))
+
+pytestmark = pytest.mark.xdist_group("docs-examples")  # they share the documented `reaper` schema
+
+
+def _collect() -> list[examples.Example]:
+    found: list[examples.Example] = []
+    for path in SOURCES:
+        page: dict[str, list[examples.Example]] = {}
+        for example in examples.examples(path):
+            if example.page and not example.not_run:
+                page.setdefault(example.language, []).append(example)
+            else:
+                found.append(example)
+        for language, steps in page.items():  # a page's steps run as one script, named by the last
+            code = "\n".join(step.code for step in steps)
+            last = steps[-1]
+            found.append(examples.Example(path, last.line, language, code, None, True))
+    return found
+
+
+EXAMPLES = _collect()
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+
+@pytest.fixture(scope="module")
+def documented_schema(pg_dsn: str) -> str:
+    """The schema the examples use, migrated as the README says (`reaper migrate`)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "harvester.cli", "migrate"],
+        env={**_env(), "REAPER_DATABASE__DSN": pg_dsn},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return "reaper"
+
+
+def test_examples_are_found_and_every_one_shown_only_says_why():
+    assert all(e.not_run is None or e.not_run.strip() for e in EXAMPLES)
+    assert {e.language for e in EXAMPLES} >= {"sql"}
+
+
+def test_the_collector_reads_fences_directives_and_pages(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# A page\n\n```python\nprint(1)\n```\n\n<!-- example: not run (needs a cluster) -->\n```sh\nmake x\n```\n\n"
+        "```json\n{}\n```\n\n<!-- example: page -->\n```python\na = 1\n```\n\n````python\nprint(a)\n```\n````\n\n"
+        "```console\n$ echo hi\nhi\n```\n"
+    )
+    found = examples.examples(page)
+    assert [(e.line, e.language, e.not_run, e.page) for e in found] == [
+        (3, "python", None, False),
+        (8, "sh", "needs a cluster", False),
+        (17, "python", None, True),
+        (21, "python", None, True),
+        (26, "sh", None, False),
+    ]
+    assert found[3].code == "print(a)\n```\n" and examples.shell_commands(found[4].code) == "echo hi\n"
+    for bad in (
+        "<!-- example: not run -->\n```sh\nx\n```\n",
+        "<!-- example: page -->\n```json\n{}\n```\n",
+        "```python\nx\n",
+    ):
+        page.write_text(bad)
+        with pytest.raises(ValueError):
+            examples.examples(page)
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if not e.not_run], ids=lambda e: e.name(REPO))
+def test_example_runs(example: examples.Example, documented_schema: str, pg_dsn: str, tmp_path: Path) -> None:
+    if example.language == "python":
+        command = [sys.executable, "-c", example.code]
+        cwd = tmp_path
+    elif example.language == "sql":
+        command = ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", pg_dsn, "-f", "-"]
+        cwd = tmp_path
+    else:
+        command = ["bash", "-euo", "pipefail", "-c", examples.shell_commands(example.code)]
+        cwd = REPO
+    done = subprocess.run(
+        command,
+        input=example.code if example.language == "sql" else None,
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, f"{example.name(REPO)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
