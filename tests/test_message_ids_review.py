@@ -1,0 +1,129 @@
+"""The message-id namespace where the first cut missed it: an outbox in a schema `reaper migrate`
+never ran in (a harvest unit's own table), the least-privilege reaper role after an upgrade, and a
+caller's transaction when the read fails."""
+
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+import pytest
+from psycopg import sql
+from support.harness import Receiver, make_config, wait_until
+
+from harvester.units import Harvester
+from tracker import message_ids, roles
+from tracker import schema as schema_mod
+from tracker.message_ids import MESSAGE_ID_HEADER, NamespaceUnavailable
+
+
+@pytest.fixture
+def bare_schema(pg_dsn):
+    """A schema `reaper migrate` never ran in, holding an application's own outbox table."""
+    name = f"bare_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{name}"')
+    yield name
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA "{name}" CASCADE')
+
+
+def test_a_unit_whose_schema_was_never_migrated_publishes_with_message_ids(
+    pg_dsn, kafka_bootstrap, schema, bare_schema, topics
+):
+    """The claim table is created by the reaper in such a schema; so must the namespace be, or
+    the unit never publishes a record."""
+    topic = topics("data", partitions=1)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(f'CREATE TABLE "{bare_schema}".orders (LIKE "{schema}".outbox INCLUDING ALL)')
+        c.execute(
+            f'INSERT INTO "{bare_schema}".orders (topic, value) SELECT %s, (\'v\' || i)::bytea'
+            " FROM generate_series(1, 20) i",
+            [topic],
+        )
+        ids = {bytes(v): i for i, v in c.execute(f'SELECT id, value FROM "{bare_schema}".orders')}
+    outboxes = [{"name": "orders", "schema": bare_schema, "table": "orders"}]
+    cfg = make_config(pg_dsn, schema, kafka_bootstrap, harvester={"outboxes": outboxes})
+    receiver = Receiver(kafka_bootstrap, topic, 1)
+    h = Harvester(cfg).start()
+    try:
+        assert wait_until(lambda: set(ids) <= set(receiver.values()), 60), "the unit published nothing"
+    finally:
+        h.stop(5)
+        receiver.close()
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        ns = message_ids.namespace(c, bare_schema, "orders")
+    for _, value, headers in receiver.records:
+        assert [v for k, v in headers if k == MESSAGE_ID_HEADER] == [f"{ns}:{ids[value]}".encode()]
+
+
+def _drop_role(conn: psycopg.Connection, role: str) -> None:
+    if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role]).fetchone():
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_the_reaper_role_granted_before_the_upgrade_reads_the_namespace(pg_dsn, tmp_path):
+    """Roles granted (`reaper migrate --roles create`) on the schema before this release, then the
+    documented upgrade (`reaper migrate`): the reaper's role must still be able to harvest."""
+    sql_dir = tmp_path / "sql"
+    sql_dir.mkdir()
+    for path in schema_mod._files(None):
+        if not path.name.startswith("0017_"):
+            (sql_dir / path.name).write_text(path.read_text())
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    login = f"login_reaper_{uuid.uuid4().hex[:8]}"
+    try:
+        schema_mod.migrate(pg_dsn, name, sql_dir)
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            roles.create(admin, name)
+            admin.execute(
+                sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(
+                    sql.Identifier(login), sql.Identifier(roles.role_name(name, "reaper"))
+                )
+            )
+            assert admin.execute("SELECT to_regclass(%s)", [f'"{name}".outbox_namespace']).fetchone() == (None,)
+        assert "0017_message_id.sql" in schema_mod.migrate(pg_dsn, name)
+        with psycopg.connect(pg_dsn.replace("postgres@", f"{login}@"), autocommit=True) as c:
+            assert isinstance(message_ids.namespace(c, name), uuid.UUID)
+            # and a table the migrations did not make is registered by that role too
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            admin.execute(f'CREATE TABLE "{name}".outbox2 (LIKE "{name}".outbox INCLUDING ALL)')
+            admin.execute(
+                sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {}").format(
+                    sql.Identifier(name, "outbox2"), sql.Identifier(roles.role_name(name, "reaper"))
+                )
+            )
+        with psycopg.connect(pg_dsn.replace("postgres@", f"{login}@"), autocommit=True) as c:
+            assert isinstance(message_ids.namespace(c, name, "outbox2"), uuid.UUID)
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            _drop_role(admin, login)
+            for r in roles.ROLES:
+                _drop_role(admin, roles.role_name(name, r))
+            admin.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+def test_a_failed_namespace_read_leaves_the_callers_transaction_usable(pg_dsn, schema, bare_schema):
+    with psycopg.connect(pg_dsn) as c:
+        c.execute(f'CREATE TABLE "{bare_schema}".mine (x int)')
+        c.execute(f'INSERT INTO "{bare_schema}".mine VALUES (1)')
+        with pytest.raises(NamespaceUnavailable):
+            message_ids.namespace(c, schema, "no_such_table")
+        with pytest.raises(NamespaceUnavailable):
+            message_ids.namespace(c, bare_schema, "mine")  # no namespace table in that schema
+        assert c.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        assert c.execute(f'SELECT x FROM "{bare_schema}".mine').fetchall() == [(1,)]
+        c.rollback()
+
+
+def test_a_namespace_read_works_with_any_row_factory(pg_dsn, schema):
+    from psycopg.rows import dict_row, namedtuple_row
+
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        expected = message_ids.namespace(c, schema)
+    for factory in (dict_row, namedtuple_row):
+        with psycopg.connect(pg_dsn, autocommit=True, row_factory=factory) as c:
+            assert message_ids.namespace(c, schema) == expected
+            with pytest.raises(NamespaceUnavailable, match="does not exist"):
+                message_ids.namespace(c, schema, "no_such_table")
