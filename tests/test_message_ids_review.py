@@ -37,7 +37,7 @@ def test_a_unit_whose_schema_was_never_migrated_publishes_with_message_ids(
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         c.execute(f'CREATE TABLE "{bare_schema}".orders (LIKE "{schema}".outbox INCLUDING ALL)')
         c.execute(
-            f'INSERT INTO "{bare_schema}".orders (topic, value) SELECT %s, (\'v\' || i)::bytea'
+            f"INSERT INTO \"{bare_schema}\".orders (topic, value) SELECT %s, ('v' || i)::bytea"
             " FROM generate_series(1, 20) i",
             [topic],
         )
@@ -127,3 +127,17 @@ def test_a_namespace_read_works_with_any_row_factory(pg_dsn, schema):
             assert message_ids.namespace(c, schema) == expected
             with pytest.raises(NamespaceUnavailable, match="does not exist"):
                 message_ids.namespace(c, schema, "no_such_table")
+
+
+def test_a_registration_by_the_first_call_of_a_transaction_is_undone_by_its_rollback(pg_dsn, schema):
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(f'CREATE TABLE "{schema}".outbox5 (LIKE "{schema}".outbox INCLUDING ALL)')
+    with psycopg.connect(pg_dsn) as c:  # not autocommit, no statement yet: the call opens the transaction
+        message_ids.namespace(c, schema, "outbox5")
+        assert c.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        c.rollback()
+        rows = c.execute(
+            f'SELECT count(*) FROM "{schema}".outbox_namespace WHERE outbox = %s::regclass', [f'"{schema}".outbox5']
+        ).fetchone()
+        assert rows == (0,)
+        c.rollback()

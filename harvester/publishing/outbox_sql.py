@@ -200,8 +200,16 @@ class OutboxStore:
         self._span = sql.SQL("SELECT max(id) - min(id) + 1 FROM {t}").format(t=t)
 
     def namespace(self) -> uuid.UUID:
-        """The table's message-id namespace (tracker.message_ids; registered on first use)."""
+        """The table's message-id namespace (tracker.message_ids; registered on first use). In a
+        schema `reaper migrate` never ran in, the namespace table is created first, as the claim
+        table is (harvester.publishing.ownership)."""
         with self.pool.connection() as conn:
+            try:
+                return message_ids.namespace(conn, self.schema_name, self.table_name)
+            except message_ids.NamespaceUnavailable as exc:
+                if not exc.missing_table:
+                    raise
+            message_ids.create_table(conn, self.schema_name)
             return message_ids.namespace(conn, self.schema_name, self.table_name)
 
     def mark(self, leader_id: uuid.UUID, limit: int, *, until: datetime) -> list[tuple]:
