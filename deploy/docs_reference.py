@@ -124,9 +124,20 @@ operator's commands. Each section is the command's own `--help`. Exit codes are 
 
 
 def _error_classes() -> Iterator[type[errors.TrackerError]]:
-    for _, value in inspect.getmembers(errors, inspect.isclass):
-        if issubclass(value, errors.TrackerError) and value.__module__ == errors.__name__:
-            yield value
+    # Every module of the tracker, not only tracker.errors: some errors live beside the code that
+    # raises them (tracker.consumer, tracker.expiry, tracker.message_ids). Spark's need pyspark.
+    import importlib
+    import pkgutil
+
+    import tracker
+
+    for info in pkgutil.walk_packages(tracker.__path__, "tracker."):
+        if info.name.startswith("tracker.spark") or info.name.rpartition(".")[2].startswith("_"):
+            continue
+        module = importlib.import_module(info.name)
+        for name, value in inspect.getmembers(module, inspect.isclass):
+            if issubclass(value, errors.TrackerError) and value.__module__ == info.name and not name.startswith("_"):
+                yield value
 
 
 def errors_page() -> str:
@@ -134,7 +145,7 @@ def errors_page() -> str:
     for cls in sorted(_error_classes(), key=lambda c: (c is not errors.TrackerError, c.__name__)):
         bases = ", ".join(f"`{b.__name__}`" for b in cls.__bases__)
         doc = inspect.getdoc(cls) or ""
-        rows.append(f"| `tracker.errors.{cls.__name__}` | {bases} | {_cell(doc.split(chr(10) + chr(10))[0])} |")
+        rows.append(f"| `{cls.__module__}.{cls.__name__}` | {bases} | {_cell(doc.split(chr(10) + chr(10))[0])} |")
     states = ["| SQLSTATE | meaning | Python error |", "|---|---|---|"]
     for code, (meaning, classes) in sorted(errors.SQLSTATES.items()):
         names = " / ".join(f"`{c.__name__}`" for c in classes)

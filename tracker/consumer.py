@@ -143,6 +143,8 @@ def _fold_ids(item_ids: str | bytes | Iterable[str | bytes]) -> dict[tuple[int, 
 
 
 class AckDeliveryError(TrackerError):
+    """An AckProducer's flush() found ack or failure messages Kafka did not take (`failures`: why)."""
+
     def __init__(self, failures: list[str]) -> None:
         self.failures = failures
         super().__init__(f"{len(failures)} ack message(s) were not delivered: {failures[:3]}")
