@@ -114,7 +114,7 @@ def test_a_schema_migrated_by_the_old_chain_ends_as_a_fresh_one(pg_dsn, old_migr
         before = _state(conn, old)
         applied = schema_mod.migrate(conn, old)
         # Nothing versioned runs again (0006 is at the baseline); every definition is (re)applied.
-        assert applied == ["0016_outcomes.sql", *[d.name for d in schema_mod.definitions()]]
+        assert applied == ["0016_outcomes.sql", "0017_inbox.sql", *[d.name for d in schema_mod.definitions()]]
         assert schema_mod.migrate(conn, old) == []
         # The Python API's statements call the new event functions as the app's and the reaper's
         # roles the moment the upgrade is done: migrate has granted them already.
@@ -194,11 +194,11 @@ def test_events_that_returned_one_row_are_replaced_and_the_schema_ends_as_a_fres
             "SELECT bool_and(proretset) FROM pg_proc WHERE pronamespace = %s::regnamespace AND proname LIKE '%%_event'"
         )
         assert conn.execute(retset, [upgraded]).fetchone() == (False,)
-        # the numbered migrations since that commit (0016), then the definitions changed since it,
-        # R__events.sql among them
+        # the numbered migrations since that commit (0016, 0017), then the definitions changed since
+        # it, R__events.sql among them
         applied = schema_mod.migrate(conn, upgraded)
-        assert applied[0] == "0016_outcomes.sql" and "R__events.sql" in applied
-        assert all(name.startswith("R__") for name in applied[1:])
+        assert applied[:2] == ["0016_outcomes.sql", "0017_inbox.sql"] and "R__events.sql" in applied
+        assert all(name.startswith("R__") for name in applied[2:])
         assert conn.execute(retset, [upgraded]).fetchone() == (True,)
         for role in ("app", "reaper"):
             assert conn.execute(
@@ -227,7 +227,11 @@ def test_a_replaced_file_with_another_checksum_is_drift(pg_dsn, old_migrator, sc
             with pytest.raises(schema_mod.MigrationDrift, match=pattern):
                 schema_mod.migrate(conn, name)
             conn.execute(sql.SQL("UPDATE {} SET checksum = %s WHERE version = %s").format(table), [checksum, version])
-        assert schema_mod.migrate(conn, name) == ["0016_outcomes.sql", *[d.name for d in schema_mod.definitions()]]
+        assert schema_mod.migrate(conn, name) == [
+            "0016_outcomes.sql",
+            "0017_inbox.sql",
+            *[d.name for d in schema_mod.definitions()],
+        ]
 
 
 def test_a_changed_definition_is_applied_again_and_only_it(pg_dsn, schemas, tmp_path):
