@@ -36,6 +36,10 @@ END $$;
 -- failure (40001: retry the transaction), never runs twice. REPEATABLE READ is refused (RT008):
 -- its snapshot cannot see an id committed meanwhile in an older partition, and nothing would
 -- refuse the second insert.
+-- The advisory lock is what makes a duplicate landing in another partition (two claims whose
+-- transactions straddle a bucket boundary) wait: it is held to the end of the transaction and
+-- takes one entry of the shared lock table (max_locks_per_transaction x max_connections entries
+-- in all), so a transaction claiming thousands of ids needs that setting raised.
 CREATE OR REPLACE FUNCTION inbox_claim(consumer text, message_id text) RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
 BEGIN

@@ -161,3 +161,41 @@ def test_partitions_are_made_ahead_and_a_duplicate_is_found_in_any_partition(pg_
         assert not Inbox("old", schema=schema, registry=None).claim(conn, "id-2")
         assert [x.partition for x in r.show(conn, "id-2", schema=schema)] == [old]
         assert r.show(conn, "id-2", consumer="other", schema=schema) == []
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_several_maintainers_at_once_drop_each_expired_partition_once(pg_dsn, schema, round_):
+    expired = _expired_partitions(pg_dsn, schema, 4, 10)
+    policy = r.Retention(retention=86400, bucket=3600, ahead=86400, max_drops=4)
+    results: list[r.MaintenanceResult] = []
+    errors: list[BaseException] = []
+    go = threading.Barrier(3)
+
+    def maintainer() -> None:
+        try:
+            with psycopg.connect(pg_dsn, autocommit=True) as m:
+                go.wait()
+                for _ in range(5):
+                    results.append(r.maintain(m, schema=schema, policy=policy))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=maintainer) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    with psycopg.connect(pg_dsn, autocommit=True) as m:
+        parts = r.partitions(m, schema=schema)
+        tables = {
+            n
+            for (n,) in m.execute(
+                "SELECT relname FROM pg_class WHERE relnamespace = %s::regnamespace AND relname LIKE 'inbox_old%%'",
+                [schema],
+            ).fetchall()
+        }
+    assert not tables & set(expired) and not {p.name for p in parts} & set(expired)
+    created = [n for res in results for n in res.created]
+    assert len(created) == len(set(created))  # each partition made by one of them
+    assert all(a.upper == b.lower for a, b in zip(parts, parts[1:]))

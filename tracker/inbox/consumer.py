@@ -11,8 +11,8 @@ after the database.
                           Inbox("billing"), book, dead_letter_topic="orders-dead")
         c.run(stop)                                    # a threading.Event
 
-Each poll returns up to `batch` records. They are processed in ONE database transaction, each in a
-savepoint of it (`Inbox.run_once`: a record whose message id the inbox holds runs nothing), then
+Each poll returns up to `batch` records (100). They are processed in ONE database transaction, each
+in a savepoint of it (`Inbox.run_once`: a record whose message id the inbox holds runs nothing), then
 the transaction commits, and only then are the records' offsets committed to Kafka (synchronously,
 manual commits only). A crash between the database commit and the offset commit redelivers the
 records, and the inbox runs none of them again.
@@ -22,6 +22,8 @@ one, or whose handler raises, goes to `dead_letter_topic` when one is given (the
 plus a `dead-letter-reason` header), its effect rolled back alone; without a dead-letter topic the
 helper rolls the whole transaction back, commits no offset and raises (the records come again).
 The helper owns `conn`'s transactions: it commits and rolls back; hand it a connection of its own.
+Each claim holds a transaction advisory lock until the commit (sql/R__inbox.sql says why): a
+`batch` of thousands per consumer needs Postgres' max_locks_per_transaction raised.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class InboxConsumer:
         handler: Handler,
         *,
         dead_letter_topic: str | None = None,
-        batch: int = 500,
+        batch: int = 100,
         poll_timeout: float = 0.5,
     ) -> None:
         for k in ("enable.auto.commit", "enable.auto.offset.store"):

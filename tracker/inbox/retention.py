@@ -159,6 +159,8 @@ def maintain(
                     how = "FINALIZE" if pending else "CONCURRENTLY"
                     detach = sql.SQL("ALTER TABLE {} DETACH PARTITION {} " + how)
                     conn.execute(detach.format(sql.Identifier(schema, "inbox"), table))
+                except psycopg.errors.UndefinedTable:
+                    pass  # "is not a partition": another maintainer detached it meanwhile; drop it
                 finally:
                     conn.execute("RESET lock_timeout")
             with conn.transaction():
