@@ -182,7 +182,9 @@ BEGIN
         BEGIN
             EXECUTE format('DROP TABLE IF EXISTS %I', r.name);
             DELETE FROM inbox_partition p WHERE p.name = r.name;
-            RETURN NEXT r.name;
+            IF FOUND THEN  -- else another caller dropped it meanwhile
+                RETURN NEXT r.name;
+            END IF;
         EXCEPTION WHEN lock_not_available THEN
             NULL;  -- left for the next run
         END;

@@ -196,6 +196,8 @@ def test_several_maintainers_at_once_drop_each_expired_partition_once(pg_dsn, sc
             ).fetchall()
         }
     assert not tables & set(expired) and not {p.name for p in parts} & set(expired)
+    dropped = [n for res in results for n in res.dropped]
+    assert sorted(dropped) == sorted(expired)  # each counted by the one maintainer that dropped it
     created = [n for res in results for n in res.created]
     assert len(created) == len(set(created))  # each partition made by one of them
     assert all(a.upper == b.lower for a, b in zip(parts, parts[1:]))

@@ -68,7 +68,7 @@ def render_status(s: InboxStatus) -> str:
         f"partitions:   {len(s.partitions)}",
         f"ids:          ~{s.ids_estimate:,} (table statistics)",
         f"size:         {s.bytes:,} bytes",
-        f"oldest ids:   {when(s.oldest_holding)}{ago(s.oldest_holding, now)}",
+        f"oldest ids:   received since {when(s.oldest_holding)}{ago(s.oldest_holding, now)} (that partition's start)",
         f"covered until {when(s.newest_upper)}"
         + (f" (in {duration((s.newest_upper - now).total_seconds())})" if s.newest_upper else ""),
         "",

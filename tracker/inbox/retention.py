@@ -166,9 +166,12 @@ def maintain(
             with conn.transaction():
                 conn.execute("SELECT set_config('lock_timeout', %s, true)", [timeout])
                 conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(table))
-                conn.execute(_q(schema, "DELETE FROM {part} WHERE name = %s", part="inbox_partition"), [name])
-            out.dropped.append(name)
-            out.ids_dropped += rows_estimate
+                gone = conn.execute(
+                    _q(schema, "DELETE FROM {part} WHERE name = %s RETURNING 1", part="inbox_partition"), [name]
+                ).fetchone()
+            if gone is not None:  # else another maintainer dropped it meanwhile, and counts it
+                out.dropped.append(name)
+                out.ids_dropped += rows_estimate
         except psycopg.errors.InsufficientPrivilege:
             owner = False  # not the inbox's owner: the SQL function below, as its owner
         except (
