@@ -3,7 +3,8 @@
   consume       W worker processes (W = 1 and 16), each with its own connection and its own message
                 ids (one in ten delivered twice), for a fixed time: per message a transaction that
                 writes the effect row and commits (plain), or runs the effect through
-                `tracker.inbox.run_once` and commits (inbox). messages/s each, and inbox/plain.
+                `tracker.inbox.run_once` and commits (inbox). messages/s each, and inbox/plain; then
+                inbox x1 again with about 100 more (empty, hourly) partitions, each claim probing all.
   cleanup       P expired partitions of N ids each dropped by `tracker.inbox.retention.maintain`
                 (detach concurrently, drop), against a DELETE of the same ids from one unpartitioned
                 table with the same index plus one on the receive time, and the VACUUM it needs
@@ -39,7 +40,7 @@ def say(msg: str) -> None:
     print(f"[bench.inbox] {msg}", file=sys.stderr, flush=True)
 
 
-def worker(schema: str, mode: str, w: int, seconds: float, barrier, out) -> None:
+def worker(schema: str, mode: str, w: int, seconds: float, tag: str, barrier, out) -> None:
     box = Inbox("bench", schema=schema, registry=None)
     insert = sql.SQL("INSERT INTO {} (message_id) VALUES (%s)").format(sql.Identifier(schema, "bench_effect"))
     n = dups = 0
@@ -47,7 +48,7 @@ def worker(schema: str, mode: str, w: int, seconds: float, barrier, out) -> None
         barrier.wait()
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            mid = f"{w}-{n - n % 10 if n % 10 == 9 else n}"  # one in ten: the previous id again
+            mid = f"{tag}-{w}-{n - 1 if n % 10 == 9 else n}"  # one in ten: the previous id again
             if mode == "plain":
                 conn.execute(insert, [mid])
             elif not box.run_once(conn, mid, lambda c, m=mid: c.execute(insert, [m])).first_time:
@@ -57,10 +58,11 @@ def worker(schema: str, mode: str, w: int, seconds: float, barrier, out) -> None
     out.put((n, dups))
 
 
-def consume(schema: str, mode: str, workers: int, seconds: float) -> dict:
+def consume(schema: str, mode: str, workers: int, seconds: float, tag: str) -> dict:
     barrier, out = CTX.Barrier(workers + 1), CTX.Queue()
     procs = [
-        CTX.Process(target=worker, args=(schema, mode, w, seconds, barrier, out), daemon=True) for w in range(workers)
+        CTX.Process(target=worker, args=(schema, mode, w, seconds, tag, barrier, out), daemon=True)
+        for w in range(workers)
     ]
     for p in procs:
         p.start()
@@ -159,8 +161,16 @@ def figures(quick: bool) -> dict:
         runs = {}
         for w in (1, 16):
             for mode in ("plain", "inbox"):
-                runs[f"{mode}_{w}"] = consume(schema, mode, w, seconds)
+                runs[f"{mode}_{w}"] = consume(schema, mode, w, seconds, f"{mode}{w}")
                 say(f"{mode} x{w}: {runs[f'{mode}_{w}']}")
+        with psycopg.connect(DSN, autocommit=True) as c:  # ~100 more partitions: each claim probes them all
+            more = retention.maintain(
+                c, schema=schema, policy=retention.Retention(bucket=3600, ahead=4 * 86400 + 100 * 3600)
+            )
+            parts = len(retention.partitions(c, schema=schema))
+        runs["inbox_1_many_partitions"] = consume(schema, "inbox", 1, seconds, "many")
+        runs["inbox_1_many_partitions"]["partitions"] = parts
+        say(f"inbox x1 with {parts} partitions ({len(more.created)} made): {runs['inbox_1_many_partitions']}")
         clean = cleanup(schema, 4, 25_000 if quick else 100_000)
         say(f"cleanup: {clean}")
         size = storage(schema, 50_000 if quick else 200_000)
@@ -172,6 +182,9 @@ def figures(quick: bool) -> dict:
         "messages_per_s": {k: v["per_s"] for k, v in runs.items()},
         "ratio_inbox_vs_plain_1": round(runs["inbox_1"]["per_s"] / runs["plain_1"]["per_s"], 3),
         "ratio_inbox_vs_plain_16": round(runs["inbox_16"]["per_s"] / runs["plain_16"]["per_s"], 3),
+        "ratio_inbox_many_vs_few_partitions_1": round(
+            runs["inbox_1_many_partitions"]["per_s"] / runs["inbox_1"]["per_s"], 3
+        ),
         "cleanup": clean,
         "ratio_cleanup_delete_vs_drop_time": round(
             (clean["delete_seconds"] + clean["vacuum_after_delete_seconds"]) / max(clean["drop_seconds"], 1e-9), 1
