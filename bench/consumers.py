@@ -19,6 +19,10 @@ Against the local Postgres (OUTBOX_TEST_DSN, else the local services). Workers a
   in `reaper run`.)
   acker          (--acker N > 0) bench.acks' single_id scenario: N single-id ack messages
                  through one `reaper run` acker.
+  inbox          (unless --inbox off) bench.inbox: messages/s of plain consumption and of
+                 inbox-checked consumption (tracker.inbox.run_once) with 1 and 16 consumers, the
+                 cleanup's cost (a partition dropped against a DELETE + VACUUM of its ids) and the
+                 bytes per id at rest. `--inbox only` runs it alone (seconds).
 
 `--path direct` runs the consumer scenarios through `tracker.core.acks.apply_masks` inside the
 caller's transaction (batch rows locked until commit: the behaviour before ack claims), so a
@@ -323,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "apply_masks path in the caller's transaction (the behaviour before ack claims)",
     )
     ap.add_argument("--acker", type=int, default=1_000_000, help="single-id acks through the reaper's acker (0: skip)")
+    ap.add_argument("--inbox", choices=["on", "off", "only"], default="on", help="the inbox figures (bench.inbox)")
     args = ap.parse_args(argv)
     load = os.getloadavg()
     out: dict = {
@@ -331,6 +336,17 @@ def main(argv: list[str] | None = None) -> int:
         "effect_ms": EFFECT_SECONDS * 1000,
         "loadavg_start": [round(x, 2) for x in load],
     }
+    if args.inbox != "off":
+        from bench import inbox as bench_inbox
+
+        got = bench_inbox.figures(args.quick)
+        out["inbox"] = got
+        for k in ("ratio_inbox_vs_plain_1", "ratio_inbox_vs_plain_16", "ratio_cleanup_delete_vs_drop_time"):
+            out[k] = got[k]
+        if args.inbox == "only":
+            out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+            print(json.dumps(out))
+            return 0
     paths = ["direct", "library"] if args.path == "both" else [args.path]
     for path in paths:
         out[path] = consumer_figures(path, args.quick)

@@ -25,10 +25,12 @@ REGIONS = [
     ("tracker/drivers/calls.py", "drive", "tracker/drivers/calls.py"),
     ("tracker/drivers/async_psycopg.py", "psycopg", "tracker/drivers/sync_psycopg.py"),
     ("tracker/aio.py", "face", "tracker/sync.py"),
+    ("tracker/inbox/aio.py", "inbox", "tracker/inbox/sync.py"),
 ]
 
 RENAME = {
     "AsyncTracker": "Tracker",
+    "AsyncInbox": "Inbox",
     "AsyncSession": "SyncSession",
     "AsyncEffect": "SyncEffect",
     "AsyncIo": "SyncIo",

@@ -194,6 +194,28 @@ class SweeperConfig:
 
 
 @dataclass
+class InboxConfig:
+    """The inbox's partitions (tracker.inbox): made ahead of time, dropped whole once expired."""
+
+    enabled: bool = key(True, "run the inbox maintenance in this process (safe with several reapers)")
+    interval: float = key(60.0, "seconds between inbox maintenance runs", **POSITIVE)
+    retention: float = key(
+        7 * 86400.0,
+        "keep consumers' message ids at least this long (seconds); a message redelivered later runs again",
+        ge=60,
+        le=3660 * 86400,
+    )
+    bucket: float = key(
+        86400.0,
+        "time span of one inbox partition (seconds); ids are kept up to retention + bucket",
+        ge=60,
+        le=31 * 86400,
+    )
+    ahead: float = key(3 * 86400.0, "make inbox partitions this far ahead of time (seconds)", ge=0, le=366 * 86400)
+    max_drops: int = key(10, "expired inbox partitions dropped per run at most", ge=1, le=1000)
+
+
+@dataclass
 class SettlerConfig:
     enabled: bool = key(
         True,
@@ -304,6 +326,7 @@ class Config:
     acker: AckerConfig = field(default_factory=AckerConfig)
     sweeper: SweeperConfig = field(default_factory=SweeperConfig)
     settler: SettlerConfig = field(default_factory=SettlerConfig)
+    inbox: InboxConfig = field(default_factory=InboxConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
@@ -443,6 +466,12 @@ def _check_relations(cfg: Config) -> None:
             f"{cfg.database.pool_size} is too small: the harvester needs "
             f"harvester.purge_workers + 2 = {cfg.harvester.purge_workers + 2} connections (mark, purge, upkeep)",
         )
+    for name in ("retention", "ahead"):
+        if getattr(cfg.inbox, name) / cfg.inbox.bucket > 1000:
+            raise ConfigError(
+                f"inbox.{name}",
+                f"{getattr(cfg.inbox, name):g} spans more than 1000 partitions of inbox.bucket = {cfg.inbox.bucket:g} s",
+            )
     if cfg.harvester.mark_batch > cfg.harvester.max_in_flight:
         raise ConfigError("harvester.mark_batch", "must not exceed harvester.max_in_flight")
     for section in ("client", "producer"):

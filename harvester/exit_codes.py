@@ -45,7 +45,7 @@ class ExitCode(IntEnum):
             "leader re-publishes them: duplicates, never loss)"
         ),
     )
-    NOT_FOUND = 5, "the batch or dead row named does not exist"
+    NOT_FOUND = 5, "the batch or dead row named does not exist, or the message id named is not in the inbox"
     REFUSED = 6, "the state refuses the action (expiring a complete batch)"
 
 

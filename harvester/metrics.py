@@ -154,6 +154,24 @@ class HarvesterMetrics:
             "Item failures from the ack topic that finished a pending item",
             registry=r,
         )
+        # The inbox (tracker.inbox) of the schema, read by the inbox maintenance (harvester.services.inbox).
+        self.inbox_bytes = Gauge(f"{p}_inbox_bytes", "Size of the inbox's partitions with their indexes", registry=r)
+        self.inbox_ids = Gauge(
+            f"{p}_inbox_ids", "Message ids kept in the inbox (from the table statistics: an estimate)", registry=r
+        )
+        self.inbox_oldest_age = Gauge(
+            f"{p}_inbox_oldest_age_seconds",
+            "Age of the start of the oldest inbox partition holding ids (the oldest id kept is at most this old)",
+            registry=r,
+        )
+        self.inbox_partitions_dropped = Counter(
+            f"{p}_inbox_partitions_dropped_total", "Expired inbox partitions dropped whole", registry=r
+        )
+        self.inbox_maintenance_failures = Counter(
+            f"{p}_inbox_maintenance_failures_total",
+            "Inbox maintenance runs that failed (retried next interval)",
+            registry=r,
+        )
         # The claim settler (harvester.services.claim_settler); the sweeper's expiries count in the tracker's collectors.
         self.settle_busy = Counter(
             f"{p}_settle_busy_total",

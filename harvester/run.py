@@ -25,6 +25,7 @@ from harvester.metrics import get as get_metrics
 from harvester.publishing.outbox_sql import OutboxStore, make_pool
 from harvester.publishing.ports import DEFAULT, Providers
 from harvester.publishing.publisher import logs_safe
+from harvester.services.inbox import inbox_loop
 from harvester.services.sweeper import sweep_loop
 from harvester.units import Harvester
 from tracker.schema import qualified
@@ -234,6 +235,10 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
         if cfg.sweeper.enabled:
             threads.append(
                 threading.Thread(target=sweep_loop, args=(cfg, pool, stop), daemon=True, name="reaper-sweeper")
+            )
+        if cfg.inbox.enabled:
+            threads.append(
+                threading.Thread(target=inbox_loop, args=(cfg, pool, stop), daemon=True, name="reaper-inbox")
             )
         if cfg.settler.enabled:
             from harvester.services.claim_settler import (

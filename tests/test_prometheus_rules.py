@@ -27,6 +27,13 @@ DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "reaper.json"
 # depend on them, so a rename must show up here. Histograms without their suffixes.
 CONTRACT_METRICS = {
     "reaper_build_info",
+    "reaper_inbox_processed_total",
+    "reaper_inbox_deduplicated_total",
+    "reaper_inbox_bytes",
+    "reaper_inbox_ids",
+    "reaper_inbox_oldest_age_seconds",
+    "reaper_inbox_partitions_dropped_total",
+    "reaper_inbox_maintenance_failures_total",
     "reaper_leader",
     "reaper_leader_acquisitions_total",
     "reaper_leader_fences_total",
@@ -250,7 +257,17 @@ def test_dashboard_layout_is_sane():
     ids = [p["id"] for p in board["panels"]]
     assert len(ids) == len(set(ids))
     titles = [p["title"] for p in board["panels"] if p["type"] == "row"]
-    assert titles == ["Overview", "Throughput", "Backlog", "Leadership", "Harvest units", "Failures", "Acks", "Batches"]
+    assert titles == [
+        "Overview",
+        "Throughput",
+        "Backlog",
+        "Leadership",
+        "Harvest units",
+        "Failures",
+        "Acks",
+        "Batches",
+        "Inbox",
+    ]
     cells = set()
     for p in board["panels"]:
         g = p["gridPos"]

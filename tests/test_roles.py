@@ -227,7 +227,8 @@ def test_after_migrate_no_function_is_executable_by_public_and_the_callers_run_a
         ).fetchall()
     assert rows and not [name for name, public, _ in rows if public], "PUBLIC may execute these"
     definer = {name for name, _, secdef in rows if secdef}
-    assert definer == set(roles.PRODUCER_FUNCTIONS) | set(roles.CONSUMER_FUNCTIONS)
+    callers = roles.PRODUCER_FUNCTIONS + roles.CONSUMER_FUNCTIONS + roles.OPERATOR_FUNCTIONS
+    assert definer == set(callers + roles.MAINTENANCE_FUNCTIONS)
 
 
 def test_the_reaper_role_reads_but_never_writes_which_migrations_ran(pg_dsn, granted):

@@ -35,4 +35,4 @@ def test_node_client_drives_the_sql_functions(pg_dsn, schema):
         timeout=300,
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "# pass 4" in r.stdout and "# fail 0" in r.stdout, r.stdout
+    assert "# pass 5" in r.stdout and "# fail 0" in r.stdout, r.stdout

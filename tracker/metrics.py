@@ -52,6 +52,21 @@ class TrackerMetrics:
         self.batches_opened = calls("batches_opened", "Batches opened")
         self.batches_expired = calls("batches_expired", "Batches expired (by a sweep or an operator's expire_batch)")
         self.batches_closed = calls("batches_closed", "Batches closed")
+        # The inbox (tracker.inbox), by schema and consumer: consumers are named in configuration,
+        # a handful per schema.
+        inbox = ["schema", "consumer"]
+        self.inbox_processed = Counter(
+            f"{p}_inbox_processed_total",
+            "Messages an inbox recorded the first time (their effect ran)" + _CALLER,
+            inbox,
+            registry=registry,
+        )
+        self.inbox_deduplicated = Counter(
+            f"{p}_inbox_deduplicated_total",
+            "Messages an inbox had recorded already (a duplicate: their effect did not run)" + _CALLER,
+            inbox,
+            registry=registry,
+        )
 
 
 _made: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, TrackerMetrics]] = weakref.WeakKeyDictionary()

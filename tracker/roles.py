@@ -7,8 +7,9 @@ EXECUTE on functions and no privilege on any table: they cannot touch the bits a
 guarantees rest on.
 
 - producer: open_batch, add_items, enqueue, close_batch, batch_status (functions only);
-- consumer: ack, ack_masks, batch_status (functions only);
-- operator: reads every table and batch_status; writes nothing;
+- consumer: ack, ack_masks, fail, fail_masks, batch_status, failures, inbox_claim, inbox_show
+  (functions only);
+- operator: reads every table, batch_status, inbox_show and inbox_partitions; writes nothing;
 - app: the Python API (`tracker.*`) in the application's own transaction: it runs its statements
   on the tables, so DML on the tracker's tables and EXECUTE on the functions it calls;
 - reaper: the sidecar (`reaper run` / `reaper serve`): DML on every table of the schema and
@@ -27,7 +28,19 @@ from tracker.schema import DEFINITIONS_TABLE, EVERY_FUNCTION_ROLES, MIGRATIONS_T
 
 ROLES = ("producer", "consumer", "operator", "app", "reaper")
 PRODUCER_FUNCTIONS = ("open_batch", "add_items", "enqueue", "close_batch", "batch_status", "failures")
-CONSUMER_FUNCTIONS = ("ack", "ack_masks", "fail", "fail_masks", "batch_status", "failures")
+CONSUMER_FUNCTIONS = (
+    "ack",
+    "ack_masks",
+    "fail",
+    "fail_masks",
+    "batch_status",
+    "failures",
+    "inbox_claim",
+    "inbox_show",
+)
+OPERATOR_FUNCTIONS = ("batch_status", "inbox_show", "inbox_partitions")
+# The inbox's partition upkeep, run as the owner (DDL) by the reaper role, which executes every function.
+MAINTENANCE_FUNCTIONS = ("inbox_add_partitions", "inbox_drop_expired")
 # The tables the Python API writes in the application's transaction.
 APP_TABLES = (
     "batch",
@@ -84,7 +97,7 @@ def grants(conn: psycopg.Connection, schema: str) -> list[sql.Composed]:
     per_role: dict[str, list[str]] = {
         "producer": _functions(conn, schema, PRODUCER_FUNCTIONS),
         "consumer": _functions(conn, schema, CONSUMER_FUNCTIONS),
-        "operator": _functions(conn, schema, ("batch_status",)),
+        "operator": _functions(conn, schema, OPERATOR_FUNCTIONS),
         **{role: everything for role in EVERY_FUNCTION_ROLES},  # `reaper migrate` grants them new ones too
     }
     for role, functions in per_role.items():

@@ -372,6 +372,44 @@ def rows(prefix: str) -> list:
                 ),
             ],
         ),
+        (
+            "Inbox",
+            [
+                (
+                    "Inbox messages / s",
+                    "timeseries",
+                    "ops",
+                    8,
+                    [
+                        (f"sum by (consumer) (rate({m.inbox_processed}{J}{R}))", "processed {{consumer}}"),
+                        (f"sum by (consumer) (rate({m.inbox_deduplicated}{J}{R}))", "duplicates {{consumer}}"),
+                    ],
+                    "Messages consumers recorded in their inbox the first time (the effect ran) and duplicates "
+                    "(skipped), counted in the consuming processes that serve metrics.",
+                ),
+                (
+                    "Inbox size",
+                    "timeseries",
+                    "bytes",
+                    8,
+                    [(f"max({m.inbox_bytes}{J})", "bytes"), (f"max({m.inbox_ids}{J})", "ids (estimate)")],
+                    "Partitions of the inbox with their indexes, and the ids they keep (table statistics).",
+                ),
+                (
+                    "Inbox retention",
+                    "timeseries",
+                    "s",
+                    8,
+                    [
+                        (f"max({m.inbox_oldest_age}{J})", "oldest partition holding ids"),
+                        (f"sum(increase({m.inbox_partitions_dropped}{J}{R}))", "partitions dropped"),
+                        (f"sum(increase({m.inbox_maintenance_failures}{J}{R}))", "failed runs"),
+                    ],
+                    "Age of the oldest inbox partition holding ids (about inbox.retention + inbox.bucket when "
+                    "the maintenance keeps up), partitions dropped and failed maintenance runs.",
+                ),
+            ],
+        ),
     ]
 
 

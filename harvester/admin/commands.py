@@ -18,14 +18,16 @@ import psycopg
 from harvester import logs
 from harvester.admin import batch as batch_mod
 from harvester.admin import dead as dead_mod
+from harvester.admin import inbox as inbox_mod
 from harvester.admin import status as status_mod
 from harvester.admin.common import AdminError, connect, to_json
 from harvester.config import Config, redact_dsn
 from harvester.exit_codes import ExitCode
 from tracker.errors import InvalidValue, MalformedItemId, TrackerError
 from tracker.ids import ID_MAX, ItemId, parse_item_id
+from tracker.inbox.core import check_text
 
-COMMANDS = ("outbox", "dead", "batch")
+COMMANDS = ("outbox", "dead", "batch", "inbox")
 MAX_LIMIT = 10_000  # rows or runs one page may show
 MAX_IDS = 10_000  # ids one `dead requeue --id` may name
 
@@ -64,6 +66,16 @@ def _text(what: str) -> Callable[[str], str]:
     return parse
 
 
+def _inbox_text(what: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        try:
+            return check_text(what, text)
+        except InvalidValue as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -75,7 +87,7 @@ def _seconds(text: str) -> float:
 
 
 def add_parsers(sub: Any) -> None:
-    """Add `outbox`, `dead` and `batch` to the `reaper` subcommand parser."""
+    """Add `outbox`, `dead`, `batch` and `inbox` to the `reaper` subcommand parser."""
     out = argparse.ArgumentParser(add_help=False)
     out.add_argument("--json", action="store_true", help="print one JSON document instead of text")
 
@@ -130,6 +142,14 @@ def add_parsers(sub: Any) -> None:
     be = batch.add_parser("expire", parents=[out], help="expire an open or closed batch now and send its expiry event")
     be.add_argument("batch_id", type=_int_in("batch id", 0, ID_MAX))
     be.add_argument("--note", type=_text("--note"), help="why: carried in the expiry event and the admin log")
+
+    inbox = sub.add_parser("inbox", help="look at consumers' inbox (message ids processed)").add_subparsers(
+        dest="admin_command", required=True
+    )
+    ins = inbox.add_parser("show", parents=[out], help="which consumers processed a message id, and when")
+    ins.add_argument("message_id", type=_inbox_text("message id"))
+    ins.add_argument("--consumer", type=_inbox_text("--consumer"), help="only this consumer")
+    inbox.add_parser("status", parents=[out], help="the inbox's partitions, ids, size, oldest ids kept")
 
 
 def _progress(enabled: bool):
@@ -208,6 +228,12 @@ def _run(cfg: Config, args: argparse.Namespace) -> tuple[Any, str, int]:
                 "event": dataclasses.asdict(got) if got else None,
             }
             return result, batch_mod.render_expired(args.batch_id, got), ExitCode.OK
+        if cmd == ("inbox", "show"):
+            found = inbox_mod.show(conn, db.schema, args.message_id, args.consumer)
+            return found, inbox_mod.render_show(found), ExitCode.OK if found.recorded else ExitCode.NOT_FOUND
+        if cmd == ("inbox", "status"):
+            kept = inbox_mod.status(conn, db.schema)
+            return kept, inbox_mod.render_status(kept), ExitCode.OK
     raise AdminError(f"unknown command {' '.join(cmd)}", ExitCode.USAGE)
 
 

@@ -191,3 +191,26 @@ test('outcomes: a threshold and a child, fail and fail_masks, failures paged, on
     await c.end();
   }
 });
+
+test('inbox: a message id claimed once per consumer, in the caller\'s transaction', async () => {
+  const c = await connect();
+  const other = await connect();
+  try {
+    const claim = `SELECT ${fn(c, 'inbox_claim')}($1, $2) AS first`;
+    await c.query('BEGIN');
+    assert.equal((await c.query(claim, ['billing', 'order-1'])).rows[0].first, true);
+    assert.equal((await c.query(claim, ['billing', 'order-1'])).rows[0].first, false);
+    await c.query('ROLLBACK'); // nothing recorded: the message is still unprocessed
+    await c.query('BEGIN');
+    assert.equal((await c.query(claim, ['billing', 'order-1'])).rows[0].first, true);
+    await c.query('COMMIT');
+    assert.equal((await other.query(claim, ['billing', 'order-1'])).rows[0].first, false);
+    assert.equal((await other.query(claim, ['shipping', 'order-1'])).rows[0].first, true);
+    const shown = await c.query(`SELECT consumer_name FROM ${fn(c, 'inbox_show')}($1) ORDER BY 1`, ['order-1']);
+    assert.deepEqual(shown.rows.map((r) => r.consumer_name), ['billing', 'shipping']);
+    await assert.rejects(c.query(claim, ['billing', 'x'.repeat(201)]), (err) => err.code === 'RT007');
+  } finally {
+    await c.end();
+    await other.end();
+  }
+});

@@ -1,0 +1,174 @@
+"""The inbox's Kafka consumer helper end to end, on the real Kafka and Postgres: records delivered
+several times (as the reaper delivers duplicates), a crash between the database commit and the
+offset commit, a consumer process killed midway and restarted: every effect exactly once. A record
+without a message id goes to the dead-letter topic, naming why."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+from confluent_kafka import Consumer, Producer
+from psycopg import sql
+
+from tracker.errors import InvalidValue
+from tracker.inbox import Inbox
+from tracker.inbox.consumer import (
+    DEAD_LETTER_REASON_HEADER,
+    MESSAGE_ID_HEADER,
+    InboxConsumer,
+    MissingMessageId,
+    message_id_of,
+)
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def effects(pg_dsn, schema) -> str:
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+        c.execute("CREATE TABLE effects (message_id text NOT NULL, consumer_pid int)")
+    return schema
+
+
+def _produce(bootstrap: str, topic: str, ids: list[str], rng: random.Random, extra: int = 0) -> int:
+    """Each id 1 to 3 times (a duplicate as a republication is: same header, same key), in a
+    shuffled order, plus `extra` records without a message id. Returns the records produced."""
+    records = [i for i in ids for _ in range(rng.randint(1, 3))]
+    rng.shuffle(records)
+    p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
+    for mid in records:
+        p.produce(topic, key=mid.encode(), value=b"v-" + mid.encode(), headers=[(MESSAGE_ID_HEADER, mid.encode())])
+    for n in range(extra):
+        p.produce(topic, key=b"x", value=f"no id {n}".encode())
+    assert p.flush(30) == 0
+    return len(records) + extra
+
+
+def _effects(dsn: str, schema: str) -> dict[str, int]:
+    with psycopg.connect(dsn) as c:
+        rows = c.execute(
+            sql.SQL("SELECT message_id, count(*) FROM {} GROUP BY 1").format(sql.Identifier(schema, "effects"))
+        ).fetchall()
+    return dict(rows)
+
+
+def test_message_id_of_reads_the_header_and_names_what_is_wrong():
+    class R:
+        def __init__(self, headers):
+            self._h = headers
+
+        def headers(self):
+            return self._h
+
+    assert message_id_of(R([("a", b"x"), (MESSAGE_ID_HEADER, b"m-1")])) == "m-1"
+    # the reaper's header comes after a row's own: a producer's forged id is never the one read
+    assert message_id_of(R([(MESSAGE_ID_HEADER, b"forged"), ("a", b"x"), (MESSAGE_ID_HEADER, b"m-2")])) == "m-2"
+    with pytest.raises(MissingMessageId, match="message-id"):
+        message_id_of(R([("a", b"x")]))
+    for bad in [b"", b"x" * 101, "é".encode(), b"a\x00"]:
+        with pytest.raises(InvalidValue):
+            message_id_of(R([(MESSAGE_ID_HEADER, bad)]))
+
+
+def test_duplicates_and_a_crash_before_the_offset_commit_run_each_effect_once(pg_dsn, effects, kafka_bootstrap, topics):
+    topic, dead = topics("inbox", partitions=3), topics("inbox-dead")
+    ids = [f"m-{i}" for i in range(60)]
+    produced = _produce(kafka_bootstrap, topic, ids, random.Random(7), extra=2)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    config = {"bootstrap.servers": kafka_bootstrap, "group.id": group, "auto.offset.reset": "earliest"}
+    insert = sql.SQL("INSERT INTO {} (message_id) VALUES (%s)").format(sql.Identifier(effects, "effects"))
+    box = Inbox("billing", schema=effects, registry=None)
+
+    def effect(conn, record):
+        conn.execute(insert, [message_id_of(record)])
+
+    with psycopg.connect(pg_dsn) as conn:
+        # The first consumer processes what it polls, commits the database, and dies before
+        # committing the offsets.
+        first = InboxConsumer(config, [topic], conn, box, effect, dead_letter_topic=dead, batch=25)
+        records = []
+        deadline = time.monotonic() + 30
+        while not records and time.monotonic() < deadline:
+            records = first.consumer.consume(25, 0.5)
+        crashed, _offsets = first.process(records)
+        first.consumer.close()
+        assert crashed.processed > 0
+        # Its successor in the group gets those records again, and everything else.
+        second = InboxConsumer(config, [topic], conn, box, effect, dead_letter_topic=dead, batch=25)
+        deadline = time.monotonic() + 60
+        while second.totals.records < produced and time.monotonic() < deadline:
+            second.poll_once()
+        second.close()
+    assert second.totals.records >= produced
+    assert _effects(pg_dsn, effects) == {i: 1 for i in ids}
+    assert crashed.processed + second.totals.processed == len(ids)
+    assert second.totals.duplicates >= crashed.processed  # the redelivered ones ran nothing
+    # The two records without an id are dead letters, with the reason.
+    c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group + "-d", "auto.offset.reset": "earliest"})
+    c.subscribe([dead])
+    got = []
+    deadline = time.monotonic() + 30
+    while len(got) < 2 and time.monotonic() < deadline:
+        m = c.poll(0.5)
+        if m is not None and m.error() is None:
+            got.append(m)
+    c.close()
+    assert sorted(m.value() for m in got) == [b"no id 0", b"no id 1"]
+    reasons = [dict(m.headers())[DEAD_LETTER_REASON_HEADER].decode() for m in got]
+    assert all("MissingMessageId" in r and "message-id" in r for r in reasons)
+
+
+def test_without_a_dead_letter_topic_a_record_without_an_id_stops_the_consumer(
+    pg_dsn, effects, kafka_bootstrap, topics
+):
+    topic = topics("inbox")
+    _produce(kafka_bootstrap, topic, [], random.Random(1), extra=1)
+    config = {
+        "bootstrap.servers": kafka_bootstrap,
+        "group.id": f"g-{uuid.uuid4().hex[:8]}",
+        "auto.offset.reset": "earliest",
+    }
+    with psycopg.connect(pg_dsn) as conn:
+        c = InboxConsumer(config, [topic], conn, Inbox("c", schema=effects, registry=None), lambda c, r: None)
+        try:
+            with pytest.raises(MissingMessageId):
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    c.poll_once()
+        finally:
+            c.close()
+
+
+def test_a_consumer_killed_midway_and_restarted_runs_each_effect_once(pg_dsn, effects, kafka_bootstrap, topics):
+    topic = topics("inbox", partitions=2)
+    ids = [f"k-{i}" for i in range(300)]
+    _produce(kafka_bootstrap, topic, ids, random.Random(11))
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    args = [sys.executable, "-m", "support.inbox_consumer", kafka_bootstrap, topic, group, pg_dsn, effects]
+    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{TESTS.parent}"}
+    proc = subprocess.Popen([*args, "30"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and sum(_effects(pg_dsn, effects).values()) < 60:
+            time.sleep(0.05)
+        assert sum(_effects(pg_dsn, effects).values()) >= 60, "the consumer made no progress"
+        proc.send_signal(signal.SIGKILL)  # midway: no offset commit, maybe mid-transaction
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    killed_at = sum(_effects(pg_dsn, effects).values())
+    assert killed_at < len(ids), "it finished before the kill"
+    done = subprocess.run([*args, "15"], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert _effects(pg_dsn, effects) == {i: 1 for i in ids}

@@ -1,0 +1,197 @@
+"""A Kafka consumer that runs each record's effect through the inbox, and commits offsets only
+after the database.
+
+    from tracker.inbox.consumer import InboxConsumer
+
+    def book(conn: psycopg.Connection, record: confluent_kafka.Message) -> None:
+        conn.execute("INSERT INTO bookings ...", [...])   # the effect, in the inbox's transaction
+
+    with psycopg.connect(dsn) as conn:
+        c = InboxConsumer({"bootstrap.servers": ..., "group.id": "billing"}, ["orders"], conn,
+                          Inbox("billing"), book, dead_letter_topic="orders-dead")
+        c.run(stop)                                    # a threading.Event
+
+Each poll returns up to `batch` records (100). They are processed in ONE database transaction, each
+in a savepoint of it (`Inbox.run_once`: a record whose message id the inbox holds runs nothing), then
+the transaction commits, and only then are the records' offsets committed to Kafka (synchronously,
+manual commits only). A crash between the database commit and the offset commit redelivers the
+records, and the inbox runs none of them again.
+
+A record's message id is its `message-id` header (ASCII, 1 to 200 characters). A record without
+one, or whose handler raises, goes to `dead_letter_topic` when one is given (the record as it was,
+plus a `dead-letter-reason` header), its effect rolled back alone; without a dead-letter topic the
+helper rolls the whole transaction back, commits no offset and raises (the records come again).
+The helper owns `conn`'s transactions: it commits and rolls back; hand it a connection of its own.
+Each claim holds a transaction advisory lock until the commit (sql/R__inbox.sql says why): a
+`batch` of thousands per consumer needs Postgres' max_locks_per_transaction raised.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
+
+from tracker import message_ids
+from tracker.errors import InvalidValue, TrackerError
+from tracker.inbox.core import check_text
+from tracker.inbox.sync import Inbox
+from tracker.message_ids import MESSAGE_ID_HEADER
+
+DEAD_LETTER_REASON_HEADER = "dead-letter-reason"
+_REASON_MAX = 500
+
+Handler = Callable[[psycopg.Connection, Message], object]
+
+
+class MissingMessageId(TrackerError, LookupError):
+    """A Kafka record without the `message-id` header (not published by the reaper, or by one
+    that predates message ids)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        super().__init__(f"record {where} has no {MESSAGE_ID_HEADER!r} header")
+
+
+def _where(record: Any) -> str:
+    try:
+        return f"{record.topic()}[{record.partition()}]@{record.offset()}"
+    except Exception:  # not a confluent_kafka Message: name its type
+        return type(record).__name__
+
+
+def message_id_of(record: Any) -> str:
+    """The message id of a record (a confluent_kafka Message, or anything with `.headers()` as a
+    list of (name, bytes)): the reaper's `message-id` header, the last one (a row's own headers come
+    first, so a producer cannot pass its own id off as the reaper's). Raises MissingMessageId, or
+    InvalidValue naming the header's value as written."""
+    found = message_ids.message_id_of(record)
+    if found is None:
+        raise MissingMessageId(_where(record))
+    return check_text(MESSAGE_ID_HEADER, found)
+
+
+@dataclass
+class PollResult:
+    records: int = 0
+    processed: int = 0  # effects run
+    duplicates: int = 0  # records the inbox had seen: nothing ran
+    dead_lettered: int = 0
+
+
+class InboxConsumer:
+    """Consumes `topics` in the consumer group of `config` ("group.id"), running `handler(conn,
+    record)` once per message id through `inbox`. `config` is librdkafka's; the helper sets
+    enable.auto.commit and enable.auto.offset.store to false itself and refuses a config that sets
+    them. Not thread-safe: one thread polls."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        topics: Sequence[str],
+        conn: psycopg.Connection,
+        inbox: Inbox,
+        handler: Handler,
+        *,
+        dead_letter_topic: str | None = None,
+        batch: int = 100,
+        poll_timeout: float = 0.5,
+    ) -> None:
+        for k in ("enable.auto.commit", "enable.auto.offset.store"):
+            if str(config.get(k, "false")).lower() != "false":
+                raise InvalidValue(k, config[k], "the inbox consumer commits offsets itself, after the database")
+        if not 1 <= batch <= 100_000:
+            raise InvalidValue("batch", batch, "must be between 1 and 100000")
+        if not isinstance(conn, psycopg.Connection) or conn.autocommit:
+            raise InvalidValue("conn", conn, "must be a psycopg Connection that is not in autocommit mode")
+        self.conn, self.inbox, self.handler = conn, inbox, handler
+        self.batch, self.poll_timeout = batch, poll_timeout
+        self.consumer = Consumer({**config, "enable.auto.commit": False, "enable.auto.offset.store": False})
+        self.consumer.subscribe(list(topics))
+        self.dead_letter_topic = dead_letter_topic
+        self._dead: Producer | None = None
+        if dead_letter_topic:
+            keep = {k: v for k, v in config.items() if not k.startswith(("group.", "enable.auto", "auto.offset"))}
+            self._dead = Producer({**keep, "enable.idempotence": True})
+        self.totals = PollResult()
+
+    def _effect(self, record: Message, conn: psycopg.Connection) -> object:
+        return self.handler(conn, record)
+
+    def _dead_letter(self, record: Message, why: BaseException) -> None:
+        assert self._dead is not None and self.dead_letter_topic
+        reason = f"{type(why).__name__}: {why}"[:_REASON_MAX].encode("utf-8", "replace")
+        headers: list[tuple[str, str | bytes | None]] = [(str(h[0]), h[1]) for h in record.headers() or []]
+        headers.append((DEAD_LETTER_REASON_HEADER, reason))
+        self._dead.produce(self.dead_letter_topic, value=record.value(), key=record.key(), headers=headers)
+
+    def process(self, records: Sequence[Message]) -> tuple[PollResult, list[TopicPartition]]:
+        """Run the records through the inbox in one transaction and commit it; return what
+        happened and the offsets to commit (not committed here)."""
+        got = PollResult(records=len(records))
+        offsets: dict[tuple[str, int], int] = {}
+        try:
+            for record in records:
+                if record.error() is not None:
+                    raise KafkaException(record.error())
+                topic, partition, offset = record.topic(), record.partition(), record.offset()
+                assert topic is not None and partition is not None and offset is not None  # a consumed record
+                offsets[(topic, partition)] = offset + 1
+                try:
+                    mid = message_id_of(record)
+                    done = self.inbox.run_once(self.conn, mid, functools.partial(self._effect, record))
+                except Exception as exc:  # the record's savepoint is undone: the rest goes on
+                    if self._dead is None:
+                        raise
+                    self._dead_letter(record, exc)
+                    got.dead_lettered += 1
+                    continue
+                got.processed += done.first_time
+                got.duplicates += not done.first_time
+            self.conn.commit()
+        except BaseException:
+            self.conn.rollback()
+            raise
+        if self._dead is not None and got.dead_lettered:
+            if self._dead.flush(30) > 0:  # dead letters must be in Kafka before the offsets move on
+                raise KafkaException("dead-letter records not delivered within 30 s")
+        return got, [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
+
+    def poll_once(self) -> PollResult:
+        """One poll: process the records, commit the database, then the offsets."""
+        records = self.consumer.consume(self.batch, self.poll_timeout)
+        if not records:
+            return PollResult()
+        got, offsets = self.process(records)
+        self.consumer.commit(offsets=offsets, asynchronous=False)
+        for name in ("records", "processed", "duplicates", "dead_lettered"):
+            setattr(self.totals, name, getattr(self.totals, name) + getattr(got, name))
+        return got
+
+    def run(self, stop: threading.Event) -> None:
+        """Poll until `stop` is set; then close the consumer (leaving the group)."""
+        try:
+            while not stop.is_set():
+                self.poll_once()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.consumer.close()
+        if self._dead is not None:
+            self._dead.flush(30)
+
+
+__all__ = [
+    "DEAD_LETTER_REASON_HEADER",
+    "MESSAGE_ID_HEADER",
+    "InboxConsumer",
+    "MissingMessageId",
+    "PollResult",
+    "message_id_of",
+]
