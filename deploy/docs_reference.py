@@ -288,10 +288,10 @@ def _sql_literal(text: str) -> str:
 
 
 def sql_functions() -> dict[str, tuple[str, str]]:
-    """Every function producers and consumers may call: its header as declared, and its comment."""
+    """Every function producers, consumers and operators may call: its header as declared, and its comment."""
     text = "\n".join(p.read_text() for p in sorted((REPO / "sql").glob("R__*.sql")))
     found: dict[str, tuple[str, str]] = {}
-    for name in dict.fromkeys((*roles.PRODUCER_FUNCTIONS, *roles.CONSUMER_FUNCTIONS)):
+    for name in dict.fromkeys((*roles.PRODUCER_FUNCTIONS, *roles.CONSUMER_FUNCTIONS, *roles.OPERATOR_FUNCTIONS)):
         header = re.search(rf"CREATE OR REPLACE FUNCTION ({name}\(.*?)\s+LANGUAGE\b", text, re.S)
         comment = re.search(rf"COMMENT ON FUNCTION {name} IS (.*?);\n", text, re.S)
         if not header or not comment:
@@ -305,7 +305,11 @@ def sql_page() -> str:
     for name, (header, comment) in sql_functions().items():
         who = [
             r
-            for r, names in (("producer", roles.PRODUCER_FUNCTIONS), ("consumer", roles.CONSUMER_FUNCTIONS))
+            for r, names in (
+                ("producer", roles.PRODUCER_FUNCTIONS),
+                ("consumer", roles.CONSUMER_FUNCTIONS),
+                ("operator", roles.OPERATOR_FUNCTIONS),
+            )
             if name in names
         ]
         granted = " and ".join(f"`<schema>_{r}`" for r in who)

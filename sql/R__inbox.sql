@@ -208,3 +208,15 @@ BEGIN
         END IF;
     END LOOP;
 END $$;
+
+
+-- What each function consumers and operators call does, for `\df+` and the documentation's SQL
+-- reference (generated from these lines).
+COMMENT ON FUNCTION inbox_claim IS 'Record that `consumer` processes the message `message_id` (its message-id '
+    'header) in the caller''s transaction. Returns true the first time: run the effect in the same transaction. '
+    'Returns false when the id was recorded before (a redelivery, a duplicate): run nothing. A concurrent claim of '
+    'the same id waits for this transaction. Refused under REPEATABLE READ; READ COMMITTED or SERIALIZABLE.';
+COMMENT ON FUNCTION inbox_show IS 'Where `message_id` is recorded: one row per consumer that processed it (only '
+    '`consumer`''s when given), with when it was received.';
+COMMENT ON FUNCTION inbox_partitions IS 'The inbox''s time partitions with their bounds, whether they are attached, '
+    'their estimated rows and bytes, and whether they still hold ids.';
