@@ -124,6 +124,7 @@ class Pages:
             auth=self.sessions.enabled,
             refresh_ms=int(self.cfg.console.refresh_interval * 1000),
             path=request.url.path,
+            default_topic=self.cfg.harvester.default_completion_topic,
             **ctx,
         )
         return HTMLResponse(body, status_code=status, headers=SECURITY_HEADERS)

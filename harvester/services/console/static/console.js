@@ -3,13 +3,18 @@
 (function () {
   "use strict";
   var pad = function (n) { return (n < 10 ? "0" : "") + n; };
+  function zone(d) {
+    var m = -d.getTimezoneOffset(), sign = m < 0 ? "-" : "+";
+    m = Math.abs(m);
+    return "UTC" + sign + pad(Math.floor(m / 60)) + ":" + pad(m % 60);
+  }
   function localTimes(root) {
     var times = root.querySelectorAll("time[datetime]");
     for (var i = 0; i < times.length; i++) {
       var d = new Date(times[i].getAttribute("datetime"));
       if (isNaN(d)) continue;
       times[i].textContent = d.getFullYear() + "-" + pad(d.getMonth() + 1) + "-" + pad(d.getDate()) + " " +
-        pad(d.getHours()) + ":" + pad(d.getMinutes()) + ":" + pad(d.getSeconds());
+        pad(d.getHours()) + ":" + pad(d.getMinutes()) + ":" + pad(d.getSeconds()) + " " + zone(d);
     }
   }
   function live(el, every) {
