@@ -298,3 +298,43 @@ def test_the_key_queries_read_by_index(pg_dsn, schema):
         for name in ("unfinished", "finished", "by_id", "by_key", "count_unfinished", "children"):
             plan = "\n".join(r[0] for r in conn.execute(psycopg.sql.SQL("EXPLAIN ") + q[name], params).fetchall())
             assert "Seq Scan" not in plan, (name, plan)
+
+
+def test_reaper_run_serves_the_console_when_configured(cfg, tmp_path):
+    from support.harness import env_for
+    from support.reaper import ReaperProcess, stop_all
+
+    port = _free_port()
+    env = env_for(cfg) | {
+        "REAPER_CONSOLE__RUN": "true",
+        "REAPER_CONSOLE__PORT": str(port),
+        "REAPER_HTTP__TOKENS": TOKEN,
+        "REAPER_CONSOLE__VIEWER_TOKENS": VIEWER,
+    }
+    proc = ReaperProcess(env, tmp_path / "reaper.log")
+    try:
+        c = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+
+        def up() -> bool:
+            try:
+                return c.get("/console/login").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(up, 60), (tmp_path / "reaper.log").read_text()
+        assert c.get("/console/").status_code == 303
+        assert login(c, VIEWER).status_code == 303
+        overview = c.get("/console/")
+        assert overview.status_code == 200 and 'data-unit="default"' in overview.text
+        assert c.get("/v1/batches/1").status_code == 404  # the console only: the API is `reaper serve`'s
+    finally:
+        stop_all([proc])
+    assert proc.proc.returncode == 0, (tmp_path / "reaper.log").read_text()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
