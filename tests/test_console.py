@@ -338,3 +338,41 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _outbox_rows_read(pg_dsn: str, schema: str) -> int:
+    """Rows of the outbox read by any scan so far (the statistics every backend reports at idle)."""
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute("SELECT pg_stat_clear_snapshot()")
+        row = c.execute(
+            "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables "
+            "WHERE schemaname = %s AND relname = 'outbox'",
+            [schema],
+        ).fetchone()
+    return int(row[0])
+
+
+def test_the_overview_reads_a_bounded_part_of_a_large_outbox(server, pg_dsn, schema):
+    backlog = 300_000
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute(
+            f'INSERT INTO "{schema}".outbox (topic, value) SELECT %s, %s FROM generate_series(1, %s)',
+            ["t", b"v", backlog],
+        )
+        # A leader's marks are at the head of the table (it marks the lowest ids).
+        conn.execute(
+            f'UPDATE "{schema}".outbox SET leader_id = gen_random_uuid() WHERE id IN '
+            f'(SELECT id FROM "{schema}".outbox ORDER BY id LIMIT 7)'
+        )
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'VACUUM ANALYZE "{schema}".outbox')
+    c = client(server, TOKEN)
+    c.get("/console/")  # the pool's connections are open and have reported their own reads
+    time.sleep(1.5)
+    before = _outbox_rows_read(pg_dsn, schema)
+    page = c.get("/console/")
+    time.sleep(1.5)  # a backend reports its reads once idle, at most once a second
+    read = _outbox_rows_read(pg_dsn, schema) - before
+    assert page.status_code == 200 and "In flight</dt><dd>7 rows" in page.text, page.text
+    assert 'data-figure="backlog">300,000' in page.text and "≤" in page.text  # the id span, an upper bound
+    assert read <= 3 * queries.OVERVIEW_EXACT_ROWS, read  # not the 300,000 rows

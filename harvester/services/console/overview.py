@@ -1,8 +1,10 @@
 """The overview page's figures, gathered from where `reaper outbox status` reads them.
 
 - Per outbox table (every harvest unit of it): backlog, oldest unpublished age, rows in flight per
-  leader id, dead rows: harvester.admin.status.unit_status (the backlog counted up to
-  BACKLOG_EXACT rows, then the id span; the oldest age by the first row of the primary key).
+  leader id, dead rows: harvester.admin.status.unit_status, as `reaper outbox status` reads them
+  (the backlog counted up to queries.OVERVIEW_EXACT_ROWS rows, then the id span by the primary key;
+  the oldest age from the first row by id; rows in flight among the first OVERVIEW_EXACT_ROWS rows
+  by id, where leaders mark; dead rows counted in the dead table).
 - Per unit, its leader: the leader group's assignment (status.leaders), from Kafka.
 - The acker's lag: the ack topic's end offsets minus the acker group's committed offsets (Kafka).
 - Publish rate, refused marks, the sweeper's and settler's last runs: the reapers' own metrics
@@ -183,7 +185,13 @@ class Gatherer:
         for spec in self.specs:
             where = (spec.dsn, spec.schema, spec.table)
             if where not in tables:
-                st = status.unit_status(conn, spec.schema, spec.table, spec.index) if spec.dsn == db.dsn else None
+                st = (
+                    status.unit_status(
+                        conn, spec.schema, spec.table, spec.index, exact_up_to=queries.OVERVIEW_EXACT_ROWS
+                    )
+                    if spec.dsn == db.dsn
+                    else None
+                )
                 conn.rollback()
                 tables[where] = TableRow(f"{spec.schema}.{spec.table}", st, [])
             tables[where].units.append(UnitRow(spec, None))
