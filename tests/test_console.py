@@ -37,6 +37,7 @@ def cfg(pg_dsn, kafka_bootstrap, schema, topics, tmp_path):
         kafka_bootstrap,
         leader_topic=topics("leader"),
         http={"tenants_file": str(tenants), "completion_poll_interval": 0.05},
+        acker={"topic": topics("acks"), "dead_letter_topic": topics("acks-dead")},
         console={"viewer_tokens": VIEWER, "page_size": 3, "refresh_interval": 0.5, "kafka_timeout": 5},
     )
     c.tenant_token = tenant_token  # type: ignore[attr-defined]
@@ -376,3 +377,25 @@ def test_the_overview_reads_a_bounded_part_of_a_large_outbox(server, pg_dsn, sch
     assert page.status_code == 200 and "In flight</dt><dd>7 rows" in page.text, page.text
     assert 'data-figure="backlog">300,000' in page.text and "≤" in page.text  # the id span, an upper bound
     assert read <= 3 * queries.OVERVIEW_EXACT_ROWS, read  # not the 300,000 rows
+
+
+def test_dead_lettered_acks_are_listed_newest_first_with_their_reasons(server, cfg, pg_dsn, schema, kafka_bootstrap):
+    from test_acker import make_acker, produce_raw
+    from test_acker import running as acker_running
+
+    with psycopg.connect(pg_dsn) as conn:
+        b = tracker.open_batch(conn, schema=schema)
+        tracker.add_items(conn, b, 2, schema=schema)
+    a = cfg.acker
+    produce_raw(kafka_bootstrap, a.topic, [(b"1", b"not-an-id"), (str(b.id).encode(), f"{b.id}:0:9".encode())])
+    acker = make_acker(pg_dsn, schema, kafka_bootstrap, a.topic, a.dead_letter_topic)
+    with acker_running(acker):
+        assert wait_until(lambda: acker.stats["dead_lettered"] == 2, 60), acker.stats
+    c = client(server, TOKEN)
+    page = c.get("/console/dead-acks")
+    assert page.status_code == 200 and "not-an-id" in page.text and f"{b.id}:0:9" in page.text, page.text
+    assert page.text.count("data-dead-ack=") == 2 and 'class="hint">2 in <code>' in page.text
+    reasons = re.findall(r"<td>([^<]*)</td>", page.text)
+    assert reasons[0] == "index out of range (group size 2)" and reasons[1].startswith("malformed"), reasons
+    assert client(server, VIEWER).get("/console/dead-acks").status_code == 200
+    assert client(server, cfg.tenant_token).get("/console/dead-acks").status_code == 403

@@ -22,7 +22,8 @@ from harvester.admin import dead as dead_admin
 from harvester.admin.common import AdminError
 from harvester.config import Config
 from harvester.services.console import actions, queries
-from harvester.services.console.overview import Gatherer
+from harvester.services.console import dead_acks as dead_acks_mod
+from harvester.services.console.overview import Cached, Gatherer
 from harvester.services.console.session import COOKIE, LOGIN_COOKIE, Sessions, User
 from harvester.services.console.web import SECURITY_HEADERS, Db, Pages, current_user, read_form, safe_next, to_login
 from harvester.services.http.security import RateLimiter
@@ -41,6 +42,8 @@ class Console:
         self.db = Db(cfg)
         self.pages = Pages(cfg, sessions)
         self.gatherer = Gatherer(cfg)
+        # Read from Kafka at most once a refresh, whoever asks.
+        self.dead_acks = Cached(lambda: dead_acks_mod.read(cfg, cfg.console.page_size), cfg.console.refresh_interval)
         self.logins = RateLimiter(1.0, 10)  # per client address: guessing tokens stays slow
 
     def open(self) -> None:
@@ -337,6 +340,14 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
             return pages.message(request, user, 400, "Bad request", "Name a dead row id, a reason, or all.")
         done = await db.run(lambda c: actions.requeue(cfg, c, user, ids=ids, reason=reason))
         return pages.render(request, "done.html", user, status=200 if done.ok else 409, done=done, back="/console/dead")
+
+    @r.get("/dead-acks")
+    @page
+    async def dead_acks(request: Request, user: User) -> Response:
+        if (refused := outbox_only(user, request)) is not None:
+            return refused
+        found = await console.dead_acks.get()
+        return pages.render(request, "dead_acks.html", user, d=found, limit=size)
 
     @r.get("/dead/{dead_id}")
     @page
