@@ -274,6 +274,19 @@ def test_any_query_text_is_answered_not_crashed(viewer, where, text):
     assert r.status_code in (200, 400), (text, r.status_code, r.text[:300])
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(csrf=st.text(max_size=60), nonce=st.text(max_size=30), cookie=st.text(max_size=60))
+def test_any_form_or_cookie_text_is_refused_not_crashed(server, viewer, csrf, nonce, cookie):
+    r = viewer.post("/console/dead/requeue", data={"csrf": csrf, "all": "1"})
+    assert r.status_code == 403, r.text[:300]
+    anon = httpx.Client(base_url=server.url, cookies={"reaper_console_login": "n0nce"})
+    r = anon.post("/console/login", data={"token": TOKEN, "nonce": nonce, "next": "/console/"})
+    assert r.status_code in (303, 403, 429) and (r.status_code != 303 or nonce == "n0nce"), r.text[:300]
+    safe = "".join(ch for ch in cookie if " " < ch < "\x7f" and ch != ";")  # what a header can carry
+    r = httpx.Client(base_url=server.url).get("/console/", headers={"Cookie": f"reaper_console={safe}"})
+    assert r.status_code == 303, r.text[:300]
+
+
 def test_the_key_queries_read_by_index(pg_dsn, schema):
     with psycopg.connect(pg_dsn) as conn:
         conn.execute(

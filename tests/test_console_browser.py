@@ -242,6 +242,9 @@ def test_a_requeue_from_the_page_publishes_the_dead_row_once(driver, stack, pg_d
     receiver = Receiver(stack["cfg"].kafka.bootstrap_servers, topic)
     try:
         login(d, url, TOKEN)
+        d.get(url + "/console/dead-acks")
+        wait_for(d, lambda: "Dead-lettered acks" in text(d))
+        shoot(d, "dead-acks")
         d.get(url + "/console/dead")
         shoot(d, "dead")
         d.find_element(By.LINK_TEXT, str(dead_id)).click()

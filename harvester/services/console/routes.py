@@ -8,6 +8,7 @@ the CSRF token (403), the operator role (403), then the admin command's own chec
 
 from __future__ import annotations
 
+import hmac
 import re
 from collections.abc import Awaitable, Callable
 from importlib.resources import files
@@ -122,7 +123,7 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
         form = await read_form(request) or {}
         nonce = request.cookies.get(LOGIN_COOKIE)
         target = safe_next(form.get("next"))
-        if not nonce or form.get("nonce") != nonce:
+        if not nonce or not hmac.compare_digest(form.get("nonce", "").encode(), nonce.encode()):
             return pages.render(
                 request,
                 "login.html",

@@ -103,7 +103,7 @@ class Sessions:
         if not cookie or cookie.count(".") != 1 or len(cookie) > 1024:
             return None
         raw, sig = cookie.split(".")
-        if not hmac.compare_digest(sig, self._sign(raw)):
+        if not hmac.compare_digest(sig.encode(), self._sign(raw).encode()):
             return None
         try:
             body = json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
@@ -126,7 +126,7 @@ class Sessions:
         return self._sign("csrf:" + user.session)
 
     def csrf_ok(self, user: User, token: str | None) -> bool:
-        return token is not None and hmac.compare_digest(token, self.csrf(user))
+        return token is not None and hmac.compare_digest(token.encode(), self.csrf(user).encode())
 
     def _sign(self, text: str) -> str:
         mac = hmac.new(self._key, text.encode(), hashlib.sha256).digest()
