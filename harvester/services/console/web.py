@@ -89,7 +89,7 @@ class Db:
     def __init__(self, cfg: Config) -> None:
         self.pool = ConnectionPool(
             cfg.database.dsn,
-            min_size=1,
+            min_size=0,  # no connection until someone opens a page: an API-only server pays nothing
             max_size=4,
             open=False,
             name="reaper-console",
