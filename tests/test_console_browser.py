@@ -144,9 +144,23 @@ def shoot(d, name: str) -> None:
 
 
 def wait_for(d, check, timeout: float = 30) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    WebDriverWait(d, timeout, poll_frequency=0.1).until(lambda _d: check())
+    stale = (StaleElementReferenceException,)
+    WebDriverWait(d, timeout, poll_frequency=0.1, ignored_exceptions=stale).until(lambda _d: check())
+
+
+def read(fn):
+    """fn(), read again when a live update replaced the element it was reading."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for _ in range(100):
+        try:
+            return fn()
+        except StaleElementReferenceException:
+            time.sleep(0.02)
+    return fn()
 
 
 def text(d) -> str:
@@ -180,7 +194,7 @@ def test_login_and_the_overview_shows_the_leader_then_the_next_after_a_sigkill(d
         return d.find_element(By.CSS_SELECTOR, 'tr[data-unit="default"] td.leader').text
 
     wait_for(d, lambda: "reaper-" in leader())
-    first = "reaper-a" if "reaper-a" in leader() else "reaper-b"
+    first = "reaper-a" if "reaper-a" in read(leader) else "reaper-b"
     wait_for(d, lambda: "Sweeper's last run\n-" not in text(d))  # read from the reapers' /metrics
     shoot(d, "overview")
     # Keyboard: the first Tab reaches the skip link, the next ones the pages.
@@ -189,15 +203,16 @@ def test_login_and_the_overview_shows_the_leader_then_the_next_after_a_sigkill(d
     d.switch_to.active_element.send_keys(Keys.TAB)
     assert d.switch_to.active_element.text == "Overview"
     # Times: in the viewer's zone on the page, UTC in the title.
-    t = d.find_elements(By.CSS_SELECTOR, "time")[0]
-    utc = t.get_attribute("title")
-    assert utc.endswith(" UTC") and t.text.endswith(" UTC+05:30") and t.text[:16] != utc[:16], (t.text, utc)
+    shown, utc = read(
+        lambda: (lambda t: (t.text, t.get_attribute("title")))(d.find_elements(By.CSS_SELECTOR, "time")[0])
+    )
+    assert utc.endswith(" UTC") and shown.endswith(" UTC+05:30") and shown[:16] != utc[:16], (shown, utc)
 
     stack["reapers"][first].kill()  # SIGKILL: no handover
-    updated = d.find_element(By.ID, "overview").get_attribute("data-updated")
+    updated = read(lambda: d.find_element(By.ID, "overview").get_attribute("data-updated"))
     other = "reaper-b" if first == "reaper-a" else "reaper-a"
     wait_for(d, lambda: other in leader(), timeout=60)  # the live part, without a reload
-    assert d.find_element(By.ID, "overview").get_attribute("data-updated") != updated
+    assert read(lambda: d.find_element(By.ID, "overview").get_attribute("data-updated")) != updated
 
 
 def test_a_batch_progress_bar_moves_as_acks_arrive_and_shows_completion(driver, stack, pg_dsn):
@@ -221,11 +236,11 @@ def test_a_batch_progress_bar_moves_as_acks_arrive_and_shows_completion(driver, 
             "style"
         )
 
-    assert bar()[0] == "0"
+    assert read(bar)[0] == "0"
     with psycopg.connect(pg_dsn) as conn:
         tracker.ack(conn, [f"{b.id}:0:0-2999"], schema=schema, claims=False)
     wait_for(d, lambda: bar()[0] == "3000")  # polled, no reload
-    assert "width: 30%" in bar()[1] and "3,000 acked, 7,000 pending" in text(d)
+    assert "width: 30%" in read(bar)[1] and "3,000 acked, 7,000 pending" in text(d)
     shoot(d, "batch-in-progress")
     with psycopg.connect(pg_dsn) as conn:
         tracker.ack(conn, [f"{b.id}:0:3000-8191", f"{b.id}:1:0-1807"], schema=schema, claims=False)

@@ -9,8 +9,8 @@
 - The acker's lag: the ack topic's end offsets minus the acker group's committed offsets (Kafka).
 - Publish rate, refused marks, the sweeper's and settler's last runs: the reapers' own metrics
   (console.metrics_urls), the rate from two reads a refresh apart.
-Kafka and the metrics are read at most once per console.refresh_interval, whoever asks; the database
-figures on every request (each one bounded).
+Kafka and the metrics are read at most once per console.refresh_interval, whoever asks, and off
+the request path once a first value is there; the database figures on every request (each bounded).
 """
 
 from __future__ import annotations
@@ -80,18 +80,30 @@ class Overview:
 
 
 class Cached(Generic[T]):
-    """One value, fetched again at most every `ttl` seconds; concurrent askers share one fetch."""
+    """One value, fetched again at most every `ttl` seconds, off the request path: the first asker
+    waits for it; later ones get the value there is while a stale one is fetched again in the
+    background (so a slow Kafka never slows a page down)."""
 
     def __init__(self, fetch: Callable[[], T], ttl: float) -> None:
         self._fetch, self._ttl = fetch, ttl
         self._value: tuple[float, T] | None = None
         self._lock = asyncio.Lock()
+        self._refresh: asyncio.Task[None] | None = None
+
+    async def _fetch_now(self) -> None:
+        async with self._lock:
+            self._value = (time.monotonic(), await asyncio.to_thread(self._fetch))
 
     async def get(self) -> T:
-        async with self._lock:
-            if self._value is None or time.monotonic() - self._value[0] >= self._ttl:
-                self._value = (time.monotonic(), await asyncio.to_thread(self._fetch))
+        if self._value is None:
+            async with self._lock:
+                if self._value is None:
+                    self._value = (time.monotonic(), await asyncio.to_thread(self._fetch))
             return self._value[1]
+        stale = time.monotonic() - self._value[0] >= self._ttl
+        if stale and (self._refresh is None or self._refresh.done()):
+            self._refresh = asyncio.create_task(self._fetch_now())
+        return self._value[1]
 
 
 def kafka_view(cfg: Config) -> KafkaView:
