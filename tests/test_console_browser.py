@@ -227,7 +227,7 @@ def test_a_batch_progress_bar_moves_as_acks_arrive_and_shows_completion(driver, 
     d.get(url + "/console/batches")
     wait_for(d, lambda: f"{b.id}" in text(d))
     shoot(d, "batches")
-    d.find_element(By.LINK_TEXT, str(b.id)).click()
+    read(lambda: d.find_element(By.LINK_TEXT, str(b.id)).click())  # the list is live: found again if replaced
     wait_for(d, lambda: "0 acked, 10,000 pending of 10,000" in text(d))
 
     def bar() -> tuple[str, str]:
