@@ -40,6 +40,7 @@ caches: venv
 	$(PY) deploy/spark/jars.py
 	$(PYTHON) tests/clients/node/install.py
 	$(PYTHON) deploy/prometheus/local.py install
+	$(PYTHON) deploy/console/browser.py install
 
 services-up:
 	$(SERVICES) up

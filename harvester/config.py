@@ -319,6 +319,37 @@ class HttpConfig:
 
 
 @dataclass
+class ConsoleConfig:
+    """The operator's console: web pages under /console/ of `reaper serve` (harvester/services/console/)."""
+
+    enabled: bool = key(True, "serve the console under /console/ of `reaper serve`")
+    run: bool = key(False, "also serve the console from `reaper run`, on console.host:console.port")
+    host: str = key("127.0.0.1", "`reaper run` with console.run: address the console listens on")
+    port: int = key(8401, "`reaper run` with console.run: TCP port of the console", gt=0, le=65535)
+    viewer_tokens: str = key(
+        "",
+        "read-only console tokens, comma-separated (the tokens of http.tokens and http.tenants_file may also act)",
+        secret=True,
+    )
+    viewer_tokens_file: str = key("", "file of read-only console tokens, one per line ('#' starts a comment)")
+    session_secret: str = key(
+        "",
+        "key signing console session cookies (32+ characters); empty: a random key per process, so a restart "
+        "logs everyone out (set it when several servers share one address)",
+        secret=True,
+    )
+    session_ttl: float = key(43200.0, "seconds a console login lasts", **POSITIVE)
+    refresh_interval: float = key(5.0, "seconds between the live updates of an open page", **POSITIVE)
+    kafka_timeout: float = key(2.0, "seconds the overview waits for Kafka (leaders, acker lag)", **POSITIVE)
+    metrics_urls: str = key(
+        "",
+        "reapers' /metrics URLs, comma-separated: the overview reads publish rates, refused marks and the "
+        "sweeper's and settler's last runs from them",
+    )
+    page_size: int = key(50, "rows per page of the batch and dead-row lists", gt=0, le=1000)
+
+
+@dataclass
 class Config:
     database: DatabaseConfig = field(default_factory=DatabaseConfig)
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
@@ -330,6 +361,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    console: ConsoleConfig = field(default_factory=ConsoleConfig)
 
 
 # ------------------------------------------------------------------ what the schema derives

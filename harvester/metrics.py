@@ -178,6 +178,13 @@ class HarvesterMetrics:
             "Batch settles skipped because another transaction held the batch row (tried again)",
             registry=r,
         )
+        # When each loop last finished a pass (the console's overview shows them; 0: never yet).
+        self.settler_last_run = Gauge(
+            f"{p}_settler_last_run_timestamp_seconds", "Unix time the settler last finished a pass", registry=r
+        )
+        self.sweeper_last_run = Gauge(
+            f"{p}_sweeper_last_run_timestamp_seconds", "Unix time the sweeper last finished a sweep", registry=r
+        )
 
 
 class _Both:

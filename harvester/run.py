@@ -222,6 +222,7 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
     failures: list[tuple[str, BaseException]] = []
     threads: list[threading.Thread] = []
     http = None
+    console = None
     harvester = None
     code = ExitCode.OK
     try:
@@ -232,6 +233,11 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
             threads.append(
                 threading.Thread(target=_gauges_loop, args=(cfg, store, pool, stop), daemon=True, name="reaper-gauges")
             )
+        if cfg.console.run:  # the operator's console (harvester/services/console/)
+            from harvester.services.console.standalone import ConsoleServer
+
+            console = ConsoleServer(cfg).start()
+            log.info("console listening", host=cfg.console.host, port=cfg.console.port)
         if cfg.sweeper.enabled:
             threads.append(
                 threading.Thread(target=sweep_loop, args=(cfg, pool, stop), daemon=True, name="reaper-sweeper")
@@ -280,6 +286,8 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
             t.join(cfg.harvester.drain_timeout)
         if http is not None:
             http.stop()
+        if console is not None:
+            console.stop()
         pool.close()
         log.info("stopped", drained=drained, seconds=round(time.monotonic() - started, 3))
     if failures:

@@ -74,6 +74,9 @@ CONTRACT_METRICS = {
     "reaper_unit_records_in_flight",
     # claims the settler found busy, the acker deferring locked batches
     "reaper_settle_busy_total",
+    # when the settler and the sweeper last finished a pass (the console's overview)
+    "reaper_settler_last_run_timestamp_seconds",
+    "reaper_sweeper_last_run_timestamp_seconds",
     "reaper_acker_deferred_total",
     "reaper_acker_deferred_masks",
     # failures read from the ack topic (their acks count in reaper_acks_applied_total)

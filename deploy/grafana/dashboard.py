@@ -275,6 +275,18 @@ def rows(prefix: str) -> list:
                     "skips busy batches until its next pass. Steady non-zero values mean a long transaction sits on a batch.",
                 ),
                 (
+                    "Seconds since the settler's and the sweeper's last pass",
+                    "timeseries",
+                    "s",
+                    12,
+                    [
+                        (f"time() - max({m.settler_last_run}{J} > 0)", "settler"),
+                        (f"time() - max({m.sweeper_last_run}{J} > 0)", "sweeper"),
+                    ],
+                    "The newest pass of any reaper. The settler passes every settler.interval, the sweeper every "
+                    "sweeper.interval: a line far above its interval means that loop is stuck or failing (its logs say why).",
+                ),
+                (
                     "Dead rows and requeues",
                     "timeseries",
                     "short",

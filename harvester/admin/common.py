@@ -45,9 +45,16 @@ def one_row(cursor: psycopg.Cursor[tuple[Any, ...]]) -> tuple[Any, ...]:
 
 def require_tables(conn: psycopg.Connection, schema: str, *tables: str) -> None:
     """Fail clearly (ExitCode.UNAVAILABLE) when the schema lacks a table: not migrated, or migrated by an older reaper."""
-    for table in tables:
-        found = one_row(conn.execute("SELECT to_regclass(%s)", [qualified(schema, table).as_string(conn)]))[0]
-        if found is None:
+    names = [qualified(schema, table).as_string(conn) for table in tables]
+    found = one_row(
+        conn.execute(
+            "SELECT array_agg(to_regclass(n) IS NOT NULL ORDER BY i) FROM unnest(%s::text[]) "
+            "WITH ORDINALITY AS t(n, i)",
+            [names],
+        )
+    )[0]  # one round trip for all of them
+    for table, there in zip(tables, found or [], strict=True):
+        if not there:
             conn.rollback()
             raise AdminError(f"table {schema}.{table} does not exist: run `reaper migrate`", ExitCode.UNAVAILABLE)
 

@@ -51,26 +51,31 @@ class OutboxStatus:
         return asdict(self)
 
 
-def unit_status(conn: psycopg.Connection, schema: str, table: str, unit: int = 0) -> UnitStatus:
+def unit_status(
+    conn: psycopg.Connection, schema: str, table: str, unit: int = 0, *, exact_up_to: int = BACKLOG_EXACT
+) -> UnitStatus:
+    """One outbox table's figures, each read from at most `exact_up_to` + 1 rows (or by index)."""
     require_tables(conn, schema, table, f"{table}_dead")
     t, dead = qualified(schema, table), qualified(schema, f"{table}_dead")
-    # The same bounded count as the backlog gauge: exact up to BACKLOG_EXACT, above it the id span.
+    # The same bounded count as the backlog gauge: exact up to `exact_up_to`, above it the id span.
     rows = one_row(
-        conn.execute(sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {} LIMIT %s) s").format(t), [BACKLOG_EXACT + 1])
+        conn.execute(sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {} LIMIT %s) s").format(t), [exact_up_to + 1])
     )[0]
-    exact = rows <= BACKLOG_EXACT
+    exact = rows <= exact_up_to
     if not exact:
         span = one_row(conn.execute(sql.SQL("SELECT max(id) - min(id) + 1 FROM {}").format(t)))[0]
-        rows = max(BACKLOG_EXACT + 1, span or 0)
+        rows = max(exact_up_to + 1, span or 0)
     oldest = conn.execute(
         sql.SQL("SELECT extract(epoch FROM clock_timestamp() - created_at) FROM {} ORDER BY id LIMIT 1").format(t)
     ).fetchone()
+    # Rows in flight among the first rows by id: a leader marks the lowest ids, so its rows are
+    # there. (Looking for marked rows anywhere would read the whole table when few are marked.)
     marked = conn.execute(
         sql.SQL(
-            "SELECT leader_id::text, count(*) FROM (SELECT leader_id FROM {} WHERE leader_id IS NOT NULL LIMIT %s) s "
-            "GROUP BY 1 ORDER BY 2 DESC"
+            "SELECT leader_id::text, count(*) FROM (SELECT leader_id FROM {} ORDER BY id LIMIT %s) s "
+            "WHERE leader_id IS NOT NULL GROUP BY 1 ORDER BY 2 DESC"
         ).format(t),
-        [BACKLOG_EXACT + 1],
+        [exact_up_to + 1],
     ).fetchall()
     dead_rows = one_row(conn.execute(sql.SQL("SELECT count(*) FROM {}").format(dead)))[0]
     return UnitStatus(

@@ -76,6 +76,7 @@ class ClaimSettler:
                         log.info("settled", acked=r.acked, completed=len(r.completed), busy=len(r.busy))
                     if r.busy:
                         self.metrics.settle_busy.inc(len(r.busy))
+                    self.metrics.settler_last_run.set_to_current_time()
                     stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
                 except psycopg.Error as exc:
                     self.stats["errors"] += 1

@@ -12,6 +12,7 @@ from psycopg_pool import ConnectionPool
 
 from harvester import logs
 from harvester.config import Config
+from harvester.metrics import get as get_metrics
 from harvester.publishing.deliveries import logs_safe
 from tracker import expiry
 
@@ -20,6 +21,7 @@ def sweep_loop(cfg: Config, pool: ConnectionPool, stop: threading.Event) -> None
     """Every `sweeper.interval`: fold finished children into their parents, expire idle open
     batches, delete finished ones past retention."""
     log = logs.get("reaper.sweeper")
+    m = get_metrics(cfg.metrics.prefix)
     s = cfg.sweeper
     while not stop.wait(s.interval):
         try:
@@ -35,6 +37,7 @@ def sweep_loop(cfg: Config, pool: ConnectionPool, stop: threading.Event) -> None
                     expiry_topic=s.expiry_topic or None,
                     metrics_prefix=cfg.metrics.prefix,
                 )
+            m.sweeper_last_run.set_to_current_time()
             if result.expired or result.deleted or result.completed:
                 log.info("swept", expired=result.expired, deleted=result.deleted, completed=result.completed)
         except Exception as exc:

@@ -115,10 +115,17 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     auth = TenantAuth(tokens or [], h.tenants_file, cfg.harvester.default_completion_topic)
     log = structlog.get_logger("reaper.http")
     audit = structlog.get_logger("reaper.audit")
+    console = None
+    if cfg.console.enabled:  # the operator's console under /console/ (harvester/services/console/)
+        from harvester.services.console import Sessions, add_console, load_viewer_tokens
+
+        sessions = Sessions(cfg.console, auth, load_viewer_tokens(cfg.console))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await store.open()
+        if console is not None:
+            await asyncio.to_thread(console.open)
         watcher.start()
         expiry = asyncio.create_task(_expire_keys(idempotency), name="idempotency-expiry")
         log.info("http service started", schema=cfg.database.schema, auth=bool(tokens))
@@ -127,6 +134,8 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         finally:
             expiry.cancel()
             await watcher.stop()
+            if console is not None:
+                await asyncio.to_thread(console.close)
             await store.close()
             log.info("http service stopped")
 
@@ -490,6 +499,8 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         return await _ack(request, [item_id])
 
     add_outcome_routes(app, store=store, h=h, respond=respond, call=call, dependencies=v1)
+    if cfg.console.enabled:
+        console = add_console(app, cfg, sessions)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> Response:

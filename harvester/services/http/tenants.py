@@ -158,7 +158,10 @@ class TenantAuth:
         scheme, _, credential = authorization.partition(" ")
         if scheme.lower() != "bearer" or not credential.strip():
             return None
-        digest = hashlib.sha256(credential.strip().encode("utf-8", "surrogateescape")).digest()
+        return self.identify_digest(hashlib.sha256(credential.strip().encode("utf-8", "surrogateescape")).digest())
+
+    def identify_digest(self, digest: bytes) -> Caller | None:
+        """The caller whose token has this SHA-256 digest (the console's sessions keep the digest)."""
         found = None
         for known, caller in (*self._plain, *self._from_file):  # every one compared: no early exit
             if hmac.compare_digest(known, digest):

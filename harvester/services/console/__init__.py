@@ -1,0 +1,11 @@
+"""The operator's console: server-rendered pages of the outbox, its leaders, dead rows and batches.
+
+Served by `reaper serve` under /console/ (and by `reaper run` with console.run), behind the HTTP
+API's tokens: routes.py (pages and actions), session.py (login, roles, CSRF), overview.py and
+queries.py (bounded reads), actions.py (the admin commands, audited), templates/ and static/.
+"""
+
+from harvester.services.console.routes import Console, add_console
+from harvester.services.console.session import Sessions, load_viewer_tokens
+
+__all__ = ["Console", "Sessions", "add_console", "load_viewer_tokens"]

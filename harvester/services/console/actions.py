@@ -1,0 +1,64 @@
+"""The console's actions: the admin commands' own functions (harvester.admin.dead, harvester.admin.batch),
+with their checks, plus one audit line naming who acted. Each also records itself in `admin_log`, in
+the transaction that does it, exactly as the command does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg
+import structlog
+
+from harvester.admin import batch as batch_admin
+from harvester.admin import dead as dead_admin
+from harvester.admin.common import AdminError
+from harvester.config import Config
+from harvester.services.console.session import User
+
+audit = structlog.get_logger("reaper.audit")
+
+
+@dataclass
+class Done:
+    ok: bool
+    message: str
+
+
+def _log(user: User, action: str, outcome: str, **detail: object) -> None:
+    audit.info(
+        "audit",
+        via="console",
+        action=action,
+        outcome=outcome,
+        token=user.token,
+        tenant=user.tenant,
+        role=user.role,
+        session=user.session[:8],
+        **detail,
+    )
+
+
+def requeue(cfg: Config, conn: psycopg.Connection, user: User, *, ids: list[int] | None, reason: str | None) -> Done:
+    """`reaper dead requeue --id ...` (all or none) or `--reason TEXT` / `--all` (chunks)."""
+    db = cfg.database
+    try:
+        if ids is not None:
+            r = dead_admin.requeue_ids(conn, db.schema, db.outbox_table, ids)
+        else:
+            r = dead_admin.requeue_matching(conn, db.schema, db.outbox_table, reason=reason)
+    except AdminError as exc:
+        _log(user, "dead-requeue", "refused", ids=ids, reason=reason, error=str(exc))
+        return Done(False, str(exc))
+    _log(user, "dead-requeue", "done", ids=ids, reason=reason, moved=r.moved, dead_ids=r.dead_ids[:100])
+    return Done(True, dead_admin.render_requeued(r))
+
+
+def expire(cfg: Config, conn: psycopg.Connection, user: User, batch_id: int, note: str | None) -> Done:
+    """`reaper batch expire ID --note NOTE`."""
+    try:
+        got = batch_admin.expire(cfg, conn, batch_id, note)
+    except AdminError as exc:
+        _log(user, "batch-expire", "refused", batch_id=batch_id, error=str(exc))
+        return Done(False, str(exc))
+    _log(user, "batch-expire", "done", batch_id=batch_id, note=note, changed=got is not None)
+    return Done(True, batch_admin.render_expired(batch_id, got))

@@ -1,0 +1,173 @@
+"""The console's plumbing: templates and their filters, the database pool, forms, the logged-in user."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import urllib.parse
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import psycopg
+from jinja2 import Environment, PackageLoader, select_autoescape
+from markupsafe import Markup, escape
+from psycopg_pool import ConnectionPool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+
+from harvester.admin.common import duration
+from harvester.config import Config
+from harvester.services.console.session import COOKIE, Sessions, User
+
+T = TypeVar("T")
+MAX_FORM_BYTES = 16 * 1024
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'; form-action 'self'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+
+
+def _num(value: object) -> str:
+    """Thousands separators: 1234567 -> 1,234,567."""
+    if value is None:
+        return "-"
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value:,.1f}"
+    return f"{int(value):,}"  # type: ignore[call-overload]
+
+
+def _when(value: dt.datetime | float | None) -> Markup:
+    """A <time> in UTC; console.js rewrites its text into the viewer's zone and keeps UTC in the title."""
+    if value is None:
+        return Markup("-")
+    if isinstance(value, (int, float)):
+        value = dt.datetime.fromtimestamp(value, dt.UTC)
+    utc = value.astimezone(dt.UTC)
+    text = utc.strftime("%Y-%m-%d %H:%M:%S UTC")
+    return Markup('<time datetime="{}" title="{}">{}</time>').format(utc.isoformat(), text, text)
+
+
+def _dur(seconds: float | None) -> str:
+    return "-" if seconds is None else duration(seconds)
+
+
+def _age(value: dt.datetime | None, now: dt.datetime) -> str:
+    return "-" if value is None else duration((now - value).total_seconds())
+
+
+def _pct(part: int, total: int) -> str:
+    return f"{100.0 * part / total:.2f}" if total else "0"
+
+
+def _bytes_view(data: bytes | None) -> str:
+    if data is None:
+        return "(null)"
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "0x" + data.hex()
+
+
+def templates() -> Environment:
+    env = Environment(
+        loader=PackageLoader("harvester.services.console", "templates"),
+        autoescape=select_autoescape(default=True, default_for_string=True),
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update(num=_num, when=_when, dur=_dur, age=_age, pct=_pct, bytes=_bytes_view)
+    env.globals["quote"] = urllib.parse.quote
+    return env
+
+
+class Db:
+    """A small pool of the console's own; the admin functions are synchronous, so they run in threads."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.pool = ConnectionPool(
+            cfg.database.dsn,
+            min_size=0,  # no connection until someone opens a page: an API-only server pays nothing
+            max_size=4,
+            open=False,
+            name="reaper-console",
+            kwargs={"application_name": "reaper-console", "prepare_threshold": None},
+            timeout=cfg.http.request_timeout,
+        )
+
+    def open(self) -> None:
+        self.pool.open()
+
+    def close(self) -> None:
+        self.pool.close()
+
+    async def run(self, fn: Callable[[psycopg.Connection], T]) -> T:
+        def work() -> T:
+            with self.pool.connection() as conn:
+                return fn(conn)
+
+        return await asyncio.to_thread(work)
+
+
+class Pages:
+    """Renders pages and fragments with what every page shows (the user, the CSRF token)."""
+
+    def __init__(self, cfg: Config, sessions: Sessions) -> None:
+        self.env, self.cfg, self.sessions = templates(), cfg, sessions
+
+    def render(self, request: Request, name: str, user: User | None, status: int = 200, **ctx: Any) -> Response:
+        body = self.env.get_template(name).render(
+            user=user,
+            csrf=self.sessions.csrf(user) if user else "",
+            auth=self.sessions.enabled,
+            refresh_ms=int(self.cfg.console.refresh_interval * 1000),
+            path=request.url.path,
+            default_topic=self.cfg.harvester.default_completion_topic,
+            **ctx,
+        )
+        return HTMLResponse(body, status_code=status, headers=SECURITY_HEADERS)
+
+    def message(self, request: Request, user: User | None, status: int, title: str, text: str) -> Response:
+        return self.render(request, "message.html", user, status=status, title=title, text=text)
+
+
+def current_user(request: Request, sessions: Sessions) -> User | None:
+    return sessions.user(request.cookies.get(COOKIE))
+
+
+def to_login(request: Request) -> Response:
+    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    return RedirectResponse("/console/login?next=" + urllib.parse.quote(target, safe=""), status_code=303)
+
+
+async def read_form(request: Request) -> dict[str, str] | None:
+    """A small urlencoded form's fields (the first of each name), or None if it is not one."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/x-www-form-urlencoded":
+        return None
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM_BYTES:
+            return None
+    try:
+        pairs = urllib.parse.parse_qsl(body.decode("utf-8"), keep_blank_values=True, max_num_fields=50)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    out: dict[str, str] = {}
+    for k, v in pairs:
+        out.setdefault(k, v)
+    return out
+
+
+def safe_next(target: str | None) -> str:
+    """Only a path of this console after login: never another site."""
+    if target and target.startswith("/console/") and not target.startswith("//") and "\\" not in target:
+        return target
+    return "/console/"
+
+
+def escape_text(text: str) -> Markup:
+    return escape(text)
