@@ -12,6 +12,7 @@ the HTTP API from its OpenAPI document. tests/test_docs.py runs the check.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import os
@@ -20,6 +21,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -327,6 +329,57 @@ each function's comment in the database (`\\df+ <schema>.ack` in psql).
     return _page("SQL functions", intro, "\n\n".join(sections))
 
 
+def _load(name: str, path: Path) -> ModuleType:
+    """A module of deploy/ (not a package) by its path."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def runbooks_page() -> str:
+    rules = _load("reaper_rules", REPO / "deploy" / "prometheus" / "rules.py")
+    books = _load("reaper_runbooks", REPO / "deploy" / "prometheus" / "runbooks.py").RUNBOOKS
+    _, alerts = rules.rules()
+    names = [a.alert for a in alerts]
+    if set(names) != set(books):
+        missing, stray = sorted(set(names) - set(books)), sorted(set(books) - set(names))
+        raise SystemExit(
+            f"deploy/prometheus/runbooks.py: alerts without a runbook {missing}, runbooks without an alert {stray}"
+        )
+    sections = []
+    for alert in alerts:
+        book = books[alert.alert]
+        held = f", held for {alert.for_}" if alert.for_ else ""
+        sections.append(
+            "\n".join(
+                [
+                    f"## {alert.alert}",
+                    "",
+                    f"**{alert.severity}**: {_cell(alert.summary.replace('{{ $labels.job }}', 'a deployment'))}. "
+                    f"Fires when `{alert.expr}`{held}.",
+                    "",
+                    f"**What it means.** {book.means}",
+                    "",
+                    "**What to check.**",
+                    "",
+                    *(f"- {line}" for line in book.check),
+                    "",
+                    "**What to do.**",
+                    "",
+                    *(f"- {line}" for line in book.act),
+                ]
+            )
+        )
+    intro = """
+One section per alert of `deploy/prometheus/rules.yml`, in the order of the file. Each alert's
+`description` annotation is the short form of its section. Alerts aggregate by Prometheus `job`:
+one job is one reaper deployment, however many instances it runs.
+"""
+    return _page("Runbooks", intro, "\n\n".join(sections))
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "configuration.md": configuration,
     "exit-codes.md": exit_code_page,
@@ -337,10 +390,13 @@ PAGES: dict[str, Callable[[], str]] = {
     "events.md": events_page,
     "sql.md": sql_page,
 }
+# Pages outside reference/ (how-to guides generated from the code), relative to docs/.
+GUIDES: dict[str, Callable[[], str]] = {"runbooks.md": runbooks_page}
 
 
 def stale_pages() -> dict[Path, str]:
     wanted = {OUT / name: build() for name, build in PAGES.items()}
+    wanted |= {OUT.parent / name: build() for name, build in GUIDES.items()}
     wanted |= {SCHEMAS / f"{name}.schema.json": _schema_file(s) for name, s in event_schema.SCHEMAS.items()}
     return {path: text for path, text in wanted.items() if not path.exists() or path.read_text() != text}
 

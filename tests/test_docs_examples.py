@@ -4,6 +4,7 @@ a reader would run it (tests/support/examples.py says what counts as an example)
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +21,18 @@ SOURCES = sorted((REPO / "docs").rglob("*.md"))
 pytestmark = pytest.mark.xdist_group("docs-examples")  # they share the documented `reaper` schema
 
 
+def _is_whole_page(path: Path) -> bool:
+    return any(e.background for e in examples.examples(path))
+
+
+WHOLE_PAGES = [p for p in SOURCES if _is_whole_page(p)]
+
+
 def _collect() -> list[examples.Example]:
     found: list[examples.Example] = []
     for path in SOURCES:
+        if path in WHOLE_PAGES:
+            continue
         page: dict[str, list[examples.Example]] = {}
         for example in examples.examples(path):
             if example.page and not example.not_run:
@@ -89,24 +99,60 @@ def test_the_collector_reads_fences_directives_and_pages(tmp_path):
             examples.examples(page)
 
 
+def _command(example: examples.Example, pg_dsn: str, tmp_path: Path) -> tuple[list[str], Path, str | None]:
+    if example.language == "python":
+        return [sys.executable, "-c", example.code], tmp_path, None
+    if example.language == "sql":
+        return ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", pg_dsn, "-f", "-"], tmp_path, example.code
+    return ["bash", "-euo", "pipefail", "-c", examples.shell_commands(example.code)], REPO, None
+
+
+def _run(example: examples.Example, pg_dsn: str, tmp_path: Path) -> None:
+    command, cwd, stdin = _command(example, pg_dsn, tmp_path)
+    done = subprocess.run(command, input=stdin, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{example.name(REPO)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+
+
 @pytest.mark.parametrize("example", [e for e in EXAMPLES if not e.not_run], ids=lambda e: e.name(REPO))
 def test_example_runs(example: examples.Example, documented_schema: str, pg_dsn: str, tmp_path: Path) -> None:
-    if example.language == "python":
-        command = [sys.executable, "-c", example.code]
-        cwd = tmp_path
-    elif example.language == "sql":
-        command = ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", pg_dsn, "-f", "-"]
-        cwd = tmp_path
-    else:
-        command = ["bash", "-euo", "pipefail", "-c", examples.shell_commands(example.code)]
-        cwd = REPO
-    done = subprocess.run(
-        command,
-        input=example.code if example.language == "sql" else None,
-        cwd=cwd,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, f"{example.name(REPO)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    _run(example, pg_dsn, tmp_path)
+
+
+@pytest.mark.parametrize("page", WHOLE_PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_page_runs_start_to_finish(page: Path, documented_schema: str, pg_dsn: str, tmp_path: Path) -> None:
+    """A page with a server in the background (a tutorial): its examples in order, as a reader
+    following it would run them; a page-mode script runs at its last step."""
+    steps = [e for e in examples.examples(page) if not e.not_run]
+    scripts: dict[str, list[examples.Example]] = {}
+    for e in steps:
+        if e.page:
+            scripts.setdefault(e.language, []).append(e)
+    servers: list[tuple[examples.Example, subprocess.Popen[bytes], Path]] = []
+    try:
+        for e in steps:
+            if e.background:
+                command, cwd, _ = _command(e, pg_dsn, tmp_path)
+                log = tmp_path / f"background-{e.line}.log"
+                with log.open("wb") as out:
+                    server = subprocess.Popen(
+                        command, cwd=cwd, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                servers.append((e, server, log))
+            elif e.page:
+                if e is scripts[e.language][-1]:
+                    code = "\n".join(step.code for step in scripts[e.language])
+                    _run(examples.Example(page, e.line, e.language, code, None, True), pg_dsn, tmp_path)
+            else:
+                _run(e, pg_dsn, tmp_path)
+            for started, server, log in servers:
+                assert server.poll() is None, f"{started.name(REPO)} stopped:\n{log.read_text()[-4000:]}"
+    finally:
+        for _, server, _ in servers:
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGTERM)
+        for _, server, _ in servers:
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()

@@ -7,6 +7,9 @@ strings of the local services. Two HTML comments on the line right above a fence
     <!-- example: not run (a reason the reader can check) -->   the block is shown, not run
     <!-- example: page -->   the page's examples of this language run in order in one process
                              (a tutorial whose steps build on each other), starting at this one
+    <!-- example: background -->   a shell block that keeps running (a server) while the page's
+                             later examples run, stopped with SIGTERM when the page ends; a page
+                             with one runs as a whole, its examples in order
 
 Blocks in any other language (`text`, `json`, `yaml`, ...) are output or configuration, not run.
 """
@@ -19,7 +22,7 @@ from pathlib import Path
 
 RUN = {"python": "python", "sql": "sql", "sh": "sh", "bash": "sh", "console": "sh"}
 _FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>[^`\n]*)$")
-_DIRECTIVE = re.compile(r"^<!--\s*example:\s*(?P<what>not run|page)\b\s*(?P<why>.*?)\s*-->\s*$")
+_DIRECTIVE = re.compile(r"^<!--\s*example:\s*(?P<what>not run|page|background)\b\s*(?P<why>.*?)\s*-->\s*$")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class Example:
     code: str
     not_run: str | None  # the reason, when shown only
     page: bool  # runs after the page's earlier examples of its language, in one process
+    background: bool = False  # keeps running while the page's later examples run
 
     def name(self, root: Path) -> str:
         return f"{self.path.relative_to(root)}:{self.line}"
@@ -56,6 +60,8 @@ def examples(path: Path) -> list[Example]:
         directive = _DIRECTIVE.match(lines[i - 1].strip()) if i > 0 else None
         if directive and directive.group("what") == "not run" and not directive.group("why").strip("() "):
             raise ValueError(f"{path}:{i}: `example: not run` needs a reason the reader can check")
+        if directive and directive.group("what") == "background" and language != "sh":
+            raise ValueError(f"{path}:{i}: only a shell block can run in the background")
         if language:
             if directive and directive.group("what") == "page":
                 page_from.add(language)
@@ -71,6 +77,7 @@ def examples(path: Path) -> list[Example]:
                     if directive and directive.group("what") == "not run"
                     else None,
                     page=language in page_from,
+                    background=bool(directive and directive.group("what") == "background"),
                 )
             )
         elif directive:
