@@ -142,6 +142,7 @@ class UnitHarvester:
         self._stop.set()
         self._thread.join(timeout + 10)
         self._producer_thread.join(timeout + 10)
+        self._release_unproduced()
         drained = True
         if self.publisher is not None:
             drained = self.publisher.drain(max(0.1, timeout))
@@ -151,6 +152,17 @@ class UnitHarvester:
                     in_flight=self.publisher.in_flight,
                 )
         return drained
+
+    def _release_unproduced(self) -> None:
+        """Batches still queued once both threads ended (a thread that outlived its join): released,
+        left marked for the next leader, so only records handed to Kafka count as in flight."""
+        while True:
+            try:
+                _, rows, _ = self._batches.get_nowait()
+            except queue.Empty:
+                return
+            if self.publisher is not None:
+                self.publisher.release(len(rows))
 
     def close(self) -> None:
         self._stop.set()
@@ -337,6 +349,11 @@ class UnitHarvester:
                 self._stop.wait(h.idle_poll_interval)
                 continue
             m.marked.inc(len(rows))
+            if self._stop.is_set():
+                # Marked after the stop: left marked for the next leader (whose new id marks them
+                # again), not queued, so the drain never waits for rows nothing will produce.
+                self.log.info("stopping: a batch marked meanwhile is left for the next leader", rows=len(rows))
+                continue
             pub.reserve(len(rows))  # marked rows count as in flight until settled or dropped
             while True:
                 try:
@@ -361,7 +378,9 @@ class UnitHarvester:
         h, m, pub = self.h, self.m, self.publisher
         assert pub is not None and self.neli is not None  # start() set them first
         carry = None  # a batch taken while gathering that belongs to a newer id
-        while not (self._stop.is_set() and self._batches.empty() and carry is None):
+        # Ends only after the marker has: a batch it queued after the stop is released here
+        # (see _valid), never left reserved with no thread to take it.
+        while not (self._stop.is_set() and not self._thread.is_alive() and self._batches.empty() and carry is None):
             if carry is not None:
                 (me, rows, started), carry = carry, None
             else:
