@@ -10,6 +10,7 @@ registry, created once per process and prefix. No per-record or per-batch labels
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,6 +27,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics import MetricWrapperBase
 
+from harvester import logs
 from tracker.metrics import DEFAULT_PREFIX, TrackerMetrics, check_prefix
 
 _DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -301,6 +303,24 @@ def histograms(prefix: str = DEFAULT_PREFIX) -> set[str]:
     }
 
 
+# A scrape that timed out or a probe that hung up: the client is gone, the process is fine.
+_CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A request's failure as a structlog event (socketserver's default prints a plain-text
+        traceback on stderr, between the JSON lines)."""
+        exc = sys.exc_info()[1]
+        log = logs.get("reaper.http")
+        if isinstance(exc, _CLIENT_GONE):
+            log.info("metrics client went away before its answer", error=type(exc).__name__)
+        else:
+            log.error("metrics request failed", exc_info=True)
+
+
 class HealthServer:
     """/metrics, /healthz (process alive) and /readyz (database and Kafka reachable) on one port."""
 
@@ -330,8 +350,7 @@ class HealthServer:
             def log_message(self, *args) -> None:  # quiet: scrapes are not news
                 pass
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _Server((host, port), Handler)
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="reaper-http", daemon=True)
 

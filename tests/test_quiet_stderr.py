@@ -1,0 +1,64 @@
+"""Nothing reaches stderr but structlog's lines: a metrics client that hangs up mid-request (a
+scrape that timed out) is one structlog event, not a plain-text traceback from the server thread."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import random
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import structlog
+from support.harness import wait_until
+
+from harvester import logs
+from harvester.metrics import HealthServer
+
+
+def _hang_up(port: int, rng: random.Random) -> None:
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + (b"\r\n" if rng.random() < 0.5 else b""))
+    time.sleep(rng.random() * 0.01)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+    s.close()
+
+
+@pytest.fixture
+def json_log():
+    """logs.configure()d onto a buffer for this test; the process's logging restored afterwards."""
+    saved = (
+        structlog.get_config(),
+        list(logging.getLogger().handlers),
+        logging.getLogger().level,
+        threading.excepthook,
+    )
+    out = io.StringIO()
+    logs.configure("json", "info", stream=out)
+    yield out
+    config, handlers, level, hook = saved
+    structlog.configure(**config)
+    logging.getLogger().handlers[:] = handlers
+    logging.getLogger().setLevel(level)
+    logging.captureWarnings(False)
+    threading.excepthook = hook
+
+
+def test_a_metrics_client_hanging_up_is_logged_as_json_not_printed(capsys, json_log):
+    out = json_log
+    server = HealthServer("127.0.0.1", 0, lambda: (True, "ready")).start()
+    rng = random.Random(27)
+    try:
+        for _ in range(40):
+            _hang_up(server.port, rng)
+        assert wait_until(lambda: "went away" in out.getvalue(), 10), out.getvalue()
+    finally:
+        server.stop()
+    assert capsys.readouterr().err == ""
+    events = [json.loads(line) for line in out.getvalue().splitlines()]
+    gone = [e for e in events if e["event"] == "metrics client went away before its answer"]
+    assert gone and all(e["level"] == "info" for e in gone), events
