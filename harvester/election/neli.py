@@ -46,7 +46,6 @@ REVOKE_MARK_WAIT = 1.0
 # A leader consumer without a group member id for this many session timeouts is replaced by a new
 # one (see Neli._check_membership).
 OUT_OF_GROUP_SESSIONS = 2
-CONNECT_LOG_EVERY = 10.0  # seconds: see _QuietReconnects
 
 
 class LeaderTopicMismatch(RuntimeError):
@@ -107,37 +106,6 @@ def _ensure_topic(admin: AdminClient, topic: str, timeout: float, partitions: in
     return cluster
 
 
-class _QuietReconnects:
-    """A client's librdkafka log with its "Connect to <address> failed" lines cut to one per address
-    per CONNECT_LOG_EVERY seconds.
-
-    While every broker is down, librdkafka re-bootstraps after each failed connection: it drops
-    the broker handle and makes a fresh one, which has no back-off and no memory of the previous
-    error, so the consumer tries (and logs) every reconnect.backoff.ms / 2, about 25 ms. The
-    attempts are what reconnect it within ~25 ms of the broker answering; only the lines go."""
-
-    def __init__(self, inner: logs.KafkaLogger) -> None:
-        self._inner = inner
-        self._lock = threading.Lock()
-        self._last: dict[str, float] = {}
-        self._dropped = 0
-
-    def log(self, level: int, fmt: str, *args) -> None:
-        text = fmt % args if args else fmt
-        head, sep, tail = text.partition("Connect to ")
-        if sep and " failed: " in tail:
-            address, now = tail.split(" ", 1)[0], time.monotonic()
-            with self._lock:
-                if now - self._last.get(address, -CONNECT_LOG_EVERY) < CONNECT_LOG_EVERY:
-                    self._dropped += 1
-                    return
-                self._last[address] = now
-                dropped, self._dropped = self._dropped, 0
-            if dropped:
-                text += f" ({dropped} more failed connection attempts not logged)"
-        self._inner.log(level, "%s", text)
-
-
 class Neli:
     def __init__(
         self,
@@ -188,7 +156,7 @@ class Neli:
             "enable.auto.commit": False,
             "auto.offset.reset": "latest",
             "log_level": 4,
-            "logger": _QuietReconnects(logs.KafkaLogger("leader-consumer")),
+            "logger": logs.KafkaLogger("leader-consumer"),
         }
         # The heartbeat producer is this election's own (never the data path's): its own connection
         # and timeouts. A heartbeat vouches only for the time it was sent, so one answered late costs
@@ -207,7 +175,7 @@ class Neli:
             "log_level": 4,
             "reconnect.backoff.ms": 50,
             "reconnect.backoff.max.ms": 1000,
-            "logger": _QuietReconnects(logs.KafkaLogger("heartbeat-producer")),
+            "logger": logs.KafkaLogger("heartbeat-producer"),
         }
         self._last_pulse = time.monotonic()
         self._in_group_at = time.monotonic()  # last time the consumer had a group member id

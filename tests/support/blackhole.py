@@ -5,6 +5,7 @@ rewritten to the proxy's port, so every connection of that client goes through i
 same host). `swallow()` makes the proxy read and discard everything in both directions without
 closing anything: requests the client has written count as sent (in flight) and never reach the
 broker, and no response comes back, like packets dropped by a partition. `heal()` forwards again.
+`down()` is a stopped broker (connections closed, new ones refused) until `up()`.
 `slow(seconds)` instead holds every request on its way to the broker for that long (each from the
 time it arrived, so they do not queue behind one another): a broker that answers late, as one
 whose request queue is long under load.
@@ -49,6 +50,23 @@ class BlackholeProxy:
     def slow(self, seconds: float) -> None:
         self.delay = seconds
 
+    def down(self) -> None:
+        """Close every connection and refuse new ones (the port stays this proxy's)."""
+        self._srv.close()
+        for s in self._socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+        self._socks = []
+
+    def up(self) -> None:
+        self._srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._srv.bind((self.upstream[0], self.port))
+        self._srv.listen(16)
+        threading.Thread(target=self._accept, daemon=True).start()
+
     def close(self) -> None:
         self._closed.set()
         for s in [self._srv, *self._socks]:
@@ -58,9 +76,10 @@ class BlackholeProxy:
                 pass
 
     def _accept(self) -> None:
+        srv = self._srv
         while not self._closed.is_set():
             try:
-                client, _ = self._srv.accept()
+                client, _ = srv.accept()
             except OSError:
                 return
             try:
