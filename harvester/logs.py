@@ -3,7 +3,8 @@
 Every event carries the current leader id (None while following) through `leader_context`.
 Nothing else reaches stderr raw: `configure` also routes the standard library's logging (psycopg
 pool, confluent-kafka clients given a `logging.Logger`, e.g. the tracker's acker), Python
-warnings and uncaught thread exceptions into structlog. librdkafka's own lines come through each
+warnings, uncaught thread exceptions and exceptions that cannot be raised (in a __del__) into
+structlog. librdkafka's own lines come through each
 client's `logger` setting (`KafkaLogger` here, a `logging.Logger` named `reaper.kafka.<client>`
 in the tracker), so they never bypass the renderer and interleave with JSON lines.
 """
@@ -185,6 +186,16 @@ def _thread_exception(args: threading.ExceptHookArgs) -> None:
     )
 
 
+def _unraisable(args) -> None:
+    # An exception Python cannot raise (in a __del__, a finaliser, a closing generator): its
+    # default hook prints a plain-text traceback on stderr.
+    get("reaper").error(
+        "exception that could not be raised",
+        where=repr(args.object) if args.object is not None else None,
+        exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+    )
+
+
 def _bridge_stdlib(level: str) -> None:
     root = logging.getLogger()
     for h in [h for h in root.handlers if isinstance(h, _ToStructlog)]:
@@ -193,6 +204,7 @@ def _bridge_stdlib(level: str) -> None:
     root.setLevel(getattr(logging, level.upper()))
     logging.captureWarnings(True)
     threading.excepthook = _thread_exception
+    sys.unraisablehook = _unraisable
 
 
 def configure(fmt: str = "json", level: str = "info", stream=None) -> None:

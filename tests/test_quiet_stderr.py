@@ -9,6 +9,7 @@ import logging
 import random
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -36,16 +37,18 @@ def json_log():
         list(logging.getLogger().handlers),
         logging.getLogger().level,
         threading.excepthook,
+        sys.unraisablehook,
     )
     out = io.StringIO()
     logs.configure("json", "info", stream=out)
     yield out
-    config, handlers, level, hook = saved
+    config, handlers, level, hook, unraisable = saved
     structlog.configure(**config)
     logging.getLogger().handlers[:] = handlers
     logging.getLogger().setLevel(level)
     logging.captureWarnings(False)
     threading.excepthook = hook
+    sys.unraisablehook = unraisable
 
 
 def test_a_metrics_client_hanging_up_is_logged_as_json_not_printed(capsys, json_log):
@@ -62,3 +65,22 @@ def test_a_metrics_client_hanging_up_is_logged_as_json_not_printed(capsys, json_
     events = [json.loads(line) for line in out.getvalue().splitlines()]
     gone = [e for e in events if e["event"] == "metrics client went away before its answer"]
     assert gone and all(e["level"] == "info" for e in gone), events
+
+
+class _Broken:
+    def __del__(self) -> None:
+        raise RuntimeError("raised in a finaliser")
+
+
+def test_thread_and_finaliser_exceptions_are_logged_as_json_not_printed(capsys, json_log):
+    def fail() -> None:
+        raise ValueError("uncaught in a thread")
+
+    t = threading.Thread(target=fail, name="failing")
+    t.start()
+    t.join()
+    _Broken()  # collected at once: its __del__ raises where nothing can catch it
+    assert capsys.readouterr().err == ""
+    events = [json.loads(line) for line in json_log.getvalue().splitlines()]
+    names = {e["event"] for e in events if e["level"] == "error"}
+    assert {"uncaught exception in thread", "exception that could not be raised"} <= names, events
