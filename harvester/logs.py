@@ -1,6 +1,6 @@
 """structlog setup: JSON lines by default, readable console output in a terminal or on request.
 
-Every event carries the current leader id (None while following) through `leader_context`.
+Every event carries the leader id of its own harvest unit (None while it follows): see `unit_leaders`.
 Nothing else reaches stderr raw: `configure` also routes the standard library's logging (psycopg
 pool, confluent-kafka clients given a `logging.Logger`, e.g. the tracker's acker), Python
 warnings, uncaught thread exceptions and exceptions that cannot be raised (in a __del__) into
@@ -11,33 +11,61 @@ in the tracker), so they never bypass the renderer and interleave with JSON line
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import structlog
 from structlog.typing import EventDict, WrappedLogger
 
 
-class _LeaderContext:
-    """The leader id the process currently publishes under, shared by all its threads."""
+class _UnitLeaders:
+    """The id each harvest unit marks rows with now (None while it does not lead), by unit name.
+
+    A log line carries its own unit's: the unit comes from the line (`unit=`, a name or a
+    leader-topic partition) or from the thread it is logged on (`unit_thread` binds it for every
+    thread a unit starts); a line of no unit carries the id only when the process has one unit."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.leader_id: str | None = None
+        self._ids: dict[str, str | None] = {}
+        self._names: dict[int, str] = {}  # leader-topic partition -> unit name
 
-    def set(self, leader_id: object | None) -> None:
+    def set(self, unit: str, leader_id: object | None, index: int | None = None) -> None:
         with self._lock:
-            self.leader_id = None if leader_id is None else str(leader_id)
+            self._ids[unit] = None if leader_id is None else str(leader_id)
+            if index is not None:
+                self._names[index] = unit
+
+    def forget(self, unit: str) -> None:
+        with self._lock:
+            self._ids.pop(unit, None)
+            self._names = {i: n for i, n in self._names.items() if n != unit}
+
+    def of(self, unit: object) -> str | None:
+        with self._lock:
+            if unit is None:
+                return next(iter(self._ids.values())) if len(self._ids) == 1 else None
+            name = self._names.get(unit) if isinstance(unit, int) else unit
+            return self._ids.get(name) if isinstance(name, str) else None
 
 
-leader_context = _LeaderContext()
+unit_leaders = _UnitLeaders()
 
 
 def _add_leader_id(_logger: WrappedLogger, _name: str, event: EventDict) -> EventDict:
-    event.setdefault("leader_id", leader_context.leader_id)
+    if "leader_id" not in event:
+        event["leader_id"] = unit_leaders.of(event.get("unit"))
     return event
+
+
+def unit_thread(target: Callable[..., object], name: str, args: tuple = ()) -> threading.Thread:
+    """A daemon thread running `target` in a copy of the caller's context: the structlog context
+    variables bound where it is made (a unit's name, see UnitHarvester) tag its lines too."""
+    return threading.Thread(target=contextvars.copy_context().run, args=(target, *args), name=name, daemon=True)
 
 
 # librdkafka facilities of connection trouble (the line's first word), and what an ERROR line

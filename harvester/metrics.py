@@ -44,12 +44,18 @@ class HarvesterMetrics:
             f"{p}_leader", "Harvest units this instance leads and is not fenced for (1 with one unit)", registry=r
         )
         self.acquisitions = Counter(
-            f"{p}_leader_acquisitions_total", "Leadership acquisitions (partition 0 assigned)", registry=r
+            f"{p}_leader_acquisitions_total",
+            "Leadership acquisitions (a harvest unit's leader-topic partition assigned, or a fence ended)",
+            registry=r,
         )
         self.fences = Counter(
             f"{p}_leader_fences_total", "Times the leader fenced itself (no heartbeat in time)", registry=r
         )
-        self.revocations = Counter(f"{p}_leader_revocations_total", "Times partition 0 was revoked or lost", registry=r)
+        self.revocations = Counter(
+            f"{p}_leader_revocations_total",
+            "Times a harvest unit's leader-topic partition was revoked or lost",
+            registry=r,
+        )
         self.marked = Counter(f"{p}_records_marked_total", "Outbox rows marked for publication", registry=r)
         self.published = Counter(f"{p}_records_published_total", "Records acknowledged by Kafka", registry=r)
         self.purged = Counter(f"{p}_records_purged_total", "Outbox rows deleted after acknowledgement", registry=r)

@@ -16,6 +16,7 @@ import time
 import pytest
 import structlog
 from support.harness import wait_until
+from support.json_log import json_log as json_log_to_buffer
 
 from harvester import logs
 from harvester.metrics import HealthServer
@@ -31,24 +32,8 @@ def _hang_up(port: int, rng: random.Random) -> None:
 
 @pytest.fixture
 def json_log():
-    """logs.configure()d onto a buffer for this test; the process's logging restored afterwards."""
-    saved = (
-        structlog.get_config(),
-        list(logging.getLogger().handlers),
-        logging.getLogger().level,
-        threading.excepthook,
-        sys.unraisablehook,
-    )
-    out = io.StringIO()
-    logs.configure("json", "info", stream=out)
-    yield out
-    config, handlers, level, hook, unraisable = saved
-    structlog.configure(**config)
-    logging.getLogger().handlers[:] = handlers
-    logging.getLogger().setLevel(level)
-    logging.captureWarnings(False)
-    threading.excepthook = hook
-    sys.unraisablehook = unraisable
+    with json_log_to_buffer() as out:
+        yield out
 
 
 def test_a_metrics_client_hanging_up_is_logged_as_json_not_printed(capsys, json_log):

@@ -23,6 +23,7 @@ import time
 import uuid
 from functools import partial
 
+import structlog
 from confluent_kafka import KafkaException
 from psycopg_pool import ConnectionPool
 
@@ -78,8 +79,9 @@ class UnitHarvester:
         self._stop = threading.Event()
         self._me: uuid.UUID | None = None  # id rows are marked with now
         self._neli_id: uuid.UUID | None = None  # the NELI acquisition it derives from
-        self._thread = threading.Thread(target=self._loop, name="reaper-mark", daemon=True)
-        self._producer_thread = threading.Thread(target=self._produce_loop, name="reaper-produce", daemon=True)
+        with self._context():
+            self._thread = logs.unit_thread(self._loop, "reaper-mark")
+            self._producer_thread = logs.unit_thread(self._produce_loop, "reaper-produce")
         self._batches: queue.Queue = queue.Queue(maxsize=2)  # marked, waiting for the producer thread
         self.upkeep: Upkeep | None = None  # the leader's vacuum and the lane index
         self.remark_backoff = 0.0  # the last back-off taken before a remark (0: progress was made)
@@ -88,10 +90,19 @@ class UnitHarvester:
 
     # ------------------------------------------------------------------ lifecycle
 
+    def _context(self):
+        """This unit's name bound for the structlog lines of every thread made meanwhile (logs.unit_thread)."""
+        return structlog.contextvars.bound_contextvars(unit=self.spec.name)
+
     def start(self, lease: Lease, kafka_cluster: str = "") -> UnitHarvester:
         """Start once, following `lease` (not yet started: NELI starts once every unit is ready) of
         the election on `kafka_cluster` (its id); a stopped unit cannot be started again (LifecycleError)."""
+        with self._context():
+            return self._start(lease, kafka_cluster)
+
+    def _start(self, lease: Lease, kafka_cluster: str) -> UnitHarvester:
         self._life.start()
+        logs.unit_leaders.set(self.spec.name, None, self.spec.index)
         cfg, h, spec = self.cfg, self.h, self.spec
         self.pool = make_pool(spec.dsn, cfg.database.pool_size, name=f"reaper-harvester-{spec.name}")
         store = OutboxStore(self.pool, spec.schema, spec.table, lane=spec.lane, lanes=spec.lanes)
@@ -172,6 +183,7 @@ class UnitHarvester:
             self.upkeep.join(5)
         if self.pool is not None:
             self.pool.close()
+        logs.unit_leaders.forget(self.spec.name)
 
     @property
     def vacuums(self) -> int:
@@ -261,7 +273,7 @@ class UnitHarvester:
                 if self._me is not None:
                     self.log.info("not leading: marking stopped")
                     self._me = self._neli_id = None
-                    logs.leader_context.set(None)
+                    logs.unit_leaders.set(self.spec.name, None)
                 self._stop.wait(0.02)
                 continue
             if neli_id != self._neli_id:
@@ -271,12 +283,12 @@ class UnitHarvester:
                 self._me = uuid.uuid4()  # set before clearing the flag: queued batches go stale first
                 self._neli_id = neli_id
                 self._remark.clear()
-                logs.leader_context.set(self._me)
+                logs.unit_leaders.set(self.spec.name, self._me, self.spec.index)
                 self.log.info("leading: marking from the head")
             elif self._remark.is_set():
                 self._me = uuid.uuid4()
                 self._remark.clear()
-                logs.leader_context.set(self._me)
+                logs.unit_leaders.set(self.spec.name, self._me, self.spec.index)
                 m.force_remarks.inc()
                 # Remarks that repeat with nothing settled in between (a record that fails every
                 # time, Kafka refusing a topic) back off, doubling up to MAX_REMARK_BACKOFF.

@@ -70,7 +70,7 @@ class ProducerSlot:
         self.used = False  # a producer of the set got a record, or began or initialised a transaction
         self.producers: tuple[ProducerLike, ...] = self._new_set()
         self.current: ProducerLike = self.producers[0]
-        self._thread = threading.Thread(target=self._poll_loop, name="reaper-poll", daemon=True)
+        self._thread = logs.unit_thread(self._poll_loop, "reaper-poll")
 
     def _new_set(self) -> tuple[ProducerLike, ...]:
         made = []
