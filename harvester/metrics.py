@@ -112,13 +112,15 @@ class HarvesterMetrics:
         self.in_flight = Gauge(f"{p}_records_in_flight", "Records produced and not yet settled", registry=r)
         self.backlog_rows = Gauge(
             f"{p}_outbox_backlog_rows",
-            "Rows in the outbox (exact up to 100,000, above that the id span max(id) - min(id) + 1)",
+            "Rows in the outboxes, summed (each exact up to 100,000, above that the id span max(id) - min(id) + 1)",
             registry=r,
         )
-        self.oldest_age = Gauge(f"{p}_outbox_oldest_age_seconds", "Age of the oldest row in the outbox", registry=r)
+        self.oldest_age = Gauge(f"{p}_outbox_oldest_age_seconds", "Age of the oldest row in any outbox", registry=r)
         self.batches = Gauge(f"{p}_batches", "Batches by state", ["state"], registry=r)
         self.dead_rows = Gauge(
-            f"{p}_outbox_dead_rows", "Rows in the outbox's dead table (quarantined, not yet requeued)", registry=r
+            f"{p}_outbox_dead_rows",
+            "Rows in the outboxes' dead tables, summed (quarantined, not yet requeued)",
+            registry=r,
         )
         self.requeued_rows = Gauge(
             f"{p}_outbox_requeued_rows",

@@ -14,16 +14,16 @@ from importlib.metadata import PackageNotFoundError, version
 
 import psycopg
 from confluent_kafka.admin import AdminClient
-from psycopg import sql
 
 import tracker
 from harvester import logs
 from harvester.config import Config, redact_dsn, redacted
 from harvester.election.neli import KafkaClusterUnknown, LeaderTopicMismatch
 from harvester.exit_codes import ExitCode
+from harvester.gauges import gauges_loop
 from harvester.metrics import HealthServer
 from harvester.metrics import get as get_metrics
-from harvester.publishing.outbox_sql import OutboxStore, make_pool
+from harvester.publishing.outbox_sql import make_pool
 from harvester.publishing.ports import DEFAULT, Providers
 from harvester.publishing.publisher import logs_safe
 from harvester.services.sweeper import sweep_loop
@@ -98,36 +98,6 @@ class Readiness:
             self._last = (not problems, "; ".join(problems) or "ready")
             self._at = time.monotonic()
             return self._last
-
-
-def _gauges_loop(cfg: Config, store: OutboxStore, pool, stop: threading.Event) -> None:
-    m, log = get_metrics(cfg.metrics.prefix), logs.get("reaper.gauges")
-    schema = cfg.database.schema
-    batches = sql.SQL("SELECT state, count(*) FROM {} GROUP BY state").format(qualified(schema, "batch"))
-    pending = sql.SQL("SELECT coalesce(sum(pending), 0) FROM {} WHERE state IN ('open', 'closed')").format(
-        qualified(schema, "batch")
-    )
-    dead_and_requeued = sql.SQL(
-        "SELECT (SELECT count(*) FROM {}), (SELECT coalesce(sum(rows), 0) FROM {} WHERE action = 'dead-requeue')"
-    ).format(qualified(schema, f"{cfg.database.outbox_table}_dead"), qualified(schema, "admin_log"))
-    while True:
-        try:
-            b = store.backlog()
-            m.backlog_rows.set(b.rows)
-            m.oldest_age.set(b.oldest_age)
-            with pool.connection() as conn:
-                counts = dict(conn.execute(batches).fetchall())
-                m.items_pending.set(conn.execute(pending).fetchone()[0])
-            for state in ("open", "closed", "complete", "expired"):
-                m.batches.labels(state).set(counts.get(state, 0))
-            with pool.connection() as conn:  # the operator's kit (migration 0008)
-                dead_rows, requeued = conn.execute(dead_and_requeued).fetchone()
-            m.dead_rows.set(dead_rows)
-            m.requeued_rows.set(requeued)
-        except Exception as exc:
-            log.warning("gauge refresh failed", error=logs_safe(exc))
-        if stop.wait(cfg.metrics.backlog_interval):
-            return
 
 
 def _start_acker(cfg: Config, stop: threading.Event, failures: list) -> threading.Thread:
@@ -232,12 +202,11 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
     harvester = None
     code = ExitCode.OK
     try:
-        store = OutboxStore(pool, cfg.database.schema, cfg.database.outbox_table)
         if cfg.metrics.enabled:
             http = HealthServer(cfg.metrics.host, cfg.metrics.port, Readiness(pool, admin)).start()
             log.info("metrics server listening", port=http.port)
             threads.append(
-                threading.Thread(target=_gauges_loop, args=(cfg, store, pool, stop), daemon=True, name="reaper-gauges")
+                threading.Thread(target=gauges_loop, args=(cfg, pool, stop), daemon=True, name="reaper-gauges")
             )
         if cfg.sweeper.enabled:
             threads.append(
