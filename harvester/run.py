@@ -27,6 +27,7 @@ from harvester.publishing.outbox_sql import make_pool
 from harvester.publishing.ports import DEFAULT, Providers
 from harvester.publishing.publisher import logs_safe
 from harvester.services.sweeper import sweep_loop
+from harvester.services.targets import with_batch_tables
 from harvester.units import Harvester
 from tracker.schema import qualified
 
@@ -208,24 +209,31 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
             threads.append(
                 threading.Thread(target=gauges_loop, args=(cfg, pool, stop), daemon=True, name="reaper-gauges")
             )
+        # Every schema of the configuration's outboxes that has batch tables, not only `database`'s.
+        targets = with_batch_tables(cfg) if cfg.sweeper.enabled or cfg.settler.enabled else []
         if cfg.sweeper.enabled:
             threads.append(
-                threading.Thread(target=sweep_loop, args=(cfg, pool, stop), daemon=True, name="reaper-sweeper")
+                threading.Thread(target=sweep_loop, args=(cfg, pool, stop, targets), daemon=True, name="reaper-sweeper")
             )
         if cfg.settler.enabled:
             from harvester.services.claim_settler import (
                 ClaimSettler,  # folds ack claims left by busy commits; safe with several reapers
             )
 
-            settler = ClaimSettler(
-                dsn=cfg.database.dsn,
-                schema=cfg.database.schema,
-                outbox_table=cfg.database.outbox_table,
-                completion_topic=cfg.harvester.default_completion_topic,
-                interval=cfg.settler.interval,
-                metrics=m,
-            )
-            threads.append(threading.Thread(target=settler.run, args=(stop,), daemon=True, name="reaper-settler"))
+            for target in targets:
+                settler = ClaimSettler(
+                    dsn=target.dsn,
+                    schema=target.schema,
+                    outbox_table=target.outbox_table,
+                    completion_topic=cfg.harvester.default_completion_topic,
+                    interval=cfg.settler.interval,
+                    metrics=m,
+                )
+                threads.append(
+                    threading.Thread(
+                        target=settler.run, args=(stop,), daemon=True, name=f"reaper-settler-{target.schema}"
+                    )
+                )
         for t in threads:
             t.start()
         if cfg.acker.enabled:
