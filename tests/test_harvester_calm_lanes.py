@@ -1,7 +1,9 @@
 """Leaders of lanes stay calm under load: no spontaneous fence while Kafka and the database answer.
 
 Three `reaper run` processes harvest one outbox in three lanes on the real Postgres and Kafka
-while writers commit rows; no fault is injected, so every fence would be spontaneous.
+while writers commit rows; no fault is injected, so every fence would be spontaneous. (How load
+fenced them, a broker whose request queue is long, is reproduced deterministically by
+tests/test_harvester_neli_slow_broker.py; this one checks the whole process under real load.)
 """
 
 from __future__ import annotations
