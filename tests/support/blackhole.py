@@ -38,6 +38,7 @@ class BlackholeProxy:
         self._closed = threading.Event()
         self._socks: list[socket.socket] = []
         self.swallowed_bytes = 0
+        self.produced_bytes = 0  # Produce requests (API key 0) forwarded to the broker
         threading.Thread(target=self._accept, daemon=True).start()
 
     def swallow(self) -> None:
@@ -114,6 +115,8 @@ class BlackholeProxy:
                     continue
                 if from_broker:
                     body = body.replace(self._find, self._repl)
+                if not from_broker and body[:2] == b"\x00\x00":
+                    self.produced_bytes += len(body)
                 due = time.monotonic() + (0.0 if from_broker else self.delay)
                 frames.put((due, size + body))
         except (OSError, ConnectionError):
