@@ -10,6 +10,7 @@ registry, created once per process and prefix. No per-record or per-batch labels
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,6 +27,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics import MetricWrapperBase
 
+from harvester import logs
 from tracker.metrics import DEFAULT_PREFIX, TrackerMetrics, check_prefix
 
 _DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -42,12 +44,18 @@ class HarvesterMetrics:
             f"{p}_leader", "Harvest units this instance leads and is not fenced for (1 with one unit)", registry=r
         )
         self.acquisitions = Counter(
-            f"{p}_leader_acquisitions_total", "Leadership acquisitions (partition 0 assigned)", registry=r
+            f"{p}_leader_acquisitions_total",
+            "Leadership acquisitions (a harvest unit's leader-topic partition assigned, or a fence ended)",
+            registry=r,
         )
         self.fences = Counter(
             f"{p}_leader_fences_total", "Times the leader fenced itself (no heartbeat in time)", registry=r
         )
-        self.revocations = Counter(f"{p}_leader_revocations_total", "Times partition 0 was revoked or lost", registry=r)
+        self.revocations = Counter(
+            f"{p}_leader_revocations_total",
+            "Times a harvest unit's leader-topic partition was revoked or lost",
+            registry=r,
+        )
         self.marked = Counter(f"{p}_records_marked_total", "Outbox rows marked for publication", registry=r)
         self.published = Counter(f"{p}_records_published_total", "Records acknowledged by Kafka", registry=r)
         self.purged = Counter(f"{p}_records_purged_total", "Outbox rows deleted after acknowledgement", registry=r)
@@ -104,13 +112,15 @@ class HarvesterMetrics:
         self.in_flight = Gauge(f"{p}_records_in_flight", "Records produced and not yet settled", registry=r)
         self.backlog_rows = Gauge(
             f"{p}_outbox_backlog_rows",
-            "Rows in the outbox (exact up to 100,000, above that the id span max(id) - min(id) + 1)",
+            "Rows in the outboxes, summed (each exact up to 100,000, above that the id span max(id) - min(id) + 1)",
             registry=r,
         )
-        self.oldest_age = Gauge(f"{p}_outbox_oldest_age_seconds", "Age of the oldest row in the outbox", registry=r)
+        self.oldest_age = Gauge(f"{p}_outbox_oldest_age_seconds", "Age of the oldest row in any outbox", registry=r)
         self.batches = Gauge(f"{p}_batches", "Batches by state", ["state"], registry=r)
         self.dead_rows = Gauge(
-            f"{p}_outbox_dead_rows", "Rows in the outbox's dead table (quarantined, not yet requeued)", registry=r
+            f"{p}_outbox_dead_rows",
+            "Rows in the outboxes' dead tables, summed (quarantined, not yet requeued)",
+            registry=r,
         )
         self.requeued_rows = Gauge(
             f"{p}_outbox_requeued_rows",
@@ -326,6 +336,24 @@ def histograms(prefix: str = DEFAULT_PREFIX) -> set[str]:
     }
 
 
+# A scrape that timed out or a probe that hung up: the client is gone, the process is fine.
+_CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A request's failure as a structlog event (socketserver's default prints a plain-text
+        traceback on stderr, between the JSON lines)."""
+        exc = sys.exc_info()[1]
+        log = logs.get("reaper.http")
+        if isinstance(exc, _CLIENT_GONE):
+            log.info("metrics client went away before its answer", error=type(exc).__name__)
+        else:
+            log.error("metrics request failed", exc_info=True)
+
+
 class HealthServer:
     """/metrics, /healthz (process alive) and /readyz (database and Kafka reachable) on one port."""
 
@@ -355,8 +383,7 @@ class HealthServer:
             def log_message(self, *args) -> None:  # quiet: scrapes are not news
                 pass
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _Server((host, port), Handler)
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="reaper-http", daemon=True)
 

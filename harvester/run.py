@@ -13,20 +13,21 @@ import time
 
 import psycopg
 from confluent_kafka.admin import AdminClient
-from psycopg import sql
 
 import tracker
 from harvester import logs, product_version
 from harvester.config import Config, redact_dsn, redacted
 from harvester.election.neli import KafkaClusterUnknown, LeaderTopicMismatch
 from harvester.exit_codes import ExitCode
+from harvester.gauges import gauges_loop
 from harvester.metrics import HealthServer
 from harvester.metrics import get as get_metrics
-from harvester.publishing.outbox_sql import OutboxStore, make_pool
+from harvester.publishing.outbox_sql import make_pool
 from harvester.publishing.ports import DEFAULT, Providers
 from harvester.publishing.publisher import logs_safe
 from harvester.services.inbox import inbox_loop
 from harvester.services.sweeper import sweep_loop
+from harvester.services.targets import with_batch_tables
 from harvester.units import Harvester
 from tracker.schema import qualified
 
@@ -91,36 +92,6 @@ class Readiness:
             self._last = (not problems, "; ".join(problems) or "ready")
             self._at = time.monotonic()
             return self._last
-
-
-def _gauges_loop(cfg: Config, store: OutboxStore, pool, stop: threading.Event) -> None:
-    m, log = get_metrics(cfg.metrics.prefix), logs.get("reaper.gauges")
-    schema = cfg.database.schema
-    batches = sql.SQL("SELECT state, count(*) FROM {} GROUP BY state").format(qualified(schema, "batch"))
-    pending = sql.SQL("SELECT coalesce(sum(pending), 0) FROM {} WHERE state IN ('open', 'closed')").format(
-        qualified(schema, "batch")
-    )
-    dead_and_requeued = sql.SQL(
-        "SELECT (SELECT count(*) FROM {}), (SELECT coalesce(sum(rows), 0) FROM {} WHERE action = 'dead-requeue')"
-    ).format(qualified(schema, f"{cfg.database.outbox_table}_dead"), qualified(schema, "admin_log"))
-    while True:
-        try:
-            b = store.backlog()
-            m.backlog_rows.set(b.rows)
-            m.oldest_age.set(b.oldest_age)
-            with pool.connection() as conn:
-                counts = dict(conn.execute(batches).fetchall())
-                m.items_pending.set(conn.execute(pending).fetchone()[0])
-            for state in ("open", "closed", "complete", "expired"):
-                m.batches.labels(state).set(counts.get(state, 0))
-            with pool.connection() as conn:  # the operator's kit (migration 0008)
-                dead_rows, requeued = conn.execute(dead_and_requeued).fetchone()
-            m.dead_rows.set(dead_rows)
-            m.requeued_rows.set(requeued)
-        except Exception as exc:
-            log.warning("gauge refresh failed", error=logs_safe(exc))
-        if stop.wait(cfg.metrics.backlog_interval):
-            return
 
 
 def _start_acker(cfg: Config, stop: threading.Event, failures: list) -> threading.Thread:
@@ -226,21 +197,22 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
     harvester = None
     code = ExitCode.OK
     try:
-        store = OutboxStore(pool, cfg.database.schema, cfg.database.outbox_table)
         if cfg.metrics.enabled:
             http = HealthServer(cfg.metrics.host, cfg.metrics.port, Readiness(pool, admin)).start()
             log.info("metrics server listening", port=http.port)
             threads.append(
-                threading.Thread(target=_gauges_loop, args=(cfg, store, pool, stop), daemon=True, name="reaper-gauges")
+                threading.Thread(target=gauges_loop, args=(cfg, pool, stop), daemon=True, name="reaper-gauges")
             )
         if cfg.console.run:  # the operator's console (harvester/services/console/)
             from harvester.services.console.standalone import ConsoleServer
 
             console = ConsoleServer(cfg).start()
             log.info("console listening", host=cfg.console.host, port=cfg.console.port)
+        # Every schema of the configuration's outboxes that has batch tables, not only `database`'s.
+        targets = with_batch_tables(cfg) if cfg.sweeper.enabled or cfg.settler.enabled else []
         if cfg.sweeper.enabled:
             threads.append(
-                threading.Thread(target=sweep_loop, args=(cfg, pool, stop), daemon=True, name="reaper-sweeper")
+                threading.Thread(target=sweep_loop, args=(cfg, pool, stop, targets), daemon=True, name="reaper-sweeper")
             )
         if cfg.inbox.enabled:
             threads.append(
@@ -251,15 +223,20 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
                 ClaimSettler,  # folds ack claims left by busy commits; safe with several reapers
             )
 
-            settler = ClaimSettler(
-                dsn=cfg.database.dsn,
-                schema=cfg.database.schema,
-                outbox_table=cfg.database.outbox_table,
-                completion_topic=cfg.harvester.default_completion_topic,
-                interval=cfg.settler.interval,
-                metrics=m,
-            )
-            threads.append(threading.Thread(target=settler.run, args=(stop,), daemon=True, name="reaper-settler"))
+            for target in targets:
+                settler = ClaimSettler(
+                    dsn=target.dsn,
+                    schema=target.schema,
+                    outbox_table=target.outbox_table,
+                    completion_topic=cfg.harvester.default_completion_topic,
+                    interval=cfg.settler.interval,
+                    metrics=m,
+                )
+                threads.append(
+                    threading.Thread(
+                        target=settler.run, args=(stop,), daemon=True, name=f"reaper-settler-{target.schema}"
+                    )
+                )
         for t in threads:
             t.start()
         if cfg.acker.enabled:

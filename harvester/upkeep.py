@@ -11,6 +11,7 @@ from collections.abc import Callable
 import psycopg
 from structlog.typing import FilteringBoundLogger
 
+from harvester import logs
 from harvester.config import HarvesterConfig, UnitSpec
 from harvester.lane_index import LaneIndex, LaneIndexKeeper, NotHeld, retire_lane_indexes
 from harvester.publishing.outbox_sql import OutboxStore
@@ -53,14 +54,12 @@ class Upkeep:
     def start(self) -> None:
         # One VACUUM of a table at a time is enough (a second would wait for it): lane 0's leader's.
         if self.h.vacuum_interval > 0 and self.spec.lane == 0:
-            self._vacuum = threading.Thread(target=self._vacuum_loop, name="reaper-upkeep", daemon=True)
+            self._vacuum = logs.unit_thread(self._vacuum_loop, "reaper-upkeep")
             self._vacuum.start()
         if self.lane_index is not None:
-            threading.Thread(
-                target=self.lane_index.run, args=(self._stop, self._leading), name="reaper-lane-index", daemon=True
-            ).start()
+            logs.unit_thread(self.lane_index.run, "reaper-lane-index", (self._stop, self._leading)).start()
         if self.spec.lane == 0:
-            threading.Thread(target=self._retire_loop, name="reaper-lane-retire", daemon=True).start()
+            logs.unit_thread(self._retire_loop, "reaper-lane-retire").start()
 
     def join(self, timeout: float) -> None:
         """After `stop` is set. A lane index build in progress is not waited for (a daemon thread:

@@ -3,6 +3,7 @@ never librdkafka's raw `%3|...|FAIL|...` lines glued between them."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -11,8 +12,12 @@ import sys
 import time
 from pathlib import Path
 
-from support.harness import env_for, make_config
+from support.blackhole import BlackholeProxy
+from support.harness import env_for, make_config, wait_until
 from support.private_services import free_port
+from support.reaper import ReaperProcess
+
+from harvester.logs import ConnectionChatter
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,3 +98,37 @@ def test_every_kafka_client_of_a_running_reaper_logs_through_structlog(pg_dsn, s
     } <= clients, clients
     assert any(e["event"] == "acker started" for e in events)
     assert any("Connection refused" in e.get("message", "") for e in events), "no client tried the dead broker"
+
+
+def test_a_broker_away_and_back_is_one_warning_and_one_info_per_client(
+    pg_dsn, schema, kafka_bootstrap, topics, tmp_path
+):
+    """While the broker is away, librdkafka's clients try to reconnect many times a second; the log
+    holds one warning per client and broker when it goes and one info line with the count of
+    failures not logged once they stop, never an error line per attempt."""
+    proxy = BlackholeProxy(kafka_bootstrap)
+    cfg = make_config(pg_dsn, schema, proxy.address, leader_topic=topics("leader"))
+    reaper = ReaperProcess(env_for(cfg), tmp_path / "reaper.log")
+    try:
+        assert reaper.wait_leader(60), reaper.log_path.read_text()[-3000:]
+        proxy.down()
+        time.sleep(8)
+        proxy.up()
+        stopped = lambda: [e for e in reaper.events() if e.get("event") == "Kafka connection failures stopped"]  # noqa: E731
+        assert wait_until(lambda: {e["client"] for e in stopped()} >= {"leader-consumer", "heartbeat-producer"}, 60)
+        assert wait_until(reaper.is_leader, 60), "never led again after the broker came back"
+    finally:
+        code = reaper.terminate(60)
+        proxy.close()
+    assert code == 0
+    text = reaper.log_path.read_text()
+    events = json_lines(text)
+    kafka = [e for e in events if e["event"] == "librdkafka"]
+    trouble = [e for e in kafka if ConnectionChatter.is_trouble(e["message"])]
+    assert trouble, kafka
+    assert all(e["level"] == "warning" for e in trouble), [e for e in trouble if e["level"] != "warning"]
+    per_broker = collections.Counter((e["client"], e["broker"]) for e in trouble)
+    assert max(per_broker.values()) == 1, per_broker
+    back = [e for e in events if e["event"] == "Kafka connection failures stopped"]
+    assert all(e["level"] == "info" for e in back)
+    assert sum(e["failures_not_logged"] for e in back) > 0, back

@@ -186,7 +186,7 @@ def rows(prefix: str) -> list:
                         (f"sum(increase({m.fences}{J}{R}))", "fences"),
                         (f"sum(increase({m.revocations}{J}{R}))", "revocations"),
                     ],
-                    "Acquired leadership; fenced itself after missing heartbeats; lost partition 0 in a rebalance.",
+                    "Acquired leadership; fenced itself after missing heartbeats; lost a unit's leader-topic partition in a rebalance.",
                 ),
             ],
         ),

@@ -1,8 +1,9 @@
 """`reaper outbox status`: backlog, oldest age, rows in flight and dead, and who leads each unit.
 
-A *unit* is what one leader harvests. Today a deployment has one unit (unit 0: the configured
-outbox table), led by the holder of partition 0 of the leader topic; with several units (one
-leader-topic partition each) the holder of partition u leads unit u. The leader is read from
+A *unit* is what one leader harvests: one outbox table, or one lane of it (harvester.config.units:
+the `database` section's outbox, or every entry of harvester.outboxes, each in its lanes). The
+holder of leader-topic partition u leads unit u; every unit of the configuration is reported,
+each read from its own database (an outbox entry may name another DSN). The leader is read from
 the leader group's assignment (Kafka's view): the holder leads unless it has fenced itself, and
 the leader ids in `marked_by` (rows in flight under each id) say who is publishing right now.
 """
@@ -18,9 +19,10 @@ from psycopg import sql
 
 from harvester import logs
 from harvester.admin.common import AdminError, duration, one_row, require_tables
-from harvester.config import Config
+from harvester.config import Config, redact_dsn, units
 from harvester.exit_codes import ExitCode
-from harvester.publishing.outbox_sql import BACKLOG_EXACT
+from harvester.publishing.outbox_sql import BACKLOG_EXACT, LANE_SQL
+from harvester.publishing.publisher import logs_safe
 from tracker.schema import qualified
 
 
@@ -35,6 +37,10 @@ class UnitStatus:
     marked_by: dict[str, int]  # leader id -> rows in flight under it
     dead_rows: int
     leader: dict[str, Any] | None = None  # holder of the unit's leader-topic partition
+    name: str = "default"  # the unit's name (harvester.config.UnitSpec.name)
+    lane: int = 0  # rows whose key hashes to this lane (of `lanes`): see harvester.publishing.outbox_sql.lane_of
+    lanes: int = 1
+    error: str | None = None  # its database could not be read
 
 
 @dataclass
@@ -52,32 +58,48 @@ class OutboxStatus:
 
 
 def unit_status(
-    conn: psycopg.Connection, schema: str, table: str, unit: int = 0, *, exact_up_to: int = BACKLOG_EXACT
+    conn: psycopg.Connection,
+    schema: str,
+    table: str,
+    unit: int = 0,
+    lane: int = 0,
+    lanes: int = 1,
+    *,
+    exact_up_to: int = BACKLOG_EXACT,
 ) -> UnitStatus:
-    """One outbox table's figures, each read from at most `exact_up_to` + 1 rows (or by index)."""
+    """One unit's rows: the table's, or with lanes > 1 those of its lane (by the mark query's hash),
+    each figure read from at most `exact_up_to` + 1 rows (or by index)."""
     require_tables(conn, schema, table, f"{table}_dead")
     t, dead = qualified(schema, table), qualified(schema, f"{table}_dead")
+    where, args = sql.SQL(""), []
+    if lanes > 1:
+        where, args = sql.SQL(" WHERE " + LANE_SQL.format(lanes=int(lanes)) + " = %s"), [lane]
     # The same bounded count as the backlog gauge: exact up to `exact_up_to`, above it the id span.
     rows = one_row(
-        conn.execute(sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {} LIMIT %s) s").format(t), [exact_up_to + 1])
+        conn.execute(
+            sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {}{} LIMIT %s) s").format(t, where), [*args, exact_up_to + 1]
+        )
     )[0]
     exact = rows <= exact_up_to
     if not exact:
         span = one_row(conn.execute(sql.SQL("SELECT max(id) - min(id) + 1 FROM {}").format(t)))[0]
         rows = max(exact_up_to + 1, span or 0)
     oldest = conn.execute(
-        sql.SQL("SELECT extract(epoch FROM clock_timestamp() - created_at) FROM {} ORDER BY id LIMIT 1").format(t)
+        sql.SQL("SELECT extract(epoch FROM clock_timestamp() - created_at) FROM {}{} ORDER BY id LIMIT 1").format(
+            t, where
+        ),
+        args,
     ).fetchone()
-    # Rows in flight among the first rows by id: a leader marks the lowest ids, so its rows are
-    # there. (Looking for marked rows anywhere would read the whole table when few are marked.)
+    # Rows in flight among the unit's first rows by id: a leader marks the lowest ids, so its rows
+    # are there. (Looking for marked rows anywhere would read the whole table when few are marked.)
     marked = conn.execute(
         sql.SQL(
-            "SELECT leader_id::text, count(*) FROM (SELECT leader_id FROM {} ORDER BY id LIMIT %s) s "
+            "SELECT leader_id::text, count(*) FROM (SELECT leader_id FROM {}{} ORDER BY id LIMIT %s) s "
             "WHERE leader_id IS NOT NULL GROUP BY 1 ORDER BY 2 DESC"
-        ).format(t),
-        [exact_up_to + 1],
+        ).format(t, where),
+        [*args, exact_up_to + 1],
     ).fetchall()
-    dead_rows = one_row(conn.execute(sql.SQL("SELECT count(*) FROM {}").format(dead)))[0]
+    dead_rows = one_row(conn.execute(sql.SQL("SELECT count(*) FROM {}{}").format(dead, where), args))[0]
     return UnitStatus(
         unit=unit,
         table=f"{schema}.{table}",
@@ -87,7 +109,51 @@ def unit_status(
         in_flight_rows=sum(n for _, n in marked),
         marked_by=dict(marked),
         dead_rows=dead_rows,
+        lane=lane,
+        lanes=lanes,
     )
+
+
+def _units_status(cfg: Config, conn: psycopg.Connection) -> list[UnitStatus]:
+    """Every unit of the configuration; one whose database cannot be read says so (`error`)."""
+    out: list[UnitStatus] = []
+    others: dict[str, psycopg.Connection] = {}
+    try:
+        for spec in units(cfg):
+            try:
+                if spec.dsn == cfg.database.dsn:
+                    c = conn
+                elif spec.dsn in others:
+                    c = others[spec.dsn]
+                else:
+                    c = others[spec.dsn] = psycopg.connect(spec.dsn, connect_timeout=10)
+                u = unit_status(c, spec.schema, spec.table, spec.index, spec.lane, spec.lanes)
+                c.rollback()  # read only: end the snapshot
+            except (psycopg.Error, AdminError) as exc:
+                db = cfg.database
+                if (spec.dsn, spec.schema, spec.table) == (db.dsn, db.schema, db.outbox_table):
+                    raise  # the `database` section's own outbox: the command's error, as ever
+                u = UnitStatus(
+                    unit=spec.index,
+                    table=f"{spec.schema}.{spec.table}",
+                    backlog_rows=0,
+                    backlog_exact=False,
+                    oldest_age_seconds=0.0,
+                    in_flight_rows=0,
+                    marked_by={},
+                    dead_rows=0,
+                    lane=spec.lane,
+                    lanes=spec.lanes,
+                    error=redact_dsn(logs_safe(exc)),
+                )
+                if spec.dsn == cfg.database.dsn:
+                    conn.rollback()
+            u.name = spec.name
+            out.append(u)
+    finally:
+        for c in others.values():
+            c.close()
+    return out
 
 
 def batch_counts(conn: psycopg.Connection, schema: str) -> tuple[dict[str, int], int]:
@@ -122,11 +188,11 @@ def leaders(cfg: Config, timeout: float) -> tuple[dict[int, dict[str, Any]], str
 
 def outbox_status(cfg: Config, conn: psycopg.Connection, timeout: float) -> OutboxStatus:
     db = cfg.database
-    unit = unit_status(conn, db.schema, db.outbox_table)
+    all_units = _units_status(cfg, conn)
     batches, pending = batch_counts(conn, db.schema)
     conn.rollback()  # read only: end the snapshot
     status = OutboxStatus(
-        units=[unit],
+        units=all_units,
         batches=batches,
         items_pending=pending,
         leader_group=cfg.harvester.leader_group,
@@ -146,8 +212,12 @@ def render(status: OutboxStatus) -> str:
     lines = []
     for u in status.units:
         approx = "" if u.backlog_exact else " (estimate: id span)"
+        lane = f" lane {u.lane} of {u.lanes}" if u.lanes > 1 else ""
+        lines.append(f"unit {u.unit} ({u.name}): {u.table}{lane}")
+        if u.error is not None:
+            lines.append(f"  unreadable      {u.error}")
+            continue
         lines += [
-            f"unit {u.unit}: {u.table}",
             f"  backlog         {u.backlog_rows} rows{approx}",
             f"  oldest row      {duration(u.oldest_age_seconds)} old" if u.backlog_rows else "  oldest row      -",
             f"  in flight       {u.in_flight_rows} rows",
@@ -171,7 +241,8 @@ def render(status: OutboxStatus) -> str:
 
 
 def exit_code(status: OutboxStatus) -> ExitCode:
-    return ExitCode.UNAVAILABLE if status.kafka_error else ExitCode.OK
+    unreadable = any(u.error is not None for u in status.units)
+    return ExitCode.UNAVAILABLE if status.kafka_error or unreadable else ExitCode.OK
 
 
 __all__ = ["OutboxStatus", "UnitStatus", "outbox_status", "render", "exit_code", "AdminError"]

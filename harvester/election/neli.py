@@ -5,8 +5,9 @@ partition u leads unit u (harvester.units). Each lease below is independent: its
 fence, leader id and state; one consumer and one producer serve them all, and they never touch a
 database, so one unit's stall cannot hold up another's leadership. The leader of a unit produces a
 heartbeat to its partition at most every
-`min_poll_interval` and consumes its own heartbeats. It fences itself (stops publishing) when none
-has come back within `heartbeat_timeout`, which is shorter than the group's session timeout, so a
+`min_poll_interval`; the broker's acknowledgement of one (or reading it back, whichever comes
+first) vouches for the time it was sent. It fences itself (stops publishing) when none sent within
+`heartbeat_timeout` has reached the broker, which is shorter than the group's session timeout, so a
 leader cut off from Kafka stops before the group can hand partition 0 to another member. It
 resumes if heartbeats return while it still holds the partition. Each acquisition (and each
 resumption) gets a fresh random leader id.
@@ -30,7 +31,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from confluent_kafka import OFFSET_END, Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from harvester import logs
@@ -45,7 +46,6 @@ REVOKE_MARK_WAIT = 1.0
 # A leader consumer without a group member id for this many session timeouts is replaced by a new
 # one (see Neli._check_membership).
 OUT_OF_GROUP_SESSIONS = 2
-CONNECT_LOG_EVERY = 10.0  # seconds: see _QuietReconnects
 
 
 class LeaderTopicMismatch(RuntimeError):
@@ -106,37 +106,6 @@ def _ensure_topic(admin: AdminClient, topic: str, timeout: float, partitions: in
     return cluster
 
 
-class _QuietReconnects:
-    """A client's librdkafka log with its "Connect to <address> failed" lines cut to one per address
-    per CONNECT_LOG_EVERY seconds.
-
-    While every broker is down, librdkafka re-bootstraps after each failed connection: it drops
-    the broker handle and makes a fresh one, which has no back-off and no memory of the previous
-    error, so the consumer tries (and logs) every reconnect.backoff.ms / 2, about 25 ms. The
-    attempts are what reconnect it within ~25 ms of the broker answering; only the lines go."""
-
-    def __init__(self, inner: logs.KafkaLogger) -> None:
-        self._inner = inner
-        self._lock = threading.Lock()
-        self._last: dict[str, float] = {}
-        self._dropped = 0
-
-    def log(self, level: int, fmt: str, *args) -> None:
-        text = fmt % args if args else fmt
-        head, sep, tail = text.partition("Connect to ")
-        if sep and " failed: " in tail:
-            address, now = tail.split(" ", 1)[0], time.monotonic()
-            with self._lock:
-                if now - self._last.get(address, -CONNECT_LOG_EVERY) < CONNECT_LOG_EVERY:
-                    self._dropped += 1
-                    return
-                self._last[address] = now
-                dropped, self._dropped = self._dropped, 0
-            if dropped:
-                text += f" ({dropped} more failed connection attempts not logged)"
-        self._inner.log(level, "%s", text)
-
-
 class Neli:
     def __init__(
         self,
@@ -187,19 +156,26 @@ class Neli:
             "enable.auto.commit": False,
             "auto.offset.reset": "latest",
             "log_level": 4,
-            "logger": _QuietReconnects(logs.KafkaLogger("leader-consumer")),
+            "logger": logs.KafkaLogger("leader-consumer"),
         }
+        # The heartbeat producer is this election's own (never the data path's): its own connection
+        # and timeouts. A heartbeat vouches only for the time it was sent, so one answered late costs
+        # nothing, while a request that times out tears the connection down and sends its
+        # heartbeats again behind a reconnect: its requests may wait up to the session timeout.
+        wait_ms = max(1000, int(session_timeout * 1000))
         self._producer_conf = {
             **base,
             **producer,
             "linger.ms": 0,
             "acks": 1,
             "enable.idempotence": False,
-            "message.timeout.ms": max(1000, int(heartbeat_timeout * 1000)),
+            "message.timeout.ms": wait_ms,
+            "request.timeout.ms": wait_ms,
+            "socket.nagle.disable": True,  # a heartbeat is one tiny request: never held for an ACK
             "log_level": 4,
             "reconnect.backoff.ms": 50,
             "reconnect.backoff.max.ms": 1000,
-            "logger": _QuietReconnects(logs.KafkaLogger("heartbeat-producer")),
+            "logger": logs.KafkaLogger("heartbeat-producer"),
         }
         self._last_pulse = time.monotonic()
         self._in_group_at = time.monotonic()  # last time the consumer had a group member id
@@ -223,6 +199,13 @@ class Neli:
     def start(self) -> Neli:
         self.prepare()
         self._producer = self._make_producer(self._producer_conf)
+        # Connect to the leader topic's broker now rather than at a leadership's first heartbeat,
+        # whose connection set-up (several round trips to a busy broker) would eat into the grace a
+        # new leadership gets. The value is no heartbeat (see _sent_at): every reaper ignores it.
+        try:
+            self._producer.produce(self.topic, value=self.instance + b":connect", partition=0)
+        except BufferError:
+            pass
         self._consumer = self._new_consumer()
         self._thread.start()
         return self
@@ -303,21 +286,34 @@ class Neli:
                 "this process stalled: no resumption for a while", stalled_s=round(returned - self._last_pulse, 3)
             )
         for msg in messages:
-            part = msg.partition()
-            if msg.error() is None and part is not None and 0 <= part < len(self.leases):
-                sent_at = self._sent_at(msg.value())
-                if sent_at is not None:
-                    # A heartbeat vouches for the time it was SENT: one sent before a pause (SIGSTOP,
-                    # a long stall) and read after it must not revive the leadership it outlived.
-                    lease = self.leases[part]
-                    lease.last_heartbeat = max(lease.last_heartbeat, sent_at)
+            if msg.error() is None:
+                self._vouch(msg.partition(), msg.value())
+        producer.poll(0)  # the broker's acknowledgements of heartbeats (_acked), before they are judged
         now = time.monotonic()
         for lease in self.leases:
             if lease.holding:
                 self._beat(lease, now)
-        producer.poll(0)
         self._check_membership(now)
         self._last_pulse = time.monotonic()
+
+    def _vouch(self, partition: int | None, value: bytes | None) -> None:
+        """One of this process's heartbeats reached the broker (acknowledged, or read back): its
+        unit's lease holds until `heartbeat_timeout` after it was SENT. One sent before a pause
+        (SIGSTOP, a long stall) and seen after it must not revive the leadership it outlived."""
+        if partition is None or not 0 <= partition < len(self.leases):
+            return
+        sent_at = self._sent_at(value)
+        if sent_at is not None:
+            lease = self.leases[partition]
+            lease.last_heartbeat = max(lease.last_heartbeat, sent_at)
+
+    def _acked(self, err: KafkaError | None, msg: Message) -> None:
+        """The broker appended a heartbeat: the same evidence as reading it back, one trip through
+        the broker's request queue sooner (reading it back waits for the consumer's next fetch
+        request too, which under load doubled the measured gap and fenced leaders of a slow but
+        reachable broker). Served by producer.poll in this thread."""
+        if err is None:
+            self._vouch(msg.partition(), msg.value())
 
     def _check_membership(self, now: float) -> None:
         """Replace the consumer when it has had no group member id for OUT_OF_GROUP_SESSIONS
@@ -362,7 +358,10 @@ class Neli:
             assert self._producer is not None  # only called from _pulse, after start()
             try:
                 self._producer.produce(
-                    self.topic, value=b"%s:%d" % (self.instance, time.monotonic_ns()), partition=lease.unit
+                    self.topic,
+                    value=b"%s:%d" % (self.instance, time.monotonic_ns()),
+                    partition=lease.unit,
+                    on_delivery=self._acked,
                 )
             except BufferError:
                 pass  # Kafka unreachable for long: the missing heartbeats fence us

@@ -77,9 +77,7 @@ class DeliverySettler:
         self.dead_rows = 0  # rows moved to the dead table
         self._sampled = 0  # only the thread serving the producer's callbacks touches it
         self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._loop, name=f"reaper-settle-{i}", daemon=True) for i in range(workers)
-        ]
+        self._threads = [logs.unit_thread(self._loop, f"reaper-settle-{i}") for i in range(workers)]
 
     def start(self) -> None:
         for t in self._threads:

@@ -23,6 +23,7 @@ import time
 import uuid
 from functools import partial
 
+import structlog
 from confluent_kafka import KafkaException
 from psycopg_pool import ConnectionPool
 
@@ -79,8 +80,9 @@ class UnitHarvester:
         self._stop = threading.Event()
         self._me: uuid.UUID | None = None  # id rows are marked with now
         self._neli_id: uuid.UUID | None = None  # the NELI acquisition it derives from
-        self._thread = threading.Thread(target=self._loop, name="reaper-mark", daemon=True)
-        self._producer_thread = threading.Thread(target=self._produce_loop, name="reaper-produce", daemon=True)
+        with self._context():
+            self._thread = logs.unit_thread(self._loop, "reaper-mark")
+            self._producer_thread = logs.unit_thread(self._produce_loop, "reaper-produce")
         self._batches: queue.Queue = queue.Queue(maxsize=2)  # marked, waiting for the producer thread
         self.upkeep: Upkeep | None = None  # the leader's vacuum and the lane index
         self.remark_backoff = 0.0  # the last back-off taken before a remark (0: progress was made)
@@ -89,10 +91,19 @@ class UnitHarvester:
 
     # ------------------------------------------------------------------ lifecycle
 
+    def _context(self):
+        """This unit's name bound for the structlog lines of every thread made meanwhile (logs.unit_thread)."""
+        return structlog.contextvars.bound_contextvars(unit=self.spec.name)
+
     def start(self, lease: Lease, kafka_cluster: str = "") -> UnitHarvester:
         """Start once, following `lease` (not yet started: NELI starts once every unit is ready) of
         the election on `kafka_cluster` (its id); a stopped unit cannot be started again (LifecycleError)."""
+        with self._context():
+            return self._start(lease, kafka_cluster)
+
+    def _start(self, lease: Lease, kafka_cluster: str) -> UnitHarvester:
         self._life.start()
+        logs.unit_leaders.set(self.spec.name, None, self.spec.index)
         cfg, h, spec = self.cfg, self.h, self.spec
         self.pool = make_pool(spec.dsn, cfg.database.pool_size, name=f"reaper-harvester-{spec.name}")
         store = OutboxStore(self.pool, spec.schema, spec.table, lane=spec.lane, lanes=spec.lanes)
@@ -143,6 +154,7 @@ class UnitHarvester:
         self._stop.set()
         self._thread.join(timeout + 10)
         self._producer_thread.join(timeout + 10)
+        self._release_unproduced()
         drained = True
         if self.publisher is not None:
             drained = self.publisher.drain(max(0.1, timeout))
@@ -153,6 +165,17 @@ class UnitHarvester:
                 )
         return drained
 
+    def _release_unproduced(self) -> None:
+        """Batches still queued once both threads ended (a thread that outlived its join): released,
+        left marked for the next leader, so only records handed to Kafka count as in flight."""
+        while True:
+            try:
+                _, rows, _ = self._batches.get_nowait()
+            except queue.Empty:
+                return
+            if self.publisher is not None:
+                self.publisher.release(len(rows))
+
     def close(self) -> None:
         self._stop.set()
         if self.publisher is not None:
@@ -161,6 +184,7 @@ class UnitHarvester:
             self.upkeep.join(5)
         if self.pool is not None:
             self.pool.close()
+        logs.unit_leaders.forget(self.spec.name)
 
     @property
     def vacuums(self) -> int:
@@ -253,7 +277,7 @@ class UnitHarvester:
                 if self._me is not None:
                     self.log.info("not leading: marking stopped")
                     self._me = self._neli_id = None
-                    logs.leader_context.set(None)
+                    logs.unit_leaders.set(self.spec.name, None)
                 self._stop.wait(0.02)
                 continue
             if neli_id != self._neli_id:
@@ -264,12 +288,12 @@ class UnitHarvester:
                 self._neli_id = neli_id
                 prefix = None
                 self._remark.clear()
-                logs.leader_context.set(self._me)
+                logs.unit_leaders.set(self.spec.name, self._me, self.spec.index)
                 self.log.info("leading: marking from the head")
             elif self._remark.is_set():
                 self._me = uuid.uuid4()
                 self._remark.clear()
-                logs.leader_context.set(self._me)
+                logs.unit_leaders.set(self.spec.name, self._me, self.spec.index)
                 m.force_remarks.inc()
                 # Remarks that repeat with nothing settled in between (a record that fails every
                 # time, Kafka refusing a topic) back off, doubling up to MAX_REMARK_BACKOFF.
@@ -346,6 +370,11 @@ class UnitHarvester:
                 self._stop.wait(h.idle_poll_interval)
                 continue
             m.marked.inc(len(rows))
+            if self._stop.is_set():
+                # Marked after the stop: left marked for the next leader (whose new id marks them
+                # again), not queued, so the drain never waits for rows nothing will produce.
+                self.log.info("stopping: a batch marked meanwhile is left for the next leader", rows=len(rows))
+                continue
             pub.reserve(len(rows))  # marked rows count as in flight until settled or dropped
             while True:
                 try:
@@ -370,7 +399,9 @@ class UnitHarvester:
         h, m, pub = self.h, self.m, self.publisher
         assert pub is not None and self.neli is not None  # start() set them first
         carry = None  # a batch taken while gathering that belongs to a newer id
-        while not (self._stop.is_set() and self._batches.empty() and carry is None):
+        # Ends only after the marker has: a batch it queued after the stop is released here
+        # (see _valid), never left reserved with no thread to take it.
+        while not (self._stop.is_set() and not self._thread.is_alive() and self._batches.empty() and carry is None):
             if carry is not None:
                 (me, rows, started, prefix), carry = carry, None
             else:

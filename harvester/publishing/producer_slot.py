@@ -25,11 +25,13 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, KafkaException
 
 from harvester import logs
 from harvester.publishing.ports import ProducerFactory, ProducerLike
@@ -70,7 +72,7 @@ class ProducerSlot:
         self.used = False  # a producer of the set got a record, or began or initialised a transaction
         self.producers: tuple[ProducerLike, ...] = self._new_set()
         self.current: ProducerLike = self.producers[0]
-        self._thread = threading.Thread(target=self._poll_loop, name="reaper-poll", daemon=True)
+        self._thread = logs.unit_thread(self._poll_loop, "reaper-poll")
 
     def _new_set(self) -> tuple[ProducerLike, ...]:
         made = []
@@ -78,9 +80,11 @@ class ProducerSlot:
             conf = dict(self._conf)
             if i:  # '#' is refused in configured ids, so no other unit's id can be one of these
                 conf["transactional.id"] = self.transactional_id(i)
-            conf["error_cb"] = self._on_error
-            conf.setdefault("logger", logs.KafkaLogger("producer"))
-            made.append(self._factory(conf))
+            cell: list[ProducerLike] = []  # the producer, once made: its callbacks know whose they are
+            conf["error_cb"] = partial(self._on_error, cell)
+            conf["logger"] = _RetiredQuiet(conf.get("logger") or logs.KafkaLogger("producer"), cell, self)
+            cell.append(self._factory(conf))
+            made.append(cell[0])
         return tuple(made)
 
     def start(self) -> None:
@@ -158,7 +162,15 @@ class ProducerSlot:
 
     # ------------------------------------------------------------------ serving callbacks
 
-    def _on_error(self, err: KafkaError) -> None:
+    def is_retired(self, producer: ProducerLike | None) -> bool:
+        return producer is not None and not any(producer is p for p in self.producers)
+
+    def _on_error(self, cell: list[ProducerLike], err: KafkaError) -> None:
+        if self.is_retired(cell[0] if cell else None):
+            # Its records were purged on purpose (queued and in flight): librdkafka's gap-less
+            # guarantee reports that as fatal, about a producer that gets nothing more anyway.
+            self._log.info("retired producer reported an error after its retirement", error=str(err))
+            return
         if err.fatal():
             self.broken = True
             self._log.error("fatal producer error", error=str(err))
@@ -174,12 +186,12 @@ class ProducerSlot:
             try:
                 with self.serving:
                     current = self.current
-                    current.poll(0.002 if time.monotonic() < self._busy_until else 0.02)
+                    self._poll(current, 0.002 if time.monotonic() < self._busy_until else 0.02)
                     for other in self.producers:
                         if other is not current:
-                            other.poll(0)
+                            self._poll(other, 0)
                     for old in self.retiring:
-                        old.poll(0)
+                        self._poll(old, 0)
                         if len(old) == 0:
                             with self._retiring_lock:
                                 self._retiring.remove(old)
@@ -187,6 +199,16 @@ class ProducerSlot:
                 self._log.error("producer poll failed", error=str(exc))
                 time.sleep(0.1)
             self._after_poll()
+
+    def _poll(self, producer: ProducerLike, timeout: float) -> None:
+        try:
+            producer.poll(timeout)
+        except KafkaException as exc:
+            if not self.is_retired(producer):
+                raise
+            # Records purged in flight: the gap-less guarantee's fatal error, raised by the poll of
+            # a producer retired meanwhile (perhaps while this very poll waited). Expected.
+            self._log.info("retired producer reported an error after its retirement", error=str(exc))
 
     def close(self, timeout: float = 5.0) -> None:
         """Drop whatever is still queued, serve the last reports, stop the poll thread."""
@@ -200,3 +222,17 @@ class ProducerSlot:
             time.sleep(0.01)  # the poll thread serves the purged reports
         self._stop.set()
         self._thread.join(timeout)
+
+
+class _RetiredQuiet:
+    """A producer's librdkafka log: once the producer is retired, its error lines (the gap-less
+    guarantee's FATAL about records purged in flight) are warnings, not errors: expected, and about
+    a producer that gets nothing more."""
+
+    def __init__(self, inner, cell: list[ProducerLike], slot: ProducerSlot) -> None:
+        self._inner, self._cell, self._slot = inner, cell, slot
+
+    def log(self, level: int, fmt: str, *args) -> None:
+        if level > logging.WARNING and self._slot.is_retired(self._cell[0] if self._cell else None):
+            level = logging.WARNING
+        self._inner.log(level, fmt, *args)

@@ -24,13 +24,14 @@ Contract: as harvester.publishing.idempotent's strategy, and moreover:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from functools import partial
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException
 
 from harvester import logs
 from harvester.metrics import MetricsLike
@@ -51,6 +52,42 @@ TXN_PRODUCERS = 2
 TXN_INIT_TIMEOUT = 30.0  # init_transactions waits for the fenced producer's transaction to be aborted
 TXN_COMMIT_TIMEOUT = 30.0  # also bounds the wait for a transaction's last acknowledgements
 TXN_ABORT_TIMEOUT = 10.0
+
+
+# What an init_transactions failure means, by error code: the hint must name the actual cause.
+_REFUSED = frozenset(
+    {
+        KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    }
+)
+_NOT_READY = frozenset(
+    {
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.CONCURRENT_TRANSACTIONS,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError._TIMED_OUT,
+        KafkaError._TRANSPORT,
+        KafkaError._ALL_BROKERS_DOWN,
+    }
+)
+
+
+def init_failure(err: object) -> tuple[str, str]:
+    """(log level, event) for an init_transactions failure `err` (a KafkaError, or anything else)."""
+    code = err.code() if isinstance(err, KafkaError) else None
+    if code in _REFUSED:
+        return "error", "init_transactions refused: the principal needs Write and Describe on each TransactionalId"
+    if code in _NOT_READY or (isinstance(err, KafkaError) and err.retriable()):
+        return (
+            "warning",
+            "init_transactions not done yet: the transaction coordinator is loading, moving or unreachable; "
+            "retried, nothing is published meanwhile",
+        )
+    return "error", "init_transactions failed: nothing is published until every producer of the set is initialised"
 
 
 class TransactionalStrategy:
@@ -158,9 +195,10 @@ class TransactionalStrategy:
             try:
                 each.init_transactions(left)
             except KafkaException as exc:
-                self._log.error(
-                    "init_transactions failed: nothing is published until every producer of the set is "
-                    "initialised (the principal needs Write and Describe on each TransactionalId)",
+                level, event = init_failure(exc.args[0] if exc.args else exc)
+                self._log.log(
+                    logging.ERROR if level == "error" else logging.WARNING,
+                    event,
                     transactional_id=self.slot.transactional_id(index),
                     error=str(exc),
                 )

@@ -5,13 +5,19 @@ rewritten to the proxy's port, so every connection of that client goes through i
 same host). `swallow()` makes the proxy read and discard everything in both directions without
 closing anything: requests the client has written count as sent (in flight) and never reach the
 broker, and no response comes back, like packets dropped by a partition. `heal()` forwards again.
+`down()` is a stopped broker (connections closed, new ones refused) until `up()`.
+`slow(seconds)` instead holds every request on its way to the broker for that long (each from the
+time it arrived, so they do not queue behind one another): a broker that answers late, as one
+whose request queue is long under load.
 """
 
 from __future__ import annotations
 
+import queue
 import socket
 import struct
 import threading
+import time
 
 
 class BlackholeProxy:
@@ -28,9 +34,11 @@ class BlackholeProxy:
         self._find = host.encode() + struct.pack(">i", int(port))
         self._repl = host.encode() + struct.pack(">i", self.port)
         self._swallow = threading.Event()
+        self.delay = 0.0  # seconds each request is held on its way to the broker (see slow())
         self._closed = threading.Event()
         self._socks: list[socket.socket] = []
         self.swallowed_bytes = 0
+        self.produced_bytes = 0  # Produce requests (API key 0) forwarded to the broker
         threading.Thread(target=self._accept, daemon=True).start()
 
     def swallow(self) -> None:
@@ -38,6 +46,27 @@ class BlackholeProxy:
 
     def heal(self) -> None:
         self._swallow.clear()
+        self.delay = 0.0
+
+    def slow(self, seconds: float) -> None:
+        self.delay = seconds
+
+    def down(self) -> None:
+        """Close every connection and refuse new ones (the port stays this proxy's)."""
+        self._srv.close()
+        for s in self._socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+        self._socks = []
+
+    def up(self) -> None:
+        self._srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._srv.bind((self.upstream[0], self.port))
+        self._srv.listen(16)
+        threading.Thread(target=self._accept, daemon=True).start()
 
     def close(self) -> None:
         self._closed.set()
@@ -48,9 +77,10 @@ class BlackholeProxy:
                 pass
 
     def _accept(self) -> None:
+        srv = self._srv
         while not self._closed.is_set():
             try:
-                client, _ = self._srv.accept()
+                client, _ = srv.accept()
             except OSError:
                 return
             try:
@@ -73,6 +103,8 @@ class BlackholeProxy:
         return buf
 
     def _pump(self, src: socket.socket, dst: socket.socket, from_broker: bool) -> None:
+        frames: queue.Queue = queue.Queue()
+        threading.Thread(target=self._forward, args=(frames, src, dst), daemon=True).start()
         try:
             while not self._closed.is_set():
                 # Kafka frames: int32 size, then the body. Whole frames are forwarded or swallowed.
@@ -83,8 +115,23 @@ class BlackholeProxy:
                     continue
                 if from_broker:
                     body = body.replace(self._find, self._repl)
-                dst.sendall(size + body)
+                if not from_broker and body[:2] == b"\x00\x00":
+                    self.produced_bytes += len(body)
+                due = time.monotonic() + (0.0 if from_broker else self.delay)
+                frames.put((due, size + body))
         except (OSError, ConnectionError):
+            pass
+        frames.put(None)
+
+    def _forward(self, frames: queue.Queue, src: socket.socket, dst: socket.socket) -> None:
+        """Sends each frame at its due time, in order."""
+        try:
+            while (item := frames.get()) is not None:
+                due, frame = item
+                if (wait := due - time.monotonic()) > 0:
+                    time.sleep(wait)
+                dst.sendall(frame)
+        except OSError:
             pass
         finally:
             for s in (src, dst):

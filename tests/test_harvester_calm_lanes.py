@@ -1,0 +1,59 @@
+"""Leaders of lanes stay calm under load: no spontaneous fence while Kafka and the database answer.
+
+Three `reaper run` processes harvest one outbox in three lanes on the real Postgres and Kafka
+while writers commit rows; no fault is injected, so every fence would be spontaneous. (How load
+fenced them, a broker whose request queue is long, is reproduced deterministically by
+tests/test_harvester_neli_slow_broker.py; this one checks the whole process under real load.)
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+from support.harness import Generator, env_for, make_config, outbox_count, wait_until
+from support.reaper import ReaperProcess, stop_all
+
+LANES = 3
+RATE = 8000
+HB = 1.0
+FENCE = "no heartbeat within heartbeat_timeout: fencing"
+
+
+@pytest.mark.xdist_group("reaper-failover")
+def test_leaders_of_lanes_do_not_fence_themselves_under_load(pg_dsn, kafka_bootstrap, schema, topics, tmp_path):
+    topic = topics("data", partitions=6)
+    cfg = make_config(
+        pg_dsn,
+        schema,
+        kafka_bootstrap,
+        leader_topic=topics("leader", partitions=LANES),
+        harvester={"heartbeat_timeout": HB, "session_timeout": 3 * HB, "drain_timeout": 10.0},
+    )
+    env = {**env_for(cfg), "REAPER_HARVESTER__LANES": str(LANES)}
+    procs = [ReaperProcess(env, tmp_path / f"r{i}.log") for i in range(3)]
+    gens = [Generator(pg_dsn, schema, topic, keys=300, per_txn=200) for _ in range(2)]
+    try:
+        led = lambda: sum(1 for p in procs for e in p.events() if e.get("event") == "neli leader")  # noqa: E731
+        assert wait_until(lambda: led() >= LANES, 60)
+        for g in gens:
+            g.start(rate_per_s=RATE)
+        wait_until(lambda: False, 30)
+        for g in gens:
+            g.stop()
+        assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 120)
+    finally:
+        stop_all(procs)
+    lines = collections.Counter()
+    for p in procs:
+        for e in p.events():
+            msg = e.get("message", "")
+            if e.get("event") == FENCE:
+                lines["fence"] += 1
+            elif "REQTMOUT" in msg:
+                lines["reqtmout " + e.get("client", "?")] += 1
+            elif e.get("level") in ("warning", "error"):
+                lines[e.get("level") + " " + e.get("event", "")[:60]] += 1
+    print(json.dumps({"rows": sum(len(g.committed) for g in gens), **lines}))
+    assert lines["fence"] == 0, lines

@@ -1,0 +1,72 @@
+"""A retired producer's own errors (librdkafka reports records purged in flight under the gap-less
+guarantee as a fatal error, an expected consequence of the retirement) neither mark the producer
+slot broken nor retire its new producers; a fatal error of a current producer still does.
+
+The producers are real librdkafka clients on the real Kafka; the error is handed to the error
+callback each one was configured with, as librdkafka's poll would."""
+
+from __future__ import annotations
+
+import time
+
+from confluent_kafka import KafkaError, Producer
+from support.blackhole import BlackholeProxy
+from support.harness import wait_until
+from support.json_log import events, json_log
+
+from harvester.publishing.producer_slot import ProducerSlot
+from harvester.publishing.publisher import producer_config
+
+GAPLESS = KafkaError(KafkaError._GAPLESS_GUARANTEE, "purged in flight: gap-less guarantee", fatal=True)
+
+
+class _Made:
+    """The factory: real producers, remembering each one's configuration."""
+
+    def __init__(self) -> None:
+        self.confs: list[dict] = []
+
+    def __call__(self, conf: dict) -> Producer:
+        self.confs.append(conf)
+        return Producer(conf)
+
+
+def test_a_retired_producers_fatal_error_leaves_the_new_one_alone(kafka_bootstrap):
+    made, fatal = _Made(), []
+    slot = ProducerSlot({"bootstrap.servers": kafka_bootstrap}, made, on_fatal=fatal.append)
+    slot.start()
+    slot.used = True
+    assert slot.retire("test")
+    old_conf, new_conf = made.confs
+    old_conf["error_cb"](GAPLESS)
+    assert not slot.broken and fatal == [] and slot.retired == 1
+    new_conf["error_cb"](GAPLESS)  # the current producer's: that one is broken
+    assert slot.broken and fatal == ["fatal producer error"]
+    slot.close(1)
+
+
+def test_a_retired_producer_whose_purged_requests_are_answered_logs_no_error(kafka_bootstrap, topics):
+    """Records in flight when their producer is retired, answered afterwards: librdkafka reports
+    the purge as a fatal gap-less error from the retired producer's poll. That is expected, an
+    info line, and the retired producer still leaves once its reports are served."""
+    topic = topics("data", partitions=1)
+    proxy = BlackholeProxy(kafka_bootstrap)
+    conf = producer_config(proxy.address, {}, {})
+    with json_log() as out:
+        slot = ProducerSlot(conf, Producer)
+        slot.start()
+        try:
+            old = slot.current
+            proxy.slow(0.5)  # every request answered, late: the first produce request is in flight a while
+            for i in range(2000):
+                slot.send(old, (topic, b"v%d" % i, b"k"))
+            assert wait_until(lambda: proxy.produced_bytes > 0, 20), "no produce request was sent"
+            assert slot.retire("test")
+            assert wait_until(lambda: old not in slot.retiring, 20), len(old)
+        finally:
+            slot.close(2)
+            proxy.close()
+        logged = events(out)
+    errors = [e for e in logged if e["level"] == "error"]
+    assert errors == [], errors
+    assert not slot.broken
