@@ -10,8 +10,10 @@ Against the local Postgres and Kafka (OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP, else th
   failover     publication gap after SIGKILL and after SIGTERM of the leader (reaper subprocesses)
   units        1 unit on 1 reaper vs 2 lanes on 2 reapers, same run: rates, ratio, reaper CPU µs per record
                (bench/harvest_units.py)
-  fenced       commit -> Kafka p50/p99 at 2,000 rec/s, unfenced and with transactions, same run
-               (bench/harvest_latency.py)
+  fenced       commit -> Kafka p50/p99 at 2,000 rec/s, unfenced and with transactions, and the Kafka
+               floor (a bare idempotent producer, bare transactional ones), alternated in each
+               round; p99 ratios round by round, and where a row's time goes per phase
+               (bench/harvest_latency.py, bench/fenced_floor.py)
   recovery     publishing resumes how long after a restarted Kafka / Postgres answers again
                (private service instances; bench/harvest_recovery.py)
 
