@@ -313,30 +313,6 @@ def test_an_abort_raises_the_remark_before_the_next_batch_can_be_produced(pg_dsn
         assert pub.txn_aborted == 1 and led.failures, "aborted without a remark: the next batch of this id may go out"
 
 
-def test_the_commit_serves_its_own_delivery_reports_and_purges_only_after_it(pg_dsn, kafka_bootstrap, schema, topics):
-    """commit_transaction() follows the produce loop on the producing thread and serves the
-    transaction's delivery reports itself, so EndTxn goes out as soon as the last record is
-    acknowledged, with no hand-over to the poll thread and back (here the poll thread stands aside
-    throughout: had the commit waited for it, the transaction would time out and abort)."""
-    topic = topics("data", partitions=PARTITIONS)
-    values = [b"row-%d" % i for i in range(60)]
-    with _paused_leader(pg_dsn, kafka_bootstrap, schema, topic, values, keys=7) as led:
-        pub = led.pub
-        pub.slot._polls_held.set()
-        try:
-            assert outbox_count(pg_dsn, schema) == len(values)  # open transaction: nothing purged yet
-            pub.strategy.finish(pub.producer, lambda: time.monotonic() + 60)
-        finally:
-            pub.slot._polls_held.clear()
-        assert (pub.txn_committed, pub.txn_aborted) == (1, 0)
-        assert not led.failures
-        assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0 and pub.in_flight == 0, 30), (
-            outbox_count(pg_dsn, schema),
-            pub.in_flight,
-        )
-    assert sorted(_read_all(kafka_bootstrap, topic, expect_at_least=len(values))) == sorted(values)
-
-
 class _Recording:
     """A real producer that logs (call, transactional id) for the calls the order rests on."""
 
