@@ -4,7 +4,9 @@
     python -m bench.fenced_variants SECONDS ROUNDS NAME...
 
 NAME: unfenced, fenced, fenced_idle1ms (harvester.idle_poll_interval 1 ms), fenced_3prod (three
-producers in turn), fenced_nagle (Nagle's algorithm on), bare_idem, bare_txn2 (bench/fenced_floor.py).
+producers in turn), fenced_nagle (Nagle's algorithm on), fenced_switch5ms / fenced_switch0.1ms (the
+process's thread switch interval instead of `reaper run`'s 0.5 ms), bare_idem, bare_txn2
+(bench/fenced_floor.py).
 The last line is JSON: every run, and each variant's p99 over the first variant's, round by round.
 """
 
@@ -38,6 +40,15 @@ def _three_producers(seconds: float) -> dict:
         publisher.TXN_PRODUCERS = saved
 
 
+def _switch(seconds: float, interval: float) -> dict:
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    try:
+        return bench_latency(seconds, RATE, **_tid())
+    finally:
+        sys.setswitchinterval(saved)
+
+
 def _bare(seconds: float, producers: int) -> dict:
     env = Env()
     try:
@@ -52,6 +63,8 @@ VARIANTS: dict[str, Callable[[float], dict]] = {
     "fenced_idle1ms": lambda s: bench_latency(s, RATE, idle_poll_interval=0.001, **_tid()),
     "fenced_3prod": _three_producers,
     "fenced_nagle": lambda s: bench_latency(s, RATE, kafka_producer={"socket.nagle.disable": False}, **_tid()),
+    "fenced_switch5ms": lambda s: _switch(s, 0.005),
+    "fenced_switch0.1ms": lambda s: _switch(s, 0.0001),
     "bare_idem": lambda s: _bare(s, 0),
     "bare_txn2": lambda s: _bare(s, 2),
 }

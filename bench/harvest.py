@@ -419,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--sustained-rate", type=float, default=20000.0, help="rows/s the writer offers")
     ap.add_argument("--sustained-seconds", type=float, help="override the sustained run's length")
+    ap.add_argument("--fenced-seconds", type=float, help="fenced: seconds per measurement (default 30; 8 with --quick)")
+    ap.add_argument("--fenced-rounds", type=int, help="fenced: rounds (default 2; 1 with --quick)")
     ap.add_argument(
         "--vacuum-interval",
         type=float,
@@ -450,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--pairs must be at least 1")
     if args.rows is not None and args.rows < 1:
         ap.error("--rows must be at least 1")
+    if args.fenced_rounds is not None and args.fenced_rounds < 1:
+        ap.error("--fenced-rounds must be at least 1")
+    if args.fenced_seconds is not None and args.fenced_seconds <= 0:
+        ap.error("--fenced-seconds must be positive")
     overrides = {}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -510,7 +516,12 @@ def main(argv: list[str] | None = None) -> int:
     if "fenced" in want:
         from bench.harvest_latency import bench_fenced
 
-        result["fenced"] = bench_fenced(8 if q else 30, 2000.0, rounds=1 if q else 2, **overrides)
+        result["fenced"] = bench_fenced(
+            args.fenced_seconds or (8 if q else 30),
+            2000.0,
+            rounds=args.fenced_rounds or (1 if q else 2),
+            **overrides,
+        )
         say(json.dumps(result["fenced"]))
     if "recovery" in want:
         from bench.harvest_recovery import bench_recovery
