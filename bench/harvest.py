@@ -10,8 +10,10 @@ Against the local Postgres and Kafka (OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP, else th
   failover     publication gap after SIGKILL and after SIGTERM of the leader (reaper subprocesses)
   units        1 unit on 1 reaper vs 2 lanes on 2 reapers, same run: rates, ratio, reaper CPU µs per record
                (bench/harvest_units.py)
-  fenced       commit -> Kafka p50/p99 at 2,000 rec/s, unfenced and with transactions, same run
-               (bench/harvest_latency.py)
+  fenced       commit -> Kafka p50/p99 at 2,000 rec/s, unfenced and with transactions, and the Kafka
+               floor (a bare idempotent producer, bare transactional ones), alternated in each
+               round; p99 ratios round by round, and where a row's time goes per phase
+               (bench/harvest_latency.py, bench/fenced_floor.py)
   recovery     publishing resumes how long after a restarted Kafka / Postgres answers again
                (private service instances; bench/harvest_recovery.py)
 
@@ -417,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--sustained-rate", type=float, default=20000.0, help="rows/s the writer offers")
     ap.add_argument("--sustained-seconds", type=float, help="override the sustained run's length")
+    ap.add_argument("--fenced-seconds", type=float, help="fenced: seconds per measurement (default 30; 8 with --quick)")
+    ap.add_argument("--fenced-rounds", type=int, help="fenced: rounds (default 2; 1 with --quick)")
     ap.add_argument(
         "--vacuum-interval",
         type=float,
@@ -448,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--pairs must be at least 1")
     if args.rows is not None and args.rows < 1:
         ap.error("--rows must be at least 1")
+    if args.fenced_rounds is not None and args.fenced_rounds < 1:
+        ap.error("--fenced-rounds must be at least 1")
+    if args.fenced_seconds is not None and args.fenced_seconds <= 0:
+        ap.error("--fenced-seconds must be positive")
     overrides = {}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -508,7 +516,12 @@ def main(argv: list[str] | None = None) -> int:
     if "fenced" in want:
         from bench.harvest_latency import bench_fenced
 
-        result["fenced"] = bench_fenced(8 if q else 30, 2000.0, rounds=1 if q else 2, **overrides)
+        result["fenced"] = bench_fenced(
+            args.fenced_seconds or (8 if q else 30),
+            2000.0,
+            rounds=args.fenced_rounds or (1 if q else 2),
+            **overrides,
+        )
         say(json.dumps(result["fenced"]))
     if "recovery" in want:
         from bench.harvest_recovery import bench_recovery

@@ -16,7 +16,8 @@ import uuid
 import psycopg
 from prometheus_client import CollectorRegistry
 
-from bench.harvest import DSN, VALUE, Env
+from bench.fenced_floor import Phases, bare
+from bench.harvest import BOOTSTRAP, DSN, VALUE, Env
 from harvester.metrics import HarvesterMetrics
 from harvester.units import Harvester
 
@@ -63,6 +64,7 @@ def bench_latency(seconds: float, rate: float, kafka_producer: dict | None = Non
                 super().extend(items)
 
         h.publisher.settler.reports = Stamped()  # nothing has been produced yet
+        phases = Phases(h.unit, commit_seconds)
         committed: dict[int, float] = {}
         per_txn = 10
         ins = (
@@ -112,6 +114,7 @@ def bench_latency(seconds: float, rate: float, kafka_producer: dict | None = Non
                 }
             )[:20],
         }
+        out["breakdown"] = phases.breakdown(committed, acked)
         strategy = h.publisher.strategy
         if h.publisher.transactional and len(commit_seconds) >= 2:
             c = statistics.quantiles(commit_seconds, n=100)
@@ -131,33 +134,43 @@ def bench_latency(seconds: float, rate: float, kafka_producer: dict | None = Non
 
 
 def bench_fenced(seconds: float, rate: float, rounds: int = 2, **harvester) -> dict:
-    """Unfenced and transactional latency, alternated in the same run, and the transactional
-    publishing as it was before 24 November 2026 (one producer, linger.ms 2, Nagle on) as a baseline."""
-    from harvester.publishing import publisher as publish
-
-    plain, fenced, before = [], [], []
+    """Unfenced and transactional latency, and the machine's Kafka floor (bench/fenced_floor.py: a
+    bare idempotent producer, a bare transactional one, two in turn), alternated in each round.
+    Ratios are taken round by round (same minutes of the same run), then summarised."""
+    plain, fenced, floor_idem, floor_txn, floor_txn2 = [], [], [], [], []
     for _ in range(rounds):
+        env = Env()
+        try:
+            floor_idem.append(bare(BOOTSTRAP, env.topic, seconds, rate))
+            floor_txn.append(bare(BOOTSTRAP, env.topic, seconds, rate, producers=1))
+            floor_txn2.append(bare(BOOTSTRAP, env.topic, seconds, rate, producers=2))
+        finally:
+            env.drop()
         plain.append(bench_latency(seconds, rate, **harvester))
         fenced.append(
             bench_latency(seconds, rate, **{**harvester, "transactional_id": f"bench-{uuid.uuid4().hex[:8]}"})
         )
-        saved, publish.TXN_PRODUCERS = publish.TXN_PRODUCERS, 1
-        try:
-            before.append(
-                bench_latency(
-                    seconds,
-                    rate,
-                    kafka_producer={"linger.ms": 2, "socket.nagle.disable": False},
-                    **{**harvester, "transactional_id": f"bench-{uuid.uuid4().hex[:8]}"},
-                )
-            )
-        finally:
-            publish.TXN_PRODUCERS = saved
+
+    def ratios(a: list[dict], b: list[dict]) -> list[float]:
+        return [round(x["p99_ms"] / y["p99_ms"], 2) for x, y in zip(a, b)]
+
     fenced_p99 = max(r["p99_ms"] for r in fenced)
     return {
         "unfenced": plain,
         "fenced": fenced,
-        "fenced_one_producer_linger_2ms": before,
+        "floor": {"idempotent": floor_idem, "transactional": floor_txn, "transactional_two_in_turn": floor_txn2},
+        "p99_ratio": {
+            "fenced_over_unfenced": ratios(fenced, plain),
+            "fenced_over_bare_transactional": ratios(fenced, floor_txn2),
+            "bare_transactional_over_bare_idempotent": ratios(floor_txn2, floor_idem),
+            "unfenced_over_bare_idempotent": ratios(plain, floor_idem),
+        },
+        "p99_excess_ms": {
+            "fenced_minus_unfenced": [round(x["p99_ms"] - y["p99_ms"], 2) for x, y in zip(fenced, plain)],
+            "fenced_minus_bare_transactional": [
+                round(x["p99_ms"] - y["p99_ms"], 2) for x, y in zip(fenced, floor_txn2)
+            ],
+        },
         "goal_fenced_p99_ms": 25,
         "fenced_p99_ms": fenced_p99,
         "unfenced_p99_ms": max(r["p99_ms"] for r in plain),

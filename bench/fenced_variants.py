@@ -1,0 +1,96 @@
+"""Fenced publishing variants alternated within one run (order reversed every other round), at
+2,000 rec/s, each SECONDS long (bench/harvest_latency.py), the machine's Kafka floor among them:
+
+    python -m bench.fenced_variants SECONDS ROUNDS NAME...
+
+NAME: unfenced, fenced, fenced_idle1ms (harvester.idle_poll_interval 1 ms), fenced_3prod (three
+producers in turn), fenced_nagle (Nagle's algorithm on), fenced_switch5ms / fenced_switch0.1ms (the
+process's thread switch interval instead of `reaper run`'s 0.5 ms), bare_idem, bare_txn2
+(bench/fenced_floor.py).
+The last line is JSON: every run, and each variant's p99 over the first variant's, round by round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import uuid
+from collections.abc import Callable
+
+from bench.fenced_floor import bare
+from bench.harvest import BOOTSTRAP, Env
+from bench.harvest_latency import bench_latency
+from harvester import logs
+from harvester.publishing import publisher
+from harvester.run import tune_process
+
+RATE = 2000.0
+
+
+def _tid() -> dict:
+    return {"transactional_id": f"bench-{uuid.uuid4().hex[:8]}"}
+
+
+def _three_producers(seconds: float) -> dict:
+    saved, publisher.TXN_PRODUCERS = publisher.TXN_PRODUCERS, 3
+    try:
+        return bench_latency(seconds, RATE, **_tid())
+    finally:
+        publisher.TXN_PRODUCERS = saved
+
+
+def _switch(seconds: float, interval: float) -> dict:
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    try:
+        return bench_latency(seconds, RATE, **_tid())
+    finally:
+        sys.setswitchinterval(saved)
+
+
+def _bare(seconds: float, producers: int) -> dict:
+    env = Env()
+    try:
+        return bare(BOOTSTRAP, env.topic, seconds, RATE, producers=producers)
+    finally:
+        env.drop()
+
+
+VARIANTS: dict[str, Callable[[float], dict]] = {
+    "unfenced": lambda s: bench_latency(s, RATE),
+    "fenced": lambda s: bench_latency(s, RATE, **_tid()),
+    "fenced_idle1ms": lambda s: bench_latency(s, RATE, idle_poll_interval=0.001, **_tid()),
+    "fenced_3prod": _three_producers,
+    "fenced_nagle": lambda s: bench_latency(s, RATE, kafka_producer={"socket.nagle.disable": False}, **_tid()),
+    "fenced_switch5ms": lambda s: _switch(s, 0.005),
+    "fenced_switch0.1ms": lambda s: _switch(s, 0.0001),
+    "bare_idem": lambda s: _bare(s, 0),
+    "bare_txn2": lambda s: _bare(s, 2),
+}
+
+
+def main(argv: list[str]) -> int:
+    logs.configure("json", "warning")
+    tune_process()
+    seconds, rounds, names = float(argv[0]), int(argv[1]), argv[2:]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown or not names:
+        print(f"unknown variants {unknown}; known: {sorted(VARIANTS)}", file=sys.stderr)
+        return 2
+    out: dict[str, list[dict]] = {n: [] for n in names}
+    loads = []
+    for r in range(rounds):
+        loads.append(round(os.getloadavg()[0], 2))
+        for n in names if r % 2 == 0 else names[::-1]:
+            res = VARIANTS[n](seconds)
+            out[n].append(res)
+            print(f"[fenced_variants] {n} p50 {res['p50_ms']} ms p99 {res['p99_ms']} ms", file=sys.stderr, flush=True)
+    ref = names[0]
+    ratios = {n: [round(a["p99_ms"] / b["p99_ms"], 2) for a, b in zip(out[n], out[ref])] for n in names[1:]}
+    print(json.dumps({"runs": out, f"p99_over_{ref}": ratios, "load1_at_round_start": loads}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
