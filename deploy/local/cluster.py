@@ -469,6 +469,13 @@ def pg_up() -> None:
         psql(primary, f"CREATE DATABASE {base.PG_DB}")
     if not base.first_use.is_complete(pg_data(standby)):
         pg_basebackup(standby, primary)
+    elif not (pg_data(standby) / "standby.signal").exists() or not (
+        in_recovery(standby) is None or streaming(primary, standby)
+    ):
+        # an old primary never rejoined (it must not start as a second primary), or a standby
+        # that does not follow this primary's timeline
+        pg_stop(standby, "immediate")
+        pg_basebackup(standby, primary)
     pg_start(standby)
     wait_streaming(primary, standby)
     make_synchronous(primary)
@@ -519,6 +526,7 @@ def up() -> None:
     DIR.mkdir(parents=True, exist_ok=True)
     pg_up()
     for n in NODES:
+        broker_signal(n, signal.SIGCONT)  # one left paused by a test
         broker_start(n, wait=False)
     wait_brokers(NODES)
 
