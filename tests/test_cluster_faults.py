@@ -130,22 +130,27 @@ def test_kill_the_broker_leading_the_outbox_partitions(cluster, load):
     leaders = cluster.topic_leaders(run.topic)
     victim = max(set(leaders.values()), key=list(leaders.values()).count)
     cluster.kill_broker(victim)
-    _steady(run, 8)
+    _steady(run, 6)
     cluster.start_broker(victim)
-    _steady(run, 4)
+    _steady(run, 3)
     run.check()
 
 
 def test_promote_the_standby_under_load_then_the_old_primary_rejoins(cluster, load):
     run = load(1)
-    _steady(run, 4)
+    _steady(run, 3)
     old = cluster.primary()
-    cluster.pg_kill(old)
+    cluster.pg_kill(old)  # a crash: the promotion follows it
     cluster.promote()
-    _steady(run, 6)
+    _steady(run, 5)
     cluster.rejoin()  # the old primary follows as the synchronous standby again
-    _steady(run, 4)
+    _steady(run, 3)
     run.check()
+    # every connection followed the promotion: the reapers stop cleanly, nothing left hanging
+    for r in run.reapers:
+        r.signal(signal.SIGTERM)
+    codes = [r.wait(30) for r in run.reapers]
+    assert codes == [0, 0], (codes, [r.log_path.read_text()[-2000:] for r in run.reapers])
 
 
 def test_kill_the_active_controller_with_lanes(cluster, load):
@@ -164,7 +169,7 @@ def test_rolling_restart_of_all_three_brokers(cluster, load):
     _steady(run, 3)
     for n in (1, 2, 3):
         cluster.stop_broker(n)
-        _steady(run, 2)
+        _steady(run, 1)
         cluster.start_broker(n)
         topics = [run.topic, run.item_topic]
         assert cluster.wait_in_sync(topics, 60), f"broker {n} did not catch up"
@@ -178,9 +183,9 @@ def test_cut_one_broker_off_with_lanes(cluster, load):
     leaders = cluster.topic_leaders(run.topic)
     victim = max(set(leaders.values()), key=list(leaders.values()).count)
     cluster.pause_broker(victim)  # alive but silent: no connection is refused, none answers
-    _steady(run, 8)
+    _steady(run, 6)
     cluster.resume_broker(victim)
-    _steady(run, 4)
+    _steady(run, 3)
     run.check()
 
 
@@ -192,16 +197,3 @@ def test_promote_the_standby_with_lanes(cluster, load):
     cluster.rejoin()
     _steady(run, 3)
     run.check()
-
-
-def test_reapers_of_the_promotion_stay_up(cluster, load):
-    """A reaper SIGTERMed after a promotion exits cleanly: its connections followed the promotion."""
-    run = load(1)
-    _steady(run, 3)
-    cluster.promote()
-    _steady(run, 5)
-    run.check()
-    for r in run.reapers:
-        r.signal(signal.SIGTERM)
-    codes = [r.wait(30) for r in run.reapers]
-    assert codes == [0, 0], (codes, [r.log_path.read_text()[-2000:] for r in run.reapers])
