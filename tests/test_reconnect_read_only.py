@@ -17,7 +17,7 @@ from harvester.db_pool import make_pool, needs_new_connection
 from harvester.services.claim_settler import ClaimSettler
 
 READ_ONLY = "SET default_transaction_read_only = on"
-INSERT = 'INSERT INTO "{}".outbox (topic, key, value) VALUES (\'t\', NULL, NULL)'
+INSERT = "INSERT INTO \"{}\".outbox (topic, key, value) VALUES ('t', NULL, NULL)"
 
 
 def test_only_errors_of_the_server_side_ask_for_a_new_connection(pg_dsn, schema):
@@ -26,7 +26,7 @@ def test_only_errors_of_the_server_side_ask_for_a_new_connection(pg_dsn, schema)
         with pytest.raises(errors.ReadOnlySqlTransaction) as ro:
             conn.execute(INSERT.format(schema))
         with pytest.raises(errors.UndefinedTable) as other:
-            conn.execute('SELECT * FROM "{}".no_such_table'.format(schema))
+            conn.execute(f'SELECT * FROM "{schema}".no_such_table')
     assert needs_new_connection(ro.value)
     assert not needs_new_connection(other.value)
     assert not needs_new_connection(ValueError("x"))

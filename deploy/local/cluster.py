@@ -226,9 +226,7 @@ def pg_run(args: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def pg_ready(n: int) -> bool:
-    r = base.run(
-        [str(base.pg_bindir() / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(pg_port(n))], check=False
-    )
+    r = base.run([str(base.pg_bindir() / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(pg_port(n))], check=False)
     return r.returncode == 0
 
 
