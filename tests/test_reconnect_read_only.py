@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 
 import psycopg
 import pytest
@@ -100,3 +101,28 @@ def test_the_http_pool_replaces_a_connection_to_a_read_only_server(pg_dsn, schem
             await store.close()
 
     asyncio.run(scenario())
+
+
+def test_the_acker_replaces_a_connection_to_a_read_only_server(pg_dsn, schema, kafka_bootstrap):
+    from harvester.services.acker import Acker
+    from tracker.consumer import _fold_ids
+
+    acker = Acker(
+        dsn=pg_dsn,
+        schema=schema,
+        bootstrap_servers=kafka_bootstrap,
+        topic="acks-unused",
+        group=f"acker-{uuid.uuid4().hex[:8]}",
+        dead_letter_topic="acks-dead-unused",
+    )
+    steps = [(None, _fold_ids(["987654321:1:0"]))]
+    acker._apply(steps)  # connects
+    ro = acker._conn
+    assert ro is not None
+    ro.execute(READ_ONLY)  # the server behind it turns read-only
+    with pytest.raises(errors.ReadOnlySqlTransaction):
+        acker._apply(steps)
+    assert ro.closed and acker._conn is None
+    acker._apply(steps)  # a new connection, writable
+    assert acker._conn is not None and acker._conn is not ro
+    acker._conn.close()
