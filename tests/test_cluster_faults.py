@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import psycopg
 import pytest
 from support.cluster import Cluster, ClusterTopics, Consumers, FanOuts, check_completions
-from support.harness import Generator, Receiver, check_published, env_for, make_config
+from support.harness import Generator, Receiver, check_published, env_for, make_config, wait_until
 from support.reaper import ReaperProcess, stop_all
 
 from tracker import schema as schema_mod
@@ -93,6 +93,10 @@ def load(cluster: Cluster, cluster_schema: str, tmp_path) -> Iterator[Callable[[
         reapers = [ReaperProcess(env, tmp_path / "a.log")]
         assert reapers[0].wait_leader(90), "no reaper became leader"
         reapers.append(ReaperProcess(env, tmp_path / "b.log"))
+        # the standby is past its start-up checks before any fault: a reaper that starts while no
+        # primary accepts writes exits (UNAVAILABLE) for its supervisor to start again
+        started = lambda: any(e.get("event") == "acker started" for e in reapers[1].events())  # noqa: E731
+        assert wait_until(started, 90), reapers[1].log_path.read_text()[-2000:]
         gen = Generator(cluster.dsn, cluster_schema, topic, keys=30, per_txn=10).start(rate_per_s=400)
         fan = FanOuts(cluster.dsn, cluster_schema, item_topic, completion_topic).start(interval=0.5)
         consumers = Consumers(cluster.bootstrap, item_topic, ack_topic).start()
