@@ -7,7 +7,7 @@ SERVICES := $(PYTHON) deploy/local/services.py
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: help venv caches services-up services-down services-status lint test test-fast test-cold docs docs-build demo prometheus-install prometheus-check bench clean
+.PHONY: help venv caches services-up services-down services-status cluster-up cluster-down lint test test-fast test-cold docs docs-build demo prometheus-install prometheus-check bench clean
 
 help:
 	@echo "make demo           run the product end to end on local services"
@@ -16,7 +16,8 @@ help:
 	@echo "make lint           ruff check, ruff format --check, mypy (tracker/, harvester/)"
 	@echo "make docs           build the documentation site strictly and serve it on http://127.0.0.1:8000"
 	@echo "make services-up    start local Postgres, PgBouncer, Kafka and a Spark master + 2 workers (idempotent); prints DSNs, bootstrap, master"
-	@echo "make services-down  stop them"
+	@echo "make services-down  stop them (and the cluster)"
+	@echo "make cluster-up     three Kafka brokers + a Postgres primary with a synchronous standby, own ports (idempotent)"
 	@echo "make prometheus-check  promtool check + unit tests of deploy/prometheus/rules.yml (installs Debian's prometheus)"
 
 # One installer at a time (flock; the one that waited finds the stamp and stops); a venv whose
@@ -45,8 +46,16 @@ caches: venv
 services-up:
 	$(SERVICES) up
 
-services-down:
+services-down: cluster-down
 	$(SERVICES) down
+
+# The fault tests' topology (tests/test_cluster_faults.py): started before the workers, so no
+# test waits for three JVMs; the tests' fixture starts it too when run alone.
+cluster-up:
+	$(SERVICES) cluster up
+
+cluster-down:
+	$(SERVICES) cluster down
 
 services-status:
 	$(SERVICES) status
@@ -58,11 +67,11 @@ lint: venv
 	$(VENV)/bin/mypy
 
 # The fixtures use OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP when set, else these local services.
-test: venv lint caches services-up
+test: venv lint caches services-up cluster-up
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: venv caches services-up
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow and not cluster" $(PYTEST_ARGS)
 
 # As on a fresh machine: a clean clone of HEAD whose .venv, .local, project cache and the pip, npm
 # and Maven caches are all new and empty, then CI's own command (.ci/run). Stops this checkout's
@@ -93,5 +102,6 @@ prometheus-check:
 	$(PYTHON) deploy/prometheus/local.py check
 
 clean:
+	$(SERVICES) cluster down
 	$(SERVICES) down
 	rm -rf .local $(VENV) $(VENV).lock

@@ -10,7 +10,10 @@ sleeps 1 s and more between failed checks. Recovery must take well under a secon
   idle connection is checked at once, before the statement is tried. The check is one `select()`
   with no round trip, cheap enough for every checkout;
 - a connection broken during a statement is discarded when it is returned (psycopg_pool does that
-  by itself) and the remaining idle ones are checked the same way;
+  by itself) and the remaining idle ones are checked the same way; so is one whose statement
+  failed because its server is read-only or shutting down (`needs_new_connection`): after a
+  promotion the old primary may answer read-only, and only a new connection through a multi-host
+  DSN with target_session_attrs=read-write reaches the new primary;
 - reconnection attempts are spaced RECONNECT_FIRST, doubling, at most `reconnect_backoff_max`
   apart (default RECONNECT_MAX), and never give up: a pool of a long-running sidecar must not shrink
   because the database was gone for an hour.
@@ -32,6 +35,17 @@ from tracker.pooling import configure_for_pooler
 RECONNECT_FIRST = 0.05  # seconds before the second connection attempt
 RECONNECT_MAX = 0.25  # bound of the doubling: publishing resumes this soon after Postgres is back
 CONNECT_TIMEOUT = 5  # seconds: a connect to a host that does not answer at all
+
+# Errors that say the server behind a live connection is no longer the writable primary, or is
+# going away: a read-only transaction (an old primary fenced or demoted), an administrator's or a
+# crash's shutdown, a server still starting. The connection is dropped, so that a multi-host DSN
+# with target_session_attrs=read-write picks the primary again; retrying on it would fail forever.
+RECONNECT_SQLSTATES = frozenset({"25006", "57P01", "57P02", "57P03"})
+
+
+def needs_new_connection(exc: BaseException) -> bool:
+    """Whether `exc` means the connection it came from must be replaced, not reused."""
+    return isinstance(exc, psycopg.Error) and exc.sqlstate in RECONNECT_SQLSTATES
 
 
 def configure_connection(conn: psycopg.Connection) -> bool:
@@ -100,6 +114,10 @@ class HarvestPool(ConnectionPool):
         try:
             with conn:
                 yield conn
+        except psycopg.Error as exc:
+            if needs_new_connection(exc):
+                conn.close()  # putconn discards it; the next checkout connects anew
+            raise
         finally:
             broken = conn.closed or conn.broken
             self.putconn(conn)

@@ -159,3 +159,15 @@ def topics(kafka_bootstrap):
     t = Topics(kafka_bootstrap)
     yield t
     t.delete_all()
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """The local cluster (three Kafka brokers, a Postgres primary with a synchronous standby),
+    started once per session by deploy/local/services.py; fails (never skips) when it cannot start."""
+    from support.cluster import Cluster, ClusterError
+
+    try:
+        return Cluster().up()
+    except (ClusterError, subprocess.TimeoutExpired) as exc:
+        pytest.fail(f"could not bring up the local cluster: {exc}", pytrace=False)

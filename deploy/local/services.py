@@ -3,6 +3,8 @@
 
     python3 deploy/local/services.py up|down|status|env [--only postgres|kafka|pgbouncer|spark]
     python3 deploy/local/services.py fetch     # only resolve Kafka's jars into the machine's cache
+    python3 deploy/local/services.py cluster up|down|status|...   # three brokers + a Postgres standby
+                                               # (deploy/local/cluster.py), on ports of their own
 
 Idempotent. Everything lives under <repo>/.local (git-ignored). PostgreSQL comes from Debian's
 packages (apt-get installs it when missing); Kafka from its jars on Maven Central, resolved once by
@@ -520,9 +522,23 @@ def status() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("action", choices=["up", "down", "status", "env", "fetch"])
+    ap.add_argument("action", choices=["up", "down", "status", "env", "fetch", "cluster"])
+    ap.add_argument("cluster_action", nargs="?", help="with `cluster`: see deploy/local/cluster.py")
+    ap.add_argument("node", nargs="?", type=int, help="with `cluster` broker and Postgres actions: the node")
     ap.add_argument("--only", choices=["postgres", "kafka", "pgbouncer", "spark"])
     args = ap.parse_args(argv)
+    if args.action == "cluster":
+        import cluster  # deploy/local/cluster.py (imports this module: loaded only when asked for)
+
+        if args.cluster_action not in cluster.ACTIONS:
+            ap.error(f"cluster needs one of {', '.join(cluster.ACTIONS)}, got {args.cluster_action!r}")
+        try:
+            return cluster.main(args.cluster_action, args.node)
+        except (cluster.base.ServiceError, first_use.FirstUseError, subprocess.CalledProcessError) as exc:
+            print(f"[services] error: {exc}", file=sys.stderr)
+            return 1
+    if args.cluster_action is not None:
+        ap.error(f"unexpected argument {args.cluster_action!r}")
     if args.action == "fetch":  # downloads only, nothing started: safe beside a running `up`
         try:
             print(f"KAFKA_LIB={kafka_jars()}")

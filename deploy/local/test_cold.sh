@@ -28,7 +28,8 @@ unset OUTBOX_KAFKA_LIB_CACHE OUTBOX_SPARK_JARS_CACHE OUTBOX_NODE_CLIENT_CACHE OU
   OUTBOX_TEST_DSN KAFKA_BOOTSTRAP PGBOUNCER_DSN OUTBOX_SPARK_MASTER OUTBOX_SPARK_HOME VIRTUAL_ENV
 
 python3 "$repo/deploy/local/services.py" down >/dev/null || true
-for port in 55432 56432 59092 59093 57077 58080; do
+python3 "$repo/deploy/local/services.py" cluster down >/dev/null || true
+for port in 55432 56432 59092 59093 57077 58080 25401 25402 25411 25412 25413; do
   if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
     echo "test-cold: port $port is in use (services of another checkout?): stop them first" >&2
     echo "  (python3 <that checkout>/deploy/local/services.py down)" >&2
@@ -49,6 +50,7 @@ echo "test-cold: clone and caches in $work"
 
 cleanup() {
   python3 "$work/outbox-reaper/deploy/local/services.py" down >/dev/null 2>&1 || true
+  python3 "$work/outbox-reaper/deploy/local/services.py" cluster down >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
 

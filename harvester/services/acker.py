@@ -45,6 +45,7 @@ import psycopg
 import structlog
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
+from harvester.db_pool import needs_new_connection
 from harvester.metrics import HarvesterMetrics
 from harvester.metrics import get as get_metrics
 from tracker.folding import FAIL_MARK, FAILURE_REASON_HEADER, GROUPS_PER_FOLD_MAX, Folded, fold_messages
@@ -327,7 +328,9 @@ class Acker:
                 # every batch locked at once, one statement a step, sent together: a batch held
                 # elsewhere is skipped in every step, its masks kept in their order
                 results = self.tracker.apply_outcomes(conn, steps, reject_invalid=True, skip_locked=True)
-        except psycopg.Error:
+        except psycopg.Error as exc:
+            if needs_new_connection(exc):
+                conn.close()  # a read-only or departing server: the DSN picks the primary anew
             if conn.broken or conn.closed:
                 self._conn = None
             raise

@@ -16,6 +16,7 @@ import time
 import psycopg
 import structlog
 
+from harvester.db_pool import needs_new_connection
 from harvester.metrics import HarvesterMetrics
 from harvester.metrics import get as get_metrics
 from tracker.config import DEFAULT_COMPLETION_TOPIC, DEFAULT_OUTBOX_TABLE, DEFAULT_SCHEMA, TrackerConfig
@@ -79,6 +80,8 @@ class ClaimSettler:
                     self.metrics.settler_last_run.set_to_current_time()
                     stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
                 except psycopg.Error as exc:
+                    if conn is not None and needs_new_connection(exc):
+                        conn.close()  # a read-only or departing server: the DSN picks the primary anew
                     self.stats["errors"] += 1
                     log.warning("settle failed; retrying", error=str(exc), error_type=type(exc).__name__)
                     stop.wait(max(self.interval, 1.0))

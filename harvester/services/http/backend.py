@@ -22,6 +22,7 @@ import psycopg
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from harvester.db_pool import needs_new_connection
 from tracker import Batch, BatchStatus, GroupHandle
 from tracker.aio import AsyncTracker
 from tracker.errors import (
@@ -164,6 +165,9 @@ class _PoolStore:
             kwargs={"autocommit": True},
             name="reaper-http",
             configure=_configure,
+            # an idle connection whose server went away (a restart, a promotion) is replaced
+            # before a request meets it, not reported to the client as a 503
+            check=AsyncConnectionPool.check_connection,
         )
 
     async def open(self) -> None:
@@ -189,7 +193,12 @@ class _PoolStore:
         """A connection within the call's time limit; database errors as the tracker's typed ones."""
         try:
             async with asyncio.timeout(self.timeout), self._acquire() as conn:
-                yield conn
+                try:
+                    yield conn
+                except psycopg.Error as exc:
+                    if self._bound is None and needs_new_connection(exc):
+                        await conn.close()  # the pool discards it: a multi-host DSN then finds the primary
+                    raise
         except psycopg.Error as exc:
             err = _tracker_error(exc)
             if err is not None:

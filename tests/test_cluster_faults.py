@@ -1,0 +1,203 @@
+"""Faults of a production topology under load: three Kafka brokers (replication factor 3, min ISR
+2) and a Postgres primary with a synchronous standby, with two reapers publishing and folding acks
+while writers, fan-outs and consumers run. Each test injects one fault, heals it, and checks the
+ledger: nothing committed lost, per key in order, every committed batch completed exactly once.
+
+The cluster is shared by these tests (one worker: xdist_group) and healed after each.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import psycopg
+import pytest
+from support.cluster import Cluster, ClusterTopics, Consumers, FanOuts, check_completions
+from support.harness import Generator, Receiver, check_published, env_for, make_config, wait_until
+from support.reaper import ReaperProcess, stop_all
+
+from tracker import schema as schema_mod
+
+PARTITIONS = 3
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("cluster")]
+
+
+@dataclass
+class Load:
+    cluster: Cluster
+    schema: str
+    topic: str
+    item_topic: str
+    gen: Generator
+    fan: FanOuts
+    consumers: Consumers
+    data: Receiver
+    completions: Receiver
+    reapers: list[ReaperProcess]
+
+    def leads(self) -> bool:
+        return any(r.is_leader() for r in self.reapers)
+
+    def check(self) -> None:
+        self.gen.stop()
+        self.fan.stop()
+        check_published(self.data, self.gen, timeout=120)
+        check_completions(self.completions, self.fan, timeout=120)
+        assert self.consumers.processed > 0
+
+
+@pytest.fixture
+def cluster_schema(cluster: Cluster) -> Iterator[str]:
+    name = f"c_{uuid.uuid4().hex[:12]}"
+    schema_mod.migrate(cluster.dsn, name)
+    yield name
+    try:
+        with psycopg.connect(cluster.dsn, autocommit=True, connect_timeout=10) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+    except psycopg.Error:
+        pass  # the cluster is rebuilt around it; a leftover schema harms nothing
+
+
+@pytest.fixture
+def load(cluster: Cluster, cluster_schema: str, tmp_path) -> Iterator[Callable[[int], Load]]:
+    """Starts the load and two reapers (harvester lanes as asked); stops all and heals the cluster."""
+    topics = ClusterTopics(cluster.bootstrap)
+    made: list[Load] = []
+
+    def start(lanes: int) -> Load:
+        topic, item_topic = topics("data", PARTITIONS), topics("items", PARTITIONS)
+        ack_topic, completion_topic = topics("acks", PARTITIONS), topics("done", 1)
+        leader = topics("leader", lanes)
+        cfg = make_config(
+            cluster.dsn,
+            cluster_schema,
+            cluster.bootstrap,
+            leader_topic=leader,
+            harvester={"mark_batch": 500, "max_in_flight": 2000},
+        )
+        env = {
+            **env_for(cfg),
+            "REAPER_HARVESTER__LANES": str(lanes),
+            "REAPER_ACKER__ENABLED": "true",
+            "REAPER_ACKER__TOPIC": ack_topic,
+            "REAPER_ACKER__GROUP": f"acker-{uuid.uuid4().hex[:8]}",
+            "REAPER_SWEEPER__ENABLED": "true",
+            "REAPER_SWEEPER__INTERVAL": "2",
+        }
+        data = Receiver(cluster.bootstrap, topic, PARTITIONS)
+        completions = Receiver(cluster.bootstrap, completion_topic, 1)
+        reapers = [ReaperProcess(env, tmp_path / "a.log")]
+        assert reapers[0].wait_leader(90), "no reaper became leader"
+        reapers.append(ReaperProcess(env, tmp_path / "b.log"))
+        # the standby is past its start-up checks before any fault: a reaper that starts while no
+        # primary accepts writes exits (UNAVAILABLE) for its supervisor to start again
+        started = lambda: any(e.get("event") == "acker started" for e in reapers[1].events())  # noqa: E731
+        assert wait_until(started, 90), reapers[1].log_path.read_text()[-2000:]
+        gen = Generator(cluster.dsn, cluster_schema, topic, keys=30, per_txn=10).start(rate_per_s=400)
+        fan = FanOuts(cluster.dsn, cluster_schema, item_topic, completion_topic).start(interval=0.5)
+        consumers = Consumers(cluster.bootstrap, item_topic, ack_topic).start()
+        got = Load(cluster, cluster_schema, topic, item_topic, gen, fan, consumers, data, completions, reapers)
+        made.append(got)
+        return got
+
+    try:
+        yield start
+    finally:
+        for got in made:
+            for stoppable in (got.gen, got.fan, got.consumers):
+                try:
+                    stoppable.stop()
+                except BaseException:
+                    pass
+            stop_all(got.reapers)
+            got.data.close()
+            got.completions.close()
+        try:
+            cluster.up()  # every broker back, the old primary a standby again
+        finally:
+            topics.delete_all()
+
+
+def _steady(load: Load, seconds: float) -> None:
+    time.sleep(seconds)
+    for r in load.reapers:
+        assert r.proc.poll() is None, f"a reaper exited with {r.proc.returncode}: {r.log_path.read_text()[-3000:]}"
+
+
+def test_kill_the_broker_leading_the_outbox_partitions(cluster, load):
+    run = load(1)
+    _steady(run, 4)
+    leaders = cluster.topic_leaders(run.topic)
+    victim = max(set(leaders.values()), key=list(leaders.values()).count)
+    cluster.kill_broker(victim)
+    _steady(run, 6)
+    cluster.start_broker(victim)
+    _steady(run, 3)
+    run.check()
+
+
+def test_promote_the_standby_under_load_then_the_old_primary_rejoins(cluster, load):
+    run = load(1)
+    _steady(run, 3)
+    old = cluster.primary()
+    cluster.pg_kill(old)  # a crash: the promotion follows it
+    cluster.promote()
+    _steady(run, 5)
+    cluster.rejoin()  # the old primary follows as the synchronous standby again
+    _steady(run, 3)
+    run.check()
+    # every connection followed the promotion: the reapers stop cleanly, nothing left hanging
+    for r in run.reapers:
+        r.signal(signal.SIGTERM)
+    codes = [r.wait(30) for r in run.reapers]
+    assert codes == [0, 0], (codes, [r.log_path.read_text()[-2000:] for r in run.reapers])
+
+
+def test_kill_the_active_controller_with_lanes(cluster, load):
+    run = load(3)
+    _steady(run, 4)
+    victim = cluster.controller()
+    cluster.kill_broker(victim)
+    _steady(run, 6)
+    cluster.start_broker(victim)
+    _steady(run, 4)
+    run.check()
+
+
+def test_rolling_restart_of_all_three_brokers(cluster, load):
+    run = load(1)
+    _steady(run, 3)
+    for n in (1, 2, 3):
+        cluster.stop_broker(n)
+        _steady(run, 1)
+        cluster.start_broker(n)
+        topics = [run.topic, run.item_topic]
+        assert cluster.wait_in_sync(topics, 60), f"broker {n} did not catch up"
+    _steady(run, 3)
+    run.check()
+
+
+def test_cut_one_broker_off_with_lanes(cluster, load):
+    run = load(3)
+    _steady(run, 4)
+    leaders = cluster.topic_leaders(run.topic)
+    victim = max(set(leaders.values()), key=list(leaders.values()).count)
+    cluster.pause_broker(victim)  # alive but silent: no connection is refused, none answers
+    _steady(run, 6)
+    cluster.resume_broker(victim)
+    _steady(run, 3)
+    run.check()
+
+
+def test_promote_the_standby_with_lanes(cluster, load):
+    run = load(3)
+    _steady(run, 4)
+    cluster.promote()  # the primary is stopped (fenced) by the promotion itself
+    _steady(run, 6)
+    cluster.rejoin()
+    _steady(run, 3)
+    run.check()

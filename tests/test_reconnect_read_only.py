@@ -1,0 +1,128 @@
+"""A connection that lands on a read-only server (an old primary fenced read-only, or demoted) is
+dropped and made anew, so a multi-host DSN with target_session_attrs=read-write finds the primary
+again. The server turned read-only is modelled by one session's default_transaction_read_only:
+its writes fail with SQLSTATE 25006 exactly as on a fenced server, and only that connection is
+affected (the shared Postgres stays writable for everyone else)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+
+import psycopg
+import pytest
+from psycopg import errors
+
+from harvester.db_pool import make_pool, needs_new_connection
+from harvester.services.claim_settler import ClaimSettler
+
+READ_ONLY = "SET default_transaction_read_only = on"
+INSERT = "INSERT INTO \"{}\".outbox (topic, key, value) VALUES ('t', NULL, NULL)"
+
+
+def test_only_errors_of_the_server_side_ask_for_a_new_connection(pg_dsn, schema):
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(READ_ONLY)
+        with pytest.raises(errors.ReadOnlySqlTransaction) as ro:
+            conn.execute(INSERT.format(schema))
+        with pytest.raises(errors.UndefinedTable) as other:
+            conn.execute(f'SELECT * FROM "{schema}".no_such_table')
+    assert needs_new_connection(ro.value)
+    assert not needs_new_connection(other.value)
+    assert not needs_new_connection(ValueError("x"))
+
+
+def test_the_harvest_pool_replaces_a_connection_to_a_read_only_server(pg_dsn, schema):
+    pool = make_pool(pg_dsn, 1, name="t-ro")
+    try:
+        with pool.connection() as conn:
+            conn.execute(READ_ONLY)
+            first = conn.info.backend_pid
+        with pytest.raises(errors.ReadOnlySqlTransaction):
+            with pool.connection() as conn:
+                conn.execute(INSERT.format(schema))
+        with pool.connection(timeout=10) as conn:
+            assert conn.info.backend_pid != first
+            conn.execute(INSERT.format(schema))  # writable again: a new connection
+    finally:
+        pool.close()
+
+
+def test_the_settler_reconnects_after_a_read_only_error(pg_dsn, schema, monkeypatch):
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # work for the settler: a claim to fold
+        conn.execute(f'INSERT INTO "{schema}".ack_claim VALUES (987654321, 1, 0)')
+    settler = ClaimSettler(dsn=pg_dsn, schema=schema, interval=0.05)
+    made: list[psycopg.Connection] = []
+    real_connect = psycopg.connect
+
+    def connect(*args, **kwargs):
+        conn = real_connect(*args, **kwargs)
+        if not made:
+            conn.execute(READ_ONLY)  # the first connection lands on the read-only server
+        made.append(conn)
+        return conn
+
+    monkeypatch.setattr(psycopg, "connect", connect)
+    stop = threading.Event()
+    t = threading.Thread(target=settler.run, args=(stop,), daemon=True)
+    t.start()
+    try:
+        deadline = threading.Event()
+        for _ in range(100):
+            if len(made) >= 2 and settler.stats["passes"] > 0:
+                break
+            deadline.wait(0.1)
+    finally:
+        stop.set()
+        t.join(10)
+    assert settler.stats["errors"] >= 1, settler.stats  # the read-only error was met
+    assert len(made) >= 2, f"the settler kept its read-only connection: {settler.stats}"
+    assert made[0].closed
+
+
+def test_the_http_pool_replaces_a_connection_to_a_read_only_server(pg_dsn, schema):
+    from harvester.services.http.backend import _PoolStore
+
+    async def scenario() -> None:
+        store = _PoolStore(pg_dsn, schema, completion_topic="done", pool_size=1, timeout=10)
+        await store.open()
+        try:
+            async with store._database() as conn:
+                await conn.execute(READ_ONLY)
+                first = conn.info.backend_pid
+            with pytest.raises(errors.ReadOnlySqlTransaction):
+                async with store._database() as conn:
+                    await conn.execute(INSERT.format(schema))
+            async with store._database() as conn:
+                assert conn.info.backend_pid != first
+                await conn.execute(INSERT.format(schema))
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_acker_replaces_a_connection_to_a_read_only_server(pg_dsn, schema, kafka_bootstrap):
+    from harvester.services.acker import Acker
+    from tracker.consumer import _fold_ids
+
+    acker = Acker(
+        dsn=pg_dsn,
+        schema=schema,
+        bootstrap_servers=kafka_bootstrap,
+        topic="acks-unused",
+        group=f"acker-{uuid.uuid4().hex[:8]}",
+        dead_letter_topic="acks-dead-unused",
+    )
+    steps = [(None, _fold_ids(["987654321:1:0"]))]
+    acker._apply(steps)  # connects
+    ro = acker._conn
+    assert ro is not None
+    ro.execute(READ_ONLY)  # the server behind it turns read-only
+    with pytest.raises(errors.ReadOnlySqlTransaction):
+        acker._apply(steps)
+    assert ro.closed and acker._conn is None
+    acker._apply(steps)  # a new connection, writable
+    assert acker._conn is not None and acker._conn is not ro
+    acker._conn.close()
