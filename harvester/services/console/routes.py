@@ -325,7 +325,15 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
                 await db.run(lambda c: dead_admin.requeue_matching(c, schema, table, reason=reason, dry_run=True))
             ).moved
         return pages.render(
-            request, "confirm_requeue.html", user, ids=ids, reason=reason, everything=everything, count=count, rows=rows
+            request,
+            "confirm_requeue.html",
+            user,
+            ids=ids,
+            reason=reason,
+            everything=everything,
+            count=count,
+            rows=rows,
+            confirm=sessions.confirmation(user, _requeue_target(ids, reason)),
         )
 
     @r.post("/dead/requeue")
@@ -339,6 +347,10 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
         ids, reason, everything = _which(form)
         if ids is None and reason is None and not everything:
             return pages.message(request, user, 400, "Bad request", "Name a dead row id, a reason, or all.")
+        if not sessions.confirmation_ok(user, _requeue_target(ids, reason), form.get("confirm")):
+            return pages.message(
+                request, user, 403, "Refused", "Requeue from its confirmation page, which says what will move."
+            )
         done = await db.run(lambda c: actions.requeue(cfg, c, user, ids=ids, reason=reason))
         return pages.render(request, "done.html", user, status=200 if done.ok else 409, done=done, back="/console/dead")
 
@@ -386,6 +398,12 @@ def _which(params) -> tuple[list[int] | None, str | None, bool]:  # noqa: ANN001
     if reason is not None and "\x00" in reason:
         reason = None
     return ([one] if one is not None else None), (None if one is not None else reason), params.get("all") == "1"
+
+
+def _requeue_target(ids: list[int] | None, reason: str | None) -> str:
+    if ids is not None:
+        return f"requeue:id:{ids[0]}"
+    return "requeue:all" if reason is None else f"requeue:reason:{reason}"
 
 
 def _https(request: Request) -> bool:

@@ -159,6 +159,14 @@ class Sessions:
     def csrf_ok(self, user: User, token: str | None) -> bool:
         return token is not None and hmac.compare_digest(token.encode(), self.csrf(user).encode())
 
+    def confirmation(self, user: User, action: str) -> str:
+        """The token of one confirmation page (this session, this action on this target): posting the
+        action needs it, so the page that says what will happen cannot be skipped."""
+        return self._sign(f"confirm:{user.session}:{action}")
+
+    def confirmation_ok(self, user: User, action: str, token: str | None) -> bool:
+        return token is not None and hmac.compare_digest(token.encode(), self.confirmation(user, action).encode())
+
     def _sign(self, text: str) -> str:
         mac = hmac.new(self._key, text.encode(), hashlib.sha256).digest()
         return base64.urlsafe_b64encode(mac).decode().rstrip("=")
