@@ -78,3 +78,40 @@ def test_the_rate_limiters_table_stays_bounded_and_a_limited_key_stays_limited(k
         limiter.take(f"10.{i}")
         assert len(limiter) <= 1000
     assert limiter.take("guesser") > 0 or keys >= 500  # still limited unless pushed out by a flood
+
+
+def _dead_rows_read(pg_dsn: str, schema: str) -> int:
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute("SELECT pg_stat_clear_snapshot()")
+        row = c.execute(
+            "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables "
+            "WHERE schemaname = %s AND relname = 'outbox_dead'",
+            [schema],
+        ).fetchone()
+    return int(row[0])
+
+
+def test_the_dead_rows_page_counts_a_large_dead_table_only_up_to_a_cap(server, cfg, pg_dsn, schema):  # noqa: F811
+    from harvester.admin import dead as dead_admin
+    from harvester.services.console import queries
+
+    many = 3 * queries.DEAD_COUNT_CAP
+    add_dead(pg_dsn, schema, "gone-topic", many, "partition gone")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'VACUUM ANALYZE "{schema}".outbox_dead')
+        conn.execute("SELECT pg_stat_force_next_flush()")
+    before = _dead_rows_read(pg_dsn, schema)
+    with psycopg.connect(pg_dsn) as conn:  # what the dead page reads, on a connection flushed at once
+        found = dead_admin.list_dead(conn, schema, "outbox", limit=3, count_cap=queries.DEAD_COUNT_CAP)
+        found_reason = dead_admin.list_dead(
+            conn, schema, "outbox", reason="gone", limit=3, count_cap=queries.DEAD_COUNT_CAP
+        )
+        conn.execute("SELECT pg_stat_force_next_flush()")
+        conn.commit()
+    read = _dead_rows_read(pg_dsn, schema) - before
+    assert found.matching == found_reason.matching == queries.DEAD_COUNT_CAP + 1
+    assert read <= 3 * queries.DEAD_COUNT_CAP, read  # not twice the 30,000 rows
+    c = client(server, TOKEN)
+    page = c.get("/console/dead")
+    assert page.status_code == 200 and "10,000+" in page.text, page.text[:500]
+    assert "Requeue 10,000+ dead rows?" in c.get("/console/dead/requeue", params={"all": "1"}).text

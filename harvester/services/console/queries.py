@@ -23,6 +23,7 @@ from psycopg import sql
 from tracker.schema import qualified
 
 COUNT_CAP = 100_000  # past this, counts show as "100,000+"
+DEAD_COUNT_CAP = 10_000  # dead rows counted up to this (a reason filter is a substring: no index helps)
 OVERVIEW_EXACT_ROWS = 10_000  # the overview counts the backlog exactly up to this, then shows the id span
 KEY_SEARCH_SPAN = 20_000  # newest batches a user-key search looks through
 VALUE_PREVIEW = 2048  # bytes of a dead row's value an inspect page shows

@@ -304,8 +304,14 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
         after = _int(request.query_params.get("after", "0"))
         if after is None or (reason and "\x00" in reason):
             return pages.message(request, user, 400, "Bad request", "`after` is a dead row id; a reason has no NUL.")
-        found = await db.run(lambda c: dead_admin.list_dead(c, schema, table, reason=reason, after=after, limit=size))
-        return pages.render(request, "dead.html", user, page=found, reason=reason or "", after=after)
+        found = await db.run(
+            lambda c: dead_admin.list_dead(
+                c, schema, table, reason=reason, after=after, limit=size, count_cap=queries.DEAD_COUNT_CAP
+            )
+        )
+        return pages.render(
+            request, "dead.html", user, page=found, reason=reason or "", after=after, cap=queries.DEAD_COUNT_CAP
+        )
 
     @r.get("/dead/requeue")
     @page
@@ -322,8 +328,12 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
         else:
             rows = []
             count = (
-                await db.run(lambda c: dead_admin.requeue_matching(c, schema, table, reason=reason, dry_run=True))
-            ).moved
+                await db.run(
+                    lambda c: dead_admin.list_dead(
+                        c, schema, table, reason=reason, limit=1, count_cap=queries.DEAD_COUNT_CAP
+                    )
+                )
+            ).matching
         return pages.render(
             request,
             "confirm_requeue.html",
@@ -334,6 +344,7 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
             count=count,
             rows=rows,
             confirm=sessions.confirmation(user, _requeue_target(ids, reason)),
+            cap=queries.DEAD_COUNT_CAP,
         )
 
     @r.post("/dead/requeue")
