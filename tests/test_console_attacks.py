@@ -115,3 +115,18 @@ def test_the_dead_rows_page_counts_a_large_dead_table_only_up_to_a_cap(server, c
     page = c.get("/console/dead")
     assert page.status_code == 200 and "10,000+" in page.text, page.text[:500]
     assert "Requeue 10,000+ dead rows?" in c.get("/console/dead/requeue", params={"all": "1"}).text
+
+
+def test_a_tenants_batch_page_lists_no_child_of_another_tenant(server, cfg, pg_dsn, schema):  # noqa: F811
+    import httpx
+
+    import tracker
+
+    api = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {cfg.tenant_token}"})
+    own = api.post("/v1/batches", json={"user_key": "mine"}).json()["batch_id"]
+    own_child = api.post("/v1/batches", json={"user_key": "mine-too", "parent": own}).json()["batch_id"]
+    with psycopg.connect(pg_dsn) as conn:  # the library speaks for the default tenant
+        foreign = tracker.open_batch(conn, user_key="not-yours", parent=own, schema=schema).id
+    page = client(server, cfg.tenant_token).get(f"/console/batches/{own}").text
+    assert f'href="/console/batches/{own_child}"' in page
+    assert f'href="/console/batches/{foreign}"' not in page, page

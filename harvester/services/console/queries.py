@@ -84,8 +84,9 @@ def _statements(schema: str) -> dict[str, sql.Composed]:
         "count_unfinished": "SELECT count(*) FROM (SELECT 1 FROM {b} WHERE state IN ('open', 'closed') "
         f"AND {_TENANT} LIMIT %(cap)s) s",
         "tenant_of": "SELECT coalesce(tenant, 'default') FROM {b} WHERE id = %(id)s",
-        "children": f"SELECT {_COLUMNS} FROM {{b}} WHERE parent_id = %(id)s AND id > %(after)s ORDER BY id "
-        "LIMIT %(limit)s",
+        # The library may open a child of a tenant's batch: the tenant sees its own children only.
+        "children": f"SELECT {_COLUMNS} FROM {{b}} WHERE parent_id = %(id)s AND id > %(after)s AND {_TENANT} "
+        "ORDER BY id LIMIT %(limit)s",
     }
     return {k: sql.SQL(v).format(b=b) for k, v in q.items()}
 
@@ -152,8 +153,9 @@ def tenant_of(conn: psycopg.Connection, schema: str, batch_id: int) -> str | Non
     return None if row is None else str(row[0])
 
 
-def children(conn: psycopg.Connection, schema: str, batch_id: int, limit: int) -> list[BatchRow]:
-    rows = _rows(conn.execute(_statements(schema)["children"], {"id": batch_id, "after": 0, "limit": limit}))
+def children(conn: psycopg.Connection, schema: str, tenant: str, batch_id: int, limit: int) -> list[BatchRow]:
+    params = {"id": batch_id, "after": 0, "limit": limit, "tenant": tenant}
+    rows = _rows(conn.execute(_statements(schema)["children"], params))
     conn.rollback()
     return rows
 

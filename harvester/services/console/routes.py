@@ -237,7 +237,7 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
                 failures_after=failures_after,
                 failures_limit=size,
             )
-            return view, queries.children(c, schema, batch_id, batch_admin.CHILDREN_SHOWN)
+            return view, queries.children(c, schema, user.tenant, batch_id, batch_admin.CHILDREN_SHOWN)
 
         try:
             got = await db.run(read)
