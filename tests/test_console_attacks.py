@@ -3,7 +3,9 @@ a viewer token revoked while its session lives, and logins from ever new address
 
 from __future__ import annotations
 
+import httpx
 import psycopg
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.console import login
@@ -118,8 +120,6 @@ def test_the_dead_rows_page_counts_a_large_dead_table_only_up_to_a_cap(server, c
 
 
 def test_a_tenants_batch_page_lists_no_child_of_another_tenant(server, cfg, pg_dsn, schema):  # noqa: F811
-    import httpx
-
     import tracker
 
     api = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {cfg.tenant_token}"})
@@ -130,3 +130,49 @@ def test_a_tenants_batch_page_lists_no_child_of_another_tenant(server, cfg, pg_d
     page = client(server, cfg.tenant_token).get(f"/console/batches/{own}").text
     assert f'href="/console/batches/{own_child}"' in page
     assert f'href="/console/batches/{foreign}"' not in page, page
+
+
+@pytest.mark.parametrize("host", ["evil.example", "127.0.0.1.evil.example", "localhost.evil.example:8400"])
+def test_local_mode_answers_only_requests_addressed_to_a_loopback_name(pg_dsn, schema, kafka_bootstrap, topics, host):
+    """Without tokens anyone who reaches the port acts; a web page whose name was rebound to 127.0.0.1
+    reaches it from the operator's own browser, as its own origin. Its Host header gives it away."""
+    from support.harness import make_config
+
+    c = make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=topics("leader"), http={"local_mode": True})
+    with RunningServer(c, []) as s:
+        web = httpx.Client(base_url=s.url, timeout=60)
+        for path in ("/console/", "/console/dead", "/v1/batches/1"):
+            r = web.get(path, headers={"Host": host})
+            assert r.status_code == 421, (path, host, r.status_code, r.text[:200])
+        r = web.post("/v1/batches", json={}, headers={"Host": host})
+        assert r.status_code == 421 and "Host" in r.text, r.text[:200]
+        for ok in ("127.0.0.1", "localhost:8400", "[::1]:8400", "127.0.0.2"):
+            assert web.get("/console/batches", headers={"Host": ok}).status_code == 200, ok
+    # The console `reaper run` serves (console.run) has the same gate.
+    import socket
+
+    from harvester.services.console.standalone import ConsoleServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        c.console.port = sock.getsockname()[1]
+    alone = ConsoleServer(c).start()
+    try:
+        web = httpx.Client(base_url=f"http://127.0.0.1:{c.console.port}", timeout=60)
+        assert web.get("/console/batches", headers={"Host": host}).status_code == 421
+        assert web.get("/console/batches").status_code == 200
+    finally:
+        alone.stop()
+
+
+@settings(max_examples=200, deadline=None)
+@given(host=st.binary(max_size=80), port=st.integers(min_value=1, max_value=65535), last=st.integers(0, 255))
+def test_only_loopback_names_pass_the_local_mode_host_check(host, port, last):
+    from harvester.services.http.security import loopback_host
+
+    assert loopback_host(f"127.0.0.{last}:{port}".encode()) and loopback_host(f"[::1]:{port}".encode())
+    assert loopback_host(b"LocalHost") and not loopback_host(b"") and not loopback_host(None)
+    assert not loopback_host(f"localhost.evil.example:{port}".encode())
+    if loopback_host(host):  # whatever passes is localhost or a loopback address, with a port at most
+        name = host.decode("latin-1").strip().lower()
+        assert name.startswith(("localhost", "127.", "[::1]", "::1", "[0:0:0:0:0:0:0:1]", "0:0")), host

@@ -71,6 +71,25 @@ def check_startup(cfg: HttpConfig, tokens: list[str]) -> None:
         raise ConfigError("http.local_mode", f"serves without tokens, so only on a loopback address, not {cfg.host!r}")
 
 
+def loopback_host(host: bytes | None) -> bool:
+    """Whether a Host header names this machine: localhost, 127.0.0.0/8 or ::1 (any port). In local
+    mode, where no token is asked, anything else is a page whose name was rebound to 127.0.0.1 (DNS
+    rebinding) reaching the service from the operator's own browser as its own origin."""
+    if not host:
+        return False
+    text = host.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        name = text[1:].partition("]")[0]
+    else:
+        name = text.rpartition(":")[0] if text.count(":") == 1 else text
+    if name in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 def token_id(token: str) -> str:
     """A short stable name for a token, for logs, metrics and rate limiting (never the token)."""
     return "tok-" + hashlib.sha256(token.encode()).hexdigest()[:10]
