@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
-from support.console import csrf_of, login
+from support.console import confirmation_of, csrf_of, login
 from support.harness import Receiver, make_config, wait_until
 from support.http_server import TOKEN, RunningServer
 from test_admin import add_dead, running
@@ -231,16 +231,20 @@ def test_requeue_from_the_console_republishes_a_dead_row_once(server, cfg, pg_ds
     assert "operator-test: partition gone" in inspected and "dead-1" in inspected and "0x00ff" in inspected
     confirm = c.get("/console/dead/requeue", params={"id": ids[0]})
     assert "Requeue 1 dead row?" in confirm.text
-    token = csrf_of(confirm)
-    assert "Requeue 2 dead rows?" in c.get("/console/dead/requeue", params={"reason": "too large"}).text
+    token, one = csrf_of(confirm), confirmation_of(confirm)
+    confirm_reason = c.get("/console/dead/requeue", params={"reason": "too large"})
+    assert "Requeue 2 dead rows?" in confirm_reason.text
     receiver = Receiver(kafka_bootstrap, topic)
     try:
         with capture_logs() as logs:
-            r = c.post("/console/dead/requeue", data={"csrf": token, "id": str(ids[0])})
+            r = c.post("/console/dead/requeue", data={"csrf": token, "confirm": one, "id": str(ids[0])})
             assert r.status_code == 200 and "requeued 1 rows" in r.text, r.text
-            again = c.post("/console/dead/requeue", data={"csrf": token, "id": str(ids[0])})
+            again = c.post("/console/dead/requeue", data={"csrf": token, "confirm": one, "id": str(ids[0])})
             assert again.status_code == 409 and "nothing was requeued" in again.text
-            by_reason = c.post("/console/dead/requeue", data={"csrf": token, "reason": "too large"})
+            by_reason = c.post(
+                "/console/dead/requeue",
+                data={"csrf": token, "confirm": confirmation_of(confirm_reason), "reason": "too large"},
+            )
             assert by_reason.status_code == 200 and "requeued 2 rows" in by_reason.text
         with running(cfg):
             assert wait_until(lambda: len(receiver.records) >= 3, 30)

@@ -84,6 +84,7 @@ def _statements(schema: str, table: str) -> dict[str, sql.Composed]:
             "leader_id::text FROM {dead} WHERE id > %(after)s AND {match} ORDER BY id LIMIT %(limit)s"
         ),
         "count": sql.SQL("SELECT count(*), max(id) FROM {dead} WHERE {match}"),
+        "count_capped": sql.SQL("SELECT count(*), NULL FROM (SELECT 1 FROM {dead} WHERE {match} LIMIT %(cap)s) s"),
         "lock_ids": sql.SQL("SELECT id FROM {dead} WHERE id = ANY(%(ids)s::bigint[]) FOR UPDATE"),
         "move_ids": sql.SQL("WITH pick AS (SELECT unnest(%(ids)s::bigint[]) AS id), " + move),
         # SKIP LOCKED: rows a racing requeue holds are its to move; what is left unlocked is ours.
@@ -97,12 +98,24 @@ def _statements(schema: str, table: str) -> dict[str, sql.Composed]:
 
 
 def list_dead(
-    conn: psycopg.Connection, schema: str, table: str, *, reason: str | None = None, after: int = 0, limit: int = 50
+    conn: psycopg.Connection,
+    schema: str,
+    table: str,
+    *,
+    reason: str | None = None,
+    after: int = 0,
+    limit: int = 50,
+    count_cap: int | None = None,
 ) -> DeadPage:
+    """A page of dead rows by id; `matching` counts them all, or up to `count_cap` + 1 when given
+    (the console: a dead table of millions is not read whole at every page view)."""
     require_tables(conn, schema, f"{table}_dead")
     q = _statements(schema, table)
     rows = conn.execute(q["page"], {"after": after, "reason": reason, "limit": limit + 1}).fetchall()
-    matching = one_row(conn.execute(q["count"], {"reason": reason}))[0]
+    if count_cap is None:
+        matching = one_row(conn.execute(q["count"], {"reason": reason}))[0]
+    else:
+        matching = one_row(conn.execute(q["count_capped"], {"reason": reason, "cap": count_cap + 1}))[0]
     conn.rollback()
     page = [
         DeadRow(

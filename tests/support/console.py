@@ -8,6 +8,7 @@ import re
 import httpx
 
 _CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+_CONFIRM = re.compile(r'name="confirm" value="([^"]+)"')
 
 
 def login(client: httpx.Client, token: str) -> httpx.Response:
@@ -20,4 +21,11 @@ def login(client: httpx.Client, token: str) -> httpx.Response:
 def csrf_of(page: httpx.Response) -> str:
     m = _CSRF.search(page.text)
     assert m, "no CSRF token on the page"
+    return m.group(1)
+
+
+def confirmation_of(page: httpx.Response) -> str:
+    """The confirmation page's own token (an action is posted from the page that says what it does)."""
+    m = _CONFIRM.search(page.text)
+    assert m, "no confirmation token on the page"
     return m.group(1)

@@ -23,6 +23,7 @@ from psycopg import sql
 from tracker.schema import qualified
 
 COUNT_CAP = 100_000  # past this, counts show as "100,000+"
+DEAD_COUNT_CAP = 10_000  # dead rows counted up to this (a reason filter is a substring: no index helps)
 OVERVIEW_EXACT_ROWS = 10_000  # the overview counts the backlog exactly up to this, then shows the id span
 KEY_SEARCH_SPAN = 20_000  # newest batches a user-key search looks through
 VALUE_PREVIEW = 2048  # bytes of a dead row's value an inspect page shows
@@ -83,8 +84,9 @@ def _statements(schema: str) -> dict[str, sql.Composed]:
         "count_unfinished": "SELECT count(*) FROM (SELECT 1 FROM {b} WHERE state IN ('open', 'closed') "
         f"AND {_TENANT} LIMIT %(cap)s) s",
         "tenant_of": "SELECT coalesce(tenant, 'default') FROM {b} WHERE id = %(id)s",
-        "children": f"SELECT {_COLUMNS} FROM {{b}} WHERE parent_id = %(id)s AND id > %(after)s ORDER BY id "
-        "LIMIT %(limit)s",
+        # The library may open a child of a tenant's batch: the tenant sees its own children only.
+        "children": f"SELECT {_COLUMNS} FROM {{b}} WHERE parent_id = %(id)s AND id > %(after)s AND {_TENANT} "
+        "ORDER BY id LIMIT %(limit)s",
     }
     return {k: sql.SQL(v).format(b=b) for k, v in q.items()}
 
@@ -151,8 +153,9 @@ def tenant_of(conn: psycopg.Connection, schema: str, batch_id: int) -> str | Non
     return None if row is None else str(row[0])
 
 
-def children(conn: psycopg.Connection, schema: str, batch_id: int, limit: int) -> list[BatchRow]:
-    rows = _rows(conn.execute(_statements(schema)["children"], {"id": batch_id, "after": 0, "limit": limit}))
+def children(conn: psycopg.Connection, schema: str, tenant: str, batch_id: int, limit: int) -> list[BatchRow]:
+    params = {"id": batch_id, "after": 0, "limit": limit, "tenant": tenant}
+    rows = _rows(conn.execute(_statements(schema)["children"], params))
     conn.rollback()
     return rows
 

@@ -237,7 +237,7 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
                 failures_after=failures_after,
                 failures_limit=size,
             )
-            return view, queries.children(c, schema, batch_id, batch_admin.CHILDREN_SHOWN)
+            return view, queries.children(c, schema, user.tenant, batch_id, batch_admin.CHILDREN_SHOWN)
 
         try:
             got = await db.run(read)
@@ -304,8 +304,14 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
         after = _int(request.query_params.get("after", "0"))
         if after is None or (reason and "\x00" in reason):
             return pages.message(request, user, 400, "Bad request", "`after` is a dead row id; a reason has no NUL.")
-        found = await db.run(lambda c: dead_admin.list_dead(c, schema, table, reason=reason, after=after, limit=size))
-        return pages.render(request, "dead.html", user, page=found, reason=reason or "", after=after)
+        found = await db.run(
+            lambda c: dead_admin.list_dead(
+                c, schema, table, reason=reason, after=after, limit=size, count_cap=queries.DEAD_COUNT_CAP
+            )
+        )
+        return pages.render(
+            request, "dead.html", user, page=found, reason=reason or "", after=after, cap=queries.DEAD_COUNT_CAP
+        )
 
     @r.get("/dead/requeue")
     @page
@@ -322,10 +328,23 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
         else:
             rows = []
             count = (
-                await db.run(lambda c: dead_admin.requeue_matching(c, schema, table, reason=reason, dry_run=True))
-            ).moved
+                await db.run(
+                    lambda c: dead_admin.list_dead(
+                        c, schema, table, reason=reason, limit=1, count_cap=queries.DEAD_COUNT_CAP
+                    )
+                )
+            ).matching
         return pages.render(
-            request, "confirm_requeue.html", user, ids=ids, reason=reason, everything=everything, count=count, rows=rows
+            request,
+            "confirm_requeue.html",
+            user,
+            ids=ids,
+            reason=reason,
+            everything=everything,
+            count=count,
+            rows=rows,
+            confirm=sessions.confirmation(user, _requeue_target(ids, reason)),
+            cap=queries.DEAD_COUNT_CAP,
         )
 
     @r.post("/dead/requeue")
@@ -339,6 +358,10 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
         ids, reason, everything = _which(form)
         if ids is None and reason is None and not everything:
             return pages.message(request, user, 400, "Bad request", "Name a dead row id, a reason, or all.")
+        if not sessions.confirmation_ok(user, _requeue_target(ids, reason), form.get("confirm")):
+            return pages.message(
+                request, user, 403, "Refused", "Requeue from its confirmation page, which says what will move."
+            )
         done = await db.run(lambda c: actions.requeue(cfg, c, user, ids=ids, reason=reason))
         return pages.render(request, "done.html", user, status=200 if done.ok else 409, done=done, back="/console/dead")
 
@@ -386,6 +409,12 @@ def _which(params) -> tuple[list[int] | None, str | None, bool]:  # noqa: ANN001
     if reason is not None and "\x00" in reason:
         reason = None
     return ([one] if one is not None else None), (None if one is not None else reason), params.get("all") == "1"
+
+
+def _requeue_target(ids: list[int] | None, reason: str | None) -> str:
+    if ids is not None:
+        return f"requeue:id:{ids[0]}"
+    return "requeue:all" if reason is None else f"requeue:reason:{reason}"
 
 
 def _https(request: Request) -> bool:

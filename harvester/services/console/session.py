@@ -16,10 +16,13 @@ import base64
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import structlog
 
 from harvester.config import ConfigError, ConsoleConfig
 from harvester.services.http.tenants import DEFAULT, Caller, Tenant, TenantAuth
@@ -44,6 +47,14 @@ class User:
     def sees_outbox(self) -> bool:
         """The outbox, its leaders and dead rows are everyone's: only the default tenant sees them."""
         return self.tenant == DEFAULT
+
+
+def _stat(path: str) -> tuple[float, int] | None:
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        return None
+    return None if st is None else (st.st_mtime, st.st_size)
 
 
 def load_viewer_tokens(cfg: ConsoleConfig) -> list[str]:
@@ -72,9 +83,29 @@ class Sessions:
         self._key = hashlib.sha256(secret.encode()).digest() if secret else secrets.token_bytes(32)
         self._ttl, self._auth = cfg.session_ttl, auth
         self._viewers = {hashlib.sha256(t.encode()).digest() for t in viewer_tokens}
+        self._cfg, self._viewers_seen, self._viewers_checked = cfg, _stat(cfg.viewer_tokens_file), 0.0
         self.enabled = auth.enabled  # local mode (no tokens): everyone is the local operator
 
+    def _maybe_reload_viewers(self) -> None:
+        """Read console.viewer_tokens_file again if it changed (at most once a second): a viewer token
+        removed from it ends its sessions, as a revoked operator token does. A bad file keeps the old."""
+        if not self._cfg.viewer_tokens_file or time.monotonic() - self._viewers_checked < 1.0:
+            return
+        self._viewers_checked = time.monotonic()
+        seen = _stat(self._cfg.viewer_tokens_file)
+        if seen == self._viewers_seen:
+            return
+        try:
+            tokens = load_viewer_tokens(self._cfg)
+        except ConfigError as exc:
+            structlog.get_logger("reaper.http").error(
+                "viewer tokens not reloaded: keeping those loaded", error=str(exc)
+            )
+            return
+        self._viewers, self._viewers_seen = {hashlib.sha256(t.encode()).digest() for t in tokens}, seen
+
     def _caller(self, digest: bytes) -> tuple[Caller, str] | None:
+        self._maybe_reload_viewers()
         viewer = any(hmac.compare_digest(digest, v) for v in self._viewers)
         caller = self._auth.identify_digest(digest)
         if caller is not None:
@@ -127,6 +158,14 @@ class Sessions:
 
     def csrf_ok(self, user: User, token: str | None) -> bool:
         return token is not None and hmac.compare_digest(token.encode(), self.csrf(user).encode())
+
+    def confirmation(self, user: User, action: str) -> str:
+        """The token of one confirmation page (this session, this action on this target): posting the
+        action needs it, so the page that says what will happen cannot be skipped."""
+        return self._sign(f"confirm:{user.session}:{action}")
+
+    def confirmation_ok(self, user: User, action: str, token: str | None) -> bool:
+        return token is not None and hmac.compare_digest(token.encode(), self.confirmation(user, action).encode())
 
     def _sign(self, text: str) -> str:
         mac = hmac.new(self._key, text.encode(), hashlib.sha256).digest()

@@ -20,12 +20,14 @@ from fastapi import FastAPI
 from harvester.config import Config
 from harvester.services.console.routes import add_console
 from harvester.services.console.session import Sessions, load_viewer_tokens
-from harvester.services.http.security import check_startup, load_tokens
+from harvester.services.http.guard import Guard
+from harvester.services.http.security import RateLimiter, check_startup, load_tokens
 from harvester.services.http.tenants import TenantAuth
 
 
-def console_app(cfg: Config) -> FastAPI:
-    """The console alone; raises ConfigError as `reaper serve` would (no tokens, bad files)."""
+def console_app(cfg: Config) -> Guard:
+    """The console alone, behind the HTTP service's gate (framing; in local mode, loopback Host names
+    only); raises ConfigError as `reaper serve` would (no tokens, bad files)."""
     tokens = load_tokens(cfg.http)
     check_startup(dataclasses.replace(cfg.http, host=cfg.console.host), tokens)
     auth = TenantAuth(tokens, cfg.http.tenants_file, cfg.harvester.default_completion_topic)
@@ -41,7 +43,7 @@ def console_app(cfg: Config) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     console = add_console(app, cfg, sessions)
-    return app
+    return Guard(app, auth, RateLimiter(0.0, 1), open_paths=set(), api=False)
 
 
 class ConsoleServer:

@@ -39,6 +39,11 @@ def _num(value: object) -> str:
     return f"{int(value):,}"  # type: ignore[call-overload]
 
 
+def _capped(value: int, cap: int) -> str:
+    """A count made with LIMIT cap + 1: past the cap, "10,000+"."""
+    return f"{cap:,}+" if value > cap else _num(value)
+
+
 def _when(value: dt.datetime | float | None) -> Markup:
     """A <time> in UTC; console.js rewrites its text into the viewer's zone and keeps UTC in the title."""
     if value is None:
@@ -78,7 +83,7 @@ def templates() -> Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(num=_num, when=_when, dur=_dur, age=_age, pct=_pct, bytes=_bytes_view)
+    env.filters.update(num=_num, capped=_capped, when=_when, dur=_dur, age=_age, pct=_pct, bytes=_bytes_view)
     env.globals["quote"] = urllib.parse.quote
     return env
 

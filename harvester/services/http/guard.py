@@ -7,7 +7,15 @@ from collections.abc import Callable
 
 from harvester.services.http import problems
 from harvester.services.http.problems import Problem
-from harvester.services.http.security import RateLimiter, Receive, Scope, Send, headers_of, state_of
+from harvester.services.http.security import (
+    RateLimiter,
+    Receive,
+    Scope,
+    Send,
+    headers_of,
+    loopback_host,
+    state_of,
+)
 from harvester.services.http.tenants import TenantAuth
 
 
@@ -20,8 +28,11 @@ class Guard:
     """Every request framed one way only; /v1: one valid bearer token, within its rate; POST
     bodies must be JSON."""
 
-    def __init__(self, app: Callable, auth: TenantAuth, limiter: RateLimiter, open_paths: set[str]) -> None:
-        self.app, self.auth, self.limiter, self.open_paths = app, auth, limiter, open_paths
+    def __init__(
+        self, app: Callable, auth: TenantAuth, limiter: RateLimiter, open_paths: set[str], api: bool = True
+    ) -> None:
+        """`api=False`: an app with no /v1 (the console alone): framing and the local-mode Host only."""
+        self.app, self.auth, self.limiter, self.open_paths, self.api = app, auth, limiter, open_paths, api
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -43,8 +54,23 @@ class Guard:
                 ),
             )
             return
+        host = dict(headers_of(scope)).get(b"host")
+        if not self.auth.enabled and not loopback_host(host):
+            # Local mode asks no token: only requests addressed to this machine's own names.
+            await send_problem(
+                scope,
+                receive,
+                send,
+                Problem(
+                    "misdirected-request",
+                    "without tokens (http.local_mode) only requests whose Host is localhost or a loopback "
+                    f"address are answered, not {(host or b'').decode('latin-1')[:100]!r}",
+                    field="headers",
+                ),
+            )
+            return
         path = str(scope.get("path", ""))
-        if not path.startswith("/v1/") or path in self.open_paths:
+        if not self.api or not path.startswith("/v1/") or path in self.open_paths:
             await self.app(scope, receive, send)
             return
         if names.count(b"authorization") > 1:

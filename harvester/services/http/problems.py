@@ -39,6 +39,7 @@ TYPES: dict[str, tuple[int, str]] = {
     "batch-not-open": (409, "Batch is not open"),
     "batch-expired": (410, "Batch has expired"),
     "payload-too-large": (413, "Request body too large"),
+    "misdirected-request": (421, "Not addressed to a loopback name"),
     "unsupported-media-type": (415, "Request body must be application/json"),
     "nesting-too-deep": (422, "Batches nest too deep"),
     "unknown-group": (422, "Unknown group"),

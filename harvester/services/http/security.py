@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from pathlib import Path
@@ -70,30 +71,67 @@ def check_startup(cfg: HttpConfig, tokens: list[str]) -> None:
         raise ConfigError("http.local_mode", f"serves without tokens, so only on a loopback address, not {cfg.host!r}")
 
 
+def loopback_host(host: bytes | None) -> bool:
+    """Whether a Host header names this machine: localhost, 127.0.0.0/8 or ::1 (any port). In local
+    mode, where no token is asked, anything else is a page whose name was rebound to 127.0.0.1 (DNS
+    rebinding) reaching the service from the operator's own browser as its own origin."""
+    if not host:
+        return False
+    text = host.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        name = text[1:].partition("]")[0]
+    else:
+        name = text.rpartition(":")[0] if text.count(":") == 1 else text
+    if name in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 def token_id(token: str) -> str:
     """A short stable name for a token, for logs, metrics and rate limiting (never the token)."""
     return "tok-" + hashlib.sha256(token.encode()).hexdigest()[:10]
 
 
 class RateLimiter:
-    """A token bucket per bearer token: `rate` requests per second, bursts of up to `burst`."""
+    """A token bucket per key (a bearer token, a client address): `rate` requests per second,
+    bursts of up to `burst`. At most `max_keys` buckets are kept: a full bucket is the same as none,
+    so those go first; under a flood of new keys, the least recently used go next."""
 
-    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate, self.burst, self.clock = rate, burst, clock
-        self._buckets: dict[str, tuple[float, float]] = {}
+    def __init__(
+        self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic, max_keys: int = 10_000
+    ) -> None:
+        self.rate, self.burst, self.clock, self.max_keys = rate, burst, clock, max_keys
+        self._buckets: dict[str, tuple[float, float]] = {}  # oldest use first
+
+    def __len__(self) -> int:
+        return len(self._buckets)
 
     def take(self, key: str) -> float:
         """0 if a request may go ahead now, else the seconds until it may."""
         if self.rate <= 0:
             return 0.0
         now = self.clock()
-        level, last = self._buckets.get(key, (float(self.burst), now))
+        level, last = self._buckets.pop(key, (float(self.burst), now))
         level = min(float(self.burst), level + (now - last) * self.rate)
+        if len(self._buckets) >= self.max_keys:
+            self._prune(now)
         if level >= 1.0:
             self._buckets[key] = (level - 1.0, now)
             return 0.0
         self._buckets[key] = (level, now)
         return (1.0 - level) / self.rate
+
+    def _prune(self, now: float) -> None:
+        refilled = [k for k, (lv, at) in self._buckets.items() if lv + (now - at) * self.rate >= self.burst]
+        for k in refilled:
+            del self._buckets[k]
+        if len(self._buckets) <= self.max_keys * 3 // 4:
+            return
+        for k in list(itertools.islice(self._buckets, len(self._buckets) - self.max_keys // 2)):
+            del self._buckets[k]
 
 
 class BodyTooLarge(StarletteHTTPException):
