@@ -58,6 +58,27 @@ class MissingMessageId(TrackerError, LookupError):
         super().__init__(f"record {where} has no {MESSAGE_ID_HEADER!r} header")
 
 
+class DeadLetterError(TrackerError, KafkaException):
+    """A dead letter was not delivered to its topic (the broker refused it, or it timed out): the
+    poll's offsets are not committed, so its records come again."""
+
+    def __init__(self, topic: str, why: str) -> None:
+        self.topic = topic
+        super().__init__(f"dead letter not delivered to {topic!r}: {why}")
+
+
+class HandlerEndedTransaction(TrackerError):
+    """A handler committed or rolled back the helper's transaction itself (the helper owns it): the
+    poll is rolled back and no offset is committed, so its records come again."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        super().__init__(
+            f"the handler of record {where} ended the consumer's transaction (commit or rollback);"
+            " the helper commits once per poll: a handler must not"
+        )
+
+
 def _where(record: Any) -> str:
     try:
         return f"{record.topic()}[{record.partition()}]@{record.offset()}"
@@ -189,6 +210,8 @@ class InboxConsumer:
 
 __all__ = [
     "DEAD_LETTER_REASON_HEADER",
+    "DeadLetterError",
+    "HandlerEndedTransaction",
     "MESSAGE_ID_HEADER",
     "InboxConsumer",
     "MissingMessageId",
