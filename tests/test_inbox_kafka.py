@@ -23,9 +23,9 @@ from tracker.errors import InvalidValue
 from tracker.inbox import Inbox
 from tracker.inbox.consumer import (
     DEAD_LETTER_REASON_HEADER,
+    MESSAGE_ID_HEADER,
     DeadLetterError,
     HandlerEndedTransaction,
-    MESSAGE_ID_HEADER,
     InboxConsumer,
     MissingMessageId,
     message_id_of,
@@ -192,7 +192,11 @@ def test_a_dead_letter_the_broker_refuses_moves_no_offset(pg_dsn, effects, kafka
     p = Producer({"bootstrap.servers": kafka_bootstrap})
     p.produce(topic, key=b"x", value=b"v" * 5000)  # no message id: a dead letter
     assert p.flush(30) == 0
-    config = {"bootstrap.servers": kafka_bootstrap, "group.id": f"g-{uuid.uuid4().hex[:8]}", "auto.offset.reset": "earliest"}
+    config = {
+        "bootstrap.servers": kafka_bootstrap,
+        "group.id": f"g-{uuid.uuid4().hex[:8]}",
+        "auto.offset.reset": "earliest",
+    }
     box = Inbox("billing", schema=effects, registry=None)
     with psycopg.connect(pg_dsn) as conn:
         c = InboxConsumer(config, [topic], conn, box, lambda conn, r: None, dead_letter_topic=dead)

@@ -22,6 +22,8 @@ one, or whose handler raises, goes to `dead_letter_topic` when one is given (the
 plus a `dead-letter-reason` header), its effect rolled back alone; without a dead-letter topic the
 helper rolls the whole transaction back, commits no offset and raises (the records come again).
 The helper owns `conn`'s transactions: it commits and rolls back; hand it a connection of its own.
+A handler that commits or rolls back itself stops the poll with `HandlerEndedTransaction` (nothing
+acknowledged); a dead letter the broker refuses, with `DeadLetterError` (the records come again).
 Each claim holds a transaction advisory lock until the commit (sql/R__inbox.sql says why): a
 `batch` of thousands per consumer needs Postgres' max_locks_per_transaction raised.
 """
@@ -139,6 +141,7 @@ class InboxConsumer:
         if dead_letter_topic:
             keep = {k: v for k, v in config.items() if not k.startswith(("group.", "enable.auto", "auto.offset"))}
             self._dead = Producer({**keep, "enable.idempotence": True})
+        self._undelivered: list[str] = []  # delivery errors of this poll's dead letters
         self.totals = PollResult()
 
     def _effect(self, record: Message, conn: psycopg.Connection) -> object:
@@ -149,14 +152,35 @@ class InboxConsumer:
         reason = f"{type(why).__name__}: {why}"[:_REASON_MAX].encode("utf-8", "replace")
         headers: list[tuple[str, str | bytes | None]] = [(str(h[0]), h[1]) for h in record.headers() or []]
         headers.append((DEAD_LETTER_REASON_HEADER, reason))
-        self._dead.produce(self.dead_letter_topic, value=record.value(), key=record.key(), headers=headers)
+        self._dead.produce(
+            self.dead_letter_topic, value=record.value(), key=record.key(), headers=headers, on_delivery=self._delivered
+        )
+
+    def _delivered(self, err: Any, msg: Message) -> None:
+        # flush() counts only records still queued: one the broker refused has left the queue, and
+        # only this callback tells.
+        if err is not None:
+            self._undelivered.append(str(err))
+
+    def _ended(self, started: object) -> bool:
+        """Whether the poll's transaction (begun at `started`) is gone: a handler committed or
+        rolled it back itself. Then the call's savepoint was gone too, so its undo could not
+        restore the transaction (not INTRANS), or a later statement began another one."""
+        if self.conn.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+            return True
+        row = self.conn.execute("SELECT transaction_timestamp()").fetchone()
+        return row is None or row[0] != started
 
     def process(self, records: Sequence[Message]) -> tuple[PollResult, list[TopicPartition]]:
         """Run the records through the inbox in one transaction and commit it; return what
         happened and the offsets to commit (not committed here)."""
         got = PollResult(records=len(records))
         offsets: dict[tuple[str, int], int] = {}
+        self._undelivered.clear()
         try:
+            # The poll's transaction begins here; its start time tells it from any other.
+            row = self.conn.execute("SELECT transaction_timestamp()").fetchone()
+            started = row[0] if row else None
             for record in records:
                 if record.error() is not None:
                     raise KafkaException(record.error())
@@ -167,6 +191,8 @@ class InboxConsumer:
                     mid = message_id_of(record)
                     done = self.inbox.run_once(self.conn, mid, functools.partial(self._effect, record))
                 except Exception as exc:  # the record's savepoint is undone: the rest goes on
+                    if self._ended(started):  # undone with the records before it: none may be acked
+                        raise HandlerEndedTransaction(_where(record)) from exc
                     if self._dead is None:
                         raise
                     self._dead_letter(record, exc)
@@ -176,11 +202,16 @@ class InboxConsumer:
                 got.duplicates += not done.first_time
             self.conn.commit()
         except BaseException:
-            self.conn.rollback()
+            if not self.conn.closed:
+                self.conn.rollback()
             raise
         if self._dead is not None and got.dead_lettered:
-            if self._dead.flush(30) > 0:  # dead letters must be in Kafka before the offsets move on
-                raise KafkaException("dead-letter records not delivered within 30 s")
+            # Dead letters must be in Kafka before the offsets move on: else the records come again.
+            assert self.dead_letter_topic
+            if self._dead.flush(30) > 0:
+                raise DeadLetterError(self.dead_letter_topic, "not delivered within 30 s")
+            if self._undelivered:
+                raise DeadLetterError(self.dead_letter_topic, self._undelivered[0])
         return got, [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
 
     def poll_once(self) -> PollResult:
