@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from psycopg import sql
 
 from tracker import inbox, roles
-from tracker.errors import InvalidArgument, InvalidValue
+from tracker.errors import SQLSTATES, InvalidArgument, InvalidValue
 from tracker.inbox import AsyncInbox, Inbox, IsolationNotSupported, NoInboxPartition
 
 EFFECTS = "CREATE TABLE effects (consumer text NOT NULL, message_id text NOT NULL, tag text)"
@@ -168,6 +168,27 @@ def test_repeatable_read_is_refused_and_the_caller_goes_on(pg_dsn, schema):
         conn.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
         assert box.claim(conn, "m")
         conn.commit()
+
+
+def test_the_inbox_refusals_have_sqlstates_of_their_own(pg_dsn, schema):
+    # Each refusal's SQLSTATE is documented with the inbox's error, and none is another refusal's:
+    # an effect whose tracker call is refused (TooManyGroups, RT008) is not an isolation problem.
+    box = Inbox("c", schema=schema, registry=None)
+    with psycopg.connect(pg_dsn) as conn:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        with pytest.raises(IsolationNotSupported) as raised:
+            box.claim(conn, "m")
+        conn.rollback()
+    state = raised.value.__cause__.sqlstate
+    assert SQLSTATES[state][1] == (IsolationNotSupported,)
+
+    def refused(c: psycopg.Connection) -> None:
+        c.execute("DO $$ BEGIN RAISE EXCEPTION 'too many groups' USING ERRCODE = 'RT008'; END $$")
+
+    with psycopg.connect(pg_dsn) as conn:
+        with pytest.raises(psycopg.Error) as raised_by_effect:
+            box.run_once(conn, "m2", refused)
+        assert raised_by_effect.value.sqlstate == "RT008"
 
 
 def test_a_claim_with_no_partition_for_now_names_it(pg_dsn, schema):
