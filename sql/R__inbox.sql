@@ -6,7 +6,7 @@
 --   inbox_add_partitions(bucket, ahead)             -> names of the partitions it made
 --   inbox_drop_expired(retention, max_partitions)   -> names of the partitions it dropped
 -- Errors (SQLSTATE class RT, as R__sql_api.sql): RT007 invalid argument (DETAIL: the value as
--- written), RT008 the transaction's isolation level cannot keep a claim exactly once, RT009 no
+-- written), RT010 the transaction's isolation level cannot keep a claim exactly once, RT009 no
 -- partition holds the current time (the maintenance has not run for longer than it keeps ahead).
 
 
@@ -33,7 +33,7 @@ END $$;
 -- records it itself. The lookup reads every partition of the window (one index probe each); the
 -- insert goes into the current one, whose unique index refuses a duplicate whatever happens.
 -- Under SERIALIZABLE a claim whose snapshot predates the other's commit fails with a serialization
--- failure (40001: retry the transaction), never runs twice. REPEATABLE READ is refused (RT008):
+-- failure (40001: retry the transaction), never runs twice. REPEATABLE READ is refused (RT010):
 -- its snapshot cannot see an id committed meanwhile in an older partition, and nothing would
 -- refuse the second insert.
 -- The advisory lock is what makes a duplicate landing in another partition (two claims whose
@@ -47,7 +47,7 @@ BEGIN
     PERFORM inbox_text_check('message_id', inbox_claim.message_id);
     IF current_setting('transaction_isolation') = 'repeatable read' THEN
         RAISE EXCEPTION 'the inbox needs READ COMMITTED or SERIALIZABLE isolation, not REPEATABLE READ'
-            USING ERRCODE = 'RT008', DETAIL = 'repeatable read';
+            USING ERRCODE = 'RT010', DETAIL = 'repeatable read';
     END IF;
     PERFORM pg_advisory_xact_lock(1768841826, hashtext(inbox_claim.consumer || '/' || inbox_claim.message_id));
     PERFORM FROM inbox i WHERE i.consumer = inbox_claim.consumer AND i.message_id = inbox_claim.message_id;

@@ -169,6 +169,28 @@ class NoCallerTransaction(TrackerError):
         )
 
 
+class InboxError(TrackerError):
+    """The database refused a claim for a reason of the inbox's own (not the input's)."""
+
+
+class IsolationNotSupported(InboxError):
+    """A claim inside a REPEATABLE READ transaction: its snapshot could miss an id committed
+    meanwhile in an older partition. Use READ COMMITTED (the default) or SERIALIZABLE."""
+
+    def __init__(self, level: str) -> None:
+        self.level = level
+        super().__init__(f"the inbox needs READ COMMITTED or SERIALIZABLE isolation, not {level.upper()}")
+
+
+class NoInboxPartition(InboxError):
+    """No partition holds the current time: the inbox maintenance has not run for longer than it
+    makes partitions ahead (`reaper run` runs it; or tracker.inbox.maintain)."""
+
+    def __init__(self, at: str) -> None:
+        self.at = at
+        super().__init__(f"no inbox partition holds {at}: run the inbox maintenance (reaper run does)")
+
+
 # The SQLSTATEs the SQL functions raise (class RT), what each means and the error the Python API
 # raises for the same mistake. tests/test_docs.py checks that every code the SQL raises is here.
 SQLSTATES: dict[str, tuple[str, tuple[type[TrackerError], ...]]] = {
@@ -186,4 +208,6 @@ SQLSTATES: dict[str, tuple[str, tuple[type[TrackerError], ...]]] = {
         (InvalidArgument, InvalidValue, DepthExceeded),
     ),
     "RT008": ("ids that name more groups than one call may fold (4 MiB of masks): split them", (TooManyGroups,)),
+    "RT009": ("no inbox partition holds the current time: the inbox maintenance has not run", (NoInboxPartition,)),
+    "RT010": ("an inbox claim under REPEATABLE READ (use READ COMMITTED or SERIALIZABLE)", (IsolationNotSupported,)),
 }

@@ -17,35 +17,19 @@ from psycopg import sql
 from tracker import metrics
 from tracker.config import DEFAULT_SCHEMA
 from tracker.core.steps import Effect, Op, one
-from tracker.errors import InvalidArgument, InvalidValue, TrackerError
+from tracker.errors import (
+    InboxError,
+    InvalidArgument,
+    InvalidValue,
+    IsolationNotSupported,
+    NoInboxPartition,
+)
 from tracker.schema import check_identifier
 
 T = TypeVar("T")
 
 # Message ids and consumer names: 1 to this many characters (the SQL functions say the same).
 TEXT_MAX = 200
-
-
-class InboxError(TrackerError):
-    """The database refused a claim for a reason of the inbox's own (not the input's)."""
-
-
-class IsolationNotSupported(InboxError):
-    """A claim inside a REPEATABLE READ transaction: its snapshot could miss an id committed
-    meanwhile in an older partition. Use READ COMMITTED (the default) or SERIALIZABLE."""
-
-    def __init__(self, level: str) -> None:
-        self.level = level
-        super().__init__(f"the inbox needs READ COMMITTED or SERIALIZABLE isolation, not {level.upper()}")
-
-
-class NoInboxPartition(InboxError):
-    """No partition holds the current time: the inbox maintenance has not run for longer than it
-    makes partitions ahead (`reaper run` runs it; or tracker.inbox.maintain)."""
-
-    def __init__(self, at: str) -> None:
-        self.at = at
-        super().__init__(f"no inbox partition holds {at}: run the inbox maintenance (reaper run does)")
 
 
 def check_text(name: str, value: object) -> str:
@@ -99,10 +83,10 @@ def run_once_op(q: dict[str, str], consumer: str, message_id: str) -> Op[InboxRe
 
 
 def translate(exc: BaseException) -> BaseException:
-    """The typed error of a database error the inbox raises on purpose (SQLSTATE RT008, RT009), or
+    """The typed error of a database error the inbox raises on purpose (SQLSTATE RT009, RT010), or
     `exc` itself. Works for psycopg and asyncpg errors (both carry `sqlstate`)."""
     state = getattr(exc, "sqlstate", None)
-    if state == "RT008":
+    if state == "RT010":
         return IsolationNotSupported("repeatable read")
     if state == "RT009":
         detail = getattr(getattr(exc, "diag", None), "message_detail", None) or getattr(exc, "detail", None)
