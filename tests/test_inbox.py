@@ -150,8 +150,20 @@ def _utf8(b: bytes) -> bool:
     return True
 
 
+def test_a_lone_surrogate_is_refused_naming_it(pg_dsn, schema):
+    # A str that is not text (bytes decoded with surrogateescape, say): UTF-8 cannot encode it.
+    box = Inbox("c", schema=schema, registry=None)
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute("SELECT 1")
+        with pytest.raises(InvalidValue) as err:
+            box.claim(conn, "id-\udcff")
+        assert err.value.name == "message_id" and "id-\udcff" in str(err.value)
+        conn.execute("SELECT 1")  # the caller's transaction goes on
+        conn.rollback()
+
+
 def test_a_consumer_name_is_checked(schema):
-    for bad in ["", "x" * 201, None, 3, "a\x00b"]:
+    for bad in ["", "x" * 201, None, 3, "a\x00b", "a\ud800"]:
         with pytest.raises((InvalidArgument, InvalidValue)):
             Inbox(bad, schema=schema)  # type: ignore[arg-type]
 
