@@ -157,7 +157,7 @@ def test_a_lone_surrogate_is_refused_naming_it(pg_dsn, schema):
         conn.execute("SELECT 1")
         with pytest.raises(InvalidValue) as err:
             box.claim(conn, "id-\udcff")
-        assert err.value.name == "message_id" and "id-\udcff" in str(err.value)
+        assert err.value.name == "message_id" and repr("id-\udcff") in str(err.value)
         conn.execute("SELECT 1")  # the caller's transaction goes on
         conn.rollback()
 
