@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from psycopg import sql
 
 from tracker import inbox, roles
+from tracker import schema as schema_mod
 from tracker.errors import SQLSTATES, InvalidArgument, InvalidValue
 from tracker.inbox import AsyncInbox, Inbox, IsolationNotSupported, NoInboxPartition
 
@@ -348,3 +349,30 @@ def test_a_consumer_role_claims_through_the_function_and_touches_no_table(pg_dsn
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             for r in roles.ROLES:
                 _drop_role(admin, roles.role_name(schema, r))
+
+
+def test_inboxes_of_two_schemas_never_wait_for_each_other(pg_dsn, schema):
+    # The claim's advisory lock and the maintenance's are per schema: a claim held open in one
+    # schema holds up no claim of the same id in another, nor does one schema's maintenance make
+    # another's skip its partitions.
+    other = f"t_{uuid.uuid4().hex[:12]}"
+    schema_mod.migrate(pg_dsn, other)
+    try:
+        with psycopg.connect(pg_dsn) as first, psycopg.connect(pg_dsn) as second:
+            assert Inbox("c", schema=schema, registry=None).claim(first, "same-id")
+            second.execute("SET lock_timeout = '2s'")
+            assert Inbox("c", schema=other, registry=None).claim(second, "same-id")
+            second.rollback()
+            first.rollback()
+            first.execute(
+                sql.SQL("SELECT {}('1 day', '6 days')").format(sql.Identifier(schema, "inbox_add_partitions"))
+            )
+            made = second.execute(
+                sql.SQL("SELECT * FROM {}('1 day', '6 days')").format(sql.Identifier(other, "inbox_add_partitions"))
+            ).fetchall()
+            assert made, "the other schema's maintenance skipped its partitions"
+            first.rollback()
+            second.rollback()
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(other)))
