@@ -251,3 +251,45 @@ def test_a_handler_that_ends_the_transaction_loses_no_record_of_the_poll(
             again.close()
         assert again.totals.dead_lettered == 0
     assert _effects(pg_dsn, effects) == {i: 1 for i in ids}
+
+
+def test_a_failed_poll_comes_again_on_the_same_consumer(pg_dsn, effects, kafka_bootstrap, topics):
+    # Without a dead-letter topic a handler's error rolls the poll back and raises, committing no
+    # offset. A caller that goes on polling (a transient error) must get those records again: had
+    # the consumer's position stayed past them, the next poll's commit would skip them for good.
+    topic = topics("inbox", partitions=2)
+    ids = ["a", "b", "c", "d"]
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    for n, mid in enumerate(ids):
+        p.produce(
+            topic, partition=n % 2, key=mid.encode(), value=mid.encode(), headers=[(MESSAGE_ID_HEADER, mid.encode())]
+        )
+    assert p.flush(30) == 0
+    config = {
+        "bootstrap.servers": kafka_bootstrap,
+        "group.id": f"g-{uuid.uuid4().hex[:8]}",
+        "auto.offset.reset": "earliest",
+    }
+    insert = sql.SQL("INSERT INTO {} (message_id) VALUES (%s)").format(sql.Identifier(effects, "effects"))
+    failures = []
+
+    def flaky(conn, record):
+        mid = message_id_of(record)
+        if mid == "c" and not failures:
+            failures.append(mid)
+            raise RuntimeError("transient")
+        conn.execute(insert, [mid])
+
+    with psycopg.connect(pg_dsn) as conn:
+        c = InboxConsumer(config, [topic], conn, Inbox("billing", schema=effects, registry=None), flaky)
+        try:
+            deadline = time.monotonic() + 30
+            while len(_effects(pg_dsn, effects)) < len(ids) and time.monotonic() < deadline:
+                try:
+                    c.poll_once()
+                except RuntimeError:
+                    pass
+        finally:
+            c.close()
+    assert failures == ["c"]
+    assert _effects(pg_dsn, effects) == {i: 1 for i in ids}
