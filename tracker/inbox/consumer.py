@@ -22,6 +22,7 @@ one, or whose handler raises, goes to `dead_letter_topic` when one is given (the
 plus a `dead-letter-reason` header), its effect rolled back alone; without a dead-letter topic the
 helper rolls the whole transaction back, commits no offset and raises (the records come again).
 The helper owns `conn`'s transactions: it commits and rolls back; hand it a connection of its own.
+A poll that raises leaves the consumer at its first records again, so polling on gets them again.
 A handler that commits or rolls back itself stops the poll with `HandlerEndedTransaction` (nothing
 acknowledged); a dead letter the broker refuses, with `DeadLetterError` (the records come again).
 Each claim holds a transaction advisory lock until the commit (sql/R__inbox.sql says why): a
@@ -219,11 +220,29 @@ class InboxConsumer:
         records = self.consumer.consume(self.batch, self.poll_timeout)
         if not records:
             return PollResult()
-        got, offsets = self.process(records)
+        try:
+            got, offsets = self.process(records)
+        except BaseException:
+            self._rewind(records)
+            raise
         self.consumer.commit(offsets=offsets, asynchronous=False)
         for name in ("records", "processed", "duplicates", "dead_lettered"):
             setattr(self.totals, name, getattr(self.totals, name) + getattr(got, name))
         return got
+
+    def _rewind(self, records: Sequence[Message]) -> None:
+        """Move the consumer back to the first record of each partition of a poll that failed: its
+        position is past them, and the next poll's offset commit would acknowledge them unseen."""
+        first: dict[tuple[str, int], int] = {}
+        for record in records:
+            topic, partition, offset = record.topic(), record.partition(), record.offset()
+            if record.error() is None and topic is not None and partition is not None and offset is not None:
+                first.setdefault((topic, partition), offset)
+        for (topic, partition), offset in first.items():
+            try:
+                self.consumer.seek(TopicPartition(topic, partition, offset))
+            except KafkaException:
+                pass  # no longer assigned: its next owner starts from the committed offset
 
     def run(self, stop: threading.Event) -> None:
         """Poll until `stop` is set; then close the consumer (leaving the group)."""
