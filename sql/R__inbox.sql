@@ -49,7 +49,9 @@ BEGIN
         RAISE EXCEPTION 'the inbox needs READ COMMITTED or SERIALIZABLE isolation, not REPEATABLE READ'
             USING ERRCODE = 'RT010', DETAIL = 'repeatable read';
     END IF;
-    PERFORM pg_advisory_xact_lock(1768841826, hashtext(inbox_claim.consumer || '/' || inbox_claim.message_id));
+    -- Keyed by schema too: another schema's inbox (another unit, a test) never waits on this one.
+    PERFORM pg_advisory_xact_lock(hashtext('inbox/' || current_schema()),
+                                  hashtext(inbox_claim.consumer || '/' || inbox_claim.message_id));
     PERFORM FROM inbox i WHERE i.consumer = inbox_claim.consumer AND i.message_id = inbox_claim.message_id;
     IF FOUND THEN
         RETURN false;
@@ -144,7 +146,8 @@ BEGIN
         RAISE EXCEPTION 'ahead % would make more than 1000 partitions of %', ahead, bucket
             USING ERRCODE = 'RT007', DETAIL = ahead::text;
     END IF;
-    IF NOT pg_try_advisory_xact_lock(1768841826, 0) THEN
+    -- Not a claim's key (those are 'inbox/' || schema), nor another schema's maintenance.
+    IF NOT pg_try_advisory_xact_lock(hashtext('inbox-maintenance/' || current_schema()), 0) THEN
         RETURN;
     END IF;
     SELECT max(p.upper) INTO lo FROM inbox_partition p;

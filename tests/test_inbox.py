@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from psycopg import sql
 
 from tracker import inbox, roles
-from tracker.errors import InvalidArgument, InvalidValue
+from tracker import schema as schema_mod
+from tracker.errors import SQLSTATES, InvalidArgument, InvalidValue
 from tracker.inbox import AsyncInbox, Inbox, IsolationNotSupported, NoInboxPartition
 
 EFFECTS = "CREATE TABLE effects (consumer text NOT NULL, message_id text NOT NULL, tag text)"
@@ -150,8 +151,20 @@ def _utf8(b: bytes) -> bool:
     return True
 
 
+def test_a_lone_surrogate_is_refused_naming_it(pg_dsn, schema):
+    # A str that is not text (bytes decoded with surrogateescape, say): UTF-8 cannot encode it.
+    box = Inbox("c", schema=schema, registry=None)
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute("SELECT 1")
+        with pytest.raises(InvalidValue) as err:
+            box.claim(conn, "id-\udcff")
+        assert err.value.name == "message_id" and repr("id-\udcff") in str(err.value)
+        conn.execute("SELECT 1")  # the caller's transaction goes on
+        conn.rollback()
+
+
 def test_a_consumer_name_is_checked(schema):
-    for bad in ["", "x" * 201, None, 3, "a\x00b"]:
+    for bad in ["", "x" * 201, None, 3, "a\x00b", "a\ud800"]:
         with pytest.raises((InvalidArgument, InvalidValue)):
             Inbox(bad, schema=schema)  # type: ignore[arg-type]
 
@@ -168,6 +181,27 @@ def test_repeatable_read_is_refused_and_the_caller_goes_on(pg_dsn, schema):
         conn.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
         assert box.claim(conn, "m")
         conn.commit()
+
+
+def test_the_inbox_refusals_have_sqlstates_of_their_own(pg_dsn, schema):
+    # Each refusal's SQLSTATE is documented with the inbox's error, and none is another refusal's:
+    # an effect whose tracker call is refused (TooManyGroups, RT008) is not an isolation problem.
+    box = Inbox("c", schema=schema, registry=None)
+    with psycopg.connect(pg_dsn) as conn:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        with pytest.raises(IsolationNotSupported) as raised:
+            box.claim(conn, "m")
+        conn.rollback()
+    state = raised.value.__cause__.sqlstate
+    assert SQLSTATES[state][1] == (IsolationNotSupported,)
+
+    def refused(c: psycopg.Connection) -> None:
+        c.execute("DO $$ BEGIN RAISE EXCEPTION 'too many groups' USING ERRCODE = 'RT008'; END $$")
+
+    with psycopg.connect(pg_dsn) as conn:
+        with pytest.raises(psycopg.Error) as raised_by_effect:
+            box.run_once(conn, "m2", refused)
+        assert raised_by_effect.value.sqlstate == "RT008"
 
 
 def test_a_claim_with_no_partition_for_now_names_it(pg_dsn, schema):
@@ -315,3 +349,30 @@ def test_a_consumer_role_claims_through_the_function_and_touches_no_table(pg_dsn
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             for r in roles.ROLES:
                 _drop_role(admin, roles.role_name(schema, r))
+
+
+def test_inboxes_of_two_schemas_never_wait_for_each_other(pg_dsn, schema):
+    # The claim's advisory lock and the maintenance's are per schema: a claim held open in one
+    # schema holds up no claim of the same id in another, nor does one schema's maintenance make
+    # another's skip its partitions.
+    other = f"t_{uuid.uuid4().hex[:12]}"
+    schema_mod.migrate(pg_dsn, other)
+    try:
+        with psycopg.connect(pg_dsn) as first, psycopg.connect(pg_dsn) as second:
+            assert Inbox("c", schema=schema, registry=None).claim(first, "same-id")
+            second.execute("SET lock_timeout = '2s'")
+            assert Inbox("c", schema=other, registry=None).claim(second, "same-id")
+            second.rollback()
+            first.rollback()
+            first.execute(
+                sql.SQL("SELECT {}('1 day', '6 days')").format(sql.Identifier(schema, "inbox_add_partitions"))
+            )
+            made = second.execute(
+                sql.SQL("SELECT * FROM {}('1 day', '6 days')").format(sql.Identifier(other, "inbox_add_partitions"))
+            ).fetchall()
+            assert made, "the other schema's maintenance skipped its partitions"
+            first.rollback()
+            second.rollback()
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(other)))

@@ -24,6 +24,8 @@ from tracker.inbox import Inbox
 from tracker.inbox.consumer import (
     DEAD_LETTER_REASON_HEADER,
     MESSAGE_ID_HEADER,
+    DeadLetterError,
+    HandlerEndedTransaction,
     InboxConsumer,
     MissingMessageId,
     message_id_of,
@@ -171,4 +173,123 @@ def test_a_consumer_killed_midway_and_restarted_runs_each_effect_once(pg_dsn, ef
     assert killed_at < len(ids), "it finished before the kill"
     done = subprocess.run([*args, "15"], env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
+    assert _effects(pg_dsn, effects) == {i: 1 for i in ids}
+
+
+def _consume(c: InboxConsumer, n: int) -> list:
+    records: list = []
+    deadline = time.monotonic() + 30
+    while len(records) < n and time.monotonic() < deadline:
+        records += c.consumer.consume(n - len(records), 0.5)
+    assert len(records) == n
+    return records
+
+
+def test_a_dead_letter_the_broker_refuses_moves_no_offset(pg_dsn, effects, kafka_bootstrap, topics):
+    # The dead-letter topic takes records of 1,000 bytes at most: the broker refuses this one (a
+    # delivery error, not a record left in the producer's queue), so its offset must not move on.
+    topic, dead = topics("inbox"), topics("inbox-dead", config={"max.message.bytes": "1000"})
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    p.produce(topic, key=b"x", value=b"v" * 5000)  # no message id: a dead letter
+    assert p.flush(30) == 0
+    config = {
+        "bootstrap.servers": kafka_bootstrap,
+        "group.id": f"g-{uuid.uuid4().hex[:8]}",
+        "auto.offset.reset": "earliest",
+    }
+    box = Inbox("billing", schema=effects, registry=None)
+    with psycopg.connect(pg_dsn) as conn:
+        c = InboxConsumer(config, [topic], conn, box, lambda conn, r: None, dead_letter_topic=dead)
+        try:
+            records = _consume(c, 1)
+            with pytest.raises(DeadLetterError, match="inbox-dead"):
+                c.process(records)
+        finally:
+            c.close()
+
+
+@pytest.mark.parametrize("ends", ["rollback", "commit"])
+def test_a_handler_that_ends_the_transaction_loses_no_record_of_the_poll(
+    pg_dsn, effects, kafka_bootstrap, topics, ends
+):
+    # The helper owns the poll's transaction. A handler that commits or rolls it back itself (the
+    # rollback undoing the records before it) must stop the poll with nothing acknowledged, not be
+    # taken for a failed record and dead-lettered while the offsets of the undone ones move on.
+    topic, dead = topics("inbox"), topics("inbox-dead")
+    ids = ["a", "b", "c"]
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    for mid in ids:
+        p.produce(topic, key=mid.encode(), value=mid.encode(), headers=[(MESSAGE_ID_HEADER, mid.encode())])
+    assert p.flush(30) == 0
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    config = {"bootstrap.servers": kafka_bootstrap, "group.id": group, "auto.offset.reset": "earliest"}
+    insert = sql.SQL("INSERT INTO {} (message_id) VALUES (%s)").format(sql.Identifier(effects, "effects"))
+    box = Inbox("billing", schema=effects, registry=None)
+
+    def rogue(conn, record):
+        conn.execute(insert, [message_id_of(record)])
+        if message_id_of(record) == "b":
+            getattr(conn, ends)()
+
+    def effect(conn, record):
+        conn.execute(insert, [message_id_of(record)])
+
+    with psycopg.connect(pg_dsn) as conn:
+        c = InboxConsumer(config, [topic], conn, box, rogue, dead_letter_topic=dead)
+        try:
+            with pytest.raises(HandlerEndedTransaction):
+                c.process(_consume(c, 3))
+        finally:
+            c.close()
+        again = InboxConsumer(config, [topic], conn, box, effect, dead_letter_topic=dead)
+        try:
+            got = 0
+            deadline = time.monotonic() + 30
+            while got < 3 and time.monotonic() < deadline:
+                got += again.poll_once().records
+        finally:
+            again.close()
+        assert again.totals.dead_lettered == 0
+    assert _effects(pg_dsn, effects) == {i: 1 for i in ids}
+
+
+def test_a_failed_poll_comes_again_on_the_same_consumer(pg_dsn, effects, kafka_bootstrap, topics):
+    # Without a dead-letter topic a handler's error rolls the poll back and raises, committing no
+    # offset. A caller that goes on polling (a transient error) must get those records again: had
+    # the consumer's position stayed past them, the next poll's commit would skip them for good.
+    topic = topics("inbox", partitions=2)
+    ids = ["a", "b", "c", "d"]
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    for n, mid in enumerate(ids):
+        p.produce(
+            topic, partition=n % 2, key=mid.encode(), value=mid.encode(), headers=[(MESSAGE_ID_HEADER, mid.encode())]
+        )
+    assert p.flush(30) == 0
+    config = {
+        "bootstrap.servers": kafka_bootstrap,
+        "group.id": f"g-{uuid.uuid4().hex[:8]}",
+        "auto.offset.reset": "earliest",
+    }
+    insert = sql.SQL("INSERT INTO {} (message_id) VALUES (%s)").format(sql.Identifier(effects, "effects"))
+    failures = []
+
+    def flaky(conn, record):
+        mid = message_id_of(record)
+        if mid == "c" and not failures:
+            failures.append(mid)
+            raise RuntimeError("transient")
+        conn.execute(insert, [mid])
+
+    with psycopg.connect(pg_dsn) as conn:
+        c = InboxConsumer(config, [topic], conn, Inbox("billing", schema=effects, registry=None), flaky)
+        try:
+            deadline = time.monotonic() + 30
+            while len(_effects(pg_dsn, effects)) < len(ids) and time.monotonic() < deadline:
+                try:
+                    c.poll_once()
+                except RuntimeError:
+                    pass
+        finally:
+            c.close()
+    assert failures == ["c"]
     assert _effects(pg_dsn, effects) == {i: 1 for i in ids}

@@ -20,6 +20,7 @@ import pytest
 from psycopg import pq, sql
 from test_tracker_modes import ASYNC_MODES, SYNC_MODES, async_mode, sync_mode
 
+from tracker.errors import NoCallerTransaction
 from tracker.inbox import AsyncInbox, Inbox
 
 POISON = """
@@ -85,6 +86,13 @@ def _sync_cell(dsn: str, schema: str, mode: str, op: str, outcome: str, extra: d
                 return box.claim(caller.session, mid)
             return box.run_once(caller.session, mid, lambda _s: caller.write("effect")).first_time
 
+        if op == "claim" and not caller.transactional:
+            # No transaction for the effect to share: a claim would commit alone, ahead of it.
+            with pytest.raises(NoCallerTransaction):
+                call()
+            caller.write("after")
+            assert _state(dsn, schema, mid, extra)[0] == 0
+            return
         if outcome == "failed":
             with pytest.raises(_errors(mode)):
                 call()
@@ -112,6 +120,12 @@ async def _async_cell(dsn: str, schema: str, mode: str, op: str, outcome: str, e
                 return await box.claim(caller.session, mid)
             return (await box.run_once(caller.session, mid, lambda _s: caller.write("effect"))).first_time
 
+        if op == "claim" and not caller.transactional:
+            with pytest.raises(NoCallerTransaction):
+                await call()
+            await caller.write("after")
+            assert _state(dsn, schema, mid, extra)[0] == 0
+            return
         if outcome == "failed":
             with pytest.raises(_errors(mode)):
                 await call()

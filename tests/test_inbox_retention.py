@@ -209,3 +209,26 @@ def test_several_maintainers_at_once_drop_each_expired_partition_once(pg_dsn, sc
     created = [n for res in results for n in res.created]
     assert len(created) == len(set(created))  # each partition made by one of them
     assert all(a.upper == b.lower for a, b in zip(parts, parts[1:]))
+
+
+def test_the_reaper_role_maintains_the_inbox_it_does_not_own(pg_dsn, schema):
+    # The reaper role runs the maintenance in `reaper run` but does not own the inbox: it cannot
+    # detach, so it makes and drops partitions through the owner's SQL functions.
+    from test_roles import _drop_role, login_as
+
+    from tracker import roles
+
+    old = _expired_partitions(pg_dsn, schema, 2, 3)
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        roles.create(admin, schema)
+    try:
+        with login_as(pg_dsn, schema, "reaper") as conn:
+            conn.autocommit = True
+            got = r.maintain(conn, schema=schema, policy=r.Retention(bucket=3600, ahead=5 * 86400))
+            assert got.created
+            assert sorted(got.dropped) == old and got.skipped == []
+            assert {p.name for p in r.partitions(conn, schema=schema)}.isdisjoint(old)
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            for role in roles.ROLES:
+                _drop_role(admin, roles.role_name(schema, role))

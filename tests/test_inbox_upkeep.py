@@ -28,7 +28,8 @@ def test_one_pass_makes_partitions_drops_expired_ones_and_sets_the_gauges(pg_dsn
         c.execute("ALTER TABLE inbox ATTACH PARTITION inbox_old FOR VALUES FROM ('2020-01-01') TO ('2020-01-02')")
         c.execute("INSERT INTO inbox_partition VALUES ('inbox_old', '2020-01-01', '2020-01-02')")
         c.execute("INSERT INTO inbox VALUES ('c', 'old-id', '2020-01-01 12:00+00')")
-        Inbox("c", schema=schema, registry=None).claim(c, "new-id")
+        with c.transaction():
+            Inbox("c", schema=schema, registry=None).claim(c, "new-id")
     cfg = load(
         environ={},
         overrides={

@@ -49,11 +49,16 @@ T = TypeVar("T")
 AsyncEffect = Callable[[AsyncSession], Awaitable[T] | T]
 
 
-async def _run(session: AsyncSession, op: Op[T], effect: Callable[[], Awaitable[object]] | None = None) -> T:
+async def _run(
+    session: AsyncSession,
+    op: Op[T],
+    effect: Callable[[], Awaitable[object]] | None = None,
+    within: str | None = None,
+) -> T:
     conn = await async_connection(session)
     if isinstance(conn, psycopg.AsyncConnection):
-        return await adriver.run(conn, op, effect=effect)
-    return await apgdriver.run(conn, op, effect=effect)
+        return await adriver.run(conn, op, effect=effect, within=within)
+    return await apgdriver.run(conn, op, effect=effect, within=within)
 
 
 async def _fold(entries: list[str | bytes]) -> dict[tuple[int, int], GroupMask]:

@@ -157,6 +157,18 @@ class CallerTransactionAborted(TrackerError):
         super().__init__("the caller's transaction is aborted (a statement in it failed): roll it back first")
 
 
+class NoCallerTransaction(TrackerError):
+    """A call that only holds inside the caller's transaction (an inbox claim: the effect must
+    commit with it) on a connection with none open (autocommit, no transaction block). Nothing ran."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        super().__init__(
+            f"{what} needs the caller's transaction: open one (conn.transaction(), or autocommit off),"
+            " or use run_once, which runs the effect with the claim"
+        )
+
+
 class InboxError(TrackerError):
     """The database refused a claim for a reason of the inbox's own (not the input's)."""
 

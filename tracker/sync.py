@@ -34,8 +34,8 @@ T = TypeVar("T")
 SyncEffect = Callable[[SyncSession], T]
 
 
-def _run(session: SyncSession, op: Op[T], effect: Callable[[], object] | None = None) -> T:
-    return driver.run(sync_connection(session), op, effect=effect)
+def _run(session: SyncSession, op: Op[T], effect: Callable[[], object] | None = None, within: str | None = None) -> T:
+    return driver.run(sync_connection(session), op, effect=effect, within=within)
 
 
 _fold = fold

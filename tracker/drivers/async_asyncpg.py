@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from typing import TYPE_CHECKING, TypeVar
 
 from tracker.core.steps import Op, Params, Query, Write
-from tracker.drivers.calls import OWN_TRANSACTION, AsyncIo, Undo, drive_async, frame, savepoint
+from tracker.drivers.calls import OWN_TRANSACTION, AsyncIo, Undo, drive_async, frame, inside, savepoint
 from tracker.errors import CallerTransactionAborted
 
 if TYPE_CHECKING:
@@ -134,7 +134,14 @@ async def _undo(conn: asyncpg.Connection, undo: Undo) -> None:
 _IO: AsyncIo[asyncpg.Connection] = (_send, _write, _begin, _undo)
 
 
-async def run(conn: asyncpg.Connection, op: Op[T], *, effect: Callable[[], Awaitable[object]] | None = None) -> T:
-    """Drive `op` to its result on `conn`, all or nothing inside the caller's transaction."""
-    edge = savepoint() if conn.is_in_transaction() else OWN_TRANSACTION
+async def run(
+    conn: asyncpg.Connection,
+    op: Op[T],
+    *,
+    effect: Callable[[], Awaitable[object]] | None = None,
+    within: str | None = None,
+) -> T:
+    """Drive `op` to its result on `conn`, all or nothing inside the caller's transaction (`within`:
+    the call's name, when it must not be a transaction of its own: `calls.inside`)."""
+    edge = inside(savepoint() if conn.is_in_transaction() else OWN_TRANSACTION, within)
     return await drive_async(frame(op, edge, pipelined=False), conn, _IO, effect)

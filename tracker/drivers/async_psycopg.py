@@ -17,7 +17,7 @@ from psycopg.generators import copy_end
 from psycopg.rows import tuple_row
 
 from tracker.core.steps import Op, Query, Write
-from tracker.drivers.calls import AsyncIo, Undo, boundary, drive_async, frame
+from tracker.drivers.calls import AsyncIo, Undo, boundary, drive_async, frame, inside
 from tracker.drivers.sync_psycopg import in_pipeline, in_transaction, usable
 from tracker.errors import CallerTransactionAborted
 
@@ -114,8 +114,15 @@ async def _undo(conn: psycopg.AsyncConnection, undo: Undo) -> None:
 _IO: AsyncIo[psycopg.AsyncConnection] = (_send, _write, _begin, _undo)
 
 
-async def run(conn: psycopg.AsyncConnection, op: Op[T], *, effect: Callable[[], Awaitable[object]] | None = None) -> T:
-    """Drive `op` to its result on `conn`, all or nothing inside the caller's transaction."""
+async def run(
+    conn: psycopg.AsyncConnection,
+    op: Op[T],
+    *,
+    effect: Callable[[], Awaitable[object]] | None = None,
+    within: str | None = None,
+) -> T:
+    """Drive `op` to its result on `conn`, all or nothing inside the caller's transaction (`within`:
+    the call's name, when it must not be a transaction of its own: `calls.inside`)."""
     if in_pipeline(conn):
         try:
             async with conn.pipeline():  # nested: its exit syncs the caller's queued statements
@@ -127,7 +134,7 @@ async def run(conn: psycopg.AsyncConnection, op: Op[T], *, effect: Callable[[], 
             if aborted or (not conn.autocommit and exc.sqlstate is not None):
                 raise CallerTransactionAborted() from exc
             raise
-    edge = boundary(conn.autocommit, conn.info.transaction_status)
+    edge = inside(boundary(conn.autocommit, conn.info.transaction_status), within)
     return await drive_async(frame(op, edge), conn, _IO, effect)
 
 

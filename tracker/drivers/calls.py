@@ -23,7 +23,7 @@ from typing import Any, TypeVar, Union
 from psycopg import pq
 
 from tracker.core.steps import Effect, Op, Query, Round, Write
-from tracker.errors import CallerTransactionAborted
+from tracker.errors import CallerTransactionAborted, NoCallerTransaction
 
 T = TypeVar("T")
 C = TypeVar("C")
@@ -76,6 +76,14 @@ def boundary(autocommit: bool, status: pq.TransactionStatus) -> Boundary:
     if status == pq.TransactionStatus.IDLE and autocommit:
         return OWN_TRANSACTION
     return savepoint()
+
+
+def inside(edge: Boundary, within: str | None) -> Boundary:
+    """`edge`, unless `within` names a call that only holds inside the caller's transaction and
+    there is none (the call would be a transaction of its own): NoCallerTransaction, nothing sent."""
+    if within is not None and edge.savepoint is None:
+        raise NoCallerTransaction(within)
+    return edge
 
 
 @dataclass(frozen=True, slots=True)

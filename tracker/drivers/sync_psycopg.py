@@ -36,7 +36,7 @@ from psycopg.generators import copy_end
 from psycopg.rows import tuple_row
 
 from tracker.core.steps import Op, Query, Write
-from tracker.drivers.calls import SyncIo, Undo, boundary, drive, frame
+from tracker.drivers.calls import SyncIo, Undo, boundary, drive, frame, inside
 from tracker.errors import CallerTransactionAborted
 
 T = TypeVar("T")
@@ -144,8 +144,15 @@ def _undo(conn: psycopg.Connection, undo: Undo) -> None:
 _IO: SyncIo[psycopg.Connection] = (_send, _write, _begin, _undo)
 
 
-def run(conn: psycopg.Connection, op: Op[T], *, effect: Callable[[], object] | None = None) -> T:
-    """Drive `op` to its result on `conn`, all or nothing inside the caller's transaction."""
+def run(
+    conn: psycopg.Connection,
+    op: Op[T],
+    *,
+    effect: Callable[[], object] | None = None,
+    within: str | None = None,
+) -> T:
+    """Drive `op` to its result on `conn`, all or nothing inside the caller's transaction (`within`:
+    the call's name, when it must not be a transaction of its own: `calls.inside`)."""
     if in_pipeline(conn):
         try:
             with conn.pipeline():  # nested: its exit syncs the caller's queued statements
@@ -157,7 +164,7 @@ def run(conn: psycopg.Connection, op: Op[T], *, effect: Callable[[], object] | N
             if aborted or (not conn.autocommit and exc.sqlstate is not None):
                 raise CallerTransactionAborted() from exc
             raise
-    edge = boundary(conn.autocommit, conn.info.transaction_status)
+    edge = inside(boundary(conn.autocommit, conn.info.transaction_status), within)
     return drive(frame(op, edge), conn, _IO, effect)
 
 

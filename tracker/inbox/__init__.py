@@ -20,6 +20,7 @@ time partitions that the maintenance (`reaper run`, or `tracker.inbox.maintain`)
 time and drops whole once expired. A Kafka consumer helper: `tracker.inbox.consumer`.
 """
 
+from tracker.errors import NoCallerTransaction
 from tracker.inbox import aio
 from tracker.inbox.aio import AsyncInbox
 from tracker.inbox.core import (
@@ -38,6 +39,7 @@ __all__ = [
     "InboxError",
     "InboxResult",
     "IsolationNotSupported",
+    "NoCallerTransaction",
     "NoInboxPartition",
     "aio",
     "claim",

@@ -37,11 +37,14 @@ class AsyncInbox(InboxCore):
         transaction waits until that one ends, then returns False if it committed.
 
         Raises InvalidArgument / InvalidValue (an id that is not 1 to 200 characters, naming it),
-        IsolationNotSupported (REPEATABLE READ) or NoInboxPartition; then nothing was recorded and
+        NoCallerTransaction (no transaction open: autocommit with no block, asyncpg outside one;
+        `run_once` takes the effect into the claim's transaction there), IsolationNotSupported
+        (REPEATABLE READ) or NoInboxPartition; then nothing was recorded and
         the caller's transaction is as it was."""
         op = self._claim_op(message_id)
         try:
-            first = await _run(session, op)
+            # Alone in a transaction of its own, the claim would commit before the effect ran.
+            first = await _run(session, op, within="an inbox claim")
         except Exception as exc:
             typed = translate(exc)
             if typed is exc:

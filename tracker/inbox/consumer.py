@@ -22,6 +22,9 @@ one, or whose handler raises, goes to `dead_letter_topic` when one is given (the
 plus a `dead-letter-reason` header), its effect rolled back alone; without a dead-letter topic the
 helper rolls the whole transaction back, commits no offset and raises (the records come again).
 The helper owns `conn`'s transactions: it commits and rolls back; hand it a connection of its own.
+A poll that raises leaves the consumer at its first records again, so polling on gets them again.
+A handler that commits or rolls back itself stops the poll with `HandlerEndedTransaction` (nothing
+acknowledged); a dead letter the broker refuses, with `DeadLetterError` (the records come again).
 Each claim holds a transaction advisory lock until the commit (sql/R__inbox.sql says why): a
 `batch` of thousands per consumer needs Postgres' max_locks_per_transaction raised.
 """
@@ -56,6 +59,27 @@ class MissingMessageId(TrackerError, LookupError):
     def __init__(self, where: str) -> None:
         self.where = where
         super().__init__(f"record {where} has no {MESSAGE_ID_HEADER!r} header")
+
+
+class DeadLetterError(TrackerError, KafkaException):
+    """A dead letter was not delivered to its topic (the broker refused it, or it timed out): the
+    poll's offsets are not committed, so its records come again."""
+
+    def __init__(self, topic: str, why: str) -> None:
+        self.topic = topic
+        super().__init__(f"dead letter not delivered to {topic!r}: {why}")
+
+
+class HandlerEndedTransaction(TrackerError):
+    """A handler committed or rolled back the helper's transaction itself (the helper owns it): the
+    poll is rolled back and no offset is committed, so its records come again."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        super().__init__(
+            f"the handler of record {where} ended the consumer's transaction (commit or rollback);"
+            " the helper commits once per poll: a handler must not"
+        )
 
 
 def _where(record: Any) -> str:
@@ -118,6 +142,7 @@ class InboxConsumer:
         if dead_letter_topic:
             keep = {k: v for k, v in config.items() if not k.startswith(("group.", "enable.auto", "auto.offset"))}
             self._dead = Producer({**keep, "enable.idempotence": True})
+        self._undelivered: list[str] = []  # delivery errors of this poll's dead letters
         self.totals = PollResult()
 
     def _effect(self, record: Message, conn: psycopg.Connection) -> object:
@@ -128,14 +153,35 @@ class InboxConsumer:
         reason = f"{type(why).__name__}: {why}"[:_REASON_MAX].encode("utf-8", "replace")
         headers: list[tuple[str, str | bytes | None]] = [(str(h[0]), h[1]) for h in record.headers() or []]
         headers.append((DEAD_LETTER_REASON_HEADER, reason))
-        self._dead.produce(self.dead_letter_topic, value=record.value(), key=record.key(), headers=headers)
+        self._dead.produce(
+            self.dead_letter_topic, value=record.value(), key=record.key(), headers=headers, on_delivery=self._delivered
+        )
+
+    def _delivered(self, err: Any, msg: Message) -> None:
+        # flush() counts only records still queued: one the broker refused has left the queue, and
+        # only this callback tells.
+        if err is not None:
+            self._undelivered.append(str(err))
+
+    def _ended(self, started: object) -> bool:
+        """Whether the poll's transaction (begun at `started`) is gone: a handler committed or
+        rolled it back itself. Then the call's savepoint was gone too, so its undo could not
+        restore the transaction (not INTRANS), or a later statement began another one."""
+        if self.conn.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+            return True
+        row = self.conn.execute("SELECT transaction_timestamp()").fetchone()
+        return row is None or row[0] != started
 
     def process(self, records: Sequence[Message]) -> tuple[PollResult, list[TopicPartition]]:
         """Run the records through the inbox in one transaction and commit it; return what
         happened and the offsets to commit (not committed here)."""
         got = PollResult(records=len(records))
         offsets: dict[tuple[str, int], int] = {}
+        self._undelivered.clear()
         try:
+            # The poll's transaction begins here; its start time tells it from any other.
+            row = self.conn.execute("SELECT transaction_timestamp()").fetchone()
+            started = row[0] if row else None
             for record in records:
                 if record.error() is not None:
                     raise KafkaException(record.error())
@@ -146,6 +192,8 @@ class InboxConsumer:
                     mid = message_id_of(record)
                     done = self.inbox.run_once(self.conn, mid, functools.partial(self._effect, record))
                 except Exception as exc:  # the record's savepoint is undone: the rest goes on
+                    if self._ended(started):  # undone with the records before it: none may be acked
+                        raise HandlerEndedTransaction(_where(record)) from exc
                     if self._dead is None:
                         raise
                     self._dead_letter(record, exc)
@@ -155,11 +203,16 @@ class InboxConsumer:
                 got.duplicates += not done.first_time
             self.conn.commit()
         except BaseException:
-            self.conn.rollback()
+            if not self.conn.closed:
+                self.conn.rollback()
             raise
         if self._dead is not None and got.dead_lettered:
-            if self._dead.flush(30) > 0:  # dead letters must be in Kafka before the offsets move on
-                raise KafkaException("dead-letter records not delivered within 30 s")
+            # Dead letters must be in Kafka before the offsets move on: else the records come again.
+            assert self.dead_letter_topic
+            if self._dead.flush(30) > 0:
+                raise DeadLetterError(self.dead_letter_topic, "not delivered within 30 s")
+            if self._undelivered:
+                raise DeadLetterError(self.dead_letter_topic, self._undelivered[0])
         return got, [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
 
     def poll_once(self) -> PollResult:
@@ -167,11 +220,29 @@ class InboxConsumer:
         records = self.consumer.consume(self.batch, self.poll_timeout)
         if not records:
             return PollResult()
-        got, offsets = self.process(records)
+        try:
+            got, offsets = self.process(records)
+        except BaseException:
+            self._rewind(records)
+            raise
         self.consumer.commit(offsets=offsets, asynchronous=False)
         for name in ("records", "processed", "duplicates", "dead_lettered"):
             setattr(self.totals, name, getattr(self.totals, name) + getattr(got, name))
         return got
+
+    def _rewind(self, records: Sequence[Message]) -> None:
+        """Move the consumer back to the first record of each partition of a poll that failed: its
+        position is past them, and the next poll's offset commit would acknowledge them unseen."""
+        first: dict[tuple[str, int], int] = {}
+        for record in records:
+            topic, partition, offset = record.topic(), record.partition(), record.offset()
+            if record.error() is None and topic is not None and partition is not None and offset is not None:
+                first.setdefault((topic, partition), offset)
+        for (topic, partition), offset in first.items():
+            try:
+                self.consumer.seek(TopicPartition(topic, partition, offset))
+            except KafkaException:
+                pass  # no longer assigned: its next owner starts from the committed offset
 
     def run(self, stop: threading.Event) -> None:
         """Poll until `stop` is set; then close the consumer (leaving the group)."""
@@ -189,6 +260,8 @@ class InboxConsumer:
 
 __all__ = [
     "DEAD_LETTER_REASON_HEADER",
+    "DeadLetterError",
+    "HandlerEndedTransaction",
     "MESSAGE_ID_HEADER",
     "InboxConsumer",
     "MissingMessageId",

@@ -51,6 +51,10 @@ def check_text(name: str, value: object) -> str:
         raise InvalidValue(name, value[:60] + "...", f"is longer than {TEXT_MAX} characters ({len(value)})")
     if "\x00" in value:
         raise InvalidValue(name, value, "contains NUL, which Postgres text cannot hold")
+    try:
+        value.encode("utf-8")  # at most 200 characters: a bounded copy
+    except UnicodeEncodeError:  # a lone surrogate (bytes decoded with surrogateescape, say)
+        raise InvalidValue(name, value, "is not UTF-8 text") from None
     return value
 
 
