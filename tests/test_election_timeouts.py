@@ -60,6 +60,7 @@ def test_passthrough_settings_override_the_derived_waits():
 def test_the_data_producer_waits_as_told_unless_configured_otherwise():
     conf = producer_config("b", {}, {}, silent_wait_ms=5000)
     assert conf["socket.timeout.ms"] == conf["request.timeout.ms"] == conf["socket.connection.setup.timeout.ms"] == 5000
+    assert conf["topic.metadata.refresh.interval.ms"] == 1000
     conf = producer_config("b", {"request.timeout.ms": 30000}, {"socket.timeout.ms": 60000}, silent_wait_ms=5000)
     assert conf["request.timeout.ms"] == 30000 and conf["socket.timeout.ms"] == 60000
     assert "socket.timeout.ms" not in producer_config("b", {}, {})  # librdkafka's own without a wait

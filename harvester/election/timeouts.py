@@ -15,7 +15,9 @@ connection, to whichever broker the metadata names by then. The heartbeat produc
 requests keep waiting up to the session timeout (harvester.election.neli: one answered late
 still counts). Metadata is refreshed every half heartbeat_timeout (at most
 every second): a new partition leader is found without waiting for the old one to time out.
-kafka.client, kafka.consumer and kafka.producer settings override these.
+The data producer waits as long on a silent partition leader (harvester.publishing.publisher:
+its requests are idempotent, a timed-out one is sent again to the new leader). kafka.client,
+kafka.consumer and kafka.producer settings override all of these.
 """
 
 from __future__ import annotations

@@ -63,6 +63,9 @@ def producer_config(
             "socket.timeout.ms": silent_wait_ms,
             "socket.connection.setup.timeout.ms": silent_wait_ms,
             "request.timeout.ms": silent_wait_ms,
+            # a moved partition leader is learned within this (a broker that is gone, not only
+            # silent, leaves nothing in flight to time out and trigger a lookup)
+            "topic.metadata.refresh.interval.ms": max(100, min(1000, silent_wait_ms // 2)),
         }
     )
     conf = {"bootstrap.servers": bootstrap, **DEFAULT_PRODUCER, **waits, **txn, **client, **producer}
