@@ -14,7 +14,9 @@ single-node services (OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP, else the local ones), i
             on the partition that waited longest (a fault that stalls one partition shows
             there); for a broker fault also split (split_s) into Kafka's failover (until the
             other brokers' metadata names a live leader for every partition of the outbox and
-            leader topics) and the reaper's share (from then to that record read back); for a promotion, from the new primary accepting writes to the first record
+            leader topics and for the election group's coordinator) and the reaper's share
+            (from then to that record read back); for a promotion, from the new primary
+            accepting writes to the first record
             committed on it being read back. Goals: broker loss <= 3 s, promotion <= 5 s.
 """
 
@@ -245,17 +247,27 @@ def gap_after(writer: Writer, reader: Reader, since: float, timeout: float = 120
     return None
 
 
+def coordinator_partition(group: str, partitions: int) -> int:
+    """The __consumer_offsets partition whose leader coordinates `group` (Kafka: the group id's
+    Java hashCode, made non-negative, modulo the partition count)."""
+    h = 0
+    for ch in group:
+        h = (31 * h + ord(ch)) & 0xFFFFFFFF
+    return (h & 0x7FFFFFFF) % partitions
+
+
 class FailoverWatch(threading.Thread):
     """Kafka's own share of a broker fault: polls the metadata of the brokers other than the
-    victim until no partition of `topics` names the victim (or nobody) as its leader; `at` is then
+    victim until no partition of `topics`, nor the election group's coordinator partition, names
+    the victim (or nobody) as its leader; `at` is then
     when that was first seen (monotonic), None until then."""
 
-    def __init__(self, bootstrap: str, victim: int, topics: list[str], timeout: float = 120) -> None:
+    def __init__(self, bootstrap: str, victim: int, topics: list[str], group: str, timeout: float = 120) -> None:
         super().__init__(daemon=True)
         others = [b for i, b in enumerate(bootstrap.split(","), start=1) if i != victim]
         # a short socket timeout: a paused broker named in the metadata must not hold the watch up
         self.admin = AdminClient({**QUIET, "bootstrap.servers": ",".join(others), "socket.timeout.ms": 1000})
-        self.victim, self.topics, self.timeout = victim, topics, timeout
+        self.victim, self.topics, self.group, self.timeout = victim, topics, group, timeout
         self.at: float | None = None
 
     def run(self) -> None:
@@ -267,6 +279,9 @@ class FailoverWatch(threading.Thread):
                 time.sleep(0.05)
                 continue
             leaders = [p.leader for t in self.topics if t in md.topics for p in md.topics[t].partitions.values()]
+            offsets = md.topics.get("__consumer_offsets")
+            if offsets is not None and offsets.partitions:  # the election group's coordinator moves too
+                leaders.append(offsets.partitions[coordinator_partition(self.group, len(offsets.partitions))].leader)
             if leaders and all(lead not in (-1, self.victim) for lead in leaders):
                 self.at = time.monotonic()
                 return
@@ -307,7 +322,7 @@ def faults(cluster: Cluster, log_dir: Path, pause: float, which: tuple[str, ...]
         time.sleep(pause)
 
         def broker_fault(name: str, victim: int, fault, heal) -> None:
-            watch = FailoverWatch(cluster.bootstrap, victim, [topic, leader])
+            watch = FailoverWatch(cluster.bootstrap, victim, [topic, leader], env["REAPER_HARVESTER__LEADER_GROUP"])
             fault(victim)
             at = time.monotonic()  # the broker is gone (killed: its process has ended) or silent
             watch.start()
