@@ -12,7 +12,11 @@ single-node services (OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP, else the local ones), i
             publication gap: from the fault (a killed broker's process gone, a stopped one shut
             down, a paused one stopped) to the first record committed after it being read back,
             on the partition that waited longest (a fault that stalls one partition shows
-            there); for a promotion, from the new primary accepting writes to the first record
+            there); for a broker fault also split (split_s) into Kafka's failover (until the
+            other brokers' metadata names a live leader for every partition of the outbox and
+            leader topics and for the election group's coordinator) and the reaper's share
+            (from then to that record read back); for a promotion, from the new primary
+            accepting writes to the first record
             committed on it being read back. Goals: broker loss <= 3 s, promotion <= 5 s.
 """
 
@@ -212,6 +216,9 @@ class Reader(threading.Thread):
                 # a silent (paused) leader is given up after 2 s, not librdkafka's 60 s: the gap
                 # measured is the reaper's, the reader's own wait adds at most this
                 "socket.timeout.ms": 2000,
+                # and a moved leader is looked up within 250 ms, so the reaper's share of a gap is
+                # not the reader's
+                "topic.metadata.refresh.interval.ms": 250,
             }
         )
         self.c.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
@@ -240,6 +247,55 @@ def gap_after(writer: Writer, reader: Reader, since: float, timeout: float = 120
     return None
 
 
+def coordinator_partition(group: str, partitions: int) -> int:
+    """The __consumer_offsets partition whose leader coordinates `group` (Kafka: the group id's
+    Java hashCode, made non-negative, modulo the partition count)."""
+    h = 0
+    for ch in group:
+        h = (31 * h + ord(ch)) & 0xFFFFFFFF
+    return (h & 0x7FFFFFFF) % partitions
+
+
+class FailoverWatch(threading.Thread):
+    """Kafka's own share of a broker fault: polls the metadata of the brokers other than the
+    victim until no partition of `topics`, nor the election group's coordinator partition, names
+    the victim (or nobody) as its leader; `at` is then
+    when that was first seen (monotonic), None until then."""
+
+    def __init__(self, bootstrap: str, victim: int, topics: list[str], group: str, timeout: float = 120) -> None:
+        super().__init__(daemon=True)
+        others = [b for i, b in enumerate(bootstrap.split(","), start=1) if i != victim]
+        # a short socket timeout: a paused broker named in the metadata must not hold the watch up
+        self.admin = AdminClient({**QUIET, "bootstrap.servers": ",".join(others), "socket.timeout.ms": 1000})
+        self.victim, self.topics, self.group, self.timeout = victim, topics, group, timeout
+        self.at: float | None = None
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            try:
+                md = self.admin.list_topics(timeout=1)
+            except Exception:  # noqa: BLE001  (a broker refusing: ask again)
+                time.sleep(0.05)
+                continue
+            leaders = [p.leader for t in self.topics if t in md.topics for p in md.topics[t].partitions.values()]
+            offsets = md.topics.get("__consumer_offsets")
+            if offsets is not None and offsets.partitions:  # the election group's coordinator moves too
+                leaders.append(offsets.partitions[coordinator_partition(self.group, len(offsets.partitions))].leader)
+            if leaders and all(lead not in (-1, self.victim) for lead in leaders):
+                self.at = time.monotonic()
+                return
+            time.sleep(0.05)
+
+
+def split(gap: float | None, since: float, watch: FailoverWatch) -> dict[str, float | None]:
+    """A fault's gap in Kafka's share (until every partition has a live leader again) and the
+    reaper's (from then until the last partition's first record committed after the fault was read back)."""
+    kafka = None if watch.at is None else round(watch.at - since, 3)
+    reaper = None if gap is None or kafka is None else round(gap - kafka, 3)
+    return {"gap": gap, "kafka_failover": kafka, "reaper": reaper}
+
+
 FAULTS = ("kill_leader", "kill_controller", "cut_off", "rolling", "promotion")
 
 
@@ -257,7 +313,7 @@ def faults(cluster: Cluster, log_dir: Path, pause: float, which: tuple[str, ...]
     }
     reaper = ReaperProcess(env, log_dir / "reaper.log")
     writer, reader = Writer(cluster.dsn, schema, topic), Reader(cluster.bootstrap, topic)
-    out: dict[str, float | None] = {}
+    out: dict = {"split": {}}
     try:
         if not reaper.wait_leader(120):
             raise RuntimeError(f"the reaper never led: {reaper.log_path.read_text()[-2000:]}")
@@ -266,10 +322,14 @@ def faults(cluster: Cluster, log_dir: Path, pause: float, which: tuple[str, ...]
         time.sleep(pause)
 
         def broker_fault(name: str, victim: int, fault, heal) -> None:
+            watch = FailoverWatch(cluster.bootstrap, victim, [topic, leader], env["REAPER_HARVESTER__LEADER_GROUP"])
             fault(victim)
             at = time.monotonic()  # the broker is gone (killed: its process has ended) or silent
+            watch.start()
             out[name] = gap_after(writer, reader, at)
-            say(f"{name} (broker {victim}): publication gap {out[name]} s")
+            watch.join(10)
+            out["split"][name] = split(out[name], at, watch)
+            say(f"{name} (broker {victim}): publication gap {out[name]} s: {out['split'][name]}")
             time.sleep(pause)
             heal(victim)
             cluster.wait_in_sync([topic, leader], 120)
@@ -397,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             cluster.up()  # heal whatever a failed run left
         broker = [v for k, v in gaps.items() if k.endswith("_s") and k != "promotion_s"]
+        result["split_s"] = gaps.pop("split")
         result["gaps_s"] = gaps
         result["goals_s"] = GOALS
         result["goals_met"] = {

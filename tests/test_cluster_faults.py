@@ -17,12 +17,16 @@ from dataclasses import dataclass
 import psycopg
 import pytest
 from support.cluster import Cluster, ClusterTopics, Consumers, FanOuts, check_completions
-from support.harness import Generator, Receiver, check_published, env_for, make_config, wait_until
+from support.harness import FAST, Generator, Receiver, check_published, env_for, make_config, wait_until
 from support.reaper import ReaperProcess, stop_all
 
+from harvester import config as config_mod
 from tracker import schema as schema_mod
 
 PARTITIONS = 3
+SHORT_WAIT = {"socket.timeout.ms": 2000}
+# The local cluster's broker.session.timeout.ms: Kafka moves a silent broker's leaderships after it.
+BROKER_SESSION_S = 4.0
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("cluster")]
 
 
@@ -38,6 +42,8 @@ class Load:
     data: Receiver
     completions: Receiver
     reapers: list[ReaperProcess]
+    leader_topic: str
+    leader_group: str
 
     def leads(self) -> bool:
         return any(r.is_leader() for r in self.reapers)
@@ -68,7 +74,7 @@ def load(cluster: Cluster, cluster_schema: str, tmp_path) -> Iterator[Callable[[
     topics = ClusterTopics(cluster.bootstrap)
     made: list[Load] = []
 
-    def start(lanes: int) -> Load:
+    def start(lanes: int, election: dict | None = None, standby: bool = True) -> Load:
         topic, item_topic = topics("data", PARTITIONS), topics("items", PARTITIONS)
         ack_topic, completion_topic = topics("acks", PARTITIONS), topics("done", 1)
         leader = topics("leader", lanes)
@@ -77,7 +83,7 @@ def load(cluster: Cluster, cluster_schema: str, tmp_path) -> Iterator[Callable[[
             cluster_schema,
             cluster.bootstrap,
             leader_topic=leader,
-            harvester={"mark_batch": 500, "max_in_flight": 2000},
+            harvester={"mark_batch": 500, "max_in_flight": 2000, **(election or {})},
         )
         env = {
             **env_for(cfg),
@@ -88,19 +94,35 @@ def load(cluster: Cluster, cluster_schema: str, tmp_path) -> Iterator[Callable[[
             "REAPER_SWEEPER__ENABLED": "true",
             "REAPER_SWEEPER__INTERVAL": "2",
         }
-        data = Receiver(cluster.bootstrap, topic, PARTITIONS)
-        completions = Receiver(cluster.bootstrap, completion_topic, 1)
+        # the readers give a silent broker up after 2 s (librdkafka's default: 60 s), so what a
+        # test measures is the reapers' wait, not the readers'
+        data = Receiver(cluster.bootstrap, topic, PARTITIONS, conf=SHORT_WAIT)
+        completions = Receiver(cluster.bootstrap, completion_topic, 1, conf=SHORT_WAIT)
         reapers = [ReaperProcess(env, tmp_path / "a.log")]
         assert reapers[0].wait_leader(90), "no reaper became leader"
-        reapers.append(ReaperProcess(env, tmp_path / "b.log"))
-        # the standby is past its start-up checks before any fault: a reaper that starts while no
-        # primary accepts writes exits (UNAVAILABLE) for its supervisor to start again
-        started = lambda: any(e.get("event") == "acker started" for e in reapers[1].events())  # noqa: E731
-        assert wait_until(started, 90), reapers[1].log_path.read_text()[-2000:]
+        if standby:
+            reapers.append(ReaperProcess(env, tmp_path / "b.log"))
+            # the standby is past its start-up checks before any fault: a reaper that starts while no
+            # primary accepts writes exits (UNAVAILABLE) for its supervisor to start again
+            started = lambda: any(e.get("event") == "acker started" for e in reapers[1].events())  # noqa: E731
+            assert wait_until(started, 90), reapers[1].log_path.read_text()[-2000:]
         gen = Generator(cluster.dsn, cluster_schema, topic, keys=30, per_txn=10).start(rate_per_s=400)
         fan = FanOuts(cluster.dsn, cluster_schema, item_topic, completion_topic).start(interval=0.5)
         consumers = Consumers(cluster.bootstrap, item_topic, ack_topic).start()
-        got = Load(cluster, cluster_schema, topic, item_topic, gen, fan, consumers, data, completions, reapers)
+        got = Load(
+            cluster,
+            cluster_schema,
+            topic,
+            item_topic,
+            gen,
+            fan,
+            consumers,
+            data,
+            completions,
+            reapers,
+            leader,
+            cfg.harvester.leader_group,
+        )
         made.append(got)
         return got
 
@@ -199,5 +221,38 @@ def test_promote_the_standby_with_lanes(cluster, load):
     cluster.promote()  # the primary is stopped (fenced) by the promotion itself
     _steady(run, 6)
     cluster.rejoin()
+    _steady(run, 3)
+    run.check()
+
+
+def test_a_silent_broker_costs_the_reaper_at_most_a_session(cluster, load):
+    """The broker leading an outbox partition stops answering (paused: connections stay open,
+    nothing comes back). At the default election settings, every outbox partition publishes again,
+    while it stays silent, within the group's session timeout after Kafka moved its leaderships
+    (plus slack), not after librdkafka's 30-60 s request and socket timeouts."""
+    defaults = config_mod.HarvesterConfig()
+    election = {"heartbeat_timeout": defaults.heartbeat_timeout, "session_timeout": defaults.session_timeout}
+    run = load(1, election, standby=False)  # the leader itself must recover: no standby takes over
+    _steady(run, 4)
+    victim = cluster.topic_leaders(run.topic)[0]
+    cluster.pause_broker(victim)
+    try:
+        with psycopg.connect(cluster.dsn, autocommit=True, connect_timeout=10) as conn:
+            # one record per partition (values as the ledger's: b"<key>:<seq>"), in the ledger too
+            marks = {(f"silent-{p}".encode(), f"silent-{p}:0".encode(), p) for p in range(PARTITIONS)}
+            for key, value, p in marks:
+                conn.execute(
+                    f'INSERT INTO "{run.schema}".outbox (topic, key, value, kafka_partition) VALUES (%s, %s, %s, %s)',
+                    (run.topic, key, value, p),
+                )
+                run.gen.committed.add((key, value))
+        values = {value for _, value, _ in marks}
+        bound = BROKER_SESSION_S + defaults.session_timeout + 8.0
+        assert wait_until(lambda: values <= set(run.data.values()), bound), (
+            f"not every partition published within {bound} s of broker {victim} going silent",
+            [r.log_path.read_text()[-3000:] for r in run.reapers],
+        )
+    finally:
+        cluster.resume_broker(victim)
     _steady(run, 3)
     run.check()

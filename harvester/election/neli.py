@@ -36,6 +36,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from harvester import logs
 from harvester.election.lease import FENCED, FOLLOWER, LEADER, Lease
+from harvester.election.timeouts import election_client_defaults
 from harvester.metrics import MetricsLike
 from harvester.publishing.ports import ProducerFactory, ProducerLike
 
@@ -138,12 +139,19 @@ class Neli:
             for u in range(units)
         ]
         base = {"bootstrap.servers": bootstrap, **client}
+        # timeouts on a silent broker (harvester.election.timeouts): kafka.client and the
+        # consumer/producer sections still override them
+        waits = {
+            "bootstrap.servers": bootstrap,
+            **election_client_defaults(heartbeat_timeout, session_timeout),
+            **client,
+        }
         self._admin_conf = {**base, "logger": logs.KafkaLogger("leader-admin")}
         self.cluster_id: str | None = None  # the Kafka cluster's id, once prepare() read it
         self._consumer_conf = {
             # Rejoin within about a second after a broker restart (librdkafka's default back-off
             # grows to 10 s between connection attempts); configuration may still override it.
-            **base,
+            **waits,
             "reconnect.backoff.ms": 50,
             "reconnect.backoff.max.ms": 1000,
             **consumer,
@@ -164,7 +172,7 @@ class Neli:
         # heartbeats again behind a reconnect: its requests may wait up to the session timeout.
         wait_ms = max(1000, int(session_timeout * 1000))
         self._producer_conf = {
-            **base,
+            **waits,
             **producer,
             "linger.ms": 0,
             "acks": 1,

@@ -31,6 +31,7 @@ from harvester import logs
 from harvester.config import Config, UnitSpec
 from harvester.election.db_clock import DatabaseClock
 from harvester.election.lease import LEADER, Lease
+from harvester.election.timeouts import silent_broker_wait_ms
 from harvester.lane_index import LaneIndexKeeper
 from harvester.metrics import MetricsLike
 from harvester.metrics import get as get_metrics
@@ -113,7 +114,8 @@ class UnitHarvester:
             kafka_cluster, h.leader_group, h.leader_topic, spec.outbox, spec.index - spec.lane, spec.lanes
         )
         self.claim = claim = OutboxClaim(self.pool, spec.schema, spec.table, layout, holder_name(spec.name))
-        conf = producer_config(cfg.kafka.bootstrap_servers, cfg.kafka.client, cfg.kafka.producer, self._txn_id)
+        wait = silent_broker_wait_ms(h.heartbeat_timeout, h.session_timeout)
+        conf = producer_config(cfg.kafka.bootstrap_servers, cfg.kafka.client, cfg.kafka.producer, self._txn_id, wait)
         self.publisher = Publisher(
             conf,
             self.store,

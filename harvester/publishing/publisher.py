@@ -47,11 +47,28 @@ DEFAULT_PRODUCER.update(RECONNECT)
 TXN_PRODUCER = {"linger.ms": 0, "socket.nagle.disable": True}
 
 
-def producer_config(bootstrap: str, client: dict, producer: dict, transactional_id: str = "") -> dict:
+def producer_config(
+    bootstrap: str, client: dict, producer: dict, transactional_id: str = "", silent_wait_ms: int | None = None
+) -> dict:
     """The data producer's settings: ours, then the configured ones, then what the reaper needs.
-    With a transactional id, TXN_PRODUCER's defaults apply and the id is set."""
+    With a transactional id, TXN_PRODUCER's defaults apply and the id is set. `silent_wait_ms`: how
+    long a request or a connection waits on a broker that does not answer (librdkafka's defaults,
+    30-60 s, keep a partition whose leader went silent unpublished that long after Kafka moved it;
+    harvester.election.timeouts derives the election's)."""
     txn = TXN_PRODUCER if transactional_id else {}
-    conf = {"bootstrap.servers": bootstrap, **DEFAULT_PRODUCER, **txn, **client, **producer}
+    waits = (
+        {}
+        if silent_wait_ms is None
+        else {
+            "socket.timeout.ms": silent_wait_ms,
+            "socket.connection.setup.timeout.ms": silent_wait_ms,
+            "request.timeout.ms": silent_wait_ms,
+            # a moved partition leader is learned within this (a broker that is gone, not only
+            # silent, leaves nothing in flight to time out and trigger a lookup)
+            "topic.metadata.refresh.interval.ms": max(100, min(1000, silent_wait_ms // 2)),
+        }
+    )
+    conf = {"bootstrap.servers": bootstrap, **DEFAULT_PRODUCER, **waits, **txn, **client, **producer}
     for key, value in REQUIRED_PRODUCER.items():
         if key in conf and str(conf[key]).lower() != str(value).lower():
             raise ValueError(

@@ -102,6 +102,11 @@ class Cluster:
         md = AdminClient({"bootstrap.servers": self.bootstrap, **QUIET}).list_topics(topic, timeout=10)
         return {p: m.leader for p, m in md.topics[topic].partitions.items()}
 
+    def group_coordinator(self, group: str) -> int:
+        """Node id of the broker coordinating consumer group `group`."""
+        admin = AdminClient({"bootstrap.servers": self.bootstrap, **QUIET})
+        return admin.describe_consumer_groups([group])[group].result(timeout=30).coordinator.id
+
     def wait_in_sync(self, topics: list[str], timeout: float = 60) -> bool:
         """Every partition of `topics` has all three replicas in sync (before the next restart)."""
         admin = AdminClient({"bootstrap.servers": self.bootstrap, **QUIET})

@@ -133,7 +133,7 @@ def outbox_count(pg_dsn: str, schema: str) -> int:
 class Receiver:
     """Consumes a topic from the beginning in a thread; keeps every record in arrival order."""
 
-    def __init__(self, bootstrap: str, topic: str, partitions: int = 1) -> None:
+    def __init__(self, bootstrap: str, topic: str, partitions: int = 1, conf: dict | None = None) -> None:
         self.records: list[tuple[bytes | None, bytes | None, list]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -144,6 +144,7 @@ class Receiver:
                 "enable.auto.commit": False,
                 "auto.offset.reset": "earliest",
                 "isolation.level": "read_uncommitted",
+                **(conf or {}),
             }
         )
         self._c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])

@@ -1,0 +1,38 @@
+"""How long the election's Kafka clients wait on a broker that stops answering.
+
+A broker that keeps its connections open but never answers (a paused process, a route that drops
+packets) is given up by librdkafka only when a request to it times out: `socket.timeout.ms`
+(default 60 s) for the consumer's fetches and group requests and every client's metadata
+requests, `socket.connection.setup.timeout.ms` (default 30 s) for a new connection's handshake.
+Until then the leader topic's consumer keeps fetching from, and asks its coordinator on, the
+silent broker, long after Kafka moved its leaderships (after the brokers' session timeout); the
+lease stays fenced meanwhile, and publishing with it.
+
+The election bounds those waits by its own settings. A request unanswered for `heartbeat_timeout`
+has already cost the lease (a heartbeat vouches only for the time it was sent), so waiting longer
+on that connection wins nothing, while giving it up sends the requests again on a fresh
+connection, to whichever broker the metadata names by then. The heartbeat producer's produce
+requests keep waiting up to the session timeout (harvester.election.neli: one answered late
+still counts). Metadata is refreshed every half heartbeat_timeout (at most
+every second): a new partition leader is found without waiting for the old one to time out.
+The data producer waits as long on a silent partition leader (harvester.publishing.publisher:
+its requests are idempotent, a timed-out one is sent again to the new leader). kafka.client,
+kafka.consumer and kafka.producer settings override all of these.
+"""
+
+from __future__ import annotations
+
+
+def silent_broker_wait_ms(heartbeat_timeout: float, session_timeout: float) -> int:
+    """Milliseconds an election client waits on an unanswered request or connection."""
+    return max(1000, int(min(heartbeat_timeout, session_timeout) * 1000))
+
+
+def election_client_defaults(heartbeat_timeout: float, session_timeout: float) -> dict[str, int]:
+    """librdkafka defaults of the leader consumer and the heartbeat producer (configuration may override)."""
+    wait = silent_broker_wait_ms(heartbeat_timeout, session_timeout)
+    return {
+        "socket.timeout.ms": wait,
+        "socket.connection.setup.timeout.ms": wait,
+        "topic.metadata.refresh.interval.ms": max(100, min(1000, int(heartbeat_timeout * 500))),
+    }
