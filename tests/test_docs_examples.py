@@ -69,6 +69,7 @@ def documented_schema(pg_dsn: str) -> str:
 
 
 def test_examples_are_found_and_every_one_shown_only_says_why():
+    assert RUNS, "the documentation has examples to run"
     assert all(e.not_run is None or e.not_run.strip() for e in EXAMPLES)
     assert {e.language for e in EXAMPLES} >= {"sql"}
 
@@ -113,13 +114,23 @@ def _run(example: examples.Example, pg_dsn: str, tmp_path: Path) -> None:
     assert done.returncode == 0, f"{example.name(REPO)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
 
 
-@pytest.mark.parametrize("example", [e for e in EXAMPLES if not e.not_run], ids=lambda e: e.name(REPO))
-def test_example_runs(example: examples.Example, documented_schema: str, pg_dsn: str, tmp_path: Path) -> None:
-    _run(example, pg_dsn, tmp_path)
+# What runs: each example on its own, and each page with a background server as a whole.
+RUNS: list[examples.Example | Path] = [*(e for e in EXAMPLES if not e.not_run), *WHOLE_PAGES]
 
 
-@pytest.mark.parametrize("page", WHOLE_PAGES, ids=lambda p: str(p.relative_to(REPO)))
-def test_page_runs_start_to_finish(page: Path, documented_schema: str, pg_dsn: str, tmp_path: Path) -> None:
+def _run_name(run: examples.Example | Path) -> str:
+    return str(run.relative_to(REPO)) if isinstance(run, Path) else run.name(REPO)
+
+
+@pytest.mark.parametrize("run", RUNS, ids=_run_name)
+def test_example_runs(run: examples.Example | Path, documented_schema: str, pg_dsn: str, tmp_path: Path) -> None:
+    if isinstance(run, Path):
+        _run_page(run, pg_dsn, tmp_path)
+    else:
+        _run(run, pg_dsn, tmp_path)
+
+
+def _run_page(page: Path, pg_dsn: str, tmp_path: Path) -> None:
     """A page with a server in the background (a tutorial): its examples in order, as a reader
     following it would run them; a page-mode script runs at its last step."""
     steps = [e for e in examples.examples(page) if not e.not_run]
