@@ -8,24 +8,25 @@ Until then the leader topic's consumer keeps fetching from, and asks its coordin
 silent broker, long after Kafka moved its leaderships (after the brokers' session timeout); the
 lease stays fenced meanwhile, and publishing with it.
 
-The election bounds those waits by its own settings. A request unanswered for `heartbeat_timeout`
-has already cost the lease (a heartbeat vouches only for the time it was sent), so waiting longer
-on that connection wins nothing, while giving it up sends the requests again on a fresh
-connection, to whichever broker the metadata names by then. The heartbeat producer's produce
-requests keep waiting up to the session timeout (harvester.election.neli: one answered late
-still counts). Metadata is refreshed every half heartbeat_timeout (at most
-every second): a new partition leader is found without waiting for the old one to time out.
-The data producer waits as long on a silent partition leader (harvester.publishing.publisher:
-its requests are idempotent, a timed-out one is sent again to the new leader). kafka.client,
-kafka.consumer and kafka.producer settings override all of these.
+The election bounds those waits by the group's session timeout: past it the group has moved the
+lease on anyway, so waiting longer on that connection wins nothing, while giving it up sends the
+requests again on a fresh connection, to whichever broker the metadata names by then. (Bounding
+them by heartbeat_timeout gave up connections to brokers that were only slow under load, failing
+every request in flight on them, and fenced lanes for nothing.) Metadata is refreshed every half
+heartbeat_timeout (at most every second): a new partition leader is found without waiting for the
+old one to time out. The data producer waits as long on a silent partition leader
+(harvester.publishing.publisher: its requests are idempotent, a timed-out one is sent again to the
+new leader). kafka.client, kafka.consumer and kafka.producer settings override all of these.
 """
 
 from __future__ import annotations
 
 
 def silent_broker_wait_ms(heartbeat_timeout: float, session_timeout: float) -> int:
-    """Milliseconds an election client waits on an unanswered request or connection."""
-    return max(1000, int(min(heartbeat_timeout, session_timeout) * 1000))
+    """Milliseconds an election client waits on an unanswered request or connection: the session
+    timeout. (Bounding it by heartbeat_timeout gave up connections to brokers that were only slow
+    under load, each time failing every request in flight on them, and fenced lanes for nothing.)"""
+    return max(1000, int(max(heartbeat_timeout, session_timeout) * 1000))
 
 
 def election_client_defaults(heartbeat_timeout: float, session_timeout: float) -> dict[str, int]:

@@ -130,6 +130,11 @@ class ClusterTopics:
 
     def __call__(self, prefix: str, partitions: int = 1) -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+        # A broker an earlier test killed or restarted may not have registered again yet: a topic of
+        # replication factor 3 needs all three.
+        deadline = time.monotonic() + 120
+        while len(self.admin.list_topics(timeout=10).brokers) < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
         futures = self.admin.create_topics([NewTopic(name, num_partitions=partitions)], operation_timeout=30)
         futures[name].result(timeout=60)
         self.created.append(name)
