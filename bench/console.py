@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 import psycopg
 
+from bench.http import serve
 from tracker import schema as schema_mod
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,40 +92,14 @@ def build(schema: str, open_batches: int, backlog: int) -> dict[str, int]:
 
 
 def start_server(schema: str, port: int) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
-    env.update(
-        {
-            "REAPER_DATABASE__DSN": DSN,
-            "REAPER_DATABASE__SCHEMA": schema,
-            "REAPER_KAFKA__BOOTSTRAP_SERVERS": KAFKA,
-            "REAPER_HTTP__TOKENS": TOKEN,
-            "REAPER_HTTP__PORT": str(port),
-            "REAPER_HTTP__RATE_LIMIT": "0",
-            "REAPER_LOGGING__LEVEL": "warning",
-            "REAPER_LOGGING__FORMAT": "json",
-        }
-    )
-    log = REPO / "bench" / "results" / "console-server.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "harvester.cli", "serve"],
-        cwd=REPO,
-        env=env,
-        stdout=open(log, "wb"),
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"reaper serve exited with {proc.returncode}")
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("reaper serve did not become ready")
+    settings = {
+        "REAPER_DATABASE__DSN": DSN,
+        "REAPER_DATABASE__SCHEMA": schema,
+        "REAPER_KAFKA__BOOTSTRAP_SERVERS": KAFKA,
+        "REAPER_HTTP__TOKENS": TOKEN,
+        "REAPER_HTTP__RATE_LIMIT": "0",
+    }
+    return serve(settings, port, "console-server.log")
 
 
 def measure(client: httpx.Client, path: str, n: int, **kw: object) -> dict[str, float]:

@@ -71,21 +71,24 @@ def _tenants_file() -> Path:
 
 
 def start_server(schema: str, port: int, pool: int) -> subprocess.Popen:
+    settings = {
+        "REAPER_DATABASE__DSN": DSN,
+        "REAPER_DATABASE__SCHEMA": schema,
+        "REAPER_HTTP__TENANTS_FILE": str(_tenants_file()),
+        "REAPER_HTTP__RATE_LIMIT": "0",
+        "REAPER_HTTP__POOL_SIZE": str(pool),
+        "REAPER_HTTP__MAX_BODY_BYTES": str(64 * 1024 * 1024),
+    }
+    return serve(settings, port, "http-server.log")
+
+
+def serve(settings: dict[str, str], port: int, log_name: str) -> subprocess.Popen:
+    """`reaper serve` on `port` with `settings` (REAPER_* variables; none inherited), logging
+    warnings and errors to bench/results/`log_name`; returns once /readyz answers 200."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
-    env.update(
-        {
-            "REAPER_DATABASE__DSN": DSN,
-            "REAPER_DATABASE__SCHEMA": schema,
-            "REAPER_HTTP__TENANTS_FILE": str(_tenants_file()),
-            "REAPER_HTTP__PORT": str(port),
-            "REAPER_HTTP__RATE_LIMIT": "0",
-            "REAPER_HTTP__POOL_SIZE": str(pool),
-            "REAPER_HTTP__MAX_BODY_BYTES": str(64 * 1024 * 1024),
-            "REAPER_LOGGING__LEVEL": "warning",
-            "REAPER_LOGGING__FORMAT": "json",
-        }
-    )
-    log = REPO / "bench" / "results" / "http-server.log"  # warnings and errors only
+    env.update(settings)
+    env.update({"REAPER_HTTP__PORT": str(port), "REAPER_LOGGING__LEVEL": "warning", "REAPER_LOGGING__FORMAT": "json"})
+    log = REPO / "bench" / "results" / log_name
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "harvester.cli", "serve"],
