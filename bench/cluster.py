@@ -36,6 +36,7 @@ import psycopg
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from bench.harvest_latency import stamping
 from bench.harvest_once import prefill
 from bench.pairs import load_average
 from harvester import config as config_mod
@@ -101,7 +102,7 @@ def throughput_and_latency(dsn: str, bootstrap: str, replication: int, rows: int
     try:
         while not h.leading:
             time.sleep(0.01)
-        h.publisher.settler.reports = _stamping(h.publisher.settler.reports, acked)
+        h.publisher.settler.reports = stamping(h.publisher.settler.reports, acked)
         committed: dict[int, float] = {}
         rate, per_txn = 2000.0, 10
         ins = (
@@ -138,26 +139,6 @@ def throughput_and_latency(dsn: str, bootstrap: str, replication: int, rows: int
         h.stop(10)
         with psycopg.connect(dsn, autocommit=True) as c:
             c.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-
-
-def _stamping(reports, acked: dict[int, float]):
-    """The settle queue, stamping each row acknowledged (no error) as it enters."""
-    base = type(reports)
-
-    class Stamped(base):  # type: ignore[misc, valid-type]
-        def append(self, item):
-            if item[2] is None:
-                acked.setdefault(item[0], time.time())
-            super().append(item)
-
-        def extend(self, items):
-            items, now = list(items), time.time()
-            for item in items:
-                if item[2] is None:
-                    acked.setdefault(item[0], now)
-            super().extend(items)
-
-    return Stamped(reports)
 
 
 class Writer(threading.Thread):

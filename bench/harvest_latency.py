@@ -37,6 +37,28 @@ def recording_commits() -> tuple[HarvesterMetrics, list[float]]:
     return metrics, seen
 
 
+def stamping(reports, acked: dict[int, float]):
+    """The publisher's settle queue `reports`, stamping each acknowledged row (no error) in `acked`
+    as it enters: straight from its delivery report, or (harvester.transactional_id) when its
+    transaction commits."""
+    base = type(reports)
+
+    class Stamped(base):  # type: ignore[misc, valid-type]
+        def append(self, item):
+            if item[2] is None:
+                acked.setdefault(item[0], time.time())
+            super().append(item)
+
+        def extend(self, items):
+            items, now = list(items), time.time()
+            for item in items:
+                if item[2] is None:
+                    acked.setdefault(item[0], now)
+            super().extend(items)
+
+    return Stamped(reports)
+
+
 def bench_latency(seconds: float, rate: float, kafka_producer: dict | None = None, **harvester) -> dict:
     env = Env()
     # Commit durations, as the harvester observes them in its transaction-commit histogram.
@@ -47,23 +69,7 @@ def bench_latency(seconds: float, rate: float, kafka_producer: dict | None = Non
         while not h.leading:
             time.sleep(0.01)
 
-        class Stamped(collections.deque):
-            """The publisher's settle queue, stamping each acknowledged row as it enters: straight
-            from its delivery report, or (harvester.transactional_id) when its transaction commits."""
-
-            def append(self, item):
-                if item[2] is None:
-                    acked.setdefault(item[0], time.time())
-                super().append(item)
-
-            def extend(self, items):
-                items, now = list(items), time.time()
-                for item in items:
-                    if item[2] is None:
-                        acked.setdefault(item[0], now)
-                super().extend(items)
-
-        h.publisher.settler.reports = Stamped()  # nothing has been produced yet
+        h.publisher.settler.reports = stamping(collections.deque(), acked)  # nothing produced yet
         phases = Phases(h.unit, commit_seconds)
         committed: dict[int, float] = {}
         per_txn = 10
