@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 import httpx
 import psycopg
 
-from bench.http import serve
+from bench.http import free_port, percentile, serve
 from tracker import schema as schema_mod
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,17 +38,6 @@ GOAL_MS = 200.0
 
 def say(msg: str) -> None:
     print(f"[bench.console] {msg}", file=sys.stderr, flush=True)
-
-
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build(schema: str, open_batches: int, backlog: int) -> dict[str, int]:
@@ -111,7 +99,7 @@ def measure(client: httpx.Client, path: str, n: int, **kw: object) -> dict[str, 
         r = client.get(path, **kw)  # type: ignore[arg-type]
         times.append((time.perf_counter() - t0) * 1000)
         assert r.status_code == 200, (path, r.status_code)
-    return {"p50_ms": round(_pct(times, 0.5), 2), "p99_ms": round(_pct(times, 0.99), 2)}
+    return {"p50_ms": round(percentile(times, 0.5), 2), "p99_ms": round(percentile(times, 0.99), 2)}
 
 
 def main() -> int:
@@ -127,7 +115,7 @@ def main() -> int:
     proc = None
     try:
         ids = build(schema, args.open_batches, args.backlog)
-        port = _free_port()
+        port = free_port()
         proc = start_server(schema, port)
         base = f"http://127.0.0.1:{port}"
         c = httpx.Client(base_url=base, timeout=30)

@@ -50,12 +50,12 @@ def say(msg: str) -> None:
     print(f"[bench.http] {msg}", file=sys.stderr, flush=True)
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -195,8 +195,8 @@ async def http_scenarios(url: str, a: argparse.Namespace) -> dict:
             "requests": len(bodies),
             "ids_per_request": a.ids,
             "concurrency": a.bulk_concurrency,
-            "p50_ms": round(_pct(lat, 0.5) * 1000, 1),
-            "p99_ms": round(_pct(lat, 0.99) * 1000, 1),
+            "p50_ms": round(percentile(lat, 0.5) * 1000, 1),
+            "p99_ms": round(percentile(lat, 0.99) * 1000, 1),
         }
         say(f"bulk_ack: {out['bulk_ack']}")
 
@@ -216,8 +216,8 @@ async def http_scenarios(url: str, a: argparse.Namespace) -> dict:
             "requests": len(ids),
             "concurrency": a.concurrency,
             "batches": a.concurrency,
-            "p50_ms": round(_pct(lat, 0.5) * 1000, 2),
-            "p99_ms": round(_pct(lat, 0.99) * 1000, 2),
+            "p50_ms": round(percentile(lat, 0.5) * 1000, 2),
+            "p99_ms": round(percentile(lat, 0.99) * 1000, 2),
         }
         say(f"single_ack: {out['single_ack']}")
 
@@ -240,7 +240,7 @@ async def http_scenarios(url: str, a: argparse.Namespace) -> dict:
             "requests": len(lat),
             "items_per_request": 100,
             "concurrency": a.concurrency,
-            "p99_ms": round(_pct(lat, 0.99) * 1000, 2),
+            "p99_ms": round(percentile(lat, 0.99) * 1000, 2),
         }
         say(f"add_items: {out['add_items']}")
 
@@ -278,8 +278,8 @@ async def http_scenarios(url: str, a: argparse.Namespace) -> dict:
             "achieved_rps": round(achieved),
             "requests": n,
             "errors": errors,
-            "p50_ms": round(_pct(lat, 0.5) * 1000, 2),
-            "p99_ms": round(_pct(lat, 0.99) * 1000, 2),
+            "p50_ms": round(percentile(lat, 0.5) * 1000, 2),
+            "p99_ms": round(percentile(lat, 0.99) * 1000, 2),
         }
         say(f"at_load: {out['at_load']}")
 
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     schema = f"bench_http_{uuid.uuid4().hex[:8]}"
     schema_mod.migrate(DSN, schema)
     try:
-        port = _free_port()
+        port = free_port()
         proc = start_server(schema, port, a.pool)
         a.server_pid = proc.pid
         try:

@@ -12,7 +12,6 @@ the HTTP API from its OpenAPI document. tests/test_docs.py runs the check.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import os
@@ -21,12 +20,12 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from deploy import config_reference  # noqa: E402
+from deploy.monitoring import load_module  # noqa: E402
 from harvester import exit_codes  # noqa: E402
 from harvester import metrics as harvester_metrics  # noqa: E402
 from tracker import errors, event_schema, roles  # noqa: E402
@@ -329,18 +328,9 @@ each function's comment in the database (`\\df+ <schema>.ack` in psql).
     return _page("SQL functions", intro, "\n\n".join(sections))
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    """A module of deploy/ (not a package) by its path."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None, path
-    module = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def runbooks_page() -> str:
-    rules = _load("reaper_rules", REPO / "deploy" / "prometheus" / "rules.py")
-    books = _load("reaper_runbooks", REPO / "deploy" / "prometheus" / "runbooks.py").RUNBOOKS
+    rules = load_module("reaper_rules", REPO / "deploy" / "prometheus" / "rules.py")
+    books = load_module("reaper_runbooks", REPO / "deploy" / "prometheus" / "runbooks.py").RUNBOOKS
     _, alerts = rules.rules()
     names = [a.alert for a in alerts]
     if set(names) != set(books):

@@ -28,7 +28,8 @@ RULES = Path("prometheus") / "rules.yml"
 DASHBOARD = Path("grafana") / "dashboards" / "reaper.json"
 
 
-def _load(name: str, path: Path) -> ModuleType:
+def load_module(name: str, path: Path) -> ModuleType:
+    """A module of deploy/ (not a package) by its path."""
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None, path
     module = sys.modules[name] = importlib.util.module_from_spec(spec)
@@ -39,8 +40,8 @@ def _load(name: str, path: Path) -> ModuleType:
 def outputs(prefix: str = DEFAULT_PREFIX) -> dict[Path, str]:
     """Relative path under the output folder -> its text, for `prefix`."""
     check_prefix(prefix, "--prefix")
-    rules = _load("reaper_rules", DEPLOY / "prometheus" / "rules.py")
-    dashboard = _load("reaper_dashboard", DEPLOY / "grafana" / "dashboard.py")
+    rules = load_module("reaper_rules", DEPLOY / "prometheus" / "rules.py")
+    dashboard = load_module("reaper_dashboard", DEPLOY / "grafana" / "dashboard.py")
     return {RULES: rules.render(prefix), DASHBOARD: dashboard.render(prefix)}
 
 

@@ -108,8 +108,8 @@ def _normalized(arguments: str, cast: bool = False) -> str:
 
 
 def test_every_alert_has_a_runbook_and_every_runbook_an_alert(tmp_path):
-    books = docs_reference._load("reaper_runbooks", REPO / "deploy" / "prometheus" / "runbooks.py").RUNBOOKS
-    _, alerts = docs_reference._load("reaper_rules", REPO / "deploy" / "prometheus" / "rules.py").rules()
+    books = docs_reference.load_module("reaper_runbooks", REPO / "deploy" / "prometheus" / "runbooks.py").RUNBOOKS
+    _, alerts = docs_reference.load_module("reaper_rules", REPO / "deploy" / "prometheus" / "rules.py").rules()
     assert [a.alert for a in alerts] == [a.alert for a in alerts if a.alert in books] and len(books) == len(alerts)
     for book in books.values():
         assert book.means and book.check and book.act
