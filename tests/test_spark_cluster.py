@@ -80,6 +80,15 @@ def _all_planned_committed(checkpoint: str) -> bool:
     return bool(planned) and max(planned) == max(ids("commits"), default=-1)
 
 
+def _read_so_far(query) -> int:
+    """Rows the query's micro-batches reported reading; a query that failed raises its error here
+    rather than leaving the caller to time out."""
+    failure = query.exception()
+    if failure is not None:
+        raise AssertionError(f"the ack stream failed: {failure}")
+    return sum(p["numInputRows"] for p in query.recentProgress)
+
+
 def _once(marker) -> bool:
     """True the first time any process on this machine asks with this marker."""
     try:
@@ -227,12 +236,8 @@ def test_ack_stream_survives_an_executor_lost_mid_micro_batch_and_restarts_from_
     try:
         wait_for(lambda: second.acked >= n - n // 2, timeout=300, what="the second half of the acks")
         # a micro-batch's progress is recorded after its foreachBatch returns
-        wait_for(
-            lambda: sum(p["numInputRows"] for p in query.recentProgress) >= n - n // 2,
-            timeout=60,
-            what="the last micro-batch's progress",
-        )
-        read = sum(p["numInputRows"] for p in query.recentProgress)
+        wait_for(lambda: _read_so_far(query) >= n - n // 2, timeout=180, what="the last micro-batch's progress")
+        read = _read_so_far(query)
     finally:
         query.stop()
     # From the checkpoint: only the new half was read, and none of it had been applied.

@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import psycopg
-from confluent_kafka import Consumer, KafkaException
+from confluent_kafka import Consumer, KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
 import tracker
@@ -130,13 +130,19 @@ class ClusterTopics:
 
     def __call__(self, prefix: str, partitions: int = 1) -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:12]}"
-        # A broker an earlier test killed or restarted may not have registered again yet: a topic of
-        # replication factor 3 needs all three.
+        # A broker an earlier test killed or restarted may not have registered again with the
+        # controller yet (the brokers' metadata can list it before the controller unfences it): a topic
+        # of replication factor 3 needs all three, so creation is retried until they are.
         deadline = time.monotonic() + 120
-        while len(self.admin.list_topics(timeout=10).brokers) < 3 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        futures = self.admin.create_topics([NewTopic(name, num_partitions=partitions)], operation_timeout=30)
-        futures[name].result(timeout=60)
+        while True:
+            futures = self.admin.create_topics([NewTopic(name, num_partitions=partitions)], operation_timeout=30)
+            try:
+                futures[name].result(timeout=60)
+                break
+            except KafkaException as e:
+                if e.args[0].code() != KafkaError.INVALID_REPLICATION_FACTOR or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
         self.created.append(name)
         return name
 
