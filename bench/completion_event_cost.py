@@ -6,11 +6,12 @@ statement) in both trees, each against a schema its own migrate made: once compl
 batches (the acker's usual call), once completing all of them. Prints one JSON line per tree with
 median milliseconds per call, and the ratios new/old, measured in the same run.
 
-    python bench/completion_event_cost.py        # needs OUTBOX_TEST_DSN and the git history
+    python -m bench.completion_event_cost [--reps N]   # needs OUTBOX_TEST_DSN and the git history
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -63,7 +64,13 @@ def run(tree: Path, reps: int) -> dict[str, float]:
 
 
 def main() -> None:
-    reps = int(os.environ.get("REPS", "6"))
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.completion_event_cost",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--reps", type=int, default=int(os.environ.get("REPS", "6")), help="calls per tree (default 6)")
+    reps = parser.parse_args().reps
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "-C", str(REPO), "archive", OLD], capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)

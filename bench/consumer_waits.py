@@ -11,6 +11,7 @@ Reports items/s and the share of the workers' samples spent in Lock waits.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import os
@@ -78,7 +79,11 @@ def measure(path: str, workers: int, schema: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    workers = int(argv[0]) if argv else 16
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.consumer_waits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("workers", type=int, nargs="?", default=16, help="concurrent consumers (default 16)")
+    workers = parser.parse_args(argv).workers
     schema = f"bench_{uuid.uuid4().hex[:10]}"
     schema_mod.migrate(DSN, schema)
     stop = threading.Event()

@@ -12,6 +12,7 @@ The last line is JSON: every run, and each variant's p99 over the first variant'
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -71,9 +72,18 @@ VARIANTS: dict[str, Callable[[float], dict]] = {
 
 
 def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.fenced_variants",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("seconds", type=float, help="seconds each variant runs per round")
+    parser.add_argument("rounds", type=int, help="rounds; the order of the variants alternates")
+    parser.add_argument("variants", nargs="*", help=f"the first is the reference; known: {', '.join(VARIANTS)}")
+    args = parser.parse_args(argv)
+    seconds, rounds, names = args.seconds, args.rounds, args.variants
     logs.configure("json", "warning")
     tune_process()
-    seconds, rounds, names = float(argv[0]), int(argv[1]), argv[2:]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or not names:
         print(f"unknown variants {unknown}; known: {sorted(VARIANTS)}", file=sys.stderr)

@@ -18,6 +18,7 @@ same run.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import multiprocessing as mp
@@ -198,7 +199,11 @@ def figures(quick: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    quick = "--quick" in (argv if argv is not None else sys.argv[1:])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.inbox", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer messages and partitions (seconds, not minutes)")
+    quick = parser.parse_args(argv).quick
     out = {"bench": "inbox", "quick": quick, "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
     out.update(figures(quick))
     out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]

@@ -15,8 +15,8 @@ group's size per reason and a page walking every bit of every row: 9.7 MB, 4.5 t
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 import time
 import uuid
 
@@ -26,7 +26,13 @@ from tracker import schema as schema_mod
 
 
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.outcomes_failures_page",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("items", type=int, nargs="?", default=8192, help="failed items of one group (default 8192)")
+    n = parser.parse_args().items
     dsn = os.environ["OUTBOX_TEST_DSN"]
     name = f"t_{uuid.uuid4().hex[:12]}"
     schema_mod.migrate(dsn, name)

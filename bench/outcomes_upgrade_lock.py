@@ -16,9 +16,9 @@ had before (a batch finished before it now reads as succeeded with no outcome st
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -34,7 +34,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.outcomes_upgrade_lock",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("batches", type=int, nargs="?", default=1_000_000, help="complete batches (default 1,000,000)")
+    n = parser.parse_args().batches
     dsn = os.environ["OUTBOX_TEST_DSN"]
     name = f"t_{uuid.uuid4().hex[:12]}"
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,8 +17,8 @@ import time
 
 from harvester import config as config_mod
 from harvester import logs
-from harvester.publishing.mark_purge_reset import Harvester
 from harvester.run import tune_process
+from harvester.units import Harvester
 
 from .harvest import BOOTSTRAP, DSN, Env, prefill, say
 

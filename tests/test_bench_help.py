@@ -1,0 +1,37 @@
+"""Every benchmark is a command a reader can ask for help: `python -m bench.<name> --help` prints its
+usage and exits 0 without touching a service (the connection settings here point nowhere)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+COMMANDS = sorted(p.stem for p in (REPO / "bench").glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
+NOWHERE = {
+    "OUTBOX_TEST_DSN": "postgresql://nobody@127.0.0.1:1/none?connect_timeout=1",
+    "KAFKA_BOOTSTRAP": "127.0.0.1:1",
+    "PGBOUNCER_DSN": "postgresql://nobody@127.0.0.1:1/none?connect_timeout=1",
+}
+
+
+def test_the_benchmarks_are_found():
+    assert {"harvest", "tracker", "console", "cluster", "inbox"} <= set(COMMANDS), COMMANDS
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_a_benchmark_answers_help_without_running(name: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", f"bench.{name}", "--help"],
+        cwd=REPO,
+        env={**os.environ, **NOWHERE, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("usage: "), done.stdout[:500]
