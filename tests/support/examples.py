@@ -67,6 +67,8 @@ def examples(path: Path) -> list[Example]:
                 page_from.add(language)
             indent = len(opening.group("indent"))
             code = "\n".join(line[indent:] for line in lines[i + 1 : end]) + "\n"
+            if info.split(" ", 1)[0].strip("{}") == "console":
+                code = shell_commands(code)  # what runs: the commands, not the output shown
             found.append(
                 Example(
                     path=path,
@@ -87,7 +89,8 @@ def examples(path: Path) -> list[Example]:
 
 
 def shell_commands(code: str) -> str:
-    """A `console` block's commands: lines after a `$ ` prompt (output lines are not run); other
-    shell blocks run as written."""
+    """A `console` block's commands: lines after a `$ ` prompt (output lines are not run). The
+    collector keeps only these of a console block, so blocks joined into one script (a page) keep
+    every line of their other shell blocks."""
     prompted = [line[2:] for line in code.splitlines() if line.startswith("$ ")]
     return "\n".join(prompted) + "\n" if prompted else code
