@@ -81,7 +81,7 @@ def pgbouncer_dsn(services, pg_dsn) -> str:
 
     PGBOUNCER_DSN names a running one; else deploy/local/services.py starts the local one. Connect
     with prepare_threshold=None (PgBouncer < 1.21 cannot carry prepared statements) and no
-    session state (SET, search_path, LISTEN): see the README's PgBouncer section.
+    session state (SET, search_path, LISTEN): see docs/howto/psycopg.md, "PgBouncer in transaction pooling mode".
     """
     dsn = os.environ.get("PGBOUNCER_DSN") or services.get("PGBOUNCER_DSN")
     if not dsn:

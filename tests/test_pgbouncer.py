@@ -209,7 +209,7 @@ def test_tracker_api_through_pgbouncer_with_a_sqlalchemy_session(pg_dsn, pgbounc
     from tracker import outbox
 
     schema = pgbouncer_schema
-    # The README's SQLAlchemy line: prepare_threshold=None reaches psycopg through connect_args.
+    # docs/howto/sqlalchemy.md's engine: prepare_threshold=None reaches psycopg through connect_args.
     engine = create_engine(
         pgbouncer_dsn.replace("postgresql://", "postgresql+psycopg://"), connect_args={"prepare_threshold": None}
     )
