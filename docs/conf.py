@@ -29,3 +29,22 @@ html_static_path: list[str] = []
 # JSON Schemas (docs/_extra/schemas, generated).
 html_extra_path = ["../harvester/services/http/openapi.json", "_extra"]
 version = release
+
+
+def _psql_lexer() -> type:
+    """`sql` blocks are run by psql (tests/test_docs_examples.py): highlight them as PostgreSQL
+    (dollar quotes, `DO` blocks) plus psql's backslash commands (`\\gset`, `\\set`)."""
+    from pygments.lexer import inherit
+    from pygments.lexers.sql import PostgresLexer
+    from pygments.token import Keyword
+
+    class PsqlScriptLexer(PostgresLexer):
+        name = "psql script"
+        aliases: list[str] = []
+        tokens = {"root": [(r"\\[A-Za-z?!]+[^\n]*", Keyword.Pseudo), inherit]}
+
+    return PsqlScriptLexer
+
+
+def setup(app) -> None:  # noqa: ANN001 (Sphinx's application object)
+    app.add_lexer("sql", _psql_lexer())

@@ -93,7 +93,7 @@ SELECT topic || '/' || (convert_from(value, 'UTF8')::json->>'user_key') FROM {s}
 
 
 def test_psql_documented_insert_writes_one_message_per_item(pg_dsn, schema):
-    """The README's insert-it-yourself form: add_items, then one INSERT over the group rows."""
+    """The insert-it-yourself form of docs/howto/sql.md: add_items, then one INSERT over the group rows."""
     s = f'"{schema}"'
     _psql(
         pg_dsn,

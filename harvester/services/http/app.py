@@ -4,7 +4,7 @@
 (outermost first): Observe (metrics, access log, request id), Guard (bearer token, rate limit,
 JSON-only bodies) and BodyLimit (413 before a large body is read). Every error is an RFC 9457
 problem document (problems.py). HTTP cannot share the caller's database transaction: an app that
-must add items atomically with its own writes uses the SQL functions instead (README).
+must add items atomically with its own writes uses the SQL functions instead (docs/howto/sql.md).
 """
 
 from __future__ import annotations

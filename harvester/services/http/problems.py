@@ -26,7 +26,7 @@ from tracker.errors import (
 MEDIA_TYPE = "application/problem+json"
 TYPE_BASE = "urn:outbox-reaper:problem:"
 
-# slug -> (status, title): the documented set (README, "Over HTTP"; OpenAPI components).
+# slug -> (status, title): the documented set (docs/howto/http.md, "Read errors"; OpenAPI components).
 TYPES: dict[str, tuple[int, str]] = {
     "invalid-request": (400, "The request is not valid"),
     "malformed-item-id": (400, "Malformed item id"),
