@@ -1,5 +1,5 @@
 """The rules of the house, read off the source: what may import what, no import cycles, and a
-module map (docs/architecture.md) that lists exactly the modules the tree holds.
+module map (docs/explanation/architecture.md) that lists exactly the modules the tree holds.
 
 Imports are read with `ast` from every module, including imports inside functions (a call-time
 import is still a dependency; it only hides a cycle). Imports under `if TYPE_CHECKING:` are not
@@ -165,16 +165,16 @@ MAP_ROW = re.compile(r"^\|\s*`([\w/]+(?:\.py|/))`\s*\|", re.M)
 
 
 def test_the_module_map_lists_every_module_and_nothing_else() -> None:
-    """docs/architecture.md's module map names each module (and each package, as `folder/`) once."""
-    doc = (ROOT / "docs" / "architecture.md").read_text()
+    """docs/explanation/architecture.md's module map names each module (and each package, as `folder/`) once."""
+    doc = (ROOT / "docs" / "explanation" / "architecture.md").read_text()
     listed = MAP_ROW.findall(doc)
     assert len(listed) == len(set(listed)), "a module is listed twice"
     present = set()
     for path in modules(ROOT).values():
         rel = path.relative_to(ROOT).as_posix()
         present.add(rel[: -len("__init__.py")] if path.name == "__init__.py" else rel)
-    assert sorted(set(listed) - present) == [], "listed in docs/architecture.md but not in the tree"
-    assert sorted(present - set(listed)) == [], "in the tree but missing from docs/architecture.md's map"
+    assert sorted(set(listed) - present) == [], "listed in docs/explanation/architecture.md but not in the tree"
+    assert sorted(present - set(listed)) == [], "in the tree but missing from docs/explanation/architecture.md's map"
 
 
 def test_every_package_ships_in_the_distribution() -> None:
