@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""The configuration reference and the exit-code table, generated from the code.
+"""The example configuration and the configuration table, generated from the code.
 
-    .venv/bin/python deploy/config_reference.py          # rewrite deploy/reaper.example.yaml and README's tables
-    .venv/bin/python deploy/config_reference.py --check  # exit 1 if any is out of date
+    .venv/bin/python deploy/config_reference.py          # rewrite deploy/reaper.example.yaml
+    .venv/bin/python deploy/config_reference.py --check  # exit 1 if it is out of date
+
+The table (`reference_markdown`) is rendered into the documentation's configuration page by
+deploy/docs_reference.py.
 
 Keys, defaults, bounds, environment-variable names and descriptions all come from the schema in
-harvester/config.py (each key's `key(...)` field); the exit codes from harvester/exit_codes.py.
+harvester/config.py (each key's `key(...)` field).
 A key without a description fails the run (and tests/test_deploy.py).
 """
 
@@ -19,12 +22,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from harvester import config, exit_codes  # noqa: E402
+from harvester import config  # noqa: E402
 
 EXAMPLE = REPO / "deploy" / "reaper.example.yaml"
-README = REPO / "README.md"
-START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
-EXIT_START, EXIT_END = "<!-- exit-codes:start -->", "<!-- exit-codes:end -->"
 
 
 def keys() -> tuple[config.Setting, ...]:
@@ -76,26 +76,12 @@ def reference_markdown() -> str:
     return "\n".join(rows)
 
 
-def _between(text: str, start: str, end: str, body: str) -> str:
-    if start not in text or end not in text:
-        raise SystemExit(f"README.md lacks the markers {start} ... {end}")
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    return f"{head}{start}\n{body}\n{end}{tail}"
-
-
-def readme_with_reference(text: str) -> str:
-    text = _between(text, START, END, reference_markdown())
-    return _between(text, EXIT_START, EXIT_END, exit_codes.markdown_table())
-
-
 def main(argv: list[str]) -> int:
     missing = undocumented()
     if missing:
         print(f"configuration keys without a description in {__file__}: {', '.join(missing)}", file=sys.stderr)
         return 1
-    readme = README.read_text()
-    wanted = {EXAMPLE: example_yaml(), README: readme_with_reference(readme)}
+    wanted = {EXAMPLE: example_yaml()}
     stale = [p for p, text in wanted.items() if not p.exists() or p.read_text() != text]
     if "--check" in argv:
         for p in stale:

@@ -2,7 +2,7 @@
 
 The compose file, Dockerfile and Kubernetes manifest parse; images are pinned; ports agree from
 one file to the next; every REAPER_* variable names a real configuration key (checked against
-harvester/config.py's dataclasses and by loading it); the example configuration and the README's
+harvester/config.py's dataclasses and by loading it); the example configuration and the documentation's
 reference are generated from the code and up to date. Prometheus' own `promtool` checks the
 compose Prometheus configuration.
 """
@@ -310,26 +310,25 @@ def test_example_configuration_names_every_key_and_loads_to_the_defaults():
     assert config.load(DEPLOY / "reaper.example.yaml", environ={}) == config.Config()
 
 
-def test_example_configuration_and_readme_reference_are_generated_from_the_code():
+def test_the_example_configuration_is_generated_from_the_code():
     r = subprocess.run([sys.executable, str(DEPLOY / "config_reference.py"), "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_readme_documents_every_key_env_variable_and_default():
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("<!-- config-reference:start -->", 1)[1].split("<!-- config-reference:end -->", 1)[0]
-    rows = {line.split("|")[1].strip().strip("`"): line for line in section.splitlines() if line.startswith("| `")}
+def test_the_configuration_page_documents_every_key_env_variable_and_default():
+    page = (REPO / "docs" / "reference" / "configuration.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`"): line for line in page.splitlines() if line.startswith("| `")}
     defaults = config.Config()
     for section_name, names in config_keys().items():
         for name in names:
             key = f"{section_name}.{name}"
-            assert key in rows, f"README lacks {key}"
+            assert key in rows, f"the configuration page lacks {key}"
             env = f"REAPER_{section_name.upper()}__{name.upper()}"
-            assert f"`{env}" in rows[key], f"README row of {key} lacks {env}"
+            assert f"`{env}" in rows[key], f"the row of {key} lacks {env}"
             default = getattr(getattr(defaults, section_name), name)
             if not isinstance(default, dict):
                 values = re.findall(r"`([^`]*)`", rows[key])
-                assert yaml.safe_load(values[2]) == default, f"README default of {key}: {values[2]!r} != {default!r}"
+                assert yaml.safe_load(values[2]) == default, f"the default of {key}: {values[2]!r} != {default!r}"
 
 
 def test_readme_starts_with_the_two_setup_commands():

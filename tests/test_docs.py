@@ -63,6 +63,20 @@ def test_every_sqlstate_the_sql_raises_is_documented_with_its_python_error():
         assert meaning and classes and all(issubclass(c, errors.TrackerError) for c in classes)
 
 
+def test_the_readme_is_short_and_every_link_in_it_resolves():
+    """A newcomer's page: the set-up commands, what and why, a quick start, the comparison in brief,
+    and links into the documentation, each to a file that exists."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    assert headings[:1] == ["Quick start"] and {"How it compares", "Documentation"} <= set(headings), headings
+    targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    local = [t for t in targets if not re.match(r"[a-z]+:", t)]
+    assert len(local) >= 30, local
+    missing = [t for t in local if not (REPO / t).exists()]
+    assert not missing, missing
+
+
 USER_FACING = ["README.md", "CONTRIBUTING.md", "SECURITY.md", "CHANGELOG.md", "docs"]
 
 

@@ -15,9 +15,8 @@ import pytest
 from tests.support import examples
 
 REPO = Path(__file__).resolve().parents[1]
-# The documentation's pages. The README joins them once its examples are whole (each its imports
-# and connection strings); until then its long-form examples are checked by the tests of each feature.
-SOURCES = sorted((REPO / "docs").rglob("*.md"))
+# The README and the documentation's pages.
+SOURCES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 pytestmark = pytest.mark.xdist_group("docs-examples")  # they share the documented `reaper` schema
 
