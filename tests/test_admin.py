@@ -552,3 +552,56 @@ def test_requeue_draws_a_progress_bar_on_a_terminal_and_none_otherwise(cfg, pg_d
     add_dead(pg_dsn, schema, "t", 3, "slow broker")
     piped = reaper(cfg, "dead", "requeue", "--all")
     assert piped.returncode == 0 and piped.stderr == "" and "requeued 3 rows" in piped.stdout
+
+
+class _CoordinatorNotReady:
+    """An AdminClient whose group coordinator answers NOT_COORDINATOR `failures` times (as a fresh
+    cluster's does while __consumer_offsets loads), then describes a group of one member."""
+
+    calls = 0
+
+    def __init__(self, conf: dict, failures: int) -> None:
+        self.failures = failures
+
+    def describe_consumer_groups(self, groups: list[str], request_timeout: float) -> dict:
+        from concurrent.futures import Future
+        from types import SimpleNamespace
+
+        from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+        type(self).calls += 1
+        future: Future = Future()
+        if type(self).calls <= self.failures:
+            future.set_exception(KafkaException(KafkaError(KafkaError.NOT_COORDINATOR)))
+        else:
+            member = SimpleNamespace(
+                member_id="m-1",
+                client_id="rdkafka",
+                host="/10.0.0.1",
+                assignment=SimpleNamespace(topic_partitions=[TopicPartition("__reaper_leader", 0)]),
+            )
+            future.set_result(SimpleNamespace(members=[member], state=SimpleNamespace(name="STABLE")))
+        return {groups[0]: future}
+
+    def poll(self, timeout: float) -> int:
+        return 0
+
+
+@pytest.mark.parametrize(("failures", "answered"), [(2, True), (1000, False)])
+def test_outbox_status_asks_a_coordinator_that_is_not_ready_again(monkeypatch, failures, answered):
+    from confluent_kafka import KafkaException
+
+    from harvester.admin import status
+    from harvester.config import Config
+
+    _CoordinatorNotReady.calls = 0
+    monkeypatch.setattr(status, "AdminClient", lambda conf: _CoordinatorNotReady(conf, failures))
+    if answered:
+        holders, state = status.leaders(Config(), timeout=5)
+        assert holders == {0: {"member_id": "m-1", "client_id": "rdkafka", "host": "/10.0.0.1"}} and state == "stable"
+        assert _CoordinatorNotReady.calls == 3
+    else:
+        started = time.monotonic()
+        with pytest.raises(KafkaException):
+            status.leaders(Config(), timeout=1)
+        assert time.monotonic() - started < 3  # gives up at the timeout

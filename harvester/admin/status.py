@@ -10,10 +10,12 @@ the leader ids in `marked_by` (rows in flight under each id) say who is publishi
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import psycopg
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
@@ -168,14 +170,33 @@ def batch_counts(conn: psycopg.Connection, schema: str) -> tuple[dict[str, int],
     return {s: counts.get(s, 0) for s in ("open", "closed", "complete", "expired")}, int(pending)
 
 
+# Answers of a group coordinator that is moving or still loading (the first use of a fresh
+# cluster's __consumer_offsets, a broker restart): asked again a moment later, it answers.
+COORDINATOR_NOT_READY = frozenset(
+    {KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE}
+)
+
+
 def leaders(cfg: Config, timeout: float) -> tuple[dict[int, dict[str, Any]], str]:
-    """Partition -> the leader-group member assigned it, and the group's state (Kafka's view)."""
+    """Partition -> the leader-group member assigned it, and the group's state (Kafka's view).
+    A coordinator that is not ready is asked again until `timeout` has passed."""
     h = cfg.harvester
     conf = {"bootstrap.servers": cfg.kafka.bootstrap_servers, **cfg.kafka.client, "logger": logs.KafkaLogger("admin")}
     admin = AdminClient(conf)
+    deadline = time.monotonic() + timeout
     try:
-        future = admin.describe_consumer_groups([h.leader_group], request_timeout=timeout)[h.leader_group]
-        desc = future.result(timeout=timeout + 5)
+        while True:
+            future = admin.describe_consumer_groups([h.leader_group], request_timeout=timeout)[h.leader_group]
+            try:
+                desc = future.result(timeout=timeout + 5)
+                break
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                if not isinstance(err, KafkaError) or err.code() not in COORDINATOR_NOT_READY:
+                    raise
+                if time.monotonic() + 0.25 >= deadline:
+                    raise
+                time.sleep(0.25)
     finally:
         admin.poll(0)  # an admin client's log lines wait for a poll: hand them to structlog
     out: dict[int, dict[str, Any]] = {}
