@@ -149,7 +149,7 @@ class HarvesterConfig:
     lanes: int = key(
         1,
         "harvest units of the `database` outbox: rows are split by md5(key) mod lanes; change only by draining, "
-        'then switching (README "Harvest units")',
+        "then switching (the documentation's page on running and scaling the reaper says how)",
         ge=1,
         le=MAX_LANES,
     )
