@@ -38,8 +38,8 @@ def _parent_with_a_closed_child(conn: psycopg.Connection, schema: str, items: in
 
 
 def test_without_the_settler_the_sweeper_finishes_a_parent_whose_last_child_expired(conn, schema):
-    """README: the sweeper "never expires a batch with open children: its children expire first
-    (when idle), then it can". With no settler running nobody else folds the expired child in."""
+    """docs/howto/outcomes.md: "The sweeper never expires a batch that has open children: the
+    children expire first, when idle." With no settler running nobody else folds the expired child in."""
     p, c, _ = _parent_with_a_closed_child(conn, schema)
     for _ in range(4):  # the reaper's sweeper, every sweeper.interval; no settler
         sweep(conn, schema=schema, idle_expiry=0, retention=3600)

@@ -80,10 +80,10 @@ def test_finishing_children_of_two_trees_at_once_never_deadlocks(pg_dsn, schema,
 
 @pytest.mark.parametrize("path", ["acker-skip-locked", "ack-claims-at-commit"])
 def test_finishing_a_child_never_waits_for_a_transaction_holding_its_parent(pg_dsn, schema, conn, path):
-    """The acker "never waits for an application transaction" (README), and a claims ack never
-    waits at commit (it skips a held batch: the holder or a later settle folds it). A producer
-    opening another child under the same parent holds the parent's row until it commits; the final
-    ack of a closed child must not wait for that producer."""
+    """The acker "never waits for an application transaction" (docs/howto/consumers.md), and a
+    claims ack never waits at commit (it skips a held batch: the holder or a later settle folds
+    it). A producer opening another child under the same parent holds the parent's row until it
+    commits; the final ack of a closed child must not wait for that producer."""
     parent = tracker.open_batch(conn, schema=schema)
     conn.commit()
     child = tracker.open_batch(conn, parent=parent, schema=schema)

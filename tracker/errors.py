@@ -184,7 +184,7 @@ class IsolationNotSupported(InboxError):
 
 class NoInboxPartition(InboxError):
     """No partition holds the current time: the inbox maintenance has not run for longer than it
-    makes partitions ahead (`reaper run` runs it; or tracker.inbox.maintain)."""
+    makes partitions ahead (`reaper run` runs it; or tracker.inbox.retention.maintain)."""
 
     def __init__(self, at: str) -> None:
         self.at = at

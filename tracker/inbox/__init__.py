@@ -16,7 +16,7 @@ process it once. Every call runs in a savepoint of the caller's transaction and 
 every connection mode the tracker takes (tracker.sync, tracker.aio; PgBouncer in transaction mode
 included). The asyncio face is `tracker.inbox.aio`; other languages call the SQL function
 `inbox_claim(consumer, message_id)` (sql/R__inbox.sql). Ids are kept for a retention window in
-time partitions that the maintenance (`reaper run`, or `tracker.inbox.maintain`) makes ahead of
+time partitions that the maintenance (`reaper run`, or `tracker.inbox.retention.maintain`) makes ahead of
 time and drops whole once expired. A Kafka consumer helper: `tracker.inbox.consumer`.
 """
 
