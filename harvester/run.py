@@ -16,7 +16,7 @@ from confluent_kafka.admin import AdminClient
 
 import tracker
 from harvester import logs, product_version
-from harvester.config import Config, redact_dsn, redacted
+from harvester.config import Config, ack_topics, redact_dsn, redacted
 from harvester.election.neli import KafkaClusterUnknown, LeaderTopicMismatch
 from harvester.exit_codes import ExitCode
 from harvester.gauges import gauges_loop
@@ -27,7 +27,7 @@ from harvester.publishing.ports import DEFAULT, Providers
 from harvester.publishing.publisher import logs_safe
 from harvester.services.inbox import inbox_loop
 from harvester.services.sweeper import sweep_loop
-from harvester.services.targets import with_batch_tables
+from harvester.services.targets import BatchTarget, with_batch_tables
 from harvester.units import Harvester
 from tracker.schema import qualified
 
@@ -94,39 +94,65 @@ class Readiness:
             return self._last
 
 
-def _start_acker(cfg: Config, stop: threading.Event, failures: list) -> threading.Thread:
+def acker_group(cfg: Config, topic: str) -> str:
+    """The consumer group of the acker of `topic`: acker.group for acker.topic (the `database`
+    section's schema), `<acker.group>-<topic>` for another schema's ack topic."""
+    return cfg.acker.group if topic == cfg.acker.topic else f"{cfg.acker.group}-{topic}"
+
+
+def acked_targets(cfg: Config, targets: list[BatchTarget]) -> list[tuple[BatchTarget, str]]:
+    """Each of `targets` (schemas with batch tables) that has an ack topic, with that topic; one line
+    lists those that have none (their consumers can ack only through the tracker or the HTTP API)."""
+    topics = ack_topics(cfg)
+    out = [(t, topics[(t.dsn, t.schema)]) for t in targets if (t.dsn, t.schema) in topics]
+    missing = [t.schema for t in targets if (t.dsn, t.schema) not in topics]
+    if missing:
+        logs.get("reaper.acker").info(
+            "schemas with batch tables but no ack topic: no acker (set ack_topic on their harvester.outboxes entry)",
+            schemas=missing,
+        )
+    return out
+
+
+def _start_acker(
+    cfg: Config, target: BatchTarget, topic: str, stop: threading.Event, failures: list
+) -> threading.Thread:
+    """An acker for one schema: acks read from `topic` clear bits of that schema's batches, and
+    completion events go to its outbox table (the one harvester.services.targets picks)."""
     from harvester.services.acker import Acker
 
     a = cfg.acker
     acker = Acker(
-        dsn=cfg.database.dsn,
-        schema=cfg.database.schema,
+        dsn=target.dsn,
+        schema=target.schema,
         bootstrap_servers=cfg.kafka.bootstrap_servers,
         kafka_client=cfg.kafka.client,
         consumer_client=cfg.kafka.consumer,
         producer_client=cfg.kafka.producer,
-        topic=a.topic,
-        group=a.group,
+        topic=topic,
+        group=acker_group(cfg, topic),
         dead_letter_topic=a.dead_letter_topic,
         max_poll_records=a.max_poll_records,
         poll_timeout=a.poll_timeout,
         tracker=tracker.Tracker(
-            schema=cfg.database.schema,
-            outbox_table=cfg.database.outbox_table,
+            schema=target.schema,
+            outbox_table=target.outbox_table,
             completion_topic=cfg.harvester.default_completion_topic,
             metrics_prefix=cfg.metrics.prefix,
         ),
         metrics=get_metrics(cfg.metrics.prefix),
     )
+    main = (target.dsn, target.schema) == (cfg.database.dsn, cfg.database.schema)
+    name = "acker" if main else f"acker {target.schema}"
 
     def run() -> None:
         try:
             acker.run(stop)
         except BaseException as exc:
-            failures.append(("acker", exc))
-            logs.get("reaper.acker").error("acker failed", error=logs_safe(exc))
+            failures.append((name, exc))
+            logs.get("reaper.acker").error("acker failed", schema=target.schema, error=logs_safe(exc))
 
-    t = threading.Thread(target=run, name="reaper-acker", daemon=True)
+    t = threading.Thread(target=run, name="reaper-acker" if main else f"reaper-acker-{target.schema}", daemon=True)
     t.start()
     return t
 
@@ -209,7 +235,7 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
             console = ConsoleServer(cfg).start()
             log.info("console listening", host=cfg.console.host, port=cfg.console.port)
         # Every schema of the configuration's outboxes that has batch tables, not only `database`'s.
-        targets = with_batch_tables(cfg) if cfg.sweeper.enabled or cfg.settler.enabled else []
+        targets = with_batch_tables(cfg) if cfg.sweeper.enabled or cfg.settler.enabled or cfg.acker.enabled else []
         if cfg.sweeper.enabled:
             threads.append(
                 threading.Thread(target=sweep_loop, args=(cfg, pool, stop, targets), daemon=True, name="reaper-sweeper")
@@ -239,8 +265,9 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
                 )
         for t in threads:
             t.start()
-        if cfg.acker.enabled:
-            threads.append(_start_acker(cfg, stop, failures))
+        if cfg.acker.enabled:  # one acker per schema with batch tables and an ack topic
+            for target, topic in acked_targets(cfg, targets):
+                threads.append(_start_acker(cfg, target, topic, stop, failures))
         if cfg.harvester.enabled:
             try:
                 harvester = Harvester(cfg, providers=providers).start()
