@@ -87,6 +87,14 @@ class DatabaseConfig:
     pool_size: int = key(
         6, "database connections of one reaper (mark, purge workers, upkeep, acker, sweeper)", **POSITIVE
     )
+    startup_timeout: float = key(
+        60.0,
+        "`reaper run`: how long the start-up checks wait for a database primary and for Kafka to answer "
+        "(seconds), then exit 3; a schema that is not migrated exits 3 at once",
+        ge=0,
+        le=86400,
+        note="0 = exit 3 at the first failed check",
+    )
 
 
 @dataclass
