@@ -67,6 +67,7 @@ class OutboxEntry(TypedDict, total=False):
     schema: str
     table: str
     lanes: int
+    ack_topic: str
 
 
 @dataclass
@@ -85,6 +86,14 @@ class DatabaseConfig:
     )
     pool_size: int = key(
         6, "database connections of one reaper (mark, purge workers, upkeep, acker, sweeper)", **POSITIVE
+    )
+    startup_timeout: float = key(
+        60.0,
+        "`reaper run`: how long the start-up checks wait for a database primary and for Kafka to answer "
+        "(seconds), then exit 3; a schema that is not migrated exits 3 at once",
+        ge=0,
+        le=86400,
+        note="0 = exit 3 at the first failed check",
     )
 
 
@@ -155,8 +164,10 @@ class HarvesterConfig:
     )
     outboxes: list[OutboxEntry] = key(
         [],
-        "outboxes to harvest, each {name, dsn, schema, table, lanes} (missing keys from `database`); empty: the "
-        "`database` outbox",
+        "outboxes to harvest, each {name, dsn, schema, table, lanes, ack_topic} (missing keys from `database`); "
+        "empty: the `database` outbox. ack_topic: the ack topic of the entry's schema when it is not the `database` "
+        "section's (that one acks on acker.topic); each schema with batch tables and an ack topic gets its own acker, "
+        "in consumer group `<acker.group>-<ack_topic>`",
     )
     lane_index: bool = key(
         True,
@@ -533,6 +544,7 @@ def _check_relations(cfg: Config) -> None:
     if bool(cfg.http.tls_certfile) != bool(cfg.http.tls_keyfile):
         raise ConfigError("http.tls_certfile", "set both http.tls_certfile and http.tls_keyfile, or neither")
     units(cfg)  # raises ConfigError naming the offending outbox key
+    ack_topics(cfg)  # ... and the offending ack_topic
 
 
 # ------------------------------------------------------------------ harvest units
@@ -600,4 +612,42 @@ def units(cfg: Config) -> list[UnitSpec]:
             out.append(UnitSpec(len(out), name, dsn, schema, table, lane, lanes))
     if len(out) > MAX_UNITS:
         raise ConfigError("harvester.outboxes", f"{len(out)} units: at most {MAX_UNITS}")
+    return out
+
+
+def ack_topics(cfg: Config) -> dict[tuple[str, str], str]:
+    """The ack topic of each (dsn, schema) of the configuration's outboxes that has one (validated):
+    acker.topic for the `database` section's, and for another schema the ack_topic its entries of
+    harvester.outboxes set (those that set one must agree). A topic acks one schema only: batch ids
+    are per schema, so an id read from one schema's topic means nothing in another."""
+    db = cfg.database
+    out = {(db.dsn, db.schema): cfg.acker.topic}
+    owner = {cfg.acker.topic: (db.dsn, db.schema)}
+    for i, entry in enumerate(cfg.harvester.outboxes):
+        if not isinstance(entry, Mapping) or "ack_topic" not in entry:
+            continue
+        where, topic = f"harvester.outboxes[{i}].ack_topic", entry["ack_topic"]
+        if not isinstance(topic, str):
+            raise ConfigError(where, f"expected a Kafka topic name, got {topic!r}")
+        problem = TOPIC.problem(topic)
+        if problem:
+            raise ConfigError(where, problem)
+        target = (entry.get("dsn", db.dsn), entry.get("schema", db.schema))
+        if target == (db.dsn, db.schema) and topic != cfg.acker.topic:
+            raise ConfigError(
+                where,
+                f"{topic!r}: the `database` section's schema {db.schema!r} acks on acker.topic "
+                f"({cfg.acker.topic!r}); leave ack_topic out or set it to that",
+            )
+        if target in out and out[target] != topic:
+            raise ConfigError(
+                where, f"{topic!r} disagrees with {out[target]!r}, the ack topic of schema {target[1]!r} set before"
+            )
+        if topic == cfg.acker.dead_letter_topic:
+            raise ConfigError(where, f"{topic!r} is acker.dead_letter_topic")
+        if owner.get(topic, target) != target:
+            raise ConfigError(
+                where, f"{topic!r} is already the ack topic of schema {owner[topic][1]!r}: a topic acks one schema"
+            )
+        out[target], owner[topic] = topic, target
     return out

@@ -34,8 +34,9 @@ class ExitCode(IntEnum):
     UNAVAILABLE = (
         3,
         (
-            "the database or Kafka is unreachable, or the schema is not migrated (`reaper run` checks at start; "
-            "`outbox status` still prints what the database says)"
+            "the database or Kafka is unreachable, or the schema is not migrated (`reaper run` checks at start and "
+            "waits up to `database.startup_timeout` for an unreachable database or Kafka, not for a schema that is not "
+            "migrated; `outbox status` still prints what the database says)"
         ),
     )
     DRAIN_TIMEOUT = (

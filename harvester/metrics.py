@@ -143,25 +143,29 @@ class HarvesterMetrics:
         self.unit_in_flight = Gauge(
             f"{p}_unit_records_in_flight", "Records produced and not yet settled, by unit", u, registry=r
         )
-        # The acker (harvester.services.acker); the acks it applies count in the tracker's collectors.
+        # The acker (harvester.services.acker), one per schema with an ack topic, each counting under
+        # its schema; the acks it applies count in the tracker's collectors.
+        a = ["schema"]
         self.acks_dead_lettered = Counter(
-            f"{p}_acks_dead_lettered_total", "Ack messages sent to the dead-letter topic", registry=r
+            f"{p}_acks_dead_lettered_total", "Ack messages sent to the dead-letter topic", a, registry=r
         )
         self.acker_lag = Gauge(
-            f"{p}_acker_lag_messages", "Ack-topic messages not yet consumed by this acker", registry=r
+            f"{p}_acker_lag_messages", "Ack-topic messages not yet consumed by this acker", a, registry=r
         )
         self.acker_deferred = Counter(
             f"{p}_acker_deferred_total",
             "Acker applies that skipped batches locked by another transaction (retried later)",
+            a,
             registry=r,
         )
         self.acker_deferred_masks = Gauge(
-            f"{p}_acker_deferred_masks", "Group masks the acker holds for locked batches", registry=r
+            f"{p}_acker_deferred_masks", "Group masks the acker holds for locked batches", a, registry=r
         )
         # Its failures: the tracker's acks_applied counts acks only, so failures count here.
         self.acker_failures_applied = Counter(
             f"{p}_acker_failures_applied_total",
             "Item failures from the ack topic that finished a pending item",
+            a,
             registry=r,
         )
         # The inbox (tracker.inbox) of the schema, read by the inbox maintenance (harvester.services.inbox).

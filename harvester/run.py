@@ -1,6 +1,7 @@
 """`reaper run`: the harvester, the acker, the sweeper loop and the metrics server in one process.
 
-Exit codes: harvester.exit_codes.ExitCode (OK, FAILURE, USAGE, UNAVAILABLE at start, DRAIN_TIMEOUT).
+Exit codes: harvester.exit_codes.ExitCode (OK, FAILURE, USAGE, UNAVAILABLE at start: once
+database.startup_timeout has passed, or at once for a schema not migrated, DRAIN_TIMEOUT).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from confluent_kafka.admin import AdminClient
 
 import tracker
 from harvester import logs, product_version
-from harvester.config import Config, redact_dsn, redacted
+from harvester.config import Config, ack_topics, redact_dsn, redacted
 from harvester.election.neli import KafkaClusterUnknown, LeaderTopicMismatch
 from harvester.exit_codes import ExitCode
 from harvester.gauges import gauges_loop
@@ -27,18 +28,25 @@ from harvester.publishing.ports import DEFAULT, Providers
 from harvester.publishing.publisher import logs_safe
 from harvester.services.inbox import inbox_loop
 from harvester.services.sweeper import sweep_loop
-from harvester.services.targets import with_batch_tables
+from harvester.services.targets import BatchTarget, with_batch_tables
 from harvester.units import Harvester
 from tracker.schema import qualified
 
 
 class Unavailable(RuntimeError):
-    pass
+    """A start-up check failed. `lasting`: waiting will not help (a schema that is not migrated):
+    `reaper run` exits at once, without waiting out database.startup_timeout. Every failure to
+    connect is waited for: libpq gives no SQLSTATE for one, so a refused login cannot be told from
+    a server that is still starting, except by its (localised) message."""
+
+    def __init__(self, message: str, *, lasting: bool = False) -> None:
+        super().__init__(message)
+        self.lasting = lasting
 
 
-def _check_database(cfg: Config) -> None:
+def _check_database(cfg: Config, connect_timeout: int = 10) -> None:
     try:
-        with psycopg.connect(cfg.database.dsn, connect_timeout=10) as conn:
+        with psycopg.connect(cfg.database.dsn, connect_timeout=connect_timeout) as conn:
             row = conn.execute(
                 "SELECT to_regclass(%s)", [qualified(cfg.database.schema, cfg.database.outbox_table).as_string(conn)]
             ).fetchone()
@@ -48,7 +56,8 @@ def _check_database(cfg: Config) -> None:
         raise Unavailable(f"database unreachable: {logs_safe(exc)}") from None
     if found is None:
         raise Unavailable(
-            f"table {cfg.database.schema}.{cfg.database.outbox_table} does not exist: run `reaper migrate`"
+            f"table {cfg.database.schema}.{cfg.database.outbox_table} does not exist: run `reaper migrate`",
+            lasting=True,
         )
 
 
@@ -64,6 +73,72 @@ def _check_kafka(admin: AdminClient, timeout: float = 15.0) -> None:
         raise Unavailable(f"Kafka unreachable at the configured bootstrap servers: {exc}") from None
     finally:
         admin.poll(0)  # an admin client's log lines wait for a poll: hand them to structlog
+
+
+# Start-up checks that fail for a reason that may pass (no primary yet, Kafka not up) are tried
+# again after a pause that doubles from the first to the last, until database.startup_timeout.
+STARTUP_RETRY_FIRST, STARTUP_RETRY_MAX = 0.5, 5.0
+
+
+def _check_once(
+    cfg: Config, admin: AdminClient, term: threading.Event, remaining: float | None
+) -> BaseException | None:
+    """One round of the start-up checks (None: passed), in a thread of its own so that a signal
+    (`term`) ends the wait at once, even inside a connect. `remaining`: seconds left to wait (each
+    check's own timeout is cut to it); None: no wait, the checks' full timeouts."""
+    db_timeout = 10 if remaining is None else int(min(10, max(2, remaining)))
+    kafka_timeout = 15.0 if remaining is None else min(15.0, max(2.0, remaining))
+    outcome: list[BaseException | None] = []
+
+    def check() -> None:
+        try:
+            _check_database(cfg, db_timeout)
+            _check_kafka(admin, kafka_timeout)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=check, name="reaper-startup-check", daemon=True)
+    t.start()
+    while t.is_alive() and not term.is_set():
+        t.join(0.1)
+    if not outcome:  # stopped by a signal while a check was under way: it is left behind
+        return Unavailable("stopped by a signal during the start-up checks", lasting=True)
+    return outcome[0]
+
+
+def _await_services(cfg: Config, admin: AdminClient, term: threading.Event) -> bool:
+    """The start-up checks, tried again with a growing pause while they fail for a reason that may
+    pass, for up to database.startup_timeout seconds (0: once). One log line per distinct reason;
+    a signal (`term`) ends the wait. False: the reaper cannot start (logged)."""
+    log = logs.get("reaper")
+    wait = cfg.database.startup_timeout
+    started = time.monotonic()
+    deadline = started + wait
+    pause = STARTUP_RETRY_FIRST
+    seen: set[str] = set()
+    while True:
+        exc = _check_once(cfg, admin, term, max(0.0, deadline - time.monotonic()) if wait > 0 else None)
+        if exc is None:
+            if seen:
+                log.info("database and Kafka available", waited=round(time.monotonic() - started, 3))
+            return True
+        reason = redact_dsn(str(exc)) if isinstance(exc, Unavailable) else logs_safe(exc)
+        lasting = not isinstance(exc, Unavailable) or exc.lasting
+        left = deadline - time.monotonic()
+        if term.is_set():
+            log.error("cannot start: stopped by a signal while waiting", error=reason)
+            return False
+        if lasting or left <= 0:
+            log.error("cannot start", error=reason, waited=round(time.monotonic() - started, 3))
+            return False
+        if reason not in seen:
+            seen.add(reason)
+            log.warning("waiting for the database and Kafka", error=reason, timeout=wait)
+        if term.wait(min(pause, left)):
+            log.error("cannot start: stopped by a signal while waiting", error=reason)
+            return False
+        pause = min(pause * 2, STARTUP_RETRY_MAX)
 
 
 class Readiness:
@@ -94,39 +169,65 @@ class Readiness:
             return self._last
 
 
-def _start_acker(cfg: Config, stop: threading.Event, failures: list) -> threading.Thread:
+def acker_group(cfg: Config, topic: str) -> str:
+    """The consumer group of the acker of `topic`: acker.group for acker.topic (the `database`
+    section's schema), `<acker.group>-<topic>` for another schema's ack topic."""
+    return cfg.acker.group if topic == cfg.acker.topic else f"{cfg.acker.group}-{topic}"
+
+
+def acked_targets(cfg: Config, targets: list[BatchTarget]) -> list[tuple[BatchTarget, str]]:
+    """Each of `targets` (schemas with batch tables) that has an ack topic, with that topic; one line
+    lists those that have none (their consumers can ack only through the tracker or the HTTP API)."""
+    topics = ack_topics(cfg)
+    out = [(t, topics[(t.dsn, t.schema)]) for t in targets if (t.dsn, t.schema) in topics]
+    missing = [t.schema for t in targets if (t.dsn, t.schema) not in topics]
+    if missing:
+        logs.get("reaper.acker").info(
+            "schemas with batch tables but no ack topic: no acker (set ack_topic on their harvester.outboxes entry)",
+            schemas=missing,
+        )
+    return out
+
+
+def _start_acker(
+    cfg: Config, target: BatchTarget, topic: str, stop: threading.Event, failures: list
+) -> threading.Thread:
+    """An acker for one schema: acks read from `topic` clear bits of that schema's batches, and
+    completion events go to its outbox table (the one harvester.services.targets picks)."""
     from harvester.services.acker import Acker
 
     a = cfg.acker
     acker = Acker(
-        dsn=cfg.database.dsn,
-        schema=cfg.database.schema,
+        dsn=target.dsn,
+        schema=target.schema,
         bootstrap_servers=cfg.kafka.bootstrap_servers,
         kafka_client=cfg.kafka.client,
         consumer_client=cfg.kafka.consumer,
         producer_client=cfg.kafka.producer,
-        topic=a.topic,
-        group=a.group,
+        topic=topic,
+        group=acker_group(cfg, topic),
         dead_letter_topic=a.dead_letter_topic,
         max_poll_records=a.max_poll_records,
         poll_timeout=a.poll_timeout,
         tracker=tracker.Tracker(
-            schema=cfg.database.schema,
-            outbox_table=cfg.database.outbox_table,
+            schema=target.schema,
+            outbox_table=target.outbox_table,
             completion_topic=cfg.harvester.default_completion_topic,
             metrics_prefix=cfg.metrics.prefix,
         ),
         metrics=get_metrics(cfg.metrics.prefix),
     )
+    main = (target.dsn, target.schema) == (cfg.database.dsn, cfg.database.schema)
+    name = "acker" if main else f"acker {target.schema}"
 
     def run() -> None:
         try:
             acker.run(stop)
         except BaseException as exc:
-            failures.append(("acker", exc))
-            logs.get("reaper.acker").error("acker failed", error=logs_safe(exc))
+            failures.append((name, exc))
+            logs.get("reaper.acker").error("acker failed", schema=target.schema, error=logs_safe(exc))
 
-    t = threading.Thread(target=run, name="reaper-acker", daemon=True)
+    t = threading.Thread(target=run, name="reaper-acker" if main else f"reaper-acker-{target.schema}", daemon=True)
     t.start()
     return t
 
@@ -179,13 +280,10 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
     m = get_metrics(cfg.metrics.prefix)
     m.build_info.labels(product_version()).set(1)
     admin = _admin(cfg)
-    try:
-        _check_database(cfg)
-        _check_kafka(admin)
-        pool = make_pool(cfg.database.dsn, 2, name="reaper-aux")
-    except Unavailable as exc:
-        log.error("cannot start", error=redact_dsn(str(exc)))
+    if not _await_services(cfg, admin, term):
         return ExitCode.UNAVAILABLE
+    try:
+        pool = make_pool(cfg.database.dsn, 2, name="reaper-aux")
     except Exception as exc:
         log.error("cannot start", error=logs_safe(exc))
         return ExitCode.UNAVAILABLE
@@ -209,7 +307,7 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
             console = ConsoleServer(cfg).start()
             log.info("console listening", host=cfg.console.host, port=cfg.console.port)
         # Every schema of the configuration's outboxes that has batch tables, not only `database`'s.
-        targets = with_batch_tables(cfg) if cfg.sweeper.enabled or cfg.settler.enabled else []
+        targets = with_batch_tables(cfg) if cfg.sweeper.enabled or cfg.settler.enabled or cfg.acker.enabled else []
         if cfg.sweeper.enabled:
             threads.append(
                 threading.Thread(target=sweep_loop, args=(cfg, pool, stop, targets), daemon=True, name="reaper-sweeper")
@@ -239,8 +337,9 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
                 )
         for t in threads:
             t.start()
-        if cfg.acker.enabled:
-            threads.append(_start_acker(cfg, stop, failures))
+        if cfg.acker.enabled:  # one acker per schema with batch tables and an ack topic
+            for target, topic in acked_targets(cfg, targets):
+                threads.append(_start_acker(cfg, target, topic, stop, failures))
         if cfg.harvester.enabled:
             try:
                 harvester = Harvester(cfg, providers=providers).start()

@@ -33,7 +33,7 @@ def test_acker_defers_a_locked_batch_and_applies_the_rest(pg_dsn, schema, kafka_
         tracker.close_batch(c, batches[2][0], schema=schema)
         c.commit()
     held_batch, held_ids = batches[0]
-    deferred_before = REGISTRY.get_sample_value("reaper_acker_deferred_total") or 0.0
+    deferred_before = REGISTRY.get_sample_value("reaper_acker_deferred_total", {"schema": schema}) or 0.0
     with psycopg.connect(pg_dsn) as producer:
         # The application transaction: one more item in the held batch, not committed yet.
         (extra,) = tracker.add_items(producer, held_batch, 1, schema=schema)
@@ -51,7 +51,9 @@ def test_acker_defers_a_locked_batch_and_applies_the_rest(pg_dsn, schema, kafka_
             )
             wait_for(lambda: acker.stats["deferred"] > 0, what="a deferral")
             assert batch_state(pg_dsn, schema, held_batch.id) == ("open", 9000)
-            assert (REGISTRY.get_sample_value("reaper_acker_deferred_total") or 0.0) > deferred_before
+            assert (
+                REGISTRY.get_sample_value("reaper_acker_deferred_total", {"schema": schema}) or 0.0
+            ) > deferred_before
             # offsets are not committed past the deferred acks
             assert committed(kafka_bootstrap, acker.group, topic, 2) != end_offsets(kafka_bootstrap, topic, 2)
             producer.commit()  # the producer lets go: the deferred acks are applied

@@ -233,7 +233,7 @@ def test_bad_acks_reach_the_dead_letter_topic_and_the_partition_keeps_moving(pg_
     # bad acks before, between and after the good ones, in one partition; one message mixes both
     stream = bad[:5] + good[:5] + bad[5:] + [f"{b.id}:0:5,{b.id}:0:x".encode()] + good[6:]
     produce_raw(kafka_bootstrap, topic, [(k, v) for v in stream])
-    before = REGISTRY.get_sample_value("reaper_acks_dead_lettered_total") or 0.0
+    before = REGISTRY.get_sample_value("reaper_acks_dead_lettered_total", {"schema": schema}) or 0.0
     acker = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, max_poll_records=4)  # many polls
     with running(acker):
         wait_for(
@@ -243,7 +243,7 @@ def test_bad_acks_reach_the_dead_letter_topic_and_the_partition_keeps_moving(pg_
     letters = read_all(kafka_bootstrap, dlq, len(bad) + 1)
     got = {m.value(): dict(m.headers())["reason"].decode() for m in letters}
     assert len(letters) == len(bad) + 1 == acker.stats["dead_lettered"]
-    assert REGISTRY.get_sample_value("reaper_acks_dead_lettered_total") - before == len(bad) + 1
+    assert REGISTRY.get_sample_value("reaper_acks_dead_lettered_total", {"schema": schema}) - before == len(bad) + 1
     assert got[b"\xff\xfe"].startswith("malformed") and got[None].startswith("malformed")
     assert got[b""].startswith("malformed") and got[b"hello"].startswith("malformed")
     assert got[f"{b.id}:0:5-3".encode()].startswith("malformed") and got[f"{b.id}:0:x".encode()].startswith("malformed")
@@ -314,7 +314,9 @@ def test_lag_is_reported_from_the_position(pg_dsn, schema, kafka_bootstrap, topi
     )
     with running(acker):
         wait_for(lambda: batch_state(pg_dsn, schema, b.id)[0] == "complete", what="batch complete")
-        wait_for(lambda: REGISTRY.get_sample_value("reaper_acker_lag_messages") == 0, what="gauge at 0")
+        wait_for(
+            lambda: REGISTRY.get_sample_value("reaper_acker_lag_messages", {"schema": schema}) == 0, what="gauge at 0"
+        )
     assert 900 <= seen[0] < 1000 and seen[-1] == 0
     assert seen == sorted(seen, reverse=True)
 

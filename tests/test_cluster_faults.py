@@ -103,7 +103,8 @@ def load(cluster: Cluster, cluster_schema: str, tmp_path) -> Iterator[Callable[[
         if standby:
             reapers.append(ReaperProcess(env, tmp_path / "b.log"))
             # the standby is past its start-up checks before any fault: a reaper that starts while no
-            # primary accepts writes exits (UNAVAILABLE) for its supervisor to start again
+            # primary accepts writes waits for one (database.startup_timeout), then exits (UNAVAILABLE)
+            # for its supervisor to start again
             started = lambda: any(e.get("event") == "acker started" for e in reapers[1].events())  # noqa: E731
             assert wait_until(started, 90), reapers[1].log_path.read_text()[-2000:]
         gen = Generator(cluster.dsn, cluster_schema, topic, keys=30, per_txn=10).start(rate_per_s=400)

@@ -104,6 +104,7 @@ def test_unreachable_database_exits_3_and_secrets_stay_out_of_the_output():
         ["run"],
         _env(
             REAPER_DATABASE__DSN="postgresql://app:s3cret-pw@127.0.0.1:1/outbox",
+            REAPER_DATABASE__STARTUP_TIMEOUT="0",  # no wait (test_reaper_startup.py waits)
             REAPER_KAFKA__CLIENT__SASL_PASSWORD="kafka-s3cret",
             REAPER_LOGGING__FORMAT="json",
         ),
@@ -127,7 +128,12 @@ def test_migrate_with_the_database_unreachable_exits_3_like_every_command():
 
 def test_console_log_format_is_readable_text():
     r = _run(
-        ["run"], _env(REAPER_DATABASE__DSN="postgresql://app@127.0.0.1:1/outbox", REAPER_LOGGING__FORMAT="console")
+        ["run"],
+        _env(
+            REAPER_DATABASE__DSN="postgresql://app@127.0.0.1:1/outbox",
+            REAPER_DATABASE__STARTUP_TIMEOUT="0",
+            REAPER_LOGGING__FORMAT="console",
+        ),
     )
     assert r.returncode == 3
     assert "cannot start" in r.stderr and not any(line.startswith("{") for line in r.stderr.splitlines())

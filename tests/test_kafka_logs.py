@@ -50,7 +50,10 @@ def json_lines(stderr: str) -> list[dict]:
 
 def test_unreachable_broker_gives_json_lines_only_and_exit_3(pg_dsn, schema, kafka_bootstrap):
     cfg = make_config(pg_dsn, schema, kafka_bootstrap)
-    env = env_for(cfg) | {"REAPER_KAFKA__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}"}
+    env = env_for(cfg) | {
+        "REAPER_KAFKA__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
+        "REAPER_DATABASE__STARTUP_TIMEOUT": "0",  # one try, no wait
+    }
     proc = start(env)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 3, err

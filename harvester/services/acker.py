@@ -101,6 +101,14 @@ class Acker:
         self.schema = check_identifier(schema, "schema")
         # the sidecar's collectors (default: those of the default prefix)
         self.metrics = metrics if metrics is not None else get_metrics()
+        # this acker's series of the acker collectors, and its log lines: both carry its schema
+        m = self.metrics
+        self._lag = m.acker_lag.labels(self.schema)
+        self._deferred_masks = m.acker_deferred_masks.labels(self.schema)
+        self._deferred_total = m.acker_deferred.labels(self.schema)
+        self._failures_applied = m.acker_failures_applied.labels(self.schema)
+        self._dead_lettered = m.acks_dead_lettered.labels(self.schema)
+        self.log = log.bind(schema=self.schema)
         # where acks are applied and completion events written (its schema must be `schema`)
         self.tracker = (
             tracker if tracker is not None else Tracker(schema=self.schema, metrics_prefix=self.metrics.prefix)
@@ -189,7 +197,7 @@ class Acker:
             consumer.subscribe(
                 [self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
             )
-            log.info("acker started", topic=self.topic, group=self.group, dead_letter_topic=self.dead_letter_topic)
+            self.log.info("acker started", topic=self.topic, group=self.group, dead_letter_topic=self.dead_letter_topic)
             while not stop.is_set():
                 self._pause_while_deferred_fill(consumer)
                 messages = consumer.consume(num_messages=self.max_poll_records, timeout=self.poll_timeout)
@@ -209,8 +217,8 @@ class Acker:
                 producer.flush(10)
                 if self._conn is not None:
                     self._conn.close()
-                self.metrics.acker_lag.set(0)
-                log.info("acker stopped", **self.stats)
+                self._lag.set(0)
+                self.log.info("acker stopped", **self.stats)
 
     def _pause_while_deferred_fill(self, consumer: Consumer) -> None:
         """No new acks are fetched while the deferred masks fill a fold (a batch held locked for
@@ -220,7 +228,7 @@ class Acker:
             partitions = consumer.assignment()
             (consumer.pause if full else consumer.resume)(partitions)
             self._paused = full
-            log.info("ack partitions paused: deferred masks fill a fold" if full else "ack partitions resumed")
+            self.log.info("ack partitions paused: deferred masks fill a fold" if full else "ack partitions resumed")
 
     def _handle(self, consumer: Consumer, producer: Producer, messages: list[Any]) -> bool:
         """One poll: fold, apply, dead-letter, commit, in as many folds as the poll's groups need
@@ -241,7 +249,7 @@ class Acker:
     def _handle_fold(self, consumer: Consumer, producer: Producer, folded: Folded, rewind: dict[int, int]) -> bool:
         for err in folded.errors:
             if err.code() != KafkaError._PARTITION_EOF:
-                log.warning("consumer error", error=str(err))
+                self.log.warning("consumer error", error=str(err))
         if not folded.messages:
             return True
         held = self._deferred
@@ -251,7 +259,7 @@ class Acker:
             dead = self._dead_letter(producer, folded, result)
         except Exception as exc:
             self.stats["retries"] += 1
-            log.warning("ack poll failed; rewinding to retry", error=str(exc), error_type=type(exc).__name__)
+            self.log.warning("ack poll failed; rewinding to retry", error=str(exc), error_type=type(exc).__name__)
             self._deferred = held
             self._rewind(consumer, rewind)
             return False
@@ -271,26 +279,26 @@ class Acker:
         self.stats["duplicates"] += result.duplicates
         self.stats["completed"] += len(result.completed)
         if result.failed:
-            self.metrics.acker_failures_applied.inc(result.failed)
+            self._failures_applied.inc(result.failed)
 
     def _defer(self, result: Applied, first: dict[int, int]) -> None:
         """Keep what was skipped for the next apply; hold back the offsets it came from."""
         self._deferred = result.skipped
         if not result.skipped:
             self._blocked.clear()
-            self.metrics.acker_deferred_masks.set(0)
+            self._deferred_masks.set(0)
             return
         for partition, offset in first.items():
             self._blocked[partition] = min(offset, self._blocked.get(partition, offset))
         self.stats["deferred"] += 1
-        self.metrics.acker_deferred.inc()
+        self._deferred_total.inc()
         masks = _masks_in(result.skipped)
-        self.metrics.acker_deferred_masks.set(masks)
+        self._deferred_masks.set(masks)
         now = time.monotonic()
         if now - self._deferred_logged >= 1.0:  # at most one line a second while a batch stays locked
             self._deferred_logged = now
             batches = sorted({b for _r, step in result.skipped for b, _g in step})
-            log.info(
+            self.log.info(
                 "acks deferred: batch rows locked by another transaction; retrying",
                 batches=batches[:10],
                 batch_count=len(batches),
@@ -303,7 +311,7 @@ class Acker:
             result = self._apply(self._deferred)
         except Exception as exc:
             self.stats["retries"] += 1
-            log.warning("deferred acks failed; will retry", error=str(exc), error_type=type(exc).__name__)
+            self.log.warning("deferred acks failed; will retry", error=str(exc), error_type=type(exc).__name__)
             return
         self._count(result)
         # (nothing is rejected here: these masks were valid when they were deferred, and a batch
@@ -395,8 +403,8 @@ class Acker:
                     f"dead letters not delivered: {left} queued, failures {failures[:3]}",
                 )
             )
-        self.metrics.acks_dead_lettered.inc(len(letters))
-        log.warning(
+        self._dead_lettered.inc(len(letters))
+        self.log.warning(
             "acks dead-lettered",
             count=len(letters),
             first=(letters[0][1] or b"")[:200].decode("ascii", "replace"),
@@ -420,7 +428,7 @@ class Acker:
             if code == KafkaError._NO_OFFSET:
                 self._uncommitted.clear()
             else:
-                log.info("offset commit failed; will retry", error=str(exc))
+                self.log.info("offset commit failed; will retry", error=str(exc))
 
     def _rewind(self, consumer: Consumer, first: dict[int, int]) -> None:
         assigned = {tp.partition for tp in consumer.assignment()}
@@ -429,12 +437,12 @@ class Acker:
                 try:
                     consumer.seek(TopicPartition(self.topic, partition, offset))
                 except KafkaException as exc:
-                    log.warning("rewind failed", partition=partition, error=str(exc))
+                    self.log.warning("rewind failed", partition=partition, error=str(exc))
 
     # ---------------------------------------------------------------- rebalances
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        log.info("ack partitions assigned", partitions=[p.partition for p in partitions])
+        self.log.info("ack partitions assigned", partitions=[p.partition for p in partitions])
         self._paused = False  # an assignment starts unpaused: the loop pauses it again if need be
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -446,18 +454,18 @@ class Acker:
             try:
                 consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in mine.items()], asynchronous=False)
             except KafkaException as exc:
-                log.info("offset commit on revoke failed; the new owner replays harmlessly", error=str(exc))
+                self.log.info("offset commit on revoke failed; the new owner replays harmlessly", error=str(exc))
         for p in revoked:
             self._uncommitted.pop(p, None)
             self._blocked.pop(p, None)  # deferred masks are still applied: harmless if the new owner replays
-        log.info("ack partitions revoked", partitions=sorted(revoked))
+        self.log.info("ack partitions revoked", partitions=sorted(revoked))
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Lost, not revoked: another member may own them already, so commit nothing.
         for p in partitions:
             self._uncommitted.pop(p.partition, None)
             self._blocked.pop(p.partition, None)
-        log.warning("ack partitions lost", partitions=[p.partition for p in partitions])
+        self.log.warning("ack partitions lost", partitions=[p.partition for p in partitions])
 
     # ---------------------------------------------------------------- lag
 
@@ -466,7 +474,7 @@ class Acker:
         if now < self._lag_due:
             return
         self._lag_due = now + self.lag_interval
-        self.metrics.acker_lag.set(self.lag(consumer))
+        self._lag.set(self.lag(consumer))
 
     def lag(self, consumer: Consumer | None = None) -> int:
         """Messages in the assigned partitions beyond this acker's position (high watermark from

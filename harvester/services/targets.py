@@ -1,6 +1,7 @@
-"""The batch tables the reaper's hosted services (sweeper, claim settler) look after: one per
-database and schema of the configuration's outboxes (the `database` section's, and each entry of
-harvester.outboxes), with the outbox table their events go to.
+"""The batch tables the reaper's hosted services (sweeper, claim settler, ackers) look after: one
+per database and schema of the configuration's outboxes (the `database` section's, and each entry
+of harvester.outboxes), with the outbox table their events go to. An acker runs for those that
+have an ack topic (harvester.config.ack_topics).
 
 Completion and expiry events go to the `database` section's outbox table in its own schema, and
 elsewhere to the first configured outbox of that schema: batches do not record the outbox table
@@ -57,5 +58,5 @@ def with_batch_tables(cfg: Config) -> list[BatchTarget]:
         if row is not None and row[0] is not None:
             kept.append(t)
         else:
-            log.info("no batch tables in this outbox's schema: not swept or settled", schema=t.schema)
+            log.info("no batch tables in this outbox's schema: not swept, settled or acked", schema=t.schema)
     return kept
