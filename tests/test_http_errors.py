@@ -12,6 +12,8 @@ import pytest
 from psycopg import sql
 from support.http_server import TOKEN, RunningServer, http_config
 
+from harvester import config as config_mod
+
 PROBLEM = "application/problem+json"
 LIMITS = dict(max_body_bytes=20000, max_ids_per_request=50, max_items_per_add=100000, long_poll_max=5.0)
 
@@ -283,3 +285,23 @@ def test_database_unavailable_is_503_and_not_ready(pg_dsn, schema):
         assert r.headers["retry-after"] == "1"
         assert httpx.get(f"{s.url}/readyz", timeout=30).status_code == 503
         assert httpx.get(f"{s.url}/healthz").status_code == 200
+
+
+def test_every_ack_topic_of_the_configuration_is_no_completion_topic(pg_dsn, schema):
+    """Completions written to another outbox schema's ack topic would be read there as acks."""
+    cfg = config_mod.load(
+        environ={},
+        overrides={
+            "database": {"dsn": pg_dsn, "schema": schema},
+            "harvester": {
+                "outboxes": [{"name": "main"}, {"name": "other", "schema": "other", "ack_topic": "other-acks"}]
+            },
+            "logging": {"level": "warning"},
+        },
+    )
+    with RunningServer(cfg, [TOKEN]) as server:
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as client:
+            for topic in ("other-acks", cfg.acker.topic):
+                r = client.post("/v1/batches", json={"completion_topic": topic})
+                assert r.status_code == 403 and r.json()["type"].endswith(":forbidden"), r.text
+            assert client.post("/v1/batches", json={"completion_topic": "other-done"}).status_code == 201

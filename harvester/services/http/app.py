@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from harvester.config import Config
+from harvester.config import Config, ack_topics
 from harvester.services.http import models, problems
 from harvester.services.http.backend import SqlFunctionStore, Store, StoreUnavailable, TrackerStore
 from harvester.services.http.completion import CompletionWatcher
@@ -219,7 +219,8 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             raise problems.from_tracker(exc, batch_in_path=batch_in_path) from None
 
     waits = app.state.waits = WaitsPerToken(h.max_waits_per_token)
-    reserved_topics = {cfg.acker.topic, cfg.acker.dead_letter_topic, cfg.harvester.leader_topic}
+    # every ack topic of the configuration (one per outbox schema), not only the `database` one's
+    reserved_topics = {*ack_topics(cfg).values(), cfg.acker.dead_letter_topic, cfg.harvester.leader_topic}
     idempotency = Idempotency(store, h.idempotency_window)
 
     async def respond(request: Request, work: Callable[[Store], Awaitable[Reply]]) -> Response:
