@@ -83,7 +83,7 @@ def documented_schema(pg_dsn: str) -> str:
 def test_examples_are_found_and_every_one_shown_only_says_why():
     assert RUNS, "the documentation has examples to run"
     assert all(e.not_run is None or e.not_run.strip() for e in EXAMPLES)
-    assert {e.language for e in EXAMPLES} >= {"sql"}
+    assert {e.language for e in EXAMPLES} >= {"sql", "node", "go", "java"}
 
 
 def test_the_collector_reads_fences_directives_and_pages(tmp_path):

@@ -1,9 +1,10 @@
 """The code examples of the README and the documentation, found and run as a reader would run them.
 
-Every fenced block whose language is `python`, `sql`, `sh`, `bash`, `console`, `javascript` (Node,
-CommonJS), `go` or `java` is an example. A block is run alone (a fresh process), so an example must
-be whole: its imports, and connection strings of the local services; a Go or Java block is a whole
-program (`package main`, or a class with a `main` method). Two HTML comments on the line right above a fence change that:
+Every fenced block whose language is `python`, `sql`, `sh`, `bash`, `console`, `javascript`/`js`
+(Node, CommonJS), `go` or `java` is an example. A block is run alone (a fresh process), so an
+example must be whole: its imports, and connection strings of the local services; a Go or Java
+block is a whole program (`package main`, or a class with a `main` method). Two HTML comments on
+the line right above a fence change that:
 
     <!-- example: not run (a reason the reader can check) -->   the block is shown, not run
     <!-- example: page -->   the page's examples of this language run in order in one process
@@ -29,6 +30,7 @@ RUN = {
     "bash": "sh",
     "console": "sh",
     "javascript": "node",
+    "js": "node",
     "go": "go",
     "java": "java",
 }
