@@ -1,13 +1,22 @@
 """Every code example of the README and the documentation runs, against the real local services, as
-a reader would run it (tests/support/examples.py says what counts as an example)."""
+a reader would run it (tests/support/examples.py says what counts as an example).
+
+Node, Go and Java examples run with the clients of tests/clients (node-postgres, pgx, the PostgreSQL
+JDBC driver), installed into the machine's caches on first use. Without node, go or java an example
+in that language is skipped, except under CI=true, where it fails: CI must run them all."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import psycopg
 import pytest
@@ -49,8 +58,11 @@ def _collect() -> list[examples.Example]:
 EXAMPLES = _collect()
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+def _env(language: str | None = None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    if language == "node":
+        env["NODE_PATH"] = str(_client("node"))
+    return env
 
 
 def _migrate_anew(pg_dsn: str) -> None:
@@ -78,7 +90,7 @@ def documented_schema(pg_dsn: str) -> str:
 def test_examples_are_found_and_every_one_shown_only_says_why():
     assert RUNS, "the documentation has examples to run"
     assert all(e.not_run is None or e.not_run.strip() for e in EXAMPLES)
-    assert {e.language for e in EXAMPLES} >= {"sql"}
+    assert {e.language for e in EXAMPLES} >= {"sql", "node", "go", "java"}
 
 
 def test_the_collector_reads_fences_directives_and_pages(tmp_path):
@@ -97,9 +109,12 @@ def test_the_collector_reads_fences_directives_and_pages(tmp_path):
         (26, "sh", None, False),
     ]
     assert found[3].code == "print(a)\n```\n" and found[4].code == "echo hi\n"
+    page.write_text("```javascript\nrequire('pg')\n```\n\n```go\npackage main\n```\n\n```java\nclass A {}\n```\n")
+    assert [e.language for e in examples.examples(page)] == ["node", "go", "java"]
     for bad in (
         "<!-- example: not run -->\n```sh\nx\n```\n",
         "<!-- example: page -->\n```json\n{}\n```\n",
+        "<!-- example: page -->\n```go\npackage main\n```\n",
         "```python\nx\n",
     ):
         page.write_text(bad)
@@ -119,7 +134,52 @@ def test_a_page_joins_its_shell_blocks_whole_and_its_console_blocks_as_commands(
     assert subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True).returncode != 0
 
 
+CLIENTS = REPO / "tests" / "clients"
+# What each language's examples need on the PATH, and where its client's installer lives.
+TOOLCHAINS = {"node": (("node", "npm"), "node"), "go": (("go",), "go"), "java": (("java", "javac"), "jvm")}
+
+
+@functools.cache
+def _installer(client: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"{client}_client_install", CLIENTS / client / "install.py")
+    assert spec is not None and spec.loader is not None
+    installer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(installer)
+    return installer
+
+
+@functools.cache
+def _client(language: str) -> object:
+    """What tests/clients/<client>/install.py's install() returns (node_modules, go, a classpath),
+    installing it on first use. A missing toolchain skips, or fails under CI."""
+    commands, client = TOOLCHAINS[language]
+    missing = [c for c in commands if shutil.which(c) is None]
+    if missing:
+        why = f"{language} examples need {', '.join(missing)} on the PATH"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"{why} (CI runs every example)", pytrace=False)
+        pytest.skip(why)
+    try:
+        return _installer(client).install()
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
 def _command(example: examples.Example, pg_dsn: str, tmp_path: Path) -> tuple[list[str], Path, str | None]:
+    if example.language == "node":
+        (tmp_path / "example.cjs").write_text(example.code)
+        return ["node", "example.cjs"], tmp_path, None
+    if example.language == "go":
+        go = _client("go")
+        _installer("go").module(tmp_path, example.code)  # go.mod and go.sum of tests/clients/go
+        return [str(go), "run", "-mod=mod", "."], tmp_path, None
+    if example.language == "java":
+        public = re.search(r"^public\s+(?:final\s+)?class\s+(\w+)", example.code, re.MULTILINE)
+        source = tmp_path / f"{public.group(1) if public else 'Example'}.java"
+        source.write_text(example.code)
+        # C1 only and the serial collector: half the CPU of a default start for a program this short.
+        fast = ["-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"]
+        return ["java", *fast, "-cp", str(_client("java")), source.name], tmp_path, None
     if example.language == "python":
         return [sys.executable, "-c", example.code], tmp_path, None
     if example.language == "sql":
@@ -129,7 +189,8 @@ def _command(example: examples.Example, pg_dsn: str, tmp_path: Path) -> tuple[li
 
 def _run(example: examples.Example, pg_dsn: str, tmp_path: Path) -> None:
     command, cwd, stdin = _command(example, pg_dsn, tmp_path)
-    done = subprocess.run(command, input=stdin, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300)
+    env = _env(example.language)
+    done = subprocess.run(command, input=stdin, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{example.name(REPO)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
 
 

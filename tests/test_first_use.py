@@ -4,8 +4,9 @@ The model property: any number of processes populating one target at once, some 
 any moment, leave either no target or a complete one; every survivor returns the complete one; it
 is built at most once more than the number of builders killed. Then the real resolvers, from cold,
 several processes at once and one interrupted: Kafka's jars, Spark's Kafka connector, the Node
-client. They run the real mvn and npm against the registries (or the machine's Maven and npm
-caches); without mvn or npm these tests fail.
+client, the JDBC driver. They run the real mvn and npm against the registries (or the machine's
+Maven and npm caches); without mvn or npm these tests fail. The Go client is Go's own module
+cache, checked the same way (two at once from empty caches, after one killed midway).
 """
 
 from __future__ import annotations
@@ -235,6 +236,10 @@ def _resolvers() -> dict[str, tuple[list[str], str]]:
             [sys.executable, str(REPO / "tests" / "clients" / "node" / "install.py")],
             "OUTBOX_NODE_CLIENT_CACHE",
         ),
+        "jdbc-client": (
+            [sys.executable, str(REPO / "tests" / "clients" / "jvm" / "install.py")],
+            "OUTBOX_JDBC_CLIENT_CACHE",
+        ),
     }
 
 
@@ -262,7 +267,7 @@ def _complete_folders(cache: Path) -> list[Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["kafka-jars", "spark-connector", "node-client"])
+@pytest.mark.parametrize("name", ["kafka-jars", "spark-connector", "node-client", "jdbc-client"])
 def test_resolver_from_cold_with_three_processes_at_once(tmp_path, name):
     """Truly cold: the project's cache and Maven's and npm's are empty, so this downloads."""
     cache = tmp_path / name
@@ -274,7 +279,7 @@ def test_resolver_from_cold_with_three_processes_at_once(tmp_path, name):
     assert not list(cache.glob(".*.partial-*")), "a partial folder was left behind"
 
 
-@pytest.mark.parametrize("name", ["kafka-jars", "spark-connector", "node-client"])
+@pytest.mark.parametrize("name", ["kafka-jars", "spark-connector", "node-client", "jdbc-client"])
 def test_resolver_killed_midway_leaves_nothing_that_looks_usable(tmp_path, name):
     cache = tmp_path / name
     proc = _start(name, cache)
@@ -293,3 +298,31 @@ def test_resolver_killed_midway_leaves_nothing_that_looks_usable(tmp_path, name)
     folders = _complete_folders(cache)
     assert len(folders) == 1 and first_use.is_complete(folders[0]) and str(folders[0]) in out
     assert not list(cache.glob(".*.partial-*"))
+
+
+@pytest.mark.slow
+def test_go_client_killed_midway_then_two_at_once_from_an_empty_module_cache(tmp_path):
+    """tests/clients/go/install.py relies on Go's module cache being safe under concurrency and
+    interruption: one killed while it downloads, then two at once, both succeed and the module
+    cache verifies against the checked-in go.sum. The machine's build cache is kept: with
+    -trimpath, what it compiled once is found again whatever the module cache's folder (a build
+    from an empty build cache takes minutes)."""
+    install = [sys.executable, str(REPO / "tests" / "clients" / "go" / "install.py")]
+    env = {**os.environ, "GOMODCACHE": str(tmp_path / "mod")}
+    # -modcacherw: a module cache that tmp_path's removal can delete
+    env["GOFLAGS"] = f"{env.get('GOFLAGS', '')} -modcacherw -trimpath".strip()
+    first = subprocess.Popen(install, env=env, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and first.poll() is None and not (tmp_path / "mod" / "cache").exists():
+        time.sleep(0.005)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    procs = [
+        subprocess.Popen(install, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
+    ]
+    for proc in procs:
+        _finish(proc)
+    verify = subprocess.run(
+        ["go", "mod", "verify"], cwd=REPO / "tests" / "clients" / "go", env=env, capture_output=True, text=True
+    )
+    assert verify.returncode == 0 and "all modules verified" in verify.stdout, verify.stdout + verify.stderr

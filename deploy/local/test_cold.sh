@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The whole suite as on a fresh machine: a clean clone of this checkout's HEAD, run by CI's own
 # command (.ci/run), with every cache moved aside: new, empty folders for the project's cache
-# (OUTBOX_CACHE_DIR: Kafka's jars, Spark's connector, the Node client), pip's, npm's and Maven's,
-# and a new .venv and .local in the clone. Debian's packages stay installed (they are the
-# machine's, not a cache).
+# (OUTBOX_CACHE_DIR: Kafka's jars, Spark's connector, the Node and JDBC clients), pip's, npm's,
+# Maven's and Go's, and a new .venv and .local in the clone. Debian's packages stay installed
+# (they are the machine's, not a cache).
 #
 #   bash deploy/local/test_cold.sh [RUNS]   # RUNS (default 1) runs in a row on the same clone and
 #                                           # caches: the second shows the warm time
@@ -24,7 +24,8 @@ work=${OUTBOX_COLD_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/outbox-cold.XXXXXX")}
 mkdir -p "$work"
 
 # Nothing of this environment may point the clone at warm caches or at other services.
-unset OUTBOX_KAFKA_LIB_CACHE OUTBOX_SPARK_JARS_CACHE OUTBOX_NODE_CLIENT_CACHE OUTBOX_LOCAL_DIR \
+unset OUTBOX_KAFKA_LIB_CACHE OUTBOX_SPARK_JARS_CACHE OUTBOX_NODE_CLIENT_CACHE OUTBOX_JDBC_CLIENT_CACHE \
+  OUTBOX_LOCAL_DIR \
   OUTBOX_TEST_DSN KAFKA_BOOTSTRAP PGBOUNCER_DSN OUTBOX_SPARK_MASTER OUTBOX_SPARK_HOME VIRTUAL_ENV
 
 python3 "$repo/deploy/local/services.py" down >/dev/null || true
@@ -46,6 +47,8 @@ export OUTBOX_CACHE_DIR="$work/cache/outbox-reaper"
 export PIP_CACHE_DIR="$work/cache/pip"
 export npm_config_cache="$work/cache/npm"
 export MAVEN_OPTS="${MAVEN_OPTS:-} -Dmaven.repo.local=$work/cache/m2"
+export GOMODCACHE="$work/cache/go-mod" GOCACHE="$work/cache/go-build"
+export GOFLAGS="${GOFLAGS:+$GOFLAGS }-modcacherw" # a module cache that rm -rf can remove
 echo "test-cold: clone and caches in $work"
 
 cleanup() {

@@ -1,12 +1,15 @@
 """The code examples of the README and the documentation, found and run as a reader would run them.
 
-Every fenced block whose language is `python`, `sql`, `sh`, `bash` or `console` is an example. A
-block is run alone (a fresh process), so an example must be whole: its imports, and connection
-strings of the local services. Two HTML comments on the line right above a fence change that:
+Every fenced block whose language is `python`, `sql`, `sh`, `bash`, `console`, `javascript`/`js`
+(Node, CommonJS), `go` or `java` is an example. A block is run alone (a fresh process), so an
+example must be whole: its imports, and connection strings of the local services; a Go or Java
+block is a whole program (`package main`, or a class with a `main` method). Two HTML comments on
+the line right above a fence change that:
 
     <!-- example: not run (a reason the reader can check) -->   the block is shown, not run
     <!-- example: page -->   the page's examples of this language run in order in one process
-                             (a tutorial whose steps build on each other), starting at this one
+                             (a tutorial whose steps build on each other), starting at this one;
+                             not for Go or Java, whose blocks are whole programs
     <!-- example: background -->   a shell block that keeps running (a server) while the page's
                              later examples run, stopped with SIGTERM when the page ends; a page
                              with one runs as a whole, its examples in order
@@ -20,7 +23,19 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-RUN = {"python": "python", "sql": "sql", "sh": "sh", "bash": "sh", "console": "sh"}
+RUN = {
+    "python": "python",
+    "sql": "sql",
+    "sh": "sh",
+    "bash": "sh",
+    "console": "sh",
+    "javascript": "node",
+    "js": "node",
+    "go": "go",
+    "java": "java",
+}
+# Each block is a whole program: steps of a page cannot be joined into one.
+WHOLE_PROGRAMS = {"go", "java"}
 _FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>[^`\n]*)$")
 _DIRECTIVE = re.compile(r"^<!--\s*example:\s*(?P<what>not run|page|background)\b\s*(?P<why>.*?)\s*-->\s*$")
 
@@ -29,7 +44,7 @@ _DIRECTIVE = re.compile(r"^<!--\s*example:\s*(?P<what>not run|page|background)\b
 class Example:
     path: Path
     line: int  # of the opening fence, 1-based
-    language: str  # python, sql or sh
+    language: str  # a value of RUN: python, sql, sh, node, go or java
     code: str
     not_run: str | None  # the reason, when shown only
     page: bool  # runs after the page's earlier examples of its language, in one process
@@ -62,6 +77,8 @@ def examples(path: Path) -> list[Example]:
             raise ValueError(f"{path}:{i}: `example: not run` needs a reason the reader can check")
         if directive and directive.group("what") == "background" and language != "sh":
             raise ValueError(f"{path}:{i}: only a shell block can run in the background")
+        if directive and directive.group("what") == "page" and language in WHOLE_PROGRAMS:
+            raise ValueError(f"{path}:{i}: a {language} block is a whole program and cannot be a page's step")
         if language:
             if directive and directive.group("what") == "page":
                 page_from.add(language)
