@@ -89,8 +89,9 @@ class DatabaseConfig:
     )
     startup_timeout: float = key(
         60.0,
-        "`reaper run`: how long the start-up checks wait for a database primary and for Kafka to answer "
-        "(seconds), then exit 3; a schema that is not migrated exits 3 at once",
+        "`reaper run`: how long the start-up checks wait for the database (a primary, when the DSN says "
+        "target_session_attrs=read-write) and for Kafka to answer (seconds), then exit 3; a schema that is not "
+        "migrated exits 3 at once",
         ge=0,
         le=86400,
         note="0 = exit 3 at the first failed check",

@@ -1,4 +1,4 @@
-"""The exit codes of every `reaper` command, in one place (README's table is generated from here)."""
+"""The exit codes of every `reaper` command, in one place (the documentation's exit-code page is generated from here)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from enum import IntEnum
 
 
 class ExitCode(IntEnum):
-    """What a `reaper` process's exit status means; `meaning` is the README's wording."""
+    """What a `reaper` process's exit status means; `meaning` is the documentation's wording."""
 
     meaning: str
 

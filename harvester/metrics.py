@@ -3,7 +3,7 @@
 Every name the sidecar exports starts with `metrics.prefix` (default "reaper"): the harvester's,
 the acker's, the claim settler's and the sweeper's collectors below, and the tracker calls'
 collectors (tracker.metrics) its Tracker registers under the same prefix. The names after the
-prefix are part of the product's interface (README "Metrics reference"); the alert rules and the
+prefix are part of the product's interface (the documentation's metrics page); the alert rules and the
 Grafana dashboard in deploy/ are generated from them (`names`). Collectors live in the default
 registry, created once per process and prefix. No per-record or per-batch labels.
 """
@@ -130,7 +130,7 @@ class HarvesterMetrics:
         self.items_pending = Gauge(
             f"{p}_items_pending", "Items not yet acknowledged in open and closed batches", registry=r
         )
-        # Per harvest unit (README "Harvest units"): one series per unit this instance has run.
+        # Per harvest unit (see the running and scaling how-to): one series per unit this instance has run.
         u = ["unit"]
         self.unit_leader = Gauge(
             f"{p}_unit_leader", "1 while this instance leads the unit and is not fenced", u, registry=r

@@ -126,3 +126,39 @@ def test_the_acker_replaces_a_connection_to_a_read_only_server(pg_dsn, schema, k
     acker._apply(steps)  # a new connection, writable
     assert acker._conn is not None and acker._conn is not ro
     acker._conn.close()
+
+
+def test_the_ackers_commits_wait_for_the_wal_and_its_lock_bound_stays_in_its_transaction(
+    pg_dsn, schema, kafka_bootstrap
+):
+    """The acker commits Kafka offsets after its database commit: that commit must be durable even
+    where the role turns synchronous_commit off (the advice for the harvester behind a pooler),
+    and its lock_timeout must not stay on a session that a transaction pooler hands to others."""
+    from harvester.services.acker import Acker
+    from tracker.consumer import _fold_ids
+
+    role_like = f"{pg_dsn}{'&' if '?' in pg_dsn else '?'}options=-c%20synchronous_commit%3Doff"
+    acker = Acker(
+        dsn=role_like,
+        schema=schema,
+        bootstrap_servers=kafka_bootstrap,
+        topic="acks-unused",
+        group=f"acker-{uuid.uuid4().hex[:8]}",
+        dead_letter_topic="acks-dead-unused",
+    )
+    seen: list[tuple[str, str]] = []
+    apply = acker.tracker.apply_outcomes
+
+    def watching(conn, *args, **kwargs):
+        seen.append(
+            conn.execute("SELECT current_setting('synchronous_commit'), current_setting('lock_timeout')").fetchone()
+        )
+        return apply(conn, *args, **kwargs)
+
+    acker.tracker.apply_outcomes = watching  # type: ignore[method-assign]
+    acker._apply([(None, _fold_ids(["987654321:1:0"]))])
+    conn = acker._conn
+    assert conn is not None
+    assert seen == [("on", "2s")] and acker.lock_timeout == 2.0
+    assert conn.execute("SELECT current_setting('lock_timeout')").fetchone() == ("0",)
+    conn.close()

@@ -27,7 +27,7 @@ def connect(cfg: Config) -> psycopg.Connection:
     did as a whole, or rolls all of it back."""
     try:
         # Never prepared: a command runs each statement a few times at most, and this way it also
-        # works through PgBouncer in transaction mode (see README, PgBouncer).
+        # works through PgBouncer in transaction mode (see the psycopg and PgBouncer how-to).
         return psycopg.connect(
             cfg.database.dsn, connect_timeout=10, application_name="reaper-admin", prepare_threshold=None
         )

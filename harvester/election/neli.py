@@ -60,7 +60,7 @@ class KafkaClusterUnknown(RuntimeError):
 def ensure_leader_topic(admin_conf: dict, topic: str, timeout: float = 30.0, partitions: int = 1) -> str:
     """Create the leader topic, one partition per unit, if it is missing (brokers here do not
     auto-create). An existing topic with another partition count is refused: reapers that disagree
-    on the units could lead overlapping lanes (see README "Harvest units": drain, then switch).
+    on the units could lead overlapping lanes (see the running and scaling how-to: drain, then switch).
     Returns the Kafka cluster's id (one election per cluster); KafkaClusterUnknown without one."""
     admin = AdminClient(admin_conf)
     try:

@@ -6,7 +6,7 @@ count. Within one layout the election gives each unit one
 leader and each key one lane. Two layouts harvesting one table at once (a lane change whose new
 reapers start before the old ones stopped, two deployments pointed at one database, an outbox listed
 under two names) would each mark the other's rows from the head: a key harvested by two units at
-once, and published out of order. The README's "drain, then switch" avoids that; this module makes
+once, and published out of order. Draining, then switching (the running and scaling how-to) avoids that; this module makes
 the database refuse it when the drain was skipped.
 
 Contract (`OutboxClaim.hold`, called before every mark with the mark's own deadline):

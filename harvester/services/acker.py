@@ -328,11 +328,17 @@ class Acker:
         if conn is None or conn.closed or conn.broken:
             conn = self._conn = psycopg.connect(self.dsn, autocommit=True)
             configure_for_pooler(conn)  # PgBouncer in transaction mode: no prepared statements
-            # a bound on any wait SKIP LOCKED does not cover; the poll is then retried
-            conn.execute("SELECT set_config('lock_timeout', %s, false)", [f"{int(self.lock_timeout * 1000)}ms"])
         out = Applied()
         try:
             with conn.transaction():  # every step in one transaction: all of the poll or none
+                # Set for this transaction only (a transaction pooler hands the session to others):
+                # a bound on any wait SKIP LOCKED does not cover (the poll is then retried), and a
+                # commit that waits for the WAL flush whatever the role says, since the offsets are
+                # committed to Kafka after it and acks lost in a crash would never come again.
+                conn.execute(
+                    "SELECT set_config('lock_timeout', %s, true), set_config('synchronous_commit', 'on', true)",
+                    [f"{int(self.lock_timeout * 1000)}ms"],
+                )
                 # every batch locked at once, one statement a step, sent together: a batch held
                 # elsewhere is skipped in every step, its masks kept in their order
                 results = self.tracker.apply_outcomes(conn, steps, reject_invalid=True, skip_locked=True)
