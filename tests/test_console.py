@@ -458,3 +458,25 @@ def test_the_overview_reads_its_database_figures_in_one_round_trip(cfg, pg_dsn, 
     st = t.status
     assert st is not None and (st.backlog_rows, st.backlog_exact, st.in_flight_rows, st.dead_rows) == (20, True, 3, 2)
     assert len(st.marked_by) == 3 and st.oldest_age_seconds >= 0 and unfinished == 1, (st, b)
+
+
+def test_a_cookie_used_after_logout_is_refused_by_every_server(cfg, pg_dsn, schema):
+    cfg.console.session_secret = "shared-session-secret-0123456789abcdef"  # two servers behind one address
+    with RunningServer(cfg, [TOKEN]) as a, RunningServer(cfg, [TOKEN]) as b:
+        c = client(a, TOKEN)
+        cookie = c.cookies.get("reaper_console")
+        copied = {"reaper_console": cookie}
+        assert httpx.Client(base_url=b.url, cookies=copied).get("/console/batches").status_code == 200
+        token = csrf_of(c.get("/console/batches"))
+        with capture_logs() as logs:
+            r = c.post("/console/logout", data={"csrf": token})
+        assert r.status_code == 303 and r.headers["location"] == "/console/login"
+        assert [e for e in logs if e["event"] == "logout"], logs
+        for server in (a, b):
+            copy = httpx.Client(base_url=server.url, cookies=copied)
+            r = copy.get("/console/batches")
+            assert r.status_code == 303 and r.headers["location"].startswith("/console/login"), server.url
+            r = copy.post("/console/batches/1/expire", data={"csrf": token, "note": "x"})
+            assert r.status_code == 303 and r.headers["location"].startswith("/console/login")
+        # A new login is a new session: it works at once.
+        assert client(b, TOKEN).get("/console/batches").status_code == 200

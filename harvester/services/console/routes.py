@@ -2,6 +2,7 @@
 
 Every page reads with GET and works without JavaScript; live parts are also served alone as
 fragments (`/console/fragments/...`), which console.js fetches every console.refresh_interval.
+Every page and action needs a session not ended by a logout (harvester.services.console.logouts).
 Actions are POSTs from a confirmation page, checked in this order: a session (else the login page),
 the CSRF token (403), the operator role (403), then the admin command's own checks.
 """
@@ -22,7 +23,7 @@ from harvester.admin import batch as batch_admin
 from harvester.admin import dead as dead_admin
 from harvester.admin.common import AdminError
 from harvester.config import Config
-from harvester.services.console import actions, queries
+from harvester.services.console import actions, logouts, queries
 from harvester.services.console import dead_acks as dead_acks_mod
 from harvester.services.console.overview import Cached, Gatherer
 from harvester.services.console.session import COOKIE, LOGIN_COOKIE, Sessions, User
@@ -81,9 +82,18 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
     schema, table, size = cfg.database.schema, cfg.database.outbox_table, cfg.console.page_size
     r = APIRouter(prefix="/console", include_in_schema=False)
 
+    async def signed_in(request: Request) -> User | None:
+        """The session's user, unless the session was ended by a logout (on any server)."""
+        user = current_user(request, sessions)
+        if user is None or not sessions.enabled:
+            return user
+        if await db.run(lambda c: logouts.ended(c, schema, user.session)):
+            return None
+        return user
+
     def page(handler: Callable[[Request, User], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         async def wrapped(request: Request) -> Response:
-            user = current_user(request, sessions)
+            user = await signed_in(request)
             if user is None:
                 return to_login(request)
             request.state.token = user.token  # the access log names who looked
@@ -97,7 +107,7 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
         return pages.message(request, user, 403, "Not for a tenant", "The outbox is shared: only operators see it.")
 
     async def action_form(request: Request) -> tuple[User, dict[str, str]] | Response:
-        user = current_user(request, sessions)
+        user = await signed_in(request)
         if user is None:
             return to_login(request)
         form = await read_form(request)
@@ -160,10 +170,14 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
 
     @r.post("/logout")
     async def logout(request: Request) -> Response:
-        user = current_user(request, sessions)
+        user = await signed_in(request)
         form = await read_form(request) or {}
         if user is not None and not sessions.csrf_ok(user, form.get("csrf")):
             return pages.message(request, user, 403, "Refused", "The form's CSRF token is missing or wrong.")
+        if user is not None and sessions.enabled:
+            # Ended for every server, not only this browser: a copy of the cookie is refused too.
+            await db.run(lambda c: logouts.record(c, schema, user.session, user.expires))
+            actions.audit.info("logout", via="console", token=user.token, tenant=user.tenant, role=user.role)
         resp = RedirectResponse("/console/login", status_code=303)
         resp.delete_cookie(COOKIE, path="/console/")
         return resp
