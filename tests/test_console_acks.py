@@ -84,6 +84,8 @@ def test_an_operator_requeues_one_dead_lettered_ack_from_its_confirmation_page(
         malformed = [m for m in page.text.split("<tr ") if "not-an-id" in m][0]
         at = malformed.split('data-dead-ack="', 1)[1].split('"', 1)[0]
         assert f'href="/console/dead-acks/requeue?at={at}"' in page.text, page.text
+        gone = c.get("/console/dead-acks/requeue?at=0:999999")
+        assert gone.status_code == 404 and "No such dead letter" in gone.text
         confirm = c.get(f"/console/dead-acks/requeue?at={at}")
         assert confirm.status_code == 200 and "not-an-id" in confirm.text, confirm.text
         data = {"csrf": csrf_of(confirm), "at": at}

@@ -404,7 +404,10 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
         try:
             found = await asyncio.to_thread(acks_admin.select, cfg, at=at, reason=reason)
         except AdminError as exc:
-            return pages.message(request, user, 404 if exc.code == ExitCode.NOT_FOUND else 503, "Not found", str(exc))
+            missing = exc.code == ExitCode.NOT_FOUND
+            return pages.message(
+                request, user, 404 if missing else 503, "No such dead letter" if missing else "Kafka", str(exc)
+            )
         chosen, scanned, skipped = found
         return pages.render(
             request,
