@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     tok = sub.add_parser("token", help="make a bearer token for a tenant of http.tenants_file")
     tok.add_argument("action", choices=["new"])
     tok.add_argument("--tenant", required=True, help="the tenant it speaks for")
-    admin.add_parsers(sub)  # outbox status, dead list|requeue, batch show|expire, inbox show|status
+    admin.add_parsers(sub)  # outbox status, dead list|requeue, acks requeue, batch show|expire, inbox show|status
     return ap
 
 

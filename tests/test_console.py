@@ -309,13 +309,17 @@ def test_the_key_queries_read_by_index(pg_dsn, schema):
             "at": queries.FAR,
             "id": 5,
             "key": "k5",
-            "span": queries.KEY_SEARCH_SPAN,
             "cap": queries.COUNT_CAP + 1,
             "after": 0,
         }
         for name in ("unfinished", "finished", "by_id", "by_key", "count_unfinished", "children"):
             plan = "\n".join(r[0] for r in conn.execute(psycopg.sql.SQL("EXPLAIN ") + q[name], params).fetchall())
             assert "Seq Scan" not in plan, (name, plan)
+        # A user key is found by its own index, however old the batch: not by reading the newest batches.
+        plan = "\n".join(r[0] for r in conn.execute(psycopg.sql.SQL("EXPLAIN ") + q["by_key"], params).fetchall())
+        assert "batch_user_key" in plan and "batch_pkey" not in plan, plan
+        found = queries.search(conn, schema, "default", "k5", 10)
+        assert [r.user_key for r in found] == ["k5"], found
 
 
 def test_reaper_run_serves_the_console_when_configured(cfg, tmp_path):
@@ -420,3 +424,59 @@ def test_dead_lettered_acks_are_listed_newest_first_with_their_reasons(server, c
     assert reasons[0] == "index out of range (group size 2)" and reasons[1].startswith("malformed"), reasons
     assert client(server, VIEWER).get("/console/dead-acks").status_code == 200
     assert client(server, cfg.tenant_token).get("/console/dead-acks").status_code == 403
+
+
+def _round_trips(trace: str) -> int:
+    """Times the client sent and then waited for the server: frontend messages followed by backend ones."""
+    kinds = [line.split("\t", 1)[0] for line in trace.splitlines() if line[:2] in ("F\t", "B\t")]
+    return sum(1 for a, b in zip(kinds, kinds[1:], strict=False) if (a, b) == ("F", "B"))
+
+
+def test_the_overview_reads_its_database_figures_in_one_round_trip(cfg, pg_dsn, schema, tmp_path):
+    from harvester.services.console.overview import Gatherer
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            f'INSERT INTO "{schema}".outbox (topic, value) SELECT %s, %s FROM generate_series(1, 20)', ["t", b"v"]
+        )
+        conn.execute(
+            f'UPDATE "{schema}".outbox SET leader_id = gen_random_uuid() WHERE id IN '
+            f'(SELECT id FROM "{schema}".outbox ORDER BY id LIMIT 3)'
+        )
+        b = tracker.open_batch(conn, schema=schema)
+    add_dead(pg_dsn, schema, "some-topic", 2, "too large")
+    gatherer = Gatherer(cfg)
+    trace = tmp_path / "trace"
+    with psycopg.connect(pg_dsn, prepare_threshold=None) as conn, trace.open("w") as f:
+        conn.pgconn.trace(f.fileno())
+        conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE)
+        tables, unfinished = gatherer.database(conn)
+        conn.pgconn.untrace()
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert _round_trips(trace.read_text()) == 1, trace.read_text()
+    [t] = tables
+    st = t.status
+    assert st is not None and (st.backlog_rows, st.backlog_exact, st.in_flight_rows, st.dead_rows) == (20, True, 3, 2)
+    assert len(st.marked_by) == 3 and st.oldest_age_seconds >= 0 and unfinished == 1, (st, b)
+
+
+def test_a_cookie_used_after_logout_is_refused_by_every_server(cfg, pg_dsn, schema):
+    cfg.console.session_secret = "shared-session-secret-0123456789abcdef"  # two servers behind one address
+    with RunningServer(cfg, [TOKEN]) as a, RunningServer(cfg, [TOKEN]) as b:
+        c = client(a, TOKEN)
+        cookie = c.cookies.get("reaper_console")
+        copied = {"reaper_console": cookie}
+        assert httpx.Client(base_url=b.url, cookies=copied).get("/console/batches").status_code == 200
+        token = csrf_of(c.get("/console/batches"))
+        with capture_logs() as logs:
+            r = c.post("/console/logout", data={"csrf": token})
+        assert r.status_code == 303 and r.headers["location"] == "/console/login"
+        assert [e for e in logs if e["event"] == "logout"], logs
+        for server in (a, b):
+            copy = httpx.Client(base_url=server.url, cookies=copied)
+            r = copy.get("/console/batches")
+            assert r.status_code == 303 and r.headers["location"].startswith("/console/login"), server.url
+            r = copy.post("/console/batches/1/expire", data={"csrf": token, "note": "x"})
+            assert r.status_code == 303 and r.headers["location"].startswith("/console/login")
+        # A new login is a new session: it works at once.
+        assert client(b, TOKEN).get("/console/batches").status_code == 200

@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 
 from harvester import logs
+from harvester.admin import acks as acks_mod
 from harvester.admin import batch as batch_mod
 from harvester.admin import dead as dead_mod
 from harvester.admin import inbox as inbox_mod
@@ -27,7 +28,7 @@ from tracker.errors import InvalidValue, MalformedItemId, TrackerError
 from tracker.ids import ID_MAX, ItemId, parse_item_id
 from tracker.inbox.core import check_text
 
-COMMANDS = ("outbox", "dead", "batch", "inbox")
+COMMANDS = ("outbox", "dead", "acks", "batch", "inbox")
 MAX_LIMIT = 10_000  # rows or runs one page may show
 MAX_IDS = 10_000  # ids one `dead requeue --id` may name
 
@@ -48,6 +49,14 @@ def _ids(text: str) -> list[int]:
     if not parts or len(parts) > MAX_IDS:
         raise argparse.ArgumentTypeError(f"--id takes 1 to {MAX_IDS} comma-separated ids, got {text[:40]!r}")
     return [one(p) for p in parts]
+
+
+def _at(text: str) -> tuple[int, int]:
+    """PARTITION:OFFSET of a dead-lettered ack (as the console and the result list them)."""
+    p, sep, o = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--at takes PARTITION:OFFSET, got {text[:40]!r}")
+    return _int_in("a partition", 0, 1_000_000)(p), _int_in("an offset", 0, ID_MAX)(o)
 
 
 def _item_id(text: str) -> ItemId:
@@ -124,6 +133,22 @@ def add_parsers(sub: Any) -> None:
         help="rows per transaction for --all/--reason (default 1000)",
     )
     rq.add_argument("--dry-run", action="store_true", help="say how many rows would move; change nothing")
+
+    acks = sub.add_parser("acks", help="acks the acker set aside (its dead-letter topic)").add_subparsers(
+        dest="admin_command", required=True
+    )
+    aq = acks.add_parser("requeue", parents=[out], help="send dead-lettered acks to the ack topic again")
+    pick = aq.add_mutually_exclusive_group(required=True)
+    pick.add_argument("--at", type=_at, help="the one at PARTITION:OFFSET of the dead-letter topic")
+    pick.add_argument("--reason", type=_text("--reason"), help="every one whose reason contains this text")
+    pick.add_argument("--all", action="store_true", help="every one")
+    aq.add_argument(
+        "--scan",
+        type=_int_in("--scan", 1, 1_000_000),
+        default=acks_mod.SCAN,
+        help=f"--reason/--all: newest dead letters of each partition to look at (default {acks_mod.SCAN})",
+    )
+    aq.add_argument("--dry-run", action="store_true", help="say which would be sent; send nothing")
 
     batch = sub.add_parser("batch", help="look at or expire one batch").add_subparsers(
         dest="admin_command", required=True
@@ -206,6 +231,9 @@ def _run(cfg: Config, args: argparse.Namespace) -> tuple[Any, str, int]:
                         progress=lambda n, total: bar.update(task, completed=n, total=total),
                     )
             return done, dead_mod.render_requeued(done), ExitCode.OK
+        if cmd == ("acks", "requeue"):
+            sent = acks_mod.requeue(cfg, conn, at=args.at, reason=args.reason, scan=args.scan, dry_run=args.dry_run)
+            return sent, acks_mod.render(sent), ExitCode.OK
         if cmd == ("batch", "show"):
             try:
                 view = batch_mod.show(

@@ -59,6 +59,62 @@ class OutboxStatus:
         return asdict(self)
 
 
+def unit_status_statement(
+    schema: str, table: str, lane: int = 0, lanes: int = 1, *, exact_up_to: int = BACKLOG_EXACT
+) -> tuple[sql.Composed, dict[str, object]]:
+    """The one statement that reads a unit's figures (see unit_status), and its parameters: a row of
+    (rows counted up to exact_up_to + 1, the id span, the oldest row's age, [[leader id, rows in
+    flight], ...] or NULL, dead rows)."""
+    t, dead = qualified(schema, table), qualified(schema, f"{table}_dead")
+    where = sql.SQL("")
+    if lanes > 1:
+        where = sql.SQL(" WHERE " + LANE_SQL.format(lanes=int(lanes)) + " = %(lane)s")
+    statement = sql.SQL(
+        # The same bounded count as the backlog gauge: exact up to `exact_up_to`, above it the id span
+        # (two probes of the primary key).
+        "SELECT (SELECT count(*) FROM (SELECT 1 FROM {t}{w} LIMIT %(cap)s) s), "
+        "(SELECT max(id) - min(id) + 1 FROM {t}), "
+        "(SELECT extract(epoch FROM clock_timestamp() - created_at) FROM {t}{w} ORDER BY id LIMIT 1), "
+        # Rows in flight among the unit's first rows by id: a leader marks the lowest ids, so its rows
+        # are there. (Looking for marked rows anywhere would read the whole table when few are marked.)
+        "(SELECT json_agg(json_build_array(l, n) ORDER BY n DESC, l) FROM (SELECT leader_id::text AS l, "
+        "count(*) AS n FROM (SELECT leader_id FROM {t}{w} ORDER BY id LIMIT %(cap)s) s "
+        "WHERE leader_id IS NOT NULL GROUP BY 1) m), "
+        "(SELECT count(*) FROM {dead}{w})"
+    ).format(t=t, dead=dead, w=where)
+    return statement, {"cap": exact_up_to + 1, "lane": lane}
+
+
+def unit_status_of(
+    row: tuple[Any, ...],
+    schema: str,
+    table: str,
+    unit: int = 0,
+    lane: int = 0,
+    lanes: int = 1,
+    *,
+    exact_up_to: int = BACKLOG_EXACT,
+) -> UnitStatus:
+    """The UnitStatus of a row that unit_status_statement returned."""
+    rows, span, oldest, marked, dead_rows = row
+    exact = rows <= exact_up_to
+    if not exact:
+        rows = max(exact_up_to + 1, span or 0)
+    marked_by = {str(leader): int(n) for leader, n in marked or []}
+    return UnitStatus(
+        unit=unit,
+        table=f"{schema}.{table}",
+        backlog_rows=rows,
+        backlog_exact=exact,
+        oldest_age_seconds=max(0.0, float(oldest)) if oldest is not None else 0.0,
+        in_flight_rows=sum(marked_by.values()),
+        marked_by=marked_by,
+        dead_rows=dead_rows,
+        lane=lane,
+        lanes=lanes,
+    )
+
+
 def unit_status(
     conn: psycopg.Connection,
     schema: str,
@@ -70,50 +126,15 @@ def unit_status(
     exact_up_to: int = BACKLOG_EXACT,
 ) -> UnitStatus:
     """One unit's rows: the table's, or with lanes > 1 those of its lane (by the mark query's hash),
-    each figure read from at most `exact_up_to` + 1 rows (or by index)."""
-    require_tables(conn, schema, table, f"{table}_dead")
-    t, dead = qualified(schema, table), qualified(schema, f"{table}_dead")
-    where, args = sql.SQL(""), []
-    if lanes > 1:
-        where, args = sql.SQL(" WHERE " + LANE_SQL.format(lanes=int(lanes)) + " = %s"), [lane]
-    # The same bounded count as the backlog gauge: exact up to `exact_up_to`, above it the id span.
-    rows = one_row(
-        conn.execute(
-            sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {}{} LIMIT %s) s").format(t, where), [*args, exact_up_to + 1]
-        )
-    )[0]
-    exact = rows <= exact_up_to
-    if not exact:
-        span = one_row(conn.execute(sql.SQL("SELECT max(id) - min(id) + 1 FROM {}").format(t)))[0]
-        rows = max(exact_up_to + 1, span or 0)
-    oldest = conn.execute(
-        sql.SQL("SELECT extract(epoch FROM clock_timestamp() - created_at) FROM {}{} ORDER BY id LIMIT 1").format(
-            t, where
-        ),
-        args,
-    ).fetchone()
-    # Rows in flight among the unit's first rows by id: a leader marks the lowest ids, so its rows
-    # are there. (Looking for marked rows anywhere would read the whole table when few are marked.)
-    marked = conn.execute(
-        sql.SQL(
-            "SELECT leader_id::text, count(*) FROM (SELECT leader_id FROM {}{} ORDER BY id LIMIT %s) s "
-            "WHERE leader_id IS NOT NULL GROUP BY 1 ORDER BY 2 DESC"
-        ).format(t, where),
-        [*args, exact_up_to + 1],
-    ).fetchall()
-    dead_rows = one_row(conn.execute(sql.SQL("SELECT count(*) FROM {}{}").format(dead, where), args))[0]
-    return UnitStatus(
-        unit=unit,
-        table=f"{schema}.{table}",
-        backlog_rows=rows,
-        backlog_exact=exact,
-        oldest_age_seconds=max(0.0, float(oldest[0])) if oldest else 0.0,
-        in_flight_rows=sum(n for _, n in marked),
-        marked_by=dict(marked),
-        dead_rows=dead_rows,
-        lane=lane,
-        lanes=lanes,
-    )
+    each figure read from at most `exact_up_to` + 1 rows (or by index), in one statement."""
+    statement, params = unit_status_statement(schema, table, lane, lanes, exact_up_to=exact_up_to)
+    try:
+        row = one_row(conn.execute(statement, params))
+    except psycopg.errors.UndefinedTable:
+        conn.rollback()
+        require_tables(conn, schema, table, f"{table}_dead")  # says which one, as an AdminError
+        raise
+    return unit_status_of(row, schema, table, unit, lane, lanes, exact_up_to=exact_up_to)
 
 
 def _units_status(cfg: Config, conn: psycopg.Connection) -> list[UnitStatus]:

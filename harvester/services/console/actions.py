@@ -1,4 +1,4 @@
-"""The console's actions: the admin commands' own functions (harvester.admin.dead, harvester.admin.batch),
+"""The console's actions: the admin commands' own functions (harvester.admin.dead, .batch, .acks),
 with their checks, plus one audit line naming who acted. Each also records itself in `admin_log`, in
 the transaction that does it, exactly as the command does."""
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import psycopg
 import structlog
 
+from harvester.admin import acks as acks_admin
 from harvester.admin import batch as batch_admin
 from harvester.admin import dead as dead_admin
 from harvester.admin.common import AdminError
@@ -62,3 +63,18 @@ def expire(cfg: Config, conn: psycopg.Connection, user: User, batch_id: int, not
         return Done(False, str(exc))
     _log(user, "batch-expire", "done", batch_id=batch_id, note=note, changed=got is not None)
     return Done(True, batch_admin.render_expired(batch_id, got))
+
+
+def requeue_acks(
+    cfg: Config, conn: psycopg.Connection, user: User, *, at: tuple[int, int] | None, reason: str | None
+) -> Done:
+    """`reaper acks requeue --at P:O`, `--reason TEXT` or `--all`."""
+    where = None if at is None else f"{at[0]}:{at[1]}"
+    try:
+        r = acks_admin.requeue(cfg, conn, at=at, reason=reason)
+    except AdminError as exc:
+        _log(user, "acks-requeue", "refused", at=where, reason=reason, error=str(exc))
+        return Done(False, str(exc))
+    sent = [f"{d.partition}:{d.offset}" for d in r.letters]
+    _log(user, "acks-requeue", "done", at=where, reason=reason, sent=r.requeued, dead_letters=sent)
+    return Done(True, acks_admin.render(r))

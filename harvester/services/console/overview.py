@@ -10,7 +10,9 @@
 - Publish rate, refused marks, the sweeper's and settler's last runs: the reapers' own metrics
   (console.metrics_urls), the rate from two reads a refresh apart.
 Kafka and the metrics are read at most once per console.refresh_interval, whoever asks, and off
-the request path once a first value is there; the database figures on every request (each bounded).
+the request path once a first value is there; the database figures on every request (each bounded),
+one statement per table plus the count of unfinished batches, all sent in one pipeline: one round
+trip to the database, however many tables.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harvester import logs
 from harvester.admin import status
+from harvester.admin.common import one_row
 from harvester.config import Config, UnitSpec, units
 
 T = TypeVar("T")
@@ -167,6 +170,19 @@ def scrape(urls: Iterable[str], prefix: str, timeout: float) -> Runtime:
     return rt
 
 
+def read_at_once(conn: psycopg.Connection, statements: list[tuple[Any, Any]]) -> list[tuple[Any, ...]]:
+    """The one row of each statement, all sent in one pipeline outside a transaction (each statement
+    its own snapshot): a single round trip, however many statements."""
+    was = conn.autocommit
+    conn.autocommit = True  # no BEGIN and ROLLBACK around them: two round trips fewer
+    try:
+        with conn.pipeline():
+            cursors = [conn.execute(q, params) for q, params in statements]
+        return [one_row(c) for c in cursors]
+    finally:
+        conn.autocommit = was
+
+
 class Gatherer:
     """The overview of one configuration: Kafka and metrics cached, the database read per call."""
 
@@ -190,6 +206,8 @@ class Gatherer:
         return rt
 
     def database(self, conn: psycopg.Connection) -> tuple[list[TableRow], int]:
+        """Every table's figures and the unfinished batches, sent at once in one pipeline, each
+        statement its own snapshot (autocommit): one round trip to the database."""
         from harvester.services.console import queries
 
         db = self.cfg.database
@@ -197,17 +215,26 @@ class Gatherer:
         for spec in self.specs:
             where = (spec.dsn, spec.schema, spec.table)
             if where not in tables:
-                st = (
-                    status.unit_status(
-                        conn, spec.schema, spec.table, spec.index, exact_up_to=queries.OVERVIEW_EXACT_ROWS
-                    )
-                    if spec.dsn == db.dsn
-                    else None
-                )
-                conn.rollback()
-                tables[where] = TableRow(f"{spec.schema}.{spec.table}", st, [])
+                tables[where] = TableRow(f"{spec.schema}.{spec.table}", None, [])
             tables[where].units.append(UnitRow(spec, None))
-        return list(tables.values()), queries.count_unfinished(conn, db.schema, "default")
+        local = [w for w in tables if w[0] == db.dsn]  # another database's table shows no figures
+        statements = [
+            status.unit_status_statement(schema, table, exact_up_to=queries.OVERVIEW_EXACT_ROWS)
+            for _, schema, table in local
+        ]
+        statements.append(queries.count_unfinished_statement(db.schema, "default"))
+        try:
+            rows = read_at_once(conn, statements)
+        except psycopg.errors.UndefinedTable:  # not migrated: the admin function says which table
+            for _, schema, table in local:
+                status.unit_status(conn, schema, table, exact_up_to=queries.OVERVIEW_EXACT_ROWS)
+                conn.rollback()
+            raise
+        for (_, schema, table), row in zip(local, rows, strict=False):
+            tables[(db.dsn, schema, table)].status = status.unit_status_of(
+                row, schema, table, exact_up_to=queries.OVERVIEW_EXACT_ROWS
+            )
+        return list(tables.values()), int(rows[-1][0])
 
     async def gather(self, conn_call: Callable[[Callable[[psycopg.Connection], Any]], Any]) -> Overview:
         (tables, unfinished), kafka, runtime = await asyncio.gather(

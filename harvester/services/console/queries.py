@@ -4,9 +4,8 @@
   of LIMIT rows after a keyset cursor (`before` = the last id shown).
 - Finished batches (complete, expired): the partial index batch_finished on their finish time,
   newest first, keyset on (finish time, id).
-- Search: by id (the primary key), or by user key (exact match) among the newest KEY_SEARCH_SPAN
-  batches by id (a backward primary-key scan of that many rows at most: user keys are not indexed,
-  and an index for the console alone would cost every batch insert).
+- Search: by id (the primary key), or by user key (exact match, newest first): the index
+  batch_user_key on (user_key, id), whatever the age of the batch.
 - A dead row: by its id (the dead table's primary key), with the first bytes of its value only.
 The counts shown beside the lists are bounded too: counted up to COUNT_CAP rows, then "more".
 """
@@ -25,7 +24,6 @@ from tracker.schema import qualified
 COUNT_CAP = 100_000  # past this, counts show as "100,000+"
 DEAD_COUNT_CAP = 10_000  # dead rows counted up to this (a reason filter is a substring: no index helps)
 OVERVIEW_EXACT_ROWS = 10_000  # the overview counts the backlog exactly up to this, then shows the id span
-KEY_SEARCH_SPAN = 20_000  # newest batches a user-key search looks through
 VALUE_PREVIEW = 2048  # bytes of a dead row's value an inspect page shows
 
 
@@ -79,8 +77,8 @@ def _statements(schema: str) -> dict[str, sql.Composed]:
         "AND (coalesce(completed_at, expired_at), id) < (%(at)s, %(before)s) "
         f"AND {_TENANT} ORDER BY coalesce(completed_at, expired_at) DESC, id DESC LIMIT %(limit)s",
         "by_id": f"SELECT {_COLUMNS} FROM {{b}} WHERE id = %(id)s AND {_TENANT}",
-        "by_key": f"SELECT {_COLUMNS} FROM (SELECT * FROM {{b}} ORDER BY id DESC LIMIT %(span)s) recent "
-        f"WHERE user_key = %(key)s AND {_TENANT} ORDER BY id DESC LIMIT %(limit)s",
+        "by_key": f"SELECT {_COLUMNS} FROM {{b}} WHERE user_key = %(key)s AND {_TENANT} "
+        "ORDER BY user_key DESC, id DESC LIMIT %(limit)s",
         "count_unfinished": "SELECT count(*) FROM (SELECT 1 FROM {b} WHERE state IN ('open', 'closed') "
         f"AND {_TENANT} LIMIT %(cap)s) s",
         "tenant_of": "SELECT coalesce(tenant, 'default') FROM {b} WHERE id = %(id)s",
@@ -130,21 +128,15 @@ def search(conn: psycopg.Connection, schema: str, tenant: str, text: str, limit:
     if text.isascii() and text.isdigit() and len(text) <= 18:
         found += _rows(conn.execute(q["by_id"], {"id": int(text), "tenant": tenant}))
     found += [
-        r
-        for r in _rows(
-            conn.execute(q["by_key"], {"key": text, "tenant": tenant, "limit": limit, "span": KEY_SEARCH_SPAN})
-        )
-        if r not in found
+        r for r in _rows(conn.execute(q["by_key"], {"key": text, "tenant": tenant, "limit": limit})) if r not in found
     ]
     conn.rollback()
     return found[:limit]
 
 
-def count_unfinished(conn: psycopg.Connection, schema: str, tenant: str) -> int:
-    """Open and closed batches, counted up to COUNT_CAP + 1."""
-    row = conn.execute(_statements(schema)["count_unfinished"], {"tenant": tenant, "cap": COUNT_CAP + 1}).fetchone()
-    conn.rollback()
-    return int(row[0]) if row else 0
+def count_unfinished_statement(schema: str, tenant: str) -> tuple[sql.Composed, dict[str, object]]:
+    """The statement counting open and closed batches up to COUNT_CAP + 1, and its parameters."""
+    return _statements(schema)["count_unfinished"], {"tenant": tenant, "cap": COUNT_CAP + 1}
 
 
 def tenant_of(conn: psycopg.Connection, schema: str, batch_id: int) -> str | None:

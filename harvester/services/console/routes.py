@@ -1,13 +1,16 @@
-"""The console's routes: login, overview, batches, a batch, dead rows, and the two actions.
+"""The console's routes: login, overview, batches, a batch, dead rows, dead-lettered acks, and the
+three actions (expire a batch, requeue dead rows, requeue dead-lettered acks).
 
 Every page reads with GET and works without JavaScript; live parts are also served alone as
 fragments (`/console/fragments/...`), which console.js fetches every console.refresh_interval.
+Every page and action needs a session not ended by a logout (harvester.services.console.logouts).
 Actions are POSTs from a confirmation page, checked in this order: a session (else the login page),
 the CSRF token (403), the operator role (403), then the admin command's own checks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import re
 from collections.abc import Awaitable, Callable
@@ -18,11 +21,13 @@ import psycopg
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import RedirectResponse, Response
 
+from harvester.admin import acks as acks_admin
 from harvester.admin import batch as batch_admin
 from harvester.admin import dead as dead_admin
 from harvester.admin.common import AdminError
 from harvester.config import Config
-from harvester.services.console import actions, queries
+from harvester.exit_codes import ExitCode
+from harvester.services.console import actions, logouts, queries
 from harvester.services.console import dead_acks as dead_acks_mod
 from harvester.services.console.overview import Cached, Gatherer
 from harvester.services.console.session import COOKIE, LOGIN_COOKIE, Sessions, User
@@ -81,9 +86,18 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
     schema, table, size = cfg.database.schema, cfg.database.outbox_table, cfg.console.page_size
     r = APIRouter(prefix="/console", include_in_schema=False)
 
+    async def signed_in(request: Request) -> User | None:
+        """The session's user, unless the session was ended by a logout (on any server)."""
+        user = current_user(request, sessions)
+        if user is None or not sessions.enabled:
+            return user
+        if await db.run(lambda c: logouts.ended(c, schema, user.session)):
+            return None
+        return user
+
     def page(handler: Callable[[Request, User], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         async def wrapped(request: Request) -> Response:
-            user = current_user(request, sessions)
+            user = await signed_in(request)
             if user is None:
                 return to_login(request)
             request.state.token = user.token  # the access log names who looked
@@ -97,7 +111,7 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
         return pages.message(request, user, 403, "Not for a tenant", "The outbox is shared: only operators see it.")
 
     async def action_form(request: Request) -> tuple[User, dict[str, str]] | Response:
-        user = current_user(request, sessions)
+        user = await signed_in(request)
         if user is None:
             return to_login(request)
         form = await read_form(request)
@@ -160,10 +174,14 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
 
     @r.post("/logout")
     async def logout(request: Request) -> Response:
-        user = current_user(request, sessions)
+        user = await signed_in(request)
         form = await read_form(request) or {}
         if user is not None and not sessions.csrf_ok(user, form.get("csrf")):
             return pages.message(request, user, 403, "Refused", "The form's CSRF token is missing or wrong.")
+        if user is not None and sessions.enabled:
+            # Ended for every server, not only this browser: a copy of the cookie is refused too.
+            await db.run(lambda c: logouts.record(c, schema, user.session, user.expires))
+            actions.audit.info("logout", via="console", token=user.token, tenant=user.tenant, role=user.role)
         resp = RedirectResponse("/console/login", status_code=303)
         resp.delete_cookie(COOKIE, path="/console/")
         return resp
@@ -373,6 +391,61 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
         found = await console.dead_acks.get()
         return pages.render(request, "dead_acks.html", user, d=found, limit=size)
 
+    @r.get("/dead-acks/requeue")
+    @page
+    async def requeue_acks_confirm(request: Request, user: User) -> Response:
+        if (refused := outbox_only(user, request)) is not None:
+            return refused
+        at, reason, everything = _which_acks(request.query_params)
+        if at is None and reason is None and not everything:
+            return pages.message(
+                request, user, 400, "Bad request", "Name a dead letter (partition:offset), a reason, or all."
+            )
+        try:
+            found = await asyncio.to_thread(acks_admin.select, cfg, at=at, reason=reason)
+        except AdminError as exc:
+            missing = exc.code == ExitCode.NOT_FOUND
+            return pages.message(
+                request, user, 404 if missing else 503, "No such dead letter" if missing else "Kafka", str(exc)
+            )
+        chosen, scanned, skipped = found
+        return pages.render(
+            request,
+            "confirm_requeue_acks.html",
+            user,
+            at=None if at is None else f"{at[0]}:{at[1]}",
+            reason=reason,
+            everything=everything,
+            letters=[acks_admin.dead_ack(m) for m in chosen[: acks_admin.SHOWN]],
+            count=len(chosen),
+            scanned=scanned,
+            skipped=skipped,
+            topic=cfg.acker.topic,
+            confirm=sessions.confirmation(user, _acks_target(at, reason)),
+        )
+
+    @r.post("/dead-acks/requeue")
+    async def requeue_acks(request: Request) -> Response:
+        got = await action_form(request)
+        if isinstance(got, Response):
+            return got
+        user, form = got
+        if not user.sees_outbox:
+            return pages.message(request, user, 403, "Refused", "The ack topic is shared: only operators act on it.")
+        at, reason, everything = _which_acks(form)
+        if at is None and reason is None and not everything:
+            return pages.message(
+                request, user, 400, "Bad request", "Name a dead letter (partition:offset), a reason, or all."
+            )
+        if not sessions.confirmation_ok(user, _acks_target(at, reason), form.get("confirm")):
+            return pages.message(
+                request, user, 403, "Refused", "Requeue from its confirmation page, which says what will be sent."
+            )
+        done = await db.run(lambda c: actions.requeue_acks(cfg, c, user, at=at, reason=reason))
+        return pages.render(
+            request, "done.html", user, status=200 if done.ok else 409, done=done, back="/console/dead-acks"
+        )
+
     @r.get("/dead/{dead_id}")
     @page
     async def dead_one(request: Request, user: User) -> Response:
@@ -415,6 +488,25 @@ def _requeue_target(ids: list[int] | None, reason: str | None) -> str:
     if ids is not None:
         return f"requeue:id:{ids[0]}"
     return "requeue:all" if reason is None else f"requeue:reason:{reason}"
+
+
+_AT = re.compile(r"([0-9]{1,7}):([0-9]{1,19})")
+
+
+def _which_acks(params) -> tuple[tuple[int, int] | None, str | None, bool]:  # noqa: ANN001
+    """A requeue's target among the dead-lettered acks: one (partition:offset), a reason's text, or all."""
+    m = _AT.fullmatch(params.get("at") or "")
+    at = (int(m.group(1)), int(m.group(2))) if m else None
+    reason = (params.get("reason") or "")[:1000] or None
+    if reason is not None and "\x00" in reason:
+        reason = None
+    return at, (None if at is not None else reason), params.get("all") == "1"
+
+
+def _acks_target(at: tuple[int, int] | None, reason: str | None) -> str:
+    if at is not None:
+        return f"acks-requeue:at:{at[0]}:{at[1]}"
+    return "acks-requeue:all" if reason is None else f"acks-requeue:reason:{reason}"
 
 
 def _https(request: Request) -> bool:

@@ -3,7 +3,9 @@
 The cookie (HttpOnly, SameSite=Strict, Secure behind HTTPS) carries the session's id, its role,
 its expiry and the SHA-256 digest of the token it was made from, signed with HMAC-SHA256. Every
 request checks the signature, the expiry and that the token is still known (a token revoked from
-the tenants file ends its sessions at once). Every POST carries a CSRF token derived from the
+the tenants file ends its sessions at once); the console also checks that the session was not
+ended by a logout (harvester.services.console.logouts: recorded in the database, so a copy of the
+cookie is refused by every server after it). Every POST carries a CSRF token derived from the
 session id; the SameSite cookie is the first guard, the CSRF token the second.
 
 Roles: `viewer` (console.viewer_tokens: reads) and `operator` (the HTTP API's tokens: reads and
@@ -38,6 +40,7 @@ class User:
     tenant: str
     role: str
     session: str  # the session id ("local" without authentication)
+    expires: float = 0.0  # unix time the session's cookie expires (0: never, without authentication)
 
     @property
     def may_act(self) -> bool:
@@ -121,10 +124,10 @@ class Sessions:
         if found is None:
             return None
         caller, role = found
-        session = secrets.token_urlsafe(16)
-        body = {"s": session, "d": digest.hex(), "r": role, "e": int(time.time() + self._ttl)}
+        session, expires = secrets.token_urlsafe(16), int(time.time() + self._ttl)
+        body = {"s": session, "d": digest.hex(), "r": role, "e": expires}
         raw = base64.urlsafe_b64encode(json.dumps(body, separators=(",", ":")).encode()).decode().rstrip("=")
-        user = User(caller.token, caller.tenant.name, role, session)
+        user = User(caller.token, caller.tenant.name, role, session, expires)
         return user, f"{raw}.{self._sign(raw)}"
 
     def user(self, cookie: str | None) -> User | None:
@@ -147,7 +150,7 @@ class Sessions:
         found = self._caller(digest)
         if found is None or found[1] != role:
             return None  # revoked, or its role changed: log in again
-        return User(found[0].token, found[0].tenant.name, role, session)
+        return User(found[0].token, found[0].tenant.name, role, session, expires)
 
     @staticmethod
     def nonce() -> str:

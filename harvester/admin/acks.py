@@ -1,0 +1,239 @@
+"""`reaper acks requeue`: send dead-lettered acks back to the ack topic.
+
+The acker sets aside ack messages it cannot apply (malformed ids, unknown batches or groups, indexes
+past a group's size, acks of expired batches) on its dead-letter topic, each as the entry it was
+sent (a failure keeps its '!' and its failure-reason header) with the reason in a `reason` header.
+Once the cause is fixed, this produces chosen ones to the ack topic again: one message named by
+its partition and offset (`--at P:O`), or every message whose reason contains a text (`--reason`),
+or every message (`--all`), among the newest `--scan` of each partition (older ones are counted,
+not read). Kafka keeps the dead letters: a message requeued twice is sent twice, and the second
+is a duplicate ack, which changes nothing. Each requeue is recorded in `admin_log`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from psycopg import sql
+
+from harvester import logs
+from harvester.admin.common import AdminError, require_tables
+from harvester.config import Config
+from harvester.exit_codes import ExitCode
+from tracker.schema import qualified
+
+REASON_HEADER = "reason"  # harvester.services.acker.REASON_HEADER
+FAILURE_REASON_HEADER = "failure-reason"  # tracker.folding.messages.FAILURE_REASON_HEADER
+REQUEUED_FROM_HEADER = "requeued-from"  # dead-letter topic:partition@offset a requeued ack came from
+SCAN = 10_000  # newest dead letters of each partition a --reason or --all requeue looks at
+SHOWN = 100  # dead letters a result lists
+
+
+@dataclass
+class DeadAck:
+    partition: int
+    offset: int
+    at: dt.datetime | None
+    key: str
+    entry: str
+    reason: str
+    failure_reason: str | None
+    source: str  # topic:partition@offset it was read from, where known
+
+
+@dataclass
+class RequeuedAcks:
+    dead_letter_topic: str
+    topic: str  # the ack topic they were sent to
+    requeued: int = 0  # messages sent (with dry_run: that would be)
+    scanned: int = 0  # dead letters looked at
+    not_scanned: int = 0  # older dead letters beyond the scan of each partition
+    letters: list[DeadAck] = field(default_factory=list)  # the first SHOWN requeued, oldest first
+    dry_run: bool = False
+
+
+def text(data: bytes | str | None) -> str:
+    if data is None:
+        return ""
+    if isinstance(data, str):
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "0x" + data.hex()
+
+
+def dead_ack(m: Message) -> DeadAck:
+    """A dead-letter message as people read it."""
+    headers: dict[str, bytes | str | None] = dict(m.headers() or [])
+    src = text(headers.get("source-topic"))
+    if headers.get("source-partition") is not None:
+        src += f":{text(headers.get('source-partition'))}@{text(headers.get('source-offset'))}"
+    kind, ms = m.timestamp()
+    at = dt.datetime.fromtimestamp(ms / 1000, dt.UTC) if kind and ms > 0 else None
+    return DeadAck(
+        m.partition() or 0,
+        m.offset() or 0,
+        at,
+        text(m.key()),
+        text(m.value()),
+        text(headers.get(REASON_HEADER)),
+        text(headers.get(FAILURE_REASON_HEADER)) or None,
+        src,
+    )
+
+
+def consumer(cfg: Config, name: str) -> Consumer:
+    """A consumer that joins no group and commits nothing: partitions are assigned."""
+    return Consumer(
+        {
+            "bootstrap.servers": cfg.kafka.bootstrap_servers,
+            **cfg.kafka.client,
+            "group.id": f"reaper-{name}-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "logger": logs.KafkaLogger(name),
+        }
+    )
+
+
+def _read(c: Consumer, wanted: list[TopicPartition], ends: dict[int, int], timeout: float) -> list[Message]:
+    """The messages of `wanted` (each from its offset) up to `ends` (exclusive)."""
+    c.assign(wanted)
+    open_parts = {tp.partition for tp in wanted}
+    out: list[Message] = []
+    while open_parts:
+        msgs = c.consume(500, timeout)
+        if not msgs:
+            raise AdminError(
+                "Kafka went quiet while the dead letters were read: nothing was sent", ExitCode.UNAVAILABLE
+            )
+        for m in msgs:
+            err, p = m.error(), m.partition() or 0
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    open_parts.discard(p)
+                continue
+            if p in open_parts and (m.offset() or 0) < ends[p]:
+                out.append(m)
+            if (m.offset() or 0) + 1 >= ends[p]:
+                open_parts.discard(p)
+    return out
+
+
+def select(
+    cfg: Config, *, at: tuple[int, int] | None = None, reason: str | None = None, scan: int = SCAN
+) -> tuple[list[Message], int, int]:
+    """The dead letters chosen (the one at `at`; else those whose reason contains `reason`, or all,
+    among the newest `scan` of each partition), how many were looked at, and how many older were not."""
+    topic, timeout = cfg.acker.dead_letter_topic, cfg.console.kafka_timeout
+    c = consumer(cfg, "acks-requeue")
+    try:
+        meta = c.list_topics(topic, timeout=timeout).topics.get(topic)
+        if meta is None or meta.error is not None:
+            if at is not None:
+                raise AdminError(f"no dead-lettered ack at {at[0]}:{at[1]}: {topic} has none", ExitCode.NOT_FOUND)
+            return [], 0, 0
+        marks = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout) for p in sorted(meta.partitions)}
+        if at is not None:
+            p, offset = at
+            low, high = marks.get(p, (0, 0))
+            if not low <= offset < high:
+                raise AdminError(
+                    f"no dead-lettered ack at {p}:{offset} in {topic} (gone, or never there)", ExitCode.NOT_FOUND
+                )
+            found = [m for m in _read(c, [TopicPartition(topic, p, offset)], {p: offset + 1}, timeout)]
+            if not [m for m in found if m.offset() == offset]:
+                raise AdminError(f"no dead-lettered ack at {p}:{offset} in {topic}", ExitCode.NOT_FOUND)
+            return found, len(found), 0
+        wanted = [TopicPartition(topic, p, max(low, high - scan)) for p, (low, high) in marks.items() if high > low]
+        skipped = sum(max(0, high - scan - low) for low, high in marks.values())
+        got = _read(c, wanted, {p: high for p, (_, high) in marks.items()}, timeout) if wanted else []
+    except KafkaException as exc:
+        raise AdminError(f"Kafka: {exc}", ExitCode.UNAVAILABLE) from None
+    finally:
+        c.close()
+    chosen = [m for m in got if reason is None or reason in text(dict(m.headers() or []).get(REASON_HEADER))]
+    return chosen, len(got), skipped
+
+
+def requeue(
+    cfg: Config,
+    conn: psycopg.Connection,
+    *,
+    at: tuple[int, int] | None = None,
+    reason: str | None = None,
+    scan: int = SCAN,
+    dry_run: bool = False,
+) -> RequeuedAcks:
+    """Send the chosen dead letters (see select) to the ack topic as they were sent first, with a
+    requeued-from header; wait for Kafka to have them all, then record the requeue in admin_log."""
+    require_tables(conn, cfg.database.schema, "admin_log")
+    conn.rollback()
+    a = cfg.acker
+    chosen, scanned, skipped = select(cfg, at=at, reason=reason, scan=scan)
+    chosen.sort(key=lambda m: (m.partition() or 0, m.offset() or 0))
+    out = RequeuedAcks(a.dead_letter_topic, a.topic, len(chosen), scanned, skipped, dry_run=dry_run)
+    out.letters = [dead_ack(m) for m in chosen[:SHOWN]]
+    if dry_run or not chosen:
+        return out
+    producer = Producer(
+        {
+            "bootstrap.servers": cfg.kafka.bootstrap_servers,
+            **cfg.kafka.client,
+            "enable.idempotence": True,
+            "logger": logs.KafkaLogger("acks-requeue"),
+        }
+    )
+    failures: list[str] = []
+
+    def delivered(err: KafkaError | None, _msg: Any) -> None:
+        if err is not None:
+            failures.append(str(err))
+
+    for m in chosen:
+        kept: list[Any] = list(m.headers() or [])
+        headers: list[tuple[str, str | bytes | None]] = [(h[0], h[1]) for h in kept if h[0] == FAILURE_REASON_HEADER]
+        headers.append((REQUEUED_FROM_HEADER, f"{a.dead_letter_topic}:{m.partition()}@{m.offset()}".encode()))
+        while True:
+            try:
+                producer.produce(a.topic, key=m.key(), value=m.value(), headers=headers, on_delivery=delivered)
+                break
+            except BufferError:
+                producer.poll(0.1)
+    left = producer.flush(30)
+    if left or failures:
+        raise AdminError(
+            f"not all were sent to {a.topic}: {left} still queued, failures {failures[:3]}; "
+            "those that were are acks again (sending them twice is harmless)",
+            ExitCode.UNAVAILABLE,
+        )
+    where = [f"{m.partition()}:{m.offset()}" for m in chosen]
+    filt = {"at": f"{at[0]}:{at[1]}"} if at is not None else {"reason": reason} if reason is not None else {"all": True}
+    conn.execute(
+        sql.SQL("INSERT INTO {} (action, rows, detail) VALUES ('acks-requeue', %s, %s::jsonb)").format(
+            qualified(cfg.database.schema, "admin_log")
+        ),
+        [len(chosen), json.dumps({"from": where[:1000], "topic": a.topic, "filter": filt})],
+    )
+    conn.commit()
+    return out
+
+
+def render(r: RequeuedAcks) -> str:
+    verb = "would send" if r.dry_run else "sent"
+    n = f"{r.requeued} dead-lettered ack{'' if r.requeued == 1 else 's'}"
+    lines = [f"{verb} {n} from {r.dead_letter_topic} to {r.topic} ({r.scanned} looked at)"]
+    if r.not_scanned:
+        lines.append(f"  {r.not_scanned} older dead letters were not looked at (raise --scan)")
+    for d in r.letters:
+        lines.append(f"  {d.partition}:{d.offset}  {d.entry}  ({d.reason})")
+    if r.requeued > len(r.letters):
+        lines.append(f"  ... and {r.requeued - len(r.letters)} more")
+    return "\n".join(lines)

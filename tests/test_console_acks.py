@@ -1,0 +1,130 @@
+"""Requeueing dead-lettered acks: the acker's dead-letter topic back onto the ack topic, from the
+console (operators only, from a confirmation page, with an audit line) and from `reaper acks requeue`
+(the same function), each recorded in admin_log."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import psycopg
+import pytest
+from structlog.testing import capture_logs
+from support.console import confirmation_of, csrf_of, login
+from support.harness import read_messages, wait_until
+from support.http_server import TOKEN, RunningServer
+from test_admin import reaper
+from test_console import VIEWER
+from test_console import cfg as cfg  # noqa: F401  (the console's configuration fixture)
+
+import tracker
+from harvester.exit_codes import ExitCode
+
+
+@pytest.fixture
+def dead_letters(cfg, pg_dsn, schema, kafka_bootstrap):  # noqa: F811
+    """Three acks the acker set aside: two past a group's size, one malformed."""
+    from test_acker import make_acker, produce_raw
+    from test_acker import running as acker_running
+
+    with psycopg.connect(pg_dsn) as conn:
+        b, c = tracker.open_batch(conn, schema=schema), tracker.open_batch(conn, schema=schema)
+        tracker.add_items(conn, b, 2, schema=schema)
+        tracker.add_items(conn, c, 2, schema=schema)
+    a = cfg.acker
+    produce_raw(
+        kafka_bootstrap,
+        a.topic,
+        [
+            (b"1", b"not-an-id"),
+            (str(b.id).encode(), f"{b.id}:0:9".encode()),
+            (str(c.id).encode(), f"{c.id}:0:9".encode()),
+        ],
+    )
+    acker = make_acker(pg_dsn, schema, kafka_bootstrap, a.topic, a.dead_letter_topic)
+    with acker_running(acker):
+        assert wait_until(lambda: acker.stats["dead_lettered"] == 3, 60), acker.stats
+    return b, c
+
+
+def _client(server, token: str | None = None) -> httpx.Client:
+    c = httpx.Client(base_url=server.url, timeout=60)
+    if token is not None:
+        assert login(c, token).status_code == 303
+    return c
+
+
+def _logged(pg_dsn: str, schema: str) -> list[tuple[int, dict]]:
+    with psycopg.connect(pg_dsn) as c:
+        return c.execute(
+            f"SELECT rows, detail FROM \"{schema}\".admin_log WHERE action = 'acks-requeue' ORDER BY id"
+        ).fetchall()
+
+
+def test_an_operator_requeues_one_dead_lettered_ack_from_its_confirmation_page(
+    cfg,  # noqa: F811
+    dead_letters,
+    pg_dsn,
+    schema,
+    kafka_bootstrap,
+):
+    a = cfg.acker
+    with RunningServer(cfg, [TOKEN]) as server:
+        viewer = _client(server, VIEWER)
+        page = viewer.get("/console/dead-acks")
+        assert page.status_code == 200 and "/console/dead-acks/requeue" not in page.text
+        with capture_logs() as logs:
+            r = viewer.post("/console/dead-acks/requeue", data={"csrf": csrf_of(page), "at": "0:0", "confirm": "x"})
+        assert r.status_code == 403 and "may only look" in r.text
+        assert not [e for e in logs if e.get("action")], logs
+        assert _client(server, cfg.tenant_token).get("/console/dead-acks/requeue?at=0:0").status_code == 403
+
+        c = _client(server, TOKEN)
+        page = c.get("/console/dead-acks")
+        malformed = [m for m in page.text.split("<tr ") if "not-an-id" in m][0]
+        at = malformed.split('data-dead-ack="', 1)[1].split('"', 1)[0]
+        assert f'href="/console/dead-acks/requeue?at={at}"' in page.text, page.text
+        gone = c.get("/console/dead-acks/requeue?at=0:999999")
+        assert gone.status_code == 404 and "No such dead letter" in gone.text
+        confirm = c.get(f"/console/dead-acks/requeue?at={at}")
+        assert confirm.status_code == 200 and "not-an-id" in confirm.text, confirm.text
+        data = {"csrf": csrf_of(confirm), "at": at}
+        r = c.post("/console/dead-acks/requeue", data=data)  # not from its confirmation page
+        assert r.status_code == 403 and "confirmation page" in r.text
+        with capture_logs() as logs:
+            r = c.post("/console/dead-acks/requeue", data=data | {"confirm": confirmation_of(confirm)})
+        assert r.status_code == 200 and "1 dead-lettered ack" in r.text, r.text
+    [line] = [e for e in logs if e.get("action") == "acks-requeue"]
+    assert line["outcome"] == "done" and line["token"].startswith("tok-") and line["role"] == "operator", line
+    got = read_messages(kafka_bootstrap, a.topic, 4, linger=1.0)
+    requeued = [m for m in got if dict(m.headers() or []).get("requeued-from")]
+    assert [m.value() for m in requeued] == [b"not-an-id"], got
+    assert dict(requeued[0].headers())["requeued-from"] == f"{a.dead_letter_topic}:{at.replace(':', '@')}".encode()
+    assert [rows for rows, _ in _logged(pg_dsn, schema)] == [1]
+
+
+def test_reaper_acks_requeue_moves_every_dead_lettered_ack_with_a_reason(
+    cfg,  # noqa: F811
+    dead_letters,
+    pg_dsn,
+    schema,
+    kafka_bootstrap,
+):
+    a = cfg.acker
+    extra = {"REAPER_ACKER__TOPIC": a.topic, "REAPER_ACKER__DEAD_LETTER_TOPIC": a.dead_letter_topic}
+    dry = reaper(cfg, "acks", "requeue", "--reason", "index out of range", "--dry-run", "--json", extra=extra)
+    assert dry.returncode == 0, dry.stderr
+    out = json.loads(dry.stdout)
+    assert (out["requeued"], out["dry_run"], out["scanned"]) == (2, True, 3), out
+    assert _logged(pg_dsn, schema) == []
+    done = reaper(cfg, "acks", "requeue", "--reason", "index out of range", extra=extra)
+    assert done.returncode == 0 and "2 dead-lettered acks" in done.stdout, (done.stdout, done.stderr)
+    got = read_messages(kafka_bootstrap, a.topic, 5, linger=1.0)
+    requeued = sorted(m.value() for m in got if dict(m.headers() or []).get("requeued-from"))
+    assert requeued == sorted(f"{x.id}:0:9".encode() for x in dead_letters), got
+    [(rows, detail)] = _logged(pg_dsn, schema)
+    assert rows == 2 and detail["filter"] == {"reason": "index out of range"} and len(detail["from"]) == 2
+    missing = reaper(cfg, "acks", "requeue", "--at", "0:999999", extra=extra)
+    assert missing.returncode == ExitCode.NOT_FOUND, (missing.stdout, missing.stderr)
+    bad = reaper(cfg, "acks", "requeue", "--at", "zero", extra=extra)
+    assert bad.returncode == ExitCode.USAGE, bad.stderr
