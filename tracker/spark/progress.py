@@ -58,6 +58,14 @@ def _lag_of(progress: Any) -> int | None:
     return max(behind) if behind else None
 
 
+def record_input_rows(progress: Progress, label: str, rows: int) -> None:
+    """Ack messages one micro-batch read, as counted by the stream itself (the listener's
+    numInputRows misses rows an earlier job of the micro-batch read into its cache)."""
+    with progress.lock:
+        progress.input_rows += rows
+    input_rows.labels(label).inc(rows)
+
+
 def listener(query_id_holder: list, label: str, progress: Progress) -> Any:
     """A StreamingQueryListener that reports the query whose id is put in `query_id_holder`."""
     from pyspark.sql.streaming import StreamingQueryListener
@@ -74,13 +82,11 @@ def listener(query_id_holder: list, label: str, progress: Progress) -> Any:
             behind = _lag_of(p)
             with progress.lock:
                 progress.batches += 1
-                progress.input_rows += p.numInputRows
                 progress.rows_per_second = p.processedRowsPerSecond
                 progress.batch_seconds = seconds
                 if p.numInputRows:
                     progress.busy_seconds += seconds
                 progress.lag = behind
-            input_rows.labels(label).inc(p.numInputRows)
             rows_per_second.labels(label).set(p.processedRowsPerSecond)
             batch_duration.labels(label).observe(seconds)
             if behind is not None:
@@ -90,7 +96,7 @@ def listener(query_id_holder: list, label: str, progress: Progress) -> Any:
                     "ack stream micro-batch",
                     query=label,
                     batch=p.batchId,
-                    rows=p.numInputRows,
+                    spark_input_rows=p.numInputRows,  # what its last job read from Kafka
                     rows_per_s=round(p.processedRowsPerSecond),
                     seconds=seconds,
                     lag=behind,

@@ -19,7 +19,7 @@ from typing import Any
 
 from tracker.config import schema_of
 from tracker.spark.acks import AckTotals, ack_dataframe
-from tracker.spark.progress import Progress, dead_lettered, listener
+from tracker.spark.progress import Progress, dead_lettered, listener, record_input_rows
 
 # Micro-batches as large as this by default: ~3 s of work at ~300k acks/s, ~40 MB of ids spread
 # over the tasks; larger ones add latency and executor memory, smaller ones per-batch overhead.
@@ -100,9 +100,15 @@ def ack_stream(
     # kafka_options are the Java consumer's (Spark's source); the dead-letter producer is librdkafka's
     producer_conf = {"bootstrap.servers": bootstrap_servers, "enable.idempotence": True, **(dead_letter_client or {})}
 
+    label = query_name or topic
+
     def each(batch_df: Any, epoch_id: int) -> None:
         batch_df.persist()
         try:
+            # Counted here, all of it read into the cache at once: Spark's own numInputRows counts
+            # only what the micro-batch's last job read from Kafka, not what earlier jobs cached.
+            rows = batch_df.count()
+            record_input_rows(totals.progress, label, rows)
             if _has_failures(batch_df):
                 ordered = ordered_outcomes(batch_df, dsn=dsn, schema=s, after_apply=after_apply)
                 letters = ordered.letters
@@ -127,7 +133,7 @@ def ack_stream(
     if query_name:
         writer = writer.queryName(query_name)
     query_id: list[str] = []
-    spark.streams.addListener(listener(query_id, query_name or topic, totals.progress))
+    spark.streams.addListener(listener(query_id, label, totals.progress))
     query = writer.start()
     query_id.append(str(query.id))
     return query, totals
