@@ -38,6 +38,8 @@ RUNBOOKS: dict[str, Runbook] = {
             "The orchestrator: are the reaper's pods or containers running, or crash-looping (exit codes "
             "are listed in the command-line reference)?",
             "Prometheus' target page: is the metrics port (`metrics.port`) scraped, and with which error?",
+            "The logs for `waiting for the database and Kafka`: a starting reaper serves no metrics until "
+            "they answer, and exits with code 3 after `database.startup_timeout` (60 s).",
         ),
         act=(
             "Start the reaper, or fix what its exit code and last log lines name (configuration, "
@@ -49,7 +51,9 @@ RUNBOOKS: dict[str, Runbook] = {
         means="Two instances claim the same harvest unit for minutes. The database claim keeps only one "
         "marking, but per-key order is at risk if claims are not enforced in this deployment.",
         check=(
-            "`reaper outbox status`: which instance holds each unit's claim.",
+            "`reaper outbox status`: each unit's leader in the leader group, and the leader ids of its rows in flight.",
+            "`SELECT outbox, layout, holder, held_until FROM <schema>.harvest_claim`: the configuration and "
+            "the reaper that hold each outbox table.",
             "That `harvester.heartbeat_timeout` is below the consumer group's session timeout on every instance.",
             "That every instance uses one leader topic and one leader group (a second deployment with "
             "another group harvesting the same table is refused with `not marking`).",
@@ -65,7 +69,7 @@ RUNBOOKS: dict[str, Runbook] = {
         means="One harvest unit (an outbox table, or one lane of it) has no leader: its rows are not "
         "published while other units are.",
         check=(
-            "`reaper outbox status` for that unit: its claim holder and backlog.",
+            "`reaper outbox status` for that unit: its leader and backlog.",
             "The logs, filtered by the unit's name, for fencing, revocations or a refused claim.",
         ),
         act=(
@@ -154,7 +158,12 @@ RUNBOOKS: dict[str, Runbook] = {
         "of range, malformed id, expired batch. They are written to the dead-letter topic, not applied.",
         check=(
             "The dead-letter topic: each message holds the entry as written and the reason.",
-            "Which consumer sends them (its client id in the message headers or the ack topic's partition).",
+            "Where they come from: the `source-topic` header names the ack topic (so the schema), and a "
+            "malformed entry's `source-partition` and `source-offset` headers locate the message it came in; "
+            "the `schema` label of `reaper_acks_dead_lettered_total` names the acker.",
+            "Acks sent to another schema's ack topic: each schema's batches are acked on its own topic "
+            "(`acker.topic`, or the `ack_topic` of its `harvester.outboxes` entries), and an id read from "
+            "another schema's topic is an unknown batch or group there.",
         ),
         act=(
             "Fix the consumer that builds ids (ids are `<batch>:<group>:<index>`, exactly as received).",
@@ -162,10 +171,12 @@ RUNBOOKS: dict[str, Runbook] = {
         ),
     ),
     "ReaperAckerLag": Runbook(
-        means="The acker is more than 100,000 ack messages behind: batches complete late.",
+        means="An acker is more than 100,000 ack messages behind: batches of its schema complete late.",
         check=(
+            "The `schema` label of `reaper_acker_lag_messages`: which schema's acker is behind (its consumer "
+            "group is `acker.group`, or `<acker.group>-<ack_topic>` for another schema's ack topic).",
             "`reaper_ack_apply_duration_seconds`: is each apply slow (database load, lock waits)?",
-            "That every instance runs its acker (`acker.enabled`) and the ack topic's partitions are spread over them.",
+            "That every instance runs its ackers (`acker.enabled`) and the ack topic's partitions are spread over them.",
         ),
         act=(
             "Relieve the database (slow queries, vacuum of the batch tables) or add instances, up to "
