@@ -545,7 +545,16 @@ def _check_relations(cfg: Config) -> None:
     if bool(cfg.http.tls_certfile) != bool(cfg.http.tls_keyfile):
         raise ConfigError("http.tls_certfile", "set both http.tls_certfile and http.tls_keyfile, or neither")
     units(cfg)  # raises ConfigError naming the offending outbox key
-    ack_topics(cfg)  # ... and the offending ack_topic
+    read_by_ackers = {*ack_topics(cfg).values(), cfg.acker.dead_letter_topic}  # ... and the offending ack_topic
+    # events the reaper writes, or leadership records, on a topic an acker reads would be read as acks
+    for section, name in (
+        ("harvester", "default_completion_topic"),
+        ("sweeper", "expiry_topic"),
+        ("harvester", "leader_topic"),
+    ):
+        topic = getattr(getattr(cfg, section), name)
+        if topic in read_by_ackers:
+            raise ConfigError(f"{section}.{name}", f"{topic!r} is an ack topic or the acks' dead-letter topic")
 
 
 # ------------------------------------------------------------------ harvest units

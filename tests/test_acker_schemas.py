@@ -81,6 +81,26 @@ def test_ack_topic_is_validated_naming_the_entry_key():
         assert words in str(err.value), (outboxes, err.value)
 
 
+def test_no_topic_the_reaper_writes_events_to_or_elects_on_is_an_ack_topic():
+    """Completion and expiry events, or leadership records, on an ack topic would be read as acks."""
+    outboxes = [{"name": "main"}, {"name": "b", "schema": "s2", "ack_topic": "acks-s2"}]
+    for section, key in (
+        ("harvester", "default_completion_topic"),
+        ("sweeper", "expiry_topic"),
+        ("harvester", "leader_topic"),
+    ):
+        for topic in ("acks", "acks-s2", "acks-dlq"):
+            sections: dict = {
+                "database": {"schema": "main"},
+                "harvester": {"outboxes": outboxes},
+                "acker": {"topic": "acks", "dead_letter_topic": "acks-dlq"},
+            }
+            sections.setdefault(section, {})[key] = topic
+            with pytest.raises(ConfigError) as err:
+                config_mod.load(None, environ={}, overrides=sections)
+            assert err.value.key == f"{section}.{key}" and repr(topic) in str(err.value), err.value
+
+
 def test_each_schema_acks_on_its_own_topic_and_completes_into_its_own_outbox(
     pg_dsn, schema, kafka_bootstrap, topics, tmp_path
 ):
