@@ -159,9 +159,10 @@ def measure(seconds: float, lanes: int, seed: int, rate: float) -> dict:
             if time.monotonic() - began >= seconds:
                 break
             kind = rng.choice(FAULTS)
+            at = time.monotonic() - began
             window = inject(run, kind, rng, defaults.session_timeout)
             windows.append(window)
-            say(f"{time.monotonic() - began:6.1f}s {kind} {window.target}")
+            say(f"{at:6.1f}s {kind} {window.target} (healed after {time.monotonic() - began - at:.1f} s)")
             cluster.wait_in_sync([topic, item_topic], 90)
         gen.stop()
         fan.stop()
@@ -209,7 +210,9 @@ def measure(seconds: float, lanes: int, seed: int, rate: float) -> dict:
         "lanes": lanes,
         "seed": seed,
         "offered_rate_per_s": rate,
-        "faults": [{"kind": w.kind, "target": w.target} for w in windows],
+        "faults": [{"kind": w.kind, "target": w.target, "at": round(w.start - windows[0].start, 1)} for w in windows]
+        if windows
+        else [],
         "records_committed": committed,
         "records_received": received,
         "ledger": {"lost": lost, "order_violations": len(violations), "error": ledger_error},
