@@ -39,7 +39,7 @@ def make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, group=None, **kw) ->
         dsn=pg_dsn,
         schema=schema,
         bootstrap_servers=kafka_bootstrap,
-        kafka_client={},
+        kafka_client=kw.pop("kafka_client", {}),
         topic=topic,
         group=group or f"acker-{uuid.uuid4().hex[:8]}",
         dead_letter_topic=dlq,
@@ -437,3 +437,20 @@ def test_reaper_acker_writes_completions_to_the_configured_topic_and_table(
         assert completion_events(c, schema, "batch-completions") == []
         ((key, value),) = completion_events(c, schema, "catalog-done")
     assert key == str(batch.id).encode() and json.loads(value)["batch_id"] == batch.id
+
+
+def test_the_ackers_kafka_clients_reconnect_within_a_second_unless_configured_otherwise(kafka_bootstrap):
+    """librdkafka's default back-off grows to 10 s between attempts: an acker would sit idle that long
+    after a broker came back. The configured client settings still win."""
+    acker = make_acker("postgresql://unused", "s", kafka_bootstrap, "acks-unused", "dlq-unused")
+    for conf in (acker._consumer_conf, acker._producer_conf):
+        assert (conf["reconnect.backoff.ms"], conf["reconnect.backoff.max.ms"]) == (50, 1000)
+    tuned = make_acker(
+        "postgresql://unused",
+        "s",
+        kafka_bootstrap,
+        "acks-unused",
+        "dlq-unused",
+        kafka_client={"reconnect.backoff.max.ms": 5000},
+    )
+    assert tuned._consumer_conf["reconnect.backoff.max.ms"] == tuned._producer_conf["reconnect.backoff.max.ms"] == 5000

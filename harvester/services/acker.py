@@ -48,6 +48,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from harvester.db_pool import needs_new_connection
 from harvester.metrics import HarvesterMetrics
 from harvester.metrics import get as get_metrics
+from harvester.publishing.publisher import RECONNECT
 from tracker.folding import FAIL_MARK, FAILURE_REASON_HEADER, GROUPS_PER_FOLD_MAX, Folded, fold_messages
 from tracker.ids import GroupMask
 from tracker.pooling import configure_for_pooler
@@ -151,6 +152,7 @@ class Acker:
             "queued.min.messages": max(500_000, 5 * self.max_poll_records),
             "partition.assignment.strategy": "cooperative-sticky",
             "auto.offset.reset": "earliest",
+            **RECONNECT,  # back within a second of a broker's return, not librdkafka's 10 s back-off
             **client,
             **(consumer_client or {}),
             # What the acker's correctness rests on: offsets are committed by hand after the database.
@@ -163,6 +165,7 @@ class Acker:
         }
         self._producer_conf = {
             "linger.ms": 5,
+            **RECONNECT,
             **client,
             **(producer_client or {}),
             "bootstrap.servers": bootstrap_servers,
