@@ -67,8 +67,17 @@ def cmd_migrate(cfg: config_mod.Config, dry_run: bool, roles_action: str | None 
             pending = schema.pending_sql(conn, name)
             if not pending:
                 print(f"-- schema {name!r} is up to date")
-            for m, text in pending:
+            # as migrate() runs them: each migration in a transaction of its own, then every
+            # changed definition together in one
+            migrations = [(m, text) for m, text in pending if isinstance(m, schema.Migration)]
+            definitions = [(d, text) for d, text in pending if not isinstance(d, schema.Migration)]
+            for m, text in migrations:
                 print(f"-- {m.name}\nBEGIN;\n{text.rstrip()}\nCOMMIT;\n")
+            if definitions:
+                print("-- the changed definitions, in one transaction\nBEGIN;")
+                for d, text in definitions:
+                    print(f"-- {d.name}\n{text.rstrip()}\n")
+                print("COMMIT;\n")
             return ExitCode.OK
         applied = schema.migrate(conn, name)
         note = "-- " if roles_action == "print" else ""  # the output is then an SQL script

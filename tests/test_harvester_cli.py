@@ -221,3 +221,29 @@ def test_version_names_the_installed_distribution_and_needs_no_configuration():
     done = _run(["--version"], _env(REAPER_DATABASE__DSN="postgresql://nobody@127.0.0.1:1/none"))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"reaper (outbox-reaper) {version('outbox-reaper')}"
+
+
+def test_migrate_dry_run_prints_the_transactions_migrate_runs(pg_dsn, schema):
+    """Each migration in a transaction of its own, then every changed definition in one: the
+    transactions a DBA who runs the printed script gets are those `reaper migrate` runs."""
+    from tracker import schema as schema_mod
+
+    fresh = f"{schema}_dry"
+    env = _env(REAPER_DATABASE__DSN=pg_dsn, REAPER_DATABASE__SCHEMA=fresh)
+    r = _run(["migrate", "--dry-run"], env)
+    assert r.returncode == 0, r.stderr
+    script = r.stdout
+    assert script.count("BEGIN;") == len(schema_mod.migrations()) + 1 == script.count("COMMIT;")
+    assert script.count("-- the changed definitions, in one transaction") == 1
+    try:
+        done = subprocess.run(
+            ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", pg_dsn, "-f", "-"],
+            input=f"CREATE SCHEMA {fresh};\n" + script,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{fresh}" CASCADE')
