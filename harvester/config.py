@@ -625,6 +625,12 @@ def units(cfg: Config) -> list[UnitSpec]:
     return out
 
 
+def acker_group(cfg: Config, topic: str) -> str:
+    """The consumer group of the acker of `topic`: acker.group for acker.topic (the `database`
+    section's schema), `<acker.group>-<topic>` for another schema's ack topic."""
+    return cfg.acker.group if topic == cfg.acker.topic else f"{cfg.acker.group}-{topic}"
+
+
 def ack_topics(cfg: Config) -> dict[tuple[str, str], str]:
     """The ack topic of each (dsn, schema) of the configuration's outboxes that has one (validated):
     acker.topic for the `database` section's, and for another schema the ack_topic its entries of

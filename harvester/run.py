@@ -17,7 +17,7 @@ from confluent_kafka.admin import AdminClient
 
 import tracker
 from harvester import logs, product_version
-from harvester.config import Config, ack_topics, redact_dsn, redacted
+from harvester.config import Config, ack_topics, acker_group, redact_dsn, redacted
 from harvester.election.neli import KafkaClusterUnknown, LeaderTopicMismatch
 from harvester.exit_codes import ExitCode
 from harvester.gauges import gauges_loop
@@ -167,12 +167,6 @@ class Readiness:
             self._last = (not problems, "; ".join(problems) or "ready")
             self._at = time.monotonic()
             return self._last
-
-
-def acker_group(cfg: Config, topic: str) -> str:
-    """The consumer group of the acker of `topic`: acker.group for acker.topic (the `database`
-    section's schema), `<acker.group>-<topic>` for another schema's ack topic."""
-    return cfg.acker.group if topic == cfg.acker.topic else f"{cfg.acker.group}-{topic}"
 
 
 def acked_targets(cfg: Config, targets: list[BatchTarget]) -> list[tuple[BatchTarget, str]]:

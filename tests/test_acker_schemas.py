@@ -18,8 +18,7 @@ from test_harvester_cli import _safe_get
 from test_tracker_support import completion_events
 
 from harvester import config as config_mod
-from harvester.config import ConfigError, ack_topics
-from harvester.run import acker_group
+from harvester.config import ConfigError, ack_topics, acker_group
 from tracker import schema as schema_mod
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 
 import httpx
 import psycopg
@@ -480,3 +481,30 @@ def test_a_cookie_used_after_logout_is_refused_by_every_server(cfg, pg_dsn, sche
             assert r.status_code == 303 and r.headers["location"].startswith("/console/login")
         # A new login is a new session: it works at once.
         assert client(b, TOKEN).get("/console/batches").status_code == 200
+
+
+def test_the_overviews_acker_lag_covers_every_schemas_ack_topic(kafka_bootstrap, topics, pg_dsn, schema):
+    from confluent_kafka import Producer
+
+    from harvester import config as config_mod
+    from harvester.services.console.overview import acker_lag
+
+    main_acks, other_acks = topics("acks-main"), topics("acks-other")
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    for topic, n in ((main_acks, 3), (other_acks, 2)):
+        for i in range(n):
+            producer.produce(topic, value=f"1:0:{i}".encode())
+    assert producer.flush(30) == 0
+    cfg = config_mod.load(
+        None,
+        environ={},
+        overrides={
+            "database": {"dsn": pg_dsn, "schema": schema},
+            "kafka": {"bootstrap_servers": kafka_bootstrap},
+            "acker": {"topic": main_acks, "group": f"acker-{uuid.uuid4().hex[:8]}"},
+            "harvester": {
+                "outboxes": [{"name": "main"}, {"name": "other", "schema": "other", "ack_topic": other_acks}]
+            },
+        },
+    )
+    assert acker_lag(cfg, 10) == 5  # nothing committed by either acker group yet

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from harvester import logs
 from harvester.admin import status
 from harvester.admin.common import one_row
-from harvester.config import Config, UnitSpec, units
+from harvester.config import Config, UnitSpec, ack_topics, acker_group, units
 
 T = TypeVar("T")
 
@@ -121,26 +121,34 @@ def kafka_view(cfg: Config) -> KafkaView:
 
 
 def acker_lag(cfg: Config, timeout: float) -> int | None:
-    """Ack-topic messages past the acker group's committed offsets (all partitions)."""
+    """Messages of every ack topic of the configuration (one per outbox schema) past its acker
+    group's committed offsets, all partitions; None when no ack topic exists yet."""
     conf = {"bootstrap.servers": cfg.kafka.bootstrap_servers, **cfg.kafka.client, "logger": logs.KafkaLogger("admin")}
     admin = AdminClient(conf)
     try:
-        topic = cfg.acker.topic
-        meta = admin.list_topics(topic, timeout=timeout).topics.get(topic)
-        if meta is None or meta.error is not None:
-            return None
-        parts = [TopicPartition(topic, p) for p in meta.partitions]
-        ends = admin.list_offsets({tp: OffsetSpec.latest() for tp in parts}, request_timeout=timeout)
-        group = ConsumerGroupTopicPartitions(cfg.acker.group, parts)
-        committed = admin.list_consumer_group_offsets([group], request_timeout=timeout)[cfg.acker.group]
-        done = {tp.partition: tp.offset for tp in committed.result(timeout=timeout + 2).topic_partitions}
-        lag = 0
-        for tp, fut in ends.items():
-            end = fut.result(timeout=timeout + 2).offset
-            lag += max(0, end - max(0, done.get(tp.partition, 0)))
-        return lag
+        lags = [
+            _topic_lag(admin, topic, acker_group(cfg, topic), timeout)
+            for topic in sorted(set(ack_topics(cfg).values()))
+        ]
+        known = [lag for lag in lags if lag is not None]
+        return sum(known) if known else None
     finally:
         admin.poll(0)
+
+
+def _topic_lag(admin: AdminClient, topic: str, group: str, timeout: float) -> int | None:
+    meta = admin.list_topics(topic, timeout=timeout).topics.get(topic)
+    if meta is None or meta.error is not None:
+        return None
+    parts = [TopicPartition(topic, p) for p in meta.partitions]
+    ends = admin.list_offsets({tp: OffsetSpec.latest() for tp in parts}, request_timeout=timeout)
+    committed = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group, parts)], request_timeout=timeout)
+    done = {tp.partition: tp.offset for tp in committed[group].result(timeout=timeout + 2).topic_partitions}
+    lag = 0
+    for tp, fut in ends.items():
+        end = fut.result(timeout=timeout + 2).offset
+        lag += max(0, end - max(0, done.get(tp.partition, 0)))
+    return lag
 
 
 def _urls(text: str) -> list[str]:
