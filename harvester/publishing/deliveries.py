@@ -21,6 +21,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from itertools import repeat
+from operator import is_, itemgetter
 
 from confluent_kafka import KafkaError
 
@@ -42,6 +44,9 @@ SAMPLE_EVERY = 64  # produce-latency histogram samples 1 in 64 reports: observe(
 WAKE_AT = 512  # queued reports that wake a worker (Event.set() takes a lock: not once per record)
 
 Report = tuple  # (row_id, leader_id, KafkaError | None)
+_ROW_ID = itemgetter(0)
+_LEADER = itemgetter(1)
+_ERROR = itemgetter(2)
 
 
 def error_reason(err: KafkaError) -> str:
@@ -141,13 +146,17 @@ class DeliverySettler:
             self._m.produce_duration.observe(lat)
 
     def report(self, row_id: int, leader_id: uuid.UUID, err: KafkaError | None, msg) -> None:
-        """A delivery report (the producer's per-record callback)."""
-        self.reports.append((row_id, leader_id, err))
+        """A delivery report (the producer's per-record callback). Called once per record from the
+        thread serving the producer: `sample` is inlined, and the wake-up test reads a local."""
+        reports = self.reports
+        reports.append((row_id, leader_id, err))
         if err is None:
-            self.sample(msg)
+            self._sampled += 1
+            if self._sampled >= SAMPLE_EVERY:
+                self._sample_now(msg)
         else:
             self.failed_report(err)
-        if len(self.reports) >= WAKE_AT and not self._wake.is_set():
+        if len(reports) >= WAKE_AT and not self._wake.is_set():
             self._wake.set()
 
     def failed_report(self, err: KafkaError) -> None:
@@ -173,7 +182,8 @@ class DeliverySettler:
         self._wake.set()
 
     def wake_if_pending(self) -> None:
-        if self.reports:
+        # After every poll: Event.set() takes a lock and notifies even when already set.
+        if self.reports and not self._wake.is_set():
             self._wake.set()
 
     def dead(self, n: int, ids: list[int], reason: str) -> None:
@@ -217,6 +227,19 @@ class DeliverySettler:
         failed rows, quarantine those Kafka can never accept."""
         failed: dict[uuid.UUID, list[int]] = {}
         dead: dict[tuple[uuid.UUID, str], list[int]] = {}
+        first = batch[0][1] if batch else None
+        if (
+            first is not None
+            and not done
+            and all(map(is_, map(_ERROR, batch), repeat(None)))
+            and all(map(is_, map(_LEADER, batch), repeat(first)))
+        ):
+            # The common case, every report a delivery under one leader id (the same object: the
+            # producing thread passes one to every report of a mark): checked and the ids taken at
+            # C speed (map, itemgetter, is_), not a Python iteration per report. (No == here: a
+            # KafkaError refuses to be compared with None.)
+            done[first] = list(map(_ROW_ID, batch))
+            batch = []
         for row_id, leader_id, err in batch:
             if err is None:
                 done.setdefault(leader_id, []).append(row_id)
