@@ -50,7 +50,8 @@ SAMPLE_EVERY = 64  # produce-latency histogram samples 1 in 64 reports: observe(
 # 200,000 pre-filled rows here, ~390 purges with 10-25% of the rows by range -> ~50-130 purges
 # with 50-90% by range, ~10% less reaper CPU a record. The price: a delivered row stays in the
 # outbox up to this much longer (republished if the leader dies meanwhile: a duplicate, never
-# a loss), and counts as in flight meanwhile (harvester.max_in_flight).
+# a loss), and counts as in flight meanwhile (harvester.max_in_flight). Only while more reports
+# are on their way: once every record in flight has reported, they are settled at once.
 SETTLE_EVERY = 0.1
 
 Report = tuple  # (row_id, leader_id, KafkaError | None)
@@ -192,8 +193,11 @@ class DeliverySettler:
         self._wake.set()
 
     def wake_if_pending(self) -> None:
-        """After every poll: a worker is woken once a purge batch is queued (see SETTLE_EVERY)."""
-        if len(self.reports) >= self._batch and not self._wake.is_set():
+        """After every poll: a worker is woken once a purge batch is queued (see SETTLE_EVERY), or
+        once every record counted in flight has reported: nothing more is on its way to gather
+        (light traffic, the end of a backlog), so those rows are settled without waiting."""
+        n = len(self.reports)
+        if n and (n >= self._batch or n >= self._in_flight) and not self._wake.is_set():
             self._wake.set()
 
     def dead(self, n: int, ids: list[int], reason: str) -> None:
