@@ -13,7 +13,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from operator import itemgetter
+from itertools import compress, repeat
+from operator import itemgetter, ne, sub
 
 import psycopg
 from psycopg import sql
@@ -67,20 +68,31 @@ def runs_of(ids: Sequence[int]) -> tuple[list[tuple[int, int]], list[int]]:
     in no such run. A run covers exactly its ids: ids are unique in the table, so the rows whose id
     lies between a run's first and last are the rows with one of its ids."""
     ordered = sorted(set(ids))
-    if not ordered:
+    n = len(ordered)
+    if not n:
         return [], []
-    if ordered[-1] - ordered[0] + 1 == len(ordered):  # the common case: one mark, nothing in between
-        return ([(ordered[0], ordered[-1])], []) if len(ordered) >= PURGE_RUN else ([], ordered)
+    if ordered[-1] - ordered[0] + 1 == n:  # the common case: one mark, nothing in between
+        return ([(ordered[0], ordered[-1])], []) if n >= PURGE_RUN else ([], ordered)
+    if n < PURGE_RUN:
+        return [], ordered
+    # Where a stretch of consecutive ids starts (index 0, and every i whose id is not its
+    # predecessor's + 1), and the stretches at least PURGE_RUN long: found by C-level iteration
+    # (map, compress), not a Python loop per id. A settle batch is usually the reports of a few
+    # partitions, whose ids interleave: mostly short stretches, often none long enough.
+    starts = [0, *compress(range(1, n), map(ne, map(sub, ordered[1:], ordered), repeat(1))), n]
+    lengths = list(map(sub, starts[1:], starts))
+    long = [i for i, length in enumerate(lengths) if length >= PURGE_RUN]
+    if not long:
+        return [], ordered
     runs: list[tuple[int, int]] = []
     singles: list[int] = []
-    start = 0
-    for i in range(1, len(ordered) + 1):
-        if i == len(ordered) or ordered[i] != ordered[i - 1] + 1:
-            if i - start >= PURGE_RUN:
-                runs.append((ordered[start], ordered[i - 1]))
-            else:
-                singles.extend(ordered[start:i])
-            start = i
+    at = 0
+    for i in long:
+        first, end = starts[i], starts[i + 1]
+        singles.extend(ordered[at:first])
+        runs.append((ordered[first], ordered[end - 1]))
+        at = end
+    singles.extend(ordered[at:])
     return runs, singles
 
 
