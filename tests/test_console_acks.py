@@ -128,3 +128,39 @@ def test_reaper_acks_requeue_moves_every_dead_lettered_ack_with_a_reason(
     assert missing.returncode == ExitCode.NOT_FOUND, (missing.stdout, missing.stderr)
     bad = reaper(cfg, "acks", "requeue", "--at", "zero", extra=extra)
     assert bad.returncode == ExitCode.USAGE, bad.stderr
+
+
+def test_a_dead_letter_goes_back_to_the_ack_topic_it_came_from(pg_dsn, schema, kafka_bootstrap, topics):
+    """Every schema's acker sets aside on the one dead-letter topic; batch ids are per schema, so a
+    dead letter of another schema's ack topic must go back there, never to acker.topic."""
+    from confluent_kafka import Producer
+    from support.harness import make_config
+
+    from harvester.admin import acks as acks_admin
+
+    main, other, dead = topics("acks"), topics("acks-other"), topics("acks-dead")
+    cfg = make_config(
+        pg_dsn,
+        schema,
+        kafka_bootstrap,
+        harvester={"outboxes": [{"name": "main"}, {"name": "b", "schema": f"{schema}_b", "ack_topic": other}]},
+        acker={"topic": main, "dead_letter_topic": dead},
+        console={"kafka_timeout": 5},
+    )
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    p.produce(dead, key=b"7", value=b"7:0:9", headers=[("reason", b"index out of range"), ("source-topic", other)])
+    assert p.flush(30) == 0
+    with psycopg.connect(pg_dsn) as conn:
+        r = acks_admin.requeue(cfg, conn, reason="index out of range")
+    assert r.requeued == 1
+    assert [m.value() for m in read_messages(kafka_bootstrap, other, 1, timeout=10)] == [b"7:0:9"]
+    assert read_messages(kafka_bootstrap, main, 1, timeout=3) == []
+    # a dead letter of a topic no acker of this configuration reads: refused, naming it, nothing sent
+    p.produce(dead, key=b"8", value=b"8:0:9", headers=[("reason", b"stranger"), ("source-topic", b"elsewhere-acks")])
+    assert p.flush(30) == 0
+    from harvester.admin.common import AdminError
+
+    with psycopg.connect(pg_dsn) as conn, pytest.raises(AdminError, match="elsewhere-acks") as refused:
+        acks_admin.requeue(cfg, conn, reason="stranger")
+    assert refused.value.code == ExitCode.REFUSED
+    assert len(read_messages(kafka_bootstrap, other, 2, timeout=3)) == 1

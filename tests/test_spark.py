@@ -279,3 +279,46 @@ def test_fan_out_of_an_empty_dataframe_completes_the_batch(spark, pg_dsn, schema
     assert (result.items, result.groups, result.complete) == (0, 0, True)
     with psycopg.connect(pg_dsn) as c:
         assert [json.loads(v)["user_key"] for _, v in completion_events(c, schema)] == ["empty"]
+
+
+def _fail_every_apply(partition, attempt):
+    raise RuntimeError("the database went away after the apply")
+
+
+def test_a_failed_micro_batch_retried_from_its_checkpoint_counts_its_input_rows_once(
+    spark, pg_dsn, schema, kafka_bootstrap, topics, tmp_path
+):
+    from tracker.spark.progress import input_rows
+
+    topic, name = topics("acks"), f"once-{schema}"
+    with psycopg.connect(pg_dsn) as c:
+        batch = tracker.open_batch(c, schema=schema)
+        (h,) = tracker.add_items(c, batch, 50, schema=schema)
+        tracker.close_batch(c, batch, schema=schema)
+        c.commit()
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    for i in h.item_ids:
+        p.produce(topic, key=str(batch.id).encode(), value=i.encode())
+    assert p.flush(30) == 0
+    counted = input_rows.labels(name)
+    before = counted._value.get()
+    kw = {
+        "bootstrap_servers": kafka_bootstrap,
+        "topic": topic,
+        "dsn": pg_dsn,
+        "schema": schema,
+        "checkpoint_location": str(tmp_path / "cp"),
+        "query_name": name,
+    }
+    query, first = tspark.ack_stream(spark, **kw, after_apply=_fail_every_apply)
+    try:
+        wait_for(lambda: query.exception() is not None, timeout=180, what="the micro-batch to fail")
+    finally:
+        query.stop()
+    query, second = tspark.ack_stream(spark, **kw)  # the same micro-batch again, from the checkpoint
+    try:
+        wait_for(lambda: second.completed == [batch.id], timeout=180, what="the retried micro-batch")
+    finally:
+        query.stop()
+    assert counted._value.get() - before == 50
+    assert first.progress.input_rows + second.progress.input_rows == 50

@@ -3,7 +3,8 @@
 The acker sets aside ack messages it cannot apply (malformed ids, unknown batches or groups, indexes
 past a group's size, acks of expired batches) on its dead-letter topic, each as the entry it was
 sent (a failure keeps its '!' and its failure-reason header) with the reason in a `reason` header.
-Once the cause is fixed, this produces chosen ones to the ack topic again: one message named by
+Once the cause is fixed, this produces chosen ones again, each to the ack topic it came from (its
+source-topic header: every schema's acker shares the dead-letter topic): one message named by
 its partition and offset (`--at P:O`), or every message whose reason contains a text (`--reason`),
 or every message (`--all`), among the newest `--scan` of each partition (older ones are counted,
 not read). Kafka keeps the dead letters: a message requeued twice is sent twice, and the second
@@ -24,7 +25,7 @@ from psycopg import sql
 
 from harvester import logs
 from harvester.admin.common import AdminError, require_tables
-from harvester.config import Config
+from harvester.config import Config, ack_topics
 from harvester.exit_codes import ExitCode
 from tracker.schema import qualified
 
@@ -50,7 +51,7 @@ class DeadAck:
 @dataclass
 class RequeuedAcks:
     dead_letter_topic: str
-    topic: str  # the ack topic they were sent to
+    topic: str  # the ack topic they were sent to (each to the one it came from; comma-separated if several)
     requeued: int = 0  # messages sent (with dry_run: that would be)
     scanned: int = 0  # dead letters looked at
     not_scanned: int = 0  # older dead letters beyond the scan of each partition
@@ -179,7 +180,20 @@ def requeue(
     a = cfg.acker
     chosen, scanned, skipped = select(cfg, at=at, reason=reason, scan=scan)
     chosen.sort(key=lambda m: (m.partition() or 0, m.offset() or 0))
-    out = RequeuedAcks(a.dead_letter_topic, a.topic, len(chosen), scanned, skipped, dry_run=dry_run)
+    # Every schema's acker sets aside on the one dead-letter topic and batch ids are per schema: a
+    # dead letter goes back to the ack topic it came from (its source-topic header), never another.
+    known = set(ack_topics(cfg).values())
+    targets = [text(dict(m.headers() or []).get("source-topic")) or a.topic for m in chosen]
+    strange = sorted({t for t in targets if t not in known})
+    if strange:
+        raise AdminError(
+            f"dead letters from {', '.join(map(repr, strange[:3]))}, not an ack topic of this configuration: "
+            "nothing was sent (requeue them with the configuration of the schema that acks on it)",
+            ExitCode.REFUSED,
+        )
+    out = RequeuedAcks(
+        a.dead_letter_topic, ", ".join(sorted(set(targets))) or a.topic, len(chosen), scanned, skipped, dry_run=dry_run
+    )
     out.letters = [dead_ack(m) for m in chosen[:SHOWN]]
     if dry_run or not chosen:
         return out
@@ -197,20 +211,20 @@ def requeue(
         if err is not None:
             failures.append(str(err))
 
-    for m in chosen:
+    for m, target in zip(chosen, targets, strict=True):
         kept: list[Any] = list(m.headers() or [])
         headers: list[tuple[str, str | bytes | None]] = [(h[0], h[1]) for h in kept if h[0] == FAILURE_REASON_HEADER]
         headers.append((REQUEUED_FROM_HEADER, f"{a.dead_letter_topic}:{m.partition()}@{m.offset()}".encode()))
         while True:
             try:
-                producer.produce(a.topic, key=m.key(), value=m.value(), headers=headers, on_delivery=delivered)
+                producer.produce(target, key=m.key(), value=m.value(), headers=headers, on_delivery=delivered)
                 break
             except BufferError:
                 producer.poll(0.1)
     left = producer.flush(30)
     if left or failures:
         raise AdminError(
-            f"not all were sent to {a.topic}: {left} still queued, failures {failures[:3]}; "
+            f"not all were sent to {out.topic}: {left} still queued, failures {failures[:3]}; "
             "those that were are acks again (sending them twice is harmless)",
             ExitCode.UNAVAILABLE,
         )
@@ -220,7 +234,7 @@ def requeue(
         sql.SQL("INSERT INTO {} (action, rows, detail) VALUES ('acks-requeue', %s, %s::jsonb)").format(
             qualified(cfg.database.schema, "admin_log")
         ),
-        [len(chosen), json.dumps({"from": where[:1000], "topic": a.topic, "filter": filt})],
+        [len(chosen), json.dumps({"from": where[:1000], "topic": out.topic, "filter": filt})],
     )
     conn.commit()
     return out

@@ -107,8 +107,8 @@ def ack_stream(
         try:
             # Counted here, all of it read into the cache at once: Spark's own numInputRows counts
             # only what the micro-batch's last job read from Kafka, not what earlier jobs cached.
+            # Recorded once the micro-batch is done: a failed one is read again from the checkpoint.
             rows = batch_df.count()
-            record_input_rows(totals.progress, label, rows)
             if _has_failures(batch_df):
                 ordered = ordered_outcomes(batch_df, dsn=dsn, schema=s, after_apply=after_apply)
                 letters = ordered.letters
@@ -122,6 +122,7 @@ def ack_stream(
             batch_df.unpersist()
         if letters and dead_letter_topic:
             _dead_letter(producer_conf, dead_letter_topic, topic, letters)
+        record_input_rows(totals.progress, label, rows)
         with totals.lock:
             totals.add(result)
             totals.failed += getattr(result, "failed", 0)
