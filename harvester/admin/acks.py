@@ -164,6 +164,12 @@ def select(
     return chosen, len(got), skipped
 
 
+def destination(cfg: Config, m: Message) -> str:
+    """The ack topic a dead letter goes back to: the one it came from (its source-topic header), or
+    acker.topic for a letter set aside before that header existed."""
+    return text(dict(m.headers() or []).get("source-topic")) or cfg.acker.topic
+
+
 def requeue(
     cfg: Config,
     conn: psycopg.Connection,
@@ -183,7 +189,7 @@ def requeue(
     # Every schema's acker sets aside on the one dead-letter topic and batch ids are per schema: a
     # dead letter goes back to the ack topic it came from (its source-topic header), never another.
     known = set(ack_topics(cfg).values())
-    targets = [text(dict(m.headers() or []).get("source-topic")) or a.topic for m in chosen]
+    targets = [destination(cfg, m) for m in chosen]
     strange = sorted({t for t in targets if t not in known})
     if strange:
         raise AdminError(

@@ -420,7 +420,7 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
             count=len(chosen),
             scanned=scanned,
             skipped=skipped,
-            topic=cfg.acker.topic,
+            topic=", ".join(sorted({acks_admin.destination(cfg, m) for m in chosen})) or cfg.acker.topic,
             confirm=sessions.confirmation(user, _acks_target(at, reason)),
         )
 
