@@ -133,15 +133,21 @@ class ClusterTopics:
         # A broker an earlier test killed or restarted may not have registered again with the
         # controller yet (the brokers' metadata can list it before the controller unfences it): a topic
         # of replication factor 3 needs all three, so creation is retried until they are.
-        deadline = time.monotonic() + 120
+        deadline, tried = time.monotonic() + 120, False
         while True:
             futures = self.admin.create_topics([NewTopic(name, num_partitions=partitions)], operation_timeout=30)
             try:
                 futures[name].result(timeout=60)
                 break
             except KafkaException as e:
-                if e.args[0].code() != KafkaError.INVALID_REPLICATION_FACTOR or time.monotonic() > deadline:
+                code = e.args[0].code()
+                if tried and code == KafkaError.TOPIC_ALREADY_EXISTS:
+                    break  # an earlier attempt that reported a failure (or timed out) made it after all
+                if code not in (KafkaError.INVALID_REPLICATION_FACTOR, KafkaError.REQUEST_TIMED_OUT) or (
+                    time.monotonic() > deadline
+                ):
                     raise
+                tried = True
                 time.sleep(0.5)
         self.created.append(name)
         return name
