@@ -110,7 +110,9 @@ def as_entries(picked) -> list[str]:
 def test_producer_to_fold_round_trip_keeps_the_first_outcome_of_every_item(seq, flush_each):
     """Whatever a consumer acks and fails through AckProducer, in whatever order and however it
     flushes, the acker's fold decides every item as the calls did: its first outcome."""
-    p, rec = recording_producer(max_message_bytes=64)  # small messages: several per batch
+    # small messages: several per batch; no linger, so only flush() sends (a slow machine would
+    # otherwise pass the 50 ms linger mid-sequence and send an item again, counted twice)
+    p, rec = recording_producer(max_message_bytes=64, linger=3600.0)
     expected: dict[tuple[int, int, int], str | None] = {}
     for reason, picked in seq:
         entries = as_entries(picked)
