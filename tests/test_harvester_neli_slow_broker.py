@@ -14,8 +14,8 @@ import time
 import uuid
 
 import pytest
-from support.blackhole import BlackholeProxy
 from support.harness import wait_until
+from support.tcp_proxy import KafkaProxy
 
 from harvester.election.neli import FENCED, LEADER, Neli
 from harvester.metrics import get as get_metrics
@@ -42,7 +42,7 @@ class _States:
 
 @pytest.fixture
 def proxied(kafka_bootstrap, topics):
-    proxy = BlackholeProxy(kafka_bootstrap)
+    proxy = KafkaProxy(kafka_bootstrap)
     n = Neli(
         bootstrap=proxy.address,
         client={},

@@ -12,9 +12,9 @@ import contextlib
 import time
 
 import psycopg
-from support.blackhole import BlackholeProxy
 from support.faults import FaultPlan, HeldHeartbeats
 from support.harness import Receiver, insert_rows, make_config, order_violations, outbox_count, wait_until
+from support.tcp_proxy import KafkaProxy
 
 from harvester.metrics import get as get_metrics
 from harvester.units import Harvester
@@ -152,7 +152,7 @@ def test_fence_purges_in_flight_records_and_replaces_the_producer(pg_dsn, kafka_
     would retry them after a heal). The fence must leave nothing with the old producer."""
     topic = topics("data", partitions=1)
     leader = topics("leader", partitions=1)
-    proxy = BlackholeProxy(kafka_bootstrap)
+    proxy = KafkaProxy(kafka_bootstrap)
     cfg = make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader)
     cfg.kafka.producer = {"bootstrap.servers": proxy.address}  # heartbeats go straight to Kafka
     receiver = Receiver(kafka_bootstrap, topic, 1)

@@ -12,10 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from support.blackhole import BlackholeProxy
 from support.harness import env_for, make_config, wait_until
 from support.private_services import free_port
 from support.reaper import ReaperProcess
+from support.tcp_proxy import KafkaProxy
 
 from harvester.logs import ConnectionChatter
 
@@ -109,7 +109,7 @@ def test_a_broker_away_and_back_is_one_warning_and_one_info_per_client(
     """While the broker is away, librdkafka's clients try to reconnect many times a second; the log
     holds one warning per client and broker when it goes and one info line with the count of
     failures not logged once they stop, never an error line per attempt."""
-    proxy = BlackholeProxy(kafka_bootstrap)
+    proxy = KafkaProxy(kafka_bootstrap)
     cfg = make_config(pg_dsn, schema, proxy.address, leader_topic=topics("leader"))
     reaper = ReaperProcess(env_for(cfg), tmp_path / "reaper.log")
     try:

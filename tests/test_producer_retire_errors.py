@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 
 from confluent_kafka import KafkaError, Producer
-from support.blackhole import BlackholeProxy
 from support.harness import wait_until
 from support.json_log import events, json_log
+from support.tcp_proxy import KafkaProxy
 
 from harvester.publishing.producer_slot import ProducerSlot
 from harvester.publishing.publisher import producer_config
@@ -50,7 +50,7 @@ def test_a_retired_producer_whose_purged_requests_are_answered_logs_no_error(kaf
     the purge as a fatal gap-less error from the retired producer's poll. That is expected, an
     info line, and the retired producer still leaves once its reports are served."""
     topic = topics("data", partitions=1)
-    proxy = BlackholeProxy(kafka_bootstrap)
+    proxy = KafkaProxy(kafka_bootstrap)
     conf = producer_config(proxy.address, {}, {})
     with json_log() as out:
         slot = ProducerSlot(conf, Producer)

@@ -8,11 +8,10 @@ from __future__ import annotations
 import signal
 import time
 
-from support.blackhole import BlackholeProxy
-from support.forwarder import Forwarder
 from support.harness import wait_until
 from support.private_services import free_port
 from support.reaper import ReaperProcess
+from support.tcp_proxy import KafkaProxy, TcpProxy
 from test_harvester_cli import _safe_get
 
 WAITING = "waiting for the database and Kafka"
@@ -39,16 +38,16 @@ def _named(reaper: ReaperProcess, event: str) -> list[dict]:
     return [e for e in reaper.events() if e.get("event") == event]
 
 
-def _forwarded_dsn(pg_dsn: str, forwarder: Forwarder) -> str:
+def _forwarded_dsn(pg_dsn: str, proxy: TcpProxy) -> str:
     from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
     parts = conninfo_to_dict(pg_dsn)
-    parts.update(host=forwarder.host, port=str(forwarder.port))
+    parts.update(host=proxy.host, port=str(proxy.port))
     return make_conninfo(**parts)
 
 
 def test_with_startup_timeout_0_an_unreachable_database_exits_3_at_once(pg_dsn, schema, kafka_bootstrap, tmp_path):
-    with Forwarder("127.0.0.1:1") as nothing:  # never opened: connections refused
+    with TcpProxy("127.0.0.1:1", listening=False) as nothing:  # never up: connections refused
         started = time.monotonic()
         reaper = ReaperProcess(_env(_forwarded_dsn(pg_dsn, nothing), schema, kafka_bootstrap, 0), tmp_path / "r.log")
         try:
@@ -62,7 +61,7 @@ def test_with_startup_timeout_0_an_unreachable_database_exits_3_at_once(pg_dsn, 
 
 
 def test_an_unreachable_database_is_waited_for_until_the_timeout(pg_dsn, schema, kafka_bootstrap, tmp_path):
-    with Forwarder("127.0.0.1:1") as nothing:
+    with TcpProxy("127.0.0.1:1", listening=False) as nothing:
         started = time.monotonic()
         reaper = ReaperProcess(_env(_forwarded_dsn(pg_dsn, nothing), schema, kafka_bootstrap, 3), tmp_path / "r.log")
         try:
@@ -78,7 +77,7 @@ def test_an_unreachable_database_is_waited_for_until_the_timeout(pg_dsn, schema,
 
 def test_a_reaper_started_before_its_database_waits_and_becomes_ready(pg_dsn, schema, kafka_bootstrap, tmp_path):
     port = free_port()
-    with Forwarder(_upstream(pg_dsn)) as later:
+    with TcpProxy(_upstream(pg_dsn), listening=False) as later:
         reaper = ReaperProcess(
             _env(_forwarded_dsn(pg_dsn, later), schema, kafka_bootstrap, 60, port) | {"REAPER_ACKER__ENABLED": "true"},
             tmp_path / "r.log",
@@ -88,7 +87,7 @@ def test_a_reaper_started_before_its_database_waits_and_becomes_ready(pg_dsn, sc
             time.sleep(3)  # a few more tries (0.5 s, 1 s, 2 s apart)
             assert reaper.proc.poll() is None
             assert _safe_get(f"http://127.0.0.1:{port}/readyz")[0] == 0  # nothing serves yet
-            later.open()
+            later.up()
             assert wait_until(lambda: _safe_get(f"http://127.0.0.1:{port}/readyz")[0] == 200, 30)
             assert wait_until(lambda: _named(reaper, "acker started"), 30)
             assert reaper.terminate(60) == 0
@@ -101,8 +100,7 @@ def test_a_reaper_started_before_its_database_waits_and_becomes_ready(pg_dsn, sc
 
 def test_a_reaper_started_before_kafka_waits_for_it(pg_dsn, schema, kafka_bootstrap, tmp_path):
     port = free_port()
-    broker = BlackholeProxy(kafka_bootstrap)
-    broker.down()  # the broker's address refuses connections until up()
+    broker = KafkaProxy(kafka_bootstrap, listening=False)  # the broker's address refuses connections until up()
     reaper = ReaperProcess(_env(pg_dsn, schema, broker.address, 60, port), tmp_path / "r.log")
     try:
         assert wait_until(lambda: _named(reaper, WAITING), 60), reaper.log_path.read_text()[-2000:]
@@ -117,7 +115,7 @@ def test_a_reaper_started_before_kafka_waits_for_it(pg_dsn, schema, kafka_bootst
 
 
 def test_sigterm_while_waiting_exits_3_promptly(pg_dsn, schema, kafka_bootstrap, tmp_path):
-    with Forwarder("127.0.0.1:1") as nothing:
+    with TcpProxy("127.0.0.1:1", listening=False) as nothing:
         reaper = ReaperProcess(_env(_forwarded_dsn(pg_dsn, nothing), schema, kafka_bootstrap, 60), tmp_path / "r.log")
         try:
             assert wait_until(lambda: _named(reaper, WAITING), 30), reaper.log_path.read_text()[-2000:]
