@@ -27,7 +27,8 @@ from pathlib import Path
 import httpx
 import psycopg
 
-from bench.http import free_port, percentile, serve
+from bench.http import percentile, serve
+from tests.support.ports import free_port
 from tracker import schema as schema_mod
 
 REPO = Path(__file__).resolve().parents[1]

@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ import httpx
 import psycopg
 
 import tracker
+from tests.support.ports import free_port
 from tracker import schema as schema_mod
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,12 +53,6 @@ def say(msg: str) -> None:
 def percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tenants_file() -> Path:

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from confluent_kafka import Producer
 from support.harness import make_config, wait_until
-from support.private_services import free_port
+from support.ports import free_port
 from support.reaper import ReaperProcess
 from test_acker import batch_state, closed_batch
 from test_harvester_cli import _safe_get

@@ -18,6 +18,7 @@ from structlog.testing import capture_logs
 from support.console import confirmation_of, csrf_of, login
 from support.harness import Receiver, make_config, wait_until
 from support.http_server import TOKEN, RunningServer
+from support.ports import free_port
 from test_admin import add_dead, running
 
 import tracker
@@ -327,7 +328,7 @@ def test_reaper_run_serves_the_console_when_configured(cfg, tmp_path):
     from support.harness import env_for
     from support.reaper import ReaperProcess, stop_all
 
-    port = _free_port()
+    port = free_port()
     env = env_for(cfg) | {
         "REAPER_CONSOLE__RUN": "true",
         "REAPER_CONSOLE__PORT": str(port),
@@ -353,14 +354,6 @@ def test_reaper_run_serves_the_console_when_configured(cfg, tmp_path):
     finally:
         stop_all([proc])
     assert proc.proc.returncode == 0, (tmp_path / "reaper.log").read_text()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _outbox_rows_read(pg_dsn: str, schema: str) -> int:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from support.console import login
 from support.harness import wait_until
 from support.http_server import TOKEN, RunningServer
+from support.ports import free_port
 from test_admin import add_dead
 from test_console import VIEWER, cfg, client, csrf_of, server  # noqa: F401 (fixtures)
 
@@ -149,13 +150,9 @@ def test_local_mode_answers_only_requests_addressed_to_a_loopback_name(pg_dsn, s
         for ok in ("127.0.0.1", "localhost:8400", "[::1]:8400", "127.0.0.2"):
             assert web.get("/console/batches", headers={"Host": ok}).status_code == 200, ok
     # The console `reaper run` serves (console.run) has the same gate.
-    import socket
-
     from harvester.services.console.standalone import ConsoleServer
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        c.console.port = sock.getsockname()[1]
+    c.console.port = free_port()
     alone = ConsoleServer(c).start()
     try:
         web = httpx.Client(base_url=f"http://127.0.0.1:{c.console.port}", timeout=60)

@@ -21,6 +21,7 @@ import psycopg
 import pytest
 from support.harness import Receiver, env_for, make_config, wait_until
 from support.http_server import TOKEN, RunningServer
+from support.ports import free_port
 from support.reaper import ReaperProcess, stop_all
 from test_admin import add_dead
 
@@ -41,12 +42,6 @@ def _installer():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +87,7 @@ def stack(pg_dsn, kafka_bootstrap, tmp_path_factory):
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
     for f in admin.create_topics([NewTopic(t, 1, 1) for t in (leader_topic, data_topic)]).values():
         f.result(30)
-    ports = {"reaper-a": _free_port(), "reaper-b": _free_port()}
+    ports = {"reaper-a": free_port(), "reaper-b": free_port()}
     cfg = make_config(
         pg_dsn,
         schema,

@@ -15,7 +15,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from support.harness import Receiver, insert_rows, wait_until
-from support.private_services import free_port
+from support.ports import free_port
 
 from harvester import config as config_mod
 

@@ -11,6 +11,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from support.http_server import TOKEN, RunningServer, http_config
+from support.ports import free_port
 
 from harvester import config as config_mod
 
@@ -275,9 +276,7 @@ def test_internal_error_is_a_bare_500_without_a_trace(world, pg_dsn, schema):
 
 
 def test_database_unavailable_is_503_and_not_ready(pg_dsn, schema):
-    with socket.socket() as sock:  # a port with nothing listening
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # nothing listening
     cfg = http_config(f"postgresql://postgres@127.0.0.1:{port}/outbox?connect_timeout=1", schema, request_timeout=1.0)
     with RunningServer(cfg, [TOKEN]) as s:
         r = httpx.post(f"{s.url}/v1/batches", json={}, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)

@@ -16,15 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "serve-token-0123456789abcdef"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(pg_dsn: str, schema: str, **http: str) -> dict[str, str]:
@@ -90,7 +85,7 @@ def test_refuses_to_start_without_valid_tokens(pg_dsn, schema, http, message):
 
 
 def test_local_mode_serves_without_tokens_on_loopback(pg_dsn, schema, tmp_path):
-    port = _free_port()
+    port = free_port()
     proc = _serve(_env(pg_dsn, schema, local_mode="true", port=str(port)), tmp_path / "log")
     try:
         _wait_ready(f"http://127.0.0.1:{port}", proc, tmp_path / "log")
@@ -103,7 +98,7 @@ def test_local_mode_serves_without_tokens_on_loopback(pg_dsn, schema, tmp_path):
 def test_sigterm_answers_the_long_poll_and_exits_cleanly_with_access_logs(pg_dsn, schema, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text(f"# the only client\n{TOKEN}\n")
-    port, log = _free_port(), tmp_path / "log"
+    port, log = free_port(), tmp_path / "log"
     proc = _serve(_env(pg_dsn, schema, tokens_file=str(tokens), port=str(port), shutdown_timeout="20"), log)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -172,7 +167,7 @@ def test_tls(pg_dsn, schema, tmp_path):
         capture_output=True,
         timeout=60,
     )
-    port, log = _free_port(), tmp_path / "log"
+    port, log = free_port(), tmp_path / "log"
     trust = ssl.create_default_context(cafile=str(cert))
     proc = _serve(_env(pg_dsn, schema, tokens=TOKEN, port=str(port), tls_certfile=str(cert), tls_keyfile=str(key)), log)
     try:

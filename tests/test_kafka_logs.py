@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from support.harness import env_for, make_config, wait_until
-from support.private_services import free_port
+from support.ports import free_port
 from support.reaper import ReaperProcess
 from support.tcp_proxy import KafkaProxy
 

@@ -264,7 +264,7 @@ def test_reaper_run_through_pgbouncer_publishes_acks_sweeps_and_leaks_no_session
 
     from confluent_kafka import Producer
     from support.harness import Receiver, insert_rows, wait_until
-    from support.private_services import free_port
+    from support.ports import free_port
     from support.reaper import ReaperProcess
 
     import tracker

@@ -9,7 +9,7 @@ import signal
 import time
 
 from support.harness import wait_until
-from support.private_services import free_port
+from support.ports import free_port
 from support.reaper import ReaperProcess
 from support.tcp_proxy import KafkaProxy, TcpProxy
 from test_harvester_cli import _safe_get

@@ -10,13 +10,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .ports import free_port
+
 SERVICES = Path(__file__).resolve().parents[2] / "deploy" / "local" / "services.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PrivateServices:
