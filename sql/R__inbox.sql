@@ -197,20 +197,8 @@ END $$;
 
 -- The consumer and operator roles (tracker.roles) get these functions here too, when they exist,
 -- so an upgrade never leaves them without; `reaper migrate` grants every function to app and reaper.
-DO $$
-DECLARE
-    r record;
-BEGIN
-    FOR r IN SELECT * FROM (VALUES
-            ('consumer', 'inbox_claim(text, text)'), ('consumer', 'inbox_show(text, text)'),
-            ('operator', 'inbox_show(text, text)'), ('operator', 'inbox_partitions()')) AS v(role, fn)
-    LOOP
-        IF EXISTS (SELECT FROM pg_roles WHERE rolname = current_schema() || '_' || r.role) THEN
-            EXECUTE format('GRANT EXECUTE ON FUNCTION %I.%s TO %I', current_schema(), r.fn,
-                           current_schema() || '_' || r.role);
-        END IF;
-    END LOOP;
-END $$;
+SELECT grant_execute_if_role_exists('consumer', ARRAY['inbox_claim(text, text)', 'inbox_show(text, text)']);
+SELECT grant_execute_if_role_exists('operator', ARRAY['inbox_show(text, text)', 'inbox_partitions()']);
 
 
 -- What each function consumers and operators call does, for `\df+` and the documentation's SQL

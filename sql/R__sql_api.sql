@@ -675,22 +675,11 @@ END $$;
 -- The functions created again above (a new signature) get back the grants of the least-privilege
 -- roles that exist (tracker.roles: producers and consumers); `reaper migrate` grants every function
 -- to the roles that run them all.
-DO $$
-DECLARE
-    r record;
-BEGIN
-    FOR r IN SELECT * FROM (VALUES
-            ('producer', 'open_batch(text, text, bigint, bigint, float8)'), ('producer', 'batch_status(bigint)'),
-            ('producer', 'failures(bigint, text, integer)'), ('consumer', 'batch_status(bigint)'),
-            ('consumer', 'failures(bigint, text, integer)'), ('consumer', 'fail(text[], text, text)'),
-            ('consumer', 'fail_masks(bigint[], bigint[], text[], text, text)')) AS v(role, fn)
-    LOOP
-        IF EXISTS (SELECT FROM pg_roles WHERE rolname = current_schema() || '_' || r.role) THEN
-            EXECUTE format('GRANT EXECUTE ON FUNCTION %I.%s TO %I', current_schema(), r.fn,
-                           current_schema() || '_' || r.role);
-        END IF;
-    END LOOP;
-END $$;
+SELECT grant_execute_if_role_exists('producer', ARRAY[
+    'open_batch(text, text, bigint, bigint, float8)', 'batch_status(bigint)', 'failures(bigint, text, integer)']);
+SELECT grant_execute_if_role_exists('consumer', ARRAY[
+    'batch_status(bigint)', 'failures(bigint, text, integer)', 'fail(text[], text, text)',
+    'fail_masks(bigint[], bigint[], text[], text, text)']);
 
 
 -- What each function a producer or consumer calls does, for `\df+` and the documentation's SQL
