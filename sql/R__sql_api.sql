@@ -673,13 +673,14 @@ END $$;
 
 
 -- The functions created again above (a new signature) get back the grants of the least-privilege
--- roles that exist (tracker.roles: producers and consumers); `reaper migrate` grants every function
--- to the roles that run them all.
+-- roles that exist (tracker.roles: producers, consumers and operators); `reaper migrate` grants
+-- every function to the roles that run them all.
 SELECT grant_execute_if_role_exists('producer', ARRAY[
     'open_batch(text, text, bigint, bigint, float8)', 'batch_status(bigint)', 'failures(bigint, text, integer)']);
 SELECT grant_execute_if_role_exists('consumer', ARRAY[
     'batch_status(bigint)', 'failures(bigint, text, integer)', 'fail(text[], text, text)',
     'fail_masks(bigint[], bigint[], text[], text, text)']);
+SELECT grant_execute_if_role_exists('operator', ARRAY['batch_status(bigint)']);
 
 
 -- What each function a producer or consumer calls does, for `\df+` and the documentation's SQL

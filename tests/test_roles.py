@@ -231,6 +231,32 @@ def test_after_migrate_no_function_is_executable_by_public_and_the_callers_run_a
     assert definer == set(callers + roles.MAINTENANCE_FUNCTIONS)
 
 
+def _executable(conn: psycopg.Connection, schema: str) -> dict[str, list[str]]:
+    """Each of the schema's roles: the schema's functions it may execute."""
+    out: dict[str, list[str]] = {}
+    for role in roles.ROLES:
+        rows = conn.execute(
+            "SELECT p.oid::regprocedure::text FROM pg_proc p WHERE p.pronamespace = %s::regnamespace"
+            " AND has_function_privilege(%s, p.oid, 'EXECUTE') ORDER BY 1",
+            [schema, roles.role_name(schema, role)],
+        ).fetchall()
+        out[role] = [r[0] for r in rows]
+    return out
+
+
+def test_every_role_keeps_its_functions_when_migrate_applies_the_definitions_again(pg_dsn, granted):
+    """An upgrade that changes the definitions makes some functions again (dropped, then created:
+    their grants go with them); each role must end with EXECUTE on all it had."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        before = _executable(conn, granted)
+        assert "batch_status" in str(before["operator"]) and "batch_status" in str(before["producer"])
+        conn.execute(
+            sql.SQL("UPDATE {} SET checksum = 'changed'").format(sql.Identifier(granted, "schema_definitions"))
+        )
+        assert "R__sql_api.sql" in migrate(conn, granted)
+        assert _executable(conn, granted) == before
+
+
 def test_the_reaper_role_reads_but_never_writes_which_migrations_ran(pg_dsn, granted):
     s = granted
     with login_as(pg_dsn, s, "reaper") as conn:
