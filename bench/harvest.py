@@ -85,7 +85,7 @@ class Env:
             f.result(30)
         self.group = f"bench-{uuid.uuid4().hex[:10]}"
 
-    def config(self, kafka_producer: dict | None = None, **harvester) -> config_mod.Config:
+    def config(self, kafka_producer: dict | None = None, dsn: str = DSN, **harvester) -> config_mod.Config:
         h = {
             "leader_topic": self.leader_topic,
             "leader_group": self.group,
@@ -97,7 +97,7 @@ class Env:
             None,
             environ={},
             overrides={
-                "database": {"dsn": DSN, "schema": self.schema},
+                "database": {"dsn": dsn, "schema": self.schema},
                 "kafka": {"bootstrap_servers": BOOTSTRAP, "producer": kafka_producer or {}},
                 "harvester": h,
                 "metrics": {"enabled": False},
@@ -122,8 +122,9 @@ def prefill(env: Env, n: int, keys: int) -> None:
     prefill_rows(DSN, env.schema, env.topic, n, keys)
 
 
-def harvest_all(env: Env, n: int, **harvester) -> dict:
-    h = Harvester(env.config(**harvester)).start()
+def harvest_all(env: Env, n: int, dsn: str = DSN, **harvester) -> dict:
+    """Harvests the n rows prefilled in env, the harvester connecting to dsn."""
+    h = Harvester(env.config(dsn=dsn, **harvester)).start()
     try:
         while not h.leading:
             time.sleep(0.01)

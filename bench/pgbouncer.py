@@ -13,46 +13,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
-from harvester import config as config_mod
 from harvester import logs
 from harvester.run import tune_process
-from harvester.units import Harvester
 
-from .harvest import BOOTSTRAP, DSN, Env, prefill, say
+from .harvest import DSN, Env, harvest_all, prefill, say
 
 PGBOUNCER_DSN = os.environ.get("PGBOUNCER_DSN", "postgresql://postgres@127.0.0.1:56432/outbox")
-
-
-def harvest(env: Env, dsn: str, n: int) -> float:
-    cfg = config_mod.load(
-        None,
-        environ={},
-        overrides={
-            "database": {"dsn": dsn, "schema": env.schema},
-            "kafka": {"bootstrap_servers": BOOTSTRAP},
-            "harvester": {
-                "leader_topic": env.leader_topic,
-                "leader_group": env.group,
-                "heartbeat_timeout": 2.0,
-                "session_timeout": 6.0,
-            },
-            "metrics": {"enabled": False},
-        },
-    )
-    h = Harvester(cfg).start()
-    try:
-        while not h.leading:
-            time.sleep(0.01)
-        started = time.perf_counter()
-        while h.publisher.purged_rows < n:
-            time.sleep(0.01)
-            if time.perf_counter() - started > 600:
-                raise RuntimeError(f"only {h.publisher.purged_rows} of {n} purged after 600 s")
-        return n / (time.perf_counter() - started)
-    finally:
-        h.stop(10)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             env = Env()
             try:
                 prefill(env, n, keys=1000)
-                rate = harvest(env, dsn, n)
+                rate = n / harvest_all(env, n, dsn=dsn)["seconds"]
             finally:
                 env.drop()
             rates[name].append(rate)
