@@ -121,6 +121,18 @@ def schema(pg_dsn) -> str:
 
 
 @pytest.fixture
+def bare_schema(pg_dsn) -> str:
+    """An empty schema `reaper migrate` never ran in (as one holding an application's own outbox
+    table), dropped afterwards."""
+    name = f"bare_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{name}"')
+    yield name
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA "{name}" CASCADE')
+
+
+@pytest.fixture
 def conn(pg_dsn, schema):
     """A psycopg connection (not autocommit) with search_path on the test's schema."""
     with psycopg.connect(pg_dsn) as c:

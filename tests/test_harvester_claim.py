@@ -139,17 +139,6 @@ def test_a_refusal_is_counted_and_logged_once_per_new_holder(pg_dsn, schema, poo
     assert len(logged) == 3 and logged[-1]["event"] != logged[0]["event"]
 
 
-@pytest.fixture
-def bare_schema(pg_dsn):
-    """A schema holding no harvest_claim table (an outbox outside database.schema)."""
-    name = f"bare_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f'CREATE SCHEMA "{name}"')
-    yield name
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA "{name}" CASCADE')
-
-
 def test_a_schema_without_the_table_gets_it_from_the_reaper(pg_dsn, bare_schema, pool):
     claim = OutboxClaim(pool, bare_schema, "orders", LAYOUTS[0], "me")
     claim.hold(server_now(pg_dsn) + timedelta(seconds=5))

@@ -17,17 +17,6 @@ from tracker import schema as schema_mod
 from tracker.message_ids import MESSAGE_ID_HEADER, NamespaceUnavailable
 
 
-@pytest.fixture
-def bare_schema(pg_dsn):
-    """A schema `reaper migrate` never ran in, holding an application's own outbox table."""
-    name = f"bare_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f'CREATE SCHEMA "{name}"')
-    yield name
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA "{name}" CASCADE')
-
-
 def test_a_unit_whose_schema_was_never_migrated_publishes_with_message_ids(
     pg_dsn, kafka_bootstrap, schema, bare_schema, topics
 ):
