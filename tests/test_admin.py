@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.harness import Generator, Receiver, env_for, make_config, wait_until
+from support.reaper import run_cli
 
 import tracker
 from harvester.admin import batch as batch_mod
@@ -35,14 +36,7 @@ def reaper(cfg, *args: str, timeout: float = 120, extra: dict | None = None) -> 
     env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
     env.update(env_for(cfg))
     env.update(extra or {})
-    return subprocess.run(
-        [sys.executable, "-m", "harvester.cli", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_cli(list(args), env, timeout)
 
 
 def as_json(r: subprocess.CompletedProcess) -> dict:

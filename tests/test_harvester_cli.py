@@ -16,6 +16,7 @@ import psycopg
 import pytest
 from support.harness import Receiver, insert_rows, wait_until
 from support.ports import free_port
+from support.reaper import run_cli
 
 from harvester import config as config_mod
 
@@ -28,27 +29,16 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "harvester.cli", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def test_bad_configuration_fails_at_start_naming_the_key(tmp_path):
-    r = _run(["run"], _env(REAPER_HARVESTER__HEARTBEAT_TIMEOUT="soon"))
+    r = run_cli(["run"], _env(REAPER_HARVESTER__HEARTBEAT_TIMEOUT="soon"))
     assert r.returncode == 2 and "harvester.heartbeat_timeout" in r.stderr, r.stderr
     cfg = tmp_path / "reaper.yaml"
     cfg.write_text("harvester:\n  mark_bach: 10\n")
-    r = _run(["-c", str(cfg), "run"], _env())
+    r = run_cli(["-c", str(cfg), "run"], _env())
     assert r.returncode == 2 and "harvester.mark_bach" in r.stderr, r.stderr
-    r = _run(["run"], _env(REAPER_DATABASE__SCHEMA="x; drop table outbox"))
+    r = run_cli(["run"], _env(REAPER_DATABASE__SCHEMA="x; drop table outbox"))
     assert r.returncode == 2 and "database.schema" in r.stderr, r.stderr
-    r = _run(["run"], _env(REAPER_KAFKA__PRODUCER__ENABLE_IDEMPOTENCE="false"))
+    r = run_cli(["run"], _env(REAPER_KAFKA__PRODUCER__ENABLE_IDEMPOTENCE="false"))
     assert r.returncode == 2 and "kafka.producer.enable.idempotence" in r.stderr, r.stderr
 
 
@@ -91,7 +81,7 @@ def test_configuration_layers_and_kafka_passthrough(tmp_path):
 def test_the_product_has_no_fault_injection():
     """Fault injection lives in tests/support: no harvester module imports it and `reaper run`
     knows no flag for it."""
-    r = _run(["run", "--enable-fault-injection"], _env())
+    r = run_cli(["run", "--enable-fault-injection"], _env())
     assert r.returncode == 2 and "unrecognized arguments" in r.stderr, r.stderr
     code = "import sys, harvester.cli, harvester.run, harvester.publishing.mark_purge_reset; print(sorted(m for m in sys.modules if 'faults' in m.split('.') or 'faulty_reaper' in m))"
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
@@ -100,7 +90,7 @@ def test_the_product_has_no_fault_injection():
 
 
 def test_unreachable_database_exits_3_and_secrets_stay_out_of_the_output():
-    r = _run(
+    r = run_cli(
         ["run"],
         _env(
             REAPER_DATABASE__DSN="postgresql://app:s3cret-pw@127.0.0.1:1/outbox",
@@ -120,14 +110,14 @@ def test_unreachable_database_exits_3_and_secrets_stay_out_of_the_output():
 def test_migrate_with_the_database_unreachable_exits_3_like_every_command():
     env = _env(REAPER_DATABASE__DSN="postgresql://app:s3cret-pw@127.0.0.1:1/outbox")
     for args in (["migrate"], ["migrate", "--dry-run"], ["outbox", "status"]):
-        r = _run(args, env)
+        r = run_cli(args, env)
         assert r.returncode == 3, (args, r.stdout, r.stderr)
         assert "s3cret-pw" not in r.stdout + r.stderr
-    assert "reaper migrate: database unreachable" in _run(["migrate"], env).stderr
+    assert "reaper migrate: database unreachable" in run_cli(["migrate"], env).stderr
 
 
 def test_console_log_format_is_readable_text():
-    r = _run(
+    r = run_cli(
         ["run"],
         _env(
             REAPER_DATABASE__DSN="postgresql://app@127.0.0.1:1/outbox",
@@ -218,7 +208,7 @@ def _safe_get(url: str) -> tuple[int, str]:
 def test_version_names_the_installed_distribution_and_needs_no_configuration():
     from importlib.metadata import version
 
-    done = _run(["--version"], _env(REAPER_DATABASE__DSN="postgresql://nobody@127.0.0.1:1/none"))
+    done = run_cli(["--version"], _env(REAPER_DATABASE__DSN="postgresql://nobody@127.0.0.1:1/none"))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"reaper (outbox-reaper) {version('outbox-reaper')}"
 
@@ -230,7 +220,7 @@ def test_migrate_dry_run_prints_the_transactions_migrate_runs(pg_dsn, schema):
 
     fresh = f"{schema}_dry"
     env = _env(REAPER_DATABASE__DSN=pg_dsn, REAPER_DATABASE__SCHEMA=fresh)
-    r = _run(["migrate", "--dry-run"], env)
+    r = run_cli(["migrate", "--dry-run"], env)
     assert r.returncode == 0, r.stderr
     script = r.stdout
     assert script.count("BEGIN;") == len(schema_mod.migrations()) + 1 == script.count("COMMIT;")

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from support.ports import free_port
+from support.reaper import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "serve-token-0123456789abcdef"
@@ -71,14 +72,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, log: Path, verify: object = Tr
     ],
 )
 def test_refuses_to_start_without_valid_tokens(pg_dsn, schema, http, message):
-    r = subprocess.run(
-        [sys.executable, "-m", "harvester.cli", "serve"],
-        cwd=REPO,
-        env=_env(pg_dsn, schema, **http),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = run_cli(["serve"], _env(pg_dsn, schema, **http))
     assert r.returncode == 2, r.stdout + r.stderr
     assert message in r.stderr
     assert "Traceback" not in r.stderr

@@ -15,6 +15,18 @@ from .faults import ENV_VAR, FaultPlan
 REPO = Path(__file__).resolve().parents[2]
 
 
+def run_cli(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    """`reaper <args>` run to its end from the repository's root, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "harvester.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 class ReaperProcess:
     def __init__(
         self,
