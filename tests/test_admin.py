@@ -18,7 +18,7 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.harness import Generator, Receiver, env_for, make_config, wait_until
+from support.harness import Generator, Receiver, env_for, make_config, running, wait_until
 from support.reaper import run_cli
 
 import tracker
@@ -69,17 +69,6 @@ def add_dead(pg_dsn: str, schema: str, topic: str, n: int, reason: str, prefix: 
             ).fetchall()
         ]
     return ids
-
-
-@contextlib.contextmanager
-def running(cfg):
-    h = Harvester(cfg).start()
-    try:
-        assert wait_until(lambda: h.leading, 30), "the reaper never became leader"
-        yield h
-    finally:
-        h.stop(drain_timeout=10)
-        assert h.error is None, h.error
 
 
 @pytest.fixture

@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 from support.console import confirmation_of, csrf_of, login
-from support.harness import Receiver, make_config, wait_until
+from support.harness import Receiver, make_config, running, wait_until
 from support.http_server import TOKEN, RunningServer
 from support.ports import free_port
-from test_admin import add_dead, running
+from test_admin import add_dead
 
 import tracker
 from harvester.services.console import queries

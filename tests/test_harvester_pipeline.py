@@ -10,7 +10,16 @@ import uuid
 import psycopg
 import pytest
 from support.faults import FaultPlan
-from support.harness import Generator, Receiver, insert_rows, make_config, order_violations, outbox_count, wait_until
+from support.harness import (
+    Generator,
+    Receiver,
+    insert_rows,
+    make_config,
+    order_violations,
+    outbox_count,
+    running,
+    wait_until,
+)
 
 from harvester.metrics import get as get_metrics
 from harvester.publishing.outbox_sql import FOREVER, OutboxStore, make_pool
@@ -19,17 +28,6 @@ from tracker import message_ids
 from tracker.message_ids import MESSAGE_ID_HEADER
 
 PARTITIONS = 4
-
-
-@contextlib.contextmanager
-def running(cfg, faults=None):
-    h = Harvester(cfg, **({"providers": faults.providers()} if faults is not None else {})).start()
-    try:
-        assert wait_until(lambda: h.leading, 30), "the only reaper never became leader"
-        yield h
-    finally:
-        h.stop(drain_timeout=10)
-        assert h.error is None, h.error
 
 
 @pytest.fixture

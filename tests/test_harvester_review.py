@@ -13,23 +13,11 @@ import time
 
 import psycopg
 from support.faults import FaultPlan, HeldHeartbeats
-from support.harness import Receiver, insert_rows, make_config, order_violations, outbox_count, wait_until
+from support.harness import Receiver, insert_rows, make_config, order_violations, outbox_count, running, wait_until
 from support.tcp_proxy import KafkaProxy
 
 from harvester.metrics import get as get_metrics
 from harvester.units import Harvester
-
-
-@contextlib.contextmanager
-def running(cfg, faults=None, drain_timeout=10):
-    """`faults`: a FaultPlan or HeldHeartbeats (anything with providers())."""
-    h = Harvester(cfg, **({"providers": faults.providers()} if faults is not None else {})).start()
-    try:
-        assert wait_until(lambda: h.leading, 30), "the only reaper never became leader"
-        yield h
-    finally:
-        h.stop(drain_timeout=drain_timeout)
-        assert h.error is None, h.error
 
 
 def _counter(name: str) -> float:

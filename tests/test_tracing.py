@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from support.harness import make_config, read_messages, wait_until
+from support.harness import make_config, read_messages, running, wait_until
 
 import tracker
 from harvester.config import ConfigError
@@ -49,17 +49,6 @@ def spans(exporter):
 def traceparent_of(span) -> str:
     c = span.get_span_context()
     return f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"
-
-
-@contextlib.contextmanager
-def running(cfg):
-    h = Harvester(cfg).start()
-    try:
-        assert wait_until(lambda: h.leading, 30), "the reaper never became leader"
-        yield h
-    finally:
-        h.stop(drain_timeout=10)
-        assert h.error is None, h.error
 
 
 def test_trace_context_flows_from_enqueue_through_kafka_to_consumers_and_the_completion_event(

@@ -13,6 +13,7 @@ import psycopg
 from confluent_kafka import Consumer, TopicPartition
 
 from harvester import config as config_mod
+from harvester.units import Harvester
 
 FAST = {  # short timeouts keep failure tests quick
     "min_poll_interval": 0.1,
@@ -182,6 +183,19 @@ def wait_until(cond: Callable[[], bool], timeout: float, step: float = 0.05) -> 
             return True
         time.sleep(step)
     return cond()
+
+
+@contextlib.contextmanager
+def running(cfg: config_mod.Config, faults=None, drain_timeout: float = 10) -> Iterator[Harvester]:
+    """A harvester on cfg, leading within 30 s; stopped afterwards, and it must not have failed.
+    `faults`: a FaultPlan or HeldHeartbeats (anything with providers())."""
+    h = Harvester(cfg, **({"providers": faults.providers()} if faults is not None else {})).start()
+    try:
+        assert wait_until(lambda: h.leading, 30), "the reaper never became leader"
+        yield h
+    finally:
+        h.stop(drain_timeout=drain_timeout)
+        assert h.error is None, h.error
 
 
 def order_violations(records: Iterable[tuple[bytes | None, bytes | None]]) -> list[str]:
