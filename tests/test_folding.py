@@ -5,31 +5,9 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.messages import Msg
 
 from tracker.folding import EntryFolder, fold_messages
-
-
-class Msg:
-    """What fold_messages reads of a consumed confluent_kafka.Message."""
-
-    def __init__(self, value, offset, partition=0):
-        self._v, self._o, self._p = value, offset, partition
-
-    def error(self):
-        return None
-
-    def partition(self):
-        return self._p
-
-    def offset(self):
-        return self._o
-
-    def key(self):
-        return b"1"
-
-    def value(self):
-        return self._v
-
 
 # single ids of a few groups, written as a client might: canonical, with leading zeros, too large
 _tails = st.one_of(
@@ -80,5 +58,7 @@ def test_fold_messages_sets_bad_entries_aside():
     assert f.masks[(1, 0)].count == 4 + 2  # duplicates are counted: the database tells which bits flipped
     assert (f.first, f.last, f.messages) == ({0: 5}, {0: 11}, 7)
     # polls interleave partitions in runs; first and last offsets are per partition
-    f = fold_messages([Msg(b"1:0:1", 3, 1), Msg(b"1:0:2", 4, 1), Msg(b"2:0:1", 7, 0), Msg(b"1:0:3", 5, 1)])
+    f = fold_messages(
+        [Msg(b"1:0:1", 3, partition=1), Msg(b"1:0:2", 4, partition=1), Msg(b"2:0:1", 7), Msg(b"1:0:3", 5, partition=1)]
+    )
     assert (f.first, f.last, f.messages) == ({1: 3, 0: 7}, {1: 5, 0: 7}, 4)

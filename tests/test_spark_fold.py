@@ -6,6 +6,7 @@ from __future__ import annotations
 import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.messages import Msg
 
 from tracker.folding import EntryFolder, fold_arrow, fold_messages
 from tracker.ids import fold
@@ -95,27 +96,8 @@ def test_spark_fold_matches_the_entry_fold(values, typ):
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.one_of(entries.map(lambda es: ",".join(es)), valid, valid), max_size=40))
 def test_acker_fold_matches_the_entry_fold(values):
-    class Msg:
-        def __init__(self, value, offset):
-            self._v, self._o = value, offset
-
-        def error(self):
-            return None
-
-        def partition(self):
-            return 0
-
-        def offset(self):
-            return self._o
-
-        def key(self):
-            return None
-
-        def value(self):
-            return self._v
-
     want, want_bad = _expected(values, "malformed: value is empty or not ASCII")
-    f = fold_messages([Msg(v.encode(), k) for k, v in enumerate(values)])
+    f = fold_messages([Msg(v.encode(), k, key=None) for k, v in enumerate(values)])
     assert _masks(f.masks) == want
     assert sorted((e.decode(), r) for _, e, r, _, _ in f.bad) == sorted(want_bad)
 
