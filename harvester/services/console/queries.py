@@ -8,6 +8,9 @@
   batch_user_key on (user_key, id), whatever the age of the batch.
 - A dead row: by its id (the dead table's primary key), with the first bytes of its value only.
 The counts shown beside the lists are bounded too: counted up to COUNT_CAP rows, then "more".
+The overview's count of unfinished batches stops at UNFINISHED_EXACT index entries; above it the
+page shows "more than" that, with the planner's estimate of the index's entries (pg_class.reltuples
+of batch_unfinished, as of the last ANALYZE or VACUUM: no row is read for it).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from tracker.schema import qualified
 
 COUNT_CAP = 100_000  # past this, counts show as "100,000+"
 DEAD_COUNT_CAP = 10_000  # dead rows counted up to this (a reason filter is a substring: no index helps)
+UNFINISHED_EXACT = 10_000  # the overview counts open and closed batches exactly up to this
 OVERVIEW_EXACT_ROWS = 10_000  # the overview counts the backlog exactly up to this, then shows the id span
 VALUE_PREVIEW = 2048  # bytes of a dead row's value an inspect page shows
 
@@ -81,6 +85,9 @@ def _statements(schema: str) -> dict[str, sql.Composed]:
         "ORDER BY user_key DESC, id DESC LIMIT %(limit)s",
         "count_unfinished": "SELECT count(*) FROM (SELECT 1 FROM {b} WHERE state IN ('open', 'closed') "
         f"AND {_TENANT} LIMIT %(cap)s) s",
+        "count_unfinished_estimate": "SELECT (SELECT count(*) FROM (SELECT 1 FROM {b} WHERE state IN ('open', 'closed') "
+        f"AND {_TENANT} LIMIT %(cap)s) s), "
+        "(SELECT reltuples::int8 FROM pg_class WHERE oid = to_regclass(%(index)s))",
         "tenant_of": "SELECT coalesce(tenant, 'default') FROM {b} WHERE id = %(id)s",
         # The library may open a child of a tenant's batch: the tenant sees its own children only.
         "children": f"SELECT {_COLUMNS} FROM {{b}} WHERE parent_id = %(id)s AND id > %(after)s AND {_TENANT} "
@@ -134,9 +141,31 @@ def search(conn: psycopg.Connection, schema: str, tenant: str, text: str, limit:
     return found[:limit]
 
 
+@dataclass
+class Unfinished:
+    """The overview's open and closed batches: exact up to UNFINISHED_EXACT, else more than that."""
+
+    count: int | None  # None: not read (error)
+    exact: bool = True
+    estimate: int | None = None  # when not exact: the planner's estimate, if above the cap
+    error: str | None = None
+
+
 def count_unfinished_statement(schema: str, tenant: str) -> tuple[sql.Composed, dict[str, object]]:
-    """The statement counting open and closed batches up to COUNT_CAP + 1, and its parameters."""
-    return _statements(schema)["count_unfinished"], {"tenant": tenant, "cap": COUNT_CAP + 1}
+    """The statement counting open and closed batches up to UNFINISHED_EXACT + 1 (and the planner's
+    estimate of them), and its parameters."""
+    index = qualified(schema, "batch_unfinished").as_string(None)
+    params = {"tenant": tenant, "cap": UNFINISHED_EXACT + 1, "index": index}
+    return _statements(schema)["count_unfinished_estimate"], params
+
+
+def unfinished_of(row: tuple[int, int | None]) -> Unfinished:
+    counted, estimate = row
+    if counted <= UNFINISHED_EXACT:
+        return Unfinished(int(counted))
+    return Unfinished(
+        UNFINISHED_EXACT, False, estimate if estimate is not None and estimate > UNFINISHED_EXACT else None
+    )
 
 
 def tenant_of(conn: psycopg.Connection, schema: str, batch_id: int) -> str | None:
