@@ -174,9 +174,13 @@ def tenant_of(conn: psycopg.Connection, schema: str, batch_id: int) -> str | Non
     return None if row is None else str(row[0])
 
 
+def children_statement(schema: str, tenant: str, batch_id: int, limit: int) -> tuple[sql.Composed, dict[str, object]]:
+    """The first `limit` children of a batch (by id) that `tenant` sees, as BatchRow columns."""
+    return _statements(schema)["children"], {"id": batch_id, "after": 0, "limit": limit, "tenant": tenant}
+
+
 def children(conn: psycopg.Connection, schema: str, tenant: str, batch_id: int, limit: int) -> list[BatchRow]:
-    params = {"id": batch_id, "after": 0, "limit": limit, "tenant": tenant}
-    rows = _rows(conn.execute(_statements(schema)["children"], params))
+    rows = _rows(conn.execute(*children_statement(schema, tenant, batch_id, limit)))
     conn.rollback()
     return rows
 

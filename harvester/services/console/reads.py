@@ -19,14 +19,19 @@ Statement = tuple[Any, Any]  # (query, parameters)
 
 
 def read_each(conn: psycopg.Connection, statements: list[Statement]) -> list[tuple[Any, ...] | psycopg.Error]:
-    """The first row of each statement (None: no row), or the error that statement alone raised.
-    The connection must be idle (no transaction open); it is left idle."""
+    """The first row of each statement (an empty tuple: no row), or the error that statement alone
+    raised. The connection must be idle (no transaction open); it is left idle."""
+    return [got if isinstance(got, psycopg.Error) else (got[0] if got else ()) for got in read_all(conn, statements)]
+
+
+def read_all(conn: psycopg.Connection, statements: list[Statement]) -> list[list[tuple[Any, ...]] | psycopg.Error]:
+    """The rows of each statement, or the error that statement alone raised (as read_each)."""
     if conn.info.transaction_status != pq.TransactionStatus.IDLE:
-        raise psycopg.ProgrammingError("read_each needs an idle connection (no transaction open)")
+        raise psycopg.ProgrammingError("read_all needs an idle connection (no transaction open)")
     mogrify = ClientCursor(conn).mogrify  # parameters bound here: one Parse/Bind/Execute each, no types
     queries = [mogrify(q, params).encode(conn.info.encoding) for q, params in statements]
     pg = conn.pgconn
-    out: list[tuple[Any, ...] | psycopg.Error] = []
+    out: list[list[tuple[Any, ...]] | psycopg.Error] = []
     with conn.lock:
         was_nonblocking = pg.nonblocking
         pg.nonblocking = 0  # blocking sends and reads: the whole exchange happens here
@@ -38,35 +43,28 @@ def read_each(conn: psycopg.Connection, statements: list[Statement]) -> list[tup
             pg.flush()
             for _ in queries:
                 out.append(_one(conn, pg))
-        finally:
             pg.exit_pipeline_mode()
             pg.nonblocking = was_nonblocking
+        except BaseException:
+            pg.finish()  # left mid-exchange (the server gone, an interrupt): no use to anyone now
+            raise
     return out
 
 
-def _one(conn: psycopg.Connection, pg: pq.abc.PGconn) -> tuple[Any, ...] | psycopg.Error:
+def _one(conn: psycopg.Connection, pg: pq.abc.PGconn) -> list[tuple[Any, ...]] | psycopg.Error:
     """The answer to one statement and its Sync."""
-    got: tuple[Any, ...] | psycopg.Error | None = None
+    got: list[tuple[Any, ...]] | psycopg.Error | None = None
     while True:
         res = pg.get_result()
         if res is None:
+            if pg.status == pq.ConnStatus.BAD:
+                raise psycopg.OperationalError("the connection was lost while reading")
             continue  # the end of one statement's results; its Sync follows
         if res.status == pq.ExecStatus.PIPELINE_SYNC:
-            return got if got is not None else ()
+            return got if got is not None else []
         if res.status == pq.ExecStatus.TUPLES_OK:
             tx = Transformer(conn)
             tx.set_pgresult(res)
-            got = tx.load_row(0, tuple) if res.ntuples else ()
+            got = tx.load_rows(0, res.ntuples, tuple)
         elif res.status == pq.ExecStatus.FATAL_ERROR:
-            got = _error(res, conn.info.encoding)
-
-
-def _error(res: pq.abc.PGresult, encoding: str) -> psycopg.Error:
-    def field(f: pq.DiagnosticField) -> str:
-        value = res.error_field(f)
-        return value.decode(encoding, "replace") if value else ""
-
-    sqlstate = field(pq.DiagnosticField.SQLSTATE)
-    message = field(pq.DiagnosticField.MESSAGE_PRIMARY) or res.error_message.decode(encoding, "replace")
-    cls = psycopg.errors.lookup(sqlstate) if sqlstate else psycopg.DatabaseError
-    return cls(message)
+            got = psycopg.errors.error_from_result(res, encoding=conn.info.encoding)

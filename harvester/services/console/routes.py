@@ -27,7 +27,7 @@ from harvester.admin import dead as dead_admin
 from harvester.admin.common import AdminError
 from harvester.config import Config
 from harvester.exit_codes import ExitCode
-from harvester.services.console import actions, logouts, queries
+from harvester.services.console import actions, batch_page, logouts, queries
 from harvester.services.console import dead_acks as dead_acks_mod
 from harvester.services.console.overview import Cached, Gatherer
 from harvester.services.console.session import COOKIE, LOGIN_COOKIE, Sessions, User
@@ -244,23 +244,14 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
             return pages.message(request, user, 400, "Bad request", "A page cursor is not an item id.")
 
         def read(c: psycopg.Connection) -> tuple[batch_admin.BatchView, list[queries.BatchRow]] | None:
-            if queries.tenant_of(c, schema, batch_id) != user.tenant:
-                return None  # another tenant's batch reads as one that does not exist
-            view = batch_admin.show(
-                c,
-                schema,
-                batch_id,
-                after=after,
-                limit=size,
-                failures_after=failures_after,
-                failures_limit=size,
+            return batch_page.read(
+                c, schema, user.tenant, batch_id, after=after, failures_after=failures_after, limit=size
             )
-            return view, queries.children(c, schema, user.tenant, batch_id, batch_admin.CHILDREN_SHOWN)
 
         try:
             got = await db.run(read)
-        except AdminError:
-            got = None
+        except batch_page.BadCursor:
+            return pages.message(request, user, 400, "Bad request", "A page cursor is not an item id of this batch.")
         if got is None:
             return pages.message(request, user, 404, "No such batch", f"There is no batch {batch_id}.")
         view, kids = got
