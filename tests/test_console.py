@@ -310,7 +310,8 @@ def test_the_key_queries_read_by_index(pg_dsn, schema):
             "at": queries.FAR,
             "id": 5,
             "key": "k5",
-            "cap": queries.COUNT_CAP + 1,
+            "cap": queries.UNFINISHED_EXACT + 1,
+            "index": f"{schema}.batch_unfinished",
             "after": 0,
         }
         for name in ("unfinished", "finished", "by_id", "by_key", "count_unfinished", "children"):

@@ -7,7 +7,6 @@
 - Search: by id (the primary key), or by user key (exact match, newest first): the index
   batch_user_key on (user_key, id), whatever the age of the batch.
 - A dead row: by its id (the dead table's primary key), with the first bytes of its value only.
-The counts shown beside the lists are bounded too: counted up to COUNT_CAP rows, then "more".
 The overview's count of unfinished batches stops at UNFINISHED_EXACT index entries; above it the
 page shows "more than" that, with the planner's estimate of the index's entries (pg_class.reltuples
 of batch_unfinished, as of the last ANALYZE or VACUUM: no row is read for it).
@@ -24,7 +23,6 @@ from psycopg import sql
 
 from tracker.schema import qualified
 
-COUNT_CAP = 100_000  # past this, counts show as "100,000+"
 DEAD_COUNT_CAP = 10_000  # dead rows counted up to this (a reason filter is a substring: no index helps)
 UNFINISHED_EXACT = 10_000  # the overview counts open and closed batches exactly up to this
 OVERVIEW_EXACT_ROWS = 10_000  # the overview counts the backlog exactly up to this, then shows the id span
@@ -83,9 +81,7 @@ def _statements(schema: str) -> dict[str, sql.Composed]:
         "by_id": f"SELECT {_COLUMNS} FROM {{b}} WHERE id = %(id)s AND {_TENANT}",
         "by_key": f"SELECT {_COLUMNS} FROM {{b}} WHERE user_key = %(key)s AND {_TENANT} "
         "ORDER BY user_key DESC, id DESC LIMIT %(limit)s",
-        "count_unfinished": "SELECT count(*) FROM (SELECT 1 FROM {b} WHERE state IN ('open', 'closed') "
-        f"AND {_TENANT} LIMIT %(cap)s) s",
-        "count_unfinished_estimate": "SELECT (SELECT count(*) FROM (SELECT 1 FROM {b} WHERE state IN ('open', 'closed') "
+        "count_unfinished": "SELECT (SELECT count(*) FROM (SELECT 1 FROM {b} WHERE state IN ('open', 'closed') "
         f"AND {_TENANT} LIMIT %(cap)s) s), "
         "(SELECT reltuples::int8 FROM pg_class WHERE oid = to_regclass(%(index)s))",
         "tenant_of": "SELECT coalesce(tenant, 'default') FROM {b} WHERE id = %(id)s",
@@ -156,7 +152,7 @@ def count_unfinished_statement(schema: str, tenant: str) -> tuple[sql.Composed, 
     estimate of them), and its parameters."""
     index = qualified(schema, "batch_unfinished").as_string(None)
     params = {"tenant": tenant, "cap": UNFINISHED_EXACT + 1, "index": index}
-    return _statements(schema)["count_unfinished_estimate"], params
+    return _statements(schema)["count_unfinished"], params
 
 
 def unfinished_of(row: tuple[int, int | None]) -> Unfinished:
