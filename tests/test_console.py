@@ -311,7 +311,8 @@ def test_the_key_queries_read_by_index(pg_dsn, schema):
             "at": queries.FAR,
             "id": 5,
             "key": "k5",
-            "cap": queries.COUNT_CAP + 1,
+            "cap": queries.UNFINISHED_EXACT + 1,
+            "index": f"{schema}.batch_unfinished",
             "after": 0,
         }
         for name in ("unfinished", "finished", "by_id", "by_key", "count_unfinished", "children"):
@@ -451,7 +452,7 @@ def test_the_overview_reads_its_database_figures_in_one_round_trip(cfg, pg_dsn, 
     [t] = tables
     st = t.status
     assert st is not None and (st.backlog_rows, st.backlog_exact, st.in_flight_rows, st.dead_rows) == (20, True, 3, 2)
-    assert len(st.marked_by) == 3 and st.oldest_age_seconds >= 0 and unfinished == 1, (st, b)
+    assert len(st.marked_by) == 3 and st.oldest_age_seconds >= 0 and unfinished.count == 1, (st, b)
 
 
 def test_a_cookie_used_after_logout_is_refused_by_every_server(cfg, pg_dsn, schema):

@@ -164,3 +164,34 @@ def test_a_dead_letter_goes_back_to_the_ack_topic_it_came_from(pg_dsn, schema, k
         acks_admin.requeue(cfg, conn, reason="stranger")
     assert refused.value.code == ExitCode.REFUSED
     assert len(read_messages(kafka_bootstrap, other, 2, timeout=3)) == 1
+
+
+def test_a_console_requeue_holds_no_database_connection_while_it_waits_for_kafka(
+    cfg,  # noqa: F811
+    dead_letters,
+    pg_dsn,
+    schema,
+    monkeypatch,
+):
+    from harvester.admin import acks as acks_admin
+
+    held: list[int] = []
+    real_select = acks_admin.select
+
+    def select(*args, **kwargs):  # the real read of Kafka, noting the console's checked-out connections
+        stats = server.app.fastapi.state.console.db.pool.get_stats()
+        held.append(stats["pool_size"] - stats["pool_available"])
+        return real_select(*args, **kwargs)
+
+    with RunningServer(cfg, [TOKEN]) as server:
+        c = _client(server, TOKEN)
+        confirm = c.get("/console/dead-acks/requeue", params={"reason": "out of range"})
+        assert confirm.status_code == 200, confirm.text
+        monkeypatch.setattr(acks_admin, "select", select)
+        data = {"csrf": csrf_of(confirm), "reason": "out of range", "confirm": confirmation_of(confirm)}
+        with capture_logs() as logs:
+            r = c.post("/console/dead-acks/requeue", data=data)
+        assert r.status_code == 200 and "2 dead-lettered acks" in r.text, r.text
+    assert held == [0], held
+    assert len([e for e in logs if e.get("action") == "acks-requeue"]) == 1, logs  # one audit line
+    assert [rows for rows, _ in _logged(pg_dsn, schema)] == [2]  # and one admin_log row

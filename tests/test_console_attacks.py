@@ -173,3 +173,30 @@ def test_only_loopback_names_pass_the_local_mode_host_check(host, port, last):
     if loopback_host(host):  # whatever passes is localhost or a loopback address, with a port at most
         name = host.decode("latin-1").strip().lower()
         assert name.startswith(("localhost", "127.", "[::1]", "::1", "[0:0:0:0:0:0:0:1]", "0:0")), host
+
+
+def test_both_requeues_guard_alike_and_a_confirmation_of_one_is_no_confirmation_of_the_other(
+    server,  # noqa: F811
+    cfg,  # noqa: F811
+    pg_dsn,
+    schema,
+):
+    [dead_id] = add_dead(pg_dsn, schema, "some-topic", 1, "too large")
+    op, viewer, tenant = client(server, TOKEN), client(server, VIEWER), client(server, cfg.tenant_token)
+    csrf = csrf_of(op.get("/console/dead"))
+    dead_confirm = op.get("/console/dead/requeue", params={"id": dead_id})
+    dead_token = dead_confirm.text.split('name="confirm" value="')[1].split('"')[0]
+    for flow, target in (("dead", {"id": str(dead_id)}), ("dead-acks", {"at": "0:0"})):
+        url = f"/console/{flow}/requeue"
+        assert op.get(url).status_code == 400, flow  # no target named
+        assert op.post(url, data={"csrf": csrf}).status_code == 400, flow
+        assert tenant.get(url, params=target).status_code == 403, flow
+        r = tenant.post(url, data={"csrf": csrf_of(tenant.get("/console/batches")), **target})
+        assert r.status_code == 403 and "only operators" in r.text, (flow, r.text[:300])
+        r = viewer.post(url, data={"csrf": csrf_of(viewer.get("/console/batches")), **target})
+        assert r.status_code == 403 and "may only look" in r.text, (flow, r.text[:300])
+        for confirm in (None, "forged", dead_token if flow == "dead-acks" else "x"):
+            data = {"csrf": csrf, **target, **({"confirm": confirm} if confirm else {})}
+            r = op.post(url, data=data)
+            assert r.status_code == 403 and "confirmation page" in r.text, (flow, confirm, r.text[:300])
+    assert dead_count(pg_dsn, schema) == 1

@@ -180,9 +180,39 @@ def requeue(
     dry_run: bool = False,
 ) -> RequeuedAcks:
     """Send the chosen dead letters (see select) to the ack topic as they were sent first, with a
-    requeued-from header; wait for Kafka to have them all, then record the requeue in admin_log."""
+    requeued-from header; wait for Kafka to have them all, then record the requeue in admin_log.
+    `conn` is idle while Kafka is read and written: check, send and record may run on different
+    connections (the console holds none while it waits for Kafka)."""
+    check(cfg, conn)
+    sent = send(cfg, at=at, reason=reason, scan=scan, dry_run=dry_run)
+    record(cfg, conn, sent)
+    return sent.result
+
+
+@dataclass
+class Sent:
+    """What send sent (or, with dry_run, would send), for record to write in admin_log."""
+
+    result: RequeuedAcks
+    where: list[str]  # partition:offset of each dead letter sent
+    filter: dict[str, Any]
+
+
+def check(cfg: Config, conn: psycopg.Connection) -> None:
+    """The admin log is there to record the requeue (before anything is sent). Leaves conn idle."""
     require_tables(conn, cfg.database.schema, "admin_log")
     conn.rollback()
+
+
+def send(
+    cfg: Config,
+    *,
+    at: tuple[int, int] | None = None,
+    reason: str | None = None,
+    scan: int = SCAN,
+    dry_run: bool = False,
+) -> Sent:
+    """Kafka's part of requeue: choose, send, wait until Kafka has them all (up to 30 s)."""
     a = cfg.acker
     chosen, scanned, skipped = select(cfg, at=at, reason=reason, scan=scan)
     chosen.sort(key=lambda m: (m.partition() or 0, m.offset() or 0))
@@ -201,8 +231,10 @@ def requeue(
         a.dead_letter_topic, ", ".join(sorted(set(targets))) or a.topic, len(chosen), scanned, skipped, dry_run=dry_run
     )
     out.letters = [dead_ack(m) for m in chosen[:SHOWN]]
+    filt = {"at": f"{at[0]}:{at[1]}"} if at is not None else {"reason": reason} if reason is not None else {"all": True}
+    sent = Sent(out, [], filt)
     if dry_run or not chosen:
-        return out
+        return sent
     producer = Producer(
         {
             "bootstrap.servers": cfg.kafka.bootstrap_servers,
@@ -234,16 +266,21 @@ def requeue(
             "those that were are acks again (sending them twice is harmless)",
             ExitCode.UNAVAILABLE,
         )
-    where = [f"{m.partition()}:{m.offset()}" for m in chosen]
-    filt = {"at": f"{at[0]}:{at[1]}"} if at is not None else {"reason": reason} if reason is not None else {"all": True}
+    sent.where = [f"{m.partition()}:{m.offset()}" for m in chosen]
+    return sent
+
+
+def record(cfg: Config, conn: psycopg.Connection, sent: Sent) -> None:
+    """Record a requeue that sent something in admin_log (nothing for a dry run or none sent)."""
+    if not sent.where:
+        return
     conn.execute(
         sql.SQL("INSERT INTO {} (action, rows, detail) VALUES ('acks-requeue', %s, %s::jsonb)").format(
             qualified(cfg.database.schema, "admin_log")
         ),
-        [len(chosen), json.dumps({"from": where[:1000], "topic": out.topic, "filter": filt})],
+        [len(sent.where), json.dumps({"from": sent.where[:1000], "topic": sent.result.topic, "filter": sent.filter})],
     )
     conn.commit()
-    return out
 
 
 def render(r: RequeuedAcks) -> str:

@@ -29,7 +29,7 @@ from tracker.expiry import BatchNotExpirable, Expired, expire_batch
 from tracker.ids import ItemId, format_item_id, format_run
 from tracker.schema import qualified
 
-_GROUPS_PER_QUERY = 32  # 32 x 1 KiB bitfields per round trip
+GROUPS_PER_QUERY = 32  # 32 x 1 KiB bitfields per round trip
 CHILDREN_SHOWN = 20  # the first children (by id) a view lists; `children` counts them all
 _RUN = re.compile("1+")
 
@@ -111,14 +111,42 @@ def show(
     )
     view.failures = [{"item_id": i, "reason": r} for i, r in page_of_failures.items]
     view.failures_next = page_of_failures.next
-    # Runs of set (pending) bits, group by group from the cursor, until the page is full plus one.
-    group_from, index_from = (after.group_id, after.index + 1) if after else (0, 0)
-    runs: list[tuple[int, int, int]] = []
-    page = sql.SQL(
+    view.pending_runs, view.next_after = pending_runs(conn, schema, batch_id, after, limit)
+    conn.rollback()
+    return view
+
+
+def runs_statement(schema: str) -> sql.Composed:
+    """A page of the batch's groups with pending items from a group id on: (batch id, from, limit)."""
+    return sql.SQL(
         "SELECT id, bits::text FROM {} WHERE batch_id = %s AND id >= %s AND pending > 0 ORDER BY id LIMIT %s"
-    ).format(g)
+    ).format(qualified(schema, "batch_group"))
+
+
+def runs_from(after: ItemId | None) -> tuple[int, int]:
+    """The group id and the index in it that a page of pending items after `after` starts at."""
+    return (after.group_id, after.index + 1) if after else (0, 0)
+
+
+def pending_runs(
+    conn: psycopg.Connection,
+    schema: str,
+    batch_id: int,
+    after: ItemId | None,
+    limit: int,
+    first: list[tuple[int, str]] | None = None,
+) -> tuple[list[str], str | None]:
+    """A page of the batch's pending items as runs after `after`, and the cursor of the next page
+    (None: last page). `first`: the first GROUPS_PER_QUERY groups from runs_statement, already read."""
+    # Runs of set (pending) bits, group by group from the cursor, until the page is full plus one.
+    group_from, index_from = runs_from(after)
+    runs: list[tuple[int, int, int]] = []
+    page = runs_statement(schema)
     while len(runs) <= limit:
-        found = conn.execute(page, [batch_id, group_from, _GROUPS_PER_QUERY]).fetchall()
+        if first is not None:
+            found, first = first, None
+        else:
+            found = conn.execute(page, [batch_id, group_from, GROUPS_PER_QUERY]).fetchall()
         for group_id, bits in found:
             start_at = index_from if group_id == group_from else 0
             for m in _RUN.finditer(bits, start_at):
@@ -127,15 +155,14 @@ def show(
                     break
             if len(runs) > limit:
                 break
-        if len(found) < _GROUPS_PER_QUERY or len(runs) > limit:
+        if len(found) < GROUPS_PER_QUERY or len(runs) > limit:
             break
         group_from, index_from = found[-1][0] + 1, 0
-    conn.rollback()
-    view.pending_runs = [format_run(batch_id, *r) for r in runs[:limit]]
+    next_after = None
     if len(runs) > limit:
         gid, _, end = runs[limit - 1]
-        view.next_after = format_item_id(batch_id, gid, end)
-    return view
+        next_after = format_item_id(batch_id, gid, end)
+    return [format_run(batch_id, *r) for r in runs[:limit]], next_after
 
 
 def expire(cfg: Config, conn: psycopg.Connection, batch_id: int, note: str | None) -> Expired | None:

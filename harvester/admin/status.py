@@ -27,6 +27,8 @@ from harvester.publishing.outbox_sql import BACKLOG_EXACT, LANE_SQL
 from harvester.publishing.publisher import logs_safe
 from tracker.schema import qualified
 
+DEAD_EXACT = 10_000  # dead rows are counted up to this; above it the status says "more than"
+
 
 @dataclass
 class UnitStatus:
@@ -37,12 +39,13 @@ class UnitStatus:
     oldest_age_seconds: float
     in_flight_rows: int  # marked by a leader id, not yet purged or reset
     marked_by: dict[str, int]  # leader id -> rows in flight under it
-    dead_rows: int
+    dead_rows: int  # counted up to DEAD_EXACT: with dead_rows_capped, there are more than this
     leader: dict[str, Any] | None = None  # holder of the unit's leader-topic partition
     name: str = "default"  # the unit's name (harvester.config.UnitSpec.name)
     lane: int = 0  # rows whose key hashes to this lane (of `lanes`): see harvester.publishing.outbox_sql.lane_of
     lanes: int = 1
     error: str | None = None  # its database could not be read
+    dead_rows_capped: bool = False  # True: more than dead_rows (the count stopped at its cap)
 
 
 @dataclass
@@ -60,11 +63,17 @@ class OutboxStatus:
 
 
 def unit_status_statement(
-    schema: str, table: str, lane: int = 0, lanes: int = 1, *, exact_up_to: int = BACKLOG_EXACT
+    schema: str,
+    table: str,
+    lane: int = 0,
+    lanes: int = 1,
+    *,
+    exact_up_to: int = BACKLOG_EXACT,
+    dead_exact_up_to: int = DEAD_EXACT,
 ) -> tuple[sql.Composed, dict[str, object]]:
     """The one statement that reads a unit's figures (see unit_status), and its parameters: a row of
     (rows counted up to exact_up_to + 1, the id span, the oldest row's age, [[leader id, rows in
-    flight], ...] or NULL, dead rows)."""
+    flight], ...] or NULL, dead rows counted up to dead_exact_up_to + 1)."""
     t, dead = qualified(schema, table), qualified(schema, f"{table}_dead")
     where = sql.SQL("")
     if lanes > 1:
@@ -80,9 +89,10 @@ def unit_status_statement(
         "(SELECT json_agg(json_build_array(l, n) ORDER BY n DESC, l) FROM (SELECT leader_id::text AS l, "
         "count(*) AS n FROM (SELECT leader_id FROM {t}{w} ORDER BY id LIMIT %(cap)s) s "
         "WHERE leader_id IS NOT NULL GROUP BY 1) m), "
-        "(SELECT count(*) FROM {dead}{w})"
+        # Dead rows: a bounded count too (a dead table may grow large while Kafka refuses a topic).
+        "(SELECT count(*) FROM (SELECT 1 FROM {dead}{w} LIMIT %(dead_cap)s) d)"
     ).format(t=t, dead=dead, w=where)
-    return statement, {"cap": exact_up_to + 1, "lane": lane}
+    return statement, {"cap": exact_up_to + 1, "dead_cap": dead_exact_up_to + 1, "lane": lane}
 
 
 def unit_status_of(
@@ -94,6 +104,7 @@ def unit_status_of(
     lanes: int = 1,
     *,
     exact_up_to: int = BACKLOG_EXACT,
+    dead_exact_up_to: int = DEAD_EXACT,
 ) -> UnitStatus:
     """The UnitStatus of a row that unit_status_statement returned."""
     rows, span, oldest, marked, dead_rows = row
@@ -109,7 +120,8 @@ def unit_status_of(
         oldest_age_seconds=max(0.0, float(oldest)) if oldest is not None else 0.0,
         in_flight_rows=sum(marked_by.values()),
         marked_by=marked_by,
-        dead_rows=dead_rows,
+        dead_rows=min(int(dead_rows), dead_exact_up_to),
+        dead_rows_capped=dead_rows > dead_exact_up_to,
         lane=lane,
         lanes=lanes,
     )
@@ -124,17 +136,23 @@ def unit_status(
     lanes: int = 1,
     *,
     exact_up_to: int = BACKLOG_EXACT,
+    dead_exact_up_to: int = DEAD_EXACT,
 ) -> UnitStatus:
     """One unit's rows: the table's, or with lanes > 1 those of its lane (by the mark query's hash),
-    each figure read from at most `exact_up_to` + 1 rows (or by index), in one statement."""
-    statement, params = unit_status_statement(schema, table, lane, lanes, exact_up_to=exact_up_to)
+    each figure read from at most `exact_up_to` + 1 rows (dead rows: `dead_exact_up_to` + 1), or by
+    index, in one statement."""
+    statement, params = unit_status_statement(
+        schema, table, lane, lanes, exact_up_to=exact_up_to, dead_exact_up_to=dead_exact_up_to
+    )
     try:
         row = one_row(conn.execute(statement, params))
     except psycopg.errors.UndefinedTable:
         conn.rollback()
         require_tables(conn, schema, table, f"{table}_dead")  # says which one, as an AdminError
         raise
-    return unit_status_of(row, schema, table, unit, lane, lanes, exact_up_to=exact_up_to)
+    return unit_status_of(
+        row, schema, table, unit, lane, lanes, exact_up_to=exact_up_to, dead_exact_up_to=dead_exact_up_to
+    )
 
 
 def _units_status(cfg: Config, conn: psycopg.Connection) -> list[UnitStatus]:
@@ -266,7 +284,8 @@ def render(status: OutboxStatus) -> str:
         ]
         for leader_id, n in u.marked_by.items():
             lines.append(f"    marked by     {leader_id}: {n}")
-        lines.append(f"  dead            {u.dead_rows} rows (reaper dead list)")
+        more = "more than " if u.dead_rows_capped else ""
+        lines.append(f"  dead            {more}{u.dead_rows} rows (reaper dead list)")
         if status.kafka_error:
             lines.append(f"  leader          unknown: {status.kafka_error}")
         elif u.leader is None:

@@ -4,6 +4,7 @@ the transaction that does it, exactly as the command does."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import psycopg
@@ -14,7 +15,9 @@ from harvester.admin import batch as batch_admin
 from harvester.admin import dead as dead_admin
 from harvester.admin.common import AdminError
 from harvester.config import Config
+from harvester.publishing.publisher import logs_safe
 from harvester.services.console.session import User
+from harvester.services.console.web import Db
 
 audit = structlog.get_logger("reaper.audit")
 
@@ -65,16 +68,25 @@ def expire(cfg: Config, conn: psycopg.Connection, user: User, batch_id: int, not
     return Done(True, batch_admin.render_expired(batch_id, got))
 
 
-def requeue_acks(
-    cfg: Config, conn: psycopg.Connection, user: User, *, at: tuple[int, int] | None, reason: str | None
-) -> Done:
-    """`reaper acks requeue --at P:O`, `--reason TEXT` or `--all`."""
+async def requeue_acks(cfg: Config, db: Db, user: User, *, at: tuple[int, int] | None, reason: str | None) -> Done:
+    """`reaper acks requeue --at P:O`, `--reason TEXT` or `--all`, holding a database connection
+    only to check the admin log is there and then to record the requeue in it, never while Kafka
+    is read or written (up to ~30 s): the console's small pool stays free for the pages. One audit
+    line per requeue, whatever happens."""
     where = None if at is None else f"{at[0]}:{at[1]}"
     try:
-        r = acks_admin.requeue(cfg, conn, at=at, reason=reason)
+        await db.run(lambda c: acks_admin.check(cfg, c))
+        sent = await asyncio.to_thread(acks_admin.send, cfg, at=at, reason=reason)
     except AdminError as exc:
         _log(user, "acks-requeue", "refused", at=where, reason=reason, error=str(exc))
         return Done(False, str(exc))
-    sent = [f"{d.partition}:{d.offset}" for d in r.letters]
-    _log(user, "acks-requeue", "done", at=where, reason=reason, sent=r.requeued, dead_letters=sent)
+    r = sent.result
+    letters = [f"{d.partition}:{d.offset}" for d in r.letters]
+    try:
+        await db.run(lambda c: acks_admin.record(cfg, c, sent))
+    except Exception as exc:  # sent, but the database went away meanwhile: say so, in the audit line too
+        error = logs_safe(exc)
+        _log(user, "acks-requeue", "done", at=where, reason=reason, sent=r.requeued, dead_letters=letters, error=error)
+        return Done(True, f"{acks_admin.render(r)}\nnot recorded in the admin log: {error}")
+    _log(user, "acks-requeue", "done", at=where, reason=reason, sent=r.requeued, dead_letters=letters)
     return Done(True, acks_admin.render(r))

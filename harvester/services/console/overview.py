@@ -9,10 +9,14 @@
 - The acker's lag: the ack topic's end offsets minus the acker group's committed offsets (Kafka).
 - Publish rate, refused marks, the sweeper's and settler's last runs: the reapers' own metrics
   (console.metrics_urls), the rate from two reads a refresh apart.
+- Dead rows: counted up to status.DEAD_EXACT, then "more than" that.
+- Open and closed batches: counted up to queries.UNFINISHED_EXACT index entries, then "more than"
+  that with the planner's estimate (queries.Unfinished).
 Kafka and the metrics are read at most once per console.refresh_interval, whoever asks, and off
 the request path once a first value is there; the database figures on every request (each bounded),
-one statement per table plus the count of unfinished batches, all sent in one pipeline: one round
-trip to the database, however many tables.
+one statement per table plus the count of unfinished batches, all sent at once (reads.read_each):
+one round trip to the database, however many tables, and a statement that fails (a lock or
+statement timeout, a permission, a missing table) shows its error in its own panel only.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harvester import logs
 from harvester.admin import status
-from harvester.admin.common import one_row
 from harvester.config import Config, UnitSpec, ack_topics, acker_group, units
+from harvester.publishing.publisher import logs_safe
+from harvester.services.console import queries
+from harvester.services.console.reads import read_each
 
 T = TypeVar("T")
 
@@ -48,8 +54,9 @@ class UnitRow:
 @dataclass
 class TableRow:
     table: str
-    status: status.UnitStatus | None  # None: on another database than the console's
+    status: status.UnitStatus | None  # None: on another database than the console's, or `error`
     units: list[UnitRow]
+    error: str | None = None  # its statement failed: the rest of the page still shows
 
 
 @dataclass
@@ -79,7 +86,7 @@ class Overview:
     kafka: KafkaView
     runtime: Runtime
     rates: dict[str, float]
-    unfinished_batches: int
+    unfinished_batches: queries.Unfinished
 
 
 class Cached(Generic[T]):
@@ -178,19 +185,6 @@ def scrape(urls: Iterable[str], prefix: str, timeout: float) -> Runtime:
     return rt
 
 
-def read_at_once(conn: psycopg.Connection, statements: list[tuple[Any, Any]]) -> list[tuple[Any, ...]]:
-    """The one row of each statement, all sent in one pipeline outside a transaction (each statement
-    its own snapshot): a single round trip, however many statements."""
-    was = conn.autocommit
-    conn.autocommit = True  # no BEGIN and ROLLBACK around them: two round trips fewer
-    try:
-        with conn.pipeline():
-            cursors = [conn.execute(q, params) for q, params in statements]
-        return [one_row(c) for c in cursors]
-    finally:
-        conn.autocommit = was
-
-
 class Gatherer:
     """The overview of one configuration: Kafka and metrics cached, the database read per call."""
 
@@ -213,11 +207,9 @@ class Gatherer:
         self._previous = rt
         return rt
 
-    def database(self, conn: psycopg.Connection) -> tuple[list[TableRow], int]:
-        """Every table's figures and the unfinished batches, sent at once in one pipeline, each
-        statement its own snapshot (autocommit): one round trip to the database."""
-        from harvester.services.console import queries
-
+    def database(self, conn: psycopg.Connection) -> tuple[list[TableRow], queries.Unfinished]:
+        """Every table's figures and the unfinished batches, sent at once, each statement on its own
+        (its own snapshot, its own error): one round trip to the database."""
         db = self.cfg.database
         tables: dict[tuple[str, str, str], TableRow] = {}
         for spec in self.specs:
@@ -231,18 +223,20 @@ class Gatherer:
             for _, schema, table in local
         ]
         statements.append(queries.count_unfinished_statement(db.schema, "default"))
-        try:
-            rows = read_at_once(conn, statements)
-        except psycopg.errors.UndefinedTable:  # not migrated: the admin function says which table
-            for _, schema, table in local:
-                status.unit_status(conn, schema, table, exact_up_to=queries.OVERVIEW_EXACT_ROWS)
-                conn.rollback()
-            raise
+        conn.rollback()  # a pool's connection is idle: make sure of it
+        rows = read_each(conn, statements)
         for (_, schema, table), row in zip(local, rows, strict=False):
-            tables[(db.dsn, schema, table)].status = status.unit_status_of(
-                row, schema, table, exact_up_to=queries.OVERVIEW_EXACT_ROWS
-            )
-        return list(tables.values()), int(rows[-1][0])
+            t = tables[(db.dsn, schema, table)]
+            if isinstance(row, psycopg.Error):
+                t.error = _error_text(row)
+            else:
+                t.status = status.unit_status_of(row, schema, table, exact_up_to=queries.OVERVIEW_EXACT_ROWS)
+        last = rows[-1]
+        if isinstance(last, psycopg.Error):
+            unfinished = queries.Unfinished(None, error=_error_text(last))
+        else:
+            unfinished = queries.unfinished_of((int(last[0]), last[1]))
+        return list(tables.values()), unfinished
 
     async def gather(self, conn_call: Callable[[Callable[[psycopg.Connection], Any]], Any]) -> Overview:
         (tables, unfinished), kafka, runtime = await asyncio.gather(
@@ -254,3 +248,9 @@ class Gatherer:
                 u.published_total = runtime.published.get(u.spec.name)
                 u.publish_rate = self._rates.get(u.spec.name)
         return Overview(tables, kafka, runtime, dict(self._rates), unfinished)
+
+
+def _error_text(exc: psycopg.Error) -> str:
+    if isinstance(exc, psycopg.errors.UndefinedTable):
+        return f"{logs_safe(exc)}: run `reaper migrate`"
+    return logs_safe(exc)

@@ -7,7 +7,9 @@
 - Search: by id (the primary key), or by user key (exact match, newest first): the index
   batch_user_key on (user_key, id), whatever the age of the batch.
 - A dead row: by its id (the dead table's primary key), with the first bytes of its value only.
-The counts shown beside the lists are bounded too: counted up to COUNT_CAP rows, then "more".
+The overview's count of unfinished batches stops at UNFINISHED_EXACT index entries; above it the
+page shows "more than" that, with the planner's estimate of the index's entries (pg_class.reltuples
+of batch_unfinished, as of the last ANALYZE or VACUUM: no row is read for it).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from psycopg import sql
 
 from tracker.schema import qualified
 
-COUNT_CAP = 100_000  # past this, counts show as "100,000+"
 DEAD_COUNT_CAP = 10_000  # dead rows counted up to this (a reason filter is a substring: no index helps)
+UNFINISHED_EXACT = 10_000  # the overview counts open and closed batches exactly up to this
 OVERVIEW_EXACT_ROWS = 10_000  # the overview counts the backlog exactly up to this, then shows the id span
 VALUE_PREVIEW = 2048  # bytes of a dead row's value an inspect page shows
 
@@ -79,8 +81,9 @@ def _statements(schema: str) -> dict[str, sql.Composed]:
         "by_id": f"SELECT {_COLUMNS} FROM {{b}} WHERE id = %(id)s AND {_TENANT}",
         "by_key": f"SELECT {_COLUMNS} FROM {{b}} WHERE user_key = %(key)s AND {_TENANT} "
         "ORDER BY user_key DESC, id DESC LIMIT %(limit)s",
-        "count_unfinished": "SELECT count(*) FROM (SELECT 1 FROM {b} WHERE state IN ('open', 'closed') "
-        f"AND {_TENANT} LIMIT %(cap)s) s",
+        "count_unfinished": "SELECT (SELECT count(*) FROM (SELECT 1 FROM {b} WHERE state IN ('open', 'closed') "
+        f"AND {_TENANT} LIMIT %(cap)s) s), "
+        "(SELECT reltuples::int8 FROM pg_class WHERE oid = to_regclass(%(index)s))",
         "tenant_of": "SELECT coalesce(tenant, 'default') FROM {b} WHERE id = %(id)s",
         # The library may open a child of a tenant's batch: the tenant sees its own children only.
         "children": f"SELECT {_COLUMNS} FROM {{b}} WHERE parent_id = %(id)s AND id > %(after)s AND {_TENANT} "
@@ -134,9 +137,31 @@ def search(conn: psycopg.Connection, schema: str, tenant: str, text: str, limit:
     return found[:limit]
 
 
+@dataclass
+class Unfinished:
+    """The overview's open and closed batches: exact up to UNFINISHED_EXACT, else more than that."""
+
+    count: int | None  # None: not read (error)
+    exact: bool = True
+    estimate: int | None = None  # when not exact: the planner's estimate, if above the cap
+    error: str | None = None
+
+
 def count_unfinished_statement(schema: str, tenant: str) -> tuple[sql.Composed, dict[str, object]]:
-    """The statement counting open and closed batches up to COUNT_CAP + 1, and its parameters."""
-    return _statements(schema)["count_unfinished"], {"tenant": tenant, "cap": COUNT_CAP + 1}
+    """The statement counting open and closed batches up to UNFINISHED_EXACT + 1 (and the planner's
+    estimate of them), and its parameters."""
+    index = qualified(schema, "batch_unfinished").as_string(None)
+    params = {"tenant": tenant, "cap": UNFINISHED_EXACT + 1, "index": index}
+    return _statements(schema)["count_unfinished"], params
+
+
+def unfinished_of(row: tuple[int, int | None]) -> Unfinished:
+    counted, estimate = row
+    if counted <= UNFINISHED_EXACT:
+        return Unfinished(int(counted))
+    return Unfinished(
+        UNFINISHED_EXACT, False, estimate if estimate is not None and estimate > UNFINISHED_EXACT else None
+    )
 
 
 def tenant_of(conn: psycopg.Connection, schema: str, batch_id: int) -> str | None:
@@ -145,9 +170,13 @@ def tenant_of(conn: psycopg.Connection, schema: str, batch_id: int) -> str | Non
     return None if row is None else str(row[0])
 
 
+def children_statement(schema: str, tenant: str, batch_id: int, limit: int) -> tuple[sql.Composed, dict[str, object]]:
+    """The first `limit` children of a batch (by id) that `tenant` sees, as BatchRow columns."""
+    return _statements(schema)["children"], {"id": batch_id, "after": 0, "limit": limit, "tenant": tenant}
+
+
 def children(conn: psycopg.Connection, schema: str, tenant: str, batch_id: int, limit: int) -> list[BatchRow]:
-    params = {"id": batch_id, "after": 0, "limit": limit, "tenant": tenant}
-    rows = _rows(conn.execute(_statements(schema)["children"], params))
+    rows = _rows(conn.execute(*children_statement(schema, tenant, batch_id, limit)))
     conn.rollback()
     return rows
 

@@ -27,7 +27,7 @@ from harvester.admin import dead as dead_admin
 from harvester.admin.common import AdminError
 from harvester.config import Config
 from harvester.exit_codes import ExitCode
-from harvester.services.console import actions, logouts, queries
+from harvester.services.console import actions, batch_page, logouts, queries, requeues
 from harvester.services.console import dead_acks as dead_acks_mod
 from harvester.services.console.overview import Cached, Gatherer
 from harvester.services.console.session import COOKIE, LOGIN_COOKIE, Sessions, User
@@ -244,23 +244,14 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
             return pages.message(request, user, 400, "Bad request", "A page cursor is not an item id.")
 
         def read(c: psycopg.Connection) -> tuple[batch_admin.BatchView, list[queries.BatchRow]] | None:
-            if queries.tenant_of(c, schema, batch_id) != user.tenant:
-                return None  # another tenant's batch reads as one that does not exist
-            view = batch_admin.show(
-                c,
-                schema,
-                batch_id,
-                after=after,
-                limit=size,
-                failures_after=failures_after,
-                failures_limit=size,
+            return batch_page.read(
+                c, schema, user.tenant, batch_id, after=after, failures_after=failures_after, limit=size
             )
-            return view, queries.children(c, schema, user.tenant, batch_id, batch_admin.CHILDREN_SHOWN)
 
         try:
             got = await db.run(read)
-        except AdminError:
-            got = None
+        except batch_page.BadCursor:
+            return pages.message(request, user, 400, "Bad request", "A page cursor is not an item id of this batch.")
         if got is None:
             return pages.message(request, user, 404, "No such batch", f"There is no batch {batch_id}.")
         view, kids = got
@@ -331,57 +322,66 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
             request, "dead.html", user, page=found, reason=reason or "", after=after, cap=queries.DEAD_COUNT_CAP
         )
 
-    @r.get("/dead/requeue")
-    @page
-    async def requeue_confirm(request: Request, user: User) -> Response:
+    # ------------------------------------------------------------------ requeues (one flow, two kinds)
+
+    def requeue_target(request: Request, user: User, flow: requeues.Flow) -> requeues.Target | Response:
+        """A confirmation page's target, or the answer refusing it."""
         if (refused := outbox_only(user, request)) is not None:
             return refused
-        ids, reason, everything = _which(request.query_params)
-        if ids is None and reason is None and not everything:
-            return pages.message(request, user, 400, "Bad request", "Name a dead row id, a reason, or all.")
-        if ids is not None:
-            found = await db.run(lambda c: dead_admin.list_dead(c, schema, table, after=ids[0] - 1, limit=1))
-            rows = [row for row in found.rows if row.id == ids[0]]
-            count = len(rows)
-        else:
-            rows = []
-            count = (
-                await db.run(
-                    lambda c: dead_admin.list_dead(
-                        c, schema, table, reason=reason, limit=1, count_cap=queries.DEAD_COUNT_CAP
-                    )
-                )
-            ).matching
-        return pages.render(
-            request,
-            "confirm_requeue.html",
-            user,
-            ids=ids,
-            reason=reason,
-            everything=everything,
-            count=count,
-            rows=rows,
-            confirm=sessions.confirmation(user, _requeue_target(ids, reason)),
-            cap=queries.DEAD_COUNT_CAP,
-        )
+        t = flow.target(request.query_params)
+        return t if t.named else pages.message(request, user, 400, "Bad request", flow.nothing)
 
-    @r.post("/dead/requeue")
-    async def requeue(request: Request) -> Response:
+    def confirm_page(request: Request, user: User, flow: requeues.Flow, t: requeues.Target, **ctx: Any) -> Response:
+        template = "confirm_requeue.html" if flow is requeues.DEAD else "confirm_requeue_acks.html"
+        confirm = sessions.confirmation(user, flow.confirmation_key(t))
+        return pages.render(request, template, user, flow=flow, t=t, confirm=confirm, **ctx)
+
+    async def requeue_post(
+        request: Request, flow: requeues.Flow, act: Callable[[User, requeues.Target], Awaitable[actions.Done]]
+    ) -> Response:
         got = await action_form(request)
         if isinstance(got, Response):
             return got
         user, form = got
         if not user.sees_outbox:
-            return pages.message(request, user, 403, "Refused", "The outbox is shared: only operators act on it.")
-        ids, reason, everything = _which(form)
-        if ids is None and reason is None and not everything:
-            return pages.message(request, user, 400, "Bad request", "Name a dead row id, a reason, or all.")
-        if not sessions.confirmation_ok(user, _requeue_target(ids, reason), form.get("confirm")):
-            return pages.message(
-                request, user, 403, "Refused", "Requeue from its confirmation page, which says what will move."
-            )
-        done = await db.run(lambda c: actions.requeue(cfg, c, user, ids=ids, reason=reason))
-        return pages.render(request, "done.html", user, status=200 if done.ok else 409, done=done, back="/console/dead")
+            return pages.message(request, user, 403, "Refused", flow.shared)
+        t = flow.target(form)
+        if not t.named:
+            return pages.message(request, user, 400, "Bad request", flow.nothing)
+        if not sessions.confirmation_ok(user, flow.confirmation_key(t), form.get("confirm")):
+            return pages.message(request, user, 403, "Refused", flow.unconfirmed)
+        done = await act(user, t)
+        return pages.render(request, "done.html", user, status=200 if done.ok else 409, done=done, back=flow.path)
+
+    @r.get("/dead/requeue")
+    @page
+    async def requeue_confirm(request: Request, user: User) -> Response:
+        t = requeue_target(request, user, requeues.DEAD)
+        if isinstance(t, Response):
+            return t
+        rows: list[dead_admin.DeadRow] = []
+        if t.one is not None:
+            one = int(t.one)
+            found = await db.run(lambda c: dead_admin.list_dead(c, schema, table, after=one - 1, limit=1))
+            rows = [row for row in found.rows if row.id == one]
+            count = len(rows)
+        else:
+            count = (
+                await db.run(
+                    lambda c: dead_admin.list_dead(
+                        c, schema, table, reason=t.reason, limit=1, count_cap=queries.DEAD_COUNT_CAP
+                    )
+                )
+            ).matching
+        return confirm_page(request, user, requeues.DEAD, t, count=count, rows=rows, cap=queries.DEAD_COUNT_CAP)
+
+    @r.post("/dead/requeue")
+    async def requeue(request: Request) -> Response:
+        async def act(user: User, t: requeues.Target) -> actions.Done:
+            ids = None if t.one is None else [int(t.one)]
+            return await db.run(lambda c: actions.requeue(cfg, c, user, ids=ids, reason=t.reason))
+
+        return await requeue_post(request, requeues.DEAD, act)
 
     @r.get("/dead-acks")
     @page
@@ -394,57 +394,36 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
     @r.get("/dead-acks/requeue")
     @page
     async def requeue_acks_confirm(request: Request, user: User) -> Response:
-        if (refused := outbox_only(user, request)) is not None:
-            return refused
-        at, reason, everything = _which_acks(request.query_params)
-        if at is None and reason is None and not everything:
-            return pages.message(
-                request, user, 400, "Bad request", "Name a dead letter (partition:offset), a reason, or all."
-            )
+        t = requeue_target(request, user, requeues.ACKS)
+        if isinstance(t, Response):
+            return t
         try:
-            found = await asyncio.to_thread(acks_admin.select, cfg, at=at, reason=reason)
+            found = await asyncio.to_thread(acks_admin.select, cfg, at=requeues.at_of(t), reason=t.reason)
         except AdminError as exc:
             missing = exc.code == ExitCode.NOT_FOUND
             return pages.message(
                 request, user, 404 if missing else 503, "No such dead letter" if missing else "Kafka", str(exc)
             )
         chosen, scanned, skipped = found
-        return pages.render(
+        return confirm_page(
             request,
-            "confirm_requeue_acks.html",
             user,
-            at=None if at is None else f"{at[0]}:{at[1]}",
-            reason=reason,
-            everything=everything,
+            requeues.ACKS,
+            t,
             letters=[acks_admin.dead_ack(m) for m in chosen[: acks_admin.SHOWN]],
             count=len(chosen),
             scanned=scanned,
             skipped=skipped,
             topic=", ".join(sorted({acks_admin.destination(cfg, m) for m in chosen})) or cfg.acker.topic,
-            confirm=sessions.confirmation(user, _acks_target(at, reason)),
         )
 
     @r.post("/dead-acks/requeue")
     async def requeue_acks(request: Request) -> Response:
-        got = await action_form(request)
-        if isinstance(got, Response):
-            return got
-        user, form = got
-        if not user.sees_outbox:
-            return pages.message(request, user, 403, "Refused", "The ack topic is shared: only operators act on it.")
-        at, reason, everything = _which_acks(form)
-        if at is None and reason is None and not everything:
-            return pages.message(
-                request, user, 400, "Bad request", "Name a dead letter (partition:offset), a reason, or all."
-            )
-        if not sessions.confirmation_ok(user, _acks_target(at, reason), form.get("confirm")):
-            return pages.message(
-                request, user, 403, "Refused", "Requeue from its confirmation page, which says what will be sent."
-            )
-        done = await db.run(lambda c: actions.requeue_acks(cfg, c, user, at=at, reason=reason))
-        return pages.render(
-            request, "done.html", user, status=200 if done.ok else 409, done=done, back="/console/dead-acks"
-        )
+        async def act(user: User, t: requeues.Target) -> actions.Done:
+            # Holds no database connection while Kafka is read and written (actions.requeue_acks).
+            return await actions.requeue_acks(cfg, db, user, at=requeues.at_of(t), reason=t.reason)
+
+        return await requeue_post(request, requeues.ACKS, act)
 
     @r.get("/dead/{dead_id}")
     @page
@@ -473,40 +452,6 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
 
     app.include_router(r)
     return console
-
-
-def _which(params) -> tuple[list[int] | None, str | None, bool]:  # noqa: ANN001
-    """A requeue's target: one dead row id, a reason's text, or every dead row."""
-    one = _int(params.get("id"), 1)
-    reason = (params.get("reason") or "")[:1000] or None
-    if reason is not None and "\x00" in reason:
-        reason = None
-    return ([one] if one is not None else None), (None if one is not None else reason), params.get("all") == "1"
-
-
-def _requeue_target(ids: list[int] | None, reason: str | None) -> str:
-    if ids is not None:
-        return f"requeue:id:{ids[0]}"
-    return "requeue:all" if reason is None else f"requeue:reason:{reason}"
-
-
-_AT = re.compile(r"([0-9]{1,7}):([0-9]{1,19})")
-
-
-def _which_acks(params) -> tuple[tuple[int, int] | None, str | None, bool]:  # noqa: ANN001
-    """A requeue's target among the dead-lettered acks: one (partition:offset), a reason's text, or all."""
-    m = _AT.fullmatch(params.get("at") or "")
-    at = (int(m.group(1)), int(m.group(2))) if m else None
-    reason = (params.get("reason") or "")[:1000] or None
-    if reason is not None and "\x00" in reason:
-        reason = None
-    return at, (None if at is not None else reason), params.get("all") == "1"
-
-
-def _acks_target(at: tuple[int, int] | None, reason: str | None) -> str:
-    if at is not None:
-        return f"acks-requeue:at:{at[0]}:{at[1]}"
-    return "acks-requeue:all" if reason is None else f"acks-requeue:reason:{reason}"
 
 
 def _https(request: Request) -> bool:

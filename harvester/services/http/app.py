@@ -501,7 +501,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
 
     add_outcome_routes(app, store=store, h=h, respond=respond, call=call, dependencies=v1)
     if cfg.console.enabled:
-        console = add_console(app, cfg, sessions)
+        console = app.state.console = add_console(app, cfg, sessions)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> Response:
