@@ -124,8 +124,8 @@ class HarvesterConfig:
     )
     resume_steady: float = key(
         1.0,
-        "a fenced leader resumes only once its heartbeats have kept coming back in time for this long "
-        "(seconds); doubled, up to 4 times as long, while it keeps fencing again soon after resuming",
+        "a fenced leader resumes only once the heartbeats it sent over this long have come back, each "
+        "within 3/4 of heartbeat_timeout (seconds); doubled, up to 4 times as long, while it keeps fencing again soon after resuming",
         ge=0,
         le=60,
         note="0 = resume at the first heartbeat back",
