@@ -122,6 +122,14 @@ class HarvesterConfig:
     session_timeout: float = key(
         15.0, "leader-group session timeout (seconds); must exceed heartbeat_timeout", **POSITIVE
     )
+    resume_steady: float = key(
+        1.0,
+        "a fenced leader resumes only once the heartbeats it sent over this long have come back, each "
+        "within 3/4 of heartbeat_timeout (seconds); doubled, up to 4 times as long, while it keeps fencing again soon after resuming",
+        ge=0,
+        le=60,
+        note="0 = resume at the first heartbeat back",
+    )
     mark_batch: int = key(5000, "rows claimed by one mark query", **POSITIVE)
     max_in_flight: int = key(20000, "records produced and awaiting their delivery reports", **POSITIVE)
     mark_deadline: float = key(5.0, "a mark-and-produce cycle longer than this forces a remark (seconds)", **POSITIVE)

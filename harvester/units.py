@@ -75,6 +75,7 @@ class Harvester:
             group=h.leader_group,
             min_poll_interval=h.min_poll_interval,
             heartbeat_timeout=h.heartbeat_timeout,
+            resume_steady=h.resume_steady,
             session_timeout=h.session_timeout,
             metrics=lambda u: self._unit_metrics[u],
             units=len(self.units),

@@ -9,15 +9,15 @@ heartbeat to its partition at most every
 first) vouches for the time it was sent. It fences itself (stops publishing) when none sent within
 `heartbeat_timeout` has reached the broker, which is shorter than the group's session timeout, so a
 leader cut off from Kafka stops before the group can hand partition 0 to another member. It
-resumes if heartbeats return while it still holds the partition. Each acquisition (and each
-resumption) gets a fresh random leader id.
+resumes if heartbeats return, steadily for `resume_steady` (harvester.election.resumption), while
+it still holds the partition. Each acquisition (and each resumption) gets a fresh random leader id.
 
 After a stall of this process itself (SIGSTOP, a VM pause: the election loop did not run for longer
 than `heartbeat_timeout`), the group may have handed the partition on meanwhile, and the process is
 the last to know: its own heartbeats come back before librdkafka reports the lost session. So a
 resumption waits RESUME_GRACE after such a stall, time for the consumer's next group heartbeat to
 learn of a lost session (on_lost) first. A fence caused by Kafka being away (the loop kept running)
-resumes as soon as heartbeats return.
+resumes once heartbeats have come back steadily.
 
 `leader_id()` is computed from the clock when asked, not from the last state the polling thread
 saw: a process that was paused (SIGSTOP, a long GC-like stall) sees itself fenced at once.
@@ -36,10 +36,12 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from harvester import logs
 from harvester.election.lease import FENCED, FOLLOWER, LEADER, Lease
+from harvester.election.resumption import Resumption
 from harvester.election.timeouts import election_client_defaults
 from harvester.metrics import MetricsLike
 from harvester.publishing.ports import ProducerFactory, ProducerLike
 
+RESUME_STEADY = 1.0  # seconds of steady heartbeats before a fenced lease resumes (harvester.resume_steady)
 RESUME_GRACE = 1.0  # seconds: several group heartbeats (heartbeat.interval.ms is at most 250 ms)
 # A revocation waits this long at most (and at most a quarter of heartbeat_timeout, so the other
 # units' heartbeats are not held up) for marks on their way to finish: see Lease.marking.
@@ -124,10 +126,12 @@ class Neli:
         on_change: Callable[[str, uuid.UUID | None], None] = lambda s, lid: None,
         units: int = 1,
         make_producer: ProducerFactory = Producer,
+        resume_steady: float = RESUME_STEADY,
     ) -> None:
         """`metrics`: one set for all units, or a function giving unit u's. `on_change` is unit
         0's callback; set `lease(u).on_change` for the others. `make_producer` makes the heartbeat
-        producer from its configuration (harvester.publishing.ports.Providers.heartbeat_producer)."""
+        producer from its configuration (harvester.publishing.ports.Providers.heartbeat_producer).
+        `resume_steady`: see harvester.election.resumption."""
         self.topic, self.min_poll, self.hb_timeout = topic, min_poll_interval, heartbeat_timeout
         self.session_timeout = session_timeout
         self._log = logs.get("reaper.neli")
@@ -138,6 +142,8 @@ class Neli:
             Lease(u, heartbeat_timeout, unit_metrics(u), on_change if u == 0 else (lambda s, lid: None))
             for u in range(units)
         ]
+        # a fence within one session timeout of the resumption before it counts as a flap
+        self._resumptions = [Resumption(resume_steady, session_timeout, heartbeat_timeout) for _ in range(units)]
         base = {"bootstrap.servers": bootstrap, **client}
         # timeouts on a silent broker (harvester.election.timeouts): kafka.client and the
         # consumer/producer sections still override them
@@ -256,6 +262,7 @@ class Neli:
         for lease in self._mine(partitions):
             if not lease.holding:
                 lease.holding = True
+                self._resumptions[lease.unit].acquired()
                 lease.acquire()
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -374,17 +381,26 @@ class Neli:
             except BufferError:
                 pass  # Kafka unreachable for long: the missing heartbeats fence us
         overdue = now - lease.last_heartbeat > self.hb_timeout
+        resumption = self._resumptions[lease.unit]
         if lease.state == LEADER and overdue:
+            resumption.fenced(now)
             lease._m.fences.inc()
             self._log.warning(
                 "no heartbeat within heartbeat_timeout: fencing",
                 heartbeat_timeout=self.hb_timeout,
                 unit=lease.unit,
                 leader_id=str(lease._leader_id),
+                resume_steady_s=resumption.needed,
             )
             lease.set(FENCED, None)
-        elif lease.state == FENCED and not overdue and now >= self._resume_after:
-            self._log.info("heartbeats are back and the partition is still held: resuming", unit=lease.unit)
+        elif lease.state == FENCED and resumption.ready(now, lease.last_heartbeat, now >= self._resume_after):
+            self._log.info(
+                "heartbeats are back and the partition is still held: resuming",
+                unit=lease.unit,
+                steady_s=round(resumption.steady_for(), 3),
+                heartbeat_age_s=round(now - lease.last_heartbeat, 3),
+            )
+            resumption.resumed(now)
             lease.acquire(resumed=True)
 
     def _sent_at(self, value: bytes | None) -> float | None:
