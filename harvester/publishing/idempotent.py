@@ -1,10 +1,11 @@
 """Plain publishing: marked rows go to the idempotent producer in id order, no Kafka transaction.
 
 Contract of a publishing strategy (this one and harvester.publishing.transactional):
-- `produce_rows(rows, leader_id, still_valid, valid_until)` hands rows to the slot's current
-  producer in the order given and returns how many it got through (handed over or quarantined);
-  fewer than given means it stopped early, and the caller must not publish later rows under the
-  same leader id (the rest stay marked by it). It stops before the first row
+- `produce_rows(rows, leader_id, still_valid, valid_until, ids)` hands rows (as OutboxStore.mark
+  returns them) to the slot's current producer in the order given, each with its message id
+  (`ids`: the table's tracker.message_ids.Namespace), and returns how many it got through (handed
+  over or quarantined); fewer than given means it stopped early, and the caller must not publish
+  later rows under the same leader id (the rest stay marked by it). It stops before the first row
   once the leadership deadline `valid_until()` has passed or `still_valid()` is false (checked
   every 256 rows), or when the producer was retired meanwhile. Rows not handed over are released
   from the throttle's count (they stay marked by an old id and the next mark finds them).
