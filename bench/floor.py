@@ -31,8 +31,9 @@ from tracker import message_ids
 from tracker import schema as schema_mod
 from tracker.message_ids import MESSAGE_ID_HEADER
 
-COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
-TYPES = ["int8", "text", "bytea", "bytea", "text[]", "bytea[]", "int4"]
+COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition, created_at"
+# created_at read as Postgres's int8, as the harvester's mark loads it (tracker.message_ids)
+TYPES = ["int8", "text", "bytea", "bytea", "text[]", "bytea[]", "int4", "int8"]
 
 
 def copy_rows(dsn: str, schema: str) -> list[tuple]:
@@ -44,7 +45,7 @@ def copy_rows(dsn: str, schema: str) -> list[tuple]:
             return list(cp.rows())
 
 
-def produce_rows(producer: Producer, rows: list[tuple], prefix: str) -> int:
+def produce_rows(producer: Producer, rows: list[tuple], ids: message_ids.Namespace) -> int:
     """Produce every row with its headers and its message id (as the harvester does), wait for every
     acknowledgement; returns how many failed."""
     failed = [0]
@@ -53,7 +54,9 @@ def produce_rows(producer: Producer, rows: list[tuple], prefix: str) -> int:
         if err is not None:
             failed[0] += 1
 
-    for i, (_id, topic, key, value, hkeys, hvals, partition) in enumerate(rows):
+    prefix, cut, epoch = ids.prefix, ids.suffix_from, message_ids.PG_EPOCH_US
+    for i, (_id, topic, key, value, hkeys, hvals, partition, created) in enumerate(rows):
+        created += epoch
         args = (
             topic,
             value,
@@ -62,7 +65,10 @@ def produce_rows(producer: Producer, rows: list[tuple], prefix: str) -> int:
             report,
             None,
             0,
-            [*zip(hkeys, hvals), (MESSAGE_ID_HEADER, prefix + str(_id))],
+            [
+                *zip(hkeys, hvals),
+                (MESSAGE_ID_HEADER, f"{prefix}{_id}:{created}" if created >= cut else f"{prefix}{_id}"),
+            ],
         )
         while True:
             try:
@@ -89,11 +95,11 @@ def measure(dsn: str, bootstrap: str, rows: int, keys: int = 1000) -> dict[str, 
         producer = Producer(producer_config(bootstrap, {}, {}))
         producer.list_topics(topic, timeout=30)  # connected, metadata known: as a leader's producer is
         with psycopg.connect(dsn, autocommit=True) as conn:
-            prefix = message_ids.prefix(message_ids.namespace(conn, schema))
+            ids = message_ids.namespace(conn, schema)
         started = time.perf_counter()
         got = copy_rows(dsn, schema)
         copied = time.perf_counter()
-        failed = produce_rows(producer, got, prefix)
+        failed = produce_rows(producer, got, ids)
         produced = time.perf_counter()
         if len(got) != rows or failed:
             raise RuntimeError(f"floor: copied {len(got)} of {rows} rows, {failed} deliveries failed")

@@ -274,7 +274,8 @@ batch, so each is written exactly once per batch in the database and published l
 (at least once on Kafka). The record's key is the batch id as decimal text, its header `batch-id`
 the same; `traceparent` and `tracestate` carry the trace context of the span that opened the batch,
 when there was one; `message-id`, like every record the reaper publishes, names the outbox row the
-event was written as and is the same on every copy Kafka delivers (`tracker.message_id_of`).
+event was written as (`<namespace>:<row id>:<created_at in microseconds>`), is the same on every
+copy Kafka delivers and never another event's (`tracker.message_id_of`).
 
 Schema version 2 adds keys to version 1 and changes none: a consumer of version 1 (no
 `schema_version`) keeps working. Tell the two events apart by `event`. Both may gain keys in a

@@ -17,6 +17,9 @@ from harvester.publishing.deliveries import DeliverySettler
 from harvester.publishing.outbox_sql import FOREVER, PURGE_RUN, MarkRefused, OutboxStore, lane_of, make_pool, runs_of
 from harvester.publishing.publisher import LifecycleError, Publisher, producer_config
 from harvester.units import Harvester
+from tracker.message_ids import Namespace
+
+NS = Namespace(uuid.UUID(int=0))  # the message-id namespace of records produced directly
 
 
 def test_a_harvester_starts_once_and_never_after_stop(pg_dsn, kafka_bootstrap, schema, topics):
@@ -186,11 +189,11 @@ def test_a_delivered_record_is_purged_without_waiting_for_the_rest_of_its_produc
         plain = PlainStrategy(slot, settler, store)
 
         def rows(*ids: int) -> list[tuple]:
-            return [(i, "t", b"k", b"v", [], [], None) for i in ids]
+            return [(i, "t", b"k", b"v", [], [], None, 0) for i in ids]
 
         settler.reserve(3)
-        assert plain.produce_rows(rows(k1, x), me, lambda: True, lambda: float("inf"), "ns:") == 2
-        assert plain.produce_rows(rows(k2), me, lambda: True, lambda: float("inf"), "ns:") == 1
+        assert plain.produce_rows(rows(k1, x), me, lambda: True, lambda: float("inf"), NS) == 2
+        assert plain.produce_rows(rows(k2), me, lambda: True, lambda: float("inf"), NS) == 1
         first, unreported, second = slot.current.callbacks
         first(None, _Msg())
         second(None, _Msg())

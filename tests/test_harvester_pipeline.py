@@ -85,9 +85,10 @@ def test_publishes_headers_null_keys_and_values_and_explicit_partitions(setup, p
             ],
         )
     ns = message_ids.namespace(conn, schema)
-    ids = [i for (i,) in conn.execute(f'SELECT id FROM "{schema}".outbox ORDER BY id')]
+    rows = conn.execute(f'SELECT id, created_at FROM "{schema}".outbox ORDER BY id').fetchall()
     conn.commit()
-    mid = [(MESSAGE_ID_HEADER, f"{ns}:{i}".encode()) for i in ids]  # the harvester's, after the row's own
+    # the harvester's, after the row's own
+    mid = [(MESSAGE_ID_HEADER, message_ids.message_id(ns, i, at).encode()) for i, at in rows]
     with running(make()):
         assert wait_until(lambda: len(receiver.records) >= 3, 30)
         assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30)

@@ -11,11 +11,12 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.faults import FaultPlan
 from support.harness import Receiver, make_config, wait_until
@@ -42,7 +43,7 @@ def other_schema(pg_dsn):
         c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
 
-def _namespace(pg_dsn: str, schema: str, table: str = "outbox") -> uuid.UUID:
+def _namespace(pg_dsn: str, schema: str, table: str = "outbox") -> message_ids.Namespace:
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         return message_ids.namespace(c, schema, table)
 
@@ -82,6 +83,15 @@ def _snapshot(pg_dsn: str, schema: str) -> dict[bytes, int]:
         return {bytes(v): i for i, v in c.execute(f'SELECT id, value FROM "{schema}".outbox')}
 
 
+def _expected(pg_dsn: str, schema: str, table: str = "outbox") -> dict[bytes, str]:
+    """value -> the message id of every row waiting in `schema.table`, computed in Python from the
+    row's id and `created_at` (the harvester has it from SQL: the two must agree)."""
+    ns = _namespace(pg_dsn, schema, table)
+    with psycopg.connect(pg_dsn) as c:
+        rows = c.execute(f'SELECT id, value, created_at FROM "{schema}"."{table}"').fetchall()
+    return {bytes(v): message_ids.message_id(ns, i, at) for i, v, at in rows}
+
+
 def _ids_by_value(receiver: Receiver) -> dict[bytes, list[list[bytes]]]:
     """value -> for each record of it received, the values of its message-id headers."""
     out: dict[bytes, list[list[bytes]]] = defaultdict(list)
@@ -103,8 +113,7 @@ def test_every_record_of_every_unit_and_lane_carries_its_rows_message_id(
     expected: dict[bytes, str] = {}
     for s in (schema, other_schema):
         _write_every_kind(pg_dsn, s, topic, s)
-        ns = _namespace(pg_dsn, s)
-        expected.update({v: f"{ns}:{i}" for v, i in _snapshot(pg_dsn, s).items()})
+        expected.update(_expected(pg_dsn, s))
     assert len(expected) == 2 * (40 + 10 + 10 + 2)  # and a completion and an expiry event in each
     assert len(set(expected.values())) == len(expected)  # no id of one table is an id of the other
     receiver = Receiver(kafka_bootstrap, topic, PARTITIONS)
@@ -137,9 +146,8 @@ def test_a_row_published_again_carries_the_same_message_id(pg_dsn, kafka_bootstr
             [topic],
         )
         c.commit()
-        saved = c.execute("SELECT id, topic, key, value FROM outbox ORDER BY id").fetchall()
-    ns = _namespace(pg_dsn, schema)
-    expected = {bytes(v): f"{ns}:{i}".encode() for i, _, _, v in saved}
+        saved = c.execute("SELECT id, topic, key, value, created_at FROM outbox ORDER BY id").fetchall()
+    expected = {v: i.encode() for v, i in _expected(pg_dsn, schema).items()}
     receiver = Receiver(kafka_bootstrap, topic, PARTITIONS)
     faults = FaultPlan(delivery_error_rate=0.2, seed=5)
     try:
@@ -156,7 +164,9 @@ def test_a_row_published_again_carries_the_same_message_id(pg_dsn, kafka_bootstr
                 with psycopg.connect(pg_dsn) as c:  # the rows again, with their ids
                     with c.cursor() as cur:
                         cur.executemany(
-                            f'INSERT INTO "{schema}".outbox (id, topic, key, value) VALUES (%s, %s, %s, %s)', saved
+                            f'INSERT INTO "{schema}".outbox (id, topic, key, value, created_at) '
+                            "VALUES (%s, %s, %s, %s, %s)",
+                            saved,
                         )
         assert wait_until(lambda: all(len(r) >= 2 for r in _ids_by_value(receiver).values()), 30)
     finally:
@@ -195,8 +205,8 @@ def test_the_next_leader_of_the_group_publishes_a_row_again_with_the_same_messag
             [topic],
         )
         c.commit()
-    ns = _namespace(pg_dsn, schema)
-    expected = {v: f"{ns}:{i}".encode() for v, i in _snapshot(pg_dsn, schema).items()}
+    expected = {v: i.encode() for v, i in _expected(pg_dsn, schema).items()}
+    assert all(i.count(b":") == 2 for i in expected.values())  # the form of rows created after the upgrade
     group = f"g-{uuid.uuid4().hex[:10]}"
     stores: list[_NeverPurges] = []
 
@@ -243,7 +253,7 @@ def test_a_logical_restore_keeps_the_namespace_of_the_table_it_recreates(pg_dsn,
         assert c.execute("SELECT 'outbox'::regclass::oid").fetchone() != old_oid
         c.execute(
             "CREATE TABLE outbox_namespace (outbox regclass PRIMARY KEY, namespace uuid NOT NULL UNIQUE, "
-            "created_at timestamptz NOT NULL)"
+            "created_at timestamptz NOT NULL, suffix_from timestamptz NOT NULL)"
         )
         with c.cursor().copy("COPY outbox_namespace FROM STDIN") as cp:
             cp.write(dump)
@@ -270,6 +280,8 @@ def test_namespaces_are_per_table_stable_and_registered_once(pg_dsn, schema, oth
     for t in threads:
         t.join(30)
     assert len(got) == 6 and len(set(got)) == 1 and got[0] not in (first, second)
+    # Registered after the upgrade: every row of it gets the new form; the migrated one's rows from then on.
+    assert got[0].suffix_from == message_ids.ALL_ROWS and first.suffix_from != message_ids.ALL_ROWS
     # Dropped and created anew, its ids start again: a new namespace, so no id comes twice.
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         c.execute(f'DROP TABLE "{schema}".outbox2')
@@ -298,19 +310,78 @@ def test_a_namespace_read_in_a_transaction_leaves_it_open_and_unchanged(pg_dsn, 
         c.rollback()
 
 
-NAMESPACES = st.uuids()
-ROW_IDS = st.integers(min_value=1, max_value=2**63 - 1)
+NAMESPACES = st.builds(
+    message_ids.Namespace, st.uuids(), st.one_of(st.just(message_ids.ALL_ROWS), st.integers(-(2**62), 2**62))
+)
+ROW_IDS = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+# what the harvester gets: Postgres's int8 plus the epoch offset
+CREATED = st.integers(min_value=message_ids.INT8_MIN, max_value=message_ids.INT8_MAX).map(
+    lambda raw: raw + message_ids.PG_EPOCH_US
+)
 
 
-@given(NAMESPACES, ROW_IDS, NAMESPACES, ROW_IDS)
-def test_message_ids_are_short_ascii_and_name_one_row_of_one_table(ns_a, id_a, ns_b, id_b):
-    a, b = message_ids.message_id(ns_a, id_a), message_ids.message_id(ns_b, id_b)
-    for mid, ns, row in ((a, ns_a, id_a), (b, ns_b, id_b)):
+@given(NAMESPACES, ROW_IDS, CREATED, NAMESPACES, ROW_IDS, CREATED)
+def test_message_ids_are_short_ascii_and_name_one_row_of_one_table(ns_a, id_a, at_a, ns_b, id_b, at_b):
+    """Injective: two ids are equal only for one row (namespace, id and, from the cutover on, created_at);
+    within one table, a row id used again by a row created later is another id."""
+    a, b = message_ids.message_id(ns_a, id_a, at_a), message_ids.message_id(ns_b, id_b, at_b)
+    for mid, ns, row, at in ((a, ns_a, id_a, at_a), (b, ns_b, id_b, at_b)):
         assert mid.isascii() and len(mid) <= message_ids.MESSAGE_ID_MAX
-        assert mid == message_ids.prefix(ns) + str(row)  # the harvester's way of building it
-        head, _, tail = mid.rpartition(":")
-        assert (uuid.UUID(head), int(tail)) == (ns, row)
-    assert (a == b) == ((ns_a, id_a) == (ns_b, id_b))
+        new_form = at >= ns.suffix_from
+        expected = f"{ns.prefix}{row}:{at}" if new_form else f"{ns.prefix}{row}"  # the harvester's way
+        assert mid == expected == ns.message_id(row, at)
+        parts = mid.split(":")
+        assert uuid.UUID(parts[0]) == ns.uuid and int(parts[1]) == row
+        assert parts[2:] == ([str(at)] if new_form else [])
+
+    def names(ns, row, at):
+        return (ns.uuid, row, at if at >= ns.suffix_from else None)
+
+    assert (a == b) == (names(ns_a, id_a, at_a) == names(ns_b, id_b, at_b))
+    if ns_a.uuid == ns_b.uuid and id_a == id_b and at_a != at_b and min(at_a, at_b) >= ns_a.suffix_from:
+        assert a != b
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.datetimes(
+        min_value=datetime(1, 1, 1), max_value=datetime(9999, 12, 31, 23, 59, 59, 999999), timezones=st.just(UTC)
+    )
+)
+def test_created_at_in_microseconds_is_the_same_as_loaded_in_python_and_in_sql(pg_dsn, at):
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        cur = c.cursor(binary=True)
+        message_ids.load_timestamps_as_micros(cur.adapters)
+        raw, exact = cur.execute(
+            "SELECT %s::timestamptz, extract(epoch FROM %s::timestamptz) * 1000000", [at, at]
+        ).fetchone()
+    assert raw + message_ids.PG_EPOCH_US == message_ids.micros(at) == exact
+
+
+def test_a_row_created_at_infinity_or_at_the_end_of_time_is_published_with_an_id(pg_dsn, schema):
+    """Whatever an application wrote in created_at, the mark returns the row and its id is built:
+    no row can stop the harvester."""
+    from harvester.publishing.outbox_sql import FOREVER, OutboxStore, make_pool
+
+    times = ["-infinity", "infinity", "294276-12-31 23:59:59.999999+00", "4713-11-24 00:00:00+00 BC"]
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(
+            f"INSERT INTO \"{schema}\".outbox (topic, value, created_at) SELECT 't', 'v', t::timestamptz "
+            "FROM unnest(%s::text[]) AS t",
+            [times],
+        )
+    pool = make_pool(pg_dsn, 1)
+    try:
+        store = OutboxStore(pool, schema)
+        ns = store.namespace()
+        rows = store.mark(uuid.uuid4(), 10, until=FOREVER)
+    finally:
+        pool.close()
+    ids = [ns.message_id(r[0], r[7] + message_ids.PG_EPOCH_US) for r in rows]
+    assert len(ids) == len(set(ids)) == len(times)
+    assert all(i.isascii() and len(i) <= message_ids.MESSAGE_ID_MAX for i in ids)
+    with pytest.raises(InvalidValue, match="created_at"):
+        message_ids.message_id(message_ids.Namespace(uuid.uuid4()), 1, datetime(2026, 1, 1))  # naive
 
 
 class _Msg:
@@ -367,7 +438,7 @@ def test_an_upgrade_gives_the_outbox_its_namespace_without_rewriting_it(pg_dsn, 
             h.stop(5)
             receiver.close()
         for value, records in _ids_by_value(receiver).items():
-            assert all(r == [f"{ns}:{ids[value]}".encode()] for r in records)
+            assert all(r == [f"{ns.uuid}:{ids[value]}".encode()] for r in records)
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as c:
             c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')

@@ -30,7 +30,7 @@ def test_a_unit_whose_schema_was_never_migrated_publishes_with_message_ids(
             " FROM generate_series(1, 20) i",
             [topic],
         )
-        ids = {bytes(v): i for i, v in c.execute(f'SELECT id, value FROM "{bare_schema}".orders')}
+        ids = {bytes(v): (i, at) for i, v, at in c.execute(f'SELECT id, value, created_at FROM "{bare_schema}".orders')}
     outboxes = [{"name": "orders", "schema": bare_schema, "table": "orders"}]
     cfg = make_config(pg_dsn, schema, kafka_bootstrap, harvester={"outboxes": outboxes})
     receiver = Receiver(kafka_bootstrap, topic, 1)
@@ -43,7 +43,7 @@ def test_a_unit_whose_schema_was_never_migrated_publishes_with_message_ids(
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         ns = message_ids.namespace(c, bare_schema, "orders")
     for _, value, headers in receiver.records:
-        assert [v for k, v in headers if k == MESSAGE_ID_HEADER] == [f"{ns}:{ids[value]}".encode()]
+        assert [v for k, v in headers if k == MESSAGE_ID_HEADER] == [message_ids.message_id(ns, *ids[value]).encode()]
 
 
 def _drop_role(conn: psycopg.Connection, role: str) -> None:
@@ -74,7 +74,7 @@ def test_the_reaper_role_granted_before_the_upgrade_reads_the_namespace(pg_dsn, 
             assert admin.execute("SELECT to_regclass(%s)", [f'"{name}".outbox_namespace']).fetchone() == (None,)
         assert "0017_message_id.sql" in schema_mod.migrate(pg_dsn, name)
         with psycopg.connect(pg_dsn.replace("postgres@", f"{login}@"), autocommit=True) as c:
-            assert isinstance(message_ids.namespace(c, name), uuid.UUID)
+            assert isinstance(message_ids.namespace(c, name), message_ids.Namespace)
             # and a table the migrations did not make is registered by that role too
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             admin.execute(f'CREATE TABLE "{name}".outbox2 (LIKE "{name}".outbox INCLUDING ALL)')
@@ -84,7 +84,7 @@ def test_the_reaper_role_granted_before_the_upgrade_reads_the_namespace(pg_dsn, 
                 )
             )
         with psycopg.connect(pg_dsn.replace("postgres@", f"{login}@"), autocommit=True) as c:
-            assert isinstance(message_ids.namespace(c, name, "outbox2"), uuid.UUID)
+            assert isinstance(message_ids.namespace(c, name, "outbox2"), message_ids.Namespace)
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             _drop_role(admin, login)

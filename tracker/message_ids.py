@@ -1,13 +1,20 @@
 """Message ids: the `message-id` header the harvester puts on every record it publishes.
 
-The id is `<namespace>:<row id>`, ASCII, at most 56 characters: the namespace is a random UUID stored
-once per outbox table in `<schema>.outbox_namespace` (sql/0017_message_id.sql), the row id is the
-outbox row's, from a sequence that only goes up (README "Event reference": what sets it back makes
-ids come again, and what to do then). So the id names one row across databases, tables and
-lanes, and is the same every time the row is published again (a reset, a remark, a new leader, a
-promoted standby or a restored backup: the namespace is a row like any other, replicated and kept).
-Rows written by any language or by the tracker's own SQL (completion and expiry events) get it
-alike: the harvester adds it as it publishes; nothing is stored per row.
+The id is `<namespace>:<row id>:<created>`, ASCII, at most 78 characters: the namespace is a random
+UUID stored once per outbox table in `<schema>.outbox_namespace` (sql/0017_message_id.sql), the row
+id and `created` (its `created_at` in microseconds since the Unix epoch) are the outbox row's. A
+row id comes again when the table's sequence goes back (TRUNCATE ... RESTART IDENTITY, setval, an
+older backup restored, a standby promoted without the last commits), but the row that takes it was
+created later, so its id differs: ids never repeat. And every publication of one row (a reset, a
+remark, a new leader, a promoted standby, a restored backup) gives the same id: the namespace and
+`created_at` are rows and columns like any other, replicated and kept. Rows written by any
+language, or by the tracker's own SQL (completion and expiry events), get it alike: the harvester
+builds it as it publishes, from the mark's RETURNING; nothing is stored per row.
+
+Upgrades: rows created before the namespace's `suffix_from` (sql/0022_message_id_created.sql: the
+time that migration ran, for the tables that had a namespace then) keep the previous versions'
+`<namespace>:<row id>`, so a row published before the upgrade is the same message when published
+again after it. Namespaces registered later have -infinity: every row gets the new form.
 
 The header comes last, after the row's own headers; `message_id_of` reads the last one.
 """
@@ -15,11 +22,15 @@ The header comes last, after the row's own headers; `message_id_of` reads the la
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.adapt import AdaptersMap
 from psycopg.rows import tuple_row
+from psycopg.types.numeric import Int8BinaryLoader
 
 from tracker import schema as schema_mod
 from tracker.config import DEFAULT_OUTBOX_TABLE
@@ -27,9 +38,52 @@ from tracker.errors import InvalidValue, TrackerError
 from tracker.schema import check_identifier, qualified
 
 MESSAGE_ID_HEADER = "message-id"
-MESSAGE_ID_MAX = 100  # the documented bound on the header's length (ids are at most 56 characters)
+MESSAGE_ID_MAX = 100  # the documented bound on the header's length (ids are at most 78 characters)
 NAMESPACE_TABLE = "outbox_namespace"
 NAMESPACE_MIGRATION = 17  # sql/0017_message_id.sql creates NAMESPACE_TABLE
+SUFFIX_MIGRATION = 22  # sql/0022_message_id_created.sql adds its suffix_from column
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+PG_EPOCH_US = 946_684_800_000_000  # Postgres stores a timestamptz as int8 microseconds since 2000-01-01 UTC
+INT8_MIN, INT8_MAX = -(2**63), 2**63 - 1
+ALL_ROWS = INT8_MIN + PG_EPOCH_US  # Namespace.suffix_from when every row gets the new form (-infinity)
+
+
+def load_timestamps_as_micros(adapters: AdaptersMap) -> None:
+    """Make the cursor or connection whose `adapters` these are load binary timestamptz values as
+    Postgres's own int8, decoded in C like any int8 (no datetime, no work in the database): add
+    PG_EPOCH_US for microseconds since the Unix epoch. -infinity and infinity load as INT8_MIN and
+    INT8_MAX. What the harvester's mark and `namespace` read `created_at` and `suffix_from` with."""
+    adapters.register_loader("timestamptz", Int8BinaryLoader)
+
+
+def micros(at: datetime) -> int:
+    """`at` in microseconds since the Unix epoch: in SQL `extract(epoch FROM at) * 1000000`, and
+    what the harvester gets for a row's `created_at`. Raises InvalidValue for a naive datetime
+    (no time zone: which instant it is is unknown)."""
+    if not isinstance(at, datetime) or at.utcoffset() is None:
+        raise InvalidValue("created_at", at, "must be a datetime with a time zone")
+    return (at - EPOCH) // timedelta(microseconds=1)
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """An outbox table's message-id namespace: its UUID, and from when (microseconds since the Unix
+    epoch; ALL_ROWS: always) its rows' ids end with their `created_at`."""
+
+    uuid: uuid.UUID
+    suffix_from: int = ALL_ROWS
+
+    @property
+    def prefix(self) -> str:
+        """What every id of the table starts with (the harvester builds it once per leadership)."""
+        return f"{self.uuid}:"
+
+    def message_id(self, row_id: int, created_us: int) -> str:
+        """The id of row `row_id` created at `created_us` (microseconds since the Unix epoch); the
+        harvester inlines this, per record."""
+        if created_us >= self.suffix_from:
+            return f"{self.uuid}:{row_id}:{created_us}"
+        return f"{self.uuid}:{row_id}"
 
 
 class NamespaceUnavailable(TrackerError, LookupError):
@@ -41,14 +95,10 @@ class NamespaceUnavailable(TrackerError, LookupError):
         super().__init__(f"no message-id namespace for {schema}.{table}: {detail} (run `reaper migrate`)")
 
 
-def message_id(namespace: uuid.UUID | str, row_id: int) -> str:
-    """The message id of outbox row `row_id` of the table whose namespace is `namespace`."""
-    return f"{namespace}:{row_id}"
-
-
-def prefix(namespace: uuid.UUID) -> str:
-    """What the harvester puts before a row id (built once per leadership, not per record)."""
-    return f"{namespace}:"
+def message_id(namespace: Namespace, row_id: int, created_at: datetime | int) -> str:
+    """The message id of outbox row `row_id`, created at `created_at` (the row's column, or it in
+    microseconds since the Unix epoch), of the table whose namespace is `namespace` (see `namespace`)."""
+    return namespace.message_id(row_id, created_at if isinstance(created_at, int) else micros(created_at))
 
 
 def message_id_of(message: Any) -> str | None:
@@ -68,14 +118,16 @@ def message_id_of(message: Any) -> str | None:
     return text
 
 
-def namespace(conn: psycopg.Connection, schema: str, table: str = DEFAULT_OUTBOX_TABLE) -> uuid.UUID:
+def namespace(conn: psycopg.Connection, schema: str, table: str = DEFAULT_OUTBOX_TABLE) -> Namespace:
     """The namespace of `schema.table`'s message ids. A table the migrations did not create gets
-    one the first time (several processes at once agree on one). Runs in `conn`'s transaction
-    (never commits it; a failure leaves it as it was: the statements run in a savepoint), with
-    any row factory; the harvester calls it in autocommit. Raises NamespaceUnavailable."""
+    one the first time (several processes at once agree on one), whose rows all get the new form.
+    Runs in `conn`'s transaction (never commits it; a failure leaves it as it was: the statements
+    run in a savepoint), with any row factory; the harvester calls it in autocommit. Raises
+    NamespaceUnavailable (missing_table when the schema's namespace table is missing or predates
+    sql/0022_message_id_created.sql)."""
     names = {"ns": qualified(schema, NAMESPACE_TABLE)}
     table_name = qualified(schema, check_identifier(table, "table")).as_string(conn)
-    read = sql.SQL("SELECT namespace FROM {ns} WHERE outbox = to_regclass(%s)").format(**names)
+    read = sql.SQL("SELECT namespace, suffix_from FROM {ns} WHERE outbox = to_regclass(%s)").format(**names)
     if not conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
         # Open the caller's implicit transaction first: a transaction() block entered outside one
         # would BEGIN and COMMIT a transaction of its own, which the caller could not roll back.
@@ -83,7 +135,8 @@ def namespace(conn: psycopg.Connection, schema: str, table: str = DEFAULT_OUTBOX
     try:
         # A savepoint in the caller's transaction (a transaction of its own in autocommit): a
         # failed statement must not leave the caller's transaction aborted.
-        with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
+        with conn.transaction(), conn.cursor(row_factory=tuple_row, binary=True) as cur:
+            load_timestamps_as_micros(cur.adapters)
             found = cur.execute(read, [table_name]).fetchone()
             if found is None:
                 if cur.execute("SELECT to_regclass(%s)", [table_name]).fetchone() == (None,):
@@ -99,18 +152,24 @@ def namespace(conn: psycopg.Connection, schema: str, table: str = DEFAULT_OUTBOX
                 found = cur.execute(read, [table_name]).fetchone()
     except psycopg.errors.UndefinedTable as exc:
         raise NamespaceUnavailable(schema, table, f"{schema}.{NAMESPACE_TABLE} is missing", missing_table=True) from exc
+    except psycopg.errors.UndefinedColumn as exc:
+        detail = f"{schema}.{NAMESPACE_TABLE} predates migration {SUFFIX_MIGRATION:04d}"
+        raise NamespaceUnavailable(schema, table, detail, missing_table=True) from exc
     assert found is not None  # inserted or found by the statements above
-    return found[0]
+    return Namespace(found[0], found[1] + PG_EPOCH_US)
 
 
 def create_table(conn: psycopg.Connection, schema: str) -> None:
     """Create `schema`'s namespace table when it has none (an outbox in a schema `reaper migrate`
-    never ran in), as migration 0017 does, under the migration's advisory lock so a concurrent
-    `reaper migrate` queues. Needs an autocommit connection (it commits its own transaction).
-    Raises NamespaceUnavailable, naming the statements to run, when the role may not."""
-    text = next((m.text for m in schema_mod.migrations() if m.version == NAMESPACE_MIGRATION), None)
-    if text is None:
-        raise RuntimeError(f"migration {NAMESPACE_MIGRATION:04d} is missing from this installation")
+    never ran in), or add its suffix_from column, as migrations 0017 and 0022 do (both are
+    idempotent), under the migration's advisory lock so a concurrent `reaper migrate` queues. Needs
+    an autocommit connection (it commits its own transaction). Raises NamespaceUnavailable, naming
+    the statements to run, when the role may not."""
+    texts = {m.version: m.text for m in schema_mod.migrations() if m.version in (NAMESPACE_MIGRATION, SUFFIX_MIGRATION)}
+    for version in (NAMESPACE_MIGRATION, SUFFIX_MIGRATION):
+        if version not in texts:
+            raise RuntimeError(f"migration {version:04d} is missing from this installation")
+    text = texts[NAMESPACE_MIGRATION] + "\n" + texts[SUFFIX_MIGRATION]
     path = sql.Identifier(check_identifier(schema, "schema")).as_string(conn)
     try:
         with conn.transaction():

@@ -1,10 +1,11 @@
 """Plain publishing: marked rows go to the idempotent producer in id order, no Kafka transaction.
 
 Contract of a publishing strategy (this one and harvester.publishing.transactional):
-- `produce_rows(rows, leader_id, still_valid, valid_until)` hands rows to the slot's current
-  producer in the order given and returns how many it got through (handed over or quarantined);
-  fewer than given means it stopped early, and the caller must not publish later rows under the
-  same leader id (the rest stay marked by it). It stops before the first row
+- `produce_rows(rows, leader_id, still_valid, valid_until, ids)` hands rows (as OutboxStore.mark
+  returns them) to the slot's current producer in the order given, each with its message id
+  (`ids`: the table's tracker.message_ids.Namespace), and returns how many it got through (handed
+  over or quarantined); fewer than given means it stopped early, and the caller must not publish
+  later rows under the same leader id (the rest stay marked by it). It stops before the first row
   once the leadership deadline `valid_until()` has passed or `still_valid()` is false (checked
   every 256 rows), or when the producer was retired meanwhile. Rows not handed over are released
   from the throttle's count (they stay marked by an old id and the next mark finds them).
@@ -30,6 +31,7 @@ from confluent_kafka import KafkaError, KafkaException
 from harvester.publishing.deliveries import DeliverySettler, error_reason, logs_safe
 from harvester.publishing.ports import ProducerLike, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
+from tracker import message_ids
 from tracker.message_ids import MESSAGE_ID_HEADER
 
 # produce() refusals that are about the record itself and can never succeed, however often retried:
@@ -68,12 +70,17 @@ class PlainStrategy:
         pass
 
     def produce_rows(
-        self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Valid, valid_until: Deadline, prefix: str
+        self,
+        rows: list[tuple],
+        leader_id: uuid.UUID,
+        still_valid: Valid,
+        valid_until: Deadline,
+        ids: message_ids.Namespace,
     ) -> int:
         # A report per record: a delivered record is purged without waiting for the other records of
         # its produce call (one stuck on another partition would hold it, and a later record of its
         # key could be purged first: after a remark the earlier one would be published last).
-        return self.write(self.slot.current, rows, leader_id, still_valid, valid_until, self.settler.report, prefix)
+        return self.write(self.slot.current, rows, leader_id, still_valid, valid_until, self.settler.report, ids)
 
     def write(
         self,
@@ -83,14 +90,14 @@ class PlainStrategy:
         still_valid: Valid,
         valid_until: Deadline,
         report: Callable,
-        prefix: str,
+        ids: message_ids.Namespace,
     ) -> int:
         """The produce loop shared by both strategies; `report` is the per-record callback
         (called as report(row_id, leader_id, err, msg)). Releases what it did not hand over.
-        Every record gets the rows' own headers, then `message-id` = prefix + row id
-        (tracker.message_ids). Returns the rows got through: handed over or quarantined."""
+        Every record gets the rows' own headers, then its `message-id` (tracker.message_ids:
+        Namespace.message_id, inlined). Returns the rows got through: handed over or quarantined."""
         slot, clock, swap, trace = self.slot, time.monotonic, self.slot._swap, self.trace
-        mid = MESSAGE_ID_HEADER
+        mid, prefix, cut, epoch = MESSAGE_ID_HEADER, ids.prefix, ids.suffix_from, message_ids.PG_EPOCH_US
         n, i, check_at = len(rows), 0, 0  # rows[:i] are handed over or quarantined
         quarantined = 0  # of rows[:i], moved aside instead of handed over
         slot.used = True
@@ -115,7 +122,11 @@ class PlainStrategy:
                             if clock() >= deadline:
                                 expired = True
                                 break
-                            row_id, topic, key, value, hkeys, hvals, partition = rows[i]
+                            row_id, topic, key, value, hkeys, hvals, partition, created = rows[i]
+                            # The message id, as Namespace.message_id builds it (created: Postgres's
+                            # int8, see OutboxStore.mark): an f-string is the cheapest way to join it.
+                            created += epoch
+                            msg_id = f"{prefix}{row_id}:{created}" if created >= cut else f"{prefix}{row_id}"
                             # Positional, in the order of confluent-kafka's produce(topic, value, key,
                             # partition, callback, on_delivery, timestamp, headers): keywords cost
                             # ~1 µs a record here.
@@ -127,9 +138,7 @@ class PlainStrategy:
                                 partial(report, row_id, leader_id),
                                 None,
                                 0,
-                                [*zip(hkeys, hvals), (mid, prefix + str(row_id))]
-                                if hkeys
-                                else [(mid, prefix + str(row_id))],
+                                [*zip(hkeys, hvals), (mid, msg_id)] if hkeys else [(mid, msg_id)],
                             )
                             i += 1
                             if trace is not None:
@@ -140,8 +149,9 @@ class PlainStrategy:
                     break
                 if failed is None:
                     continue
-                row_id, topic, key, value, hkeys, hvals, partition = rows[i]
+                row_id, topic, key, value, hkeys, hvals, partition, created = rows[i]
                 if isinstance(failed, BufferError):
+                    msg_id = ids.message_id(row_id, created + epoch)
                     args = (
                         topic,
                         value,
@@ -150,7 +160,7 @@ class PlainStrategy:
                         partial(report, row_id, leader_id),
                         None,
                         0,
-                        [*zip(hkeys, hvals), (mid, prefix + str(row_id))],
+                        [*zip(hkeys, hvals), (mid, msg_id)],
                     )
                     if not self._wait_for_room(producer, args, deadline, still_valid):
                         break

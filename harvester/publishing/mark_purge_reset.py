@@ -270,9 +270,9 @@ class UnitHarvester:
         db_clock, claim = self._db_clock, self.claim
         assert db_clock is not None and claim is not None  # likewise
         backoff, progress_at_remark = 0.0, -1
-        # The message-id prefix of the rows marked (tracker.message_ids), read from the database the
+        # The message-id namespace of the rows marked (tracker.message_ids), read from the database the
         # marks go to once per leadership and again after any failed mark (the DSN may lead elsewhere).
-        prefix: str | None = None
+        ids: message_ids.Namespace | None = None
         while not self._stop.is_set():
             neli_id = self.neli.leader_id()
             if neli_id is None:
@@ -288,7 +288,7 @@ class UnitHarvester:
                 # are still marked by the old id, and only a new id marks them again, from the head.
                 self._me = uuid.uuid4()  # set before clearing the flag: queued batches go stale first
                 self._neli_id = neli_id
-                prefix = None
+                ids = None
                 self._remark.clear()
                 logs.unit_leaders.set(self.spec.name, self._me, self.spec.index)
                 self.log.info("leading: marking from the head")
@@ -330,8 +330,8 @@ class UnitHarvester:
                 try:
                     deadline = db_clock.at(until)
                     claim.hold(deadline, db_clock.generation)  # no other configuration marks before `deadline`
-                    if prefix is None:
-                        prefix = message_ids.prefix(self.store.namespace())
+                    if ids is None:
+                        ids = self.store.namespace()
                     started = time.monotonic()
                     # Always from the head (see OutboxStore.mark): rows committed late are found by
                     # the very next mark, before any causally later row of their key.
@@ -339,7 +339,7 @@ class UnitHarvester:
                 except Exception as exc:
                     trouble = exc
             if trouble is not None:
-                prefix = None
+                ids = None
             if isinstance(trouble, (OutboxClaimed, ClaimTableMissing)):
                 claim.report_refusal(trouble, self.log, m.claim_refusals)
                 self._stop.wait(CLAIM_RETRY)
@@ -380,7 +380,7 @@ class UnitHarvester:
             pub.reserve(len(rows))  # marked rows count as in flight until settled or dropped
             while True:
                 try:
-                    self._batches.put((me, rows, started, prefix), timeout=0.05)
+                    self._batches.put((me, rows, started, ids), timeout=0.05)
                     break
                 except queue.Full:
                     if self._stop.is_set() or not self._valid(me):
@@ -405,10 +405,10 @@ class UnitHarvester:
         # (see _valid), never left reserved with no thread to take it.
         while not (self._stop.is_set() and not self._thread.is_alive() and self._batches.empty() and carry is None):
             if carry is not None:
-                (me, rows, started, prefix), carry = carry, None
+                (me, rows, started, ids), carry = carry, None
             else:
                 try:
-                    me, rows, started, prefix = self._batches.get(timeout=0.05)
+                    me, rows, started, ids = self._batches.get(timeout=0.05)
                 except queue.Empty:
                     leader = self._me
                     if leader is not None and self._valid(leader):
@@ -422,7 +422,7 @@ class UnitHarvester:
                     more = self._batches.get_nowait()
                 except queue.Empty:
                     break
-                if more[0] == me and more[3] == prefix:
+                if more[0] == me and more[3] == ids:
                     rows = rows + more[1]
                 else:
                     carry = more
@@ -431,7 +431,7 @@ class UnitHarvester:
                 self._skipped(me, "marked rows dropped unsent")
                 continue
             try:
-                sent = pub.produce_rows(rows, me, partial(self._valid, me), self.neli.valid_until, prefix)
+                sent = pub.produce_rows(rows, me, partial(self._valid, me), self.neli.valid_until, ids)
             except (BufferError, KafkaException, QuarantineError) as exc:
                 m.produce_errors.inc()
                 self.log.warning("produce failed", error=str(exc))

@@ -25,6 +25,9 @@ from tracker import message_ids
 from tracker.schema import qualified
 
 COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
+# What a mark returns per row: COLUMNS, then `created_at` for the message id (tracker.message_ids),
+# loaded as Postgres's int8 (load_timestamps_as_micros): decoded in C, no work in the database.
+MARKED = COLUMNS + ", created_at"
 LOCK_NOT_AVAILABLE = "55P03"  # the SQLSTATE of VACUUM (SKIP_LOCKED)'s "skipping vacuum" warning
 
 
@@ -150,7 +153,7 @@ class OutboxStore:
             "SELECT id FROM {t} WHERE (leader_id IS NULL OR leader_id <> %(me)s){in_lane}"
             " ORDER BY {order} LIMIT %(n)s)) AND (leader_id IS NULL OR leader_id <> %(me)s) "
             "AND statement_timestamp() < %(until)s "
-            "RETURNING id, topic, key, value, header_keys, header_values, kafka_partition"
+            "RETURNING " + MARKED
         )
         if lanes == 1:
             # With one lane the rows to mark are exactly those not marked by `me` with an id between
@@ -163,7 +166,7 @@ class OutboxStore:
                 "SELECT id FROM {t} WHERE (leader_id IS NULL OR leader_id <> %(me)s) ORDER BY id LIMIT %(n)s) AS s) "
                 "UPDATE {t} SET leader_id = %(me)s WHERE id >= (SELECT low FROM head) AND id <= (SELECT high FROM head) "
                 "AND (leader_id IS NULL OR leader_id <> %(me)s) AND statement_timestamp() < %(until)s "
-                "RETURNING id, topic, key, value, header_keys, header_values, kafka_partition"
+                "RETURNING " + MARKED
             ).format(t=t)
             self._mark_indexed = self._mark
         else:
@@ -211,7 +214,7 @@ class OutboxStore:
         self._count = sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {t} LIMIT %s) AS s").format(t=t)
         self._span = sql.SQL("SELECT max(id) - min(id) + 1 FROM {t}").format(t=t)
 
-    def namespace(self) -> uuid.UUID:
+    def namespace(self) -> message_ids.Namespace:
         """The table's message-id namespace (tracker.message_ids; registered on first use). In a
         schema `reaper migrate` never ran in, the namespace table is created first, as the claim
         table is (harvester.publishing.ownership)."""
@@ -225,7 +228,9 @@ class OutboxStore:
             return message_ids.namespace(conn, self.schema_name, self.table_name)
 
     def mark(self, leader_id: uuid.UUID, limit: int, *, until: datetime) -> list[tuple]:
-        """Mark up to `limit` of the lowest-id rows not marked by `leader_id`; sorted by id.
+        """Mark up to `limit` of the lowest-id rows not marked by `leader_id`; sorted by id. Each row
+        is (id, topic, key, value, header_keys, header_values, kafka_partition, created_at as
+        Postgres's int8: add tracker.message_ids.PG_EPOCH_US for microseconds since the Unix epoch).
 
         Every mark scans from the head of the table. Skipping ahead with a cursor would miss a row
         whose (slow) transaction commits below the cursor while a later row of the same key is
@@ -247,7 +252,9 @@ class OutboxStore:
                 with conn.pipeline():
                     if self.lanes > 1:
                         conn.execute(LANE_MARK_PLAN)
-                    cur = conn.execute(statement, params, binary=True)
+                    cur = conn.cursor(binary=True)
+                    message_ids.load_timestamps_as_micros(cur.adapters)
+                    cur.execute(statement, params)
                     if until is not FOREVER:
                         conn.execute(self._finished_in_time, {"until": until})
             except psycopg.errors.DivisionByZero:

@@ -16,6 +16,8 @@ from typing import Protocol
 
 from confluent_kafka import Producer
 
+from tracker import message_ids
+
 
 class ProducerLike(Protocol):
     """What the harvester uses of confluent_kafka.Producer."""
@@ -34,7 +36,7 @@ class ProducerLike(Protocol):
 class StoreLike(Protocol):
     """What the harvester uses of harvester.publishing.outbox_sql.OutboxStore."""
 
-    def namespace(self) -> uuid.UUID: ...
+    def namespace(self) -> message_ids.Namespace: ...
     def mark(self, leader_id: uuid.UUID, limit: int, *, until: datetime) -> list[tuple]: ...
     def database_now(self) -> datetime: ...
     def purge(self, leader_id: uuid.UUID, ids: Sequence[int]) -> int: ...

@@ -23,6 +23,7 @@ from harvester.publishing.idempotent import PERMANENT_PRODUCE, Deadline, PlainSt
 from harvester.publishing.ports import DEFAULT, Providers, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
 from harvester.publishing.transactional import TXN_PRODUCERS, TransactionalStrategy
+from tracker import message_ids
 
 DEFAULT_PRODUCER = {
     "linger.ms": 2,
@@ -159,10 +160,15 @@ class Publisher:
     # ------------------------------------------------------------------ what the harvester uses
 
     def produce_rows(
-        self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Valid, valid_until: Deadline, prefix: str
+        self,
+        rows: list[tuple],
+        leader_id: uuid.UUID,
+        still_valid: Valid,
+        valid_until: Deadline,
+        ids: message_ids.Namespace,
     ) -> int:
-        """`prefix`: the message-id prefix of the rows' table (tracker.message_ids.prefix)."""
-        return self.strategy.produce_rows(rows, leader_id, still_valid, valid_until, prefix)
+        """`rows` as OutboxStore.mark returns them; `ids`: the message-id namespace of their table."""
+        return self.strategy.produce_rows(rows, leader_id, still_valid, valid_until, ids)
 
     def prepare(self, still_valid: Valid, valid_until: Deadline) -> None:
         """Between batches, from the producing thread: get ready to publish (fenced mode: fence the

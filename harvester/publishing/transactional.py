@@ -39,6 +39,7 @@ from harvester.publishing.deliveries import DeliverySettler
 from harvester.publishing.idempotent import Deadline, PlainStrategy, Valid
 from harvester.publishing.ports import ProducerLike, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
+from tracker import message_ids
 
 # Producers per unit, used in turn, one transaction each. After a commit the broker is still
 # writing that transaction's markers for a few ms, and librdkafka's AddPartitionsToTxn for the next
@@ -126,7 +127,12 @@ class TransactionalStrategy:
         return self._plain
 
     def produce_rows(
-        self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Valid, valid_until: Deadline, prefix: str
+        self,
+        rows: list[tuple],
+        leader_id: uuid.UUID,
+        still_valid: Valid,
+        valid_until: Deadline,
+        ids: message_ids.Namespace,
     ) -> int:
         producer = self.slot.current
         try:
@@ -139,7 +145,7 @@ class TransactionalStrategy:
             return 0
         try:
             return self._plain.write(
-                producer, rows, leader_id, still_valid, valid_until, partial(self.report, seq), prefix
+                producer, rows, leader_id, still_valid, valid_until, partial(self.report, seq), ids
             )
         except BaseException:
             if self._open is producer:
