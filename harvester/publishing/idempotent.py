@@ -30,6 +30,7 @@ from confluent_kafka import KafkaError, KafkaException
 from harvester.publishing.deliveries import DeliverySettler, error_reason, logs_safe
 from harvester.publishing.ports import ProducerLike, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
+from harvester.publishing.runs import PartitionCounts, computes_partitions, plan_runs
 from tracker.message_ids import MESSAGE_ID_HEADER
 
 # produce() refusals that are about the record itself and can never succeed, however often retried:
@@ -63,6 +64,10 @@ class PlainStrategy:
         self.queue_full_patience = 1.0
         # harvester.trace_spans: called with (topic, header keys, header values) per produced row
         self.trace: Callable[[str, list, list], None] | None = None
+        # One delivery report per partition run (harvester.publishing.runs) when partitions can be
+        # computed; the transactional strategy calls write() with a report per record.
+        self.by_runs = computes_partitions(slot._conf)
+        self._counts = PartitionCounts()
 
     def on_retire(self) -> None:
         pass
@@ -70,10 +75,13 @@ class PlainStrategy:
     def produce_rows(
         self, rows: list[tuple], leader_id: uuid.UUID, still_valid: Valid, valid_until: Deadline, prefix: str
     ) -> int:
-        # A report per record: a delivered record is purged without waiting for the other records of
-        # its produce call (one stuck on another partition would hold it, and a later record of its
-        # key could be purged first: after a remark the earlier one would be published last).
-        return self.write(self.slot.current, rows, leader_id, still_valid, valid_until, self.settler.report, prefix)
+        # A report per partition run (harvester.publishing.runs), else per record: a delivered record
+        # is purged without waiting for records of other partitions (one stuck on another partition
+        # would hold it, and a later record of its key could be purged first: after a remark the
+        # earlier one would be published last).
+        return self.write(
+            self.slot.current, rows, leader_id, still_valid, valid_until, self.settler.report, prefix, self.by_runs
+        )
 
     def write(
         self,
@@ -84,9 +92,13 @@ class PlainStrategy:
         valid_until: Deadline,
         report: Callable,
         prefix: str,
+        by_runs: bool = False,
     ) -> int:
         """The produce loop shared by both strategies; `report` is the per-record callback
-        (called as report(row_id, leader_id, err, msg)). Releases what it did not hand over.
+        (called as report(row_id, leader_id, err, msg)). With `by_runs`, the rows whose partition
+        is known are reported by run instead (settler.report_run; harvester.publishing.runs).
+        Releases what it did not hand over, and what was handed over but no report will cover
+        (a run whose last record was not produced), raising a remark for those.
         Every record gets the rows' own headers, then `message-id` = prefix + row id
         (tracker.message_ids). Returns the rows got through: handed over or quarantined."""
         slot, clock, swap, trace = self.slot, time.monotonic, self.slot._swap, self.trace
@@ -94,6 +106,12 @@ class PlainStrategy:
         n, i, check_at = len(rows), 0, 0  # rows[:i] are handed over or quarantined
         quarantined = 0  # of rows[:i], moved aside instead of handed over
         slot.used = True
+        if by_runs:
+            parts, runs, last = plan_runs(rows, self._counts, producer, self.settler.single)
+            run_report = self.settler.report_run
+        else:
+            parts, runs, last = [], [], []
+        pending: dict[int, list[int]] = {}  # run -> ids produced without a report of their own
         try:
             deadline = valid_until()
             while i < n:
@@ -116,6 +134,16 @@ class PlainStrategy:
                                 expired = True
                                 break
                             row_id, topic, key, value, hkeys, hvals, partition = rows[i]
+                            if by_runs:
+                                run, partition = runs[i], parts[i]
+                                if run < 0:
+                                    callback = partial(report, row_id, leader_id)
+                                elif last[i]:
+                                    callback = partial(run_report, [*pending.get(run, ()), row_id], leader_id)
+                                else:
+                                    callback = None  # covered by its run's last record
+                            else:
+                                run, callback = -1, partial(report, row_id, leader_id)
                             # Positional, in the order of confluent-kafka's produce(topic, value, key,
                             # partition, callback, on_delivery, timestamp, headers): keywords cost
                             # ~1 µs a record here.
@@ -124,7 +152,7 @@ class PlainStrategy:
                                 value,
                                 key,
                                 -1 if partition is None else partition,
-                                partial(report, row_id, leader_id),
+                                callback,
                                 None,
                                 0,
                                 [*zip(hkeys, hvals), (mid, prefix + str(row_id))]
@@ -132,6 +160,11 @@ class PlainStrategy:
                                 else [(mid, prefix + str(row_id))],
                             )
                             i += 1
+                            if run >= 0:
+                                if callback is None:
+                                    pending.setdefault(run, []).append(row_id)
+                                else:
+                                    pending.pop(run, None)
                             if trace is not None:
                                 trace(topic, hkeys, hvals)
                     except (BufferError, KafkaException) as exc:
@@ -142,12 +175,13 @@ class PlainStrategy:
                     continue
                 row_id, topic, key, value, hkeys, hvals, partition = rows[i]
                 if isinstance(failed, BufferError):
+                    # `run`, `partition` and `callback` are still the refused record's
                     args = (
                         topic,
                         value,
                         key,
                         -1 if partition is None else partition,
-                        partial(report, row_id, leader_id),
+                        callback,
                         None,
                         0,
                         [*zip(hkeys, hvals), (mid, prefix + str(row_id))],
@@ -155,6 +189,11 @@ class PlainStrategy:
                     if not self._wait_for_room(producer, args, deadline, still_valid):
                         break
                     i += 1
+                    if run >= 0:
+                        if callback is None:
+                            pending.setdefault(run, []).append(row_id)
+                        else:
+                            pending.pop(run, None)
                     if trace is not None:
                         trace(topic, hkeys, hvals)
                     continue
@@ -169,8 +208,14 @@ class PlainStrategy:
         finally:
             sent = i - quarantined
             self.produced += sent
-            if sent < n:
-                self.settler.release(n - sent)  # includes the quarantined rows: settled here
+            # Handed over, but their run's last record was not (stopped early, or it was refused and
+            # quarantined): no report will settle them. They stay marked by this leader id, and
+            # the remark publishes them again (duplicates, never loss).
+            uncovered = sum(map(len, pending.values()))
+            if sent - uncovered < n:
+                self.settler.release(n - sent + uncovered)  # includes the quarantined rows: settled here
+            if uncovered:
+                self.settler.uncovered(uncovered)
         return i
 
     def _wait_for_room(self, producer: ProducerLike, args: tuple, deadline: float, still_valid: Valid) -> bool:
