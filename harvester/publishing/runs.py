@@ -28,6 +28,8 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Sequence
+from itertools import repeat
+from operator import is_not, itemgetter
 
 from harvester.publishing.ports import ProducerLike
 
@@ -35,6 +37,7 @@ DEFAULT_PARTITIONER = "consistent_random"  # librdkafka's default `partitioner`
 COUNT_REFRESH = 10.0  # seconds a topic's partition count is trusted before it is looked up again
 LOOKUP_TIMEOUT = 2.0  # seconds a partition-count lookup may hold up the producing thread
 UNPLACED = -1  # librdkafka's partitioner chooses; the record keeps a report of its own
+_TOPIC, _KEY, _PARTITION = itemgetter(1), itemgetter(2), itemgetter(6)
 
 
 def computes_partitions(conf: dict) -> bool:
@@ -90,6 +93,23 @@ def plan_runs(
     own (unplaced, or in `single`: ids to be reported one by one, taken out of it here); and whether
     it is the last row of its run (the one whose report settles the run)."""
     n = len(rows)
+    if n and not single:
+        # The common case, one topic and keyed rows without kafka_partition: computed at C speed
+        # (map, comprehensions), the partition standing for the run.
+        topic = rows[0][1]
+        keys = list(map(_KEY, rows))
+        if (
+            all(keys)
+            and not any(map(is_not, map(_PARTITION, rows), repeat(None)))
+            and all(map(topic.__eq__, map(_TOPIC, rows)))
+        ):
+            count = counts.of(producer, topic)
+            if count:
+                parts = [c % count for c in map(zlib.crc32, keys)]
+                last = [False] * n
+                for i in {p: i for i, p in enumerate(parts)}.values():
+                    last[i] = True
+                return parts, parts, last
     parts = [UNPLACED] * n
     runs = [-1] * n
     last = [False] * n
