@@ -103,9 +103,9 @@ def plan_runs(
             and not any(map(is_not, map(_PARTITION, rows), repeat(None)))
             and all(map(topic.__eq__, map(_TOPIC, rows)))
         ):
-            count = counts.of(producer, topic)
-            if count:
-                parts = [c % count for c in map(zlib.crc32, keys)]
+            cnt = counts.of(producer, topic)
+            if cnt:
+                parts = [c % cnt for c in map(zlib.crc32, keys)]
                 last = [False] * n
                 for i in {p: i for i, p in enumerate(parts)}.values():
                     last[i] = True
