@@ -35,7 +35,10 @@ from harvester.publishing.ports import ProducerLike
 
 DEFAULT_PARTITIONER = "consistent_random"  # librdkafka's default `partitioner`
 COUNT_REFRESH = 10.0  # seconds a topic's partition count is trusted before it is looked up again
-LOOKUP_TIMEOUT = 2.0  # seconds a partition-count lookup may hold up the producing thread
+# Seconds a partition-count lookup may hold up the producing thread: a topic's first one longer (its
+# records get a report each until it succeeds), a refresh shorter (the count known stays in use).
+FIRST_LOOKUP_TIMEOUT = 5.0
+REFRESH_TIMEOUT = 0.5
 UNPLACED = -1  # librdkafka's partitioner chooses; the record keeps a report of its own
 _TOPIC, _KEY, _PARTITION = itemgetter(1), itemgetter(2), itemgetter(6)
 
@@ -65,19 +68,20 @@ class PartitionCounts:
             # produced now could overtake them in their partition.
             self._counts[topic] = (0, now + COUNT_REFRESH)
             return 0
-        count = self._look_up(producer, topic)
+        refresh = known is not None and known[0] > 0
+        count = self._look_up(producer, topic, REFRESH_TIMEOUT if refresh else FIRST_LOOKUP_TIMEOUT)
         if count == 0 and known is not None and known[0] > 0:
             count = known[0]  # a failed lookup: the partitions we know of still exist
         self._counts[topic] = (count, now + COUNT_REFRESH)
         return count
 
     @staticmethod
-    def _look_up(producer: ProducerLike, topic: str) -> int:
+    def _look_up(producer: ProducerLike, topic: str, timeout: float) -> int:
         list_topics = getattr(producer, "list_topics", None)
         if list_topics is None:  # a stand-in producer without metadata
             return 0
         try:
-            meta = list_topics(topic, LOOKUP_TIMEOUT).topics.get(topic)
+            meta = list_topics(topic, timeout).topics.get(topic)
         except Exception:  # unreachable cluster, timeout: librdkafka's partitioner it is
             return 0
         if meta is None or meta.error is not None:
