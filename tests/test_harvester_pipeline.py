@@ -186,7 +186,9 @@ def test_database_errors_in_mark_purge_and_reset(setup, pg_dsn, schema, which):
     before = _counter("force_remarks")
     rates = {which: 0.1}
     if which == "reset_error_rate":
-        rates["delivery_error_rate"] = 0.02  # resets only happen after failed deliveries
+        # resets only happen after failed deliveries; injected per delivery report, and without
+        # transactions one report stands for a produce call's records of a partition
+        rates["delivery_error_rate"] = 0.3
     faults = FaultPlan(seed=4, **rates)
     _publish_all_in_order(pg_dsn, schema, topic, receiver, make(mark_batch=200, purge_batch=100), faults, txns=60)
     assert _counter("force_remarks") > before

@@ -1,8 +1,9 @@
 """The delivery settler: delivery reports become batched purges, resets and quarantines; the throttle's count.
 
 Contract:
-- `report()` (librdkafka's delivery callback, from whichever thread serves the producer) and
-  `file()` (a committed transaction's reports) queue reports; `workers` threads, each on its own
+- `report()` (librdkafka's delivery callback, from whichever thread serves the producer),
+  `report_run()` (the same for a run of records, harvester.publishing.runs) and `file()` (a
+  committed transaction's reports) queue reports, one per row; `workers` threads, each on its own
   pooled connection, settle them in batches of up to `batch` (queued reports wait up to
   SETTLE_EVERY, or until `batch` of them are queued; a committed transaction's at once):
   delivered rows are purged, failed rows reset, rows Kafka can never accept quarantined, each
@@ -55,6 +56,10 @@ SAMPLE_EVERY = 64  # produce-latency histogram samples 1 in 64 reports: observe(
 SETTLE_EVERY = 0.1
 
 Report = tuple  # (row_id, leader_id, KafkaError | None)
+# A run's report failed with an error that concerns one record alone (PERMANENT_DELIVERY): which of
+# its records Kafka refuses is unknown, so the run is reset whole and its rows published again
+# with a report each (DeliverySettler.single), which quarantines the one refused with its reason.
+RUN_REFUSED = "a record of the run was refused for good; its rows are published again one report each"
 _ROW_ID = itemgetter(0)
 _LEADER = itemgetter(1)
 _ERROR = itemgetter(2)
@@ -92,6 +97,9 @@ class DeliverySettler:
         self.purged_rows = 0  # rows deleted (read by the leader's vacuum upkeep)
         self.dead_rows = 0  # rows moved to the dead table
         self._sampled = 0  # only the thread serving the producer's callbacks touches it
+        # Row ids to publish with a report each (see RUN_REFUSED): added by the thread serving the
+        # callbacks, taken out by the producing thread (set operations hold the GIL).
+        self.single: set[int] = set()
         self._stop = threading.Event()
         self._threads = [logs.unit_thread(self._loop, f"reaper-settle-{i}") for i in range(workers)]
 
@@ -169,6 +177,29 @@ class DeliverySettler:
             self.failed_report(err)
         if len(reports) >= self._batch and not self._wake.is_set():
             self._wake.set()
+
+    def report_run(self, row_ids: list[int], leader_id: uuid.UUID, err: KafkaError | None, msg) -> None:
+        """The delivery report of a run's last record, standing for every record of the run
+        (harvester.publishing.runs): delivered, all were; failed, none is purged."""
+        reports = self.reports
+        if err is None:
+            reports.extend(zip(row_ids, repeat(leader_id), repeat(None)))
+            self._sampled += len(row_ids)
+            if self._sampled >= SAMPLE_EVERY:
+                self._sample_now(msg)
+        else:
+            if err.code() in PERMANENT_DELIVERY and not err.fatal():
+                self.single.update(row_ids)
+                err = KafkaError(KafkaError._FAIL, f"{err.name()}: {RUN_REFUSED}")
+            reports.extend(zip(row_ids, repeat(leader_id), repeat(err)))
+            self.failed_report(err)
+        if len(reports) >= self._batch and not self._wake.is_set():
+            self._wake.set()
+
+    def uncovered(self, n: int) -> None:
+        """`n` records were handed over with no report to come (their run was cut short): their
+        rows stay marked, and a remark publishes them again."""
+        self._on_failure(f"{n} records handed over without a delivery report to come")
 
     def failed_report(self, err: KafkaError) -> None:
         """What a failed delivery report sets off at once (its row is settled later)."""

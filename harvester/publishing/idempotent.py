@@ -31,6 +31,7 @@ from confluent_kafka import KafkaError, KafkaException
 from harvester.publishing.deliveries import DeliverySettler, error_reason, logs_safe
 from harvester.publishing.ports import ProducerLike, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
+from harvester.publishing.runs import PartitionCounts, computes_partitions, plan_runs
 from tracker import message_ids
 from tracker.message_ids import MESSAGE_ID_HEADER
 
@@ -65,6 +66,10 @@ class PlainStrategy:
         self.queue_full_patience = 1.0
         # harvester.trace_spans: called with (topic, header keys, header values) per produced row
         self.trace: Callable[[str, list, list], None] | None = None
+        # One delivery report per partition run (harvester.publishing.runs) when partitions can be
+        # computed; the transactional strategy calls write() with a report per record.
+        self.by_runs = computes_partitions(slot._conf)
+        self._counts = PartitionCounts()
 
     def on_retire(self) -> None:
         pass
@@ -77,10 +82,13 @@ class PlainStrategy:
         valid_until: Deadline,
         ids: message_ids.Namespace,
     ) -> int:
-        # A report per record: a delivered record is purged without waiting for the other records of
-        # its produce call (one stuck on another partition would hold it, and a later record of its
-        # key could be purged first: after a remark the earlier one would be published last).
-        return self.write(self.slot.current, rows, leader_id, still_valid, valid_until, self.settler.report, ids)
+        # A report per partition run (harvester.publishing.runs), else per record: a delivered record
+        # is purged without waiting for records of other partitions (one stuck on another partition
+        # would hold it, and a later record of its key could be purged first: after a remark the
+        # earlier one would be published last).
+        return self.write(
+            self.slot.current, rows, leader_id, still_valid, valid_until, self.settler.report, ids, self.by_runs
+        )
 
     def write(
         self,
@@ -91,9 +99,13 @@ class PlainStrategy:
         valid_until: Deadline,
         report: Callable,
         ids: message_ids.Namespace,
+        by_runs: bool = False,
     ) -> int:
         """The produce loop shared by both strategies; `report` is the per-record callback
-        (called as report(row_id, leader_id, err, msg)). Releases what it did not hand over.
+        (called as report(row_id, leader_id, err, msg)). With `by_runs`, the rows whose partition
+        is known are reported by run instead (settler.report_run; harvester.publishing.runs).
+        Releases what it did not hand over, and what was handed over but no report will cover
+        (a run whose last record was not produced), raising a remark for those.
         Every record gets the rows' own headers, then its `message-id` (tracker.message_ids:
         Namespace.message_id, inlined). Returns the rows got through: handed over or quarantined."""
         slot, clock, swap, trace = self.slot, time.monotonic, self.slot._swap, self.trace
@@ -101,6 +113,12 @@ class PlainStrategy:
         n, i, check_at = len(rows), 0, 0  # rows[:i] are handed over or quarantined
         quarantined = 0  # of rows[:i], moved aside instead of handed over
         slot.used = True
+        if by_runs:
+            parts, runs, last = plan_runs(rows, self._counts, producer, self.settler.single)
+            run_report = self.settler.report_run
+        else:
+            parts, runs, last = [], [], []
+        pending: dict[int, list[int]] = {}  # run -> ids produced without a report of their own
         try:
             deadline = valid_until()
             while i < n:
@@ -127,6 +145,16 @@ class PlainStrategy:
                             # int8, see OutboxStore.mark): an f-string is the cheapest way to join it.
                             created += epoch
                             msg_id = f"{prefix}{row_id}:{created}" if created >= cut else f"{prefix}{row_id}"
+                            if by_runs:
+                                run, partition = runs[i], parts[i]
+                                if run < 0:
+                                    callback = partial(report, row_id, leader_id)
+                                elif last[i]:
+                                    callback = partial(run_report, [*pending.get(run, ()), row_id], leader_id)
+                                else:
+                                    callback = None  # covered by its run's last record
+                            else:
+                                run, callback = -1, partial(report, row_id, leader_id)
                             # Positional, in the order of confluent-kafka's produce(topic, value, key,
                             # partition, callback, on_delivery, timestamp, headers): keywords cost
                             # ~1 µs a record here.
@@ -135,12 +163,17 @@ class PlainStrategy:
                                 value,
                                 key,
                                 -1 if partition is None else partition,
-                                partial(report, row_id, leader_id),
+                                callback,
                                 None,
                                 0,
                                 [*zip(hkeys, hvals), (mid, msg_id)] if hkeys else [(mid, msg_id)],
                             )
                             i += 1
+                            if run >= 0:
+                                if callback is None:
+                                    pending.setdefault(run, []).append(row_id)
+                                else:
+                                    pending.pop(run, None)
                             if trace is not None:
                                 trace(topic, hkeys, hvals)
                     except (BufferError, KafkaException) as exc:
@@ -152,12 +185,13 @@ class PlainStrategy:
                 row_id, topic, key, value, hkeys, hvals, partition, created = rows[i]
                 if isinstance(failed, BufferError):
                     msg_id = ids.message_id(row_id, created + epoch)
+                    # `run`, `partition` and `callback` are still the refused record's
                     args = (
                         topic,
                         value,
                         key,
                         -1 if partition is None else partition,
-                        partial(report, row_id, leader_id),
+                        callback,
                         None,
                         0,
                         [*zip(hkeys, hvals), (mid, msg_id)],
@@ -165,6 +199,11 @@ class PlainStrategy:
                     if not self._wait_for_room(producer, args, deadline, still_valid):
                         break
                     i += 1
+                    if run >= 0:
+                        if callback is None:
+                            pending.setdefault(run, []).append(row_id)
+                        else:
+                            pending.pop(run, None)
                     if trace is not None:
                         trace(topic, hkeys, hvals)
                     continue
@@ -179,8 +218,14 @@ class PlainStrategy:
         finally:
             sent = i - quarantined
             self.produced += sent
-            if sent < n:
-                self.settler.release(n - sent)  # includes the quarantined rows: settled here
+            # Handed over, but their run's last record was not (stopped early, or it was refused and
+            # quarantined): no report will settle them. They stay marked by this leader id, and
+            # the remark publishes them again (duplicates, never loss).
+            uncovered = sum(map(len, pending.values()))
+            if sent - uncovered < n:
+                self.settler.release(n - sent + uncovered)  # includes the quarantined rows: settled here
+            if uncovered:
+                self.settler.uncovered(uncovered)
         return i
 
     def _wait_for_room(self, producer: ProducerLike, args: tuple, deadline: float, still_valid: Valid) -> bool:

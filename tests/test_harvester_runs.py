@@ -1,0 +1,250 @@
+"""Delivery reports by partition run (harvester.publishing.runs): one report settles every record of
+a produce call's partition; a failed run is reset whole; a record Kafka refuses is still quarantined."""
+
+from __future__ import annotations
+
+import uuid
+import zlib
+
+import psycopg
+from confluent_kafka import KafkaError, KafkaException, Producer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support.harness import wait_until
+
+from harvester.metrics import get as get_metrics
+from harvester.publishing.deliveries import DeliverySettler
+from harvester.publishing.idempotent import PlainStrategy
+from harvester.publishing.outbox_sql import FOREVER, OutboxStore, make_pool
+from harvester.publishing.producer_slot import ProducerSlot
+from harvester.publishing.publisher import producer_config
+from tracker.message_ids import Namespace
+
+# Records produced directly: the old id form (<namespace>:<row id>), so a row id reads back from it
+NS = Namespace(uuid.UUID(int=0), suffix_from=2**63)
+P = NS.prefix
+
+FOREVER_VALID = (lambda: True, lambda: float("inf"))
+
+
+def _outbox(pg_dsn: str, schema: str) -> dict[int, uuid.UUID | None]:
+    with psycopg.connect(pg_dsn) as c:
+        return dict(c.execute(f'SELECT id, leader_id FROM "{schema}".outbox ORDER BY id').fetchall())
+
+
+def _insert(pg_dsn: str, schema: str, rows: list[tuple[str, bytes, int | None]]) -> list[int]:
+    with psycopg.connect(pg_dsn) as c:
+        return [
+            c.execute(
+                f'INSERT INTO "{schema}".outbox (topic, key, value, kafka_partition) VALUES (%s, %s, %s, %s) RETURNING id',
+                [topic, key, b"v", part],
+            ).fetchone()[0]
+            for topic, key, part in rows
+        ]
+
+
+class _Wrapped:
+    """A real producer whose delivery callbacks pass through `alter(partition, err) -> err`."""
+
+    def __init__(self, inner: Producer, alter) -> None:
+        self._inner, self._alter = inner, alter
+
+    def produce(self, topic, value, key, partition, callback, on_delivery, timestamp, headers) -> None:
+        if callback is not None:
+            inner, alter = callback, self._alter
+
+            def callback(err, msg, _inner=inner):
+                _inner(alter(msg.partition(), err), msg)
+
+        self._inner.produce(topic, value, key, partition, callback, on_delivery, timestamp, headers)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+
+def _publisher_parts(pg_dsn, schema, kafka_bootstrap, alter=lambda p, err: err):
+    pool = make_pool(pg_dsn, 3)
+    store = OutboxStore(pool, schema)
+    remarks: list[str] = []
+    settler = DeliverySettler(store, get_metrics(), workers=1, on_failure=remarks.append)
+    conf = producer_config(kafka_bootstrap, {}, {})
+    slot = ProducerSlot(conf, lambda c: _Wrapped(Producer(c), alter), after_poll=settler.wake_if_pending)
+    settler.start()
+    slot.start()
+    return pool, store, settler, slot, PlainStrategy(slot, settler, store), remarks
+
+
+def _stop(pool, settler, slot) -> None:
+    slot.close()
+    settler.stop(10)
+    pool.close()
+
+
+def test_the_default_partitioner_is_crc32_of_the_key_modulo_the_partition_count(kafka_bootstrap, topics):
+    """What harvester.publishing.runs computes is what librdkafka chooses for the same key."""
+    topic = topics("data", partitions=5)
+    producer = Producer(producer_config(kafka_bootstrap, {}, {}))
+    chosen: dict[bytes, int] = {}
+    for i in range(500):
+        producer.produce(
+            topic, b"v", b"key-%d" % i, -1, lambda err, msg: chosen.__setitem__(msg.key(), msg.partition())
+        )
+    assert producer.flush(30) == 0
+    assert len(chosen) == 500
+    assert {k: zlib.crc32(k) % 5 for k in chosen} == chosen
+
+
+def test_a_run_whose_last_report_fails_resets_every_row_of_the_run(pg_dsn, kafka_bootstrap, schema, topics):
+    """Partition 1's run is reported failed (every record of it was written): all its rows are
+    reset, none purged; partition 0's run is purged exactly."""
+    topic = topics("data", partitions=2)
+    keys = [b"k%d" % i for i in range(40)]
+    ids = _insert(pg_dsn, schema, [(topic, k, None) for k in keys])
+    on_1 = {i for i, k in zip(ids, keys, strict=True) if zlib.crc32(k) % 2 == 1}
+    assert 5 < len(on_1) < 35
+    failed = KafkaError(KafkaError._TRANSPORT, "reported failed by the test")
+    reports: list[int] = []
+
+    def alter(part: int, err):
+        reports.append(part)
+        return failed if part == 1 else err
+
+    pool, store, settler, slot, plain, remarks = _publisher_parts(pg_dsn, schema, kafka_bootstrap, alter=alter)
+    try:
+        me = uuid.uuid4()
+        rows = store.mark(me, 100, until=FOREVER)
+        settler.reserve(len(rows))
+        assert plain.produce_rows(rows, me, *FOREVER_VALID, NS) == len(rows)
+        assert settler.drain(30)
+        assert _outbox(pg_dsn, schema) == {i: None for i in sorted(on_1)}  # reset, not purged
+        assert settler.delivered == len(ids) - len(on_1)
+        assert remarks, "a failed run raises a remark"
+        assert sorted(reports) == [0, 1], "one report per partition run"
+    finally:
+        _stop(pool, settler, slot)
+
+
+def test_a_record_kafka_never_accepts_in_a_run_is_quarantined_with_its_reason(pg_dsn, kafka_bootstrap, schema, topics):
+    """Explicit partition 7 of a 2-partition topic, produced before the producer knows the topic:
+    produce() takes it and its run's report fails with _UNKNOWN_PARTITION. The run is reset whole,
+    and its rows, published again with a report each, are quarantined with that reason."""
+    topic = topics("data", partitions=2)
+    ids = _insert(pg_dsn, schema, [(topic, b"a", 0), (topic, b"b", 7), (topic, b"c", 7), (topic, b"d", 0)])
+    pool, store, settler, slot, plain, remarks = _publisher_parts(pg_dsn, schema, kafka_bootstrap)
+    try:
+        me = uuid.uuid4()
+        rows = store.mark(me, 100, until=FOREVER)
+        settler.reserve(len(rows))
+        assert plain.produce_rows(rows, me, *FOREVER_VALID, NS) == 4
+        assert settler.drain(30)
+        assert _outbox(pg_dsn, schema) == {ids[1]: None, ids[2]: None}
+        assert settler.single == {ids[1], ids[2]} and settler.dead_rows == 0
+        again = uuid.uuid4()
+        rows = store.mark(again, 100, until=FOREVER)
+        settler.reserve(len(rows))
+        assert plain.produce_rows(rows, again, *FOREVER_VALID, NS) == 2
+        assert settler.drain(30)
+        assert _outbox(pg_dsn, schema) == {}
+        assert settler.dead_rows == 2 and not settler.single
+        with psycopg.connect(pg_dsn) as c:
+            dead = c.execute(f'SELECT id, reason FROM "{schema}".outbox_dead ORDER BY id').fetchall()
+        assert [d[0] for d in dead] == ids[1:3] and all(d[1].startswith("_UNKNOWN_PARTITION") for d in dead), dead
+    finally:
+        _stop(pool, settler, slot)
+
+
+# ------------------------------------------------------------------ the runs cover every row once
+
+
+class _Recording:
+    """Keeps what each produce() got; refuses the records of `refused` ids as never acceptable."""
+
+    def __init__(self, refused: set[str], partitions: int, fail_at: str) -> None:
+        self.records: list[tuple[str, int, object, str]] = []
+        self.refused, self.partitions, self.fail_at = refused, partitions, fail_at
+
+    def produce(self, topic, value, key, partition, callback, on_delivery, timestamp, headers) -> None:
+        mid = headers[-1][1]
+        if mid == self.fail_at:
+            raise KafkaException(KafkaError(KafkaError._TRANSPORT, "a passing failure"))
+        if mid in self.refused:
+            raise KafkaException(KafkaError(KafkaError._INVALID_ARG, "refused by the test"))
+        self.records.append((topic, partition, callback, mid))
+
+    def list_topics(self, topic, timeout):
+        class Meta:
+            error = None
+            partitions = dict.fromkeys(range(self.partitions))
+
+        class Cluster:
+            topics = {topic: Meta()} if topic != "missing" else {}
+
+        return Cluster()
+
+    def __len__(self) -> int:
+        return 0
+
+
+class _Store:
+    def quarantine(self, leader_id, ids, reason) -> int:
+        return len(ids)
+
+
+class _Msg:
+    def latency(self) -> float:
+        return 0.001
+
+
+_ROW = st.tuples(
+    st.sampled_from(["t1", "t2", "missing"]),
+    st.one_of(st.none(), st.just(b""), st.binary(min_size=1, max_size=3)),
+    st.one_of(st.none(), st.integers(0, 3)),
+    st.booleans(),  # refused at produce()
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_ROW, max_size=60), st.integers(1, 4), st.integers(0, 60))
+def test_every_row_is_covered_by_exactly_one_report_or_released(spec, partitions, stop_at):
+    """Over any rows (topics, keys, explicit partitions, refusals, a produce error): each row is
+    settled once, by one report (its own, or its run's last record's, all on one partition and
+    produced last), by quarantine, or released with a remark (its run was cut short)."""
+    metrics = get_metrics()
+    remarks: list[str] = []
+    settler = DeliverySettler(_Store(), metrics, workers=1, on_failure=remarks.append)
+    refused = {f"{P}{i}" for i, s in enumerate(spec) if s[3]}
+    producer = _Recording(refused, partitions, f"{P}{stop_at}")
+    slot = ProducerSlot({}, lambda conf: producer)
+    plain = PlainStrategy(slot, settler, _Store())
+    rows = [(i, topic, key, b"v", [], [], part, 0) for i, (topic, key, part, _) in enumerate(spec)]
+    settler.reserve(len(rows))
+    try:
+        got = plain.produce_rows(rows, uuid.uuid4(), lambda: True, lambda: float("inf"), NS)
+    except KafkaException:
+        got = stop_at  # the caller remarks
+    assert got == min(stop_at, len(rows))
+    produced = [int(r[3][len(P) :]) for r in producer.records]
+    where = {int(mid[len(P) :]): (topic, part) for topic, part, _cb, mid in producer.records}
+    for topic, part, _cb, mid in producer.records:  # what was computed is what librdkafka would choose
+        row = rows[int(mid[len(P) :])]
+        if row[6] is None and row[2] and topic != "missing":
+            assert part == zlib.crc32(row[2]) % partitions
+        elif row[6] is None:
+            assert part == -1
+    for at, (_t, _p, cb, _mid) in enumerate(producer.records):
+        if cb is not None:
+            cb(None, _Msg())
+            ids = cb.args[0] if cb.func == settler.report_run else [cb.args[0]]
+            assert len({where[i] for i in ids}) == 1, "a run spans one partition"
+            assert max(produced.index(i) for i in ids) == at, "a run's report is on its last record"
+    reported = [r[0] for r in settler.reports]
+    quarantined = [i for i in range(got) if spec[i][3]]
+    uncovered = [i for i in produced if i not in reported]
+    assert sorted(reported + quarantined + uncovered) == list(range(got)), "every row got through once"
+    assert len(set(reported)) == len(reported)
+    assert settler.in_flight == len(reported), "the rest was released"
+    assert bool(remarks) == bool(uncovered)
+    assert all(where[i][1] >= 0 for i in uncovered), "only rows of a run whose last record never went"
