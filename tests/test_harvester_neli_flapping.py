@@ -18,9 +18,9 @@ import uuid
 
 import pytest
 from confluent_kafka import Producer
-from support.blackhole import BlackholeProxy
 from support.faults import HeldHeartbeats
 from support.harness import wait_until
+from support.tcp_proxy import KafkaProxy
 
 from harvester.election.neli import FENCED, LEADER, Neli
 from harvester.metrics import get as get_metrics
@@ -63,7 +63,7 @@ def _neli(bootstrap: str, topic: str, producer: dict, make_producer=Producer) ->
 
 @pytest.fixture
 def flapping(kafka_bootstrap, topics):
-    proxy = BlackholeProxy(kafka_bootstrap)
+    proxy = KafkaProxy(kafka_bootstrap)
     n = _neli(kafka_bootstrap, topics("leader"), {"bootstrap.servers": proxy.address})
     states = _States(n)
     n.start()
