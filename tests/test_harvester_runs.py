@@ -248,3 +248,46 @@ def test_every_row_is_covered_by_exactly_one_report_or_released(spec, partitions
     assert settler.in_flight == len(reported), "the rest was released"
     assert bool(remarks) == bool(uncovered)
     assert all(where[i][1] >= 0 for i in uncovered), "only rows of a run whose last record never went"
+
+
+def test_a_record_retried_after_a_full_queue_goes_to_its_runs_partition(pg_dsn, kafka_bootstrap, schema, topics):
+    """The local queue is full (queue.buffering.max.messages=4): a refused record is produced again
+    once there is room, to the partition computed for it. The topic grew from 1 to 3 partitions and
+    the producer already knows (as librdkafka's own metadata refresh would tell it), while reaper's
+    count is still 1: every record of the call belongs to partition 0's run, and sent anywhere else
+    the run's report would stand for records it does not follow."""
+    from confluent_kafka.admin import AdminClient, NewPartitions
+    from support.harness import read_messages
+
+    topic = topics("data", partitions=1)
+    pool = make_pool(pg_dsn, 3)
+    store = OutboxStore(pool, schema)
+    settler = DeliverySettler(store, get_metrics(), workers=1)
+    conf = producer_config(kafka_bootstrap, {}, {"queue.buffering.max.messages": 4})
+    slot = ProducerSlot(conf, Producer, after_poll=settler.wake_if_pending)
+    settler.start()
+    slot.start()
+    plain = PlainStrategy(slot, settler, store)
+    try:
+        _insert(pg_dsn, schema, [(topic, b"first", None)])
+        me = uuid.uuid4()
+        rows = store.mark(me, 100, until=FOREVER)
+        settler.reserve(len(rows))
+        assert plain.produce_rows(rows, me, *FOREVER_VALID, NS) == 1  # reaper's count: 1 partition
+        assert settler.drain(30)
+        admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+        admin.create_partitions([NewPartitions(topic, 3)])[topic].result(timeout=30)
+        wait_until(lambda: len(slot.current.list_topics(topic, 5).topics[topic].partitions) == 3, 30)
+        keys = [b"k%d" % i for i in range(60)]
+        assert {zlib.crc32(k) % 3 for k in keys} == {0, 1, 2}
+        _insert(pg_dsn, schema, [(topic, k, None) for k in keys])
+        rows = store.mark(me, 100, until=FOREVER)
+        settler.reserve(len(rows))
+        assert plain.produce_rows(rows, me, *FOREVER_VALID, NS) == len(keys)
+        assert plain.queue_full_waits > 0, "the queue was full at least once"
+        assert settler.drain(30)
+        got = read_messages(kafka_bootstrap, topic, len(keys) + 1)
+        assert len(got) == len(keys) + 1
+        assert {m.partition() for m in got} == {0}, "every record on the partition computed for its run"
+    finally:
+        _stop(pool, settler, slot)

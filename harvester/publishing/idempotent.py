@@ -182,10 +182,12 @@ class PlainStrategy:
                     break
                 if failed is None:
                     continue
-                row_id, topic, key, value, hkeys, hvals, partition, created = rows[i]
+                row_id, topic, key, value, hkeys, hvals, _own, created = rows[i]
                 if isinstance(failed, BufferError):
                     msg_id = ids.message_id(row_id, created + epoch)
-                    # `run`, `partition` and `callback` are still the refused record's
+                    # `run`, `partition` and `callback` are still the refused record's (`partition`
+                    # the one computed for it: the row's own would let librdkafka's partitioner
+                    # choose, maybe another partition than its run's)
                     args = (
                         topic,
                         value,
