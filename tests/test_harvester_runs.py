@@ -291,3 +291,61 @@ def test_a_record_retried_after_a_full_queue_goes_to_its_runs_partition(pg_dsn, 
         assert {m.partition() for m in got} == {0}, "every record on the partition computed for its run"
     finally:
         _stop(pool, settler, slot)
+
+
+def test_a_computed_partition_the_producer_does_not_know_is_no_reason_to_quarantine(
+    pg_dsn, kafka_bootstrap, schema, topics
+):
+    """The topic was deleted and created again with fewer partitions (3, then 1), and the producer
+    knows, while reaper's count is still 3: a partition reaper computed for a row without
+    `kafka_partition` is refused by produce() as unknown. That says the count is stale, not that
+    the row is wrong: it is never moved to the dead table, and the count is looked up again (a
+    remark) before the row is published."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    topic = topics("data", partitions=3)
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    pool = make_pool(pg_dsn, 3)
+    store = OutboxStore(pool, schema)
+    remarks: list[str] = []
+    settler = DeliverySettler(store, get_metrics(), workers=1, on_failure=remarks.append)
+    slot = ProducerSlot(producer_config(kafka_bootstrap, {}, {}), Producer, after_poll=settler.wake_if_pending)
+    settler.start()
+    slot.start()
+    plain = PlainStrategy(slot, settler, store)
+    try:
+        _insert(pg_dsn, schema, [(topic, b"first", None)])
+        me = uuid.uuid4()
+        rows = store.mark(me, 100, until=FOREVER)
+        settler.reserve(len(rows))
+        assert plain.produce_rows(rows, me, *FOREVER_VALID, NS) == 1  # reaper's count: 3 partitions
+        assert settler.drain(30)
+        admin.delete_topics([topic])[topic].result(timeout=30)
+        wait_until(lambda: topic not in admin.list_topics(timeout=5).topics, 30)
+
+        def created() -> bool:
+            try:
+                admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(timeout=30)
+            except KafkaException:
+                return False  # still being deleted
+            return True
+
+        wait_until(created, 60)
+        wait_until(lambda: len(slot.current.list_topics(topic, 5).topics[topic].partitions) == 1, 30)
+        key = next(b"k%d" % i for i in range(100) if zlib.crc32(b"k%d" % i) % 3 == 2)
+        (row_id,) = _insert(pg_dsn, schema, [(topic, key, None)])
+        for _ in range(3):
+            me = uuid.uuid4()
+            rows = store.mark(me, 100, until=FOREVER)
+            settler.reserve(len(rows))
+            try:
+                plain.produce_rows(rows, me, *FOREVER_VALID, NS)
+            except KafkaException:
+                pass  # the caller remarks
+            assert settler.drain(30)
+            assert settler.dead_rows == 0, "a good row moved to the dead table"
+            if row_id not in _outbox(pg_dsn, schema):
+                break
+        assert row_id not in _outbox(pg_dsn, schema), "published once the count was looked up again"
+    finally:
+        _stop(pool, settler, slot)

@@ -182,7 +182,7 @@ class PlainStrategy:
                     break
                 if failed is None:
                     continue
-                row_id, topic, key, value, hkeys, hvals, _own, created = rows[i]
+                row_id, topic, key, value, hkeys, hvals, own_partition, created = rows[i]
                 if isinstance(failed, BufferError):
                     msg_id = ids.message_id(row_id, created + epoch)
                     # `run`, `partition` and `callback` are still the refused record's (`partition`
@@ -211,6 +211,11 @@ class PlainStrategy:
                     continue
                 err = failed.args[0] if failed.args and isinstance(failed.args[0], KafkaError) else None
                 if err is None or err.code() not in PERMANENT_PRODUCE:
+                    raise failed
+                if own_partition is None and err.code() == KafkaError._UNKNOWN_PARTITION:
+                    # A partition computed from a count the producer no longer agrees with (the
+                    # topic deleted and created again smaller): the count is stale, not the row.
+                    self._counts.forget(topic)
                     raise failed
                 # Never acceptable: move it aside (or stop here if that fails, so nothing of its
                 # key overtakes it) and carry on with the next record.
