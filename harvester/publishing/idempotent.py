@@ -11,7 +11,9 @@ Contract of a publishing strategy (this one and harvester.publishing.transaction
   from the throttle's count (they stay marked by an old id and the next mark finds them).
 - A local produce error is raised (the caller forces a remark), except for a record Kafka can
   never accept (PERMANENT_PRODUCE): its row is quarantined at once and the rest go on. If that
-  quarantine fails, QuarantineError is raised, so nothing of its key overtakes it.
+  quarantine fails, QuarantineError is raised, so nothing of its key overtakes it. An unknown
+  partition that reaper computed (harvester.publishing.runs) is a stale count, not such a record:
+  raised, the count looked up again.
 - `on_retire()` is called by the slot when it swaps producers.
 
 Ordering rests on the producer settings in config.REQUIRED_PRODUCER (idempotence, no message
