@@ -349,3 +349,17 @@ def test_a_computed_partition_the_producer_does_not_know_is_no_reason_to_quarant
         assert row_id not in _outbox(pg_dsn, schema), "published once the count was looked up again"
     finally:
         _stop(pool, settler, slot)
+
+
+def test_a_row_to_report_alone_leaves_the_set_when_published_unplaced():
+    """A row of a refused run is published next with a report of its own, placed or not (its
+    topic's partition count unknown meanwhile): either way it leaves `single`, which must empty
+    again for the one-topic fast path of plan_runs to be taken."""
+    from harvester.publishing.runs import UNPLACED, PartitionCounts, plan_runs
+
+    producer = _Recording(set(), 0, "")
+    single = {1, 2}
+    rows = [(1, "missing", b"k", b"v", [], [], None, 0), (2, "t1", None, b"v", [], [], None, 0)]
+    parts, runs, _last = plan_runs(rows, PartitionCounts(), producer, single)
+    assert parts == [UNPLACED, UNPLACED] and runs == [-1, -1]
+    assert single == set()

@@ -130,6 +130,7 @@ def plan_runs(
             if count is None:
                 count = where[topic] = counts.of(producer, topic)
             if count == 0 or not key:
+                single.discard(row_id)  # reported on its own anyway
                 continue
             partition = crc(key) % count
         parts[i] = partition
