@@ -248,3 +248,118 @@ def test_every_row_is_covered_by_exactly_one_report_or_released(spec, partitions
     assert settler.in_flight == len(reported), "the rest was released"
     assert bool(remarks) == bool(uncovered)
     assert all(where[i][1] >= 0 for i in uncovered), "only rows of a run whose last record never went"
+
+
+def test_a_record_retried_after_a_full_queue_goes_to_its_runs_partition(pg_dsn, kafka_bootstrap, schema, topics):
+    """The local queue is full (queue.buffering.max.messages=4): a refused record is produced again
+    once there is room, to the partition computed for it. The topic grew from 1 to 3 partitions and
+    the producer already knows (as librdkafka's own metadata refresh would tell it), while reaper's
+    count is still 1: every record of the call belongs to partition 0's run, and sent anywhere else
+    the run's report would stand for records it does not follow."""
+    from confluent_kafka.admin import AdminClient, NewPartitions
+    from support.harness import read_messages
+
+    topic = topics("data", partitions=1)
+    pool = make_pool(pg_dsn, 3)
+    store = OutboxStore(pool, schema)
+    settler = DeliverySettler(store, get_metrics(), workers=1)
+    conf = producer_config(kafka_bootstrap, {}, {"queue.buffering.max.messages": 4})
+    slot = ProducerSlot(conf, Producer, after_poll=settler.wake_if_pending)
+    settler.start()
+    slot.start()
+    plain = PlainStrategy(slot, settler, store)
+    try:
+        _insert(pg_dsn, schema, [(topic, b"first", None)])
+        me = uuid.uuid4()
+        rows = store.mark(me, 100, until=FOREVER)
+        settler.reserve(len(rows))
+        assert plain.produce_rows(rows, me, *FOREVER_VALID, NS) == 1  # reaper's count: 1 partition
+        assert settler.drain(30)
+        admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+        admin.create_partitions([NewPartitions(topic, 3)])[topic].result(timeout=30)
+        wait_until(lambda: len(slot.current.list_topics(topic, 5).topics[topic].partitions) == 3, 30)
+        keys = [b"k%d" % i for i in range(60)]
+        assert {zlib.crc32(k) % 3 for k in keys} == {0, 1, 2}
+        _insert(pg_dsn, schema, [(topic, k, None) for k in keys])
+        rows = store.mark(me, 100, until=FOREVER)
+        settler.reserve(len(rows))
+        assert plain.produce_rows(rows, me, *FOREVER_VALID, NS) == len(keys)
+        assert plain.queue_full_waits > 0, "the queue was full at least once"
+        assert settler.drain(30)
+        got = read_messages(kafka_bootstrap, topic, len(keys) + 1)
+        assert len(got) == len(keys) + 1
+        assert {m.partition() for m in got} == {0}, "every record on the partition computed for its run"
+    finally:
+        _stop(pool, settler, slot)
+
+
+def test_a_computed_partition_the_producer_does_not_know_is_no_reason_to_quarantine(
+    pg_dsn, kafka_bootstrap, schema, topics
+):
+    """The topic was deleted and created again with fewer partitions (3, then 1), and the producer
+    knows, while reaper's count is still 3: a partition reaper computed for a row without
+    `kafka_partition` is refused by produce() as unknown. That says the count is stale, not that
+    the row is wrong: it is never moved to the dead table, and the count is looked up again (a
+    remark) before the row is published."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    topic = topics("data", partitions=3)
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    pool = make_pool(pg_dsn, 3)
+    store = OutboxStore(pool, schema)
+    remarks: list[str] = []
+    settler = DeliverySettler(store, get_metrics(), workers=1, on_failure=remarks.append)
+    slot = ProducerSlot(producer_config(kafka_bootstrap, {}, {}), Producer, after_poll=settler.wake_if_pending)
+    settler.start()
+    slot.start()
+    plain = PlainStrategy(slot, settler, store)
+    try:
+        _insert(pg_dsn, schema, [(topic, b"first", None)])
+        me = uuid.uuid4()
+        rows = store.mark(me, 100, until=FOREVER)
+        settler.reserve(len(rows))
+        assert plain.produce_rows(rows, me, *FOREVER_VALID, NS) == 1  # reaper's count: 3 partitions
+        assert settler.drain(30)
+        admin.delete_topics([topic])[topic].result(timeout=30)
+        wait_until(lambda: topic not in admin.list_topics(timeout=5).topics, 30)
+
+        def created() -> bool:
+            try:
+                admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(timeout=30)
+            except KafkaException:
+                return False  # still being deleted
+            return True
+
+        wait_until(created, 60)
+        wait_until(lambda: len(slot.current.list_topics(topic, 5).topics[topic].partitions) == 1, 30)
+        key = next(b"k%d" % i for i in range(100) if zlib.crc32(b"k%d" % i) % 3 == 2)
+        (row_id,) = _insert(pg_dsn, schema, [(topic, key, None)])
+        for _ in range(3):
+            me = uuid.uuid4()
+            rows = store.mark(me, 100, until=FOREVER)
+            settler.reserve(len(rows))
+            try:
+                plain.produce_rows(rows, me, *FOREVER_VALID, NS)
+            except KafkaException:
+                pass  # the caller remarks
+            assert settler.drain(30)
+            assert settler.dead_rows == 0, "a good row moved to the dead table"
+            if row_id not in _outbox(pg_dsn, schema):
+                break
+        assert row_id not in _outbox(pg_dsn, schema), "published once the count was looked up again"
+    finally:
+        _stop(pool, settler, slot)
+
+
+def test_a_row_to_report_alone_leaves_the_set_when_published_unplaced():
+    """A row of a refused run is published next with a report of its own, placed or not (its
+    topic's partition count unknown meanwhile): either way it leaves `single`, which must empty
+    again for the one-topic fast path of plan_runs to be taken."""
+    from harvester.publishing.runs import UNPLACED, PartitionCounts, plan_runs
+
+    producer = _Recording(set(), 0, "")
+    single = {1, 2}
+    rows = [(1, "missing", b"k", b"v", [], [], None, 0), (2, "t1", None, b"v", [], [], None, 0)]
+    parts, runs, _last = plan_runs(rows, PartitionCounts(), producer, single)
+    assert parts == [UNPLACED, UNPLACED] and runs == [-1, -1]
+    assert single == set()

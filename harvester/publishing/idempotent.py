@@ -11,7 +11,9 @@ Contract of a publishing strategy (this one and harvester.publishing.transaction
   from the throttle's count (they stay marked by an old id and the next mark finds them).
 - A local produce error is raised (the caller forces a remark), except for a record Kafka can
   never accept (PERMANENT_PRODUCE): its row is quarantined at once and the rest go on. If that
-  quarantine fails, QuarantineError is raised, so nothing of its key overtakes it.
+  quarantine fails, QuarantineError is raised, so nothing of its key overtakes it. An unknown
+  partition that reaper computed (harvester.publishing.runs) is a stale count, not such a record:
+  raised, the count looked up again.
 - `on_retire()` is called by the slot when it swaps producers.
 
 Ordering rests on the producer settings in config.REQUIRED_PRODUCER (idempotence, no message
@@ -182,10 +184,12 @@ class PlainStrategy:
                     break
                 if failed is None:
                     continue
-                row_id, topic, key, value, hkeys, hvals, partition, created = rows[i]
+                row_id, topic, key, value, hkeys, hvals, own_partition, created = rows[i]
                 if isinstance(failed, BufferError):
                     msg_id = ids.message_id(row_id, created + epoch)
-                    # `run`, `partition` and `callback` are still the refused record's
+                    # `run`, `partition` and `callback` are still the refused record's (`partition`
+                    # the one computed for it: the row's own would let librdkafka's partitioner
+                    # choose, maybe another partition than its run's)
                     args = (
                         topic,
                         value,
@@ -209,6 +213,11 @@ class PlainStrategy:
                     continue
                 err = failed.args[0] if failed.args and isinstance(failed.args[0], KafkaError) else None
                 if err is None or err.code() not in PERMANENT_PRODUCE:
+                    raise failed
+                if own_partition is None and err.code() == KafkaError._UNKNOWN_PARTITION:
+                    # A partition computed from a count the producer no longer agrees with (the
+                    # topic deleted and created again smaller): the count is stale, not the row.
+                    self._counts.forget(topic)
                     raise failed
                 # Never acceptable: move it aside (or stop here if that fails, so nothing of its
                 # key overtakes it) and carry on with the next record.

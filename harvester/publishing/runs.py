@@ -75,6 +75,10 @@ class PartitionCounts:
         self._counts[topic] = (count, now + COUNT_REFRESH)
         return count
 
+    def forget(self, topic: str) -> None:
+        """The topic's count is wrong (produce() refused a partition computed from it): look it up again."""
+        self._counts.pop(topic, None)
+
     @staticmethod
     def _look_up(producer: ProducerLike, topic: str, timeout: float) -> int:
         list_topics = getattr(producer, "list_topics", None)
@@ -126,6 +130,7 @@ def plan_runs(
             if count is None:
                 count = where[topic] = counts.of(producer, topic)
             if count == 0 or not key:
+                single.discard(row_id)  # reported on its own anyway
                 continue
             partition = crc(key) % count
         parts[i] = partition
