@@ -130,3 +130,72 @@ def test_a_registration_by_the_first_call_of_a_transaction_is_undone_by_its_roll
         ).fetchone()
         assert rows == (0,)
         c.rollback()
+
+
+def _ids_as_marked(pg_dsn: str, schema: str) -> list[str]:
+    """The message ids the harvester gives the rows of `schema`.outbox now (marked as it marks them,
+    the namespace read as it reads it, in a schema migrated or not)."""
+    from harvester.publishing.outbox_sql import FOREVER, OutboxStore, make_pool
+
+    pool = make_pool(pg_dsn, 1)
+    try:
+        store = OutboxStore(pool, schema)
+        ids = store.namespace()
+        rows = store.mark(uuid.uuid4(), 100, until=FOREVER)
+    finally:
+        pool.close()
+    return [ids.message_id(r[0], r[-1] + message_ids.PG_EPOCH_US) for r in rows]
+
+
+@pytest.mark.parametrize("how", ["migrate", "harvester"])
+def test_a_row_an_application_dated_before_the_install_never_shares_an_id(pg_dsn, schema, bare_schema, how):
+    """No earlier version published anything from a table of a fresh install, so no row of it keeps
+    the short id: a row whose created_at the application wrote (an event's time, a clock behind the
+    database's) earlier than the install is named by it too, and a row id used again is a new id."""
+    where = schema
+    if how == "harvester":  # a schema `reaper migrate` never ran in: the reaper creates the namespace table
+        where = bare_schema
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute(f'CREATE TABLE "{where}".outbox (LIKE "{schema}".outbox INCLUDING ALL)')
+    seen: list[str] = []
+    for at in ("2020-01-01 00:00:00+00", "2020-01-02 00:00:00+00"):
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute(f'TRUNCATE "{where}".outbox RESTART IDENTITY')
+            # id 1 again, as after the restart (a table made LIKE another shares that one's sequence)
+            c.execute(f"INSERT INTO \"{where}\".outbox (id, topic, value, created_at) VALUES (1, 't', 'v', %s)", [at])
+        seen += _ids_as_marked(pg_dsn, where)
+    assert len(seen) == 2 and seen[0] != seen[1], seen
+
+
+def test_a_table_recreated_under_a_running_leader_is_published_under_its_own_namespace(
+    pg_dsn, kafka_bootstrap, schema, bare_schema, topics
+):
+    """Dropped and created again in one transaction (a restore with --single-transaction, say), the
+    table has a new namespace; a leader that read the old one must not name the new rows by it, or
+    the next leader publishes them again under another id."""
+    topic = topics("data", partitions=1)
+    make = f'CREATE TABLE "{bare_schema}".orders (LIKE "{schema}".outbox INCLUDING ALL)'
+    ins = f'INSERT INTO "{bare_schema}".orders (topic, value) VALUES (%s, %s)'
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(make)
+        c.execute(ins, [topic, b"first"])
+    outboxes = [{"name": "orders", "schema": bare_schema, "table": "orders"}]
+    cfg = make_config(pg_dsn, schema, kafka_bootstrap, harvester={"outboxes": outboxes})
+    receiver = Receiver(kafka_bootstrap, topic, 1)
+    h = Harvester(cfg).start()
+    try:
+        assert wait_until(lambda: b"first" in set(receiver.values()), 60)
+        with psycopg.connect(pg_dsn) as c:  # one transaction, as a single-transaction restore does
+            c.execute(f'DROP TABLE "{bare_schema}".orders')
+            c.execute(make)
+            c.execute(ins, [topic, b"second"])
+        assert wait_until(lambda: b"second" in set(receiver.values()), 60)
+    finally:
+        h.stop(5)
+        receiver.close()
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        ns = message_ids.namespace(c, bare_schema, "orders")
+    got = [
+        v for _, value, headers in receiver.records if value == b"second" for k, v in headers if k == MESSAGE_ID_HEADER
+    ]
+    assert got and all(v.decode().startswith(ns.prefix) for v in got), (got, ns)

@@ -14,7 +14,10 @@ builds it as it publishes, from the mark's RETURNING; nothing is stored per row.
 Upgrades: rows created before the namespace's `suffix_from` (sql/0022_message_id_created.sql: the
 time that migration ran, for the tables that had a namespace then) keep the previous versions'
 `<namespace>:<row id>`, so a row published before the upgrade is the same message when published
-again after it. Namespaces registered later have -infinity: every row gets the new form.
+again after it. Namespaces registered later have -infinity: every row gets the new form; so have
+those of a namespace table created in the same run as that migration (a fresh install, a schema
+that had no namespace table: no earlier version published an id from it, and a row whose
+`created_at` the application dated before the cutover would keep a short id that comes again).
 
 The header comes last, after the row's own headers; `message_id_of` reads the last one.
 """
@@ -39,9 +42,12 @@ from tracker.schema import check_identifier, qualified
 
 MESSAGE_ID_HEADER = "message-id"
 MESSAGE_ID_MAX = 100  # the documented bound on the header's length (ids are at most 78 characters)
-NAMESPACE_TABLE = "outbox_namespace"
-NAMESPACE_MIGRATION = 17  # sql/0017_message_id.sql creates NAMESPACE_TABLE
-SUFFIX_MIGRATION = 22  # sql/0022_message_id_created.sql adds its suffix_from column
+# sql/0017_message_id.sql creates NAMESPACE_TABLE, sql/0022_message_id_created.sql adds its suffix_from column
+NAMESPACE_TABLE, NAMESPACE_MIGRATION, SUFFIX_MIGRATION = (
+    schema_mod.NAMESPACE_TABLE,
+    schema_mod.NAMESPACE_MIGRATION,
+    schema_mod.SUFFIX_MIGRATION,
+)
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 PG_EPOCH_US = 946_684_800_000_000  # Postgres stores a timestamptz as int8 microseconds since 2000-01-01 UTC
 INT8_MIN, INT8_MAX = -(2**63), 2**63 - 1
@@ -175,7 +181,10 @@ def create_table(conn: psycopg.Connection, schema: str) -> None:
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", [schema_mod.migration_lock_key(schema)])
             conn.execute("SELECT set_config('search_path', %s, true)", [path])
+            fresh = conn.execute("SELECT to_regclass('outbox_namespace') IS NULL").fetchone() == (True,)
             conn.execute(text)
+            if fresh:  # no earlier version published from this schema: no row keeps the short id
+                conn.execute(schema_mod.NO_CUTOVER)
     except (psycopg.errors.InsufficientPrivilege, psycopg.errors.InvalidSchemaName) as exc:
         raise NamespaceUnavailable(
             schema,

@@ -40,6 +40,11 @@ DEFINITIONS_TABLE = "schema_definitions"
 # The roles (tracker.roles) that may execute every function of the schema: `migrate` grants them
 # the functions it creates, when they exist, so an upgrade never leaves them without one.
 EVERY_FUNCTION_ROLES = ("app", "reaper")
+# The message-id namespace table (0017) and the migration giving it the cutover (0022, see
+# tracker.message_ids). No earlier version published from a namespace table that did not exist
+# before this run: no row needs the short id, so the cutover of its namespaces is -infinity.
+NAMESPACE_TABLE, NAMESPACE_MIGRATION, SUFFIX_MIGRATION = "outbox_namespace", 17, 22
+NO_CUTOVER = "UPDATE outbox_namespace SET suffix_from = '-infinity'"
 
 
 def check_identifier(value: object, what: str = "identifier") -> str:
@@ -267,6 +272,7 @@ def migrate(dsn_or_conn: str | psycopg.Connection, schema: str, directory: Path 
     threshold, conn.prepare_threshold = conn.prepare_threshold, None
     try:
         names: list[str] = []
+        fresh = False  # this run created the namespace table (see NO_CUTOVER)
         key, wanted, defs = migration_lock_key(schema), migrations(directory), definitions(directory)
         while True:
             with conn.transaction():
@@ -277,7 +283,14 @@ def migrate(dsn_or_conn: str | psycopg.Connection, schema: str, directory: Path 
                 items = [todo] if isinstance(todo, Migration) else todo
                 for item in items:
                     conn.execute(_path(conn, schema, item))
+                    version = item.version if isinstance(item, Migration) else None
+                    if version == NAMESPACE_MIGRATION:
+                        fresh = conn.execute(
+                            "SELECT to_regclass(%s) IS NULL", [qualified(schema, NAMESPACE_TABLE).as_string(conn)]
+                        ).fetchone() == (True,)
                     conn.execute(item.text)
+                    if version == SUFFIX_MIGRATION and fresh:
+                        conn.execute(NO_CUTOVER)
                     if isinstance(item, Migration):
                         conn.execute(
                             sql.SQL("INSERT INTO {} (version, name, checksum) VALUES (%s, %s, %s)").format(

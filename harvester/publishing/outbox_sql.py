@@ -35,6 +35,11 @@ class MarkRefused(RuntimeError):
     """The mark reached the server, or finished there, after its `until`: nothing was marked."""
 
 
+class TableReplaced(RuntimeError):
+    """The outbox table is not the one whose namespace was read (dropped and created again, as a
+    restore in one transaction does): nothing was marked; read the namespace again."""
+
+
 # A mark's `until` when the caller sets none (tools, tests): a timestamptz the server accepts.
 FOREVER = datetime(9999, 12, 31, tzinfo=UTC)
 
@@ -193,6 +198,11 @@ class OutboxStore:
         # Run after the mark, before the one Sync: if the mark finished after `until` (it waited on
         # a row lock, say), this divides by zero and the implicit transaction takes the mark back.
         self._finished_in_time = "SELECT 1 / (clock_timestamp() < %(until)s)::int"
+        # Likewise before the Sync: the rows marked are of the table whose namespace the message ids
+        # are built with (OutboxStore.namespace), else an invalid int takes the mark back.
+        self._same_table = "SELECT (CASE WHEN to_regclass(%(t)s)::oid = %(oid)s THEN '1' ELSE 'replaced' END)::int"
+        self._table_text = f'"{schema}"."{table}"'  # identifiers checked by qualified() above
+        self._table_oid: int | None = None  # of the table when its namespace was read
         self._purge = sql.SQL("DELETE FROM {t} WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(t=t)
         self._purge_run = sql.SQL("DELETE FROM {t} WHERE id >= %s AND id <= %s AND leader_id = %s").format(t=t)
         self._reset = sql.SQL("UPDATE {t} SET leader_id = NULL WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(
@@ -219,6 +229,9 @@ class OutboxStore:
         schema `reaper migrate` never ran in, the namespace table is created first, as the claim
         table is (harvester.publishing.ownership)."""
         with self.pool.connection() as conn:
+            # The table's oid first: if it is replaced before the namespace read, the next mark sees it.
+            found = conn.execute("SELECT to_regclass(%s)::oid", [self._table_text]).fetchone()
+            self._table_oid = found[0] if found else None
             try:
                 return message_ids.namespace(conn, self.schema_name, self.table_name)
             except message_ids.NamespaceUnavailable as exc:
@@ -255,10 +268,14 @@ class OutboxStore:
                     cur = conn.cursor(binary=True)
                     message_ids.load_timestamps_as_micros(cur.adapters)
                     cur.execute(statement, params)
+                    if self._table_oid is not None:
+                        conn.execute(self._same_table, {"t": self._table_text, "oid": self._table_oid})
                     if until is not FOREVER:
                         conn.execute(self._finished_in_time, {"until": until})
             except psycopg.errors.DivisionByZero:
                 raise MarkRefused(f"the mark finished after its deadline {until.isoformat()}") from None
+            except psycopg.errors.InvalidTextRepresentation:
+                raise TableReplaced(f"{self._table_text} was replaced since its namespace was read") from None
             rows = cur.fetchall()
         rows.sort(key=itemgetter(0))
         return rows
