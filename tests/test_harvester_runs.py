@@ -7,6 +7,7 @@ import uuid
 import zlib
 
 import psycopg
+import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,7 +15,7 @@ from support.harness import wait_until
 
 from harvester.metrics import get as get_metrics
 from harvester.publishing.deliveries import DeliverySettler
-from harvester.publishing.idempotent import PlainStrategy
+from harvester.publishing.idempotent import PRODUCE_RETRIES, PlainStrategy
 from harvester.publishing.outbox_sql import FOREVER, OutboxStore, make_pool
 from harvester.publishing.producer_slot import ProducerSlot
 from harvester.publishing.publisher import producer_config
@@ -162,13 +163,15 @@ def test_a_record_kafka_never_accepts_in_a_run_is_quarantined_with_its_reason(pg
 class _Recording:
     """Keeps what each produce() got; refuses the records of `refused` ids as never acceptable."""
 
-    def __init__(self, refused: set[str], partitions: int, fail_at: str) -> None:
+    def __init__(self, refused: set[str], partitions: int, fail_at: str, fail_times: int = 10**9) -> None:
         self.records: list[tuple[str, int, object, str]] = []
         self.refused, self.partitions, self.fail_at = refused, partitions, fail_at
+        self.fail_times = fail_times  # how often the record `fail_at` is refused before it is taken
 
     def produce(self, topic, value, key, partition, callback, on_delivery, timestamp, headers) -> None:
         mid = headers[-1][1]
-        if mid == self.fail_at:
+        if mid == self.fail_at and self.fail_times > 0:
+            self.fail_times -= 1
             raise KafkaException(KafkaError(KafkaError._TRANSPORT, "a passing failure"))
         if mid in self.refused:
             raise KafkaException(KafkaError(KafkaError._INVALID_ARG, "refused by the test"))
@@ -363,3 +366,36 @@ def test_a_row_to_report_alone_leaves_the_set_when_published_unplaced():
     parts, runs, _last = plan_runs(rows, PartitionCounts(), producer, single)
     assert parts == [UNPLACED, UNPLACED] and runs == [-1, -1]
     assert single == set()
+
+
+@pytest.mark.parametrize("refusals", [1, PRODUCE_RETRIES])
+def test_a_passing_produce_refusal_is_tried_again_in_place(refusals):
+    """A produce() refusal for a passing reason, in the middle of a partition run: the record is
+    produced again at once (nothing after it was enqueued), so the call gets every row through,
+    each covered by its run's report, and forces no remark (which would publish the run again)."""
+    remarks: list[str] = []
+    settler = DeliverySettler(_Store(), get_metrics(), workers=1, on_failure=remarks.append)
+    producer = _Recording(set(), 2, f"{P}5", fail_times=refusals)
+    plain = PlainStrategy(ProducerSlot({}, lambda conf: producer), settler, _Store())
+    rows = [(i, "t1", b"k%d" % i, b"v", [], [], None, 0) for i in range(12)]
+    settler.reserve(len(rows))
+    assert plain.produce_rows(rows, uuid.uuid4(), lambda: True, lambda: float("inf"), NS) == len(rows)
+    assert [int(r[3][len(P) :]) for r in producer.records] == list(range(12))
+    assert remarks == []
+    covered = []
+    for _t, _p, cb, _m in producer.records:
+        if cb is not None:
+            covered.extend(cb.args[0] if cb.func == settler.report_run else [cb.args[0]])
+    assert sorted(covered) == list(range(12))
+
+
+def test_a_refusal_that_does_not_pass_stops_the_call():
+    """Refused more often than PRODUCE_RETRIES: the call stops at that record (the caller remarks)."""
+    settler = DeliverySettler(_Store(), get_metrics(), workers=1, on_failure=lambda why: None)
+    producer = _Recording(set(), 2, f"{P}5", fail_times=PRODUCE_RETRIES + 1)
+    plain = PlainStrategy(ProducerSlot({}, lambda conf: producer), settler, _Store())
+    rows = [(i, "t1", b"k%d" % i, b"v", [], [], None, 0) for i in range(12)]
+    settler.reserve(len(rows))
+    with pytest.raises(KafkaException):
+        plain.produce_rows(rows, uuid.uuid4(), lambda: True, lambda: float("inf"), NS)
+    assert [int(r[3][len(P) :]) for r in producer.records] == list(range(5))

@@ -196,6 +196,10 @@ class DeliverySettler:
         if len(reports) >= self._batch and not self._wake.is_set():
             self._wake.set()
 
+    def produce_refused(self) -> None:
+        """produce() refused a record for a passing reason; it is produced again in place."""
+        self._m.produce_errors.inc()
+
     def uncovered(self, n: int) -> None:
         """`n` records were handed over with no report to come (their run was cut short): their
         rows stay marked, and a remark publishes them again."""

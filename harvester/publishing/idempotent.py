@@ -9,8 +9,9 @@ Contract of a publishing strategy (this one and harvester.publishing.transaction
   once the leadership deadline `valid_until()` has passed or `still_valid()` is false (checked
   every 256 rows), or when the producer was retired meanwhile. Rows not handed over are released
   from the throttle's count (they stay marked by an old id and the next mark finds them).
-- A local produce error is raised (the caller forces a remark), except for a record Kafka can
-  never accept (PERMANENT_PRODUCE): its row is quarantined at once and the rest go on. If that
+- A local produce error for a passing reason (`transient`) is tried again in place, up to
+  PRODUCE_RETRIES times; one that persists, or is fatal, is raised (the caller forces a remark),
+  except for a record Kafka can never accept (PERMANENT_PRODUCE): its row is quarantined at once and the rest go on. If that
   quarantine fails, QuarantineError is raised, so nothing of its key overtakes it. An unknown
   partition that reaper computed (harvester.publishing.runs) is a stale count, not such a record:
   raised, the count looked up again.
@@ -43,6 +44,18 @@ from tracker.message_ids import MESSAGE_ID_HEADER
 PERMANENT_PRODUCE = frozenset(
     {KafkaError.MSG_SIZE_TOO_LARGE, KafkaError._UNKNOWN_PARTITION, KafkaError._INVALID_ARG, KafkaError.TOPIC_EXCEPTION}
 )
+
+PRODUCE_RETRIES = 3  # a record refused by produce() for a passing reason is tried again this often
+
+
+def transient(failed: Exception) -> bool:
+    """A produce() refusal that may pass if the same record is produced again: a KafkaError that
+    is neither about the record (PERMANENT_PRODUCE) nor fatal for the producer."""
+    if not isinstance(failed, KafkaException) or not failed.args or not isinstance(failed.args[0], KafkaError):
+        return False
+    err = failed.args[0]
+    return err.code() not in PERMANENT_PRODUCE and err.code() != KafkaError._FATAL and not err.fatal()
+
 
 VALID_EVERY = 256  # rows between two checks of still_valid() (and refreshes of the deadline)
 SWAP_HOLD = 64  # rows produced under one hold of the slot's swap lock
@@ -185,7 +198,7 @@ class PlainStrategy:
                 if failed is None:
                     continue
                 row_id, topic, key, value, hkeys, hvals, own_partition, created = rows[i]
-                if isinstance(failed, BufferError):
+                if isinstance(failed, BufferError) or transient(failed):
                     msg_id = ids.message_id(row_id, created + epoch)
                     # `run`, `partition` and `callback` are still the refused record's (`partition`
                     # the one computed for it: the row's own would let librdkafka's partitioner
@@ -200,7 +213,7 @@ class PlainStrategy:
                         0,
                         [*zip(hkeys, hvals), (mid, msg_id)],
                     )
-                    if not self._wait_for_room(producer, args, deadline, still_valid):
+                    if not self._produce_again(producer, args, deadline, still_valid, failed):
                         break
                     i += 1
                     if run >= 0:
@@ -237,20 +250,35 @@ class PlainStrategy:
                 self.settler.uncovered(uncovered)
         return i
 
-    def _wait_for_room(self, producer: ProducerLike, args: tuple, deadline: float, still_valid: Valid) -> bool:
-        """The local queue is full: nothing after this record was enqueued either, so waiting and
-        retrying the same record keeps the order. False if the producer was retired meanwhile;
-        BufferError once the patience or the leadership runs out."""
-        self.queue_full_waits += 1
+    def _produce_again(
+        self, producer: ProducerLike, args: tuple, deadline: float, still_valid: Valid, failed: Exception
+    ) -> bool:
+        """produce() refused this record, and nothing after it was enqueued either, so producing
+        the same record again keeps the order. A full local queue is waited out (up to
+        queue_full_patience); a refusal that is neither about the record nor fatal (`transient`) is
+        tried again up to PRODUCE_RETRIES times: giving up would leave the records of its
+        partition run that were already handed over without a report, to be published again.
+        False if the producer was retired meanwhile; raises the last refusal otherwise."""
+        if isinstance(failed, BufferError):
+            self.queue_full_waits += 1
         clock = time.monotonic
         give_up = min(deadline, clock() + self.queue_full_patience)
+        tries = 0
         while True:
+            if isinstance(failed, KafkaException):
+                if not transient(failed) or tries >= PRODUCE_RETRIES or clock() >= deadline:
+                    raise failed
+                tries += 1
+                self.settler.produce_refused()
             time.sleep(0.001)
             try:
                 return self.slot.send(producer, args)
-            except BufferError:
+            except BufferError as exc:
                 if clock() >= give_up or not still_valid():
                     raise
+                failed = exc
+            except KafkaException as exc:
+                failed = exc
 
     def _quarantine_now(self, leader_id: uuid.UUID, row_id: int, reason: str) -> None:
         try:
