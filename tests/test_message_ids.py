@@ -385,6 +385,28 @@ def test_a_row_created_at_infinity_or_at_the_end_of_time_is_published_with_an_id
         message_ids.message_id(message_ids.Namespace(uuid.uuid4()), 1, datetime(2026, 1, 1))  # naive
 
 
+def test_a_row_without_created_at_is_published_with_an_id(pg_dsn, schema):
+    """An outbox table of the application's own that lets created_at be NULL: the mark still
+    returns an id for the row (as if created at -infinity), and the row after it goes too."""
+    from harvester.publishing.outbox_sql import FOREVER, OutboxStore, make_pool
+
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(f'ALTER TABLE "{schema}".outbox ALTER COLUMN created_at DROP NOT NULL')
+        c.execute(
+            f"INSERT INTO \"{schema}\".outbox (topic, value, created_at) VALUES ('t', 'v', NULL), ('t', 'w', now())"
+        )
+    pool = make_pool(pg_dsn, 1)
+    try:
+        store = OutboxStore(pool, schema)
+        ns = store.namespace()
+        rows = store.mark(uuid.uuid4(), 10, until=FOREVER)
+    finally:
+        pool.close()
+    assert len(rows) == 2 and all(isinstance(r[7], int) for r in rows)
+    ids = [ns.message_id(r[0], r[7] + message_ids.PG_EPOCH_US) for r in rows]
+    assert len(set(ids)) == 2
+
+
 class _Msg:
     def __init__(self, headers) -> None:
         self._headers = headers

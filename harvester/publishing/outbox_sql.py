@@ -27,7 +27,9 @@ from tracker.schema import qualified
 COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
 # What a mark returns per row: COLUMNS, then `created_at` for the message id (tracker.message_ids),
 # loaded as Postgres's int8 (load_timestamps_as_micros): decoded in C, no work in the database.
-MARKED = COLUMNS + ", created_at"
+# A table of the application's own may let it be NULL: such a row is named as if created at
+# -infinity (one NULL row must not stop every later one).
+MARKED = COLUMNS + ", coalesce(created_at, '-infinity')"
 LOCK_NOT_AVAILABLE = "55P03"  # the SQLSTATE of VACUUM (SKIP_LOCKED)'s "skipping vacuum" warning
 
 
