@@ -1,5 +1,6 @@
-"""Console page-load benchmark: `python -m bench.console [--requests N] [--quick]`. The last line of
-output is one JSON object.
+"""Console page-load benchmark: `python -m bench.console [--requests N] [--quick]`.
+
+The last line of output is one JSON object.
 
 Builds a scratch schema with 10,000 open batches (one group each, 4,096 items, a run of them
 acked), 10,000 finished ones, 1,000 dead rows and a 1,000,000-row outbox backlog, all with
