@@ -94,7 +94,7 @@ class HarvesterMetrics:
         )
         self.produce_duration = Histogram(
             f"{p}_produce_duration_seconds",
-            "Enqueue to delivery report, sampled 1 in 64 records",
+            "Enqueue to delivery report, sampled about once per 64 records delivered",
             buckets=_DURATION_BUCKETS,
             registry=r,
         )

@@ -42,7 +42,9 @@ _PURGED = (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT)
 #   created (brokers here do not auto-create) is an operator's fix away; quarantining would move
 #   every row of that topic out of the outbox. They are retried, with the remark back-off.
 PERMANENT_DELIVERY = frozenset({KafkaError._UNKNOWN_PARTITION, KafkaError._INVALID_ARG, KafkaError.TOPIC_EXCEPTION})
-SAMPLE_EVERY = 64  # produce-latency histogram samples 1 in 64 reports: observe() per record costs too much
+# The produce-latency histogram takes about one sample per 64 records reported (a run's report
+# counts its records): observe() per record costs too much.
+SAMPLE_EVERY = 64
 # Reports wait up to SETTLE_EVERY seconds, or until a purge batch of them is queued, and are then
 # settled together. A poll serves the reports of one produce request, a slice of each partition's
 # records: settled at once, each purge was a few hundred ids interleaved with other partitions'
