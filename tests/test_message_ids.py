@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.faults import FaultPlan
 from support.harness import Receiver, make_config, wait_until
+from support.history import sql_at
 
 import tracker
 from harvester.publishing.ports import DEFAULT, Providers
@@ -29,7 +30,6 @@ from tracker import schema as schema_mod
 from tracker.errors import InvalidValue
 from tracker.message_ids import MESSAGE_ID_HEADER, NamespaceUnavailable
 
-REPO = Path(__file__).resolve().parents[1]
 PREVIOUS = "833fe98"  # the last commit whose schema has no message-id namespace
 PARTITIONS = 3
 
@@ -430,15 +430,9 @@ def test_message_id_of_reads_the_last_header_and_refuses_what_no_harvester_write
 
 
 def test_an_upgrade_gives_the_outbox_its_namespace_without_rewriting_it(pg_dsn, tmp_path, kafka_bootstrap, topics):
-    try:
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", PREVIOUS, "sql"], capture_output=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        if os.environ.get("CI") == "true":
-            raise
-        pytest.skip(f"needs the git history of this repository (commit {PREVIOUS})")
-    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive.stdout, check=True)
+    old_sql = sql_at(PREVIOUS, tmp_path)
     name = f"t_{uuid.uuid4().hex[:12]}"
-    schema_mod.migrate(pg_dsn, name, tmp_path / "sql")
+    schema_mod.migrate(pg_dsn, name, old_sql)
     topic = topics("data", partitions=1)
     try:
         with psycopg.connect(pg_dsn, autocommit=True) as c:
