@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.faults import FaultPlan
-from support.harness import Receiver, make_config, wait_until
+from support.harness import Receiver, make_config, marked, wait_until
 from support.history import sql_at
 
 import tracker
@@ -362,8 +362,6 @@ def test_created_at_in_microseconds_is_the_same_as_loaded_in_python_and_in_sql(p
 def test_a_row_created_at_infinity_or_at_the_end_of_time_is_published_with_an_id(pg_dsn, schema):
     """Whatever an application wrote in created_at, the mark returns the row and its id is built:
     no row can stop the harvester."""
-    from harvester.publishing.outbox_sql import FOREVER, OutboxStore, make_pool
-
     times = ["-infinity", "infinity", "294276-12-31 23:59:59.999999+00", "4713-11-24 00:00:00+00 BC"]
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         c.execute(
@@ -371,13 +369,7 @@ def test_a_row_created_at_infinity_or_at_the_end_of_time_is_published_with_an_id
             "FROM unnest(%s::text[]) AS t",
             [times],
         )
-    pool = make_pool(pg_dsn, 1)
-    try:
-        store = OutboxStore(pool, schema)
-        ns = store.namespace()
-        rows = store.mark(uuid.uuid4(), 10, until=FOREVER)
-    finally:
-        pool.close()
+    ns, rows = marked(pg_dsn, schema, 10)
     ids = [ns.message_id(r[0], r[7] + message_ids.PG_EPOCH_US) for r in rows]
     assert len(ids) == len(set(ids)) == len(times)
     assert all(i.isascii() and len(i) <= message_ids.MESSAGE_ID_MAX for i in ids)
@@ -388,20 +380,12 @@ def test_a_row_created_at_infinity_or_at_the_end_of_time_is_published_with_an_id
 def test_a_row_without_created_at_is_published_with_an_id(pg_dsn, schema):
     """An outbox table of the application's own that lets created_at be NULL: the mark still
     returns an id for the row (as if created at -infinity), and the row after it goes too."""
-    from harvester.publishing.outbox_sql import FOREVER, OutboxStore, make_pool
-
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         c.execute(f'ALTER TABLE "{schema}".outbox ALTER COLUMN created_at DROP NOT NULL')
         c.execute(
             f"INSERT INTO \"{schema}\".outbox (topic, value, created_at) VALUES ('t', 'v', NULL), ('t', 'w', now())"
         )
-    pool = make_pool(pg_dsn, 1)
-    try:
-        store = OutboxStore(pool, schema)
-        ns = store.namespace()
-        rows = store.mark(uuid.uuid4(), 10, until=FOREVER)
-    finally:
-        pool.close()
+    ns, rows = marked(pg_dsn, schema, 10)
     assert len(rows) == 2 and all(isinstance(r[7], int) for r in rows)
     ids = [ns.message_id(r[0], r[7] + message_ids.PG_EPOCH_US) for r in rows]
     assert len(set(ids)) == 2

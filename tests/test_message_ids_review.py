@@ -9,7 +9,7 @@ import uuid
 import psycopg
 import pytest
 from psycopg import sql
-from support.harness import Receiver, make_config, wait_until
+from support.harness import Receiver, make_config, marked, wait_until
 
 from harvester.units import Harvester
 from tracker import message_ids, roles
@@ -135,15 +135,7 @@ def test_a_registration_by_the_first_call_of_a_transaction_is_undone_by_its_roll
 def _ids_as_marked(pg_dsn: str, schema: str) -> list[str]:
     """The message ids the harvester gives the rows of `schema`.outbox now (marked as it marks them,
     the namespace read as it reads it, in a schema migrated or not)."""
-    from harvester.publishing.outbox_sql import FOREVER, OutboxStore, make_pool
-
-    pool = make_pool(pg_dsn, 1)
-    try:
-        store = OutboxStore(pool, schema)
-        ids = store.namespace()
-        rows = store.mark(uuid.uuid4(), 100, until=FOREVER)
-    finally:
-        pool.close()
+    ids, rows = marked(pg_dsn, schema)
     return [ids.message_id(r[0], r[-1] + message_ids.PG_EPOCH_US) for r in rows]
 
 

@@ -14,6 +14,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from harvester import config as config_mod
 from harvester.units import Harvester
+from tracker.message_ids import Namespace
 
 FAST = {  # short timeouts keep failure tests quick
     "min_poll_interval": 0.1,
@@ -328,3 +329,16 @@ def check_published(receiver: Receiver, gen: Generator, timeout: float = 120) ->
     time.sleep(0.5)
     assert order_violations([(k, v) for k, v, _ in receiver.records]) == []
     assert receiver.unique() <= gen.committed | gen.ambiguous
+
+
+def marked(pg_dsn: str, schema: str, limit: int = 100) -> tuple[Namespace, list[tuple]]:
+    """(namespace, rows): `schema`.outbox's rows marked as the harvester marks them, under a fresh
+    leader id, and the message-id namespace read as it reads it."""
+    from harvester.publishing.outbox_sql import FOREVER, OutboxStore, make_pool
+
+    pool = make_pool(pg_dsn, 1)
+    try:
+        store = OutboxStore(pool, schema)
+        return store.namespace(), store.mark(uuid.uuid4(), limit, until=FOREVER)
+    finally:
+        pool.close()
