@@ -66,13 +66,16 @@ class _Wrapped:
         return len(self._inner)
 
 
-def _publisher_parts(pg_dsn, schema, kafka_bootstrap, alter=lambda p, err: err):
+def _publisher_parts(pg_dsn, schema, kafka_bootstrap, alter=None, producer: dict | None = None):
+    """The plain strategy's parts over real Kafka; `alter` wraps the producer's delivery callbacks
+    (see _Wrapped), `producer` adds producer settings."""
     pool = make_pool(pg_dsn, 3)
     store = OutboxStore(pool, schema)
     remarks: list[str] = []
     settler = DeliverySettler(store, get_metrics(), workers=1, on_failure=remarks.append)
-    conf = producer_config(kafka_bootstrap, {}, {})
-    slot = ProducerSlot(conf, lambda c: _Wrapped(Producer(c), alter), after_poll=settler.wake_if_pending)
+    conf = producer_config(kafka_bootstrap, {}, producer or {})
+    factory = Producer if alter is None else lambda c: _Wrapped(Producer(c), alter)
+    slot = ProducerSlot(conf, factory, after_poll=settler.wake_if_pending)
     settler.start()
     slot.start()
     return pool, store, settler, slot, PlainStrategy(slot, settler, store), remarks
@@ -263,14 +266,9 @@ def test_a_record_retried_after_a_full_queue_goes_to_its_runs_partition(pg_dsn, 
     from support.harness import read_messages
 
     topic = topics("data", partitions=1)
-    pool = make_pool(pg_dsn, 3)
-    store = OutboxStore(pool, schema)
-    settler = DeliverySettler(store, get_metrics(), workers=1)
-    conf = producer_config(kafka_bootstrap, {}, {"queue.buffering.max.messages": 4})
-    slot = ProducerSlot(conf, Producer, after_poll=settler.wake_if_pending)
-    settler.start()
-    slot.start()
-    plain = PlainStrategy(slot, settler, store)
+    pool, store, settler, slot, plain, _remarks = _publisher_parts(
+        pg_dsn, schema, kafka_bootstrap, producer={"queue.buffering.max.messages": 4}
+    )
     try:
         _insert(pg_dsn, schema, [(topic, b"first", None)])
         me = uuid.uuid4()
@@ -308,14 +306,7 @@ def test_a_computed_partition_the_producer_does_not_know_is_no_reason_to_quarant
 
     topic = topics("data", partitions=3)
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-    pool = make_pool(pg_dsn, 3)
-    store = OutboxStore(pool, schema)
-    remarks: list[str] = []
-    settler = DeliverySettler(store, get_metrics(), workers=1, on_failure=remarks.append)
-    slot = ProducerSlot(producer_config(kafka_bootstrap, {}, {}), Producer, after_poll=settler.wake_if_pending)
-    settler.start()
-    slot.start()
-    plain = PlainStrategy(slot, settler, store)
+    pool, store, settler, slot, plain, remarks = _publisher_parts(pg_dsn, schema, kafka_bootstrap)
     try:
         _insert(pg_dsn, schema, [(topic, b"first", None)])
         me = uuid.uuid4()
