@@ -124,7 +124,8 @@ def plan_runs(
     index: dict[tuple[str, int], int] = {}
     where: dict[str, int] = {}
     crc = zlib.crc32
-    for i, (row_id, topic, key, _v, _hk, _hv, partition, *_) in enumerate(rows):
+    for i, row in enumerate(rows):
+        row_id, topic, key, partition = row[0], row[1], row[2], row[6]  # a marked row's fields
         if partition is None:
             count = where.get(topic)
             if count is None:
