@@ -325,6 +325,10 @@ the Python API. They run as their owner with a pinned `search_path`, and the lea
 SQLSTATEs of class `RT` ([Errors](errors.md)); a failed call changes nothing, and, like any SQL
 error, aborts the caller's transaction (wrap it in a `SAVEPOINT` to carry on). The same text is
 each function's comment in the database (`\\df+ <schema>.ack` in psql).
+
+The functions write messages and completion events into the schema's own table named `outbox`,
+the default tracker's. An application whose Python tracker uses another table
+(`Tracker(outbox_table=...)`) reaches it through the Python API only.
 """
     return _page("SQL functions", intro, "\n\n".join(sections))
 
