@@ -1,6 +1,6 @@
 """`reaper run`'s database gauges: the backlog, oldest row and dead rows of every outbox of the
 configuration (the `database` section's, or each entry of harvester.outboxes, each from its own
-database), and the batch table's counts.
+database), and the batch table's counts (harvester.batch_census).
 
 The gauges are the instance-wide view the dashboards and alert rules read: backlog and dead rows
 summed over the outboxes, the oldest row the oldest of any (`reaper outbox status` shows each
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from psycopg import sql
 
 from harvester import logs
+from harvester.batch_census import batch_census
 from harvester.config import Config, units
 from harvester.db_pool import HarvestPool, make_pool
 from harvester.metrics import HarvesterMetrics
@@ -84,10 +85,6 @@ def _one(row: tuple | None) -> float:
 def gauges_loop(cfg: Config, pool: HarvestPool, stop: threading.Event) -> None:
     m, log = get_metrics(cfg.metrics.prefix), logs.get("reaper.gauges")
     schema = cfg.database.schema
-    batches = sql.SQL("SELECT state, count(*) FROM {} GROUP BY state").format(qualified(schema, "batch"))
-    pending = sql.SQL("SELECT coalesce(sum(pending), 0) FROM {} WHERE state IN ('open', 'closed')").format(
-        qualified(schema, "batch")
-    )
     requeued = sql.SQL("SELECT coalesce(sum(rows), 0) FROM {} WHERE action = 'dead-requeue'").format(
         qualified(schema, "admin_log")
     )
@@ -98,12 +95,12 @@ def gauges_loop(cfg: Config, pool: HarvestPool, stop: threading.Event) -> None:
             gauges.refresh()
             try:
                 with pool.connection() as conn:
-                    counts = dict(conn.execute(batches).fetchall())
-                    # aggregates without GROUP BY: one row each
-                    m.items_pending.set(_one(conn.execute(pending).fetchone()))
+                    census = batch_census(conn, schema)
+                    # an aggregate without GROUP BY: one row
                     m.requeued_rows.set(_one(conn.execute(requeued).fetchone()))  # the operator's kit (migration 0008)
-                for state in ("open", "closed", "complete", "expired"):
-                    m.batches.labels(state).set(counts.get(state, 0))
+                m.items_pending.set(census.items_pending)
+                for state, n in census.counts.items():
+                    m.batches.labels(state).set(n)
             except Exception as exc:
                 log.warning("gauge refresh failed", error=logs_safe(exc))
             if stop.wait(cfg.metrics.backlog_interval):

@@ -116,7 +116,12 @@ class HarvesterMetrics:
             registry=r,
         )
         self.oldest_age = Gauge(f"{p}_outbox_oldest_age_seconds", "Age of the oldest row in any outbox", registry=r)
-        self.batches = Gauge(f"{p}_batches", "Batches by state", ["state"], registry=r)
+        self.batches = Gauge(
+            f"{p}_batches",
+            "Batches by state (complete and expired: exact up to 100,000 of them, above that Postgres's statistics)",
+            ["state"],
+            registry=r,
+        )
         self.dead_rows = Gauge(
             f"{p}_outbox_dead_rows",
             "Rows in the outboxes' dead tables, summed (quarantined, not yet requeued)",

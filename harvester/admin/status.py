@@ -11,7 +11,7 @@ the leader ids in `marked_by` (rows in flight under each id) say who is publishi
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import psycopg
@@ -21,6 +21,7 @@ from psycopg import sql
 
 from harvester import logs
 from harvester.admin.common import AdminError, duration, one_row, require_tables
+from harvester.batch_census import batch_census
 from harvester.config import Config, redact_dsn, units
 from harvester.exit_codes import ExitCode
 from harvester.publishing.outbox_sql import BACKLOG_EXACT, LANE_SQL
@@ -57,6 +58,7 @@ class OutboxStatus:
     leader_topic: str
     group_state: str | None = None
     kafka_error: str | None = None
+    batches_estimated: list[str] = field(default_factory=list)  # states counted by the planner's estimate
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -197,18 +199,6 @@ def _units_status(cfg: Config, conn: psycopg.Connection) -> list[UnitStatus]:
     return out
 
 
-def batch_counts(conn: psycopg.Connection, schema: str) -> tuple[dict[str, int], int]:
-    require_tables(conn, schema, "batch")
-    b = qualified(schema, "batch")
-    counts: dict[str, int] = dict(
-        conn.execute(sql.SQL("SELECT state, count(*) FROM {} GROUP BY state").format(b)).fetchall()
-    )
-    pending = one_row(
-        conn.execute(sql.SQL("SELECT coalesce(sum(pending), 0) FROM {} WHERE state IN ('open', 'closed')").format(b))
-    )[0]
-    return {s: counts.get(s, 0) for s in ("open", "closed", "complete", "expired")}, int(pending)
-
-
 # Answers of a group coordinator that is moving or still loading (the first use of a fresh
 # cluster's __consumer_offsets, a broker restart): asked again a moment later, it answers.
 COORDINATOR_NOT_READY = frozenset(
@@ -249,12 +239,14 @@ def leaders(cfg: Config, timeout: float) -> tuple[dict[int, dict[str, Any]], str
 def outbox_status(cfg: Config, conn: psycopg.Connection, timeout: float) -> OutboxStatus:
     db = cfg.database
     all_units = _units_status(cfg, conn)
-    batches, pending = batch_counts(conn, db.schema)
+    require_tables(conn, db.schema, "batch")
+    census = batch_census(conn, db.schema)
     conn.rollback()  # read only: end the snapshot
     status = OutboxStatus(
         units=all_units,
-        batches=batches,
-        items_pending=pending,
+        batches=census.counts,
+        items_pending=census.items_pending,
+        batches_estimated=sorted(census.estimated),
         leader_group=cfg.harvester.leader_group,
         leader_topic=cfg.harvester.leader_topic,
     )
@@ -293,7 +285,7 @@ def render(status: OutboxStatus) -> str:
         else:
             ld = u.leader
             lines.append(f"  leader          {ld['host']} client {ld['client_id']!r} member {ld['member_id']}")
-    b = status.batches
+    b = {s: f"about {n}" if s in status.batches_estimated else str(n) for s, n in status.batches.items()}
     lines.append(
         f"batches: {b['open']} open, {b['closed']} closed, {b['complete']} complete, {b['expired']} expired; "
         f"{status.items_pending} items pending"

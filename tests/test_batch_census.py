@@ -1,0 +1,78 @@
+"""The batch census behind the `reaper_batches` gauge and `reaper outbox status`: exact for the live
+work, exact for finished batches up to its cap, the planner's statistics above it, and never more
+than cap + 1 finished rows read, however many retention keeps."""
+
+from __future__ import annotations
+
+import json
+
+import psycopg
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harvester.batch_census import STATES, batch_census, census_statement
+
+counts_of_states = st.fixed_dictionaries({s: st.integers(min_value=0, max_value=30) for s in STATES})
+
+
+def fill(pg_dsn: str, schema: str, counts: dict[str, int], pending: int = 2) -> None:
+    """`counts[state]` batches of each state; unfinished ones with `pending` of 5 items pending."""
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(f'TRUNCATE "{schema}".batch CASCADE')
+        for state, n in counts.items():
+            left = 0 if state in ("complete", "expired") else pending
+            c.execute(
+                f'INSERT INTO "{schema}".batch (state, total, pending) SELECT %s, 5, %s FROM generate_series(1, %s)',
+                [state, left, n],
+            )
+        c.execute(f'ANALYZE "{schema}".batch')
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(counts=counts_of_states, cap=st.integers(min_value=0, max_value=70))
+def test_counts_are_exact_up_to_the_cap_and_pending_items_always(pg_dsn, schema, counts, cap):
+    fill(pg_dsn, schema, counts)
+    with psycopg.connect(pg_dsn) as c:
+        census = batch_census(c, schema, cap)
+        assert c.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS  # the caller's, not ended
+    assert census.items_pending == 2 * (counts["open"] + counts["closed"])
+    finished = counts["complete"] + counts["expired"]
+    if finished <= cap:
+        assert census.counts == counts and not census.estimated
+    else:
+        assert census.estimated == {"complete", "expired"}
+        assert {s: census.counts[s] for s in ("open", "closed")} == {s: counts[s] for s in ("open", "closed")}
+        # A table this small is analysed whole: the statistics are the truth, unless a state is too
+        # rare for the most-common-values list, when the sample's share of it is what is known.
+        for s in ("complete", "expired"):
+            assert census.counts[s] <= counts[s]
+        assert sum(census.counts[s] for s in ("complete", "expired")) >= cap + 1
+
+
+def test_above_the_cap_the_statistics_give_each_finished_state(pg_dsn, schema):
+    counts = {"open": 3, "closed": 2, "complete": 400, "expired": 90}
+    fill(pg_dsn, schema, counts)
+    with psycopg.connect(pg_dsn) as c:
+        census = batch_census(c, schema, 50)
+    assert census.counts == counts and census.estimated == {"complete", "expired"}
+
+
+def test_the_statement_reads_at_most_cap_plus_one_finished_batches(pg_dsn, schema):
+    fill(pg_dsn, schema, {"open": 5, "closed": 5, "complete": 3000, "expired": 3000})
+    statement, params = census_statement(schema, 100)
+    with psycopg.connect(pg_dsn) as c:
+        [[plan]] = c.execute(psycopg.sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + statement, params).fetchall()
+
+    def nodes(node):
+        yield node
+        for child in node.get("Plans", []):
+            yield from nodes(child)
+
+    plan = plan if isinstance(plan, list) else json.loads(plan)
+    finished_reads = [
+        n["Actual Rows"]
+        for n in nodes(plan[0]["Plan"])
+        if n["Node Type"] in ("Seq Scan", "Index Scan", "Bitmap Heap Scan", "Index Only Scan")
+        and "complete" in n.get("Filter", n.get("Index Cond", n.get("Recheck Cond", "")))
+    ]
+    assert finished_reads and max(finished_reads) <= 101
