@@ -25,6 +25,7 @@ from harvester.publishing.outbox_sql import OutboxStore
 from harvester.publishing.publisher import logs_safe
 from tracker.schema import qualified
 
+DEAD_COUNTED = 100_001  # the dead-rows gauge's cap: more than 100,000 shows as 100,001
 GET_CONNECTION_TIMEOUT = 5.0  # seconds an outbox on another database may hold up one refresh
 
 
@@ -47,7 +48,10 @@ def _outboxes(cfg: Config, pool: HarvestPool, pools: dict[str, HarvestPool]) -> 
             made.timeout = GET_CONNECTION_TIMEOUT  # a database that is away must not hold up the others
             pools[spec.dsn] = made
         p = pool if spec.dsn == cfg.database.dsn else pools[spec.dsn]
-        dead = sql.SQL("SELECT count(*) FROM {}").format(qualified(spec.schema, f"{spec.table}_dead"))
+        # counted up to DEAD_COUNTED: an incident that quarantines millions must not make every refresh scan them
+        dead = sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {} LIMIT {}) d").format(
+            qualified(spec.schema, f"{spec.table}_dead"), sql.Literal(DEAD_COUNTED)
+        )
         out.append(_Outbox(spec.outbox, OutboxStore(p, spec.schema, spec.table), dead))
     return out
 

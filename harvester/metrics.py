@@ -124,7 +124,7 @@ class HarvesterMetrics:
         )
         self.dead_rows = Gauge(
             f"{p}_outbox_dead_rows",
-            "Rows in the outboxes' dead tables, summed (quarantined, not yet requeued)",
+            "Rows in the outboxes' dead tables, summed (quarantined, not yet requeued; each counted up to 100,001)",
             registry=r,
         )
         self.requeued_rows = Gauge(

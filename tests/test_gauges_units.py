@@ -60,3 +60,31 @@ def test_the_backlog_gauges_count_every_outbox(pg_dsn, kafka_bootstrap, schema, 
         pool.close()
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA "{other}" CASCADE')
+
+
+def test_the_dead_rows_gauge_stops_counting_at_its_cap(pg_dsn, kafka_bootstrap, schema, monkeypatch):
+    """An incident that quarantines a great many rows must not make every refresh scan them all."""
+    import harvester.gauges
+
+    monkeypatch.setattr(harvester.gauges, "DEAD_COUNTED", 11)
+    pool = make_pool(pg_dsn, 1, name="test-gauges-dead")
+    try:
+        cfg = make_config(pg_dsn, schema, kafka_bootstrap)
+        with psycopg.connect(pg_dsn) as conn:
+            conn.execute(
+                f'INSERT INTO "{schema}".outbox_dead (id, created_at, topic, key, value, header_keys, header_values, '
+                "leader_id, reason) SELECT -g, now(), 't', 'k', 'x', '{}', '{}', gen_random_uuid(), 'test' "
+                "FROM generate_series(1, %s) g",
+                [n := 20],
+            )
+            conn.commit()
+        m = HarvesterMetrics("gauges", CollectorRegistry())
+        gauges = OutboxGauges(m, _outboxes(cfg, pool, {}), logs.get("test"))
+        gauges.refresh()
+        assert n > 11 and m.dead_rows._value.get() == 11
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'DELETE FROM "{schema}".outbox_dead WHERE id < -5')
+        gauges.refresh()
+        assert m.dead_rows._value.get() == 5
+    finally:
+        pool.close()
