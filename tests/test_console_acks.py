@@ -166,6 +166,37 @@ def test_a_dead_letter_goes_back_to_the_ack_topic_it_came_from(pg_dsn, schema, k
     assert len(read_messages(kafka_bootstrap, other, 2, timeout=3)) == 1
 
 
+def test_a_requeue_refuses_dead_letters_larger_than_it_may_hold_and_counts_only_those_chosen(
+    pg_dsn, schema, kafka_bootstrap, topics, monkeypatch
+):
+    """What a partition holds is bounded by count, not by size: past HELD_BYTES_MAX of chosen letters
+    the requeue refuses, names the way out, and sends and records nothing; letters it does not choose
+    are not held."""
+    from confluent_kafka import Producer
+    from support.harness import make_config
+
+    from harvester.admin import acks as acks_admin
+    from harvester.admin.common import AdminError
+
+    main, dead = topics("acks"), topics("acks-dead")
+    cfg = make_config(pg_dsn, schema, kafka_bootstrap, acker={"topic": main, "dead_letter_topic": dead})
+    monkeypatch.setattr(acks_admin, "HELD_BYTES_MAX", 1000)
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    for _ in range(3):  # 1,800 bytes of values with one reason, one small letter with another
+        p.produce(dead, key=b"7", value=b"7:0:9," + b"x" * 600, headers=[("reason", b"big"), ("source-topic", main)])
+    p.produce(dead, key=b"8", value=b"8:0:9", headers=[("reason", b"small"), ("source-topic", main)])
+    assert p.flush(30) == 0
+    for chosen in ("big", None):
+        with psycopg.connect(pg_dsn) as conn, pytest.raises(AdminError, match="more than 0 MiB.*--reason") as refused:
+            acks_admin.requeue(cfg, conn, reason=chosen)
+        assert refused.value.code == ExitCode.REFUSED
+    assert read_messages(kafka_bootstrap, main, 1, timeout=3) == [] and _logged(pg_dsn, schema) == []
+    with psycopg.connect(pg_dsn) as conn:
+        r = acks_admin.requeue(cfg, conn, reason="small")
+    assert (r.requeued, r.scanned) == (1, 4)
+    assert [m.value() for m in read_messages(kafka_bootstrap, main, 1, timeout=10)] == [b"8:0:9"]
+
+
 def test_a_console_requeue_holds_no_database_connection_while_it_waits_for_kafka(
     cfg,  # noqa: F811
     dead_letters,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ REASON_HEADER = "reason"  # harvester.services.acker.REASON_HEADER
 FAILURE_REASON_HEADER = "failure-reason"  # tracker.folding.messages.FAILURE_REASON_HEADER
 REQUEUED_FROM_HEADER = "requeued-from"  # dead-letter topic:partition@offset a requeued ack came from
 SCAN = 10_000  # newest dead letters of each partition a --reason or --all requeue looks at
+HELD_BYTES_MAX = 256 * 2**20  # keys and values of the chosen dead letters held at once before they are sent
 SHOWN = 100  # dead letters a result lists
 
 
@@ -104,11 +106,20 @@ def consumer(cfg: Config, name: str) -> Consumer:
     )
 
 
-def _read(c: Consumer, wanted: list[TopicPartition], ends: dict[int, int], timeout: float) -> list[Message]:
-    """The messages of `wanted` (each from its offset) up to `ends` (exclusive)."""
+def _read(
+    c: Consumer,
+    wanted: list[TopicPartition],
+    ends: dict[int, int],
+    timeout: float,
+    keep: Callable[[Message], bool] = lambda _m: True,
+) -> tuple[list[Message], int]:
+    """The messages of `wanted` (each from its offset) up to `ends` (exclusive) that `keep` accepts,
+    and how many were read. Refuses (nothing sent yet) once those kept hold more than HELD_BYTES_MAX
+    of keys and values: what a partition holds is bounded by count, not by size."""
     c.assign(wanted)
     open_parts = {tp.partition for tp in wanted}
     out: list[Message] = []
+    read = held = 0
     while open_parts:
         msgs = c.consume(500, timeout)
         if not msgs:
@@ -122,10 +133,19 @@ def _read(c: Consumer, wanted: list[TopicPartition], ends: dict[int, int], timeo
                     open_parts.discard(p)
                 continue
             if p in open_parts and (m.offset() or 0) < ends[p]:
-                out.append(m)
+                read += 1
+                if keep(m):
+                    held += len(m.key() or b"") + len(m.value() or b"")
+                    if held > HELD_BYTES_MAX:
+                        raise AdminError(
+                            f"the dead letters chosen hold more than {HELD_BYTES_MAX // 2**20} MiB: nothing was sent "
+                            "(choose fewer with --reason or --at)",
+                            ExitCode.REFUSED,
+                        )
+                    out.append(m)
             if (m.offset() or 0) + 1 >= ends[p]:
                 open_parts.discard(p)
-    return out
+    return out, read
 
 
 def select(
@@ -134,6 +154,10 @@ def select(
     """The dead letters chosen (the one at `at`; else those whose reason contains `reason`, or all,
     among the newest `scan` of each partition), how many were looked at, and how many older were not."""
     topic, timeout = cfg.acker.dead_letter_topic, cfg.console.kafka_timeout
+
+    def matches(m: Message) -> bool:
+        return reason is None or reason in text(dict(m.headers() or []).get(REASON_HEADER))
+
     c = consumer(cfg, "acks-requeue")
     try:
         meta = c.list_topics(topic, timeout=timeout).topics.get(topic)
@@ -149,19 +173,19 @@ def select(
                 raise AdminError(
                     f"no dead-lettered ack at {p}:{offset} in {topic} (gone, or never there)", ExitCode.NOT_FOUND
                 )
-            found = [m for m in _read(c, [TopicPartition(topic, p, offset)], {p: offset + 1}, timeout)]
+            found, _ = _read(c, [TopicPartition(topic, p, offset)], {p: offset + 1}, timeout)
             if not [m for m in found if m.offset() == offset]:
                 raise AdminError(f"no dead-lettered ack at {p}:{offset} in {topic}", ExitCode.NOT_FOUND)
             return found, len(found), 0
         wanted = [TopicPartition(topic, p, max(low, high - scan)) for p, (low, high) in marks.items() if high > low]
         skipped = sum(max(0, high - scan - low) for low, high in marks.values())
-        got = _read(c, wanted, {p: high for p, (_, high) in marks.items()}, timeout) if wanted else []
+        ends = {p: high for p, (_, high) in marks.items()}
+        chosen, scanned = _read(c, wanted, ends, timeout, matches) if wanted else ([], 0)
     except KafkaException as exc:
         raise AdminError(f"Kafka: {exc}", ExitCode.UNAVAILABLE) from None
     finally:
         c.close()
-    chosen = [m for m in got if reason is None or reason in text(dict(m.headers() or []).get(REASON_HEADER))]
-    return chosen, len(got), skipped
+    return chosen, scanned, skipped
 
 
 def destination(cfg: Config, m: Message) -> str:

@@ -146,7 +146,8 @@ def add_parsers(sub: Any) -> None:
         "--scan",
         type=_int_in("--scan", 1, 1_000_000),
         default=acks_mod.SCAN,
-        help=f"--reason/--all: newest dead letters of each partition to look at (default {acks_mod.SCAN})",
+        help=f"--reason/--all: newest dead letters of each partition to look at (default {acks_mod.SCAN}); "
+        f"refused, sending nothing, when those chosen hold more than {acks_mod.HELD_BYTES_MAX // 2**20} MiB",
     )
     aq.add_argument("--dry-run", action="store_true", help="say which would be sent; send nothing")
 
