@@ -82,6 +82,25 @@ def test_counts_are_exact_up_to_a_cap_and_more_than_it_above(cfg, pg_dsn, schema
         tables, unfinished = Gatherer(cfg).database(conn)
         st = status.unit_status(conn, schema, "outbox", dead_exact_up_to=2)
     assert (unfinished.count, unfinished.exact, unfinished.estimate) == (cap, False, cap + 5)
+    # Another tenant's batches are in the same index: its estimate is its share, not everyone's.
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            f'INSERT INTO "{schema}".batch (state, total, pending, tenant) '
+            "SELECT 'open', 0, 0, 'acme' FROM generate_series(1, %s)",
+            [cap + 100],  # a table this small is analysed whole: the shares are exact
+        )
+        conn.execute(f'ANALYZE "{schema}".batch')
+        default_count = queries.unfinished_of(
+            conn.execute(*queries.count_unfinished_statement(schema, "default")).fetchone()
+        )
+        acme = queries.unfinished_of(conn.execute(*queries.count_unfinished_statement(schema, "acme")).fetchone())
+        nobody = queries.unfinished_of(conn.execute(*queries.count_unfinished_statement(schema, "nobody")).fetchone())
+    assert default_count.estimate is not None and abs(default_count.estimate - (cap + 5)) <= 2
+    assert acme.estimate is not None and abs(acme.estimate - (cap + 100)) <= 2
+    assert (nobody.count, nobody.exact, nobody.estimate) == (0, True, None)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"DELETE FROM \"{schema}\".batch WHERE tenant = 'acme'")
+        conn.execute(f'ANALYZE "{schema}".batch')
     assert (st.dead_rows, st.dead_rows_capped) == (2, True)  # more than 2
     assert (tables[0].status.dead_rows, tables[0].status.dead_rows_capped) == (3, False)
     with RunningServer(cfg, [TOKEN]) as server:

@@ -8,8 +8,9 @@
   batch_user_key on (user_key, id), whatever the age of the batch.
 - A dead row: by its id (the dead table's primary key), with the first bytes of its value only.
 The overview's count of unfinished batches stops at UNFINISHED_EXACT index entries; above it the
-page shows "more than" that, with the planner's estimate of the index's entries (pg_class.reltuples
-of batch_unfinished, as of the last ANALYZE or VACUUM: no row is read for it).
+page shows "more than" that, with an estimate from the planner's statistics (the index's entries,
+pg_class.reltuples of batch_unfinished, times the tenant's share of the batch table in pg_stats, as
+of the last ANALYZE: no row is read for it, and nothing of other tenants' volume shows).
 """
 
 from __future__ import annotations
@@ -83,7 +84,13 @@ def _statements(schema: str) -> dict[str, sql.Composed]:
         "ORDER BY user_key DESC, id DESC LIMIT %(limit)s",
         "count_unfinished": "SELECT (SELECT count(*) FROM (SELECT 1 FROM {b} WHERE state IN ('open', 'closed') "
         f"AND {_TENANT} LIMIT %(cap)s) s), "
-        "(SELECT reltuples::int8 FROM pg_class WHERE oid = to_regclass(%(index)s))",
+        # The index's entries are every tenant's: scaled by this tenant's share of the batch table
+        # (ANALYZE's statistics), so a tenant learns nothing of the others' volume; none when unknown.
+        "(SELECT (c.reltuples * (CASE WHEN %(tenant)s = 'default' THEN s.null_frac ELSE 0 END + coalesce("
+        "(SELECT u.freq FROM unnest(s.most_common_vals::text::text[], s.most_common_freqs) u(val, freq) "
+        "WHERE u.val = %(tenant)s), 0)))::int8 "
+        "FROM pg_class c, pg_stats s WHERE c.oid = to_regclass(%(index)s) AND s.schemaname = %(schema)s "
+        "AND s.tablename = 'batch' AND s.attname = 'tenant')",
         "tenant_of": "SELECT coalesce(tenant, 'default') FROM {b} WHERE id = %(id)s",
         # The library may open a child of a tenant's batch: the tenant sees its own children only.
         "children": f"SELECT {_COLUMNS} FROM {{b}} WHERE parent_id = %(id)s AND id > %(after)s AND {_TENANT} "
@@ -148,10 +155,10 @@ class Unfinished:
 
 
 def count_unfinished_statement(schema: str, tenant: str) -> tuple[sql.Composed, dict[str, object]]:
-    """The statement counting open and closed batches up to UNFINISHED_EXACT + 1 (and the planner's
-    estimate of them), and its parameters."""
+    """The statement counting `tenant`'s open and closed batches up to UNFINISHED_EXACT + 1 (and an
+    estimate of them from the planner's statistics), and its parameters."""
     index = qualified(schema, "batch_unfinished").as_string(None)
-    params = {"tenant": tenant, "cap": UNFINISHED_EXACT + 1, "index": index}
+    params = {"tenant": tenant, "cap": UNFINISHED_EXACT + 1, "index": index, "schema": schema}
     return _statements(schema)["count_unfinished"], params
 
 
