@@ -313,6 +313,7 @@ def test_the_key_queries_read_by_index(pg_dsn, schema):
             "key": "k5",
             "cap": queries.UNFINISHED_EXACT + 1,
             "index": f"{schema}.batch_unfinished",
+            "schema": schema,
             "after": 0,
         }
         for name in ("unfinished", "finished", "by_id", "by_key", "count_unfinished", "children"):
