@@ -318,7 +318,8 @@ def test_the_key_queries_read_by_index(pg_dsn, schema):
         }
         for name in ("unfinished", "finished", "by_id", "by_key", "count_unfinished", "children"):
             plan = "\n".join(r[0] for r in conn.execute(psycopg.sql.SQL("EXPLAIN ") + q[name], params).fetchall())
-            assert "Seq Scan" not in plan, (name, plan)
+            # The batch table is read by index; the tenant estimate's catalog lookups are a few rows.
+            assert "Seq Scan on batch" not in plan, (name, plan)
         # A user key is found by its own index, however old the batch: not by reading the newest batches.
         plan = "\n".join(r[0] for r in conn.execute(psycopg.sql.SQL("EXPLAIN ") + q["by_key"], params).fetchall())
         assert "batch_user_key" in plan and "batch_pkey" not in plan, plan
