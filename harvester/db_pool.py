@@ -30,6 +30,7 @@ from psycopg_pool import ConnectionPool
 from psycopg_pool.base import AttemptWithBackoff
 
 from harvester import logs
+from harvester.db_liveness import with_liveness
 from tracker.pooling import configure_for_pooler
 
 RECONNECT_FIRST = 0.05  # seconds before the second connection attempt
@@ -146,7 +147,7 @@ def make_pool(
             )
 
     pool = HarvestPool(
-        dsn,
+        with_liveness(dsn),
         min_size=size,
         max_size=size,
         name=name,

@@ -26,6 +26,7 @@ import psycopg
 from psycopg import sql
 from structlog.typing import FilteringBoundLogger
 
+from harvester.db_liveness import with_liveness
 from harvester.publishing.outbox_sql import LANE_SQL
 from tracker.schema import check_identifier, qualified
 
@@ -232,7 +233,7 @@ class LaneIndexKeeper:
     def _connection(self) -> psycopg.Connection:
         # Its own, not a pooled one: a build may take long.
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self.dsn, autocommit=True)
+            self._conn = psycopg.connect(with_liveness(self.dsn), autocommit=True)
         return self._conn
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ from structlog.typing import FilteringBoundLogger
 
 from harvester import logs
 from harvester.config import HarvesterConfig, UnitSpec
+from harvester.db_liveness import with_liveness
 from harvester.lane_index import LaneIndex, LaneIndexKeeper, NotHeld, retire_lane_indexes
 from harvester.publishing.outbox_sql import OutboxStore
 from harvester.publishing.ownership import OutboxClaim
@@ -110,7 +111,7 @@ class Upkeep:
             if not (self._leading() and self.claim.holding and (keeper is None or keeper.valid)):
                 continue
             try:
-                with psycopg.connect(self.spec.dsn, autocommit=True, connect_timeout=10) as conn:
+                with psycopg.connect(with_liveness(self.spec.dsn), autocommit=True, connect_timeout=10) as conn:
                     keep = keeper.index.name if keeper is not None else None  # the one this configuration uses
                     retired = retire_lane_indexes(conn, self.spec.schema, self.spec.table, keep, self.claim.held_now)
             except NotHeld:

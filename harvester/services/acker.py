@@ -45,6 +45,7 @@ import psycopg
 import structlog
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
+from harvester.db_liveness import with_liveness
 from harvester.db_pool import needs_new_connection
 from harvester.metrics import HarvesterMetrics
 from harvester.metrics import get as get_metrics
@@ -329,7 +330,7 @@ class Acker:
             return Applied()
         conn = self._conn
         if conn is None or conn.closed or conn.broken:
-            conn = self._conn = psycopg.connect(self.dsn, autocommit=True)
+            conn = self._conn = psycopg.connect(with_liveness(self.dsn), autocommit=True)
             configure_for_pooler(conn)  # PgBouncer in transaction mode: no prepared statements
         out = Applied()
         try:

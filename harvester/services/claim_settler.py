@@ -16,6 +16,7 @@ import time
 import psycopg
 import structlog
 
+from harvester.db_liveness import with_liveness
 from harvester.db_pool import needs_new_connection
 from harvester.metrics import HarvesterMetrics
 from harvester.metrics import get as get_metrics
@@ -58,7 +59,7 @@ class ClaimSettler:
             while not stop.is_set():
                 try:
                     if conn is None or conn.closed or conn.broken:
-                        conn = psycopg.connect(self.dsn, autocommit=True)
+                        conn = psycopg.connect(with_liveness(self.dsn), autocommit=True)
                         configure_for_pooler(conn)  # PgBouncer in transaction mode: no prepared statements
                     started = time.monotonic()
                     r = settle(

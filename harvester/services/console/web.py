@@ -17,6 +17,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 
 from harvester.admin.common import duration
 from harvester.config import Config
+from harvester.db_liveness import with_liveness
 from harvester.services.console.session import COOKIE, Sessions, User
 
 T = TypeVar("T")
@@ -93,7 +94,7 @@ class Db:
 
     def __init__(self, cfg: Config) -> None:
         self.pool = ConnectionPool(
-            cfg.database.dsn,
+            with_liveness(cfg.database.dsn),
             min_size=0,  # no connection until someone opens a page: an API-only server pays nothing
             max_size=4,
             open=False,

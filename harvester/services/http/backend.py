@@ -22,6 +22,7 @@ import psycopg
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from harvester.db_liveness import with_liveness
 from harvester.db_pool import needs_new_connection
 from tracker import Batch, BatchStatus, GroupHandle
 from tracker.aio import AsyncTracker
@@ -157,7 +158,7 @@ class _PoolStore:
         self.completion_topic = completion_topic
         self.timeout = timeout
         self.pool = AsyncConnectionPool(
-            dsn,
+            with_liveness(dsn),
             min_size=1,
             max_size=pool_size,
             open=False,

@@ -1,0 +1,99 @@
+"""The reaper's own Postgres connections carry TCP keepalives and a user timeout, so a server that
+vanishes without a word fails them in seconds; a value the DSN sets itself wins."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import psycopg
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from harvester.db_liveness import LIVENESS, with_liveness
+from harvester.db_pool import make_pool
+from harvester.services.http.backend import _PoolStore
+
+# libpq's names and the socket options they become on Linux
+SOCKET_OPTIONS = {
+    "keepalives_idle": (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1),
+    "keepalives_interval": (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1),
+    "keepalives_count": (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 1),
+    "tcp_user_timeout": (socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 1),
+}
+
+
+def socket_settings(conn: psycopg.Connection | psycopg.AsyncConnection) -> dict[str, int]:
+    sock = socket.socket(fileno=conn.pgconn.socket)
+    try:
+        out = {name: sock.getsockopt(level, opt) for name, (level, opt, _) in SOCKET_OPTIONS.items()}
+        out["keepalives"] = sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+        return out
+    finally:
+        sock.detach()  # the descriptor is libpq's
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    own=st.dictionaries(st.sampled_from(sorted(LIVENESS)), st.integers(0, 100_000), max_size=len(LIVENESS)),
+    password=st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=12),
+    uri=st.booleans(),
+)
+def test_the_dsn_keeps_its_own_values_and_gets_the_rest(own, password, uri):
+    base = {
+        "host": "db-a.example,db-b.example",
+        "port": "5432,5433",
+        "dbname": "outbox",
+        "user": "reaper",
+        "password": password,
+        "target_session_attrs": "read-write",
+    }
+    if uri:
+        from urllib.parse import quote
+
+        query = "&".join(f"{k}={v}" for k, v in own.items())
+        dsn = f"postgresql://reaper:{quote(password, safe='')}@db-a.example:5432,db-b.example:5433/outbox"
+        dsn += "?target_session_attrs=read-write" + (f"&{query}" if query else "")
+    else:
+        dsn = make_conninfo("", **base, **own)
+    got = conninfo_to_dict(with_liveness(dsn))
+    for key, value in LIVENESS.items():
+        assert got[key] == str(own.get(key, value)), (key, dsn)
+    assert got.get("password", "") == password
+    assert got["target_session_attrs"] == "read-write"
+    assert got["dbname"] == "outbox"
+    assert {got["host"], got["port"]} == {"db-a.example,db-b.example", "5432,5433"}
+
+
+def test_a_malformed_dsn_is_left_for_libpq_to_name():
+    assert with_liveness("host='unterminated") == "host='unterminated"
+
+
+def test_the_harvester_pool_sockets_carry_them(pg_dsn):
+    pool = make_pool(pg_dsn, 1, name="liveness-test")
+    try:
+        with pool.connection() as conn:
+            assert socket_settings(conn) == LIVENESS
+    finally:
+        pool.close()
+    own = make_conninfo(pg_dsn, keepalives_idle=7, tcp_user_timeout=4321)
+    pool = make_pool(own, 1, name="liveness-test-own")
+    try:
+        with pool.connection() as conn:
+            assert socket_settings(conn) == LIVENESS | {"keepalives_idle": 7, "tcp_user_timeout": 4321}
+    finally:
+        pool.close()
+
+
+def test_the_http_service_pool_sockets_carry_them(pg_dsn, schema):
+    async def main() -> dict[str, int]:
+        store = _PoolStore(pg_dsn, schema, completion_topic="t", pool_size=1, timeout=10)
+        await store.open()
+        try:
+            async with store.pool.connection() as conn:
+                return socket_settings(conn)
+        finally:
+            await store.close()
+
+    assert asyncio.run(main()) == LIVENESS
