@@ -5,10 +5,15 @@ firewall that drops packets) leaves a connection waiting for an answer that neve
 up on unacknowledged data after about 15 minutes, and on an idle connection never. With keepalives
 and a TCP user timeout, libpq's socket fails within seconds instead, and the reaper's usual recovery
 takes over (a new connection, through a multi-host DSN to the new primary). A value the DSN sets
-itself wins; over a Unix socket libpq ignores them.
+itself wins, and so does one in the connection service it names (`service=` or PGSERVICE), which
+libpq reads after the DSN: a setting added to the DSN would hide it. Over a Unix socket libpq
+ignores them.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -25,10 +30,53 @@ LIVENESS: dict[str, int] = {
 }
 
 
-def with_liveness(dsn: str) -> str:
-    """`dsn` with the liveness settings it does not set itself."""
+def _service_keys(path: Path, service: str) -> set[str] | None:
+    """The keywords `service`'s section of the service file at `path` sets, None when the file or the
+    section is not there (libpq's format: `[name]` sections of `keyword=value` lines, `#` comments)."""
     try:
-        given = conninfo_to_dict(dsn)
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    keys: set[str] | None = None
+    current = None
+    for raw in lines:
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            current = line[1:].split("]", 1)[0]
+            if current == service and keys is None:
+                keys = set()
+            continue
+        if current == service and keys is not None and "=" in line:
+            keys.add(line.split("=", 1)[0].strip())
+    return keys
+
+
+def _from_service(service: str) -> set[str] | None:
+    """What the service sets, from the files libpq reads in its order (the user's, then the one in
+    PGSYSCONFDIR); None when its definition is in none of them (libpq's built-in directory, which
+    only libpq knows)."""
+    user = os.environ.get("PGSERVICEFILE") or str(Path.home() / ".pg_service.conf")
+    files = [Path(user)]
+    if sysconf := os.environ.get("PGSYSCONFDIR"):
+        files.append(Path(sysconf) / "pg_service.conf")
+    for path in files:
+        if (keys := _service_keys(path, service)) is not None:
+            return keys
+    return None
+
+
+def with_liveness(dsn: str) -> str:
+    """`dsn` with the liveness settings neither it nor the service it names sets."""
+    try:
+        parsed = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError:
         return dsn  # a malformed DSN fails at connect, with libpq's own message
+    given = set(parsed)
+    if service := parsed.get("service") or os.environ.get("PGSERVICE"):
+        from_service = _from_service(service)
+        if from_service is None:
+            return dsn  # a service we cannot read may set them: libpq applies it as the user wrote it
+        given |= from_service
     return make_conninfo(dsn, **{k: v for k, v in LIVENESS.items() if k not in given})

@@ -97,3 +97,29 @@ def test_the_http_service_pool_sockets_carry_them(pg_dsn, schema):
             await store.close()
 
     assert asyncio.run(main()) == LIVENESS
+
+
+def test_a_service_files_own_values_win(pg_dsn, tmp_path, monkeypatch):
+    """A DSN that names a service gets the service's settings from libpq, after the DSN's own: a
+    keepalive setting in the service file is the user's value, and it wins as one in the DSN does."""
+    given = conninfo_to_dict(pg_dsn)
+    section = {k: v for k, v in given.items() if k in ("host", "port", "dbname", "user", "password")}
+    section |= {"keepalives_idle": "7", "tcp_user_timeout": "4321"}
+    services = tmp_path / "pg_service.conf"
+    services.write_text(
+        "# a comment\n[other]\nkeepalives_idle=9\n\n[outbox]\n"
+        + "\n".join(f"{k}={v}" for k, v in section.items())
+        + "\n"
+    )
+    monkeypatch.setenv("PGSERVICEFILE", str(services))
+    monkeypatch.delenv("PGSERVICE", raising=False)
+    own = LIVENESS | {"keepalives_idle": 7, "tcp_user_timeout": 4321}
+    for dsn, env in (("service=outbox", None), ("", "outbox"), ("postgresql://?service=outbox", None)):
+        if env is not None:
+            monkeypatch.setenv("PGSERVICE", env)
+        with psycopg.connect(with_liveness(dsn)) as conn:
+            assert socket_settings(conn) == own, (dsn, with_liveness(dsn))
+        monkeypatch.delenv("PGSERVICE", raising=False)
+    # A service defined where only libpq looks (its built-in directory) may set them: nothing is added.
+    monkeypatch.setenv("PGSYSCONFDIR", str(tmp_path / "none"))
+    assert with_liveness("service=elsewhere dbname=x") == "service=elsewhere dbname=x"
