@@ -76,3 +76,35 @@ def test_the_statement_reads_at_most_cap_plus_one_finished_batches(pg_dsn, schem
         and "complete" in n.get("Filter", n.get("Index Cond", n.get("Recheck Cond", "")))
     ]
     assert finished_reads and max(finished_reads) <= 101
+
+
+def test_without_statistics_above_the_cap_the_finished_states_are_counted(pg_dsn, schema):
+    """A batch table ANALYZE has not seen (never, or not since a TRUNCATE set reltuples to -1) has no
+    statistics to estimate from: the finished states are counted, not taken from the sample, which
+    holds only the first cap + 1 finished batches the scan met, all of one state here."""
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(f'ALTER TABLE "{schema}".batch SET (autovacuum_enabled = false)')  # no ANALYZE but ours
+    counts = {"open": 1, "closed": 0, "complete": 60, "expired": 40}
+
+    def insert_unanalysed() -> None:
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute(f'TRUNCATE "{schema}".batch CASCADE')
+            for state in ("complete", "expired", "open"):  # the scan meets every complete one first
+                c.execute(
+                    f'INSERT INTO "{schema}".batch (state, total, pending) SELECT %s, 5, 0 FROM generate_series(1, %s)',
+                    [state, counts[state]],
+                )
+
+    insert_unanalysed()  # never analysed: pg_stats has no row
+    with psycopg.connect(pg_dsn) as c:
+        assert c.execute("SELECT count(*) FROM pg_stats WHERE schemaname = %s", [schema]).fetchone() == (0,)
+        census = batch_census(c, schema, 50)
+    assert census.counts == counts and not census.estimated
+    fill(pg_dsn, schema, {"open": 0, "closed": 0, "complete": 5, "expired": 500})  # statistics of other times
+    insert_unanalysed()  # reltuples is -1 again, pg_stats keeps what ANALYZE saw before the TRUNCATE
+    with psycopg.connect(pg_dsn) as c:
+        assert c.execute(
+            "SELECT reltuples FROM pg_class WHERE oid = %s::regclass", [f'"{schema}".batch']
+        ).fetchone() == (-1,)
+        census = batch_census(c, schema, 50)
+    assert census.counts == counts and not census.estimated
