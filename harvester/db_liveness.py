@@ -75,7 +75,7 @@ def with_liveness(dsn: str) -> str:
         return dsn  # a malformed DSN fails at connect, with libpq's own message
     given = set(parsed)
     if service := parsed.get("service") or os.environ.get("PGSERVICE"):
-        from_service = _from_service(service)
+        from_service = _from_service(str(service))
         if from_service is None:
             return dsn  # a service we cannot read may set them: libpq applies it as the user wrote it
         given |= from_service
