@@ -226,3 +226,32 @@ def test_a_console_requeue_holds_no_database_connection_while_it_waits_for_kafka
     assert held == [0], held
     assert len([e for e in logs if e.get("action") == "acks-requeue"]) == 1, logs  # one audit line
     assert [rows for rows, _ in _logged(pg_dsn, schema)] == [2]  # and one admin_log row
+
+
+def test_a_requeue_counts_the_headers_of_the_dead_letters_it_holds(
+    pg_dsn, schema, kafka_bootstrap, topics, monkeypatch
+):
+    """A dead letter's headers (its reason, the producer's failure reason) are held with it: letters
+    with small values and large headers are refused past HELD_BYTES_MAX as large values are."""
+    from confluent_kafka import Producer
+    from support.harness import make_config
+
+    from harvester.admin import acks as acks_admin
+    from harvester.admin.common import AdminError
+
+    main, dead = topics("acks"), topics("acks-dead")
+    cfg = make_config(pg_dsn, schema, kafka_bootstrap, acker={"topic": main, "dead_letter_topic": dead})
+    monkeypatch.setattr(acks_admin, "HELD_BYTES_MAX", 1000)
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    for _ in range(3):  # 1,800 bytes of headers, 15 of keys and values
+        p.produce(
+            dead,
+            key=b"7",
+            value=b"7:0:9",
+            headers=[("reason", b"big"), ("failure-reason", b"y" * 600), ("source-topic", main)],
+        )
+    assert p.flush(30) == 0
+    with psycopg.connect(pg_dsn) as conn, pytest.raises(AdminError, match="nothing was sent") as refused:
+        acks_admin.requeue(cfg, conn, reason="big")
+    assert refused.value.code == ExitCode.REFUSED
+    assert read_messages(kafka_bootstrap, main, 1, timeout=3) == [] and _logged(pg_dsn, schema) == []

@@ -34,7 +34,7 @@ REASON_HEADER = "reason"  # harvester.services.acker.REASON_HEADER
 FAILURE_REASON_HEADER = "failure-reason"  # tracker.folding.messages.FAILURE_REASON_HEADER
 REQUEUED_FROM_HEADER = "requeued-from"  # dead-letter topic:partition@offset a requeued ack came from
 SCAN = 10_000  # newest dead letters of each partition a --reason or --all requeue looks at
-HELD_BYTES_MAX = 256 * 2**20  # keys and values of the chosen dead letters held at once before they are sent
+HELD_BYTES_MAX = 256 * 2**20  # keys, values and headers of the chosen dead letters held at once before they are sent
 SHOWN = 100  # dead letters a result lists
 
 
@@ -106,6 +106,13 @@ def consumer(cfg: Config, name: str) -> Consumer:
     )
 
 
+def _size(m: Message) -> int:
+    """The bytes a dead letter holds: its key, its value and its headers (a reason, a producer's
+    failure reason: as large as the sender made them)."""
+    headers = sum(len(k) + len(v or b"") for k, v in m.headers() or [])
+    return len(m.key() or b"") + len(m.value() or b"") + headers
+
+
 def _read(
     c: Consumer,
     wanted: list[TopicPartition],
@@ -115,7 +122,7 @@ def _read(
 ) -> tuple[list[Message], int]:
     """The messages of `wanted` (each from its offset) up to `ends` (exclusive) that `keep` accepts,
     and how many were read. Refuses (nothing sent yet) once those kept hold more than HELD_BYTES_MAX
-    of keys and values: what a partition holds is bounded by count, not by size."""
+    of keys, values and headers: what a partition holds is bounded by count, not by size."""
     c.assign(wanted)
     open_parts = {tp.partition for tp in wanted}
     out: list[Message] = []
@@ -135,7 +142,7 @@ def _read(
             if p in open_parts and (m.offset() or 0) < ends[p]:
                 read += 1
                 if keep(m):
-                    held += len(m.key() or b"") + len(m.value() or b"")
+                    held += _size(m)
                     if held > HELD_BYTES_MAX:
                         raise AdminError(
                             f"the dead letters chosen hold more than {HELD_BYTES_MAX // 2**20} MiB: nothing was sent "
