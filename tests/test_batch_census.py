@@ -108,3 +108,22 @@ def test_without_statistics_above_the_cap_the_finished_states_are_counted(pg_dsn
         ).fetchone() == (-1,)
         census = batch_census(c, schema, 50)
     assert census.counts == counts and not census.estimated
+
+
+def test_a_batch_table_with_inheritance_children_has_one_estimate_per_state(pg_dsn, schema):
+    """ANALYZE of a table with inheritance children keeps two rows of statistics per column (with and
+    without the children): the estimates read the table's own, one per state, not an error."""
+    from harvester.services.console import queries
+
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(f'CREATE TABLE "{schema}".batch_archive () INHERITS ("{schema}".batch)')
+    fill(pg_dsn, schema, {"open": 3, "closed": 2, "complete": 400, "expired": 90})
+    with psycopg.connect(pg_dsn) as c:
+        assert c.execute(
+            "SELECT count(*) FROM pg_stats WHERE schemaname = %s AND tablename = 'batch' AND attname = 'state'",
+            [schema],
+        ).fetchone() == (2,)
+        census = batch_census(c, schema, 50)
+        counted, _ = c.execute(*queries.count_unfinished_statement(schema, "default")).fetchone()
+    assert census.counts == {"open": 3, "closed": 2, "complete": 400, "expired": 90}
+    assert counted == 5

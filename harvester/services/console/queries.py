@@ -90,7 +90,7 @@ def _statements(schema: str) -> dict[str, sql.Composed]:
         "(SELECT u.freq FROM unnest(s.most_common_vals::text::text[], s.most_common_freqs) u(val, freq) "
         "WHERE u.val = %(tenant)s), 0)))::int8 "
         "FROM pg_class c, pg_stats s WHERE c.oid = to_regclass(%(index)s) AND s.schemaname = %(schema)s "
-        "AND s.tablename = 'batch' AND s.attname = 'tenant')",
+        "AND s.tablename = 'batch' AND s.attname = 'tenant' AND NOT s.inherited)",
         "tenant_of": "SELECT coalesce(tenant, 'default') FROM {b} WHERE id = %(id)s",
         # The library may open a child of a tenant's batch: the tenant sees its own children only.
         "children": f"SELECT {_COLUMNS} FROM {{b}} WHERE parent_id = %(id)s AND id > %(after)s AND {_TENANT} "
