@@ -109,8 +109,8 @@ def consumer(cfg: Config, name: str) -> Consumer:
 def _size(m: Message) -> int:
     """The bytes a dead letter holds: its key, its value and its headers (a reason, a producer's
     failure reason: as large as the sender made them)."""
-    headers = sum(len(k) + len(v or b"") for k, v in m.headers() or [])
-    return len(m.key() or b"") + len(m.value() or b"") + headers
+    pairs: list[Any] = list(m.headers() or [])  # a consumed message's: (name, bytes or None) pairs
+    return len(m.key() or b"") + len(m.value() or b"") + sum(len(k) + len(v or b"") for k, v in pairs)
 
 
 def _read(
