@@ -57,7 +57,8 @@ def _from_service(service: str) -> set[str] | None:
     """What the service sets, from the files libpq reads in its order (the user's, then the one in
     PGSYSCONFDIR); None when its definition is in none of them (libpq's built-in directory, which
     only libpq knows)."""
-    user = os.environ.get("PGSERVICEFILE") or str(Path.home() / ".pg_service.conf")
+    # expanduser, not Path.home(): no home directory (a container user without one) is no user file
+    user = os.environ.get("PGSERVICEFILE") or os.path.expanduser("~/.pg_service.conf")
     files = [Path(user)]
     if sysconf := os.environ.get("PGSYSCONFDIR"):
         files.append(Path(sysconf) / "pg_service.conf")
