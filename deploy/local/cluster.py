@@ -132,6 +132,11 @@ def broker_pid(n: int) -> int | None:
         return None
     if cmdline and b"kafka.Kafka" not in cmdline:
         return None
+    try:  # a killed broker nobody has reaped yet (a zombie, no cmdline either) is gone
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return None
+    except (OSError, IndexError):
+        return None
     return pid
 
 
@@ -181,11 +186,14 @@ def wait_brokers(nodes: list[int] | tuple[int, ...]) -> None:
         raise base.ServiceError(f"kafka broker {n} did not answer; log tail:\n{base.tail(kafka_dir(n) / 'kafka.log')}")
 
 
-def broker_signal(n: int, sig: signal.Signals, wait: float = 0.0) -> None:
+def broker_signal(n: int, sig: signal.Signals, wait: float = 0.0) -> float | None:
+    """Signal broker n; for SIGTERM/SIGKILL, wait until its process has ended. Returns when the
+    signal was sent (time.monotonic(), the same clock in every process), None if it was not running."""
     pid = broker_pid(n)
     if pid is None:
-        return
+        return None
     os.kill(pid, sig)
+    sent = time.monotonic()
     if sig in (signal.SIGTERM, signal.SIGKILL):
         if sig == signal.SIGTERM:
             os.kill(pid, signal.SIGCONT)  # a paused broker cannot shut down
@@ -196,6 +204,7 @@ def broker_signal(n: int, sig: signal.Signals, wait: float = 0.0) -> None:
             os.kill(pid, signal.SIGKILL)
             time.sleep(0.2)
         (kafka_dir(n) / "kafka.pid").unlink(missing_ok=True)
+    return sent
 
 
 def active_controller() -> int | None:
@@ -560,10 +569,12 @@ def main(action: str, node: int | None) -> int:
             raise base.ServiceError(f"{action} needs a node number among {list(limit)}, got {node!r}")
     # Several test workers may ask for `up` at once: one at a time does the work. Signals to one
     # broker need no lock (and must not wait behind a long `up`).
+    # kill-broker and pause-broker print when the signal was sent (signalled_at=<time.monotonic()>):
+    # a benchmark counts a fault's gap from it, not from when this command returned.
     if action == "kill-broker":
-        broker_signal(node, signal.SIGKILL)
+        print(f"signalled_at={broker_signal(node, signal.SIGKILL)}")
     elif action == "pause-broker":
-        broker_signal(node, signal.SIGSTOP)
+        print(f"signalled_at={broker_signal(node, signal.SIGSTOP)}")
     elif action == "resume-broker":
         broker_signal(node, signal.SIGCONT)
     elif action == "controller":
