@@ -100,9 +100,10 @@ transaction.state.log.min.isr=2
 share.coordinator.state.topic.replication.factor=3
 group.initial.rebalance.delay.ms=0
 group.min.session.timeout.ms=1000
-# a lost broker is noticed within seconds (broker session), and leaders move at once
-broker.session.timeout.ms=4000
-broker.heartbeat.interval.ms=500
+# a lost broker is fenced within about 2 s (the controllers' broker session; Kafka's default is
+# 9 s), and its leaderships move at once; brokers heartbeat every 250 ms to keep theirs
+broker.session.timeout.ms=2000
+broker.heartbeat.interval.ms=250
 replica.lag.time.max.ms=5000
 unclean.leader.election.enable=false
 log.retention.hours=2
