@@ -163,6 +163,19 @@ def test_kill_the_broker_leading_the_outbox_partitions(cluster, load):
     run.check()
 
 
+def test_kill_the_broker_leading_the_leader_topic(cluster, load):
+    """The election's own broker dies: the leader topic's partition (heartbeats, the lease) and
+    perhaps the election group's coordinator move; publishing resumes, with or without a fence."""
+    run = load(1)
+    _steady(run, 4)
+    victim = cluster.topic_leaders(run.leader_topic)[0]
+    cluster.kill_broker(victim)
+    _steady(run, 6)
+    cluster.start_broker(victim)
+    _steady(run, 3)
+    run.check()
+
+
 def test_promote_the_standby_under_load_then_the_old_primary_rejoins(cluster, load):
     run = load(1)
     _steady(run, 3)

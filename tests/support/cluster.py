@@ -64,8 +64,9 @@ class Cluster:
     def bootstrap(self) -> str:
         return self.env["CLUSTER_KAFKA_BOOTSTRAP"]
 
-    def kill_broker(self, n: int) -> None:
-        self._run("kill-broker", str(n))
+    def kill_broker(self, n: int) -> float | None:
+        """SIGKILL broker n; returns when the signal was sent (time.monotonic()), None if it was not running."""
+        return _signalled_at(self._run("kill-broker", str(n)))
 
     def stop_broker(self, n: int) -> None:
         self._run("stop-broker", str(n))
@@ -73,8 +74,9 @@ class Cluster:
     def start_broker(self, n: int) -> None:
         self._run("start-broker", str(n))
 
-    def pause_broker(self, n: int) -> None:
-        self._run("pause-broker", str(n))
+    def pause_broker(self, n: int) -> float | None:
+        """SIGSTOP broker n; returns when the signal was sent (time.monotonic()), None if it was not running."""
+        return _signalled_at(self._run("pause-broker", str(n)))
 
     def resume_broker(self, n: int) -> None:
         self._run("resume-broker", str(n))
@@ -119,6 +121,14 @@ class Cluster:
             return all(len(p.isrs) == 3 for t in topics for p in md.topics[t].partitions.values())
 
         return wait_until(whole, timeout, step=0.2)
+
+
+def _signalled_at(out: str) -> float | None:
+    for line in out.splitlines():
+        if line.startswith("signalled_at="):
+            value = line.split("=", 1)[1].strip()
+            return None if value == "None" else float(value)
+    return None
 
 
 class ClusterTopics:
