@@ -308,11 +308,6 @@ def faults(
 
         def broker_fault(name: str, victim: int, fault, heal) -> None:
             watch = FailoverWatch(cluster.bootstrap, victim, [topic, leader], env["REAPER_HARVESTER__LEADER_GROUP"])
-            # the active controller lost too adds a KRaft quorum election to Kafka's share
-            also = {
-                "controller": cluster.controller() == victim,
-                "leads_leader_topic": victim in cluster.topic_leaders(leader).values(),
-            }
             # counted from the signal (the fault command reports when it sent it), not from when
             # the command returned
             at = fault(victim) or time.monotonic()
@@ -320,7 +315,7 @@ def faults(
             gap = gap_after(writer, reader, at)
             watch.join(10)
             parts = split(gap, at, watch)
-            out["rounds"].setdefault(name, []).append({"victim": victim, **also, **parts})
+            out["rounds"].setdefault(name, []).append({"victim": victim, **parts})
             say(f"{name} round {len(out['rounds'][name])} (broker {victim}): publication gap {gap} s: {parts}")
             time.sleep(pause)
             heal(victim)

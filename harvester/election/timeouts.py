@@ -12,33 +12,14 @@ The election bounds those waits by the group's session timeout: past it the grou
 lease on anyway, so waiting longer on that connection wins nothing, while giving it up sends the
 requests again on a fresh connection, to whichever broker the metadata names by then. (Bounding
 them by heartbeat_timeout gave up connections to brokers that were only slow under load, failing
-every request in flight on them, and fenced lanes for nothing.)
-
-A broker that dies keeps its partition leaderships until the controllers fence it (the brokers'
-broker.session.timeout.ms); the leader is never missing meanwhile, so librdkafka's fast refresh
-does not start, and a client learns of the new leader at its next periodic metadata refresh:
-every half heartbeat_timeout, at most every 250 ms (LEADER_LOOKUP; librdkafka's default is 5
-minutes, ours was 1 s). When a leader is missing, the fast refresh starts at 100 ms and doubles up
-to retry.backoff.max.ms, which LEADER_LOOKUP bounds at 250 ms (librdkafka's default: 1 s), as it
-does produce retries. The data producer waits as long on a silent partition leader
+every request in flight on them, and fenced lanes for nothing.) Metadata is refreshed every half
+heartbeat_timeout (at most every second): a new partition leader is found without waiting for the
+old one to time out. The data producer waits as long on a silent partition leader
 (harvester.publishing.publisher: its requests are idempotent, a timed-out one is sent again to the
 new leader). kafka.client, kafka.consumer and kafka.producer settings override all of these.
 """
 
 from __future__ import annotations
-
-# Metadata refresh and retry back-off of every harvester client (kafka.client / kafka.consumer /
-# kafka.producer override them): a moved partition leader is found within 250 ms of the move.
-LEADER_LOOKUP_MS = 250
-LEADER_LOOKUP = {
-    "topic.metadata.refresh.fast.interval.ms": 100,
-    "retry.backoff.max.ms": LEADER_LOOKUP_MS,
-}
-
-
-def metadata_refresh_ms(wait_ms: float) -> int:
-    """Periodic metadata refresh: half of `wait_ms` (a heartbeat timeout), between 100 and 250 ms."""
-    return max(100, min(LEADER_LOOKUP_MS, int(wait_ms) // 2))
 
 
 def silent_broker_wait_ms(heartbeat_timeout: float, session_timeout: float) -> int:
@@ -54,6 +35,5 @@ def election_client_defaults(heartbeat_timeout: float, session_timeout: float) -
     return {
         "socket.timeout.ms": wait,
         "socket.connection.setup.timeout.ms": wait,
-        "topic.metadata.refresh.interval.ms": metadata_refresh_ms(heartbeat_timeout * 1000),
-        **LEADER_LOOKUP,
+        "topic.metadata.refresh.interval.ms": max(100, min(1000, int(heartbeat_timeout * 500))),
     }

@@ -17,7 +17,6 @@ import uuid
 from collections.abc import Callable
 
 from harvester.config import REQUIRED_PRODUCER
-from harvester.election.timeouts import LEADER_LOOKUP, metadata_refresh_ms
 from harvester.metrics import MetricsLike
 from harvester.publishing.deliveries import PERMANENT_DELIVERY, DeliverySettler, error_reason, logs_safe  # noqa: F401
 from harvester.publishing.idempotent import PERMANENT_PRODUCE, Deadline, PlainStrategy, QuarantineError, Valid  # noqa: F401
@@ -66,10 +65,8 @@ def producer_config(
             "socket.connection.setup.timeout.ms": silent_wait_ms,
             "request.timeout.ms": silent_wait_ms,
             # a moved partition leader is learned within this (a broker that is gone, not only
-            # silent, leaves nothing in flight to time out and trigger a lookup; and the leader is
-            # never missing, so the fast refresh does not start): harvester.election.timeouts
-            "topic.metadata.refresh.interval.ms": metadata_refresh_ms(silent_wait_ms),
-            **LEADER_LOOKUP,
+            # silent, leaves nothing in flight to time out and trigger a lookup)
+            "topic.metadata.refresh.interval.ms": max(100, min(1000, silent_wait_ms // 2)),
         }
     )
     conf = {"bootstrap.servers": bootstrap, **DEFAULT_PRODUCER, **waits, **txn, **client, **producer}
