@@ -17,17 +17,17 @@ from harvester.services.http.backend import _PoolStore
 
 # libpq's names and the socket options they become on Linux
 SOCKET_OPTIONS = {
-    "keepalives_idle": (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1),
-    "keepalives_interval": (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1),
-    "keepalives_count": (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 1),
-    "tcp_user_timeout": (socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 1),
+    "keepalives_idle": (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+    "keepalives_interval": (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+    "keepalives_count": (socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+    "tcp_user_timeout": (socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
 }
 
 
 def socket_settings(conn: psycopg.Connection | psycopg.AsyncConnection) -> dict[str, int]:
     sock = socket.socket(fileno=conn.pgconn.socket)
     try:
-        out = {name: sock.getsockopt(level, opt) for name, (level, opt, _) in SOCKET_OPTIONS.items()}
+        out = {name: sock.getsockopt(level, opt) for name, (level, opt) in SOCKET_OPTIONS.items()}
         out["keepalives"] = sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
         return out
     finally:
