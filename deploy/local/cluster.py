@@ -18,7 +18,6 @@ Kafka's heap per broker: OUTBOX_CLUSTER_KAFKA_HEAP (384m). State under <state>/c
 
 from __future__ import annotations
 
-import base64
 import fcntl
 import json
 import os
@@ -26,7 +25,6 @@ import shutil
 import signal
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
 import services as base  # deploy/local/services.py: Postgres binaries, Kafka jars, Java
@@ -114,9 +112,11 @@ delete.topic.enable=true
 
 def cluster_id() -> str:
     path = DIR / "kafka-cluster-id"
-    if not path.exists():
+    # an id starting with '-' (written by an older version of this script) never formatted a
+    # broker, so it is safe to replace
+    if not path.exists() or path.read_text().strip().startswith("-") or not path.read_text().strip():
         tmp = path.with_suffix(f".{os.getpid()}")
-        tmp.write_text(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))
+        tmp.write_text(base.new_kafka_cluster_id())
         os.replace(tmp, path)
     return path.read_text().strip()
 

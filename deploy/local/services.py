@@ -433,6 +433,19 @@ def java_cmd(lib: Path, main: str, *args: str, heap: str | None = None) -> list[
     return jvm
 
 
+def new_kafka_cluster_id() -> str:
+    """A random KRaft cluster id that the storage tool's argument parser accepts.
+
+    URL-safe base64 of 16 random bytes, like Kafka's own ids; one in 64 of those starts with '-',
+    which the tool reads as an option ("--cluster-id: expected one argument"). Kafka's own
+    generator redraws those, and so does this.
+    """
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
+
+
 def kafka_pid() -> int | None:
     pidfile = KAFKA_DIR / "kafka.pid"
     try:
@@ -452,7 +465,7 @@ def kafka_up() -> None:
     data, props, logfile = KAFKA_DIR / "data", KAFKA_DIR / "server.properties", KAFKA_DIR / "kafka.log"
     props.write_text(kafka_props(data))
     if not (data / "meta.properties").exists():
-        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cid = new_kafka_cluster_id()
         log(f"formatting KRaft storage {data}")
         r = run(
             java_cmd(lib, "kafka.tools.StorageTool", "format", "-t", cid, "-c", str(props)),
