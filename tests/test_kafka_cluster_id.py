@@ -56,9 +56,7 @@ def test_the_id_is_the_first_draw_the_storage_tool_accepts(draws: list[bytes]) -
     assert len(cid) == 22 and "=" not in cid and not cid.startswith("-")
 
 
-def test_the_cluster_keeps_its_id_and_replaces_a_dashed_one(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_the_cluster_keeps_its_id_and_replaces_a_dashed_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(cluster, "DIR", tmp_path)
     first = cluster.cluster_id()
     assert cluster.cluster_id() == first  # stable across calls: every broker formats with it
