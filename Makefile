@@ -70,7 +70,7 @@ lint: venv
 
 # The fixtures use OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP when set, else these local services.
 test: venv lint caches services-up cluster-up
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=30 $(PYTEST_ARGS)
 
 test-fast: venv caches services-up
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow and not cluster" $(PYTEST_ARGS)
