@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.messages import Msg
 
-from harvester.services.acker import _relevel
+from harvester.services.ack_steps import relevel
 from tracker.consumer import AckProducer
 from tracker.errors import InvalidArgument, InvalidValue, MalformedItemId
 from tracker.folding import FAILURE_REASON_HEADER, failure_reason, fold_messages
@@ -160,10 +160,10 @@ def test_the_fold_keeps_each_batchs_order_of_outcomes_whatever_the_round_bound(m
         rest = folded.rest
     want = per_batch_runs(seq)
     assert per_batch_runs([(r, items_of(m)) for r, m in steps]) == want
-    relevelled = _relevel(steps)
+    relevelled = relevel(steps)
     assert per_batch_runs([(r, items_of(m)) for r, m in relevelled]) == want
     acks_only = [(None, m) for r, m in steps if r is None]
-    assert len(_relevel(acks_only)) == min(1, len(acks_only))
+    assert len(relevel(acks_only)) == min(1, len(acks_only))
 
 
 def test_acks_only_fold_into_one_step_as_before():
@@ -314,7 +314,7 @@ def test_relevel_merges_deferred_steps_into_the_fewest_statements():
         fold_messages([Msg(b"!1:0:0", 0, [(FAILURE_REASON_HEADER, b"r")])]),
         fold_messages([Msg(b"2:0:0", 0), Msg(b"!2:0:1", 1, [(FAILURE_REASON_HEADER, b"r")])]),
     )
-    got = _relevel(a.steps + b.steps)
+    got = relevel(a.steps + b.steps)
     assert [(r, sorted(m)) for r, m in got] == [(None, [(2, 0)]), ("r", [(1, 0), (2, 0)])]
     # and a batch joining the levels of others, a failure under a new reason among theirs
     c = fold_messages(
@@ -327,7 +327,7 @@ def test_relevel_merges_deferred_steps_into_the_fewest_statements():
             Msg(b"4:0:2", 5),
         ]
     )
-    assert [r for r, _m in _relevel(c.steps)] == [None, "r", "s", None]
+    assert [r for r, _m in relevel(c.steps)] == [None, "r", "s", None]
 
 
 @settings(max_examples=200, deadline=None)
@@ -336,6 +336,6 @@ def test_relevel_never_adds_statements(first, second):
     """Deferred steps and a poll's, re-levelled: never more statements than they were, and per
     batch the same runs of outcomes."""
     steps = fold_messages(build(first)[0]).steps + fold_messages(build(second)[0]).steps
-    got = _relevel(steps)
+    got = relevel(steps)
     assert len(got) <= len(steps)
     assert per_batch_runs([(r, items_of(m)) for r, m in got]) == per_batch_runs([(r, items_of(m)) for r, m in steps])

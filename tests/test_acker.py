@@ -153,7 +153,7 @@ CRASHING_ACKER = textwrap.dedent("""
 
     class CrashAfterDbCommit(Acker):
         def _commit(self, consumer):
-            if self._uncommitted:  # the database has this poll; Kafka never learns it
+            if self.offsets.uncommitted:  # the database has this poll; Kafka never learns it
                 os._exit(17)
 
     dsn, schema, bootstrap, topic, dlq, group = sys.argv[1:7]

@@ -411,7 +411,7 @@ def test_a_failed_round_rewinds_every_partition_of_the_rest_of_the_poll():
     assert acker._handle(consumer, None, messages) is False
     assert applied[0] == {(1, 0), (1, 1)}  # the first round was applied and stays so
     assert consumer.seeks == {0: 12, 1: 20}  # the failed round's first offset, and partition 1's
-    assert acker._uncommitted == {0: 12}
+    assert acker.offsets.uncommitted == {0: 12}
 
 
 def test_deferred_masks_count_against_the_bound_while_a_batch_stays_locked(pg_dsn, schema, kafka_bootstrap, topics):

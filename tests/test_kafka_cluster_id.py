@@ -1,4 +1,4 @@
-"""The KRaft cluster ids the local-services scripts mint (deploy/local/services.py, cluster.py).
+"""The KRaft cluster ids the local-services scripts mint (deploy/local/services.py, cluster_kafka.py).
 
 Kafka's storage tool reads an id that starts with '-' as an option and refuses to format; one in 64
 URL-safe base64 ids does. The ids are drawn from uuid4, so the draws are replaced here by chosen
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 LOCAL = Path(__file__).resolve().parents[1] / "deploy" / "local"
 sys.path.insert(0, str(LOCAL))
-import cluster  # noqa: E402
+import cluster_kafka  # noqa: E402
 import services  # noqa: E402
 
 # 0xF8 as the first byte puts index 62 of the URL-safe alphabet, '-', first
@@ -57,10 +57,10 @@ def test_the_id_is_the_first_draw_the_storage_tool_accepts(draws: list[bytes]) -
 
 
 def test_the_cluster_keeps_its_id_and_replaces_a_dashed_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(cluster, "DIR", tmp_path)
-    first = cluster.cluster_id()
-    assert cluster.cluster_id() == first  # stable across calls: every broker formats with it
+    monkeypatch.setattr(cluster_kafka, "DIR", tmp_path)
+    first = cluster_kafka.cluster_id()
+    assert cluster_kafka.cluster_id() == first  # stable across calls: every broker formats with it
     (tmp_path / "kafka-cluster-id").write_text("-" + first[1:] + "\n")  # left by an older script
-    replaced = cluster.cluster_id()
+    replaced = cluster_kafka.cluster_id()
     assert not replaced.startswith("-") and len(replaced) == 22
-    assert cluster.cluster_id() == replaced
+    assert cluster_kafka.cluster_id() == replaced

@@ -117,15 +117,15 @@ def test_the_acker_replaces_a_connection_to_a_read_only_server(pg_dsn, schema, k
     )
     steps = [(None, _fold_ids(["987654321:1:0"]))]
     acker._apply(steps)  # connects
-    ro = acker._conn
+    ro = acker.applier.conn
     assert ro is not None
     ro.execute(READ_ONLY)  # the server behind it turns read-only
     with pytest.raises(errors.ReadOnlySqlTransaction):
         acker._apply(steps)
-    assert ro.closed and acker._conn is None
+    assert ro.closed and acker.applier.conn is None
     acker._apply(steps)  # a new connection, writable
-    assert acker._conn is not None and acker._conn is not ro
-    acker._conn.close()
+    assert acker.applier.conn is not None and acker.applier.conn is not ro
+    acker.applier.conn.close()
 
 
 def test_the_ackers_commits_wait_for_the_wal_and_its_lock_bound_stays_in_its_transaction(
@@ -157,7 +157,7 @@ def test_the_ackers_commits_wait_for_the_wal_and_its_lock_bound_stays_in_its_tra
 
     acker.tracker.apply_outcomes = watching  # type: ignore[method-assign]
     acker._apply([(None, _fold_ids(["987654321:1:0"]))])
-    conn = acker._conn
+    conn = acker.applier.conn
     assert conn is not None
     assert seen == [("on", "2s")] and acker.lock_timeout == 2.0
     assert conn.execute("SELECT current_setting('lock_timeout')").fetchone() == ("0",)

@@ -30,7 +30,7 @@ from harvester.config import Config, ack_topics
 from harvester.exit_codes import ExitCode
 from tracker.schema import qualified
 
-REASON_HEADER = "reason"  # harvester.services.acker.REASON_HEADER
+REASON_HEADER = "reason"  # harvester.services.ack_dead_letters.REASON_HEADER
 FAILURE_REASON_HEADER = "failure-reason"  # tracker.folding.messages.FAILURE_REASON_HEADER
 REQUEUED_FROM_HEADER = "requeued-from"  # dead-letter topic:partition@offset a requeued ack came from
 SCAN = 10_000  # newest dead letters of each partition a --reason or --all requeue looks at

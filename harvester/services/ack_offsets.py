@@ -1,0 +1,102 @@
+"""The acker's offsets (step 5 of its loop, harvester.services.acker): which offsets of the ack topic
+it may commit, committing them, rewinding a poll to retry it, and what a rebalance does to them.
+
+An offset is committed only once its poll is applied in the database and its dead letters are in
+Kafka. While masks are deferred (their batch was held by another transaction), the offsets of the
+polls they came from are held back from their first offset, so a crash replays them (acks are
+idempotent) and nothing is lost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from structlog.typing import FilteringBoundLogger
+
+
+class AckOffsets:
+    """One acker's offsets of its ack topic, per partition."""
+
+    def __init__(self, topic: str, log: FilteringBoundLogger) -> None:
+        self.topic = topic
+        self.log = log
+        # offsets applied in the database whose Kafka commit has not succeeded yet
+        self.uncommitted: dict[int, int] = {}
+        # partition -> first offset not safe to commit while something is deferred
+        self.blocked: dict[int, int] = {}
+
+    def applied(self, last: dict[int, int]) -> None:
+        """A poll that got as far as `last` (partition -> last offset) is in the database."""
+        for partition, offset in last.items():
+            self.uncommitted[partition] = offset + 1
+
+    def hold_back(self, first: dict[int, int]) -> None:
+        """Masks of the poll that starts at `first` were deferred: commit nothing from there on."""
+        for partition, offset in first.items():
+            self.blocked[partition] = min(offset, self.blocked.get(partition, offset))
+
+    def release(self) -> None:
+        """Nothing is deferred any more: every applied offset may be committed."""
+        self.blocked.clear()
+
+    def commit(self, consumer: Consumer) -> None:
+        if not self.uncommitted:
+            return
+        safe = {p: min(o, self.blocked.get(p, o)) for p, o in self.uncommitted.items()}
+        offsets = [TopicPartition(self.topic, p, o) for p, o in safe.items()]
+        try:
+            consumer.commit(offsets=offsets, asynchronous=False)
+            for p, o in safe.items():
+                if self.uncommitted.get(p) == o:
+                    del self.uncommitted[p]
+        except KafkaException as exc:
+            # e.g. a rebalance in progress: the acks are in the database, so a replay is harmless
+            code = exc.args[0].code() if exc.args and isinstance(exc.args[0], KafkaError) else None
+            if code == KafkaError._NO_OFFSET:
+                self.uncommitted.clear()
+            else:
+                self.log.info("offset commit failed; will retry", error=str(exc))
+
+    def rewind(self, consumer: Consumer, first: dict[int, int]) -> None:
+        """Seek each assigned partition of `first` back to its offset there: the poll comes again."""
+        assigned = {tp.partition for tp in consumer.assignment()}
+        for partition, offset in first.items():
+            if partition in assigned:
+                try:
+                    consumer.seek(TopicPartition(self.topic, partition, offset))
+                except KafkaException as exc:
+                    self.log.warning("rewind failed", partition=partition, error=str(exc))
+
+    # ---------------------------------------------------------------- rebalances
+
+    def revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Everything applied so far is committed in the database: commit its offsets while we
+        # still own the partitions, then forget them.
+        revoked = {p.partition for p in partitions}
+        mine = {p: min(o, self.blocked.get(p, o)) for p, o in self.uncommitted.items() if p in revoked}
+        if mine:
+            try:
+                consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in mine.items()], asynchronous=False)
+            except KafkaException as exc:
+                self.log.info("offset commit on revoke failed; the new owner replays harmlessly", error=str(exc))
+        for p in revoked:
+            self.uncommitted.pop(p, None)
+            self.blocked.pop(p, None)  # deferred masks are still applied: harmless if the new owner replays
+        self.log.info("ack partitions revoked", partitions=sorted(revoked))
+
+    def lose(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Lost, not revoked: another member may own them already, so commit nothing.
+        for p in partitions:
+            self.uncommitted.pop(p.partition, None)
+            self.blocked.pop(p.partition, None)
+        self.log.warning("ack partitions lost", partitions=[p.partition for p in partitions])
+
+
+def first_offsets(messages: list[Any]) -> dict[int, int]:
+    """partition -> the offset of its first message in `messages` (where a retry starts again)."""
+    first: dict[int, int] = {}
+    for msg in messages:
+        if msg.error() is None:
+            first.setdefault(msg.partition(), msg.offset())
+    return first
