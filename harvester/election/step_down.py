@@ -3,9 +3,10 @@
 A leader cut off from Postgres but not from Kafka keeps its leader-topic partitions: its
 heartbeats come back, so nothing in the election moves them, and publishing stops for as long as
 the cut lasts although other reapers may reach Postgres. So the marker reports each database
-operation of a lease (harvester.election.lease.DatabaseReach: a mark, the claim, the lease's reading of the database
-clock, the pool checkout before them) and the election thread steps down once every unit this
-process leads has gone without a database answer for `harvester.step_down_after`: it fences those
+operation of a lease (harvester.election.lease.DatabaseReach: a mark, the claim, the lease's
+reading of the database clock, the pool checkout before them) and the election thread steps down
+once every unit this process leads has gone without a database answer for
+`harvester.step_down_after`: it fences those
 leases first (publishing stops, as on missed heartbeats), lets the marks on their way return, then
 leaves the leader group, so the partitions move to another member at once. It joins again, as an
 ordinary member, only once a cheap probe (SELECT 1 through each stepped-down unit's pool) is
@@ -79,6 +80,8 @@ class StepDown:
             lease.set(FENCED, None)
         deadline = time.monotonic() + wait_marks
         for lease in held:
+            # A mark still waiting (for a connection, most likely) is refused by the database if it
+            # arrives after the lease ends (OutboxStore.mark's `until`), as after any revocation.
             if not lease.end_marks(max(0.0, deadline - time.monotonic())):
                 self._log.warning("stepped down with a mark still on its way", unit=lease.unit)
             lease.holding = False
