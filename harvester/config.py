@@ -52,6 +52,8 @@ RESERVED_KAFKA = ("bootstrap.servers", "group.id", "on_delivery", "error_cb", "o
 
 MAX_LANES = 64
 MAX_UNITS = 256
+# harvester.step_down_after's smallest non-zero value: a database restart fails marks for a moment
+STEP_DOWN_MIN = 1.0
 
 
 # ------------------------------------------------------------------ the schema
@@ -129,6 +131,14 @@ class HarvesterConfig:
         ge=0,
         le=60,
         note="0 = resume at the first heartbeat back",
+    )
+    step_down_after: float = key(
+        10.0,
+        "a leader whose database work has gone unanswered this long, on every unit it leads, fences, leaves the "
+        "leader group so another reaper takes over, and joins again once its database answers (seconds)",
+        ge=0,
+        le=3600,
+        note="0 = never step down; otherwise at least 1",
     )
     mark_batch: int = key(5000, "rows claimed by one mark query", **POSITIVE)
     max_in_flight: int = key(20000, "records produced and awaiting their delivery reports", **POSITIVE)
@@ -511,6 +521,12 @@ def _check_relations(cfg: Config) -> None:
             "harvester.heartbeat_timeout",
             "must be shorter than harvester.session_timeout, so a cut-off leader fences itself "
             "before the group can hand its partition to another",
+        )
+    if 0 < cfg.harvester.step_down_after < STEP_DOWN_MIN:
+        raise ConfigError(
+            "harvester.step_down_after",
+            f"{cfg.harvester.step_down_after:g} is 0 (never step down) or at least {STEP_DOWN_MIN:g} s: a database "
+            "restart fails marks for a moment, and that alone must not hand leadership over",
         )
     if cfg.database.pool_size < cfg.harvester.purge_workers + 2:
         raise ConfigError(

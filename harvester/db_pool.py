@@ -49,6 +49,12 @@ def needs_new_connection(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.Error) and exc.sqlstate in RECONNECT_SQLSTATES
 
 
+def out_of_reach(exc: BaseException) -> bool:
+    """Whether `exc` says the database was not reached (no connection, a broken one, a pool checkout
+    that timed out, a server going away or read-only), rather than an answer of the database's."""
+    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) or needs_new_connection(exc)
+
+
 def configure_connection(conn: psycopg.Connection) -> bool:
     """Set up a new pool connection; return whether it goes through a pooler."""
     # Through a transaction pooler (PgBouncer in transaction mode) psycopg must not prepare, and a

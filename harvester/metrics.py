@@ -56,6 +56,12 @@ class HarvesterMetrics:
             "Times a harvest unit's leader-topic partition was revoked or lost",
             registry=r,
         )
+        self.step_downs = Counter(
+            f"{p}_leader_step_downs_total",
+            "Times this instance fenced and left the leader group because its database work went unanswered "
+            "for harvester.step_down_after",
+            registry=r,
+        )
         self.marked = Counter(f"{p}_records_marked_total", "Outbox rows marked for publication", registry=r)
         self.published = Counter(f"{p}_records_published_total", "Records acknowledged by Kafka", registry=r)
         self.purged = Counter(f"{p}_records_purged_total", "Outbox rows deleted after acknowledgement", registry=r)

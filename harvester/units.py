@@ -23,6 +23,7 @@ import uuid
 
 from harvester.config import Config, UnitSpec, units
 from harvester.election.neli import Neli
+from harvester.election.step_down import StepDown
 from harvester.metrics import HarvesterMetrics, UnitMetrics
 from harvester.metrics import get as get_metrics
 from harvester.publishing.mark_purge_reset import UnitHarvester
@@ -80,6 +81,7 @@ class Harvester:
             metrics=lambda u: self._unit_metrics[u],
             units=len(self.units),
             make_producer=self.providers.heartbeat_producer,
+            step_down=StepDown(h.step_down_after, self._probe, self.m.step_downs),
         )
         try:
             cluster = self.neli.prepare()  # the leader topic agrees with the units before any starts
@@ -91,6 +93,13 @@ class Harvester:
             self._close_units(0.1)
             raise
         return self
+
+    def _probe(self, unit: int, timeout: float) -> None:
+        """Raises unless unit's database answers a trivial query through its pool (see StepDown)."""
+        pool = self.units[unit].pool
+        assert pool is not None  # started before the election
+        with pool.connection(timeout=timeout) as conn:
+            conn.execute("SELECT 1")
 
     def stop(self, drain_timeout: float | None = None) -> bool:
         """Stop marking everywhere, let in-flight records settle (up to drain_timeout in all), leave

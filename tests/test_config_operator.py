@@ -79,3 +79,17 @@ def test_a_nested_kafka_mapping_is_refused_at_load_naming_the_dotted_key(tmp_pat
         config.load(path, environ={})
     assert err.value.key == "kafka.client.sasl", err.value
     assert "sasl.password" in str(err.value) and "kafka-s3cret" not in str(err.value), err.value
+
+
+@pytest.mark.parametrize("value", ["-1", "0.5", "3601", "soon"])
+def test_step_down_after_is_0_or_from_1_to_3600_seconds(value):
+    # Below a second, the marks a database restart fails for a moment would hand leadership over.
+    with pytest.raises(config.ConfigError) as err:
+        config.load(environ={"REAPER_HARVESTER__STEP_DOWN_AFTER": value})
+    assert err.value.key == "harvester.step_down_after" and value in str(err.value), err.value
+
+
+@pytest.mark.parametrize("value, expected", [("0", 0.0), ("1", 1.0), ("2.5", 2.5), ("3600", 3600.0)])
+def test_step_down_after_accepts_0_for_never_and_at_least_a_second(value, expected):
+    assert config.load(environ={"REAPER_HARVESTER__STEP_DOWN_AFTER": value}).harvester.step_down_after == expected
+    assert config.load(environ={}).harvester.step_down_after == 10.0

@@ -38,6 +38,7 @@ CONTRACT_METRICS = {
     "reaper_leader_acquisitions_total",
     "reaper_leader_fences_total",
     "reaper_leader_revocations_total",
+    "reaper_leader_step_downs_total",
     "reaper_records_marked_total",
     "reaper_records_published_total",
     "reaper_records_purged_total",

@@ -185,8 +185,10 @@ def rows(prefix: str) -> list:
                         (f"sum(increase({m.acquisitions}{J}{R}))", "acquisitions"),
                         (f"sum(increase({m.fences}{J}{R}))", "fences"),
                         (f"sum(increase({m.revocations}{J}{R}))", "revocations"),
+                        (f"sum(increase({m.step_downs}{J}{R}))", "step-downs"),
                     ],
-                    "Acquired leadership; fenced itself after missing heartbeats; lost a unit's leader-topic partition in a rebalance.",
+                    "Acquired leadership; fenced itself after missing heartbeats; lost a unit's leader-topic partition in a rebalance; "
+                    "stepped down (left the leader group) while its database went unanswered.",
                 ),
             ],
         ),

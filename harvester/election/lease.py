@@ -3,6 +3,7 @@
 States: FOLLOWER (partition u not held), LEADER, FENCED (held, but no heartbeat came back in time).
 The lease is valid, and the leader id given out, only while heartbeats come back within
 `hb_timeout` of the time they were sent; a revocation waits for the marks on their way (`marking`).
+`database` says how long the marker's database work has gone unanswered (harvester.election.step_down).
 """
 
 from __future__ import annotations
@@ -17,6 +18,27 @@ from harvester import logs
 from harvester.metrics import MetricsLike
 
 FOLLOWER, LEADER, FENCED = "follower", "leader", "fenced"
+
+
+class DatabaseReach:
+    """Since when one lease's database work has gone unanswered; written by the marker, read by the
+    election thread (one float, replaced whole)."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None  # start of the oldest operation not followed by an answer
+
+    def attempt(self) -> None:
+        """An operation begins (the first of a run of failures keeps its start)."""
+        if self._since is None:
+            self._since = time.monotonic()
+
+    def answered(self) -> None:
+        """The database answered (a result, or a refusal or SQL error of its own)."""
+        self._since = None
+
+    def unanswered_for(self, now: float) -> float:
+        since = self._since
+        return 0.0 if since is None else max(0.0, now - since)
 
 
 class Lease:
@@ -40,6 +62,7 @@ class Lease:
         self.holding = False
         self.last_heartbeat = 0.0  # monotonic SEND time of the newest own heartbeat read back
         self.last_sent = 0.0
+        self.database = DatabaseReach()  # the marker's database answers (see harvester.election.step_down)
 
     @property
     def state(self) -> str:
@@ -95,5 +118,6 @@ class Lease:
             self.last_heartbeat = time.monotonic()
         # (resumed: valid from the send time of the heartbeat that ended the fence, no longer)
         self.last_sent = 0.0
+        self.database.answered()  # a failure of an earlier leadership does not count against this one
         self._m.acquisitions.inc()
         self.set(LEADER, uuid.uuid4())

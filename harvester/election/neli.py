@@ -22,6 +22,10 @@ resumes once heartbeats have come back steadily.
 `leader_id()` is computed from the clock when asked, not from the last state the polling thread
 saw: a process that was paused (SIGSTOP, a long GC-like stall) sees itself fenced at once.
 Cooperative-sticky assignment keeps partition 0 with its holder when other members join.
+
+A leader whose database work goes unanswered for `harvester.step_down_after` on every unit it
+leads fences, leaves the group and joins again once its database answers
+(harvester.election.step_down): Kafka alone would leave it the partitions through a cut from Postgres.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from harvester import logs
 from harvester.election.lease import FENCED, FOLLOWER, LEADER, Lease
 from harvester.election.resumption import Resumption
+from harvester.election.step_down import StepDown
 from harvester.election.timeouts import election_client_defaults
 from harvester.metrics import MetricsLike
 from harvester.publishing.ports import ProducerFactory, ProducerLike
@@ -127,11 +132,13 @@ class Neli:
         units: int = 1,
         make_producer: ProducerFactory = Producer,
         resume_steady: float = RESUME_STEADY,
+        step_down: StepDown | None = None,
     ) -> None:
         """`metrics`: one set for all units, or a function giving unit u's. `on_change` is unit
         0's callback; set `lease(u).on_change` for the others. `make_producer` makes the heartbeat
         producer from its configuration (harvester.publishing.ports.Providers.heartbeat_producer).
-        `resume_steady`: see harvester.election.resumption."""
+        `resume_steady`: see harvester.election.resumption. `step_down`: when to leave the group
+        while the database is out of reach (harvester.election.step_down); None: never."""
         self.topic, self.min_poll, self.hb_timeout = topic, min_poll_interval, heartbeat_timeout
         self.session_timeout = session_timeout
         self._log = logs.get("reaper.neli")
@@ -198,6 +205,7 @@ class Neli:
         self._closed = threading.Event()
         self._consumer: Consumer | None = None
         self._make_producer = make_producer
+        self._step_down = step_down
         self._producer: ProducerLike | None = None
         self._thread = threading.Thread(target=self._run, name="reaper-neli", daemon=True)
 
@@ -309,6 +317,11 @@ class Neli:
             if lease.holding:
                 self._beat(lease, now)
         self._check_membership(now)
+        if self._step_down is not None and (cut_off := self._step_down.due(self.leases, now)):
+            # Closing the consumer leaves the group (nothing is held by then: _on_revoke only unassigns).
+            self._step_down.leave(cut_off, now, min(REVOKE_MARK_WAIT, self.hb_timeout / 4), consumer.close, self._stop)
+            self._consumer = self._new_consumer()  # an ordinary member again (when stopping, _run closes it)
+            self._in_group_at = time.monotonic()
         self._last_pulse = time.monotonic()
 
     def _vouch(self, partition: int | None, value: bytes | None) -> None:

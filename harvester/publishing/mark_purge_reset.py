@@ -29,6 +29,7 @@ from psycopg_pool import ConnectionPool
 
 from harvester import logs
 from harvester.config import Config, UnitSpec
+from harvester.db_pool import out_of_reach
 from harvester.election.db_clock import DatabaseClock
 from harvester.election.lease import LEADER, Lease
 from harvester.election.timeouts import silent_broker_wait_ms
@@ -327,6 +328,7 @@ class UnitHarvester:
             with self.neli.marking() as neli_now:  # a revocation waits for this mark to return
                 if neli_now is None or not self._valid(me):
                     continue
+                self.neli.database.attempt()  # unanswered for long: the election steps down
                 try:
                     deadline = db_clock.at(until)
                     claim.hold(deadline, db_clock.generation)  # no other configuration marks before `deadline`
@@ -338,6 +340,8 @@ class UnitHarvester:
                     rows = self.store.mark(me, limit, until=deadline)
                 except Exception as exc:
                     trouble = exc
+            if trouble is None or not out_of_reach(trouble):
+                self.neli.database.answered()
             if trouble is not None:
                 ids = None
             if isinstance(trouble, (OutboxClaimed, ClaimTableMissing)):

@@ -29,6 +29,10 @@ from collections.abc import Iterable
 def _close_all(socks: Iterable[socket.socket]) -> None:
     for s in socks:
         try:
+            s.shutdown(socket.SHUT_RDWR)  # close() alone does not wake a recv() blocked in another thread
+        except OSError:
+            pass
+        try:
             s.close()
         except OSError:
             pass
@@ -59,7 +63,7 @@ class TcpProxy:
 
     def down(self) -> None:
         """Close every connection and refuse new ones (the port stays this proxy's)."""
-        self._srv.close()
+        _close_all([self._srv])  # shut down first: close() alone leaves a blocked accept() one more connection
         _close_all(self._socks)
         self._socks = []
 
@@ -91,6 +95,9 @@ class TcpProxy:
                 client.close()
                 continue
             up.settimeout(None)
+            if srv.fileno() == -1:  # taken down while this connection was being made
+                _close_all((client, up))
+                return
             self._socks += [client, up]
             for src, dst, from_upstream in ((client, up, False), (up, client, True)):
                 args = (src, dst, from_upstream)

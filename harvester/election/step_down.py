@@ -1,0 +1,120 @@
+"""Stepping down while this reaper alone cannot reach its database.
+
+A leader cut off from Postgres but not from Kafka keeps its leader-topic partitions: its
+heartbeats come back, so nothing in the election moves them, and publishing stops for as long as
+the cut lasts although other reapers may reach Postgres. So the marker reports each database
+operation of a lease (harvester.election.lease.DatabaseReach: a mark, the claim, the lease's
+reading of the database clock, the pool checkout before them) and the election thread steps down
+once every unit this process leads has gone without a database answer for
+`harvester.step_down_after`: it fences those
+leases first (publishing stops, as on missed heartbeats), lets the marks on their way return, then
+leaves the leader group, so the partitions move to another member at once. It joins again, as an
+ordinary member, only once a cheap probe (SELECT 1 through each stepped-down unit's pool) is
+answered: it is not elected again while cut off. Probes are spaced PROBE_FIRST, doubling to
+PROBE_MAX, so a reaper that is the only member waits for Postgres without spinning.
+
+An answer ends a run of failures, even a refusal (a mark refused as late, a table held by another
+layout, an SQL error): the database was reached. An operation still waiting for its answer counts
+as unanswered from its start: a silent network holds a statement until the TCP liveness settings
+(harvester.db_liveness) break it, and a checkout waits for the pool's timeout.
+
+Stepping down leaves the group for every unit of this process: one consumer serves them all, and
+a member cannot hand back one partition of its own accord. That is why every led unit must be cut
+off first: a database gone for every reaper (units on several DSNs) does not empty the group of
+the members that still publish the other units.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from prometheus_client import Counter
+
+from harvester import logs
+from harvester.election.lease import FENCED, FOLLOWER, LEADER, Lease
+
+PROBE_FIRST = 0.25  # seconds between the first probes of a stepped-down reaper
+PROBE_MAX = 1.0  # bound of the doubling: the rejoin follows Postgres's return within about this
+PROBE_TIMEOUT = 1.0  # seconds one probe waits for a pool connection
+
+
+class StepDown:
+    """When the election steps down, and how it waits to rejoin. `probe(unit, timeout)` raises
+    unless unit's database answers; `after` 0 never steps down."""
+
+    def __init__(self, after: float, probe: Callable[[int, float], None], counter: Counter | None = None) -> None:
+        self.after, self._probe, self._counter = after, probe, counter
+        self._log = logs.get("reaper.neli")
+
+    def due(self, leases: Sequence[Lease], now: float) -> list[Lease]:
+        """The held leases to step down from: all of them when each leads and has had no database
+        answer for `after`; otherwise none."""
+        held = [lease for lease in leases if lease.holding]
+        if self.after <= 0 or not held:
+            return []
+        if all(lease.state == LEADER and lease.database.unanswered_for(now) > self.after for lease in held):
+            return held
+        return []
+
+    def leave(
+        self,
+        held: Sequence[Lease],
+        now: float,
+        wait_marks: float,
+        leave_group: Callable[[], None],
+        stop: threading.Event,
+    ) -> None:
+        """Fence every held lease, as a missed heartbeat does, let the marks on their way return (up to
+        `wait_marks` in all), `leave_group`, and wait until the leases' databases answer or `stop`."""
+        self._log.warning(
+            "database out of reach while Kafka is not: fencing and leaving the leader group",
+            units=[lease.unit for lease in held],
+            unanswered_s=round(min(lease.database.unanswered_for(now) for lease in held), 3),
+            step_down_after=self.after,
+        )
+        if self._counter is not None:
+            self._counter.inc()
+        for lease in held:
+            lease.set(FENCED, None)
+        deadline = time.monotonic() + wait_marks
+        for lease in held:
+            # A mark still waiting (for a connection, most likely) is refused by the database if it
+            # arrives after the lease ends (OutboxStore.mark's `until`), as after any revocation.
+            if not lease.end_marks(max(0.0, deadline - time.monotonic())):
+                self._log.warning("stepped down with a mark still on its way", unit=lease.unit)
+            lease.holding = False
+        try:
+            leave_group()
+        except Exception as exc:
+            self._log.warning("leader consumer close failed", error=str(exc))
+        for lease in held:
+            lease.set(FOLLOWER, None)
+        self.wait_for_database([lease.unit for lease in held], stop)
+
+    def wait_for_database(self, units: Sequence[int], stop: threading.Event) -> bool:
+        """Probe each of `units`' databases until all answer (True), with a back-off, or until `stop` (False)."""
+        started, pause, probes = time.monotonic(), PROBE_FIRST, 0
+        pending = list(units)
+        while not stop.is_set():
+            probes += 1
+            try:
+                while pending:
+                    self._probe(pending[0], PROBE_TIMEOUT)
+                    pending.pop(0)
+            except Exception as exc:
+                if probes == 1:
+                    self._log.info("database still out of reach: probing", error=type(exc).__name__)
+                if stop.wait(pause):
+                    return False
+                pause = min(pause * 2, PROBE_MAX)
+                continue
+            self._log.info(
+                "database answers again: rejoining the leader group",
+                units=list(units),
+                stepped_down_s=round(time.monotonic() - started, 3),
+                probes=probes,
+            )
+            return True
+        return False
