@@ -51,8 +51,16 @@ def needs_new_connection(exc: BaseException) -> bool:
 
 def out_of_reach(exc: BaseException) -> bool:
     """Whether `exc` says the database was not reached (no connection, a broken one, a pool checkout
-    that timed out, a server going away or read-only), rather than an answer of the database's."""
-    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) or needs_new_connection(exc)
+    that timed out, a server going away or read-only), rather than an answer of the database's.
+    An error the server sent with a SQLSTATE of its own is an answer, even one psycopg files under
+    OperationalError (a statement_timeout's cancel, a lock timeout, a full disk); class 08
+    (connection exception) is not."""
+    if needs_new_connection(exc):
+        return True
+    if not isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
+        return False
+    state = exc.sqlstate
+    return state is None or state.startswith("08")
 
 
 def configure_connection(conn: psycopg.Connection) -> bool:

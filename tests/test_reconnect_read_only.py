@@ -7,14 +7,16 @@ affected (the shared Postgres stays writable for everyone else)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import uuid
 
 import psycopg
 import pytest
 from psycopg import errors
+from psycopg_pool import PoolTimeout
 
-from harvester.db_pool import make_pool, needs_new_connection
+from harvester.db_pool import make_pool, needs_new_connection, out_of_reach
 from harvester.services.claim_settler import ClaimSettler
 
 READ_ONLY = "SET default_transaction_read_only = on"
@@ -31,6 +33,44 @@ def test_only_errors_of_the_server_side_ask_for_a_new_connection(pg_dsn, schema)
     assert needs_new_connection(ro.value)
     assert not needs_new_connection(other.value)
     assert not needs_new_connection(ValueError("x"))
+
+
+def test_an_error_the_server_sent_is_an_answer_and_a_lost_connection_is_not(pg_dsn, schema):
+    """What a leader's step-down counts as its database out of reach (harvester.election.step_down)."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SET statement_timeout = '10ms'")
+        with pytest.raises(errors.QueryCanceled) as cancelled:  # an OperationalError, but an answer
+            conn.execute("SELECT pg_sleep(1)")
+        conn.execute("SET statement_timeout = 0")
+        conn.execute(READ_ONLY)
+        with pytest.raises(errors.ReadOnlySqlTransaction) as ro:
+            conn.execute(INSERT.format(schema))
+        with pytest.raises(errors.UndefinedTable) as missing:
+            conn.execute(f'SELECT * FROM "{schema}".no_such_table')
+        victim = psycopg.connect(pg_dsn, autocommit=True)
+        conn.execute("SELECT pg_terminate_backend(%s)", [victim.info.backend_pid])
+        with pytest.raises(psycopg.OperationalError) as terminated:
+            victim.execute("SELECT 1")
+        victim.close()
+    with pytest.raises(psycopg.OperationalError) as closed:  # used after closing
+        conn.execute("SELECT 1")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(psycopg.OperationalError) as refused:
+        psycopg.connect(f"host=127.0.0.1 port={port} connect_timeout=2")
+    pool = make_pool(f"host=127.0.0.1 port={port} connect_timeout=1", 1, name="unreachable", open_wait=None)
+    try:
+        with pytest.raises(PoolTimeout) as checkout:
+            with pool.connection(timeout=0.5):
+                pass
+    finally:
+        pool.close()
+    assert not out_of_reach(cancelled.value), cancelled.value.sqlstate
+    assert not out_of_reach(missing.value)
+    assert not out_of_reach(ValueError("x"))
+    for lost in (ro.value, terminated.value, closed.value, refused.value, checkout.value):
+        assert out_of_reach(lost), (type(lost), getattr(lost, "sqlstate", None))
 
 
 def test_the_harvest_pool_replaces_a_connection_to_a_read_only_server(pg_dsn, schema):
