@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
@@ -315,8 +316,13 @@ def faults(
             gap = gap_after(writer, reader, at)
             watch.join(10)
             parts = split(gap, at, watch)
-            out["rounds"].setdefault(name, []).append({"victim": victim, **parts})
-            say(f"{name} round {len(out['rounds'][name])} (broker {victim}): publication gap {gap} s: {parts}")
+            # the signal's wall-clock time, to line the round up with the reaper's and brokers' logs
+            signal_at = datetime.fromtimestamp(time.time() - (time.monotonic() - at), UTC).isoformat()
+            out["rounds"].setdefault(name, []).append({"victim": victim, "signal_at": signal_at, **parts})
+            say(
+                f"{name} round {len(out['rounds'][name])} (broker {victim}, signal at {signal_at}): "
+                f"publication gap {gap} s: {parts}"
+            )
             time.sleep(pause)
             heal(victim)
             cluster.wait_in_sync([topic, leader], 120)
