@@ -32,16 +32,19 @@ import sys
 import threading
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench.harvest_latency import stamping
 from bench.harvest_once import prefill
 from bench.pairs import load_average
 from harvester import config as config_mod
+from harvester.election.timeouts import silent_broker_wait_ms
+from harvester.publishing.publisher import producer_config
 from harvester.units import Harvester
 from tests.support.cluster import Cluster
 from tests.support.reaper import ReaperProcess, stop_all
@@ -214,14 +217,41 @@ class Reader(threading.Thread):
         self.c.close()
 
 
-def gap_after(writer: Writer, reader: Reader, since: float, timeout: float = 120) -> float | None:
-    """Seconds from `since` until every partition has read back a record committed after `since`
-    (the longest-waiting partition's first such record)."""
+class Probe(threading.Thread):
+    """Kafka's own recovery as a client sees it: a producer with the reaper's data-producer
+    settings (idempotent, acks=all, the same metadata refresh and waits) but none of the reaper
+    (no election, no marking) writes a small record to every partition of the outbox topic every
+    20 ms; `sent` keeps each record's send time. The Reader reads them back with the rest."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        super().__init__(daemon=True)
+        self.topic = topic
+        self.sent: dict[bytes, float] = {}
+        self.stop = threading.Event()
+        wait = silent_broker_wait_ms(5.0, 15.0)  # the reaper's defaults
+        self.p = Producer({**producer_config(bootstrap, {}, {}, silent_wait_ms=wait), **QUIET})
+
+    def run(self) -> None:
+        seq = 0
+        while not self.stop.is_set():
+            for part in range(PARTITIONS):
+                seq += 1
+                value = b"probe-%d" % seq
+                self.sent[value] = time.monotonic()
+                self.p.produce(self.topic, value, partition=part)
+            self.p.poll(0.02)
+        self.p.flush(5)
+
+
+def gap_after(writer: Writer | Probe, reader: Reader, since: float, timeout: float = 120) -> float | None:
+    """Seconds from `since` until every partition has read back a record committed (for the
+    probe: sent) after `since` (the longest-waiting partition's first such record)."""
+    sent = writer.committed if isinstance(writer, Writer) else writer.sent
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         first: dict[int, float] = {}
         for v, (at, p) in list(reader.arrived.items()):
-            c = writer.committed.get(v)
+            c = sent.get(v)
             if c is not None and c >= since and (p not in first or at < first[p]):
                 first[p] = at
         if len(first) == PARTITIONS:
@@ -271,12 +301,14 @@ class FailoverWatch(threading.Thread):
             time.sleep(0.05)
 
 
-def split(gap: float | None, since: float, watch: FailoverWatch) -> dict[str, float | None]:
-    """A fault's gap in Kafka's share (until every partition has a live leader again) and the
-    reaper's (from then until the last partition's first record committed after the fault was read back)."""
+def split(gap: float | None, since: float, watch: FailoverWatch, writable: float | None) -> dict[str, float | None]:
+    """A fault's gap in Kafka's share and the reaper's: `kafka_failover`, until the other brokers'
+    metadata names a live leader for every partition; `kafka_writable`, until the probe's first
+    record sent after the fault was read back from every partition (the new leaders also
+    acknowledge acks=all writes, and a client has found them); `reaper`, the rest of the gap."""
     kafka = None if watch.at is None else round(watch.at - since, 3)
-    reaper = None if gap is None or kafka is None else round(gap - kafka, 3)
-    return {"gap": gap, "kafka_failover": kafka, "reaper": reaper}
+    reaper = None if gap is None or writable is None else round(gap - writable, 3)
+    return {"gap": gap, "kafka_failover": kafka, "kafka_writable": writable, "reaper": reaper}
 
 
 FAULTS = ("kill_leader", "kill_controller", "cut_off", "rolling", "promotion")
@@ -298,12 +330,14 @@ def faults(
     }
     reaper = ReaperProcess(env, log_dir / "reaper.log")
     writer, reader = Writer(cluster.dsn, schema, topic), Reader(cluster.bootstrap, topic)
+    probe = Probe(cluster.bootstrap, topic)
     out: dict = {"split": {}, "rounds": {}}
     try:
         if not reaper.wait_leader(120):
             raise RuntimeError(f"the reaper never led: {reaper.log_path.read_text()[-2000:]}")
         reader.start()
         writer.start()
+        probe.start()
         time.sleep(pause)
 
         def broker_fault(name: str, victim: int, fault, heal) -> None:
@@ -313,10 +347,16 @@ def faults(
             at = fault(victim) or time.monotonic()
             watch.start()
             gap = gap_after(writer, reader, at)
+            writable = gap_after(probe, reader, at, timeout=10)
             watch.join(10)
-            parts = split(gap, at, watch)
-            out["rounds"].setdefault(name, []).append({"victim": victim, **parts})
-            say(f"{name} round {len(out['rounds'][name])} (broker {victim}): publication gap {gap} s: {parts}")
+            parts = split(gap, at, watch, writable)
+            # the signal's wall-clock time, to line the round up with the reaper's and brokers' logs
+            signal_at = datetime.fromtimestamp(time.time() - (time.monotonic() - at), UTC).isoformat()
+            out["rounds"].setdefault(name, []).append({"victim": victim, "signal_at": signal_at, **parts})
+            say(
+                f"{name} round {len(out['rounds'][name])} (broker {victim}, signal at {signal_at}): "
+                f"publication gap {gap} s: {parts}"
+            )
             time.sleep(pause)
             heal(victim)
             cluster.wait_in_sync([topic, leader], 120)
@@ -353,7 +393,9 @@ def faults(
             promotion(cluster, writer, reader, out)
             time.sleep(pause)
         writer.stop.set()
+        probe.stop.set()
         writer.join(10)
+        probe.join(10)
         time.sleep(3)
         lost = [v for v in writer.committed if v not in reader.arrived]
         out["records"] = len(writer.committed)
@@ -364,6 +406,7 @@ def faults(
         return out
     finally:
         writer.stop.set()
+        probe.stop.set()
         reader.stop.set()
         stop_all([reaper])
         try:
@@ -392,6 +435,8 @@ def _duplicates(bootstrap: str, topic: str) -> int:
         msgs = [m for m in c.consume(5000, 0.2) if m.error() is None]
         idle = 0 if msgs else idle + 1
         for m in msgs:
+            if m.value().startswith(b"probe-"):  # the probe's records (see Probe) are not the reaper's
+                continue
             if m.value() in seen:
                 dup += 1
             seen.add(m.value())

@@ -1,0 +1,41 @@
+"""bench.cluster's split of a broker fault's gap: Kafka's failover (metadata), Kafka writable again
+(the probe's records read back) and the reaper's share (the rest). Pure arithmetic over recorded
+times: no service is contacted."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from bench.cluster import PARTITIONS, gap_after, split
+
+
+def test_the_reaper_share_is_what_the_gap_adds_to_the_probe():
+    watch = SimpleNamespace(at=102.0)
+    parts = split(4.5, 100.0, watch, 3.25)
+    assert parts == {"gap": 4.5, "kafka_failover": 2.0, "kafka_writable": 3.25, "reaper": 1.25}
+
+
+def test_without_a_probe_figure_the_reaper_share_is_unknown():
+    parts = split(4.5, 100.0, SimpleNamespace(at=None), None)
+    assert parts["reaper"] is None and parts["kafka_failover"] is None and parts["gap"] == 4.5
+
+
+def test_the_probe_gap_counts_only_records_sent_after_the_fault_on_every_partition():
+    since = 100.0
+    # per partition: one probe record sent before the fault (read back late, not counted) and one after
+    sent = {}
+    arrived = {}
+    for p in range(PARTITIONS):
+        sent[b"probe-old-%d" % p] = since - 1
+        arrived[b"probe-old-%d" % p] = (since + 0.5, p)
+        sent[b"probe-new-%d" % p] = since + 0.1
+        arrived[b"probe-new-%d" % p] = (since + 1.0 + p, p)
+    got = gap_after(SimpleNamespace(sent=sent), SimpleNamespace(arrived=arrived), since, timeout=1)
+    assert got == PARTITIONS  # the last partition's first record sent after the fault: 1 + (PARTITIONS - 1)
+
+
+def test_the_probe_gap_waits_for_every_partition():
+    since = 100.0
+    sent = {b"probe-1": since + 0.1}
+    arrived = {b"probe-1": (since + 1.0, 0)}
+    assert gap_after(SimpleNamespace(sent=sent), SimpleNamespace(arrived=arrived), since, timeout=0.3) is None
