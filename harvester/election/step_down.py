@@ -7,8 +7,8 @@ operation of a lease (harvester.election.lease.DatabaseReach: a mark, the claim,
 reading of the database clock, the pool checkout before them) and the election thread steps down
 once every unit this process leads has gone without a database answer for
 `harvester.step_down_after`: it fences those
-leases first (publishing stops, as on missed heartbeats), lets the marks on their way return, then
-leaves the leader group, so the partitions move to another member at once. It joins again, as an
+leases first (publishing stops, as on missed heartbeats), lets the marks on their way return (or
+waits out their deadlines, see `leave`), then leaves the leader group, so the partitions move to another member at once. It joins again, as an
 ordinary member, only once a cheap probe (SELECT 1 through each stepped-down unit's pool) is
 answered: it is not elected again while cut off. Probes are spaced PROBE_FIRST, doubling to
 PROBE_MAX, so a reaper that is the only member waits for Postgres without spinning.
@@ -67,7 +67,8 @@ class StepDown:
         stop: threading.Event,
     ) -> None:
         """Fence every held lease, as a missed heartbeat does, let the marks on their way return (up to
-        `wait_marks` in all), `leave_group`, and wait until the leases' databases answer or `stop`."""
+        `wait_marks` in all; a mark still out after that, until its deadline has passed),
+        `leave_group`, and wait until the leases' databases answer or `stop`."""
         self._log.warning(
             "database out of reach while Kafka is not: fencing and leaving the leader group",
             units=[lease.unit for lease in held],
@@ -76,14 +77,22 @@ class StepDown:
         )
         if self._counter is not None:
             self._counter.inc()
+        # Read before the fence: no mark on its way has a later deadline (each read valid_until()
+        # before its lease check, and the lease only ever grows).
+        valid_until = {lease.unit: lease.valid_until() for lease in held}
         for lease in held:
             lease.set(FENCED, None)
         deadline = time.monotonic() + wait_marks
         for lease in held:
-            # A mark still waiting (for a connection, most likely) is refused by the database if it
-            # arrives after the lease ends (OutboxStore.mark's `until`), as after any revocation.
             if not lease.end_marks(max(0.0, deadline - time.monotonic())):
-                self._log.warning("stepped down with a mark still on its way", unit=lease.unit)
+                # Leaving hands the partition over at once, unlike a missed heartbeat (whose session
+                # timeout outlasts every deadline): a mark still waiting (for a connection, most
+                # likely) would be accepted until its own deadline (OutboxStore.mark's `until`) and
+                # mark rows the next leader is publishing. Wait for it, or for that deadline.
+                self._log.warning(
+                    "stepping down with a mark still on its way: waiting out its deadline", unit=lease.unit
+                )
+                lease.end_marks(max(0.0, valid_until[lease.unit] - time.monotonic()))
             lease.holding = False
         try:
             leave_group()
