@@ -8,9 +8,10 @@ reading of the database clock, the pool checkout before them) and the election t
 once every unit this process leads has gone without a database answer for
 `harvester.step_down_after`: it fences those
 leases first (publishing stops, as on missed heartbeats), lets the marks on their way return (or
-waits out their deadlines, see `leave`), then leaves the leader group, so the partitions move to another member at once. It joins again, as an
-ordinary member, only once a cheap probe (SELECT 1 through each stepped-down unit's pool) is
-answered: it is not elected again while cut off. Probes are spaced PROBE_FIRST, doubling to
+waits out their deadlines, see `leave`), then leaves the leader group, so the partitions move to
+another member at once. It joins again, as an ordinary member, only once a cheap probe through
+each stepped-down unit's pool is answered by a server that takes writes
+(harvester.db_pool.probe_writable): it is not elected again while cut off. Probes are spaced PROBE_FIRST, doubling to
 PROBE_MAX, so a reaper that is the only member waits for Postgres without spinning.
 
 An answer ends a run of failures, even a refusal (a mark refused as late, a table held by another
