@@ -80,3 +80,20 @@ def test_a_mark_that_returns_lets_the_group_be_left_at_once():
         stop=threading.Event(),
     )
     assert left_at and lease.state == FOLLOWER
+
+
+def test_a_leader_alone_in_the_group_keeps_its_partitions_and_looks_again_after_step_down_after():
+    """Alone, leaving hands nothing over; the group is asked once per `after`, and a broker that
+    does not answer is taken as someone being there (the step-down goes ahead)."""
+    asked: list[int] = []
+
+    def alone() -> int:
+        asked.append(0)
+        return 0
+
+    step = StepDown(2.0, probe=lambda unit, timeout: None)
+    assert not step.anyone_to_hand_over_to(100.0, alone)
+    assert not step.anyone_to_hand_over_to(101.0, alone)
+    assert len(asked) == 1
+    assert step.anyone_to_hand_over_to(102.5, lambda: 1)
+    assert StepDown(2.0, probe=lambda unit, timeout: None).anyone_to_hand_over_to(100.0, lambda: None)

@@ -23,6 +23,13 @@ Stepping down leaves the group for every unit of this process: one consumer serv
 a member cannot hand back one partition of its own accord. That is why every led unit must be cut
 off first: a database gone for every reaper (units on several DSNs) does not empty the group of
 the members that still publish the other units.
+
+Nor does a leader step down when no other member is in the group (a lone reaper, or the last one
+of several that all lost the same database): there is no one to hand over to, and leaving would
+only delay its own return, since a consumer joining an empty group waits out the broker's
+group.initial.rebalance.delay.ms (3 s by default) before it is given a partition. It keeps its
+partitions, and its marks resume as soon as Postgres answers, as before stepping down existed; the
+group is looked at again every `after` while the cut lasts.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from confluent_kafka.admin import AdminClient
 from prometheus_client import Counter
 
 from harvester import logs
@@ -48,6 +56,19 @@ class StepDown:
     def __init__(self, after: float, probe: Callable[[int, float], None], counter: Counter | None = None) -> None:
         self.after, self._probe, self._counter = after, probe, counter
         self._log = logs.get("reaper.neli")
+        self._alone_until = 0.0  # monotonic: found alone in the group; not looked at again before this
+
+    def anyone_to_hand_over_to(self, now: float, others: Callable[[], int | None]) -> bool:
+        """Whether stepping down hands the partitions to someone: `others()` counts the group's
+        other members (None: unknown, taken as yes). Asked at most once per `after` while alone."""
+        if now < self._alone_until:
+            return False
+        count = others()
+        if count == 0:
+            self._alone_until = now + self.after
+            self._log.warning("database out of reach, but no other member to hand over to: keeping the partitions")
+            return False
+        return True
 
     def due(self, leases: Sequence[Lease], now: float) -> list[Lease]:
         """The held leases to step down from: all of them when each leads and has had no database
@@ -128,3 +149,12 @@ class StepDown:
             )
             return True
         return False
+
+
+def other_members(admin: AdminClient, group: str, me: str | None, timeout: float) -> int | None:
+    """How many members of consumer group `group` are not `me`; None when the broker did not say."""
+    try:
+        described = admin.describe_consumer_groups([group], request_timeout=timeout)[group].result(timeout)
+    except Exception:
+        return None
+    return sum(1 for member in described.members if member.member_id != me)
