@@ -63,6 +63,17 @@ def out_of_reach(exc: BaseException) -> bool:
     return state is None or state.startswith("08")
 
 
+def probe_writable(pool: ConnectionPool, timeout: float) -> None:
+    """Raises unless the database behind `pool` answers and takes writes, as a mark needs: a
+    read-only server (a standby, a primary fenced read-only) answers SELECT 1 while every mark
+    fails there, so it raises ReadOnlySqlTransaction (25006, out of reach), and the connection is
+    dropped so a multi-host DSN finds the primary again."""
+    with pool.connection(timeout=timeout) as conn:
+        row = conn.execute("SELECT current_setting('transaction_read_only')").fetchone()
+        if row is None or row[0] != "off":
+            raise psycopg.errors.ReadOnlySqlTransaction("the database answers but is read-only")
+
+
 def configure_connection(conn: psycopg.Connection) -> bool:
     """Set up a new pool connection; return whether it goes through a pooler."""
     # Through a transaction pooler (PgBouncer in transaction mode) psycopg must not prepare, and a

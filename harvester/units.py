@@ -22,6 +22,7 @@ import time
 import uuid
 
 from harvester.config import Config, UnitSpec, units
+from harvester.db_pool import probe_writable
 from harvester.election.neli import Neli
 from harvester.election.step_down import StepDown
 from harvester.metrics import HarvesterMetrics, UnitMetrics
@@ -95,11 +96,10 @@ class Harvester:
         return self
 
     def _probe(self, unit: int, timeout: float) -> None:
-        """Raises unless unit's database answers a trivial query through its pool (see StepDown)."""
+        """Raises unless unit's database answers through its pool and takes writes (see StepDown)."""
         pool = self.units[unit].pool
         assert pool is not None  # started before the election
-        with pool.connection(timeout=timeout) as conn:
-            conn.execute("SELECT 1")
+        probe_writable(pool, timeout)
 
     def stop(self, drain_timeout: float | None = None) -> bool:
         """Stop marking everywhere, let in-flight records settle (up to drain_timeout in all), leave

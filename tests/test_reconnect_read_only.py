@@ -202,3 +202,29 @@ def test_the_ackers_commits_wait_for_the_wal_and_its_lock_bound_stays_in_its_tra
     assert seen == [("on", "2s")] and acker.lock_timeout == 2.0
     assert conn.execute("SELECT current_setting('lock_timeout')").fetchone() == ("0",)
     conn.close()
+
+
+def test_a_stepped_down_reapers_probe_is_not_answered_by_a_read_only_server(pg_dsn):
+    """The probe a stepped-down reaper waits on (harvester.election.step_down) must fail where a
+    mark would: a read-only server answers SELECT 1, but every mark fails there (25006, which counts
+    against the leader), so a probe it answers would rejoin, lead, step down again and so on. The
+    read-only connection is dropped, so a multi-host DSN finds the primary again."""
+    from types import SimpleNamespace
+
+    from harvester.units import Harvester
+
+    pool = make_pool(pg_dsn, 1, name="t-probe")
+    harvester = SimpleNamespace(units=[SimpleNamespace(pool=pool)])  # what Harvester._probe reads
+    try:
+        Harvester._probe(harvester, 0, 10.0)  # type: ignore[arg-type]
+        with pool.connection() as conn:
+            conn.execute(READ_ONLY)
+            first = conn.info.backend_pid
+        with pytest.raises(psycopg.Error) as exc:
+            Harvester._probe(harvester, 0, 10.0)  # type: ignore[arg-type]
+        assert out_of_reach(exc.value)
+        Harvester._probe(harvester, 0, 10.0)  # type: ignore[arg-type]
+        with pool.connection(timeout=10) as conn:
+            assert conn.info.backend_pid != first
+    finally:
+        pool.close()

@@ -41,7 +41,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from harvester import logs
 from harvester.election.lease import FENCED, FOLLOWER, LEADER, Lease
 from harvester.election.resumption import Resumption
-from harvester.election.step_down import StepDown
+from harvester.election.step_down import StepDown, other_members
 from harvester.election.timeouts import election_client_defaults
 from harvester.metrics import MetricsLike
 from harvester.publishing.ports import ProducerFactory, ProducerLike
@@ -160,6 +160,8 @@ class Neli:
             **client,
         }
         self._admin_conf = {**base, "logger": logs.KafkaLogger("leader-admin")}
+        self._group = group
+        self._admin: AdminClient | None = None  # made when a step-down first asks who else is in the group
         self.cluster_id: str | None = None  # the Kafka cluster's id, once prepare() read it
         self._consumer_conf = {
             # Rejoin within about a second after a broker restart (librdkafka's default back-off
@@ -317,12 +319,22 @@ class Neli:
             if lease.holding:
                 self._beat(lease, now)
         self._check_membership(now)
-        if self._step_down is not None and (cut_off := self._step_down.due(self.leases, now)):
+        if (
+            self._step_down is not None
+            and (cut_off := self._step_down.due(self.leases, now))
+            and self._step_down.anyone_to_hand_over_to(now, lambda: self._others(consumer))
+        ):
             # Closing the consumer leaves the group (nothing is held by then: _on_revoke only unassigns).
             self._step_down.leave(cut_off, now, min(REVOKE_MARK_WAIT, self.hb_timeout / 4), consumer.close, self._stop)
             self._consumer = self._new_consumer()  # an ordinary member again (when stopping, _run closes it)
             self._in_group_at = time.monotonic()
         self._last_pulse = time.monotonic()
+
+    def _others(self, consumer: Consumer) -> int | None:
+        """The leader group's members other than this one (see StepDown.anyone_to_hand_over_to)."""
+        if self._admin is None:
+            self._admin = AdminClient(self._admin_conf)
+        return other_members(self._admin, self._group, consumer.memberid(), min(1.0, self.hb_timeout / 4))
 
     def _vouch(self, partition: int | None, value: bytes | None) -> None:
         """One of this process's heartbeats reached the broker (acknowledged, or read back): its

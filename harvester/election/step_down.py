@@ -7,10 +7,11 @@ operation of a lease (harvester.election.lease.DatabaseReach: a mark, the claim,
 reading of the database clock, the pool checkout before them) and the election thread steps down
 once every unit this process leads has gone without a database answer for
 `harvester.step_down_after`: it fences those
-leases first (publishing stops, as on missed heartbeats), lets the marks on their way return, then
-leaves the leader group, so the partitions move to another member at once. It joins again, as an
-ordinary member, only once a cheap probe (SELECT 1 through each stepped-down unit's pool) is
-answered: it is not elected again while cut off. Probes are spaced PROBE_FIRST, doubling to
+leases first (publishing stops, as on missed heartbeats), lets the marks on their way return (or
+waits out their deadlines, see `leave`), then leaves the leader group, so the partitions move to
+another member at once. It joins again, as an ordinary member, only once a cheap probe through
+each stepped-down unit's pool is answered by a server that takes writes
+(harvester.db_pool.probe_writable): it is not elected again while cut off. Probes are spaced PROBE_FIRST, doubling to
 PROBE_MAX, so a reaper that is the only member waits for Postgres without spinning.
 
 An answer ends a run of failures, even a refusal (a mark refused as late, a table held by another
@@ -22,6 +23,13 @@ Stepping down leaves the group for every unit of this process: one consumer serv
 a member cannot hand back one partition of its own accord. That is why every led unit must be cut
 off first: a database gone for every reaper (units on several DSNs) does not empty the group of
 the members that still publish the other units.
+
+Nor does a leader step down when no other member is in the group (a lone reaper, or the last one
+of several that all lost the same database): there is no one to hand over to, and leaving would
+only delay its own return, since a consumer joining an empty group waits out the broker's
+group.initial.rebalance.delay.ms (3 s by default) before it is given a partition. It keeps its
+partitions, and its marks resume as soon as Postgres answers, as before stepping down existed; the
+group is looked at again every `after` while the cut lasts.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from confluent_kafka.admin import AdminClient
 from prometheus_client import Counter
 
 from harvester import logs
@@ -47,6 +56,19 @@ class StepDown:
     def __init__(self, after: float, probe: Callable[[int, float], None], counter: Counter | None = None) -> None:
         self.after, self._probe, self._counter = after, probe, counter
         self._log = logs.get("reaper.neli")
+        self._alone_until = 0.0  # monotonic: found alone in the group; not looked at again before this
+
+    def anyone_to_hand_over_to(self, now: float, others: Callable[[], int | None]) -> bool:
+        """Whether stepping down hands the partitions to someone: `others()` counts the group's
+        other members (None: unknown, taken as yes). Asked at most once per `after` while alone."""
+        if now < self._alone_until:
+            return False
+        count = others()
+        if count == 0:
+            self._alone_until = now + self.after
+            self._log.warning("database out of reach, but no other member to hand over to: keeping the partitions")
+            return False
+        return True
 
     def due(self, leases: Sequence[Lease], now: float) -> list[Lease]:
         """The held leases to step down from: all of them when each leads and has had no database
@@ -67,7 +89,8 @@ class StepDown:
         stop: threading.Event,
     ) -> None:
         """Fence every held lease, as a missed heartbeat does, let the marks on their way return (up to
-        `wait_marks` in all), `leave_group`, and wait until the leases' databases answer or `stop`."""
+        `wait_marks` in all; a mark still out after that, until its deadline has passed),
+        `leave_group`, and wait until the leases' databases answer or `stop`."""
         self._log.warning(
             "database out of reach while Kafka is not: fencing and leaving the leader group",
             units=[lease.unit for lease in held],
@@ -76,14 +99,22 @@ class StepDown:
         )
         if self._counter is not None:
             self._counter.inc()
+        # Read before the fence: no mark on its way has a later deadline (each read valid_until()
+        # before its lease check, and the lease only ever grows).
+        valid_until = {lease.unit: lease.valid_until() for lease in held}
         for lease in held:
             lease.set(FENCED, None)
         deadline = time.monotonic() + wait_marks
         for lease in held:
-            # A mark still waiting (for a connection, most likely) is refused by the database if it
-            # arrives after the lease ends (OutboxStore.mark's `until`), as after any revocation.
             if not lease.end_marks(max(0.0, deadline - time.monotonic())):
-                self._log.warning("stepped down with a mark still on its way", unit=lease.unit)
+                # Leaving hands the partition over at once, unlike a missed heartbeat (whose session
+                # timeout outlasts every deadline): a mark still waiting (for a connection, most
+                # likely) would be accepted until its own deadline (OutboxStore.mark's `until`) and
+                # mark rows the next leader is publishing. Wait for it, or for that deadline.
+                self._log.warning(
+                    "stepping down with a mark still on its way: waiting out its deadline", unit=lease.unit
+                )
+                lease.end_marks(max(0.0, valid_until[lease.unit] - time.monotonic()))
             lease.holding = False
         try:
             leave_group()
@@ -118,3 +149,12 @@ class StepDown:
             )
             return True
         return False
+
+
+def other_members(admin: AdminClient, group: str, me: str | None, timeout: float) -> int | None:
+    """How many members of consumer group `group` are not `me`; None when the broker did not say."""
+    try:
+        described = admin.describe_consumer_groups([group], request_timeout=timeout)[group].result(timeout)
+    except Exception:
+        return None
+    return sum(1 for member in described.members if member.member_id != me)

@@ -1,0 +1,99 @@
+"""StepDown with real leases: when the group may be left, and what counts as the database answering.
+
+No service is involved: the leases are the election's own objects, the marks are threads holding
+`Lease.marking()` as the marker does around its statement.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from harvester.election.lease import FOLLOWER, Lease
+from harvester.election.step_down import StepDown
+from harvester.metrics import get as get_metrics
+
+HB_TIMEOUT = 1.5
+
+
+def _leading(unit: int = 0) -> Lease:
+    lease = Lease(unit, HB_TIMEOUT, get_metrics(), on_change=lambda state, leader_id: None)
+    lease.holding = True
+    lease.acquire()  # valid until HB_TIMEOUT from now unless a heartbeat returns
+    return lease
+
+
+def _hung_mark(lease: Lease, release: threading.Event) -> tuple[threading.Thread, list[float]]:
+    """A mark on its way that does not return (a silent network): its deadline is read before the
+    lease check, as UnitHarvester._mark_loop reads it."""
+    entered = threading.Event()
+    deadline: list[float] = []
+
+    def mark() -> None:
+        deadline.append(lease.valid_until())
+        with lease.marking() as leader_id:
+            assert leader_id is not None
+            entered.set()
+            release.wait(30)
+
+    t = threading.Thread(target=mark, daemon=True)
+    t.start()
+    assert entered.wait(10)
+    return t, deadline
+
+
+def test_the_group_is_left_only_once_a_hung_mark_can_no_longer_be_accepted():
+    """Leaving the group hands the partition to another reaper at once (no session timeout to wait
+    out, unlike a missed heartbeat). A mark still on its way may reach the database late and is
+    accepted there until its deadline: the old leader would then mark rows the new leader is
+    already publishing (the per-key order is lost). So the group is left only once every mark has
+    returned or its deadline has passed."""
+    lease = _leading()
+    release = threading.Event()
+    marker, deadline = _hung_mark(lease, release)
+    left_at: list[float] = []
+    try:
+        StepDown(1.0, probe=lambda unit, timeout: None).leave(
+            [lease],
+            time.monotonic(),
+            wait_marks=0.05,
+            leave_group=lambda: left_at.append(time.monotonic()),
+            stop=threading.Event(),
+        )
+    finally:
+        release.set()
+        marker.join(10)
+    assert left_at, "the group was never left"
+    assert left_at[0] >= deadline[0], "left the group while a mark on its way could still be accepted"
+    assert lease.state == FOLLOWER and not lease.holding
+
+
+def test_a_mark_that_returns_lets_the_group_be_left_at_once():
+    """The wait for a hung mark's deadline is not paid when the marks come back: no mark, no wait."""
+    lease = _leading()
+    left_at: list[float] = []
+    StepDown(1.0, probe=lambda unit, timeout: None).leave(
+        [lease],
+        time.monotonic(),
+        wait_marks=0.05,
+        leave_group=lambda: left_at.append(time.monotonic()),
+        stop=threading.Event(),
+    )
+    assert left_at and lease.state == FOLLOWER
+
+
+def test_a_leader_alone_in_the_group_keeps_its_partitions_and_looks_again_after_step_down_after():
+    """Alone, leaving hands nothing over; the group is asked once per `after`, and a broker that
+    does not answer is taken as someone being there (the step-down goes ahead)."""
+    asked: list[int] = []
+
+    def alone() -> int:
+        asked.append(0)
+        return 0
+
+    step = StepDown(2.0, probe=lambda unit, timeout: None)
+    assert not step.anyone_to_hand_over_to(100.0, alone)
+    assert not step.anyone_to_hand_over_to(101.0, alone)
+    assert len(asked) == 1
+    assert step.anyone_to_hand_over_to(102.5, lambda: 1)
+    assert StepDown(2.0, probe=lambda unit, timeout: None).anyone_to_hand_over_to(100.0, lambda: None)
