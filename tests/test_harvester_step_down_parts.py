@@ -9,9 +9,14 @@ from __future__ import annotations
 import threading
 import time
 
-from harvester.election.lease import FOLLOWER, Lease
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from harvester.election.lease import EVIDENCE_FRESH, FOLLOWER, DatabaseReach, Lease
 from harvester.election.step_down import StepDown
 from harvester.metrics import get as get_metrics
+from harvester.publishing.mark_purge_reset import MAX_REMARK_BACKOFF
 
 HB_TIMEOUT = 1.5
 
@@ -97,3 +102,70 @@ def test_a_leader_alone_in_the_group_keeps_its_partitions_and_looks_again_after_
     assert len(asked) == 1
     assert step.anyone_to_hand_over_to(102.5, lambda: 1)
     assert StepDown(2.0, probe=lambda unit, timeout: None).anyone_to_hand_over_to(100.0, lambda: None)
+
+
+# ---------------------------------------------------------------- what counts as a run of failures
+
+EVENTS = st.lists(
+    st.tuples(st.sampled_from(["attempt", "answered", "failed"]), st.floats(0.0, 8.0, allow_nan=False)),
+    max_size=30,
+)
+
+
+@given(EVENTS, st.floats(0.0, 20.0, allow_nan=False))
+def test_a_run_of_failures_is_counted_from_its_first_operation_while_its_evidence_is_fresh(events, wait):
+    """A model of the rule: the run starts with the first operation after an answer (or after the
+    run went stale) and counts while an operation is on its way or the last one failed less than
+    EVIDENCE_FRESH ago."""
+    reach, now = DatabaseReach(), 1000.0
+    since, pending, failed_at = None, False, -1e9
+    for kind, gap in events:
+        now += gap
+        if kind == "attempt":
+            reach.attempt(now)
+            if since is None or (not pending and now - failed_at > EVIDENCE_FRESH):
+                since = now
+            pending = True
+        elif kind == "answered":
+            reach.answered()
+            since, pending = None, False
+        elif pending:  # the marker reports a failure only for an operation it began
+            reach.failed(now)
+            failed_at, pending = now, False
+    now += wait
+    fresh = pending or now - failed_at <= EVIDENCE_FRESH
+    expected = 0.0 if since is None or not fresh else now - since
+    assert reach.unanswered_for(now) == pytest.approx(expected)
+
+
+def test_a_failure_the_marker_does_not_follow_up_goes_stale():
+    """One failed mark, then no attempt (the throttle full while Kafka is slow): no step-down for a
+    database that may well be fine; and a later failure starts a new run rather than continuing it."""
+    reach = DatabaseReach()
+    reach.attempt(0.0)
+    reach.failed(0.1)
+    assert reach.unanswered_for(EVIDENCE_FRESH) == pytest.approx(EVIDENCE_FRESH)
+    assert reach.unanswered_for(EVIDENCE_FRESH + 0.2) == 0.0
+    reach.attempt(30.0)
+    reach.failed(30.1)
+    assert reach.unanswered_for(31.0) == pytest.approx(1.0)
+
+
+def test_a_cut_that_lasts_keeps_its_run_through_the_markers_longest_pause():
+    """The marker's longest pause between two marks (its remark back-off, then its retry wait) is
+    shorter than EVIDENCE_FRESH: a database that stays out of reach keeps one run going."""
+    assert MAX_REMARK_BACKOFF + 0.2 < EVIDENCE_FRESH
+    reach, now = DatabaseReach(), 0.0
+    for _ in range(5):
+        reach.attempt(now)
+        reach.failed(now + 0.1)
+        now += 0.1 + MAX_REMARK_BACKOFF + 0.2
+    assert reach.unanswered_for(now) == pytest.approx(now)
+
+
+def test_an_operation_on_its_way_counts_however_long_it_waits():
+    reach = DatabaseReach()
+    reach.attempt(0.0)
+    assert reach.unanswered_for(3600.0) == pytest.approx(3600.0)
+    reach.answered()
+    assert reach.unanswered_for(3601.0) == 0.0

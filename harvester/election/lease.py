@@ -20,25 +20,50 @@ from harvester.metrics import MetricsLike
 FOLLOWER, LEADER, FENCED = "follower", "leader", "fenced"
 
 
+# How long a failed database operation stays evidence that the database is out of reach when no
+# other operation follows it: longer than the marker's longest pause between attempts (its remark
+# back-off, at most 5 s, then 0.2 s), so a cut that lasts keeps its run going. A marker that stops
+# trying for other reasons (its throttle full while Kafka is slow) lets the run go stale instead
+# of stepping down for a database that may be fine.
+EVIDENCE_FRESH = 6.0
+
+
 class DatabaseReach:
     """Since when one lease's database work has gone unanswered; written by the marker, read by the
-    election thread (one float, replaced whole)."""
+    election thread (a few floats, each replaced whole).
+
+    The run of failures starts with the first operation of it and lasts while an operation is on
+    its way (a silent network holds it) or the last one failed less than EVIDENCE_FRESH ago; any
+    answer ends it."""
 
     def __init__(self) -> None:
         self._since: float | None = None  # start of the oldest operation not followed by an answer
+        self._pending = False  # an operation is on its way
+        self._failed_at = 0.0  # when the last operation failed unanswered
 
-    def attempt(self) -> None:
-        """An operation begins (the first of a run of failures keeps its start)."""
-        if self._since is None:
-            self._since = time.monotonic()
+    def attempt(self, now: float | None = None) -> None:
+        """An operation begins (the first of a run of failures keeps its start; a run gone stale
+        starts again)."""
+        now = time.monotonic() if now is None else now
+        if self._since is None or (not self._pending and now - self._failed_at > EVIDENCE_FRESH):
+            self._since = now
+        self._pending = True
 
     def answered(self) -> None:
         """The database answered (a result, or a refusal or SQL error of its own)."""
         self._since = None
+        self._pending = False
+
+    def failed(self, now: float | None = None) -> None:
+        """The operation ended without an answer (a lost or refused connection, a checkout timeout)."""
+        self._failed_at = time.monotonic() if now is None else now
+        self._pending = False
 
     def unanswered_for(self, now: float) -> float:
         since = self._since
-        return 0.0 if since is None else max(0.0, now - since)
+        if since is None or (not self._pending and now - self._failed_at > EVIDENCE_FRESH):
+            return 0.0
+        return max(0.0, now - since)
 
 
 class Lease:

@@ -342,6 +342,8 @@ class UnitHarvester:
                     trouble = exc
             if trouble is None or not out_of_reach(trouble):
                 self.neli.database.answered()
+            else:
+                self.neli.database.failed()
             if trouble is not None:
                 ids = None
             if isinstance(trouble, (OutboxClaimed, ClaimTableMissing)):
