@@ -18,7 +18,7 @@ from confluent_kafka.admin import AdminClient
 import tracker
 from harvester import logs, product_version
 from harvester.config import Config, ack_topics, acker_group, redact_dsn, redacted
-from harvester.election.neli import KafkaClusterUnknown, LeaderTopicMismatch
+from harvester.election.leader_topic import KafkaClusterUnknown, LeaderTopicMismatch
 from harvester.exit_codes import ExitCode
 from harvester.gauges import gauges_loop
 from harvester.metrics import HealthServer

@@ -11,7 +11,7 @@ import pytest
 from support.harness import Receiver, insert_rows, make_config, order_violations, outbox_count, wait_until
 
 from harvester import config as config_mod
-from harvester.election.neli import LeaderTopicMismatch
+from harvester.election.leader_topic import LeaderTopicMismatch
 from harvester.metrics import get as get_metrics
 from harvester.publishing.outbox_sql import FOREVER, lane_of
 from harvester.units import Harvester
