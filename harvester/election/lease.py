@@ -18,6 +18,7 @@ from harvester import logs
 from harvester.metrics import MetricsLike
 
 FOLLOWER, LEADER, FENCED = "follower", "leader", "fenced"
+MARK_DEADLINE_MARGIN = 0.05  # seconds; clocks drift at most ~0.5 ms between re-anchorings
 
 
 # How long a failed database operation stays evidence that the database is out of reach when no
@@ -104,6 +105,13 @@ class Lease:
     def valid_until(self) -> float:
         """Monotonic time after which the current leadership is void unless a heartbeat returns."""
         return self.last_heartbeat + self.hb_timeout if self._state == LEADER else 0.0
+
+    def marks_accepted_until(self) -> float:
+        """Monotonic time after which the database refuses every mark already on its way, whatever
+        the state is now: each mark read valid_until() before its lease check, last_heartbeat only
+        grows, and the database clock's mapping lands early (harvester.election.db_clock) but for
+        its drift, which MARK_DEADLINE_MARGIN covers many times over."""
+        return self.last_heartbeat + self.hb_timeout + MARK_DEADLINE_MARGIN
 
     @contextmanager
     def marking(self) -> Iterator[uuid.UUID | None]:

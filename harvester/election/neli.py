@@ -218,27 +218,38 @@ class Neli:
                 self._resumptions[lease.unit].acquired()
                 lease.acquire()
 
-    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition], lost: bool = False) -> None:
         # A replaced consumer (see _check_membership) held nothing.
         revoked = [lease for lease in self._mine(partitions) if lease.holding] if consumer is self._consumer else []
+        deadlines = {lease.unit: lease.marks_accepted_until() for lease in revoked}
         for lease in revoked:
             lease.holding = False
             lease._m.revocations.inc()
             lease.set(FOLLOWER, None)
         # Let the marks on their way return before giving the partitions up (the group hands them
-        # on once this callback returns): all units within one bound, since the other units'
+        # on once this callback returns): all units within one bound first, since the other units'
         # heartbeats wait for this thread too.
         deadline = time.monotonic() + min(REVOKE_MARK_WAIT, self.hb_timeout / 4)
         for lease in revoked:
-            if not lease.end_marks(max(0.0, deadline - time.monotonic())):
-                self._log.warning("revoked with a mark still on its way", unit=lease.unit)
+            if lease.end_marks(max(0.0, deadline - time.monotonic())):
+                continue
+            if lost:  # the group has handed the partition on already: nothing to hold back
+                self._log.warning("partition lost with a mark still on its way", unit=lease.unit)
+                continue
+            # A mark still out (waiting for a connection or a lock) is accepted by the database
+            # until its own deadline (OutboxStore.mark's `until`): let the partition go earlier and
+            # it could mark rows the next leader is publishing, which then come out again after
+            # later records of their key. Order first: the other units' heartbeats wait (at worst
+            # they fence and resume, which costs duplicates, never order).
+            self._log.warning("revoked with a mark still on its way: waiting out its deadline", unit=lease.unit)
+            lease.end_marks(max(0.0, deadlines[lease.unit] - time.monotonic()))
         try:
             consumer.incremental_unassign(partitions)
         except KafkaException:
             pass
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._on_revoke(consumer, partitions)
+        self._on_revoke(consumer, partitions, lost=True)
 
     def _pulse(self) -> None:
         consumer, producer = self._consumer, self._producer

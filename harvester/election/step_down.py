@@ -99,9 +99,7 @@ class StepDown:
         )
         if self._counter is not None:
             self._counter.inc()
-        # Read before the fence: no mark on its way has a later deadline (each read valid_until()
-        # before its lease check, and the lease only ever grows).
-        valid_until = {lease.unit: lease.valid_until() for lease in held}
+        valid_until = {lease.unit: lease.marks_accepted_until() for lease in held}
         for lease in held:
             lease.set(FENCED, None)
         deadline = time.monotonic() + wait_marks
