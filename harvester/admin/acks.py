@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from harvester import logs
 from harvester.admin.common import AdminError, require_tables
 from harvester.config import Config, ack_topics
 from harvester.exit_codes import ExitCode
+from harvester.kafka_delivery import Headers, Record, produce_all
 from tracker.schema import qualified
 
 REASON_HEADER = "reason"  # harvester.services.ack_dead_letters.REASON_HEADER
@@ -274,23 +275,15 @@ def send(
             "logger": logs.KafkaLogger("acks-requeue"),
         }
     )
-    failures: list[str] = []
 
-    def delivered(err: KafkaError | None, _msg: Any) -> None:
-        if err is not None:
-            failures.append(str(err))
+    def requeued() -> Iterator[Record]:
+        for m, target in zip(chosen, targets, strict=True):
+            kept: list[Any] = list(m.headers() or [])
+            headers: Headers = [(h[0], h[1]) for h in kept if h[0] == FAILURE_REASON_HEADER]
+            headers.append((REQUEUED_FROM_HEADER, f"{a.dead_letter_topic}:{m.partition()}@{m.offset()}".encode()))
+            yield target, m.key(), m.value(), headers
 
-    for m, target in zip(chosen, targets, strict=True):
-        kept: list[Any] = list(m.headers() or [])
-        headers: list[tuple[str, str | bytes | None]] = [(h[0], h[1]) for h in kept if h[0] == FAILURE_REASON_HEADER]
-        headers.append((REQUEUED_FROM_HEADER, f"{a.dead_letter_topic}:{m.partition()}@{m.offset()}".encode()))
-        while True:
-            try:
-                producer.produce(target, key=m.key(), value=m.value(), headers=headers, on_delivery=delivered)
-                break
-            except BufferError:
-                producer.poll(0.1)
-    left = producer.flush(30)
+    left, failures = produce_all(producer, requeued())
     if left or failures:
         raise AdminError(
             f"not all were sent to {out.topic}: {left} still queued, failures {failures[:3]}; "

@@ -10,15 +10,13 @@ requeue` reads both, harvester.admin.acks).
 
 from __future__ import annotations
 
-from typing import Any
-
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from harvester.kafka_delivery import Headers, produce_all
 from tracker.folding import FAIL_MARK, FAILURE_REASON_HEADER, Folded
 
 REASON_HEADER = "reason"
 
-Headers = list[tuple[str, str | bytes | None]]
 Letter = tuple[bytes | None, bytes | None, Headers]  # key, value, headers
 
 
@@ -51,20 +49,7 @@ def letters_of(source_topic: str, folded: Folded, rejected: list[tuple[str, str,
 def deliver(producer: Producer, topic: str, letters: list[Letter]) -> None:
     """Produce the letters to `topic` and wait until Kafka has every one; raise KafkaException if
     any was not delivered (the acker then retries the whole poll)."""
-    failures: list[str] = []
-
-    def delivered(err: KafkaError | None, _msg: Any) -> None:
-        if err is not None:
-            failures.append(str(err))
-
-    for key, value, headers in letters:
-        while True:
-            try:
-                producer.produce(topic, key=key, value=value, headers=headers, on_delivery=delivered)
-                break
-            except BufferError:
-                producer.poll(0.1)
-    left = producer.flush(30)
+    left, failures = produce_all(producer, ((topic, key, value, headers) for key, value, headers in letters))
     if left or failures:
         raise KafkaException(
             KafkaError(
