@@ -12,26 +12,14 @@ The election bounds those waits by the group's session timeout: past it the grou
 lease on anyway, so waiting longer on that connection wins nothing, while giving it up sends the
 requests again on a fresh connection, to whichever broker the metadata names by then. (Bounding
 them by heartbeat_timeout gave up connections to brokers that were only slow under load, failing
-every request in flight on them, and fenced lanes for nothing.) The data producer waits as long
-on a silent partition leader (harvester.publishing.publisher: its requests are idempotent, a
-timed-out one is sent again to the new leader).
-
-The election's clients refresh their metadata every half heartbeat_timeout, at most every
-LEADER_REFRESH_MS: a new partition leader is found without waiting for the old one to time out.
-After a broker dies, the leader topic's heartbeats stop until Kafka has moved its partition and the
-heartbeat producer has learned so; the lease fences itself if that takes heartbeat_timeout. The
-producer learns it at its next refresh after the move, and then once more: librdkafka drops the
-dead broker from the same answer and hands the partition it just moved to its internal broker,
-where the records wait for the next answer. At a 1 s refresh that cost up to 2 s after Kafka's
-failover (fencing leaders after a 4 s failover, which a 5 s heartbeat_timeout should ride out); at
-250 ms, up to half a second, for four one-topic metadata requests a second per client.
-
-kafka.client, kafka.consumer and kafka.producer settings override all of these.
+every request in flight on them, and fenced lanes for nothing.) Metadata is refreshed every half
+heartbeat_timeout (at most every second): a new partition leader is found without waiting for the
+old one to time out. The data producer waits as long on a silent partition leader
+(harvester.publishing.publisher: its requests are idempotent, a timed-out one is sent again to the
+new leader). kafka.client, kafka.consumer and kafka.producer settings override all of these.
 """
 
 from __future__ import annotations
-
-LEADER_REFRESH_MS = 250  # the election clients' slowest periodic metadata refresh (see above)
 
 
 def silent_broker_wait_ms(heartbeat_timeout: float, session_timeout: float) -> int:
@@ -47,5 +35,5 @@ def election_client_defaults(heartbeat_timeout: float, session_timeout: float) -
     return {
         "socket.timeout.ms": wait,
         "socket.connection.setup.timeout.ms": wait,
-        "topic.metadata.refresh.interval.ms": max(100, min(LEADER_REFRESH_MS, int(heartbeat_timeout * 500))),
+        "topic.metadata.refresh.interval.ms": max(100, min(1000, int(heartbeat_timeout * 500))),
     }
