@@ -87,7 +87,8 @@ def test_a_heartbeat_path_that_reopens_briefly_between_outages_fences_once(flapp
     proxy.swallow()
     time.sleep(2 * HB_TIMEOUT)
     proxy.heal()
-    assert wait_until(lambda: n.leader_id() is not None, 15), states.changes
+    # (the state is set before its change is reported: wait for the report too)
+    assert wait_until(lambda: n.leader_id() is not None and states.count(LEADER) >= 2, 15), states.changes
     # one fence, one resumption (each resumption is a mark from the head): not one per reopening
     assert states.count(FENCED) == 1, states.changes
     assert states.count(LEADER) == 2, states.changes
