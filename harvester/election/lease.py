@@ -46,7 +46,7 @@ class DatabaseReach:
         """An operation begins (the first of a run of failures keeps its start; a run gone stale
         starts again)."""
         now = time.monotonic() if now is None else now
-        if self._since is None or (not self._pending and now - self._failed_at > EVIDENCE_FRESH):
+        if self._since is None or self._stale(now):
             self._since = now
         self._pending = True
 
@@ -62,9 +62,13 @@ class DatabaseReach:
 
     def unanswered_for(self, now: float) -> float:
         since = self._since
-        if since is None or (not self._pending and now - self._failed_at > EVIDENCE_FRESH):
+        if since is None or self._stale(now):
             return 0.0
         return max(0.0, now - since)
+
+    def _stale(self, now: float) -> bool:
+        """Nothing on its way and the last failure too old to count (see EVIDENCE_FRESH)."""
+        return not self._pending and now - self._failed_at > EVIDENCE_FRESH
 
 
 class Lease:
@@ -112,6 +116,14 @@ class Lease:
         grows, and the database clock's mapping lands early (harvester.election.db_clock) but for
         its drift, which MARK_DEADLINE_MARGIN covers many times over."""
         return self.last_heartbeat + self.hb_timeout + MARK_DEADLINE_MARGIN
+
+    def end_marks_or_deadline(self, first_until: float, on_late: Callable[[], None]) -> None:
+        """Wait for the marks on their way until `first_until`; if one is still out then, call
+        `on_late` and wait for it until the database can no longer accept it: a partition let go
+        earlier could see a late mark take rows the next leader is publishing."""
+        if not self.end_marks(max(0.0, first_until - time.monotonic())):
+            on_late()
+            self.end_marks(max(0.0, self.marks_accepted_until() - time.monotonic()))
 
     @contextmanager
     def marking(self) -> Iterator[uuid.UUID | None]:

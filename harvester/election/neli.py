@@ -34,6 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 
 from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
@@ -221,28 +222,27 @@ class Neli:
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition], lost: bool = False) -> None:
         # A replaced consumer (see _check_membership) held nothing.
         revoked = [lease for lease in self._mine(partitions) if lease.holding] if consumer is self._consumer else []
-        deadlines = {lease.unit: lease.marks_accepted_until() for lease in revoked}
         for lease in revoked:
             lease.holding = False
             lease._m.revocations.inc()
             lease.set(FOLLOWER, None)
         # Let the marks on their way return before giving the partitions up (the group hands them
         # on once this callback returns): all units within one bound first, since the other units'
-        # heartbeats wait for this thread too.
+        # heartbeats wait for this thread too; then a mark still out is waited for until its
+        # deadline (Lease.end_marks_or_deadline). Order first: the other units' heartbeats wait (at
+        # worst they fence and resume, which costs duplicates, never order).
         deadline = time.monotonic() + min(REVOKE_MARK_WAIT, self.hb_timeout / 4)
         for lease in revoked:
-            if lease.end_marks(max(0.0, deadline - time.monotonic())):
-                continue
             if lost:  # the group has handed the partition on already: nothing to hold back
-                self._log.warning("partition lost with a mark still on its way", unit=lease.unit)
+                if not lease.end_marks(max(0.0, deadline - time.monotonic())):
+                    self._log.warning("partition lost with a mark still on its way", unit=lease.unit)
                 continue
-            # A mark still out (waiting for a connection or a lock) is accepted by the database
-            # until its own deadline (OutboxStore.mark's `until`): let the partition go earlier and
-            # it could mark rows the next leader is publishing, which then come out again after
-            # later records of their key. Order first: the other units' heartbeats wait (at worst
-            # they fence and resume, which costs duplicates, never order).
-            self._log.warning("revoked with a mark still on its way: waiting out its deadline", unit=lease.unit)
-            lease.end_marks(max(0.0, deadlines[lease.unit] - time.monotonic()))
+            lease.end_marks_or_deadline(
+                deadline,
+                partial(
+                    self._log.warning, "revoked with a mark still on its way: waiting out its deadline", unit=lease.unit
+                ),
+            )
         try:
             consumer.incremental_unassign(partitions)
         except KafkaException:

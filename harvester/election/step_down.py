@@ -37,6 +37,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from confluent_kafka.admin import AdminClient
 from prometheus_client import Counter
@@ -99,20 +100,21 @@ class StepDown:
         )
         if self._counter is not None:
             self._counter.inc()
-        valid_until = {lease.unit: lease.marks_accepted_until() for lease in held}
         for lease in held:
             lease.set(FENCED, None)
         deadline = time.monotonic() + wait_marks
         for lease in held:
-            if not lease.end_marks(max(0.0, deadline - time.monotonic())):
-                # Leaving hands the partition over at once, unlike a missed heartbeat (whose session
-                # timeout outlasts every deadline): a mark still waiting (for a connection, most
-                # likely) would be accepted until its own deadline (OutboxStore.mark's `until`) and
-                # mark rows the next leader is publishing. Wait for it, or for that deadline.
-                self._log.warning(
-                    "stepping down with a mark still on its way: waiting out its deadline", unit=lease.unit
-                )
-                lease.end_marks(max(0.0, valid_until[lease.unit] - time.monotonic()))
+            # Leaving hands the partition over at once, unlike a missed heartbeat (whose session
+            # timeout outlasts every deadline): a mark still waiting (for a connection, most
+            # likely) would be accepted until its own deadline (OutboxStore.mark's `until`).
+            lease.end_marks_or_deadline(
+                deadline,
+                partial(
+                    self._log.warning,
+                    "stepping down with a mark still on its way: waiting out its deadline",
+                    unit=lease.unit,
+                ),
+            )
             lease.holding = False
         try:
             leave_group()
