@@ -174,6 +174,7 @@ def test_a_killed_builders_child_keeps_the_next_builder_waiting(tmp_path):
             if not (marks / "first").exists():
                 (marks / "first").write_text("")
                 subprocess.Popen([sys.executable, "-c", child, str(marks)], pass_fds=pass_fds)
+                (marks / "child-started").write_text("")
                 time.sleep(60)  # killed here, its child still running
             (marks / "second-started").write_text(str(time.time()))
 
@@ -182,7 +183,8 @@ def test_a_killed_builders_child_keeps_the_next_builder_waiting(tmp_path):
     )
     first = subprocess.Popen([sys.executable, "-c", script, str(LOCAL), str(target), str(marks)])
     deadline = time.monotonic() + 10
-    while not (marks / "first").exists() and time.monotonic() < deadline:
+    # Killed once its child runs (not at "first": under load the kill could land before the spawn).
+    while not (marks / "child-started").exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     first.kill()  # the builder alone, as the OOM killer would
     first.wait()
