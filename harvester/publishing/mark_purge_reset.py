@@ -232,7 +232,7 @@ class UnitHarvester:
             # Fenced or revoked: nothing of this leadership may leave the process later, not even
             # a retry of a record already sent (message.timeout.ms=0 would retry it for ever). A
             # producer that never got a record is kept (nothing to drop).
-            self.publisher.retire_producer(f"neli {state}")
+            self.publisher.retire_producer(f"neli {state}", routine=True)  # the election logged why
         self.log.info(
             "publishing state",
             state=state,

@@ -117,9 +117,10 @@ class ProducerSlot:
                 self.current = self.producers[(self.producers.index(after) + 1) % self._count]
                 self.busy()
 
-    def retire(self, why: str) -> bool:
+    def retire(self, why: str, *, routine: bool = False) -> bool:
         """Swap the producers for new ones and drop all the old ones hold (see the contract).
-        Returns False, and keeps them, when none was ever used."""
+        Returns False, and keeps them, when none was ever used. `routine`: the caller already
+        logged its cause (a change of leadership), so the retirement is an info line, not news."""
         with self._retire_lock:
             if not self.used and not self.broken:
                 return False
@@ -136,7 +137,7 @@ class ProducerSlot:
             with self._retiring_lock:
                 self._retiring.extend(old)
             self.retired += 1
-        self._log.warning("producer retired and replaced", reason=why)
+        (self._log.info if routine else self._log.warning)("producer retired and replaced", reason=why)
         return True
 
     def replace_if_broken(self) -> bool:
@@ -225,14 +226,15 @@ class ProducerSlot:
 
 
 class _RetiredQuiet:
-    """A producer's librdkafka log: once the producer is retired, its error lines (the gap-less
-    guarantee's FATAL about records purged in flight) are warnings, not errors: expected, and about
-    a producer that gets nothing more."""
+    """A producer's librdkafka log: once the producer is retired, its warning and error lines (the
+    gap-less guarantee's FATAL about records purged in flight) drop to below warning: the purge is
+    the retirement's own doing, the producer gets nothing more, and its error callback says so
+    once in an info line."""
 
     def __init__(self, inner, cell: list[ProducerLike], slot: ProducerSlot) -> None:
         self._inner, self._cell, self._slot = inner, cell, slot
 
     def log(self, level: int, fmt: str, *args) -> None:
-        if level > logging.WARNING and self._slot.is_retired(self._cell[0] if self._cell else None):
-            level = logging.WARNING
+        if level >= logging.WARNING and self._slot.is_retired(self._cell[0] if self._cell else None):
+            level = logging.INFO
         self._inner.log(level, fmt, *args)

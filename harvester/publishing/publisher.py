@@ -188,8 +188,8 @@ class Publisher:
     def drain(self, timeout: float) -> bool:
         return self.settler.drain(timeout)
 
-    def retire_producer(self, why: str) -> bool:
-        return self.slot.retire(why)
+    def retire_producer(self, why: str, *, routine: bool = False) -> bool:
+        return self.slot.retire(why, routine=routine)
 
     def replace_if_broken(self) -> bool:
         return self.slot.replace_if_broken()
