@@ -169,3 +169,44 @@ def test_an_operation_on_its_way_counts_however_long_it_waits():
     assert reach.unanswered_for(3600.0) == pytest.approx(3600.0)
     reach.answered()
     assert reach.unanswered_for(3601.0) == 0.0
+
+
+class _Pauses(threading.Event):
+    """A stop event whose waits return at once and are recorded: the back-off without the clock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(timeout or 0.0)
+        return self.is_set()
+
+
+@given(st.integers(min_value=0, max_value=12), st.integers(min_value=1, max_value=3))
+def test_a_stepped_down_reaper_probes_with_a_doubling_pause_and_each_unit_until_it_answers(failures, units):
+    asked: list[int] = []
+
+    def probe(unit: int, timeout: float) -> None:
+        asked.append(unit)
+        if len(asked) <= failures:
+            raise ConnectionRefusedError("cut off")
+
+    stop = _Pauses()
+    assert StepDown(10.0, probe).wait_for_database(list(range(units)), stop)
+    expected = [0.25, 0.5, 1.0] + [1.0] * failures
+    assert stop.waits == expected[:failures]  # one pause per failed probe, doubling up to a second
+    # A unit that answered is not asked again; the one that failed is asked until it answers.
+    assert asked == [0] * (failures + 1) + list(range(1, units))
+
+
+def test_a_stop_while_cut_off_ends_the_probing():
+    stop = _Pauses()
+
+    def probe(unit: int, timeout: float) -> None:
+        if len(stop.waits) == 2:
+            stop.set()  # the reaper is told to stop while Postgres is still away
+        raise ConnectionRefusedError("cut off")
+
+    assert not StepDown(10.0, probe).wait_for_database([0], stop)
+    assert stop.waits == [0.25, 0.5, 1.0]
