@@ -17,6 +17,9 @@ import services as base  # deploy/local/services.py: Kafka jars, Java
 from cluster_layout import DIR, broker_port, controller_port
 
 HEAP = os.environ.get("OUTBOX_CLUSTER_KAFKA_HEAP", "384m")
+# extra broker settings, "key=value;key=value", written after (so over) the ones below: for trying
+# a setting on the cluster without editing this file
+EXTRA = os.environ.get("OUTBOX_CLUSTER_KAFKA_PROPS", "")
 NODES = (1, 2, 3)
 
 
@@ -60,7 +63,7 @@ unclean.leader.election.enable=false
 log.retention.hours=2
 log.segment.bytes=52428800
 delete.topic.enable=true
-"""
+""" + "".join(f"{item.strip()}\n" for item in EXTRA.split(";") if item.strip())
 
 
 def cluster_id() -> str:
