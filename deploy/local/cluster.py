@@ -13,7 +13,8 @@ Postgres nodes base+1, base+2; Kafka brokers base+11..13, their controller liste
 Topics get replication factor 3 and min.insync.replicas 2 by default. The Postgres primary waits
 for the standby's flush at each commit (synchronous_standby_names), so a promotion loses nothing
 committed; a promoted standby writes alone (no standby to wait for) until the old primary rejoins.
-Kafka's heap per broker: OUTBOX_CLUSTER_KAFKA_HEAP (384m). State under <state>/cluster.
+Kafka's heap per broker: OUTBOX_CLUSTER_KAFKA_HEAP (384m); more broker settings:
+OUTBOX_CLUSTER_KAFKA_PROPS ("key=value;key=value", over the defaults). State under <state>/cluster.
 
 This module is the command line and what spans both sides (up, down, status, the environment
 lines); the brokers are cluster_kafka.py, the Postgres primary and standby cluster_postgres.py, the

@@ -1,7 +1,8 @@
 """The local cluster's Kafka side (deploy/local/cluster.py): three KRaft nodes, each broker and
 controller in one JVM, started, signalled and watched. Topics get replication factor 3 and
 min.insync.replicas 2 by default; a lost broker is fenced within about 2 s. Heap per broker:
-OUTBOX_CLUSTER_KAFKA_HEAP (384m). State under <state>/cluster/kafka<N>.
+OUTBOX_CLUSTER_KAFKA_HEAP (384m). OUTBOX_CLUSTER_KAFKA_PROPS ("key=value;key=value") adds broker
+settings over these, applied as each broker starts. State under <state>/cluster/kafka<N>.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import services as base  # deploy/local/services.py: Kafka jars, Java
 from cluster_layout import DIR, broker_port, controller_port
 
 HEAP = os.environ.get("OUTBOX_CLUSTER_KAFKA_HEAP", "384m")
-# extra broker settings, "key=value;key=value", written after (so over) the ones below: for trying
-# a setting on the cluster without editing this file
+# written after (so over) the settings below: to try one on the cluster without editing this file
 EXTRA = os.environ.get("OUTBOX_CLUSTER_KAFKA_PROPS", "")
 NODES = (1, 2, 3)
 
