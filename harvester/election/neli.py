@@ -40,6 +40,7 @@ from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, Me
 from confluent_kafka.admin import AdminClient
 
 from harvester import logs
+from harvester.election.diagnosis import REPORT_SESSIONS, FencedReports, Watchdog, why_not_resuming
 from harvester.election.leader_topic import ensure_leader_topic
 from harvester.election.lease import FENCED, FOLLOWER, LEADER, Lease
 from harvester.election.resumption import Resumption
@@ -95,6 +96,9 @@ class Neli:
         ]
         # a fence within one session timeout of the resumption before it counts as a flap
         self._resumptions = [Resumption(resume_steady, session_timeout, heartbeat_timeout) for _ in range(units)]
+        # a fence or a silent election thread that lasts is reported with why (harvester.election.diagnosis)
+        self._reports = FencedReports(units, REPORT_SESSIONS * session_timeout)
+        self._waiting_on_purpose = False  # a step-down waits for its database in the election thread
         base = {"bootstrap.servers": bootstrap, **client}
         # timeouts on a silent broker (harvester.election.timeouts): kafka.client and the
         # consumer/producer sections still override them
@@ -154,6 +158,13 @@ class Neli:
         self._step_down = step_down
         self._producer: ProducerLike | None = None
         self._thread = threading.Thread(target=self._run, name="reaper-neli", daemon=True)
+        self.watchdog = Watchdog(
+            self._thread,
+            lambda: self._last_pulse,
+            lambda: self._waiting_on_purpose,
+            REPORT_SESSIONS * session_timeout,
+            self._stop,
+        )
 
     # ------------------------------------------------------------------ public
 
@@ -176,6 +187,7 @@ class Neli:
             pass
         self._consumer = self._new_consumer()
         self._thread.start()
+        self.watchdog.start()
         return self
 
     def _new_consumer(self) -> Consumer:
@@ -279,7 +291,12 @@ class Neli:
             and self._step_down.anyone_to_hand_over_to(now, lambda: self._others(consumer))
         ):
             # Closing the consumer leaves the group (nothing is held by then: _on_revoke only unassigns).
-            self._step_down.leave(cut_off, now, min(REVOKE_MARK_WAIT, self.hb_timeout / 4), consumer.close, self._stop)
+            self._waiting_on_purpose = True
+            try:
+                wait = min(REVOKE_MARK_WAIT, self.hb_timeout / 4)
+                self._step_down.leave(cut_off, now, wait, consumer.close, self._stop)
+            finally:
+                self._waiting_on_purpose = False
             self._consumer = self._new_consumer()  # an ordinary member again (when stopping, _run closes it)
             self._in_group_at = time.monotonic()
         self._last_pulse = time.monotonic()
@@ -308,6 +325,8 @@ class Neli:
         reachable broker). Served by producer.poll in this thread."""
         if err is None:
             self._vouch(msg.partition(), msg.value())
+        elif (partition := msg.partition()) is not None:
+            self._reports.failed(partition, err)
 
     def _check_membership(self, now: float) -> None:
         """Replace the consumer when it has had no group member id for OUT_OF_GROUP_SESSIONS
@@ -381,6 +400,35 @@ class Neli:
             )
             resumption.resumed(now)
             lease.acquire(resumed=True)
+        elif lease.state == FENCED and self._reports.due(lease.unit, resumption.fenced_at, now):
+            self._report_fenced(lease, resumption, now)
+
+    def _report_fenced(self, lease: Lease, resumption: Resumption, now: float) -> None:
+        """A unit fenced for long: say what its resumption waits for (harvester.election.diagnosis)."""
+        consumer, producer = self._consumer, self._producer
+        in_group = bool(consumer is not None and consumer.memberid())
+        age, grace_left = now - lease.last_heartbeat, max(0.0, self._resume_after - now)
+        self._log.warning(
+            "still fenced: not resuming",
+            unit=lease.unit,
+            why=why_not_resuming(
+                heartbeat_age=age,
+                fresh=resumption.fresh,
+                grace_left=grace_left,
+                in_group=in_group,
+                steady=resumption.steady_for(),
+                needed=resumption.needed,
+            ),
+            fenced_s=round(now - resumption.fenced_at, 1),
+            heartbeat_age_s=round(age, 1),
+            heartbeats_unanswered=len(producer) if producer is not None else None,
+            heartbeat_errors=self._reports.errors[lease.unit],
+            last_heartbeat_error=self._reports.last_error[lease.unit],
+            in_group=in_group,
+            steady_s=round(resumption.steady_for(), 3),
+            steady_needed_s=resumption.needed,
+            stall_grace_left_s=round(grace_left, 3),
+        )
 
     def _sent_at(self, value: bytes | None) -> float | None:
         """The monotonic send time of one of this process's heartbeats; None for anything else."""
