@@ -28,6 +28,8 @@ from collections.abc import Callable
 from confluent_kafka import KafkaError
 
 from harvester import logs
+from harvester.election.lease import Lease
+from harvester.election.resumption import Resumption
 
 REPORT_SESSIONS = 3  # session timeouts of no progress before a report, and between two reports
 STACK_FRAMES = 12  # innermost frames of a blocked election thread's stack in its report
@@ -39,24 +41,75 @@ class FencedReports:
 
     def __init__(self, units: int, every: float) -> None:
         self.every = every
+        self._log = logs.get("reaper.neli")
         self._next = [0.0] * units  # monotonic: the unit's next report, for its current fence
         self._fence_started = [0.0] * units
         self.last_error: list[str | None] = [None] * units  # the last heartbeat delivery error, if any
         self.errors = [0] * units  # heartbeat delivery errors since the start
+        self.acks = [0] * units  # heartbeats back (acknowledged or read back) since the last report
+        self.last_trip: list[float | None] = [None] * units  # seconds from send to back, of the last one
 
     def failed(self, unit: int, err: KafkaError) -> None:
         if 0 <= unit < len(self.errors):
             self.errors[unit] += 1
             self.last_error[unit] = err.str()
 
+    def back(self, unit: int, trip: float) -> None:
+        """A heartbeat of `unit` came back `trip` seconds after it was sent."""
+        self.acks[unit] += 1
+        self.last_trip[unit] = trip
+
+    def take_acks(self, unit: int) -> int:
+        """The heartbeats back since the fence or the last report, counting anew from here."""
+        count, self.acks[unit] = self.acks[unit], 0
+        return count
+
     def due(self, unit: int, fenced_at: float, now: float) -> bool:
         """True when the fence that began at `fenced_at` has lasted long enough for (another) report."""
         if self._fence_started[unit] != fenced_at:
             self._fence_started[unit], self._next[unit] = fenced_at, fenced_at + self.every
+            self.acks[unit] = 0
         if now < self._next[unit]:
             return False
         self._next[unit] = now + self.every
         return True
+
+    def report(
+        self,
+        lease: Lease,
+        resumption: Resumption,
+        now: float,
+        *,
+        in_group: bool,
+        unanswered: int | None,
+        grace_left: float,
+    ) -> None:
+        """Log why `lease`, fenced for long, does not resume. `unanswered`: the heartbeats the
+        election's producer still holds; `grace_left`: seconds of stall grace still pending."""
+        unit, age, trip = lease.unit, now - lease.last_heartbeat, self.last_trip[lease.unit]
+        self._log.warning(
+            "still fenced: not resuming",
+            unit=unit,
+            why=why_not_resuming(
+                heartbeat_age=age,
+                fresh=resumption.fresh,
+                grace_left=grace_left,
+                in_group=in_group,
+                steady=resumption.steady_for(),
+                needed=resumption.needed,
+            ),
+            fenced_s=round(now - resumption.fenced_at, 1),
+            heartbeat_age_s=round(age, 1),
+            heartbeats_back=self.take_acks(unit),  # acknowledged or read back, since the fence or the last report
+            last_round_trip_s=None if trip is None else round(trip, 3),
+            heartbeats_unanswered=unanswered,
+            heartbeat_errors=self.errors[unit],
+            last_heartbeat_error=self.last_error[unit],
+            in_group=in_group,
+            steady_s=round(resumption.steady_for(), 3),
+            steady_needed_s=resumption.needed,
+            stall_grace_left_s=round(grace_left, 3),
+        )
 
 
 def why_not_resuming(

@@ -40,7 +40,7 @@ from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, Me
 from confluent_kafka.admin import AdminClient
 
 from harvester import logs
-from harvester.election.diagnosis import REPORT_SESSIONS, FencedReports, Watchdog, why_not_resuming
+from harvester.election.diagnosis import REPORT_SESSIONS, FencedReports, Watchdog
 from harvester.election.leader_topic import ensure_leader_topic
 from harvester.election.lease import FENCED, FOLLOWER, LEADER, Lease
 from harvester.election.resumption import Resumption
@@ -317,6 +317,7 @@ class Neli:
         if sent_at is not None:
             lease = self.leases[partition]
             lease.last_heartbeat = max(lease.last_heartbeat, sent_at)
+            self._reports.back(partition, time.monotonic() - sent_at)
 
     def _acked(self, err: KafkaError | None, msg: Message) -> None:
         """The broker appended a heartbeat: the same evidence as reading it back, one trip through
@@ -406,28 +407,13 @@ class Neli:
     def _report_fenced(self, lease: Lease, resumption: Resumption, now: float) -> None:
         """A unit fenced for long: say what its resumption waits for (harvester.election.diagnosis)."""
         consumer, producer = self._consumer, self._producer
-        in_group = bool(consumer is not None and consumer.memberid())
-        age, grace_left = now - lease.last_heartbeat, max(0.0, self._resume_after - now)
-        self._log.warning(
-            "still fenced: not resuming",
-            unit=lease.unit,
-            why=why_not_resuming(
-                heartbeat_age=age,
-                fresh=resumption.fresh,
-                grace_left=grace_left,
-                in_group=in_group,
-                steady=resumption.steady_for(),
-                needed=resumption.needed,
-            ),
-            fenced_s=round(now - resumption.fenced_at, 1),
-            heartbeat_age_s=round(age, 1),
-            heartbeats_unanswered=len(producer) if producer is not None else None,
-            heartbeat_errors=self._reports.errors[lease.unit],
-            last_heartbeat_error=self._reports.last_error[lease.unit],
-            in_group=in_group,
-            steady_s=round(resumption.steady_for(), 3),
-            steady_needed_s=resumption.needed,
-            stall_grace_left_s=round(grace_left, 3),
+        self._reports.report(
+            lease,
+            resumption,
+            now,
+            in_group=bool(consumer is not None and consumer.memberid()),
+            unanswered=len(producer) if producer is not None else None,
+            grace_left=max(0.0, self._resume_after - now),
         )
 
     def _sent_at(self, value: bytes | None) -> float | None:
