@@ -1,6 +1,7 @@
-"""What the election says when it is not getting anywhere (harvester.election.diagnosis): a unit
-fenced for long reports why it does not resume, and an election thread blocked somewhere is
-reported with its stack. Before, a fence that never ended left nothing after "neli fenced"."""
+"""When the election is not getting anywhere (harvester.election.diagnosis): a unit fenced for long
+reports why it does not resume, a heartbeat producer that gets nothing back for as long is replaced,
+and an election thread blocked somewhere is reported with its stack. Before, a fence that never
+ended left nothing after "neli fenced"."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 import time
 import uuid
 
+from confluent_kafka import Producer
 from support.faults import HeldHeartbeats
 from support.harness import wait_until
 from support.json_log import events, json_log
@@ -66,6 +68,65 @@ def test_a_unit_fenced_for_long_says_its_heartbeats_go_unanswered_and_why(kafka_
         finally:
             n.stop()
             proxy.close()
+
+
+class _FirstThroughProxy:
+    """A heartbeat producer factory whose first producer goes through `proxy` (swallowed: a client
+    that never gets an answer again) and every later one straight to the broker."""
+
+    def __init__(self, proxy: KafkaProxy) -> None:
+        self.proxy, self.made = proxy, 0
+
+    def __call__(self, conf: dict) -> Producer:
+        self.made += 1
+        return Producer({**conf, "bootstrap.servers": self.proxy.address} if self.made == 1 else conf)
+
+
+def test_a_heartbeat_producer_that_gets_nothing_back_for_long_is_replaced_and_the_unit_resumes(kafka_bootstrap, topics):
+    """The heartbeat producer is the election's one client that is never replaced otherwise: one
+    that gets no answer again (the consumer in the group, the broker up) left a lone leader fenced
+    for good after a broker restart under load. Replaced, the unit resumes; before, it never did."""
+    proxy = KafkaProxy(kafka_bootstrap)
+    factory = _FirstThroughProxy(proxy)
+    with json_log() as out:
+        n = _neli(kafka_bootstrap, topics("leader"), producer={}, make_producer=factory).start()
+        try:
+            assert wait_until(lambda: n.state == LEADER, 30)
+            time.sleep(1)
+            first = n.leader_id()
+            proxy.swallow()  # for good: only a new producer gets its heartbeats through
+            assert wait_until(lambda: n.state == FENCED, 5)
+            assert wait_until(lambda: n.leader_id() is not None, 3 * SESSION + 15), (
+                "a heartbeat producer that never gets an answer again kept the unit fenced"
+            )
+            assert factory.made == 2 and n.leader_id() != first
+            logged = [e["event"] for e in events(out)]
+            report, replaced = (
+                "still fenced: not resuming",
+                "heartbeat producer got nothing back for long: replacing it",
+            )
+            assert report in logged and replaced in logged and logged.index(report) < logged.index(replaced)
+        finally:
+            n.stop()
+            proxy.close()
+
+
+def test_a_heartbeat_producer_whose_heartbeats_come_back_is_kept_while_the_unit_is_fenced(kafka_bootstrap, topics):
+    """Heartbeats held back by the unit itself, not the producer's path: a fence that lasts is
+    reported, but a producer whose last heartbeats came back recently is not what keeps it fenced."""
+    held = HeldHeartbeats()
+    with json_log() as out:
+        n = _neli(kafka_bootstrap, topics("leader"), producer={}, make_producer=held).start()
+        try:
+            assert wait_until(lambda: n.state == LEADER, 30)
+            made = n._producer
+            held.hold(3 * SESSION + 8)
+            assert wait_until(lambda: _logged(out, "still fenced: not resuming"), 3 * SESSION + 10)
+            assert n._producer is made and not _logged(
+                out, "heartbeat producer got nothing back for long: replacing it"
+            )
+        finally:
+            n.stop()
 
 
 def test_an_election_thread_blocked_in_a_callback_is_reported_with_its_stack(kafka_bootstrap, topics):

@@ -46,6 +46,7 @@ class FencedReports:
         self._fence_started = [0.0] * units
         self.last_error: list[str | None] = [None] * units  # the last heartbeat delivery error, if any
         self.errors = [0] * units  # heartbeat delivery errors since the start
+        self.failed_at = 0.0  # monotonic: the last heartbeat delivery error, of any unit
         self.acks = [0] * units  # heartbeats back (acknowledged or read back) since the last report
         self.last_trip: list[float | None] = [None] * units  # seconds from send to back, of the last one
 
@@ -53,6 +54,7 @@ class FencedReports:
         if 0 <= unit < len(self.errors):
             self.errors[unit] += 1
             self.last_error[unit] = err.str()
+            self.failed_at = time.monotonic()
 
     def back(self, unit: int, trip: float) -> None:
         """A heartbeat of `unit` came back `trip` seconds after it was sent."""

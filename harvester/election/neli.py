@@ -157,6 +157,8 @@ class Neli:
         self._make_producer = make_producer
         self._step_down = step_down
         self._producer: ProducerLike | None = None
+        self._producer_made = 0.0  # monotonic: when the heartbeat producer in use was made
+        self._back_at = 0.0  # monotonic: when a heartbeat of any unit last came back
         self._thread = threading.Thread(target=self._run, name="reaper-neli", daemon=True)
         self.watchdog = Watchdog(
             self._thread,
@@ -178,6 +180,7 @@ class Neli:
     def start(self) -> Neli:
         self.prepare()
         self._producer = self._make_producer(self._producer_conf)
+        self._producer_made = time.monotonic()
         # Connect to the leader topic's broker now rather than at a leadership's first heartbeat,
         # whose connection set-up (several round trips to a busy broker) would eat into the grace a
         # new leadership gets. The value is no heartbeat (see _sent_at): every reaper ignores it.
@@ -317,7 +320,8 @@ class Neli:
         if sent_at is not None:
             lease = self.leases[partition]
             lease.last_heartbeat = max(lease.last_heartbeat, sent_at)
-            self._reports.back(partition, time.monotonic() - sent_at)
+            self._back_at = time.monotonic()
+            self._reports.back(partition, self._back_at - sent_at)
 
     def _acked(self, err: KafkaError | None, msg: Message) -> None:
         """The broker appended a heartbeat: the same evidence as reading it back, one trip through
@@ -407,14 +411,41 @@ class Neli:
     def _report_fenced(self, lease: Lease, resumption: Resumption, now: float) -> None:
         """A unit fenced for long: say what its resumption waits for (harvester.election.diagnosis)."""
         consumer, producer = self._consumer, self._producer
+        in_group = bool(consumer is not None and consumer.memberid())
+        unanswered = len(producer) if producer is not None else 0
         self._reports.report(
             lease,
             resumption,
             now,
-            in_group=bool(consumer is not None and consumer.memberid()),
-            unanswered=len(producer) if producer is not None else None,
+            in_group=in_group,
+            unanswered=unanswered,
             grace_left=max(0.0, self._resume_after - now),
         )
+        since = max(self._back_at, self._producer_made)
+        if in_group and now - since > self._reports.every and (unanswered or self._reports.failed_at > since):
+            self._replace_producer(now)  # heartbeats went out, none came back
+
+    def _replace_producer(self, now: float) -> None:
+        """Replace a heartbeat producer that got no heartbeat of any unit back for as long as a
+        fence is reported after, while the leader consumer is in the group.
+
+        The heartbeat producer is the one election client that lives as long as the process (a
+        consumer out of the group is replaced, the data producer is retired at every fence): a lone
+        leader fenced right after leading again once its single broker restarted under load, and
+        stayed fenced for minutes while its fresh data producer and consumer worked; only a heartbeat
+        producer that never got an answer again explains that. A new one costs a connection. Safe:
+        the old one is no longer polled, so nothing it sent vouches for anything any more (and it
+        sent nothing fresher than the new one will), and a fenced lease still resumes only on its
+        heartbeats coming back steadily (harvester.election.resumption)."""
+        old = self._producer
+        self._producer, self._producer_made = self._make_producer(self._producer_conf), now
+        self._log.warning(
+            "heartbeat producer got nothing back for long: replacing it",
+            silent_s=round(now - self._back_at, 1) if self._back_at else None,
+            unanswered=len(old) if old is not None else None,
+        )
+        if old is not None:  # closed aside: a wedged client may take long to close, and this thread keeps the leases
+            threading.Thread(target=_discard, args=(old,), name="reaper-neli-close", daemon=True).start()
 
     def _sent_at(self, value: bytes | None) -> float | None:
         """The monotonic send time of one of this process's heartbeats; None for anything else."""
@@ -424,8 +455,7 @@ class Neli:
         return int(stamp) / 1e9
 
     def _run(self) -> None:
-        producer = self._producer
-        assert self._consumer is not None and producer is not None  # start() made both before this thread ran
+        assert self._consumer is not None and self._producer is not None  # start() made both before this ran
         self._last_pulse = self._in_group_at = time.monotonic()  # not from __init__: a slow start is no stall
         try:
             while not self._stop.is_set():
@@ -443,5 +473,14 @@ class Neli:
                 self._consumer.close()  # leaves the group: the partitions move without waiting for the session
             except Exception as exc:
                 self._log.warning("leader consumer close failed", error=str(exc))
-            producer.flush(1)
+            self._producer.flush(1)
             self._closed.set()
+
+
+def _discard(producer: ProducerLike) -> None:
+    """Drop what a replaced heartbeat producer still holds (worthless heartbeats) and let it go,
+    never polled again: its reports would vouch from another thread than the election's."""
+    try:
+        producer.purge(in_queue=True, in_flight=True)
+    except Exception:
+        pass  # a wedged client may refuse; nothing of it is used any more
