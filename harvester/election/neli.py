@@ -40,6 +40,7 @@ from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, Me
 from confluent_kafka.admin import AdminClient
 
 from harvester import logs
+from harvester.election.clients import heartbeat_producer_conf, leader_consumer_conf
 from harvester.election.diagnosis import REPORT_SESSIONS, FencedReports, Watchdog
 from harvester.election.leader_topic import ensure_leader_topic
 from harvester.election.lease import FENCED, FOLLOWER, LEADER, Lease
@@ -111,43 +112,8 @@ class Neli:
         self._group = group
         self._admin: AdminClient | None = None  # made when a step-down first asks who else is in the group
         self.cluster_id: str | None = None  # the Kafka cluster's id, once prepare() read it
-        self._consumer_conf = {
-            # Rejoin within about a second after a broker restart (librdkafka's default back-off
-            # grows to 10 s between connection attempts); configuration may still override it.
-            **waits,
-            "reconnect.backoff.ms": 50,
-            "reconnect.backoff.max.ms": 1000,
-            **consumer,
-            "group.id": group,
-            "session.timeout.ms": int(session_timeout * 1000),
-            # A member learns of a rebalance (the leader left) on its next group heartbeat: keep
-            # them frequent so a SIGTERM handover is not delayed by up to session/10.
-            "heartbeat.interval.ms": max(100, min(250, int(session_timeout * 1000) // 3)),
-            "partition.assignment.strategy": "cooperative-sticky",
-            "enable.auto.commit": False,
-            "auto.offset.reset": "latest",
-            "log_level": 4,
-            "logger": logs.KafkaLogger("leader-consumer"),
-        }
-        # The heartbeat producer is this election's own (never the data path's): its own connection
-        # and timeouts. A heartbeat vouches only for the time it was sent, so one answered late costs
-        # nothing, while a request that times out tears the connection down and sends its
-        # heartbeats again behind a reconnect: its requests may wait up to the session timeout.
-        wait_ms = max(1000, int(session_timeout * 1000))
-        self._producer_conf = {
-            **waits,
-            **producer,
-            "linger.ms": 0,
-            "acks": 1,
-            "enable.idempotence": False,
-            "message.timeout.ms": wait_ms,
-            "request.timeout.ms": wait_ms,
-            "socket.nagle.disable": True,  # a heartbeat is one tiny request: never held for an ACK
-            "log_level": 4,
-            "reconnect.backoff.ms": 50,
-            "reconnect.backoff.max.ms": 1000,
-            "logger": logs.KafkaLogger("heartbeat-producer"),
-        }
+        self._consumer_conf = leader_consumer_conf(waits, consumer, group, session_timeout)
+        self._producer_conf = heartbeat_producer_conf(waits, producer, session_timeout)
         self._last_pulse = time.monotonic()
         self._in_group_at = time.monotonic()  # last time the consumer had a group member id
         self._resume_after = 0.0  # monotonic: no resumption before this (see RESUME_GRACE)
