@@ -398,8 +398,8 @@ class Neli:
         The heartbeat producer is the one election client that lives as long as the process (a
         consumer out of the group is replaced, the data producer is retired at every fence): a lone
         leader fenced right after leading again once its single broker restarted under load, and
-        stayed fenced for minutes while its fresh data producer and consumer worked; only a heartbeat
-        producer that never got an answer again explains that. A new one costs a connection. Safe:
+        stayed fenced for minutes while its fresh data producer and consumer worked, which a heartbeat
+        producer that never got an answer again explains best. A new one costs a connection. Safe:
         the old one is no longer polled, so nothing it sent vouches for anything any more (and it
         sent nothing fresher than the new one will), and a fenced lease still resumes only on its
         heartbeats coming back steadily (harvester.election.resumption)."""
