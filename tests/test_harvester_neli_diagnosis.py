@@ -111,9 +111,9 @@ def test_a_heartbeat_producer_that_gets_nothing_back_for_long_is_replaced_and_th
             proxy.close()
 
 
-def test_a_heartbeat_producer_whose_heartbeats_come_back_is_kept_while_the_unit_is_fenced(kafka_bootstrap, topics):
-    """Heartbeats held back by the unit itself, not the producer's path: a fence that lasts is
-    reported, but a producer whose last heartbeats came back recently is not what keeps it fenced."""
+def test_a_producer_that_sent_nothing_is_kept_while_the_unit_stays_fenced(kafka_bootstrap, topics):
+    """Heartbeats held back before they reach the producer (nothing sent, nothing unanswered): the
+    long fence is reported, but the producer is not what keeps it fenced and is kept."""
     held = HeldHeartbeats()
     with json_log() as out:
         n = _neli(kafka_bootstrap, topics("leader"), producer={}, make_producer=held).start()
