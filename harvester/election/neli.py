@@ -40,6 +40,8 @@ from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, Me
 from confluent_kafka.admin import AdminClient
 
 from harvester import logs
+from harvester.election.clients import heartbeat_producer_conf, leader_consumer_conf
+from harvester.election.diagnosis import REPORT_SESSIONS, FencedReports, Watchdog
 from harvester.election.leader_topic import ensure_leader_topic
 from harvester.election.lease import FENCED, FOLLOWER, LEADER, Lease
 from harvester.election.resumption import Resumption
@@ -95,6 +97,9 @@ class Neli:
         ]
         # a fence within one session timeout of the resumption before it counts as a flap
         self._resumptions = [Resumption(resume_steady, session_timeout, heartbeat_timeout) for _ in range(units)]
+        # a fence or a silent election thread that lasts is reported with why (harvester.election.diagnosis)
+        self._reports = FencedReports(units, REPORT_SESSIONS * session_timeout)
+        self._waiting_on_purpose = False  # a step-down waits for its database in the election thread
         base = {"bootstrap.servers": bootstrap, **client}
         # timeouts on a silent broker (harvester.election.timeouts): kafka.client and the
         # consumer/producer sections still override them
@@ -107,43 +112,8 @@ class Neli:
         self._group = group
         self._admin: AdminClient | None = None  # made when a step-down first asks who else is in the group
         self.cluster_id: str | None = None  # the Kafka cluster's id, once prepare() read it
-        self._consumer_conf = {
-            # Rejoin within about a second after a broker restart (librdkafka's default back-off
-            # grows to 10 s between connection attempts); configuration may still override it.
-            **waits,
-            "reconnect.backoff.ms": 50,
-            "reconnect.backoff.max.ms": 1000,
-            **consumer,
-            "group.id": group,
-            "session.timeout.ms": int(session_timeout * 1000),
-            # A member learns of a rebalance (the leader left) on its next group heartbeat: keep
-            # them frequent so a SIGTERM handover is not delayed by up to session/10.
-            "heartbeat.interval.ms": max(100, min(250, int(session_timeout * 1000) // 3)),
-            "partition.assignment.strategy": "cooperative-sticky",
-            "enable.auto.commit": False,
-            "auto.offset.reset": "latest",
-            "log_level": 4,
-            "logger": logs.KafkaLogger("leader-consumer"),
-        }
-        # The heartbeat producer is this election's own (never the data path's): its own connection
-        # and timeouts. A heartbeat vouches only for the time it was sent, so one answered late costs
-        # nothing, while a request that times out tears the connection down and sends its
-        # heartbeats again behind a reconnect: its requests may wait up to the session timeout.
-        wait_ms = max(1000, int(session_timeout * 1000))
-        self._producer_conf = {
-            **waits,
-            **producer,
-            "linger.ms": 0,
-            "acks": 1,
-            "enable.idempotence": False,
-            "message.timeout.ms": wait_ms,
-            "request.timeout.ms": wait_ms,
-            "socket.nagle.disable": True,  # a heartbeat is one tiny request: never held for an ACK
-            "log_level": 4,
-            "reconnect.backoff.ms": 50,
-            "reconnect.backoff.max.ms": 1000,
-            "logger": logs.KafkaLogger("heartbeat-producer"),
-        }
+        self._consumer_conf = leader_consumer_conf(waits, consumer, group, session_timeout)
+        self._producer_conf = heartbeat_producer_conf(waits, producer, session_timeout)
         self._last_pulse = time.monotonic()
         self._in_group_at = time.monotonic()  # last time the consumer had a group member id
         self._resume_after = 0.0  # monotonic: no resumption before this (see RESUME_GRACE)
@@ -153,7 +123,16 @@ class Neli:
         self._make_producer = make_producer
         self._step_down = step_down
         self._producer: ProducerLike | None = None
+        self._producer_made = 0.0  # monotonic: when the heartbeat producer in use was made
+        self._back_at = 0.0  # monotonic: when a heartbeat of any unit last came back
         self._thread = threading.Thread(target=self._run, name="reaper-neli", daemon=True)
+        self.watchdog = Watchdog(
+            self._thread,
+            lambda: self._last_pulse,
+            lambda: self._waiting_on_purpose,
+            REPORT_SESSIONS * session_timeout,
+            self._stop,
+        )
 
     # ------------------------------------------------------------------ public
 
@@ -167,6 +146,7 @@ class Neli:
     def start(self) -> Neli:
         self.prepare()
         self._producer = self._make_producer(self._producer_conf)
+        self._producer_made = time.monotonic()
         # Connect to the leader topic's broker now rather than at a leadership's first heartbeat,
         # whose connection set-up (several round trips to a busy broker) would eat into the grace a
         # new leadership gets. The value is no heartbeat (see _sent_at): every reaper ignores it.
@@ -176,6 +156,7 @@ class Neli:
             pass
         self._consumer = self._new_consumer()
         self._thread.start()
+        self.watchdog.start()
         return self
 
     def _new_consumer(self) -> Consumer:
@@ -279,7 +260,12 @@ class Neli:
             and self._step_down.anyone_to_hand_over_to(now, lambda: self._others(consumer))
         ):
             # Closing the consumer leaves the group (nothing is held by then: _on_revoke only unassigns).
-            self._step_down.leave(cut_off, now, min(REVOKE_MARK_WAIT, self.hb_timeout / 4), consumer.close, self._stop)
+            self._waiting_on_purpose = True
+            try:
+                wait = min(REVOKE_MARK_WAIT, self.hb_timeout / 4)
+                self._step_down.leave(cut_off, now, wait, consumer.close, self._stop)
+            finally:
+                self._waiting_on_purpose = False
             self._consumer = self._new_consumer()  # an ordinary member again (when stopping, _run closes it)
             self._in_group_at = time.monotonic()
         self._last_pulse = time.monotonic()
@@ -300,6 +286,8 @@ class Neli:
         if sent_at is not None:
             lease = self.leases[partition]
             lease.last_heartbeat = max(lease.last_heartbeat, sent_at)
+            self._back_at = time.monotonic()
+            self._reports.back(partition, self._back_at - sent_at)
 
     def _acked(self, err: KafkaError | None, msg: Message) -> None:
         """The broker appended a heartbeat: the same evidence as reading it back, one trip through
@@ -308,6 +296,8 @@ class Neli:
         reachable broker). Served by producer.poll in this thread."""
         if err is None:
             self._vouch(msg.partition(), msg.value())
+        elif (partition := msg.partition()) is not None:
+            self._reports.failed(partition, err)
 
     def _check_membership(self, now: float) -> None:
         """Replace the consumer when it has had no group member id for OUT_OF_GROUP_SESSIONS
@@ -381,6 +371,47 @@ class Neli:
             )
             resumption.resumed(now)
             lease.acquire(resumed=True)
+        elif lease.state == FENCED and self._reports.due(lease.unit, resumption.fenced_at, now):
+            self._report_fenced(lease, resumption, now)
+
+    def _report_fenced(self, lease: Lease, resumption: Resumption, now: float) -> None:
+        """A unit fenced for long: say what its resumption waits for (harvester.election.diagnosis)."""
+        consumer, producer = self._consumer, self._producer
+        in_group = bool(consumer is not None and consumer.memberid())
+        unanswered = len(producer) if producer is not None else 0
+        self._reports.report(
+            lease,
+            resumption,
+            now,
+            in_group=in_group,
+            unanswered=unanswered,
+            grace_left=max(0.0, self._resume_after - now),
+        )
+        since = max(self._back_at, self._producer_made)
+        if in_group and now - since > self._reports.every and (unanswered or self._reports.failed_at > since):
+            self._replace_producer(now)  # heartbeats went out, none came back
+
+    def _replace_producer(self, now: float) -> None:
+        """Replace a heartbeat producer that got no heartbeat of any unit back for as long as a
+        fence is reported after, while the leader consumer is in the group.
+
+        The heartbeat producer is the one election client that lives as long as the process (a
+        consumer out of the group is replaced, the data producer is retired at every fence): a lone
+        leader fenced right after leading again once its single broker restarted under load, and
+        stayed fenced for minutes while its fresh data producer and consumer worked, which a heartbeat
+        producer that never got an answer again explains best. A new one costs a connection. Safe:
+        the old one is no longer polled, so nothing it sent vouches for anything any more (and it
+        sent nothing fresher than the new one will), and a fenced lease still resumes only on its
+        heartbeats coming back steadily (harvester.election.resumption)."""
+        old = self._producer
+        self._producer, self._producer_made = self._make_producer(self._producer_conf), now
+        self._log.warning(
+            "heartbeat producer got nothing back for long: replacing it",
+            silent_s=round(now - self._back_at, 1) if self._back_at else None,
+            unanswered=len(old) if old is not None else None,
+        )
+        if old is not None:  # closed aside: a wedged client may take long to close, and this thread keeps the leases
+            threading.Thread(target=_discard, args=(old,), name="reaper-neli-close", daemon=True).start()
 
     def _sent_at(self, value: bytes | None) -> float | None:
         """The monotonic send time of one of this process's heartbeats; None for anything else."""
@@ -390,8 +421,7 @@ class Neli:
         return int(stamp) / 1e9
 
     def _run(self) -> None:
-        producer = self._producer
-        assert self._consumer is not None and producer is not None  # start() made both before this thread ran
+        assert self._consumer is not None and self._producer is not None  # start() made both before this ran
         self._last_pulse = self._in_group_at = time.monotonic()  # not from __init__: a slow start is no stall
         try:
             while not self._stop.is_set():
@@ -409,5 +439,14 @@ class Neli:
                 self._consumer.close()  # leaves the group: the partitions move without waiting for the session
             except Exception as exc:
                 self._log.warning("leader consumer close failed", error=str(exc))
-            producer.flush(1)
+            self._producer.flush(1)
             self._closed.set()
+
+
+def _discard(producer: ProducerLike) -> None:
+    """Drop what a replaced heartbeat producer still holds (worthless heartbeats) and let it go,
+    never polled again: its reports would vouch from another thread than the election's."""
+    try:
+        producer.purge(in_queue=True, in_flight=True)
+    except Exception:
+        pass  # a wedged client may refuse; nothing of it is used any more

@@ -46,9 +46,11 @@ class Resumption:
         self._since: float | None = None  # send time of the first heartbeat of the current run
         self._newest = 0.0  # send time of the newest heartbeat of the run
         self._resumed_at: float | None = None
+        self.fenced_at = 0.0  # monotonic: when the current (or last) fence began
 
     def fenced(self, now: float) -> None:
         """The lease fenced at `now`: soon after a resumption, the next one waits longer."""
+        self.fenced_at = now
         flapped = self._resumed_at is not None and now - self._resumed_at < self.flap_window
         self.needed = min(self.needed * 2, MAX_STEADY_FACTOR * self.steady) if flapped else self.steady
         self._since = None
