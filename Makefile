@@ -52,7 +52,8 @@ services-down: cluster-down
 	$(SERVICES) down
 
 # The fault tests' topology (tests/test_cluster_faults.py): started before the workers, so no
-# test waits for three JVMs; the tests' fixture starts it too when run alone.
+# test waits for three JVMs; the tests' fixture starts it too when run alone, and stops it after
+# them (on CI always: idle, its brokers would take a sixth of a core from the rest of the suite).
 cluster-up:
 	$(SERVICES) cluster up
 

@@ -173,13 +173,22 @@ def topics(kafka_bootstrap):
     t.delete_all()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster():
-    """The local cluster (three Kafka brokers, a Postgres primary with a synchronous standby),
-    started once per session by deploy/local/services.py; fails (never skips) when it cannot start."""
+    """The local cluster (three Kafka brokers, a Postgres primary with a synchronous standby), up
+    for the module's tests (deploy/local/services.py; fails, never skips, when it cannot start).
+
+    Stopped after them when they started it, and always on CI: its three idle brokers take about
+    a sixth of a core, which the rest of a suite on two cores needs (`make test` starts it before
+    the workers, so that no test waits for three JVMs)."""
     from support.cluster import Cluster, ClusterError
 
+    cluster = Cluster()
+    was_running = cluster.running()
     try:
-        return Cluster().up()
+        cluster.up()
     except (ClusterError, subprocess.TimeoutExpired) as exc:
         pytest.fail(f"could not bring up the local cluster: {exc}", pytrace=False)
+    yield cluster
+    if os.environ.get("CI") == "true" or not was_running:
+        cluster.down()

@@ -88,20 +88,25 @@ def test_outcomes_of_a_dataframe_fail_per_reason_ack_the_rest_and_complete_once(
 
 
 def test_an_item_named_twice_ends_the_same_whatever_the_partitioning(spark, pg_dsn, schema):
-    """Failed beats succeeded, and among reasons the first in sort order wins, on any layout."""
-    ends = []
-    for layout in (1, 3, 7):
-        b = _batch(pg_dsn, schema, 50)
+    """Failed beats succeeded, and among reasons the first in sort order wins, on any layout.
+
+    One batch per layout, all recorded by one job: a union keeps each batch's rows spread over its
+    own partitions (1, 3 or 7), and each partition is folded on its own, as in a job of its own."""
+    layouts, parts = (1, 3, 7), []
+    batches = [_batch(pg_dsn, schema, 50) for _ in layouts]
+    for b, layout in zip(batches, layouts):
         rows = []
         for k in range(50):
             rows += [(f"{b}:0:{k}", "succeeded", None), (f"{b}:0:{k}", "failed", f"r{k % 4}")]
             rows += [(f"{b}:0:{k}", "failed", f"r{(k + 1) % 4}")] if k % 2 else []
-        df = spark.createDataFrame(rows, "item_id string, outcome string, reason string").repartition(layout)
-        got = tspark.outcome_dataframe(df, dsn=pg_dsn, schema=schema)
-        assert (got.failed, got.succeeded) == (50, 0)
-        ends.append([(i.rsplit(":", 1)[1], r) for i, r in _failures(pg_dsn, schema, b)])
+        parts.append(spark.createDataFrame(rows, "item_id string, outcome string, reason string").repartition(layout))
+    df = parts[0].union(parts[1]).union(parts[2])
+    assert df.rdd.getNumPartitions() == sum(layouts)  # no shuffle: every batch kept its layout
+    got = tspark.outcome_dataframe(df, dsn=pg_dsn, schema=schema)
+    assert (got.failed, got.succeeded) == (50 * len(layouts), 0)
+    ends = [[(i.rsplit(":", 1)[1], r) for i, r in _failures(pg_dsn, schema, b)] for b in batches]
     expected = [(str(k), f"r{min(k % 4, (k + 1) % 4) if k % 2 else k % 4}") for k in range(50)]
-    assert ends == [expected] * 3
+    assert ends == [expected] * len(layouts)
 
 
 @pytest.mark.parametrize(

@@ -421,7 +421,7 @@ delete.topic.enable=true
 """
 
 
-def java_cmd(lib: Path, main: str, *args: str, heap: str | None = None) -> list[str]:
+def java_cmd(lib: Path, main: str, *args: str, heap: str | None = None, jvm_opts: tuple[str, ...] = ()) -> list[str]:
     ensure_debian_packages("java", "openjdk-17-jre-headless")
     java = shutil.which("java")
     if java is None:
@@ -429,6 +429,7 @@ def java_cmd(lib: Path, main: str, *args: str, heap: str | None = None) -> list[
     jvm = [java]
     if heap:
         jvm += [f"-Xms{heap}", f"-Xmx{heap}", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20"]
+    jvm += list(jvm_opts)
     jvm += [f"-Dlog4j2.configurationFile={HERE / 'kafka' / 'log4j2.yaml'}", "-cp", f"{lib}/*", main, *args]
     return jvm
 

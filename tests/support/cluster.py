@@ -56,6 +56,16 @@ class Cluster:
         self.env = dict(line.split("=", 1) for line in out.splitlines() if line.startswith("CLUSTER_"))
         return self
 
+    def running(self) -> bool:
+        """Every broker answers and both Postgres nodes are up (`services.py cluster status`)."""
+        r = subprocess.run(
+            [sys.executable, str(SERVICES), "cluster", "status"], capture_output=True, text=True, timeout=120
+        )
+        return r.returncode == 0
+
+    def down(self) -> None:
+        self._run("down")
+
     @property
     def dsn(self) -> str:
         return self.env["CLUSTER_PG_DSN"]
