@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from support.broker_canary import Probe, slow_for_everyone, unix_time
+from support.broker_canary import Probe, slow_for_everyone
+from support.json_log import unix_time
 
 HB = 5.0
 

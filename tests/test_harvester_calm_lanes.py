@@ -21,8 +21,9 @@ import collections
 import json
 
 import pytest
-from support.broker_canary import Canary, slow_for_everyone, unix_time
+from support.broker_canary import Canary, slow_for_everyone
 from support.harness import Generator, env_for, make_config, outbox_count, wait_until
+from support.json_log import unix_time
 from support.reaper import ReaperProcess, stop_all
 
 from harvester.config import HarvesterConfig

@@ -8,7 +8,6 @@ test cannot pass by waiting it out.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import signal
 import time
@@ -16,6 +15,7 @@ import time
 import psycopg
 import pytest
 from support.harness import env_for, make_config, outbox_count, wait_until
+from support.json_log import unix_time
 from support.reaper import ReaperProcess, stop_all
 
 LANES = 3
@@ -31,10 +31,6 @@ def _fill(pg_dsn: str, schema: str, topic: str, rows: int) -> None:
             "FROM generate_series(1, %s) AS i",
             [topic, rows],
         )
-
-
-def _at(event: dict) -> float:
-    return dt.datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def _led(proc: ReaperProcess) -> set[int]:
@@ -80,9 +76,11 @@ def test_sigterm_hands_every_lane_over_without_waiting_out_the_drain(
         taken = {
             u: min(
                 (
-                    _at(e)
+                    unix_time(e["timestamp"])
                     for e in b.events()
-                    if e.get("event") == "neli leader" and e.get("unit") == u and _at(e) >= sent - 0.05
+                    if e.get("event") == "neli leader"
+                    and e.get("unit") == u
+                    and unix_time(e["timestamp"]) >= sent - 0.05
                 ),
                 default=None,
             )

@@ -14,7 +14,6 @@ Run as a script: `python broker_canary.py <bootstrap> <topic> <out.jsonl>`; it s
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import signal
 import subprocess
@@ -91,11 +90,6 @@ def slow_for_everyone(probes: list[Probe], fenced_at: float, heartbeat_timeout: 
         return True
     sends = [start] + [p.sent for p in window] + [end]
     return any(b - a > heartbeat_timeout / 2 for a, b in zip(sends, sends[1:], strict=False))
-
-
-def unix_time(iso_timestamp: str) -> float:
-    """A structlog ISO timestamp (UTC) as unix time."""
-    return dt.datetime.fromisoformat(iso_timestamp.replace("Z", "+00:00")).timestamp()
 
 
 if __name__ == "__main__":

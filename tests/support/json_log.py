@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import io
 import json
 import logging
@@ -35,3 +36,8 @@ def json_log() -> Iterator[io.StringIO]:
 
 def events(out: io.StringIO) -> list[dict]:
     return [json.loads(line) for line in out.getvalue().splitlines() if line.startswith("{")]
+
+
+def unix_time(iso_timestamp: str) -> float:
+    """A log line's `timestamp` (structlog's ISO format, UTC) as unix time."""
+    return dt.datetime.fromisoformat(iso_timestamp.replace("Z", "+00:00")).timestamp()
