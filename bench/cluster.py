@@ -354,7 +354,7 @@ def faults(
             signal_at = datetime.fromtimestamp(time.time() - (time.monotonic() - at), UTC).isoformat()
             out["rounds"].setdefault(name, []).append({"victim": victim, "signal_at": signal_at, **parts})
             say(
-                f"{name} round {len(out['rounds'][name])} (broker {victim}, signal at {signal_at}): "
+                f"{name} round {len(out['rounds'][name])} (kafka node {victim}, signal at {signal_at}): "
                 f"publication gap {gap} s: {parts}"
             )
             time.sleep(pause)

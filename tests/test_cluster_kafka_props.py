@@ -3,6 +3,7 @@ adds settings after the defaults, so that Kafka, which keeps a key's last value,
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -37,3 +38,61 @@ def test_without_extra_settings_the_defaults_stand(monkeypatch: pytest.MonkeyPat
     values = _last_values(cluster_kafka.kafka_props(1))
     assert values["min.insync.replicas"] == "2"
     assert "replica.fetch.backoff.ms" not in values
+
+
+@pytest.fixture
+def layout(monkeypatch: pytest.MonkeyPatch):
+    """cluster_kafka as loaded with OUTBOX_CLUSTER_KAFKA_CONTROLLERS set to the given value."""
+
+    def load(value: str | None):
+        if value is None:
+            monkeypatch.delenv("OUTBOX_CLUSTER_KAFKA_CONTROLLERS", raising=False)
+        else:
+            monkeypatch.setenv("OUTBOX_CLUSTER_KAFKA_CONTROLLERS", value)
+        monkeypatch.setattr(importlib.reload(cluster_kafka), "EXTRA", "")
+        return cluster_kafka
+
+    yield load
+    monkeypatch.delenv("OUTBOX_CLUSTER_KAFKA_CONTROLLERS", raising=False)
+    importlib.reload(cluster_kafka)
+
+
+def test_by_default_three_brokers_and_three_dedicated_controllers(layout) -> None:
+    kafka = layout(None)
+    assert kafka.BROKERS == (1, 2, 3) and kafka.CONTROLLERS == (4, 5, 6) and kafka.NODES == (1, 2, 3, 4, 5, 6)
+    voters = {f"{n}@127.0.0.1:{kafka.controller_port(i)}" for i, n in enumerate((4, 5, 6), start=1)}
+    for n in kafka.BROKERS:
+        values = _last_values(kafka.kafka_props(n))
+        assert values["process.roles"] == "broker"
+        assert values["listeners"] == f"PLAINTEXT://127.0.0.1:{kafka.broker_port(n)}"
+        assert values["advertised.listeners"] == values["listeners"]
+        assert set(values["controller.quorum.voters"].split(",")) == voters
+    ports = set()
+    for n in kafka.CONTROLLERS:
+        values = _last_values(kafka.kafka_props(n))
+        assert values["process.roles"] == "controller"
+        assert values["listeners"] == f"CONTROLLER://127.0.0.1:{kafka.quorum_port(n)}"
+        assert "advertised.listeners" not in values  # no client listener to advertise
+        assert set(values["controller.quorum.voters"].split(",")) == voters
+        # the settings the controllers apply in KRaft are theirs too
+        assert values["broker.session.timeout.ms"] == "2000" and values["default.replication.factor"] == "3"
+        ports.add(kafka.quorum_port(n))
+    assert len(ports) == 3 and not ports & {kafka.broker_port(n) for n in kafka.BROKERS}
+    assert kafka.bootstrap().count(",") == 2  # clients know the brokers only
+
+
+def test_combined_nodes_are_broker_and_controller_in_one(layout) -> None:
+    kafka = layout(" Combined ")
+    assert kafka.NODES == kafka.BROKERS == kafka.CONTROLLERS == (1, 2, 3)
+    values = _last_values(kafka.kafka_props(2))
+    assert values["process.roles"] == "broker,controller"
+    assert values["listeners"] == (
+        f"PLAINTEXT://127.0.0.1:{kafka.broker_port(2)},CONTROLLER://127.0.0.1:{kafka.controller_port(2)}"
+    )
+    # each layout keeps its own state: a node never starts on storage the other layout formatted
+    assert kafka.kafka_dir(2) != layout("dedicated").kafka_dir(2)
+
+
+def test_an_unknown_layout_is_refused_by_name(layout) -> None:
+    with pytest.raises(cluster_kafka.base.ServiceError, match="'separate'"):
+        layout("separate")

@@ -1,19 +1,22 @@
-"""A local production-like topology: three Kafka brokers (KRaft, each node broker + controller, one
-JVM each) and a Postgres primary with a synchronous streaming standby. For fault tests and benchmarks.
+"""A local production-like topology: three Kafka brokers with a KRaft controller quorum of three
+(dedicated controller nodes by default, one JVM each; OUTBOX_CLUSTER_KAFKA_CONTROLLERS=combined
+makes each broker its own controller too) and a Postgres primary with a synchronous streaming
+standby. For fault tests and benchmarks.
 
     python3 deploy/local/services.py cluster up|down|status|env
     python3 deploy/local/services.py cluster kill-broker|stop-broker|start-broker|pause-broker|resume-broker N
+        # Kafka node N: brokers 1-3; dedicated controllers 4-6
     python3 deploy/local/services.py cluster controller        # node id of the active KRaft controller
     python3 deploy/local/services.py cluster pg-kill|pg-start N   # Postgres node 1 or 2
     python3 deploy/local/services.py cluster promote           # stop the primary (if up), promote the standby
     python3 deploy/local/services.py cluster rejoin            # the old primary follows the new one
 
 Ports (private, apart from the single-node services; OUTBOX_CLUSTER_PORT_BASE, default 25400):
-Postgres nodes base+1, base+2; Kafka brokers base+11..13, their controller listeners base+21..23.
+Postgres nodes base+1, base+2; Kafka brokers base+11..13, the controllers' listeners base+21..23.
 Topics get replication factor 3 and min.insync.replicas 2 by default. The Postgres primary waits
 for the standby's flush at each commit (synchronous_standby_names), so a promotion loses nothing
 committed; a promoted standby writes alone (no standby to wait for) until the old primary rejoins.
-Kafka's heap per broker: OUTBOX_CLUSTER_KAFKA_HEAP (384m); more broker settings:
+Kafka's heap per broker: OUTBOX_CLUSTER_KAFKA_HEAP (384m); more Kafka settings:
 OUTBOX_CLUSTER_KAFKA_PROPS ("key=value;key=value", over the defaults). State under <state>/cluster.
 
 This module is the command line and what spans both sides (up, down, status, the environment
@@ -28,7 +31,20 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import services as base  # deploy/local/services.py: ServiceError (services.py reads it as cluster.base)
-from cluster_kafka import NODES, active_controller, bootstrap, broker_pid, broker_signal, broker_start, wait_brokers
+from cluster_kafka import (
+    BROKERS,
+    CONTROLLERS,
+    NODES,
+    active_controller,
+    bootstrap,
+    broker_pid,
+    broker_signal,
+    broker_start,
+    quorum_port,
+    roles,
+    stop_strays,
+    wait_brokers,
+)
 from cluster_layout import DIR, broker_port, pg_port
 from cluster_postgres import (
     PG_NODES,
@@ -57,18 +73,26 @@ def env_lines() -> list[str]:
 def up() -> None:
     DIR.mkdir(parents=True, exist_ok=True)
     pg_up()
+    stop_strays()
     for n in NODES:
         broker_signal(n, signal.SIGCONT)  # one left paused by a test
         broker_start(n, wait=False)
     wait_brokers(NODES)
 
 
+def _stop_at_once(nodes: tuple[int, ...]) -> None:
+    with ThreadPoolExecutor(len(nodes)) as pool:
+        list(pool.map(lambda n: broker_signal(n, signal.SIGTERM, wait=30), nodes))
+
+
 def down() -> None:
-    # All brokers at once: stopped one after the other, the last one waits out its whole 30 s for a
-    # controller quorum that its peers took away (each node stops its broker before its controller,
-    # so stopped together every broker finds a quorum to shut down with).
-    with ThreadPoolExecutor(len(NODES)) as pool:
-        list(pool.map(lambda n: broker_signal(n, signal.SIGTERM, wait=30), NODES))
+    # The brokers at once, then the dedicated controllers: stopped one after the other, the last
+    # broker waits out its whole 30 s for a controller quorum already gone (a broker shuts down
+    # through the active controller; a combined node stops its broker before its controller, so
+    # stopped together every broker finds a quorum to shut down with).
+    _stop_at_once(BROKERS)
+    _stop_at_once(tuple(n for n in CONTROLLERS if n not in BROKERS))
+    stop_strays()
     for n in PG_NODES:
         if (pg_data(n) / "PG_VERSION").exists():
             pg_stop(n, "fast")
@@ -77,9 +101,13 @@ def down() -> None:
 def status() -> int:
     ok = True
     for n in NODES:
-        alive = broker_pid(n) is not None and base.kafka_metadata_ok(broker_port(n))
+        broker = n in BROKERS
+        alive = broker_pid(n) is not None and (
+            base.kafka_metadata_ok(broker_port(n)) if broker else base.port_open(quorum_port(n))
+        )
         ok &= alive
-        print(f"kafka broker {n}: {'up' if alive else 'down'} 127.0.0.1:{broker_port(n)}")
+        port = broker_port(n) if broker else quorum_port(n)
+        print(f"kafka node {n} ({roles(n)}): {'up' if alive else 'down'} 127.0.0.1:{port}")
     print(f"kafka controller: {active_controller()}")
     for n in PG_NODES:
         role = {None: "down", True: "standby", False: "primary"}[in_recovery(n)]

@@ -1,7 +1,7 @@
 """Where the local cluster (deploy/local/cluster.py) lives: its ports and its state folder.
 
 Ports (private, apart from the single-node services; OUTBOX_CLUSTER_PORT_BASE, default 25400):
-Postgres nodes base+1, base+2; Kafka brokers base+11..13, their controller listeners base+21..23.
+Postgres nodes base+1, base+2; Kafka brokers base+11..13, the KRaft controllers' listeners base+21..23.
 """
 
 from __future__ import annotations
