@@ -5,7 +5,7 @@
     .venv/bin/python deploy/docs_reference.py --check  # exit 1 if any page differs from the code
 
 Each page is read from the thing it documents: configuration keys from the schema in
-harvester/config.py, exit codes from harvester/exit_codes.py, metrics from the collectors
+harvester/config_keys.py, exit codes from harvester/exit_codes.py, metrics from the collectors
 themselves, commands from `reaper ... --help`, errors and their SQLSTATEs from tracker/errors.py,
 the HTTP API from its OpenAPI document. tests/test_docs.py runs the check.
 """

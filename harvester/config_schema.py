@@ -4,7 +4,7 @@ A key is a dataclass field whose type and default are the field's and whose `Rul
 bounds, allowed values, secrecy) is `key(...)`'s metadata. `Setting` is one key as everything
 derived from the schema sees it: how a value as written (YAML scalar, environment text) becomes
 the key's type, its check, its environment variable, its redaction and its line in the
-configuration reference. The keys themselves are in harvester.config.
+configuration reference. The keys themselves are in harvester.config_keys.
 """
 
 from __future__ import annotations

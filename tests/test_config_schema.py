@@ -1,4 +1,4 @@
-"""The configuration schema (harvester/config.py) as properties: every key, whatever its rule.
+"""The configuration schema (harvester/config_keys.py) as properties: every key, whatever its rule.
 
 A value outside a key's bounds, a non-integral number for an integer key and a boolean for a
 number are refused, from the YAML file and from the environment, with a ConfigError naming the key

@@ -2,7 +2,7 @@
 
 The compose file, Dockerfile and Kubernetes manifest parse; images are pinned; ports agree from
 one file to the next; every REAPER_* variable names a real configuration key (checked against
-harvester/config.py's dataclasses and by loading it); the example configuration and the documentation's
+harvester/config_keys.py's dataclasses and by loading it); the example configuration and the documentation's
 reference are generated from the code and up to date. Prometheus' own `promtool` checks the
 compose Prometheus configuration.
 """

@@ -1,4 +1,4 @@
-"""The KRaft cluster ids the local-services scripts mint (deploy/local/services.py, cluster_kafka.py).
+"""The KRaft cluster ids the local-services scripts mint (deploy/local/services_kafka.py, cluster_kafka.py).
 
 Kafka's storage tool reads an id that starts with '-' as an option and refuses to format; one in 64
 URL-safe base64 ids does. The ids are drawn from uuid4, so the draws are replaced here by chosen
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 LOCAL = Path(__file__).resolve().parents[1] / "deploy" / "local"
 sys.path.insert(0, str(LOCAL))
 import cluster_kafka  # noqa: E402
-import services  # noqa: E402
+import services_kafka  # noqa: E402
 
 # 0xF8 as the first byte puts index 62 of the URL-safe alphabet, '-', first
 DASHED = uuid.UUID(bytes=b"\xf8" + bytes(15))
@@ -27,7 +27,7 @@ DASHED = uuid.UUID(bytes=b"\xf8" + bytes(15))
 
 def _draws(monkeypatch: pytest.MonkeyPatch, ids: list[uuid.UUID]) -> list[uuid.UUID]:
     queue = list(ids)
-    monkeypatch.setattr(services.uuid, "uuid4", lambda: queue.pop(0))
+    monkeypatch.setattr(services_kafka.uuid, "uuid4", lambda: queue.pop(0))
     return queue
 
 
@@ -38,7 +38,7 @@ def _decoded(cid: str) -> bytes:
 def test_a_dashed_draw_is_redrawn(monkeypatch: pytest.MonkeyPatch) -> None:
     good = uuid.UUID(bytes=b"\x00" + bytes(range(1, 16)))
     left = _draws(monkeypatch, [DASHED, DASHED, good])
-    cid = services.new_kafka_cluster_id()
+    cid = services_kafka.new_kafka_cluster_id()
     assert not left
     assert _decoded(cid) == good.bytes
     assert base64.urlsafe_b64encode(DASHED.bytes).decode().startswith("-")
@@ -49,8 +49,8 @@ def test_the_id_is_the_first_draw_the_storage_tool_accepts(draws: list[bytes]) -
     ids = [uuid.UUID(bytes=b) for b in draws] + [uuid.UUID(bytes=b"\x00" * 16)]
     queue = list(ids)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(services.uuid, "uuid4", lambda: queue.pop(0))
-        cid = services.new_kafka_cluster_id()
+        mp.setattr(services_kafka.uuid, "uuid4", lambda: queue.pop(0))
+        cid = services_kafka.new_kafka_cluster_id()
     expected = next(u for u in ids if not base64.urlsafe_b64encode(u.bytes).decode().startswith("-"))
     assert _decoded(cid) == expected.bytes
     assert len(cid) == 22 and "=" not in cid and not cid.startswith("-")

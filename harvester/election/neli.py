@@ -23,6 +23,10 @@ resumes once heartbeats have come back steadily.
 saw: a process that was paused (SIGSTOP, a long GC-like stall) sees itself fenced at once.
 Cooperative-sticky assignment keeps partition 0 with its holder when other members join.
 
+The heartbeats themselves (sent, vouched for, judged, and their producer replaced when it hears
+nothing back) are harvester.election.heartbeats'; this module is the group's side: the leader
+consumer, its assignments and revocations, the election thread and stepping down.
+
 A leader whose database work goes unanswered for `harvester.step_down_after` on every unit it
 leads fences, leaves the group and joins again once its database answers
 (harvester.election.step_down): Kafka alone would leave it the partitions through a cut from Postgres.
@@ -36,14 +40,20 @@ import uuid
 from collections.abc import Callable
 from functools import partial
 
-from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import OFFSET_END, Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from harvester import logs
 from harvester.election.clients import heartbeat_producer_conf, leader_consumer_conf
 from harvester.election.diagnosis import REPORT_SESSIONS, FencedReports, Watchdog
+from harvester.election.heartbeats import Heartbeats
 from harvester.election.leader_topic import ensure_leader_topic
-from harvester.election.lease import FENCED, FOLLOWER, LEADER, Lease
+from harvester.election.lease import (  # noqa: F401  (FENCED, LEADER: importers use them from here)
+    FENCED,
+    FOLLOWER,
+    LEADER,
+    Lease,
+)
 from harvester.election.resumption import Resumption
 from harvester.election.step_down import StepDown, other_members
 from harvester.election.timeouts import election_client_defaults
@@ -60,7 +70,7 @@ REVOKE_MARK_WAIT = 1.0
 OUT_OF_GROUP_SESSIONS = 2
 
 
-class Neli:
+class Neli(Heartbeats):
     def __init__(
         self,
         *,
@@ -276,29 +286,6 @@ class Neli:
             self._admin = AdminClient(self._admin_conf)
         return other_members(self._admin, self._group, consumer.memberid(), min(1.0, self.hb_timeout / 4))
 
-    def _vouch(self, partition: int | None, value: bytes | None) -> None:
-        """One of this process's heartbeats reached the broker (acknowledged, or read back): its
-        unit's lease holds until `heartbeat_timeout` after it was SENT. One sent before a pause
-        (SIGSTOP, a long stall) and seen after it must not revive the leadership it outlived."""
-        if partition is None or not 0 <= partition < len(self.leases):
-            return
-        sent_at = self._sent_at(value)
-        if sent_at is not None:
-            lease = self.leases[partition]
-            lease.last_heartbeat = max(lease.last_heartbeat, sent_at)
-            self._back_at = time.monotonic()
-            self._reports.back(partition, self._back_at - sent_at)
-
-    def _acked(self, err: KafkaError | None, msg: Message) -> None:
-        """The broker appended a heartbeat: the same evidence as reading it back, one trip through
-        the broker's request queue sooner (reading it back waits for the consumer's next fetch
-        request too, which under load doubled the measured gap and fenced leaders of a slow but
-        reachable broker). Served by producer.poll in this thread."""
-        if err is None:
-            self._vouch(msg.partition(), msg.value())
-        elif (partition := msg.partition()) is not None:
-            self._reports.failed(partition, err)
-
     def _check_membership(self, now: float) -> None:
         """Replace the consumer when it has had no group member id for OUT_OF_GROUP_SESSIONS
         session timeouts.
@@ -336,90 +323,6 @@ class Neli:
         except Exception as exc:
             self._log.warning("replaced leader consumer: close failed", error=str(exc))
 
-    def _beat(self, lease: Lease, now: float) -> None:
-        if now - lease.last_sent >= self.min_poll:
-            lease.last_sent = now
-            assert self._producer is not None  # only called from _pulse, after start()
-            try:
-                self._producer.produce(
-                    self.topic,
-                    value=b"%s:%d" % (self.instance, time.monotonic_ns()),
-                    partition=lease.unit,
-                    on_delivery=self._acked,
-                )
-            except BufferError:
-                pass  # Kafka unreachable for long: the missing heartbeats fence us
-        overdue = now - lease.last_heartbeat > self.hb_timeout
-        resumption = self._resumptions[lease.unit]
-        if lease.state == LEADER and overdue:
-            resumption.fenced(now)
-            lease._m.fences.inc()
-            self._log.warning(
-                "no heartbeat within heartbeat_timeout: fencing",
-                heartbeat_timeout=self.hb_timeout,
-                unit=lease.unit,
-                leader_id=str(lease._leader_id),
-                resume_steady_s=resumption.needed,
-            )
-            lease.set(FENCED, None)
-        elif lease.state == FENCED and resumption.ready(now, lease.last_heartbeat, now >= self._resume_after):
-            self._log.info(
-                "heartbeats are back and the partition is still held: resuming",
-                unit=lease.unit,
-                steady_s=round(resumption.steady_for(), 3),
-                heartbeat_age_s=round(now - lease.last_heartbeat, 3),
-            )
-            resumption.resumed(now)
-            lease.acquire(resumed=True)
-        elif lease.state == FENCED and self._reports.due(lease.unit, resumption.fenced_at, now):
-            self._report_fenced(lease, resumption, now)
-
-    def _report_fenced(self, lease: Lease, resumption: Resumption, now: float) -> None:
-        """A unit fenced for long: say what its resumption waits for (harvester.election.diagnosis)."""
-        consumer, producer = self._consumer, self._producer
-        in_group = bool(consumer is not None and consumer.memberid())
-        unanswered = len(producer) if producer is not None else 0
-        self._reports.report(
-            lease,
-            resumption,
-            now,
-            in_group=in_group,
-            unanswered=unanswered,
-            grace_left=max(0.0, self._resume_after - now),
-        )
-        since = max(self._back_at, self._producer_made)
-        if in_group and now - since > self._reports.every and (unanswered or self._reports.failed_at > since):
-            self._replace_producer(now)  # heartbeats went out, none came back
-
-    def _replace_producer(self, now: float) -> None:
-        """Replace a heartbeat producer that got no heartbeat of any unit back for as long as a
-        fence is reported after, while the leader consumer is in the group.
-
-        The heartbeat producer is the one election client that lives as long as the process (a
-        consumer out of the group is replaced, the data producer is retired at every fence): a lone
-        leader fenced right after leading again once its single broker restarted under load, and
-        stayed fenced for minutes while its fresh data producer and consumer worked, which a heartbeat
-        producer that never got an answer again explains best. A new one costs a connection. Safe:
-        the old one is no longer polled, so nothing it sent vouches for anything any more (and it
-        sent nothing fresher than the new one will), and a fenced lease still resumes only on its
-        heartbeats coming back steadily (harvester.election.resumption)."""
-        old = self._producer
-        self._producer, self._producer_made = self._make_producer(self._producer_conf), now
-        self._log.warning(
-            "heartbeat producer got nothing back for long: replacing it",
-            silent_s=round(now - self._back_at, 1) if self._back_at else None,
-            unanswered=len(old) if old is not None else None,
-        )
-        if old is not None:  # closed aside: a wedged client may take long to close, and this thread keeps the leases
-            threading.Thread(target=_discard, args=(old,), name="reaper-neli-close", daemon=True).start()
-
-    def _sent_at(self, value: bytes | None) -> float | None:
-        """The monotonic send time of one of this process's heartbeats; None for anything else."""
-        instance, sep, stamp = (value or b"").partition(b":")
-        if not sep or instance != self.instance or not stamp.isdigit():
-            return None
-        return int(stamp) / 1e9
-
     def _run(self) -> None:
         assert self._consumer is not None and self._producer is not None  # start() made both before this ran
         self._last_pulse = self._in_group_at = time.monotonic()  # not from __init__: a slow start is no stall
@@ -441,12 +344,3 @@ class Neli:
                 self._log.warning("leader consumer close failed", error=str(exc))
             self._producer.flush(1)
             self._closed.set()
-
-
-def _discard(producer: ProducerLike) -> None:
-    """Drop what a replaced heartbeat producer still holds (worthless heartbeats) and let it go,
-    never polled again: its reports would vouch from another thread than the election's."""
-    try:
-        producer.purge(in_queue=True, in_flight=True)
-    except Exception:
-        pass  # a wedged client may refuse; nothing of it is used any more

@@ -1,0 +1,52 @@
+"""What the local services (deploy/local/services.py and the cluster beside it) share: the state
+folder, the start-up timeout, their error, their log lines and running a command, as another user.
+
+Standard library only, like every module here: they run before the project's virtualenv exists.
+Environment: OUTBOX_LOCAL_DIR (state folder, <repo>/.local), OUTBOX_SERVICES_TIMEOUT (90 s).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import first_use  # deploy/local/first_use.py: downloads safe under concurrency and interruption
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+STATE = Path(os.environ.get("OUTBOX_LOCAL_DIR", REPO / ".local")).resolve()
+TIMEOUT = float(os.environ.get("OUTBOX_SERVICES_TIMEOUT", "90"))
+
+
+class ServiceError(RuntimeError):
+    pass
+
+
+def log(msg: str) -> None:
+    print(f"[services] {msg}", flush=True)
+
+
+def run(cmd: list[str], *, user: str | None = None, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    if user is not None:
+        cmd = ["runuser", "-u", user, "--", *cmd]
+    return subprocess.run(cmd, check=check, text=True, **kw)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return f"(no log at {path})"
+
+
+def ensure_debian_packages(command: str, package: str) -> None:
+    """Install a missing tool from Debian's packages (root, or sudo), so a fresh machine needs nothing by hand."""
+    first_use.apt_install(package, first_use.has_command(command), log=log)

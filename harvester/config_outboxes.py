@@ -1,0 +1,131 @@
+"""harvester.outboxes read: the harvest units of a configuration, and the ack topic of each schema.
+
+Both are checked here as they are derived, so a bad entry fails at start with a ConfigError naming
+its key; harvester.config's checks call them, and importers take them from there.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from harvester.config_keys import MAX_LANES, Config, OutboxEntry
+from harvester.config_schema import TOPIC, ConfigError, redact, redact_dsn
+from tracker.errors import InvalidIdentifier
+from tracker.schema import check_identifier
+
+MAX_UNITS = 256
+
+_OUTBOX_KEYS = set(OutboxEntry.__annotations__)
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One harvest unit: lane `lane` of `lanes` of one outbox table. `index` is its leader-topic partition."""
+
+    index: int
+    outbox: str
+    dsn: str
+    schema: str
+    table: str
+    lane: int
+    lanes: int
+
+    @property
+    def name(self) -> str:
+        return self.outbox if self.lanes == 1 else f"{self.outbox}.{self.lane}"
+
+
+def units(cfg: Config) -> list[UnitSpec]:
+    """The harvest units of a configuration, in leader-topic partition order (validated)."""
+    h, db = cfg.harvester, cfg.database
+    entries: list[Any] = h.outboxes or [OutboxEntry(name="default", lanes=h.lanes)]
+    if h.outboxes and h.lanes != 1:
+        raise ConfigError("harvester.lanes", "applies only when harvester.outboxes is empty; set lanes per outbox")
+    out: list[UnitSpec] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(entries):
+        key = f"harvester.outboxes[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(key, f"expected a mapping with keys {sorted(_OUTBOX_KEYS)}, got {redact(key, entry)!r}")
+        unknown = set(entry) - _OUTBOX_KEYS
+        if unknown:
+            raise ConfigError(f"{key}.{sorted(unknown)[0]}", f"unknown key (known: {', '.join(sorted(_OUTBOX_KEYS))})")
+        name = entry.get("name", f"outbox{i}")
+        if not isinstance(name, str) or not re.match(r"^[A-Za-z0-9_-]{1,40}$", name):
+            raise ConfigError(f"{key}.name", f"{name!r} must be 1-40 of A-Z a-z 0-9 _ -")
+        if name in seen:
+            raise ConfigError(f"{key}.name", f"{name!r} is listed twice")
+        seen.add(name)
+        schema, table = entry.get("schema", db.schema), entry.get("table", db.outbox_table)
+        for what, value in (("schema", schema), ("table", table)):
+            try:
+                check_identifier(value, what)
+            except (InvalidIdentifier, TypeError) as exc:
+                raise ConfigError(f"{key}.{what}", str(exc)) from None
+        dsn = entry.get("dsn", db.dsn)
+        dsn_key = f"{key}.dsn" if "dsn" in entry else "database.dsn"
+        if not isinstance(dsn, str) or not dsn:
+            raise ConfigError(dsn_key, "must be a non-empty libpq URI or key=value string")
+        try:
+            conninfo_to_dict(dsn)
+        except psycopg.Error as exc:
+            raise ConfigError(dsn_key, f"not a libpq URI or key=value string: {redact_dsn(str(exc)).strip()}") from None
+        lanes = entry.get("lanes", 1)
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
+            lanes_key = "harvester.lanes" if not h.outboxes else f"{key}.lanes"
+            raise ConfigError(lanes_key, f"{lanes!r} must be an integer from 1 to {MAX_LANES}")
+        for lane in range(lanes):
+            out.append(UnitSpec(len(out), name, dsn, schema, table, lane, lanes))
+    if len(out) > MAX_UNITS:
+        raise ConfigError("harvester.outboxes", f"{len(out)} units: at most {MAX_UNITS}")
+    return out
+
+
+def acker_group(cfg: Config, topic: str) -> str:
+    """The consumer group of the acker of `topic`: acker.group for acker.topic (the `database`
+    section's schema), `<acker.group>-<topic>` for another schema's ack topic."""
+    return cfg.acker.group if topic == cfg.acker.topic else f"{cfg.acker.group}-{topic}"
+
+
+def ack_topics(cfg: Config) -> dict[tuple[str, str], str]:
+    """The ack topic of each (dsn, schema) of the configuration's outboxes that has one (validated):
+    acker.topic for the `database` section's, and for another schema the ack_topic its entries of
+    harvester.outboxes set (those that set one must agree). A topic acks one schema only: batch ids
+    are per schema, so an id read from one schema's topic means nothing in another."""
+    db = cfg.database
+    out = {(db.dsn, db.schema): cfg.acker.topic}
+    owner = {cfg.acker.topic: (db.dsn, db.schema)}
+    for i, entry in enumerate(cfg.harvester.outboxes):
+        if not isinstance(entry, Mapping) or "ack_topic" not in entry:
+            continue
+        where, topic = f"harvester.outboxes[{i}].ack_topic", entry["ack_topic"]
+        if not isinstance(topic, str):
+            raise ConfigError(where, f"expected a Kafka topic name, got {topic!r}")
+        problem = TOPIC.problem(topic)
+        if problem:
+            raise ConfigError(where, problem)
+        target = (entry.get("dsn", db.dsn), entry.get("schema", db.schema))
+        if target == (db.dsn, db.schema) and topic != cfg.acker.topic:
+            raise ConfigError(
+                where,
+                f"{topic!r}: the `database` section's schema {db.schema!r} acks on acker.topic "
+                f"({cfg.acker.topic!r}); leave ack_topic out or set it to that",
+            )
+        if target in out and out[target] != topic:
+            raise ConfigError(
+                where, f"{topic!r} disagrees with {out[target]!r}, the ack topic of schema {target[1]!r} set before"
+            )
+        if topic == cfg.acker.dead_letter_topic:
+            raise ConfigError(where, f"{topic!r} is acker.dead_letter_topic")
+        if owner.get(topic, target) != target:
+            raise ConfigError(
+                where, f"{topic!r} is already the ack topic of schema {owner[topic][1]!r}: a topic acks one schema"
+            )
+        out[target], owner[topic] = topic, target
+    return out
