@@ -17,7 +17,7 @@ help:
 	@echo "make docs           build the documentation site strictly and serve it on http://127.0.0.1:8000"
 	@echo "make services-up    start local Postgres, PgBouncer, Kafka and a Spark master + 2 workers (idempotent); prints DSNs, bootstrap, master"
 	@echo "make services-down  stop them (and the cluster)"
-	@echo "make cluster-up     three Kafka brokers + a Postgres primary with a synchronous standby, own ports (idempotent)"
+	@echo "make cluster-up     three Kafka brokers, three KRaft controllers + a Postgres primary with a synchronous standby, own ports (idempotent)"
 	@echo "make prometheus-check  promtool check + unit tests of deploy/prometheus/rules.yml (installs Debian's prometheus)"
 
 # One installer at a time (flock; the one that waited finds the stamp and stops); a venv whose
