@@ -39,3 +39,16 @@ def test_the_probe_gap_waits_for_every_partition():
     sent = {b"probe-1": since + 0.1}
     arrived = {b"probe-1": (since + 1.0, 0)}
     assert gap_after(SimpleNamespace(sent=sent), SimpleNamespace(arrived=arrived), since, timeout=0.3) is None
+
+
+def test_the_appended_gap_counts_the_leaders_append_times_not_the_arrivals():
+    since = 100.0
+    sent = {b"probe-new-%d" % p: since + 0.1 for p in range(PARTITIONS)}
+    # appended 1 s after the fault, read back by the bench's consumer only 4 s later
+    arrived = {v: (since + 5.0, p) for p, v in enumerate(sent)}
+    appended = {v: (since + 1.0 + p / 10, p) for p, v in enumerate(sent)}
+    reader = SimpleNamespace(arrived=arrived, appended=appended)
+    assert gap_after(SimpleNamespace(sent=sent), reader, since, timeout=1) == 5.0
+    assert gap_after(SimpleNamespace(sent=sent), reader, since, timeout=1, appended=True) == round(
+        1.0 + (PARTITIONS - 1) / 10, 3
+    )
