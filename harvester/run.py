@@ -19,6 +19,7 @@ import tracker
 from harvester import logs, product_version
 from harvester.config import Config, ack_topics, acker_group, redact_dsn, redacted
 from harvester.election.leader_topic import KafkaClusterUnknown, LeaderTopicMismatch
+from harvester.election.timeouts import silent_broker_wait_ms
 from harvester.exit_codes import ExitCode
 from harvester.gauges import gauges_loop
 from harvester.metrics import HealthServer
@@ -203,6 +204,8 @@ def _start_acker(
         dead_letter_topic=a.dead_letter_topic,
         max_poll_records=a.max_poll_records,
         poll_timeout=a.poll_timeout,
+        # a silent broker is given up as the election's clients give it up (kafka.* settings override)
+        silent_wait_ms=silent_broker_wait_ms(cfg.harvester.heartbeat_timeout, cfg.harvester.session_timeout),
         tracker=tracker.Tracker(
             schema=target.schema,
             outbox_table=target.outbox_table,

@@ -16,12 +16,15 @@ from dataclasses import dataclass
 
 import psycopg
 import pytest
-from support.cluster import Cluster, ClusterTopics, Consumers, FanOuts, check_completions
+from confluent_kafka import Producer
+from support.cluster import QUIET, Cluster, ClusterTopics, Consumers, FanOuts, check_completions
 from support.harness import FAST, Generator, Receiver, check_published, env_for, make_config, wait_until
 from support.reaper import ReaperProcess, stop_all
 
+import tracker
 from harvester import config as config_mod
 from tracker import schema as schema_mod
+from tracker.ids import format_run
 
 PARTITIONS = 3
 SHORT_WAIT = {"socket.timeout.ms": 2000}
@@ -44,6 +47,8 @@ class Load:
     reapers: list[ReaperProcess]
     leader_topic: str
     leader_group: str
+    ack_topic: str
+    completion_topic: str
 
     def leads(self) -> bool:
         return any(r.is_leader() for r in self.reapers)
@@ -123,6 +128,8 @@ def load(cluster: Cluster, cluster_schema: str, tmp_path) -> Iterator[Callable[[
             reapers,
             leader,
             cfg.harvester.leader_group,
+            ack_topic,
+            completion_topic,
         )
         made.append(got)
         return got
@@ -266,6 +273,81 @@ def test_a_silent_broker_costs_the_reaper_at_most_a_session(cluster, load):
             f"not every partition published within {bound} s of broker {victim} going silent",
             [r.log_path.read_text()[-3000:] for r in run.reapers],
         )
+    finally:
+        cluster.resume_broker(victim)
+    _steady(run, 3)
+    run.check()
+
+
+def test_a_silent_broker_leading_the_acks_costs_the_acker_at_most_a_session(cluster, load):
+    """The broker leading ack-topic partitions stops answering while acks flow. At the default
+    election settings, the acks written to those partitions after it went silent are applied,
+    while it stays silent, within the group's session timeout after Kafka moved its leaderships
+    (plus slack), not after librdkafka's 60 s socket timeout; every batch completes exactly once."""
+    defaults = config_mod.HarvesterConfig()
+    election = {"heartbeat_timeout": defaults.heartbeat_timeout, "session_timeout": defaults.session_timeout}
+    run = load(1, election, standby=False)  # one acker: it must recover itself, no other takes the partitions
+    # batches tracked without messages: only the acks this test writes (after the pause) complete them
+    with psycopg.connect(run.cluster.dsn, connect_timeout=10) as conn:
+        batches: dict[int, str] = {}
+        for n in range(30):
+            batch = tracker.open_batch(
+                conn, user_key=f"silent-acks-{n}", completion_topic=run.completion_topic, schema=run.schema
+            )
+            runs = [
+                format_run(g.batch_id, g.group_id, g.start, g.upto - 1)
+                for g in tracker.add_items(conn, batch, 8, schema=run.schema)
+            ]
+            tracker.close_batch(conn, batch, schema=run.schema)
+            batches[batch.id] = ",".join(runs)
+        conn.commit()
+    run.fan.committed |= set(batches)  # in the ledger: each completes exactly once
+    _steady(run, 4)
+    leaders = cluster.topic_leaders(run.ack_topic)
+    victim = max(set(leaders.values()), key=list(leaders.values()).count)
+    silent = {p for p, b in leaders.items() if b == victim}
+    written: dict[int, int] = {}  # batch -> the ack partition its acks went to
+    # the acks' writer gives a silent broker up after 2 s: what is measured is the acker's wait
+    acks = Producer(
+        {
+            **QUIET,
+            "bootstrap.servers": cluster.bootstrap,
+            "enable.idempotence": True,
+            **SHORT_WAIT,
+            "request.timeout.ms": 2000,
+        }
+    )
+    paused_at = cluster.pause_broker(victim)
+    assert paused_at is not None, f"broker {victim} was not running"
+    try:
+        for batch_id, value in batches.items():
+            acks.produce(
+                run.ack_topic,
+                key=str(batch_id).encode(),
+                value=value.encode(),
+                on_delivery=lambda err, msg: err is None and written.__setitem__(int(msg.key()), msg.partition()),
+            )
+        assert acks.flush(60) == 0 and len(written) == len(batches), "the acks were not written"
+        assert silent & set(written.values()), f"no ack went to a partition of broker {victim}: {written}"
+
+        def applied() -> bool:
+            with psycopg.connect(run.cluster.dsn, autocommit=True, connect_timeout=10) as conn:
+                rows = conn.execute(
+                    f'SELECT count(*) FROM "{run.schema}".batch WHERE id = ANY(%s) AND state = %s',
+                    (list(batches), "complete"),
+                ).fetchone()
+            return rows is not None and rows[0] == len(batches)
+
+        bound = BROKER_SESSION_S + defaults.session_timeout + 8.0
+        if not wait_until(applied, bound, step=0.2):
+            late = wait_until(applied, 120, step=0.2)
+            waited = time.monotonic() - paused_at
+            pytest.fail(
+                f"the acks on broker {victim}'s partitions {sorted(silent)} were not applied within {bound} s of it "
+                f"going silent ({'applied after' if late else 'still not applied after'} {waited:.1f} s)\n"
+                + run.reapers[0].log_path.read_text()[-3000:]
+            )
+        print(f"acks on the silent broker's partitions applied {time.monotonic() - paused_at:.1f} s after the pause")
     finally:
         cluster.resume_broker(victim)
     _steady(run, 3)

@@ -16,7 +16,11 @@ every request in flight on them, and fenced lanes for nothing.) Metadata is refr
 heartbeat_timeout (at most every second): a new partition leader is found without waiting for the
 old one to time out. The data producer waits as long on a silent partition leader
 (harvester.publishing.publisher: its requests are idempotent, a timed-out one is sent again to the
-new leader). kafka.client, kafka.consumer and kafka.producer settings override all of these.
+new leader), and so do the ackers' consumers and dead-letter producers (harvester.services.acker:
+a fetch, an offset commit or a dead letter waiting on a silent broker stalls the acks of its
+partitions, or the whole acker, for as long; the acks are applied again once it is given up and
+the partition is fetched from its new leader). kafka.client, kafka.consumer and kafka.producer
+settings override all of these.
 """
 
 from __future__ import annotations
@@ -37,3 +41,21 @@ def election_client_defaults(heartbeat_timeout: float, session_timeout: float) -
         "socket.connection.setup.timeout.ms": wait,
         "topic.metadata.refresh.interval.ms": max(100, min(1000, int(heartbeat_timeout * 500))),
     }
+
+
+def silent_broker_defaults(wait_ms: int, *, producer: bool = False) -> dict[str, int]:
+    """librdkafka defaults of the reaper's long-lived data and ack clients (the data producer, the
+    ackers' consumers and dead-letter producers): requests and new connections wait `wait_ms` on a
+    broker that does not answer (silent_broker_wait_ms), and metadata is refreshed every half of it,
+    at most every second, so a moved partition leader is learned without waiting for the old one to
+    time out (a broker that is gone, not only silent, leaves nothing in flight to time out). With
+    `producer`, the produce requests' own timeout too (a consumer has none). Configuration may
+    override them all."""
+    defaults = {
+        "socket.timeout.ms": wait_ms,
+        "socket.connection.setup.timeout.ms": wait_ms,
+        "topic.metadata.refresh.interval.ms": max(100, min(1000, wait_ms // 2)),
+    }
+    if producer:
+        defaults["request.timeout.ms"] = wait_ms
+    return defaults

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable
 
 from harvester.config import REQUIRED_PRODUCER
+from harvester.election.timeouts import silent_broker_defaults
 from harvester.metrics import MetricsLike
 from harvester.publishing.deliveries import PERMANENT_DELIVERY, DeliverySettler, error_reason, logs_safe  # noqa: F401
 from harvester.publishing.idempotent import PERMANENT_PRODUCE, Deadline, PlainStrategy, QuarantineError, Valid  # noqa: F401
@@ -57,18 +58,7 @@ def producer_config(
     30-60 s, keep a partition whose leader went silent unpublished that long after Kafka moved it;
     harvester.election.timeouts derives the election's)."""
     txn = TXN_PRODUCER if transactional_id else {}
-    waits = (
-        {}
-        if silent_wait_ms is None
-        else {
-            "socket.timeout.ms": silent_wait_ms,
-            "socket.connection.setup.timeout.ms": silent_wait_ms,
-            "request.timeout.ms": silent_wait_ms,
-            # a moved partition leader is learned within this (a broker that is gone, not only
-            # silent, leaves nothing in flight to time out and trigger a lookup)
-            "topic.metadata.refresh.interval.ms": max(100, min(1000, silent_wait_ms // 2)),
-        }
-    )
+    waits = {} if silent_wait_ms is None else silent_broker_defaults(silent_wait_ms, producer=True)
     conf = {"bootstrap.servers": bootstrap, **DEFAULT_PRODUCER, **waits, **txn, **client, **producer}
     for key, value in REQUIRED_PRODUCER.items():
         if key in conf and str(conf[key]).lower() != str(value).lower():

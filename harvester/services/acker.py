@@ -48,6 +48,7 @@ from typing import Any
 import structlog
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
+from harvester.election.timeouts import silent_broker_defaults
 from harvester.metrics import HarvesterMetrics
 from harvester.metrics import get as get_metrics
 from harvester.publishing.publisher import RECONNECT
@@ -84,6 +85,7 @@ class Acker:
         deferred_retry: float = 0.05,
         max_groups: int = GROUPS_PER_FOLD_MAX,
         metrics: HarvesterMetrics | None = None,
+        silent_wait_ms: int | None = None,
     ) -> None:
         self.dsn = dsn
         self.schema = check_identifier(schema, "schema")
@@ -130,6 +132,12 @@ class Acker:
         self._paused = False  # the assigned partitions, while the deferred masks fill a fold
         self._deferred_logged = 0.0
         client = dict(kafka_client or {})
+        # How long a fetch, an offset commit or a dead letter waits on a broker that does not answer
+        # (harvester.election.timeouts): with librdkafka's 60 s, a silent broker's partitions, or the
+        # whole acker when it coordinates the group, applied no acks for a minute after Kafka had moved
+        # them. None: librdkafka's defaults (`reaper run` derives it from the election's settings).
+        silent = {} if silent_wait_ms is None else silent_broker_defaults(silent_wait_ms)
+        silent_producer = {} if silent_wait_ms is None else silent_broker_defaults(silent_wait_ms, producer=True)
         self._consumer_conf = {
             # Tuning the configuration may override. Ack messages are tiny: with the default 1 MiB
             # per partition per fetch, 1M single-id acks took 7.3 s to consume here; with 8 MiB, 0.9 s.
@@ -140,6 +148,7 @@ class Acker:
             "partition.assignment.strategy": "cooperative-sticky",
             "auto.offset.reset": "earliest",
             **RECONNECT,  # back within a second of a broker's return, not librdkafka's 10 s back-off
+            **silent,
             **client,
             **(consumer_client or {}),
             # What the acker's correctness rests on: offsets are committed by hand after the database.
@@ -153,6 +162,7 @@ class Acker:
         self._producer_conf = {
             "linger.ms": 5,
             **RECONNECT,
+            **silent_producer,
             **client,
             **(producer_client or {}),
             "bootstrap.servers": bootstrap_servers,
