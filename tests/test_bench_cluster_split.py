@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from bench.cluster import PARTITIONS, gap_after, split
+from bench.cluster_gaps import PARTITIONS, gap_after, split
 
 
 def test_the_reaper_share_is_what_the_gap_adds_to_the_probe():
