@@ -169,11 +169,12 @@ def faults(
         "REAPER_HARVESTER__LEADER_GROUP": f"bench-{uuid.uuid4().hex[:8]}",
         **extra_env,
     }
-    reaper = ReaperProcess(env, log_dir / "reaper.log")
     writer, reader = Writer(cluster.dsn, schema, topic), Reader(cluster.bootstrap, topic)
     probe = Probe(cluster.bootstrap, topic)
     out: dict = {"split": {}, "rounds": {}, "appended": {}}
+    reaper: ReaperProcess | None = None
     try:
+        reaper = ReaperProcess(env, log_dir / "reaper.log")
         if not reaper.wait_leader(120):
             raise RuntimeError(f"the reaper never led: {reaper.log_path.read_text()[-2000:]}")
         reader.start()
@@ -255,7 +256,8 @@ def faults(
         writer.stop.set()
         probe.stop.set()
         reader.stop.set()
-        stop_all([reaper])
+        if reaper is not None:
+            stop_all([reaper])
         try:
             with psycopg.connect(cluster.dsn, autocommit=True, connect_timeout=10) as c:
                 c.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
@@ -309,10 +311,16 @@ def latency(single_dsn: str, single_bootstrap: str, cluster: Cluster, rows: int,
     }
 
 
+def _unwind_once(signum: int, frame: object) -> None:
+    # ignored from here on: a second SIGTERM must not cut the clean-up short
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(143)
+
+
 def main(argv: list[str] | None = None) -> int:
     # a SIGTERM (an interrupted run) unwinds like Ctrl-C, so the reaper this run started is
     # stopped by its `finally` instead of publishing on, unseen, beside the next run
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, _unwind_once)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rows, shorter phases")
     ap.add_argument("--skip-faults", action="store_true", help="only the throughput and latency figures")

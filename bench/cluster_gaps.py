@@ -136,7 +136,9 @@ def gap_after(
         first: dict[int, float] = {}
         for v, (at, p) in list(times.items()):
             c = sent.get(v)
-            if c is not None and c >= since and (p not in first or at < first[p]):
+            # read back (or appended) after the fault too: a row whose commit returned just after
+            # the signal may have been appended by the old leader before it
+            if c is not None and c >= since and at >= since and (p not in first or at < first[p]):
                 first[p] = at
         if len(first) == PARTITIONS:
             return round(max(first.values()) - since, 3)

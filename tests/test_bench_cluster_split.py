@@ -52,3 +52,14 @@ def test_the_appended_gap_counts_the_leaders_append_times_not_the_arrivals():
     assert gap_after(SimpleNamespace(sent=sent), reader, since, timeout=1, appended=True) == round(
         1.0 + (PARTITIONS - 1) / 10, 3
     )
+
+
+def test_a_record_appended_before_the_fault_is_not_the_first_after_it():
+    since = 100.0
+    # committed (its commit returned) just after the signal, but appended by the old leader before it
+    sent = {b"probe-early-%d" % p: since + 0.01 for p in range(PARTITIONS)}
+    sent.update({b"probe-late-%d" % p: since + 0.5 for p in range(PARTITIONS)})
+    appended = {b"probe-early-%d" % p: (since - 0.02, p) for p in range(PARTITIONS)}
+    appended.update({b"probe-late-%d" % p: (since + 3.0, p) for p in range(PARTITIONS)})
+    reader = SimpleNamespace(arrived={}, appended=appended)
+    assert gap_after(SimpleNamespace(sent=sent), reader, since, timeout=1, appended=True) == 3.0

@@ -96,3 +96,28 @@ def test_combined_nodes_are_broker_and_controller_in_one(layout) -> None:
 def test_an_unknown_layout_is_refused_by_name(layout) -> None:
     with pytest.raises(cluster_kafka.base.ServiceError, match="'separate'"):
         layout("separate")
+
+
+@pytest.mark.parametrize("controllers", ["dedicated", "combined"])
+def test_down_stops_the_brokers_together_then_the_controllers(layout, monkeypatch, controllers) -> None:
+    layout(controllers)
+    import cluster  # after cluster_kafka is loaded with this layout
+
+    cluster = importlib.reload(cluster)
+    stopped: list[list[int]] = []
+    monkeypatch.setattr(cluster, "_stop_at_once", lambda nodes: stopped.append(list(nodes)) or None)
+    monkeypatch.setattr(cluster, "stop_strays", lambda: None)
+    monkeypatch.setattr(cluster, "pg_stop", lambda n, mode: None)
+    cluster.down()
+    if controllers == "dedicated":
+        assert stopped == [[1, 2, 3], [4, 5, 6]]
+    else:
+        assert stopped == [[1, 2, 3], []]
+    # an empty group (a combined layout has no controller of its own) stops nothing and raises nothing
+    monkeypatch.undo()
+    layout(controllers)
+    cluster = importlib.reload(cluster)
+    signalled: list[int] = []
+    monkeypatch.setattr(cluster, "broker_signal", lambda n, sig, wait=0.0: signalled.append(n))
+    cluster._stop_at_once(())
+    assert signalled == []

@@ -81,6 +81,8 @@ def up() -> None:
 
 
 def _stop_at_once(nodes: tuple[int, ...]) -> None:
+    if not nodes:  # a combined layout has no controller of its own to stop after its brokers
+        return
     with ThreadPoolExecutor(len(nodes)) as pool:
         list(pool.map(lambda n: broker_signal(n, signal.SIGTERM, wait=30), nodes))
 

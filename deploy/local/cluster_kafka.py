@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import services as base  # deploy/local/services.py: Kafka jars, Java
@@ -141,11 +142,25 @@ def stop_strays() -> None:
     """Stop Kafka nodes of another layout (or of this script's older one, <state>/cluster/kafka<N>)
     still running from an earlier `up`: they hold the ports this layout's nodes listen on."""
     ours = {kafka_dir(n) / "kafka.pid" for n in NODES}
+    # a stale pid file (from before a reboot) may name a pid one of this layout's nodes has now
+    ours_pids = {broker_pid(n) for n in NODES} - {None}
+    brokers: list[tuple[int, Path]] = []
+    controllers: list[tuple[int, Path]] = []
     for pid_file in [*DIR.glob("kafka*/kafka.pid"), *DIR.glob("kafka-*/node*/kafka.pid")]:
         pid = None if pid_file in ours else _kafka_pid(pid_file)
-        if pid is not None:
+        if pid is not None and pid not in ours_pids:
+            try:
+                only_controller = "process.roles=controller\n" in (pid_file.parent / "server.properties").read_text()
+            except OSError:
+                only_controller = False
+            (controllers if only_controller else brokers).append((pid, pid_file))
+    # like `down`: the brokers together, then the controllers, so that none waits for a quorum gone
+    for group in (brokers, controllers):
+        for _pid, pid_file in group:
             base.log(f"cluster: stopping a Kafka node of another layout ({pid_file.parent})")
-            _end(pid, wait=30)
+        with ThreadPoolExecutor(max(1, len(group))) as pool:
+            list(pool.map(lambda item: _end(item[0], wait=30), group))
+        for _pid, pid_file in group:
             pid_file.unlink(missing_ok=True)
 
 
