@@ -211,6 +211,25 @@ def test_kill_the_active_controller_with_lanes(cluster, load):
     run.check()
 
 
+def test_kill_the_active_controller_and_the_outbox_leader_at_once(cluster, load):
+    """What losing a node that is broker and active controller in one does (a combined KRaft
+    node, or a machine running both): the quorum elects a new controller first, which fences the
+    dead broker only a session later, so the outbox partitions' leaders move late."""
+    run = load(1)
+    _steady(run, 4)
+    leaders = cluster.topic_leaders(run.topic)
+    broker = max(set(leaders.values()), key=list(leaders.values()).count)
+    controller = cluster.controller()
+    victims = [broker] if controller == broker else [broker, controller]  # one node in a combined layout
+    for n in victims:
+        cluster.kill_broker(n)
+    _steady(run, 8)
+    for n in victims:
+        cluster.start_broker(n)
+    _steady(run, 3)
+    run.check()
+
+
 def test_rolling_restart_of_all_three_brokers(cluster, load):
     run = load(1)
     _steady(run, 3)
