@@ -118,6 +118,6 @@ def test_down_stops_the_brokers_together_then_the_controllers(layout, monkeypatc
     layout(controllers)
     cluster = importlib.reload(cluster)
     signalled: list[int] = []
-    monkeypatch.setattr(cluster, "broker_signal", lambda n, sig, wait=0.0: signalled.append(n))
+    monkeypatch.setattr(cluster_kafka, "_end", lambda pid, wait=0.0, sig=None: signalled.append(pid))
     cluster._stop_at_once(())
     assert signalled == []

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import fcntl
 import signal
-from concurrent.futures import ThreadPoolExecutor
 
 import services as base  # deploy/local/services.py: ServiceError (services.py reads it as cluster.base)
 from cluster_kafka import (
@@ -40,9 +39,11 @@ from cluster_kafka import (
     broker_pid,
     broker_signal,
     broker_start,
+    kafka_dir,
     quorum_port,
     roles,
     stop_strays,
+    stop_together,
     wait_brokers,
 )
 from cluster_layout import DIR, broker_port, pg_port
@@ -81,10 +82,7 @@ def up() -> None:
 
 
 def _stop_at_once(nodes: tuple[int, ...]) -> None:
-    if not nodes:  # a combined layout has no controller of its own to stop after its brokers
-        return
-    with ThreadPoolExecutor(len(nodes)) as pool:
-        list(pool.map(lambda n: broker_signal(n, signal.SIGTERM, wait=30), nodes))
+    stop_together([kafka_dir(n) / "kafka.pid" for n in nodes])
 
 
 def down() -> None:

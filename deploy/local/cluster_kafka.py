@@ -158,10 +158,20 @@ def stop_strays() -> None:
     for group in (brokers, controllers):
         for _pid, pid_file in group:
             base.log(f"cluster: stopping a Kafka node of another layout ({pid_file.parent})")
-        with ThreadPoolExecutor(max(1, len(group))) as pool:
-            list(pool.map(lambda item: _end(item[0], wait=30), group))
-        for _pid, pid_file in group:
-            pid_file.unlink(missing_ok=True)
+        stop_together([pid_file for _pid, pid_file in group])
+
+
+def stop_together(pid_files: list[Path]) -> None:
+    """SIGTERM the running Kafka nodes of `pid_files` at once and wait until each has ended
+    (SIGKILL after 30 s). One after the other, the last broker would wait out its 30 s for a
+    controller quorum its peers took away."""
+    running = [(pid_file, pid) for pid_file in pid_files if (pid := _kafka_pid(pid_file)) is not None]
+    if not running:
+        return
+    with ThreadPoolExecutor(len(running)) as pool:
+        list(pool.map(lambda item: _end(item[1], wait=30), running))
+    for pid_file, _pid in running:
+        pid_file.unlink(missing_ok=True)
 
 
 def broker_start(n: int, wait: bool = True) -> None:
