@@ -35,10 +35,9 @@ def silent_broker_wait_ms(heartbeat_timeout: float, session_timeout: float) -> i
 
 def election_client_defaults(heartbeat_timeout: float, session_timeout: float) -> dict[str, int]:
     """librdkafka defaults of the leader consumer and the heartbeat producer (configuration may override)."""
-    wait = silent_broker_wait_ms(heartbeat_timeout, session_timeout)
     return {
-        "socket.timeout.ms": wait,
-        "socket.connection.setup.timeout.ms": wait,
+        **silent_broker_defaults(silent_broker_wait_ms(heartbeat_timeout, session_timeout)),
+        # a moved leader topic partition is learned within half a heartbeat budget
         "topic.metadata.refresh.interval.ms": max(100, min(1000, int(heartbeat_timeout * 500))),
     }
 
