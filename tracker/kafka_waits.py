@@ -15,6 +15,12 @@ on a fresh connection, idempotently) reaches, yet long enough that a broker that
 (a long GC pause, a saturated disk) is not given up, which would fail every request in flight on
 that connection for nothing. A killed broker needs none of this: its connections are refused and
 librdkafka asks for the new leaders at once. Settings the caller passes override every one.
+
+Measured on the local three-broker cluster, the ack topic's leader paused: an AckProducer's
+flush() returned 61.6 s after the pause at librdkafka's defaults, 16.2 s at these. A 1 s
+`topic.metadata.refresh.interval.ms` on top returned 2.6 s after the pause once, 16.2 s after it
+another time (the refresh itself can go to the silent broker), so it is left to the caller: it would add a
+metadata request a second per application instance for a gain that is not assured.
 """
 
 from __future__ import annotations
