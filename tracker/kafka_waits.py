@@ -9,8 +9,8 @@ leaderships away after its broker session timeout (9 s by default), but until th
 out the client keeps waiting on the old connection: an `AckProducer.flush()` or an inbox
 consumer's poll hangs half a minute or more after another broker could have taken the work.
 
-These defaults give such a broker up after 15 s, the reaper's default session timeout: past any
-broker session timeout, so by then the partitions have a new leader that the request (sent again
+These defaults give such a broker up after 15 s, the reaper's default session timeout: past Kafka's
+default broker session timeout, so by then the partitions have a new leader that the request (sent again
 on a fresh connection, idempotently) reaches, yet long enough that a broker that is only slow
 (a long GC pause, a saturated disk) is not given up, which would fail every request in flight on
 that connection for nothing. A killed broker needs none of this: its connections are refused and
@@ -19,8 +19,8 @@ librdkafka asks for the new leaders at once. Settings the caller passes override
 Measured on the local three-broker cluster, the ack topic's leader paused: an AckProducer's
 flush() returned 61.6 s after the pause at librdkafka's defaults, 16.2 s at these. A 1 s
 `topic.metadata.refresh.interval.ms` on top returned 2.6 s after the pause once, 16.2 s after it
-another time (the refresh itself can go to the silent broker), so it is left to the caller: it would add a
-metadata request a second per application instance for a gain that is not assured.
+another time (the refresh itself can go to the silent broker), so it is left to the caller: it
+would add a metadata request a second per application instance for a gain that is not assured.
 """
 
 from __future__ import annotations
