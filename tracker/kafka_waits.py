@@ -17,7 +17,10 @@ that connection for nothing. A killed broker needs none of this: its connections
 librdkafka asks for the new leaders at once. Settings the caller passes override every one.
 
 Measured on the local three-broker cluster, the ack topic's leader paused: an AckProducer's
-flush() returned 61.6 s after the pause at librdkafka's defaults, 16.2 s at these. A 1 s
+flush() returned 61.6 s after the pause at librdkafka's defaults, 16.2 s at these (16.1 s with
+only request.timeout.ms or only the two socket ones at 15 s: any request that times out closes
+the connection, failing the others on it too; both are kept, each bounds requests the other does
+not, a consumer's and a fresh connection's). A 1 s
 `topic.metadata.refresh.interval.ms` on top returned 2.6 s after the pause once, 16.2 s after it
 another time (the refresh itself can go to the silent broker), so it is left to the caller: it
 would add a metadata request a second per application instance for a gain that is not assured.
