@@ -63,7 +63,18 @@ def _check_database(cfg: Config, connect_timeout: int = 10) -> None:
 
 
 def _admin(cfg: Config) -> AdminClient:
-    conf = {"bootstrap.servers": cfg.kafka.bootstrap_servers, **cfg.kafka.client, "logger": logs.KafkaLogger("admin")}
+    """The start-up checks' and /readyz's client. A broker that answers nothing is given up as the
+    election's clients give it up (kafka.client overrides): at librdkafka's 60 s socket timeout its
+    metadata requests kept going to a silent broker (librdkafka prefers the one it used last), and
+    /readyz said Kafka was unreachable for up to a minute while the other brokers answered."""
+    wait = silent_broker_wait_ms(cfg.harvester.heartbeat_timeout, cfg.harvester.session_timeout)
+    conf = {
+        "bootstrap.servers": cfg.kafka.bootstrap_servers,
+        "socket.timeout.ms": wait,
+        "socket.connection.setup.timeout.ms": wait,
+        **cfg.kafka.client,
+        "logger": logs.KafkaLogger("admin"),
+    }
     return AdminClient(conf)
 
 

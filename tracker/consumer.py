@@ -28,6 +28,7 @@ from tracker.core.validate import check_reason
 from tracker.errors import MalformedItemId, TrackerError
 from tracker.folding.messages import FAIL_MARK, FAILURE_REASON_HEADER
 from tracker.ids import GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, format_run, parse_item_id
+from tracker.kafka_waits import PRODUCER_DEFAULTS
 from tracker.sync import exactly_once as exactly_once
 
 ITEM_ID_HEADER = "item-id"
@@ -160,6 +161,9 @@ class AckProducer:
     committing your own consumer offsets. The first outcome given for an item wins, as with
     `tracker.ack` and `tracker.fail`: one still buffered makes a later other outcome of the item a
     duplicate (left out), and one already sent precedes it in the batch's partition. Thread-safe.
+
+    `kafka_client`: librdkafka settings, which override the helper's own: idempotence, lz4, and
+    a broker that answers nothing given up after 15 s (tracker.kafka_waits.PRODUCER_DEFAULTS).
     """
 
     def __init__(
@@ -181,6 +185,8 @@ class AckProducer:
             "enable.idempotence": True,
             "linger.ms": 5,
             "compression.type": "lz4",
+            # a silent broker is given up after 15 s, not librdkafka's 30-60 s (tracker.kafka_waits)
+            **PRODUCER_DEFAULTS,
             **(kafka_client or {}),
         }
         self._producer = Producer(conf)

@@ -44,6 +44,7 @@ from tracker import message_ids
 from tracker.errors import InvalidValue, TrackerError
 from tracker.inbox.core import check_text
 from tracker.inbox.sync import Inbox
+from tracker.kafka_waits import CLIENT_DEFAULTS, PRODUCER_DEFAULTS
 from tracker.message_ids import MESSAGE_ID_HEADER
 
 DEAD_LETTER_REASON_HEADER = "dead-letter-reason"
@@ -112,7 +113,8 @@ class InboxConsumer:
     """Consumes `topics` in the consumer group of `config` ("group.id"), running `handler(conn,
     record)` once per message id through `inbox`. `config` is librdkafka's; the helper sets
     enable.auto.commit and enable.auto.offset.store to false itself and refuses a config that sets
-    them. Not thread-safe: one thread polls."""
+    them. Its settings override the helper's defaults, which give a broker that answers nothing up
+    after 15 s (tracker.kafka_waits). Not thread-safe: one thread polls."""
 
     def __init__(
         self,
@@ -135,13 +137,16 @@ class InboxConsumer:
             raise InvalidValue("conn", conn, "must be a psycopg Connection that is not in autocommit mode")
         self.conn, self.inbox, self.handler = conn, inbox, handler
         self.batch, self.poll_timeout = batch, poll_timeout
-        self.consumer = Consumer({**config, "enable.auto.commit": False, "enable.auto.offset.store": False})
+        # a silent broker is given up after 15 s, not librdkafka's 30-60 s (tracker.kafka_waits)
+        self.consumer = Consumer(
+            {**CLIENT_DEFAULTS, **config, "enable.auto.commit": False, "enable.auto.offset.store": False}
+        )
         self.consumer.subscribe(list(topics))
         self.dead_letter_topic = dead_letter_topic
         self._dead: Producer | None = None
         if dead_letter_topic:
             keep = {k: v for k, v in config.items() if not k.startswith(("group.", "enable.auto", "auto.offset"))}
-            self._dead = Producer({**keep, "enable.idempotence": True})
+            self._dead = Producer({**PRODUCER_DEFAULTS, **keep, "enable.idempotence": True})
         self._undelivered: list[str] = []  # delivery errors of this poll's dead letters
         self.totals = PollResult()
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracker.config import schema_of
+from tracker.kafka_waits import PRODUCER_DEFAULTS
 from tracker.spark.acks import AckTotals, ack_dataframe
 from tracker.spark.progress import Progress, dead_lettered, listener, record_input_rows
 
@@ -98,7 +99,13 @@ def ack_stream(
     # binary: bad bytes are dead-lettered, never decoded
     stream = reader.load().selectExpr("value AS ack", "key", "partition", "offset", "headers")
     # kafka_options are the Java consumer's (Spark's source); the dead-letter producer is librdkafka's
-    producer_conf = {"bootstrap.servers": bootstrap_servers, "enable.idempotence": True, **(dead_letter_client or {})}
+    # (a silent broker given up after 15 s, not 30-60 s: tracker.kafka_waits)
+    producer_conf = {
+        "bootstrap.servers": bootstrap_servers,
+        "enable.idempotence": True,
+        **PRODUCER_DEFAULTS,
+        **(dead_letter_client or {}),
+    }
 
     label = query_name or topic
 
