@@ -22,7 +22,11 @@ single-node services (OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP, else the local ones), i
             lists every round, a fault's figure is its worst). Each broker fault's gap is also
             counted to when Kafka appended that record (the topic's LogAppendTime), apart from
             the bench's own consumer finding the new leaders (appended_s, gap_appended; the
-            probe's kafka_writable_appended).
+            probe's kafka_writable_appended). After each heal the run waits until the Kafka
+            nodes use no more CPU than in the steady load before the first fault (at most 60 s;
+            a restarted JVM is busy for a while), and each round records the cores the nodes
+            used just before it (kafka_cores_before, beside kafka_cores_steady), the 1-minute
+            load, and how long the settling took (settled_after).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench.cluster_gaps import PARTITIONS, QUIET, FailoverWatch, Probe, Reader, Writer, gap_after, split
+from bench.cluster_quiet import Quiet, cores
 from bench.harvest_latency import stamping
 from bench.harvest_once import prefill
 from bench.pairs import load_average
@@ -181,8 +186,12 @@ def faults(
         writer.start()
         probe.start()
         time.sleep(pause)
+        quiet = Quiet()
+        out["kafka_cores_steady"] = quiet.measure_baseline()
 
         def broker_fault(name: str, victim: int, fault, heal) -> None:
+            # how busy the Kafka nodes were just before the fault, and the machine (1-minute load)
+            busy = {"kafka_cores_before": cores(), "load_1m": round(os.getloadavg()[0], 2)}
             watch = FailoverWatch(cluster.bootstrap, victim, [topic, leader], env["REAPER_HARVESTER__LEADER_GROUP"])
             # counted from the signal (the fault command reports when it sent it), not from when
             # the command returned
@@ -198,7 +207,7 @@ def faults(
             parts["kafka_writable_appended"] = gap_after(probe, reader, at, timeout=5, appended=True)
             # the signal's wall-clock time, to line the round up with the reaper's and brokers' logs
             signal_at = datetime.fromtimestamp(time.time() - (time.monotonic() - at), UTC).isoformat()
-            out["rounds"].setdefault(name, []).append({"victim": victim, "signal_at": signal_at, **parts})
+            out["rounds"].setdefault(name, []).append({"victim": victim, "signal_at": signal_at, **parts, **busy})
             say(
                 f"{name} round {len(out['rounds'][name])} (kafka node {victim}, signal at {signal_at}): "
                 f"publication gap {gap} s: {parts}"
@@ -207,6 +216,11 @@ def faults(
             heal(victim)
             cluster.wait_in_sync([topic, leader], 120)
             time.sleep(pause)
+            # the healed node's JVM starting up is load the next fault must not meet (bench.cluster_quiet)
+            settled = quiet.settle()
+            out["rounds"][name][-1]["settled_after"] = settled
+            if not settled["quiet"]:
+                say(f"the Kafka nodes did not settle within {quiet.timeout:.0f} s of the heal: {settled}")
 
         def partition_leader() -> int:
             leaders = cluster.topic_leaders(topic)
@@ -359,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             cluster.up()  # heal whatever a failed run left
         broker = [v for k, v in gaps.items() if k.endswith("_s") and k != "promotion_s"]
+        result["kafka_cores_steady"] = gaps.pop("kafka_cores_steady", None)
         result["split_s"] = gaps.pop("split")
         result["rounds_s"] = gaps.pop("rounds")
         result["appended_s"] = appended = gaps.pop("appended")

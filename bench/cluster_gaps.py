@@ -17,6 +17,9 @@ from harvester.publishing.publisher import producer_config
 
 PARTITIONS = 3
 QUIET = {"log_level": 3}
+# the probe's cadence: the resolution of kafka_writable; each round is an acks=all request per
+# partition, which the brokers replicate, so it is load too (20 ms was 150 requests a second)
+PROBE_EVERY = 0.05
 
 
 class Writer(threading.Thread):
@@ -74,7 +77,10 @@ class Reader(threading.Thread):
                 "bootstrap.servers": bootstrap,
                 "group.id": f"bench-read-{uuid.uuid4().hex[:8]}",
                 "enable.auto.commit": False,
-                "fetch.wait.max.ms": 10,
+                # Kafka's default: a fetch returns as soon as a record is there, and only waits this
+                # long on an empty partition (10 ms had the brokers answering a hundred empty fetches
+                # a second each, load of the bench's own on the cores the failover needs)
+                "fetch.wait.max.ms": 500,
                 # a silent (paused) leader is given up after 2 s, not librdkafka's 60 s: the gap
                 # measured is the reaper's, the reader's own wait adds at most this
                 "socket.timeout.ms": 2000,
@@ -101,7 +107,7 @@ class Probe(threading.Thread):
     """Kafka's own recovery as a client sees it: a producer with the reaper's data-producer
     settings (idempotent, acks=all, the same metadata refresh and waits) but none of the reaper
     (no election, no marking) writes a small record to every partition of the outbox topic every
-    20 ms; `sent` keeps each record's send time. The Reader reads them back with the rest."""
+    PROBE_EVERY seconds; `sent` keeps each record's send time. The Reader reads them back with the rest."""
 
     def __init__(self, bootstrap: str, topic: str) -> None:
         super().__init__(daemon=True)
@@ -119,7 +125,7 @@ class Probe(threading.Thread):
                 value = b"probe-%d" % seq
                 self.sent[value] = time.monotonic()
                 self.p.produce(self.topic, value, partition=part)
-            self.p.poll(0.02)
+            self.p.poll(PROBE_EVERY)
         self.p.flush(5)
 
 
