@@ -3,9 +3,11 @@
 On the same pre-filled outbox as the harvester (bench/harvest_once.py's `prefill`, in a fresh
 schema and topic):
 
-  copy      one binary `COPY (SELECT <the columns the harvester's mark returns> ... ORDER BY id)
+  copy      one binary `COPY (SELECT <the row's columns and created_at> ... ORDER BY id)
             TO STDOUT`, every row parsed into Python values (psycopg 3)
-  produce   those records with their keys and headers, through one producer with the harvester's
+  produce   those records with their keys and headers (the message id formatted here, from
+            created_at: the harvester's mark has Postgres build it, but the floor stays the same
+            yardstick as before), through one producer with the harvester's
             idempotent settings (harvester.publishing.publisher.producer_config), in the
             harvester's positional produce call with a delivery callback per record, then flush:
             every record acknowledged by Kafka

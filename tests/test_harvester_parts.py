@@ -189,7 +189,7 @@ def test_a_delivered_record_is_purged_without_waiting_for_the_rest_of_its_produc
         plain = PlainStrategy(slot, settler, store)
 
         def rows(*ids: int) -> list[tuple]:
-            return [(i, "t", b"k", b"v", [], [], None, 0) for i in ids]
+            return [(i, "t", b"k", b"v", [], [], None, NS.message_id(i, 0)) for i in ids]
 
         settler.reserve(3)
         assert plain.produce_rows(rows(k1, x), me, lambda: True, lambda: float("inf"), NS) == 2

@@ -225,7 +225,7 @@ def test_every_row_is_covered_by_exactly_one_report_or_released(spec, partitions
     producer = _Recording(refused, partitions, f"{P}{stop_at}")
     slot = ProducerSlot({}, lambda conf: producer)
     plain = PlainStrategy(slot, settler, _Store())
-    rows = [(i, topic, key, b"v", [], [], part, 0) for i, (topic, key, part, _) in enumerate(spec)]
+    rows = [(i, topic, key, b"v", [], [], part, f"{P}{i}") for i, (topic, key, part, _) in enumerate(spec)]
     settler.reserve(len(rows))
     try:
         got = plain.produce_rows(rows, uuid.uuid4(), lambda: True, lambda: float("inf"), NS)
@@ -353,7 +353,7 @@ def test_a_row_to_report_alone_leaves_the_set_when_published_unplaced():
 
     producer = _Recording(set(), 0, "")
     single = {1, 2}
-    rows = [(1, "missing", b"k", b"v", [], [], None, 0), (2, "t1", None, b"v", [], [], None, 0)]
+    rows = [(1, "missing", b"k", b"v", [], [], None, f"{P}1"), (2, "t1", None, b"v", [], [], None, f"{P}2")]
     parts, runs, _last = plan_runs(rows, PartitionCounts(), producer, single)
     assert parts == [UNPLACED, UNPLACED] and runs == [-1, -1]
     assert single == set()
@@ -368,7 +368,7 @@ def test_a_passing_produce_refusal_is_tried_again_in_place(refusals):
     settler = DeliverySettler(_Store(), get_metrics(), workers=1, on_failure=remarks.append)
     producer = _Recording(set(), 2, f"{P}5", fail_times=refusals)
     plain = PlainStrategy(ProducerSlot({}, lambda conf: producer), settler, _Store())
-    rows = [(i, "t1", b"k%d" % i, b"v", [], [], None, 0) for i in range(12)]
+    rows = [(i, "t1", b"k%d" % i, b"v", [], [], None, f"{P}{i}") for i in range(12)]
     settler.reserve(len(rows))
     assert plain.produce_rows(rows, uuid.uuid4(), lambda: True, lambda: float("inf"), NS) == len(rows)
     assert [int(r[3][len(P) :]) for r in producer.records] == list(range(12))
@@ -385,7 +385,7 @@ def test_a_refusal_that_does_not_pass_stops_the_call():
     settler = DeliverySettler(_Store(), get_metrics(), workers=1, on_failure=lambda why: None)
     producer = _Recording(set(), 2, f"{P}5", fail_times=PRODUCE_RETRIES + 1)
     plain = PlainStrategy(ProducerSlot({}, lambda conf: producer), settler, _Store())
-    rows = [(i, "t1", b"k%d" % i, b"v", [], [], None, 0) for i in range(12)]
+    rows = [(i, "t1", b"k%d" % i, b"v", [], [], None, f"{P}{i}") for i in range(12)]
     settler.reserve(len(rows))
     with pytest.raises(KafkaException):
         plain.produce_rows(rows, uuid.uuid4(), lambda: True, lambda: float("inf"), NS)

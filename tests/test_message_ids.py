@@ -369,8 +369,8 @@ def test_a_row_created_at_infinity_or_at_the_end_of_time_is_published_with_an_id
             "FROM unnest(%s::text[]) AS t",
             [times],
         )
-    ns, rows = marked(pg_dsn, schema, 10)
-    ids = [ns.message_id(r[0], r[7] + message_ids.PG_EPOCH_US) for r in rows]
+    _ns, rows = marked(pg_dsn, schema, 10)
+    ids = [r[7] for r in rows]
     assert len(ids) == len(set(ids)) == len(times)
     assert all(i.isascii() and len(i) <= message_ids.MESSAGE_ID_MAX for i in ids)
     with pytest.raises(InvalidValue, match="created_at"):
@@ -386,9 +386,9 @@ def test_a_row_without_created_at_is_published_with_an_id(pg_dsn, schema):
             f"INSERT INTO \"{schema}\".outbox (topic, value, created_at) VALUES ('t', 'v', NULL), ('t', 'w', now())"
         )
     ns, rows = marked(pg_dsn, schema, 10)
-    assert len(rows) == 2 and all(isinstance(r[7], int) for r in rows)
-    ids = [ns.message_id(r[0], r[7] + message_ids.PG_EPOCH_US) for r in rows]
-    assert len(set(ids)) == 2
+    assert len(rows) == 2 and all(isinstance(r[7], str) for r in rows)
+    assert rows[0][7] == ns.message_id(rows[0][0], message_ids.INT8_MIN + message_ids.PG_EPOCH_US)
+    assert len({r[7] for r in rows}) == 2
 
 
 class _Msg:

@@ -1,8 +1,10 @@
-"""The SQL query the inbox how-to gives for a row's message id names every row as the reaper does:
-the long and the short form, the ends of time and a row without created_at."""
+"""The message id Postgres builds in the harvester's mark is Namespace.message_id's, and the SQL
+query the inbox how-to gives for a row's message id names every row as the reaper does: the long
+and the short form, the ends of time and a row without created_at."""
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import psycopg
@@ -11,7 +13,9 @@ from hypothesis import strategies as st
 from support.examples import examples
 from support.harness import marked
 
+from harvester.publishing.outbox_sql import FOREVER, OutboxStore, make_pool
 from tracker import message_ids
+from tracker.message_ids import INT8_MAX, INT8_MIN, PG_EPOCH_US, Micros2000, Namespace
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,8 +33,8 @@ def howto_query(schema: str) -> str:
 
 def published_ids(pg_dsn: str, schema: str) -> dict[int, str]:
     """Row id -> the message id the harvester gives the row."""
-    ns, rows = marked(pg_dsn, schema, 1000)
-    return {r[0]: ns.message_id(r[0], r[7] + message_ids.PG_EPOCH_US) for r in rows}
+    _ns, rows = marked(pg_dsn, schema, 1000)
+    return {r[0]: r[7] for r in rows}
 
 
 EDGES = ["-infinity", "infinity", "294276-12-31 23:59:59.999999+00", "4713-11-24 00:00:00+00 BC", None]
@@ -67,3 +71,57 @@ def test_the_howto_query_gives_each_row_the_id_it_is_published_with(pg_dsn, sche
                 )
         from_sql = dict(c.execute(howto_query(schema)).fetchall())
     assert from_sql == published_ids(pg_dsn, schema)
+
+
+# created_at as Postgres stores it (µs since 2000): its first and last finite values, ±infinity
+FIRST_US2000, LAST_US2000 = message_ids.FIRST_US2000, message_ids.END_US2000 - 1
+US2000 = st.one_of(
+    st.sampled_from([INT8_MIN, INT8_MAX, FIRST_US2000, LAST_US2000, -PG_EPOCH_US, -PG_EPOCH_US - 1, 0, -1]),
+    st.integers(min_value=FIRST_US2000, max_value=LAST_US2000),
+    st.integers(min_value=-(10**15), max_value=10**16),  # around now
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rows=st.dictionaries(
+        st.integers(min_value=INT8_MIN, max_value=INT8_MAX),  # row ids, any bigint
+        st.one_of(st.none(), US2000),  # created_at (None: NULL)
+        min_size=1,
+        max_size=8,
+    ),
+    cut=st.one_of(
+        st.sampled_from(["all", "row", "row+1", FIRST_US2000 - 1, message_ids.END_US2000]),
+        US2000,
+        st.integers(min_value=INT8_MIN, max_value=INT8_MAX),
+    ),
+    namespace=st.uuids(),
+)
+def test_the_id_postgres_builds_in_the_mark_is_namespace_message_id(pg_dsn, schema, rows, cut, namespace):
+    """Any row id, any created_at Postgres can hold (its ends, ±infinity, NULL) and any cutover
+    (before every row, exactly at a row's created_at, just after it, anywhere): the id the mark
+    returns is Namespace.message_id's for the row's created_at as Python reads it."""
+    some = next((us for us in rows.values() if us is not None), INT8_MIN)
+    suffix_from = {"all": message_ids.ALL_ROWS, "row": some + PG_EPOCH_US, "row+1": some + 1 + PG_EPOCH_US}.get(
+        cut if isinstance(cut, str) else "", (cut if isinstance(cut, int) else 0) + PG_EPOCH_US
+    )
+    ns = Namespace(namespace, suffix_from)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(f'DELETE FROM "{schema}".outbox')
+        c.execute(f'ALTER TABLE "{schema}".outbox ALTER COLUMN created_at DROP NOT NULL')
+        with c.cursor(binary=True) as cur:
+            message_ids.bind_micros2000(cur.adapters)
+            message_ids.load_timestamps_as_micros(cur.adapters)
+            cur.executemany(
+                f"INSERT INTO \"{schema}\".outbox (id, topic, value, created_at) VALUES (%s, 't', 'v', %s)",
+                [(i, None if us is None else Micros2000(us)) for i, us in rows.items()],
+            )
+            stored = dict(cur.execute(f'SELECT id, created_at FROM "{schema}".outbox').fetchall())
+    assert stored == rows  # exactly the values generated (bound as Postgres's own int8)
+    pool = make_pool(pg_dsn, 1)
+    try:
+        marked_rows = OutboxStore(pool, schema).mark(uuid.uuid4(), len(rows), until=FOREVER, ids=ns)
+    finally:
+        pool.close()
+    expected = {i: ns.message_id(i, (INT8_MIN if us is None else us) + PG_EPOCH_US) for i, us in rows.items()}
+    assert {r[0]: r[7] for r in marked_rows} == expected

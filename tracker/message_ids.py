@@ -9,7 +9,7 @@ created later, so its id differs: ids never repeat. And every publication of one
 remark, a new leader, a promoted standby, a restored backup) gives the same id: the namespace and
 `created_at` are rows and columns like any other, replicated and kept. Rows written by any
 language, or by the tracker's own SQL (completion and expiry events), get it alike: the harvester
-builds it as it publishes, from the mark's RETURNING; nothing is stored per row.
+builds it in the mark's RETURNING (MESSAGE_ID_SQL); nothing is stored per row.
 
 Upgrades: rows created before the namespace's `suffix_from` (sql/0022_message_id_created.sql: the
 time that migration ran, for the tables that had a namespace then) keep the previous versions'
@@ -31,7 +31,9 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.adapt import AdaptersMap
+from psycopg.adapt import AdaptersMap, Dumper
+from psycopg.postgres import types as pg_types
+from psycopg.pq import Format
 from psycopg.rows import tuple_row
 from psycopg.types.numeric import Int8BinaryLoader
 
@@ -90,6 +92,56 @@ class Namespace:
         if created_us >= self.suffix_from:
             return f"{self.uuid}:{row_id}:{created_us}"
         return f"{self.uuid}:{row_id}"
+
+
+class Micros2000(int):
+    """A timestamptz bound as Postgres's own int8 (µs since 2000-01-01 UTC; INT8_MIN and INT8_MAX
+    are -infinity and infinity): exact for every value Postgres can hold, as no datetime is."""
+
+
+class _Micros2000Dumper(Dumper):
+    format = Format.BINARY
+    oid = pg_types["timestamptz"].oid
+
+    def dump(self, obj: Any) -> bytes:
+        return int(obj).to_bytes(8, "big", signed=True)
+
+
+def bind_micros2000(adapters: AdaptersMap) -> None:
+    """Let the cursor or connection whose `adapters` these are bind Micros2000 values."""
+    adapters.register_dumper(Micros2000, _Micros2000Dumper)
+
+
+# A marked row's message id, built by Postgres in the mark's RETURNING (harvester.publishing.outbox_sql)
+# from the row's `id` and `created_at` and two parameters, `message_id_params`: the same text as
+# Namespace.message_id for every row. created_at as Postgres stores it (timestamptz_send: its int8,
+# ±infinity at the ends) plus PG_EPOCH_US in numeric, which cannot overflow at the ends of int8; a
+# NULL created_at as -infinity. The how-to's query for the inbox (docs/howto/inbox.md) is the same.
+MESSAGE_ID_SQL = (
+    "%(mid_prefix)s::text || id || CASE WHEN coalesce(created_at, '-infinity') >= %(mid_cut)s THEN ':' || "
+    "(('x' || encode(timestamptz_send(coalesce(created_at, '-infinity')), 'hex'))::bit(64)::bigint::numeric"
+    f" + {PG_EPOCH_US})::text ELSE '' END"
+)
+
+
+# The first finite timestamptz and the first past the last (µs since 2000): Postgres refuses between
+# them and ±infinity, where a cut means the same as at that end.
+FIRST_US2000, END_US2000 = -211_813_488_000_000_000, 9_223_371_331_200_000_000
+
+
+def message_id_params(ns: Namespace) -> dict[str, object]:
+    """MESSAGE_ID_SQL's parameters for `ns` (bound, never SQL text; the cursor needs bind_micros2000).
+    Raises InvalidValue for a suffix_from after infinity (a namespace read from the database never has one)."""
+    cut = ns.suffix_from - PG_EPOCH_US
+    if cut > INT8_MAX:
+        raise InvalidValue("suffix_from", ns.suffix_from, "must be at most infinity's µs since the Unix epoch")
+    if cut <= INT8_MIN:
+        cut = INT8_MIN
+    elif cut < FIRST_US2000:
+        cut = FIRST_US2000  # only -infinity lies before it
+    elif cut >= END_US2000:
+        cut = INT8_MAX  # only infinity lies at or after it
+    return {"mid_prefix": ns.prefix, "mid_cut": Micros2000(cut)}
 
 
 class NamespaceUnavailable(TrackerError, LookupError):

@@ -2,8 +2,8 @@
 
 Contract of a publishing strategy (this one and harvester.publishing.transactional):
 - `produce_rows(rows, leader_id, still_valid, valid_until, ids)` hands rows (as OutboxStore.mark
-  returns them) to the slot's current producer in the order given, each with its message id
-  (`ids`: the table's tracker.message_ids.Namespace), and returns how many it got through (handed
+  returns them, their message ids built in namespace `ids`, the table's tracker.message_ids.Namespace)
+  to the slot's current producer in the order given, and returns how many it got through (handed
   over or quarantined); fewer than given means it stopped early, and the caller must not publish
   later rows under the same leader id (the rest stay marked by it). It stops before the first row
   once the leadership deadline `valid_until()` has passed or `still_valid()` is false (checked
@@ -121,10 +121,10 @@ class PlainStrategy:
         is known are reported by run instead (settler.report_run; harvester.publishing.runs).
         Releases what it did not hand over, and what was handed over but no report will cover
         (a run whose last record was not produced), raising a remark for those.
-        Every record gets the rows' own headers, then its `message-id` (tracker.message_ids:
-        Namespace.message_id, inlined). Returns the rows got through: handed over or quarantined."""
-        slot, clock, swap, trace = self.slot, time.monotonic, self.slot._swap, self.trace
-        mid, prefix, cut, epoch = MESSAGE_ID_HEADER, ids.prefix, ids.suffix_from, message_ids.PG_EPOCH_US
+        Every record gets the rows' own headers, then its `message-id` (the row's last field: the
+        mark built it, tracker.message_ids.MESSAGE_ID_SQL). Returns the rows got through: handed
+        over or quarantined."""
+        slot, clock, swap, trace, mid = self.slot, time.monotonic, self.slot._swap, self.trace, MESSAGE_ID_HEADER
         n, i, check_at = len(rows), 0, 0  # rows[:i] are handed over or quarantined
         quarantined = 0  # of rows[:i], moved aside instead of handed over
         slot.used = True
@@ -155,11 +155,7 @@ class PlainStrategy:
                             if clock() >= deadline:
                                 expired = True
                                 break
-                            row_id, topic, key, value, hkeys, hvals, partition, created = rows[i]
-                            # The message id, as Namespace.message_id builds it (created: Postgres's
-                            # int8, see OutboxStore.mark): an f-string is the cheapest way to join it.
-                            created += epoch
-                            msg_id = f"{prefix}{row_id}:{created}" if created >= cut else f"{prefix}{row_id}"
+                            row_id, topic, key, value, hkeys, hvals, partition, msg_id = rows[i]
                             if by_runs:
                                 run, partition = runs[i], parts[i]
                                 if run < 0:
@@ -197,9 +193,8 @@ class PlainStrategy:
                     break
                 if failed is None:
                     continue
-                row_id, topic, key, value, hkeys, hvals, own_partition, created = rows[i]
+                row_id, topic, key, value, hkeys, hvals, own_partition, msg_id = rows[i]
                 if isinstance(failed, BufferError) or transient(failed):
-                    msg_id = ids.message_id(row_id, created + epoch)
                     # `run`, `partition` and `callback` are still the refused record's (`partition`
                     # the one computed for it: the row's own would let librdkafka's partitioner
                     # choose, maybe another partition than its run's)

@@ -181,7 +181,7 @@ class MarkingLoop:
                     started = time.monotonic()
                     # Always from the head (see OutboxStore.mark): rows committed late are found by
                     # the very next mark, before any causally later row of their key.
-                    rows = self.store.mark(me, limit, until=deadline)
+                    rows = self.store.mark(me, limit, until=deadline, ids=ids)
                 except Exception as exc:
                     trouble = exc
             if trouble is None or not out_of_reach(trouble):

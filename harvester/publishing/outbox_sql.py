@@ -25,11 +25,11 @@ from tracker import message_ids
 from tracker.schema import qualified
 
 COLUMNS = "id, topic, key, value, header_keys, header_values, kafka_partition"
-# What a mark returns per row: COLUMNS, then `created_at` for the message id (tracker.message_ids),
-# loaded as Postgres's int8 (load_timestamps_as_micros): decoded in C, no work in the database.
-# A table of the application's own may let it be NULL: such a row is named as if created at
-# -infinity (one NULL row must not stop every later one).
-MARKED = COLUMNS + ", coalesce(created_at, '-infinity')"
+# What a mark returns per row: COLUMNS, then the row's message id (tracker.message_ids), built by
+# Postgres from bound parameters (MESSAGE_ID_SQL): the producing thread, which holds the GIL most
+# of a harvest, only zips and produces. A table of the application's own may let `created_at` be
+# NULL: such a row is named as if created at -infinity (one NULL row must not stop every later one).
+MARKED = COLUMNS + ", " + message_ids.MESSAGE_ID_SQL
 LOCK_NOT_AVAILABLE = "55P03"  # the SQLSTATE of VACUUM (SKIP_LOCKED)'s "skipping vacuum" warning
 
 
@@ -205,6 +205,7 @@ class OutboxStore:
         self._same_table = "SELECT (CASE WHEN to_regclass(%(t)s)::oid = %(oid)s THEN '1' ELSE 'replaced' END)::int"
         self._table_text = f'"{schema}"."{table}"'  # identifiers checked by qualified() above
         self._table_oid: int | None = None  # of the table when its namespace was read
+        self._ids: message_ids.Namespace | None = None  # that namespace
         self._purge = sql.SQL("DELETE FROM {t} WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(t=t)
         self._purge_run = sql.SQL("DELETE FROM {t} WHERE id >= %s AND id <= %s AND leader_id = %s").format(t=t)
         self._reset = sql.SQL("UPDATE {t} SET leader_id = NULL WHERE id = ANY(%s::bigint[]) AND leader_id = %s").format(
@@ -235,17 +236,22 @@ class OutboxStore:
             found = conn.execute("SELECT to_regclass(%s)::oid", [self._table_text]).fetchone()
             self._table_oid = found[0] if found else None
             try:
-                return message_ids.namespace(conn, self.schema_name, self.table_name)
+                self._ids = message_ids.namespace(conn, self.schema_name, self.table_name)
+                return self._ids
             except message_ids.NamespaceUnavailable as exc:
                 if not exc.missing_table:
                     raise
             message_ids.create_table(conn, self.schema_name)
-            return message_ids.namespace(conn, self.schema_name, self.table_name)
+            self._ids = message_ids.namespace(conn, self.schema_name, self.table_name)
+            return self._ids
 
-    def mark(self, leader_id: uuid.UUID, limit: int, *, until: datetime) -> list[tuple]:
+    def mark(
+        self, leader_id: uuid.UUID, limit: int, *, until: datetime, ids: message_ids.Namespace | None = None
+    ) -> list[tuple]:
         """Mark up to `limit` of the lowest-id rows not marked by `leader_id`; sorted by id. Each row
-        is (id, topic, key, value, header_keys, header_values, kafka_partition, created_at as
-        Postgres's int8: add tracker.message_ids.PG_EPOCH_US for microseconds since the Unix epoch).
+        is (id, topic, key, value, header_keys, header_values, kafka_partition, message id): the id
+        in namespace `ids` (Namespace.message_id; without `ids`, the one `namespace()` read last,
+        read first if it never ran).
 
         Every mark scans from the head of the table. Skipping ahead with a cursor would miss a row
         whose (slow) transaction commits below the cursor while a later row of the same key is
@@ -258,7 +264,9 @@ class OutboxStore:
         leader paused between its lease check and its mark (SIGSTOP, a VM pause) so takes no row
         from its successor on waking. All or nothing: never a set with holes in id order.
         """
-        params = {"me": leader_id, "n": limit, "until": until}
+        if ids is None:
+            ids = self._ids if self._ids is not None else self.namespace()
+        params = {"me": leader_id, "n": limit, "until": until, **message_ids.message_id_params(ids)}
         statement = self._mark_indexed if self._lane_index else self._mark
         with self.pool.connection() as conn:
             try:
@@ -268,7 +276,7 @@ class OutboxStore:
                     if self.lanes > 1:
                         conn.execute(LANE_MARK_PLAN)
                     cur = conn.cursor(binary=True)
-                    message_ids.load_timestamps_as_micros(cur.adapters)
+                    message_ids.bind_micros2000(cur.adapters)
                     cur.execute(statement, params)
                     if self._table_oid is not None:
                         conn.execute(self._same_table, {"t": self._table_text, "oid": self._table_oid})
