@@ -121,3 +121,43 @@ def test_down_stops_the_brokers_together_then_the_controllers(layout, monkeypatc
     monkeypatch.setattr(cluster_kafka, "_end", lambda pid, wait=0.0, sig=None: signalled.append(pid))
     cluster._stop_at_once(())
     assert signalled == []
+
+
+@pytest.fixture
+def taken_port():
+    """A port some other process listens on (here: this test), as another checkout's node would."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
+
+
+def test_a_kafka_node_whose_port_another_process_holds_is_refused_by_port(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, taken_port: int
+) -> None:
+    """A second checkout's `cluster up` on the same ports would take the first one's nodes for its
+    own (they answer) and start JVMs that cannot bind: it is refused, naming the port, before
+    anything is downloaded or started."""
+    monkeypatch.setattr(cluster_kafka, "broker_port", lambda n: taken_port)
+    monkeypatch.setattr(cluster_kafka, "kafka_dir", lambda n: tmp_path / f"node{n}")
+    monkeypatch.setattr(cluster_kafka.base, "kafka_jars", lambda: pytest.fail("jars fetched for a refused node"))
+    with pytest.raises(cluster_kafka.base.ServiceError, match=rf"127\.0\.0\.1:{taken_port}, the port of kafka node 1"):
+        cluster_kafka.broker_start(1)
+    assert not (tmp_path / "node1").exists()
+
+
+def test_a_postgres_node_whose_port_another_process_holds_is_refused_by_port(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, taken_port: int
+) -> None:
+    import cluster_postgres
+
+    monkeypatch.setattr(cluster_postgres, "pg_port", lambda n: taken_port)
+    monkeypatch.setattr(cluster_postgres, "pg_data", lambda n: tmp_path / f"pg{n}" / "data")
+    monkeypatch.setattr(cluster_postgres, "_prepare_dirs", lambda n: None)
+    monkeypatch.setattr(cluster_postgres, "pg_run", lambda *a, **k: pytest.fail("pg_ctl run for a refused node"))
+    with pytest.raises(
+        cluster_postgres.base.ServiceError, match=rf"127\.0\.0\.1:{taken_port}, the port of postgres node 2"
+    ):
+        cluster_postgres.pg_start(2)

@@ -177,6 +177,9 @@ def stop_together(pid_files: list[Path]) -> None:
 def broker_start(n: int, wait: bool = True) -> None:
     """Start Kafka node n (a broker, a controller or both) unless it runs; wait until it answers."""
     if broker_pid(n) is None:
+        where = broker_port(n) if n in BROKERS else quorum_port(n)
+        if base.port_open(where):
+            raise base.ServiceError(base.port_taken(where, f"kafka node {n}", kafka_dir(n)))
         lib = base.kafka_jars()
         folder = kafka_dir(n)
         folder.mkdir(parents=True, exist_ok=True)
@@ -191,7 +194,6 @@ def broker_start(n: int, wait: bool = True) -> None:
             )
             if r.returncode != 0:
                 raise base.ServiceError(f"StorageTool format failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-        where = broker_port(n) if n in BROKERS else quorum_port(n)
         base.log(f"cluster: starting kafka node {n} ({roles(n)}) on 127.0.0.1:{where}")
         with open(folder / "kafka.log", "ab") as out:
             proc = subprocess.Popen(

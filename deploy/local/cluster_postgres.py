@@ -162,12 +162,23 @@ def pg_basebackup(n: int, source: int) -> None:
     write_node_conf(n, standby_of=source, sync=False)
 
 
+def _postmaster_alive(pidfile: Path) -> bool:
+    """The postmaster.pid of this node names a live process."""
+    try:
+        os.kill(int(pidfile.read_text().split()[0]), 0)
+    except (OSError, ValueError, IndexError):
+        return False
+    return True
+
+
 def pg_start(n: int) -> None:
     _prepare_dirs(n)
-    if pg_ready(n):
-        return
     data = pg_data(n)
     pidfile = data / "postmaster.pid"
+    if base.port_open(pg_port(n)) and not _postmaster_alive(pidfile):
+        raise base.ServiceError(base.port_taken(pg_port(n), f"postgres node {n}", data))
+    if pg_ready(n):
+        return
     if pidfile.exists() and not base.port_open(pg_port(n)):
         try:
             os.kill(int(pidfile.read_text().split()[0]), 0)

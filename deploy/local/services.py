@@ -45,6 +45,7 @@ from services_base import (  # noqa: F401
     ensure_debian_packages,
     log,
     port_open,
+    port_taken,
     run,
     tail,
 )

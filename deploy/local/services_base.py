@@ -40,6 +40,18 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def port_taken(port: int, what: str, state: Path) -> str:
+    """Why a node is not started: its port answers, but not from this checkout's own process. A
+    second checkout's local cluster on the same ports would otherwise take the first one's nodes
+    for its own (each answers), drive them with pid files of its own, and start JVMs that cannot
+    bind."""
+    return (
+        f"127.0.0.1:{port}, the port of {what}, is held by a process this checkout did not start "
+        f"(its state is in {state}); another checkout's local cluster? Stop that one, or give this "
+        "one other ports with OUTBOX_CLUSTER_PORT_BASE"
+    )
+
+
 def tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
