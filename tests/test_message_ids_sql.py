@@ -125,3 +125,30 @@ def test_the_id_postgres_builds_in_the_mark_is_namespace_message_id(pg_dsn, sche
         pool.close()
     expected = {i: ns.message_id(i, (INT8_MIN if us is None else us) + PG_EPOCH_US) for i, us in rows.items()}
     assert {r[0]: r[7] for r in marked_rows} == expected
+
+
+def test_an_application_timestamp_column_gives_the_same_id_in_every_session_time_zone(pg_dsn, schema):
+    """An application's own table may keep created_at as `timestamp` (no time zone): Postgres casts
+    it in the session's TimeZone, which a role, a database or a pooled connection may set. The
+    mark reads time in UTC, so a row republished under another setting keeps its id."""
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(f'DELETE FROM "{schema}".outbox')
+        c.execute(
+            f"ALTER TABLE \"{schema}\".outbox ALTER COLUMN created_at TYPE timestamp USING created_at AT TIME ZONE 'UTC'"
+        )
+        c.execute(
+            f'INSERT INTO "{schema}".outbox (topic, key, value, created_at) VALUES (%s, %s, %s, %s)',
+            ["t", b"k", b"v", "2026-11-27 12:00:00.25"],
+        )
+    seen = set()
+    for zone in ("Pacific/Chatham", "UTC", "America/St_Johns"):
+        pool = make_pool(f"{pg_dsn}?options=-c%20TimeZone%3D{zone.replace('/', '%2F')}", 1)
+        try:
+            store = OutboxStore(pool, schema)
+            ns = store.namespace()
+            [row] = store.mark(uuid.uuid4(), 10, until=FOREVER)  # a fresh leader id: the row again
+        finally:
+            pool.close()
+        seen.add(row[-1])
+    at_utc = 1_795_780_800_250_000  # 2026-11-27 12:00:00.25 UTC, µs since the Unix epoch
+    assert seen == {ns.message_id(row[0], at_utc)}, seen

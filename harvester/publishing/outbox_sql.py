@@ -126,6 +126,12 @@ LANE_MARK_PLAN = (
     "SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true), "
     "set_config('max_parallel_workers_per_gather', '0', true)"
 )
+# Every mark's own transaction reads time in UTC: the message id (MESSAGE_ID_SQL) of a row whose
+# created_at is an application's `timestamp` or `date` column, cast to timestamptz in the session's
+# TimeZone, would otherwise change with a role's, a database's or a pooled connection's setting
+# between two publications of the same row. A timestamptz column is the same in every zone.
+MARK_IN_UTC = "set_config('TimeZone', 'UTC', true)"
+MARK_SETTINGS = {1: f"SELECT {MARK_IN_UTC}", 2: f"{LANE_MARK_PLAN}, {MARK_IN_UTC}"}  # by lanes == 1 / > 1
 
 
 class OutboxStore:
@@ -273,8 +279,7 @@ class OutboxStore:
                 # One pipeline, one Sync: the statements run in one implicit transaction (all that
                 # SET LOCAL lasts; what the closing check takes back), in one round trip.
                 with conn.pipeline():
-                    if self.lanes > 1:
-                        conn.execute(LANE_MARK_PLAN)
+                    conn.execute(MARK_SETTINGS[2 if self.lanes > 1 else 1])
                     cur = conn.cursor(binary=True)
                     message_ids.bind_micros2000(cur.adapters)
                     cur.execute(statement, params)
