@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracker.config import schema_of
-from tracker.kafka_waits import PRODUCER_DEFAULTS
+from tracker.kafka_waits import waits_for
 from tracker.spark.acks import AckTotals, ack_dataframe
 from tracker.spark.progress import Progress, dead_lettered, listener, record_input_rows
 
@@ -103,7 +103,7 @@ def ack_stream(
     producer_conf = {
         "bootstrap.servers": bootstrap_servers,
         "enable.idempotence": True,
-        **PRODUCER_DEFAULTS,
+        **waits_for(dead_letter_client or {}, producer=True),
         **(dead_letter_client or {}),
     }
 
