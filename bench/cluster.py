@@ -39,6 +39,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -189,9 +190,11 @@ def faults(
         quiet = Quiet()
         out["kafka_cores_steady"] = quiet.measure_baseline()
 
-        def broker_fault(name: str, victim: int, fault, heal) -> None:
-            # how busy the Kafka nodes were just before the fault, and the machine (1-minute load)
+        def broker_fault(name: str, choose: Callable[[], int], fault, heal) -> None:
+            # how busy the Kafka nodes were just before the fault, and the machine (1-minute load);
+            # the victim chosen after that reading, so that it is who leads when the fault comes
             busy = {"kafka_cores_before": cores(), "load_1m": round(os.getloadavg()[0], 2)}
+            victim = choose()
             watch = FailoverWatch(cluster.bootstrap, victim, [topic, leader], env["REAPER_HARVESTER__LEADER_GROUP"])
             # counted from the signal (the fault command reports when it sent it), not from when
             # the command returned
@@ -228,12 +231,12 @@ def faults(
 
         for _ in range(rounds):
             if "kill_leader" in which:
-                broker_fault("kill_partition_leader_s", partition_leader(), cluster.kill_broker, cluster.start_broker)
+                broker_fault("kill_partition_leader_s", partition_leader, cluster.kill_broker, cluster.start_broker)
             if "kill_controller" in which:
-                broker_fault("kill_controller_s", cluster.controller(), cluster.kill_broker, cluster.start_broker)
+                broker_fault("kill_controller_s", cluster.controller, cluster.kill_broker, cluster.start_broker)
             if "cut_off" in which:
                 broker_fault(
-                    "cut_off_partition_leader_s", partition_leader(), cluster.pause_broker, cluster.resume_broker
+                    "cut_off_partition_leader_s", partition_leader, cluster.pause_broker, cluster.resume_broker
                 )
         for name, got in out["rounds"].items():  # a fault's figure: its worst round
             gaps = [r["gap"] for r in got]
@@ -248,6 +251,7 @@ def faults(
             rolling.append(gap_after(writer, reader, at))
             cluster.start_broker(n)
             cluster.wait_in_sync([topic, leader], 120)
+            quiet.settle()  # the restarted broker's start-up, before the next one stops
         if rolling:
             out["rolling_restart_worst_s"] = max((g for g in rolling if g is not None), default=None)
             say(f"rolling restart: gaps {rolling}")

@@ -19,9 +19,19 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 WINDOW = 2.0  # seconds each reading of the nodes' CPU covers
 
 
-def cluster_jvms() -> list[int]:
-    """The pids of the local cluster's Kafka nodes: `kafka.Kafka` JVMs whose properties file lies
-    under a `cluster/kafka-<layout>/` state folder (the single-node Kafka's does not)."""
+# the state folder of the cluster `services.py cluster` drives from this checkout (services_base.STATE)
+STATE = Path(os.environ.get("OUTBOX_LOCAL_DIR", Path(__file__).resolve().parents[1] / ".local")).resolve()
+
+
+class NoNodes(RuntimeError):
+    """No Kafka node of this checkout's local cluster runs (or /proc does not show them)."""
+
+
+def cluster_jvms(state: Path | None = None) -> list[int]:
+    """The pids of this checkout's local cluster's Kafka nodes: `kafka.Kafka` JVMs whose properties
+    file lies under `<state>/cluster/kafka-<layout>/` (not the single-node Kafka's, nor another
+    checkout's cluster)."""
+    mine = f"{state or STATE}/cluster/kafka-".encode()
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -30,29 +40,35 @@ def cluster_jvms() -> list[int]:
             args = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue  # gone meanwhile
-        if b"kafka.Kafka" in args and any(b"/cluster/kafka-" in a and a.endswith(b".properties") for a in args):
+        if b"kafka.Kafka" in args and any(a.startswith(mine) and a.endswith(b".properties") for a in args):
             pids.append(int(entry.name))
     return sorted(pids)
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User and system CPU seconds the processes used so far (a process gone counts nothing)."""
-    total = 0
+def cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """User and system CPU seconds each process used so far (a process gone is left out)."""
+    used = {}
     for pid in pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total / CLOCK_TICKS
+        used[pid] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15)
+    return used
 
 
 def cores(window: float = WINDOW) -> float:
-    """Cores the cluster's Kafka nodes used, on average, over the next `window` seconds."""
+    """Cores the cluster's Kafka nodes used, on average, over the next `window` seconds: of the
+    nodes running at both ends of it (one that ended or started meanwhile is left out). Raises
+    NoNodes when none runs: a figure of 0 would read as a quiet cluster."""
     pids = cluster_jvms()
+    if not pids:
+        raise NoNodes(f"no Kafka node of the local cluster in {STATE} is running (or /proc hides them)")
     before, started = cpu_seconds(pids), time.monotonic()
     time.sleep(window)
-    return round((cpu_seconds(pids) - before) / (time.monotonic() - started), 3)
+    after = cpu_seconds(pids)
+    used = sum(after[pid] - before[pid] for pid in after.keys() & before.keys())
+    return round(used / (time.monotonic() - started), 3)
 
 
 class Quiet:
