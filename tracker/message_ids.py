@@ -60,13 +60,13 @@ def load_timestamps_as_micros(adapters: AdaptersMap) -> None:
     """Make the cursor or connection whose `adapters` these are load binary timestamptz values as
     Postgres's own int8, decoded in C like any int8 (no datetime, no work in the database): add
     PG_EPOCH_US for microseconds since the Unix epoch. -infinity and infinity load as INT8_MIN and
-    INT8_MAX. What the harvester's mark and `namespace` read `created_at` and `suffix_from` with."""
+    INT8_MAX. What `namespace` reads `suffix_from` with."""
     adapters.register_loader("timestamptz", Int8BinaryLoader)
 
 
 def micros(at: datetime) -> int:
-    """`at` in microseconds since the Unix epoch: in SQL `extract(epoch FROM at) * 1000000`, and
-    what the harvester gets for a row's `created_at`. Raises InvalidValue for a naive datetime
+    """`at` in microseconds since the Unix epoch: in SQL `extract(epoch FROM at) * 1000000`: what a
+    row's `created_at` counts as in its message id. Raises InvalidValue for a naive datetime
     (no time zone: which instant it is is unknown)."""
     if not isinstance(at, datetime) or at.utcoffset() is None:
         raise InvalidValue("created_at", at, "must be a datetime with a time zone")
@@ -83,12 +83,12 @@ class Namespace:
 
     @property
     def prefix(self) -> str:
-        """What every id of the table starts with (the harvester builds it once per leadership)."""
+        """What every id of the table starts with (bound into the mark: MESSAGE_ID_SQL)."""
         return f"{self.uuid}:"
 
     def message_id(self, row_id: int, created_us: int) -> str:
         """The id of row `row_id` created at `created_us` (microseconds since the Unix epoch); the
-        harvester inlines this, per record."""
+        harvester's mark builds the same in SQL (MESSAGE_ID_SQL)."""
         if created_us >= self.suffix_from:
             return f"{self.uuid}:{row_id}:{created_us}"
         return f"{self.uuid}:{row_id}"
