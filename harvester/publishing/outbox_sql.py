@@ -131,7 +131,6 @@ LANE_MARK_PLAN = (
 # TimeZone, would otherwise change with a role's, a database's or a pooled connection's setting
 # between two publications of the same row. A timestamptz column is the same in every zone.
 MARK_IN_UTC = "set_config('TimeZone', 'UTC', true)"
-MARK_SETTINGS = {1: f"SELECT {MARK_IN_UTC}", 2: f"{LANE_MARK_PLAN}, {MARK_IN_UTC}"}  # by lanes == 1 / > 1
 
 
 class OutboxStore:
@@ -202,6 +201,8 @@ class OutboxStore:
                 order=sql.SQL("{e}, id").format(e=lane_expr),
             )
         self._lane_index = False
+        # run first in every mark's transaction (a lane's mark also pins its plan)
+        self._mark_settings = f"{LANE_MARK_PLAN}, {MARK_IN_UTC}" if lanes > 1 else f"SELECT {MARK_IN_UTC}"
         self._now = "SELECT clock_timestamp()"
         # Run after the mark, before the one Sync: if the mark finished after `until` (it waited on
         # a row lock, say), this divides by zero and the implicit transaction takes the mark back.
@@ -279,7 +280,7 @@ class OutboxStore:
                 # One pipeline, one Sync: the statements run in one implicit transaction (all that
                 # SET LOCAL lasts; what the closing check takes back), in one round trip.
                 with conn.pipeline():
-                    conn.execute(MARK_SETTINGS[2 if self.lanes > 1 else 1])
+                    conn.execute(self._mark_settings)
                     cur = conn.cursor(binary=True)
                     message_ids.bind_micros2000(cur.adapters)
                     cur.execute(statement, params)
