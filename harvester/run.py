@@ -19,7 +19,7 @@ import tracker
 from harvester import logs, product_version
 from harvester.config import Config, ack_topics, acker_group, redact_dsn, redacted
 from harvester.election.leader_topic import KafkaClusterUnknown, LeaderTopicMismatch
-from harvester.election.timeouts import silent_broker_wait_ms
+from harvester.election.timeouts import silent_broker_wait_ms, socket_waits
 from harvester.exit_codes import ExitCode
 from harvester.gauges import gauges_loop
 from harvester.metrics import HealthServer
@@ -70,8 +70,7 @@ def _admin(cfg: Config) -> AdminClient:
     wait = silent_broker_wait_ms(cfg.harvester.heartbeat_timeout, cfg.harvester.session_timeout)
     conf = {
         "bootstrap.servers": cfg.kafka.bootstrap_servers,
-        "socket.timeout.ms": wait,
-        "socket.connection.setup.timeout.ms": wait,
+        **socket_waits(wait),
         **cfg.kafka.client,
         "logger": logs.KafkaLogger("admin"),
     }

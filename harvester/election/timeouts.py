@@ -50,11 +50,13 @@ def silent_broker_defaults(wait_ms: int, *, producer: bool = False) -> dict[str,
     time out (a broker that is gone, not only silent, leaves nothing in flight to time out). With
     `producer`, the produce requests' own timeout too (a consumer has none). Configuration may
     override them all."""
-    defaults = {
-        "socket.timeout.ms": wait_ms,
-        "socket.connection.setup.timeout.ms": wait_ms,
-        "topic.metadata.refresh.interval.ms": max(100, min(1000, wait_ms // 2)),
-    }
+    defaults = {**socket_waits(wait_ms), "topic.metadata.refresh.interval.ms": max(100, min(1000, wait_ms // 2))}
     if producer:
         defaults["request.timeout.ms"] = wait_ms
     return defaults
+
+
+def socket_waits(wait_ms: int) -> dict[str, int]:
+    """An unanswered request (of any kind) and a new connection's handshake wait `wait_ms`: what
+    every client that talks to a silent broker needs (the reaper's readiness client takes only these)."""
+    return {"socket.timeout.ms": wait_ms, "socket.connection.setup.timeout.ms": wait_ms}
