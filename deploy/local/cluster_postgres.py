@@ -163,9 +163,11 @@ def pg_basebackup(n: int, source: int) -> None:
 
 
 def _postmaster_alive(pidfile: Path) -> bool:
-    """The postmaster.pid of this node names a live process."""
+    """The postmaster.pid of this node names a live process (one of another user's is alive too)."""
     try:
         os.kill(int(pidfile.read_text().split()[0]), 0)
+    except PermissionError:
+        return True
     except (OSError, ValueError, IndexError):
         return False
     return True
@@ -179,11 +181,8 @@ def pg_start(n: int) -> None:
         raise base.ServiceError(base.port_taken(pg_port(n), f"postgres node {n}", data))
     if pg_ready(n):
         return
-    if pidfile.exists() and not base.port_open(pg_port(n)):
-        try:
-            os.kill(int(pidfile.read_text().split()[0]), 0)
-        except (ProcessLookupError, ValueError):
-            pidfile.unlink()
+    if pidfile.exists() and not base.port_open(pg_port(n)) and not _postmaster_alive(pidfile):
+        pidfile.unlink()  # left by a postmaster that is gone
     base.log(f"cluster: starting postgres node {n} on 127.0.0.1:{pg_port(n)}")
     logfile = DIR / f"pg{n}" / "postgres.log"
     r = pg_run(
