@@ -11,7 +11,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.harness import wait_until
+from support.harness import outbox_marks, wait_until
 
 from harvester.metrics import get as get_metrics
 from harvester.publishing.deliveries import DeliverySettler
@@ -26,11 +26,6 @@ NS = Namespace(uuid.UUID(int=0), suffix_from=2**63)
 P = NS.prefix
 
 FOREVER_VALID = (lambda: True, lambda: float("inf"))
-
-
-def _outbox(pg_dsn: str, schema: str) -> dict[int, uuid.UUID | None]:
-    with psycopg.connect(pg_dsn) as c:
-        return dict(c.execute(f'SELECT id, leader_id FROM "{schema}".outbox ORDER BY id').fetchall())
 
 
 def _insert(pg_dsn: str, schema: str, rows: list[tuple[str, bytes, int | None]]) -> list[int]:
@@ -123,7 +118,7 @@ def test_a_run_whose_last_report_fails_resets_every_row_of_the_run(pg_dsn, kafka
         settler.reserve(len(rows))
         assert plain.produce_rows(rows, me, *FOREVER_VALID, NS) == len(rows)
         assert settler.drain(30)
-        assert _outbox(pg_dsn, schema) == {i: None for i in sorted(on_1)}  # reset, not purged
+        assert outbox_marks(pg_dsn, schema) == {i: None for i in sorted(on_1)}  # reset, not purged
         assert settler.delivered == len(ids) - len(on_1)
         assert remarks, "a failed run raises a remark"
         assert sorted(reports) == [0, 1], "one report per partition run"
@@ -144,14 +139,14 @@ def test_a_record_kafka_never_accepts_in_a_run_is_quarantined_with_its_reason(pg
         settler.reserve(len(rows))
         assert plain.produce_rows(rows, me, *FOREVER_VALID, NS) == 4
         assert settler.drain(30)
-        assert _outbox(pg_dsn, schema) == {ids[1]: None, ids[2]: None}
+        assert outbox_marks(pg_dsn, schema) == {ids[1]: None, ids[2]: None}
         assert settler.single == {ids[1], ids[2]} and settler.dead_rows == 0
         again = uuid.uuid4()
         rows = store.mark(again, 100, until=FOREVER)
         settler.reserve(len(rows))
         assert plain.produce_rows(rows, again, *FOREVER_VALID, NS) == 2
         assert settler.drain(30)
-        assert _outbox(pg_dsn, schema) == {}
+        assert outbox_marks(pg_dsn, schema) == {}
         assert settler.dead_rows == 2 and not settler.single
         with psycopg.connect(pg_dsn) as c:
             dead = c.execute(f'SELECT id, reason FROM "{schema}".outbox_dead ORDER BY id').fetchall()
@@ -338,9 +333,9 @@ def test_a_computed_partition_the_producer_does_not_know_is_no_reason_to_quarant
                 pass  # the caller remarks
             assert settler.drain(30)
             assert settler.dead_rows == 0, "a good row moved to the dead table"
-            if row_id not in _outbox(pg_dsn, schema):
+            if row_id not in outbox_marks(pg_dsn, schema):
                 break
-        assert row_id not in _outbox(pg_dsn, schema), "published once the count was looked up again"
+        assert row_id not in outbox_marks(pg_dsn, schema), "published once the count was looked up again"
     finally:
         _stop(pool, settler, slot)
 

@@ -132,6 +132,12 @@ def outbox_count(pg_dsn: str, schema: str) -> int:
         return c.execute(f'SELECT count(*) FROM "{schema}".outbox').fetchone()[0]
 
 
+def outbox_marks(pg_dsn: str, schema: str) -> dict[int, uuid.UUID | None]:
+    """Each row of `schema`.outbox: its id -> the leader id it is marked with (None: unmarked)."""
+    with psycopg.connect(pg_dsn) as c:
+        return dict(c.execute(f'SELECT id, leader_id FROM "{schema}".outbox ORDER BY id').fetchall())
+
+
 class Receiver:
     """Consumes a topic from the beginning in a thread; keeps every record in arrival order."""
 
