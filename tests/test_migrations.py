@@ -20,6 +20,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from psycopg import sql
+from support.history import sql_at
 
 import tracker
 from tracker import roles
@@ -183,17 +184,7 @@ def test_events_that_returned_one_row_are_replaced_and_the_schema_ends_as_a_fres
     """CREATE OR REPLACE cannot turn a function returning one row into a set-returning one:
     R__events.sql drops that shape in the transaction that defines the events again."""
     upgraded, fresh = _new(schemas), _new(schemas)
-    tree = tmp_path / "sql"
-    tree.mkdir()
-    try:
-        files = _git("ls-tree", "--name-only", ONE_ROW_EVENTS, "sql/").decode().split()
-    except (OSError, subprocess.CalledProcessError):
-        if os.environ.get("CI") == "true":
-            raise
-        pytest.skip(f"needs the git history of this repository (commit {ONE_ROW_EVENTS})")
-    for name in files:
-        if name.endswith(".sql"):
-            (tree / Path(name).name).write_bytes(_git("show", f"{ONE_ROW_EVENTS}:{name}"))
+    tree = sql_at(ONE_ROW_EVENTS, tmp_path)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         schema_mod.migrate(conn, upgraded, tree)
         roles.create(conn, upgraded)
