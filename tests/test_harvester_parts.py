@@ -185,8 +185,8 @@ def test_a_delivered_record_is_purged_without_waiting_for_the_rest_of_its_produc
             return [(i, "t", b"k", b"v", [], [], None, NS.message_id(i, 0)) for i in ids]
 
         settler.reserve(3)
-        assert plain.produce_rows(rows(k1, x), me, lambda: True, lambda: float("inf"), NS) == 2
-        assert plain.produce_rows(rows(k2), me, lambda: True, lambda: float("inf"), NS) == 1
+        assert plain.produce_rows(rows(k1, x), me, lambda: True, lambda: float("inf")) == 2
+        assert plain.produce_rows(rows(k2), me, lambda: True, lambda: float("inf")) == 1
         first, unreported, second = slot.current.callbacks
         first(None, _Msg())
         second(None, _Msg())

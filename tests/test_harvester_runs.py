@@ -116,7 +116,7 @@ def test_a_run_whose_last_report_fails_resets_every_row_of_the_run(pg_dsn, kafka
         me = uuid.uuid4()
         rows = store.mark(me, 100, until=FOREVER)
         settler.reserve(len(rows))
-        assert plain.produce_rows(rows, me, *FOREVER_VALID, NS) == len(rows)
+        assert plain.produce_rows(rows, me, *FOREVER_VALID) == len(rows)
         assert settler.drain(30)
         assert outbox_marks(pg_dsn, schema) == {i: None for i in sorted(on_1)}  # reset, not purged
         assert settler.delivered == len(ids) - len(on_1)
@@ -137,14 +137,14 @@ def test_a_record_kafka_never_accepts_in_a_run_is_quarantined_with_its_reason(pg
         me = uuid.uuid4()
         rows = store.mark(me, 100, until=FOREVER)
         settler.reserve(len(rows))
-        assert plain.produce_rows(rows, me, *FOREVER_VALID, NS) == 4
+        assert plain.produce_rows(rows, me, *FOREVER_VALID) == 4
         assert settler.drain(30)
         assert outbox_marks(pg_dsn, schema) == {ids[1]: None, ids[2]: None}
         assert settler.single == {ids[1], ids[2]} and settler.dead_rows == 0
         again = uuid.uuid4()
         rows = store.mark(again, 100, until=FOREVER)
         settler.reserve(len(rows))
-        assert plain.produce_rows(rows, again, *FOREVER_VALID, NS) == 2
+        assert plain.produce_rows(rows, again, *FOREVER_VALID) == 2
         assert settler.drain(30)
         assert outbox_marks(pg_dsn, schema) == {}
         assert settler.dead_rows == 2 and not settler.single
@@ -223,7 +223,7 @@ def test_every_row_is_covered_by_exactly_one_report_or_released(spec, partitions
     rows = [(i, topic, key, b"v", [], [], part, f"{P}{i}") for i, (topic, key, part, _) in enumerate(spec)]
     settler.reserve(len(rows))
     try:
-        got = plain.produce_rows(rows, uuid.uuid4(), lambda: True, lambda: float("inf"), NS)
+        got = plain.produce_rows(rows, uuid.uuid4(), lambda: True, lambda: float("inf"))
     except KafkaException:
         got = stop_at  # the caller remarks
     assert got == min(stop_at, len(rows))
@@ -269,7 +269,7 @@ def test_a_record_retried_after_a_full_queue_goes_to_its_runs_partition(pg_dsn, 
         me = uuid.uuid4()
         rows = store.mark(me, 100, until=FOREVER)
         settler.reserve(len(rows))
-        assert plain.produce_rows(rows, me, *FOREVER_VALID, NS) == 1  # reaper's count: 1 partition
+        assert plain.produce_rows(rows, me, *FOREVER_VALID) == 1  # reaper's count: 1 partition
         assert settler.drain(30)
         admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
         admin.create_partitions([NewPartitions(topic, 3)])[topic].result(timeout=30)
@@ -279,7 +279,7 @@ def test_a_record_retried_after_a_full_queue_goes_to_its_runs_partition(pg_dsn, 
         _insert(pg_dsn, schema, [(topic, k, None) for k in keys])
         rows = store.mark(me, 100, until=FOREVER)
         settler.reserve(len(rows))
-        assert plain.produce_rows(rows, me, *FOREVER_VALID, NS) == len(keys)
+        assert plain.produce_rows(rows, me, *FOREVER_VALID) == len(keys)
         assert plain.queue_full_waits > 0, "the queue was full at least once"
         assert settler.drain(30)
         got = read_messages(kafka_bootstrap, topic, len(keys) + 1)
@@ -307,7 +307,7 @@ def test_a_computed_partition_the_producer_does_not_know_is_no_reason_to_quarant
         me = uuid.uuid4()
         rows = store.mark(me, 100, until=FOREVER)
         settler.reserve(len(rows))
-        assert plain.produce_rows(rows, me, *FOREVER_VALID, NS) == 1  # reaper's count: 3 partitions
+        assert plain.produce_rows(rows, me, *FOREVER_VALID) == 1  # reaper's count: 3 partitions
         assert settler.drain(30)
         admin.delete_topics([topic])[topic].result(timeout=30)
         wait_until(lambda: topic not in admin.list_topics(timeout=5).topics, 30)
@@ -328,7 +328,7 @@ def test_a_computed_partition_the_producer_does_not_know_is_no_reason_to_quarant
             rows = store.mark(me, 100, until=FOREVER)
             settler.reserve(len(rows))
             try:
-                plain.produce_rows(rows, me, *FOREVER_VALID, NS)
+                plain.produce_rows(rows, me, *FOREVER_VALID)
             except KafkaException:
                 pass  # the caller remarks
             assert settler.drain(30)
@@ -365,7 +365,7 @@ def test_a_passing_produce_refusal_is_tried_again_in_place(refusals):
     plain = PlainStrategy(ProducerSlot({}, lambda conf: producer), settler, _Store())
     rows = [(i, "t1", b"k%d" % i, b"v", [], [], None, f"{P}{i}") for i in range(12)]
     settler.reserve(len(rows))
-    assert plain.produce_rows(rows, uuid.uuid4(), lambda: True, lambda: float("inf"), NS) == len(rows)
+    assert plain.produce_rows(rows, uuid.uuid4(), lambda: True, lambda: float("inf")) == len(rows)
     assert [int(r[3][len(P) :]) for r in producer.records] == list(range(12))
     assert remarks == []
     covered = []
@@ -383,5 +383,5 @@ def test_a_refusal_that_does_not_pass_stops_the_call():
     rows = [(i, "t1", b"k%d" % i, b"v", [], [], None, f"{P}{i}") for i in range(12)]
     settler.reserve(len(rows))
     with pytest.raises(KafkaException):
-        plain.produce_rows(rows, uuid.uuid4(), lambda: True, lambda: float("inf"), NS)
+        plain.produce_rows(rows, uuid.uuid4(), lambda: True, lambda: float("inf"))
     assert [int(r[3][len(P) :]) for r in producer.records] == list(range(5))

@@ -150,7 +150,7 @@ def test_a_new_leader_fences_the_old_leaders_producer_at_the_broker(pg_dsn, kafk
             rows_b = store.mark(me_b, 500, until=FOREVER)
             assert len(rows_b) == 200
             b.reserve(len(rows_b))
-            assert b.produce_rows(rows_b, me_b, lambda: True, lambda: time.monotonic() + 60, NS) == 200
+            assert b.produce_rows(rows_b, me_b, lambda: True, lambda: time.monotonic() + 60) == 200
             assert b.txn_committed == 1
             assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0, 30), "B's committed rows were not purged"
 
@@ -252,7 +252,7 @@ def test_a_transaction_not_committed_within_the_leadership_is_aborted_and_its_ro
         rows2 = store.mark(me2, 500, until=FOREVER)
         assert len(rows2) == 100
         pub.reserve(len(rows2))
-        assert pub.produce_rows(rows2, me2, lambda: True, lambda: time.monotonic() + 60, NS) == 100
+        assert pub.produce_rows(rows2, me2, lambda: True, lambda: time.monotonic() + 60) == 100
         assert pub.txn_aborted == 1 and pub.txn_committed == 1
         assert wait_until(lambda: outbox_count(pg_dsn, schema) == 0 and pub.in_flight == 0, 30), (
             outbox_count(pg_dsn, schema),
@@ -371,7 +371,7 @@ def test_transactions_take_the_producers_in_turn_after_fencing_every_one(pg_dsn,
         for _ in range(6):
             rows = store.mark(me, 50, until=FOREVER)
             pub.reserve(len(rows))
-            assert pub.produce_rows(rows, me, lambda: True, lambda: time.monotonic() + 60, NS) == len(rows)
+            assert pub.produce_rows(rows, me, lambda: True, lambda: time.monotonic() + 60) == len(rows)
         assert pub.txn_committed == 6 and pub.txn_aborted == 0
         ids = [txn_id] + [f"{txn_id}#{i}" for i in range(1, TXN_PRODUCERS)]
         first_produce = next(i for i, (call, _) in enumerate(calls) if call == "produce")
@@ -418,16 +418,16 @@ def test_nothing_is_begun_until_every_producer_of_the_set_is_initialised(pg_dsn,
         pub.reserve(len(rows))
         if how == "second init fails":
             with pytest.raises(KafkaException):
-                pub.produce_rows(rows, me, lambda: True, lambda: time.monotonic() + 60, NS)
+                pub.produce_rows(rows, me, lambda: True, lambda: time.monotonic() + 60)
         else:
-            assert pub.produce_rows(rows, me, blipping, lambda: time.monotonic() + 60, NS) == 0
+            assert pub.produce_rows(rows, me, blipping, lambda: time.monotonic() + 60) == 0
         expected = [("init", txn_id), ("init", f"{txn_id}#1")] if how == "second init fails" else [("init", txn_id)]
         assert calls == expected  # and nothing begun, nothing produced
         assert not pub.strategy.ready
         me = uuid.uuid4()
         rows = store.mark(me, 100, until=FOREVER)
         pub.reserve(len(rows))
-        assert pub.produce_rows(rows, me, lambda: True, lambda: time.monotonic() + 60, NS) == 40
+        assert pub.produce_rows(rows, me, lambda: True, lambda: time.monotonic() + 60) == 40
         inits = [i for call, i in calls if call == "init"]
         first_begin = next(n for n, (call, _) in enumerate(calls) if call == "begin")
         assert {i for call, i in calls[:first_begin] if call == "init"} == {txn_id, f"{txn_id}#1"}

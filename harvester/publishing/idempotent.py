@@ -1,8 +1,8 @@
 """Plain publishing: marked rows go to the idempotent producer in id order, no Kafka transaction.
 
 Contract of a publishing strategy (this one and harvester.publishing.transactional):
-- `produce_rows(rows, leader_id, still_valid, valid_until, ids)` hands rows (as OutboxStore.mark
-  returns them, their message ids built in namespace `ids`, the table's tracker.message_ids.Namespace)
+- `produce_rows(rows, leader_id, still_valid, valid_until)` hands rows (as OutboxStore.mark
+  returns them, each with its message id built by the mark in the table's namespace)
   to the slot's current producer in the order given, and returns how many it got through (handed
   over or quarantined); fewer than given means it stopped early, and the caller must not publish
   later rows under the same leader id (the rest stay marked by it). It stops before the first row
@@ -35,7 +35,6 @@ from harvester.publishing.deliveries import DeliverySettler, error_reason, logs_
 from harvester.publishing.ports import ProducerLike, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
 from harvester.publishing.runs import PartitionCounts, computes_partitions, plan_runs
-from tracker import message_ids
 from tracker.message_ids import MESSAGE_ID_HEADER
 
 # produce() refusals that are about the record itself and can never succeed, however often retried:
@@ -95,14 +94,13 @@ class PlainStrategy:
         leader_id: uuid.UUID,
         still_valid: Valid,
         valid_until: Deadline,
-        ids: message_ids.Namespace,
     ) -> int:
         # A report per partition run (harvester.publishing.runs), else per record: a delivered record
         # is purged without waiting for records of other partitions (one stuck on another partition
         # would hold it, and a later record of its key could be purged first: after a remark the
         # earlier one would be published last).
         return self.write(
-            self.slot.current, rows, leader_id, still_valid, valid_until, self.settler.report, ids, self.by_runs
+            self.slot.current, rows, leader_id, still_valid, valid_until, self.settler.report, self.by_runs
         )
 
     def write(
@@ -113,7 +111,6 @@ class PlainStrategy:
         still_valid: Valid,
         valid_until: Deadline,
         report: Callable,
-        ids: message_ids.Namespace,
         by_runs: bool = False,
     ) -> int:
         """The produce loop shared by both strategies; `report` is the per-record callback

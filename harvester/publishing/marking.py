@@ -230,7 +230,7 @@ class MarkingLoop:
             pub.reserve(len(rows))  # marked rows count as in flight until settled or dropped
             while True:
                 try:
-                    self._batches.put((me, rows, started, ids), timeout=0.05)
+                    self._batches.put((me, rows, started), timeout=0.05)
                     break
                 except queue.Full:
                     if self._stop.is_set() or not self._valid(me):
@@ -255,10 +255,10 @@ class MarkingLoop:
         # (see _valid), never left reserved with no thread to take it.
         while not (self._stop.is_set() and not self._thread.is_alive() and self._batches.empty() and carry is None):
             if carry is not None:
-                (me, rows, started, ids), carry = carry, None
+                (me, rows, started), carry = carry, None
             else:
                 try:
-                    me, rows, started, ids = self._batches.get(timeout=0.05)
+                    me, rows, started = self._batches.get(timeout=0.05)
                 except queue.Empty:
                     leader = self._me
                     if leader is not None and self._valid(leader):
@@ -272,7 +272,7 @@ class MarkingLoop:
                     more = self._batches.get_nowait()
                 except queue.Empty:
                     break
-                if more[0] == me and more[3] == ids:
+                if more[0] == me:
                     rows = rows + more[1]
                 else:
                     carry = more
@@ -281,7 +281,7 @@ class MarkingLoop:
                 self._skipped(me, "marked rows dropped unsent")
                 continue
             try:
-                sent = pub.produce_rows(rows, me, partial(self._valid, me), self.neli.valid_until, ids)
+                sent = pub.produce_rows(rows, me, partial(self._valid, me), self.neli.valid_until)
             except (BufferError, KafkaException, QuarantineError) as exc:
                 m.produce_errors.inc()
                 self.log.warning("produce failed", error=str(exc))

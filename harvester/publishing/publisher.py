@@ -24,7 +24,6 @@ from harvester.publishing.idempotent import PERMANENT_PRODUCE, Deadline, PlainSt
 from harvester.publishing.ports import DEFAULT, Providers, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
 from harvester.publishing.transactional import TXN_PRODUCERS, TransactionalStrategy
-from tracker import message_ids
 
 DEFAULT_PRODUCER = {
     "linger.ms": 2,
@@ -155,10 +154,9 @@ class Publisher:
         leader_id: uuid.UUID,
         still_valid: Valid,
         valid_until: Deadline,
-        ids: message_ids.Namespace,
     ) -> int:
-        """`rows` as OutboxStore.mark returns them; `ids`: the message-id namespace of their table."""
-        return self.strategy.produce_rows(rows, leader_id, still_valid, valid_until, ids)
+        """`rows` as OutboxStore.mark returns them, each ending with its message id."""
+        return self.strategy.produce_rows(rows, leader_id, still_valid, valid_until)
 
     def prepare(self, still_valid: Valid, valid_until: Deadline) -> None:
         """Between batches, from the producing thread: get ready to publish (fenced mode: fence the

@@ -39,7 +39,6 @@ from harvester.publishing.deliveries import DeliverySettler
 from harvester.publishing.idempotent import Deadline, PlainStrategy, Valid
 from harvester.publishing.ports import ProducerLike, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
-from tracker import message_ids
 
 # Producers per unit, used in turn, one transaction each. After a commit the broker is still
 # writing that transaction's markers for a few ms, and librdkafka's AddPartitionsToTxn for the next
@@ -132,7 +131,6 @@ class TransactionalStrategy:
         leader_id: uuid.UUID,
         still_valid: Valid,
         valid_until: Deadline,
-        ids: message_ids.Namespace,
     ) -> int:
         producer = self.slot.current
         try:
@@ -144,9 +142,7 @@ class TransactionalStrategy:
             self.settler.release(len(rows))
             return 0
         try:
-            return self._plain.write(
-                producer, rows, leader_id, still_valid, valid_until, partial(self.report, seq), ids
-            )
+            return self._plain.write(producer, rows, leader_id, still_valid, valid_until, partial(self.report, seq))
         except BaseException:
             if self._open is producer:
                 # librdkafka may already refuse every record of this transaction (an abortable
