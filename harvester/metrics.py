@@ -1,4 +1,4 @@
-"""Prometheus collectors of the reaper sidecar and its HTTP endpoints (/metrics, /healthz, /readyz).
+"""Prometheus collectors of the reaper sidecar (served by harvester.health_server).
 
 Every name the sidecar exports starts with `metrics.prefix` (default "reaper"): the harvester's,
 the acker's, the claim settler's and the sweeper's collectors below, and the tracker calls'
@@ -10,24 +10,18 @@ registry, created once per process and prefix. No per-record or per-batch labels
 
 from __future__ import annotations
 
-import sys
 import threading
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Protocol
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     REGISTRY,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
-    generate_latest,
 )
 from prometheus_client.metrics import MetricWrapperBase
 
-from harvester import logs
 from tracker.metrics import DEFAULT_PREFIX, TrackerMetrics, check_prefix
 
 _DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -349,63 +343,3 @@ def histograms(prefix: str = DEFAULT_PREFIX) -> set[str]:
         for v in vars(source).values()
         if isinstance(v, Histogram)
     }
-
-
-# A scrape that timed out or a probe that hung up: the client is gone, the process is fine.
-_CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request, client_address) -> None:
-        """A request's failure as a structlog event (socketserver's default prints a plain-text
-        traceback on stderr, between the JSON lines)."""
-        exc = sys.exc_info()[1]
-        log = logs.get("reaper.http")
-        if isinstance(exc, _CLIENT_GONE):
-            log.info("metrics client went away before its answer", error=type(exc).__name__)
-        else:
-            log.error("metrics request failed", exc_info=True)
-
-
-class HealthServer:
-    """/metrics, /healthz (process alive) and /readyz (database and Kafka reachable) on one port."""
-
-    def __init__(self, host: str, port: int, ready: Callable[[], tuple[bool, str]]) -> None:
-        check = ready
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    self._send(200, generate_latest(), CONTENT_TYPE_LATEST)
-                elif path == "/healthz":
-                    self._send(200, b"ok\n")
-                elif path == "/readyz":
-                    ok, why = check()
-                    self._send(200 if ok else 503, (why + "\n").encode())
-                else:
-                    self._send(404, b"not found\n")
-
-            def _send(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args) -> None:  # quiet: scrapes are not news
-                pass
-
-        self.httpd = _Server((host, port), Handler)
-        self.port = self.httpd.server_address[1]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="reaper-http", daemon=True)
-
-    def start(self) -> HealthServer:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()

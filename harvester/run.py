@@ -22,7 +22,7 @@ from harvester.election.leader_topic import KafkaClusterUnknown, LeaderTopicMism
 from harvester.election.timeouts import silent_broker_wait_ms, socket_waits
 from harvester.exit_codes import ExitCode
 from harvester.gauges import gauges_loop
-from harvester.metrics import HealthServer
+from harvester.health_server import HealthServer
 from harvester.metrics import get as get_metrics
 from harvester.publishing.outbox_sql import make_pool
 from harvester.publishing.ports import DEFAULT, Providers

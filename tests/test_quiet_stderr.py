@@ -19,7 +19,7 @@ from support.harness import wait_until
 from support.json_log import json_log as json_log_to_buffer
 
 from harvester import logs
-from harvester.metrics import HealthServer
+from harvester.health_server import HealthServer
 
 
 def _hang_up(port: int, rng: random.Random) -> None:
