@@ -21,6 +21,7 @@ from harvester.db_liveness import with_liveness
 from harvester.services.console.session import COOKIE, Sessions, User
 
 T = TypeVar("T")
+Ctx = dict[str, Any]  # a template's context: Pages.render's keywords
 MAX_FORM_BYTES = 16 * 1024
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'; form-action 'self'",

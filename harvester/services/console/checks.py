@@ -1,0 +1,96 @@
+"""What every route module of the console is given: the Console (its configuration, sessions, pool,
+pages and caches) and the checks a request passes before a route does anything.
+
+A page needs a session not ended by a logout (harvester.services.console.logouts), else the login
+page. An action is a POST from a confirmation page, checked in this order: a session (else the
+login page), the CSRF token (403), the operator role (403); the route then makes its own checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from fastapi import Request
+from starlette.responses import Response
+
+from harvester.config import Config
+from harvester.services.console import dead_acks, logouts
+from harvester.services.console.overview import Cached, Gatherer
+from harvester.services.console.session import Sessions, User
+from harvester.services.console.web import Db, Pages, current_user, read_form, to_login
+from harvester.services.http.security import RateLimiter
+from tracker.ids import ID_MAX
+
+Handler = Callable[[Request, User], Awaitable[Response]]  # a page, given its signed-in user
+Endpoint = Callable[[Request], Awaitable[Response]]  # what the router calls
+
+
+class Console:
+    def __init__(self, cfg: Config, sessions: Sessions) -> None:
+        self.cfg, self.sessions = cfg, sessions
+        self.db = Db(cfg)
+        self.pages = Pages(cfg, sessions)
+        self.gatherer = Gatherer(cfg)
+        # Read from Kafka at most once a refresh, whoever asks.
+        self.dead_acks = Cached(lambda: dead_acks.read(cfg, cfg.console.page_size), cfg.console.refresh_interval)
+        self.logins = RateLimiter(1.0, 10)  # per client address: guessing tokens stays slow
+
+    def open(self) -> None:
+        self.db.open()
+
+    def close(self) -> None:
+        self.db.close()
+
+    async def signed_in(self, request: Request) -> User | None:
+        """The session's user, unless the session was ended by a logout (on any server)."""
+        user = current_user(request, self.sessions)
+        if user is None or not self.sessions.enabled:
+            return user
+        session, schema = user.session, self.cfg.database.schema
+        if await self.db.run(lambda c: logouts.ended(c, schema, session)):
+            return None
+        return user
+
+    def page(self, handler: Handler) -> Endpoint:
+        """A page for a signed-in user; anyone else is sent to the login page."""
+
+        async def wrapped(request: Request) -> Response:
+            user = await self.signed_in(request)
+            if user is None:
+                return to_login(request)
+            request.state.token = user.token  # the access log names who looked
+            return await handler(request, user)
+
+        return wrapped
+
+    def outbox_only(self, user: User, request: Request) -> Response | None:
+        """None for an operator of the outbox; a tenant's token gets the refusal (403)."""
+        if user.sees_outbox:
+            return None
+        return self.pages.message(
+            request, user, 403, "Not for a tenant", "The outbox is shared: only operators see it."
+        )
+
+    async def action_form(self, request: Request) -> tuple[User, dict[str, str]] | Response:
+        """An action's user and form once the session, the CSRF token and the role pass; else the refusal."""
+        user = await self.signed_in(request)
+        if user is None:
+            return to_login(request)
+        form = await read_form(request)
+        if form is None or not self.sessions.csrf_ok(user, form.get("csrf")):
+            return self.pages.message(
+                request, user, 403, "Refused", "The form's CSRF token is missing or wrong: reload the page."
+            )
+        if not user.may_act:
+            return self.pages.message(
+                request, user, 403, "Refused", "Your token may only look: acting needs an operator's."
+            )
+        return user, form
+
+
+def whole_number(text: str | None, low: int = 0, high: int = ID_MAX) -> int | None:
+    """A path or query parameter that is an id (low to high, digits only), else None."""
+    t = (text or "").strip()
+    if not t.isascii() or not t.isdigit() or len(t) > 19 or not low <= int(t) <= high:
+        return None
+    return int(t)
