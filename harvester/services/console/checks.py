@@ -26,6 +26,8 @@ Endpoint = Callable[[Request], Awaitable[Response]]  # what the router calls
 
 
 class Console:
+    """One console's parts, made once and shared by all its routes; open() and close() its pool."""
+
     def __init__(self, cfg: Config, sessions: Sessions) -> None:
         self.cfg, self.sessions = cfg, sessions
         self.db = Db(cfg)
