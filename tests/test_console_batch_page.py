@@ -1,11 +1,15 @@
 """A batch's page reads the database in a few round trips, whatever it shows (the batch, its
-groups, children, failures and pending items), on real Postgres."""
+groups, children, failures and pending items), on real Postgres; its two page cursors (failures,
+pending items) each stay where the reader left them when the other moves or the page refreshes."""
 
 from __future__ import annotations
 
+import re
+
 import psycopg
 import pytest
-from test_console import _round_trips
+from support.http_server import TOKEN
+from test_console import _round_trips, cfg, client, server  # noqa: F401 (fixtures)
 
 import tracker
 from harvester.services.console import batch_page
@@ -83,3 +87,54 @@ def test_a_failures_cursor_of_another_batch_is_a_bad_cursor(pg_dsn, schema, fami
                 conn, schema, "default", batch_id, after=None, failures_after=parse_item_id(f"{kids[0]}:0:1"), limit=3
             )
         assert conn.execute("SELECT 1").fetchone() == (1,)  # the connection is still usable
+
+
+def _reasons(page: str) -> list[str]:
+    return re.findall(r"<td>(reason \d)</td>", page)
+
+
+def _runs(page: str) -> list[str]:
+    return re.findall(r"<li><code>(\d+:\d+:[\d-]+)</code></li>", page)
+
+
+def _href(page: str, text: str) -> str:
+    found = re.search(r'<a (?:rel="next" )?href="([^"]+)">' + text, page)
+    assert found, f"no link {text!r} in the page"
+    return found.group(1).replace("&amp;", "&")
+
+
+def _live(page: str) -> str:
+    return re.search(r'data-live="([^"]+)"', page).group(1).replace("&amp;", "&")
+
+
+def test_each_page_cursor_stays_put_when_the_other_moves_or_the_page_refreshes(server, pg_dsn, schema):
+    """Pages of 3 (the console fixture's page_size): 5 failures make two pages of failures, the
+    runs between them and after them three pages of pending items."""
+    with psycopg.connect(pg_dsn) as conn:
+        b = tracker.open_batch(conn, schema=schema)
+        tracker.add_items(conn, b, 10_000, schema=schema)
+        for k in range(5):
+            tracker.fail(conn, [f"{b.id}:0:{100 * (k + 1)}"], f"reason {k}", schema=schema)
+    c = client(server, TOKEN)
+    first = c.get(f"/console/batches/{b.id}").text
+    assert _reasons(first) == ["reason 0", "reason 1", "reason 2"]
+    first_runs = _runs(first)
+    assert len(first_runs) == 3
+
+    failures_2 = c.get(_href(first, "More failures")).text
+    assert _reasons(failures_2) == ["reason 3", "reason 4"] and _runs(failures_2) == first_runs
+    refreshed = c.get(_live(failures_2)).text
+    assert "<html" not in refreshed
+    assert _reasons(refreshed) == ["reason 3", "reason 4"] and _runs(refreshed) == first_runs
+
+    both_moved = c.get(_href(failures_2, "More pending items")).text
+    second_runs = _runs(both_moved)
+    assert second_runs and not set(second_runs) & set(first_runs)
+    assert _reasons(both_moved) == ["reason 3", "reason 4"]
+    refreshed = c.get(_live(both_moved)).text
+    assert _reasons(refreshed) == ["reason 3", "reason 4"] and _runs(refreshed) == second_runs
+
+    # From the first page of failures, with the pending items moved on, to the next failures.
+    pending_2 = c.get(_href(first, "More pending items")).text
+    assert _runs(pending_2) == second_runs and _reasons(pending_2) == _reasons(first)
+    assert _runs(c.get(_href(pending_2, "More failures")).text) == second_runs

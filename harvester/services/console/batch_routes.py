@@ -89,7 +89,12 @@ def add_batch_routes(r: APIRouter, console: Console) -> None:
         if got is None:
             return pages.message(request, user, 404, "No such batch", f"There is no batch {batch_id}.")
         view, kids = got
-        return {"b": view, "children": kids, "after": request.query_params.get("after")}
+        return {
+            "b": view,
+            "children": kids,
+            "after": request.query_params.get("after"),
+            "fafter": request.query_params.get("fafter"),
+        }
 
     @r.get("/batches/{batch_id}")
     @page

@@ -78,6 +78,13 @@ def _bytes_view(data: bytes | None) -> str:
         return "0x" + data.hex()
 
 
+def link(path: str, **cursors: str | None) -> str:
+    """`path` with the page cursors that are set as its query: a link that moves one cursor keeps
+    the others where the reader left them."""
+    query = {name: value for name, value in cursors.items() if value}
+    return path + ("?" + urllib.parse.urlencode(query) if query else "")
+
+
 def templates() -> Environment:
     env = Environment(
         loader=PackageLoader("harvester.services.console", "templates"),
@@ -87,6 +94,7 @@ def templates() -> Environment:
     )
     env.filters.update(num=_num, capped=_capped, when=_when, dur=_dur, age=_age, pct=_pct, bytes=_bytes_view)
     env.globals["quote"] = urllib.parse.quote
+    env.globals["link"] = link
     return env
 
 
