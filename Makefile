@@ -69,9 +69,10 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# The fixtures use OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP when set, else these local services.
+# The fixtures use OUTBOX_TEST_DSN / KAFKA_BOOTSTRAP when set, else these local services. Every
+# test's time goes to .local/test-report.xml, to see where a run went.
 test: venv lint caches services-up cluster-up
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=30 --junitxml=.local/test-report.xml $(PYTEST_ARGS)
 
 test-fast: venv caches services-up
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow and not cluster" $(PYTEST_ARGS)
