@@ -211,6 +211,13 @@ def test_expire_from_the_console_is_the_admin_command_with_an_audit_line(server,
         ("done", b.id, "operator", True),
         ("refused", complete.id, "operator", True),
     ]
+    # The access log names who acted too, as it does for the pages they looked at.
+    posts = [e for e in logs if e.get("event") == "http request" and e.get("method") == "POST"]
+    assert [(e["status"], (e["token"] or "").startswith("tok-")) for e in posts] == [
+        (200, True),
+        (200, True),
+        (409, True),
+    ], posts
     with psycopg.connect(pg_dsn) as conn:
         assert conn.execute(f'SELECT action, rows FROM "{schema}".admin_log').fetchall() == [("batch-expire", 1)]
         values = [r[0] for r in conn.execute(f'SELECT value FROM "{schema}".outbox ORDER BY id').fetchall()]

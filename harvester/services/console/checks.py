@@ -78,6 +78,7 @@ class Console:
         user = await self.signed_in(request)
         if user is None:
             return to_login(request)
+        request.state.token = user.token  # the access log names who acted, refused or not
         form = await read_form(request)
         if form is None or not self.sessions.csrf_ok(user, form.get("csrf")):
             return self.pages.message(

@@ -73,6 +73,8 @@ def add_login_routes(r: APIRouter, console: Console) -> None:
     @r.post("/logout")
     async def logout(request: Request) -> Response:
         user = await console.signed_in(request)
+        if user is not None:
+            request.state.token = user.token
         form = await read_form(request) or {}
         if user is not None and not sessions.csrf_ok(user, form.get("csrf")):
             return pages.message(request, user, 403, "Refused", "The form's CSRF token is missing or wrong.")
