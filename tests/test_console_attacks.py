@@ -200,3 +200,29 @@ def test_both_requeues_guard_alike_and_a_confirmation_of_one_is_no_confirmation_
             r = op.post(url, data=data)
             assert r.status_code == 403 and "confirmation page" in r.text, (flow, confirm, r.text[:300])
     assert dead_count(pg_dsn, schema) == 1
+
+
+def test_every_console_answer_carries_the_security_headers(server):  # noqa: F811
+    """Pages, fragments, static files, refusals, redirects and not-found answers alike: none may be
+    framed or sniffed as another type."""
+    anon, viewer = client(server), client(server, VIEWER)
+    answers = {
+        "login form": anon.get("/console/login"),
+        "redirect to login": anon.get("/console/batches"),
+        "overview": viewer.get("/console/"),
+        "fragment": viewer.get("/console/fragments/overview"),
+        "static file": viewer.get("/console/static/console.css"),
+        "unknown static file": viewer.get("/console/static/nope.js"),
+        "unknown batch": viewer.get("/console/batches/987654321"),
+        "bad cursor": viewer.get("/console/batches/1?after=x"),
+        "action without its csrf token": viewer.post("/console/batches/1/expire", data={}),
+        "console root": anon.get("/console", follow_redirects=False),
+        "logout": client(server, VIEWER).post("/console/logout", data={}),
+    }
+    missing = {
+        what: r.status_code
+        for what, r in answers.items()
+        if r.headers.get("x-content-type-options") != "nosniff"
+        or "frame-ancestors 'none'" not in r.headers.get("content-security-policy", "")
+    }
+    assert missing == {}

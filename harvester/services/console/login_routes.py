@@ -15,7 +15,7 @@ from starlette.responses import RedirectResponse, Response
 from harvester.services.console import actions, logouts
 from harvester.services.console.checks import Console
 from harvester.services.console.session import COOKIE, LOGIN_COOKIE
-from harvester.services.console.web import read_form, safe_next
+from harvester.services.console.web import SECURITY_HEADERS, read_form, safe_next
 
 
 def add_login_routes(r: APIRouter, console: Console) -> None:
@@ -57,7 +57,9 @@ def add_login_routes(r: APIRouter, console: Console) -> None:
             )
         user, cookie = got
         actions.audit.info("login", via="console", token=user.token, tenant=user.tenant, role=user.role)
-        resp = RedirectResponse(target if user.sees_outbox else "/console/batches", status_code=303)
+        resp = RedirectResponse(
+            target if user.sees_outbox else "/console/batches", status_code=303, headers=SECURITY_HEADERS
+        )
         resp.set_cookie(
             COOKIE,
             cookie,
@@ -82,7 +84,7 @@ def add_login_routes(r: APIRouter, console: Console) -> None:
             # Ended for every server, not only this browser: a copy of the cookie is refused too.
             await db.run(lambda c: logouts.record(c, schema, user.session, user.expires))
             actions.audit.info("logout", via="console", token=user.token, tenant=user.tenant, role=user.role)
-        resp = RedirectResponse("/console/login", status_code=303)
+        resp = RedirectResponse("/console/login", status_code=303, headers=SECURITY_HEADERS)
         resp.delete_cookie(COOKIE, path="/console/")
         return resp
 

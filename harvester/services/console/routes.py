@@ -36,14 +36,14 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
     @r.get("/static/{name}")
     async def static(name: str) -> Response:
         if name not in _STATIC:
-            return Response("not found\n", status_code=404, media_type="text/plain")
+            return Response("not found\n", status_code=404, media_type="text/plain", headers=SECURITY_HEADERS)
         body = files("harvester.services.console").joinpath("static", name).read_bytes()
         headers = {**SECURITY_HEADERS, "Cache-Control": "public, max-age=300"}
         return Response(body, media_type=_STATIC[name], headers=headers)
 
     @app.get("/console", include_in_schema=False)
     async def console_root() -> Response:
-        return RedirectResponse("/console/", status_code=308)
+        return RedirectResponse("/console/", status_code=308, headers=SECURITY_HEADERS)
 
     app.include_router(r)
     return console
@@ -60,7 +60,7 @@ def _add_overview_routes(r: APIRouter, console: Console) -> None:
     @page
     async def overview(request: Request, user: User) -> Response:
         if not user.sees_outbox:  # a tenant's token: its batches are its overview
-            return RedirectResponse("/console/batches", status_code=303)
+            return RedirectResponse("/console/batches", status_code=303, headers=SECURITY_HEADERS)
         return pages.render(request, "overview.html", user, **await overview_ctx())
 
     @r.get("/fragments/overview")

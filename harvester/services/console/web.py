@@ -154,7 +154,9 @@ def current_user(request: Request, sessions: Sessions) -> User | None:
 
 def to_login(request: Request) -> Response:
     target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-    return RedirectResponse("/console/login?next=" + urllib.parse.quote(target, safe=""), status_code=303)
+    return RedirectResponse(
+        "/console/login?next=" + urllib.parse.quote(target, safe=""), status_code=303, headers=SECURITY_HEADERS
+    )
 
 
 async def read_form(request: Request) -> dict[str, str] | None:
