@@ -18,6 +18,7 @@ import psycopg
 
 from tracker.config import schema_of
 from tracker.folding import GROUPS_PER_FOLD_MAX, GroupMask, fold_arrow, or_bits
+from tracker.spark.worker import in_task
 
 
 def _apply_partition(
@@ -114,7 +115,7 @@ def ack_dataframe(
     s = schema_of(schema)
     n = partitions or max(1, df.sparkSession.sparkContext.defaultParallelism)
     folded = df.select(column).mapInArrow(
-        fold_arrow(column), "batch_id long, group_id long, mask binary, folded long, bad string, reason string"
+        in_task(fold_arrow(column)), "batch_id long, group_id long, mask binary, folded long, bad string, reason string"
     )
 
     def keyed(partition: int, rows: Iterator[Any]) -> Iterator[tuple]:
@@ -129,9 +130,9 @@ def ack_dataframe(
                 yield (r.batch_id, r.group_id), (bytes(r.mask), r.folded)  # (Row.count is tuple.count)
 
     results = (
-        folded.rdd.mapPartitionsWithIndex(keyed)
+        folded.rdd.mapPartitionsWithIndex(in_task(keyed))
         .reduceByKey(or_bits, numPartitions=n, partitionFunc=lambda k: k[0])
-        .mapPartitions(_apply_partition(dsn, s, after_apply))
+        .mapPartitions(in_task(_apply_partition(dsn, s, after_apply)))
         .collect()
     )
     totals = AckTotals()

@@ -25,6 +25,7 @@ from psycopg import sql
 from tracker.config import DEFAULT_OUTBOX_TABLE, schema_of
 from tracker.errors import BatchNotOpen, UnknownBatch
 from tracker.ids import GROUP_BITS_MAX
+from tracker.spark.worker import in_task
 
 # Group ids of Spark fan-out: flag | run << 40 | partition << 20 | chunk. Counter-allocated
 # groups (batch.next_group) count up from 0 and never get near 2**62.
@@ -325,10 +326,10 @@ def fan_out(
         raise ValueError(f"at most {MAX_PARTITIONS} partitions per fan-out")
     out_df = None
     if id_col is None:
-        df.mapInArrow(writer, "partition int, items long").collect()
+        df.mapInArrow(in_task(writer), "partition int, items long").collect()
     else:
         out_schema = StructType([*df.schema.fields, StructField(id_col, StringType(), True)])
-        out_df = df.mapInArrow(writer, out_schema).localCheckpoint(eager=True)
+        out_df = df.mapInArrow(in_task(writer), out_schema).localCheckpoint(eager=True)
     lo, hi = run_group_range(run)
     with psycopg.connect(dsn) as conn:
         counted = conn.execute(

@@ -25,6 +25,7 @@ from tracker.config import schema_of
 from tracker.errors import InvalidValue
 from tracker.folding import GROUPS_PER_FOLD_MAX, GroupMask, fold_arrow, or_bits
 from tracker.spark.acks import ack_dataframe
+from tracker.spark.worker import in_task
 
 OUTCOMES = ("succeeded", "failed")
 REASON_MAX = 500  # characters, as tracker.fail takes them
@@ -214,7 +215,7 @@ def outcome_dataframe(
         .sortWithinPartitions("__reason")
     )
     folded = failed.mapInArrow(
-        _fold_by_reason(column, "__reason"),
+        in_task(_fold_by_reason(column, "__reason")),
         "batch_id long, group_id long, mask binary, folded long, bad string, reason string, fail_reason string",
     )
 
@@ -228,11 +229,11 @@ def outcome_dataframe(
                 yield (r.batch_id, r.group_id, r.fail_reason), (bytes(r.mask), r.folded)
 
     results = (
-        folded.rdd.mapPartitionsWithIndex(keyed)
+        folded.rdd.mapPartitionsWithIndex(in_task(keyed))
         # sorted by key within each batch's partition (spilling as Spark sorts): _fail_partition
         # then meets each group's reasons in sort order, whatever rounds it records them in
         .repartitionAndSortWithinPartitions(numPartitions=n, partitionFunc=lambda k: k[0])
-        .mapPartitions(_fail_partition(dsn, s, after_apply))
+        .mapPartitions(in_task(_fail_partition(dsn, s, after_apply)))
         .collect()
     )
     totals = OutcomeTotals()

@@ -21,6 +21,7 @@ from tracker.config import schema_of
 from tracker.kafka_waits import waits_for
 from tracker.spark.acks import AckTotals, ack_dataframe
 from tracker.spark.progress import Progress, dead_lettered, listener, record_input_rows
+from tracker.spark.worker import in_task
 
 # Micro-batches as large as this by default: ~3 s of work at ~300k acks/s, ~40 MB of ids spread
 # over the tasks; larger ones add latency and executor memory, smaller ones per-batch overhead.
@@ -273,7 +274,7 @@ def ordered_outcomes(
     results = (
         ordered.repartition(n, "partition")
         .sortWithinPartitions("partition", "offset")
-        .rdd.mapPartitions(_ordered_partition(dsn, s, after_apply))
+        .rdd.mapPartitions(in_task(_ordered_partition(dsn, s, after_apply)))
         .collect()
     )
     totals = OrderedTotals()
