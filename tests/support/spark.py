@@ -44,10 +44,17 @@ def connector_jars() -> str:
     return r.stdout.strip().split("=", 1)[1]
 
 
+# The test JVMs (driver and executors) are short-lived and do little: C1 only and one GC thread
+# spend far less CPU compiling and collecting on a small machine (executors killed by the tests
+# start again, warm-up and all).
+FAST_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+
+
 def make_session(app_name: str, conf: dict[str, str] | None = None, *, kafka: bool = True):
     from tracker import spark as tspark
 
     master, python = master_and_python()
+    conf = {"spark.driver.extraJavaOptions": FAST_JVM, "spark.executor.extraJavaOptions": FAST_JVM, **(conf or {})}
     return tspark.session(master, python=python, app_name=app_name, conf=conf, jars=connector_jars() if kafka else None)
 
 
