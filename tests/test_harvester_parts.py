@@ -12,6 +12,7 @@ from support.harness import insert_rows, lanes_config, make_config, outbox_count
 
 from harvester.metrics import get as get_metrics
 from harvester.publishing.deliveries import DeliverySettler
+from harvester.publishing.marking import MarkedBatch
 from harvester.publishing.outbox_sql import FOREVER, PURGE_RUN, OutboxStore, make_pool, runs_of
 from harvester.publishing.publisher import LifecycleError, Publisher, producer_config
 from harvester.units import Harvester
@@ -35,6 +36,25 @@ def test_a_harvester_starts_once_and_never_after_stop(pg_dsn, kafka_bootstrap, s
     assert h.stop(2) is True  # twice: nothing more to do
     with pytest.raises(LifecycleError, match="stopped"):
         h.start()
+
+
+def test_batches_left_queued_after_the_threads_ended_are_released_not_counted_in_flight(
+    pg_dsn, kafka_bootstrap, schema, topics
+):
+    """The stop's last step (a thread that outlived its join can leave marked batches queued):
+    their rows stop counting as in flight, and the stop does not fail on them."""
+    cfg = make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=topics("leader", partitions=1))
+    h = Harvester(cfg).start()
+    h.stop(5)
+    unit = h.units[0]
+    assert unit.publisher is not None and unit.publisher.in_flight == 0
+    rows = [(i, "t", b"k", b"v", [], [], None, NS.message_id(i, 0)) for i in range(7)]
+    for batch in (rows[:4], rows[4:]):
+        unit.publisher.reserve(len(batch))
+        unit._batches.put(MarkedBatch(uuid.uuid4(), batch, time.monotonic()))
+    assert unit.publisher.in_flight == 7
+    unit._release_unproduced()
+    assert unit.publisher.in_flight == 0 and unit._batches.empty()
 
 
 def test_a_publisher_starts_once(pg_dsn, kafka_bootstrap, schema):

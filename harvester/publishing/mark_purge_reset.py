@@ -30,6 +30,7 @@ from harvester.publishing.marking import (  # noqa: F401  (the loop's constants:
     MAX_REMARK_BACKOFF,
     MIN_REMARK_BACKOFF,
     SLOW_MARK,
+    MarkedBatch,
     MarkingLoop,
 )
 from harvester.publishing.outbox_sql import OutboxStore, make_pool
@@ -75,7 +76,7 @@ class UnitHarvester(MarkingLoop):
         with self._context():
             self._thread = logs.unit_thread(self._loop, "reaper-mark")
             self._producer_thread = logs.unit_thread(self._produce_loop, "reaper-produce")
-        self._batches: queue.Queue = queue.Queue(maxsize=2)  # marked, waiting for the producer thread
+        self._batches: queue.Queue[MarkedBatch] = queue.Queue(maxsize=2)  # marked, waiting for the producer thread
         self.upkeep: Upkeep | None = None  # the leader's vacuum and the lane index
         self.remark_backoff = 0.0  # the last back-off taken before a remark (0: progress was made)
         self.error: BaseException | None = None
@@ -163,11 +164,11 @@ class UnitHarvester(MarkingLoop):
         left marked for the next leader, so only records handed to Kafka count as in flight."""
         while True:
             try:
-                _, rows, _ = self._batches.get_nowait()
+                batch = self._batches.get_nowait()
             except queue.Empty:
                 return
             if self.publisher is not None:
-                self.publisher.release(len(rows))
+                self.publisher.release(len(batch.rows))
 
     def close(self) -> None:
         self._stop.set()

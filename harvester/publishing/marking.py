@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from confluent_kafka import KafkaException
 
@@ -44,6 +44,14 @@ CLAIM_RETRY = 1.0  # seconds between holds while another layout holds the table 
 SLOW_MARK = 1.0  # seconds: a mark this slow has the lane index checked (see _mark_trouble)
 MIN_REMARK_BACKOFF = 0.05  # seconds before the second remark in a row without progress
 MAX_REMARK_BACKOFF = 5.0  # bound of the doubling back-off
+
+
+class MarkedBatch(NamedTuple):
+    """Rows marked by one mark, waiting in the queue for the producing thread."""
+
+    leader_id: uuid.UUID  # the id they were marked with
+    rows: list[tuple]  # as OutboxStore.mark returns them
+    started: float  # time.monotonic() when the mark started (the slow-mark check)
 
 
 class MarkingLoop:
@@ -67,7 +75,7 @@ class MarkingLoop:
     _me: uuid.UUID | None  # id rows are marked with now
     _neli_id: uuid.UUID | None  # the NELI acquisition it derives from
     _thread: threading.Thread  # the marker's
-    _batches: queue.Queue  # marked, waiting for the producer thread
+    _batches: queue.Queue[MarkedBatch]  # marked, waiting for the producer thread
     remark_backoff: float
     error: BaseException | None
 
@@ -230,7 +238,7 @@ class MarkingLoop:
             pub.reserve(len(rows))  # marked rows count as in flight until settled or dropped
             while True:
                 try:
-                    self._batches.put((me, rows, started), timeout=0.05)
+                    self._batches.put(MarkedBatch(me, rows, started), timeout=0.05)
                     break
                 except queue.Full:
                     if self._stop.is_set() or not self._valid(me):
@@ -272,8 +280,8 @@ class MarkingLoop:
                     more = self._batches.get_nowait()
                 except queue.Empty:
                     break
-                if more[0] == me:
-                    rows = rows + more[1]
+                if more.leader_id == me:
+                    rows = rows + more.rows
                 else:
                     carry = more
             if not self._valid(me):  # dropped: stale id, remark pending, lapsed, fenced or stopping
