@@ -1,6 +1,7 @@
-"""tracker.spark.worker: once a task has run, a worker's zip importers re-read an archive only
-when its file changed (the per-task importlib.invalidate_caches() of PySpark's worker). No JVM:
-the importer and the invalidation are the ones that worker uses."""
+"""tracker.spark.worker: once a tracker task has run, a worker's zip importers re-read an archive
+only when its file changed (the per-task importlib.invalidate_caches() of PySpark's worker), and a
+changed file is noticed however it was changed. No JVM: the importer and the invalidation are the
+ones that worker uses."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
+from tracker.spark import worker
+
 
 def _zip(path, names: dict[str, str]) -> None:
     with zipfile.ZipFile(path, "w") as z:
@@ -16,35 +21,8 @@ def _zip(path, names: dict[str, str]) -> None:
             z.writestr(name, text)
 
 
-def test_an_unchanged_archive_is_not_read_again_and_a_changed_one_is(tmp_path):
+def _run(code: str) -> None:
     # in a process of its own: the change to zipimport is for the worker process that makes it
-    archive = tmp_path / "lib.zip"
-    _zip(archive, {"zmod_a.py": "A = 1\n"})
-    code = f"""
-import importlib, os, sys, zipimport
-from tracker.spark.worker import in_task
-sys.path.insert(0, {str(archive)!r})
-import zmod_a
-importer = sys.path_importer_cache[{str(archive)!r}]
-assert type(importer) is zipimport.zipimporter
-read = importer._files
-importlib.invalidate_caches()
-assert importer._files is not read  # before: every invalidation reads the directory again
-assert list(in_task(lambda rows, extra: (r + extra for r in rows))(iter([1, 2]), extra=3)) == [4, 5]
-importlib.invalidate_caches()  # the first after the change records the file's stamp
-read = importer._files
-importlib.invalidate_caches()
-assert importer._files is read  # unchanged: not read again
-import zipfile
-with zipfile.ZipFile({str(archive)!r}, "a") as z:
-    z.writestr("zmod_b.py", "B = 2\\n")
-os.utime({str(archive)!r}, ns=(1, 1))
-importlib.invalidate_caches()
-assert importer._files is not read and "zmod_b.py" in importer._files
-import zmod_b
-assert zmod_b.B == 2
-print("ok")
-"""
     r = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -53,3 +31,74 @@ print("ok")
         timeout=60,
     )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+@pytest.mark.skipif(not worker.NEEDED, reason="from Python 3.12 on, an invalidation reads no archive")
+def test_an_unchanged_archive_is_not_read_again_and_a_changed_one_is_however_it_changed(tmp_path):
+    archive, other = tmp_path / "lib.zip", tmp_path / "other.zip"
+    _zip(archive, {"zmod_a.py": "A = 1\n"})
+    _zip(other, {"zmod_a.py": "A = 2\n"})  # the same size as lib.zip's first version
+    assert archive.stat().st_size == other.stat().st_size
+    code = f"""
+import importlib, os, sys, time, zipfile, zipimport
+from tracker.spark.worker import in_task
+archive, other = {str(archive)!r}, {str(other)!r}
+sys.path.insert(0, archive)
+import zmod_a
+importer = sys.path_importer_cache[archive]
+assert type(importer) is zipimport.zipimporter
+read = importer._files
+importlib.invalidate_caches()
+assert importer._files is not read  # before: every invalidation reads the directory again
+assert list(in_task(lambda rows, extra: (r + extra for r in rows))(iter([1, 2]), extra=3)) == [4, 5]
+read = importer._files
+importlib.invalidate_caches()
+assert importer._files is read  # unchanged since the task began: not read again, from the next task on
+
+def changed(how):
+    global read
+    time.sleep(0.05)  # past the file system's timestamp tick
+    how()
+    importlib.invalidate_caches()
+    assert importer._files is not read, how.__name__
+    read = importer._files
+    importlib.invalidate_caches()
+    assert importer._files is read, how.__name__
+
+def replaced_by_a_rename_with_the_same_size_and_mtime():
+    st = os.stat(archive)
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(other, archive)
+
+def rewritten_in_place_with_the_same_size_and_mtime():
+    st = os.stat(archive)
+    with open(archive, "rb") as f:
+        data = f.read()
+    with open(archive, "r+b") as f:
+        f.write(data.replace(b"A = 2", b"A = 3"))
+    os.utime(archive, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+def grown():
+    with zipfile.ZipFile(archive, "a") as z:
+        z.writestr("zmod_b.py", "B = 2\\n")
+
+changed(replaced_by_a_rename_with_the_same_size_and_mtime)
+changed(rewritten_in_place_with_the_same_size_and_mtime)
+changed(grown)
+import zmod_b
+assert zmod_b.B == 2
+print("ok")
+"""
+    _run(code)
+
+
+def test_from_python_3_12_on_zipimport_is_left_as_it_is():
+    code = """
+import zipimport
+from tracker.spark import worker
+before = zipimport.zipimporter.invalidate_caches
+assert list(worker.in_task(lambda rows: rows)(iter([1]))) == [1]
+assert (zipimport.zipimporter.invalidate_caches is before) is (not worker.NEEDED)
+print("ok")
+"""
+    _run(code)
