@@ -133,7 +133,3 @@ def bench_failover(sig: int, session: float, heartbeat: float, rate: float = 500
                 except subprocess.TimeoutExpired:
                     p.kill()
         env.drop()
-
-
-# Reaper CPU per record (every thread of the harvesting process), compared pair by pair beside the
-# rate: below 1 the working tree is cheaper. Steadier than the rate when the machine is busy.

@@ -202,11 +202,13 @@ def test_both_requeues_guard_alike_and_a_confirmation_of_one_is_no_confirmation_
     assert dead_count(pg_dsn, schema) == 1
 
 
-def test_every_console_answer_carries_the_security_headers(server):  # noqa: F811
+def test_every_console_answer_carries_the_security_headers(server, cfg):  # noqa: F811
     """Pages, fragments, static files, refusals, redirects and not-found answers alike: none may be
     framed or sniffed as another type."""
-    anon, viewer = client(server), client(server, VIEWER)
+    anon, viewer, tenant = client(server), client(server, VIEWER), client(server, cfg.tenant_token)
     answers = {
+        "login": login(client(server), TOKEN),
+        "a tenant sent from the overview to its batches": tenant.get("/console/"),
         "login form": anon.get("/console/login"),
         "redirect to login": anon.get("/console/batches"),
         "overview": viewer.get("/console/"),
