@@ -28,7 +28,7 @@ from tracker.core.validate import check_reason
 from tracker.errors import MalformedItemId, TrackerError
 from tracker.folding.messages import FAIL_MARK, FAILURE_REASON_HEADER
 from tracker.ids import GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, format_run, parse_item_id
-from tracker.kafka_waits import waits_for
+from tracker.kafka_waits import with_waits
 from tracker.sync import exactly_once as exactly_once
 
 ITEM_ID_HEADER = "item-id"
@@ -186,8 +186,7 @@ class AckProducer:
             "linger.ms": 5,
             "compression.type": "lz4",
             # a silent broker is given up after 15 s, not librdkafka's 30-60 s (tracker.kafka_waits)
-            **waits_for(kafka_client or {}, producer=True),
-            **(kafka_client or {}),
+            **with_waits(kafka_client or {}, producer=True),
         }
         self._producer = Producer(conf)
         self.topic = topic

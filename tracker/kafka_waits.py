@@ -49,16 +49,16 @@ PRODUCER_DEFAULTS: Final[Mapping[str, int]] = MappingProxyType(
 )
 
 
-def waits_for(conf: Mapping[str, object], *, producer: bool) -> dict[str, int]:
-    """The defaults above that fit a client configured with `conf` (the caller's settings, which
-    still go on top of these and win): a transactional producer keeps librdkafka's own socket
-    timeout, which it derives from `transaction.timeout.ms` and refuses above it; a consumer that
-    waits longer on an empty fetch (`fetch.wait.max.ms`) gets a socket timeout a second past that
-    wait, so its fetches are not cut short."""
-    waits = dict(PRODUCER_DEFAULTS if producer else CLIENT_DEFAULTS)
+def with_waits(conf: Mapping[str, object], *, producer: bool) -> dict[str, object]:
+    """`conf` (a client's librdkafka settings) with the defaults above that fit it beneath it: the
+    caller's own settings win. A transactional producer keeps librdkafka's own socket timeout,
+    which it derives from `transaction.timeout.ms` and refuses above it; a consumer that waits
+    longer on an empty fetch (`fetch.wait.max.ms`) gets a socket timeout a second past that wait,
+    so its fetches are not cut short."""
+    waits: dict[str, object] = dict(PRODUCER_DEFAULTS if producer else CLIENT_DEFAULTS)
     if producer and "transactional.id" in conf:
         del waits["socket.timeout.ms"]
     fetch_wait = conf.get("fetch.wait.max.ms")
     if not producer and isinstance(fetch_wait, (int, str)) and str(fetch_wait).isdigit():
         waits["socket.timeout.ms"] = min(SOCKET_TIMEOUT_MAX_MS, max(SILENT_BROKER_WAIT_MS, int(fetch_wait) + 1000))
-    return waits
+    return {**waits, **conf}

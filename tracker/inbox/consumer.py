@@ -44,7 +44,7 @@ from tracker import message_ids
 from tracker.errors import InvalidValue, TrackerError
 from tracker.inbox.core import check_text
 from tracker.inbox.sync import Inbox
-from tracker.kafka_waits import waits_for
+from tracker.kafka_waits import with_waits
 from tracker.message_ids import MESSAGE_ID_HEADER
 
 DEAD_LETTER_REASON_HEADER = "dead-letter-reason"
@@ -139,19 +139,14 @@ class InboxConsumer:
         self.batch, self.poll_timeout = batch, poll_timeout
         # a silent broker is given up after 15 s, not librdkafka's 30-60 s (tracker.kafka_waits)
         self.consumer = Consumer(
-            {
-                **waits_for(config, producer=False),
-                **config,
-                "enable.auto.commit": False,
-                "enable.auto.offset.store": False,
-            }
+            {**with_waits(config, producer=False), "enable.auto.commit": False, "enable.auto.offset.store": False}
         )
         self.consumer.subscribe(list(topics))
         self.dead_letter_topic = dead_letter_topic
         self._dead: Producer | None = None
         if dead_letter_topic:
             keep = {k: v for k, v in config.items() if not k.startswith(("group.", "enable.auto", "auto.offset"))}
-            self._dead = Producer({**waits_for(keep, producer=True), **keep, "enable.idempotence": True})
+            self._dead = Producer({**with_waits(keep, producer=True), "enable.idempotence": True})
         self._undelivered: list[str] = []  # delivery errors of this poll's dead letters
         self.totals = PollResult()
 

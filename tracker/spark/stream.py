@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracker.config import schema_of
-from tracker.kafka_waits import waits_for
+from tracker.kafka_waits import with_waits
 from tracker.spark.acks import AckTotals, ack_dataframe
 from tracker.spark.progress import Progress, dead_lettered, listener, record_input_rows
 from tracker.spark.worker import in_task
@@ -104,8 +104,7 @@ def ack_stream(
     producer_conf = {
         "bootstrap.servers": bootstrap_servers,
         "enable.idempotence": True,
-        **waits_for(dead_letter_client or {}, producer=True),
-        **(dead_letter_client or {}),
+        **with_waits(dead_letter_client or {}, producer=True),
     }
 
     label = query_name or topic
