@@ -96,23 +96,23 @@ def add_batch_routes(r: APIRouter, console: Console) -> None:
             "fafter": request.query_params.get("fafter"),
         }
 
-    @r.get("/batches/{batch_id}")
-    @page
-    async def batch(request: Request, user: User) -> Response:
+    async def batch_in(template: str, request: Request, user: User) -> Response:
+        """The batch of the path rendered with `template` (the page, or its live fragment)."""
         batch_id = whole_number(request.path_params["batch_id"])
         if batch_id is None:
             return pages.message(request, user, 404, "No such batch", "A batch id is a whole number.")
         ctx = await batch_ctx(request, user, batch_id)
-        return ctx if isinstance(ctx, Response) else pages.render(request, "batch.html", user, **ctx)
+        return ctx if isinstance(ctx, Response) else pages.render(request, template, user, **ctx)
+
+    @r.get("/batches/{batch_id}")
+    @page
+    async def batch(request: Request, user: User) -> Response:
+        return await batch_in("batch.html", request, user)
 
     @r.get("/fragments/batches/{batch_id}")
     @page
     async def batch_live(request: Request, user: User) -> Response:
-        batch_id = whole_number(request.path_params["batch_id"])
-        if batch_id is None:
-            return pages.message(request, user, 404, "No such batch", "A batch id is a whole number.")
-        ctx = await batch_ctx(request, user, batch_id)
-        return ctx if isinstance(ctx, Response) else pages.render(request, "_batch.html", user, **ctx)
+        return await batch_in("_batch.html", request, user)
 
     @r.get("/batches/{batch_id}/expire")
     @page
