@@ -7,9 +7,7 @@ file recorded with another checksum than the baseline names is drift."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -20,37 +18,20 @@ from pathlib import Path
 import psycopg
 import pytest
 from psycopg import sql
-from support.history import sql_at
+from support.history import files_at, sql_at
 
 import tracker
 from tracker import roles
 from tracker import schema as schema_mod
 
-REPO = Path(__file__).resolve().parents[1]
 # The last commit whose sql/ held the function bodies in numbered files.
 OLD_CHAIN = "c4a30f3"
-
-
-def _git(*args: str) -> bytes:
-    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, check=True).stdout
 
 
 @pytest.fixture(scope="module")
 def old_migrator(tmp_path_factory):
     """The old chain's sql/ and its tracker/schema.py, from git, as a module migrating from them."""
-    try:
-        files = _git("ls-tree", "--name-only", OLD_CHAIN, "sql/").decode().split()
-    except (OSError, subprocess.CalledProcessError):
-        if os.environ.get("CI") == "true":  # CI runs in a clone: the history is there, or this is a failure
-            raise
-        pytest.skip(f"needs the git history of this repository (commit {OLD_CHAIN})")
-    root = tmp_path_factory.mktemp("old-chain")
-    (root / "sql").mkdir()
-    (root / "tracker").mkdir()
-    for name in files:
-        if name.endswith(".sql"):
-            (root / name).write_bytes(_git("show", f"{OLD_CHAIN}:{name}"))
-    (root / "tracker" / "schema.py").write_bytes(_git("show", f"{OLD_CHAIN}:tracker/schema.py"))
+    root = files_at(OLD_CHAIN, ["sql", "tracker/schema.py"], tmp_path_factory.mktemp("old-chain"))
     spec = importlib.util.spec_from_file_location("old_chain_schema", root / "tracker" / "schema.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
