@@ -9,22 +9,12 @@ import re
 import psycopg
 import pytest
 from support.http_server import TOKEN
-from test_console import _round_trips, cfg, client, server  # noqa: F401 (fixtures)
+from test_console import cfg, client, server  # noqa: F401 (fixtures)
+from test_console_reads import traced
 
 import tracker
 from harvester.services.console import batch_page
 from tracker.ids import parse_item_id
-
-
-def _traced(pg_dsn, tmp_path, fn):
-    trace = tmp_path / "trace"
-    with psycopg.connect(pg_dsn, prepare_threshold=None) as conn, trace.open("w") as f:
-        conn.pgconn.trace(f.fileno())
-        conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE)
-        got = fn(conn)
-        conn.pgconn.untrace()
-        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-    return got, _round_trips(trace.read_text())
 
 
 @pytest.fixture
@@ -40,7 +30,7 @@ def family(pg_dsn, schema):
 
 def test_a_batch_page_reads_in_at_most_two_round_trips(pg_dsn, schema, tmp_path, family):
     batch_id, kids = family
-    got, trips = _traced(
+    got, trips = traced(
         pg_dsn,
         tmp_path,
         lambda c: batch_page.read(c, schema, "default", batch_id, after=None, failures_after=None, limit=3),
@@ -61,7 +51,7 @@ def test_a_batch_page_reads_in_at_most_two_round_trips(pg_dsn, schema, tmp_path,
 def test_the_next_pages_and_an_unknown_or_foreign_batch_read_as_few(pg_dsn, schema, tmp_path, family):
     batch_id, _ = family
     after, fafter = parse_item_id(f"{batch_id}:1:8191"), parse_item_id(f"{batch_id}:0:100")
-    got, trips = _traced(
+    got, trips = traced(
         pg_dsn,
         tmp_path,
         lambda c: batch_page.read(c, schema, "default", batch_id, after=after, failures_after=fafter, limit=3),
@@ -71,7 +61,7 @@ def test_the_next_pages_and_an_unknown_or_foreign_batch_read_as_few(pg_dsn, sche
     assert view.pending_runs == [f"{batch_id}:2:0-{20_000 - 2 * 8192 - 1}"] and view.next_after is None
     assert view.failures == [{"item_id": f"{batch_id}:1:5", "reason": "image missing"}]
     for tenant, bid in (("default", 987654321), ("billing", batch_id)):
-        got, trips = _traced(
+        got, trips = traced(
             pg_dsn,
             tmp_path,
             lambda c: batch_page.read(c, schema, tenant, bid, after=None, failures_after=None, limit=3),
