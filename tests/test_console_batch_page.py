@@ -9,8 +9,8 @@ import re
 import psycopg
 import pytest
 from support.http_server import TOKEN
+from support.pg_trace import traced
 from test_console import cfg, client, server  # noqa: F401 (fixtures)
-from test_console_reads import traced
 
 import tracker
 from harvester.services.console import batch_page

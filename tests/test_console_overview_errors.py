@@ -8,7 +8,8 @@ import psycopg
 import pytest
 from support.http_server import TOKEN, RunningServer
 from test_admin import add_dead
-from test_console import _round_trips, cfg, client  # noqa: F401
+from support.pg_trace import traced
+from test_console import cfg, client  # noqa: F401
 
 import tracker
 from harvester.admin import status
@@ -18,27 +19,18 @@ from harvester.services.console.reads import read_each
 
 
 def test_one_failing_statement_leaves_the_others_answered_in_one_round_trip(pg_dsn, tmp_path):
-    trace = tmp_path / "trace"
-    with psycopg.connect(pg_dsn, autocommit=True, prepare_threshold=None) as conn, trace.open("w") as f:
-        conn.pgconn.trace(f.fileno())
-        conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE)
-        got = read_each(
-            conn,
-            [
-                ("SELECT %s::int, %s::text", [1, "a"]),
-                ("SELECT 1 / 0", None),
-                ("SELECT * FROM no_such_table_anywhere", None),
-                ("SELECT '[1, 2]'::json", None),
-                ("SELECT 1 WHERE false", None),
-            ],
-        )
-        conn.pgconn.untrace()
-        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-        assert conn.execute("SELECT 7").fetchone() == (7,)  # still usable
+    statements = [
+        ("SELECT %s::int, %s::text", [1, "a"]),
+        ("SELECT 1 / 0", None),
+        ("SELECT * FROM no_such_table_anywhere", None),
+        ("SELECT '[1, 2]'::json", None),
+        ("SELECT 1 WHERE false", None),
+    ]
+    got, trips = traced(pg_dsn, tmp_path, lambda conn: read_each(conn, statements), autocommit=True)
     assert got[0] == (1, "a") and got[3] == ([1, 2],) and got[4] == ()
     assert isinstance(got[1], psycopg.errors.DivisionByZero)
     assert isinstance(got[2], psycopg.errors.UndefinedTable) and "no_such_table_anywhere" in str(got[2])
-    assert _round_trips(trace.read_text()) == 1, trace.read_text()
+    assert trips == 1
 
 
 def test_a_locked_table_errors_its_own_panel_and_the_batches_still_count(cfg, pg_dsn, schema):  # noqa: F811

@@ -5,30 +5,12 @@ from __future__ import annotations
 
 import psycopg
 from support.http_server import TOKEN
+from support.pg_trace import traced
 from test_admin import add_dead
 from test_console import cfg, client, server  # noqa: F401 (fixtures)
 
 import tracker
 from harvester.services.console import queries
-
-
-def _round_trips(trace: str) -> int:
-    """Times the client sent and then waited for the server: frontend messages followed by backend ones."""
-    kinds = [line.split("\t", 1)[0] for line in trace.splitlines() if line[:2] in ("F\t", "B\t")]
-    return sum(1 for a, b in zip(kinds, kinds[1:], strict=False) if (a, b) == ("F", "B"))
-
-
-def traced(pg_dsn, tmp_path, fn):
-    """fn(conn) on a connection of its own, traced: its result and the round trips it took (the
-    transaction left idle)."""
-    trace = tmp_path / "trace"
-    with psycopg.connect(pg_dsn, prepare_threshold=None) as conn, trace.open("w") as f:
-        conn.pgconn.trace(f.fileno())
-        conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE)
-        got = fn(conn)
-        conn.pgconn.untrace()
-        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-    return got, _round_trips(trace.read_text())
 
 
 def test_the_overview_reads_its_database_figures_in_one_round_trip(cfg, pg_dsn, schema, tmp_path):
