@@ -7,8 +7,8 @@ from __future__ import annotations
 import psycopg
 import pytest
 from support.http_server import TOKEN, RunningServer
-from test_admin import add_dead
 from support.pg_trace import traced
+from test_admin import add_dead
 from test_console import cfg, client  # noqa: F401
 
 import tracker

@@ -17,7 +17,9 @@ def round_trips(trace: str) -> int:
     return sum(1 for a, b in zip(kinds, kinds[1:], strict=False) if (a, b) == ("F", "B"))
 
 
-def traced(pg_dsn: str, tmp_path: Path, fn: Callable[[psycopg.Connection], T], *, autocommit: bool = False) -> tuple[T, int]:
+def traced(
+    pg_dsn: str, tmp_path: Path, fn: Callable[[psycopg.Connection], T], *, autocommit: bool = False
+) -> tuple[T, int]:
     """fn(conn) on a connection of its own, traced: its result and the round trips it took (the
     transaction left idle and the connection usable)."""
     trace = tmp_path / "trace"
