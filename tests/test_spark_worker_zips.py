@@ -5,13 +5,16 @@ ones that worker uses."""
 
 from __future__ import annotations
 
+import ast
 import os
+import pathlib
 import subprocess
 import sys
 import zipfile
 
 import pytest
 
+import tracker.spark
 from tracker.spark import worker
 
 
@@ -102,3 +105,34 @@ assert (zipimport.zipimporter.invalidate_caches is before) is (not worker.NEEDED
 print("ok")
 """
     _run(code)
+
+
+# The DataFrame and RDD methods whose function argument runs inside an executor's task.
+EXECUTOR_METHODS = {
+    "mapInArrow",
+    "mapInPandas",
+    "applyInArrow",
+    "applyInPandas",
+    "mapPartitions",
+    "mapPartitionsWithIndex",
+    "foreachPartition",
+    "foreach",
+}
+
+
+def test_every_function_tracker_spark_sends_to_the_executors_goes_through_in_task():
+    """A function handed to the executors without in_task would bring the per-task re-reading back
+    for that stage, silently: each call site is read from the source."""
+    sites, unwrapped = 0, []
+    for path in sorted(pathlib.Path(tracker.spark.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if node.func.attr not in EXECUTOR_METHODS or not node.args:
+                continue
+            sites += 1
+            fn = node.args[0]
+            if not (isinstance(fn, ast.Call) and isinstance(fn.func, ast.Name) and fn.func.id == "in_task"):
+                unwrapped.append(f"{path.name}:{node.lineno} {node.func.attr}({ast.unparse(fn)})")
+    assert sites >= 8, f"only {sites} executor call sites found: the scan no longer sees them"
+    assert unwrapped == [], unwrapped
