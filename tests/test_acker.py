@@ -157,8 +157,10 @@ CRASHING_ACKER = textwrap.dedent("""
                 os._exit(17)
 
     dsn, schema, bootstrap, topic, dlq, group = sys.argv[1:7]
+    # The broker's shortest session: the replaying acker joins once the crashed member has expired.
     CrashAfterDbCommit(dsn=dsn, schema=schema, bootstrap_servers=bootstrap, topic=topic, group=group,
-                       dead_letter_topic=dlq, max_poll_records=1_000_000, poll_timeout=0.5).run(threading.Event())
+                       dead_letter_topic=dlq, max_poll_records=1_000_000, poll_timeout=0.5,
+                       kafka_client={"session.timeout.ms": 6000}).run(threading.Event())
 """)
 
 

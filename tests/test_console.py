@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.parse
 import uuid
 
 import httpx
@@ -105,6 +106,9 @@ def test_a_viewer_reads_but_cannot_act_and_every_post_needs_the_csrf_token(serve
     page = viewer.get(f"/console/batches/{b.id}")
     assert page.status_code == 200 and "Expire this batch" not in page.text
     assert "Requeue" not in viewer.get("/console/dead").text
+    for path in (f"/console/dead/requeue?id={dead_id}", "/console/dead/requeue?all=1"):
+        r = viewer.get(path)  # the first step of an action is not a viewer's either
+        assert r.status_code == 403 and "may only look" in r.text and 'name="confirm"' not in r.text, path
     token = csrf_of(page)
     with capture_logs() as logs:
         r = viewer.post(f"/console/batches/{b.id}/expire", data={"csrf": token, "note": "x"})
@@ -400,3 +404,22 @@ def test_the_overviews_acker_lag_covers_every_schemas_ack_topic(kafka_bootstrap,
         },
     )
     assert acker_lag(cfg, 10) == 5  # nothing committed by either acker group yet
+
+
+def test_a_field_given_twice_is_read_the_same_way_by_the_confirmation_page_and_the_action(server, pg_dsn, schema):
+    """`id=A&id=B`: the page and the form both mean B (the last), so what was confirmed is what is done."""
+    first, second = add_dead(pg_dsn, schema, "some-topic", 2, "too large")
+    c = client(server, TOKEN)
+    confirm = c.get(f"/console/dead/requeue?id={first}&id={second}")
+    assert confirm.status_code == 200 and "Requeue 1 dead row?" in confirm.text
+    assert f"Dead row {second} (" in confirm.text and f"Dead row {first} (" not in confirm.text, confirm.text
+    form = [("csrf", csrf_of(confirm)), ("confirm", confirmation_of(confirm)), ("id", str(first)), ("id", str(second))]
+    r = c.post(
+        "/console/dead/requeue",
+        content=urllib.parse.urlencode(form),
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
+    assert r.status_code == 200 and "requeued 1 rows" in r.text, r.text
+    with psycopg.connect(pg_dsn) as conn:
+        left = [row[0] for row in conn.execute(f'SELECT id FROM "{schema}".outbox_dead').fetchall()]
+    assert left == [first]

@@ -73,6 +73,14 @@ class Console:
             request, user, 403, "Not for a tenant", "The outbox is shared: only operators see it."
         )
 
+    def operators_only(self, user: User, request: Request) -> Response | None:
+        """None for a token that may act; a viewer's gets the refusal (403)."""
+        if user.may_act:
+            return None
+        return self.pages.message(
+            request, user, 403, "Refused", "Your token may only look: acting needs an operator's."
+        )
+
     async def action_form(self, request: Request) -> tuple[User, dict[str, str]] | Response:
         """An action's user and form once the session, the CSRF token and the role pass; else the refusal."""
         user = await self.signed_in(request)
@@ -84,10 +92,8 @@ class Console:
             return self.pages.message(
                 request, user, 403, "Refused", "The form's CSRF token is missing or wrong: reload the page."
             )
-        if not user.may_act:
-            return self.pages.message(
-                request, user, 403, "Refused", "Your token may only look: acting needs an operator's."
-            )
+        if (refused := self.operators_only(user, request)) is not None:
+            return refused
         return user, form
 
 

@@ -48,8 +48,11 @@ def add_dead_routes(r: APIRouter, console: Console) -> None:
         )
 
     def requeue_target(request: Request, user: User, flow: requeues.Flow) -> requeues.Target | Response:
-        """A confirmation page's target, or the answer refusing it."""
+        """A confirmation page's target, or the answer refusing it. A viewer is refused before
+        anything is read: the page is the first step of an action, and the dead-ack one scans Kafka."""
         if (refused := outbox_only(user, request)) is not None:
+            return refused
+        if (refused := console.operators_only(user, request)) is not None:
             return refused
         t = flow.target(request.query_params)
         return t if t.named else pages.message(request, user, 400, "Bad request", flow.nothing)

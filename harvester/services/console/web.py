@@ -160,7 +160,8 @@ def to_login(request: Request) -> Response:
 
 
 async def read_form(request: Request) -> dict[str, str] | None:
-    """A small urlencoded form's fields (the first of each name), or None if it is not one."""
+    """A small urlencoded form's fields (the last of each name, as the pages' query strings are
+    read), or None if it is not one."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/x-www-form-urlencoded":
         return None
@@ -173,10 +174,7 @@ async def read_form(request: Request) -> dict[str, str] | None:
         pairs = urllib.parse.parse_qsl(body.decode("utf-8"), keep_blank_values=True, max_num_fields=50)
     except (UnicodeDecodeError, ValueError):
         return None
-    out: dict[str, str] = {}
-    for k, v in pairs:
-        out.setdefault(k, v)
-    return out
+    return dict(pairs)
 
 
 def safe_next(target: str | None) -> str:
