@@ -160,7 +160,7 @@ CRASHING_ACKER = textwrap.dedent("""
     # The broker's shortest session: the replaying acker joins once the crashed member has expired.
     CrashAfterDbCommit(dsn=dsn, schema=schema, bootstrap_servers=bootstrap, topic=topic, group=group,
                        dead_letter_topic=dlq, max_poll_records=1_000_000, poll_timeout=0.5,
-                       kafka_client={"session.timeout.ms": 6000}).run(threading.Event())
+                       consumer_client={"session.timeout.ms": 6000}).run(threading.Event())
 """)
 
 

@@ -106,7 +106,11 @@ def test_a_viewer_reads_but_cannot_act_and_every_post_needs_the_csrf_token(serve
     page = viewer.get(f"/console/batches/{b.id}")
     assert page.status_code == 200 and "Expire this batch" not in page.text
     assert "Requeue" not in viewer.get("/console/dead").text
-    for path in (f"/console/dead/requeue?id={dead_id}", "/console/dead/requeue?all=1"):
+    for path in (
+        f"/console/dead/requeue?id={dead_id}",
+        "/console/dead/requeue?all=1",
+        f"/console/batches/{b.id}/expire",
+    ):
         r = viewer.get(path)  # the first step of an action is not a viewer's either
         assert r.status_code == 403 and "may only look" in r.text and 'name="confirm"' not in r.text, path
     token = csrf_of(page)

@@ -18,6 +18,7 @@ from test_console import VIEWER
 from test_console import cfg as cfg  # noqa: F401  (the console's configuration fixture)
 
 import tracker
+from harvester.admin import acks as acks_admin
 from harvester.exit_codes import ExitCode
 
 
@@ -67,6 +68,7 @@ def test_an_operator_requeues_one_dead_lettered_ack_from_its_confirmation_page(
     pg_dsn,
     schema,
     kafka_bootstrap,
+    monkeypatch,
 ):
     a = cfg.acker
     with RunningServer(cfg, [TOKEN]) as server:
@@ -78,9 +80,15 @@ def test_an_operator_requeues_one_dead_lettered_ack_from_its_confirmation_page(
         assert r.status_code == 403 and "may only look" in r.text
         assert not [e for e in logs if e.get("action")], logs
         assert _client(server, cfg.tenant_token).get("/console/dead-acks/requeue?at=0:0").status_code == 403
-        for path in ("/console/dead-acks/requeue?at=0:0", "/console/dead-acks/requeue?all=1"):
-            r = viewer.get(path)  # refused before Kafka is read: a viewer cannot make the console scan it
-            assert r.status_code == 403 and "may only look" in r.text, path
+        scans: list[object] = []
+        with monkeypatch.context() as m:  # the server runs in this process: its scans are seen here
+            m.setattr(acks_admin, "select", lambda *args, **kw: scans.append(kw) or ([], 0, 0))
+            for path in ("/console/dead-acks/requeue?at=0:0", "/console/dead-acks/requeue?all=1"):
+                r = viewer.get(path)  # refused before Kafka is read: a viewer cannot make the console scan it
+                assert r.status_code == 403 and "may only look" in r.text, path
+            assert scans == []
+            assert _client(server, TOKEN).get("/console/dead-acks/requeue?all=1").status_code == 200
+            assert len(scans) == 1  # an operator's page does scan: the patch is where the page reads
 
         c = _client(server, TOKEN)
         page = c.get("/console/dead-acks")
@@ -139,8 +147,6 @@ def test_a_dead_letter_goes_back_to_the_ack_topic_it_came_from(pg_dsn, schema, k
     from confluent_kafka import Producer
     from support.harness import make_config
 
-    from harvester.admin import acks as acks_admin
-
     main, other, dead = topics("acks"), topics("acks-other"), topics("acks-dead")
     cfg = make_config(
         pg_dsn,
@@ -178,7 +184,6 @@ def test_a_requeue_refuses_dead_letters_larger_than_it_may_hold_and_counts_only_
     from confluent_kafka import Producer
     from support.harness import make_config
 
-    from harvester.admin import acks as acks_admin
     from harvester.admin.common import AdminError
 
     main, dead = topics("acks"), topics("acks-dead")
@@ -207,7 +212,6 @@ def test_a_console_requeue_holds_no_database_connection_while_it_waits_for_kafka
     schema,
     monkeypatch,
 ):
-    from harvester.admin import acks as acks_admin
 
     held: list[int] = []
     real_select = acks_admin.select
@@ -239,7 +243,6 @@ def test_a_requeue_counts_the_headers_of_the_dead_letters_it_holds(
     from confluent_kafka import Producer
     from support.harness import make_config
 
-    from harvester.admin import acks as acks_admin
     from harvester.admin.common import AdminError
 
     main, dead = topics("acks"), topics("acks-dead")

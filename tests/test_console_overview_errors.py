@@ -30,7 +30,7 @@ def test_one_failing_statement_leaves_the_others_answered_in_one_round_trip(pg_d
     assert got[0] == (1, "a") and got[3] == ([1, 2],) and got[4] == ()
     assert isinstance(got[1], psycopg.errors.DivisionByZero)
     assert isinstance(got[2], psycopg.errors.UndefinedTable) and "no_such_table_anywhere" in str(got[2])
-    assert trips == 1
+    assert trips == 1, (tmp_path / "trace").read_text()
 
 
 def test_a_locked_table_errors_its_own_panel_and_the_batches_still_count(cfg, pg_dsn, schema):  # noqa: F811

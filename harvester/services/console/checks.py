@@ -4,6 +4,7 @@ pages and caches) and the checks a request passes before a route does anything.
 A page needs a session not ended by a logout (harvester.services.console.logouts), else the login
 page. An action is a POST from a confirmation page, checked in this order: a session (else the
 login page), the CSRF token (403), the operator role (403); the route then makes its own checks.
+A confirmation page refuses a viewer's token too (403), before it reads anything.
 """
 
 from __future__ import annotations
