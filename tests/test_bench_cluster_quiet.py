@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,13 @@ def _node(state: Path, n: int) -> subprocess.Popen:
     """A process whose command line reads as a Kafka node's of the cluster in `state`; it burns CPU."""
     props = state / "cluster" / "kafka-dedicated" / f"node{n}" / "server.properties"
     burn = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"
-    return subprocess.Popen([sys.executable, "-c", burn, "kafka.Kafka", str(props)])
+    node = subprocess.Popen([sys.executable, "-c", burn, "kafka.Kafka", str(props)])
+    # Popen returns once forked: until the child has exec'd, /proc shows the parent's command line.
+    deadline = time.monotonic() + 30
+    while b"kafka.Kafka" not in Path(f"/proc/{node.pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, "the node's command line never showed"
+        time.sleep(0.01)
+    return node
 
 
 def test_only_the_nodes_of_this_state_folder_are_counted(tmp_path: Path) -> None:

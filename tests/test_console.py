@@ -72,9 +72,14 @@ def state_of(pg_dsn: str, schema: str, batch_id: int) -> str:
 
 def test_pages_need_a_login_and_a_valid_token(server):
     anon = client(server)
-    for path in ("/console/", "/console/batches", "/console/batches/1", "/console/dead", "/console/fragments/overview"):
+    for path in ("/console/", "/console/batches", "/console/batches/1", "/console/dead"):
         r = anon.get(path)
         assert r.status_code == 303 and r.headers["location"].startswith("/console/login?next="), (path, r.text)
+    # A live fragment is not sent to the login page (its page reloads): no login cookie behind the user's back.
+    for path in ("/console/fragments/overview", "/console/fragments/batches", "/console/fragments/batches/1"):
+        r = anon.get(path)
+        assert r.status_code == 401 and "location" not in r.headers and "set-cookie" not in r.headers, (path, r.text)
+        assert r.headers["cache-control"] == "no-store" and r.headers["x-frame-options"] == "DENY"
     assert anon.get("/console/login").headers["content-security-policy"].startswith("default-src 'self'")
     r = login(anon, "not-a-token-at-all-0000000")
     assert r.status_code == 401 and "not valid" in r.text and "reaper_console" not in r.cookies

@@ -167,6 +167,9 @@ def text(d) -> str:
 def login(d, url: str, token: str) -> None:
     from selenium.webdriver.common.by import By
 
+    # A page of the console with no script: the last test's page and its live refresh end before
+    # its cookies (of this origin and path) go.
+    d.get(url + "/console/static/console.css")
     d.delete_all_cookies()
     d.get(url + "/console/")
     wait_for(d, lambda: d.current_url.startswith(url + "/console/login"))

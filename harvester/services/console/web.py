@@ -152,7 +152,17 @@ def current_user(request: Request, sessions: Sessions) -> User | None:
     return sessions.user(request.cookies.get(COOKIE))
 
 
+FRAGMENTS = "/console/fragments/"
+
+
 def to_login(request: Request) -> Response:
+    """The login page for a page; a live fragment gets 401 instead, and console.js reloads its page.
+    A fragment fetch that followed the redirect would load the login page behind the user's back
+    and set its one-time login cookie, which could then disagree with the form the user fills."""
+    if request.url.path.startswith(FRAGMENTS):
+        return Response(
+            "Signed out: reload the page.\n", status_code=401, media_type="text/plain", headers=SECURITY_HEADERS
+        )
     target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     return RedirectResponse(
         "/console/login?next=" + urllib.parse.quote(target, safe=""), status_code=303, headers=SECURITY_HEADERS
