@@ -115,10 +115,8 @@ def add_batch_routes(r: APIRouter, console: Console) -> None:
         return await batch_in("_batch.html", request, user)
 
     @r.get("/batches/{batch_id}/expire")
-    @page
+    @console.confirmation
     async def expire_confirm(request: Request, user: User) -> Response:
-        if (refused := console.operators_only(user, request)) is not None:
-            return refused  # an action's first step, as the requeue confirmations
         batch_id = whole_number(request.path_params["batch_id"])
         ctx = None if batch_id is None else await batch_ctx(request, user, batch_id)
         if ctx is None or isinstance(ctx, Response):

@@ -66,6 +66,15 @@ class Console:
 
         return wrapped
 
+    def confirmation(self, handler: Handler) -> Endpoint:
+        """A confirmation page: the first step of an action, so a viewer's token is refused (403)
+        before the handler reads anything."""
+
+        async def for_operators(request: Request, user: User) -> Response:
+            return self.operators_only(user, request) or await handler(request, user)
+
+        return self.page(for_operators)
+
     def outbox_only(self, user: User, request: Request) -> Response | None:
         """None for an operator of the outbox; a tenant's token gets the refusal (403)."""
         if user.sees_outbox:

@@ -48,11 +48,8 @@ def add_dead_routes(r: APIRouter, console: Console) -> None:
         )
 
     def requeue_target(request: Request, user: User, flow: requeues.Flow) -> requeues.Target | Response:
-        """A confirmation page's target, or the answer refusing it. A viewer is refused before
-        anything is read: the page is the first step of an action, and the dead-ack one scans Kafka."""
+        """A confirmation page's target, or the answer refusing it."""
         if (refused := outbox_only(user, request)) is not None:
-            return refused
-        if (refused := console.operators_only(user, request)) is not None:
             return refused
         t = flow.target(request.query_params)
         return t if t.named else pages.message(request, user, 400, "Bad request", flow.nothing)
@@ -79,7 +76,7 @@ def add_dead_routes(r: APIRouter, console: Console) -> None:
 
     # Before /dead/{dead_id}: registered after it, "requeue" would be taken for a dead row's id.
     @r.get("/dead/requeue")
-    @page
+    @console.confirmation
     async def requeue_confirm(request: Request, user: User) -> Response:
         t = requeue_target(request, user, requeues.DEAD)
         if isinstance(t, Response):
@@ -117,7 +114,7 @@ def add_dead_routes(r: APIRouter, console: Console) -> None:
         return pages.render(request, "dead_acks.html", user, d=found, limit=size)
 
     @r.get("/dead-acks/requeue")
-    @page
+    @console.confirmation  # it scans Kafka: never for a viewer
     async def requeue_acks_confirm(request: Request, user: User) -> Response:
         t = requeue_target(request, user, requeues.ACKS)
         if isinstance(t, Response):
