@@ -13,7 +13,8 @@ import random
 
 import psycopg
 from prometheus_client import REGISTRY
-from test_acker import batch_state, committed, end_offsets, make_acker, running, wait_for
+from support.acking import batch_state, committed, end_offsets, make_acker, running
+from support.harness import wait_for
 from test_tracker_support import completion_events, invariant_violations
 
 import tracker

@@ -9,8 +9,8 @@ import uuid
 
 import psycopg
 from confluent_kafka import Producer
-from support.harness import read_messages
-from test_acker import batch_state, closed_batch, committed, end_offsets, wait_for
+from support.acking import batch_state, closed_batch, committed, end_offsets
+from support.harness import read_messages, wait_for
 from test_tracker_support import completion_events, invariant_violations
 
 import tracker

@@ -15,7 +15,8 @@ import uuid
 import psycopg
 from confluent_kafka import Consumer, Producer, TopicPartition
 from prometheus_client import REGISTRY
-from support.harness import read_messages
+from support.acking import batch_state, closed_batch, committed, end_offsets, make_acker, produce_raw, running
+from support.harness import read_messages, wait_for
 from test_tracker_support import completion_events, invariant_violations
 
 import tracker
@@ -23,96 +24,6 @@ from harvester.services.acker import Acker
 from tracker.consumer import AckProducer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, group=None, **kw) -> Acker:
-    return Acker(
-        dsn=pg_dsn,
-        schema=schema,
-        bootstrap_servers=kafka_bootstrap,
-        kafka_client=kw.pop("kafka_client", {}),
-        topic=topic,
-        group=group or f"acker-{uuid.uuid4().hex[:8]}",
-        dead_letter_topic=dlq,
-        max_poll_records=kw.pop("max_poll_records", 10_000),
-        poll_timeout=0.1,
-        **kw,
-    )
-
-
-@contextlib.contextmanager
-def running(acker: Acker):
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def target():
-        try:
-            acker.run(stop)
-        except BaseException as exc:  # surfaced by the test
-            errors.append(exc)
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    try:
-        yield stop
-    finally:
-        stop.set()
-        t.join(60)
-        assert not t.is_alive(), "acker did not stop"
-        assert not errors, errors
-
-
-def batch_state(pg_dsn, schema, batch_id):
-    with psycopg.connect(pg_dsn) as c:
-        return c.execute(f'SELECT state, pending FROM "{schema}".batch WHERE id = %s', [batch_id]).fetchone()
-
-
-def committed(kafka_bootstrap, group, topic, partitions) -> list[int]:
-    c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group, "enable.auto.commit": False})
-    try:
-        # -1001: nothing committed, which for an empty partition is the same as its end, 0
-        return [
-            max(tp.offset, 0) for tp in c.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=30)
-        ]
-    finally:
-        c.close()
-
-
-def end_offsets(kafka_bootstrap, topic, partitions) -> list[int]:
-    c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": "probe"})
-    try:
-        return [c.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in range(partitions)]
-    finally:
-        c.close()
-
-
-def produce_raw(kafka_bootstrap, topic, pairs) -> None:
-    p = Producer({"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True})
-    for key, value in pairs:
-        p.produce(topic, key=key, value=value)
-    assert p.flush(30) == 0
-
-
-def read_all(kafka_bootstrap, topic, n, timeout=30.0) -> list:
-    return read_messages(kafka_bootstrap, topic, n, timeout)
-
-
-def closed_batch(pg_dsn, schema, n):
-    with psycopg.connect(pg_dsn) as c:
-        b = tracker.open_batch(c, schema=schema)
-        handles = tracker.add_items(c, b, n, schema=schema)
-        tracker.close_batch(c, b, schema=schema)
-        c.commit()
-    return b, handles
 
 
 def test_acker_applies_ids_and_runs_once_and_commits_offsets(pg_dsn, schema, kafka_bootstrap, topics):
@@ -242,7 +153,7 @@ def test_bad_acks_reach_the_dead_letter_topic_and_the_partition_keeps_moving(pg_
             lambda: batch_state(pg_dsn, schema, b.id) == ("complete", 0), what="the good acks to complete the batch"
         )
         wait_for(lambda: committed(kafka_bootstrap, acker.group, topic, 1) == [len(stream)], what="offsets at the end")
-    letters = read_all(kafka_bootstrap, dlq, len(bad) + 1)
+    letters = read_messages(kafka_bootstrap, dlq, len(bad) + 1)
     got = {m.value(): dict(m.headers())["reason"].decode() for m in letters}
     assert len(letters) == len(bad) + 1 == acker.stats["dead_lettered"]
     assert REGISTRY.get_sample_value("reaper_acks_dead_lettered_total", {"schema": schema}) - before == len(bad) + 1

@@ -10,10 +10,10 @@ import uuid
 import psycopg
 import pytest
 from confluent_kafka import Producer
+from support.acking import batch_state, closed_batch
 from support.harness import make_config, wait_until
 from support.ports import free_port
 from support.reaper import ReaperProcess
-from test_acker import batch_state, closed_batch
 from test_harvester_cli import _safe_get
 from test_tracker_support import completion_events
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from support.harness import wait_for
 
 from bench import cluster_quiet
 
@@ -18,10 +18,7 @@ def _node(state: Path, n: int) -> subprocess.Popen:
     burn = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"
     node = subprocess.Popen([sys.executable, "-c", burn, "kafka.Kafka", str(props)])
     # Popen returns once forked: until the child has exec'd, /proc shows the parent's command line.
-    deadline = time.monotonic() + 30
-    while b"kafka.Kafka" not in Path(f"/proc/{node.pid}/cmdline").read_bytes():
-        assert time.monotonic() < deadline, "the node's command line never showed"
-        time.sleep(0.01)
+    wait_for(lambda: b"kafka.Kafka" in Path(f"/proc/{node.pid}/cmdline").read_bytes(), 30, "the node's exec")
     return node
 
 

@@ -21,8 +21,9 @@ import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.acking import batch_state, committed, make_acker, produce_raw, running
+from support.harness import read_messages, wait_for
 from support.http_server import TOKEN, RunningServer, http_config
-from test_acker import batch_state, committed, make_acker, produce_raw, read_all, running, wait_for
 from test_folding import Msg
 from test_tracker_support import completion_events, invariant_violations
 
@@ -331,7 +332,7 @@ def test_the_acker_applies_a_poll_of_many_groups_in_bounded_rounds_and_rewinds_w
             if c.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", [hidden]).fetchone():
                 c.execute(f'ALTER SCHEMA "{hidden}" RENAME TO "{schema}"')
     assert acker.stats["polls"] >= 8  # 60 groups, 8 a round
-    (letter,) = read_all(kafka_bootstrap, dlq, 1)
+    (letter,) = read_messages(kafka_bootstrap, dlq, 1)
     assert letter.value() == too_large and dict(letter.headers())["reason"].startswith(b"too large")
     with psycopg.connect(pg_dsn) as c:
         assert len(completion_events(c, schema)) == 60
@@ -496,7 +497,7 @@ def test_the_ack_producer_never_packs_more_groups_into_a_message_than_the_acker_
     )
     producer.ack([f"7:{g}:0" for g in range(20_000)])
     producer.flush()
-    messages = read_all(kafka_bootstrap, topic, producer.messages_sent)
+    messages = read_messages(kafka_bootstrap, topic, producer.messages_sent)
     groups = [len(m.value().split(b",")) for m in messages]
     assert sum(groups) == 20_000 and max(groups) <= GROUPS_PER_FOLD_MAX
     assert len(messages) == -(-20_000 // GROUPS_PER_FOLD_MAX)

@@ -345,8 +345,8 @@ def test_reaper_run_serves_the_console_when_configured(cfg, tmp_path):
 
 
 def test_dead_lettered_acks_are_listed_newest_first_with_their_reasons(server, cfg, pg_dsn, schema, kafka_bootstrap):
-    from test_acker import make_acker, produce_raw
-    from test_acker import running as acker_running
+    from support.acking import make_acker, produce_raw
+    from support.acking import running as acker_running
 
     with psycopg.connect(pg_dsn) as conn:
         b = tracker.open_batch(conn, schema=schema)

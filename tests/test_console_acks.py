@@ -25,8 +25,8 @@ from harvester.exit_codes import ExitCode
 @pytest.fixture
 def dead_letters(cfg, pg_dsn, schema, kafka_bootstrap):  # noqa: F811
     """Three acks the acker set aside: two past a group's size, one malformed."""
-    from test_acker import make_acker, produce_raw
-    from test_acker import running as acker_running
+    from support.acking import make_acker, produce_raw
+    from support.acking import running as acker_running
 
     with psycopg.connect(pg_dsn) as conn:
         b, c = tracker.open_batch(conn, schema=schema), tracker.open_batch(conn, schema=schema)

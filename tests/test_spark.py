@@ -13,8 +13,9 @@ import threading
 import psycopg
 import pytest
 from confluent_kafka import Producer
+from support.acking import make_acker, running
+from support.harness import read_messages, wait_for
 from support.spark import make_session
-from test_acker import make_acker, read_all, running, wait_for
 from test_tracker_support import completion_events, invariant_violations
 
 import tracker
@@ -201,7 +202,7 @@ def test_streaming_ack_job_applies_micro_batches_and_replays_change_nothing(
     finally:
         query.stop()
     assert totals.acked == 3000 and totals.batches >= 2
-    letters = read_all(kafka_bootstrap, dlq, 1)
+    letters = read_messages(kafka_bootstrap, dlq, 1)
     assert [(m.value(), dict(m.headers())["reason"][:9]) for m in letters] == [(b"garbage", b"malformed")]
     # A new checkpoint replays the whole topic: nothing changes.
     replay, again = tspark.ack_stream(

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import psycopg
 import pytest
+from support.harness import read_messages, wait_for
 from support.spark import make_session
-from test_acker import read_all, wait_for
 from test_tracker_support import completion_events, invariant_violations
 
 import tracker
@@ -128,7 +128,7 @@ def test_the_stream_applies_failures_from_the_topic_and_dead_letters_bad_ones_as
                 break
             after = page.next
     assert items == [(i, "timeout") for i in ids[1000:1200]] + [(i, "bad row") for i in ids[1200:1300]]
-    [letter] = read_all(kafka_bootstrap, dlq, 1)
+    [letter] = read_messages(kafka_bootstrap, dlq, 1)
     headers = dict(letter.headers())
     assert letter.value() == f"!{b}:7:0".encode()
     assert (headers["reason"], headers["failure-reason"]) == (b"unknown group", b"timeout")

@@ -20,7 +20,7 @@ import support.spark as sspark
 from confluent_kafka import Producer
 from prometheus_client import REGISTRY
 from pyspark import cloudpickle
-from test_acker import wait_for
+from support.harness import wait_for
 from test_tracker_support import completion_events, invariant_violations
 
 import tracker

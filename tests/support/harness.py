@@ -192,6 +192,16 @@ def wait_until(cond: Callable[[], bool], timeout: float, step: float = 0.05) -> 
     return cond()
 
 
+def wait_for(predicate: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> None:
+    """wait_until that fails the test, naming `what`, when the time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
 @contextlib.contextmanager
 def running(cfg: config_mod.Config, faults=None, drain_timeout: float = 10) -> Iterator[Harvester]:
     """A harvester on cfg, leading within 30 s; stopped afterwards, and it must not have failed.
