@@ -17,6 +17,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
+from support.ci import under_ci
 
 from tracker import schema as schema_mod
 
@@ -190,5 +191,5 @@ def cluster():
     except (ClusterError, subprocess.TimeoutExpired) as exc:
         pytest.fail(f"could not bring up the local cluster: {exc}", pytrace=False)
     yield cluster
-    if os.environ.get("CI") == "true" or not was_running:
+    if under_ci() or not was_running:
         cluster.down()

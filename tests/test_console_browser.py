@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from support.ci import skip_or_fail
 from support.harness import Receiver, env_for, make_config, wait_until
 from support.http_server import TOKEN, RunningServer
 from support.ports import free_port
@@ -50,9 +51,7 @@ def chromium():
     try:
         return browser_mod.ensure_installed()
     except browser_mod.BrowserError as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"headless Chromium is not available: {exc}", pytrace=False)
-        pytest.skip(f"headless Chromium is not available: {exc}")
+        skip_or_fail(f"headless Chromium is not available: {exc}")
 
 
 @pytest.fixture(scope="module")
