@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from sqlalchemy.orm import Session
 from test_tracker_support import snapshot
 
 import tracker
+from tracker import schema as schema_mod
 from tracker.aio import AsyncTracker
 
 POISON = """
@@ -71,12 +73,35 @@ CREATE TRIGGER poison BEFORE INSERT ON ack_claim FOR EACH ROW EXECUTE FUNCTION p
 """
 
 
-@pytest.fixture
-def poisoned(pg_dsn, schema):
+# What a cell's tracker calls can write: emptied before each cell (_prepare), so every cell meets
+# only its own fixture rows, as in a fresh schema.
+CELL_TABLES = (  # referencing tables before the tables they reference
+    "caller_rows",
+    "ack_claim",
+    "ack_settle_request",
+    "child_finished",
+    "group_failure",
+    "failure_reason",
+    "spark_fanout_run",
+    "batch_group",
+    "outbox",
+    "outbox_dead",
+    "batch",
+)
+
+
+@pytest.fixture(scope="module")
+def poisoned(pg_dsn):
+    """One migrated, poisoned schema for the module's cells (on each worker): migrating a schema per
+    test cost more than the cells themselves. Each cell starts from empty tables (_prepare)."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    schema_mod.migrate(pg_dsn, name)
     with psycopg.connect(pg_dsn, autocommit=True) as c:
-        c.execute(f'SET search_path TO "{schema}"')
+        c.execute(f'SET search_path TO "{name}"')
         c.execute(POISON)
-    return schema
+    yield name
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
 
 # ---------------------------------------------------------------- the caller, in each mode
@@ -374,7 +399,8 @@ class Fixture:
 def _prepare(dsn: str, schema: str, extra: dict[str, Any]) -> Fixture:
     t = tracker.Tracker(schema=schema)
     with psycopg.connect(dsn, **extra) as c:
-        c.execute(f'DELETE FROM "{schema}".caller_rows')
+        # DELETE, not TRUNCATE: a few rows each, and TRUNCATE's new files cost more than the cell
+        c.execute("; ".join(f'DELETE FROM "{schema}".{table}' for table in CELL_TABLES))
         ob = t.open_batch(c, user_key="fixture-open")
         t.add_items(c, ob, 3)
         cb = t.open_batch(c, user_key="fixture-closed", completion_topic="done")
