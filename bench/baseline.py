@@ -148,7 +148,8 @@ def compare(
     REF has an interpreter of its own), what `alternate` returns (the order, each pair's figures and
     ratio new/old, their summaries, the load averages), every run's whole object (`runs`) and
     `figures`: for `figure` and each of `more` (other keys of the runs' last lines), the ratios
-    new/old pair by pair (`ratios`), their summary (`ratio`) and each side's (`new`, `old`)."""
+    new/old pair by pair (`ratios`), their summary (`ratio`) and each side's (`new`, `old`); None
+    for one of `more` that a run left out or gave as null."""
     started_load = load_average()
     tree = checkout(ref, log=log)
     sha = (tree / MARK).read_text().strip()
@@ -169,6 +170,10 @@ def compare(
     cmp["load_average_at_start"] = started_load
     figures: dict[str, Any] = {}
     for name in (figure, *more):
+        if name != figure and any(r.get(name) is None for r in (*new.runs, *old.runs)):
+            figures[name] = None  # not measured on this machine (e.g. a database elsewhere)
+            log(f"{name}: not measured in every run, no ratio")
+            continue
         ratios = [round(n[name] / o[name], 3) for n, o in zip(new.runs, old.runs)]
         figures[name] = {
             "ratios": ratios,

@@ -10,7 +10,10 @@ run migrates a fresh schema with TREE's own migrations, creates fresh topics, pr
 (`prefill`: the rows every side and the floor get), and times the harvester from the moment it
 leads until every row is purged. The last line of output is one JSON object: records_per_s,
 seconds, records, cpu_us_per_record (the process's CPU, every thread, over that window: steadier
-than the rate on a busy machine), and `code`, the folder the harvester was imported from.
+than the rate on a busy machine), postgres_cpu_us_per_record (the database server's processes over
+the same window: what the marks, purges, WAL and vacuum of each record cost there; null when the
+server is not on this machine), machine_cpu_us_per_record (every process of the machine: reaper,
+Postgres, Kafka and whatever else ran), and `code`, the folder the harvester was imported from.
 
 This file imports nothing from bench/ (under REF's path, `bench` would be REF's), and it copes
 with the harvester's API as it was before harvest units (`harvester.mpr`). An editable install of
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import resource
 import sys
 import time
@@ -93,6 +97,57 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int | str) -> tuple[str, int, float] | None:
+    """(command name, parent pid, CPU seconds) of a process, from /proc; None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return text[text.index("(") + 1 : text.rindex(")")], int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
+
+
+def postmaster_of(dsn: str) -> int | None:
+    """The pid of the database server's postmaster when it runs on this machine, else None: the
+    parent of this connection's backend, if /proc shows both as Postgres processes."""
+    with psycopg.connect(dsn) as c:
+        backend = c.execute("SELECT pg_backend_pid()").fetchone()[0]
+    own = _stat(backend)
+    if own is None or own[0] != "postgres":
+        return None  # another machine (or a pid namespace of its own)
+    parent = _stat(own[1])
+    return own[1] if parent is not None and parent[0] == "postgres" else None
+
+
+def server_cpu(postmaster: int | None) -> dict[int, float]:
+    """CPU seconds so far of the postmaster and of each of its children (backends, autovacuum, WAL
+    writer, checkpointer). Between two readings, a process that started counts whole; one that
+    exited is lost (the reaper's connections stay open through the window)."""
+    if postmaster is None:
+        return {}
+    out: dict[int, float] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            found = _stat(proc.name)
+            if (
+                found is not None
+                and found[0] == "postgres"
+                and (found[1] == postmaster or int(proc.name) == postmaster)
+            ):
+                out[int(proc.name)] = found[2]
+    return out
+
+
+def machine_cpu_s() -> float:
+    """Busy CPU seconds of the whole machine since boot (/proc/stat: user, nice, system, irq and
+    softirq; not idle, iowait, or time the hypervisor gave to others)."""
+    user, nice, system, _idle, _iowait, irq, softirq = (int(f) for f in Path("/proc/stat").read_text().split()[1:8])
+    return (user + nice + system + irq + softirq) / TICK
+
+
 def _harvester_class():
     if importlib.util.find_spec("harvester.units") is not None:
         from harvester.units import Harvester
@@ -137,16 +192,19 @@ def harvest(dsn: str, bootstrap: str, rows: int, keys: int, overrides: dict[str,
                 "metrics": {"enabled": False},
             },
         )
+        postmaster = postmaster_of(dsn)
         h = Harvester(cfg).start()
         try:
             while not h.leading:
                 time.sleep(0.01)
+            server0, machine0 = server_cpu(postmaster), machine_cpu_s()
             started, cpu = time.perf_counter(), _cpu_s()
             while h.publisher.purged_rows < rows:
                 time.sleep(0.01)
                 if time.perf_counter() - started > 900:
                     raise RuntimeError(f"only {h.publisher.purged_rows} of {rows} purged after 900 s")
             elapsed, cpu = time.perf_counter() - started, _cpu_s() - cpu
+            server1, machine = server_cpu(postmaster), machine_cpu_s() - machine0
         finally:
             h.stop(10)
         with psycopg.connect(dsn) as c:
@@ -160,6 +218,12 @@ def harvest(dsn: str, bootstrap: str, rows: int, keys: int, overrides: dict[str,
         "seconds": round(elapsed, 3),
         "records_per_s": round(rows / elapsed),
         "cpu_us_per_record": round(cpu * 1e6 / rows, 2),
+        "postgres_cpu_us_per_record": (
+            round(sum(v - server0.get(pid, 0.0) for pid, v in server1.items()) * 1e6 / rows, 2)
+            if postmaster is not None
+            else None
+        ),
+        "machine_cpu_us_per_record": round(machine * 1e6 / rows, 2),
         "code": str(Path(harvester.__file__).resolve().parents[1]),
     }
 

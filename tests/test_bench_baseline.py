@@ -114,11 +114,17 @@ def test_baseline_run_alternates_and_reports_ratios_and_floor(
         assert set(b[key]) == {"median", "min", "max", "spread"}
         assert b[key]["min"] <= b[key]["median"] <= b[key]["max"]
     assert len(b["load_average_at_start"]) == 3
-    # The rate and the CPU per record, each compared pair by pair.
-    assert set(b["figures"]) == {"records_per_s", "cpu_us_per_record"}
+    # The rate and the CPU per record (the reaper's, the local Postgres server's, the machine's),
+    # each compared pair by pair.
+    cpu = ("cpu_us_per_record", "postgres_cpu_us_per_record", "machine_cpu_us_per_record")
+    assert set(b["figures"]) == {"records_per_s", *cpu}
     assert b["figures"]["records_per_s"]["ratios"] == [pair["ratio"] for pair in b["pairs"]]
     for run in b["runs"]["new"] + b["runs"]["old"]:
-        assert run["cpu_us_per_record"] > 0
+        assert all(run[name] > 0 for name in cpu)
+    for name in cpu:
+        assert b["figures"][name]["ratios"] == [
+            round(n[name] / o[name], 3) for n, o in zip(b["runs"]["new"], b["runs"]["old"])
+        ]
     # Each side ran its own code: the working tree's, and the commit's checked-out copy.
     assert [r["code"] for r in b["runs"]["new"]] == [str(REPO)] * 2
     assert [r["code"] for r in b["runs"]["old"]] == [str(tmp_path / sha)] * 2
