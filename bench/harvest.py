@@ -309,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fenced-seconds", type=float, help="fenced: seconds per measurement (default 30; 8 with --quick)")
     ap.add_argument("--fenced-rounds", type=int, help="fenced: rounds (default 2; 1 with --quick)")
     ap.add_argument(
+        "--fenced-partitions",
+        type=int,
+        default=PARTITIONS,
+        help=f"fenced: partitions of the topic (default {PARTITIONS}; a transaction writes to each)",
+    )
+    ap.add_argument(
         "--vacuum-interval",
         type=float,
         default=2.0,
@@ -341,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--rows must be at least 1")
     if args.fenced_rounds is not None and args.fenced_rounds < 1:
         ap.error("--fenced-rounds must be at least 1")
+    if not 1 <= args.fenced_partitions <= 1000:
+        ap.error(f"--fenced-partitions must be between 1 and 1000, got {args.fenced_partitions}")
     if args.fenced_seconds is not None and args.fenced_seconds <= 0:
         ap.error("--fenced-seconds must be positive")
     overrides = {}
@@ -409,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             args.fenced_seconds or (8 if q else 30),
             2000.0,
             rounds=args.fenced_rounds or (1 if q else 2),
+            partitions=args.fenced_partitions,
             **overrides,
         )
         say(json.dumps(result["fenced"]))

@@ -17,7 +17,7 @@ import psycopg
 from prometheus_client import CollectorRegistry
 
 from bench.fenced_floor import Phases, bare
-from bench.harvest import BOOTSTRAP, DSN, VALUE, Env
+from bench.harvest import BOOTSTRAP, DSN, PARTITIONS, VALUE, Env
 from harvester.metrics import HarvesterMetrics
 from harvester.units import Harvester
 
@@ -59,8 +59,10 @@ def stamping(reports, acked: dict[int, float]):
     return Stamped(reports)
 
 
-def bench_latency(seconds: float, rate: float, kafka_producer: dict | None = None, **harvester) -> dict:
-    env = Env()
+def bench_latency(
+    seconds: float, rate: float, kafka_producer: dict | None = None, partitions: int = PARTITIONS, **harvester
+) -> dict:
+    env = Env(partitions)
     # Commit durations, as the harvester observes them in its transaction-commit histogram.
     metrics, commit_seconds = recording_commits()
     h = Harvester(env.config(kafka_producer, **harvester), metrics=metrics).start()
@@ -139,22 +141,28 @@ def bench_latency(seconds: float, rate: float, kafka_producer: dict | None = Non
         env.drop()
 
 
-def bench_fenced(seconds: float, rate: float, rounds: int = 2, **harvester) -> dict:
+def bench_fenced(seconds: float, rate: float, rounds: int = 2, partitions: int = PARTITIONS, **harvester) -> dict:
     """Unfenced and transactional latency, and the machine's Kafka floor (bench/fenced_floor.py: a
-    bare idempotent producer, a bare transactional one, two in turn), alternated in each round.
-    Ratios are taken round by round (same minutes of the same run), then summarised."""
+    bare idempotent producer, a bare transactional one, two in turn), alternated in each round, on
+    a topic of `partitions` partitions. Ratios are taken round by round (same minutes of the same
+    run), then summarised."""
     plain, fenced, floor_idem, floor_txn, floor_txn2 = [], [], [], [], []
     for _ in range(rounds):
-        env = Env()
+        env = Env(partitions)
         try:
             floor_idem.append(bare(BOOTSTRAP, env.topic, seconds, rate))
             floor_txn.append(bare(BOOTSTRAP, env.topic, seconds, rate, producers=1))
             floor_txn2.append(bare(BOOTSTRAP, env.topic, seconds, rate, producers=2))
         finally:
             env.drop()
-        plain.append(bench_latency(seconds, rate, **harvester))
+        plain.append(bench_latency(seconds, rate, partitions=partitions, **harvester))
         fenced.append(
-            bench_latency(seconds, rate, **{**harvester, "transactional_id": f"bench-{uuid.uuid4().hex[:8]}"})
+            bench_latency(
+                seconds,
+                rate,
+                partitions=partitions,
+                **{**harvester, "transactional_id": f"bench-{uuid.uuid4().hex[:8]}"},
+            )
         )
 
     def ratios(a: list[dict], b: list[dict]) -> list[float]:
@@ -162,6 +170,7 @@ def bench_fenced(seconds: float, rate: float, rounds: int = 2, **harvester) -> d
 
     fenced_p99 = max(r["p99_ms"] for r in fenced)
     return {
+        "partitions": partitions,
         "unfenced": plain,
         "fenced": fenced,
         "floor": {"idempotent": floor_idem, "transactional": floor_txn, "transactional_two_in_turn": floor_txn2},

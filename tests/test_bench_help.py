@@ -35,3 +35,17 @@ def test_a_benchmark_answers_help_without_running(name: str) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("usage: "), done.stdout[:500]
+
+
+@pytest.mark.parametrize("given", ["0", "-3", "1001"])
+def test_the_fenced_partitions_out_of_range_are_refused_by_name_before_any_service(given: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.harvest", "--only", "fenced", "--fenced-partitions", given],
+        cwd=REPO,
+        env={**os.environ, **NOWHERE, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert f"--fenced-partitions must be between 1 and 1000, got {given}" in done.stderr, done.stderr[-2000:]
