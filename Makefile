@@ -34,16 +34,11 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 # Every first-use download, once, before the test workers start (Kafka's jars, Spark's Kafka
-# connector, the Node, Go and JDBC clients, Debian's prometheus). Each is also safe to resolve on
-# demand, from several processes at once (deploy/local/first_use.py, or Go's own caches).
+# connector, the Node, Go and JDBC clients, Debian's prometheus and Chromium), all at once: each is
+# safe beside the others and on demand from several processes (deploy/local/first_use.py, or Go's
+# own caches), so a cold machine waits for the slowest, not their sum (deploy/local/caches.py).
 caches: venv
-	$(SERVICES) fetch
-	$(PY) deploy/spark/jars.py
-	$(PYTHON) tests/clients/node/install.py
-	$(PYTHON) tests/clients/go/install.py
-	$(PYTHON) tests/clients/jvm/install.py
-	$(PYTHON) deploy/prometheus/local.py install
-	$(PYTHON) deploy/console/browser.py install
+	$(PY) deploy/local/caches.py
 
 services-up:
 	$(SERVICES) up
