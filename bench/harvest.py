@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         "--fenced-partitions",
         type=int,
         default=PARTITIONS,
-        help=f"fenced: partitions of the topic (default {PARTITIONS}; a transaction writes to each)",
+        help=f"fenced: partitions of the topic (default {PARTITIONS}); a transaction writes to those of its records' keys",
     )
     ap.add_argument(
         "--vacuum-interval",

@@ -77,12 +77,13 @@ def bench_latency(
         per_txn = 10
         ins = (
             f'INSERT INTO "{env.schema}".outbox (topic, key, value) '
-            "SELECT %s, convert_to('key-' || (g %% 1000), 'UTF8'), %s FROM generate_series(1, %s) g RETURNING id"
-        )
+            "SELECT %s, convert_to('key-' || ((g + %s) %% 1000), 'UTF8'), %s FROM generate_series(1, %s) g "
+            "RETURNING id"
+        )  # keys go round 1,000 from one insert to the next, as the floor's do (bench/fenced_floor.py)
         with psycopg.connect(DSN) as conn:
             # Steady state: one row through first, so the leadership's start (fenced mode: the
             # producers' init_transactions, sometimes 0.5 s) is not in the figures.
-            conn.execute(ins, [env.topic, VALUE, 1])
+            conn.execute(ins, [env.topic, -1, VALUE, 1])
             conn.commit()
             warm_until = time.monotonic() + 30
             while not acked and time.monotonic() < warm_until:
@@ -95,7 +96,7 @@ def bench_latency(
                 if sent >= due:
                     time.sleep(0.0005)
                     continue
-                ids = [r[0] for r in conn.execute(ins, [env.topic, VALUE, per_txn]).fetchall()]
+                ids = [r[0] for r in conn.execute(ins, [env.topic, sent, VALUE, per_txn]).fetchall()]
                 conn.commit()
                 t = time.time()
                 for i in ids:

@@ -4,10 +4,14 @@ failure named after every step has ended."""
 from __future__ import annotations
 
 import io
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,9 +28,56 @@ def _step(name: str, code: str) -> caches.Step:
 def test_the_steps_are_the_scripts_of_the_repository() -> None:
     todo = caches.steps("python3")
     assert len({s.name for s in todo}) == len(todo)
+    assert {s.argv for s in todo} == {
+        ("python3", "deploy/local/services.py", "fetch"),
+        ("python3", "deploy/spark/jars.py"),
+        ("python3", "tests/clients/node/install.py"),
+        ("python3", "tests/clients/go/install.py"),
+        ("python3", "tests/clients/jvm/install.py"),
+        ("python3", "deploy/prometheus/local.py", "install"),
+        ("python3", "deploy/console/browser.py", "install"),
+    }
     for step in todo:
-        assert step.argv[0] == "python3"
         assert (REPO / step.argv[1]).is_file(), step
+
+
+def test_main_exits_1_naming_the_failed_steps_and_0_when_all_pass(capsys) -> None:
+    assert caches.main([_step("fine", "pass"), _step("bad one", "raise SystemExit(2)")]) == 1
+    err = capsys.readouterr().err
+    assert "[caches] failed: bad one (each one's output is above)" in err, err
+    assert "fine" not in err
+    assert caches.main([_step("fine", "pass"), _step("also fine", "print('x')")]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_sigterm_is_passed_on_to_every_step_still_running(tmp_path: Path) -> None:
+    # The runner in a process of its own, with two steps that would run for a minute; each writes
+    # its pid first.
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO / 'deploy' / 'local')!r})\n"
+        "import caches\n"
+        'long = "import os, pathlib, sys, time; pathlib.Path(sys.argv[1]).write_text(str(os.getpid())); time.sleep(60)"\n'
+        f"pids = {str(tmp_path)!r}\n"
+        "todo = [caches.Step(n, (sys.executable, '-c', long, f'{pids}/{n}.pid')) for n in ('a', 'b')]\n"
+        "sys.exit(caches.main(todo))\n"
+    )
+    runner = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid_files = [tmp_path / "a.pid", tmp_path / "b.pid"]
+    deadline = time.monotonic() + 30
+    while not all(p.exists() and p.read_text() for p in pid_files):
+        assert time.monotonic() < deadline and runner.poll() is None, runner.communicate()
+        time.sleep(0.02)
+    children = [int(p.read_text()) for p in pid_files]
+    runner.send_signal(signal.SIGTERM)
+    out, err = runner.communicate(timeout=30)
+    assert runner.returncode == 1, (out, err)
+    assert "[caches] failed: a, b " in err or "[caches] failed: b, a " in err, err
+    assert "[caches] a: FAILED (exit status -15)" in out and "[caches] b: FAILED (exit status -15)" in out, out
+    for pid in children:  # gone, not left running with the runner's parent
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_steps_run_side_by_side_not_one_after_the_other(tmp_path: Path) -> None:

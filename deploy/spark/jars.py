@@ -82,6 +82,9 @@ def spark_kafka_jars(version: str | None = None) -> list[Path]:
     cache = cache_dir() / f"{version}-{digest}"
     if not first_use.is_complete(cache):
         try:
+            # Java 17 named first: Maven alone pulls in the distribution's default JRE, which may be
+            # newer than the one Kafka and Spark are run on here (deploy/local/services_kafka.py).
+            first_use.apt_install("openjdk-17-jre-headless", first_use.has_command("java"), log=_log)
             first_use.apt_install("maven", first_use.has_command("mvn"), log=_log)
         except first_use.FirstUseError as exc:
             raise JarResolutionError(f"mvn is required to resolve the Spark Kafka connector: {exc}") from None
