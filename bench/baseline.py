@@ -126,6 +126,25 @@ def side_env(tree: Path) -> dict[str, str]:
     return env
 
 
+def pair_ratios(
+    new_runs: Sequence[dict[str, Any]], old_runs: Sequence[dict[str, Any]], name: str, required: bool = False
+) -> list[float] | None:
+    """`name`'s ratios new/old pair by pair, rounded to 3 places; None when a run left it out or gave
+    it as null (not measured on this machine, e.g. a database elsewhere) or a baseline run's is 0 (a
+    CPU figure below the clock's resolution in a short run): no ratio is better than a made-up one.
+    A `required` figure (the compared one) must be there and positive: KeyError or ValueError."""
+    olds = [o.get(name) for o in old_runs]
+    news = [n.get(name) for n in new_runs]
+    if required:
+        if any(v is None for v in (*olds, *news)):
+            raise KeyError(f"{name} is missing from a run's last line")
+        if any(v <= 0 for v in olds):
+            raise ValueError(f"{name} of a baseline run is {min(olds)}: no ratio can be taken")
+    elif any(v is None for v in (*olds, *news)) or any(v == 0 for v in olds):
+        return None
+    return [round(n / o, 3) for n, o in zip(news, olds)]
+
+
 def compare(
     ref: str,
     script: Path,
@@ -170,11 +189,11 @@ def compare(
     cmp["load_average_at_start"] = started_load
     figures: dict[str, Any] = {}
     for name in (figure, *more):
-        if name != figure and any(r.get(name) is None for r in (*new.runs, *old.runs)):
-            figures[name] = None  # not measured on this machine (e.g. a database elsewhere)
-            log(f"{name}: not measured in every run, no ratio")
+        ratios = pair_ratios(new.runs, old.runs, name, required=name == figure)
+        if ratios is None:
+            figures[name] = None
+            log(f"{name}: not measured in every run, or zero in the baseline's, no ratio")
             continue
-        ratios = [round(n[name] / o[name], 3) for n, o in zip(new.runs, old.runs)]
         figures[name] = {
             "ratios": ratios,
             "ratio": summary(ratios),

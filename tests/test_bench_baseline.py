@@ -11,8 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench import baseline
+from bench.baseline import pair_ratios
 from bench.pairs import Command, CommandFailed, alternate, order
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,3 +138,36 @@ def test_baseline_run_alternates_and_reports_ratios_and_floor(
     assert set(f["fraction"]) == {"new_of_sequential", "new_of_overlapped", "old_of_sequential", "old_of_overlapped"}
     # The keys of the plain throughput run are still there.
     assert last["benchmark"] == "harvest" and last["throughput"]["reaper"]["records_per_s"] > 0
+
+
+def test_pair_ratios_leave_out_a_figure_a_run_lacks_or_a_baseline_run_reads_as_zero() -> None:
+    new = [{"records_per_s": 30.0, "cpu": 2.0, "pg": 1.0}, {"records_per_s": 45.0, "cpu": 3.0, "pg": None}]
+    old = [{"records_per_s": 20.0, "cpu": 4.0, "pg": 1.0}, {"records_per_s": 30.0, "cpu": 0.0, "pg": 2.0}]
+    assert pair_ratios(new, old, "records_per_s", required=True) == [1.5, 1.5]
+    assert pair_ratios(new, old, "cpu") is None  # a baseline run's CPU read 0 (below the clock's tick)
+    assert pair_ratios(new, old, "pg") is None  # null in a run
+    assert pair_ratios(new, old, "absent") is None
+    assert pair_ratios(new[:1], old[:1], "cpu") == [0.5]
+    assert pair_ratios([{"cpu": 0.0}], [{"cpu": 2.0}], "cpu") == [0.0]  # a zero on the new side is a ratio
+    with pytest.raises(ValueError, match="records_per_s of a baseline run is 0"):
+        pair_ratios(new, [{"records_per_s": 0}, {"records_per_s": 1.0}], "records_per_s", required=True)
+    with pytest.raises(KeyError):
+        pair_ratios(new, old, "absent", required=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.floats(min_value=0, max_value=1e6) | st.none(), st.floats(min_value=0, max_value=1e6) | st.none()),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_pair_ratios_never_divide_by_zero_and_give_none_or_one_ratio_per_pair(pairs) -> None:
+    new = [{"f": n} for n, _ in pairs]
+    old = [{"f": o} for _, o in pairs]
+    ratios = pair_ratios(new, old, "f")
+    if any(n is None or o is None or o == 0 for n, o in pairs):
+        assert ratios is None
+    else:
+        assert ratios == [round(n / o, 3) for n, o in pairs]
