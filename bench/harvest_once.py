@@ -115,10 +115,11 @@ def postmaster_of(dsn: str) -> int | None:
     parent of this connection's backend, if /proc shows both as Postgres processes."""
     with psycopg.connect(dsn) as c:
         backend = c.execute("SELECT pg_backend_pid()").fetchone()[0]
-    own = _stat(backend)
-    if own is None or own[0] != "postgres":
-        return None  # another machine (or a pid namespace of its own)
-    parent = _stat(own[1])
+        # read while connected: a closed connection's backend exits, and its /proc entry with it
+        own = _stat(backend)
+        if own is None or own[0] != "postgres":
+            return None  # another machine (or a pid namespace of its own)
+        parent = _stat(own[1])
     return own[1] if parent is not None and parent[0] == "postgres" else None
 
 
