@@ -194,6 +194,26 @@ def test_a_killed_builders_child_keeps_the_next_builder_waiting(tmp_path):
     assert first_use.is_complete(target)
 
 
+def test_apt_install_asks_whether_a_package_is_present_only_under_the_apt_lock():
+    # While another process's apt-get runs, a command can be unpacked before dpkg has configured
+    # its package: asked then, present() would answer too early.
+    asked: list[float] = []
+
+    def present() -> bool:
+        asked.append(time.monotonic())
+        return True
+
+    with first_use.machine_lock("apt"):
+        installer = threading.Thread(target=first_use.apt_install, args=("not-installed-here", present))
+        installer.start()
+        installer.join(0.5)
+        assert installer.is_alive() and not asked
+        released = time.monotonic()
+    installer.join(10)
+    assert not installer.is_alive()
+    assert len(asked) == 1 and asked[0] >= released
+
+
 def test_populate_rebuilds_an_unmarked_folder_and_cleans_up_after_a_failed_build(tmp_path):
     target = tmp_path / "jars" / "4.0.0-abc"
     target.mkdir(parents=True)

@@ -158,11 +158,12 @@ def has_command(command: str) -> Callable[[], bool]:
 
 
 def apt_install(package: str, present: Callable[[], bool], *, log: Callable[[str], None] | None = None) -> None:
-    """Install Debian's `package` unless `present()`; one apt-get at a time per machine."""
-    if present():
-        return
+    """Install Debian's `package` unless `present()`; one apt-get at a time per machine.
+
+    `present()` is asked only under the machine's apt lock: while another process's apt-get runs,
+    what it installs can look present (its command unpacked) before dpkg has configured it."""
     with machine_lock("apt") as fd:
-        if present():  # installed by whoever held the lock before us
+        if present():  # there before, or installed by whoever held the lock before us
             return
         say = log or _stderr
         say(f"not found: installing Debian's {package}")
