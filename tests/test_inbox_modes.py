@@ -20,6 +20,7 @@ import pytest
 from psycopg import pq, sql
 from test_tracker_modes import ASYNC_MODES, SYNC_MODES, async_mode, sync_mode
 
+from tracker import schema as schema_mod
 from tracker.errors import NoCallerTransaction
 from tracker.inbox import AsyncInbox, Inbox
 
@@ -39,12 +40,19 @@ OUTCOMES = ["committed", "rolled_back", "failed"]
 NO_PREPARE = {"prepare_threshold": None}
 
 
-@pytest.fixture
-def poisoned(pg_dsn, schema):
+@pytest.fixture(scope="module")
+def poisoned(pg_dsn):
+    """One migrated, poisoned schema for the module's cells (on each worker), as in the tracker's
+    matrix: migrating one per test cost more than its cells. Every cell's message id is its own,
+    and each cell starts with no caller rows (_clear)."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    schema_mod.migrate(pg_dsn, name)
     with psycopg.connect(pg_dsn, autocommit=True) as c:
-        c.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+        c.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(name)))
         c.execute(POISON)
-    return schema
+    yield name
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
 
 
 def _state(dsn: str, schema: str, mid: str, extra: dict[str, Any]) -> tuple[int, list[str]]:
