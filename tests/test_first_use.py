@@ -348,3 +348,11 @@ def test_go_client_killed_midway_then_two_at_once_from_an_empty_module_cache(tmp
         ["go", "mod", "verify"], cwd=REPO / "tests" / "clients" / "go", env=env, capture_output=True, text=True
     )
     assert verify.returncode == 0 and "all modules verified" in verify.stdout, verify.stdout + verify.stderr
+
+
+def test_sudo_asks_for_a_password_naming_the_package_it_installs(monkeypatch):
+    monkeypatch.setattr(first_use.os, "geteuid", lambda: 1000)
+    prefix = first_use.sudo_prefix("maven")
+    assert prefix[:2] == ["sudo", "-p"] and "install Debian's maven" in prefix[2] and "%u" in prefix[2]
+    monkeypatch.setattr(first_use.os, "geteuid", lambda: 0)
+    assert first_use.sudo_prefix("maven") == []

@@ -168,7 +168,7 @@ def apt_install(package: str, present: Callable[[], bool], *, log: Callable[[str
         say = log or _stderr
         say(f"not found: installing Debian's {package}")
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        sudo = [] if os.geteuid() == 0 else ["sudo"]
+        sudo = sudo_prefix(package)
         # dpkg's own lock may be held by someone else's apt-get (unattended upgrades): wait for it.
         wait = ["-o", "DPkg::Lock::Timeout=600"]
         # `update` takes the lists lock, which DPkg::Lock::Timeout does not cover: retry it, and go
@@ -189,6 +189,14 @@ def apt_install(package: str, present: Callable[[], bool], *, log: Callable[[str
             )
     if not present():
         raise FirstUseError(f"apt-get installed {package}, but what it should provide is still missing")
+
+
+def sudo_prefix(package: str) -> list[str]:
+    """What runs apt-get as root: nothing for root, else sudo with a prompt that says what it is for
+    (the line before it may be held back, as `make caches` prints each step's output when it ends)."""
+    if os.geteuid() == 0:
+        return []
+    return ["sudo", "-p", f"[first-use] password for %u, to install Debian's {package}: "]
 
 
 def _stderr(msg: str) -> None:
