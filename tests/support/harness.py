@@ -170,6 +170,11 @@ class Receiver:
         with self._lock:
             return [v for _, v, _ in self.records]
 
+    def snapshot(self) -> list[tuple[bytes | None, bytes | None, list]]:
+        """The records received so far, in arrival order (a copy)."""
+        with self._lock:
+            return list(self.records)
+
     def unique(self) -> set:
         with self._lock:
             return {(k, v) for k, v, _ in self.records}
