@@ -17,11 +17,18 @@ from pathlib import Path
 import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
+from hypothesis import settings
 from support.ci import under_ci
 
 from tracker import schema as schema_mod
 
 REPO = Path(__file__).resolve().parents[1]
+
+# No per-example deadline: the suite runs more workers than cores, and one example held up by the
+# scheduler would otherwise fail as "unreliable timings" while its property holds. A test that
+# sets a deadline of its own keeps it.
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
 SERVICES = REPO / "deploy" / "local" / "services.py"
 
 

@@ -50,7 +50,10 @@ def test_a_unit_fenced_for_long_says_its_heartbeats_go_unanswered_and_why(kafka_
         n = _neli(kafka_bootstrap, topics("leader"), producer={"bootstrap.servers": proxy.address}).start()
         try:
             assert wait_until(lambda: n.state == LEADER, 30)
-            time.sleep(1)  # heartbeats flowing through the proxy
+            time.sleep(1)
+            # heartbeats flowing through the proxy: one came back after that second
+            since = time.monotonic()
+            assert wait_until(lambda: n._back_at > since, 30)
             proxy.swallow()
             assert wait_until(lambda: n.state == FENCED, 5)
             assert wait_until(lambda: _logged(out, "still fenced: not resuming"), 3 * SESSION + 10), (

@@ -69,7 +69,10 @@ def flapping(kafka_bootstrap, topics):
     n.start()
     try:
         assert wait_until(lambda: n.state == LEADER, 30)
-        time.sleep(1)  # heartbeats flowing through the proxy
+        time.sleep(1)
+        # heartbeats flowing through the proxy: one came back after that second, however slow the machine
+        since = time.monotonic()
+        assert wait_until(lambda: n._back_at > since, 30)
         yield proxy, n, states
     finally:
         n.stop()

@@ -53,19 +53,23 @@ def test_handover_after_handover_keeps_per_key_order_and_loses_nothing(
         assert b.terminate(30) in (0, 4)
         assert wait_until(lambda: _leader(others) is not None, 30)
         time.sleep(2)
+        # the leader now, waited for: a fence in those 2 s (a loaded machine) leaves none for a moment
+        assert wait_until(lambda: _leader(others) is not None, 30)
         victim = _leader(others)
         victim.signal(signal.SIGKILL)  # failover after the session timeout
         victim.wait(10)
         rest = [p for p in others if p is not victim]
         assert wait_until(lambda: _leader(rest) is not None, 30)
         time.sleep(2)
+        assert wait_until(lambda: _leader(rest) is not None, 30)
         nxt = _leader(rest)
         assert nxt.terminate(30) in (0, 4)  # down to 1 reaper
         last = [p for p in rest if p is not nxt][0]
         assert last.wait_leader(30)
         time.sleep(1)
+        # rows committed across every handover: waited for, as the generator's pace follows the machine's
+        assert wait_until(lambda: len(gen.committed) > 3000, 60), len(gen.committed)
         gen.stop()
-        assert len(gen.committed) > 3000
         assert receiver.wait_for(gen.committed, 120), (
             f"lost {len(gen.committed - receiver.unique())} of {len(gen.committed)} records"
         )

@@ -308,7 +308,7 @@ def test_nothing_is_dropped_while_another_configuration_holds_the_table(pg_dsn, 
         other = OutboxClaim(p, schema, "outbox", layout_of("c", "g", "t", "default", 0, 3), "another deployment")
         with psycopg.connect(pg_dsn) as conn:
             now = conn.execute("SELECT clock_timestamp()").fetchone()[0]
-        other.hold(now + timedelta(seconds=20))
+        other.hold(now + timedelta(seconds=300))  # beyond every wait below, however slow the machine
         h = Harvester(lanes_config(pg_dsn, schema, kafka_bootstrap, topics, 1)).start()
         try:
             assert wait_until(lambda: h.units[0].leading, 30)

@@ -362,7 +362,7 @@ def test_reaper_run_through_pgbouncer_publishes_acks_sweeps_and_leaks_no_session
             return [m for m in metrics.splitlines() if m.startswith("reaper_outbox_backlog_rows")]
 
         # the gauge is sampled every BACKLOG_INTERVAL: its last sample may predate the last purge
-        assert wait_until(lambda: backlog_lines() == ["reaper_outbox_backlog_rows 0.0"], 10), backlog_lines()
+        assert wait_until(lambda: backlog_lines() == ["reaper_outbox_backlog_rows 0.0"], 30), backlog_lines()
         assert urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5).status == 200
         # The reaper's connections set nothing on PgBouncer's shared server connections.
         assert set(_server_settings(pgbouncer_dsn, "synchronous_commit")) == {"on"}

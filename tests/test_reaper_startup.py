@@ -122,8 +122,9 @@ def test_sigterm_while_waiting_exits_3_promptly(pg_dsn, schema, kafka_bootstrap,
             time.sleep(1)
             signalled = time.monotonic()
             reaper.signal(signal.SIGTERM)
-            assert reaper.wait(10) == 3
-            assert time.monotonic() - signalled < 3
+            assert reaper.wait(30) == 3
+            # promptly: well before the 60 s it was told to wait, with room for a loaded machine
+            assert time.monotonic() - signalled < 15
         finally:
             reaper.kill()
     assert _named(reaper, "cannot start: stopped by a signal while waiting")
