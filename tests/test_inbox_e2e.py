@@ -77,7 +77,7 @@ def test_each_effect_once_through_a_leader_kill_and_a_full_replay(pg_dsn, kafka_
         worker.start()
         # Killed once Kafka holds a copy it published twice: a fixed 3 s could pass, on a loaded
         # machine, before it published anything, and the test would then prove nothing.
-        wait_for(lambda: _duplicated(receiver.snapshot()) > 0, 120, "a copy the first leader published twice")
+        wait_for(lambda: _duplicated(_copies(receiver.snapshot())) > 0, 120, "a copy the first leader published twice")
         a.signal(signal.SIGKILL)  # what it had in flight is published again by b, same message ids
         a.wait(10)
         assert b.wait_leader(30), "the standby never took over"
@@ -88,7 +88,7 @@ def test_each_effect_once_through_a_leader_kill_and_a_full_replay(pg_dsn, kafka_
         worker.join(120)
         assert not worker.is_alive()
 
-        copies = collections.Counter(message_id_of(m) for _, _, m in _as_messages(receiver.records))
+        copies = _copies(receiver.records)
         values = {}
         for _, value, headers in receiver.records:
             values[message_id_of(_Headers(headers))] = value
@@ -100,7 +100,7 @@ def test_each_effect_once_through_a_leader_kill_and_a_full_replay(pg_dsn, kafka_
         assert set(applied) == set(copies), "every published row's effect ran"
         assert max(applied.values()) == 1, [m for m, n in applied.items() if n > 1][:5]
         assert {bytes(v) for _, v in effects} == {v for _, v, _ in receiver.records}
-        duplicated = _duplicated(receiver.records)
+        duplicated = _duplicated(copies)
         assert duplicated > 0, "Kafka delivered no duplicate: the test would prove nothing"
         print(f"{len(copies)} rows, {duplicated} duplicate copies on Kafka, {len(effects)} effects")
 
@@ -127,11 +127,11 @@ class _Headers:
         return self._headers
 
 
-def _duplicated(records) -> int:
-    """Copies beyond the first, counted by message id."""
-    copies = collections.Counter(message_id_of(_Headers(headers)) for _, _, headers in records)
+def _copies(records) -> collections.Counter:
+    """How many copies of each message id the records hold."""
+    return collections.Counter(message_id_of(_Headers(headers)) for _, _, headers in records)
+
+
+def _duplicated(copies: collections.Counter) -> int:
+    """Copies beyond the first."""
     return sum(n - 1 for n in copies.values())
-
-
-def _as_messages(records):
-    return [(k, v, _Headers(h)) for k, v, h in records]

@@ -197,6 +197,13 @@ def wait_until(cond: Callable[[], bool], timeout: float, step: float = 0.05) -> 
     return cond()
 
 
+def heartbeats_flowing(neli, timeout: float = 30.0) -> bool:
+    """Whether a heartbeat of `neli` (harvester.election.neli.Neli) came back after this call,
+    within `timeout`: its heartbeats are flowing, however slow the machine."""
+    since = time.monotonic()
+    return wait_until(lambda: neli._back_at > since, timeout)
+
+
 def wait_for(predicate: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> None:
     """wait_until that fails the test, naming `what`, when the time runs out."""
     deadline = time.monotonic() + timeout
