@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +35,19 @@ def start(env: dict[str, str]) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _parsed(lines: list[str]) -> list[dict]:
+    """The JSON objects among `lines` so far (a line still being written is skipped)."""
+    parsed = []
+    for line in list(lines):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            parsed.append(event)
+    return parsed
 
 
 def json_lines(stderr: str) -> list[dict]:
@@ -81,16 +95,7 @@ def test_every_kafka_client_of_a_running_reaper_logs_through_structlog(pg_dsn, s
         "REAPER_KAFKA__CLIENT__FETCH_WAIT_MAX_MS": "100",
         "REAPER_KAFKA__CLIENT__QUEUE_BUFFERING_MAX_MS": "5",
     }
-    proc = start(env)
-    try:
-        time.sleep(12)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err[-3000:]
-    events = json_lines(err)
-    clients = {e["client"] for e in events if e["event"] == "librdkafka"}
-    assert {
+    every_client = {
         "admin",
         "leader-admin",
         "leader-consumer",
@@ -98,7 +103,33 @@ def test_every_kafka_client_of_a_running_reaper_logs_through_structlog(pg_dsn, s
         "producer",
         "acker-consumer",
         "dead-letter-producer",
-    } <= clients, clients
+    }
+    proc = start(env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+
+    def all_seen() -> bool:
+        events = _parsed(lines)
+        seen = {e.get("client") for e in events if e.get("event") == "librdkafka"}
+        refused = any("Connection refused" in e.get("message", "") for e in events)
+        return every_client <= seen and refused and any(e.get("event") == "acker started" for e in events)
+
+    try:
+        # Every client logs while the reaper runs, not only when it stops (the dead-letter
+        # producer's lines waited for the stop before the acker polled it). Waited for, not a
+        # fixed time: a loaded machine starts the acker late.
+        running_seen = wait_until(all_seen, 90, step=0.5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        reader.join(10)  # the reader alone reads stderr (communicate() would race it)
+    err = "".join(lines)
+    assert proc.returncode == 0, err[-3000:]
+    events = json_lines(err)
+    clients = {e["client"] for e in events if e["event"] == "librdkafka"}
+    assert every_client <= clients, clients
+    assert running_seen, "a client's lines came only after the stop"
     assert any(e["event"] == "acker started" for e in events)
     assert any("Connection refused" in e.get("message", "") for e in events), "no client tried the dead broker"
 

@@ -208,6 +208,10 @@ class Acker:
                     if self._deferred:
                         stop.wait(self.deferred_retry)
                 self._update_lag(consumer)
+                # The dead-letter producer's log lines (its connection trouble, say) are served
+                # only by its poll: without one they would wait for the next dead letter, or the
+                # stop, to be logged at all.
+                producer.poll(0)
         finally:
             try:
                 self._commit(consumer)
