@@ -64,8 +64,10 @@ def test_a_mark_sent_after_the_lease_ended_marks_nothing(pg_dsn, kafka_bootstrap
 
     unit = UnitHarvester(cfg, spec, providers=Providers(store=wrap, description="paused before mark"))
     lease = Lease(0, hb_timeout=1.0, metrics=get_metrics(), on_change=lambda s, lid: None)
-    lease.acquire()  # leads for 1 s: no heartbeat will come
     unit.start(lease)
+    # Acquired once the unit runs (its start opens a pool: on a loaded machine that could outlast
+    # the lease, and the marker would never check it): leads for 1 s, no heartbeat will come.
+    lease.acquire()
     try:
         assert wait_until(lambda: paused and paused[0].results, 10), "the marker never marked"
         assert paused[0].results[0] == "refused", "a mark sent after the lease ended was not refused"

@@ -20,6 +20,7 @@ def _neli(
     changes: list | None = None,
     cls: type[Neli] = Neli,
     heartbeats: HeldHeartbeats | None = None,
+    heartbeat_timeout: float = 1.0,
 ) -> Neli:
     return cls(
         bootstrap=bootstrap,
@@ -29,7 +30,7 @@ def _neli(
         topic=topic,
         group=group,
         min_poll_interval=0.1,
-        heartbeat_timeout=1.0,
+        heartbeat_timeout=heartbeat_timeout,
         session_timeout=3.0,
         metrics=get_metrics(),
         on_change=(lambda s, lid: changes.append((s, lid))) if changes is not None else (lambda s, lid: None),
@@ -41,14 +42,16 @@ def test_fences_without_heartbeats_and_resumes_with_a_fresh_leader_id(kafka_boot
     topic, group = topics("leader"), f"g-{uuid.uuid4().hex[:8]}"
     changes: list = []
     heartbeats = HeldHeartbeats()
-    n = _neli(kafka_bootstrap, topic, group, changes, heartbeats=heartbeats).start()
+    # A 2 s timeout: "the leader stays leader" below must not fail on a heartbeat delayed by a
+    # loaded machine (more test workers than cores), which a 1 s timeout leaves little room for.
+    n = _neli(kafka_bootstrap, topic, group, changes, heartbeats=heartbeats, heartbeat_timeout=2.0).start()
     try:
         assert wait_until(lambda: n.leader_id() is not None, 30)
         first = n.leader_id()
-        time.sleep(1.5)
+        time.sleep(3.0)
         assert n.leader_id() == first, "heartbeats flowing: the leader stays leader with the same id"
-        heartbeats.hold(2.5)
-        assert wait_until(lambda: n.leader_id() is None, 3), "no heartbeat for longer than the timeout: still leading"
+        heartbeats.hold(4.5)
+        assert wait_until(lambda: n.leader_id() is None, 5), "no heartbeat for longer than the timeout: still leading"
         assert wait_until(lambda: n.state == FENCED, 3)
         assert wait_until(lambda: n.leader_id() is not None, 10), "heartbeats came back: never resumed"
         second = n.leader_id()
@@ -62,12 +65,13 @@ def test_fences_without_heartbeats_and_resumes_with_a_fresh_leader_id(kafka_boot
 
 def test_a_joining_member_does_not_take_leadership_and_takes_over_on_leave(kafka_bootstrap, topics):
     topic, group = topics("leader"), f"g-{uuid.uuid4().hex[:8]}"
-    a = _neli(kafka_bootstrap, topic, group).start()
+    # A 2 s heartbeat timeout, as above: the leader must keep its id through the 4 s below.
+    a = _neli(kafka_bootstrap, topic, group, heartbeat_timeout=2.0).start()
     b = None
     try:
         assert wait_until(lambda: a.leader_id() is not None, 30)
         a_id = a.leader_id()
-        b = _neli(kafka_bootstrap, topic, group).start()
+        b = _neli(kafka_bootstrap, topic, group, heartbeat_timeout=2.0).start()
         time.sleep(4)  # b has joined and the group rebalanced
         assert a.leader_id() == a_id and b.leader_id() is None
         left = time.monotonic()

@@ -161,7 +161,9 @@ def test_fence_purges_in_flight_records_and_replaces_the_producer(pg_dsn, kafka_
             assert pub.delivered == 10
             first_id = h.current_id
             reset_before, remarks_before = _counter("reset"), _counter("force_remarks")
-            heartbeats.hold(6.0)  # no heartbeat: fence after heartbeat_timeout (1 s)
+            # No heartbeat until released below (a fixed hold could end before the checks that
+            # need the fence on a loaded machine): fence after heartbeat_timeout (1 s).
+            heartbeats.hold(600.0)
             assert wait_until(lambda: h.neli.state == "fenced", 10)
             # Everything the old producer held, queued AND in flight, is dropped and reported purged...
             assert wait_until(lambda: len(old) == 0, 10), f"{len(old)} records left with the fenced producer"
@@ -177,6 +179,7 @@ def test_fence_purges_in_flight_records_and_replaces_the_producer(pg_dsn, kafka_
             assert _counter("force_remarks") == remarks_before
             # Heal: the leadership returns under a new id and publishes everything through the new
             # producer, in order.
+            heartbeats.hold(0)
             proxy.heal()
             assert wait_until(lambda: h.leading and h.current_id not in (None, first_id), 15)
             assert receiver.wait_for({(b"k", b"k:%d" % i) for i in range(210)}, 60)

@@ -182,6 +182,12 @@ class Neli(Heartbeats):
     def state(self) -> str:
         return self.leases[0].state
 
+    @property
+    def heartbeat_back_at(self) -> float:
+        """time.monotonic() when a heartbeat of any unit last came back from the leader topic (0.0:
+        none yet): whether heartbeats flow, for health checks and tests."""
+        return self._back_at
+
     def leader_id(self) -> uuid.UUID | None:
         return self.leases[0].leader_id()
 

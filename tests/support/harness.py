@@ -201,7 +201,7 @@ def heartbeats_flowing(neli, timeout: float = 30.0) -> bool:
     """Whether a heartbeat of `neli` (harvester.election.neli.Neli) came back after this call,
     within `timeout`: its heartbeats are flowing, however slow the machine."""
     since = time.monotonic()
-    return wait_until(lambda: neli._back_at > since, timeout)
+    return wait_until(lambda: neli.heartbeat_back_at > since, timeout)
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> None:
