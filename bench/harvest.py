@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a harvester.KEY for the in-process reaper of throughput, hot_key, sustained and latency "
+        help="a harvester.KEY for the in-process reaper of throughput, hot_key, sustained, latency and fenced "
         "(e.g. --set mark_batch=10000), and with --baseline for both sides' reapers; repeatable",
     )
     ap.add_argument("--baseline", metavar="REF", help="compare throughput with commit REF's harvester, same run")

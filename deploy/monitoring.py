@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Writes the Prometheus rules and the Grafana dashboard of outbox-reaper from its collectors.
 
-    python3 deploy/monitoring.py                              # rewrite deploy/'s files (prefix reaper)
-    python3 deploy/monitoring.py --check                      # exit 1 if they are not what this writes
-    python3 deploy/monitoring.py --prefix acme --out DIR      # for a reaper with metrics.prefix acme
+    .venv/bin/python deploy/monitoring.py                        # rewrite deploy/'s files (prefix reaper)
+    .venv/bin/python deploy/monitoring.py --check                # exit 1 if they are not what this writes
+    .venv/bin/python deploy/monitoring.py --prefix acme --out DIR # for a reaper with metrics.prefix acme
 
 Writes <out>/prometheus/rules.yml (deploy/prometheus/rules.py) and
 <out>/grafana/dashboards/reaper.json (deploy/grafana/dashboard.py); every metric name in them is

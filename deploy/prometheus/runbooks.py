@@ -138,13 +138,13 @@ RUNBOOKS: dict[str, Runbook] = {
         ),
         act=(
             "Stop whichever deployment should not run; the other takes the table over within "
-            "`heartbeat_timeout` + 1 s.",
+            "`heartbeat_timeout` + 2 s (the claim's 1 s margin, then its next try a second later).",
             "If `harvest_claim` is missing or not permitted, run `reaper migrate` (and grant the "
             "reaper's role), as the log line's statement shows.",
         ),
     ),
     "ReaperRowsQuarantined": Runbook(
-        means="Kafka refused some outbox rows for good (too large, invalid, unauthorised topic); "
+        means="Kafka refused some outbox rows for good (too large, an invalid topic name, a partition the topic lacks); "
         "they were moved to the dead table so that the rest keeps flowing.",
         check=("`reaper dead list`: each row with Kafka's reason.",),
         act=(
