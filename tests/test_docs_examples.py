@@ -137,7 +137,9 @@ def test_a_page_joins_its_shell_blocks_whole_and_its_console_blocks_as_commands(
 
 CLIENTS = REPO / "tests" / "clients"
 # What each language's examples need on the PATH, and where its client's installer lives.
-TOOLCHAINS = {"node": (("node", "npm"), "node"), "go": (("go",), "go"), "java": (("java", "javac"), "jvm")}
+# Commands that must be on the PATH before the client's installer runs (Go's installer fetches a
+# toolchain itself when the machine has none recent enough).
+TOOLCHAINS = {"node": (("node", "npm"), "node"), "go": ((), "go"), "java": (("java", "javac"), "jvm")}
 
 
 @functools.cache

@@ -8,7 +8,8 @@ are Go's: the go command already makes them safe for several processes at once (
 for interruption (a download is unpacked aside and renamed into place), so nothing is added here;
 running it again is cheap and changes nothing. The go.sum is checked in and used read-only
 (-mod=readonly): a module whose hash differs fails the build. Resolved once by `make caches`, and
-runnable by hand: `python3 tests/clients/go/install.py`. Needs Go 1.25 or later (https://go.dev/dl).
+runnable by hand: `python3 tests/clients/go/install.py`. Uses the machine's go when it is Go 1.25 or
+later, else fetches a pinned toolchain from Go's module proxy once (toolchain.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import toolchain  # noqa: E402  (this folder's toolchain.py, standard library only)
 
 # Imports the packages the examples use, so their dependencies are downloaded and compiled.
 _WARM = """package main
@@ -48,9 +51,7 @@ def module(folder: Path, main: str) -> None:
 
 def install() -> str:
     """Return the go command, once the module and build caches hold what the examples import."""
-    go = shutil.which("go")
-    if go is None:
-        raise RuntimeError("go is needed for the Go examples (Go 1.25 or later: https://go.dev/dl)")
+    go = toolchain.go_command()
     with tempfile.TemporaryDirectory(prefix="outbox-reaper-go-") as tmp:
         module(Path(tmp), _WARM)
         r = subprocess.run(
@@ -68,6 +69,6 @@ def install() -> str:
 if __name__ == "__main__":
     try:
         print(install())
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # toolchain.ToolchainError and first_use.FirstUseError among them
         print(exc, file=sys.stderr)
         sys.exit(1)
