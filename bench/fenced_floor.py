@@ -24,6 +24,7 @@ import statistics
 import threading
 import time
 import uuid
+import zlib
 from functools import partial
 from typing import Any
 
@@ -128,6 +129,76 @@ def bare(
                 "commit_p99_ms": round(c[98] * 1000, 2),
             }
         )
+    return out
+
+
+def owned(
+    bootstrap: str, topic: str, partitions: int, seconds: float, rate: float, *, owners: int = 2, chunk: int = 10
+) -> dict[str, Any]:
+    """A floor of a design the harvester does not use: `owners` transactional producers, each owning
+    the partitions p with p % owners == its index, each in a thread of its own running one
+    transaction after another with what fell due for its partitions. Transactions of different
+    owners overlap; per partition (so per key) there is still one producer and one order. Records
+    fall due as in bare(); the partition is the harvester's own (CRC-32 of the key, as librdkafka's
+    default partitioner)."""
+    base = f"bench-owned-{uuid.uuid4().hex[:8]}"
+    total = int(seconds * rate)
+    part = [zlib.crc32(_record(i)[0]) % partitions for i in range(total)]
+    due: dict[int, float] = {}
+    acked: dict[int, float] = {}
+    commits: list[float] = []
+    lock = threading.Lock()
+    made = []
+    for i in range(owners):
+        conf = producer_config(bootstrap, {}, {}, f"{base}#{i}")
+        producer = Producer(conf)
+        producer.init_transactions(30)
+        producer.begin_transaction()  # warm: one transaction through each first
+        k, h = _record(-1)
+        producer.produce(topic, VALUE, k, i % partitions, None, None, 0, h)
+        producer.commit_transaction(30)
+        made.append(producer)
+    started = time.perf_counter()
+    end = started + seconds
+
+    def run(index: int, producer: Producer) -> None:
+        sent = 0  # ids below this are taken (by this owner or skipped as another's)
+        while True:
+            now = time.perf_counter()
+            if now >= end and sent >= total:
+                return
+            n_due = min(int((now - started) * rate) // chunk * chunk, total)
+            mine = [i for i in range(sent, n_due) if part[i] % owners == index]
+            sent = max(sent, n_due)
+            if not mine:
+                producer.poll(0)
+                time.sleep(0.0005)
+                continue
+            producer.begin_transaction()
+            for i in mine:
+                k, h = _record(i)
+                producer.produce(topic, VALUE, k, part[i], None, None, 0, h)
+            t0 = time.perf_counter()
+            producer.commit_transaction(30)
+            t1 = time.perf_counter()
+            with lock:
+                commits.append(t1 - t0)
+                for i in mine:
+                    due[i] = started + (i // chunk * chunk) / rate
+                    acked[i] = t1
+
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(made)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lat = [acked[i] - due[i] for i in due]
+    out: dict[str, Any] = {"mode": f"transactional, {owners} owners of {partitions} partitions", "records": len(lat)}
+    out.update(_quantiles(lat))
+    c = statistics.quantiles(commits, n=100)
+    out.update(
+        {"transactions": len(commits), "commit_p50_ms": round(c[49] * 1000, 2), "commit_p99_ms": round(c[98] * 1000, 2)}
+    )
     return out
 
 

@@ -5,8 +5,9 @@
 
 NAME: unfenced, fenced, fenced_idle1ms (harvester.idle_poll_interval 1 ms), fenced_3prod (three
 producers in turn), fenced_nagle (Nagle's algorithm on), fenced_switch5ms / fenced_switch0.1ms (the
-process's thread switch interval instead of `reaper run`'s 0.5 ms), bare_idem, bare_txn2
-(bench/fenced_floor.py).
+process's thread switch interval instead of `reaper run`'s 0.5 ms), bare_idem, bare_txn2, and
+bare_owned2 / bare_owned4 (2 or 4 transactional producers each owning a share of the partitions,
+their transactions overlapping: a design the harvester does not use; bench/fenced_floor.py).
 The last line is JSON: every run, and each variant's p99 over the first variant's, round by round.
 """
 
@@ -19,8 +20,8 @@ import sys
 import uuid
 from collections.abc import Callable
 
-from bench.fenced_floor import bare
-from bench.harvest import BOOTSTRAP, Env
+from bench.fenced_floor import bare, owned
+from bench.harvest import BOOTSTRAP, PARTITIONS, Env
 from bench.harvest_latency import bench_latency
 from harvester import logs
 from harvester.publishing import publisher
@@ -58,6 +59,14 @@ def _bare(seconds: float, producers: int) -> dict:
         env.drop()
 
 
+def _owned(seconds: float, owners: int) -> dict:
+    env = Env()
+    try:
+        return owned(BOOTSTRAP, env.topic, PARTITIONS, seconds, RATE, owners=owners)
+    finally:
+        env.drop()
+
+
 VARIANTS: dict[str, Callable[[float], dict]] = {
     "unfenced": lambda s: bench_latency(s, RATE),
     "fenced": lambda s: bench_latency(s, RATE, **_tid()),
@@ -68,6 +77,8 @@ VARIANTS: dict[str, Callable[[float], dict]] = {
     "fenced_switch0.1ms": lambda s: _switch(s, 0.0001),
     "bare_idem": lambda s: _bare(s, 0),
     "bare_txn2": lambda s: _bare(s, 2),
+    "bare_owned2": lambda s: _owned(s, 2),
+    "bare_owned4": lambda s: _owned(s, 4),
 }
 
 
