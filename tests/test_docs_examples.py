@@ -63,6 +63,8 @@ def _env(language: str | None = None) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     if language == "node":
         env["NODE_PATH"] = str(_client("node"))
+    if language == "go":
+        env = _installer("go").toolchain.environment(str(_client("go")), env)
     return env
 
 
@@ -160,9 +162,12 @@ def _client(language: str) -> object:
     if missing:
         why = f"{language} examples need {', '.join(missing)} on the PATH"
         skip_or_fail(why)
+    installer = _installer(client)
     try:
-        return _installer(client).install()
+        return installer.install()
     except RuntimeError as exc:
+        if client == "go" and isinstance(exc, installer.toolchain.ToolchainError):
+            skip_or_fail(f"go examples: {exc}")  # no usable Go here, and none could be fetched
         pytest.fail(str(exc), pytrace=False)
 
 

@@ -322,6 +322,17 @@ def test_resolver_killed_midway_leaves_nothing_that_looks_usable(tmp_path, name)
     assert not list(cache.glob(".*.partial-*"))
 
 
+def _go_toolchain():
+    """tests/clients/go/toolchain.py, which says how to run the go command install.py chose."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("go_toolchain", REPO / "tests" / "clients" / "go" / "toolchain.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.slow
 def test_go_client_killed_midway_then_two_at_once_from_an_empty_module_cache(tmp_path):
     """tests/clients/go/install.py relies on Go's module cache being safe under concurrency and
@@ -344,7 +355,11 @@ def test_go_client_killed_midway_then_two_at_once_from_an_empty_module_cache(tmp
     ]
     go = [_finish(proc) for proc in procs][0]  # the go command install.py used
     verify = subprocess.run(
-        [go, "mod", "verify"], cwd=REPO / "tests" / "clients" / "go", env=env, capture_output=True, text=True
+        [go, "mod", "verify"],
+        cwd=REPO / "tests" / "clients" / "go",
+        env=_go_toolchain().environment(go, env),
+        capture_output=True,
+        text=True,
     )
     assert verify.returncode == 0 and "all modules verified" in verify.stdout, verify.stdout + verify.stderr
 

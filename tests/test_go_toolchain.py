@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -45,13 +44,14 @@ def _real_zip() -> bytes:
     """The real toolchain zip, fetched once per machine from Go's proxy and checked as toolchain.py does."""
 
     def fetch(folder: Path, fds: tuple[int, ...]) -> None:
-        url = f"{toolchain.proxy()}{ZIP_PATH}"
-        with urllib.request.urlopen(url, timeout=300) as response, (folder / "toolchain.zip").open("wb") as out:
-            shutil.copyfileobj(response, out)
+        # Checked before the folder is marked complete: bad bytes are never kept.
+        toolchain.download(
+            f"{toolchain.proxy()}{ZIP_PATH}", folder / "toolchain.zip", toolchain.SHA256[toolchain.arch()]
+        )
 
     folder = first_use.populate(first_use.cache_root() / "go-toolchain-zip" / NAME, fetch)
     data = (folder / "toolchain.zip").read_bytes()
-    assert hashlib.sha256(data).hexdigest() == toolchain.SHA256[toolchain.arch()], "Go's proxy served other bytes"
+    assert hashlib.sha256(data).hexdigest() == toolchain.SHA256[toolchain.arch()]
     return data
 
 
@@ -187,12 +187,78 @@ def test_an_old_go_on_the_path_is_passed_over_and_a_recent_one_used(proxy, tmp_p
     bin_dir.mkdir()
     go = bin_dir / "go"
     cache = tmp_path / "toolchain"
-    for reported, used in [("go1.19.8", False), ("go1.25.0", True), ("go1.26.8", True)]:
+    for reported, used in [("go1.19.8", False), ("go1.25rc1", False), ("go1.25.0", True), ("go1.26.8", True)]:
         go.write_text(f'#!/bin/sh\n[ "$1 $2" = "env GOVERSION" ] && echo {reported}\n')
         go.chmod(0o755)
-        assert toolchain.version_of(str(go)) == tuple(int(x) for x in reported[2:].split(".")[:2])
+        assert toolchain.version_of(str(go)) == toolchain.parse_version(reported)
         proc = _start(_env(proxy, cache, str(bin_dir)))
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err
         chosen = out.strip().splitlines()[-1]
         assert (chosen == str(go)) is used, (reported, chosen)
+
+
+@pytest.mark.parametrize(
+    "text, parsed",
+    [
+        ("go1.25.0", (1, 25, 0, 1)),
+        ("go1.25", (1, 25, 0, 1)),
+        ("go1.25.14\n", (1, 25, 14, 1)),
+        ("go1.25rc1", (1, 25, 0, 0)),
+        ("go1.26beta2", (1, 26, 0, 0)),
+        ("go1.26.8 X:boringcrypto", (1, 26, 8, 1)),
+        ("devel go1.26-abcdef Tue", None),
+        ("", None),
+        ("gccgo", None),
+    ],
+)
+def test_go_versions_are_read_as_go_orders_them(text, parsed):
+    assert toolchain.parse_version(text) == parsed
+    if parsed is not None:
+        assert (parsed >= toolchain.MINIMUM) == (parsed[:2] > (1, 25) or parsed[:2] == (1, 25) and parsed[3] == 1)
+
+
+@pytest.mark.parametrize(
+    "goproxy, bases",
+    [
+        ("", ["https://proxy.golang.org"]),
+        ("https://a.example/ , direct", ["https://a.example", toolchain.DIRECT]),
+        ("goproxy.example|https://b.example/x/", ["https://goproxy.example", "https://b.example/x"]),
+        ("direct", [toolchain.DIRECT]),
+        ("https://a.example,off,https://b.example", ["https://a.example"]),
+    ],
+)
+def test_goproxy_entries_are_read_as_go_reads_them(monkeypatch, goproxy, bases):
+    monkeypatch.setenv("GOPROXY", goproxy)
+    assert toolchain.proxies() == bases
+
+
+def test_goproxy_off_refuses_with_a_clear_error(monkeypatch):
+    monkeypatch.setenv("GOPROXY", "off")
+    with pytest.raises(toolchain.ToolchainError, match="GOPROXY=off"):
+        toolchain.proxies()
+
+
+def test_a_proxy_without_the_toolchain_passes_to_the_next_entry(proxy, tmp_path):
+    cache = tmp_path / "toolchain"
+    (tmp_path / "empty").mkdir()
+    env = _env(proxy, cache, str(tmp_path / "empty"))
+    env["GOPROXY"] = f"{proxy.url}/nothing-here,{proxy.url}"
+    proc = _start(env)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert proxy.served == 1 and Path(out.strip().splitlines()[-1]).is_file()
+
+
+def test_the_fetched_go_ignores_another_gos_goroot(proxy, tmp_path):
+    cache = tmp_path / "toolchain"
+    (tmp_path / "empty").mkdir()
+    env = _env(proxy, cache, str(tmp_path / "empty"))
+    proc = _start(env)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    go = out.strip().splitlines()[-1]
+    other = tmp_path / "other-goroot"
+    other.mkdir()
+    run_env = toolchain.environment(go, {**env, "GOROOT": str(other), "OUTBOX_GO_TOOLCHAIN_CACHE": str(cache)})
+    assert "GOROOT" not in run_env and run_env["GOTOOLCHAIN"] == "local"

@@ -122,8 +122,13 @@ def test_every_kafka_client_of_a_running_reaper_logs_through_structlog(pg_dsn, s
         running_seen = wait_until(all_seen, 90, step=0.5)
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # never left running; the return code below says it did not stop
+            proc.wait()
         reader.join(10)  # the reader alone reads stderr (communicate() would race it)
+        proc.stdout.close()  # nothing is written there (the first test checks it)
     err = "".join(lines)
     assert proc.returncode == 0, err[-3000:]
     events = json_lines(err)

@@ -145,7 +145,7 @@ def rules(prefix: str = DEFAULT_PREFIX) -> tuple[list[Rule], list[Rule]]:
             for_="2m",
             severity="critical",
             summary="{{ $labels.job }} is kept from harvesting an outbox table",
-            description='The log line "not marking" names the other configuration (Kafka cluster, leader group and topic, outbox, lanes) and the reaper holding the table: stop whichever should not run, and the other takes the table over within heartbeat_timeout + 1 s. Or harvest_claim is missing or not permitted: the log line gives the statement.',
+            description='The log line "not marking" names the other configuration (Kafka cluster, leader group and topic, outbox, lanes) and the reaper holding the table: stop whichever should not run, and the other takes the table over within heartbeat_timeout + 2 s. Or harvest_claim is missing or not permitted: the log line gives the statement.',
         ),
         Rule(
             alert="ReaperRowsQuarantined",

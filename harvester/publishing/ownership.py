@@ -24,7 +24,7 @@ Contract (`OutboxClaim.hold`, called before every mark with the mark's own deadl
   OutboxClaimed, naming the layout and reaper that hold it.
 - Releasing early is not attempted: the row is shared by all units of a layout, and one stopping
   unit cannot know whether another is mid-mark. After the last reaper of a layout stops, another
-  layout waits at most heartbeat_timeout + CLAIM_AHEAD.
+  layout waits at most heartbeat_timeout + CLAIM_AHEAD, and then its next try (CLAIM_RETRY).
 - A schema without the table (an outbox outside `database.schema`, which `reaper migrate` does not
   touch) gets it from the reaper, with migration 0011's own statement; a role that may not create
   it gets an error log with the statement for the schema's owner, and nothing is marked meanwhile.

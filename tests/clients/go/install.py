@@ -57,6 +57,7 @@ def install() -> str:
         r = subprocess.run(
             [go, "build", "-mod=readonly", "-o", os.devnull, "."],
             cwd=tmp,
+            env=toolchain.environment(go),
             capture_output=True,
             text=True,
             timeout=600,
