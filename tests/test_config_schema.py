@@ -19,6 +19,7 @@ import pytest
 import yaml
 from hypothesis import given, reject, settings
 from hypothesis import strategies as st
+from support.scripts import load_script
 
 from harvester import config
 from harvester.exit_codes import ExitCode
@@ -31,10 +32,7 @@ INTEGER = [s for s in NUMERIC if s.kind is int]
 
 
 def reference_module():
-    spec = importlib.util.spec_from_file_location("config_reference", REPO / "deploy" / "config_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "deploy" / "config_reference.py", "config_reference")
 
 
 REFERENCE = reference_module()

@@ -24,6 +24,7 @@ from support.harness import Receiver, env_for, make_config, wait_until
 from support.http_server import TOKEN, RunningServer
 from support.ports import free_port
 from support.reaper import ReaperProcess, stop_all
+from support.scripts import load_script
 from test_admin import add_dead
 
 import tracker
@@ -38,11 +39,7 @@ ZONE = "Asia/Kolkata"  # UTC+05:30 all year: local times differ from UTC on ever
 
 
 def _installer():
-    spec = importlib.util.spec_from_file_location("console_browser", REPO / "deploy" / "console" / "browser.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "deploy" / "console" / "browser.py", "console_browser")
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import yaml
+from support.scripts import load_script
 
 from harvester import config
 
@@ -36,10 +37,7 @@ IMAGE = re.compile(
 
 def load_prometheus_helper():
     """deploy/prometheus/local.py: installs Debian's prometheus (promtool) when it is missing."""
-    spec = importlib.util.spec_from_file_location("deploy_prometheus_local", DEPLOY / "prometheus" / "local.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(DEPLOY / "prometheus" / "local.py", "deploy_prometheus_local")
 
 
 def compose() -> dict:

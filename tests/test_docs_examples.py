@@ -20,6 +20,7 @@ from types import ModuleType
 
 import psycopg
 import pytest
+from support.scripts import load_script
 
 from tests.support import examples
 from tests.support.ci import skip_or_fail
@@ -146,10 +147,7 @@ TOOLCHAINS = {"node": (("node", "npm"), "node"), "go": ((), "go"), "java": (("ja
 
 @functools.cache
 def _installer(client: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"{client}_client_install", CLIENTS / client / "install.py")
-    assert spec is not None and spec.loader is not None
-    installer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(installer)
+    installer = load_script(CLIENTS / client / "install.py", f"{client}_client_install")
     return installer
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL = REPO / "deploy" / "local"
@@ -322,17 +323,6 @@ def test_resolver_killed_midway_leaves_nothing_that_looks_usable(tmp_path, name)
     assert not list(cache.glob(".*.partial-*"))
 
 
-def _go_toolchain():
-    """tests/clients/go/toolchain.py, which says how to run the go command install.py chose."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("go_toolchain", REPO / "tests" / "clients" / "go" / "toolchain.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_go_client_killed_midway_then_two_at_once_from_an_empty_module_cache(tmp_path):
     """tests/clients/go/install.py relies on Go's module cache being safe under concurrency and
@@ -357,7 +347,8 @@ def test_go_client_killed_midway_then_two_at_once_from_an_empty_module_cache(tmp
     verify = subprocess.run(
         [go, "mod", "verify"],
         cwd=REPO / "tests" / "clients" / "go",
-        env=_go_toolchain().environment(go, env),
+        # tests/clients/go/toolchain.py says how to run the go command install.py chose
+        env=load_script(REPO / "tests" / "clients" / "go" / "toolchain.py", "go_toolchain").environment(go, env),
         capture_output=True,
         text=True,
     )

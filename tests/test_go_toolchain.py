@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import http.server
-import importlib.util
 import os
 import platform
 import shutil
@@ -23,20 +22,13 @@ from pathlib import Path
 
 import pytest
 from support.ci import skip_or_fail
+from support.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "clients" / "go" / "toolchain.py"
 
 
-def _toolchain():
-    spec = importlib.util.spec_from_file_location("go_toolchain", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-toolchain = _toolchain()
+toolchain = load_script(SCRIPT, "go_toolchain")
 first_use = toolchain.first_use
 try:
     ARCH: str | None = toolchain.arch()

@@ -19,6 +19,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from support.history import files_at, sql_at
+from support.scripts import load_script
 
 import tracker
 from tracker import roles
@@ -32,11 +33,7 @@ OLD_CHAIN = "c4a30f3"
 def old_migrator(tmp_path_factory):
     """The old chain's sql/ and its tracker/schema.py, from git, as a module migrating from them."""
     root = files_at(OLD_CHAIN, ["sql", "tracker/schema.py"], tmp_path_factory.mktemp("old-chain"))
-    spec = importlib.util.spec_from_file_location("old_chain_schema", root / "tracker" / "schema.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
+    module = load_script(root / "tracker" / "schema.py", "old_chain_schema", register=True)  # dataclasses
     assert [m.name for m in module.migrations()][-1] == "0015_batch_tenant.sql"
     return module
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.scripts import load_script
 
 from harvester import metrics
 
@@ -97,11 +98,7 @@ HISTOGRAMS = {
 
 
 def load_local():
-    spec = importlib.util.spec_from_file_location("deploy_prometheus_local", PROM_DIR / "local.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(PROM_DIR / "local.py", "deploy_prometheus_local", register=True)
 
 
 local = load_local()

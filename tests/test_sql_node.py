@@ -12,16 +12,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support.scripts import load_script
 
 NODE_DIR = Path(__file__).resolve().parent / "clients" / "node"
 
 
 def test_node_client_drives_the_sql_functions(pg_dsn, schema):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("node_install", NODE_DIR / "install.py")
-    installer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(installer)
+    installer = load_script(NODE_DIR / "install.py", "node_install")
     try:
         modules = installer.install()
     except RuntimeError as exc:
