@@ -41,6 +41,16 @@ def _quantiles(lat: list[float]) -> dict[str, float]:
     return {"p50_ms": round(q[49] * 1000, 2), "p99_ms": round(q[98] * 1000, 2), "max_ms": round(max(lat) * 1000, 2)}
 
 
+def _commit_figures(commits: list[float]) -> dict[str, Any]:
+    """The count and the p50/p99 of commit_transaction's durations (seconds)."""
+    c = statistics.quantiles(commits, n=100)
+    return {
+        "transactions": len(commits),
+        "commit_p50_ms": round(c[49] * 1000, 2),
+        "commit_p99_ms": round(c[98] * 1000, 2),
+    }
+
+
 def _record(i: int) -> tuple:
     return (b"key-%d" % (i % 1000), [(MESSAGE_ID_HEADER, b"bench:%d" % i)])
 
@@ -120,15 +130,8 @@ def bare(
     out: dict[str, Any] = {"mode": f"transactional x{producers}" if txn else "idempotent", "records": len(lat)}
     out.update(_quantiles(lat))
     if commits:
-        c = statistics.quantiles(commits, n=100)
-        out.update(
-            {
-                "transactions": len(commits),
-                "records_per_transaction": round(sum(sizes) / len(sizes), 1),
-                "commit_p50_ms": round(c[49] * 1000, 2),
-                "commit_p99_ms": round(c[98] * 1000, 2),
-            }
-        )
+        out.update(_commit_figures(commits))
+        out["records_per_transaction"] = round(sum(sizes) / len(sizes), 1)
     return out
 
 
@@ -195,10 +198,7 @@ def owned(
     lat = [acked[i] - due[i] for i in due]
     out: dict[str, Any] = {"mode": f"transactional, {owners} owners of {partitions} partitions", "records": len(lat)}
     out.update(_quantiles(lat))
-    c = statistics.quantiles(commits, n=100)
-    out.update(
-        {"transactions": len(commits), "commit_p50_ms": round(c[49] * 1000, 2), "commit_p99_ms": round(c[98] * 1000, 2)}
-    )
+    out.update(_commit_figures(commits))
     return out
 
 
