@@ -41,9 +41,22 @@ BEGIN
         RAISE EXCEPTION 'completion_topic must be a non-empty string, got an empty string'
             USING ERRCODE = 'RT007', DETAIL = '';
     END IF;
+    PERFORM topic_name_check(topic, 'completion_topic');
+END $$;
+
+
+-- A name Kafka accepts for a topic: at most 249 characters of ASCII letters, digits, '.', '_' and
+-- '-', not '.' or '..' (as tracker.core.validate.check_topic). `what` names the argument.
+CREATE OR REPLACE FUNCTION topic_name_check(topic text, what text) RETURNS void
+LANGUAGE plpgsql IMMUTABLE SET search_path FROM CURRENT AS $$
+BEGIN
     IF length(topic) > 249 THEN
-        RAISE EXCEPTION 'completion_topic % is longer than Kafka''s 249 characters', quote_literal(left(topic, 60) || '...')
+        RAISE EXCEPTION '% % is longer than Kafka''s 249 characters', what, quote_literal(left(topic, 60) || '...')
             USING ERRCODE = 'RT007', DETAIL = left(topic, 60);
+    END IF;
+    IF topic !~ '^[A-Za-z0-9._-]+$' OR topic IN ('.', '..') THEN
+        RAISE EXCEPTION '% % is not a Kafka topic name (ASCII letters, digits, ''.'', ''_'' and ''-'' only; not ''.'' or ''..'')',
+            what, quote_literal(topic) USING ERRCODE = 'RT007', DETAIL = topic;
     END IF;
 END $$;
 
@@ -77,6 +90,13 @@ DECLARE
     d smallint := 0;
 BEGIN
     PERFORM completion_topic_check(open_batch.completion_topic, true);
+    -- Stored and indexed (the batch_user_key index holds an entry of at most about 2.7 kB): capped
+    -- as tracker.core.validate.check_user_key caps it.
+    IF length(open_batch.user_key) > 1000 OR octet_length(open_batch.user_key) > 2000 THEN
+        RAISE EXCEPTION 'user_key % is longer than 1000 characters or 2000 bytes in UTF-8 (% characters, % bytes)',
+            quote_literal(left(open_batch.user_key, 60) || '...'), length(open_batch.user_key),
+            octet_length(open_batch.user_key) USING ERRCODE = 'RT007', DETAIL = left(open_batch.user_key, 60);
+    END IF;
     IF open_batch.completion_topic = '' THEN
         RAISE EXCEPTION 'completion_topic must be a non-empty string or null, got an empty string'
             USING ERRCODE = 'RT007', DETAIL = '';
@@ -261,6 +281,7 @@ BEGIN
         RAISE EXCEPTION 'topic must be a non-empty string, got %', coalesce(quote_literal(enqueue.topic), 'null')
             USING ERRCODE = 'RT007', DETAIL = 'topic';
     END IF;
+    PERFORM topic_name_check(enqueue.topic, 'topic');
     IF enqueue.payloads IS NULL OR coalesce(array_ndims(enqueue.payloads), 1) <> 1 THEN
         RAISE EXCEPTION 'payloads must be a one-dimensional array (null elements are tombstones)'
             USING ERRCODE = 'RT007', DETAIL = 'payloads';
@@ -686,7 +707,9 @@ SELECT grant_execute_if_role_exists('operator', ARRAY['batch_status(bigint)']);
 -- What each function a producer or consumer calls does, for `\df+` and the documentation's SQL
 -- reference (generated from these lines).
 COMMENT ON FUNCTION open_batch IS 'Open a batch in the caller''s transaction and return its id. '
-    'completion_topic: where its completion event goes (null: the reaper''s default completion topic). '
+    'user_key: comes back in the completion event (at most 1,000 characters and 2,000 bytes in UTF-8). '
+    'completion_topic: where its completion event goes (null: the reaper''s default completion topic); '
+    'every topic name is one Kafka accepts (at most 249 ASCII letters, digits, ''.'', ''_'' and ''-''). '
     'parent: an open batch to nest it under (at most 8 levels). tolerated_failures, tolerated_failure_ratio: '
     'finish it early, as failed, once more of its items fail than this.';
 COMMENT ON FUNCTION add_items IS 'Track `items` more items of an open batch (at most 2^30 per call): its last group '

@@ -154,3 +154,26 @@ def test_runs_of_a_mask_are_the_compacted_indexes(indexes):
     for i in indexes:
         bits[i >> 3] |= 0x80 >> (i & 7)
     assert runs_of(bits) == compact(indexes)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, name",
+    [
+        ({"topic": ""}, tracker.InvalidValue, "topic"),
+        ({"topic": "acks\x00"}, tracker.InvalidValue, "topic"),
+        ({"topic": "a b"}, tracker.InvalidValue, "topic"),
+        ({"topic": 7}, tracker.InvalidArgument, "topic"),
+        ({"max_pending": 0}, tracker.InvalidValue, "max_pending"),
+        ({"max_pending": True}, tracker.InvalidArgument, "max_pending"),
+        ({"max_pending": "1"}, tracker.InvalidArgument, "max_pending"),
+        ({"max_message_bytes": 63}, tracker.InvalidValue, "max_message_bytes"),
+        ({"linger": -1}, tracker.InvalidValue, "linger"),
+        ({"linger": float("nan")}, tracker.InvalidValue, "linger"),
+        ({"linger": "1"}, tracker.InvalidArgument, "linger"),
+    ],
+)
+def test_ack_producer_names_a_bad_setting_before_making_a_client(kwargs, error, name):
+    # The bootstrap points nowhere: a check that came after making the producer would not matter here
+    with pytest.raises(error) as info:
+        AckProducer(**{"bootstrap_servers": "127.0.0.1:1", "topic": "acks", **kwargs})
+    assert str(info.value).startswith(name)

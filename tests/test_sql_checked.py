@@ -32,6 +32,10 @@ def _state(conn, schema):
         ("ack(%s, %s)", [["{item}"], None]),
         ("ack(%s, %s)", [["{item}"], LONG]),
         ("ack_masks(%s, %s, %s, %s)", [["{batch}"], [0], ["80"], ""]),
+        ("open_batch(%s, %s)", ["k", "a b"]),
+        ("open_batch(%s, %s)", ["k", ".."]),
+        ("close_batch(%s, %s)", ["{batch}", "done/x"]),
+        ("ack(%s, %s)", [["{item}"], "ü"]),
     ],
 )
 def test_a_bad_completion_topic_is_refused_up_front_even_on_the_completing_call(conn, schema, call, args):
@@ -76,3 +80,49 @@ def test_every_function_resolves_names_in_its_schema_pg_catalog_and_pg_temp_only
         paths = [c for c in config or [] if c.startswith("search_path=")]
         assert len(paths) == 1, (name, config)
         assert paths[0].replace('"', "") == f"search_path={schema}, pg_catalog, pg_temp", (name, config)
+
+
+@pytest.mark.parametrize("topic", ["a b", ".", "..", "topic/x", "t" * 250, "é"])
+def test_enqueue_refuses_a_name_kafka_refuses_for_its_topic(conn, schema, topic):
+    batch = tracker.open_batch(conn, schema=schema)
+    conn.commit()
+    before = _state(conn, schema)
+    with pytest.raises(psycopg.Error) as raised:
+        conn.execute(
+            sql.SQL("SELECT * FROM {}.enqueue(%s, %s, %s)").format(sql.Identifier(schema)),
+            [batch.id, topic, [b"a"]],
+        )
+    assert raised.value.sqlstate == "RT007"
+    assert raised.value.diag.message_primary.startswith("topic ")
+    conn.rollback()
+    assert _state(conn, schema) == before
+
+
+@pytest.mark.parametrize(
+    "key, refused",
+    [
+        ("k" * 1000, False),
+        ("\U0001d11e" * 500, False),  # 2,000 bytes in UTF-8
+        ("k" * 1001, True),
+        ("\U0001d11e" * 501, True),  # 501 characters, 2,004 bytes
+        ("é" * 1000, False),  # 2,000 bytes
+    ],
+)
+def test_open_batch_caps_the_user_key_as_the_library_does(conn, schema, key, refused):
+    from tracker.core.validate import check_user_key
+
+    call = sql.SQL("SELECT {}.open_batch(%s)").format(sql.Identifier(schema))
+    if not refused:
+        check_user_key(key)
+        (batch_id,) = conn.execute(call, [key]).fetchone()
+        stored = conn.execute(
+            sql.SQL("SELECT user_key FROM {} WHERE id = %s").format(sql.Identifier(schema, "batch")), [batch_id]
+        ).fetchone()
+        assert stored == (key,)
+        return
+    with pytest.raises(tracker.InvalidValue):
+        check_user_key(key)
+    with pytest.raises(psycopg.Error) as raised:
+        conn.execute(call, [key])
+    assert raised.value.sqlstate == "RT007"
+    assert "user_key" in raised.value.diag.message_primary

@@ -6,7 +6,17 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from tracker import MalformedItemId, fold, format_run, parse_ack, parse_item_id
+from tracker import (
+    InvalidArgument,
+    InvalidValue,
+    MalformedItemId,
+    expand,
+    fold,
+    format_item_id,
+    format_run,
+    parse_ack,
+    parse_item_id,
+)
 from tracker.folding import GROUP_BITS_MAX, iter_ids
 from tracker.folding.entries import _fold_each, _fold_plain_ids
 
@@ -101,3 +111,61 @@ def test_a_number_with_a_leading_zero_is_malformed_not_another_spelling(spelled)
         parse_ack(spelled)
     with pytest.raises(MalformedItemId):
         fold(["1:2:3", spelled])
+
+
+# ---------------------------------------------------------------- writing ids: checked as read
+
+ID_MAX = (1 << 63) - 1
+WHOLE = st.integers(0, ID_MAX)
+INDEX = st.integers(0, GROUP_BITS_MAX - 1)
+
+
+@given(WHOLE, WHOLE, INDEX, INDEX)
+@settings(max_examples=200, deadline=None)
+def test_every_id_written_is_read_back_the_same(batch_id, group_id, a, b):
+    start, end = min(a, b), max(a, b)
+    assert parse_item_id(format_item_id(batch_id, group_id, a)) == (batch_id, group_id, a)
+    assert parse_ack(format_run(batch_id, group_id, start, end)) == (batch_id, group_id, start, end)
+
+
+NOT_WHOLE = st.one_of(st.booleans(), st.floats(), st.text(max_size=3), st.none(), st.just([1]))
+
+
+@given(st.sampled_from(["batch_id", "group_id", "index"]), NOT_WHOLE)
+@settings(max_examples=100, deadline=None)
+def test_a_part_of_the_wrong_type_is_named(part, value):
+    args = {"batch_id": 1, "group_id": 2, "index": 3, part: value}
+    with pytest.raises(InvalidArgument) as info:
+        format_item_id(**args)
+    assert part in str(info.value) and repr(value)[:100] in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda: format_item_id(-1, 0, 0), "batch_id"),
+        (lambda: format_item_id(ID_MAX + 1, 0, 0), "batch_id"),
+        (lambda: format_item_id(1, -1, 0), "group_id"),
+        (lambda: format_item_id(1, 1, GROUP_BITS_MAX), "index"),
+        (lambda: format_run(1, 1, 5, 4), "end"),
+        (lambda: format_run(1, 1, 0, GROUP_BITS_MAX), "end"),
+        (lambda: expand(1, 1, -5), "upto"),
+        (lambda: expand(1, 1, GROUP_BITS_MAX + 1), "upto"),
+        (lambda: expand(-1, 1, 2), "batch_id"),
+    ],
+)
+def test_a_part_out_of_range_is_refused_by_name(call, name):
+    with pytest.raises(InvalidValue) as info:
+        call()
+    assert str(info.value).startswith(name + " ")
+
+
+def test_expand_refuses_a_huge_count_before_building_anything():
+    # 10**9 strings would take tens of GiB; a number past Python's digit limit cannot even be shown
+    for upto in (10**9, 10**5000):
+        with pytest.raises(InvalidValue) as info:
+            expand(1, 1, upto)
+        assert "upto" in str(info.value)
+    assert "an int of 16,610 bits" in str(info.value)
+    assert expand(3, 4, 0) == [] and expand(3, 4, 2) == ["3:4:0", "3:4:1"]
+    assert len(expand(3, 4, GROUP_BITS_MAX)) == GROUP_BITS_MAX

@@ -4,6 +4,8 @@ transaction is usable and exactly as it was. Property tests against the real Pos
 
 from __future__ import annotations
 
+import re
+
 import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -278,3 +280,82 @@ def test_nothing_to_ack_is_a_no_op(conn, schema, world, empty):
             assert (r.acked, r.duplicates, r.completed) == (0, 0, [])
 
     asyncio.run(async_side())
+
+
+# ---------------------------------------------------------------- names Kafka refuses, keys no index holds
+
+KAFKA_NAMES = st.from_regex(r"[A-Za-z0-9._-]{1,249}", fullmatch=True).filter(lambda n: n not in (".", ".."))
+SHORT_NAMES = st.from_regex(r"[A-Za-z0-9._-]{0,100}", fullmatch=True)
+NOT_KAFKA_NAMES = st.one_of(
+    st.sampled_from([".", "..", "a b", "topic/x", "é", "t" * 250, "a:b"]),
+    # a legal name with one character Kafka refuses somewhere in it
+    st.tuples(
+        SHORT_NAMES,
+        st.characters(blacklist_characters="\x00", blacklist_categories=["Cs"]).filter(
+            lambda c: re.fullmatch(r"[A-Za-z0-9._-]", c) is None
+        ),
+        SHORT_NAMES,
+    ).map("".join),
+)
+
+
+@SETTINGS
+@given(topic=NOT_KAFKA_NAMES)
+def test_a_topic_name_kafka_refuses_is_refused_at_the_call(conn, schema, world, topic):
+    t, batch, _ = world
+    refused(
+        conn,
+        schema,
+        lambda: t.enqueue(conn, batch, [b"a"], topic=topic),
+        tracker.InvalidValue,
+        "topic",
+        repr(topic)[:100],
+    )
+    refused(conn, schema, lambda: t.open_batch(conn, completion_topic=topic), tracker.InvalidValue, "completion_topic")
+
+
+@SETTINGS
+@given(topic=KAFKA_NAMES)
+def test_every_name_kafka_accepts_is_accepted(conn, schema, world, topic):
+    t, batch, _ = world
+    conn.execute("SAVEPOINT names")
+    t.enqueue(conn, batch, [b"a"], topic=topic)
+    assert t.open_batch(conn, completion_topic=topic).completion_topic == topic
+    conn.execute("ROLLBACK TO SAVEPOINT names")
+
+
+@pytest.mark.parametrize(
+    "key, shown",
+    [("k" * 1001, "1000 characters (1001)"), ("\U0001d11e" * 501, "2000 bytes in UTF-8 (2004)")],
+)
+def test_a_user_key_no_index_entry_holds_is_refused(conn, schema, world, key, shown):
+    t, _, _ = world
+    refused(conn, schema, lambda: t.open_batch(conn, user_key=key), tracker.InvalidValue, "user_key", shown)
+
+
+@pytest.mark.parametrize("key", ["k" * 1000, "\U0001d11e" * 500, "é" * 1000])
+def test_a_user_key_at_the_caps_is_stored_as_given(conn, schema, world, key):
+    t, _, _ = world
+    batch = t.open_batch(conn, user_key=key)
+    assert t.status(conn, batch).user_key == key
+
+
+# ---------------------------------------------------------------- settle's arguments
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, shown",
+    [
+        ({"batch_ids": 5}, tracker.InvalidArgument, "5"),
+        ({"batch_ids": "12"}, tracker.InvalidArgument, "'12'"),
+        ({"batch_ids": [1, "x"]}, tracker.InvalidArgument, "'x'"),
+        ({"batch_ids": [1, True]}, tracker.InvalidArgument, "True"),
+        ({"batch_ids": [2**63]}, tracker.InvalidValue, str(2**63)),
+        ({"batch_ids": [-1]}, tracker.InvalidValue, "-1"),
+        ({"limit": 2**63}, tracker.InvalidValue, str(2**63)),
+        ({"limit": 0}, tracker.InvalidValue, "0"),
+        ({"limit": 1.5}, tracker.InvalidArgument, "1.5"),
+    ],
+)
+def test_settle_names_a_bad_argument_and_changes_nothing(conn, schema, world, kwargs, error, shown):
+    refused(conn, schema, lambda: tracker.settle(conn, schema=schema, **kwargs), error, shown)

@@ -16,6 +16,7 @@ batch id in decimal, so one batch's acks and failures meet in one partition, in 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterable
@@ -24,8 +25,8 @@ from typing import Any, TypeVar
 from confluent_kafka import KafkaError, Producer
 
 from tracker.core.acks import Processed as Processed
-from tracker.core.validate import check_reason
-from tracker.errors import MalformedItemId, TrackerError
+from tracker.core.validate import check_reason, check_topic
+from tracker.errors import InvalidArgument, InvalidValue, MalformedItemId, TrackerError
 from tracker.folding.messages import FAIL_MARK, FAILURE_REASON_HEADER
 from tracker.ids import GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, format_run, parse_item_id
 from tracker.kafka_waits import with_waits
@@ -176,10 +177,16 @@ class AckProducer:
         linger: float = 0.05,
         max_message_bytes: int = 64 * 1024,
     ) -> None:
-        if not isinstance(topic, str) or not topic:
-            raise ValueError(f"topic must be a non-empty string, got {topic!r}")
-        if max_pending < 1 or max_message_bytes < 64:
-            raise ValueError("max_pending must be >= 1 and max_message_bytes >= 64")
+        check_topic(topic, "topic")
+        for name, given, low in (("max_pending", max_pending, 1), ("max_message_bytes", max_message_bytes, 64)):
+            if not isinstance(given, int) or isinstance(given, bool):
+                raise InvalidArgument(name, given, f"an int >= {low}")
+            if given < low:
+                raise InvalidValue(name, given, f"must be >= {low}")
+        if not isinstance(linger, (int, float)) or isinstance(linger, bool):
+            raise InvalidArgument("linger", linger, "a number of seconds >= 0")
+        if not math.isfinite(linger) or linger < 0:
+            raise InvalidValue("linger", linger, "must be a finite number of seconds >= 0")
         conf = {
             "bootstrap.servers": bootstrap_servers,
             "enable.idempotence": True,

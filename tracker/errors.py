@@ -95,7 +95,10 @@ class BatchExpired(TrackerError):
 
 def _shown(value: object, limit: int) -> str:
     """`value` as the caller wrote it (its repr), cut after `limit` characters."""
-    shown = repr(value)
+    try:
+        shown = repr(value)
+    except ValueError:  # an int past the interpreter's limit on digits converted to text
+        return f"<an int of {value.bit_length():,} bits>" if isinstance(value, int) else "<unprintable>"
     return shown[:limit] + "..." if len(shown) > limit else shown
 
 

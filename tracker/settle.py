@@ -33,6 +33,7 @@ from tracker.core.steps import Op, Query, Round
 from tracker.drivers import sync_psycopg as driver
 from tracker.drivers.connections import SyncSession, sync_connection
 from tracker.errors import InvalidArgument, InvalidValue
+from tracker.folding import ID_MAX
 
 log = structlog.get_logger("reaper.settler")
 
@@ -113,14 +114,19 @@ def settle(
     config = TrackerConfig(schema, outbox_table, completion_topic)
     if not isinstance(limit, int) or isinstance(limit, bool):
         raise InvalidArgument("limit", limit, "an int")
-    if limit < 1:
-        raise InvalidValue("limit", limit, "must be >= 1")
+    if not 1 <= limit <= ID_MAX:  # a Postgres bigint
+        raise InvalidValue("limit", limit, f"must be between 1 and {ID_MAX}")
     ids: list[int] | None = None
     if batch_ids is not None:
-        ids = sorted(set(batch_ids))
-        for b in ids:
-            if not isinstance(b, int) or isinstance(b, bool) or b < 0:
+        if isinstance(batch_ids, (str, bytes, bytearray, memoryview, dict)) or not isinstance(batch_ids, Iterable):
+            raise InvalidArgument("batch_ids", batch_ids, "an iterable of batch ids (ints >= 0) or None")
+        given = list(batch_ids)
+        for b in given:
+            if not isinstance(b, int) or isinstance(b, bool):
                 raise InvalidArgument("batch_ids", b, "batch ids (ints >= 0)")
+            if not 0 <= b <= ID_MAX:
+                raise InvalidValue("batch_ids", b, f"a batch id is between 0 and {ID_MAX}")
+        ids = sorted(set(given))
     q = statements(config.schema, config.outbox_table)
     result = driver.run(sync_connection(session), settle_op(q, ids, config.completion_topic, wait, limit))
     if registry is not None and result.completed:

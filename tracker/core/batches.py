@@ -43,7 +43,7 @@ from psycopg import sql
 
 from tracker import tracing
 from tracker.core.steps import Op, Query, Round, one
-from tracker.core.validate import check_count, check_thresholds, check_topic, optional_text
+from tracker.core.validate import check_count, check_thresholds, check_topic, check_user_key
 from tracker.errors import BatchExpired, BatchNotOpen, DepthExceeded, InvalidArgument, ParentNotOpen, UnknownBatch
 from tracker.ids import GROUP_BITS_MAX, ID_MAX, expand
 
@@ -219,7 +219,7 @@ def open_op(
     tolerated_failures: object = None,
     tolerated_failure_ratio: object = None,
 ) -> Op[Batch]:
-    user_key = optional_text(user_key, "user_key")
+    user_key = check_user_key(user_key)
     if completion_topic is not None:
         check_topic(completion_topic, "completion_topic")
     n, r = check_thresholds(tolerated_failures, tolerated_failure_ratio)

@@ -3,6 +3,7 @@ caller wrote it. Nothing here allocates in proportion to an untrusted number."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from tracker.errors import InvalidArgument, InvalidValue
@@ -10,8 +11,16 @@ from tracker.errors import InvalidArgument, InvalidValue
 # One call adds at most this many items: 131,072 groups, 128 MiB of bitfields. Larger fan-outs
 # are several calls (or Spark's fan_out); the bound is checked before anything is allocated.
 MAX_ITEMS_PER_CALL = 1 << 30
-# Kafka's own limit on a topic name's length.
+# Kafka's own rules for a topic name: at most 249 characters of ASCII letters, digits, '.', '_'
+# and '-', and not '.' or '..'. A name it refuses is refused here, at the call, rather than found
+# out by the harvester, which could only move the row to the dead table.
 TOPIC_MAX = 249
+TOPIC_CHARS = re.compile(r"[A-Za-z0-9._-]+")
+# A batch's user key is stored and indexed (sql/0019_batch_user_key.sql): a Postgres index entry
+# holds at most about 2.7 kB, so the key is capped in characters (as the HTTP API always was) and
+# in UTF-8 bytes (1,000 characters of other scripts take up to 4,000).
+USER_KEY_MAX = 1000
+USER_KEY_MAX_BYTES = 2000
 
 
 def check_count(n: object, name: str = "n") -> int:
@@ -42,6 +51,10 @@ def check_topic(topic: object, name: str = "topic") -> str:
     utf8(topic, name)
     if len(topic) > TOPIC_MAX:
         raise InvalidValue(name, topic, f"is longer than Kafka's {TOPIC_MAX} characters")
+    if TOPIC_CHARS.fullmatch(topic) is None or topic in (".", ".."):
+        raise InvalidValue(
+            name, topic, "is not a Kafka topic name (ASCII letters, digits, '.', '_' and '-' only; not '.' or '..')"
+        )
     return topic
 
 
@@ -52,6 +65,18 @@ def optional_text(value: object, name: str) -> str | None:
         raise InvalidArgument(name, value, "a str or None")
     utf8(value, name)
     return value
+
+
+def check_user_key(value: object, name: str = "user_key") -> str | None:
+    key = optional_text(value, name)
+    if key is None:
+        return None
+    if len(key) > USER_KEY_MAX:
+        raise InvalidValue(name, key, f"is longer than {USER_KEY_MAX} characters ({len(key)})")
+    size = len(key.encode("utf-8"))
+    if size > USER_KEY_MAX_BYTES:
+        raise InvalidValue(name, key, f"is longer than {USER_KEY_MAX_BYTES} bytes in UTF-8 ({size})")
+    return key
 
 
 def id_list(item_ids: object, name: str = "item_ids") -> list[str | bytes]:
