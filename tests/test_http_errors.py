@@ -164,6 +164,27 @@ def test_add_after_close_and_after_expiry(world):
     assert state() == before
 
 
+@pytest.mark.parametrize("world", ["tracker", "sql"], indirect=True)
+def test_a_route_documents_the_errors_it_answers_each_under_its_code(world):
+    s, c, ids, _ = world
+    served = httpx.get(s.url + "/v1/openapi.json").json()["paths"]
+    # an expired batch reads as 200 with its state: the status route documents no 410
+    r = c.get(f"/v1/batches/{ids['E']}")
+    assert r.status_code == 200 and r.json()["state"] == "expired", r.text
+    assert "410" not in served["/v1/batches/{batch_id}"]["get"]["responses"]
+    # problem types sharing a status code share its entry: none is lost
+    opened = served["/v1/batches"]["post"]["responses"]
+    for title in ("Batches nest too deep", "Idempotency-Key used for another request", "Unknown batch"):
+        assert title in opened["422"]["description"], opened["422"]
+    assert opened["409"]["description"] == "Parent batch is not open"
+    acked = served["/v1/acks"]["post"]["responses"]["422"]["description"]
+    for title in ("Unknown group", "Item index out of range", "Unknown batch"):
+        assert title in acked, acked
+    # and a 422 each of those names is answered as documented
+    check(c.post("/v1/batches", json={"parent": ids["unknown"]}), 422, "unknown-batch-in-body")
+    check(c.post("/v1/acks", json={"ids": [f"{ids['A']}:7:0"]}), 422, "unknown-group")
+
+
 def test_oversized_bodies(world):
     s, c, ids, state = world
     before = state()

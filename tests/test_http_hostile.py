@@ -1,7 +1,8 @@
 """The HTTP service read as a hostile client would, through a real server on both backends.
 
-The rules: text in a body is valid UTF-8 without NUL, and a body names each key once, or it is
-refused (400, naming the field); a batch id in a path is a plain decimal or refused, and nothing is
+The rules: text in a body is valid UTF-8 without NUL, a body names each key once, holds only
+JSON's numbers (no NaN, Infinity or overflow) and nests at most 64 deep, or it is refused (400,
+naming the field); a batch id in a path is a plain decimal or refused, and nothing is
 done; one Authorization header; a request framed by both Content-Length and Transfer-Encoding is
 refused and its connection closed, so nothing hidden behind it runs; metric labels come from a
 closed set; /readyz asks the database at most once a second whoever calls it.
@@ -342,6 +343,74 @@ def test_what_h11_refuses_is_a_problem_document_too(server):
     import json
 
     assert json.loads(body)["type"].endswith(":invalid-request")
+
+
+def test_a_malformed_header_line_gets_a_problem_document_as_the_openapi_document_describes_it(server):
+    import json
+
+    import jsonschema
+
+    served = httpx.get(server.url + "/v1/openapi.json").json()
+    schema = {"$ref": "#/components/schemas/ProblemDoc", "components": served["components"]}
+    for request in (
+        b"GET /v1/batches/1 HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n",
+        b"GET /v1/batches/1 HTTP/1.1\r\nHost: x\r\nX-Ok: 1\r\nno colon here either\r\n\r\n",
+    ):
+        answer = _raw_exchange(server.url, request)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400"), answer
+        doc = json.loads(body)
+        jsonschema.validate(doc, schema)  # `instance` among the required members
+        assert (doc["type"], doc["field"], doc["instance"]) == (
+            "urn:outbox-reaper:problem:invalid-request",
+            "headers",
+            "",
+        )
+
+
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        # JSON (RFC 8259) has no NaN or Infinity; Python's parser takes them, and 1e400 overflows to inf
+        ("/v1/batches", b'{"tolerated_failure_ratio": NaN}', "body.tolerated_failure_ratio"),
+        ("/v1/batches", b'{"tolerated_failure_ratio": Infinity}', "body.tolerated_failure_ratio"),
+        ("/v1/batches", b'{"tolerated_failure_ratio": -Infinity}', "body.tolerated_failure_ratio"),
+        ("/v1/batches", b'{"tolerated_failure_ratio": 1e400}', "body.tolerated_failure_ratio"),
+        ("/v1/batches", b'{"tolerated_failure_ratio": -1e400}', "body.tolerated_failure_ratio"),
+        ("/v1/acks", b'{"ids": ["1:0:0", NaN]}', "body.ids[1]"),
+        # an integer past the digits the interpreter converts
+        ("/v1/batches", b'{"tolerated_failures": ' + b"9" * 5000 + b"}", "body.tolerated_failures"),
+        ("/v1/batches", b'{"parent": -' + b"1" * 4301 + b"}", "body.parent"),
+        # arrays nested past the parser's recursion, and past NESTING_MAX within it (a long path is cut)
+        ("/v1/batches", b'{"user_key": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "body"),
+        ("/v1/batches", b"[" * 100_000 + b"]" * 100_000, "body"),
+        ("/v1/batches", b'{"user_key": ' + b"[" * 65 + b"]" * 65 + b"}", ("body.user_key" + "[0]" * 63)[:200] + "..."),
+    ],
+)
+def test_numbers_json_has_not_and_nesting_too_deep_are_refused_naming_the_field(
+    client, pg_dsn, schema, path, body, field
+):
+    import psycopg
+
+    r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+    doc = _problem(r, 400, "invalid-request")
+    assert doc["field"] == field, doc
+    assert client.get("/v1/batches/0").status_code == 404  # the connection is still open and answers
+    with psycopg.connect(pg_dsn) as c:
+        assert c.execute(f'SELECT count(*) FROM "{schema}".batch').fetchone() == (0,)
+
+
+def test_a_problem_document_never_carries_a_number_json_has_not():
+    """Whatever a check puts in a problem, its document can be written: NaN and the infinities as text."""
+    import json
+
+    from harvester.services.http import problems
+
+    problem = problems.Problem(
+        "invalid-request", "d", field="body.x", value=float("nan"), errors=[{"low": float("-inf")}], high=float("inf")
+    )
+    doc = json.loads(problems.response(problem, "/v1/batches").body)
+    assert (doc["value"], doc["errors"], doc["high"]) == ("nan", [{"low": "-inf"}], "inf")
 
 
 def test_an_item_id_in_a_path_with_a_nul_is_a_malformed_id_on_both_backends(client):

@@ -164,6 +164,16 @@ def test_failures_are_checked_as_acks_are_and_change_nothing_when_refused(client
     assert client.get("/v1/batches/99999/failures").status_code == 404
 
 
+def test_an_after_whose_index_no_group_holds_is_refused_naming_it(client):
+    b = client.post("/v1/batches", json={}).json()["batch_id"]
+    client.post(f"/v1/batches/{b}/items", json={"count": 3})
+    assert client.get(f"/v1/batches/{b}/failures", params={"after": f"{b}:0:8191"}).status_code == 200
+    for after in (f"{b}:0:8192", f"{b}:0:9999", f"{b}:0:99999", f"{b}:0:1-8192"):
+        r = client.get(f"/v1/batches/{b}/failures", params={"after": after})
+        assert r.status_code == 400 and r.json()["type"].endswith(":invalid-request"), (after, r.text)
+        assert r.json()["field"] == "query.after" and after in r.json()["detail"], r.text
+
+
 def test_a_failure_is_replayed_by_its_idempotency_key(client, pg_dsn, schema):
     b = client.post("/v1/batches", json={}).json()["batch_id"]
     client.post(f"/v1/batches/{b}/items", json={"count": 2})

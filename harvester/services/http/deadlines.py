@@ -11,11 +11,13 @@ closed. The deadlines are totals, not per read: trickling bytes does not extend 
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from harvester.services.http import problems
+from harvester.services.http.problems import Problem
 
 
 class DeadlineProtocol(H11Protocol):
@@ -77,16 +79,14 @@ class DeadlineProtocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         # What h11 refuses (a malformed request line or header, an unknown Transfer-Encoding) gets
-        # a problem document like every other refusal, not uvicorn's plain text.
-        body = json.dumps(
-            {
-                "type": "urn:outbox-reaper:problem:invalid-request",
-                "title": "The request is not valid",
-                "status": 400,
-                "detail": "the request is not valid HTTP/1.1 (its request line, headers or framing)",
-                "field": "headers",
-            }
-        ).encode()
+        # a problem document like every other refusal, not uvicorn's plain text. Its `instance` is
+        # empty: the request's path is not known when its request line or headers cannot be read.
+        problem = Problem(
+            "invalid-request",
+            "the request is not valid HTTP/1.1 (its request line, headers or framing)",
+            field="headers",
+        )
+        body = bytes(problems.response(problem, "").body)
         response = h11.Response(
             status_code=400,
             headers=[

@@ -134,7 +134,7 @@ class ProblemDoc(BaseModel):
     title: str
     status: int
     detail: str
-    instance: str
+    instance: str = Field(..., description="the request's path (empty when the request could not be read as HTTP)")
     field: str | None = Field(None, description="the request field at fault")
     item_id: str | None = Field(None, description="the item id or run at fault, as sent")
     batch_id: int | None = None

@@ -17,11 +17,11 @@ from harvester.config import HttpConfig
 from harvester.services.http import models, problems
 from harvester.services.http.backend import Store
 from harvester.services.http.idempotency import Reply
-from harvester.services.http.params import ID_MAX, BatchId, IdempotencyKey, responses
+from harvester.services.http.params import ACK_PROBLEMS, ID_MAX, BatchId, IdempotencyKey, responses
 from harvester.services.http.problems import Problem
 from harvester.services.http.tenants import own, own_acked
-from tracker.errors import DepthExceeded, MalformedItemId, ParentNotOpen, TrackerError, UnknownBatch
-from tracker.ids import GROUP_BITS_MAX, parse_item_id
+from tracker.errors import DepthExceeded, IndexOutOfRange, MalformedItemId, ParentNotOpen, TrackerError, UnknownBatch
+from tracker.ids import parse_item_id
 
 REASON_MAX = 500  # characters (the tracker's and the SQL functions' limit)
 FAILURES_LIMIT_MAX = 1000  # failures per page (tracker.failures)
@@ -89,9 +89,9 @@ def _check_after(batch_id: int, after: str | None) -> None:
         return
     try:
         item = parse_item_id(after)
-    except MalformedItemId:
+    except (MalformedItemId, IndexOutOfRange):  # IndexOutOfRange: an index no group can hold
         item = None
-    if item is None or item.batch_id != batch_id or item.index >= GROUP_BITS_MAX:
+    if item is None or item.batch_id != batch_id:
         raise Problem(
             "invalid-request",
             f"after {_shown(after)} is not an item id of batch {batch_id} (a page's `next`)",
@@ -113,7 +113,7 @@ def add_outcome_routes(
     @app.post(
         "/v1/failures",
         response_model=models.FailResult,
-        responses=responses(410, 422),
+        responses=responses(*ACK_PROBLEMS),
         tags=["acks"],
         summary="Record item ids and runs as failed, with a reason (bulk)",
         dependencies=dependencies,
@@ -140,7 +140,7 @@ def add_outcome_routes(
     @app.get(
         "/v1/batches/{batch_id}/failures",
         response_model=models.Failures,
-        responses=responses(404),
+        responses=responses("unknown-batch"),
         tags=["batches"],
         summary="A page of the batch's failed items with their reasons, in item order",
         dependencies=dependencies,

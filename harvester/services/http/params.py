@@ -42,11 +42,28 @@ _ERRORS = {  # documented responses of every /v1 route (besides its own)
     503: "unavailable",
 }
 
+# What recording outcomes (acks, failures) can answer besides every route's errors.
+ACK_PROBLEMS = (
+    "batch-expired",
+    "unknown-batch-in-body",
+    "unknown-group",
+    "index-out-of-range",
+    "idempotency-key-reused",
+)
 
-def responses(*extra: int) -> dict:
-    """The documented error responses of a route: every route's, and its own `extra` status codes."""
-    codes = {**_ERRORS, **{c: problems.TYPES[s][1] for s, (c, _) in problems.TYPES.items() if c in extra}}
+
+def responses(*extra: int | str) -> dict:
+    """The documented error responses of a route: every route's, and its own, each named by a
+    problem type's slug or by a status code (every type of that code). Types of one code share its
+    entry, their titles joined, so that none is lost."""
+    unknown = [e for e in extra if isinstance(e, str) and e not in problems.TYPES]
+    if unknown:
+        raise ValueError(f"no such problem type: {unknown}")
+    codes: dict[int, list[str]] = {c: [d] for c, d in _ERRORS.items()}
+    for slug, (code, title) in problems.TYPES.items():
+        if (slug in extra or code in extra) and code not in _ERRORS and title not in codes.setdefault(code, []):
+            codes[code].append(title)
     return {
-        c: {"model": models.ProblemDoc, "description": d, "content": {problems.MEDIA_TYPE: {}}}
+        c: {"model": models.ProblemDoc, "description": "; ".join(d), "content": {problems.MEDIA_TYPE: {}}}
         for c, d in sorted(codes.items())
     }

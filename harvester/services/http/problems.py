@@ -7,6 +7,7 @@ the log.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -73,9 +74,16 @@ class ProblemException(StarletteHTTPException):
 
 
 def _utf8(value: object) -> object:
-    """Text a UTF-8 response can carry: an unpaired surrogate in what a caller sent is escaped."""
+    """What a JSON response can carry: an unpaired surrogate in what a caller sent is escaped, and a
+    number JSON has not (NaN, an infinity) is written as text, in lists and objects too."""
     if isinstance(value, str):
         return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, list | tuple):
+        return [_utf8(v) for v in value]
+    if isinstance(value, dict):
+        return {_utf8(k): _utf8(v) for k, v in value.items()}
     return value
 
 

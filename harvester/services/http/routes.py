@@ -21,7 +21,7 @@ from harvester.services.http.backend import Store, StoreUnavailable
 from harvester.services.http.completion import CompletionWatcher
 from harvester.services.http.idempotency import Reply
 from harvester.services.http.outcomes import check_thresholds, parent_problem
-from harvester.services.http.params import BatchId, IdempotencyKey, responses
+from harvester.services.http.params import ACK_PROBLEMS, BatchId, IdempotencyKey, responses
 from harvester.services.http.problems import Problem
 from harvester.services.http.tenants import DEFAULT, own, own_acked
 from harvester.services.http.waits import HeldStream, WaitsPerToken
@@ -86,7 +86,9 @@ def add_v1_routes(
         "/v1/batches",
         status_code=201,
         response_model=models.Batch,
-        responses=responses(403, 409, 422),  # 403: a topic not allowed; 409: parent not open; 422: key reused
+        responses=responses(
+            "forbidden", "parent-not-open", "nesting-too-deep", "unknown-batch-in-body", "idempotency-key-reused"
+        ),
         tags=["batches"],
         summary="Open a batch",
         dependencies=dependencies,
@@ -146,7 +148,7 @@ def add_v1_routes(
     @app.get(
         "/v1/batches/{batch_id}",
         response_model=models.Status,
-        responses=responses(404, 410),
+        responses=responses("unknown-batch"),  # an expired batch answers 200, state "expired"
         tags=["batches"],
         summary="A batch's status",
         dependencies=dependencies,
@@ -158,7 +160,7 @@ def add_v1_routes(
     @app.post(
         "/v1/batches/{batch_id}/items",
         response_model=models.Added,
-        responses=responses(404, 409, 410, 422),
+        responses=responses("unknown-batch", "batch-not-open", "batch-expired", "idempotency-key-reused"),
         tags=["batches"],
         summary="Track more items; returns the groups that hold them",
         dependencies=dependencies,
@@ -185,7 +187,7 @@ def add_v1_routes(
     @app.post(
         "/v1/batches/{batch_id}/close",
         response_model=models.Closed,
-        responses=responses(404, 410, 422),
+        responses=responses("unknown-batch", "batch-expired", "idempotency-key-reused"),
         tags=["batches"],
         summary="Close a batch (no more items)",
         dependencies=dependencies,
@@ -202,7 +204,7 @@ def add_v1_routes(
     @app.get(
         "/v1/batches/{batch_id}/completion",
         response_model=models.Status,
-        responses=responses(404),
+        responses=responses("unknown-batch"),
         tags=["batches"],
         summary="Long-poll: answers once the batch is complete or expired, or after `wait` s",
         dependencies=dependencies,
@@ -250,7 +252,7 @@ def add_v1_routes(
                 "content": {"text/event-stream": {}},
                 "description": "event: status | complete | expired; data: the Status document",
             },
-            **responses(404),
+            **responses("unknown-batch"),
         },
         dependencies=dependencies,
     )
@@ -308,7 +310,7 @@ def add_v1_routes(
     @app.post(
         "/v1/acks",
         response_model=models.AckResult,
-        responses=responses(410, 422),
+        responses=responses(*ACK_PROBLEMS),
         tags=["acks"],
         summary="Ack item ids and runs (bulk)",
         dependencies=dependencies,
@@ -319,7 +321,7 @@ def add_v1_routes(
     @app.post(
         "/v1/acks/{item_id}",
         response_model=models.AckResult,
-        responses=responses(410, 422),
+        responses=responses(*ACK_PROBLEMS),
         tags=["acks"],
         summary="Ack one item id or run",
         dependencies=dependencies,

@@ -2,15 +2,19 @@
 
 A body must be UTF-8 (RFC 8259), may not name a key twice in one object (which one wins differs
 between parsers), and no string in it may hold a NUL or an unpaired surrogate (neither can be
-stored in Postgres text nor written back in a UTF-8 response). The error names the field as a
-path (`body.ids[3]`), never echoes the bad text.
+stored in Postgres text nor written back in a UTF-8 response). Numbers are JSON's: no NaN or
+Infinity (which RFC 8259 does not have, and Python's parser takes), none that overflows a double to
+infinity, no integer longer than the interpreter converts. Arrays and objects nest at most
+NESTING_MAX deep. The error names the field as a path (`body.ids[3]`), never echoes the bad text.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
+import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -23,6 +27,33 @@ from harvester.services.http.problems import Problem, ProblemException
 _PARSE_ON_LOOP_MAX = 64 * 1024
 # A NUL, or a UTF-16 surrogate left alone by a "\ud800" escape (a valid pair decodes to one character).
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+# Arrays and objects inside one another, at most (the API's bodies need two): checked on the parsed
+# value. json.loads recurses once per level and stops with a RecursionError at the interpreter's
+# recursion limit, whatever the body's depth (its cost bounded by that limit), refused as this is. A
+# scan of the body before parsing would cost more than the parse it guards (0.7 s for 4 MiB of "[]").
+NESTING_MAX = 64
+
+
+class _NotJSON:
+    """A value json.loads reads but JSON has not (NaN, Infinity, an integer too long to convert):
+    left in the parsed value for the check after parsing to report with its field's path."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _constant(name: str) -> _NotJSON:
+    return _NotJSON(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
+
+
+def _integer(digits: str) -> int | _NotJSON:
+    try:
+        return int(digits)  # the interpreter counts the digits before it converts anything
+    except ValueError:
+        limit = sys.get_int_max_str_digits()
+        return _NotJSON(f"the integer has more than the {limit} digits this server reads")
 
 
 class UnreadableBody(ValueError):
@@ -48,17 +79,26 @@ def loads(body: bytes) -> object:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UnreadableBody("body", f"the body is not valid UTF-8 (byte {exc.start})") from None
-    value = json.loads(text, object_pairs_hook=_no_duplicates)
-    _check_strings(value)
+    try:
+        value = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_constant, parse_int=_integer)
+    except RecursionError:
+        raise UnreadableBody("body", f"arrays and objects nest more than {NESTING_MAX} levels deep") from None
+    _check_values(value)
     return value
 
 
-def _check_strings(value: object) -> None:
-    # Iterative (json.loads bounds the nesting already), and a field's path is spelled out only for
-    # the one reported: each value carries a link to its parent, never a copy of the path so far.
-    stack: list[tuple[object, tuple[object, str | int] | None]] = [(value, None)]
+def _check_values(value: object) -> None:
+    # Iterative, and a field's path is spelled out only for the one reported: each value carries a
+    # link to its parent, never a copy of the path so far.
+    stack: list[tuple[object, tuple[object, str | int] | None, int]] = [(value, None, 0)]
     while stack:
-        item, where = stack.pop()
+        item, where, depth = stack.pop()
+        if isinstance(item, dict | list) and depth == NESTING_MAX:
+            raise UnreadableBody(_path(where), f"arrays and objects nest more than {NESTING_MAX} levels deep")
+        if isinstance(item, _NotJSON):
+            raise UnreadableBody(_path(where), item.reason)
+        if isinstance(item, float) and not math.isfinite(item):
+            raise UnreadableBody(_path(where), "the number is too large: it overflows a double to infinity")
         if isinstance(item, str):
             bad = _UNSTORABLE.search(item)
             if bad is not None:
@@ -68,9 +108,9 @@ def _check_strings(value: object) -> None:
             for key, child in item.items():
                 if _UNSTORABLE.search(key) is not None:
                     raise UnreadableBody(_path(where), "a key holds a NUL character or an unpaired surrogate")
-                stack.append((child, (where, key)))
+                stack.append((child, (where, key), depth + 1))
         elif isinstance(item, list):
-            stack.extend((child, (where, i)) for i, child in enumerate(item))
+            stack.extend((child, (where, i), depth + 1) for i, child in enumerate(item))
 
 
 def _path(where: tuple[object, str | int] | None) -> str:
