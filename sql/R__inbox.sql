@@ -32,16 +32,23 @@ END $$;
 -- new snapshot) it finds the committed id and returns false, or, if this transaction rolled back,
 -- records it itself. The lookup reads every partition of the window (one index probe each); the
 -- insert goes into the current one, whose unique index refuses a duplicate whatever happens.
--- Under SERIALIZABLE a claim whose snapshot predates the other's commit fails with a serialization
--- failure (40001: retry the transaction), never runs twice. REPEATABLE READ is refused (RT010):
--- its snapshot cannot see an id committed meanwhile in an older partition, and nothing would
--- refuse the second insert.
+-- Under SERIALIZABLE the lookup reads the transaction's snapshot, which cannot see a claim of the
+-- same id committed after it was taken, by a transaction of any isolation level (Postgres checks
+-- serializability only among SERIALIZABLE transactions), and that claim may sit in another
+-- partition than this one's insert, out of its unique index's reach. So a SERIALIZABLE claim also
+-- probes every other partition that may hold it: an insert of the id there, undone at once, meets
+-- any such row in that partition's unique index (which sees every committed row), and Postgres
+-- refuses it with a serialization failure (40001: retry the transaction), as the final insert does
+-- for one in the current partition: a SERIALIZABLE claim never runs twice. REPEATABLE READ is
+-- refused (RT010).
 -- The advisory lock is what makes a duplicate landing in another partition (two claims whose
 -- transactions straddle a bucket boundary) wait: it is held to the end of the transaction and
 -- takes one entry of the shared lock table (max_locks_per_transaction x max_connections entries
 -- in all), so a transaction claiming thousands of ids needs that setting raised.
 CREATE OR REPLACE FUNCTION inbox_claim(consumer text, message_id text) RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
+DECLARE
+    part record;
 BEGIN
     PERFORM inbox_text_check('consumer', inbox_claim.consumer);
     PERFORM inbox_text_check('message_id', inbox_claim.message_id);
@@ -59,6 +66,24 @@ BEGIN
     IF NOT EXISTS (SELECT FROM inbox_partition p WHERE p.lower <= now() AND now() < p.upper) THEN
         RAISE EXCEPTION 'no inbox partition holds %: run the inbox maintenance (reaper run does)', now()
             USING ERRCODE = 'RT009', DETAIL = now()::text;
+    END IF;
+    IF current_setting('transaction_isolation') = 'serializable' THEN
+        -- Every partition but the current one whose time has begun: a claim's row is in the
+        -- partition of its transaction's start, never later than now.
+        FOR part IN SELECT p.name, p.lower FROM inbox_partition p
+                     WHERE p.lower <= clock_timestamp() AND NOT (p.lower <= now() AND now() < p.upper)
+                       AND to_regclass(quote_ident(p.name)) IS NOT NULL
+        LOOP
+            BEGIN
+                EXECUTE format('INSERT INTO %I (consumer, message_id, received_at) VALUES ($1, $2, $3) '
+                               'ON CONFLICT DO NOTHING', part.name)
+                    USING inbox_claim.consumer, inbox_claim.message_id, part.lower;
+                RAISE EXCEPTION 'probe undone' USING ERRCODE = 'RT099';
+            EXCEPTION
+                WHEN SQLSTATE 'RT099' THEN NULL;  -- no such row there: the probe is undone
+                WHEN undefined_table THEN NULL;   -- dropped meanwhile by the maintenance: nothing to meet
+            END;
+        END LOOP;
     END IF;
     INSERT INTO inbox (consumer, message_id) VALUES (inbox_claim.consumer, inbox_claim.message_id)
     ON CONFLICT DO NOTHING;

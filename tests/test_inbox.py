@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import threading
+import time
 import uuid
 
 import psycopg
@@ -17,7 +18,7 @@ from psycopg import sql
 
 from tracker import inbox, roles
 from tracker import schema as schema_mod
-from tracker.errors import SQLSTATES, InvalidArgument, InvalidValue
+from tracker.errors import SQLSTATES, InvalidArgument, InvalidIdentifier, InvalidValue
 from tracker.inbox import AsyncInbox, Inbox, IsolationNotSupported, NoInboxPartition
 
 EFFECTS = "CREATE TABLE effects (consumer text NOT NULL, message_id text NOT NULL, tag text)"
@@ -302,6 +303,41 @@ def test_serializable_claims_across_a_partition_boundary_never_run_twice(pg_dsn,
             assert got is (None if expect_failure else False), level
 
 
+@pytest.mark.parametrize("first_level", [psycopg.IsolationLevel.READ_COMMITTED, psycopg.IsolationLevel.SERIALIZABLE])
+@pytest.mark.parametrize("first_side", ["older", "newer"])
+def test_a_serializable_claim_never_runs_twice_whatever_the_other_claims_isolation(
+    pg_dsn, schema, first_level, first_side
+):
+    """Postgres checks serializability only among SERIALIZABLE transactions: a SERIALIZABLE claim
+    whose snapshot predates another claim's commit (READ COMMITTED or not), that other claim's row in
+    another partition than its own insert (older or newer), must still be refused (a serialization
+    failure), never recorded again, and a retry finds the id recorded."""
+    mid = f"m-{first_level.name}-{first_side}"
+    box = Inbox("c", schema=schema, registry=None)
+    with psycopg.connect(pg_dsn) as first, psycopg.connect(pg_dsn) as second, psycopg.connect(pg_dsn) as clock:
+        first.isolation_level = first_level
+        second.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
+        (boundary,) = clock.execute("SELECT clock_timestamp() + interval '400 ms'").fetchone()
+        _boundary_after(pg_dsn, schema, boundary)
+        early, late = (first, second) if first_side == "older" else (second, first)
+        early.execute("SELECT now()")  # begins before the boundary: its claim goes to "old"
+        while clock.execute("SELECT clock_timestamp() <= %s", [boundary]).fetchone()[0]:
+            time.sleep(0.05)
+        late.execute("SELECT now()")  # after it: "new"
+        second.execute("SELECT 1")  # the second's snapshot, taken before the first's commit either way
+        assert box.claim(first, mid)
+        first.commit()
+        with pytest.raises(psycopg.errors.SerializationFailure):
+            box.claim(second, mid)
+        second.rollback()
+        assert box.claim(second, mid) is False  # the retry, a new snapshot: already recorded
+        second.commit()
+        (rows,) = clock.execute(
+            sql.SQL("SELECT count(*) FROM {} WHERE message_id = %s").format(sql.Identifier(schema, "inbox")), [mid]
+        ).fetchone()
+        assert rows == 1
+
+
 def test_the_sql_functions_for_other_languages(pg_dsn, schema):
     with psycopg.connect(pg_dsn) as conn:
         conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
@@ -376,3 +412,18 @@ def test_inboxes_of_two_schemas_never_wait_for_each_other(pg_dsn, schema):
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as c:
             c.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(other)))
+
+
+@pytest.mark.parametrize("consumer", [["billing"], {"a": 1}, 7, None, ""])
+def test_the_module_functions_name_a_bad_consumer_of_any_type(pg_dsn, schema, consumer):
+    with psycopg.connect(pg_dsn) as conn:
+        for call in (
+            lambda: inbox.claim(conn, "m", consumer=consumer, schema=schema),
+            lambda: inbox.run_once(conn, "m", lambda c: None, consumer=consumer, schema=schema),
+        ):
+            with pytest.raises((InvalidArgument, InvalidValue)) as info:
+                call()
+            assert str(info.value).startswith("consumer")
+        with pytest.raises(InvalidIdentifier, match="schema"):
+            inbox.claim(conn, "m", consumer="c", schema=["reaper"])
+        conn.execute("SELECT 1")  # the caller's transaction goes on

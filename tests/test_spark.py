@@ -323,3 +323,51 @@ def test_a_failed_micro_batch_retried_from_its_checkpoint_counts_its_input_rows_
         query.stop()
     assert counted._value.get() - before == 50
     assert first.progress.input_rows + second.progress.input_rows == 50
+
+
+def _state(pg_dsn, schema):
+    with psycopg.connect(pg_dsn) as c:
+        return [
+            c.execute(f'SELECT count(*) FROM "{schema}".{table}').fetchone()[0]
+            for table in ("batch", "batch_group", "outbox", "spark_fanout_run")
+        ]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, name",
+    [
+        ({"topic": "bad topic!"}, tracker.InvalidValue, "topic"),
+        ({"topic": "t" * 250}, tracker.InvalidValue, "topic"),
+        ({"value_col": "id"}, tracker.InvalidValue, "value_col"),  # a bigint column
+        ({"value_col": "nowhere"}, tracker.InvalidValue, "value_col"),
+        ({"key_col": "id"}, tracker.InvalidValue, "key_col"),
+        ({"id_col": "value"}, tracker.InvalidValue, "id_col"),  # would clash with the input's column
+        ({"id_col": ""}, tracker.InvalidArgument, "id_col"),
+        ({"user_key": "k" * 1001}, tracker.InvalidValue, "user_key"),
+    ],
+)
+def test_fan_out_refuses_bad_input_before_writing_anything(spark, pg_dsn, schema, kwargs, error, name):
+    before = _state(pg_dsn, schema)
+    with pytest.raises(error) as info:
+        tspark.fan_out(_items(spark, 3, 1), **{"dsn": pg_dsn, "schema": schema, "topic": "fan", **kwargs})
+    assert str(info.value).startswith(name + " ")
+    assert _state(pg_dsn, schema) == before  # no batch opened, no run begun, nothing written
+
+
+def test_fan_out_refuses_too_many_partitions_before_writing_anything(spark, pg_dsn, schema):
+    from tracker.spark.fanout import MAX_PARTITIONS
+
+    before = _state(pg_dsn, schema)
+    with pytest.raises(tracker.InvalidValue, match=f"at most {MAX_PARTITIONS} partitions"):
+        tspark.fan_out(
+            spark.range(0, 1, numPartitions=MAX_PARTITIONS + 1).selectExpr("CAST(id AS STRING) AS value"),
+            dsn=pg_dsn,
+            schema=schema,
+            topic="fan",
+        )
+    assert _state(pg_dsn, schema) == before
+
+
+def test_ack_dataframe_refuses_a_column_that_holds_no_item_ids(spark, pg_dsn, schema):
+    with pytest.raises(tracker.InvalidValue, match="column 'id': is a bigint column: a string column is needed"):
+        tspark.ack_dataframe(spark.range(0, 3).selectExpr("id"), dsn=pg_dsn, schema=schema, column="id")

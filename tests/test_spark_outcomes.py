@@ -135,6 +135,21 @@ def test_a_bad_outcome_or_reason_is_a_typed_error_naming_it_and_records_nothing(
         tspark.outcome_dataframe(df, dsn=pg_dsn, schema=schema, reason_column="why")
 
 
+@pytest.mark.parametrize(
+    ("schema_text", "name", "column"),
+    [
+        ("item_id bigint, outcome string, reason string", "column", "item_id"),
+        ("item_id string, outcome int, reason string", "outcome_column", "outcome"),
+        ("item_id string, outcome string, reason binary", "reason_column", "reason"),
+    ],
+)
+def test_a_column_of_a_type_it_cannot_read_is_named_before_any_job(spark, pg_dsn, schema, schema_text, name, column):
+    df = spark.createDataFrame([], schema_text)
+    with pytest.raises(InvalidValue) as err:
+        tspark.outcome_dataframe(df, dsn=pg_dsn, schema=schema)
+    assert err.value.name == name and f"{name} '{column}': is a " in str(err.value)
+
+
 def test_the_first_reason_in_sort_order_wins_when_a_partition_holds_more_groups_than_a_round(spark, pg_dsn, schema):
     """A partition of more (group, reason) masks than one transaction takes (4,096) is recorded in
     several rounds: an item failed under two reasons still ends under the first in sort order."""

@@ -20,7 +20,8 @@ from typing import TypeVar
 from tracker.aio import AsyncEffect, _effect_call, _run
 from tracker.config import DEFAULT_SCHEMA
 from tracker.drivers.connections import AsyncSession
-from tracker.inbox.core import InboxCore, InboxResult, translate
+from tracker.inbox.core import InboxCore, InboxResult, check_text, translate
+from tracker.schema import check_identifier
 
 T = TypeVar("T")
 
@@ -73,10 +74,17 @@ class AsyncInbox(InboxCore):
         return result  # type: ignore[return-value]
 
 
-@functools.lru_cache(maxsize=64)
 def default(consumer: str, schema: str | None = None) -> AsyncInbox:
     """The AsyncInbox of `consumer` in `schema` (default "reaper") that the module-level functions use."""
-    return AsyncInbox(consumer, schema=schema or DEFAULT_SCHEMA)
+    # Checked before the cache, which would hash whatever it is given (a list: a bare TypeError).
+    return _default(
+        check_text("consumer", consumer), DEFAULT_SCHEMA if schema is None else check_identifier(schema, "schema")
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _default(consumer: str, schema: str) -> AsyncInbox:
+    return AsyncInbox(consumer, schema=schema)
 
 
 async def claim(session: AsyncSession, message_id: str | bytes, *, consumer: str, schema: str | None = None) -> bool:

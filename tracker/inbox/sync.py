@@ -12,7 +12,8 @@ from typing import TypeVar
 
 from tracker.config import DEFAULT_SCHEMA
 from tracker.drivers.connections import SyncSession
-from tracker.inbox.core import InboxCore, InboxResult, translate
+from tracker.inbox.core import InboxCore, InboxResult, check_text, translate
+from tracker.schema import check_identifier
 from tracker.sync import SyncEffect, _effect_call, _run
 
 T = TypeVar("T")
@@ -66,10 +67,17 @@ class Inbox(InboxCore):
         return result  # type: ignore[return-value]
 
 
-@functools.lru_cache(maxsize=64)
 def default(consumer: str, schema: str | None = None) -> Inbox:
     """The Inbox of `consumer` in `schema` (default "reaper") that the module-level functions use."""
-    return Inbox(consumer, schema=schema or DEFAULT_SCHEMA)
+    # Checked before the cache, which would hash whatever it is given (a list: a bare TypeError).
+    return _default(
+        check_text("consumer", consumer), DEFAULT_SCHEMA if schema is None else check_identifier(schema, "schema")
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _default(consumer: str, schema: str) -> Inbox:
+    return Inbox(consumer, schema=schema)
 
 
 def claim(session: SyncSession, message_id: str | bytes, *, consumer: str, schema: str | None = None) -> bool:

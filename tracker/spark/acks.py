@@ -18,6 +18,7 @@ import psycopg
 
 from tracker.config import schema_of
 from tracker.folding import GROUPS_PER_FOLD_MAX, GroupMask, fold_arrow, or_bits
+from tracker.spark.columns import check_column
 from tracker.spark.worker import in_task
 
 
@@ -110,8 +111,7 @@ def ack_dataframe(
     its acks come back as duplicates and a completion it made is missing from `.completed`
     (the completion event itself is in the outbox, written once).
     """
-    if column not in df.columns:
-        raise ValueError(f"column {column!r} is not in the DataFrame (columns: {df.columns})")
+    check_column(df, "column", column, ("string",))
     s = schema_of(schema)
     n = partitions or max(1, df.sparkSession.sparkContext.defaultParallelism)
     folded = df.select(column).mapInArrow(

@@ -23,8 +23,10 @@ import psycopg
 from psycopg import sql
 
 from tracker.config import DEFAULT_OUTBOX_TABLE, schema_of
-from tracker.errors import BatchNotOpen, UnknownBatch
+from tracker.core.validate import check_topic
+from tracker.errors import BatchNotOpen, InvalidArgument, InvalidValue, UnknownBatch
 from tracker.ids import GROUP_BITS_MAX
+from tracker.spark.columns import check_column
 from tracker.spark.worker import in_task
 
 # Group ids of Spark fan-out: flag | run << 40 | partition << 20 | chunk. Counter-allocated
@@ -307,11 +309,20 @@ def fan_out(
     from tracker.core.batches import batch_id_of
     from tracker.sync import close_batch, open_batch
 
-    if not isinstance(topic, str) or not topic:
-        raise ValueError(f"topic must be a non-empty string, got {topic!r}")
-    for name in (value_col, key_col):
-        if name is not None and name not in df.columns:
-            raise ValueError(f"column {name!r} is not in the DataFrame (columns: {df.columns})")
+    # Everything checked before the batch is opened or a run begun: nothing is written for bad input.
+    check_topic(topic, "topic")
+    check_column(df, "value_col", value_col, ("binary", "string"))
+    if key_col is not None:
+        check_column(df, "key_col", key_col, ("binary", "string"))
+    if id_col is not None:
+        if not isinstance(id_col, str) or not id_col:
+            raise InvalidArgument("id_col", id_col, "a column name (a non-empty str) or None")
+        if id_col in df.columns:
+            raise InvalidValue("id_col", id_col, "is already a column of the DataFrame: name a new one")
+    if df.rdd.getNumPartitions() > MAX_PARTITIONS:
+        raise InvalidValue(
+            "df", f"{df.rdd.getNumPartitions()} partitions", f"at most {MAX_PARTITIONS} partitions per fan-out"
+        )
     s = schema_of(schema)
     with psycopg.connect(dsn) as conn:
         if batch is None:
@@ -322,8 +333,6 @@ def fan_out(
     writer = _PartitionWriter(
         dsn, s, DEFAULT_OUTBOX_TABLE, batch_id, run, topic, value_col, key_col, id_col, after_commit, before_commit
     )
-    if df.rdd.getNumPartitions() > MAX_PARTITIONS:
-        raise ValueError(f"at most {MAX_PARTITIONS} partitions per fan-out")
     out_df = None
     if id_col is None:
         df.mapInArrow(in_task(writer), "partition int, items long").collect()

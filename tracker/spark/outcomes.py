@@ -25,6 +25,7 @@ from tracker.config import schema_of
 from tracker.errors import InvalidValue
 from tracker.folding import GROUPS_PER_FOLD_MAX, GroupMask, fold_arrow, or_bits
 from tracker.spark.acks import ack_dataframe
+from tracker.spark.columns import check_column
 from tracker.spark.worker import in_task
 
 OUTCOMES = ("succeeded", "failed")
@@ -150,9 +151,9 @@ def _check(df: Any, column: str, outcome_column: str, reason_column: str) -> Non
     over the input, before anything is recorded)."""
     from pyspark.sql import functions as f
 
-    for name in (column, outcome_column, reason_column):
-        if name not in df.columns:
-            raise ValueError(f"column {name!r} is not in the DataFrame (columns: {df.columns})")
+    check_column(df, "column", column, ("string",))
+    check_column(df, "outcome_column", outcome_column, ("string",))
+    check_column(df, "reason_column", reason_column, ("string",))
     outcome, reason = f.col(outcome_column), f.col(reason_column)
     failed = outcome == f.lit("failed")
     bad = df.select(
