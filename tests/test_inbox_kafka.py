@@ -293,3 +293,36 @@ def test_a_failed_poll_comes_again_on_the_same_consumer(pg_dsn, effects, kafka_b
             c.close()
     assert failures == ["c"]
     assert _effects(pg_dsn, effects) == {i: 1 for i in ids}
+
+
+def test_end_of_partition_events_are_not_records_nor_errors(pg_dsn, effects, kafka_bootstrap, topics):
+    # With enable.partition.eof (a setting the consumer passes through), librdkafka hands each
+    # partition's end to consume() as an event with an error set: the consumer goes on.
+    topic = topics("inbox", partitions=2)
+    ids = ["a", "b", "c"]
+    produced = _produce(kafka_bootstrap, topic, ids, random.Random(3))
+    config = {
+        "bootstrap.servers": kafka_bootstrap,
+        "group.id": f"g-{uuid.uuid4().hex[:8]}",
+        "auto.offset.reset": "earliest",
+        "enable.partition.eof": True,
+    }
+    insert = sql.SQL("INSERT INTO {} (message_id) VALUES (%s)").format(sql.Identifier(effects, "effects"))
+    with psycopg.connect(pg_dsn) as conn:
+        c = InboxConsumer(
+            config,
+            [topic],
+            conn,
+            Inbox("billing", schema=effects, registry=None),
+            lambda conn, record: conn.execute(insert, [message_id_of(record)]),
+        )
+        try:
+            deadline = time.monotonic() + 30
+            polls = 0
+            while (c.totals.records < produced or polls < 5) and time.monotonic() < deadline:
+                c.poll_once()  # raised KafkaException(_PARTITION_EOF) before
+                polls += 1
+        finally:
+            c.close()
+    assert c.totals.records == produced
+    assert _effects(pg_dsn, effects) == {i: 1 for i in ids}

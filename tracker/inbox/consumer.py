@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from tracker import message_ids
 from tracker.errors import InvalidValue, TrackerError
@@ -107,6 +107,11 @@ class PollResult:
     processed: int = 0  # effects run
     duplicates: int = 0  # records the inbox had seen: nothing ran
     dead_lettered: int = 0
+
+
+def _partition_end(record: Message) -> bool:
+    err = record.error()
+    return err is not None and err.code() == KafkaError._PARTITION_EOF
 
 
 class InboxConsumer:
@@ -222,7 +227,9 @@ class InboxConsumer:
 
     def poll_once(self) -> PollResult:
         """One poll: process the records, commit the database, then the offsets."""
-        records = self.consumer.consume(self.batch, self.poll_timeout)
+        # An end-of-partition event (enable.partition.eof) says there is nothing more for now: not a
+        # record, and not an error to stop the consumer for.
+        records = [r for r in self.consumer.consume(self.batch, self.poll_timeout) if not _partition_end(r)]
         if not records:
             return PollResult()
         try:
