@@ -177,3 +177,27 @@ def test_ack_producer_names_a_bad_setting_before_making_a_client(kwargs, error, 
     with pytest.raises(error) as info:
         AckProducer(**{"bootstrap_servers": "127.0.0.1:1", "topic": "acks", **kwargs})
     assert str(info.value).startswith(name)
+
+
+def test_ack_producer_holds_at_most_one_folds_masks(kafka_bootstrap, topics):
+    """Ids in many groups: each group's mask is only as long as its highest index, the buffer is
+    sent once it holds as many groups as one fold takes (whatever max_pending and linger say), and
+    a call whose masks alone would pass one fold's bound is refused whole, as tracker.fold refuses it."""
+    from tracker.folding import GROUPS_PER_FOLD_MAX, MASK_BYTES_MAX
+
+    topic = topics("acks", partitions=1)
+    n = GROUPS_PER_FOLD_MAX + 500
+    with AckProducer(bootstrap_servers=kafka_bootstrap, topic=topic, max_pending=10**9, linger=3600) as acks:
+        acks.ack([f"9:{g}:0" for g in range(n)])
+        assert len(acks._pending) < GROUPS_PER_FOLD_MAX  # sent at the bound, not held for the hour
+        assert all(len(bits) == 1 for bits in acks._pending.values())  # index 0: one byte, not 1 KiB
+        too_many = [f"9:{g}:8191" for g in range(MASK_BYTES_MAX // 1024 + 1)]
+        with pytest.raises(tracker.TooManyGroups):
+            acks.ack(too_many)
+        acks.ack(["9:0:1"])
+        assert list(acks._pending) == [(9, 0)]  # held until the flush
+        acks.flush()
+        assert not acks._pending
+    # the first call in two messages (a message names at most one fold's groups), then the last id
+    sent = ",".join(m.value().decode() for m in _consume(kafka_bootstrap, topic, 3)).split(",")
+    assert sorted(sent) == sorted([*(f"9:{g}:0" for g in range(n)), "9:0:1"])  # each once; none refused

@@ -26,7 +26,8 @@ from confluent_kafka import KafkaError, Producer
 
 from tracker.core.acks import Processed as Processed
 from tracker.core.validate import check_reason, check_topic
-from tracker.errors import InvalidArgument, InvalidValue, MalformedItemId, TrackerError
+from tracker.errors import InvalidArgument, InvalidValue, MalformedItemId, TooManyGroups, TrackerError
+from tracker.folding.entries import MASK_BYTES_MAX, OUT_OF_RANGE
 from tracker.folding.messages import FAIL_MARK, FAILURE_REASON_HEADER
 from tracker.ids import GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, format_run, parse_item_id
 from tracker.kafka_waits import with_waits
@@ -127,20 +128,28 @@ def compact(indexes: Iterable[int]) -> list[tuple[int, int]]:
 
 
 def _fold_ids(item_ids: str | bytes | Iterable[str | bytes]) -> dict[tuple[int, int], Any]:
-    """Item ids and runs folded with the acker's bounds-checked fold (no mask beyond 8192 bits);
-    raises MalformedItemId on the first bad one."""
+    """Item ids and runs folded with the acker's bounds-checked fold (no mask beyond 8192 bits),
+    each mask only as long as its highest index, all of them at most MASK_BYTES_MAX bytes (as
+    tracker.fold bounds them): raises MalformedItemId on the first bad one, TooManyGroups at the
+    first past that bound, allocating nothing for it."""
+    from tracker.errors import IndexOutOfRange
     from tracker.folding import EntryFolder
 
     if isinstance(item_ids, (str, bytes)):
         item_ids = [item_ids]
-    folder = EntryFolder()
+    folder = EntryFolder(max_mask_bytes=MASK_BYTES_MAX)
     for entry in item_ids:
         text = entry.decode("ascii", "replace") if isinstance(entry, bytes) else entry
-        reason = folder.add(text) if isinstance(text, str) else "not a str"
-        if reason is not None:
-            if "out of range" in reason:
-                reason = f"index beyond any group (max {GROUP_BITS_MAX - 1}): {reason}"
-            raise MalformedItemId(entry, reason)
+        if not isinstance(text, str):
+            raise MalformedItemId(entry, "not a str")
+        try:
+            taken = folder.take(text)
+        except MalformedItemId as exc:
+            raise MalformedItemId(entry, f"malformed: {exc}") from None
+        except IndexOutOfRange:
+            raise MalformedItemId(entry, f"index beyond any group (max {GROUP_BITS_MAX - 1}): {OUT_OF_RANGE}") from None
+        if not taken:
+            raise TooManyGroups("item_ids", entry, MASK_BYTES_MAX)
     return folder.masks
 
 
@@ -231,16 +240,18 @@ class AckProducer:
             for key, mask in masks.items():
                 bits = mask.bits
                 if others:  # the first outcome of an item wins: leave out ids another outcome holds
-                    taken = 0
-                    for other in others:
-                        held = other.get(key)
-                        if held is not None:
-                            taken |= int.from_bytes(held, "big") << (8 * (len(bits) - len(held)))
-                    if taken:
-                        mine = int.from_bytes(bits, "big") & ~taken
+                    # Masks are as long as their highest index (byte i holds indexes 8i..8i+7): align
+                    # them on the longest before comparing, then cut back to this one's length.
+                    helds = [held for held in (other.get(key) for other in others) if held is not None]
+                    if helds:
+                        width = max(len(bits), *map(len, helds))
+                        taken = 0
+                        for held in helds:
+                            taken |= int.from_bytes(held, "big") << (8 * (width - len(held)))
+                        mine = (int.from_bytes(bits, "big") << (8 * (width - len(bits)))) & ~taken
                         if not mine:
                             continue
-                        bits = bytearray(mine.to_bytes(len(bits), "big"))
+                        bits = bytearray((mine >> (8 * (width - len(bits)))).to_bytes(len(bits), "big"))
                 held = into.get(key)
                 if held is None:
                     into[key] = bits
@@ -255,8 +266,13 @@ class AckProducer:
                 del self._failing[reason]
             if self._oldest is None and masks:
                 self._oldest = time.monotonic()
-            due = self._count >= self.max_pending or (
-                self._oldest is not None and time.monotonic() - self._oldest >= self.linger
+            # Sent at max_pending ids, after linger, or once the groups held could take more than
+            # one fold's masks (MASK_BYTES_MAX): the buffer's memory is bounded whatever the ids name.
+            groups = len(self._pending) + sum(map(len, self._failing.values()))
+            due = (
+                self._count >= self.max_pending
+                or groups >= GROUPS_PER_FOLD_MAX
+                or (self._oldest is not None and time.monotonic() - self._oldest >= self.linger)
             )
             if due:
                 self._send_locked()
