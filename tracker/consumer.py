@@ -242,12 +242,12 @@ class AckProducer:
                 if others:  # the first outcome of an item wins: leave out ids another outcome holds
                     # Masks are as long as their highest index (byte i holds indexes 8i..8i+7): align
                     # them on the longest before comparing, then cut back to this one's length.
-                    helds = [held for held in (other.get(key) for other in others) if held is not None]
+                    helds = [other[key] for other in others if key in other]
                     if helds:
                         width = max(len(bits), *map(len, helds))
                         taken = 0
-                        for held in helds:
-                            taken |= int.from_bytes(held, "big") << (8 * (width - len(held)))
+                        for other_bits in helds:
+                            taken |= int.from_bytes(other_bits, "big") << (8 * (width - len(other_bits)))
                         mine = (int.from_bytes(bits, "big") << (8 * (width - len(bits)))) & ~taken
                         if not mine:
                             continue
