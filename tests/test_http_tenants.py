@@ -230,3 +230,41 @@ def test_another_tenants_batch_cannot_be_failed_read_or_parented(servers, pg_dsn
         assert page["failures"] == [{"item_id": f"{theirs}:0:0", "reason": "billing secret"}]
         child = billing.post("/v1/batches", json={"completion_topic": "billing-done", "parent": theirs})
         assert child.status_code == 201 and child.json()["parent_id"] == theirs
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"tenants: \xff\n", b"tenants: 2001-13-45\n", b"a: &x [*x]\n", b"tenants:\n  a: {tokens: [1e400]}\n"],
+)
+def test_a_tenants_file_spoiled_while_serving_keeps_the_tenants_that_were(servers, content):
+    """Edited into bytes that are not UTF-8, a YAML value no loader reads, an alias: re-read on
+    change, it is refused with an error line, the server keeps serving with the tenants it had (a
+    request still gets its answer, never a 500), and a file fixed again is read again."""
+    server, tenants_file = servers
+    with _client(server, BILLING) as billing:
+        assert billing.get("/v1/batches/1").status_code == 404
+        tenants_file.write_bytes(content)
+        time.sleep(1.1)  # the file is looked at no more than once a second
+        for _ in range(3):
+            assert billing.get("/v1/batches/1").status_code == 404  # still billing's token
+            time.sleep(0.4)
+        _write(tenants_file, {"billing": ([BILLING], ["billing-done"]), "search": ([SEARCH, LATER], None)})
+        time.sleep(1.1)
+        with _client(server, LATER) as later:
+            assert later.get("/v1/batches/1").status_code == 404  # the fixed file was read
+
+
+def test_tokens_and_tenants_files_that_are_not_utf8_are_named_at_start(tmp_path):
+    from harvester.config import HttpConfig
+    from harvester.services.http.security import load_tokens
+
+    bad = tmp_path / "bad"
+    bad.write_bytes(b"\xfftoken-0123456789abcdef\n")
+    with pytest.raises(ConfigError, match="http.tenants_file.*not UTF-8"):
+        TenantAuth([], str(bad), "done")
+    with pytest.raises(ConfigError, match="http.tokens_file.*not UTF-8"):
+        load_tokens(HttpConfig(tokens_file=str(bad)))
+    big = tmp_path / "big"
+    big.write_bytes(b"#" * (4 << 20) + b"\n")
+    with pytest.raises(ConfigError, match="larger than"):
+        TenantAuth([], str(big), "done")

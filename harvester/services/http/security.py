@@ -7,7 +7,6 @@ import ipaddress
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from pathlib import Path
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -33,12 +32,29 @@ def state_of(scope: Scope) -> MutableMapping[str, object]:
     return state
 
 
+# A tokens or tenants file holds tokens or their hashes: a few hundred bytes each. Larger is
+# refused unread.
+FILE_MAX_BYTES = 4 << 20
+
+
+def read_text(path: str, key: str) -> str:
+    """A configuration file's text: at most FILE_MAX_BYTES, UTF-8, else ConfigError naming `key`."""
+    with open(path, "rb") as f:
+        raw = f.read(FILE_MAX_BYTES + 1)
+    if len(raw) > FILE_MAX_BYTES:
+        raise ConfigError(key, f"{path} is larger than {FILE_MAX_BYTES:,} bytes")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(key, f"{path} is not UTF-8 text (byte {exc.start})") from None
+
+
 def load_tokens(cfg: HttpConfig) -> list[str]:
     """Tokens from http.tokens (comma-separated) and http.tokens_file (one per line, '#' comments)."""
     tokens = [t.strip() for t in cfg.tokens.split(",") if t.strip()]
     if cfg.tokens_file:
         try:
-            text = Path(cfg.tokens_file).read_text()
+            text = read_text(cfg.tokens_file, "http.tokens_file")
         except OSError as exc:
             raise ConfigError("http.tokens_file", f"cannot read {cfg.tokens_file}: {exc.strerror}") from None
         for line in text.splitlines():

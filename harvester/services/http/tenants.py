@@ -25,7 +25,6 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import structlog
 import yaml
@@ -33,7 +32,7 @@ import yaml
 from harvester.config import ConfigError
 from harvester.services.http import problems
 from harvester.services.http.backend import Store
-from harvester.services.http.security import token_id
+from harvester.services.http.security import read_text, token_id
 from tracker.errors import TrackerError, UnknownBatch
 from tracker.ids import fold
 
@@ -120,14 +119,20 @@ class TenantAuth:
         self.enabled = bool(tokens or tenants_file)
 
     def reload(self, *, strict: bool = False) -> None:
-        """Read the tenants file again; a bad file keeps the tenants that were (strict: raise)."""
+        """Read the tenants file again; a bad file keeps the tenants that were (strict: raise).
+        Whatever the file holds, a reload never stops the server nor fails a request."""
         try:
             stat = os.stat(self._file)
-            parsed = parse(Path(self._file).read_text(), self._topic)
+            parsed = parse(read_text(self._file, "http.tenants_file"), self._topic)
         except (OSError, ConfigError) as exc:
             if strict:
                 raise ConfigError("http.tenants_file", str(exc)) if isinstance(exc, OSError) else exc from None
             self._log.error("tenants file not reloaded: keeping the tenants already loaded", error=str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001  (a file no check foresaw: say so, keep serving)
+            if strict:
+                raise ConfigError("http.tenants_file", f"cannot be read: {type(exc).__name__}") from None
+            self._log.error("tenants file not reloaded: keeping the tenants already loaded", error=type(exc).__name__)
             return
         self._from_file, self._seen = parsed, (stat.st_mtime, stat.st_size)
         self._log.info(
