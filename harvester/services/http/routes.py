@@ -214,10 +214,12 @@ def add_v1_routes(
         batch_id: BatchId,
         wait: Annotated[float, Query(ge=0, description="seconds to wait at most")] = 30.0,
     ) -> models.Status | Response:
-        if wait > h.long_poll_max:
+        if not wait <= h.long_poll_max:  # also NaN
+            written = request.query_params.get("wait", "")
+            shown = written if len(written) <= 40 else written[:40] + "..."
             raise Problem(
                 "invalid-request",
-                f"wait {wait} is over this server's limit of {h.long_poll_max} s",
+                f"wait {shown} is over this server's limit of {h.long_poll_max} s",
                 field="query.wait",
                 limit=h.long_poll_max,
             )
