@@ -255,7 +255,7 @@ def test_invalid_json_path_query_media_type_route_and_method(world):
     check(
         c.get(f"/v1/batches/{ids['A']}/completion", params={"wait": "soon"}), 400, "invalid-request", field="query.wait"
     )
-    for written in ("1e400", "inf", "nan", "9" * 400):  # named as written, not as the number it parses to
+    for written in ("1e400", "inf", "9" * 400):  # named as written, not as the number it parses to
         r = c.get(f"/v1/batches/{ids['A']}/completion", params={"wait": written})
         check(r, 400, "invalid-request", field="query.wait")
         assert r.json()["detail"].startswith(f"wait {written[:40]}"), r.text
