@@ -68,15 +68,23 @@ BEGIN
             USING ERRCODE = 'RT009', DETAIL = now()::text;
     END IF;
     IF current_setting('transaction_isolation') = 'serializable' THEN
-        -- Every partition but the current one whose time has begun: a claim's row is in the
-        -- partition of its transaction's start, never later than now.
-        FOR part IN SELECT p.name, p.lower FROM inbox_partition p
-                     WHERE p.lower <= clock_timestamp() AND NOT (p.lower <= now() AND now() < p.upper)
-                       AND to_regclass(quote_ident(p.name)) IS NOT NULL
+        -- Every partition whose time has begun, from the catalog as it is now (pg_partition_tree,
+        -- and each partition's bounds from its constraint: not inbox_partition nor pg_class, which
+        -- this transaction reads as of its snapshot and which would miss a partition attached or
+        -- renamed since). A claim's row is in the partition of its transaction's start, never later
+        -- than now. The current partition is probed too: harmless, the final insert would meet the
+        -- same row the same way.
+        FOR part IN SELECT t.relid::regclass AS rel,
+                           coalesce(substring(pg_get_partition_constraintdef(t.relid)
+                                              FROM $re$received_at >= '([^']*)'$re$)::timestamptz,
+                                    '-infinity') AS lower
+                      FROM pg_partition_tree('inbox'::regclass) t
+                     WHERE t.isleaf
         LOOP
+            CONTINUE WHEN part.lower > clock_timestamp();
             BEGIN
-                EXECUTE format('INSERT INTO %I (consumer, message_id, received_at) VALUES ($1, $2, $3) '
-                               'ON CONFLICT DO NOTHING', part.name)
+                EXECUTE format('INSERT INTO %s (consumer, message_id, received_at) VALUES ($1, $2, $3) '
+                               'ON CONFLICT DO NOTHING', part.rel)
                     USING inbox_claim.consumer, inbox_claim.message_id, part.lower;
                 RAISE EXCEPTION 'probe undone' USING ERRCODE = 'RT099';
             EXCEPTION

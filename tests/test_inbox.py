@@ -338,6 +338,56 @@ def test_a_serializable_claim_never_runs_twice_whatever_the_other_claims_isolati
         assert rows == 1
 
 
+@pytest.mark.parametrize("change", ["attached after the snapshot", "renamed"])
+def test_a_serializable_claim_probes_the_partitions_as_the_catalog_has_them_now(pg_dsn, schema, change):
+    """The partitions probed are read from the catalog as it is at the claim, not as the claim's
+    snapshot had them: one the maintenance attached since (the other claim's row in it), or one an
+    operator renamed, is probed too."""
+    mid = f"m-{change}"
+    box = Inbox("c", schema=schema, registry=None)
+    with (
+        psycopg.connect(pg_dsn) as first,
+        psycopg.connect(pg_dsn) as second,
+        psycopg.connect(pg_dsn, autocommit=True) as admin,
+    ):
+        second.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
+        admin.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+        (boundary,) = admin.execute("SELECT clock_timestamp() + interval '400 ms'").fetchone()
+        _boundary_after(pg_dsn, schema, boundary)
+        if change == "attached after the snapshot":
+            admin.execute("DROP TABLE new")
+            admin.execute("DELETE FROM inbox_partition WHERE name = 'new'")
+            second.execute("SELECT 1")  # its snapshot: before "new" exists, in "old"
+            while admin.execute("SELECT clock_timestamp() <= %s", [boundary]).fetchone()[0]:
+                time.sleep(0.05)
+            admin.execute("CREATE TABLE new (LIKE inbox)")
+            admin.execute("CREATE UNIQUE INDEX ON new (consumer, message_id)")
+            admin.execute(
+                sql.SQL("ALTER TABLE inbox ATTACH PARTITION new FOR VALUES FROM ({}) TO ('infinity')").format(
+                    sql.Literal(boundary + datetime.timedelta(microseconds=1))  # where "old" ends
+                )
+            )
+            admin.execute(
+                "INSERT INTO inbox_partition VALUES ('new', %s, 'infinity')",
+                [boundary + datetime.timedelta(microseconds=1)],
+            )
+            first.execute("SELECT now()")  # after the boundary: its claim goes to "new"
+        else:
+            first.execute("SELECT now()")  # before the boundary: its claim goes to "old"
+            while admin.execute("SELECT clock_timestamp() <= %s", [boundary]).fetchone()[0]:
+                time.sleep(0.05)
+            second.execute("SELECT 1")  # after it: "new"; its snapshot before the first's commit
+        assert box.claim(first, mid)
+        first.commit()
+        if change == "renamed":
+            admin.execute("ALTER TABLE old RENAME TO old_renamed")
+        with pytest.raises(psycopg.errors.SerializationFailure):
+            box.claim(second, mid)
+        second.rollback()
+        (rows,) = admin.execute("SELECT count(*) FROM inbox WHERE message_id = %s", [mid]).fetchone()
+        assert rows == 1
+
+
 def test_the_sql_functions_for_other_languages(pg_dsn, schema):
     with psycopg.connect(pg_dsn) as conn:
         conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
