@@ -182,22 +182,28 @@ def test_ack_producer_names_a_bad_setting_before_making_a_client(kwargs, error, 
 def test_ack_producer_holds_at_most_one_folds_masks(kafka_bootstrap, topics):
     """Ids in many groups: each group's mask is only as long as its highest index, the buffer is
     sent once it holds as many groups as one fold takes (whatever max_pending and linger say), and
-    a call whose masks alone would pass one fold's bound is refused whole, as tracker.fold refuses it."""
+    a call whose masks alone would pass one fold's bound is buffered and sent in rounds; a bad id
+    anywhere in it, even past the first round, leaves none of the call buffered."""
     from tracker.folding import GROUPS_PER_FOLD_MAX, MASK_BYTES_MAX
 
     topic = topics("acks", partitions=1)
     n = GROUPS_PER_FOLD_MAX + 500
+    wide = [f"8:{g}:8191" for g in range(MASK_BYTES_MAX // 1024 + 7)]  # past one fold's masks
     with AckProducer(bootstrap_servers=kafka_bootstrap, topic=topic, max_pending=10**9, linger=3600) as acks:
         acks.ack([f"9:{g}:0" for g in range(n)])
         assert len(acks._pending) < GROUPS_PER_FOLD_MAX  # sent at the bound, not held for the hour
         assert all(len(bits) == 1 for bits in acks._pending.values())  # index 0: one byte, not 1 KiB
-        too_many = [f"9:{g}:8191" for g in range(MASK_BYTES_MAX // 1024 + 1)]
-        with pytest.raises(tracker.TooManyGroups):
-            acks.ack(too_many)
+        held = dict(acks._pending)
+        with pytest.raises(tracker.MalformedItemId, match="8:1:x"):
+            acks.ack([*wide, "8:1:x"])
+        assert acks._pending == held  # nothing of the refused call, not even its first round
+        acks.ack(wide)
+        assert sum(len(bits) for bits in acks._pending.values()) <= MASK_BYTES_MAX
         acks.ack(["9:0:1"])
-        assert list(acks._pending) == [(9, 0)]  # held until the flush
         acks.flush()
         assert not acks._pending
-    # the first call in two messages (a message names at most one fold's groups), then the last id
-    sent = ",".join(m.value().decode() for m in _consume(kafka_bootstrap, topic, 3)).split(",")
-    assert sorted(sent) == sorted([*(f"9:{g}:0" for g in range(n)), "9:0:1"])  # each once; none refused
+    expected = [*(f"9:{g}:0" for g in range(n)), *wide, "9:0:1"]
+    got: list[str] = []
+    for m in _consume(kafka_bootstrap, topic, 5):
+        got.extend(m.value().decode().split(","))
+    assert sorted(got) == sorted(expected)  # each once

@@ -19,17 +19,17 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 from confluent_kafka import KafkaError, Producer
 
 from tracker.core.acks import Processed as Processed
 from tracker.core.validate import check_reason, check_topic
-from tracker.errors import InvalidArgument, InvalidValue, MalformedItemId, TooManyGroups, TrackerError
+from tracker.errors import InvalidArgument, InvalidValue, MalformedItemId, TrackerError
 from tracker.folding.entries import MASK_BYTES_MAX, OUT_OF_RANGE
 from tracker.folding.messages import FAIL_MARK, FAILURE_REASON_HEADER
-from tracker.ids import GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, format_run, parse_item_id
+from tracker.ids import GROUP_BITS_MAX, GROUPS_PER_FOLD_MAX, format_run, parse_ack, parse_item_id
 from tracker.kafka_waits import with_waits
 from tracker.sync import exactly_once as exactly_once
 
@@ -127,30 +127,59 @@ def compact(indexes: Iterable[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _fold_ids(item_ids: str | bytes | Iterable[str | bytes]) -> dict[tuple[int, int], Any]:
-    """Item ids and runs folded with the acker's bounds-checked fold (no mask beyond 8192 bits),
-    each mask only as long as its highest index, all of them at most MASK_BYTES_MAX bytes (as
-    tracker.fold bounds them): raises MalformedItemId on the first bad one, TooManyGroups at the
-    first past that bound, allocating nothing for it."""
+def _entry_text(entry: object) -> str:
+    text = entry.decode("ascii", "replace") if isinstance(entry, bytes) else entry
+    if not isinstance(text, str):
+        raise MalformedItemId(entry, "not a str")
+    return text
+
+
+def _fold_one(folder: Any, entry: object, fold: bool = True) -> bool:
+    """folder.take(entry) (with fold=False, only the check of it), its refusal named as the
+    caller wrote the entry."""
     from tracker.errors import IndexOutOfRange
+
+    text = _entry_text(entry)
+    try:
+        if fold:
+            return folder.take(text)
+        parse_ack(text)
+        return True
+    except MalformedItemId as exc:
+        raise MalformedItemId(entry, f"malformed: {exc}") from None
+    except IndexOutOfRange:
+        raise MalformedItemId(entry, f"index beyond any group (max {GROUP_BITS_MAX - 1}): {OUT_OF_RANGE}") from None
+
+
+def _fold_ids(item_ids: str | bytes | Iterable[str | bytes]) -> Iterator[dict[tuple[int, int], Any]]:
+    """Item ids and runs folded with the acker's bounds-checked fold (no mask beyond 8192 bits),
+    each mask only as long as its highest index, in rounds of at most MASK_BYTES_MAX bytes of masks
+    (as tracker.fold bounds one fold). Every entry is checked before the first round is returned:
+    MalformedItemId names the first bad one, and then nothing of the call may be buffered."""
     from tracker.folding import EntryFolder
 
-    if isinstance(item_ids, (str, bytes)):
-        item_ids = [item_ids]
+    entries = [item_ids] if isinstance(item_ids, (str, bytes)) else list(item_ids)
     folder = EntryFolder(max_mask_bytes=MASK_BYTES_MAX)
-    for entry in item_ids:
-        text = entry.decode("ascii", "replace") if isinstance(entry, bytes) else entry
-        if not isinstance(text, str):
-            raise MalformedItemId(entry, "not a str")
-        try:
-            taken = folder.take(text)
-        except MalformedItemId as exc:
-            raise MalformedItemId(entry, f"malformed: {exc}") from None
-        except IndexOutOfRange:
-            raise MalformedItemId(entry, f"index beyond any group (max {GROUP_BITS_MAX - 1}): {OUT_OF_RANGE}") from None
-        if not taken:
-            raise TooManyGroups("item_ids", entry, MASK_BYTES_MAX)
-    return folder.masks
+    for i, entry in enumerate(entries):
+        if not _fold_one(folder, entry):
+            # Past one round's masks: check the rest (without folding it), then fold in rounds.
+            for later in entries[i:]:
+                _fold_one(None, later, fold=False)
+            return _rounds(entries)
+    return iter([folder.masks])
+
+
+def _rounds(entries: list) -> Iterator[dict[tuple[int, int], Any]]:
+    from tracker.folding import EntryFolder
+
+    folder = EntryFolder(max_mask_bytes=MASK_BYTES_MAX)
+    for entry in entries:
+        if not _fold_one(folder, entry):
+            yield folder.masks
+            folder = EntryFolder(max_mask_bytes=MASK_BYTES_MAX)
+            _fold_one(folder, entry)  # one entry's mask (at most 1 KiB) fits an empty round
+    if folder.masks:
+        yield folder.masks
 
 
 class AckDeliveryError(TrackerError):
@@ -221,15 +250,18 @@ class AckProducer:
         self.failures_sent = 0
 
     def ack(self, item_ids: str | bytes | Iterable[str | bytes]) -> None:
-        """Buffer item ids or runs; raises MalformedItemId (buffering none of the call) on a bad one."""
-        self._buffer(_fold_ids(item_ids), None)
+        """Buffer item ids or runs; raises MalformedItemId (buffering none of the call) on a bad one.
+        Ids in many groups are buffered (and sent) in rounds, so what is held stays bounded."""
+        for masks in _fold_ids(item_ids):
+            self._buffer(masks, None)
 
     def fail(self, item_ids: str | bytes | Iterable[str | bytes], reason: str) -> None:
         """Buffer item ids or runs as failed under `reason` (1 to 500 characters, as `tracker.fail`
         takes it). Raises InvalidValue or InvalidArgument for the reason, MalformedItemId for an
         id; then none of the call is buffered."""
         checked = check_reason(reason)
-        self._buffer(_fold_ids(item_ids), checked)
+        for masks in _fold_ids(item_ids):
+            self._buffer(masks, checked)
 
     def _buffer(self, masks: dict[tuple[int, int], Any], reason: str | None) -> None:
         with self._lock:

@@ -18,6 +18,8 @@ def check_column(df: Any, what: str, name: object, kinds: tuple[str, ...]) -> st
     if name not in df.columns:
         raise InvalidValue(what, name, f"is not a column of the DataFrame (columns: {df.columns})")
     kind = df.schema[name].dataType
-    if kind.typeName() not in kinds:
+    # Spark may keep a string column's declared varchar(n) or char(n) (spark.sql.preserveCharVarcharTypeInfo)
+    accepted = (*kinds, "varchar", "char") if "string" in kinds else kinds
+    if kind.typeName() not in accepted:
         raise InvalidValue(what, name, f"is a {kind.simpleString()} column: a {' or '.join(kinds)} column is needed")
     return name
