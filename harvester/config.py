@@ -3,7 +3,11 @@
 Every key has a default; `REAPER_<SECTION>__<KEY>` overrides `<section>.<key>` (e.g.
 `REAPER_DATABASE__DSN`, `REAPER_HARVESTER__HEARTBEAT_TIMEOUT`). Kafka client settings under
 `kafka.client` are passed to librdkafka as they are (`REAPER_KAFKA__CLIENT__SASL_PASSWORD` sets
-`sasl.password`). A bad value fails at start with a ConfigError naming the key and the value.
+`sasl.password`), and checked by librdkafka itself at load. A bad value fails at start with a
+ConfigError naming the key and the value; so does a variable that starts like one
+(`REAPER_DATABASE_SCHEMA`, one underscore) or names no key (`REAPER_KAFKA__CLIENT__`). The file is
+read by harvester.config_schema.load_yaml's rules: at most MAX_CONFIG_BYTES of UTF-8, no aliases,
+no key written twice in one mapping.
 
 The schema is written once, in harvester.config_keys: each key is a dataclass field whose type and
 default are the field's, and whose rule (description, bounds, allowed values, secrecy) is
@@ -19,12 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, get_origin, get_type_hints
 
-import yaml
+from confluent_kafka import Consumer, KafkaException, Producer
 
 from harvester.config_keys import (  # noqa: F401  (the sections and their constants: importers take them from here)
     MAX_LANES,
@@ -57,10 +63,13 @@ from harvester.config_schema import (  # noqa: F401  (ConfigError, redact, redac
     ConfigError,
     Rule,
     Setting,
+    clip,
     key,
+    load_yaml,
     redact,
     redact_dsn,
 )
+from harvester.election.timeouts import silent_broker_defaults, silent_broker_wait_ms
 
 # Producer settings the harvester's per-key ordering rests on; configuration may not change them.
 REQUIRED_PRODUCER = {
@@ -73,6 +82,10 @@ RESERVED_KAFKA = ("bootstrap.servers", "group.id", "on_delivery", "error_cb", "o
 
 # harvester.step_down_after's smallest non-zero value: a database restart fails marks for a moment
 STEP_DOWN_MIN = 1.0
+
+# The largest configuration file read: a configuration is a few kilobytes, and YAML is slow to read
+# (a 9 MB file took 40 s and 900 MB).
+MAX_CONFIG_BYTES = 1 << 20
 
 
 # ------------------------------------------------------------------ what the schema derives
@@ -115,7 +128,7 @@ def _apply(section_obj: Any, section: str, values: Mapping[str, Any]) -> None:
     for name, written in values.items():
         s = known.get(name)
         if s is None:
-            raise ConfigError(f"{section}.{name}", f"unknown key (known: {', '.join(sorted(known))})")
+            raise ConfigError(clip(f"{section}.{name}", 80), f"unknown key (known: {', '.join(sorted(known))})")
         value = s.coerce(written)
         if s.is_mapping:
             value = {**getattr(section_obj, name), **value}
@@ -124,29 +137,77 @@ def _apply(section_obj: Any, section: str, values: Mapping[str, Any]) -> None:
         setattr(section_obj, name, value)
 
 
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """What is wrong and where, without the offending line: it may hold a password."""
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or type(exc).__name__
-    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
-
-
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    known = sections()
     mappings = {(s.section, s.name) for s in settings() if s.is_mapping}
     out: dict[str, dict[str, Any]] = {}
+    origin: dict[tuple[str, ...], str] = {}
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX) or "__" not in name:
+        if not name.startswith(ENV_PREFIX):
             continue
-        parts = name[len(ENV_PREFIX) :].lower().split("__")
+        rest = name[len(ENV_PREFIX) :].lower()
+        if "__" not in rest:
+            # REAPER_DATABASE_SCHEMA: a configuration variable with one underscore too few. Others
+            # (REAPER_FAULT_INJECTION, Kubernetes' REAPER_HTTP_PORT for a service named reaper-http)
+            # belong to someone else.
+            section = next((s for s in known if rest == s or rest.startswith(f"{s}_")), None)
+            if section is not None and not _KUBERNETES_SERVICE_VARIABLE.search(name):
+                wanted = f"{ENV_PREFIX}{section.upper()}__{rest[len(section) + 1 :].upper() or '<KEY>'}"
+                raise ConfigError(
+                    name, f"is not a configuration variable: write {wanted} (two underscores after the section)"
+                )
+            continue
+        parts = rest.split("__")
+        if "" in parts or not 2 <= len(parts) <= 3:
+            raise ConfigError(
+                name, "environment override must be REAPER_<SECTION>__<KEY> (or REAPER_KAFKA__<PART>__<NAME>)"
+            )
         section = parts[0]
+        if section not in known:
+            raise ConfigError(name, f"unknown section {section!r} (known: {', '.join(sorted(known))})")
         if len(parts) == 2:
+            where: tuple[str, ...] = (section, parts[1])
             out.setdefault(section, {})[parts[1]] = value
-        elif len(parts) == 3 and (section, parts[1]) in mappings:
+        elif (section, parts[1]) in mappings:
             # REAPER_KAFKA__CLIENT__SASL_USERNAME -> sasl.username
-            out.setdefault(section, {}).setdefault(parts[1], {})[parts[2].replace("_", ".")] = value
+            entry = parts[2].replace("_", ".")
+            where = (section, parts[1], entry)
+            out.setdefault(section, {}).setdefault(parts[1], {})[entry] = value
         else:
-            raise ConfigError(name, "environment override must be REAPER_<SECTION>__<KEY>")
+            raise ConfigError(name, f"{section}.{parts[1]} is not a mapping: write REAPER_<SECTION>__<KEY>")
+        if where in origin:
+            raise ConfigError(name, f"sets {'.'.join(where)}, which {origin[where]} sets too")
+        origin[where] = name
     return out
+
+
+# the variables Kubernetes sets for each service of the namespace (a service named reaper-http:
+# REAPER_HTTP_SERVICE_HOST, REAPER_HTTP_PORT_8400_TCP_ADDR, ...)
+_KUBERNETES_SERVICE_VARIABLE = re.compile(r"_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT(_\d+_(TCP|UDP|SCTP)(_\w+)?)?)$")
+
+
+def _read(path: str | Path) -> Any:
+    """The configuration file's YAML: a ConfigError naming --config when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError("--config", f"file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError("--config", f"{path} is a directory, not a file") from None
+    except OSError as exc:
+        raise ConfigError("--config", f"cannot read {path}: {exc.strerror or type(exc).__name__}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError("--config", f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a configuration file")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError("--config", f"{path} is not UTF-8 text (an invalid byte at line {line})") from None
+    try:
+        return load_yaml(text, "--config")
+    except ConfigError as exc:  # name the file too
+        raise ConfigError("--config", f"{path} is {exc.problem}") from None
 
 
 def load(
@@ -158,12 +219,7 @@ def load(
     cfg = Config()
     layers: list[Mapping[str, Any]] = []
     if path is not None:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError("--config", f"file not found: {path}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError("--config", f"{path} is not valid YAML: {_yaml_problem(exc)}") from None
+        data = _read(path) or {}
         if not isinstance(data, Mapping):
             raise ConfigError("--config", f"{path} must hold a mapping of sections")
         layers.append(data)
@@ -174,7 +230,7 @@ def load(
     for layer in layers:
         for section, values in layer.items():
             if section not in known:
-                raise ConfigError(section, f"unknown section (known: {', '.join(sorted(known))})")
+                raise ConfigError(clip(str(section), 80), f"unknown section (known: {', '.join(sorted(known))})")
             if not isinstance(values, Mapping):
                 raise ConfigError(section, "must be a mapping")
             _apply(getattr(cfg, section), section, values)
@@ -247,6 +303,7 @@ def _check_relations(cfg: Config) -> None:
                 )
             if k == "transactional.id":
                 raise ConfigError(f"kafka.{section}.{k}", "is set by reaper itself; use harvester.transactional_id")
+    _check_kafka(cfg)
     if bool(cfg.http.tls_certfile) != bool(cfg.http.tls_keyfile):
         raise ConfigError("http.tls_certfile", "set both http.tls_certfile and http.tls_keyfile, or neither")
     units(cfg)  # raises ConfigError naming the offending outbox key
@@ -260,3 +317,134 @@ def _check_relations(cfg: Config) -> None:
         topic = getattr(getattr(cfg, section), name)
         if topic in read_by_ackers:
             raise ConfigError(f"{section}.{name}", f"{topic!r} is an ack topic or the acks' dead-letter topic")
+
+
+# ------------------------------------------------------------------ librdkafka's own checks
+
+# A name librdkafka has no setting for, set after the configured ones: the constructor refuses it
+# once it has accepted every setting before it, so librdkafka checks the names and values without
+# a client being made (nothing connects, no file is read).
+_PROBE = "reaper.configuration.probe"
+# Not checked at load: librdkafka loads the plugins this names as soon as it is set.
+_UNCHECKED_KAFKA = ("plugin.library.paths",)
+# What the throwaway clients of _clients_refusal add: no broker (bootstrap.servers is not set), no
+# TLS or SASL set-up (certificate files may exist only where `reaper run` runs), no log lines.
+_discard = logging.getLogger("reaper.kafka.configuration-check")
+_discard.addHandler(logging.NullHandler())
+_discard.propagate = False
+# (librdkafka raises log_level to debug when `debug` is set: it is left out, checked by _refusal.)
+_QUIET = {"security.protocol": "plaintext", "log_level": 0, "logger": _discard}
+
+
+def _refusal(conf: Mapping[str, Any]) -> str | None:
+    """librdkafka's reason for refusing a name or a value of `conf`, or None."""
+    try:
+        client = Producer({**conf, _PROBE: "1"})
+    except KafkaException as exc:
+        reason = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else str(exc)
+        return None if f'"{_PROBE}"' in reason else " ".join(reason.split())
+    except Exception as exc:  # a value confluent_kafka cannot hand to librdkafka as text
+        return f"{type(exc).__name__}: {exc}"
+    client.flush(0)  # not reached: librdkafka has no such setting
+    return None
+
+
+def _kafka_problem(where: str, value: Any, reason: str) -> str:
+    if reason.startswith("No such configuration property"):
+        return "librdkafka has no such setting"
+    if redact(where, "x") == "***":  # a secret's name
+        return "librdkafka refuses its value (not shown: it is a secret)"
+    return f"librdkafka refuses {clip(repr(redact(where, value)))}: {clip(redact_dsn(reason), 300)}"
+
+
+def _frozen(settings: Mapping[str, Any]) -> tuple[tuple[str, str, Any], ...]:
+    # the type too: 1, 1.0 and True are equal keys, and librdkafka reads "1", "1.0" and "true"
+    return tuple((k, type(v).__name__, v) for k, v in settings.items() if k not in _UNCHECKED_KAFKA)
+
+
+def _check_kafka(cfg: Config) -> None:
+    """Every librdkafka setting of kafka.*, checked by librdkafka: a name it does not know or a
+    value it refuses is a ConfigError naming the key, at load rather than when a client is made."""
+    for section in ("client", "producer", "consumer"):
+        written = getattr(cfg.kafka, section)
+        for k, v in written.items():
+            if isinstance(v, str) and "\0" in v:
+                raise ConfigError(
+                    f"kafka.{section}.{k}", "holds a NUL character (librdkafka would cut the value there)"
+                )
+        conf = {k: v for k, v in written.items() if k not in _UNCHECKED_KAFKA}
+        if _refusal(conf) is None:
+            continue
+        for k, v in conf.items():
+            reason = _refusal({k: v})
+            if reason is not None:
+                raise ConfigError(f"kafka.{section}.{k}", _kafka_problem(f"kafka.{section}.{k}", v, reason))
+        raise ConfigError(f"kafka.{section}", "librdkafka refuses these settings together")
+    h = cfg.harvester
+    refused = _clients_refusal(
+        _frozen(cfg.kafka.client),
+        _frozen(cfg.kafka.producer),
+        _frozen(cfg.kafka.consumer),
+        silent_broker_wait_ms(h.heartbeat_timeout, h.session_timeout),
+        h.transactional_id,
+    )
+    if refused is not None:
+        part, reason = refused
+        for section in ("client", "producer", "consumer"):  # a message may quote a value: secrets' are hidden
+            for k, v in getattr(cfg.kafka, section).items():
+                if redact(f"kafka.{section}.{k}", "x") == "***" and len(str(v)) >= 3:
+                    reason = reason.replace(str(v), "***")
+        for section in (part, "client"):
+            for k in getattr(cfg.kafka, section):
+                if re.search(f"[`\"']{re.escape(k)}[`\"']", reason):
+                    raise ConfigError(f"kafka.{section}.{k}", f"librdkafka refuses it: {clip(redact_dsn(reason), 300)}")
+        where = part if getattr(cfg.kafka, part) or not cfg.kafka.client else "client"
+        raise ConfigError(
+            f"kafka.{where}",
+            f"librdkafka refuses the {part}'s settings (kafka.client, kafka.{part} over it, and what reaper sets): "
+            f"{clip(redact_dsn(reason), 300)}",
+        )
+
+
+@functools.lru_cache(maxsize=32)
+def _clients_refusal(
+    client: tuple[tuple[str, str, Any], ...],
+    producer: tuple[tuple[str, str, Any], ...],
+    consumer: tuple[tuple[str, str, Any], ...],
+    wait_ms: int,
+    transactional_id: str,
+) -> tuple[str, str] | None:
+    """("producer" or "consumer", librdkafka's reason) when it refuses to make the data producer or a
+    consumer out of these settings together (a setting that contradicts another, or one reaper sets),
+    None when it makes both. The throwaway clients connect to nothing (_QUIET)."""
+    common = {k: v for k, _, v in client}
+    txn = {"transactional.id": transactional_id} if transactional_id else {}
+    confs = {
+        "producer": {
+            **silent_broker_defaults(wait_ms, producer=True),
+            **common,
+            **{k: v for k, _, v in producer},
+            **REQUIRED_PRODUCER,
+            **txn,
+            **_QUIET,
+        },
+        "consumer": {
+            **silent_broker_defaults(wait_ms),
+            **common,
+            **{k: v for k, _, v in consumer},
+            "group.id": "reaper-configuration-check",
+            **_QUIET,
+        },
+    }
+    for part, conf in confs.items():
+        conf.pop("debug", None)
+        try:
+            made: Any = Producer(conf) if part == "producer" else Consumer(conf)
+        except KafkaException as exc:
+            reason = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else str(exc)
+            return part, " ".join(re.sub(r"^Failed to create \w+: ", "", reason).split())
+        except Exception as exc:
+            return part, f"{type(exc).__name__}: {exc}"
+        if part == "consumer":
+            made.close()
+    return None

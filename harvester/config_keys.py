@@ -74,12 +74,16 @@ class HarvesterConfig:
         check=TOPIC,
     )
     leader_group: str = key("reaper", "consumer group of all instances of one deployment")
-    min_poll_interval: float = key(0.1, "seconds between the leader's heartbeats", **POSITIVE)
+    min_poll_interval: float = key(0.1, "seconds between the leader's heartbeats", **POSITIVE, le=60)
     heartbeat_timeout: float = key(
-        5.0, "a leader that sees none of its heartbeats for this long fences itself (seconds)", **POSITIVE
+        5.0, "a leader that sees none of its heartbeats for this long fences itself (seconds)", **POSITIVE, le=300
     )
     session_timeout: float = key(
-        15.0, "leader-group session timeout (seconds); must exceed heartbeat_timeout", **POSITIVE
+        15.0,
+        "leader-group session timeout (seconds); must exceed heartbeat_timeout. The election's Kafka clients wait "
+        "as long on a broker that does not answer, and librdkafka waits at most 300 s",
+        **POSITIVE,
+        le=300,
     )
     resume_steady: float = key(
         1.0,
@@ -99,17 +103,20 @@ class HarvesterConfig:
     )
     mark_batch: int = key(5000, "rows claimed by one mark query", **POSITIVE)
     max_in_flight: int = key(20000, "records produced and awaiting their delivery reports", **POSITIVE)
-    mark_deadline: float = key(5.0, "a mark-and-produce cycle longer than this forces a remark (seconds)", **POSITIVE)
-    idle_poll_interval: float = key(0.005, "pause after a mark that found nothing (seconds)", **POSITIVE)
+    mark_deadline: float = key(
+        5.0, "a mark-and-produce cycle longer than this forces a remark (seconds)", **POSITIVE, le=3600
+    )
+    idle_poll_interval: float = key(0.005, "pause after a mark that found nothing (seconds)", **POSITIVE, le=60)
     purge_batch: int = key(5000, "rows deleted by one purge statement", **POSITIVE)
     purge_workers: int = key(2, "connections purging delivered rows in parallel", **POSITIVE)
     vacuum_interval: float = key(
         2.0,
         "the leader vacuums the outbox this often while it purges (seconds)",
         ge=0,
+        le=86400,
         note="0 = autovacuum only",
     )
-    drain_timeout: float = key(10.0, "on shutdown, wait this long for in-flight records (seconds)", **POSITIVE)
+    drain_timeout: float = key(10.0, "on shutdown, wait this long for in-flight records (seconds)", **POSITIVE, le=3600)
     default_completion_topic: str = key(
         "batch-completions", "topic of completion events for batches opened without one", check=TOPIC
     )
@@ -159,18 +166,24 @@ class AckerConfig:
     group: str = key("reaper-acker", "consumer group of the ackers")
     dead_letter_topic: str = key("acks-dead-letter", "rejected acks go here with the reason", check=TOPIC)
     max_poll_records: int = key(100000, "acks folded into one round of masked UPDATEs", **POSITIVE)
-    poll_timeout: float = key(0.2, "seconds one poll waits for ack messages", **POSITIVE)
+    poll_timeout: float = key(0.2, "seconds one poll waits for ack messages", **POSITIVE, le=60)
 
 
 @dataclass
 class SweeperConfig:
     enabled: bool = key(True, "run the sweeper (expiry and retention) in this process")
-    interval: float = key(30.0, "seconds between sweeps", **POSITIVE)
+    interval: float = key(30.0, "seconds between sweeps", **POSITIVE, le=86400)
     idle_expiry: float = key(
-        86400.0, "expire open and closed batches with no add, close or ack for this long (seconds)", **POSITIVE
+        86400.0,
+        "expire open and closed batches with no add, close or ack for this long (seconds)",
+        **POSITIVE,
+        le=3660 * 86400,
     )
     retention: float = key(
-        7 * 86400.0, "delete complete and expired batches this long after they finished (seconds)", **POSITIVE
+        7 * 86400.0,
+        "delete complete and expired batches this long after they finished (seconds)",
+        **POSITIVE,
+        le=3660 * 86400,
     )
     chunk: int = key(1000, "batches handled per sweep statement", **POSITIVE)
     expiry_topic: str = key(
@@ -185,7 +198,7 @@ class InboxConfig:
     """The inbox's partitions (tracker.inbox): made ahead of time, dropped whole once expired."""
 
     enabled: bool = key(True, "run the inbox maintenance in this process (safe with several reapers)")
-    interval: float = key(60.0, "seconds between inbox maintenance runs", **POSITIVE)
+    interval: float = key(60.0, "seconds between inbox maintenance runs", **POSITIVE, le=86400)
     retention: float = key(
         7 * 86400.0,
         "keep consumers' message ids at least this long (seconds); a message redelivered later runs again",
@@ -214,6 +227,7 @@ class SettlerConfig:
         "how often the settler looks for unsettled claims and finished children (seconds); bounds how long a "
         "completion can lag its last ack's commit, and a parent its last child's finish",
         **POSITIVE,
+        le=3600,
     )
 
 
@@ -231,7 +245,7 @@ class MetricsConfig:
             "{value!r} is not a valid metric name prefix",
         ),
     )
-    backlog_interval: float = key(5.0, "seconds between the backlog and batch-table gauge queries", **POSITIVE)
+    backlog_interval: float = key(5.0, "seconds between the backlog and batch-table gauge queries", **POSITIVE, le=3600)
 
 
 @dataclass
@@ -267,7 +281,9 @@ class HttpConfig:
     max_items_per_add: int = key(10000000, "most items in one add request", **POSITIVE)
     rate_limit: float = key(200.0, "requests per second per token (token bucket)", ge=0, note="0 = off")
     rate_burst: int = key(400, "token bucket size: requests a token may send at once", **POSITIVE)
-    long_poll_max: float = key(60.0, "longest completion long-poll wait a client may ask for, seconds", **POSITIVE)
+    long_poll_max: float = key(
+        60.0, "longest completion long-poll wait a client may ask for, seconds", **POSITIVE, le=3600
+    )
     max_waits_per_token: int = key(
         32, "long-polls and event streams one token may hold open at once (429 past it)", **POSITIVE
     )
@@ -276,28 +292,31 @@ class HttpConfig:
         "seconds a connection has to send a request's headers (from connect, or the end of the last response); "
         "then it is closed",
         **POSITIVE,
+        le=3600,
     )
     body_timeout: float = key(
         30.0,
         "seconds a request has to send its body once its headers are in; then the connection is closed",
         **POSITIVE,
+        le=3600,
     )
     idempotency_window: float = key(
         86400.0,
         "seconds an Idempotency-Key's answer is kept for retries (expired keys are deleted in chunks)",
         **POSITIVE,
+        le=366 * 86400,
     )
     completion_poll_interval: float = key(
-        0.25, "how often the server checks the batches long-polls wait on, seconds", **POSITIVE
+        0.25, "how often the server checks the batches long-polls wait on, seconds", **POSITIVE, le=60
     )
     pool_size: int = key(8, "database connections of the HTTP server", **POSITIVE)
-    request_timeout: float = key(30.0, "longest database call of one request, seconds (503 after)", **POSITIVE)
+    request_timeout: float = key(30.0, "longest database call of one request, seconds (503 after)", **POSITIVE, le=3600)
     tls_certfile: str = key(
         "", "PEM certificate chain: serve HTTPS (with tls_keyfile); empty: plain HTTP behind a TLS proxy"
     )
     tls_keyfile: str = key("", "PEM private key of tls_certfile")
     forwarded_allow_ips: str = key("127.0.0.1", "proxies whose X-Forwarded-For / X-Forwarded-Proto headers are trusted")
-    shutdown_timeout: float = key(10.0, "on SIGTERM, seconds to let in-flight requests finish", **POSITIVE)
+    shutdown_timeout: float = key(10.0, "on SIGTERM, seconds to let in-flight requests finish", **POSITIVE, le=3600)
     backend: str = key(
         "tracker",
         "tracker (the tracker's asyncio face) or sql (the SQL functions, as other languages call them)",
@@ -325,9 +344,9 @@ class ConsoleConfig:
         "logs everyone out (set it when several servers share one address)",
         secret=True,
     )
-    session_ttl: float = key(43200.0, "seconds a console login lasts", **POSITIVE)
-    refresh_interval: float = key(5.0, "seconds between the live updates of an open page", **POSITIVE)
-    kafka_timeout: float = key(2.0, "seconds the overview waits for Kafka (leaders, acker lag)", **POSITIVE)
+    session_ttl: float = key(43200.0, "seconds a console login lasts", **POSITIVE, le=366 * 86400)
+    refresh_interval: float = key(5.0, "seconds between the live updates of an open page", **POSITIVE, le=3600)
+    kafka_timeout: float = key(2.0, "seconds the overview waits for Kafka (leaders, acker lag)", **POSITIVE, le=300)
     metrics_urls: str = key(
         "",
         "reapers' /metrics URLs, comma-separated: the overview reads publish rates, refused marks and the "

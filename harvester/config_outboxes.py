@@ -15,7 +15,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from harvester.config_keys import MAX_LANES, Config, OutboxEntry
-from harvester.config_schema import TOPIC, ConfigError, redact, redact_dsn
+from harvester.config_schema import TOPIC, ConfigError, clip, redact
 from tracker.errors import InvalidIdentifier
 from tracker.schema import check_identifier
 
@@ -47,18 +47,22 @@ def units(cfg: Config) -> list[UnitSpec]:
     entries: list[Any] = h.outboxes or [OutboxEntry(name="default", lanes=h.lanes)]
     if h.outboxes and h.lanes != 1:
         raise ConfigError("harvester.lanes", "applies only when harvester.outboxes is empty; set lanes per outbox")
+    check_dsn("database.dsn", db.dsn)  # the ackers' and the sweeper's, whatever the outboxes say
     out: list[UnitSpec] = []
     seen: set[str] = set()
     for i, entry in enumerate(entries):
         key = f"harvester.outboxes[{i}]"
         if not isinstance(entry, Mapping):
-            raise ConfigError(key, f"expected a mapping with keys {sorted(_OUTBOX_KEYS)}, got {redact(key, entry)!r}")
+            raise ConfigError(
+                key, f"expected a mapping with keys {sorted(_OUTBOX_KEYS)}, got {clip(repr(redact(key, entry)))}"
+            )
         unknown = set(entry) - _OUTBOX_KEYS
         if unknown:
-            raise ConfigError(f"{key}.{sorted(unknown)[0]}", f"unknown key (known: {', '.join(sorted(_OUTBOX_KEYS))})")
+            first = clip(sorted(map(str, unknown))[0], 80)  # (YAML keys need not be text)
+            raise ConfigError(f"{key}.{first}", f"unknown key (known: {', '.join(sorted(_OUTBOX_KEYS))})")
         name = entry.get("name", f"outbox{i}")
         if not isinstance(name, str) or not re.match(r"^[A-Za-z0-9_-]{1,40}$", name):
-            raise ConfigError(f"{key}.name", f"{name!r} must be 1-40 of A-Z a-z 0-9 _ -")
+            raise ConfigError(f"{key}.name", f"{clip(repr(name))} must be 1-40 of A-Z a-z 0-9 _ -")
         if name in seen:
             raise ConfigError(f"{key}.name", f"{name!r} is listed twice")
         seen.add(name)
@@ -67,24 +71,46 @@ def units(cfg: Config) -> list[UnitSpec]:
             try:
                 check_identifier(value, what)
             except (InvalidIdentifier, TypeError) as exc:
-                raise ConfigError(f"{key}.{what}", str(exc)) from None
+                raise ConfigError(f"{key}.{what}", clip(str(exc))) from None
         dsn = entry.get("dsn", db.dsn)
-        dsn_key = f"{key}.dsn" if "dsn" in entry else "database.dsn"
-        if not isinstance(dsn, str) or not dsn:
-            raise ConfigError(dsn_key, "must be a non-empty libpq URI or key=value string")
-        try:
-            conninfo_to_dict(dsn)
-        except psycopg.Error as exc:
-            raise ConfigError(dsn_key, f"not a libpq URI or key=value string: {redact_dsn(str(exc)).strip()}") from None
+        check_dsn(f"{key}.dsn" if "dsn" in entry else "database.dsn", dsn)
         lanes = entry.get("lanes", 1)
         if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
             lanes_key = "harvester.lanes" if not h.outboxes else f"{key}.lanes"
             raise ConfigError(lanes_key, f"{lanes!r} must be an integer from 1 to {MAX_LANES}")
+        if len(out) + lanes > MAX_UNITS:  # checked as they are made: the list may be long
+            raise ConfigError("harvester.outboxes", f"more than {MAX_UNITS} units (harvest units: lanes of outboxes)")
         for lane in range(lanes):
             out.append(UnitSpec(len(out), name, dsn, schema, table, lane, lanes))
-    if len(out) > MAX_UNITS:
-        raise ConfigError("harvester.outboxes", f"{len(out)} units: at most {MAX_UNITS}")
     return out
+
+
+# libpq's messages about a DSN it cannot read quote the text where it stopped, which may be part of
+# the password: the reason is told in these words instead
+_DSN_PROBLEMS = (
+    ("%00", "a %00 escape (NUL is not allowed)"),
+    ("percent-encoded", "a %-escape that is not % and two hexadecimal digits (write % itself as %25)"),
+    ('missing "="', "a word without \"=\" (quote a value with spaces in it: password='a b')"),
+    ("unterminated quoted string", "a quoted value that is not closed"),
+    ("invalid connection option", "an unknown connection option"),
+    ("URI query parameter", "a malformed URI query parameter"),
+    ("IPv6 host", "a malformed [IPv6] host"),
+    ("unexpected character", "an unexpected character in the URI"),
+    ("unexpected spaces", "a space in the URI (write it as %20)"),
+)
+
+
+def check_dsn(key: str, dsn: Any) -> None:
+    """A ConfigError naming `key` unless libpq can read `dsn` (it is not echoed: libpq's message
+    quotes the DSN's text, which may be its password)."""
+    if not isinstance(dsn, str) or not dsn:
+        raise ConfigError(key, "must be a non-empty libpq URI or key=value string")
+    try:
+        conninfo_to_dict(dsn)
+    except psycopg.Error as exc:
+        text = str(exc)
+        why = next((said for found, said in _DSN_PROBLEMS if found in text), "libpq cannot read it")
+        raise ConfigError(key, f"not a libpq URI or key=value string: {why}") from None
 
 
 def acker_group(cfg: Config, topic: str) -> str:

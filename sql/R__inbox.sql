@@ -86,9 +86,9 @@ BEGIN
                 EXECUTE format('INSERT INTO %s (consumer, message_id, received_at) VALUES ($1, $2, $3) '
                                'ON CONFLICT DO NOTHING', part.rel)
                     USING inbox_claim.consumer, inbox_claim.message_id, part.lower;
-                RAISE EXCEPTION 'probe undone' USING ERRCODE = 'RT099';
+                RAISE EXCEPTION 'probe undone';  -- raise_exception (P0001): nothing the insert raises
             EXCEPTION
-                WHEN SQLSTATE 'RT099' THEN NULL;  -- no such row there: the probe is undone
+                WHEN raise_exception THEN NULL;  -- no such row there: the probe is undone
                 WHEN undefined_table THEN NULL;   -- dropped meanwhile by the maintenance: nothing to meet
             END;
         END LOOP;

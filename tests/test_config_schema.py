@@ -132,8 +132,14 @@ def test_integer_keys_keep_accepting_integral_text_and_numbers():
 
 IDENTIFIER = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,30}", fullmatch=True)
 TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=30)
-KAFKA_NAME = st.from_regex(r"[a-z]{1,8}(\.[a-z]{1,8}){0,2}", fullmatch=True).filter(
-    lambda k: k not in config.RESERVED_KAFKA and k not in config.REQUIRED_PRODUCER and k != "transactional.id"
+# librdkafka settings and values it takes (it checks kafka.* at load: a made-up name is refused)
+KAFKA_SETTING = st.one_of(
+    st.tuples(
+        st.sampled_from(["client.id", "client.rack", "sasl.username", "sasl.password"]),
+        TEXT.filter(lambda t: "\0" not in t),
+    ),
+    st.tuples(st.just("socket.send.buffer.bytes"), st.integers(0, 100_000_000)),
+    st.tuples(st.sampled_from(["socket.nagle.disable", "socket.keepalive.enable"]), st.booleans()),
 )
 OUTBOX = st.fixed_dictionaries(
     {"name": st.from_regex(r"[A-Za-z0-9_-]{1,40}", fullmatch=True)},
@@ -159,7 +165,7 @@ def valid(s: config.Setting) -> st.SearchStrategy[Any]:
             min_value=low, max_value=r.le, exclude_min=r.gt is not None, allow_nan=False, allow_infinity=False
         )
     if s.kind is dict:
-        return st.dictionaries(KAFKA_NAME, st.one_of(TEXT, st.integers(), st.booleans()), max_size=3)
+        return st.lists(KAFKA_SETTING, max_size=3, unique_by=lambda kv: kv[0]).map(dict)
     if s.kind is list:
         return st.lists(OUTBOX, max_size=3, unique_by=lambda e: e["name"])
     if r.choices:
