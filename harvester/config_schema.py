@@ -58,7 +58,8 @@ class Check:
         return None
 
 
-TOPIC = Check("Kafka topic name", r"[A-Za-z0-9._-]{1,249}", "{value!r} is not a valid Kafka topic name")
+# Kafka's rule (as tracker.core.validate.check_topic): 1 to 249 of these characters, not '.' or '..'.
+TOPIC = Check("Kafka topic name", r"(?!\.{1,2}$)[A-Za-z0-9._-]{1,249}", "{value!r} is not a valid Kafka topic name")
 
 
 @dataclass(frozen=True)

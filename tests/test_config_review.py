@@ -507,3 +507,14 @@ def test_two_variables_for_one_key_are_refused():
     with pytest.raises(config.ConfigError) as err:
         config.load(environ={"REAPER_DATABASE__SCHEMA": "a", "REAPER_database__schema": "b"})
     assert "database.schema" in str(err.value)
+
+
+@pytest.mark.parametrize("topic", [".", "..", "a b", "t" * 250])
+def test_a_configured_topic_kafka_refuses_is_refused_as_the_library_refuses_it(topic):
+    from tracker.core.validate import check_topic
+    from tracker.errors import InvalidValue
+
+    with pytest.raises(InvalidValue):
+        check_topic(topic)
+    with pytest.raises(config.ConfigError, match="harvester.default_completion_topic"):
+        config.load(None, environ={}, overrides={"harvester": {"default_completion_topic": topic}})

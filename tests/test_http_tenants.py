@@ -268,3 +268,13 @@ def test_tokens_and_tenants_files_that_are_not_utf8_are_named_at_start(tmp_path)
     big.write_bytes(b"#" * (4 << 20) + b"\n")
     with pytest.raises(ConfigError, match="larger than"):
         TenantAuth([], str(big), "done")
+
+
+def test_a_tenant_written_twice_or_an_alias_is_refused_naming_the_line():
+    with pytest.raises(ConfigError, match="found key 'billing' twice"):
+        parse(
+            f"tenants:\n  billing:\n    tokens: ['{_hash(BILLING)}']\n  billing:\n    tokens: ['{_hash(LATER)}']\n",
+            "done",
+        )
+    with pytest.raises(ConfigError, match="alias"):
+        parse(f"tokens: &t ['{_hash(BILLING)}']\ntenants:\n  billing:\n    tokens: *t\n", "done")

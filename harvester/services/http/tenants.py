@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
-import yaml
 
 from harvester.config import ConfigError
+from harvester.config_schema import load_yaml
 from harvester.services.http import problems
 from harvester.services.http.backend import Store
 from harvester.services.http.security import read_text, token_id
@@ -68,10 +68,9 @@ def new_token() -> tuple[str, str]:
 
 def parse(text: str, default_topic: str, where: str = "http.tenants_file") -> list[tuple[bytes, Caller]]:
     """(token digest, caller) for every token of a tenants file; ConfigError naming what is wrong."""
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(where, f"is not valid YAML: {exc}") from None
+    # The configuration's own YAML rules: no aliases, no key twice (a tenant written twice would
+    # silently lose its first tokens), bounded nesting.
+    data = load_yaml(text, where) or {}
     tenants = data.get("tenants") if isinstance(data, dict) else None
     if not isinstance(tenants, dict):
         raise ConfigError(where, "must hold a mapping `tenants: {name: {tokens: [...], completion_topics: [...]}}`")
