@@ -67,8 +67,8 @@ def _units_led(log: Path) -> set[int]:
     for line in log.read_text(errors="replace").splitlines():
         if line.startswith("{") and '"event": "neli ' in line:
             e = json.loads(line)
-            if "unit" in e:
-                state[e["unit"]] = e["event"][5:]
+            if "leader_partition" in e:
+                state[e["leader_partition"]] = e["event"][5:]
     return {u for u, s in state.items() if s == "leader"}
 
 

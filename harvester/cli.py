@@ -1,17 +1,28 @@
-"""`reaper`: the sidecar's command line (migrate, run, serve)."""
+"""`reaper`: the sidecar's command line (migrate, run, serve).
+
+Ctrl-C (SIGINT) ends any command with one line in its usual form (a JSON log line once logging is
+set up, else a line on stderr) and ExitCode.INTERRUPTED, never a traceback. The heavier imports
+happen inside main(), so an interrupt while they load is handled too.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import signal
 import sys
+from typing import TYPE_CHECKING
 
-from harvester import admin, product_version
-from harvester import config as config_mod
+from harvester import product_version
 from harvester.exit_codes import ExitCode
-from tracker import schema
+
+if TYPE_CHECKING:
+    from harvester import config as config_mod
 
 
 def _parser() -> argparse.ArgumentParser:
+    from harvester import admin
+
     ap = argparse.ArgumentParser(
         prog="reaper", description="Transactional-outbox harvester and fan-out tracker sidecar"
     )
@@ -36,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(cfg: config_mod.Config) -> int:
+    from harvester import config as config_mod
     from harvester import run as run_mod
 
     try:
@@ -54,7 +66,8 @@ def cmd_serve(cfg: config_mod.Config) -> int:
 def cmd_migrate(cfg: config_mod.Config, dry_run: bool, roles_action: str | None = None) -> int:
     import psycopg
 
-    from tracker import roles
+    from harvester import config as config_mod
+    from tracker import roles, schema
 
     dsn, name = cfg.database.dsn, cfg.database.schema
     try:  # never prepared: migrate also runs through PgBouncer in transaction mode
@@ -93,6 +106,7 @@ def cmd_migrate(cfg: config_mod.Config, dry_run: bool, roles_action: str | None 
 
 
 def cmd_run(cfg: config_mod.Config) -> int:
+    from harvester import config as config_mod
     from harvester import run as run_mod
 
     run_mod.configure_logging(cfg)
@@ -114,8 +128,66 @@ def cmd_token(tenant: str) -> int:
     return ExitCode.OK
 
 
+# Ctrl-C's line (the admin commands say the same: harvester.admin.commands)
+INTERRUPTED = "interrupted (SIGINT) before it finished; what it had not committed was rolled back"
+
+
+class _CtrlC:
+    """SIGINT's handler while a command runs as the process (Python's own, and a note of it): the
+    notes psycopg logs while the interrupt unwinds (a rollback that could not run on a connection
+    whose query was cancelled) are dropped, the one line of `_interrupted` says what happened."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.seen
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """`reaper` with `argv` (None: the process's own arguments, and the process ends with it)."""
+    command = None
+    if argv is None:
+        ctrl_c = _CtrlC()
+        signal.signal(signal.SIGINT, ctrl_c)
+        for name in ("psycopg", "psycopg.transaction"):  # a logger's filter holds for its own records only
+            logging.getLogger(name).addFilter(ctrl_c.filter)
+    try:
+        try:
+            args = _parser().parse_args(argv)
+            command = args.command
+            code = _main(args)
+        finally:
+            if argv is None:  # what is left is the interpreter's exit: a Ctrl-C now would kill it by the signal
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except KeyboardInterrupt:
+        return _interrupted(command)
+    return code
+
+
+def _interrupted(command: str | None) -> int:
+    """Ctrl-C: one line in the command's usual form, and ExitCode.INTERRUPTED (`reaper run` and
+    `reaper serve` handle SIGINT themselves once started: this is an interrupt while they start)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the report
+    if command in ("run", "serve"):
+        import structlog
+
+        if structlog.is_configured():  # their log lines: JSON (or console text) on stderr
+            structlog.get_logger("reaper").error("interrupted (SIGINT) while starting", command=f"reaper {command}")
+            return ExitCode.INTERRUPTED
+    name = "reaper" if command is None else f"reaper {command}"
+    print(f"{name}: {INTERRUPTED}", file=sys.stderr)
+    return ExitCode.INTERRUPTED
+
+
+def _main(args: argparse.Namespace) -> int:
+    from harvester import admin
+    from harvester import config as config_mod
+
     if args.command == "token":  # needs no configuration
         return cmd_token(args.tenant)
     try:

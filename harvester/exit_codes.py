@@ -21,7 +21,7 @@ class ExitCode(IntEnum):
         1,
         (
             "the database or Kafka failed while the command ran (its transaction was rolled back), or a component of "
-            "`reaper run` failed (the log says which and why)"
+            "`reaper run` failed to start or stopped while it ran (the log says which and why)"
         ),
     )
     USAGE = (
@@ -42,12 +42,21 @@ class ExitCode(IntEnum):
     DRAIN_TIMEOUT = (
         4,
         (
-            "`reaper run` stopped by a signal with records still unsettled at `harvester.drain_timeout` (the next "
-            "leader re-publishes them: duplicates, never loss)"
+            "`reaper run` stopped by a signal with records still unsettled at `harvester.drain_timeout`, or stopped "
+            "at once by a second SIGTERM/SIGINT during the drain (the next leader re-publishes them: duplicates, "
+            "never loss)"
         ),
     )
     NOT_FOUND = 5, "the batch or dead row named does not exist, or the message id named is not in the inbox"
     REFUSED = 6, "the state refuses the action (expiring a complete batch)"
+    INTERRUPTED = (
+        130,
+        (
+            "interrupted by SIGINT (Ctrl-C) before it finished: what it had committed stays, what it had not was "
+            "rolled back (`reaper migrate`: each migration is a transaction of its own, run it again to finish); "
+            "`reaper run` and `reaper serve` stop on SIGINT as on SIGTERM instead"
+        ),
+    )
 
 
 def markdown_table() -> str:

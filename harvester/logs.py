@@ -27,22 +27,34 @@ class _UnitLeaders:
 
     A log line carries its own unit's: the unit comes from the line (`unit=`, a name or a
     leader-topic partition) or from the thread it is logged on (`unit_thread` binds it for every
-    thread a unit starts); a line of no unit carries the id only when the process has one unit."""
+    thread a unit starts); a line of no unit carries the id only when the process has one unit.
+    A line that names its unit by leader-topic partition (the election's) is given the unit's name
+    (`unit`) and keeps the partition (`leader_partition`); a line that names the unit's leadership
+    by its acquisition id (the election's) carries the id the unit marks with now, the acquisition's
+    own until a remark takes a new one (see MarkingLoop)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ids: dict[str, str | None] = {}
         self._names: dict[int, str] = {}  # leader-topic partition -> unit name
+        self._acquired: dict[str, str] = {}  # unit name -> the acquisition its id derives from
 
-    def set(self, unit: str, leader_id: object | None, index: int | None = None) -> None:
+    def set(
+        self, unit: str, leader_id: object | None, index: int | None = None, acquisition: object | None = None
+    ) -> None:
         with self._lock:
             self._ids[unit] = None if leader_id is None else str(leader_id)
             if index is not None:
                 self._names[index] = unit
+            if leader_id is None:
+                self._acquired.pop(unit, None)
+            elif acquisition is not None:
+                self._acquired[unit] = str(acquisition)
 
     def forget(self, unit: str) -> None:
         with self._lock:
             self._ids.pop(unit, None)
+            self._acquired.pop(unit, None)
             self._names = {i: n for i, n in self._names.items() if n != unit}
 
     def of(self, unit: object) -> str | None:
@@ -52,13 +64,35 @@ class _UnitLeaders:
             name = self._names.get(unit) if isinstance(unit, int) else unit
             return self._ids.get(name) if isinstance(name, str) else None
 
+    def name(self, unit: object) -> str | None:
+        """The name of the unit of leader-topic partition `unit` (None: not a unit of this process)."""
+        if not isinstance(unit, int) or isinstance(unit, bool):
+            return None
+        with self._lock:
+            return self._names.get(unit)
+
+    def marking(self, unit: object, leader_id: object) -> object:
+        """`leader_id` as a line of `unit` names it: the unit's id now when it names the acquisition
+        that id derives from, else as it is."""
+        if not isinstance(unit, str) or leader_id is None:
+            return leader_id
+        with self._lock:
+            now = self._ids.get(unit)
+            return now if now is not None and self._acquired.get(unit) == str(leader_id) else leader_id
+
 
 unit_leaders = _UnitLeaders()
 
 
 def _add_leader_id(_logger: WrappedLogger, _name: str, event: EventDict) -> EventDict:
+    name = unit_leaders.name(event.get("unit"))
+    if name is not None:  # a leader-topic partition: the unit's name, the partition kept
+        event.setdefault("leader_partition", event["unit"])
+        event["unit"] = name
     if "leader_id" not in event:
         event["leader_id"] = unit_leaders.of(event.get("unit"))
+    else:
+        event["leader_id"] = unit_leaders.marking(event.get("unit"), event["leader_id"])
     return event
 
 

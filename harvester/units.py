@@ -18,9 +18,12 @@ by two units at once: at any time one configuration runs, and within it a key ha
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
+from collections.abc import Callable
 
+from harvester import logs
 from harvester.config import Config, UnitSpec, units
 from harvester.db_pool import probe_writable
 from harvester.election.neli import Neli
@@ -29,7 +32,7 @@ from harvester.metrics import HarvesterMetrics, UnitMetrics
 from harvester.metrics import get as get_metrics
 from harvester.publishing.mark_purge_reset import UnitHarvester
 from harvester.publishing.ports import DEFAULT, Providers
-from harvester.publishing.publisher import Lifecycle, Publisher
+from harvester.publishing.publisher import Lifecycle, Publisher, logs_safe
 
 
 def transactional_id(base: str, spec: UnitSpec, count: int) -> str:
@@ -51,6 +54,7 @@ class Harvester:
         self.m = metrics or get_metrics(cfg.metrics.prefix)
         self.specs = units(cfg)
         self._life = Lifecycle("harvester")
+        self._log = logs.get("reaper.harvester")
         self._unit_metrics = [UnitMetrics(self.m, s.name) for s in self.specs]
         self.units = [
             UnitHarvester(
@@ -91,6 +95,8 @@ class Harvester:
             self.neli.start()
         except BaseException:
             self._life.stop()
+            # What failed is what the caller sees: the clean-up closes what started, and a failure
+            # of its own is logged, never raised in place of the original.
             self._close_units(0.1)
             raise
         return self
@@ -101,25 +107,37 @@ class Harvester:
         assert pool is not None  # started before the election
         probe_writable(pool, timeout)
 
-    def stop(self, drain_timeout: float | None = None) -> bool:
-        """Stop marking everywhere, let in-flight records settle (up to drain_timeout in all), leave
-        the group, close. False when records were still in flight at the deadline."""
+    def stop(self, drain_timeout: float | None = None, *, hurry: threading.Event | None = None) -> bool:
+        """Stop marking everywhere, let in-flight records settle (up to drain_timeout in all; once
+        `hurry` is set, no longer), leave the group, close. False when records were still in flight
+        at the deadline or when `hurry` cut the wait short."""
         if not self._life.stop():
             return True
-        return self._close_units(self.h.drain_timeout if drain_timeout is None else drain_timeout)
+        return self._close_units(self.h.drain_timeout if drain_timeout is None else drain_timeout, hurry)
 
-    def _close_units(self, timeout: float) -> bool:
+    def _close_units(self, timeout: float, hurry: threading.Event | None = None) -> bool:
+        """Stop, drain and close every unit and the election, whatever each got to in start(): a
+        step that fails is logged (and counts as not drained) and the others still run."""
         for u in self.units:
             u.begin_stop()
         deadline = time.monotonic() + timeout
         drained = True
         for u in self.units:
-            drained &= u.finish(max(0.1, deadline - time.monotonic()))
-        if self.neli is not None:
-            self.neli.stop()  # leaves the group: every unit's partition moves to a standby at once
+            left = max(0.1, deadline - time.monotonic())
+            drained &= self._quietly(f"draining unit {u.spec.name}", u.finish, left, hurry) is True
+        if self.neli is not None:  # leaves the group: every unit's partition moves to a standby at once
+            self._quietly("leaving the leader group", self.neli.stop)
         for u in self.units:
-            u.close()
+            self._quietly(f"closing unit {u.spec.name}", u.close)
         return drained
+
+    def _quietly(self, what: str, step: Callable[..., object], *args: object) -> object:
+        """`step(*args)`, or None (logged) if it raised."""
+        try:
+            return step(*args)
+        except Exception as exc:
+            self._log.error("harvester stop step failed", step=what, error=logs_safe(exc))
+            return None
 
     # ------------------------------------------------------------------ views
 

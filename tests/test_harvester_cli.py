@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -19,6 +22,7 @@ from support.ports import free_port
 from support.reaper import run_cli
 
 from harvester import config as config_mod
+from harvester.exit_codes import ExitCode
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -237,3 +241,66 @@ def test_migrate_dry_run_prints_the_transactions_migrate_runs(pg_dsn, schema):
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA IF EXISTS "{fresh}" CASCADE')
+
+
+@pytest.fixture
+def silent_server():
+    """host:port of a server that accepts connections and never answers (a database or broker hung)."""
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(50)
+    held: list = []
+    closed = threading.Event()
+
+    def accept() -> None:
+        while not closed.is_set():
+            try:
+                held.append(hole.accept())
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"127.0.0.1:{hole.getsockname()[1]}"
+    closed.set()
+    hole.close()
+    for conn, _ in held:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["migrate"], ["outbox", "status"], ["dead", "list"], ["dead", "list", "--json"]],
+    ids=lambda a: " ".join(a),
+)
+def test_ctrl_c_while_a_command_waits_ends_it_with_one_line_and_exit_130(silent_server, args):
+    """SIGINT as a terminal's Ctrl-C sends it, while the command waits for a database that never
+    answers: one line in the command's own form, exit code 130 (INTERRUPTED), no traceback."""
+    env = _env(REAPER_DATABASE__DSN=f"postgresql://app@{silent_server}/outbox")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harvester.cli", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a shell starts it
+    )
+    try:
+        time.sleep(3)  # started, and waiting for the database
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert proc.returncode == 130 == ExitCode.INTERRUPTED, (proc.returncode, out, err)
+    name = "reaper " + " ".join(a for a in args if a != "--json")
+    assert err.splitlines() == [
+        f"{name}: interrupted (SIGINT) before it finished; what it had not committed was rolled back"
+    ]
+    if "--json" in args:
+        assert json.loads(out)["exit_code"] == 130, out
+    else:
+        assert out == ""

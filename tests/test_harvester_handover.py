@@ -37,8 +37,8 @@ def _led(proc: ReaperProcess) -> set[int]:
     """The units `proc` leads according to its log."""
     state: dict[int, str] = {}
     for e in proc.events():
-        if e.get("event", "").startswith("neli ") and isinstance(e.get("unit"), int):
-            state[e["unit"]] = e["event"][5:]
+        if e.get("event", "").startswith("neli ") and isinstance(e.get("leader_partition"), int):
+            state[e["leader_partition"]] = e["event"][5:]
     return {u for u, s in state.items() if s == "leader"}
 
 
@@ -79,7 +79,7 @@ def test_sigterm_hands_every_lane_over_without_waiting_out_the_drain(
                     unix_time(e["timestamp"])
                     for e in b.events()
                     if e.get("event") == "neli leader"
-                    and e.get("unit") == u
+                    and e.get("leader_partition") == u
                     and unix_time(e["timestamp"]) >= sent - 0.05
                 ),
                 default=None,

@@ -21,8 +21,8 @@ def units_led(p: ReaperProcess) -> set[int]:
     """Units whose last NELI state in p's log is leader."""
     state: dict[int, str] = {}
     for e in p.events():
-        if e.get("event", "").startswith("neli ") and "unit" in e:
-            state[e["unit"]] = e["event"][5:]
+        if e.get("event", "").startswith("neli ") and "leader_partition" in e:
+            state[e["leader_partition"]] = e["event"][5:]
     return {u for u, s in state.items() if s == "leader"}
 
 

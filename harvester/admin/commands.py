@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,7 @@ from tracker.ids import ID_MAX, ItemId, parse_item_id
 from tracker.inbox.core import check_text
 
 COMMANDS = ("outbox", "dead", "acks", "batch", "inbox")
+INTERRUPTED = "interrupted (SIGINT) before it finished; what it had not committed was rolled back"
 MAX_LIMIT = 10_000  # rows or runs one page may show
 MAX_IDS = 10_000  # ids one `dead requeue --id` may name
 
@@ -278,6 +280,9 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     name = f"reaper {args.command} {args.admin_command}"
     try:
         result, text, code = _run(cfg, args)
+    except KeyboardInterrupt:  # Ctrl-C while it waits for the database or Kafka: its transaction rolled back
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second one must not interrupt the report
+        return _fail(args, name, INTERRUPTED, ExitCode.INTERRUPTED)
     except AdminError as exc:
         return _fail(args, name, str(exc), exc.code)
     except psycopg.OperationalError as exc:

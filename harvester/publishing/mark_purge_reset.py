@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import uuid
 from functools import partial
 
@@ -73,6 +74,7 @@ class UnitHarvester(MarkingLoop):
         self._stop = threading.Event()
         self._me: uuid.UUID | None = None  # id rows are marked with now
         self._neli_id: uuid.UUID | None = None  # the NELI acquisition it derives from
+        self._adopted: uuid.UUID | None = None  # the last acquisition whose own id marked rows
         with self._context():
             self._thread = logs.unit_thread(self._loop, "reaper-mark")
             self._producer_thread = logs.unit_thread(self._produce_loop, "reaper-produce")
@@ -138,26 +140,57 @@ class UnitHarvester(MarkingLoop):
         """Stop marking (every unit at once, before each drains in turn)."""
         self._stop.set()
 
-    def finish(self, drain_timeout: float | None = None) -> bool:
-        """Stop marking and let in-flight records settle (up to drain_timeout). False when records
-        were still in flight at the deadline (republished by the next leader: duplicates, never
-        loss). The owner then leaves the group and calls close()."""
+    def finish(self, drain_timeout: float | None = None, hurry: threading.Event | None = None) -> bool:
+        """Stop marking and let in-flight records settle (up to drain_timeout; `hurry` set: no
+        longer). False when records were still in flight at the deadline, or the wait was cut short
+        by `hurry` (republished by the next leader: duplicates, never loss). The owner then leaves
+        the group and calls close(). Safe on a unit whose start() failed part way."""
         timeout = self.h.drain_timeout if drain_timeout is None else drain_timeout
         if not self._life.stop():
             return True  # never started, or stopped already
         self._stop.set()
-        self._thread.join(timeout + 10)
-        self._producer_thread.join(timeout + 10)
+        deadline = time.monotonic() + timeout + 10
+        for t in (self._thread, self._producer_thread):
+            _join(t, deadline, hurry)
+        if hurry is not None and hurry.is_set() and (self._thread.is_alive() or self._producer_thread.is_alive()):
+            return self._cut_short()
         self._release_unproduced()
         drained = True
         if self.publisher is not None:
-            drained = self.publisher.drain(max(0.1, timeout))
+            drained = self._drain(max(0.1, timeout), hurry)
+            if hurry is not None and hurry.is_set() and not drained:
+                return self._cut_short()
             if not drained:
                 self.log.warning(
                     "drain timeout: records still in flight are left for the next leader",
                     in_flight=self.publisher.in_flight,
                 )
         return drained
+
+    def _drain(self, timeout: float, hurry: threading.Event | None) -> bool:
+        assert self.publisher is not None
+        if hurry is None:
+            return self.publisher.drain(timeout)
+        deadline = time.monotonic() + timeout
+        while not hurry.is_set():
+            left = deadline - time.monotonic()
+            if self.publisher.drain(max(0.0, min(0.1, left))):
+                return True
+            if left <= 0:
+                return False
+        return self.publisher.in_flight == 0
+
+    def _cut_short(self) -> bool:
+        """The drain was given up at once (a second signal): nothing more is waited for. False
+        when records were still in flight."""
+        self._release_unproduced()
+        in_flight = self.publisher.in_flight if self.publisher is not None else 0
+        if in_flight:
+            self.log.warning(
+                "stopping without waiting for the drain: records still in flight are left for the next leader",
+                in_flight=in_flight,
+            )
+        return in_flight == 0
 
     def _release_unproduced(self) -> None:
         """Batches still queued once both threads ended (a thread that outlived its join): released,
@@ -171,6 +204,7 @@ class UnitHarvester(MarkingLoop):
                 self.publisher.release(len(batch.rows))
 
     def close(self) -> None:
+        """Close what start() made (safe on a unit whose start() failed part way, or never ran)."""
         self._stop.set()
         if self.publisher is not None:
             self.publisher.close()
@@ -215,7 +249,21 @@ class UnitHarvester(MarkingLoop):
         self.log.info(
             "publishing state",
             state=state,
+            # a new leadership marks first with the acquisition's own id (MarkingLoop), which its
+            # marker may not have taken up yet; otherwise the unit's id now (logs.unit_leaders)
+            **({"leader_id": str(leader_id)} if state == LEADER and leader_id is not None else {}),
             records_produced=self.publisher.produced,
             records_delivered=self.publisher.delivered,
             records_in_flight=self.publisher.in_flight,
         )
+
+
+def _join(thread: threading.Thread, deadline: float, hurry: threading.Event | None) -> None:
+    """Wait for `thread` until `deadline` (time.monotonic()) or `hurry`; one never started is not waited for."""
+    if thread.ident is None:
+        return
+    while thread.is_alive() and not (hurry is not None and hurry.is_set()):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        thread.join(min(0.1, left))

@@ -74,6 +74,7 @@ class MarkingLoop:
     _stop: threading.Event
     _me: uuid.UUID | None  # id rows are marked with now
     _neli_id: uuid.UUID | None  # the NELI acquisition it derives from
+    _adopted: uuid.UUID | None  # the last NELI acquisition whose own id marked rows (never twice)
     _thread: threading.Thread  # the marker's
     _batches: queue.Queue[MarkedBatch]  # marked, waiting for the producer thread
     remark_backoff: float
@@ -136,19 +137,21 @@ class MarkingLoop:
                 self._stop.wait(0.02)
                 continue
             if neli_id != self._neli_id:
-                # A fresh marking id on every (re)entry, even when NELI's acquisition is the same one
-                # (a lapse that ended before the fence): rows of the lapse that were dropped unsent
-                # are still marked by the old id, and only a new id marks them again, from the head.
-                self._me = uuid.uuid4()  # set before clearing the flag: queued batches go stale first
-                self._neli_id = neli_id
+                # An acquisition marks first with its own id (fresh and random: the one the election's
+                # and the publishing state's lines name), and a fresh id on every re-entry of the same
+                # acquisition (a lapse that ended before the fence): rows of the lapse that were dropped
+                # unsent are still marked by the old id, and only a new id marks them again, from the head.
+                # Set before clearing the flag: queued batches go stale first.
+                self._me = neli_id if neli_id != self._adopted else uuid.uuid4()
+                self._neli_id = self._adopted = neli_id
                 ids = None
                 self._remark.clear()
-                logs.unit_leaders.set(self.spec.name, self._me, self.spec.index)
+                logs.unit_leaders.set(self.spec.name, self._me, self.spec.index, acquisition=neli_id)
                 self.log.info("leading: marking from the head")
             elif self._remark.is_set():
                 self._me = uuid.uuid4()
                 self._remark.clear()
-                logs.unit_leaders.set(self.spec.name, self._me, self.spec.index)
+                logs.unit_leaders.set(self.spec.name, self._me, self.spec.index, acquisition=neli_id)
                 m.force_remarks.inc()
                 # Remarks that repeat with nothing settled in between (a record that fails every
                 # time, Kafka refusing a topic) back off, doubling up to MAX_REMARK_BACKOFF.

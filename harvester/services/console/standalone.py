@@ -51,8 +51,10 @@ class ConsoleServer:
 
     def __init__(self, cfg: Config) -> None:
         c = cfg.console
+        guard = console_app(cfg)
+        self._auth = guard.auth  # its tenants file, re-read by reload_tenants()
         config = uvicorn.Config(
-            console_app(cfg),
+            guard,
             host=c.host,
             port=c.port,
             lifespan="on",
@@ -74,6 +76,15 @@ class ConsoleServer:
             time.sleep(0.02)
         return self
 
+    def reload_tenants(self) -> bool:
+        """Read http.tenants_file again (a bad file keeps the tenants already loaded); False when
+        there is no tenants file to read."""
+        if not self._auth.file:
+            return False
+        self._auth.reload()
+        return True
+
     def stop(self, timeout: float = 10.0) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout)
+        if self.thread.ident is not None:  # never started: nothing to join
+            self.thread.join(timeout)

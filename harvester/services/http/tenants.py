@@ -117,6 +117,11 @@ class TenantAuth:
             self.reload(strict=True)
         self.enabled = bool(tokens or tenants_file)
 
+    @property
+    def file(self) -> str:
+        """The tenants file read ('' when there is none)."""
+        return self._file
+
     def reload(self, *, strict: bool = False) -> None:
         """Read the tenants file again; a bad file keeps the tenants that were (strict: raise).
         Whatever the file holds, a reload never stops the server nor fails a request."""
