@@ -145,7 +145,7 @@ def test_the_http_pool_replaces_a_connection_to_a_read_only_server(pg_dsn, schem
 
 def test_the_acker_replaces_a_connection_to_a_read_only_server(pg_dsn, schema, kafka_bootstrap):
     from harvester.services.acker import Acker
-    from tracker.consumer import _fold_ids
+    from tracker import fold
 
     acker = Acker(
         dsn=pg_dsn,
@@ -155,7 +155,7 @@ def test_the_acker_replaces_a_connection_to_a_read_only_server(pg_dsn, schema, k
         group=f"acker-{uuid.uuid4().hex[:8]}",
         dead_letter_topic="acks-dead-unused",
     )
-    steps = [(None, _fold_ids(["987654321:1:0"]))]
+    steps = [(None, fold(["987654321:1:0"]))]
     acker._apply(steps)  # connects
     ro = acker.applier.conn
     assert ro is not None
@@ -175,7 +175,7 @@ def test_the_ackers_commits_wait_for_the_wal_and_its_lock_bound_stays_in_its_tra
     where the role turns synchronous_commit off (the advice for the harvester behind a pooler),
     and its lock_timeout must not stay on a session that a transaction pooler hands to others."""
     from harvester.services.acker import Acker
-    from tracker.consumer import _fold_ids
+    from tracker import fold
 
     role_like = f"{pg_dsn}{'&' if '?' in pg_dsn else '?'}options=-c%20synchronous_commit%3Doff"
     acker = Acker(
@@ -196,7 +196,7 @@ def test_the_ackers_commits_wait_for_the_wal_and_its_lock_bound_stays_in_its_tra
         return apply(conn, *args, **kwargs)
 
     acker.tracker.apply_outcomes = watching  # type: ignore[method-assign]
-    acker._apply([(None, _fold_ids(["987654321:1:0"]))])
+    acker._apply([(None, fold(["987654321:1:0"]))])
     conn = acker.applier.conn
     assert conn is not None
     assert seen == [("on", "2s")] and acker.lock_timeout == 2.0

@@ -369,5 +369,7 @@ def test_fan_out_refuses_too_many_partitions_before_writing_anything(spark, pg_d
 
 
 def test_ack_dataframe_refuses_a_column_that_holds_no_item_ids(spark, pg_dsn, schema):
-    with pytest.raises(tracker.InvalidValue, match="column 'id': is a bigint column: a string column is needed"):
+    with pytest.raises(
+        tracker.InvalidValue, match="column 'id': is a bigint column: a string or binary column is needed"
+    ):
         tspark.ack_dataframe(spark.range(0, 3).selectExpr("id"), dsn=pg_dsn, schema=schema, column="id")

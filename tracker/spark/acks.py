@@ -111,7 +111,7 @@ def ack_dataframe(
     its acks come back as duplicates and a completion it made is missing from `.completed`
     (the completion event itself is in the outbox, written once).
     """
-    check_column(df, "column", column, ("string",))
+    check_column(df, "column", column, ("string", "binary"))  # ids as text, or a Kafka value
     s = schema_of(schema)
     n = partitions or max(1, df.sparkSession.sparkContext.defaultParallelism)
     folded = df.select(column).mapInArrow(

@@ -151,7 +151,7 @@ def _check(df: Any, column: str, outcome_column: str, reason_column: str) -> Non
     over the input, before anything is recorded)."""
     from pyspark.sql import functions as f
 
-    check_column(df, "column", column, ("string",))
+    check_column(df, "column", column, ("string", "binary"))  # ids as text, or a Kafka value
     check_column(df, "outcome_column", outcome_column, ("string",))
     check_column(df, "reason_column", reason_column, ("string",))
     outcome, reason = f.col(outcome_column), f.col(reason_column)
