@@ -175,3 +175,31 @@ def test_tls(pg_dsn, schema, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_sighup_rereads_the_tenants_file_and_the_server_serves_on(pg_dsn, schema, tmp_path):
+    from harvester.services.http.tenants import new_token
+
+    first, first_digest = new_token()
+    later, later_digest = new_token()
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(f'tenants:\n  billing:\n    tokens: ["{first_digest}"]\n')
+    port, log = free_port(), tmp_path / "log"
+    proc = _serve(_env(pg_dsn, schema, tenants_file=str(tenants), port=str(port)), log)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(url, proc, log)
+        # The same size and a second's mtime apart at most: only SIGHUP makes the server look again
+        tenants.write_text(f'tenants:\n  billing:\n    tokens: ["{later_digest}"]\n')
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while log.read_text().count('"tenants loaded"') < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert log.read_text().count('"tenants loaded"') >= 2, log.read_text()[-3000:]
+        answer = httpx.get(url + "/v1/batches/1", headers={"Authorization": f"Bearer {later}"}, timeout=10)
+        assert answer.status_code == 404, answer.text  # the new token is known: no such batch
+        assert proc.poll() is None, "SIGHUP stopped the server"
+        assert all(line.startswith("{") for line in log.read_text().splitlines() if line.strip())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0

@@ -7,7 +7,9 @@ then the database pool closes.
 
 from __future__ import annotations
 
+import asyncio
 import signal
+from collections.abc import Callable
 
 import uvicorn
 
@@ -22,6 +24,16 @@ class _DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, on_exit) -> None:
         super().__init__(config)
         self._on_exit = on_exit
+        self.on_hup: Callable[[], None] | None = None
+
+    async def serve(self, sockets=None) -> None:  # noqa: ANN001 (uvicorn's signature)
+        if self.on_hup is not None:
+            # SIGHUP as an event loop callback, its work on a worker thread: not inside the signal
+            # handler, where logging (or any lock the interrupted code holds) could deadlock.
+            loop = asyncio.get_running_loop()
+            on_hup = self.on_hup
+            loop.add_signal_handler(signal.SIGHUP, lambda: loop.run_in_executor(None, on_hup))
+        await super().serve(sockets)
 
     def handle_exit(self, sig, frame) -> None:  # noqa: ANN001 (uvicorn's signature)
         # Drain, then stop as uvicorn does, but without recording the signal: uvicorn would raise
@@ -68,6 +80,6 @@ def serve(cfg: Config) -> int:
     server, app = build(cfg)
     auth = app.fastapi.state.auth  # type: ignore[attr-defined]
     # SIGHUP re-reads http.tenants_file (it is also re-read when it changes): tokens added or revoked
-    signal.signal(signal.SIGHUP, lambda _sig, _frame: auth.reload())
+    server.on_hup = auth.reload  # type: ignore[attr-defined]
     server.run()
     return ExitCode.OK if server.started else ExitCode.FAILURE
