@@ -44,7 +44,7 @@ class DatabaseConfig:
         "outbox", "name of the outbox table in that schema", check=Check("SQL identifier", identifier="table")
     )
     pool_size: int = key(
-        6, "database connections of one reaper (mark, purge workers, upkeep, acker, sweeper)", **POSITIVE
+        6, "database connections of one reaper (mark, purge workers, upkeep, acker, sweeper)", **POSITIVE, le=1000
     )
     startup_timeout: float = key(
         60.0,
@@ -101,14 +101,14 @@ class HarvesterConfig:
         le=3600,
         note="0 = never step down; otherwise at least 1",
     )
-    mark_batch: int = key(5000, "rows claimed by one mark query", **POSITIVE)
-    max_in_flight: int = key(20000, "records produced and awaiting their delivery reports", **POSITIVE)
+    mark_batch: int = key(5000, "rows claimed by one mark query", **POSITIVE, le=1_000_000)
+    max_in_flight: int = key(20000, "records produced and awaiting their delivery reports", **POSITIVE, le=10_000_000)
     mark_deadline: float = key(
         5.0, "a mark-and-produce cycle longer than this forces a remark (seconds)", **POSITIVE, le=3600
     )
     idle_poll_interval: float = key(0.005, "pause after a mark that found nothing (seconds)", **POSITIVE, le=60)
-    purge_batch: int = key(5000, "rows deleted by one purge statement", **POSITIVE)
-    purge_workers: int = key(2, "connections purging delivered rows in parallel", **POSITIVE)
+    purge_batch: int = key(5000, "rows deleted by one purge statement", **POSITIVE, le=1_000_000)
+    purge_workers: int = key(2, "connections purging delivered rows in parallel", **POSITIVE, le=64)
     vacuum_interval: float = key(
         2.0,
         "the leader vacuums the outbox this often while it purges (seconds)",
@@ -165,7 +165,7 @@ class AckerConfig:
     topic: str = key("acks", "topic consumers produce acks to, keyed by batch id", check=TOPIC)
     group: str = key("reaper-acker", "consumer group of the ackers")
     dead_letter_topic: str = key("acks-dead-letter", "rejected acks go here with the reason", check=TOPIC)
-    max_poll_records: int = key(100000, "acks folded into one round of masked UPDATEs", **POSITIVE)
+    max_poll_records: int = key(100000, "acks folded into one round of masked UPDATEs", **POSITIVE, le=1_000_000)
     poll_timeout: float = key(0.2, "seconds one poll waits for ack messages", **POSITIVE, le=60)
 
 
@@ -185,7 +185,7 @@ class SweeperConfig:
         **POSITIVE,
         le=3660 * 86400,
     )
-    chunk: int = key(1000, "batches handled per sweep statement", **POSITIVE)
+    chunk: int = key(1000, "batches handled per sweep statement", **POSITIVE, le=1_000_000)
     expiry_topic: str = key(
         "",
         "topic of expiry events (one per expired batch); empty = the batch's completion topic",
@@ -276,16 +276,16 @@ class HttpConfig:
         "change and on SIGHUP",
     )
     local_mode: bool = key(False, "true: serve without tokens, on a loopback address only")
-    max_body_bytes: int = key(4 * 1024 * 1024, "largest request body accepted (413 above)", **POSITIVE)
-    max_ids_per_request: int = key(100000, "most ack entries (ids or runs) in one request", **POSITIVE)
-    max_items_per_add: int = key(10000000, "most items in one add request", **POSITIVE)
+    max_body_bytes: int = key(4 * 1024 * 1024, "largest request body accepted (413 above)", **POSITIVE, le=1 << 30)
+    max_ids_per_request: int = key(100000, "most ack entries (ids or runs) in one request", **POSITIVE, le=10_000_000)
+    max_items_per_add: int = key(10000000, "most items in one add request", **POSITIVE, le=1 << 30)
     rate_limit: float = key(200.0, "requests per second per token (token bucket)", ge=0, note="0 = off")
-    rate_burst: int = key(400, "token bucket size: requests a token may send at once", **POSITIVE)
+    rate_burst: int = key(400, "token bucket size: requests a token may send at once", **POSITIVE, le=1_000_000)
     long_poll_max: float = key(
         60.0, "longest completion long-poll wait a client may ask for, seconds", **POSITIVE, le=3600
     )
     max_waits_per_token: int = key(
-        32, "long-polls and event streams one token may hold open at once (429 past it)", **POSITIVE
+        32, "long-polls and event streams one token may hold open at once (429 past it)", **POSITIVE, le=100_000
     )
     header_timeout: float = key(
         10.0,
@@ -309,7 +309,7 @@ class HttpConfig:
     completion_poll_interval: float = key(
         0.25, "how often the server checks the batches long-polls wait on, seconds", **POSITIVE, le=60
     )
-    pool_size: int = key(8, "database connections of the HTTP server", **POSITIVE)
+    pool_size: int = key(8, "database connections of the HTTP server", **POSITIVE, le=1000)
     request_timeout: float = key(30.0, "longest database call of one request, seconds (503 after)", **POSITIVE, le=3600)
     tls_certfile: str = key(
         "", "PEM certificate chain: serve HTTPS (with tls_keyfile); empty: plain HTTP behind a TLS proxy"

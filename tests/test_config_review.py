@@ -467,6 +467,26 @@ def test_every_duration_past_its_bound_is_refused_naming_the_key():
     assert accepted == []
 
 
+def count_keys() -> list[config.Setting]:
+    return [s for s in config.settings() if s.kind is int]
+
+
+def test_every_count_has_an_upper_bound_and_past_it_is_refused_naming_the_key():
+    # A pool size, a worker count, a batch: each allocates (connections, threads, rows) in
+    # proportion to its value, so none is unbounded.
+    assert len(count_keys()) > 10
+    accepted = []
+    for s in count_keys():
+        assert s.rule.le is not None, s.dotted
+        past = str(int(s.rule.le) + 1)
+        try:
+            config.load(environ={s.env: past})
+            accepted.append(s.dotted)
+        except config.ConfigError as err:
+            assert err.key == s.dotted and past in str(err), err
+    assert accepted == []
+
+
 # ------------------------------------------------------------------ environment variables
 
 
