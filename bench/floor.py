@@ -21,13 +21,12 @@ on top. The process runs with `reaper run`'s process settings, as the harvester 
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 import psycopg
 from confluent_kafka import Producer
 
-from bench.harvest_once import PARTITIONS, create_topics, drop, prefill
+from bench.harvest_once import prefilled
 from harvester.publishing.publisher import producer_config
 from tracker import message_ids
 from tracker import schema as schema_mod
@@ -86,14 +85,7 @@ def produce_rows(producer: Producer, rows: list[tuple], ids: message_ids.Namespa
 
 
 def measure(dsn: str, bootstrap: str, rows: int, keys: int = 1000) -> dict[str, Any]:
-    schema = f"bench_{uuid.uuid4().hex[:10]}"
-    admin = None
-    topics: list[str] = []
-    try:
-        schema_mod.migrate(dsn, schema)
-        admin, topic, leader_topic = create_topics(bootstrap, PARTITIONS)
-        topics = [topic, leader_topic]
-        prefill(dsn, schema, topic, rows, keys)
+    with prefilled(dsn, bootstrap, rows, keys, schema_mod.migrate) as (schema, topic, _leader_topic):
         producer = Producer(producer_config(bootstrap, {}, {}))
         producer.list_topics(topic, timeout=30)  # connected, metadata known: as a leader's producer is
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -105,8 +97,6 @@ def measure(dsn: str, bootstrap: str, rows: int, keys: int = 1000) -> dict[str, 
         produced = time.perf_counter()
         if len(got) != rows or failed:
             raise RuntimeError(f"floor: copied {len(got)} of {rows} rows, {failed} deliveries failed")
-    finally:
-        drop(dsn, schema, admin, topics)
     copy_s, produce_s = copied - started, produced - copied
     return {
         "records": rows,

@@ -25,6 +25,7 @@ from the installed checkout instead (a module REF does not have yet would come f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -32,6 +33,7 @@ import resource
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -85,6 +87,25 @@ def drop(dsn: str, schema: str, admin: AdminClient | None, topics: list[str]) ->
                 f.result(30)
             except Exception:
                 pass
+
+
+@contextlib.contextmanager
+def prefilled(
+    dsn: str, bootstrap: str, rows: int, keys: int, migrate: Callable[[str, str], object]
+) -> Iterator[tuple[str, str, str]]:
+    """A fresh schema (made by `migrate(dsn, schema)`), a fresh topic and leader topic, and the
+    outbox pre-filled with `prefill`'s rows: (schema, topic, leader topic); all dropped afterwards."""
+    schema = f"bench_{uuid.uuid4().hex[:10]}"
+    admin = None
+    topics: list[str] = []
+    try:
+        migrate(dsn, schema)
+        admin, topic, leader_topic = create_topics(bootstrap, PARTITIONS)
+        topics = [topic, leader_topic]
+        prefill(dsn, schema, topic, rows, keys)
+        yield schema, topic, leader_topic
+    finally:
+        drop(dsn, schema, admin, topics)
 
 
 def only_tree_on_path() -> None:

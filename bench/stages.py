@@ -52,7 +52,7 @@ from confluent_kafka import Producer
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
-from bench.harvest_once import PARTITIONS, _stat, create_topics, drop, harvest, prefill
+from bench.harvest_once import _stat, harvest, prefilled
 from harvester.publishing.outbox_sql import COLUMNS, FOREVER, OutboxStore
 from harvester.publishing.publisher import producer_config
 from harvester.run import tune_process
@@ -168,20 +168,11 @@ def produce(bootstrap: str, batches: list[list[tuple]], headers: bool) -> dict[s
 def measure(dsn: str, bootstrap: str, rows: int, keys: int = 1000, with_harvest: bool = True) -> dict[str, Any]:
     if rows < MARK:
         raise ValueError(f"rows must be at least {MARK}, got {rows!r}")
-    schema = f"bench_{uuid.uuid4().hex[:10]}"
-    admin = None
-    topics: list[str] = []
-    try:
-        schema_mod.migrate(dsn, schema)
-        admin, topic, leader_topic = create_topics(bootstrap, PARTITIONS)
-        topics = [topic, leader_topic]
-        prefill(dsn, schema, topic, rows, keys)
+    with prefilled(dsn, bootstrap, rows, keys, schema_mod.migrate) as (schema, _topic, _leader_topic):
         server_select = select_marked_columns(dsn, schema, rows)
         stages, batches = mark_and_purge(dsn, schema, rows)
         with_headers = produce(bootstrap, batches, headers=True)
         bare = produce(bootstrap, batches, headers=False)
-    finally:
-        drop(dsn, schema, admin, topics)
     out: dict[str, Any] = {
         "records": rows,
         "stages_us": {

@@ -38,6 +38,19 @@ def _env(pg_dsn: str, schema: str, kafka_bootstrap: str, **extra: str) -> dict[s
     }
 
 
+def _console_env(pg_dsn: str, schema: str, kafka_bootstrap: str, **extra: str) -> dict[str, str]:
+    """_env with the operator's console on a free loopback port."""
+    return _env(
+        pg_dsn,
+        schema,
+        kafka_bootstrap,
+        REAPER_CONSOLE__RUN="true",
+        REAPER_CONSOLE__HOST="127.0.0.1",
+        REAPER_CONSOLE__PORT=str(free_port()),
+        **extra,
+    )
+
+
 def _named(reaper: ReaperProcess, event: str) -> list[dict]:
     return [e for e in reaper.events() if e.get("event") == event]
 
@@ -47,22 +60,7 @@ class ScriptedReaper(ReaperProcess):
     script run from the repository that changes one part of it first."""
 
     def __init__(self, code: str, env: dict[str, str], log_path: Path) -> None:
-        full = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
-        full.update(
-            {
-                "REAPER_ACKER__ENABLED": "false",
-                "REAPER_SWEEPER__ENABLED": "false",
-                "REAPER_METRICS__ENABLED": "false",
-                "REAPER_LOGGING__FORMAT": "json",
-                "PYTHONUNBUFFERED": "1",
-                **env,
-            }
-        )
-        self.log_path = log_path
-        self._out = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", code], cwd=REPO, env=full, stdout=self._out, stderr=subprocess.STDOUT
-        )
+        super().__init__(env, log_path, command=[sys.executable, "-c", code])
 
 
 # ------------------------------------------------------------------ a failed start is reported as itself
@@ -74,13 +72,10 @@ def test_a_console_without_tokens_exits_2_naming_the_key_and_stops_what_started(
     """The console refuses to start without tokens after the metrics server started and the gauges
     thread was set up but not started: the operator sees the refusal (exit 2, http.tokens), and
     the metrics server is stopped, not "cannot join thread before it is started"."""
-    env = _env(
+    env = _console_env(
         pg_dsn,
         schema,
         kafka_bootstrap,
-        REAPER_CONSOLE__RUN="true",
-        REAPER_CONSOLE__HOST="127.0.0.1",
-        REAPER_CONSOLE__PORT=str(free_port()),
         REAPER_METRICS__ENABLED="true",
         REAPER_METRICS__HOST="127.0.0.1",
         REAPER_METRICS__PORT="0",
@@ -163,13 +158,10 @@ def test_sighup_rereads_the_consoles_tenants_file_and_the_reaper_runs_on(pg_dsn,
     tenants = tmp_path / "tenants.yaml"
     _, digest = new_token()
     tenants.write_text(f'tenants:\n  billing:\n    tokens: ["{digest}"]\n')
-    env = _env(
+    env = _console_env(
         pg_dsn,
         schema,
         kafka_bootstrap,
-        REAPER_CONSOLE__RUN="true",
-        REAPER_CONSOLE__HOST="127.0.0.1",
-        REAPER_CONSOLE__PORT=str(free_port()),
         REAPER_HTTP__TENANTS_FILE=str(tenants),
     )
     reaper = ReaperProcess(env, tmp_path / "r.log")

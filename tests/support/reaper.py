@@ -35,7 +35,10 @@ class ReaperProcess:
         *,
         faults: FaultPlan | None = None,
         extra_env: dict[str, str] | None = None,
+        command: list[str] | None = None,
     ) -> None:
+        """`reaper run` with the tests' defaults and `env`; `command`: another command line that
+        runs it (a script that changes one part of it first)."""
         full = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
         full.update(
             {
@@ -49,7 +52,7 @@ class ReaperProcess:
         )
         full.update(env)
         full.update(extra_env or {})
-        args = [sys.executable, "-m", "harvester.cli", "run"]
+        args = command or [sys.executable, "-m", "harvester.cli", "run"]
         if faults is not None:  # the product has no fault injection: a test entry point runs it
             full[ENV_VAR] = faults.to_json()
             args = [sys.executable, str(Path(__file__).with_name("faulty_reaper.py"))]
