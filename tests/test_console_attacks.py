@@ -15,7 +15,9 @@ from support.ports import free_port
 from test_admin import add_dead
 from test_console import VIEWER, cfg, client, csrf_of, server  # noqa: F401 (fixtures)
 
+from harvester.services.console.checks import whole_number
 from harvester.services.http.security import RateLimiter
+from tracker.ids import ID_MAX
 
 
 def dead_count(pg_dsn: str, schema: str) -> int:
@@ -228,3 +230,23 @@ def test_every_console_answer_carries_the_security_headers(server, cfg):  # noqa
         or "frame-ancestors 'none'" not in r.headers.get("content-security-policy", "")
     }
     assert missing == {}
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.text(max_size=24), st.integers(-5, 1 << 64).map(str), st.integers(0, 10**6).map(lambda n: f"0{n}")))
+def test_an_id_in_a_console_url_is_read_only_as_the_api_writes_it(text):
+    # one batch, one URL: '01', ' 1', '+1', '١' (an Arabic-Indic one) name nothing, as in the API
+    read = whole_number(text)
+    assert read is None or str(read) == text
+    if read is None and text.isascii() and text.isdigit() and (text == "0" or text[0] != "0"):
+        assert int(text) > ID_MAX  # only a canonical decimal past the largest id is refused
+
+
+def test_a_batch_named_with_a_leading_zero_is_no_batch(server, pg_dsn, schema):
+    c = client(server, TOKEN)
+    with psycopg.connect(pg_dsn) as conn:
+        batch = conn.execute(f'SELECT "{schema}".open_batch()').fetchone()[0]
+    assert c.get(f"/console/batches/{batch}").status_code == 200
+    for written in (f"0{batch}", f"00{batch}", f"%20{batch}", f"+{batch}"):
+        assert c.get(f"/console/batches/{written}").status_code == 404, written
+        assert c.get(f"/console/batches/{written}/expire").status_code == 404, written

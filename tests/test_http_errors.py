@@ -196,7 +196,8 @@ def test_oversized_bodies(world):
             yield b" " * 1000
 
     r = c.post("/v1/acks", content=chunks(), headers={"content-type": "application/json"})
-    check(r, 413, "payload-too-large")
+    # named as the Content-Length refusal is: the body and its limit
+    check(r, 413, "payload-too-large", field="body", limit=LIMITS["max_body_bytes"])
     check(
         c.post("/v1/acks", json={"ids": [f"{ids['A']}:0:1"] * 51}), 413, "payload-too-large", field="body.ids", limit=50
     )

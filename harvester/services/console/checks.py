@@ -9,6 +9,7 @@ A confirmation page refuses a viewer's token too (403), before it reads anything
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 
 from fastapi import Request
@@ -24,6 +25,7 @@ from tracker.ids import ID_MAX
 
 Handler = Callable[[Request, User], Awaitable[Response]]  # a page, given its signed-in user
 Endpoint = Callable[[Request], Awaitable[Response]]  # what the router calls
+_CANONICAL_ID = re.compile(r"0|[1-9][0-9]{0,18}")
 
 
 class Console:
@@ -108,8 +110,9 @@ class Console:
 
 
 def whole_number(text: str | None, low: int = 0, high: int = ID_MAX) -> int | None:
-    """A path or query parameter that is an id (low to high, digits only), else None."""
-    t = (text or "").strip()
-    if not t.isascii() or not t.isdigit() or len(t) > 19 or not low <= int(t) <= high:
+    """A path or query parameter that is an id (low to high), else None. Written as the API takes
+    ids: '0' or ASCII digits without a leading zero, no sign or spaces; so one batch has one URL."""
+    t = text or ""
+    if not _CANONICAL_ID.fullmatch(t) or not low <= int(t) <= high:
         return None
     return int(t)

@@ -160,6 +160,8 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             405: f"{request.method} is not allowed on {request.url.path}",
             413: f"the body is larger than {h.max_body_bytes} bytes",
         }.get(exc.status_code, str(exc.detail))
+        if exc.status_code == 413:  # a chunked body read past the limit (BodyLimit), as its Content-Length refusal
+            return _problem(request, Problem(slug, detail, headers=exc.headers, field="body", limit=h.max_body_bytes))
         return _problem(request, Problem(slug, detail, headers=exc.headers))
 
     @app.exception_handler(StoreUnavailable)
