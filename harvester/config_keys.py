@@ -80,8 +80,9 @@ class HarvesterConfig:
     )
     session_timeout: float = key(
         15.0,
-        "leader-group session timeout (seconds); must exceed heartbeat_timeout. The election's Kafka clients wait "
-        "as long on a broker that does not answer, and librdkafka waits at most 300 s",
+        "leader-group session timeout (seconds); must exceed heartbeat_timeout and lie within the brokers' "
+        "group.min.session.timeout.ms and group.max.session.timeout.ms (checked at start). The election's Kafka "
+        "clients wait as long on a broker that does not answer, and librdkafka waits at most 300 s",
         **POSITIVE,
         le=300,
     )

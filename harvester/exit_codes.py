@@ -28,7 +28,8 @@ class ExitCode(IntEnum):
         2,
         (
             "bad arguments or configuration (the message names the key or value), a leader topic whose partitions "
-            "disagree with the units, or brokers that name no cluster id"
+            "disagree with the units, brokers that name no cluster id, or a harvester.session_timeout outside the "
+            "brokers' group session timeout bounds"
         ),
     )
     UNAVAILABLE = (

@@ -21,6 +21,7 @@ from confluent_kafka.admin import AdminClient
 import tracker
 from harvester import logs, product_version
 from harvester.config import Config, ConfigError, ack_topics, acker_group, redact_dsn, redacted
+from harvester.election.group_bounds import SessionTimeoutRefused
 from harvester.election.leader_topic import KafkaClusterUnknown, LeaderTopicMismatch
 from harvester.election.timeouts import silent_broker_wait_ms, socket_waits
 from harvester.exit_codes import ExitCode
@@ -439,7 +440,7 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
         if cfg.harvester.enabled:
             try:
                 harvester = Harvester(cfg, providers=providers).start()
-            except (LeaderTopicMismatch, KafkaClusterUnknown) as exc:
+            except (LeaderTopicMismatch, KafkaClusterUnknown, SessionTimeoutRefused) as exc:
                 log.error("cannot start", error=str(exc))
                 code = ExitCode.USAGE
         while code == ExitCode.OK and not term.wait(0.2):

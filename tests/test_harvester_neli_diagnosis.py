@@ -191,3 +191,35 @@ def test_the_watchdog_says_nothing_of_a_paused_process_or_a_wait_for_the_databas
     assert not dog.check(now=15.0, woke_late_by=0.0, reported_at=10.0), "reported less than an interval ago"
     on_purpose[0] = True
     assert not dog.check(now=30.0, woke_late_by=0.0, reported_at=0.0), "a step-down waits for its database"
+
+
+def test_a_leader_consumer_kept_out_of_its_group_says_what_the_broker_answered(kafka_bootstrap, topics):
+    """A session timeout the brokers refuse (start-up refuses it: harvester.election.group_bounds;
+    here that check is passed by) keeps the consumer out of the group: each replacement names why."""
+    from confluent_kafka.admin import AdminClient
+
+    from harvester.election.group_bounds import broker_session_bounds
+
+    low = max(lo for lo, _ in broker_session_bounds(AdminClient({"bootstrap.servers": kafka_bootstrap}), 10.0).values())
+    seconds = (low - 100) / 1000
+    n = Neli(
+        bootstrap=kafka_bootstrap,
+        client={},
+        consumer={},
+        producer={},
+        topic=topics("leader"),
+        group=f"g-{uuid.uuid4().hex[:8]}",
+        min_poll_interval=0.1,
+        heartbeat_timeout=seconds / 2,
+        session_timeout=seconds,
+        metrics=get_metrics(),
+    )
+    n.cluster_id = "checked elsewhere"  # prepare() would refuse this session timeout
+    with json_log() as out:
+        n.start()
+        try:
+            assert wait_until(lambda: _logged(out, "leader consumer out of the group for long: replacing it"), 30)
+            warning = _logged(out, "leader consumer out of the group for long: replacing it")[0]
+            assert "session timeout" in (warning["last_error"] or "").lower(), warning
+        finally:
+            n.stop()

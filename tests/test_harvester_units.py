@@ -11,6 +11,7 @@ import pytest
 from support.harness import Receiver, insert_rows, make_config, order_violations, outbox_count, wait_until
 
 from harvester import config as config_mod
+from harvester.election.group_bounds import SessionTimeoutRefused, broker_session_bounds, check_session_timeout
 from harvester.election.leader_topic import LeaderTopicMismatch
 from harvester.metrics import get as get_metrics
 from harvester.publishing.outbox_sql import FOREVER, lane_of
@@ -177,6 +178,41 @@ def test_a_leader_topic_that_disagrees_with_the_units_is_refused(pg_dsn, kafka_b
     cfg = make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=leader, harvester={"lanes": 2})
     h = Harvester(cfg)
     with pytest.raises(LeaderTopicMismatch, match="1 partition.*2 harvest unit"):
+        h.start()
+    h.stop(1)
+
+
+def test_a_session_timeout_the_brokers_refuse_is_refused_at_start_naming_both(kafka_bootstrap):
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    bounds = broker_session_bounds(admin, 10.0)
+    assert bounds, "the brokers' group session timeout bounds could not be read"
+    low = max(lo for lo, _ in bounds.values())
+    high = min(hi for _, hi in bounds.values())
+    for accepted in (low, high, (low + high) // 2):
+        check_session_timeout(admin, accepted, 10.0)
+    for refused in (low - 1, high + 1):
+        with pytest.raises(
+            SessionTimeoutRefused, match=rf"harvester.session_timeout {refused / 1000:g} s.*{low / 1000:g} s"
+        ):
+            check_session_timeout(admin, refused, 10.0)
+
+
+def test_a_harvester_whose_leader_group_could_never_form_does_not_start(pg_dsn, kafka_bootstrap, schema, topics):
+    from confluent_kafka.admin import AdminClient
+
+    low = max(lo for lo, _ in broker_session_bounds(AdminClient({"bootstrap.servers": kafka_bootstrap}), 10.0).values())
+    seconds = (low - 100) / 1000
+    cfg = make_config(
+        pg_dsn,
+        schema,
+        kafka_bootstrap,
+        leader_topic=topics("leader", partitions=1),
+        harvester={"session_timeout": seconds, "heartbeat_timeout": seconds / 2},
+    )
+    h = Harvester(cfg)
+    with pytest.raises(SessionTimeoutRefused, match="group.min.session.timeout.ms"):
         h.start()
     h.stop(1)
 

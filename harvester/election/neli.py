@@ -40,12 +40,13 @@ import uuid
 from collections.abc import Callable
 from functools import partial
 
-from confluent_kafka import OFFSET_END, Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from harvester import logs
 from harvester.election.clients import heartbeat_producer_conf, leader_consumer_conf
 from harvester.election.diagnosis import REPORT_SESSIONS, FencedReports, Watchdog
+from harvester.election.group_bounds import check_session_timeout
 from harvester.election.heartbeats import Heartbeats
 from harvester.election.leader_topic import ensure_leader_topic
 from harvester.election.lease import (  # noqa: F401  (FENCED, LEADER: importers use them from here)
@@ -126,6 +127,7 @@ class Neli(Heartbeats):
         self._producer_conf = heartbeat_producer_conf(waits, producer, session_timeout)
         self._last_pulse = time.monotonic()
         self._in_group_at = time.monotonic()  # last time the consumer had a group member id
+        self._group_error: str | None = None  # the leader consumer's last error since then
         self._resume_after = 0.0  # monotonic: no resumption before this (see RESUME_GRACE)
         self._stop = threading.Event()
         self._closed = threading.Event()
@@ -151,6 +153,11 @@ class Neli(Heartbeats):
         return the Kafka cluster's id. Done once; start() does it if nobody did."""
         if self.cluster_id is None:
             self.cluster_id = ensure_leader_topic(self._admin_conf, self.topic, partitions=len(self.leases))
+            admin = AdminClient(self._admin_conf)
+            try:  # a session timeout the brokers refuse would keep the leader consumer out of its group for good
+                check_session_timeout(admin, int(self._consumer_conf["session.timeout.ms"]))
+            finally:
+                admin.poll(0)  # hand the admin client's log lines to its logger
         return self.cluster_id
 
     def start(self) -> Neli:
@@ -262,8 +269,11 @@ class Neli(Heartbeats):
                 "this process stalled: no resumption for a while", stalled_s=round(returned - self._last_pulse, 3)
             )
         for msg in messages:
-            if msg.error() is None:
+            error = msg.error()
+            if error is None:
                 self._vouch(msg.partition(), msg.value())
+            elif error.code() != KafkaError._PARTITION_EOF:
+                self._group_error = error.str()  # e.g. a JoinGroup the broker refused: said when out of the group
         producer.poll(0)  # the broker's acknowledgements of heartbeats (_acked), before they are judged
         now = time.monotonic()
         for lease in self.leases:
@@ -307,12 +317,16 @@ class Neli(Heartbeats):
         consumer = self._consumer
         assert consumer is not None
         if consumer.memberid():
-            self._in_group_at = now
+            self._in_group_at, self._group_error = now, None
             return
         out_of_group = now - self._in_group_at
         if out_of_group < OUT_OF_GROUP_SESSIONS * self.session_timeout:
             return
-        self._log.warning("leader consumer out of the group for long: replacing it", seconds=round(out_of_group, 1))
+        self._log.warning(
+            "leader consumer out of the group for long: replacing it",
+            seconds=round(out_of_group, 1),
+            last_error=self._group_error,
+        )
         for lease in self.leases:  # none is held without a member id; never lead on a dropped consumer
             if lease.holding:
                 lease.holding = False
