@@ -112,7 +112,7 @@ class HarvesterConfig:
     purge_workers: int = key(2, "connections purging delivered rows in parallel", **POSITIVE, le=64)
     vacuum_interval: float = key(
         2.0,
-        "the leader vacuums the outbox this often while it purges (seconds)",
+        "the leader (of lane 0, with lanes) vacuums the outbox this often while rows are purged from it (seconds)",
         ge=0,
         le=86400,
         note="0 = autovacuum only",

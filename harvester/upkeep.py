@@ -39,7 +39,7 @@ class Upkeep:
         """`store` is what the vacuum goes through (wrapped by the providers), `outbox` the store whose
         mark the lane index switches; `purged_rows` counts the rows the unit has deleted so far;
         `claim` is the unit's hold of the table (harvester.publishing.ownership)."""
-        self.h, self.spec, self.store = h, spec, store
+        self.h, self.spec, self.store, self._outbox = h, spec, store, outbox
         self._purged_rows, self._leading, self._stop, self._log = purged_rows, leading, stop, log
         self.claim = claim
         self.vacuums = 0  # that ran (Postgres skips a locked table: SKIP_LOCKED)
@@ -74,16 +74,27 @@ class Upkeep:
         if self.lane_index is not None and self.lane_index.valid:
             self.lane_index.recheck_soon()
 
+    def _deletions(self) -> tuple[int, int | None]:
+        """What has been deleted from the table so far: by this unit (at once) and by anyone (the
+        table's statistics: other lanes, led here or by other processes, purge it too)."""
+        try:
+            table = self._outbox.deleted_rows()
+        except Exception as exc:  # the vacuum itself then says what is wrong, if anything
+            self._log.debug("the outbox's deletions could not be read", error=logs_safe(exc))
+            table = None
+        return self._purged_rows(), table
+
     def _vacuum_loop(self) -> None:
-        """The leader vacuums the outbox every vacuum_interval while it is deleting rows."""
-        last_purged, skipped_in_a_row = self._purged_rows(), 0
+        """Lane 0's leader vacuums the outbox every vacuum_interval while rows are deleted from it,
+        by any lane."""
+        last, skipped_in_a_row = self._deletions(), 0
         while not self._stop.wait(self.h.vacuum_interval):
             if not self._leading():
                 continue
-            purged = self._purged_rows()
-            if purged == last_purged:
+            now = self._deletions()
+            if now == last:
                 continue
-            last_purged = purged
+            last = now
             try:
                 ran = self.store.vacuum()
             except Exception as exc:

@@ -283,3 +283,26 @@ def test_mark_waits_for_a_locked_row_instead_of_skipping_it(setup, pg_dsn, schem
         assert order_violations([(k, v) for k, v, _ in receiver.records]) == []
     finally:
         locker.close()
+
+
+def test_rows_without_header_arrays_survive_a_full_local_queue(setup, pg_dsn, schema):
+    """An application's table may leave header_keys/header_values NULL: the record produced again
+    after a full librdkafka queue carries the message id alone, as its first try did."""
+    make, topic, receiver = setup
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            f'ALTER TABLE "{schema}".outbox DROP CONSTRAINT outbox_headers_paired, '
+            "ALTER COLUMN header_keys DROP NOT NULL, ALTER COLUMN header_values DROP NOT NULL"
+        )
+        conn.execute(
+            f'INSERT INTO "{schema}".outbox (topic, key, value, header_keys, header_values) '
+            "SELECT %s, ('k' || i %% 7)::bytea, ('v' || i)::bytea, NULL, NULL FROM generate_series(1, 3000) i",
+            [topic],
+        )
+    cfg = make(mark_batch=500, max_in_flight=2000)
+    cfg.kafka.producer = {"queue.buffering.max.messages": 100, "linger.ms": 20}
+    with running(cfg) as h:
+        expected = {(b"k%d" % (i % 7), b"v%d" % i) for i in range(1, 3001)}
+        assert receiver.wait_for(expected, 60), "rows with NULL header arrays went missing"
+        assert h.error is None and h.publisher.queue_full_waits > 0
+    assert all([k for k, _ in headers] == [MESSAGE_ID_HEADER] for _, _, headers in receiver.records)

@@ -203,7 +203,7 @@ class PlainStrategy:
                         callback,
                         None,
                         0,
-                        [*zip(hkeys, hvals), (mid, msg_id)],
+                        [*zip(hkeys, hvals), (mid, msg_id)] if hkeys else [(mid, msg_id)],  # as the first try
                     )
                     if not self._produce_again(producer, args, deadline, still_valid, failed):
                         break

@@ -37,9 +37,11 @@ from harvester.publishing.outbox_sql import MarkRefused
 from harvester.publishing.ownership import ClaimTableMissing, OutboxClaim, OutboxClaimed
 from harvester.publishing.ports import StoreLike
 from harvester.publishing.publisher import Publisher, QuarantineError, logs_safe
+from harvester.publishing.table_shape import OutboxShapeRefused, ShapeReports
 from harvester.upkeep import Upkeep
 from tracker import message_ids
 
+SHAPE_RETRY = 5.0  # seconds between checks of a table whose columns cannot be published
 CLAIM_RETRY = 1.0  # seconds between holds while another layout holds the table (harvester.publishing.ownership)
 SLOW_MARK = 1.0  # seconds: a mark this slow has the lane index checked (see _mark_trouble)
 MIN_REMARK_BACKOFF = 0.05  # seconds before the second remark in a row without progress
@@ -78,6 +80,7 @@ class MarkingLoop:
     _thread: threading.Thread  # the marker's
     _batches: queue.Queue[MarkedBatch]  # marked, waiting for the producer thread
     remark_backoff: float
+    shape_reports: ShapeReports
     error: BaseException | None
 
     # ------------------------------------------------------------------ force remark
@@ -204,6 +207,10 @@ class MarkingLoop:
             if isinstance(trouble, (OutboxClaimed, ClaimTableMissing)):
                 claim.report_refusal(trouble, self.log, m.claim_refusals)
                 self._stop.wait(CLAIM_RETRY)
+                continue
+            if isinstance(trouble, OutboxShapeRefused):  # until the table is altered: checked again each turn
+                self.shape_reports.report(trouble, self.log)
+                self._stop.wait(SHAPE_RETRY)
                 continue
             if isinstance(trouble, MarkRefused):
                 # Nothing was marked. Usually the lease ended while the mark was on its way (the

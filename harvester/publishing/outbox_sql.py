@@ -21,6 +21,7 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from harvester.db_pool import configure_connection, make_pool  # noqa: F401  (the pool lives in harvester.db_pool)
+from harvester.publishing.table_shape import check_shape
 from tracker import message_ids
 from tracker.schema import qualified
 
@@ -233,12 +234,17 @@ class OutboxStore:
         ).format(t=t)
         self._count = sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {t} LIMIT %s) AS s").format(t=t)
         self._span = sql.SQL("SELECT max(id) - min(id) + 1 FROM {t}").format(t=t)
+        # Rows deleted from the table by anyone (cumulative statistics, flushed by each backend about
+        # once a second): what tells lane 0's vacuum that other lanes, or other processes, purge.
+        self._deleted = "SELECT n_tup_del FROM pg_stat_all_tables WHERE relid = to_regclass(%s)"
 
     def namespace(self) -> message_ids.Namespace:
         """The table's message-id namespace (tracker.message_ids; registered on first use). In a
         schema `reaper migrate` never ran in, the namespace table is created first, as the claim
-        table is (harvester.publishing.ownership)."""
+        table is (harvester.publishing.ownership). The table's columns are checked first
+        (harvester.publishing.table_shape): OutboxShapeRefused names those it cannot publish."""
         with self.pool.connection() as conn:
+            check_shape(conn, self._table_text)  # OutboxShapeRefused: a column it cannot publish
             # The table's oid first: if it is replaced before the namespace read, the next mark sees it.
             found = conn.execute("SELECT to_regclass(%s)::oid", [self._table_text]).fetchone()
             self._table_oid = found[0] if found else None
@@ -351,6 +357,14 @@ class OutboxStore:
             finally:
                 conn.remove_notice_handler(on_notice)
         return not skipped
+
+    def deleted_rows(self) -> int | None:
+        """Rows deleted from the outbox since Postgres's statistics began (any session, any lane);
+        None when the table is not there. Lags the deletions by about a second; goes back to 0 when
+        the statistics are reset."""
+        with self.pool.connection() as conn:
+            row = conn.execute(self._deleted, [self._table_text]).fetchone()
+        return None if row is None else int(row[0])
 
     def backlog(self, exact_up_to: int = BACKLOG_EXACT) -> Backlog:
         """Rows in the outbox and the age of the oldest: an exact count up to `exact_up_to` rows,
