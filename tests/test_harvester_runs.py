@@ -385,3 +385,31 @@ def test_a_refusal_that_does_not_pass_stops_the_call():
     with pytest.raises(KafkaException):
         plain.produce_rows(rows, uuid.uuid4(), lambda: True, lambda: float("inf"))
     assert [int(r[3][len(P) :]) for r in producer.records] == list(range(5))
+
+
+@pytest.mark.parametrize("fenced", [False, True], ids=["idempotent", "transactional"])
+@pytest.mark.parametrize("bad", ["bad topic!", "ümlaut", "..", "x" * 250])
+def test_a_row_whose_topic_name_kafka_never_accepts_is_quarantined_and_holds_up_nothing(
+    pg_dsn, kafka_bootstrap, schema, topics, bad, fenced
+):
+    """Written by SQL past the tracker's checks: librdkafka reports most such names as an unknown
+    topic, which alone would be retried for ever, every remark publishing nothing behind it."""
+    from support.harness import Receiver, make_config, running
+
+    topic = topics("data", partitions=2)
+    rows = [(topic, b"k%d" % (i % 3), None) for i in range(10)]
+    rows[4] = (bad, b"k1", None)
+    ids = _insert(pg_dsn, schema, rows)
+    receiver = Receiver(kafka_bootstrap, topic, 2)
+    try:
+        fencing = {"transactional_id": f"t-{uuid.uuid4().hex[:8]}"} if fenced else {}
+        with running(make_config(pg_dsn, schema, kafka_bootstrap, harvester=fencing)) as h:
+            assert wait_until(lambda: not outbox_marks(pg_dsn, schema) and len(receiver.values()) >= 9, 60), (
+                f"published {len(receiver.values())} of 9, outbox {outbox_marks(pg_dsn, schema)}"
+            )
+            assert h.error is None
+        with psycopg.connect(pg_dsn) as c:
+            dead = c.execute(f'SELECT id, topic, reason FROM "{schema}".outbox_dead').fetchall()
+        assert [(d[0], d[1]) for d in dead] == [(ids[4], bad)] and dead[0][2].startswith("TOPIC_EXCEPTION"), dead
+    finally:
+        receiver.close()

@@ -21,6 +21,7 @@ from tracker.aio import AsyncTracker
 from tracker.consumer import AckProducer, MissingItemId, Processed, item_id_of
 from tracker.core.acks import CLAIMS_PER_CALL_MAX, AckResult, FailResult, FailurePage
 from tracker.core.batches import Batch, BatchStatus, GroupHandle
+from tracker.core.validate import is_topic_name
 from tracker.errors import (
     BatchExpired,
     BatchNotOpen,
@@ -58,6 +59,7 @@ from tracker.sync import (
 )
 
 __all__ = [
+    "is_topic_name",
     "Tracker",
     "AsyncTracker",
     "aio",

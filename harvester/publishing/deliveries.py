@@ -32,6 +32,7 @@ from harvester import logs
 from harvester.config import redact_dsn
 from harvester.metrics import MetricsLike
 from harvester.publishing.ports import StoreLike
+from tracker import is_topic_name
 
 _PURGED = (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT)
 # Delivery-report errors that concern this record alone and can never succeed. Deliberately NOT here:
@@ -42,6 +43,18 @@ _PURGED = (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT)
 #   created (brokers here do not auto-create) is an operator's fix away; quarantining would move
 #   every row of that topic out of the outbox. They are retried, with the remark back-off.
 PERMANENT_DELIVERY = frozenset({KafkaError._UNKNOWN_PARTITION, KafkaError._INVALID_ARG, KafkaError.TOPIC_EXCEPTION})
+_UNKNOWN_TOPIC = (KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART)
+
+
+def invalid_topic(err: KafkaError, topic: object) -> KafkaError | None:
+    """An unknown-topic error for a name Kafka can never accept ('bad topic!', a row written by
+    SQL past the tracker's checks), as the permanent TOPIC_EXCEPTION it is: librdkafka reports
+    such a name as merely unknown, which alone is retried for ever (a topic not yet created)."""
+    if err.code() in _UNKNOWN_TOPIC and not is_topic_name(topic):
+        return KafkaError(KafkaError.TOPIC_EXCEPTION, f"{str(topic)[:300]!r} is not a Kafka topic name")
+    return None
+
+
 # The produce-latency histogram takes about one sample per 64 records reported (a run's report
 # counts its records): observe() per record costs too much.
 SAMPLE_EVERY = 64
@@ -170,12 +183,14 @@ class DeliverySettler:
         """A delivery report (the producer's per-record callback). Called once per record from the
         thread serving the producer: `sample` is inlined, and the wake-up test reads a local."""
         reports = self.reports
-        reports.append((row_id, leader_id, err))
         if err is None:
+            reports.append((row_id, leader_id, err))
             self._sampled += 1
             if self._sampled >= SAMPLE_EVERY:
                 self._sample_now(msg)
         else:
+            err = invalid_topic(err, msg.topic()) or err
+            reports.append((row_id, leader_id, err))
             self.failed_report(err)
         if len(reports) >= self._batch and not self._wake.is_set():
             self._wake.set()
@@ -190,6 +205,7 @@ class DeliverySettler:
             if self._sampled >= SAMPLE_EVERY:
                 self._sample_now(msg)
         else:
+            err = invalid_topic(err, msg.topic()) or err
             if err.code() in PERMANENT_DELIVERY and not err.fatal():
                 self.single.update(row_ids)
                 err = KafkaError(KafkaError._FAIL, f"{err.name()}: {RUN_REFUSED}")

@@ -31,7 +31,7 @@ from functools import partial
 
 from confluent_kafka import KafkaError, KafkaException
 
-from harvester.publishing.deliveries import DeliverySettler, error_reason, logs_safe
+from harvester.publishing.deliveries import DeliverySettler, error_reason, invalid_topic, logs_safe
 from harvester.publishing.ports import ProducerLike, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
 from harvester.publishing.runs import PartitionCounts, computes_partitions, plan_runs
@@ -191,6 +191,8 @@ class PlainStrategy:
                 if failed is None:
                     continue
                 row_id, topic, key, value, hkeys, hvals, own_partition, msg_id = rows[i]
+                if isinstance(failed, KafkaException) and failed.args and isinstance(failed.args[0], KafkaError):
+                    failed = KafkaException(invalid_topic(failed.args[0], topic) or failed.args[0])
                 if isinstance(failed, BufferError) or transient(failed):
                     # `run`, `partition` and `callback` are still the refused record's (`partition`
                     # the one computed for it: the row's own would let librdkafka's partitioner

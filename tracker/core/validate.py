@@ -43,6 +43,16 @@ def utf8(value: str, name: str) -> bytes:
         raise InvalidValue(name, value, f"is not valid UTF-8 text ({exc.reason} at {exc.start})") from None
 
 
+def is_topic_name(topic: object) -> bool:
+    """True when Kafka accepts `topic` as a topic name (check_topic's rule, without raising)."""
+    return (
+        isinstance(topic, str)
+        and 0 < len(topic) <= TOPIC_MAX
+        and TOPIC_CHARS.fullmatch(topic) is not None
+        and topic not in (".", "..")
+    )
+
+
 def check_topic(topic: object, name: str = "topic") -> str:
     if not isinstance(topic, str):
         raise InvalidArgument(name, topic, "a non-empty str")
