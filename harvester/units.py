@@ -143,6 +143,9 @@ class Harvester:
 
     @property
     def error(self) -> BaseException | None:
+        """What stopped a unit, or the election (then no unit leads again), if anything did."""
+        if self.neli is not None and self.neli.error is not None:
+            return self.neli.error
         return next((u.error for u in self.units if u.error is not None), None)
 
     def leading_units(self) -> list[str]:

@@ -223,3 +223,30 @@ def test_a_leader_consumer_kept_out_of_its_group_says_what_the_broker_answered(k
             assert "session timeout" in (warning["last_error"] or "").lower(), warning
         finally:
             n.stop()
+
+
+def test_an_election_thread_that_fails_stops_the_harvester_instead_of_never_leading_again(
+    pg_dsn, kafka_bootstrap, schema, topics
+):
+    """A leadership callback that raises something other than a KafkaException ended the election
+    thread, every unit a follower for good, while the process stayed up and ready."""
+    from support.harness import make_config
+
+    from harvester.units import Harvester
+
+    h = Harvester(make_config(pg_dsn, schema, kafka_bootstrap, leader_topic=topics("leader")))
+    unit = h.units[0]
+
+    def broken(state, leader_id):
+        raise RuntimeError("a bug in a leadership callback")
+
+    unit._on_neli = broken  # what the lease calls on every change, from the election thread
+    with json_log() as out:
+        h.start()
+        try:
+            assert wait_until(lambda: h.error is not None, 30), "the election thread died and nothing noticed"
+            assert "a bug in a leadership callback" in str(h.error)
+            assert not unit.leading
+            assert _logged(out, "election thread failed: no unit will lead")
+        finally:
+            h.stop(2)

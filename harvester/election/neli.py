@@ -128,6 +128,7 @@ class Neli(Heartbeats):
         self._last_pulse = time.monotonic()
         self._in_group_at = time.monotonic()  # last time the consumer had a group member id
         self._group_error: str | None = None  # the leader consumer's last error since then
+        self.error: BaseException | None = None  # what ended the election thread, if not a stop
         self._resume_after = 0.0  # monotonic: no resumption before this (see RESUME_GRACE)
         self._stop = threading.Event()
         self._closed = threading.Event()
@@ -354,6 +355,11 @@ class Neli(Heartbeats):
                     self._log.warning("leader consumer error", error=str(exc))
                     time.sleep(self.min_poll)
                     self._last_pulse = time.monotonic()  # an error, not a stall of this process
+        except Exception as exc:
+            # Anything else (a callback's bug, a producer that cannot be made) ends the election:
+            # said here, and kept in `error` so the process stops rather than stay up never leading.
+            self.error = exc
+            self._log.error("election thread failed: no unit will lead", error=str(exc), exc_info=exc)
         finally:
             for lease in self.leases:
                 lease.holding = False
