@@ -554,3 +554,46 @@ def test_sweeper_commits_chunks_only_on_an_idle_connection(pg_dsn, schema):
         c.rollback()
         states = c.execute(f'SELECT DISTINCT state FROM "{schema}".batch').fetchall()
         assert states == [("expired",)]
+
+
+@pytest.mark.parametrize("side", ["sync", "async"])
+def test_a_batch_finished_by_a_failure_counts_as_completed(pg_dsn, conn, schema, side):
+    """Its last item failed, or a failure past its threshold: a completion event is written, and
+    reaper_batches_completed_total counts it as an ack that completes one would."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    sync_side = tracker.Tracker(schema=schema, registry=registry)
+    last = sync_side.open_batch(conn)
+    sync_side.add_items(conn, last, 2)
+    sync_side.close_batch(conn, last)
+    early = sync_side.open_batch(conn, tolerated_failures=0)
+    sync_side.add_items(conn, early, 3)
+    sync_side.close_batch(conn, early)
+    masked = sync_side.open_batch(conn)
+    sync_side.add_items(conn, masked, 1)
+    sync_side.close_batch(conn, masked)
+    sync_side.ack(conn, [f"{last.id}:0:0"], claims=False)
+    conn.commit()
+    value = registry.get_sample_value
+    before = value("reaper_batches_completed_total", {"schema": schema}) or 0
+    if side == "sync":
+        assert sync_side.fail(conn, [f"{last.id}:0:1"], "gave up").completed == [last.id]
+        assert sync_side.fail(conn, [f"{early.id}:0:0"], "gave up").completed == [early.id]
+        assert sync_side.fail_masks(conn, tracker.fold([f"{masked.id}:0:0"]), "gave up").completed == [masked.id]
+        conn.commit()
+    else:
+
+        async def run() -> None:
+            aio_side = tracker.AsyncTracker(schema=schema, registry=registry)
+            async with await psycopg.AsyncConnection.connect(pg_dsn) as aconn:
+                assert (await aio_side.fail(aconn, [f"{last.id}:0:1"], "gave up")).completed == [last.id]
+                assert (await aio_side.fail(aconn, [f"{early.id}:0:0"], "gave up")).completed == [early.id]
+                done = await aio_side.fail_masks(aconn, tracker.fold([f"{masked.id}:0:0"]), "gave up")
+                assert done.completed == [masked.id]
+                await aconn.commit()
+
+        asyncio.run(run())
+    assert value("reaper_batches_completed_total", {"schema": schema}) == before + 3

@@ -191,7 +191,9 @@ class AsyncTracker(TrackerCore):
         """
         checked = check_reason(reason)
         entries = id_list(item_ids)
-        return await _run(session, self._fail_op(entries, await _fold(entries), checked))
+        result = await _run(session, self._fail_op(entries, await _fold(entries), checked))
+        self._count_completed(len(result.completed))
+        return result
 
     async def fail_masks(
         self,
@@ -207,7 +209,9 @@ class AsyncTracker(TrackerCore):
         result, `acked` counting the items this call failed. Locks the named batch rows until the
         caller commits."""
         checked = check_reason(reason)
-        return await _run(session, self._apply_op(masks, reject_invalid, skip_locked, checked))
+        result = await _run(session, self._apply_op(masks, reject_invalid, skip_locked, checked))
+        self._count_completed(len(result.completed))
+        return result
 
     async def apply_outcomes(
         self,

@@ -48,7 +48,9 @@ class TrackerMetrics:
         self.ack_apply_duration = Histogram(
             f"{p}_ack_apply_duration_seconds", "Time to apply one set of folded ack masks", labels, registry=registry
         )
-        self.batches_completed = calls("batches_completed", "Batches completed (closed with nothing pending)")
+        self.batches_completed = calls(
+            "batches_completed", "Batches completed (closed with nothing pending, or finished by a failure threshold)"
+        )
         self.batches_opened = calls("batches_opened", "Batches opened")
         self.batches_expired = calls("batches_expired", "Batches expired (by a sweep or an operator's expire_batch)")
         self.batches_closed = calls("batches_closed", "Batches closed")

@@ -161,7 +161,9 @@ class Tracker(TrackerCore):
         """
         checked = check_reason(reason)
         entries = id_list(item_ids)
-        return _run(session, self._fail_op(entries, _fold(entries), checked))
+        result = _run(session, self._fail_op(entries, _fold(entries), checked))
+        self._count_completed(len(result.completed))
+        return result
 
     def fail_masks(
         self,
@@ -177,7 +179,9 @@ class Tracker(TrackerCore):
         result, `acked` counting the items this call failed. Locks the named batch rows until the
         caller commits."""
         checked = check_reason(reason)
-        return _run(session, self._apply_op(masks, reject_invalid, skip_locked, checked))
+        result = _run(session, self._apply_op(masks, reject_invalid, skip_locked, checked))
+        self._count_completed(len(result.completed))
+        return result
 
     def apply_outcomes(
         self,

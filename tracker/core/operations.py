@@ -193,17 +193,18 @@ class TrackerCore:
                 self._m[2].inc()
 
     def _count_acks(self, steps: object, results: list[AckResult], started: float) -> None:
-        """The metrics of the ack steps of an apply_outcomes call, as one ack call."""
+        """The metrics of the ack steps of an apply_outcomes call, as one ack call, and the batches
+        any of its steps completed (a failure finishes a batch too)."""
         acked = [r for (reason, _m), r in zip(steps, results) if reason is None]  # type: ignore[call-overload]
         if acked:
             self._count_ack(
-                AckResult(
-                    acked=sum(r.acked for r in acked),
-                    duplicates=sum(r.duplicates for r in acked),
-                    completed=[b for r in acked for b in r.completed],
-                ),
-                started,
+                AckResult(acked=sum(r.acked for r in acked), duplicates=sum(r.duplicates for r in acked)), started
             )
+        self._count_completed(sum(len(r.completed) for r in results))
+
+    def _count_completed(self, batches: int) -> None:
+        if self._m and batches:
+            self._m[2].inc(batches)
 
     def _count_ack(self, result: AckResult, started: float) -> None:
         if self._m:
