@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from typing import TYPE_CHECKING
@@ -166,7 +167,19 @@ def main(argv: list[str] | None = None) -> int:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
     except KeyboardInterrupt:
         return _interrupted(command)
+    except BrokenPipeError:
+        return _pipe_closed()
     return code
+
+
+def _pipe_closed() -> int:
+    """The output's reader went away (`reaper migrate --dry-run | head`): no traceback or error line,
+    and the interpreter's last flush of stdout goes nowhere instead of failing again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return ExitCode.PIPE_CLOSED
 
 
 def _interrupted(command: str | None) -> int:
@@ -204,6 +217,8 @@ def _main(args: argparse.Namespace) -> int:
     try:
         if args.command == "migrate":
             return cmd_migrate(cfg, args.dry_run, args.roles)
+    except BrokenPipeError:
+        raise  # the reader went away: see _pipe_closed
     except Exception as exc:  # a clear one-line error, secrets redacted
         print(f"reaper {args.command}: {type(exc).__name__}: {config_mod.redact_dsn(str(exc))}", file=sys.stderr)
         return ExitCode.FAILURE

@@ -50,6 +50,13 @@ class ExitCode(IntEnum):
     )
     NOT_FOUND = 5, "the batch or dead row named does not exist, or the message id named is not in the inbox"
     REFUSED = 6, "the state refuses the action (expiring a complete batch)"
+    PIPE_CLOSED = (
+        141,
+        (
+            "the reader of the output closed it first (`reaper migrate --dry-run | head`): the output was cut short, "
+            "and nothing else is said; what the command had committed stays (`reaper migrate`: run it again to finish)"
+        ),
+    )
     INTERRUPTED = (
         130,
         (

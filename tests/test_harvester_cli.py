@@ -304,3 +304,29 @@ def test_ctrl_c_while_a_command_waits_ends_it_with_one_line_and_exit_130(silent_
         assert json.loads(out)["exit_code"] == 130, out
     else:
         assert out == ""
+
+
+@pytest.mark.parametrize("command", [["migrate", "--dry-run"], ["migrate", "--roles", "print"], ["dead", "list"]])
+def test_output_whose_reader_went_away_ends_quietly_with_its_own_exit_code(pg_dsn, schema, command):
+    """`reaper ... | head`: the reader closes the pipe first. No traceback or BrokenPipeError line,
+    and not exit 1 (which says the database or Kafka failed)."""
+    from support.reaper import REPO
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line is written: every write meets EPIPE
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REAPER_")}
+    env |= {"REAPER_DATABASE__DSN": pg_dsn, "REAPER_DATABASE__SCHEMA": schema}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "harvester.cli", *command],
+            cwd=REPO,
+            env=env,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == ExitCode.PIPE_CLOSED, done.stderr
+    assert done.stderr == "", done.stderr
