@@ -8,7 +8,7 @@ import time
 import psycopg
 import pytest
 from confluent_kafka import Producer
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.harness import read_messages
 from test_tracker_support import completion_events, invariant_violations
@@ -207,3 +207,25 @@ def test_ack_producer_holds_at_most_one_folds_masks(kafka_bootstrap, topics):
     for m in _consume(kafka_bootstrap, topic, 5):
         got.extend(m.value().decode().split(","))
     assert sorted(got) == sorted(expected)  # each once
+
+
+def test_an_ack_producer_names_a_malformed_id_once_as_written(kafka_bootstrap, topics):
+    """Its message said 'malformed item id ...: malformed: malformed item id ...' with the
+    expected forms twice; now as fold() says it, naming the entry as the caller wrote it."""
+    producer = tracker.AckProducer(bootstrap_servers=kafka_bootstrap, topic=topics("acks"))
+
+    @settings(max_examples=300, deadline=None)
+    @given(entry=st.one_of(st.text(max_size=30), st.binary(max_size=30), st.just("garbage"), st.just("1:2")))
+    def check(entry) -> None:
+        try:
+            producer.ack([entry])
+        except tracker.MalformedItemId as exc:
+            text = str(exc)
+            assert text.count("malformed item id") == 1 and text.count("(expected") == 1, text
+            assert text.startswith(f"malformed item id {entry!r}"), text
+            assert exc.item_id == entry
+
+    try:
+        check()
+    finally:
+        producer.close(10)

@@ -146,7 +146,7 @@ def _fold_one(folder: Any, entry: object, fold: bool = True) -> bool:
         parse_ack(text)
         return True
     except MalformedItemId as exc:
-        raise MalformedItemId(entry, f"malformed: {exc}") from None
+        raise MalformedItemId(entry, exc.reason) from None  # named as the caller wrote it (bytes, say)
     except IndexOutOfRange:
         raise MalformedItemId(entry, f"index beyond any group (max {GROUP_BITS_MAX - 1}): {OUT_OF_RANGE}") from None
 

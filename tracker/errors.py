@@ -21,7 +21,7 @@ class MalformedItemId(TrackerError, ValueError):
     """An item id that is not `<batch>:<group>:<index>` in plain decimals."""
 
     def __init__(self, item_id: object, reason: str = "") -> None:
-        self.item_id = item_id
+        self.item_id, self.reason = item_id, reason
         why = f": {reason}" if reason else ""
         super().__init__(
             f"malformed item id {item_id!r}{why} (expected '<batch>:<group>:<index>' or '<batch>:<group>:<start>-<end>')"
