@@ -103,10 +103,15 @@ def test_outbox_status_shows_backlog_dead_rows_batches_and_the_leader(cfg, pg_ds
         None,
     )
     assert u["oldest_age_seconds"] >= 0 and s["batches"]["open"] == 1 and s["items_pending"] == 9
+    with psycopg.connect(pg_dsn) as c:
+        first = c.execute(f'SELECT min(id) FROM "{schema}".outbox').fetchone()[0]
+    # the row a stall is stuck on: which, of what topic, and whether a leader holds it
+    assert (u["oldest_id"], u["oldest_topic"], u["oldest_marked_by"]) == (first, topic, None)
     human = reaper(cfg, "outbox", "status")
     assert (
         human.returncode == 0 and "backlog         25 rows" in human.stdout and "leader          none" in human.stdout
     )
+    assert f"id {first}, topic {topic!r}, not marked" in human.stdout, human.stdout
 
     receiver = Receiver(kafka_bootstrap, topic)
     try:

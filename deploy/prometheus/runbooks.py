@@ -22,7 +22,7 @@ RUNBOOKS: dict[str, Runbook] = {
         "they wait). Applications keep working; consumers see nothing new.",
         check=(
             "`/readyz` of each instance: it says whether the instance reaches Postgres and Kafka.",
-            "The instances' logs for `fencing`, `revoked` or `not marking` lines, and for connection errors.",
+            "The instances' logs for `fencing`, `neli follower` (leadership lost) or `not marking` lines, and for connection errors.",
             "That every instance uses the same `harvester.leader_topic` and `harvester.leader_group` "
             "(an instance whose units disagree with the leader topic's partitions refuses to start, exit code 2).",
         ),
@@ -96,7 +96,7 @@ RUNBOOKS: dict[str, Runbook] = {
         "committed. Nothing is lost, but the delay is now visible to users.",
         check=(
             "Everything ReaperOutboxBacklogOld lists.",
-            "`reaper outbox status`: the oldest row, its topic and whether it is marked (in flight).",
+            "`reaper outbox status`: the oldest row's id and topic and whether it is marked (in flight); a row whose topic does not exist stops no other key, but stays until the topic is created.",
         ),
         act=(
             "Restore publication first (leadership, Kafka); rows are published in order once it resumes.",
@@ -110,7 +110,7 @@ RUNBOOKS: dict[str, Runbook] = {
         check=(
             "The leader's logs for the delivery error (topic missing, record too large, authorisation, "
             "broker unreachable).",
-            "`reaper_produce_errors_total` by error, and the brokers' health.",
+            "`reaper_produce_errors_total`, the `produce failed` log lines and the `force remark` lines whose `reason` is `delivery failed: ...` (each names its error), and the brokers' health.",
         ),
         act=(
             "Fix the cause the error names: create the topic, raise `message.max.bytes`, grant the "

@@ -47,6 +47,9 @@ class UnitStatus:
     lanes: int = 1
     error: str | None = None  # its database could not be read
     dead_rows_capped: bool = False  # True: more than dead_rows (the count stopped at its cap)
+    oldest_id: int | None = None  # the oldest row (lowest id) of the unit's backlog, if any
+    oldest_topic: str | None = None  # ... its topic
+    oldest_marked_by: str | None = None  # ... the leader id it is marked with (None: not in flight)
 
 
 @dataclass
@@ -85,7 +88,10 @@ def unit_status_statement(
         # (two probes of the primary key).
         "SELECT (SELECT count(*) FROM (SELECT 1 FROM {t}{w} LIMIT %(cap)s) s), "
         "(SELECT max(id) - min(id) + 1 FROM {t}), "
-        "(SELECT extract(epoch FROM clock_timestamp() - created_at) FROM {t}{w} ORDER BY id LIMIT 1), "
+        # The oldest row: its age, id, topic and the leader id it is marked with (the row a stall
+        # is stuck on, e.g. one whose topic does not exist).
+        "(SELECT json_build_array(extract(epoch FROM clock_timestamp() - created_at), id, topic, leader_id::text) "
+        "FROM {t}{w} ORDER BY id LIMIT 1), "
         # Rows in flight among the unit's first rows by id: a leader marks the lowest ids, so its rows
         # are there. (Looking for marked rows anywhere would read the whole table when few are marked.)
         "(SELECT json_agg(json_build_array(l, n) ORDER BY n DESC, l) FROM (SELECT leader_id::text AS l, "
@@ -110,6 +116,7 @@ def unit_status_of(
 ) -> UnitStatus:
     """The UnitStatus of a row that unit_status_statement returned."""
     rows, span, oldest, marked, dead_rows = row
+    age, oldest_id, oldest_topic, oldest_marked_by = oldest if oldest is not None else (None, None, None, None)
     exact = rows <= exact_up_to
     if not exact:
         rows = max(exact_up_to + 1, span or 0)
@@ -119,7 +126,10 @@ def unit_status_of(
         table=f"{schema}.{table}",
         backlog_rows=rows,
         backlog_exact=exact,
-        oldest_age_seconds=max(0.0, float(oldest)) if oldest is not None else 0.0,
+        oldest_age_seconds=max(0.0, float(age)) if age is not None else 0.0,
+        oldest_id=oldest_id,
+        oldest_topic=oldest_topic,
+        oldest_marked_by=oldest_marked_by,
         in_flight_rows=sum(marked_by.values()),
         marked_by=marked_by,
         dead_rows=min(int(dead_rows), dead_exact_up_to),
@@ -271,7 +281,7 @@ def render(status: OutboxStatus) -> str:
             continue
         lines += [
             f"  backlog         {u.backlog_rows} rows{approx}",
-            f"  oldest row      {duration(u.oldest_age_seconds)} old" if u.backlog_rows else "  oldest row      -",
+            _oldest_line(u),
             f"  in flight       {u.in_flight_rows} rows",
         ]
         for leader_id, n in u.marked_by.items():
@@ -291,6 +301,15 @@ def render(status: OutboxStatus) -> str:
         f"{status.items_pending} items pending"
     )
     return "\n".join(lines)
+
+
+def _oldest_line(u: UnitStatus) -> str:
+    if not u.backlog_rows or u.oldest_id is None:
+        return "  oldest row      -"
+    marked = f"marked by {u.oldest_marked_by}" if u.oldest_marked_by else "not marked"
+    return (
+        f"  oldest row      {duration(u.oldest_age_seconds)} old: id {u.oldest_id}, topic {u.oldest_topic!r}, {marked}"
+    )
 
 
 def exit_code(status: OutboxStatus) -> ExitCode:
