@@ -62,10 +62,15 @@ def exit_code_page() -> str:
 def metrics_page() -> str:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+    from harvester.services.http.observe import HttpMetrics
     from tracker.metrics import TrackerMetrics
 
     scratch = CollectorRegistry()
-    sources = (harvester_metrics.HarvesterMetrics(registry=scratch), TrackerMetrics(scratch))
+    sources = (
+        harvester_metrics.HarvesterMetrics(registry=scratch),
+        TrackerMetrics(scratch),
+        HttpMetrics(harvester_metrics.DEFAULT_PREFIX, scratch),
+    )
     rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     seen: list[tuple[str, str]] = []
     for source in sources:
@@ -82,7 +87,9 @@ def metrics_page() -> str:
     intro = """
 `reaper run` serves these on its metrics port (`/metrics`), with the prefix `metrics.prefix`
 (default `reaper`). Applications that use the tracker export the tracker's own (the rows whose
-meaning ends with "in this process") into their registry. Histograms are queried as
+meaning ends with "in this process") into their registry. `reaper serve` serves the `http_` ones
+and the tracker's at `/metrics` on its own port (`http.port`); `route` is the path template
+(`/v1/batches/{batch_id}`), never the raw path. Histograms are queried as
 `<name>_bucket`, `<name>_sum` and `<name>_count`.
 """
     return _page("Metrics", intro, "\n".join(rows))

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 import structlog
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from harvester.services.http.security import Message, Receive, Scope, Send, headers_of, state_of
 
@@ -25,17 +25,28 @@ _instances: dict[str, HttpMetrics] = {}
 
 
 class HttpMetrics:
-    def __init__(self, prefix: str) -> None:
-        p = prefix
-        self.requests = Counter(f"{p}_http_requests_total", "HTTP requests served", ["method", "route", "status"])
+    def __init__(self, prefix: str, registry: CollectorRegistry = REGISTRY) -> None:
+        p, r = prefix, registry
+        self.requests = Counter(
+            f"{p}_http_requests_total",
+            "HTTP requests served by reaper serve",
+            ["method", "route", "status"],
+            registry=r,
+        )
         self.duration = Histogram(
             f"{p}_http_request_duration_seconds",
-            "HTTP request latency, first byte in to last out",
+            "HTTP request latency in reaper serve, first byte in to last out",
             ["method", "route"],
             buckets=_BUCKETS,
+            registry=r,
         )
-        self.errors = Counter(f"{p}_http_errors_total", "Problem documents sent, by problem type", ["route", "problem"])
-        self.in_flight = Gauge(f"{p}_http_requests_in_flight", "HTTP requests being served")
+        self.errors = Counter(
+            f"{p}_http_errors_total",
+            "Problem documents reaper serve sent, by problem type",
+            ["route", "problem"],
+            registry=r,
+        )
+        self.in_flight = Gauge(f"{p}_http_requests_in_flight", "HTTP requests reaper serve is serving", registry=r)
 
 
 def metrics(prefix: str = "reaper") -> HttpMetrics:
