@@ -708,7 +708,9 @@ SELECT grant_execute_if_role_exists('operator', ARRAY['batch_status(bigint)']);
 -- reference (generated from these lines).
 COMMENT ON FUNCTION open_batch IS 'Open a batch in the caller''s transaction and return its id. '
     'user_key: comes back in the completion event (at most 1,000 characters and 2,000 bytes in UTF-8). '
-    'completion_topic: where its completion event goes (null: the reaper''s default completion topic); '
+    'completion_topic: where its completion event goes (null: the default of whatever finishes it: the '
+    'completion_topic argument of close_batch, ack or fail, a Python Tracker''s completion_topic, or the reaper''s '
+    'harvester.default_completion_topic, each batch-completions unless set: keep them alike, or name the topic here); '
     'every topic name is one Kafka accepts (at most 249 ASCII letters, digits, ''.'', ''_'' and ''-''). '
     'parent: an open batch to nest it under (at most 8 levels). tolerated_failures, tolerated_failure_ratio: '
     'finish it early, as failed, once more of its items fail than this.';

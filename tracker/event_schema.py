@@ -70,7 +70,9 @@ COMPLETED: Final[JsonSchema] = {
     "description": (
         "Written once, by the transaction that finishes a closed batch: its last item got an outcome, "
         "its last child finished, or a failure threshold was crossed (an early finish, `pending` > 0). "
-        "Topic: the batch's completion topic, else the reaper's default completion topic."
+        "Topic: the batch's completion topic; for a batch opened without one, the default of whatever finishes "
+        "it (the reaper's `harvester.default_completion_topic`, a Tracker's `completion_topic`, the SQL "
+        "functions' `completion_topic` argument: each `batch-completions` unless set, so keep them alike)."
     ),
     "type": "object",
     "properties": {
