@@ -6,7 +6,7 @@ Every key has a default; `REAPER_<SECTION>__<KEY>` overrides `<section>.<key>` (
 `sasl.password`), and checked by librdkafka itself at load. A bad value fails at start with a
 ConfigError naming the key and the value; so does a variable that starts like one
 (`REAPER_DATABASE_SCHEMA`, one underscore) or names no key (`REAPER_KAFKA__CLIENT__`). The file is
-read by harvester.config_schema.load_yaml's rules: at most MAX_CONFIG_BYTES of UTF-8, no aliases,
+read by harvester.config_yaml.load_yaml's rules: at most MAX_CONFIG_BYTES of UTF-8, no aliases,
 no key written twice in one mapping.
 
 The schema is written once, in harvester.config_keys: each key is a dataclass field whose type and
@@ -32,6 +32,7 @@ from typing import Any, get_origin, get_type_hints
 
 from confluent_kafka import Consumer, KafkaException, Producer
 
+from harvester.config_errors import ConfigError, clip  # noqa: F401  (ConfigError: importers use it from here)
 from harvester.config_keys import (  # noqa: F401  (the sections and their constants: importers take them from here)
     MAX_LANES,
     POSITIVE,
@@ -56,20 +57,10 @@ from harvester.config_outboxes import (  # noqa: F401  (importers take them from
     acker_group,
     units,
 )
-from harvester.config_schema import (  # noqa: F401  (ConfigError, redact, redact_dsn: importers use them from here)
-    ENV_PREFIX,
-    TOPIC,
-    Check,
-    ConfigError,
-    Rule,
-    Setting,
-    clip,
-    key,
-    load_yaml,
-    redact,
-    redact_dsn,
-)
+from harvester.config_schema import ENV_PREFIX, Setting
+from harvester.config_yaml import load_yaml
 from harvester.election.timeouts import silent_broker_defaults, silent_broker_wait_ms
+from harvester.redaction import redact, redact_dsn  # noqa: F401  (importers use them from here)
 
 # Producer settings the harvester's per-key ordering rests on; configuration may not change them.
 REQUIRED_PRODUCER = {

@@ -14,8 +14,10 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from harvester.config_errors import ConfigError, clip
 from harvester.config_keys import MAX_LANES, Config, OutboxEntry
-from harvester.config_schema import TOPIC, ConfigError, clip, redact
+from harvester.config_schema import TOPIC
+from harvester.redaction import redact
 from tracker.errors import InvalidIdentifier
 from tracker.schema import check_identifier
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import structlog
 
 from harvester.config import ConfigError
-from harvester.config_schema import load_yaml
+from harvester.config_yaml import load_yaml
 from harvester.services.http import problems
 from harvester.services.http.backend import Store
 from harvester.services.http.security import read_text, token_id
