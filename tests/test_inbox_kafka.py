@@ -326,3 +326,52 @@ def test_end_of_partition_events_are_not_records_nor_errors(pg_dsn, effects, kaf
             c.close()
     assert c.totals.records == produced
     assert _effects(pg_dsn, effects) == {i: 1 for i in ids}
+
+
+def test_a_poll_whose_commit_fails_sends_no_dead_letter_and_the_next_sends_each_once(
+    pg_dsn, effects, kafka_bootstrap, topics
+):
+    """Dead letters go out once the poll's transaction has committed: a poll whose commit fails
+    comes again whole, and a dead letter sent before it would go out twice."""
+    from support.harness import read_messages
+
+    topic, dead = topics("inbox"), topics("inbox-dead")
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    p.produce(topic, key=b"x", value=b"no id")  # a dead letter
+    p.produce(topic, key=b"b", value=b"b", headers=[(MESSAGE_ID_HEADER, b"b")])
+    assert p.flush(30) == 0
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        # b's effect breaks a deferred constraint: only the poll's COMMIT fails, after every record ran
+        c.execute(
+            sql.SQL("CREATE TABLE {} (id int UNIQUE DEFERRABLE INITIALLY DEFERRED)").format(
+                sql.Identifier(effects, "once")
+            )
+        )
+    once = sql.SQL("INSERT INTO {} VALUES (1)").format(sql.Identifier(effects, "once"))
+    config = {
+        "bootstrap.servers": kafka_bootstrap,
+        "group.id": f"g-{uuid.uuid4().hex[:8]}",
+        "auto.offset.reset": "earliest",
+    }
+    box = Inbox("billing", schema=effects, registry=None)
+    attempts = []
+
+    def effect(conn, record):
+        attempts.append(message_id_of(record))
+        conn.execute(once)
+        if len(attempts) == 1:
+            conn.execute(once)  # the duplicate is found at COMMIT
+
+    with psycopg.connect(pg_dsn) as conn:
+        c = InboxConsumer(config, [topic], conn, box, effect, dead_letter_topic=dead)
+        try:
+            with pytest.raises(psycopg.errors.UniqueViolation):
+                c.poll_once()
+            got = 0
+            deadline = time.monotonic() + 30
+            while got < 2 and time.monotonic() < deadline:
+                got += c.poll_once().records
+        finally:
+            c.close()
+    letters = read_messages(kafka_bootstrap, dead, 2, timeout=10, linger=1.0)
+    assert [m.value() for m in letters] == [b"no id"], "a dead letter per delivery of the poll, not per commit"

@@ -19,7 +19,8 @@ records, and the inbox runs none of them again.
 
 A record's message id is its `message-id` header (ASCII, 1 to 200 characters). A record without
 one, or whose handler raises, goes to `dead_letter_topic` when one is given (the record as it was,
-plus a `dead-letter-reason` header), its effect rolled back alone; without a dead-letter topic the
+plus a `dead-letter-reason` header, sent once the database has committed), its effect rolled back
+alone; without a dead-letter topic the
 helper rolls the whole transaction back, commits no offset and raises (the records come again).
 The helper owns `conn`'s transactions: it commits and rolls back; hand it a connection of its own.
 A poll that raises leaves the consumer at its first records again, so polling on gets them again.
@@ -187,6 +188,7 @@ class InboxConsumer:
         happened and the offsets to commit (not committed here)."""
         got = PollResult(records=len(records))
         offsets: dict[tuple[str, int], int] = {}
+        dead: list[tuple[Message, BaseException]] = []
         self._undelivered.clear()
         try:
             # The poll's transaction begins here; its start time tells it from any other.
@@ -206,7 +208,7 @@ class InboxConsumer:
                         raise HandlerEndedTransaction(_where(record)) from exc
                     if self._dead is None:
                         raise
-                    self._dead_letter(record, exc)
+                    dead.append((record, exc))  # produced once the database has committed (below)
                     got.dead_lettered += 1
                     continue
                 got.processed += done.first_time
@@ -216,9 +218,13 @@ class InboxConsumer:
             if not self.conn.closed:
                 self.conn.rollback()
             raise
-        if self._dead is not None and got.dead_lettered:
-            # Dead letters must be in Kafka before the offsets move on: else the records come again.
+        if self._dead is not None and dead:
+            # Only now: a poll whose commit failed comes again whole, and its records' dead letters
+            # would have gone out twice (or for a record that then succeeds). They must be in Kafka
+            # before the offsets move on: else the records come again.
             assert self.dead_letter_topic
+            for record, why in dead:
+                self._dead_letter(record, why)
             if self._dead.flush(30) > 0:
                 raise DeadLetterError(self.dead_letter_topic, "not delivered within 30 s")
             if self._undelivered:
