@@ -1,7 +1,8 @@
 -- Fold the committed (and the caller's own) claims of one batch. Returns flipped = NULL when the
 -- batch row was locked by someone else and p_wait is false (nothing done: the holder or a later
 -- settle folds them). Clears bits only where they are set, lowers group and batch pending by the
--- bits that flipped (flips of a batch already finished count as late), then folds in its finished
+-- bits that flipped (flips of a batch already finished count as late; claims of an expired batch
+-- are dropped: its counts stay those of its expiry event), then folds in its finished
 -- children and finishes what can (batch_finish, R__outcomes.sql: a closed batch whose pending
 -- reaches 0 and no child open, and its one completion event).
 CREATE OR REPLACE FUNCTION ack_settle(p_batch bigint, p_outbox regclass, p_topic text, p_wait boolean DEFAULT false,
@@ -20,6 +21,15 @@ BEGIN
             DELETE FROM ack_claim WHERE batch_id = p_batch;  -- the batch was deleted (retention)
             flipped := 0;
         END IF;
+        RETURN;
+    END IF;
+    -- An expired batch's counts are final (its expiry event told them): claims that reached it
+    -- (validated before the expiry committed: claims lock no batch row, so an expiry does not wait
+    -- for a claim in flight; or a REPEATABLE READ claim whose snapshot predated it) are dropped,
+    -- nothing flips.
+    IF EXISTS (SELECT 1 FROM batch WHERE id = p_batch AND state = 'expired') THEN
+        DELETE FROM ack_claim WHERE batch_id = p_batch;
+        flipped := 0;
         RETURN;
     END IF;
     -- A new statement: in READ COMMITTED it sees every claim committed before the lock was ours.

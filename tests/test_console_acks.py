@@ -262,3 +262,35 @@ def test_a_requeue_counts_the_headers_of_the_dead_letters_it_holds(
         acks_admin.requeue(cfg, conn, reason="big")
     assert refused.value.code == ExitCode.REFUSED
     assert read_messages(kafka_bootstrap, main, 1, timeout=3) == [] and _logged(pg_dsn, schema) == []
+
+
+def test_a_dead_letter_cut_down_to_fit_is_never_sent_back_as_an_ack(pg_dsn, schema, kafka_bootstrap, topics):
+    """The acker cuts a letter the dead-letter topic refuses as too large (its value to 1 KiB,
+    header `truncated`): what is left is not the ack it was, so a requeue never sends it."""
+    from confluent_kafka import Producer
+    from support.harness import make_config
+
+    from harvester.admin.common import AdminError
+
+    main, dead = topics("acks"), topics("acks-dead")
+    cfg = make_config(
+        pg_dsn, schema, kafka_bootstrap, acker={"topic": main, "dead_letter_topic": dead}, console={"kafka_timeout": 5}
+    )
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    cut = [
+        ("reason", b"not ASCII"),
+        ("source-topic", main.encode()),
+        ("truncated", b"value"),
+        ("original-size", b"999950"),
+    ]
+    p.produce(dead, key=b"7", value=b"\xff" * 1024, headers=cut)
+    p.produce(
+        dead, key=b"7", value=b"7:0:9", headers=[("reason", b"not ASCII either"), ("source-topic", main.encode())]
+    )
+    assert p.flush(30) == 0
+    with psycopg.connect(pg_dsn) as conn, pytest.raises(AdminError, match="cut down") as refused:
+        acks_admin.requeue(cfg, conn, at=(0, 0))
+    assert refused.value.code == ExitCode.REFUSED
+    with psycopg.connect(pg_dsn) as conn:
+        assert acks_admin.requeue(cfg, conn, reason="not ASCII").requeued == 1  # the whole one only
+    assert [m.value() for m in read_messages(kafka_bootstrap, main, 2, timeout=10, linger=2)] == [b"7:0:9"]

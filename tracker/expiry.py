@@ -89,16 +89,33 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
         "fold_fn": sql.Identifier(schema, "batch_fold"),
         "forget": sql.Identifier(schema, "failure_reasons_forget"),  # sql/R__outcomes.sql
         "group_failure": sql.Identifier(schema, "group_failure"),
+        "settle": sql.Identifier(schema, "ack_settle"),  # sql/R__ack_claims.sql
+        "claim": sql.Identifier(schema, "ack_claim"),
         "outbox_name": sql.Literal(sql.Identifier(schema, outbox_table).as_string(None)),
     }
     q = {
         # A batch with open children is not idle: it waits for them (they expire first when idle,
         # and each expired child, once folded in, counts as activity of its parent). Children before parents
         # (descending ids), as every path that locks several batches.
-        "expire": sql.SQL(
-            "WITH pick AS (SELECT id FROM {batch} WHERE state IN ('open', 'closed') AND children_open = 0 "
+        "expire_pick": sql.SQL(
+            "SELECT id FROM {batch} WHERE state IN ('open', 'closed') AND children_open = 0 "
             "AND last_activity_at < clock_timestamp() - make_interval(secs => %(idle)s) "
-            "ORDER BY id DESC LIMIT %(chunk)s FOR NO KEY UPDATE SKIP LOCKED), " + _EXPIRE
+            "ORDER BY id DESC LIMIT %(chunk)s FOR NO KEY UPDATE SKIP LOCKED"
+        ),
+        # Under those locks, settle the committed claims first (acks are activity; the last one
+        # completes the batch), so no committed ack is reported pending by an expiry. A claim still
+        # in flight is not waited for (claims lock no batch row: consumers never wait on each other
+        # or on the sweeper); if it commits after the expiry, its settle drops it (ack_settle).
+        "expire_settle": sql.SQL(
+            "SELECT coalesce(sum(s.flipped), 0)::int8, count(*) FILTER (WHERE s.completed) "
+            "FROM (SELECT u.b, u.n FROM unnest(%(ids)s::int8[]) WITH ORDINALITY AS u(b, n) "
+            "WHERE EXISTS (SELECT 1 FROM {claim} c WHERE c.batch_id = u.b)) AS p, "
+            "LATERAL {settle}(p.b, {outbox_name}::regclass, %(default_topic)s, true) AS s"
+        ),
+        # The picked batches still idle after their settle (the row locks are this transaction's).
+        "expire": sql.SQL(
+            "WITH pick AS (SELECT id FROM {batch} WHERE id = ANY(%(ids)s::int8[]) "
+            "AND last_activity_at < clock_timestamp() - make_interval(secs => %(idle)s)), " + _EXPIRE
         ),
         # An expired child leaves its roll-up for its parent (the schema's trigger
         # batch_child_finished, in the expiring statement; the parent's row is never locked), which
@@ -116,7 +133,12 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
         # An operator's expiry waits for the row lock: a busy batch is expired once its holder is done.
         # It first folds in the children that finished before it (not yet folded), so its expiry
         # event, and the roll-up it leaves for its own parent, count them (batch_fold).
+        # Committed claims are settled first, as the sweeper's are.
         "fold_one": sql.SQL("SELECT {fold_fn}(b.id) FROM (SELECT id FROM {batch} WHERE id = %s FOR NO KEY UPDATE) b"),
+        "settle_one": sql.SQL(
+            "SELECT {settle}(%(id)s, {outbox_name}::regclass, %(default_topic)s, true) "
+            "WHERE EXISTS (SELECT 1 FROM {claim} WHERE batch_id = %(id)s)"
+        ),
         "expire_one": sql.SQL("WITH pick AS (SELECT id FROM {batch} WHERE id = %(id)s FOR NO KEY UPDATE), " + _EXPIRE),
         "state": sql.SQL("SELECT state FROM {batch} WHERE id = %s"),
         # Not a parent with a child still open (finished early or expired before it): the child's
@@ -201,7 +223,13 @@ def sweep(
             # Every row the expiry's CTE picked is locked by it and still open or closed (the lock
             # re-checks the state), so it expires all it picked: fewer than `chunk` means done.
             with conn.transaction() if conn.autocommit else contextlib.nullcontext():
-                rows = conn.execute(q[kind], params).fetchall()
+                if kind == "expire":
+                    rows, picked, finished = _expire_chunk(conn, q, expire)
+                    result.completed += finished
+                    if completed is not None and finished:
+                        completed.inc(finished)
+                else:
+                    rows = conn.execute(q[kind], params).fetchall()
                 reasons = sorted({r for row in rows for r in row[1]}) if kind == "delete" else []
                 if reasons:
                     conn.execute(q["forget"], [reasons])
@@ -220,11 +248,24 @@ def sweep(
                 result.expired += n
                 if expired is not None:
                     expired.inc(n)
+                n = picked  # those settled into activity or completion are not picked again
             else:
                 result.deleted += n
             if n < chunk:
                 break
     return result
+
+
+def _expire_chunk(conn: psycopg.Connection, q: dict[str, str], params: Mapping[str, object]) -> tuple[list, int, int]:
+    """One chunk of idle batches locked, their committed claims settled, the still idle expired:
+    (rows expired, batches picked, batches the settle completed)."""
+    ids = [i for (i,) in conn.execute(q["expire_pick"], params).fetchall()]
+    if not ids:
+        return [], 0, 0
+    at = {**params, "ids": ids}
+    row = conn.execute(q["expire_settle"], at).fetchone()
+    finished = int(row[1]) if row else 0
+    return conn.execute(q["expire"], at).fetchall(), len(ids), finished
 
 
 class BatchNotExpirable(TrackerError, ValueError):
@@ -276,6 +317,7 @@ def _expire_op(q: dict[str, str], params: Mapping[str, object], batch_id: int) -
     """The expiry as core steps: the caller-transaction rules of tracker.drivers.sync_psycopg apply (a savepoint
     in an open transaction, a transaction of its own on an idle autocommit connection)."""
     yield one(q["fold_one"], [batch_id])
+    yield one(q["settle_one"], params)
     [row] = yield one(q["expire_one"], params)
     if row is not None:  # a child left its row for its parent in that statement (see "fold")
         return Expired(*row)

@@ -56,6 +56,18 @@ def statements(schema: str, outbox_table: str) -> dict[str, str]:
             "SELECT batch_id FROM (SELECT batch_id FROM {claim} UNION SELECT parent_id FROM {child}) AS s "
             "ORDER BY batch_id LIMIT %s"
         ),
+        # wait=false: up to `limit` batches whose row is free (locked here; ack_settle then locks
+        # it again), so busy ones at the head of the ids never starve the rest; with them, up to
+        # `limit` of the others before the last free one (held elsewhere: reported busy, or deleted:
+        # their claims dropped), as a settle of every id from the head would have met them.
+        "claimed_free": sql.SQL(
+            "WITH s AS (SELECT batch_id AS id FROM {claim} UNION SELECT parent_id FROM {child}), "
+            "free AS (SELECT b.id FROM {batch} b WHERE b.id IN (SELECT id FROM s) "
+            "ORDER BY b.id LIMIT %(n)s FOR NO KEY UPDATE SKIP LOCKED), "
+            "rest AS (SELECT s.id FROM s WHERE s.id NOT IN (SELECT id FROM free) "
+            "AND (s.id < (SELECT max(id) FROM free) OR (SELECT count(*) FROM free) < %(n)s) ORDER BY s.id LIMIT %(n)s) "
+            "SELECT id FROM free UNION ALL SELECT id FROM rest ORDER BY 1"
+        ),
         # In batch-id order: with wait=true, two settles lock their batches in the same order.
         "settle": sql.SQL(
             "SELECT u.b, s.flipped, s.completed FROM unnest(%s::int8[]) WITH ORDINALITY AS u(b, n),"
@@ -74,7 +86,8 @@ def settle_op(
     # pass of the same call (one level per pass; batches nest at most MAX_DEPTH + 1 deep).
     for _pass in range(1 if named else MAX_DEPTH + 1):
         if not named:
-            (rows,) = yield Round((Query(q["claimed"], [limit], "all"),))
+            pick = Query(q["claimed"], [limit], "all") if wait else Query(q["claimed_free"], {"n": limit}, "all")
+            (rows,) = yield Round((pick,))
             batch_ids = [b for (b,) in rows]
         if not batch_ids:
             return result
@@ -107,8 +120,9 @@ def settle(
     metrics_prefix: str = metrics.DEFAULT_PREFIX,
 ) -> SettleResult:
     """Settle committed claims of `batch_ids` (default: of up to `limit` batches that have any) in
-    the caller's transaction. wait=False skips a batch whose row another transaction holds (it
-    comes back in `busy`); wait=True waits for it. Completion events go to `outbox_table`, on the
+    the caller's transaction. wait=False skips a batch whose row another transaction holds (a named
+    one comes back in `busy`; without ids, the pick passes over held rows to the next batches with
+    claims); wait=True waits for it. Completion events go to `outbox_table`, on the
     batch's own completion topic or else `completion_topic`. Completions are counted in
     `<metrics_prefix>_batches_completed_total` of `registry` (None: not counted)."""
     config = TrackerConfig(schema, outbox_table, completion_topic)

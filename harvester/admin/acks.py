@@ -33,6 +33,7 @@ from tracker.schema import qualified
 
 REASON_HEADER = "reason"  # harvester.services.ack_dead_letters.REASON_HEADER
 FAILURE_REASON_HEADER = "failure-reason"  # tracker.folding.messages.FAILURE_REASON_HEADER
+TRUNCATED_HEADER = "truncated"  # harvester.services.ack_dead_letters.TRUNCATED_HEADER
 REQUEUED_FROM_HEADER = "requeued-from"  # dead-letter topic:partition@offset a requeued ack came from
 SCAN = 10_000  # newest dead letters of each partition a --reason or --all requeue looks at
 HELD_BYTES_MAX = 256 * 2**20  # keys, values and headers of the chosen dead letters held at once before they are sent
@@ -247,6 +248,16 @@ def send(
     """Kafka's part of requeue: choose, send, wait until Kafka has them all (up to 30 s)."""
     a = cfg.acker
     chosen, scanned, skipped = select(cfg, at=at, reason=reason, scan=scan)
+    # A letter cut down to fit the dead-letter topic is no longer the ack it was: never sent back.
+    cut_down = [m for m in chosen if TRUNCATED_HEADER in dict(m.headers() or [])]
+    if cut_down and at is not None:
+        raise AdminError(
+            f"the dead-lettered ack at {at[0]}:{at[1]} was cut down to fit the dead-letter topic "
+            f"({text(dict(cut_down[0].headers() or []).get(TRUNCATED_HEADER))} cut): it is not the ack it was, "
+            "so it cannot be sent again",
+            ExitCode.REFUSED,
+        )
+    chosen = [m for m in chosen if TRUNCATED_HEADER not in dict(m.headers() or [])]
     chosen.sort(key=lambda m: (m.partition() or 0, m.offset() or 0))
     # Every schema's acker sets aside on the one dead-letter topic and batch ids are per schema: a
     # dead letter goes back to the ack topic it came from (its source-topic header), never another.

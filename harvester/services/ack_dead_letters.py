@@ -6,16 +6,35 @@ Each letter is a message that could be sent to the ack topic again (a failure ke
 its failure-reason header), with the reason it was set aside in the `reason` header and the topic
 it came from in `source-topic` (every schema's acker shares the dead-letter topic; `reaper acks
 requeue` reads both, harvester.admin.acks).
+
+A letter Kafka refuses as too large (the ack message was near the size limit, or the dead-letter
+topic's `max.message.bytes` is smaller than the ack topic's) is sent again cut down: its value,
+and its key and header values if long, to `CUT_BYTES`, with a `truncated` header naming what was
+cut and `original-size` the value's size; its reason and source headers stay whole. A letter
+Kafka refuses even so, or refuses for what it is (an invalid record), is dropped with an error
+line: sending it again could never succeed, and retrying it would stall the acker for good.
+Anything else (a timeout, a broker away, the topic missing or not writable) is the topic's
+trouble, not the letter's: `deliver` raises and the acker retries the poll after a back-off.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from harvester.kafka_delivery import Headers, produce_all
+from harvester.kafka_delivery import Headers, produce_each
 from tracker.folding import FAIL_MARK, FAILURE_REASON_HEADER, Folded
 
 REASON_HEADER = "reason"
+TRUNCATED_HEADER = "truncated"  # what a cut-down letter lost: "value", "key", "headers", comma-separated
+ORIGINAL_SIZE_HEADER = "original-size"  # the value's size in bytes before it was cut
+CUT_BYTES = 1024  # what a cut-down letter keeps of its value, its key and each header value
+
+# Kafka refused the record for its size: sent again cut down.
+_TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE, KafkaError.INVALID_MSG_SIZE})
+# Kafka refused the record for what it is: sending it again cannot succeed.
+_REFUSED = _TOO_LARGE | {KafkaError.INVALID_RECORD, KafkaError.INVALID_MSG}
 
 Letter = tuple[bytes | None, bytes | None, Headers]  # key, value, headers
 
@@ -46,14 +65,65 @@ def letters_of(source_topic: str, folded: Folded, rejected: list[tuple[str, str,
     return letters
 
 
-def deliver(producer: Producer, topic: str, letters: list[Letter]) -> None:
-    """Produce the letters to `topic` and wait until Kafka has every one; raise KafkaException if
-    any was not delivered (the acker then retries the whole poll)."""
-    left, failures = produce_all(producer, ((topic, key, value, headers) for key, value, headers in letters))
-    if left or failures:
+@dataclass
+class Delivery:
+    """What `deliver` did: letters Kafka has (`truncated` of them cut down), and those dropped."""
+
+    sent: int = 0
+    truncated: int = 0
+    dropped: list[str] = field(default_factory=list)  # why Kafka refused each dropped letter
+
+
+def deliver(producer: Producer, topic: str, letters: list[Letter], timeout: float = 30.0) -> Delivery:
+    """Produce the letters to `topic` and wait until Kafka has every one it can take: one refused
+    as too large goes again cut down, one refused for good is dropped (see the module doc). Raise
+    KafkaException if any was not delivered for another reason (the acker then retries the poll)."""
+    out = Delivery()
+    errors = _send(producer, topic, letters, timeout)
+    large = [n for n, err in errors.items() if err.code() in _TOO_LARGE]
+    out.dropped = [str(err) for err in errors.values() if err.code() in _REFUSED and err.code() not in _TOO_LARGE]
+    if large:
+        cut_errors = _send(producer, topic, [cut(letters[n]) for n in large], timeout)
+        for n in large:  # the cut-down letter's fate decides
+            del errors[n]
+        errors.update({large[i]: err for i, err in cut_errors.items()})
+        out.dropped += [str(err) for err in cut_errors.values() if err.code() in _REFUSED]
+        out.truncated = len(large) - len(cut_errors)
+    out.sent = len(letters) - len(errors)
+    _raise_temporary(errors)
+    return out
+
+
+def cut(letter: Letter) -> Letter:
+    """The letter cut down to what any topic takes: value, key and long header values to CUT_BYTES,
+    with headers saying what was cut and the value's original size."""
+    key, value, headers = letter
+    lost = ["value"]
+    if key is not None and len(key) > CUT_BYTES:
+        key = key[:CUT_BYTES]
+        lost.append("key")
+    kept: Headers = []
+    for name, raw in headers:
+        if raw is not None and len(raw) > CUT_BYTES:
+            raw = raw[:CUT_BYTES]
+            if "headers" not in lost:
+                lost.append("headers")
+        kept.append((name, raw))
+    kept += [(TRUNCATED_HEADER, ",".join(lost).encode()), (ORIGINAL_SIZE_HEADER, str(len(value or b"")).encode())]
+    return key, None if value is None else value[:CUT_BYTES], kept
+
+
+def _send(producer: Producer, topic: str, letters: list[Letter], timeout: float) -> dict[int, KafkaError]:
+    """The letters produced and flushed; the errors by letter index (harvester.kafka_delivery)."""
+    return produce_each(producer, ((topic, key, value, headers) for key, value, headers in letters), timeout)
+
+
+def _raise_temporary(errors: dict[int, KafkaError]) -> None:
+    temporary = [err for err in errors.values() if err.code() not in _REFUSED]
+    if temporary:
         raise KafkaException(
             KafkaError(
-                KafkaError._MSG_TIMED_OUT if left else KafkaError._FAIL,
-                f"dead letters not delivered: {left} queued, failures {failures[:3]}",
+                temporary[0].code(),
+                f"{len(temporary)} dead letter(s) not delivered: {[str(e) for e in temporary[:3]]}",
             )
         )

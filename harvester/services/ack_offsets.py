@@ -9,6 +9,7 @@ idempotent) and nothing is lost.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -68,6 +69,14 @@ class AckOffsets:
                 except KafkaException as exc:
                     self.log.warning("rewind failed", partition=partition, error=str(exc))
 
+    def replay_held(self, consumer: Consumer) -> None:
+        """Read again from the held-back offsets (what was deferred since must be applied again):
+        nothing from there on is committed until the replay applies it."""
+        for partition, offset in self.blocked.items():
+            if partition in self.uncommitted:
+                self.uncommitted[partition] = min(self.uncommitted[partition], offset)
+        self.rewind(consumer, dict(self.blocked))
+
     # ---------------------------------------------------------------- rebalances
 
     def revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -100,3 +109,33 @@ def first_offsets(messages: list[Any]) -> dict[int, int]:
         if msg.error() is None:
             first.setdefault(msg.partition(), msg.offset())
     return first
+
+
+def lag(consumer: Consumer, *, ask_broker: bool) -> int:
+    """Messages in the consumer's assigned partitions beyond its position. The high watermark is
+    the last fetch's (no round trip); ask_broker=True (paused partitions, never fetched, whose
+    watermark stays where it was) asks the broker, for about a second at most, the rest cached."""
+    total = 0
+    ask_until = time.monotonic() + 1.0 if ask_broker else 0.0
+    try:
+        assigned = consumer.assignment()
+        for tp in consumer.position(assigned) if assigned else []:
+            high = _high_watermark(consumer, tp, ask_until)
+            # before the first fetch neither the position nor the high watermark is known
+            if high >= 0 and tp.offset >= 0:
+                total += max(0, high - tp.offset)
+    except KafkaException:
+        return 0
+    return total
+
+
+def _high_watermark(consumer: Consumer, tp: TopicPartition, ask_until: float) -> int:
+    left = ask_until - time.monotonic()
+    if left > 0:
+        try:
+            got = consumer.get_watermark_offsets(tp, timeout=left, cached=False)
+            if got is not None:
+                return int(got[1])
+        except KafkaException:
+            pass  # the broker did not answer in time: the last fetch's
+    return int(consumer.get_watermark_offsets(tp, cached=True)[1])

@@ -46,7 +46,7 @@ import time
 from typing import Any
 
 import structlog
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from harvester.election.timeouts import silent_broker_defaults
 from harvester.metrics import HarvesterMetrics
@@ -54,7 +54,7 @@ from harvester.metrics import get as get_metrics
 from harvester.publishing.publisher import RECONNECT
 from harvester.services import ack_dead_letters as dead_letters
 from harvester.services.ack_apply import Applied, StepApplier
-from harvester.services.ack_offsets import AckOffsets, first_offsets
+from harvester.services.ack_offsets import AckOffsets, first_offsets, lag
 from harvester.services.ack_steps import Step, masks_in, relevel
 from tracker.folding import GROUPS_PER_FOLD_MAX, Folded, fold_messages
 from tracker.schema import check_identifier
@@ -129,7 +129,10 @@ class Acker:
         self.max_groups = max_groups
         # steps of batches that were locked elsewhere, applied before the next poll's (or on their own)
         self._deferred: list[Step] = []
-        self._paused = False  # the assigned partitions, while the deferred masks fill a fold
+        # the assigned partitions are paused, while the deferred masks fill a fold; None after an
+        # assignment change (librdkafka keeps kept partitions paused, starts new ones fetching):
+        # the next loop pauses or resumes the whole assignment
+        self._paused: bool | None = False
         self._deferred_logged = 0.0
         client = dict(kafka_client or {})
         # How long a fetch, an offset commit or a dead letter waits on a broker that does not answer
@@ -184,6 +187,8 @@ class Acker:
             "dead_lettered": 0,
             "retries": 0,
             "deferred": 0,
+            "dead_letters_truncated": 0,
+            "dead_letters_dropped": 0,
         }
 
     # ---------------------------------------------------------------- loop
@@ -204,7 +209,7 @@ class Acker:
                     if not self._handle(consumer, producer, messages):
                         stop.wait(self.retry_backoff)
                 elif self._deferred:
-                    self._retry_deferred(consumer)
+                    self._retry_deferred(consumer, producer)
                     if self._deferred:
                         stop.wait(self.deferred_retry)
                 self._update_lag(consumer)
@@ -229,8 +234,9 @@ class Acker:
         if full != self._paused:
             partitions = consumer.assignment()
             (consumer.pause if full else consumer.resume)(partitions)
+            if self._paused is not None or full:
+                self.log.info("ack partitions paused: deferred masks fill a fold" if full else "ack partitions resumed")
             self._paused = full
-            self.log.info("ack partitions paused: deferred masks fill a fold" if full else "ack partitions resumed")
 
     def _handle(self, consumer: Consumer, producer: Producer, messages: list[Any]) -> bool:
         """One poll: fold, apply, dead-letter, commit, in as many folds as the poll's groups need
@@ -305,8 +311,9 @@ class Acker:
                 masks=masks,
             )
 
-    def _retry_deferred(self, consumer: Consumer) -> None:
-        """No new messages: apply the deferred masks on their own."""
+    def _retry_deferred(self, consumer: Consumer, producer: Producer) -> None:
+        """No new messages: apply the deferred masks on their own, and dead-letter what the database
+        rejects of them (they were deferred unchecked: their batch row was held)."""
         try:
             result = self._apply(self._deferred)
         except Exception as exc:
@@ -314,8 +321,21 @@ class Acker:
             self.log.warning("deferred acks failed; will retry", error=str(exc), error_type=type(exc).__name__)
             return
         self._count(result)
-        # (nothing is rejected here: these masks were valid when they were deferred, and a batch
-        # that has since expired or gone simply has nothing left to clear)
+        try:
+            self.stats["dead_lettered"] += self._dead_letter(producer, Folded(), result)
+        except Exception as exc:
+            # Applied, but the rejected entries are only in memory: read the deferring polls again
+            # from their held-back offsets (never committed past), which rejects them again.
+            self.stats["retries"] += 1
+            self.log.warning(
+                "dead letters of deferred acks failed; rewinding to retry",
+                error=str(exc),
+                error_type=type(exc).__name__,
+            )
+            self._deferred = []
+            self._deferred_masks.set(0)
+            self.offsets.replay_held(consumer)
+            return
         self._defer(result, {})
         self._commit(consumer)
 
@@ -330,15 +350,21 @@ class Acker:
         letters = dead_letters.letters_of(self.topic, folded, result.rejected)
         if not letters:
             return 0
-        dead_letters.deliver(producer, self.dead_letter_topic, letters)
-        self._dead_lettered.inc(len(letters))
+        done = dead_letters.deliver(producer, self.dead_letter_topic, letters)
+        self._dead_lettered.inc(done.sent)
+        self.stats["dead_letters_truncated"] += done.truncated
+        self.stats["dead_letters_dropped"] += len(done.dropped)
         self.log.warning(
             "acks dead-lettered",
-            count=len(letters),
+            count=done.sent,
+            truncated=done.truncated,
             first=(letters[0][1] or b"")[:200].decode("ascii", "replace"),
             reason=str(letters[0][2][0][1], "utf-8") if isinstance(letters[0][2][0][1], bytes) else letters[0][2][0][1],
         )
-        return len(letters)
+        if done.dropped:
+            # Kafka refuses these for good: retrying would stall the partition forever
+            self.log.error("dead letters refused by Kafka; dropped", count=len(done.dropped), errors=done.dropped[:3])
+        return done.sent
 
     def _commit(self, consumer: Consumer) -> None:
         """Commit what is applied and not held back (harvester.services.ack_offsets)."""
@@ -348,7 +374,7 @@ class Acker:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self.log.info("ack partitions assigned", partitions=[p.partition for p in partitions])
-        self._paused = False  # an assignment starts unpaused: the loop pauses it again if need be
+        self._paused = None  # new partitions fetch, kept ones stay as they were: the loop sets them all
 
     # ---------------------------------------------------------------- lag
 
@@ -360,19 +386,7 @@ class Acker:
         self._lag.set(self.lag(consumer))
 
     def lag(self, consumer: Consumer | None = None) -> int:
-        """Messages in the assigned partitions beyond this acker's position (high watermark from
-        the last fetch, no broker round trip)."""
+        """Messages in the assigned partitions beyond this acker's position (harvester.services.ack_offsets.lag:
+        the high watermark of the last fetch; while paused nothing is fetched, so the broker's)."""
         consumer = consumer or self._consumer
-        if consumer is None:
-            return 0
-        total = 0
-        try:
-            assigned = consumer.assignment()
-            for tp in consumer.position(assigned) if assigned else []:
-                _low, high = consumer.get_watermark_offsets(tp, cached=True)
-                # before the first fetch neither the position nor the high watermark is known
-                if high >= 0 and tp.offset >= 0:
-                    total += max(0, high - tp.offset)
-        except KafkaException:
-            return 0
-        return total
+        return 0 if consumer is None else lag(consumer, ask_broker=self._paused is not False)
