@@ -63,7 +63,7 @@ def roles(n: int) -> str:
     return ",".join(role for role, nodes in (("broker", BROKERS), ("controller", CONTROLLERS)) if n in nodes)
 
 
-def kafka_props(n: int) -> str:
+def kafka_props(n: int, logdir: Path | None = None) -> str:
     voters = ",".join(f"{i}@127.0.0.1:{quorum_port(i)}" for i in CONTROLLERS)
     listeners = [f"PLAINTEXT://127.0.0.1:{broker_port(n)}"] if n in BROKERS else []
     listeners += [f"CONTROLLER://127.0.0.1:{quorum_port(n)}"] if n in CONTROLLERS else []
@@ -78,7 +78,7 @@ listeners={",".join(listeners)}
 {advertised}controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
 listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
-log.dirs={kafka_dir(n) / "data"}
+log.dirs={logdir or kafka_dir(n) / "data"}
 auto.create.topics.enable=false
 num.partitions=1
 default.replication.factor=3
@@ -119,23 +119,9 @@ def broker_pid(n: int) -> int | None:
 
 
 def _kafka_pid(pid_file: Path) -> int | None:
-    try:
-        pid = int(pid_file.read_text())
-        os.kill(pid, 0)
-    except (FileNotFoundError, ValueError, ProcessLookupError):
-        return None
-    try:  # a pid reused by another program is not our broker (empty while the JVM execs itself)
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-    if cmdline and b"kafka.Kafka" not in cmdline:
-        return None
-    try:  # a killed broker nobody has reaped yet (a zombie, no cmdline either) is gone
-        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-            return None
-    except (OSError, IndexError):
-        return None
-    return pid
+    """The broker `pid_file` names, if it is the one of that node's folder (its server.properties
+    beside the pid file): never another node's, another layout's or the single-node broker."""
+    return base.owned_pid(pid_file, "kafka.Kafka", str(pid_file.parent / "server.properties"))
 
 
 def stop_strays() -> None:
@@ -185,15 +171,7 @@ def broker_start(n: int, wait: bool = True) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         props = folder / "server.properties"
         props.write_text(kafka_props(n))
-        if not (folder / "data" / "meta.properties").exists():
-            base.log(f"cluster: formatting KRaft storage of node {n}")
-            r = base.run(
-                base.java_cmd(lib, "kafka.tools.StorageTool", "format", "-t", cluster_id(), "-c", str(props)),
-                check=False,
-                capture_output=True,
-            )
-            if r.returncode != 0:
-                raise base.ServiceError(f"StorageTool format failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+        base.format_storage(lib, folder / "data", lambda logdir: kafka_props(n, logdir), cluster_id())
         base.log(f"cluster: starting kafka node {n} ({roles(n)}) on 127.0.0.1:{where}")
         with open(folder / "kafka.log", "ab") as out:
             proc = subprocess.Popen(

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -143,34 +144,33 @@ def pg_basebackup(n: int, source: int) -> None:
     """Node n's data folder made anew as a copy of `source` (a running primary)."""
     bindir, user = base.pg_bindir(), base.pg_user()
     target = pg_data(n)
-    partial = target.with_name("data.partial")
     _prepare_dirs(n)
-    shutil.rmtree(partial, ignore_errors=True)
-    base.log(f"cluster: pg_basebackup node {n} from node {source}")
-    partial.mkdir(mode=0o700)
-    if user:
-        shutil.chown(partial, user)
-    base.run(
-        [str(bindir / "pg_basebackup"), "-h", "127.0.0.1", "-p", str(pg_port(source)), "-U", "postgres"]
-        + ["-D", str(partial), "-X", "stream", "-c", "fast"],
-        user=user,
-        stdout=subprocess.DEVNULL,
-    )
-    shutil.rmtree(target, ignore_errors=True)
-    os.rename(partial, target)
-    (target / base.first_use.COMPLETE).write_text("basebackup\n")
+    # Under the data folder's lock, which pg_basebackup holds too (pass_fds): a copy killed with
+    # the script that started it still holds it until it ends, so the next one never works in the
+    # same folder beside it; each copy goes to a folder of its own, renamed into place when whole.
+    with base.first_use.locked(target.parent / f".{target.name}.lock") as lock_fd:
+        for stale in target.parent.glob("data.partial*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        base.log(f"cluster: pg_basebackup node {n} from node {source}")
+        partial = Path(tempfile.mkdtemp(prefix="data.partial-", dir=target.parent))
+        if user:
+            shutil.chown(partial, user)
+        base.run(
+            [str(bindir / "pg_basebackup"), "-h", "127.0.0.1", "-p", str(pg_port(source)), "-U", "postgres"]
+            + ["-D", str(partial), "-X", "stream", "-c", "fast"],
+            user=user,
+            stdout=subprocess.DEVNULL,
+            pass_fds=(lock_fd,),
+        )
+        shutil.rmtree(target, ignore_errors=True)
+        os.rename(partial, target)
+        (target / base.first_use.COMPLETE).write_text("basebackup\n")
     write_node_conf(n, standby_of=source, sync=False)
 
 
 def _postmaster_alive(pidfile: Path) -> bool:
-    """The postmaster.pid of this node names a live process (one of another user's is alive too)."""
-    try:
-        os.kill(int(pidfile.read_text().split()[0]), 0)
-    except PermissionError:
-        return True
-    except (OSError, ValueError, IndexError):
-        return False
-    return True
+    """The postmaster.pid of this node names a live postmaster of this node's data folder."""
+    return base.owned_pid(pidfile, "postgres", str(pidfile.parent)) is not None
 
 
 def pg_start(n: int) -> None:
@@ -197,7 +197,7 @@ def pg_start(n: int) -> None:
 
 def pg_stop(n: int, mode: str = "fast") -> None:
     data = pg_data(n)
-    if not (data / "postmaster.pid").exists():
+    if not _postmaster_alive(data / "postmaster.pid"):  # pg_ctl would signal whatever the file names
         return
     base.log(f"cluster: stopping postgres node {n} ({mode})")
     pg_run(
@@ -211,9 +211,8 @@ def pg_stop(n: int, mode: str = "fast") -> None:
 def pg_kill(n: int) -> None:
     """SIGKILL the postmaster (its children exit when they notice), as a crashed machine would."""
     pidfile = pg_data(n) / "postmaster.pid"
-    try:
-        pid = int(pidfile.read_text().split()[0])
-    except (FileNotFoundError, ValueError):
+    pid = base.owned_pid(pidfile, "postgres", str(pidfile.parent))
+    if pid is None:  # none running: never a kill of whatever process has that number now
         return
     # Its backends too: left behind, they would hold its shared memory and keep it from starting.
     family = [pid, *children(pid)]
@@ -225,6 +224,7 @@ def pg_kill(n: int) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in family):
         time.sleep(0.05)
+    pidfile.unlink(missing_ok=True)  # its pid is free for any process now: the next start must not trust it
 
 
 def children(pid: int) -> list[int]:

@@ -62,3 +62,27 @@ def tail(path: Path, lines: int = 40) -> str:
 def ensure_debian_packages(command: str, package: str) -> None:
     """Install a missing tool from Debian's packages (root, or sudo), so a fresh machine needs nothing by hand."""
     first_use.apt_install(package, first_use.has_command(command), log=log)
+
+
+def owned_pid(pidfile: Path, *markers: str) -> int | None:
+    """The live process `pidfile` names if its command line holds every one of `markers` (the
+    program and this layout's own configuration or data path), else None: a pid file outlives its
+    process (a kill, a reboot), and its number may now be another program's, even another
+    checkout's service of the same kind, which `down` must never signal. An empty or garbled file,
+    and a zombie, name nothing. An empty command line (the JVM execs itself at start) counts as ours."""
+    try:
+        text = pidfile.read_text().split()
+        pid = int(text[0]) if text else 0
+        if pid <= 0:
+            return None
+        os.kill(pid, 0)
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, ValueError, IndexError):  # gone, never there, unreadable: ProcessLookupError is an OSError
+        return None
+    if state == "Z":
+        return None
+    args = cmdline.split(b"\0")
+    if cmdline and not all(any(m.encode() in a for a in args) for m in markers):
+        return None
+    return pid

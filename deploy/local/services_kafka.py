@@ -19,10 +19,11 @@ import struct
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import first_use  # deploy/local/first_use.py: downloads safe under concurrency and interruption
-from services_base import HERE, STATE, TIMEOUT, ServiceError, ensure_debian_packages, log, run, tail
+from services_base import HERE, STATE, TIMEOUT, ServiceError, ensure_debian_packages, log, owned_pid, run, tail
 
 KAFKA_PORT = int(os.environ.get("OUTBOX_KAFKA_PORT", "59092"))
 CONTROLLER_PORT = int(os.environ.get("OUTBOX_KAFKA_CONTROLLER_PORT", "59093"))
@@ -131,13 +132,33 @@ def new_kafka_cluster_id() -> str:
 
 
 def kafka_pid() -> int | None:
-    pidfile = KAFKA_DIR / "kafka.pid"
-    try:
-        pid = int(pidfile.read_text())
-        os.kill(pid, 0)
-        return pid
-    except (FileNotFoundError, ValueError, ProcessLookupError):
-        return None
+    """This layout's broker, if its pid file names one (services_base.owned_pid)."""
+    return owned_pid(KAFKA_DIR / "kafka.pid", "kafka.Kafka", str(KAFKA_DIR / "server.properties"))
+
+
+def format_storage(lib: Path, data: Path, props_for: Callable[[Path], str], cluster_id: str) -> None:
+    """KRaft storage formatted into a private folder and renamed to `data` once whole
+    (first_use.populate): two `up`s at once, or one killed mid-format while another waits, never
+    format it twice with two cluster ids or leave half a format. `props_for(folder)` is the node's
+    server.properties with its log.dirs at `folder`. A folder an older version formatted in place
+    is whole once it has meta.properties (the formatter writes it last)."""
+
+    def build(folder: Path, pass_fds: tuple[int, ...]) -> None:
+        props = folder / "format.properties"  # inside: a killed build's folder goes with it
+        props.write_text(props_for(folder))
+        try:
+            r = run(
+                java_cmd(lib, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props)),
+                check=False,
+                capture_output=True,
+                pass_fds=pass_fds,  # the lock is held until the formatter ends, even if this process is killed
+            )
+        finally:
+            props.unlink(missing_ok=True)
+        if r.returncode != 0:
+            raise ServiceError(f"StorageTool format failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+
+    first_use.populate(data, build, adopt=lambda d: (d / "meta.properties").is_file(), log=log)
 
 
 def kafka_up() -> None:
@@ -148,16 +169,7 @@ def kafka_up() -> None:
     KAFKA_DIR.mkdir(parents=True, exist_ok=True)
     data, props, logfile = KAFKA_DIR / "data", KAFKA_DIR / "server.properties", KAFKA_DIR / "kafka.log"
     props.write_text(kafka_props(data))
-    if not (data / "meta.properties").exists():
-        cid = new_kafka_cluster_id()
-        log(f"formatting KRaft storage {data}")
-        r = run(
-            java_cmd(lib, "kafka.tools.StorageTool", "format", "-t", cid, "-c", str(props)),
-            check=False,
-            capture_output=True,
-        )
-        if r.returncode != 0:
-            raise ServiceError(f"StorageTool format failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    format_storage(lib, data, kafka_props, new_kafka_cluster_id())
     if (pid := kafka_pid()) is not None:
         log(f"kafka process {pid} exists but does not answer; waiting for it")
     else:

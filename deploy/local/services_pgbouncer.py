@@ -11,7 +11,7 @@ import shutil
 import signal
 import time
 
-from services_base import STATE, TIMEOUT, ServiceError, ensure_debian_packages, log, port_open, run, tail
+from services_base import STATE, TIMEOUT, ServiceError, ensure_debian_packages, log, owned_pid, port_open, run, tail
 from services_postgres import PG_DB, PG_PORT, pg_bindir, pg_user
 
 PGB_PORT = int(os.environ.get("OUTBOX_PGBOUNCER_PORT", "56432"))
@@ -53,12 +53,8 @@ pidfile = {PGB_DIR / "pgbouncer.pid"}
 
 
 def pgb_pid() -> int | None:
-    try:
-        pid = int((PGB_DIR / "pgbouncer.pid").read_text())
-        os.kill(pid, 0)
-        return pid
-    except (FileNotFoundError, ValueError, ProcessLookupError):
-        return None
+    """This layout's PgBouncer, if its pid file names one (services_base.owned_pid)."""
+    return owned_pid(PGB_DIR / "pgbouncer.pid", "pgbouncer", str(PGB_DIR / "pgbouncer.ini"))
 
 
 def pgb_ready() -> bool:

@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import first_use  # deploy/local/first_use.py: downloads safe under concurrency and interruption
-from services_base import STATE, TIMEOUT, ServiceError, log, port_open, run, tail
+from services_base import STATE, TIMEOUT, ServiceError, log, owned_pid, port_open, run, tail
 
 PG_PORT = int(os.environ.get("OUTBOX_PG_PORT", "55432"))
 PG_DB = "outbox"
@@ -117,12 +117,10 @@ def pg_up() -> None:
         log(f"postgres already running on 127.0.0.1:{PG_PORT}")
     else:
         pidfile = data / "postmaster.pid"
-        if pidfile.exists() and not port_open(PG_PORT):
-            pid = int(pidfile.read_text().split()[0])
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                pidfile.unlink()  # left by a killed server on a previous machine run
+        if pidfile.exists() and not port_open(PG_PORT) and owned_pid(pidfile, "postgres", str(data)) is None:
+            # Left by a killed server (a previous machine run), empty (killed while writing it), or
+            # naming a pid another process has now: Postgres would refuse to start beside it for good.
+            pidfile.unlink()
         log(f"starting postgres on 127.0.0.1:{PG_PORT}")
         r = run(
             [str(bindir / "pg_ctl"), "-D", str(data), "-l", str(logfile), "-w", "-t", str(int(TIMEOUT)), "start"],
