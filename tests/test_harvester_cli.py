@@ -156,7 +156,7 @@ def test_run_serves_endpoints_publishes_and_exits_0_on_sigterm(pg_dsn, kafka_boo
         REAPER_ACKER__TOPIC=acks,
         REAPER_ACKER__DEAD_LETTER_TOPIC=dead,
         REAPER_ACKER__GROUP=f"a-{uuid.uuid4().hex[:8]}",
-        REAPER_SWEEPER__INTERVAL="1",
+        REAPER_SWEEPER__INTERVAL="3600",  # no sweep while it runs: its counters must be there all the same
         REAPER_METRICS__PORT=str(port),
         REAPER_METRICS__HOST="127.0.0.1",
         REAPER_METRICS__BACKLOG_INTERVAL="0.5",
@@ -188,6 +188,9 @@ def test_run_serves_endpoints_publishes_and_exits_0_on_sigterm(pg_dsn, kafka_boo
             "reaper_leader_acquisitions_total",
         ):
             assert name in metrics, name
+        # at 0 from the start, not from the first sweep (an alert on their increase must see that one)
+        for counter in ("reaper_batches_expired_total", "reaper_batches_completed_total"):
+            assert f'{counter}{{schema="{schema}"}} 0.0' in metrics, counter
         assert _get(base + "/nope")[0] == 404
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 
+from prometheus_client import REGISTRY
 from psycopg_pool import ConnectionPool
 
 from harvester import logs
@@ -17,6 +18,7 @@ from harvester.metrics import get as get_metrics
 from harvester.publishing.deliveries import logs_safe
 from harvester.services.targets import BatchTarget
 from tracker import expiry
+from tracker import metrics as tracker_metrics
 
 
 def sweep_loop(
@@ -31,6 +33,12 @@ def sweep_loop(
     s = cfg.sweeper
     db = cfg.database
     targets = targets or [BatchTarget(db.dsn, db.schema, db.outbox_table)]
+    # Each schema's expiry counter exists at 0 from the start, not from the first sweep that expires
+    # something: an alert on its increase would miss that sweep (the series would appear at N).
+    counted = tracker_metrics.for_registry(REGISTRY, cfg.metrics.prefix)
+    for t in targets:
+        counted.batches_expired.labels(t.schema)
+        counted.batches_completed.labels(t.schema)
     pools: dict[str, ConnectionPool] = {}
     try:
         while not stop.wait(s.interval):
