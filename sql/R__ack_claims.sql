@@ -26,10 +26,11 @@ BEGIN
     -- An expired batch's counts are final (its expiry event told them): claims that reached it
     -- (validated before the expiry committed: claims lock no batch row, so an expiry does not wait
     -- for a claim in flight; or a REPEATABLE READ claim whose snapshot predated it) are dropped,
-    -- nothing flips.
+    -- nothing flips. Its finished children are still folded in below (batch_finish).
     IF EXISTS (SELECT 1 FROM batch WHERE id = p_batch AND state = 'expired') THEN
         DELETE FROM ack_claim WHERE batch_id = p_batch;
         flipped := 0;
+        completed := p_batch = ANY(batch_finish(ARRAY[p_batch], p_outbox, p_topic));
         RETURN;
     END IF;
     -- A new statement: in READ COMMITTED it sees every claim committed before the lock was ours.

@@ -50,7 +50,7 @@ def invalid_topic(err: KafkaError, topic: object) -> KafkaError | None:
     """An unknown-topic error for a name Kafka can never accept ('bad topic!', a row written by
     SQL past the tracker's checks), as the permanent TOPIC_EXCEPTION it is: librdkafka reports
     such a name as merely unknown, which alone is retried for ever (a topic not yet created)."""
-    if err.code() in _UNKNOWN_TOPIC and not is_topic_name(topic):
+    if err.code() in _UNKNOWN_TOPIC and topic is not None and not is_topic_name(topic):
         return KafkaError(KafkaError.TOPIC_EXCEPTION, f"{str(topic)[:300]!r} is not a Kafka topic name")
     return None
 
@@ -189,7 +189,7 @@ class DeliverySettler:
             if self._sampled >= SAMPLE_EVERY:
                 self._sample_now(msg)
         else:
-            err = invalid_topic(err, msg.topic()) or err
+            err = invalid_topic(err, msg.topic() if msg is not None else None) or err
             reports.append((row_id, leader_id, err))
             self.failed_report(err)
         if len(reports) >= self._batch and not self._wake.is_set():
@@ -205,7 +205,7 @@ class DeliverySettler:
             if self._sampled >= SAMPLE_EVERY:
                 self._sample_now(msg)
         else:
-            err = invalid_topic(err, msg.topic()) or err
+            err = invalid_topic(err, msg.topic() if msg is not None else None) or err
             if err.code() in PERMANENT_DELIVERY and not err.fatal():
                 self.single.update(row_ids)
                 err = KafkaError(KafkaError._FAIL, f"{err.name()}: {RUN_REFUSED}")
