@@ -117,11 +117,12 @@ $$;
 --      returns one row per (batch, group) named, with the batch's state and the group's size
 --      (NULL when missing), and `claimed` NULL: the caller raises the typed error naming the id.
 --   2. the claim (one row per item; the primary key is the per-item exclusion, waited on when a
---      concurrent transaction holds the same item) and its commit-time settle request;
+--      concurrent transaction holds the same item);
 --   3. a new statement (READ COMMITTED: a snapshot taken after the claim's waits) reads each
 --      item's bit, returned with whether this call's claim of it is new;
 --   4. ack_fresh_check (REPEATABLE READ / SERIALIZABLE: a serialization failure rather than a
---      stale "still pending"; a no-op in READ COMMITTED).
+--      stale "still pending"; a no-op in READ COMMITTED);
+--   5. the commit-time settle request of the batches it claimed in.
 
 CREATE OR REPLACE FUNCTION ack_claim_items(p_batch bigint[], p_group bigint[], p_idx integer[], p_outbox regclass, p_topic text)
 RETURNS TABLE (batch_id bigint, group_id bigint, idx integer, state text, size integer, claimed boolean, pending_bit integer)
@@ -157,9 +158,7 @@ BEGIN
     -- In (batch, group, index) order, so two calls claiming overlapping items cannot deadlock.
     WITH c AS (INSERT INTO ack_claim (batch_id, group_id, idx)
                SELECT * FROM unnest(p_batch, p_group, p_idx) ORDER BY 1, 2, 3
-               ON CONFLICT DO NOTHING RETURNING batch_id, group_id, idx),
-         r AS (INSERT INTO ack_settle_request (batch_id, outbox, topic)
-               SELECT DISTINCT c.batch_id, p_outbox, p_topic FROM c ON CONFLICT DO NOTHING)
+               ON CONFLICT DO NOTHING RETURNING batch_id, group_id, idx)
     SELECT array_agg(c.batch_id), array_agg(c.group_id), array_agg(c.idx) INTO cb, cg, ci FROM c;
     RETURN QUERY
         SELECT u.b, u.g, u.i, NULL::text, NULL::integer,
@@ -169,5 +168,11 @@ BEGIN
           JOIN batch_group g ON g.batch_id = u.b AND g.id = u.g;
     PERFORM ack_fresh_check(array_agg(d.b), array_agg(d.g))
        FROM (SELECT DISTINCT u.b, u.g FROM unnest(p_batch, p_group) AS u(b, g)) AS d;
+    -- Last, once the bits are read: the commit-time settle request. A caller that runs SET
+    -- CONSTRAINTS ALL IMMEDIATE fires its settle at the end of this very statement; had that run
+    -- before the read, this claim's own settle would have cleared its bit, and a first ack would
+    -- have read as a duplicate (exactly_once then skipping the effect for good).
+    INSERT INTO ack_settle_request (batch_id, outbox, topic)
+    SELECT DISTINCT b, p_outbox, p_topic FROM unnest(cb) AS b ON CONFLICT DO NOTHING;
 END
 $$;

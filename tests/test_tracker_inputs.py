@@ -86,6 +86,24 @@ def test_batch_of_the_wrong_type(conn, schema, world, value):
     refused(conn, schema, lambda: t.close_batch(conn, value), tracker.InvalidArgument, "batch")
 
 
+@SETTINGS
+@given(
+    bad_id=st.one_of(st.text(max_size=10), st.integers().filter(lambda n: not 0 <= n < 2**63), st.none(), st.booleans())
+)
+def test_a_hand_built_batch_with_a_bad_id_is_refused_naming_it(conn, schema, world, bad_id):
+    # Batch is a plain dataclass: Batch("x") reached the database as a raw InvalidTextRepresentation
+    t, _, _ = world
+    built = tracker.Batch(bad_id, None, None, None)
+    for call in (
+        lambda: t.status(conn, built),
+        lambda: t.add_items(conn, built, 1),
+        lambda: t.close_batch(conn, built),
+        lambda: t.failures(conn, built),
+        lambda: t.open_batch(conn, parent=built),
+    ):
+        refused(conn, schema, call, tracker.InvalidArgument, f"id={bad_id!r}"[:40])
+
+
 @pytest.mark.parametrize("items", [None, 7, "abc", b"abc", {"a": 1}])
 def test_items_argument_of_the_wrong_type(conn, schema, world, items):
     t, batch, _ = world

@@ -105,10 +105,10 @@ class BatchStatus:
 
 
 def batch_id_of(batch: Batch | int, name: str = "batch") -> int:
-    if isinstance(batch, Batch):
-        return batch.id
-    if isinstance(batch, int) and not isinstance(batch, bool) and 0 <= batch <= ID_MAX:
-        return batch
+    # A Batch is a plain dataclass a caller may build by hand: its id is checked like a bare one.
+    given = batch.id if isinstance(batch, Batch) else batch
+    if isinstance(given, int) and not isinstance(given, bool) and 0 <= given <= ID_MAX:
+        return given
     raise InvalidArgument(name, batch, f"a tracker Batch or a batch id (an int from 0 to {ID_MAX})")
 
 
