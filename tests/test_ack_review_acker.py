@@ -100,3 +100,19 @@ def test_partitions_kept_through_a_rebalance_resume_once_the_deferred_drain(pg_d
             wait_for(lambda: batch_state(pg_dsn, schema, late.id)[0] == "complete", timeout=30, what="A reads on")
             wait_for(lambda: batch_state(pg_dsn, schema, fresh.id)[0] == "complete", timeout=30, what="fresh batch")
     assert end_offsets(kafka_bootstrap, topic, 2) == committed(kafka_bootstrap, group, topic, 2)
+
+
+def test_small_dead_letters_refused_with_a_large_one_go_whole_and_only_it_is_cut(kafka_bootstrap, topics):
+    """The broker refuses a whole request batch over the topic's limit, the small letters in it too:
+    they are sent again as they are (never stamped truncated, so `acks requeue` still takes them)."""
+    from harvester.services import ack_dead_letters as dead_letters
+
+    dlq = topics("dlq", config={"max.message.bytes": "20000"})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 50, "enable.idempotence": True})
+    letters = [(b"k1", b"small one", []), (b"k2", b"x" * 50_000, []), (b"k3", b"small two", [])]
+    done = dead_letters.deliver(producer, dlq, letters)
+    assert (done.sent, done.truncated, done.dropped) == (3, 1, [])
+    got = {
+        m.key(): (len(m.value()), dict(m.headers() or []).get("truncated")) for m in _letters(kafka_bootstrap, dlq, 3)
+    }
+    assert got == {b"k1": (9, None), b"k2": (1024, b"value"), b"k3": (9, None)}, got

@@ -15,7 +15,13 @@ from services_base import owned_pid  # noqa: E402
 
 
 def _spawn(*argv: str) -> subprocess.Popen:
-    return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    p = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    # Popen returns at exec's point of no return; the new command line is readable a moment later
+    # (until then it reads empty, which owned_pid takes as a JVM re-executing itself: ours)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not Path(f"/proc/{p.pid}/cmdline").read_bytes():
+        time.sleep(0.001)
+    return p
 
 
 def test_a_pid_file_names_only_the_process_it_was_written_for(tmp_path):
@@ -45,7 +51,7 @@ def test_a_pid_file_names_only_the_process_it_was_written_for(tmp_path):
 
 def test_a_process_that_is_gone_or_a_zombie_is_not_running(tmp_path):
     pidfile = tmp_path / "x.pid"
-    zombie = _spawn("sleep", "0")  # exits at once; not reaped until wait(): a zombie meanwhile
+    zombie = subprocess.Popen(["sleep", "0"])  # exits at once; not reaped until wait(): a zombie meanwhile
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and "Z" not in Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1][:3]:
         time.sleep(0.01)

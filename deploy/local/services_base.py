@@ -75,7 +75,10 @@ def owned_pid(pidfile: Path, *markers: str) -> int | None:
         pid = int(text[0]) if text else 0
         if pid <= 0:
             return None
-        os.kill(pid, 0)
+        try:
+            os.kill(pid, 0)
+        except PermissionError:
+            pass  # alive, another user's (a server run as postgres, checked by a non-root user): its command line says
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, ValueError, IndexError):  # gone, never there, unreadable: ProcessLookupError is an OSError

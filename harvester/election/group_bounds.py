@@ -35,7 +35,7 @@ def broker_session_bounds(admin: AdminClient, timeout: float) -> dict[int, tuple
         try:
             entries = future.result(timeout=timeout)
             low, high = int(entries[MIN_KEY].value), int(entries[MAX_KEY].value)
-        except (KafkaException, KeyError, TypeError, ValueError) as exc:
+        except (KafkaException, KeyError, TypeError, ValueError, TimeoutError) as exc:  # (a broker slow to answer)
             logs.get("reaper.neli").warning(
                 "cannot read a broker's session timeout bounds: not checked",
                 broker=resource.name,

@@ -34,7 +34,7 @@ CUT_BYTES = 1024  # what a cut-down letter keeps of its value, its key and each 
 # Kafka refused the record for its size: sent again cut down.
 _TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE, KafkaError.INVALID_MSG_SIZE})
 # Kafka refused the record for what it is: sending it again cannot succeed.
-_REFUSED = _TOO_LARGE | {KafkaError.INVALID_RECORD, KafkaError.INVALID_MSG}
+_REFUSED = _TOO_LARGE | {KafkaError.INVALID_RECORD}  # (INVALID_MSG is a corrupt transfer: retried)
 
 Letter = tuple[bytes | None, bytes | None, Headers]  # key, value, headers
 
@@ -80,25 +80,31 @@ def deliver(producer: Producer, topic: str, letters: list[Letter], timeout: floa
     KafkaException if any was not delivered for another reason (the acker then retries the poll)."""
     out = Delivery()
     errors = _send(producer, topic, letters, timeout)
-    large = [n for n, err in errors.items() if err.code() in _TOO_LARGE]
-    out.dropped = [str(err) for err in errors.values() if err.code() in _REFUSED and err.code() not in _TOO_LARGE]
-    if large:
-        cut_errors = _send(producer, topic, [cut(letters[n]) for n in large], timeout)
-        for n in large:  # the cut-down letter's fate decides
+    for n in [n for n, err in errors.items() if err.code() in _TOO_LARGE]:
+        # The broker refuses a whole request batch that is over the topic's limit, small letters
+        # in it too: each is sent again alone as it is, and only one refused alone is cut down.
+        alone = _send(producer, topic, [letters[n]], timeout).get(0)
+        if alone is not None and alone.code() in _TOO_LARGE:
+            shortened = cut(letters[n])
+            alone = _send(producer, topic, [shortened], timeout).get(0) if shortened is not None else alone
+            out.truncated += alone is None
+        if alone is None:
             del errors[n]
-        errors.update({large[i]: err for i, err in cut_errors.items()})
-        out.dropped += [str(err) for err in cut_errors.values() if err.code() in _REFUSED]
-        out.truncated = len(large) - len(cut_errors)
+        else:
+            errors[n] = alone
+    out.dropped = [str(err) for err in errors.values() if err.code() in _REFUSED]
     out.sent = len(letters) - len(errors)
     _raise_temporary(errors)
     return out
 
 
-def cut(letter: Letter) -> Letter:
+def cut(letter: Letter) -> Letter | None:
     """The letter cut down to what any topic takes: value, key and long header values to CUT_BYTES,
-    with headers saying what was cut and the value's original size."""
+    with headers saying what was cut and the value's original size; None when nothing is that long."""
     key, value, headers = letter
-    lost = ["value"]
+    lost = []
+    if value is not None and len(value) > CUT_BYTES:
+        lost.append("value")
     if key is not None and len(key) > CUT_BYTES:
         key = key[:CUT_BYTES]
         lost.append("key")
@@ -109,6 +115,8 @@ def cut(letter: Letter) -> Letter:
             if "headers" not in lost:
                 lost.append("headers")
         kept.append((name, raw))
+    if not lost:
+        return None
     kept += [(TRUNCATED_HEADER, ",".join(lost).encode()), (ORIGINAL_SIZE_HEADER, str(len(value or b"")).encode())]
     return key, None if value is None else value[:CUT_BYTES], kept
 
