@@ -293,6 +293,23 @@ def get(name: str = "reaper"):
     return structlog.get_logger(name)
 
 
+class Repeats:
+    """Whether a line about a condition that lasts is written now: when what it says is new, and
+    again every `every` seconds while it stays the same (its loop retries far more often)."""
+
+    def __init__(self, every: float) -> None:
+        self.every = every
+        self._last: tuple[str, float] = ("", 0.0)  # the last text written, and when
+
+    def due(self, what: str) -> bool:
+        last, at = self._last
+        now = time.monotonic()
+        if what == last and now - at < self.every:
+            return False
+        self._last = (what, now)
+        return True
+
+
 class KafkaLogger:
     """librdkafka's log lines (passed as the client's `logger`) turned into structlog events."""
 

@@ -38,7 +38,6 @@ from harvester.publishing.outbox_sql import OutboxStore, make_pool
 from harvester.publishing.ownership import OutboxClaim, holder_name, layout_of
 from harvester.publishing.ports import DEFAULT, Providers, StoreLike
 from harvester.publishing.publisher import Lifecycle, Publisher, producer_config
-from harvester.publishing.table_shape import ShapeReports
 from harvester.upkeep import Upkeep
 
 
@@ -81,7 +80,7 @@ class UnitHarvester(MarkingLoop):
             self._producer_thread = logs.unit_thread(self._produce_loop, "reaper-produce")
         self._batches: queue.Queue[MarkedBatch] = queue.Queue(maxsize=2)  # marked, waiting for the producer thread
         self.upkeep: Upkeep | None = None  # the leader's vacuum and the lane index
-        self.shape_reports = ShapeReports()  # the table's columns refused (harvester.publishing.table_shape)
+        self.shape_refusals = logs.Repeats(30.0)  # the table's columns refused (harvester.publishing.table_shape)
         self.remark_backoff = 0.0  # the last back-off taken before a remark (0: progress was made)
         self.error: BaseException | None = None
         self.h = h

@@ -37,7 +37,7 @@ from harvester.publishing.outbox_sql import MarkRefused
 from harvester.publishing.ownership import ClaimTableMissing, OutboxClaim, OutboxClaimed
 from harvester.publishing.ports import StoreLike
 from harvester.publishing.publisher import Publisher, QuarantineError, logs_safe
-from harvester.publishing.table_shape import OutboxShapeRefused, ShapeReports
+from harvester.publishing.table_shape import OutboxShapeRefused
 from harvester.upkeep import Upkeep
 from tracker import message_ids
 
@@ -80,7 +80,7 @@ class MarkingLoop:
     _thread: threading.Thread  # the marker's
     _batches: queue.Queue[MarkedBatch]  # marked, waiting for the producer thread
     remark_backoff: float
-    shape_reports: ShapeReports
+    shape_refusals: logs.Repeats  # the table's columns refused: logged when new, then every 30 s
     error: BaseException | None
 
     # ------------------------------------------------------------------ force remark
@@ -209,7 +209,8 @@ class MarkingLoop:
                 self._stop.wait(CLAIM_RETRY)
                 continue
             if isinstance(trouble, OutboxShapeRefused):  # until the table is altered: checked again each turn
-                self.shape_reports.report(trouble, self.log)
+                if self.shape_refusals.due(str(trouble)):
+                    self.log.error("not marking: the outbox table's columns cannot be published", error=str(trouble))
                 self._stop.wait(SHAPE_RETRY)
                 continue
             if isinstance(trouble, MarkRefused):

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -44,6 +43,7 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 from structlog.typing import FilteringBoundLogger
 
+from harvester import logs
 from tracker import schema as schema_mod
 from tracker.schema import check_identifier, qualified
 
@@ -110,7 +110,7 @@ class OutboxClaim:
         self.held: datetime | None = None  # the latest held_until this unit's layout was seen to hold
         self._held_generation = -1  # the database clock's anchor `held` was compared under
         self.holding = False  # the last hold succeeded (this layout holds the table)
-        self._logged: tuple[str, float] = ("", 0.0)  # the last refusal logged, and when
+        self._refusals = logs.Repeats(CLAIM_LOG_EVERY)  # when the last refusal was logged
         claims = qualified(schema, CLAIM_TABLE)
         self._sql = _Statements(
             # The row lock taken by ON CONFLICT orders concurrent holders; the WHERE leaves a row
@@ -176,9 +176,7 @@ class OutboxClaim:
         """Count a refusal; log it when it is new, and again every CLAIM_LOG_EVERY."""
         refusals.inc()
         what = why.layout if isinstance(why, OutboxClaimed) else str(why)
-        last, at = self._logged
-        if what != last or time.monotonic() - at >= CLAIM_LOG_EVERY:
-            self._logged = (what, time.monotonic())
+        if self._refusals.due(what):
             if isinstance(why, OutboxClaimed):
                 log.error("not marking: another configuration harvests this outbox table", error=str(why))
             else:

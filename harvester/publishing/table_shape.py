@@ -9,10 +9,7 @@ with an error that names neither the table nor the column. Domains count as thei
 
 from __future__ import annotations
 
-import time
-
 import psycopg
-from structlog.typing import FilteringBoundLogger
 
 _INTEGER = frozenset({"smallint", "integer", "bigint"})
 _TEXT = frozenset({"text", "character varying", "character", "name"})
@@ -65,18 +62,3 @@ def check_shape(conn: psycopg.Connection, table: str) -> None:
             f"outbox table {table} cannot be published: " + "; ".join(wrong) + ". A table made by `reaper migrate`, "
             "or as CREATE TABLE ... (LIKE <schema>.outbox INCLUDING ALL), has every column the reaper needs"
         )
-
-
-class ShapeReports:
-    """A unit's error log about its table's shape: when the refusal is new, and again every `every`
-    seconds while it lasts (the unit checks again every few seconds, so a fix is taken at once)."""
-
-    def __init__(self, every: float = 30.0) -> None:
-        self.every = every
-        self._logged: tuple[str, float] = ("", 0.0)
-
-    def report(self, why: OutboxShapeRefused, log: FilteringBoundLogger) -> None:
-        last, at = self._logged
-        if str(why) != last or time.monotonic() - at >= self.every:
-            self._logged = (str(why), time.monotonic())
-            log.error("not marking: the outbox table's columns cannot be published", error=str(why))
