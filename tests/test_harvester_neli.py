@@ -155,10 +155,12 @@ def test_a_leader_consumer_out_of_the_group_is_replaced_and_a_standby_is_not(kaf
 def test_brokers_that_name_no_cluster_are_refused_at_start(kafka_bootstrap, topics):
     """harvester.publishing.ownership tells elections apart by the cluster id: reapers that could not read it
     would hold their own deployment's tables off, so a reaper without one does not start."""
+    from confluent_kafka.admin import AdminClient
+
     from harvester.election.leader_topic import KafkaClusterUnknown, ensure_leader_topic
 
     topic = topics("leader", partitions=1)
-    assert ensure_leader_topic({"bootstrap.servers": kafka_bootstrap}, topic)  # this cluster has one
+    assert ensure_leader_topic(AdminClient({"bootstrap.servers": kafka_bootstrap}), topic)  # this cluster has one
     old = {"bootstrap.servers": kafka_bootstrap, "api.version.request": False, "broker.version.fallback": "0.9.0"}
     with pytest.raises(KafkaClusterUnknown, match="no cluster id"):
-        ensure_leader_topic(old, topic, timeout=15)
+        ensure_leader_topic(AdminClient(old), topic, timeout=15)

@@ -18,19 +18,11 @@ class KafkaClusterUnknown(RuntimeError):
     """The brokers did not say which cluster they are (harvester.publishing.ownership needs it to tell elections apart)."""
 
 
-def ensure_leader_topic(admin_conf: dict, topic: str, timeout: float = 30.0, partitions: int = 1) -> str:
+def ensure_leader_topic(admin: AdminClient, topic: str, timeout: float = 30.0, partitions: int = 1) -> str:
     """Create the leader topic, one partition per unit, if it is missing (brokers here do not
     auto-create). An existing topic with another partition count is refused: reapers that disagree
     on the units could lead overlapping lanes (see the running and scaling how-to: drain, then switch).
     Returns the Kafka cluster's id (one election per cluster); KafkaClusterUnknown without one."""
-    admin = AdminClient(admin_conf)
-    try:
-        return _ensure_topic(admin, topic, timeout, partitions)
-    finally:
-        admin.poll(0)  # an admin client's log lines wait for a poll: hand them to its logger
-
-
-def _ensure_topic(admin: AdminClient, topic: str, timeout: float, partitions: int) -> str:
     md = admin.list_topics(topic=topic, timeout=timeout)
     cluster = md.cluster_id or ""
     if not cluster:

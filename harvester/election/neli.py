@@ -121,7 +121,7 @@ class Neli(Heartbeats):
         }
         self._admin_conf = {**base, "logger": logs.KafkaLogger("leader-admin")}
         self._group = group
-        self._admin: AdminClient | None = None  # made when a step-down first asks who else is in the group
+        self._admin: AdminClient | None = None  # made by prepare(), or by a step-down asking who else is in the group
         self.cluster_id: str | None = None  # the Kafka cluster's id, once prepare() read it
         self._consumer_conf = leader_consumer_conf(waits, consumer, group, session_timeout)
         self._producer_conf = heartbeat_producer_conf(waits, producer, session_timeout)
@@ -153,13 +153,20 @@ class Neli(Heartbeats):
         """Make sure the leader topic is there (and agrees with the units) before anything starts;
         return the Kafka cluster's id. Done once; start() does it if nobody did."""
         if self.cluster_id is None:
-            self.cluster_id = ensure_leader_topic(self._admin_conf, self.topic, partitions=len(self.leases))
-            admin = AdminClient(self._admin_conf)
-            try:  # a session timeout the brokers refuse would keep the leader consumer out of its group for good
+            admin = self._admin_client()
+            try:
+                self.cluster_id = ensure_leader_topic(admin, self.topic, partitions=len(self.leases))
+                # a session timeout the brokers refuse would keep the leader consumer out of its group for good
                 check_session_timeout(admin, int(self._consumer_conf["session.timeout.ms"]))
             finally:
-                admin.poll(0)  # hand the admin client's log lines to its logger
+                admin.poll(0)  # an admin client's log lines wait for a poll: hand them to its logger
         return self.cluster_id
+
+    def _admin_client(self) -> AdminClient:
+        """The election's one admin client: the start-up checks', then a step-down's."""
+        if self._admin is None:
+            self._admin = AdminClient(self._admin_conf)
+        return self._admin
 
     def start(self) -> Neli:
         self.prepare()
@@ -299,9 +306,7 @@ class Neli(Heartbeats):
 
     def _others(self, consumer: Consumer) -> int | None:
         """The leader group's members other than this one (see StepDown.anyone_to_hand_over_to)."""
-        if self._admin is None:
-            self._admin = AdminClient(self._admin_conf)
-        return other_members(self._admin, self._group, consumer.memberid(), min(1.0, self.hb_timeout / 4))
+        return other_members(self._admin_client(), self._group, consumer.memberid(), min(1.0, self.hb_timeout / 4))
 
     def _check_membership(self, now: float) -> None:
         """Replace the consumer when it has had no group member id for OUT_OF_GROUP_SESSIONS
