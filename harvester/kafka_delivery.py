@@ -55,8 +55,6 @@ def produce_each(producer: Producer, records: Iterable[Record], timeout: float =
 def produce_all(producer: Producer, records: Iterable[Record], timeout: float = 30.0) -> tuple[int, list[str]]:
     """produce_each, told as how many were still queued and the other errors, both empty when
     Kafka has them all."""
-    errors = produce_each(producer, records, timeout)
-    left = sum(1 for e in errors.values() if e.code() == KafkaError._MSG_TIMED_OUT and e.str() == STILL_QUEUED)
-    return left, [
-        str(e) for e in errors.values() if not (e.code() == KafkaError._MSG_TIMED_OUT and e.str() == STILL_QUEUED)
-    ]
+    errors = produce_each(producer, records, timeout).values()
+    queued = [e.code() == KafkaError._MSG_TIMED_OUT and e.str() == STILL_QUEUED for e in errors]
+    return sum(queued), [str(e) for e, left in zip(errors, queued) if not left]

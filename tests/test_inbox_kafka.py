@@ -176,6 +176,13 @@ def test_a_consumer_killed_midway_and_restarted_runs_each_effect_once(pg_dsn, ef
     assert _effects(pg_dsn, effects) == {i: 1 for i in ids}
 
 
+def _poll_records(c: InboxConsumer, n: int, timeout: float = 30.0) -> None:
+    """Poll (records, effects and offsets) until `n` records were processed, or `timeout`."""
+    got, deadline = 0, time.monotonic() + timeout
+    while got < n and time.monotonic() < deadline:
+        got += c.poll_once().records
+
+
 def _consume(c: InboxConsumer, n: int) -> list:
     records: list = []
     deadline = time.monotonic() + 30
@@ -243,10 +250,7 @@ def test_a_handler_that_ends_the_transaction_loses_no_record_of_the_poll(
             c.close()
         again = InboxConsumer(config, [topic], conn, box, effect, dead_letter_topic=dead)
         try:
-            got = 0
-            deadline = time.monotonic() + 30
-            while got < 3 and time.monotonic() < deadline:
-                got += again.poll_once().records
+            _poll_records(again, 3)
         finally:
             again.close()
         assert again.totals.dead_lettered == 0
@@ -367,10 +371,7 @@ def test_a_poll_whose_commit_fails_sends_no_dead_letter_and_the_next_sends_each_
         try:
             with pytest.raises(psycopg.errors.UniqueViolation):
                 c.poll_once()
-            got = 0
-            deadline = time.monotonic() + 30
-            while got < 2 and time.monotonic() < deadline:
-                got += c.poll_once().records
+            _poll_records(c, 2)
         finally:
             c.close()
     letters = read_messages(kafka_bootstrap, dead, 2, timeout=10, linger=1.0)
