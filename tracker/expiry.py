@@ -107,8 +107,8 @@ def _statements(schema: str, outbox_table: str) -> dict[str, str]:
         # in flight is not waited for (claims lock no batch row: consumers never wait on each other
         # or on the sweeper); if it commits after the expiry, its settle drops it (ack_settle).
         "expire_settle": sql.SQL(
-            "SELECT coalesce(sum(s.flipped), 0)::int8, count(*) FILTER (WHERE s.completed) "
-            "FROM (SELECT u.b, u.n FROM unnest(%(ids)s::int8[]) WITH ORDINALITY AS u(b, n) "
+            "SELECT count(*) FILTER (WHERE s.completed) "
+            "FROM (SELECT u.b FROM unnest(%(ids)s::int8[]) AS u(b) "
             "WHERE EXISTS (SELECT 1 FROM {claim} c WHERE c.batch_id = u.b)) AS p, "
             "LATERAL {settle}(p.b, {outbox_name}::regclass, %(default_topic)s, true) AS s"
         ),
@@ -264,7 +264,7 @@ def _expire_chunk(conn: psycopg.Connection, q: dict[str, str], params: Mapping[s
         return [], 0, 0
     at = {**params, "ids": ids}
     row = conn.execute(q["expire_settle"], at).fetchone()
-    finished = int(row[1]) if row else 0
+    finished = int(row[0]) if row else 0
     return conn.execute(q["expire"], at).fetchall(), len(ids), finished
 
 
