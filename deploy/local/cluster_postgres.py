@@ -168,9 +168,13 @@ def pg_basebackup(n: int, source: int) -> None:
     write_node_conf(n, standby_of=source, sync=False)
 
 
+def _postmaster(pidfile: Path) -> int | None:
+    """The live postmaster of this node's data folder that its postmaster.pid names, if any."""
+    return base.owned_pid(pidfile, "postgres", str(pidfile.parent))
+
+
 def _postmaster_alive(pidfile: Path) -> bool:
-    """The postmaster.pid of this node names a live postmaster of this node's data folder."""
-    return base.owned_pid(pidfile, "postgres", str(pidfile.parent)) is not None
+    return _postmaster(pidfile) is not None
 
 
 def pg_start(n: int) -> None:
@@ -211,7 +215,7 @@ def pg_stop(n: int, mode: str = "fast") -> None:
 def pg_kill(n: int) -> None:
     """SIGKILL the postmaster (its children exit when they notice), as a crashed machine would."""
     pidfile = pg_data(n) / "postmaster.pid"
-    pid = base.owned_pid(pidfile, "postgres", str(pidfile.parent))
+    pid = _postmaster(pidfile)
     if pid is None:  # none running: never a kill of whatever process has that number now
         return
     # Its backends too: left behind, they would hold its shared memory and keep it from starting.
