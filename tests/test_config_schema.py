@@ -23,6 +23,7 @@ from support.scripts import load_script
 
 from harvester import config
 from harvester.exit_codes import ExitCode
+from tracker.core.validate import TOPIC_CHARS
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = config.settings()
@@ -173,7 +174,10 @@ def valid(s: config.Setting) -> st.SearchStrategy[Any]:
     if r.check is not None and r.check.identifier:
         return IDENTIFIER
     if r.check is not None:
-        pattern = st.from_regex(r.check.regex, fullmatch=True)
+        if r.check.accepts is not None:  # a rule stated as a predicate: drawn from its alphabet
+            pattern = st.from_regex(TOPIC_CHARS, fullmatch=True).filter(r.check.accepts)
+        else:
+            pattern = st.from_regex(r.check.regex, fullmatch=True)
         return st.one_of(st.just(""), pattern) if r.check.optional else pattern
     return TEXT
 

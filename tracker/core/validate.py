@@ -61,7 +61,7 @@ def check_topic(topic: object, name: str = "topic") -> str:
     utf8(topic, name)
     if len(topic) > TOPIC_MAX:
         raise InvalidValue(name, topic, f"is longer than Kafka's {TOPIC_MAX} characters")
-    if TOPIC_CHARS.fullmatch(topic) is None or topic in (".", ".."):
+    if not is_topic_name(topic):
         raise InvalidValue(
             name, topic, "is not a Kafka topic name (ASCII letters, digits, '.', '_' and '-' only; not '.' or '..')"
         )
