@@ -59,3 +59,29 @@ def test_a_process_that_is_gone_or_a_zombie_is_not_running(tmp_path):
     assert owned_pid(pidfile, "sleep") is None
     zombie.wait()
     assert owned_pid(pidfile, "sleep") is None  # reaped: gone
+
+
+def test_a_spark_pid_file_names_only_this_checkouts_spark(tmp_path):
+    import spark_cluster
+
+    home = spark_cluster.spark_home()
+    assert home is not None, "pyspark is installed with the test extras"
+    pidfile = tmp_path / "master.pid"
+    mine = _spawn(sys.executable, "-c", "import time; time.sleep(60)", "-cp", f"{home}/jars/*", "deploy.master.Master")
+    # another checkout's master (its own pyspark), and a Spark worker of this one, are not our master
+    other = _spawn(
+        sys.executable, "-c", "import time; time.sleep(60)", "-cp", "/elsewhere/jars/*", "deploy.master.Master"
+    )
+    worker = _spawn(
+        sys.executable, "-c", "import time; time.sleep(60)", "-cp", f"{home}/jars/*", "deploy.worker.Worker"
+    )
+    try:
+        pidfile.write_text(str(mine.pid))
+        assert spark_cluster._alive(pidfile, "deploy.master.Master") == mine.pid
+        for stranger in (other, worker):
+            pidfile.write_text(str(stranger.pid))
+            assert spark_cluster._alive(pidfile, "deploy.master.Master") is None, stranger.args
+    finally:
+        for p in (mine, other, worker):
+            p.kill()
+            p.wait()

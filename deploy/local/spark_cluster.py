@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import urllib.request
 from pathlib import Path
 
 import first_use  # deploy/local/first_use.py: the node venv is built aside and renamed into place
+import services_base as base
 
 REPO = Path(__file__).resolve().parents[2]
 MASTER_PORT = int(os.environ.get("OUTBOX_SPARK_MASTER_PORT", "57077"))
@@ -128,18 +128,9 @@ def _read(path: Path) -> str:
 
 
 def _alive(pidfile: Path, marker: str) -> int | None:
-    try:
-        pid = int(pidfile.read_text())
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (FileNotFoundError, ValueError, ProcessLookupError):
-        return None
-    return pid if marker.encode() in cmdline else None
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+    """The live Spark daemon `pidfile` names, if it is this checkout's (its class path is this
+    checkout's pyspark): a stale pid may now be another program's, or another checkout's Spark."""
+    return base.owned_pid(pidfile, marker, str(spark_home() or REPO))
 
 
 def master_state(timeout: float = 2.0) -> dict | None:
@@ -208,7 +199,7 @@ def up(state: Path) -> dict[str, str]:
         log(f"spark already running: {master_url()} with {WORKERS} workers")
         return env
     started = time.monotonic()
-    if _alive(sdir / "master.pid", "deploy.master.Master") is None and not _port_open(MASTER_PORT):
+    if _alive(sdir / "master.pid", "deploy.master.Master") is None and not base.port_open(MASTER_PORT):
         log(f"starting spark master on {master_url()} (UI 127.0.0.1:{UI_PORT})")
         _start(
             home,
