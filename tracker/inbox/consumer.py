@@ -22,6 +22,9 @@ one, or whose handler raises, goes to `dead_letter_topic` when one is given (the
 plus a `dead-letter-reason` header, sent once the database has committed), its effect rolled back
 alone; without a dead-letter topic the
 helper rolls the whole transaction back, commits no offset and raises (the records come again).
+What is no fault of the record is never dead-lettered: an error of the inbox itself (no partition
+covers now: its maintenance has not run) or one a retry can mend, whoever met it (a serialization
+failure, a deadlock, a lock or statement timeout, a lost connection), rolls the poll back and raises.
 The helper owns `conn`'s transactions: it commits and rolls back; hand it a connection of its own.
 A poll that raises leaves the consumer at its first records again, so polling on gets them again.
 A handler that commits or rolls back itself stops the poll with `HandlerEndedTransaction` (nothing
@@ -108,6 +111,40 @@ class PollResult:
     processed: int = 0  # effects run
     duplicates: int = 0  # records the inbox had seen: nothing ran
     dead_lettered: int = 0
+
+
+class _Watched:
+    """A record's handler, remembering whether it raised: an error of the inbox itself (no
+    partition covers now, a lost connection) is no fault of the record and must not divert it."""
+
+    def __init__(self, effect: Callable[[psycopg.Connection], object]) -> None:
+        self.effect, self.raised = effect, False
+
+    def __call__(self, conn: psycopg.Connection) -> object:
+        try:
+            return self.effect(conn)
+        except BaseException:
+            self.raised = True
+            raise
+
+
+# What a retry can mend, whoever met it: the transaction was chosen to give way (a serialization
+# failure, a deadlock), a lock or a statement timed out, the connection or the server went away.
+_PASSING = (
+    psycopg.errors.SerializationFailure,
+    psycopg.errors.DeadlockDetected,
+    psycopg.errors.LockNotAvailable,
+    psycopg.errors.QueryCanceled,
+    psycopg.OperationalError,
+)
+
+
+def _records_fault(exc: BaseException, handler_raised: bool) -> bool:
+    """Whether `exc` says the record itself cannot be processed (dead-letter it): it has no usable
+    message id, or its handler raised for a reason a retry would meet again."""
+    if isinstance(exc, MissingMessageId) or (isinstance(exc, InvalidValue) and not handler_raised):
+        return True  # message_id_of's, or the claim's refusal of the id (the only input it checks)
+    return handler_raised and not isinstance(exc, _PASSING) and not isinstance(exc.__cause__, _PASSING)
 
 
 def _partition_end(record: Message) -> bool:
@@ -200,14 +237,15 @@ class InboxConsumer:
                 topic, partition, offset = record.topic(), record.partition(), record.offset()
                 assert topic is not None and partition is not None and offset is not None  # a consumed record
                 offsets[(topic, partition)] = offset + 1
+                handler = _Watched(functools.partial(self._effect, record))
                 try:
                     mid = message_id_of(record)
-                    done = self.inbox.run_once(self.conn, mid, functools.partial(self._effect, record))
+                    done = self.inbox.run_once(self.conn, mid, handler)
                 except Exception as exc:  # the record's savepoint is undone: the rest goes on
                     if self._ended(started):  # undone with the records before it: none may be acked
                         raise HandlerEndedTransaction(_where(record)) from exc
-                    if self._dead is None:
-                        raise
+                    if self._dead is None or not _records_fault(exc, handler.raised):
+                        raise  # the poll is rolled back and comes again
                     dead.append((record, exc))  # produced once the database has committed (below)
                     got.dead_lettered += 1
                     continue
