@@ -224,6 +224,9 @@ END $$;
 -- flipped, counts flips of a finished batch as late, stores failed items under their reason, then
 -- folds in the named batches' finished children and finishes what can (batch_finish). One row per batch named: bits flipped, whether it finished
 -- here. Validation is the caller's (tracker.core.acks.apply_op, ack_masks).
+-- Before any bit is read, the named batches' committed claims (and the caller's own) are settled
+-- (ack_settle, R__ack_claims.sql): an ack is a claim until its settle, and a failure that read the
+-- bits past it would fail an item whose ack committed first (the first outcome committed wins).
 CREATE OR REPLACE FUNCTION outcome_apply(p_batch bigint[], p_group bigint[], p_hex text[], p_reason text,
                                          p_outbox regclass, p_topic text)
 RETURNS TABLE (batch_id bigint, flipped bigint, completed boolean)
@@ -237,7 +240,12 @@ DECLARE
     fg bigint[];
     fm varbit[];
     fn bigint[];
+    settled bigint[];
 BEGIN
+    SELECT coalesce(array_agg(c.b) FILTER (WHERE (ack_settle(c.b, p_outbox, p_topic, true)).completed), '{}')
+      INTO settled
+      FROM (SELECT DISTINCT u.b FROM unnest(p_batch) AS u(b)
+             WHERE EXISTS (SELECT 1 FROM ack_claim a WHERE a.batch_id = u.b) ORDER BY u.b DESC) AS c;
     WITH u AS (
         SELECT u.b, u.g, bit_or(substring(('x' || rpad(u.hex, ((g.size + 7) / 8) * 2, '0'))::varbit FROM 1 FOR g.size)) AS mask
           FROM unnest(p_batch, p_group, p_hex) AS u(b, g, hex)
@@ -278,7 +286,7 @@ BEGIN
     SELECT array_agg(DISTINCT o.b ORDER BY o.b DESC) INTO touched FROM unnest(fb) AS o(b);
     finished := batch_finish(touched, p_outbox, p_topic);
     RETURN QUERY
-        SELECT o.b, sum(o.n)::int8, o.b = ANY(finished)
+        SELECT o.b, sum(o.n)::int8, o.b = ANY(finished || settled)
           FROM unnest(fb, fn) AS o(b, n) GROUP BY o.b ORDER BY o.b;
 END $$;
 
