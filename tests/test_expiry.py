@@ -228,3 +228,51 @@ def test_bad_arguments_are_refused_before_anything_runs(conn, schema):
             sweep(conn, schema=schema, idle_expiry=1, retention=1, **kwargs)
     with pytest.raises(ValueError, match="batch id"):
         expire_batch(conn, -1, schema=schema)
+
+
+def _sweep_failing_at_its_deletes(conn, schema: str) -> list[int]:
+    """Two idle batches to expire, then a delete that fails (a trigger refuses it): the sweep fails
+    after its expiry chunk. Returns the idle batches' ids."""
+    idle = [tracker.open_batch(conn, schema=schema).id for _ in range(2)]
+    done = tracker.open_batch(conn, schema=schema)
+    tracker.close_batch(conn, done, schema=schema)  # no items: complete at once
+    conn.commit()
+    _age(conn, schema, idle)
+    conn.execute(f"UPDATE \"{schema}\".batch SET completed_at = now() - interval '2 days' WHERE id = %s", [done.id])
+    conn.execute(
+        f"""CREATE FUNCTION "{schema}".refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN RAISE EXCEPTION 'deletes refused here'; END $$"""
+    )
+    conn.execute(
+        f'CREATE TRIGGER refuse BEFORE DELETE ON "{schema}".batch FOR EACH ROW EXECUTE FUNCTION "{schema}".refuse()'
+    )
+    conn.execute(f'CREATE TABLE "{schema}".mine (x int)')
+    conn.commit()
+    return idle
+
+
+def _states(conn, schema: str, ids: list[int]) -> list[str]:
+    return [r[0] for r in conn.execute(f'SELECT state FROM "{schema}".batch WHERE id = ANY(%s) ORDER BY id', [ids])]
+
+
+def test_a_failed_sweep_in_the_callers_transaction_undoes_itself_alone(conn, schema):
+    idle = _sweep_failing_at_its_deletes(conn, schema)
+    conn.execute(f'INSERT INTO "{schema}".mine VALUES (1)')  # the caller's own work, not committed
+    with pytest.raises(psycopg.errors.RaiseException, match="deletes refused"):
+        sweep(conn, schema=schema, idle_expiry=60, retention=60, registry=None)
+    # usable, with the caller's row in it and nothing of the sweep (its expiries were undone)
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+    assert conn.execute(f'SELECT count(*) FROM "{schema}".mine').fetchone() == (1,)
+    assert _states(conn, schema, idle) == ["open", "open"]
+    conn.commit()
+    assert events(conn, schema) == []
+    assert conn.execute(f'SELECT count(*) FROM "{schema}".mine').fetchone() == (1,)
+
+
+def test_a_failed_sweep_on_an_idle_connection_keeps_its_committed_chunks_and_leaves_it_idle(conn, schema):
+    idle = _sweep_failing_at_its_deletes(conn, schema)
+    with pytest.raises(psycopg.errors.RaiseException, match="deletes refused"):
+        sweep(conn, schema=schema, idle_expiry=60, retention=60, registry=None)
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert _states(conn, schema, idle) == ["expired", "expired"]  # committed chunk by chunk
+    assert len(events(conn, schema)) == 2

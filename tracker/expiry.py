@@ -203,8 +203,10 @@ def sweep(
     q = _statements(schema, table)
     expired = metrics.for_registry(registry, metrics_prefix).batches_expired.labels(schema) if registry else None
     result = SweepResult()
-    # A connection with no transaction open is ours to commit chunk by chunk.
-    commit_chunks = not conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE
+    # A connection with no transaction open is ours: each chunk is a transaction of its own,
+    # committed. In the caller's open transaction the whole sweep is one savepoint of it: a failure
+    # undoes the sweep alone and leaves the caller's transaction usable, as every other call does.
+    in_callers = not conn.autocommit and conn.info.transaction_status != pq.TransactionStatus.IDLE
     expire = {
         "idle": float(idle_expiry),
         "chunk": chunk,
@@ -216,43 +218,42 @@ def sweep(
     fold = {"chunk": chunk, "default_topic": default_topic}
     completed = metrics.for_registry(registry, metrics_prefix).batches_completed.labels(schema) if registry else None
     kinds = (("fold", fold), ("expire", expire), ("delete", {"retention": float(retention), "chunk": chunk}))
-    for kind, params in kinds:
-        rounds = 0
-        while max_chunks is None or rounds < max_chunks:
-            rounds += 1
-            # Every row the expiry's CTE picked is locked by it and still open or closed (the lock
-            # re-checks the state), so it expires all it picked: fewer than `chunk` means done.
-            with conn.transaction() if conn.autocommit else contextlib.nullcontext():
-                if kind == "expire":
-                    rows, picked, finished = _expire_chunk(conn, q, expire)
+    with conn.transaction() if in_callers else contextlib.nullcontext():
+        for kind, params in kinds:
+            rounds = 0
+            while max_chunks is None or rounds < max_chunks:
+                rounds += 1
+                # Every row the expiry's CTE picked is locked by it and still open or closed (the lock
+                # re-checks the state), so it expires all it picked: fewer than `chunk` means done.
+                with contextlib.nullcontext() if in_callers else conn.transaction():
+                    if kind == "expire":
+                        rows, picked, finished = _expire_chunk(conn, q, expire)
+                        result.completed += finished
+                        if completed is not None and finished:
+                            completed.inc(finished)
+                    else:
+                        rows = conn.execute(q[kind], params).fetchall()
+                    reasons = sorted({r for row in rows for r in row[1]}) if kind == "delete" else []
+                    if reasons:
+                        conn.execute(q["forget"], [reasons])
+                if kind == "fold":
+                    [(finished, n)] = rows
                     result.completed += finished
                     if completed is not None and finished:
                         completed.inc(finished)
+                    if n < chunk and not finished:  # a parent that finished may have left a row for its own
+                        break
+                    continue
+                n = len(rows)
+                if kind == "expire":
+                    result.expired += n
+                    if expired is not None:
+                        expired.inc(n)
+                    n = picked  # those settled into activity or completion are not picked again
                 else:
-                    rows = conn.execute(q[kind], params).fetchall()
-                reasons = sorted({r for row in rows for r in row[1]}) if kind == "delete" else []
-                if reasons:
-                    conn.execute(q["forget"], [reasons])
-            if commit_chunks:
-                conn.commit()
-            if kind == "fold":
-                [(finished, n)] = rows
-                result.completed += finished
-                if completed is not None and finished:
-                    completed.inc(finished)
-                if n < chunk and not finished:  # a parent that finished may have left a row for its own
+                    result.deleted += n
+                if n < chunk:
                     break
-                continue
-            n = len(rows)
-            if kind == "expire":
-                result.expired += n
-                if expired is not None:
-                    expired.inc(n)
-                n = picked  # those settled into activity or completion are not picked again
-            else:
-                result.deleted += n
-            if n < chunk:
-                break
     return result
 
 
