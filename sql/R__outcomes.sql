@@ -205,7 +205,9 @@ BEGIN
            AND ((x.state = 'closed' AND x.pending = 0 AND x.children_open = 0)
                 OR x.failed + x.rollup_failed > x.tolerated_failures
                 OR (x.state = 'closed' AND x.children_open = 0
-                    AND x.failed + x.rollup_failed > x.tolerated_failure_ratio * (x.total + x.rollup_total)))
+                    -- in numeric: in float8, 0.29 * 100 is 28.999999999999996, and exactly 29%
+                    -- failed would count as more than 29%
+                    AND x.failed + x.rollup_failed > x.tolerated_failure_ratio::numeric * (x.total + x.rollup_total)))
         RETURNING * INTO b;
         IF FOUND THEN
             done := done || cur;

@@ -11,6 +11,7 @@ wrote (at most one: one completion or one expiry), whose counts are the model's 
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 
 import hypothesis.strategies as st
 import psycopg
@@ -83,7 +84,11 @@ class Model:
         if not (
             (closed_idle and self.pending == 0)
             or (self.tf is not None and bad > self.tf)
-            or (closed_idle and self.ratio is not None and bad > self.ratio * (self.total + self.rollup_total))
+            or (
+                closed_idle
+                and self.ratio is not None
+                and bad > Decimal(repr(self.ratio)) * (self.total + self.rollup_total)
+            )
         ):
             return
         self.state = "complete"
