@@ -61,15 +61,16 @@ _COMMON: Final[dict[str, JsonSchema]] = {
     "children": _CHILDREN,
     "rollup": _ROLLUP,
     "opened_at": {**_TIME, "description": "when the batch was opened"},
-    "closed_at": {**_TIME_OR_NULL, "description": "when it was closed (null: expired while open)"},
+    "closed_at": {**_TIME_OR_NULL, "description": "when it was closed (null: it expired, or crossed tolerated_failures, while still open)"},
 }
 
 COMPLETED: Final[JsonSchema] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "batch.completed",
     "description": (
-        "Written once, by the transaction that finishes a closed batch: its last item got an outcome, "
-        "its last child finished, or a failure threshold was crossed (an early finish, `pending` > 0). "
+        "Written once, by the transaction that finishes a batch: a closed one whose last item got an "
+        "outcome or whose last child finished, or one that crossed a failure threshold (an early finish, "
+        "`pending` > 0; `tolerated_failures` finishes it even while it is open, `closed_at` null). "
         "Topic: the batch's completion topic; for a batch opened without one, the default of whatever finishes "
         "it (the reaper's `harvester.default_completion_topic`, a Tracker's `completion_topic`, the SQL "
         "functions' `completion_topic` argument: each `batch-completions` unless set, so keep them alike)."
