@@ -61,7 +61,10 @@ _COMMON: Final[dict[str, JsonSchema]] = {
     "children": _CHILDREN,
     "rollup": _ROLLUP,
     "opened_at": {**_TIME, "description": "when the batch was opened"},
-    "closed_at": {**_TIME_OR_NULL, "description": "when it was closed (null: it expired, or crossed tolerated_failures, while still open)"},
+    "closed_at": {
+        **_TIME_OR_NULL,
+        "description": "when it was closed (null: it expired, or crossed tolerated_failures, while still open)",
+    },
 }
 
 COMPLETED: Final[JsonSchema] = {

@@ -39,12 +39,13 @@ import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from tracker import message_ids
+from tracker.drivers.connections import SyncSession
 from tracker.errors import InvalidValue, TrackerError
 from tracker.inbox.core import check_text
 from tracker.inbox.sync import Inbox
@@ -120,9 +121,9 @@ class _Watched:
     def __init__(self, effect: Callable[[psycopg.Connection], object]) -> None:
         self.effect, self.raised = effect, False
 
-    def __call__(self, conn: psycopg.Connection) -> object:
+    def __call__(self, session: SyncSession) -> object:
         try:
-            return self.effect(conn)
+            return self.effect(cast(psycopg.Connection, session))  # InboxConsumer's own connection
         except BaseException:
             self.raised = True
             raise
