@@ -10,8 +10,9 @@ guarantees rest on.
 - consumer: ack, ack_masks, fail, fail_masks, batch_status, failures, inbox_claim, inbox_show
   (functions only);
 - operator: reads every table, batch_status, inbox_show and inbox_partitions; writes nothing;
-- app: the Python API (`tracker.*`) in the application's own transaction: it runs its statements
-  on the tables, so DML on the tracker's tables and EXECUTE on the functions it calls;
+- app: the Python API (`tracker.*`, and `tracker.spark`'s fan-out and acks) in the application's
+  own transaction: it runs its statements on the tables, so DML on the tracker's tables and
+  EXECUTE on the functions it calls;
 - reaper: the sidecar (`reaper run` / `reaper serve`): DML on every table of the schema and
   EXECUTE on every function. VACUUM and the lane index need the outbox table's owner (or
   PostgreSQL 17's MAINTAIN): a reaper that is not skips them and says so;
@@ -41,7 +42,8 @@ CONSUMER_FUNCTIONS = (
 OPERATOR_FUNCTIONS = ("batch_status", "inbox_show", "inbox_partitions")
 # The inbox's partition upkeep, run as the owner (DDL) by the reaper role, which executes every function.
 MAINTENANCE_FUNCTIONS = ("inbox_add_partitions", "inbox_drop_expired")
-# The tables the Python API writes in the application's transaction.
+# The tables the Python API writes in the application's transaction (spark_fanout_run: tracker.spark's
+# fan-out takes its run there, on the driver).
 APP_TABLES = (
     "batch",
     "batch_group",
@@ -51,6 +53,7 @@ APP_TABLES = (
     "child_finished",
     "group_failure",
     "failure_reason",
+    "spark_fanout_run",
 )
 
 
