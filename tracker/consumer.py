@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
-from confluent_kafka import KafkaError, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 
 from tracker.core.acks import Processed as Processed
 from tracker.core.validate import check_reason, check_topic
@@ -182,6 +182,18 @@ def _rounds(entries: list) -> Iterator[dict[tuple[int, int], Any]]:
         yield folder.masks
 
 
+CLIENT_MESSAGE_MAX = 1_000_000  # librdkafka's default message.max.bytes
+MESSAGE_OVERHEAD = 4096  # key, a failure reason of 500 characters (up to 2,000 bytes), framing
+
+
+def _int_setting(conf: dict, name: str, default: int) -> int:
+    value = conf.get(name, default)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise InvalidValue(f"kafka_client[{name!r}]", value, "must be an integer") from None
+
+
 class AckDeliveryError(TrackerError):
     """An AckProducer's flush() found ack or failure messages Kafka did not take (`failures`: why)."""
 
@@ -225,6 +237,16 @@ class AckProducer:
             raise InvalidArgument("linger", linger, "a number of seconds >= 0")
         if not math.isfinite(linger) or linger < 0:
             raise InvalidValue("linger", linger, "must be a finite number of seconds >= 0")
+        # A message of max_message_bytes, with its key, failure-reason header and record framing,
+        # must be one the client itself takes: else every send of a full message is refused.
+        client_limit = _int_setting(kafka_client or {}, "message.max.bytes", CLIENT_MESSAGE_MAX)
+        if max_message_bytes + MESSAGE_OVERHEAD > client_limit:
+            raise InvalidValue(
+                "max_message_bytes",
+                max_message_bytes,
+                f"must be at most the client's message.max.bytes ({client_limit}) less {MESSAGE_OVERHEAD} "
+                "bytes for the key, headers and framing",
+            )
         conf = {
             "bootstrap.servers": bootstrap_servers,
             "enable.idempotence": True,
@@ -251,7 +273,8 @@ class AckProducer:
 
     def ack(self, item_ids: str | bytes | Iterable[str | bytes]) -> None:
         """Buffer item ids or runs; raises MalformedItemId (buffering none of the call) on a bad one.
-        Ids in many groups are buffered (and sent) in rounds, so what is held stays bounded."""
+        Ids in many groups are buffered (and sent) in rounds, so what is held stays bounded. A send
+        this call sets off that produce() refuses raises AckDeliveryError, the round kept buffered."""
         for masks in _fold_ids(item_ids):
             self._buffer(masks, None)
 
@@ -311,11 +334,19 @@ class AckProducer:
         self._producer.poll(0)
 
     def _send_locked(self) -> None:
-        pending, self._pending, self._count, self._oldest = self._pending, {}, 0, None
-        failing, self._failing = self._failing, {}
-        self._send_masks(pending, None)
-        for reason, masks in failing.items():
-            self._send_masks(masks, reason)
+        pending, count, oldest = self._pending, self._count, self._oldest
+        failing = self._failing
+        self._pending, self._failing, self._count, self._oldest = {}, {}, 0, None
+        try:
+            self._send_masks(pending, None)
+            for reason, masks in failing.items():
+                self._send_masks(masks, reason)
+        except KafkaException as exc:
+            # produce() refused a message (a fatal producer error, say): the round is buffered
+            # again whole, what was produced of it too (acks and failures are idempotent: a
+            # duplicate at most), so no flush() returns while any of it is missing.
+            self._pending, self._failing, self._count, self._oldest = pending, failing, count, oldest
+            raise AckDeliveryError([f"produce() refused an ack message: {exc}"]) from exc
 
     def _send_masks(self, pending: dict[tuple[int, int], bytearray], reason: str | None) -> None:
         by_batch: dict[int, list[tuple[int, bytearray]]] = {}
@@ -373,7 +404,10 @@ class AckProducer:
             self._failures.append(f"{msg.value()[:80]!r}: {err}")
 
     def flush(self, timeout: float = 60.0) -> None:
-        """Send everything buffered and wait until Kafka has it; raises AckDeliveryError otherwise."""
+        """Send everything buffered and wait until Kafka has it; raises AckDeliveryError otherwise
+        (then do not commit your consumer offsets: what produce() refused is still buffered and
+        goes with the next send, but a message Kafka refused after taking it is gone, and its
+        records must come again)."""
         with self._lock:
             self._send_locked()
         left = self._producer.flush(timeout)
