@@ -117,7 +117,17 @@ def add_parsers(sub: Any) -> None:
     dl.add_argument(
         "--after", type=_int_in("--after", 0, ID_MAX), default=0, help="show rows with a higher id (paging)"
     )
-    rq = dead.add_parser("requeue", parents=[out], help="move dead rows back into the outbox (each exactly once)")
+    rq = dead.add_parser(
+        "requeue",
+        parents=[out],
+        help="move dead rows back into the outbox (each exactly once)",
+        epilog="--all and --reason move every row dead when they start (a row another transaction holds "
+        "is waited for, unless a racing requeue moves it). --json prints "
+        '{"moved": N, "dead_ids": [...], "new_ids": [...], "dry_run": false, "ids_complete": true}: '
+        "dead_ids are the rows' ids in the dead table and new_ids their new outbox ids, in the order moved; "
+        f"--id names every row, --all and --reason the first {dead_mod.ID_SAMPLE} (ids_complete is false "
+        "when more moved; moved counts them all).",
+    )
     which = rq.add_mutually_exclusive_group(required=True)
     which.add_argument(
         "--id",

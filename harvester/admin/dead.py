@@ -3,14 +3,19 @@
 A requeue moves a row back in one statement (DELETE from the dead table ... INSERT into the
 outbox), so a row is always in exactly one of the two tables, and a row two requeues race for is
 moved by one of them: the other finds it gone (`--id`: waits for the lock, then fails naming it;
-`--all`/`--reason`: skips it). The row gets a new outbox id and `created_at` (it is committed now,
-so it goes behind rows already waiting) and keeps its topic, key, value, headers and partition.
-If Kafka still refuses it, the leader quarantines it again under its new id.
+`--all`/`--reason`: leaves it to the other). The row gets a new outbox id and `created_at` (it is
+committed now, so it goes behind rows already waiting) and keeps its topic, key, value, headers and
+partition. If Kafka still refuses it, the leader quarantines it again under its new id.
 
 `--id` moves the named rows in one transaction, or none of them. `--all` and `--reason` move the
 rows that were dead when the command started, in chunks of `--chunk` rows, each chunk its own
 transaction (locks stay short and a progress bar can move); a requeue interrupted midway leaves
 the rest dead, and running it again goes on. Every committed chunk is recorded in `admin_log`.
+Their chunks first pass over rows another transaction holds, so racing requeues share the work;
+then they go over what is still dead once more, waiting for each lock, since a holder may be one
+that moves nothing (a dry run, an `--id` that fails, a `SELECT ... FOR UPDATE` by hand): no row
+dead at the start is left dead by a requeue that reports success. They report how many rows moved
+and the ids of the first ID_SAMPLE only, so a requeue of millions holds no list of them all.
 """
 
 from __future__ import annotations
@@ -51,12 +56,26 @@ class DeadPage:
     next_after: int | None  # pass as --after for the next page; None: last page
 
 
+ID_SAMPLE = 1000  # ids of moved rows that `--all`/`--reason` report at most (the first ones moved)
+
+
 @dataclass
 class Requeued:
     moved: int = 0
-    dead_ids: list[int] = field(default_factory=list)  # the rows' ids in the dead table (their old outbox ids)
-    new_ids: list[int] = field(default_factory=list)  # their new outbox ids
+    # The rows' ids in the dead table (their old outbox ids) and their new outbox ids, in the order
+    # moved: all of them for --id, the first ID_SAMPLE for --all/--reason (ids_complete says which).
+    dead_ids: list[int] = field(default_factory=list)
+    new_ids: list[int] = field(default_factory=list)
     dry_run: bool = False
+    ids_complete: bool = True  # dead_ids and new_ids name every row moved
+
+    def add(self, dead_ids: Sequence[int], new_ids: Sequence[int]) -> None:
+        """Count a committed chunk; keep its ids while the sample has room."""
+        self.moved += len(dead_ids)
+        room = ID_SAMPLE - len(self.dead_ids)
+        self.dead_ids += dead_ids[:room]
+        self.new_ids += new_ids[:room]
+        self.ids_complete = self.ids_complete and len(dead_ids) <= room
 
 
 @functools.lru_cache(maxsize=32)
@@ -85,14 +104,20 @@ def _statements(schema: str, table: str) -> dict[str, sql.Composed]:
         ),
         "count": sql.SQL("SELECT count(*), max(id) FROM {dead} WHERE {match}"),
         "count_capped": sql.SQL("SELECT count(*), NULL FROM (SELECT 1 FROM {dead} WHERE {match} LIMIT %(cap)s) s"),
-        "lock_ids": sql.SQL("SELECT id FROM {dead} WHERE id = ANY(%(ids)s::bigint[]) FOR UPDATE"),
+        "find_ids": sql.SQL("SELECT id FROM {dead} WHERE id = ANY(%(ids)s::bigint[])"),
+        # In id order, as the chunks below lock: two lockers never wait for each other in a cycle.
+        "lock_ids": sql.SQL("SELECT id FROM {dead} WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE"),
         "move_ids": sql.SQL("WITH pick AS (SELECT unnest(%(ids)s::bigint[]) AS id), " + move),
-        # SKIP LOCKED: rows a racing requeue holds are its to move; what is left unlocked is ours.
+        # SKIP LOCKED: rows a racing requeue holds are likely its to move; what is left unlocked is ours.
         "move_chunk": sql.SQL(
             "WITH pick AS (SELECT id FROM {dead} WHERE id > %(after)s AND id <= %(upto)s AND {match} "
             "ORDER BY id LIMIT %(chunk)s FOR UPDATE SKIP LOCKED), " + move
         ),
-        "count_chunk": sql.SQL("SELECT count(*) FROM {dead} WHERE id <= %(upto)s AND {match}"),
+        # Waits for each lock; a row its holder moved meanwhile drops out, and the scan goes on.
+        "move_chunk_waiting": sql.SQL(
+            "WITH pick AS (SELECT id FROM {dead} WHERE id > %(after)s AND id <= %(upto)s AND {match} "
+            "ORDER BY id LIMIT %(chunk)s FOR UPDATE), " + move
+        ),
     }
     return {k: v.format(match=match, **names) for k, v in q.items()}
 
@@ -142,7 +167,8 @@ def requeue_ids(
     require_tables(conn, schema, table, f"{table}_dead", "admin_log")
     q = _statements(schema, table)
     wanted = sorted(set(ids))
-    found = {r[0] for r in conn.execute(q["lock_ids"], {"ids": wanted}).fetchall()}
+    # A dry run locks nothing: a lock it held and let go would only make others wait or skip rows.
+    found = {r[0] for r in conn.execute(q["find_ids" if dry_run else "lock_ids"], {"ids": wanted}).fetchall()}
     missing = [i for i in wanted if i not in found]
     if missing:
         conn.rollback()
@@ -153,7 +179,7 @@ def requeue_ids(
         )
     if dry_run:
         conn.rollback()
-        return Requeued(len(wanted), wanted, [], True)
+        return Requeued(len(wanted), wanted, [], dry_run=True)
     dead_ids, new_ids = one_row(conn.execute(q["move_ids"], {"ids": wanted, "filter": json.dumps({"ids": wanted})}))
     conn.commit()
     return Requeued(len(dead_ids), list(dead_ids), list(new_ids))
@@ -171,7 +197,8 @@ def requeue_matching(
 ) -> Requeued:
     """Move every row dead now (whose reason contains `reason`, if given), `chunk` rows per transaction.
 
-    `progress(moved so far, total)` is called after each chunk.
+    `progress(moved so far, total)` is called after each chunk. The result counts every row moved
+    and names the first ID_SAMPLE (`ids_complete` is False when there were more).
     """
     require_tables(conn, schema, table, f"{table}_dead", "admin_log")
     q = _statements(schema, table)
@@ -180,25 +207,29 @@ def requeue_matching(
     result = Requeued(dry_run=dry_run)
     if dry_run or not total:
         result.moved = total if dry_run else 0
+        result.ids_complete = not result.moved  # a dry run of these names no ids
         return result
     progress(0, total)
     params: dict[str, Any] = {
-        "after": 0,
         "upto": upto,
         "reason": reason,
         "chunk": chunk,
         "filter": json.dumps({"all": reason is None, "reason": reason}),
     }
-    while True:
-        dead_ids, new_ids = one_row(conn.execute(q["move_chunk"], params))
-        conn.commit()
-        result.dead_ids += dead_ids
-        result.new_ids += new_ids
-        result.moved += len(dead_ids)
-        progress(result.moved, max(total, result.moved))
-        if len(dead_ids) < chunk:
-            return result
-        params["after"] = dead_ids[-1]
+    # First pass: rows another transaction holds are passed over (a racing requeue's chunk is its
+    # to move), so several requeues share the rows. Second pass: what is still dead, waiting for
+    # each lock, since the holder may have moved nothing (a dry run, an --id that failed).
+    for statement in (q["move_chunk"], q["move_chunk_waiting"]):
+        params["after"] = 0
+        while True:
+            dead_ids, new_ids = one_row(conn.execute(statement, params))
+            conn.commit()
+            result.add(dead_ids, new_ids)
+            progress(result.moved, max(total, result.moved))
+            if len(dead_ids) < chunk:
+                break
+            params["after"] = dead_ids[-1]
+    return result
 
 
 def render_page(page: DeadPage) -> str:
@@ -223,5 +254,7 @@ def render_requeued(r: Requeued) -> str:
         return f"would requeue {r.moved} rows (dry run: nothing changed)"
     if not r.moved:
         return "requeued 0 rows: nothing matched"
-    ids = ", ".join(map(str, r.dead_ids[:10])) + (" ..." if len(r.dead_ids) > 10 else "")
+    ids = ", ".join(map(str, r.dead_ids[:10])) + (" ..." if r.moved > 10 else "")
+    if not r.ids_complete:
+        return f"requeued {r.moved} rows (dead ids {ids}) as outbox ids {r.new_ids[0]}, ..."
     return f"requeued {r.moved} rows (dead ids {ids}) as outbox ids {r.new_ids[0]}..{r.new_ids[-1]}"
