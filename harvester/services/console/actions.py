@@ -4,7 +4,6 @@ the transaction that does it, exactly as the command does."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import psycopg
@@ -76,7 +75,7 @@ async def requeue_acks(cfg: Config, db: Db, user: User, *, at: tuple[int, int] |
     where = None if at is None else f"{at[0]}:{at[1]}"
     try:
         await db.run(lambda c: acks_admin.check(cfg, c))
-        sent = await asyncio.to_thread(acks_admin.send, cfg, at=at, reason=reason)
+        sent = await db.thread(lambda: acks_admin.send(cfg, at=at, reason=reason))
     except AdminError as exc:
         _log(user, "acks-requeue", "refused", at=where, reason=reason, error=str(exc))
         return Done(False, str(exc))

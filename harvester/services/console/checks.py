@@ -35,9 +35,11 @@ class Console:
         self.cfg, self.sessions = cfg, sessions
         self.db = Db(cfg)
         self.pages = Pages(cfg, sessions)
-        self.gatherer = Gatherer(cfg)
+        self.gatherer = Gatherer(cfg, self.db.thread)
         # Read from Kafka at most once a refresh, whoever asks.
-        self.dead_acks = Cached(lambda: dead_acks.read(cfg, cfg.console.page_size), cfg.console.refresh_interval)
+        self.dead_acks = Cached(
+            lambda: dead_acks.read(cfg, cfg.console.page_size), cfg.console.refresh_interval, self.db.thread
+        )
         self.logins = RateLimiter(1.0, 10)  # per client address: guessing tokens stays slow
 
     def open(self) -> None:

@@ -5,7 +5,6 @@ operator of the outbox sees them, and only one with the operator role requeues.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -120,7 +119,7 @@ def add_dead_routes(r: APIRouter, console: Console) -> None:
         if isinstance(t, Response):
             return t
         try:
-            found = await asyncio.to_thread(acks_admin.select, cfg, at=requeues.at_of(t), reason=t.reason)
+            found = await db.thread(lambda: acks_admin.select(cfg, at=requeues.at_of(t), reason=t.reason))
         except AdminError as exc:
             missing = exc.code == ExitCode.NOT_FOUND
             return pages.message(

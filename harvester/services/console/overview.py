@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -41,6 +41,7 @@ from harvester.services.console import queries
 from harvester.services.console.reads import read_each
 
 T = TypeVar("T")
+Offload = Callable[[Callable[[], Any]], Awaitable[Any]]  # runs a blocking call on some thread
 
 
 @dataclass
@@ -94,21 +95,22 @@ class Cached(Generic[T]):
     waits for it; later ones get the value there is while a stale one is fetched again in the
     background (so a slow Kafka never slows a page down)."""
 
-    def __init__(self, fetch: Callable[[], T], ttl: float) -> None:
+    def __init__(self, fetch: Callable[[], T], ttl: float, offload: Offload | None = None) -> None:
         self._fetch, self._ttl = fetch, ttl
+        self._offload: Offload = offload or asyncio.to_thread  # the thread `fetch` runs on
         self._value: tuple[float, T] | None = None
         self._lock = asyncio.Lock()
         self._refresh: asyncio.Task[None] | None = None
 
     async def _fetch_now(self) -> None:
         async with self._lock:
-            self._value = (time.monotonic(), await asyncio.to_thread(self._fetch))
+            self._value = (time.monotonic(), await self._offload(self._fetch))
 
     async def get(self) -> T:
         if self._value is None:
             async with self._lock:
                 if self._value is None:
-                    self._value = (time.monotonic(), await asyncio.to_thread(self._fetch))
+                    self._value = (time.monotonic(), await self._offload(self._fetch))
             return self._value[1]
         stale = time.monotonic() - self._value[0] >= self._ttl
         if stale and (self._refresh is None or self._refresh.done()):
@@ -188,13 +190,13 @@ def scrape(urls: Iterable[str], prefix: str, timeout: float) -> Runtime:
 class Gatherer:
     """The overview of one configuration: Kafka and metrics cached, the database read per call."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, offload: Offload | None = None) -> None:
         self.cfg = cfg
         self.specs = units(cfg)
         ttl = cfg.console.refresh_interval
-        self._kafka = Cached(lambda: kafka_view(cfg), ttl)
+        self._kafka = Cached(lambda: kafka_view(cfg), ttl, offload)
         urls = _urls(cfg.console.metrics_urls)
-        self._runtime = Cached(lambda: self._scrape(urls), ttl)
+        self._runtime = Cached(lambda: self._scrape(urls), ttl, offload)
         self._previous: Runtime | None = None
         self._rates: dict[str, float] = {}
 

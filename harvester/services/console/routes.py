@@ -20,7 +20,7 @@ from harvester.services.console.checks import Console
 from harvester.services.console.dead_routes import add_dead_routes
 from harvester.services.console.login_routes import add_login_routes
 from harvester.services.console.session import Sessions, User
-from harvester.services.console.web import SECURITY_HEADERS, Ctx
+from harvester.services.console.web import SECURITY_HEADERS, ConsoleUnavailable, Ctx
 
 _STATIC = {"console.css": "text/css", "console.js": "text/javascript"}
 
@@ -40,6 +40,15 @@ def add_console(app: FastAPI, cfg: Config, sessions: Sessions) -> Console:
         body = files("harvester.services.console").joinpath("static", name).read_bytes()
         headers = {**SECURITY_HEADERS, "Cache-Control": "public, max-age=300"}
         return Response(body, media_type=_STATIC[name], headers=headers)
+
+    @app.exception_handler(ConsoleUnavailable)
+    async def unavailable(request: Request, exc: ConsoleUnavailable) -> Response:
+        # as the API's 503 (unavailable, Retry-After), not a crash: the page works again with the database
+        page = console.pages.message(
+            request, None, 503, "Database unavailable", f"The database is unavailable ({exc}); retry in a moment."
+        )
+        page.headers["Retry-After"] = "1"
+        return page
 
     @app.get("/console", include_in_schema=False)
     async def console_root() -> Response:

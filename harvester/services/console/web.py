@@ -6,12 +6,13 @@ import asyncio
 import datetime as dt
 import urllib.parse
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import psycopg
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup, escape
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
@@ -98,32 +99,77 @@ def templates() -> Environment:
     return env
 
 
+POOL_SIZE = 4  # the console's connections, and the threads that use them
+
+
+class ConsoleUnavailable(Exception):
+    """The database could not be reached or did not answer within http.request_timeout: a 503 page."""
+
+
+def _configure(timeout_ms: int) -> Callable[[psycopg.Connection], None]:
+    def configure(conn: psycopg.Connection) -> None:
+        # A statement or a lock wait past the deadline fails on the server, freeing its thread. Only
+        # on a direct connection: a transaction pooler (PgBouncer) answers the backend pid itself,
+        # and a session setting there would reach other clients' sessions; the page still answers
+        # at its deadline (Db.run), its thread kept until the statement ends.
+        row = conn.execute("SELECT pg_backend_pid()").fetchone()
+        if row is not None and row[0] == conn.info.backend_pid:
+            setting = f"{timeout_ms}ms"
+            conn.execute(
+                "SELECT set_config('statement_timeout', %s, false), set_config('lock_timeout', %s, false)",
+                [setting, setting],
+            )
+        conn.commit()
+
+    return configure
+
+
 class Db:
-    """A small pool of the console's own; the admin functions are synchronous, so they run in threads."""
+    """A small pool of the console's own; the admin functions are synchronous, so they run in the
+    console's own threads (one per connection): a page waiting on the database never takes a
+    thread the HTTP API needs. Each call answers within http.request_timeout, or ConsoleUnavailable."""
 
     def __init__(self, cfg: Config) -> None:
+        self.timeout = cfg.http.request_timeout
         self.pool = ConnectionPool(
             with_liveness(cfg.database.dsn),
             min_size=0,  # no connection until someone opens a page: an API-only server pays nothing
-            max_size=4,
+            max_size=POOL_SIZE,
             open=False,
             name="reaper-console",
             kwargs={"application_name": "reaper-console", "prepare_threshold": None},
-            timeout=cfg.http.request_timeout,
+            configure=_configure(max(1, int(self.timeout * 1000))),
+            timeout=self.timeout,
         )
+        self.executor = ThreadPoolExecutor(POOL_SIZE, thread_name_prefix="reaper-console")
+        # Kafka reads and scrapes (up to console.kafka_timeout): apart, so they never hold a page's thread
+        self.others = ThreadPoolExecutor(2, thread_name_prefix="reaper-console-io")
 
     def open(self) -> None:
         self.pool.open()
 
     def close(self) -> None:
         self.pool.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.others.shutdown(wait=False, cancel_futures=True)
 
     async def run(self, fn: Callable[[psycopg.Connection], T]) -> T:
         def work() -> T:
             with self.pool.connection() as conn:
                 return fn(conn)
 
-        return await asyncio.to_thread(work)
+        future = asyncio.get_running_loop().run_in_executor(self.executor, work)
+        try:
+            # the wait for a thread, for a connection and the statements together (as the API's calls)
+            return await asyncio.wait_for(future, self.timeout)
+        except (TimeoutError, PoolTimeout) as exc:
+            raise ConsoleUnavailable("the database did not answer in time") from exc
+        except psycopg.OperationalError as exc:  # unreachable, or a statement or lock timeout
+            raise ConsoleUnavailable(type(exc).__name__) from None
+
+    async def thread(self, fn: Callable[[], T]) -> T:
+        """`fn` (no database: Kafka, a metrics scrape) on the console's own threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.others, fn)
 
 
 class Pages:
