@@ -72,6 +72,10 @@ def _text(what: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if not text or "\x00" in text or len(text) > 1000:
             raise argparse.ArgumentTypeError(f"{what} must be 1-1000 characters without NUL, got {text[:40]!r}")
+        try:
+            text.encode("utf-8")  # at most 1000 characters: a bounded copy
+        except UnicodeEncodeError:  # bytes that are not UTF-8 on the command line (decoded with surrogateescape)
+            raise argparse.ArgumentTypeError(f"{what} must be UTF-8 text, got {text[:40]!r}") from None
         return text
 
     return parse
