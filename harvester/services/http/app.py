@@ -34,7 +34,9 @@ from harvester.services.http.guard import Guard, send_problem
 from harvester.services.http.health import Readiness
 from harvester.services.http.idempotency import Idempotency, Reply, fingerprint, key_of
 from harvester.services.http.observe import Observe, metrics
+from harvester.services.http.offload import CpuThreads
 from harvester.services.http.outcomes import add_outcome_routes
+from harvester.services.http.params import body_bound
 from harvester.services.http.problems import Problem
 from harvester.services.http.routes import add_v1_routes
 from harvester.services.http.security import BodyLimit, RateLimiter, Scope, Send
@@ -102,6 +104,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             if console is not None:
                 await asyncio.to_thread(console.close)
             await store.close()
+            cpu.close()
             log.info("http service stopped")
 
     app = FastAPI(
@@ -116,6 +119,8 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         "and learn of completion by long-poll. Errors are RFC 9457 problem documents.",
     )
     app.router.route_class = StrictJSONRoute  # before the routes: every body is read strictly
+    app.state.cpu = cpu = CpuThreads()  # large bodies parsed and large acks folded there (StrictRequest)
+    app.state.body_bound = body_bound(h.max_ids_per_request)  # refused before the strict walk
     app.state.draining = False
     app.state.watcher = watcher
     app.state.auth = auth  # `reaper serve` reloads its tenants on SIGHUP

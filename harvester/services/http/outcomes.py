@@ -17,7 +17,7 @@ from harvester.config import HttpConfig
 from harvester.services.http import models, problems
 from harvester.services.http.backend import Store
 from harvester.services.http.idempotency import Reply
-from harvester.services.http.params import ACK_PROBLEMS, ID_MAX, BatchId, IdempotencyKey, responses
+from harvester.services.http.params import ACK_PROBLEMS, ID_MAX, BatchId, IdempotencyKey, responses, too_many_ids
 from harvester.services.http.problems import Problem
 from harvester.services.http.tenants import own, own_acked
 from tracker.errors import DepthExceeded, IndexOutOfRange, MalformedItemId, ParentNotOpen, TrackerError, UnknownBatch
@@ -122,15 +122,10 @@ def add_outcome_routes(
         ids = body.ids
         _check_reason(body.reason)
         if len(ids) > h.max_ids_per_request:
-            raise Problem(
-                "payload-too-large",
-                f"{len(ids)} ids: this server takes at most {h.max_ids_per_request} ids or runs per request",
-                field="body.ids",
-                limit=h.max_ids_per_request,
-            )
+            raise too_many_ids(len(ids), h.max_ids_per_request)
 
         async def work(s: Store) -> Reply:
-            await own_acked(s, request.state.tenant, ids)
+            await own_acked(s, request.state.tenant, ids, request.app.state.cpu)
             r = await call(s.fail(ids, body.reason), batch_in_path=False)
             doc = models.FailResult(failed=r.failed, duplicates=r.duplicates, completed=r.completed)
             return Reply(200, doc.model_dump(mode="json"), completed=list(r.completed))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Annotated
 
 from annotated_types import Ge, Le
@@ -50,6 +51,30 @@ ACK_PROBLEMS = (
     "index-out-of-range",
     "idempotency-key-reused",
 )
+
+
+def too_many_ids(count: int, limit: int) -> problems.ProblemException:
+    """The refusal of a body naming more than http.max_ids_per_request ids or runs (413)."""
+    return problems.ProblemException(
+        problems.Problem(
+            "payload-too-large",
+            f"{count} ids: this server takes at most {limit} ids or runs per request",
+            field="body.ids",
+            limit=limit,
+        )
+    )
+
+
+def body_bound(max_ids: int) -> Callable[[object], None]:
+    """The check of a parsed body before its values are (strict_json.loads's `bound`): a list of
+    `ids` longer than `max_ids` is refused before anything walks it."""
+
+    def bound(value: object) -> None:
+        ids = value.get("ids") if isinstance(value, dict) else None
+        if isinstance(ids, list) and len(ids) > max_ids:
+            raise too_many_ids(len(ids), max_ids)
+
+    return bound
 
 
 def responses(*extra: int | str) -> dict:

@@ -21,7 +21,7 @@ from harvester.services.http.backend import Store, StoreUnavailable
 from harvester.services.http.completion import CompletionWatcher
 from harvester.services.http.idempotency import Reply
 from harvester.services.http.outcomes import check_thresholds, parent_problem
-from harvester.services.http.params import ACK_PROBLEMS, BatchId, IdempotencyKey, responses
+from harvester.services.http.params import ACK_PROBLEMS, BatchId, IdempotencyKey, responses, too_many_ids
 from harvester.services.http.problems import Problem
 from harvester.services.http.tenants import DEFAULT, own, own_acked
 from harvester.services.http.waits import HeldStream, WaitsPerToken
@@ -292,15 +292,10 @@ def add_v1_routes(
 
     async def _ack(request: Request, ids: list[str]) -> Response:
         if len(ids) > h.max_ids_per_request:
-            raise Problem(
-                "payload-too-large",
-                f"{len(ids)} ids: this server takes at most {h.max_ids_per_request} ids or runs per request",
-                field="body.ids",
-                limit=h.max_ids_per_request,
-            )
+            raise too_many_ids(len(ids), h.max_ids_per_request)
 
         async def work(s: Store) -> Reply:
-            await own_acked(s, request.state.tenant, ids)
+            await own_acked(s, request.state.tenant, ids, request.app.state.cpu)
             r = await call(s.ack(ids), batch_in_path=False)
             doc = models.AckResult(acked=r.acked, duplicates=r.duplicates, completed=r.completed).model_dump(
                 mode="json"

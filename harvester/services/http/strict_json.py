@@ -15,18 +15,25 @@ import json
 import math
 import re
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+from harvester.services.http.offload import CpuThreads
 from harvester.services.http.problems import Problem, ProblemException
 
 # Bodies up to this size are parsed on the event loop (well under a millisecond); larger in a thread.
 _PARSE_ON_LOOP_MAX = 64 * 1024
 # A NUL, or a UTF-16 surrogate left alone by a "\ud800" escape (a valid pair decodes to one character).
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+# The escapes in a body's text that can make either: \u0000 and \ud800 to \udfff (a pair too).
+_ESCAPED_UNSTORABLE = re.compile(r"\\u(?:0000|[dD][89a-fA-F])")
+# Values with nothing to check: ints are converted or _NotJSON, floats may be infinite, strings may
+# hold what _UNSTORABLE finds unless the text has no escape for it.
+_PLAIN = frozenset({int, bool, type(None)})
+_PLAIN_CLEAN = _PLAIN | {str}
 # Arrays and objects inside one another, at most (the API's bodies need two): checked on the parsed
 # value. json.loads recurses once per level and stops with a RecursionError at the interpreter's
 # recursion limit, whatever the body's depth (its cost bounded by that limit), refused as this is. A
@@ -73,8 +80,10 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return out
 
 
-def loads(body: bytes) -> object:
-    """The body's JSON value; raises UnreadableBody, or json.JSONDecodeError for text that is not JSON."""
+def loads(body: bytes, bound: Callable[[object], None] | None = None) -> object:
+    """The body's JSON value; raises UnreadableBody, or json.JSONDecodeError for text that is not JSON.
+    `bound` sees the parsed value before it is checked value by value (a count past a limit is
+    refused without that walk) and raises what it refuses."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -83,34 +92,58 @@ def loads(body: bytes) -> object:
         value = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_constant, parse_int=_integer)
     except RecursionError:
         raise UnreadableBody("body", f"arrays and objects nest more than {NESTING_MAX} levels deep") from None
-    _check_values(value)
+    if bound is not None:
+        bound(value)
+    # Decoded UTF-8 holds no surrogate and the parser refuses a raw NUL in a string: only an escape
+    # makes one. Without such an escape in the text, no string needs looking at.
+    _check_values(value, strings_clean=_ESCAPED_UNSTORABLE.search(text) is None)
     return value
 
 
-def _check_values(value: object) -> None:
-    # Iterative, and a field's path is spelled out only for the one reported: each value carries a
-    # link to its parent, never a copy of the path so far.
-    stack: list[tuple[object, tuple[object, str | int] | None, int]] = [(value, None, 0)]
+def _check_values(value: object, *, strings_clean: bool = False) -> None:
+    # Iterative; containers are walked, and within one only values of a kind that can be wrong are
+    # looked at one by one (a list of plain strings costs one pass in C). A field's path is spelled
+    # out only for the one reported: each container carries a link to its parent.
+    plain = _PLAIN_CLEAN if strings_clean else _PLAIN
+    if not isinstance(value, dict | list):
+        _check_scalar(value, None)
+        return
+    stack: list[tuple[dict | list, tuple[object, str | int] | None, int]] = [(value, None, 0)]
     while stack:
         item, where, depth = stack.pop()
-        if isinstance(item, dict | list) and depth == NESTING_MAX:
+        if depth == NESTING_MAX:
             raise UnreadableBody(_path(where), f"arrays and objects nest more than {NESTING_MAX} levels deep")
-        if isinstance(item, _NotJSON):
-            raise UnreadableBody(_path(where), item.reason)
-        if isinstance(item, float) and not math.isfinite(item):
-            raise UnreadableBody(_path(where), "the number is too large: it overflows a double to infinity")
-        if isinstance(item, str):
-            bad = _UNSTORABLE.search(item)
-            if bad is not None:
-                what = "a NUL character" if bad.group() == "\x00" else "an unpaired UTF-16 surrogate"
-                raise UnreadableBody(_path(where), f"the text holds {what} at position {bad.start()}")
-        elif isinstance(item, dict):
-            for key, child in item.items():
-                if _UNSTORABLE.search(key) is not None:
-                    raise UnreadableBody(_path(where), "a key holds a NUL character or an unpaired surrogate")
-                stack.append((child, (where, key), depth + 1))
-        elif isinstance(item, list):
-            stack.extend((child, (where, i), depth + 1) for i, child in enumerate(item))
+        children: Iterable[tuple[str | int, object]]
+        if isinstance(item, dict):
+            if not strings_clean:
+                for key in item:
+                    if _UNSTORABLE.search(key) is not None:
+                        raise UnreadableBody(_path(where), "a key holds a NUL character or an unpaired surrogate")
+            if set(map(type, item.values())) <= plain:
+                continue
+            children = item.items()
+        else:
+            if set(map(type, item)) <= plain:
+                continue
+            children = enumerate(item)
+        for step, child in children:
+            kind = type(child)
+            if kind is dict or kind is list:
+                stack.append((child, (where, step), depth + 1))  # type: ignore[arg-type]
+            elif kind not in plain:
+                _check_scalar(child, (where, step))
+
+
+def _check_scalar(item: object, where: tuple[object, str | int] | None) -> None:
+    if isinstance(item, _NotJSON):
+        raise UnreadableBody(_path(where), item.reason)
+    if isinstance(item, float) and not math.isfinite(item):
+        raise UnreadableBody(_path(where), "the number is too large: it overflows a double to infinity")
+    if isinstance(item, str):
+        bad = _UNSTORABLE.search(item)
+        if bad is not None:
+            what = "a NUL character" if bad.group() == "\x00" else "an unpaired UTF-16 surrogate"
+            raise UnreadableBody(_path(where), f"the text holds {what} at position {bad.start()}")
 
 
 def _path(where: tuple[object, str | int] | None) -> str:
@@ -128,9 +161,15 @@ class StrictRequest(Request):
     async def json(self) -> object:
         if not hasattr(self, "_json"):
             body = await self.body()
+            app = self.scope.get("app")
+            state = getattr(app, "state", None)
+            cpu: CpuThreads | None = getattr(state, "cpu", None)  # create_app's
+            bound = getattr(state, "body_bound", None)
             try:
-                # Parsing a large body is CPU work: in a thread, so it never holds up the event loop.
-                self._json = await asyncio.to_thread(loads, body) if len(body) > _PARSE_ON_LOOP_MAX else loads(body)
+                if len(body) <= _PARSE_ON_LOOP_MAX:
+                    self._json = loads(body, bound)
+                else:  # CPU work: on a thread, so it never holds up the event loop
+                    self._json = await (cpu.run(loads, body, bound) if cpu else asyncio.to_thread(loads, body, bound))
             except UnreadableBody as exc:
                 # an HTTPException: FastAPI's body reading passes it on as it is
                 raise ProblemException(Problem("invalid-request", str(exc), field=exc.field)) from None

@@ -32,6 +32,7 @@ from harvester.config import ConfigError
 from harvester.config_yaml import load_yaml
 from harvester.services.http import problems
 from harvester.services.http.backend import Store
+from harvester.services.http.offload import CpuThreads
 from harvester.services.http.security import read_text, token_id
 from tracker.errors import TrackerError, UnknownBatch
 from tracker.ids import fold
@@ -187,12 +188,16 @@ async def own(store: Store, tenant: Tenant, batch_ids: list[int]) -> None:
             raise problems.from_tracker(UnknownBatch(batch_id), batch_in_path=True)
 
 
-async def own_acked(store: Store, tenant: Tenant, ids: list[str]) -> None:
+async def own_acked(store: Store, tenant: Tenant, ids: list[str], cpu: CpuThreads | None = None) -> None:
     """An ack naming another tenant's batch answers as if that batch did not exist. The entries are
     checked first (as the tracker checks them), and the batches in the order the tracker meets
-    them, so no answer depends on whether another tenant's batch exists."""
+    them, so no answer depends on whether another tenant's batch exists. A large ack is folded on
+    `cpu`'s threads (create_app's), off the event loop."""
     try:
-        await asyncio.to_thread(fold, ids) if len(ids) > 2000 else fold(ids)
+        if len(ids) <= 2000:
+            fold(ids)
+        else:
+            await (cpu.run(fold, ids) if cpu is not None else asyncio.to_thread(fold, ids))
     except TrackerError as exc:
         raise problems.from_tracker(exc, batch_in_path=False) from None
     named: dict[int, int] = {}  # batch -> the position of the first entry naming it (ids are canonical)
