@@ -24,9 +24,7 @@ if TYPE_CHECKING:
 def _parser() -> argparse.ArgumentParser:
     from harvester import admin
 
-    ap = argparse.ArgumentParser(
-        prog="reaper", description="Transactional-outbox harvester and fan-out tracker sidecar"
-    )
+    ap = admin.Parser(prog="reaper", description="Transactional-outbox harvester and fan-out tracker sidecar")
     ap.add_argument("--version", action="version", version=f"reaper (outbox-reaper) {product_version()}")
     ap.add_argument("-c", "--config", help="YAML configuration file (REAPER_<SECTION>__<KEY> variables override it)")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -159,7 +157,12 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger(name).addFilter(ctrl_c.filter)
     try:
         try:
-            args = _parser().parse_args(argv)
+            from harvester import admin
+
+            try:
+                args = _parser().parse_args(argv)
+            except admin.UsageError as exc:  # argparse refused it (and said why on stderr)
+                return admin.usage_error(exc, sys.argv[1:] if argv is None else argv)
             command = args.command
             code = _main(args)
         finally:
@@ -207,6 +210,8 @@ def _main(args: argparse.Namespace) -> int:
         cfg = config_mod.load(args.config)
     except config_mod.ConfigError as exc:
         print(f"reaper: {exc}", file=sys.stderr)
+        if args.command in admin.COMMANDS and args.json:  # their errors are a JSON document too
+            admin.json_error(str(exc), ExitCode.USAGE)
         return ExitCode.USAGE
     if args.command == "run":
         return cmd_run(cfg)

@@ -1,12 +1,14 @@
 """The admin commands' text arguments are checked before anything touches the database: bytes that
 are not UTF-8 on the command line (`--reason $'\\xff'`) are a usage error (exit 2) naming the
-argument, not a driver or database error (exit 1)."""
+argument, not a driver or database error (exit 1). A usage error (or a configuration error) of an
+admin command with --json also prints the JSON error document on stdout, as its other errors do."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import io
+import json
 
 import psycopg
 import pytest
@@ -79,3 +81,42 @@ def test_an_expiry_note_that_is_not_utf8_exits_2_and_leaves_the_batch_open(cfg, 
     assert r.returncode == ExitCode.USAGE, (r.returncode, r.stderr)
     assert "--note must be UTF-8 text" in r.stderr, r.stderr
     assert counts(pg_dsn, schema) == before
+
+
+# ------------------------------------------------------------------ usage errors with --json
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["dead", "list", "--json", "--limit", "-1"], "--limit must be a whole number from 1 to 10000"),
+        (["dead", "list", "--js", "--limit", "0"], "--limit must be a whole number"),  # argparse's abbreviation
+        (["dead", "requeue", "--json"], "one of the arguments --id --all --reason is required"),
+        (["dead", "list", "--json", "--bogus"], "unrecognized arguments: --bogus"),
+        (["dead", "--json"], "the following arguments are required"),
+        (["batch", "expire", "abc", "--json"], "batch id must be a whole number"),
+        (["dead", "list", "--reason", NOT_UTF8, "--json"], "--reason must be UTF-8 text"),
+    ],
+)
+def test_a_usage_error_with_json_prints_the_json_error_document(capsys, argv, message):
+    assert cli.main(argv) == ExitCode.USAGE
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["exit_code"] == ExitCode.USAGE and message in doc["error"], doc
+    assert "usage: reaper" in err and message in err  # stderr as argparse writes it
+
+
+@pytest.mark.parametrize("argv", [["dead", "list", "--limit", "-1"], ["migrate", "--json"], ["--json"]])
+def test_a_usage_error_without_an_admin_json_prints_nothing_on_stdout(capsys, argv):
+    assert cli.main(argv) == ExitCode.USAGE
+    out, err = capsys.readouterr()
+    assert out == "" and "error:" in err
+
+
+def test_a_configuration_error_with_json_prints_the_json_error_document(cfg):
+    r = reaper(cfg, "dead", "list", "--json", extra={"REAPER_DATABASE__POOL_SIZE": "0"})
+    assert r.returncode == ExitCode.USAGE and "database.pool_size" in r.stderr, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["exit_code"] == ExitCode.USAGE and "database.pool_size" in doc["error"]
+    r = reaper(cfg, "dead", "list", "--json", "--limit", "-1")  # the real entry point, not cli.main
+    assert r.returncode == ExitCode.USAGE and json.loads(r.stdout)["exit_code"] == ExitCode.USAGE

@@ -6,6 +6,6 @@ commits what it did as a whole (a requeue of many rows: chunk by chunk), and exi
 in `harvester.exit_codes`.
 """
 
-from harvester.admin.commands import COMMANDS, add_parsers, main
+from harvester.admin.commands import COMMANDS, Parser, UsageError, add_parsers, json_error, main, usage_error
 
-__all__ = ["COMMANDS", "add_parsers", "main"]
+__all__ = ["COMMANDS", "Parser", "UsageError", "add_parsers", "json_error", "main", "usage_error"]

@@ -2,7 +2,9 @@
 
 Output goes to stdout (a table or, with --json, one JSON document); errors go to stderr as one
 line (and, with --json, also as {"error": ..., "exit_code": ...} on stdout), with the exit codes
-of harvester.exit_codes. Every argument is checked before anything touches the database.
+of harvester.exit_codes. Every argument is checked before anything touches the database; an
+argument argparse refuses is a usage error (exit 2) that `reaper` reports the same way (Parser,
+UsageError, usage_error).
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ import argparse
 import dataclasses
 import signal
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import psycopg
 
@@ -33,6 +35,44 @@ COMMANDS = ("outbox", "dead", "acks", "batch", "inbox")
 INTERRUPTED = "interrupted (SIGINT) before it finished; what it had not committed was rolled back"
 MAX_LIMIT = 10_000  # rows or runs one page may show
 MAX_IDS = 10_000  # ids one `dead requeue --id` may name
+
+
+JSON_HELP = 'print one JSON document instead of text (an error: {"error": MESSAGE, "exit_code": N})'
+
+
+class UsageError(SystemExit):
+    """argparse refused the command line: its usage and message are on stderr already; exits 2
+    like argparse's own, and keeps the message for the JSON error document."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ExitCode.USAGE)
+        self.message = message
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser (its subparsers are of the same class), whose usage error is a UsageError."""
+
+    def error(self, message: str) -> NoReturn:
+        try:
+            super().error(message)  # the usage line and "prog: error: message" on stderr, then SystemExit(2)
+        except SystemExit:
+            raise UsageError(message) from None
+        raise UsageError(message)  # not reached: argparse's error() always exits
+
+
+def usage_error(exc: UsageError, argv: Sequence[str]) -> int:
+    """`reaper`'s answer to a UsageError (the message is on stderr already): with --json on an admin
+    command line, also the JSON error document on stdout, as every other error of these commands."""
+    words = list(argv[: list(argv).index("--")] if "--" in argv else argv)
+    # argparse takes an unambiguous prefix of an option (--js) for the option
+    if any(w in COMMANDS for w in words) and any(len(w) > 2 and "--json".startswith(w) for w in words):
+        json_error(exc.message, ExitCode.USAGE)
+    return ExitCode.USAGE
+
+
+def json_error(message: str, code: int) -> None:
+    """The error document --json promises, on stdout."""
+    print(to_json({"error": message, "exit_code": code}))
 
 
 def _int_in(what: str, low: int, high: int) -> Callable[[str], int]:
@@ -104,7 +144,7 @@ def _seconds(text: str) -> float:
 def add_parsers(sub: Any) -> None:
     """Add `outbox`, `dead`, `batch` and `inbox` to the `reaper` subcommand parser."""
     out = argparse.ArgumentParser(add_help=False)
-    out.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    out.add_argument("--json", action="store_true", help=JSON_HELP)
 
     outbox = sub.add_parser("outbox", help="look at the outbox").add_subparsers(dest="admin_command", required=True)
     st = outbox.add_parser(
@@ -314,5 +354,5 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
 def _fail(args: argparse.Namespace, name: str, message: str, code: int) -> int:
     print(f"{name}: {message}", file=sys.stderr)
     if getattr(args, "json", False):
-        print(to_json({"error": message, "exit_code": code}))
+        json_error(message, code)
     return code
