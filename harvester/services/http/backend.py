@@ -13,8 +13,8 @@ import asyncio
 import copy
 import datetime as dt
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Self, TypeVar
 
@@ -24,6 +24,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from harvester.db_liveness import with_liveness
 from harvester.db_pool import needs_new_connection
+from harvester.services.http.cutoff import by_deadline
 from tracker import Batch, BatchStatus, GroupHandle
 from tracker.aio import AsyncTracker
 from tracker.errors import (
@@ -189,17 +190,35 @@ class _PoolStore:
         view._bound = conn
         return view
 
-    @asynccontextmanager
-    async def _database(self) -> AsyncIterator[psycopg.AsyncConnection]:
-        """A connection within the call's time limit; database errors as the tracker's typed ones."""
-        try:
-            async with asyncio.timeout(self.timeout), self._acquire() as conn:
+    async def _within(self, call: Callable[[psycopg.AsyncConnection], Awaitable[T]]) -> T:
+        """`call` on a connection, answered within the call's time limit (cutoff.py): past it, the
+        connection is closed in the background, not reused. A store bound to a caller's connection
+        runs within the caller's limit."""
+
+        async def work() -> T:
+            async with self._acquire() as conn:
                 try:
-                    yield conn
+                    return await call(conn)
+                except asyncio.CancelledError:
+                    if self._bound is None:
+                        await conn.close()  # cut off mid-call: its state is unknown, the pool discards it
+                    raise
                 except psycopg.Error as exc:
                     if self._bound is None and needs_new_connection(exc):
                         await conn.close()  # the pool discards it: a multi-host DSN then finds the primary
                     raise
+
+        if self._bound is not None:
+            return await work()
+        try:
+            return await by_deadline(work(), self.timeout)
+        except (TimeoutError, PoolTimeout) as exc:
+            raise StoreUnavailable("the database did not answer in time") from exc
+
+    async def _sql(self, call: Callable[[psycopg.AsyncConnection], Awaitable[T]]) -> T:
+        """`call` within the time limit; database errors as the tracker's typed ones."""
+        try:
+            return await self._within(call)
         except psycopg.Error as exc:
             err = _tracker_error(exc)
             if err is not None:
@@ -209,13 +228,13 @@ class _PoolStore:
             if isinstance(exc, psycopg.DataError):  # e.g. a NUL, which PostgreSQL text cannot hold
                 raise InvalidValue("request", "(a value of the request)", str(exc).splitlines()[0]) from None
             raise
-        except (TimeoutError, PoolTimeout) as exc:
-            raise StoreUnavailable("the database did not answer in time") from exc
 
     async def _fetch(self, query: str, params: list) -> list[tuple]:
-        async with self._database() as conn:
+        async def rows(conn: psycopg.AsyncConnection) -> list[tuple]:
             cur = await conn.execute(query, params)
             return await cur.fetchall()
+
+        return await self._sql(rows)
 
     async def ping(self) -> None:
         await self._fetch("SELECT 1", [])
@@ -248,13 +267,9 @@ class TrackerStore(_PoolStore):
 
     async def _call(self, call: Callable[[psycopg.AsyncConnection], Awaitable[T]]) -> T:
         try:
-            async with asyncio.timeout(self.timeout):
-                async with self._acquire() as conn:
-                    return await call(conn)
+            return await self._within(call)
         except (psycopg.OperationalError, psycopg.errors.QueryCanceled) as exc:
             raise StoreUnavailable(type(exc).__name__) from None
-        except (TimeoutError, PoolTimeout) as exc:
-            raise StoreUnavailable("the database did not answer in time") from exc
 
     async def open_batch(
         self,
@@ -333,12 +348,17 @@ class SqlFunctionStore(_PoolStore):
         if tenant is None:
             ((batch_id, created_at),) = await self._fetch(self.q["open"], args)
             return OpenedBatch(batch_id, user_key, completion_topic, created_at)
-        async with self._database() as conn, conn.transaction():
-            # the batch and its tenant together (a savepoint when bound to a caller's transaction)
-            cur = await conn.execute(self.q["open"], args)
-            row = await cur.fetchone()
-            assert row is not None
-            await conn.execute(self.q["tenant"], [tenant, row[0]])
+
+        async def open_for(conn: psycopg.AsyncConnection) -> tuple:
+            async with conn.transaction():
+                # the batch and its tenant together (a savepoint when bound to a caller's transaction)
+                cur = await conn.execute(self.q["open"], args)
+                row = await cur.fetchone()
+                assert row is not None
+                await conn.execute(self.q["tenant"], [tenant, row[0]])
+                return row
+
+        row = await self._sql(open_for)
         return OpenedBatch(row[0], user_key, completion_topic, row[1])
 
     async def add_items(self, batch_id: int, n: int) -> list[GroupHandle]:
