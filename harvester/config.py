@@ -268,6 +268,16 @@ def _check_relations(cfg: Config) -> None:
                 f"inbox.{name}",
                 f"{getattr(cfg.inbox, name):g} spans more than 1000 partitions of inbox.bucket = {cfg.inbox.bucket:g} s",
             )
+    # A run makes partitions past now + ahead, and the next comes `interval` later (or two, when
+    # one is skipped: a busy lock, the database away): a shorter ahead leaves now without a
+    # partition, and every claim fails with NoInboxPartition, until that run. The partitions' span
+    # (bucket) adds nothing: the last one made ends past now + ahead whatever it is.
+    if cfg.inbox.enabled and cfg.inbox.ahead < 2 * cfg.inbox.interval:
+        raise ConfigError(
+            "inbox.ahead",
+            f"{cfg.inbox.ahead:.15g} must be at least 2 x inbox.interval = {2 * cfg.inbox.interval:.15g} s: partitions "
+            "made this far ahead must outlast the wait for the next maintenance run, and one more if a run is skipped",
+        )
     if cfg.harvester.mark_batch > cfg.harvester.max_in_flight:
         raise ConfigError("harvester.mark_batch", "must not exceed harvester.max_in_flight")
     for section in ("client", "producer"):

@@ -212,7 +212,13 @@ class InboxConfig:
         ge=60,
         le=31 * 86400,
     )
-    ahead: float = key(3 * 86400.0, "make inbox partitions this far ahead of time (seconds)", ge=0, le=366 * 86400)
+    ahead: float = key(
+        3 * 86400.0,
+        "make inbox partitions this far ahead of time (seconds); at least 2 x inbox.interval, so a skipped "
+        "maintenance run leaves no time without a partition",
+        ge=0,
+        le=366 * 86400,
+    )
     max_drops: int = key(10, "expired inbox partitions dropped per run at most", ge=1, le=1000)
 
 
@@ -311,6 +317,13 @@ class HttpConfig:
         0.25, "how often the server checks the batches long-polls wait on, seconds", **POSITIVE, le=60
     )
     pool_size: int = key(8, "database connections of the HTTP server", **POSITIVE, le=1000)
+    max_connections_per_token: int = key(
+        4,
+        "database connections one token's requests may use at once (at most pool_size); more wait for one, "
+        "429 after request_timeout",
+        **POSITIVE,
+        le=1000,
+    )
     request_timeout: float = key(30.0, "longest database call of one request, seconds (503 after)", **POSITIVE, le=3600)
     tls_certfile: str = key(
         "", "PEM certificate chain: serve HTTPS (with tls_keyfile); empty: plain HTTP behind a TLS proxy"

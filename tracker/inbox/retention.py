@@ -36,7 +36,9 @@ class Retention:
     """How long ids are kept (`retention`, seconds), the span of one partition (`bucket`, seconds,
     1 minute to 31 days), how far ahead partitions are made (`ahead`, seconds), and at most how many
     expired partitions one run drops (`max_drops`). Refused (InvalidValue naming the value) unless
-    the window and the time ahead each hold at most 1000 partitions."""
+    the window and the time ahead each hold at most 1000 partitions. Run `maintain` at least every
+    `ahead / 2`: its partitions reach just past `ahead` from when it ran, so a run further apart (or
+    one skipped, a busy lock) leaves the current time without a partition, and claims fail."""
 
     retention: float = 7 * DAY
     bucket: float = DAY
