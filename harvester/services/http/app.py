@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from harvester.config import Config
 from harvester.services.http import problems
-from harvester.services.http.backend import SqlFunctionStore, Store, StoreUnavailable, TrackerStore
+from harvester.services.http.backend import SqlFunctionStore, Store, StoreUnavailable, TokenBusy, TrackerStore
 from harvester.services.http.completion import CompletionWatcher
 from harvester.services.http.guard import Guard, send_problem
 from harvester.services.http.health import Readiness
@@ -71,11 +71,19 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     if store is None:
         where = (cfg.database.dsn, cfg.database.schema)
         topic, size, timeout = cfg.harvester.default_completion_topic, h.pool_size, h.request_timeout
+        share = min(h.max_connections_per_token, h.pool_size)  # one token's share of the pool
         store = (
-            SqlFunctionStore(*where, completion_topic=topic, pool_size=size, timeout=timeout)
+            SqlFunctionStore(
+                *where, completion_topic=topic, pool_size=size, timeout=timeout, connections_per_token=share
+            )
             if h.backend == "sql"
             else TrackerStore(
-                *where, completion_topic=topic, pool_size=size, timeout=timeout, metrics_prefix=cfg.metrics.prefix
+                *where,
+                completion_topic=topic,
+                pool_size=size,
+                timeout=timeout,
+                connections_per_token=share,
+                metrics_prefix=cfg.metrics.prefix,
             )
         )
     watcher = CompletionWatcher(store.finished, h.completion_poll_interval)
@@ -168,6 +176,18 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         if exc.status_code == 413:  # a chunked body read past the limit (BodyLimit), as its Content-Length refusal
             return _problem(request, Problem(slug, detail, headers=exc.headers, field="body", limit=h.max_body_bytes))
         return _problem(request, Problem(slug, detail, headers=exc.headers))
+
+    @app.exception_handler(TokenBusy)
+    async def on_busy(request: Request, exc: TokenBusy) -> Response:
+        return _problem(
+            request,
+            Problem(
+                "rate-limited",
+                f"{exc}: no connection came free within http.request_timeout; retry after the requests in flight",
+                headers={"Retry-After": "1"},
+                limit=exc.limit,
+            ),
+        )
 
     @app.exception_handler(StoreUnavailable)
     async def on_unavailable(request: Request, exc: StoreUnavailable) -> Response:

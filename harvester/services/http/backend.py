@@ -14,7 +14,6 @@ import copy
 import datetime as dt
 import re
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Self, TypeVar
 
@@ -25,6 +24,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from harvester.db_liveness import with_liveness
 from harvester.db_pool import needs_new_connection
 from harvester.services.http.cutoff import by_deadline
+from harvester.services.http.token_connections import CALLER, ConnectionsPerToken
 from tracker import Batch, BatchStatus, GroupHandle
 from tracker.aio import AsyncTracker
 from tracker.errors import (
@@ -74,6 +74,14 @@ FailurePage = tuple[list[tuple[str, str]], str | None]  # (item id, reason) rows
 
 class StoreUnavailable(Exception):
     """The database could not be reached or did not answer in time."""
+
+
+class TokenBusy(StoreUnavailable):
+    """The caller's token held its share of the pool for the whole time limit (429, not 503)."""
+
+    def __init__(self, token: str, limit: int) -> None:
+        super().__init__(f"token {token} already uses its {limit} database connections (its share of the pool)")
+        self.token, self.limit = token, limit
 
 
 def _statements(schema: str) -> dict[str, str]:
@@ -152,8 +160,18 @@ async def _configure(conn: psycopg.AsyncConnection) -> None:
 
 
 class _PoolStore:
-    def __init__(self, dsn: str, schema: str, *, completion_topic: str, pool_size: int, timeout: float) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        schema: str,
+        *,
+        completion_topic: str,
+        pool_size: int,
+        timeout: float,
+        connections_per_token: int = 0,
+    ) -> None:
         self.q = _statements(schema)
+        self.per_token = ConnectionsPerToken(connections_per_token)
         self.schema = schema
         self._bound: psycopg.AsyncConnection | None = None
         self.completion_topic = completion_topic
@@ -178,47 +196,47 @@ class _PoolStore:
     async def close(self) -> None:
         await self.pool.close()
 
-    def _acquire(self) -> AbstractAsyncContextManager[psycopg.AsyncConnection]:
-        """A connection for one call: the pool's, or the one this store is bound to."""
-        if self._bound is not None:
-            return nullcontext(self._bound)
-        return self.pool.connection()
-
     def bound(self, conn: psycopg.AsyncConnection) -> Self:
         """This store, running every call on `conn` (in the transaction the caller holds there)."""
         view = copy.copy(self)
         view._bound = conn
         return view
 
-    async def _within(self, call: Callable[[psycopg.AsyncConnection], Awaitable[T]]) -> T:
-        """`call` on a connection, answered within the call's time limit (cutoff.py): past it, the
-        connection is closed in the background, not reused. A store bound to a caller's connection
-        runs within the caller's limit."""
+    async def within(self, call: Callable[[psycopg.AsyncConnection], Awaitable[T]]) -> T:
+        """`call` on a connection, within the caller's share of the pool (token_connections.py) and
+        the call's time limit (cutoff.py): past it, the connection is closed in the background, not
+        reused. A store bound to a caller's connection runs within the caller's limit and share."""
+        waiting = True  # for one of the caller's connections
 
         async def work() -> T:
-            async with self._acquire() as conn:
-                try:
-                    return await call(conn)
-                except asyncio.CancelledError:
-                    if self._bound is None:
+            nonlocal waiting
+            async with self.per_token.hold():
+                waiting = False
+                async with self.pool.connection() as conn:
+                    try:
+                        return await call(conn)
+                    except asyncio.CancelledError:
                         await conn.close()  # cut off mid-call: its state is unknown, the pool discards it
-                    raise
-                except psycopg.Error as exc:
-                    if self._bound is None and needs_new_connection(exc):
-                        await conn.close()  # the pool discards it: a multi-host DSN then finds the primary
-                    raise
+                        raise
+                    except psycopg.Error as exc:
+                        if needs_new_connection(exc):
+                            await conn.close()  # the pool discards it: a multi-host DSN then finds the primary
+                        raise
 
         if self._bound is not None:
-            return await work()
+            return await call(self._bound)
         try:
             return await by_deadline(work(), self.timeout)
         except (TimeoutError, PoolTimeout) as exc:
+            token = CALLER.get()
+            if waiting and token is not None:
+                raise TokenBusy(token, self.per_token.limit) from None
             raise StoreUnavailable("the database did not answer in time") from exc
 
     async def _sql(self, call: Callable[[psycopg.AsyncConnection], Awaitable[T]]) -> T:
         """`call` within the time limit; database errors as the tracker's typed ones."""
         try:
-            return await self._within(call)
+            return await self.within(call)
         except psycopg.Error as exc:
             err = _tracker_error(exc)
             if err is not None:
@@ -260,14 +278,22 @@ class TrackerStore(_PoolStore):
         pool_size: int,
         timeout: float,
         metrics_prefix: str = DEFAULT_PREFIX,
+        connections_per_token: int = 0,
     ) -> None:
-        super().__init__(dsn, schema, completion_topic=completion_topic, pool_size=pool_size, timeout=timeout)
+        super().__init__(
+            dsn,
+            schema,
+            completion_topic=completion_topic,
+            pool_size=pool_size,
+            timeout=timeout,
+            connections_per_token=connections_per_token,
+        )
         # the tracker calls count under the service's prefix (metrics.prefix), like its HTTP metrics
         self.tracker = AsyncTracker(schema=schema, completion_topic=completion_topic, metrics_prefix=metrics_prefix)
 
     async def _call(self, call: Callable[[psycopg.AsyncConnection], Awaitable[T]]) -> T:
         try:
-            return await self._within(call)
+            return await self.within(call)
         except (psycopg.OperationalError, psycopg.errors.QueryCanceled) as exc:
             raise StoreUnavailable(type(exc).__name__) from None
 

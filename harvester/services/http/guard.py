@@ -17,6 +17,7 @@ from harvester.services.http.security import (
     state_of,
 )
 from harvester.services.http.tenants import TenantAuth
+from harvester.services.http.token_connections import CALLER
 
 
 async def send_problem(scope: Scope, receive: Receive, send: Send, problem: Problem) -> None:
@@ -95,6 +96,7 @@ class Guard:
             )
             return
         token = caller.token
+        CALLER.set(token)  # the store counts this request's connections against its token
         state_of(scope)["token"] = token
         state_of(scope)["tenant"] = caller.tenant
         state_of(scope)["scope"] = caller.scope

@@ -25,10 +25,8 @@ from dataclasses import dataclass, field
 import psycopg
 import structlog
 from psycopg import sql
-from psycopg_pool import PoolTimeout
 
 from harvester.services.http.backend import Store, StoreUnavailable
-from harvester.services.http.cutoff import by_deadline
 from harvester.services.http.problems import Problem
 from harvester.services.http.security import Scope, headers_of
 
@@ -96,27 +94,20 @@ class Idempotency:
     ) -> tuple[Reply, bool]:
         """`work`'s reply and whether it was replayed; `work` gets the store bound to the transaction."""
 
-        async def attempt() -> tuple[Reply, bool]:
-            async with self.store.pool.connection() as conn:
-                try:
-                    async with conn.transaction():
-                        cur = await conn.execute(self.q["claim"], [token, key, print_, self.window])
-                        if await cur.fetchone() is None:
-                            return self._stored(await self._read(conn, token, key), print_), True
-                        reply = await work(self.store.bound(conn))
-                        stored = {"status": reply.status, "doc": reply.doc, "headers": reply.headers}
-                        await conn.execute(self.q["store"], [json.dumps(stored), token, key])
-                        return reply, False
-                except asyncio.CancelledError:
-                    await conn.close()  # cut off at the deadline (cutoff.py): the pool discards it
-                    raise
+        async def attempt(conn: psycopg.AsyncConnection) -> tuple[Reply, bool]:
+            async with conn.transaction():
+                cur = await conn.execute(self.q["claim"], [token, key, print_, self.window])
+                if await cur.fetchone() is None:
+                    return self._stored(await self._read(conn, token, key), print_), True
+                reply = await work(self.store.bound(conn))
+                stored = {"status": reply.status, "doc": reply.doc, "headers": reply.headers}
+                await conn.execute(self.q["store"], [json.dumps(stored), token, key])
+                return reply, False
 
-        try:
-            return await by_deadline(attempt(), self.store.timeout)
+        try:  # the caller's share of the pool and the time limit, as every call (backend.within)
+            return await self.store.within(attempt)
         except (psycopg.OperationalError, psycopg.errors.QueryCanceled) as exc:
             raise StoreUnavailable(type(exc).__name__) from None
-        except (TimeoutError, PoolTimeout) as exc:
-            raise StoreUnavailable("the database did not answer in time") from exc
 
     async def _read(self, conn: psycopg.AsyncConnection, token: str, key: str) -> tuple[bytes, dict]:
         cur = await conn.execute(self.q["stored"], [token, key])
