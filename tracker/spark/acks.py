@@ -19,6 +19,7 @@ import psycopg
 from tracker.config import schema_of
 from tracker.folding import GROUPS_PER_FOLD_MAX, GroupMask, fold_arrow, or_bits
 from tracker.spark.columns import check_column
+from tracker.spark.options import optional_tasks
 from tracker.spark.worker import in_task
 
 
@@ -102,8 +103,8 @@ def ack_dataframe(
 
     Bad entries (malformed, unknown batch/group, out of range, expired) are not applied and come
     back in `.rejected`; everything valid is applied. Idempotent: running it twice acks nothing new.
-    `partitions`: tasks that apply masks (default: the default parallelism), each in one transaction
-    per at most 4,096 groups. `after_apply(partition, attempt)` runs on the executor after a
+    `partitions`: tasks that apply masks (1 to 100,000; default: the default parallelism), each in
+    one transaction per at most 4,096 groups. `after_apply(partition, attempt)` runs on the executor after a
     partition's last transaction (instrumentation, failure tests).
 
     The database is exact whatever the attempts do; the totals are those of the attempts Spark
@@ -112,6 +113,7 @@ def ack_dataframe(
     (the completion event itself is in the outbox, written once).
     """
     check_column(df, "column", column, ("string", "binary"))  # ids as text, or a Kafka value
+    optional_tasks("partitions", partitions)
     s = schema_of(schema)
     n = partitions or max(1, df.sparkSession.sparkContext.defaultParallelism)
     folded = df.select(column).mapInArrow(

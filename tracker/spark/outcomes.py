@@ -26,6 +26,7 @@ from tracker.errors import InvalidValue
 from tracker.folding import GROUPS_PER_FOLD_MAX, GroupMask, fold_arrow, or_bits
 from tracker.spark.acks import ack_dataframe
 from tracker.spark.columns import check_column
+from tracker.spark.options import optional_tasks
 from tracker.spark.worker import in_task
 
 OUTCOMES = ("succeeded", "failed")
@@ -205,6 +206,7 @@ def outcome_dataframe(
     The database is exact whatever the attempts do; the totals are those of the attempts Spark
     kept (a task retried after its commit reports its items as duplicates).
     """
+    optional_tasks("partitions", partitions)  # before the input is read: a bad count runs no job
     _check(df, column, outcome_column, reason_column)
     from pyspark.sql import functions as f
 

@@ -20,6 +20,7 @@ from typing import Any
 from tracker.config import schema_of
 from tracker.kafka_waits import with_waits
 from tracker.spark.acks import AckTotals, ack_dataframe
+from tracker.spark.options import OFFSETS_MAX, optional_count, optional_tasks
 from tracker.spark.progress import Progress, dead_lettered, listener, record_input_rows
 from tracker.spark.worker import in_task
 
@@ -66,12 +67,18 @@ def ack_stream(
     Throughput: `trigger_interval` None starts each micro-batch as soon as the previous ends;
     `max_offsets_per_trigger` bounds a micro-batch in messages (default 1,000,000: as many acks
     when each message is one id, more when messages list several, e.g. AckProducer's; None:
-    everything available); `min_partitions` splits the topic's offset ranges over that many read-and-fold
-    tasks (default 2x the default parallelism), `partitions` is the number of apply transactions
-    per micro-batch (default: the default parallelism). Progress (rows/s, micro-batch duration,
-    lag behind the topic's end) goes to `totals.progress`, Prometheus (reaper_spark_stream_*)
-    and structlog, from a StreamingQueryListener.
+    everything available); `min_partitions` splits the topic's offset ranges over that many
+    read-and-fold tasks (default 2x the default parallelism), `partitions` is the number of apply
+    transactions per micro-batch (default: the default parallelism); both from 1 to 100,000. A
+    count out of range or not an int raises InvalidArgument or InvalidValue before the query
+    starts. Progress (rows/s, micro-batch duration, lag behind the topic's end) goes to
+    `totals.progress`, Prometheus (reaper_spark_stream_*) and structlog, from a
+    StreamingQueryListener.
     """
+    # checked before the query starts: a count Spark cannot use would fail every micro-batch
+    optional_count("max_offsets_per_trigger", max_offsets_per_trigger, OFFSETS_MAX)
+    optional_tasks("partitions", partitions)
+    optional_tasks("min_partitions", min_partitions)
     s = schema_of(schema)
     totals = StreamTotals()
     reader = (
@@ -91,7 +98,7 @@ def ack_stream(
     }
     for k, v in options.items():
         reader = reader.option(f"kafka.{k}", v)
-    if max_offsets_per_trigger:
+    if max_offsets_per_trigger is not None:
         reader = reader.option("maxOffsetsPerTrigger", str(max_offsets_per_trigger))
     # One batch's acks share a Kafka partition (keyed by batch id): split partitions' offset ranges
     # over several tasks, or one task reads and folds a hot batch's acks alone.
