@@ -214,7 +214,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     idempotency = Idempotency(store, h.idempotency_window)
 
     async def respond(request: Request, work: Callable[[Store], Awaitable[Reply]]) -> Response:
-        """Run a POST's work, once per Idempotency-Key when the request carries one."""
+        """Run a POST's work, once per Idempotency-Key when the request carries one (Observe audits it)."""
         key = key_of(request.scope)
         if key is None:
             reply, replayed = await work(store), False
@@ -224,16 +224,6 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         if reply.completed:
             watcher.notify(reply.completed)  # after the commit: a woken long-poll sees the completion
         headers = {**reply.headers, **({"Idempotent-Replayed": "true"} if replayed else {})}
-        audit.info(  # one line per write, naming who did it
-            "audit",
-            tenant=request.state.tenant.name,
-            token=request.state.token,
-            method=request.method,
-            path=request.url.path,
-            status=reply.status,
-            replayed=replayed,
-            request_id=request.scope.get("state", {}).get("request_id"),
-        )
         return JSONResponse(reply.doc, status_code=reply.status, headers=headers)
 
     v1 = [Depends(_bearer)]  # every /v1 route documents the bearer token (Guard checks it)
@@ -299,6 +289,6 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
 
     inner = BodyLimit(app, h.max_body_bytes, too_large)
     guarded = Guard(inner, auth, limiter, open_paths={"/v1/openapi.json"})
-    outer = Service(guarded, metrics(cfg.metrics.prefix), log)
+    outer = Service(guarded, metrics(cfg.metrics.prefix), log, audit)  # audits every write, refused or not
     outer.fastapi = app
     return outer

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 
 import structlog
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -72,10 +72,18 @@ def method_of(scope: Scope) -> str:
 
 
 class Observe:
-    """Request id, latency and status of every request: one metric update and one access-log event."""
+    """Request id, latency and status of every request: one metric update and one access-log event;
+    and one audit line (`audit`) for every write a token made (a POST under /v1/ that Guard let
+    through as a caller), with its final status, refused or not."""
 
-    def __init__(self, app: Callable, m: HttpMetrics, log: structlog.typing.FilteringBoundLogger) -> None:
-        self.app, self.m, self.log = app, m, log
+    def __init__(
+        self,
+        app: Callable,
+        m: HttpMetrics,
+        log: structlog.typing.FilteringBoundLogger,
+        audit: structlog.typing.FilteringBoundLogger | None = None,
+    ) -> None:
+        self.app, self.m, self.log, self.audit = app, m, log, audit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -87,14 +95,18 @@ class Observe:
         state["request_id"] = request_id
         status = 500
         size = 0
+        audited = False
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status, size
+            nonlocal status, size, audited
             if message["type"] == "http.response.start":
                 code = message["status"]
                 assert isinstance(code, int), "ASGI: the status is an int"
                 status = int(code)
                 headers = list(headers_of(message))
+                # before the client can see the answer: a line for each write it saw answered
+                self._audit(scope, state, status, (b"idempotent-replayed", b"true") in headers)
+                audited = True
                 headers.append((b"x-request-id", request_id.encode()))
                 message["headers"] = headers
             elif message["type"] == "http.response.body":
@@ -126,9 +138,30 @@ class Observe:
                 client=client[0] if isinstance(client, Sequence) and client else None,
                 problem=problem,
             )
+            if not audited:  # no answer was sent (the client left, or a crash before one)
+                self._audit(scope, state, status, False)
             if status >= 500:
                 self.log.error("http request", **fields)
             elif route in _QUIET and status < 400:
                 self.log.debug("http request", **fields)  # probes and scrapes are not news
             else:
                 self.log.info("http request", **fields)
+
+    def _audit(self, scope: Scope, state: MutableMapping[str, object], status: int, replayed: bool) -> None:
+        tenant = state.get("tenant")
+        path = scope.get("path")
+        if self.audit is None or tenant is None or scope.get("method") != "POST":
+            return
+        if not (isinstance(path, str) and path.startswith("/v1/")):
+            return
+        self.audit.info(  # one line per write, naming who did it, whatever became of it
+            "audit",
+            tenant=getattr(tenant, "name", None),
+            token=state.get("token"),
+            method="POST",
+            path=path,
+            status=status,
+            replayed=replayed,
+            problem=state.get("problem"),
+            request_id=state.get("request_id"),
+        )
