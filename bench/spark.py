@@ -201,7 +201,7 @@ def stream_scenario(
         "acks_per_s": round(n / seconds),
         "steady_acks_per_s": round(n / p.busy_seconds) if p.busy_seconds else None,
         "max_offsets_per_trigger": tspark.stream.DEFAULT_MAX_OFFSETS_PER_TRIGGER,
-        "completed": totals.completed == [batch_id],
+        "completed": totals.completed_count == 1,
     }
 
 

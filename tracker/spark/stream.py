@@ -31,10 +31,25 @@ DEFAULT_MAX_OFFSETS_PER_TRIGGER = 1_000_000
 
 @dataclass
 class StreamTotals(AckTotals):
+    """Running totals of an ack stream. The counts cover every micro-batch; `completed` and
+    `rejected` hold the last micro-batch's alone (a stream runs for as long as it is up: lists of
+    everything it saw would grow without bound; rejected entries go to the dead-letter topic)."""
+
+    completed_count: int = 0  # batches completed, by every micro-batch
+    rejected_count: int = 0  # entries rejected, by every micro-batch
     failed: int = 0  # items failed (from '!' entries under their failure-reason)
     batches: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     progress: Progress = field(default_factory=Progress)  # from the query listener: rows/s, duration, lag
+
+    def add(self, other: AckTotals | dict[str, Any]) -> None:
+        values = other if isinstance(other, dict) else vars(other)
+        self.acked += values["acked"]
+        self.duplicates += values["duplicates"]
+        self.completed = list(values["completed"])
+        self.rejected = [tuple(r) for r in values["rejected"]]
+        self.completed_count += len(self.completed)
+        self.rejected_count += len(self.rejected)
 
 
 def ack_stream(
@@ -62,7 +77,8 @@ def ack_stream(
     acks, which changes nothing. Rejected entries go to `dead_letter_topic` (reason header) before
     the micro-batch ends. `kafka_options`: options of Spark's Kafka consumer (without or with the
     `kafka.` prefix); `dead_letter_client`: librdkafka settings of the dead-letter producer.
-    Returns the StreamingQuery and running totals (updated per micro-batch).
+    Returns the StreamingQuery and running totals (StreamTotals, updated per micro-batch: counts
+    of everything, and the last micro-batch's completed batch ids and rejected entries).
 
     Throughput: `trigger_interval` None starts each micro-batch as soon as the previous ends;
     `max_offsets_per_trigger` bounds a micro-batch in messages (default 1,000,000: as many acks
@@ -115,6 +131,42 @@ def ack_stream(
     }
 
     label = query_name or topic
+    each = _micro_batch(
+        totals,
+        dsn=dsn,
+        schema=s,
+        topic=topic,
+        label=label,
+        partitions=partitions,
+        dead_letter_topic=dead_letter_topic,
+        producer_conf=producer_conf,
+        after_apply=after_apply,
+    )
+    writer = stream.writeStream.foreachBatch(each).option("checkpointLocation", checkpoint_location)
+    if trigger_interval:
+        writer = writer.trigger(processingTime=trigger_interval)
+    if query_name:
+        writer = writer.queryName(query_name)
+    query_id: list[str] = []
+    spark.streams.addListener(listener(query_id, label, totals.progress))
+    query = writer.start()
+    query_id.append(str(query.id))
+    return query, totals
+
+
+def _micro_batch(
+    totals: StreamTotals,
+    *,
+    dsn: str,
+    schema: str,
+    topic: str,
+    label: str,
+    partitions: int | None,
+    dead_letter_topic: str | None,
+    producer_conf: dict,
+    after_apply: Callable[[int, int], None] | None,
+) -> Callable[[Any, int], None]:
+    """The foreachBatch function: applies one micro-batch of the ack topic and adds it to `totals`."""
 
     def each(batch_df: Any, epoch_id: int) -> None:
         batch_df.persist()
@@ -124,12 +176,12 @@ def ack_stream(
             # Recorded once the micro-batch is done: a failed one is read again from the checkpoint.
             rows, failures = _count_and_failures(batch_df)
             if failures:
-                ordered = ordered_outcomes(batch_df, dsn=dsn, schema=s, after_apply=after_apply)
+                ordered = ordered_outcomes(batch_df, dsn=dsn, schema=schema, after_apply=after_apply)
                 letters = ordered.letters
                 result: AckTotals = ordered
             else:
                 result = ack_dataframe(
-                    batch_df, dsn=dsn, schema=s, column="ack", partitions=partitions, after_apply=after_apply
+                    batch_df, dsn=dsn, schema=schema, column="ack", partitions=partitions, after_apply=after_apply
                 )
                 letters = [(entry, why, None) for entry, why in result.rejected]
         finally:
@@ -142,16 +194,7 @@ def ack_stream(
             totals.failed += getattr(result, "failed", 0)
             totals.batches += 1
 
-    writer = stream.writeStream.foreachBatch(each).option("checkpointLocation", checkpoint_location)
-    if trigger_interval:
-        writer = writer.trigger(processingTime=trigger_interval)
-    if query_name:
-        writer = writer.queryName(query_name)
-    query_id: list[str] = []
-    spark.streams.addListener(listener(query_id, label, totals.progress))
-    query = writer.start()
-    query_id.append(str(query.id))
-    return query, totals
+    return each
 
 
 def _count_and_failures(batch_df: Any) -> tuple[int, bool]:
