@@ -296,8 +296,8 @@ class HttpConfig:
     )
     header_timeout: float = key(
         10.0,
-        "seconds a connection has to send a request's headers (from connect, or the end of the last response); "
-        "then it is closed",
+        "seconds a connection has to send a request's headers (from connect, or the end of the last response), "
+        "and to finish its TLS handshake; then it is closed",
         **POSITIVE,
         le=3600,
     )

@@ -136,7 +136,7 @@ def test_sigterm_answers_the_long_poll_and_exits_cleanly_with_access_logs(pg_dsn
     assert any(e.get("event") == "http service stopped" for e in events)
 
 
-def test_tls(pg_dsn, schema, tmp_path):
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
         [
@@ -161,6 +161,11 @@ def test_tls(pg_dsn, schema, tmp_path):
         capture_output=True,
         timeout=60,
     )
+    return cert, key
+
+
+def test_tls(pg_dsn, schema, tmp_path):
+    cert, key = _self_signed(tmp_path)
     port, log = free_port(), tmp_path / "log"
     trust = ssl.create_default_context(cafile=str(cert))
     proc = _serve(_env(pg_dsn, schema, tokens=TOKEN, port=str(port), tls_certfile=str(cert), tls_keyfile=str(key)), log)
@@ -175,6 +180,40 @@ def test_tls(pg_dsn, schema, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_a_tls_handshake_left_unfinished_is_closed_at_the_header_timeout(pg_dsn, schema, tmp_path):
+    cert, key = _self_signed(tmp_path)
+    port, log = free_port(), tmp_path / "log"
+    env = _env(
+        pg_dsn, schema, tokens=TOKEN, port=str(port), tls_certfile=str(cert), tls_keyfile=str(key), header_timeout="1"
+    )
+    proc = _serve(env, log)
+    try:
+        _wait_ready(f"https://127.0.0.1:{port}", proc, log, verify=ssl.create_default_context(cafile=str(cert)))
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(b"\x16\x03\x01")  # the first bytes of a ClientHello, then nothing
+            try:
+                while s.recv(65536):
+                    pass
+            except (ConnectionResetError, TimeoutError):
+                pass
+        held = time.monotonic() - started
+        # closed at the header timeout (1 s), not asyncio's own handshake bound (60 s)
+        assert held < 10, f"a connection that never finished its TLS handshake was held {held:.1f} s"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_a_fractional_shutdown_timeout_is_kept_as_it_is(pg_dsn, schema):
+    from support.http_server import http_config
+
+    from harvester.services.http.server import build
+
+    server, _ = build(http_config(pg_dsn, schema, tokens=TOKEN, shutdown_timeout=0.5))
+    assert server.config.timeout_graceful_shutdown == 0.5  # not 0: in-flight requests get their half second
 
 
 def test_sighup_rereads_the_tenants_file_and_the_server_serves_on(pg_dsn, schema, tmp_path):

@@ -8,7 +8,9 @@ then the database pool closes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
+import socket
 from collections.abc import Callable
 
 import uvicorn
@@ -25,6 +27,7 @@ class _DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._on_exit = on_exit
         self.on_hup: Callable[[], None] | None = None
+        self.handshake_timeout = 60.0  # a TLS handshake's bound, seconds (build: http.header_timeout)
 
     async def serve(self, sockets=None) -> None:  # noqa: ANN001 (uvicorn's signature)
         if self.on_hup is not None:
@@ -34,6 +37,21 @@ class _DrainingServer(uvicorn.Server):
             on_hup = self.on_hup
             loop.add_signal_handler(signal.SIGHUP, lambda: loop.run_in_executor(None, on_hup))
         await super().serve(sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        # With TLS, the app's protocol (and its header_timeout) sees a connection only once its
+        # handshake is done; the handshake gets the same bound (asyncio's default is 60 s), passed
+        # to the loop's create_server, which uvicorn calls without it.
+        if self.config.ssl is None:
+            await super().startup(sockets)
+            return
+        loop = asyncio.get_running_loop()
+        timeout = self.handshake_timeout
+        loop.create_server = functools.partial(loop.create_server, ssl_handshake_timeout=timeout)  # type: ignore[method-assign]
+        try:
+            await super().startup(sockets)
+        finally:
+            del loop.create_server  # the loop's own method again
 
     def handle_exit(self, sig, frame) -> None:  # noqa: ANN001 (uvicorn's signature)
         # Drain, then stop as uvicorn does, but without recording the signal: uvicorn would raise
@@ -67,13 +85,16 @@ def build(cfg: Config) -> tuple[uvicorn.Server, object]:
         server_header=False,
         proxy_headers=True,
         forwarded_allow_ips=h.forwarded_allow_ips,
-        timeout_graceful_shutdown=int(h.shutdown_timeout),
+        timeout_graceful_shutdown=h.shutdown_timeout,  # type: ignore[arg-type]  # uvicorn waits with a float
         ssl_certfile=h.tls_certfile or None,
         ssl_keyfile=h.tls_keyfile or None,
         h11_max_incomplete_event_size=64 * 1024,
         http=DeadlineProtocol.with_timeouts(h.header_timeout, h.body_timeout),
+        loop="asyncio",  # startup() passes the TLS handshake's bound to this loop's create_server
     )
-    return _DrainingServer(config, drain), app
+    server = _DrainingServer(config, drain)
+    server.handshake_timeout = h.header_timeout
+    return server, app
 
 
 def serve(cfg: Config) -> int:
