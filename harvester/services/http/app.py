@@ -231,8 +231,10 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     add_v1_routes(app, cfg=cfg, store=store, respond=respond, call=call, watcher=watcher, waits=waits, dependencies=v1)
 
     add_outcome_routes(app, store=store, h=h, respond=respond, call=call, dependencies=v1)
+    guesses = RateLimiter(1.0, 10)  # wrong tokens per client address, on /v1 and the console's login alike
     if cfg.console.enabled:
         console = app.state.console = add_console(app, cfg, sessions)
+        console.logins = guesses
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> Response:
@@ -288,7 +290,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
         )
 
     inner = BodyLimit(app, h.max_body_bytes, too_large)
-    guarded = Guard(inner, auth, limiter, open_paths={"/v1/openapi.json"})
+    guarded = Guard(inner, auth, limiter, open_paths={"/v1/openapi.json"}, guesses=guesses)
     outer = Service(guarded, metrics(cfg.metrics.prefix), log, audit)  # audits every write, refused or not
     outer.fastapi = app
     return outer

@@ -30,10 +30,20 @@ class Guard:
     bodies must be JSON."""
 
     def __init__(
-        self, app: Callable, auth: TenantAuth, limiter: RateLimiter, open_paths: set[str], api: bool = True
+        self,
+        app: Callable,
+        auth: TenantAuth,
+        limiter: RateLimiter,
+        open_paths: set[str],
+        api: bool = True,
+        guesses: RateLimiter | None = None,
     ) -> None:
-        """`api=False`: an app with no /v1 (the console alone): framing and the local-mode Host only."""
+        """`api=False`: an app with no /v1 (the console alone): framing and the local-mode Host only.
+        `guesses`: wrong tokens per client address (shared with the console's logins): past it,
+        every token from that address is refused with 429 until the bucket refills, the right one
+        too, so that guessing stays as slow as the console's login makes it."""
         self.app, self.auth, self.limiter, self.open_paths, self.api = app, auth, limiter, open_paths, api
+        self.guesses = guesses
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -85,8 +95,25 @@ class Guard:
         headers = dict(headers_of(scope))
         raw = headers.get(b"authorization")
         self.auth.maybe_reload()
+        client = scope.get("client")
+        address = str(client[0]) if isinstance(client, list | tuple) and client else "-"
+        if raw is not None and self.guesses is not None and (wait := self.guesses.waiting(address)) > 0:
+            await send_problem(
+                scope,
+                receive,
+                send,
+                Problem(
+                    "rate-limited",
+                    f"too many wrong tokens from this address; retry after {wait:.3f} s",
+                    headers={"Retry-After": str(max(1, int(wait + 0.999)))},
+                    retry_after=round(wait, 3),
+                ),
+            )
+            return
         caller = self.auth.identify(raw.decode("latin-1") if raw is not None else None)
         if caller is None:
+            if raw is not None and self.guesses is not None:
+                self.guesses.take(address)  # a wrong token: one guess of the address's
             why = "no Authorization: Bearer header" if raw is None else "the bearer token is not valid"
             await send_problem(
                 scope,

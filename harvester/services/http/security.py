@@ -140,6 +140,14 @@ class RateLimiter:
         self._buckets[key] = (level, now)
         return (1.0 - level) / self.rate
 
+    def waiting(self, key: str) -> float:
+        """The seconds until `key` may go ahead (0: now), taking nothing."""
+        if self.rate <= 0 or key not in self._buckets:
+            return 0.0
+        level, last = self._buckets[key]
+        level = min(float(self.burst), level + (self.clock() - last) * self.rate)
+        return 0.0 if level >= 1.0 else (1.0 - level) / self.rate
+
     def _prune(self, now: float) -> None:
         refilled = [k for k, (lv, at) in self._buckets.items() if lv + (now - at) * self.rate >= self.burst]
         for k in refilled:
