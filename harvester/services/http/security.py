@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import itertools
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 
@@ -32,6 +33,8 @@ def state_of(scope: Scope) -> MutableMapping[str, object]:
     return state
 
 
+# What a bearer token may hold: printable ASCII, as an Authorization header carries it.
+_PRESENTABLE = re.compile(r"[\x21-\x7e]+")
 # A tokens or tenants file holds tokens or their hashes: a few hundred bytes each. Larger is
 # refused unread.
 FILE_MAX_BYTES = 4 << 20
@@ -51,7 +54,7 @@ def read_text(path: str, key: str) -> str:
 
 def load_tokens(cfg: HttpConfig) -> list[str]:
     """Tokens from http.tokens (comma-separated) and http.tokens_file (one per line, '#' comments)."""
-    tokens = [t.strip() for t in cfg.tokens.split(",") if t.strip()]
+    found = [("http.tokens", t.strip()) for t in cfg.tokens.split(",") if t.strip()]
     if cfg.tokens_file:
         try:
             text = read_text(cfg.tokens_file, "http.tokens_file")
@@ -60,13 +63,19 @@ def load_tokens(cfg: HttpConfig) -> list[str]:
         for line in text.splitlines():
             line = line.split("#", 1)[0].strip()
             if line:
-                tokens.append(line)
-    for t in tokens:
+                found.append(("http.tokens_file", line))
+    for where, t in found:
         if len(t) < 16 or any(c.isspace() for c in t):
             raise ConfigError(
-                "http.tokens", f"every token must be at least 16 characters with no spaces (token {token_id(t)} is not)"
+                where, f"every token must be at least 16 characters with no spaces (token {token_id(t)} is not)"
             )
-    return tokens
+        if not _PRESENTABLE.fullmatch(t):
+            # A client sends its token in a header, which is read as bytes (latin-1): another character
+            # would be compared as bytes other than the ones configured, and never match.
+            raise ConfigError(
+                where, f"token {token_id(t)} holds a character other than printable ASCII, which a header cannot carry"
+            )
+    return [t for _, t in found]
 
 
 def check_startup(cfg: HttpConfig, tokens: list[str]) -> None:

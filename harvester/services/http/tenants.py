@@ -76,6 +76,7 @@ def parse(text: str, default_topic: str, where: str = "http.tenants_file") -> li
     if not isinstance(tenants, dict):
         raise ConfigError(where, "must hold a mapping `tenants: {name: {tokens: [...], completion_topics: [...]}}`")
     out: list[tuple[bytes, Caller]] = []
+    owners: dict[str, str] = {}  # token hash -> the tenant it is listed under
     for name, spec in tenants.items():
         if not isinstance(name, str) or not _NAME.fullmatch(name) or name == DEFAULT:
             raise ConfigError(where, f"tenant name {name!r}: letters, digits, '_', '.', '-', at most 63, not 'default'")
@@ -89,7 +90,16 @@ def parse(text: str, default_topic: str, where: str = "http.tenants_file") -> li
             m = _HASH.fullmatch(entry) if isinstance(entry, str) else None
             if m is None:
                 raise ConfigError(where, f"tenant {name}: tokens are stored as 'sha256:<64 hex digits>', not in clear")
-            out.append((bytes.fromhex(m.group(1)), Caller("tok-" + m.group(1)[:10], tenant, f"{name}:{m.group(1)}")))
+            digest = m.group(1)
+            if digest in owners:
+                if owners[digest] == name:
+                    continue  # listed twice under one tenant: the same thing said twice
+                # which tenant it spoke for would be decided by the file's order
+                raise ConfigError(
+                    where, f"token tok-{digest[:10]} is listed under tenants {owners[digest]} and {name}: one only"
+                )
+            owners[digest] = name
+            out.append((bytes.fromhex(digest), Caller("tok-" + digest[:10], tenant, f"{name}:{digest}")))
     return out
 
 
@@ -129,6 +139,14 @@ class TenantAuth:
         try:
             stat = os.stat(self._file)
             parsed = parse(read_text(self._file, "http.tenants_file"), self._topic)
+            plain = {d for d, _ in self._plain}
+            for digest, caller in parsed:
+                if digest in plain:  # one token, two tenants: refused as two tenants in the file are
+                    raise ConfigError(
+                        "http.tenants_file",
+                        f"token {caller.token} is a token of http.tokens (tenant default) and of tenant "
+                        f"{caller.tenant.name}: one only",
+                    )
         except (OSError, ConfigError) as exc:
             if strict:
                 raise ConfigError("http.tenants_file", str(exc)) if isinstance(exc, OSError) else exc from None
