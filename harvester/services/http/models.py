@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator
 
 
 class _Body(BaseModel):
@@ -18,7 +18,8 @@ class CreateBatch(_Body):
         min_length=1,
         max_length=249,
         pattern=r"^[A-Za-z0-9._-]+$",
-        description="topic of this batch's completion event (default: the server's)",
+        description="topic of this batch's completion event (default: the server's); not '.' or '..', nor a "
+        "name starting with '__' (Kafka's internal topics, which producers may not write)",
     )
     parent: StrictInt | None = Field(
         default=None,
@@ -32,6 +33,17 @@ class CreateBatch(_Body):
         default=None,
         description="0 to 1: finish early, as failed, once (closed) more than this fraction of its items failed",
     )
+
+    @field_validator("completion_topic")
+    @classmethod
+    def _not_internal(cls, topic: str | None) -> str | None:
+        # Kafka's own topics (__consumer_offsets, __transaction_state, ...): the broker refuses a
+        # producer's records, so the completion event could never be published.
+        if topic is not None and topic.startswith("__"):
+            raise ValueError(
+                f"{topic!r} starts with '__', which names Kafka's internal topics: producers may not write them"
+            )
+        return topic
 
 
 class AddItems(_Body):
