@@ -125,7 +125,7 @@ class Sessions:
             return None
         caller, role = found
         session, expires = secrets.token_urlsafe(16), int(time.time() + self._ttl)
-        body = {"s": session, "d": digest.hex(), "r": role, "e": expires}
+        body = {"s": session, "d": self._sealed(session, digest).hex(), "r": role, "e": expires}
         raw = base64.urlsafe_b64encode(json.dumps(body, separators=(",", ":")).encode()).decode().rstrip("=")
         user = User(caller.token, caller.tenant.name, role, session, expires)
         return user, f"{raw}.{self._sign(raw)}"
@@ -141,7 +141,8 @@ class Sessions:
             return None
         try:
             body = json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
-            digest, role, expires, session = bytes.fromhex(body["d"]), body["r"], float(body["e"]), str(body["s"])
+            sealed, role, expires, session = bytes.fromhex(body["d"]), body["r"], float(body["e"]), str(body["s"])
+            digest = self._sealed(session, sealed)
         except (ValueError, KeyError, TypeError):
             return None
         if expires < time.time():
@@ -169,6 +170,13 @@ class Sessions:
 
     def confirmation_ok(self, user: User, action: str, token: str | None) -> bool:
         return token is not None and hmac.compare_digest(token.encode(), self.confirmation(user, action).encode())
+
+    def _sealed(self, session: str, digest: bytes) -> bytes:
+        """The token's digest as the cookie carries it, and back: XORed with a pad only this key makes,
+        one per session. The cookie is signed, not encrypted: its reader must not learn the digest, an
+        offline guessing oracle for a token that outlives the session. ValueError if not 32 bytes."""
+        pad = hmac.new(self._key, f"digest:{session}".encode(), hashlib.sha256).digest()
+        return bytes(a ^ b for a, b in zip(digest, pad, strict=True))
 
     def _sign(self, text: str) -> str:
         mac = hmac.new(self._key, text.encode(), hashlib.sha256).digest()
