@@ -57,8 +57,10 @@ $$;
 -- here: a REPEATABLE READ / SERIALIZABLE snapshot would see neither the claims committed after it
 -- nor the newest bits, and could fail the caller's commit with a serialization error; its claims
 -- are committed and folded by the next settle of the batch instead.
+-- SECURITY DEFINER: the trigger fires at the commit of whoever claimed, a consumer role of the SQL
+-- functions too, which has no privilege on the tables (a trigger function cannot be called alone).
 CREATE OR REPLACE FUNCTION ack_settle_at_commit() RETURNS trigger
-LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 BEGIN
     DELETE FROM ack_settle_request WHERE xid = NEW.xid AND batch_id = NEW.batch_id;
     IF FOUND AND current_setting('transaction_isolation') = 'read committed' THEN

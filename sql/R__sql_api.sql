@@ -528,6 +528,52 @@ END $$;
 -- the masks will take is checked against the same bound as tracker.ids.fold (RT008 past it), then
 -- the ids are folded into one mask per group and applied by ack_masks. Idempotent: an id whose bit is
 -- already clear counts as a duplicate. completed: the batches this call completed.
+-- The distinct items that well-formed ids and runs name (checked by outcome_ids first).
+CREATE OR REPLACE FUNCTION outcome_items(ids text[])
+RETURNS TABLE (b bigint, g bigint, i integer)
+LANGUAGE sql IMMUTABLE SET search_path FROM CURRENT AS $$
+    SELECT DISTINCT split_part(t.id, ':', 1)::bigint, split_part(t.id, ':', 2)::bigint, x.i
+      FROM unnest(ids) AS t(id)
+     CROSS JOIN LATERAL generate_series(split_part(split_part(t.id, ':', 3), '-', 1)::integer,
+                                        coalesce(nullif(split_part(split_part(t.id, ':', 3), '-', 2), ''),
+                                                 split_part(split_part(t.id, ':', 3), '-', 1))::integer) AS x(i)
+$$;
+
+
+-- A claim refused (ack_claim_items' validation rows: each (batch, group) named, the batch's state
+-- and the group's size, NULL when missing): raise the error tracker.ack's claims raise for the same
+-- ids (tracker.core.acks._claimable), which outcome_ids then words, naming the caller's entry: the
+-- (batch, group) named first that is wrong, and its batch, group or range, in that order.
+CREATE OR REPLACE FUNCTION outcome_claim_refusal(ids text[], vb bigint[], vg bigint[], vst text[], vsz integer[])
+RETURNS void
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    bad record;
+BEGIN
+    SELECT e.b, e.g, e.s, e.e, v.st, v.sz INTO bad
+      FROM (SELECT t.ord, min(t.ord) OVER (PARTITION BY t.b, t.g) AS group_ord, t.b, t.g, t.s, t.e
+              FROM (SELECT u.ord, split_part(u.id, ':', 1)::bigint AS b, split_part(u.id, ':', 2)::bigint AS g,
+                           split_part(split_part(u.id, ':', 3), '-', 1)::integer AS s,
+                           coalesce(nullif(split_part(split_part(u.id, ':', 3), '-', 2), ''),
+                                    split_part(split_part(u.id, ':', 3), '-', 1))::integer AS e
+                      FROM unnest(ids) WITH ORDINALITY AS u(id, ord)) AS t) AS e
+      JOIN unnest(vb, vg, vst, vsz) AS v(b, g, st, sz) ON v.b = e.b AND v.g = e.g
+     WHERE v.st IS NULL OR v.st = 'expired' OR v.sz IS NULL OR e.e >= v.sz
+     ORDER BY e.group_ord, e.ord
+     LIMIT 1;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'ack_claim_items refused ids its checks accept' USING ERRCODE = 'XX000';
+    END IF;
+    IF bad.st IS NULL OR bad.st = 'expired' THEN
+        RAISE EXCEPTION 'batch %', bad.b USING ERRCODE = CASE WHEN bad.st IS NULL THEN 'RT002' ELSE 'RT006' END,
+            DETAIL = bad.b || ':' || bad.g || ':' || bad.s;
+    ELSIF bad.sz IS NULL THEN
+        RAISE EXCEPTION 'group %', bad.g USING ERRCODE = 'RT003', DETAIL = bad.b || ':' || bad.g || ':' || bad.s;
+    END IF;
+    RAISE EXCEPTION 'index' USING ERRCODE = 'RT004', DETAIL = bad.b || ':' || bad.g || ':' || greatest(bad.s, bad.sz);
+END $$;
+
+
 CREATE OR REPLACE FUNCTION outcome_ids(ids text[], completion_topic text, reason text)
 RETURNS TABLE (acked bigint, duplicates bigint, completed bigint[])
 LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
@@ -539,6 +585,13 @@ DECLARE
     g_ids bigint[];
     hexes text[];
     r record;
+    distinct_n bigint;
+    claimed_n bigint;
+    refused boolean;
+    vb bigint[];
+    vg bigint[];
+    vst text[];
+    vsz integer[];
     code text;
     culprit text;
     size integer;
@@ -637,6 +690,30 @@ BEGIN
         RETURN;
     END IF;
     BEGIN
+        -- (the items named, each once, decide: as tracker.ack decides, tracker.core.acks.CLAIMS_PER_CALL_MAX)
+        SELECT sum(bit_count(('x' || h)::varbit)) INTO distinct_n FROM unnest(hexes) AS h;
+        IF outcome_ids.reason IS NULL AND distinct_n <= 1000 THEN
+            -- An ack of up to 1,000 items claims them, as tracker.ack does (R__ack_claims.sql): no
+            -- batch row stays locked for the rest of the caller's transaction, so the consumers of
+            -- one batch ack in parallel; bits, counts and the completion are settled at commit (or
+            -- by the next settle), and `completed` stays empty. A larger ack takes the masked path.
+            SELECT count(*) FILTER (WHERE c.claimed AND c.pending_bit = 1), coalesce(bool_or(c.claimed IS NULL), false),
+                   array_agg(c.batch_id), array_agg(c.group_id), array_agg(c.state), array_agg(c.size)
+              INTO claimed_n, refused, vb, vg, vst, vsz
+              FROM ack_claim_items(
+                       (SELECT array_agg(i.b ORDER BY i.b, i.g, i.i) FROM outcome_items(ids) i),
+                       (SELECT array_agg(i.g ORDER BY i.b, i.g, i.i) FROM outcome_items(ids) i),
+                       (SELECT array_agg(i.i ORDER BY i.b, i.g, i.i) FROM outcome_items(ids) i),
+                       'outbox'::regclass, outcome_ids.completion_topic) c;
+            IF refused THEN  -- validation rows, one per (batch, group): nothing was claimed
+                PERFORM outcome_claim_refusal(ids, vb, vg, vst, vsz);
+            END IF;
+            acked := claimed_n;
+            duplicates := greatest(0, distinct_n - claimed_n);
+            completed := '{}';
+            RETURN NEXT;
+            RETURN;
+        END IF;
         SELECT * INTO r FROM outcome_masks(b_ids, g_ids, hexes, outcome_ids.completion_topic, outcome_ids.reason);
     EXCEPTION WHEN SQLSTATE 'RT002' OR SQLSTATE 'RT003' OR SQLSTATE 'RT004' OR SQLSTATE 'RT006' THEN
         -- Name the caller's entry as written (a run, not its first bad index), as tracker.ack does:
@@ -729,7 +806,9 @@ COMMENT ON FUNCTION failures IS 'A page of at most `lim` (1 to 1000) failed item
     'in item order, after the item id `after` (null: from the start).';
 COMMENT ON FUNCTION ack IS 'Record items as succeeded: ids ''<batch>:<group>:<index>'' and runs '
     '''<batch>:<group>:<start>-<end>''. Idempotent: an item''s first outcome wins, later ones count as '
-    'duplicates. Returns the items this call acked, the duplicates, and the batches it finished.';
+    'duplicates. Up to 1,000 items are claimed (no batch row stays locked until you commit; the '
+    'completion is decided at commit, so `completed` is empty); a larger call locks the named batches'' '
+    'rows until you commit and returns the batches it finished.';
 COMMENT ON FUNCTION ack_masks IS 'ack for ids already folded into one mask per group (hex; item i is bit 7 - i % 8 '
     'of byte i / 8).';
 COMMENT ON FUNCTION fail IS 'Record items as failed under `reason` (1 to 500 characters), as ack does for '
