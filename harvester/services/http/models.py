@@ -6,6 +6,12 @@ import datetime as dt
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator
 
+# Topics the broker keeps for itself (consumer offsets, transactions, share groups, its metadata
+# log, tiered storage's metadata).
+KAFKA_INTERNAL_TOPICS = frozenset(
+    {"__consumer_offsets", "__transaction_state", "__share_group_state", "__cluster_metadata", "__remote_log_metadata"}
+)
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -18,8 +24,8 @@ class CreateBatch(_Body):
         min_length=1,
         max_length=249,
         pattern=r"^[A-Za-z0-9._-]+$",
-        description="topic of this batch's completion event (default: the server's); not '.' or '..', nor a "
-        "name starting with '__' (Kafka's internal topics, which producers may not write)",
+        description="topic of this batch's completion event (default: the server's); not '.' or '..', nor one of "
+        "Kafka's internal topics (such as __consumer_offsets), which producers may not write",
     )
     parent: StrictInt | None = Field(
         default=None,
@@ -37,12 +43,10 @@ class CreateBatch(_Body):
     @field_validator("completion_topic")
     @classmethod
     def _not_internal(cls, topic: str | None) -> str | None:
-        # Kafka's own topics (__consumer_offsets, __transaction_state, ...): the broker refuses a
-        # producer's records, so the completion event could never be published.
-        if topic is not None and topic.startswith("__"):
-            raise ValueError(
-                f"{topic!r} starts with '__', which names Kafka's internal topics: producers may not write them"
-            )
+        # The broker refuses a producer's records to its own topics: the completion event could
+        # never be published. (Other names starting with '__' are topics like any other.)
+        if topic in KAFKA_INTERNAL_TOPICS:
+            raise ValueError(f"{topic!r} is one of Kafka's internal topics, which producers may not write")
         return topic
 
 
