@@ -11,6 +11,7 @@ import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support.console import login
 from support.http_server import TOKEN, RunningServer, http_config
 from test_http_tenants import BILLING, SEARCH, _write
 
@@ -69,3 +70,13 @@ def test_a_token_of_http_tokens_listed_under_a_tenant_is_refused_at_start_and_no
     caller = auth.identify(f"Bearer {TOKEN}")
     assert caller is not None and caller.tenant.name == "default"
     assert auth.identify(f"Bearer {SEARCH}") is None
+
+
+def test_the_header_and_the_console_login_read_a_token_alike(pg_dsn, schema):
+    """A token reaching the server by another way than the configuration's files (create_app's
+    `tokens`) is compared as the bytes its client sends: UTF-8, as the console's login form reads it."""
+    token = "pässwörd-0123456789abcdef"
+    with RunningServer(http_config(pg_dsn, schema), [token]) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        r = c.get("/v1/batches/1", headers={b"Authorization": b"Bearer " + token.encode("utf-8")})
+        assert r.status_code == 404, r.text  # known: no such batch
+        assert login(c, token).status_code == 303

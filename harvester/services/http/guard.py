@@ -110,7 +110,7 @@ class Guard:
                 ),
             )
             return
-        caller = self.auth.identify(raw.decode("latin-1") if raw is not None else None)
+        caller = self.auth.identify(raw)  # its bytes, as the client sent them
         if caller is None:
             if raw is not None and self.guesses is not None:
                 self.guesses.take(address)  # a wrong token: one guess of the address's

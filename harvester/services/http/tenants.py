@@ -177,16 +177,18 @@ class TenantAuth:
         if (stat.st_mtime, stat.st_size) != self._seen:
             self.reload()
 
-    def identify(self, authorization: str | None) -> Caller | None:
-        """The caller of a valid `Authorization: Bearer <token>` header, else None."""
+    def identify(self, authorization: bytes | str | None) -> Caller | None:
+        """The caller of a valid `Authorization: Bearer <token>` header, else None. The header's bytes
+        as sent (UTF-8 for a token of the configuration, whose hash is of its UTF-8 bytes), or text."""
         if not self.enabled:
             return LOCAL
         if not authorization:
             return None
-        scheme, _, credential = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not credential.strip():
+        header = authorization if isinstance(authorization, bytes) else authorization.encode("utf-8", "surrogateescape")
+        scheme, _, credential = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not credential.strip():
             return None
-        return self.identify_digest(hashlib.sha256(credential.strip().encode("utf-8", "surrogateescape")).digest())
+        return self.identify_digest(hashlib.sha256(credential.strip()).digest())
 
     def identify_digest(self, digest: bytes) -> Caller | None:
         """The caller whose token has this SHA-256 digest (the console's sessions keep the digest)."""
