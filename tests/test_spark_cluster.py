@@ -315,52 +315,62 @@ def test_spark_submit_of_the_example_job_fans_a_parquet_dataset_out_to_a_complet
     ).write.parquet(parquet)
     zip_path = tspark.tracker_zip(tmp_path / "dist")
     master, node_python = sspark.master_and_python()
-    submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
+    spark_submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK", "PYTHON", "SPARK_"))}
-    r = subprocess.run(
-        [
-            str(submit),
-            "--master",
-            master,
-            "--py-files",
-            str(zip_path),
-            "--driver-memory",
-            "512m",
-            "--conf",
-            f"spark.pyspark.python={node_python}",
-            "--conf",
-            "spark.executor.memory=1g",
-            "--conf",
-            "spark.cores.max=2",
-            "--conf",
-            "spark.driver.host=127.0.0.1",
-            "--conf",
-            f"spark.driver.extraJavaOptions={sspark.FAST_JVM}",
-            "--conf",
-            f"spark.executor.extraJavaOptions={sspark.FAST_JVM}",
-            str(sspark.REPO / "deploy" / "spark" / "fan_out_job.py"),
-            "--input",
-            parquet,
-            "--dsn",
-            pg_dsn,
-            "--schema",
-            schema,
-            "--topic",
-            "work",
-            "--key-col",
-            "key",
-            "--user-key",
-            "submitted",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert (out["items"], out["complete"]) == (n, False) and 1 <= out["groups"] <= 3  # Spark may merge small files
+
+    def submit() -> dict:
+        r = subprocess.run(
+            [
+                str(spark_submit),
+                "--master",
+                master,
+                "--py-files",
+                str(zip_path),
+                "--driver-memory",
+                "512m",
+                "--conf",
+                f"spark.pyspark.python={node_python}",
+                "--conf",
+                "spark.executor.memory=1g",
+                "--conf",
+                "spark.cores.max=2",
+                "--conf",
+                "spark.driver.host=127.0.0.1",
+                "--conf",
+                f"spark.driver.extraJavaOptions={sspark.FAST_JVM}",
+                "--conf",
+                f"spark.executor.extraJavaOptions={sspark.FAST_JVM}",
+                str(sspark.REPO / "deploy" / "spark" / "fan_out_job.py"),
+                "--input",
+                parquet,
+                "--dsn",
+                pg_dsn,
+                "--schema",
+                schema,
+                "--topic",
+                "work",
+                "--key-col",
+                "key",
+                "--user-key",
+                "submitted",
+                "--run-key",
+                "submitted-1",
+                "--partitions",
+                "4",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tmp_path,
+        )
+        assert r.returncode == 0, r.stderr[-4000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    out = submit()
+    assert (out["run"], out["items"], out["groups"], out["complete"]) == (0, n, 4, False)  # hashed into 4
+    # The same command again (a scheduler's retry): it finds its batch and writes nothing.
+    assert submit() == out
     with psycopg.connect(pg_dsn) as c:
         rows = c.execute(
             f'SELECT key, value, header_values[1] FROM "{schema}".outbox WHERE topic = %s', ["work"]

@@ -5,14 +5,22 @@ Ship it with the tracker zip (build it with `python deploy/spark/package.py dist
     spark-submit --master spark://HOST:7077 --py-files dist/tracker-<hash>.zip \\
         --conf spark.pyspark.python=/path/to/python-with-the-dependencies \\
         deploy/spark/fan_out_job.py --input /data/items.parquet --dsn postgresql://... \\
-        --topic process-item --user-key catalog-42
+        --topic process-item --user-key catalog-42 --run-key catalog-42-2026-06-01
 
 The driver and the executors import the tracker from the zip; their interpreter needs only the
 dependencies (psycopg, pyarrow, ...). The DSN travels to the executors inside the job (each
 partition writes its rows in one transaction of its own), so it must name a Postgres they can
 reach. The batch's completion event goes through the outbox once every item is acked. Prints one
-JSON line: batch_id, run, items, groups. `--run-key` makes a re-submitted job skip what a failed
-attempt already wrote.
+JSON line: batch_id, run, items, groups, complete.
+
+`--run-key` names the job: submitting the same command again (after a failure, or a scheduler's
+retry of a job that did finish) finds the batch the first submission opened and writes only the
+partitions it had not committed, so every row is published once; a job that had finished writes
+nothing and prints the same batch_id. Give each new fan-out a key of its own (the date of the data,
+a version): a key names one job, and its user key and completion topic cannot change. The rows are
+hashed into `--partitions` partitions by their values (one shuffle), so that a submission sees the
+same partitions as the last, whatever cores the cluster has: raise it for a large input, as a
+Python worker holds one partition while it writes it.
 """
 
 from __future__ import annotations
@@ -33,11 +41,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--key-col")
     ap.add_argument("--user-key", help="returned in the completion event")
     ap.add_argument("--completion-topic")
-    ap.add_argument("--run-key", help="re-running with the same key skips partitions already written")
-    ap.add_argument("--partitions", type=int, help="repartition the input first (rows are read in order)")
+    ap.add_argument(
+        "--run-key",
+        required=True,
+        help="names this fan-out: submitted again with the same key, it writes only what is missing",
+    )
+    ap.add_argument(
+        "--partitions",
+        type=int,
+        default=16,
+        help="partitions the rows are hashed into, each written in one transaction (default 16)",
+    )
     args = ap.parse_args(argv)
     if not args.dsn:
         ap.error("--dsn or OUTBOX_DSN is required")
+    if args.partitions < 1:
+        ap.error(f"--partitions must be at least 1, got {args.partitions}")
 
     from pyspark.sql import SparkSession
 
@@ -46,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     spark = SparkSession.builder.appName("tracker-fan-out").getOrCreate()
     try:
         df = spark.read.parquet(args.input)
-        if args.partitions:
-            # a retried partition must hold the same rows in the same order: sort within partitions
-            df = df.repartition(args.partitions).sortWithinPartitions(*df.columns)
+        # A retried task, and this job submitted again, must find each partition holding the same
+        # rows in the same order. How Spark splits the files depends on the cores it has at the
+        # time; hashing the rows by their values, then sorting each partition, depends on the rows.
+        df = df.repartition(args.partitions, *df.columns).sortWithinPartitions(*df.columns)
         result = tspark.fan_out(
             df,
             dsn=args.dsn,

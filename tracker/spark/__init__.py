@@ -8,10 +8,11 @@
     query, totals = tspark.ack_stream(spark, bootstrap_servers=..., topic="acks", dsn=dsn,
                                       checkpoint_location="/checkpoints/acks")
 
-fanout.py: the fan-out and its exactly-once partition write; acks.py: DataFrame acks (fold, OR,
-apply); outcomes.py: a DataFrame of outcomes (failures folded per reason, then acks); stream.py:
-streaming acks and failures from the ack topic (in each partition's order, as the acker applies
-them) and their progress; cluster.py: sessions and shipping the tracker to executors.
+fanout.py: the fan-out and its exactly-once partition write; runs.py: its runs, and the batch of a
+job's run key; acks.py: DataFrame acks (fold, OR, apply); outcomes.py: a DataFrame of outcomes
+(failures folded per reason, then acks); stream.py: streaming acks and failures from the ack topic
+(in each partition's order, as the acker applies them) and their progress; cluster.py: sessions
+and shipping the tracker to executors.
 pyspark is imported only when a job runs.
 """
 
@@ -24,12 +25,12 @@ from tracker.spark.fanout import (  # noqa: F401
     SPARK_GROUP_FLAG,
     FanOutResult,
     _PartitionWriter,
-    begin_run,
     fan_out,
     run_group_range,
     spark_group_id,
 )
 from tracker.spark.outcomes import OutcomeTotals, outcome_dataframe
+from tracker.spark.runs import begin_run
 from tracker.spark.stream import OrderedTotals, StreamTotals, ack_stream, ordered_outcomes
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Fan a DataFrame out into the outbox: one message per row, tracked in a batch.
 
-The driver takes a run number of the batch (table spark_fanout_run); each partition then writes,
+The driver takes a run number of the batch (tracker.spark.runs); each partition then writes,
 in ONE Postgres transaction, its groups (ids derived from run, Spark partition id and chunk, in a
 range the counter-allocated groups never reach), its messages (binary COPY) and the batch totals.
 The group insert is `ON CONFLICT DO NOTHING`: an attempt that finds its partition's groups already
@@ -14,6 +14,7 @@ Executors connect to Postgres themselves (`dsn`), so the DSN must be reachable f
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,10 +24,11 @@ import psycopg
 from psycopg import sql
 
 from tracker.config import DEFAULT_OUTBOX_TABLE, schema_of
-from tracker.core.validate import check_topic
-from tracker.errors import BatchNotOpen, InvalidArgument, InvalidValue, UnknownBatch
+from tracker.core.validate import check_topic, check_user_key
+from tracker.errors import BatchNotOpen, InvalidArgument, InvalidValue
 from tracker.ids import GROUP_BITS_MAX
 from tracker.spark.columns import check_column
+from tracker.spark.runs import begin_run, check_run_key, job_batch
 from tracker.spark.worker import in_task
 
 # Group ids of Spark fan-out: flag | run << 40 | partition << 20 | chunk. Counter-allocated
@@ -46,47 +48,6 @@ def run_group_range(run: int) -> tuple[int, int]:
     """[lo, hi) of the group ids of one fan-out run."""
     lo = spark_group_id(run, 0, 0)
     return lo, lo + (1 << _RUN_SHIFT)
-
-
-# ---------------------------------------------------------------- driver: runs
-
-
-def begin_run(conn: psycopg.Connection, batch_id: int, *, schema: str | None = None, run_key: str | None = None) -> int:
-    """Take the next run number of an open batch (or the run already named `run_key`), committed
-    before the job starts. Raises UnknownBatch or BatchNotOpen."""
-    s = schema_of(schema)
-    with conn.transaction():
-        row = conn.execute(
-            sql.SQL("SELECT state FROM {} WHERE id = %s FOR NO KEY UPDATE").format(sql.Identifier(s, "batch")),
-            [batch_id],
-        ).fetchone()
-        if row is None:
-            raise UnknownBatch(batch_id)
-        if row[0] != "open":
-            raise BatchNotOpen(batch_id, row[0])
-        # A fan-out is activity: the sweeper must not expire the batch before a partition commits.
-        conn.execute(
-            sql.SQL("UPDATE {} SET last_activity_at = clock_timestamp() WHERE id = %s").format(
-                sql.Identifier(s, "batch")
-            ),
-            [batch_id],
-        )
-        runs = sql.Identifier(s, "spark_fanout_run")
-        if run_key is not None:
-            found = conn.execute(
-                sql.SQL("SELECT run FROM {} WHERE batch_id = %s AND run_key = %s").format(runs), [batch_id, run_key]
-            ).fetchone()
-            if found is not None:
-                return found[0]
-        inserted = conn.execute(
-            sql.SQL(
-                "INSERT INTO {runs} (batch_id, run, run_key) "
-                "SELECT %s, coalesce(max(run) + 1, 0), %s FROM {runs} WHERE batch_id = %s RETURNING run"
-            ).format(runs=runs),
-            [batch_id, run_key, batch_id],
-        ).fetchone()
-        assert inserted is not None  # INSERT ... SELECT of an aggregate: always one row
-        return int(inserted[0])
 
 
 # ---------------------------------------------------------------- executors: one partition's write
@@ -295,10 +256,21 @@ def fan_out(
     `batch`: a tracker Batch or batch id (open); None opens a new batch (`user_key`,
     `completion_topic`). `value_col`/`key_col`: binary or string columns. With `id_col`, the
     result's `.dataframe` is `df` plus that column of item ids (locally checkpointed, so the job
-    runs once). `run_key` makes a re-run of a failed job reuse its run: partitions it already
-    wrote are skipped. `close`: close the batch after the job. `after_commit(partition, attempt)`
-    runs on the executor after a partition's transaction, `before_commit` inside it after its
-    writes (instrumentation, failure tests).
+    runs once). `close`: close the batch after the job. `after_commit(partition, attempt)` runs on
+    the executor after a partition's transaction, `before_commit` inside it after its writes
+    (instrumentation, failure tests).
+
+    `run_key` (up to 1,000 characters) names the job, so that the same call made again (a job
+    submitted again after a failure, or by a scheduler that retries) writes only the partitions
+    the earlier one did not commit: without `batch`, it finds the batch a job of that key opened
+    (one key, one batch: a different `user_key` or `completion_topic` raises InvalidValue), or
+    opens it; with `batch`, it finds the run of that key in the batch. A job that had finished
+    finds every partition written and writes nothing. Without `run_key`, each call is a new run:
+    calling again after a failure writes every row again.
+
+    When the call fails after the batch is known (opened, found or given), the exception carries
+    `.batch_id` and `.run` (None before a run was taken) and a note naming them: a batch this call
+    opened stays open with the partitions written until it is closed or expires.
 
     As for any Spark job that writes, a partition must hold the same rows in the same order on
     every attempt (sort or checkpoint a non-deterministic input first): an attempt that finds its
@@ -319,36 +291,60 @@ def fan_out(
             raise InvalidArgument("id_col", id_col, "a column name (a non-empty str) or None")
         if id_col in df.columns:
             raise InvalidValue("id_col", id_col, "is already a column of the DataFrame: name a new one")
+    run_key = check_run_key(run_key)
+    if batch is None:
+        check_user_key(user_key)
+        if completion_topic is not None:
+            check_topic(completion_topic, "completion_topic")
+        batch_id: int | None = None
+    else:
+        batch_id = batch_id_of(batch)
     if df.rdd.getNumPartitions() > MAX_PARTITIONS:
         raise InvalidValue(
             "df", f"{df.rdd.getNumPartitions()} partitions", f"at most {MAX_PARTITIONS} partitions per fan-out"
         )
     s = schema_of(schema)
-    with psycopg.connect(dsn) as conn:
-        if batch is None:
-            batch = open_batch(conn, user_key=user_key, completion_topic=completion_topic, schema=s)
+    run: int | None = None
+    try:
+        with psycopg.connect(dsn) as conn:
+            if batch_id is None and run_key is not None:
+                batch_id = job_batch(conn, run_key, schema=s, user_key=user_key, completion_topic=completion_topic)
+            elif batch_id is None:
+                batch_id = open_batch(conn, user_key=user_key, completion_topic=completion_topic, schema=s).id
+                conn.commit()
+            run = begin_run(conn, batch_id, schema=s, run_key=run_key)
+        writer = _PartitionWriter(
+            dsn, s, DEFAULT_OUTBOX_TABLE, batch_id, run, topic, value_col, key_col, id_col, after_commit, before_commit
+        )
+        out_df = None
+        if id_col is None:
+            df.mapInArrow(in_task(writer), "partition int, items long").collect()
+        else:
+            out_schema = StructType([*df.schema.fields, StructField(id_col, StringType(), True)])
+            out_df = df.mapInArrow(in_task(writer), out_schema).localCheckpoint(eager=True)
+        lo, hi = run_group_range(run)
+        with psycopg.connect(dsn) as conn:
+            counted = conn.execute(
+                sql.SQL(
+                    "SELECT count(*), coalesce(sum(size), 0) FROM {} WHERE batch_id = %s AND id >= %s AND id < %s"
+                ).format(sql.Identifier(s, "batch_group")),
+                [batch_id, lo, hi],
+            ).fetchone()
+            assert counted is not None  # an aggregate: always one row
+            groups, items = counted
+            complete = close_batch(conn, batch_id, schema=s) if close else False
             conn.commit()
-        batch_id = batch_id_of(batch)
-        run = begin_run(conn, batch_id, schema=s, run_key=run_key)
-    writer = _PartitionWriter(
-        dsn, s, DEFAULT_OUTBOX_TABLE, batch_id, run, topic, value_col, key_col, id_col, after_commit, before_commit
-    )
-    out_df = None
-    if id_col is None:
-        df.mapInArrow(in_task(writer), "partition int, items long").collect()
-    else:
-        out_schema = StructType([*df.schema.fields, StructField(id_col, StringType(), True)])
-        out_df = df.mapInArrow(in_task(writer), out_schema).localCheckpoint(eager=True)
-    lo, hi = run_group_range(run)
-    with psycopg.connect(dsn) as conn:
-        counted = conn.execute(
-            sql.SQL(
-                "SELECT count(*), coalesce(sum(size), 0) FROM {} WHERE batch_id = %s AND id >= %s AND id < %s"
-            ).format(sql.Identifier(s, "batch_group")),
-            [batch_id, lo, hi],
-        ).fetchone()
-        assert counted is not None  # an aggregate: always one row
-        groups, items = counted
-        complete = close_batch(conn, batch_id, schema=s) if close else False
-        conn.commit()
+    except Exception as exc:
+        if batch_id is not None:
+            _name_the_batch(exc, batch_id, run, run_key)
+        raise
     return FanOutResult(batch_id, run, int(items), int(groups), complete, out_df)
+
+
+def _name_the_batch(exc: Exception, batch_id: int, run: int | None, run_key: str | None) -> None:
+    """Tell the caller of a failed fan-out which batch (and run) it was writing."""
+    with contextlib.suppress(AttributeError, TypeError):  # an exception type without a __dict__
+        exc.batch_id = batch_id  # type: ignore[attr-defined]
+        exc.run = run  # type: ignore[attr-defined]
+    again = f"; the same call with run_key={run_key!r} writes only what is missing" if run_key else ""
+    exc.add_note(f"fan_out: batch {batch_id}, run {run}{again}")

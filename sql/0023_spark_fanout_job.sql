@@ -1,0 +1,7 @@
+-- A Spark fan-out job that opens its own batch names it by its run key, so that the same job
+-- submitted again (after a failure, or by a scheduler that retries) finds its batch and its run
+-- instead of opening another batch and publishing every row again (tracker/spark/runs.py). The run
+-- that opened its batch is marked, and a run key names at most one such run in the schema. Runs of
+-- a batch the caller gave keep their keys per batch, as before.
+ALTER TABLE spark_fanout_run ADD COLUMN IF NOT EXISTS opened_batch boolean NOT NULL DEFAULT false;
+CREATE UNIQUE INDEX IF NOT EXISTS spark_fanout_run_job ON spark_fanout_run (run_key) WHERE opened_batch;
