@@ -231,7 +231,7 @@ class FanOutResult:
     items: int  # rows written by this run (from the database, whatever the attempts did)
     groups: int
     complete: bool  # the batch was closed and is complete (e.g. nothing was written)
-    dataframe: Any = None  # with id_col: the input rows plus their item ids, materialised once
+    dataframe: Any = None  # with id_col: the input rows plus their item ids, checkpointed on the executors
 
 
 def fan_out(
@@ -256,7 +256,8 @@ def fan_out(
     `batch`: a tracker Batch or batch id (open); None opens a new batch (`user_key`,
     `completion_topic`). `value_col`/`key_col`: binary or string columns. With `id_col`, the
     result's `.dataframe` is `df` plus that column of item ids (locally checkpointed, so the job
-    runs once). `close`: close the batch after the job. `after_commit(partition, attempt)` runs on
+    runs once; the checkpoint lives on the executors, and reading it fails once one of them is
+    lost: write it out first when it must outlive them). `close`: close the batch after the job. `after_commit(partition, attempt)` runs on
     the executor after a partition's transaction, `before_commit` inside it after its writes
     (instrumentation, failure tests).
 
