@@ -4,7 +4,11 @@ backends with the same methods (http.backend):
 - `TrackerStore` (default): the tracker's asyncio face, `tracker.aio.AsyncTracker`; each call is
   its own transaction (the connection is in autocommit, so the tracker opens and ends it).
 - `SqlFunctionStore`: the SQL functions of sql/R__sql_api.sql, called as non-Python clients call them;
-  RT SQLSTATEs come back as the tracker's own typed exceptions.
+  RT SQLSTATEs come back as the tracker's own typed exceptions (sql_errors.py).
+
+Every call answers within http.request_timeout (cutoff.py), on one of the connections its token
+may use (token_connections.py); past the deadline it is StoreUnavailable (503), or TokenBusy (429)
+when it was still waiting for one of its token's connections.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime as dt
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Self, TypeVar
@@ -24,23 +27,13 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from harvester.db_liveness import with_liveness
 from harvester.db_pool import needs_new_connection
 from harvester.services.http.cutoff import by_deadline
+from harvester.services.http.sql_errors import tracker_error
 from harvester.services.http.token_connections import CALLER, ConnectionsPerToken
 from tracker import Batch, BatchStatus, GroupHandle
 from tracker.aio import AsyncTracker
 from tracker.errors import (
-    BatchExpired,
-    BatchNotOpen,
-    DepthExceeded,
-    IndexOutOfRange,
     InvalidValue,
-    MalformedItemId,
-    ParentNotOpen,
-    TooManyGroups,
-    TrackerError,
-    UnknownBatch,
-    UnknownGroup,
 )
-from tracker.ids import GROUP_BITS_MAX, MASK_BYTES_MAX
 from tracker.metrics import DEFAULT_PREFIX
 from tracker.schema import check_identifier
 
@@ -102,52 +95,6 @@ def _statements(schema: str) -> dict[str, str]:
         "finished": "SELECT id FROM {batch} WHERE id = ANY(%s) AND state IN ('complete', 'expired')",
     }
     return {k: sql.SQL(v).format(s=s, batch=sql.Identifier(schema, "batch")).as_string(None) for k, v in q.items()}
-
-
-_SIZE = re.compile(r"its group has (\d+) items")
-_STATE = re.compile(r"^batch \d+ is (\w+):")
-_PARENT_STATE = re.compile(r"^parent batch \d+ is (\w+):")
-_PARENT_DEPTH = re.compile(r"^parent batch \d+ is at depth (\d+)")
-_DEPTH_MAX = 7  # the deepest a batch can be: batches nest at most 8 levels
-
-
-def _tracker_error(exc: psycopg.Error) -> TrackerError | None:
-    """The typed tracker error an RT SQLSTATE stands for (DETAIL holds the offending value)."""
-    code, detail = exc.sqlstate or "", exc.diag.message_detail or ""
-    message = exc.diag.message_primary or ""
-    parts = detail.split(":")
-    item_id = detail if len(parts) == 3 else None
-    try:
-        batch_id = int(parts[0])
-    except ValueError:
-        batch_id = -1
-    if code == "RT001":
-        return MalformedItemId(detail)
-    if code == "RT002":  # open_batch names an unknown parent as such, as the tracker does
-        return UnknownBatch(batch_id, item_id, role="parent" if message.endswith("(parent)") else None)
-    if code == "RT003":
-        return UnknownGroup(batch_id, int(parts[1]), item_id)
-    if code == "RT004":
-        size = _SIZE.search(message)
-        return (
-            IndexOutOfRange(detail, int(size.group(1)))
-            if size
-            else IndexOutOfRange(detail, GROUP_BITS_MAX, any_group=True)
-        )
-    if code == "RT005" and (parent := _PARENT_STATE.search(message)):
-        return ParentNotOpen(batch_id, parent.group(1))
-    if code == "RT007" and (depth := _PARENT_DEPTH.search(message)):
-        return DepthExceeded(batch_id, int(depth.group(1)), _DEPTH_MAX)
-    if code == "RT007":  # an invalid argument: its name leads the message, DETAIL holds its value
-        return InvalidValue(message.split(" ", 1)[0], detail, message)
-    if code == "RT005":
-        state = _STATE.search(message)
-        return BatchNotOpen(batch_id, state.group(1) if state else "not open")
-    if code == "RT006":
-        return BatchExpired(batch_id, item_id)
-    if code == "RT008":
-        return TooManyGroups("item_ids", detail, MASK_BYTES_MAX)
-    return None
 
 
 async def _configure(conn: psycopg.AsyncConnection) -> None:
@@ -238,7 +185,7 @@ class _PoolStore:
         try:
             return await self.within(call)
         except psycopg.Error as exc:
-            err = _tracker_error(exc)
+            err = tracker_error(exc)
             if err is not None:
                 raise err from None
             if isinstance(exc, (psycopg.OperationalError, psycopg.errors.QueryCanceled)):
