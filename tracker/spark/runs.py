@@ -99,7 +99,9 @@ def job_batch(
     from tracker.sync import open_batch
 
     s = schema_of(schema)
-    run_key = check_run_key(run_key)  # type: ignore[assignment]
+    key = check_run_key(run_key)
+    if key is None:
+        raise InvalidArgument("run_key", run_key, "a non-empty str")
     user_key = check_user_key(user_key)
     if completion_topic is not None:
         check_topic(completion_topic, "completion_topic")
@@ -115,21 +117,21 @@ def job_batch(
     for _ in range(_OPEN_ATTEMPTS):
         try:
             with conn.transaction():
-                row = conn.execute(find, [run_key]).fetchone()
+                row = conn.execute(find, [key]).fetchone()
                 if row is not None:
                     batch_id, had_user_key, had_topic = row
                     if (had_user_key, had_topic) != (user_key, completion_topic):
                         raise InvalidValue(
                             "run_key",
-                            run_key,
+                            key,
                             f"names the fan-out job of batch {batch_id}, opened with user_key {had_user_key!r} "
                             f"and completion_topic {had_topic!r}: another job needs a run key of its own",
                         )
                     return int(batch_id)
                 batch = open_batch(conn, user_key=user_key, completion_topic=completion_topic, schema=s)
-                if conn.execute(claim, [batch.id, run_key]).fetchone() is None:
+                if conn.execute(claim, [batch.id, key]).fetchone() is None:
                     raise _Raced  # undoes this transaction's batch; the next attempt finds the winner's
                 return batch.id
         except _Raced:
             continue
-    raise RuntimeError(f"run_key {run_key!r}: its batch was opened and gone {_OPEN_ATTEMPTS} times in a row")
+    raise RuntimeError(f"run_key {key!r}: its batch was opened and gone {_OPEN_ATTEMPTS} times in a row")
