@@ -156,3 +156,11 @@ def test_a_bad_run_key_is_refused_before_any_batch_is_opened_or_run_begun(spark,
         tspark.fan_out(_rows(spark, 3, 1), dsn=pg_dsn, topic="work", schema=schema, batch=batch, run_key=run_key)
     assert info.value.name == "run_key" and info.value.value is run_key
     assert _state(pg_dsn, schema) == before
+
+
+def test_job_batch_needs_a_run_key(pg_dsn, schema):
+    before = _state(pg_dsn, schema)
+    with psycopg.connect(pg_dsn) as conn, pytest.raises(InvalidArgument) as info:
+        job_batch(conn, None, schema=schema)  # type: ignore[arg-type]
+    assert info.value.name == "run_key" and info.value.value is None
+    assert _state(pg_dsn, schema) == before
