@@ -115,6 +115,9 @@ class DeliverySettler:
         # Row ids to publish with a report each (see RUN_REFUSED): added by the thread serving the
         # callbacks, taken out by the producing thread (set operations hold the GIL).
         self.single: set[int] = set()
+        # Told the topic of a record failed as unknown (its name valid): the strategy holds that
+        # topic's rows back (harvester.publishing.missing_topics).
+        self.missing_topic: Callable[[str], None] = lambda topic: None
         self._stop = threading.Event()
         self._threads = [logs.unit_thread(self._loop, f"reaper-settle-{i}") for i in range(workers)]
 
@@ -190,6 +193,8 @@ class DeliverySettler:
                 self._sample_now(msg)
         else:
             err = invalid_topic(err, msg.topic() if msg is not None else None) or err
+            if err.code() in _UNKNOWN_TOPIC and msg is not None:
+                self.missing_topic(msg.topic())
             reports.append((row_id, leader_id, err))
             self.failed_report(err)
         if len(reports) >= self._batch and not self._wake.is_set():
@@ -206,6 +211,8 @@ class DeliverySettler:
                 self._sample_now(msg)
         else:
             err = invalid_topic(err, msg.topic() if msg is not None else None) or err
+            if err.code() in _UNKNOWN_TOPIC and msg is not None:
+                self.missing_topic(msg.topic())
             if err.code() in PERMANENT_DELIVERY and not err.fatal():
                 self.single.update(row_ids)
                 err = KafkaError(KafkaError._FAIL, f"{err.name()}: {RUN_REFUSED}")
@@ -217,6 +224,10 @@ class DeliverySettler:
     def produce_refused(self) -> None:
         """produce() refused a record for a passing reason; it is produced again in place."""
         self._m.produce_errors.inc()
+
+    def remark(self, why: str) -> None:
+        """Have the marker mark again from the head under a new leader id."""
+        self._on_failure(why)
 
     def uncovered(self, n: int) -> None:
         """`n` records were handed over with no report to come (their run was cut short): their

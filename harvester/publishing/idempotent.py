@@ -4,7 +4,8 @@ Contract of a publishing strategy (this one and harvester.publishing.transaction
 - `produce_rows(rows, leader_id, still_valid, valid_until)` hands rows (as OutboxStore.mark
   returns them, each with its message id built by the mark in the table's namespace)
   to the slot's current producer in the order given, and returns how many it got through (handed
-  over or quarantined); fewer than given means it stopped early, and the caller must not publish
+  over, quarantined, or held back behind their topic's first row when the topic does not exist:
+  harvester.publishing.missing_topics); fewer than given means it stopped early, and the caller must not publish
   later rows under the same leader id (the rest stay marked by it). It stops before the first row
   once the leadership deadline `valid_until()` has passed or `still_valid()` is false (checked
   every 256 rows), or when the producer was retired meanwhile. Rows not handed over are released
@@ -32,6 +33,7 @@ from functools import partial
 from confluent_kafka import KafkaError, KafkaException
 
 from harvester.publishing.deliveries import DeliverySettler, error_reason, invalid_topic, logs_safe
+from harvester.publishing.missing_topics import MissingTopics
 from harvester.publishing.ports import ProducerLike, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
 from harvester.publishing.runs import PartitionCounts, computes_partitions, plan_runs
@@ -84,9 +86,21 @@ class PlainStrategy:
         # computed; the transactional strategy calls write() with a report per record.
         self.by_runs = computes_partitions(slot._conf)
         self._counts = PartitionCounts()
+        # Topics produce() refused as unknown: their rows are held back, in order, while other
+        # topics' rows go on (harvester.publishing.missing_topics).
+        self.missing = MissingTopics()
+        settler.missing_topic = self.missing.hold
 
     def on_retire(self) -> None:
         pass
+
+    def recheck_missing(self, producer: ProducerLike) -> None:
+        """Ask about the held topics that are due (harvester.publishing.missing_topics); one that
+        exists now has its rows marked again from the head, under a new leader id."""
+        if self.missing.held:
+            now_there = self.missing.recheck(producer)
+            if now_there is not None:
+                self.settler.remark(f"topic {now_there!r} exists now: its held rows are marked again")
 
     def produce_rows(
         self,
@@ -122,8 +136,13 @@ class PlainStrategy:
         mark built it, tracker.message_ids.MESSAGE_ID_SQL). Returns the rows got through: handed
         over or quarantined."""
         slot, clock, swap, trace, mid = self.slot, time.monotonic, self.slot._swap, self.trace, MESSAGE_ID_HEADER
-        n, i, check_at = len(rows), 0, 0  # rows[:i] are handed over or quarantined
+        n, i, check_at = len(rows), 0, 0  # rows[:i] are handed over, quarantined or held
         quarantined = 0  # of rows[:i], moved aside instead of handed over
+        held = 0  # of rows[:i], of a topic that does not exist: not handed over, left marked
+        missing = self.missing
+        missing.for_leader(leader_id)
+        self.recheck_missing(producer)
+        holding = missing.held  # (the dict itself: a refusal below adds to it)
         slot.used = True
         if by_runs:
             parts, runs, last = plan_runs(rows, self._counts, producer, self.settler.single)
@@ -153,6 +172,10 @@ class PlainStrategy:
                                 expired = True
                                 break
                             row_id, topic, key, value, hkeys, hvals, partition, msg_id = rows[i]
+                            if holding and topic in holding:
+                                i += 1  # held back behind its topic's first row, still marked
+                                held += 1
+                                continue
                             if by_runs:
                                 run, partition = runs[i], parts[i]
                                 if run < 0:
@@ -193,6 +216,12 @@ class PlainStrategy:
                 row_id, topic, key, value, hkeys, hvals, own_partition, msg_id = rows[i]
                 if isinstance(failed, KafkaException) and failed.args and isinstance(failed.args[0], KafkaError):
                     failed = KafkaException(invalid_topic(failed.args[0], topic) or failed.args[0])
+                    if failed.args[0].code() == KafkaError._UNKNOWN_TOPIC:
+                        # librdkafka knows the topic does not exist: hold its rows (see above)
+                        missing.hold(topic, row_id)
+                        i += 1
+                        held += 1
+                        continue
                 if isinstance(failed, BufferError) or transient(failed):
                     # `run`, `partition` and `callback` are still the refused record's (`partition`
                     # the one computed for it: the row's own would let librdkafka's partitioner
@@ -232,7 +261,7 @@ class PlainStrategy:
                 quarantined += 1
                 i += 1
         finally:
-            sent = i - quarantined
+            sent = i - quarantined - held
             self.produced += sent
             # Handed over, but their run's last record was not (stopped early, or it was refused and
             # quarantined): no report will settle them. They stay marked by this leader id, and

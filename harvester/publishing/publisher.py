@@ -163,6 +163,8 @@ class Publisher:
         previous leader now rather than when the first rows come)."""
         if isinstance(self.strategy, TransactionalStrategy):
             self.strategy.prepare(still_valid, valid_until)
+        # rows held back for a topic that did not exist wait for no new rows to be checked again
+        self._plain.recheck_missing(self.slot.current)
 
     def reserve(self, n: int) -> None:
         self.settler.reserve(n)

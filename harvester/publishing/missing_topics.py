@@ -1,0 +1,90 @@
+"""Topics that do not exist (yet): their rows are held back, in order, while other topics' rows go on.
+
+On brokers that do not create topics, librdkafka first queues a record for a topic it does not
+know (up to `topic.metadata.propagation.max.ms`), then fails it in its delivery report; once it
+has learnt that the topic does not exist, produce() refuses the topic's records at once
+(`_UNKNOWN_TOPIC`), and in a transaction the broker fails them (`UNKNOWN_TOPIC_OR_PART`), aborting
+the transaction. Either way the oldest row, remarked from the head again and again, held up every
+row behind it, of every topic, for as long as the topic was missing.
+
+Now the first such refusal or report holds the topic (`hold`): its rows are not handed over, under
+this leader id or the next ones, so none of them overtakes another (order is per key within a
+topic); they stay marked, and rows of other topics are produced as usual. Every CHECK_EVERY
+seconds the producing thread asks the brokers for a held topic's metadata (`recheck`); once it
+exists, the strategy forces a remark, and the topic is let go when the next leader id starts
+(`for_leader`), which marks from the head: the held rows first, in order. A topic held for a
+passing error is let go the same way, at the next check.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Protocol
+
+from harvester import logs
+
+CHECK_EVERY = 5.0  # seconds between questions about a held topic's existence
+METADATA_TIMEOUT = 1.0  # how long one question may hold up the producing thread
+
+
+class Metadata(Protocol):
+    """What `recheck` uses of confluent_kafka.Producer."""
+
+    def list_topics(self, topic: str | None = ..., timeout: float = ...) -> object: ...
+
+
+class MissingTopics:
+    """Shared by the producing thread and the thread serving delivery reports (a lock guards it)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, float] = {}  # topic -> when its existence is next asked
+        self._found: set[str] = set()  # held topics that exist now: let go at the next leader id
+        self._leader: uuid.UUID | None = None
+        self._lock = threading.Lock()
+        self._log = logs.get("reaper.publish")
+        self._lines = logs.Repeats(30.0)
+
+    def for_leader(self, leader_id: uuid.UUID) -> None:
+        """A new leader id marks from the head: the topics found to exist are let go."""
+        if leader_id != self._leader:
+            self._leader = leader_id
+            if self._found:
+                with self._lock:
+                    for topic in self._found:
+                        self.held.pop(topic, None)
+                    self._found.clear()
+
+    def hold(self, topic: str, row_id: int | None = None) -> None:
+        with self._lock:
+            new = topic not in self.held
+            if new:
+                self.held[topic] = time.monotonic() + CHECK_EVERY
+            self._found.discard(topic)
+        if new and self._lines.due(topic):
+            self._log.warning(
+                "topic does not exist: its rows wait, in order, until it is created; other topics' rows go on",
+                topic=topic,
+                row_id=row_id,
+            )
+
+    def recheck(self, producer: Metadata) -> str | None:
+        """A held topic that exists now (the caller has its rows marked again, from the head), or None."""
+        now = time.monotonic()
+        with self._lock:
+            due = [t for t, at in self.held.items() if now >= at and t not in self._found]
+            for topic in due:
+                self.held[topic] = now + CHECK_EVERY
+        for topic in due:
+            try:
+                meta = producer.list_topics(topic, timeout=METADATA_TIMEOUT)
+            except Exception:  # brokers away: asked again later
+                continue
+            found = getattr(meta, "topics", {}).get(topic)
+            if found is not None and getattr(found, "error", None) is None and getattr(found, "partitions", None):
+                with self._lock:
+                    self._found.add(topic)
+                self._log.info("topic exists now: its held rows are published", topic=topic)
+                return topic
+        return None
