@@ -66,12 +66,17 @@ def cmd_migrate(cfg: config_mod.Config, dry_run: bool, roles_action: str | None 
     import psycopg
 
     from harvester import config as config_mod
+    from harvester.dsn_options import dsn_refusal
     from tracker import roles, schema
 
     dsn, name = cfg.database.dsn, cfg.database.schema
     try:  # never prepared: migrate also runs through PgBouncer in transaction mode
         conn = psycopg.connect(dsn, autocommit=True, connect_timeout=10, prepare_threshold=None)
-    except psycopg.OperationalError as exc:
+    except psycopg.Error as exc:
+        refused = dsn_refusal(dsn)  # a mistake in the DSN itself: retrying cannot help
+        if refused is not None:
+            print(f"reaper migrate: {refused}", file=sys.stderr)
+            return ExitCode.USAGE
         print(f"reaper migrate: database unreachable: {config_mod.redact_dsn(str(exc)).strip()}", file=sys.stderr)
         return ExitCode.UNAVAILABLE
     with conn:

@@ -72,6 +72,8 @@ _LIBPQ_QUOTE = re.compile(
     r"""|URI query parameter|in URI(?: \(expected ":" or "/"\))?|unexpected spaces found in):?\s*)"[^\n]*\"""",
     re.I,
 )
+# ... but the option an integer value was refused for is named: only the value may be a password's part
+_LIBPQ_INTEGER = re.compile(r"""(invalid integer value\s*)"[^\n]*"(\s*for connection option "[A-Za-z_]+")""", re.I)
 _SECRET_PARAMS = ("password", "sslpassword")
 
 
@@ -94,7 +96,13 @@ def redact_dsn(text: str) -> str:
 
 
 def _redact_text(text: str) -> str:
-    return _LIBPQ_QUOTE.sub(r'\1"***"', _KV_PASSWORD.sub(r"\1***", text))
+    text = _KV_PASSWORD.sub(r"\1***", text)
+    parts = _LIBPQ_INTEGER.split(text)  # [text, head, option, text, ...]: the option's name kept
+    for i in range(0, len(parts), 3):
+        parts[i] = _LIBPQ_QUOTE.sub(r'\1"***"', parts[i])
+    for i in range(1, len(parts), 3):
+        parts[i] = f'{parts[i]}"***"'
+    return "".join(parts)
 
 
 def _redact_uri(uri: str) -> str:

@@ -1,7 +1,7 @@
 """`reaper run`: the harvester, the acker, the sweeper loop and the metrics server in one process.
 
 Exit codes: harvester.exit_codes.ExitCode (OK, FAILURE: a component failed to start or stopped
-while running, USAGE, UNAVAILABLE at start: once database.startup_timeout has passed, or at once for
+while running, USAGE (also a DSN libpq refuses, at once), UNAVAILABLE at start: once database.startup_timeout has passed, or at once for
 a schema not migrated, DRAIN_TIMEOUT: records left in flight at the drain's end or at a second
 signal). Signals: see `Signals`.
 """
@@ -235,7 +235,11 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
     m = get_metrics(cfg.metrics.prefix)
     m.build_info.labels(product_version()).set(1)
     admin = admin_client(cfg)
-    ready = await_services(cfg, admin, term)
+    try:
+        ready = await_services(cfg, admin, term)
+    except ConfigError as exc:  # a DSN libpq refuses: no wait can help
+        log.error("cannot start", error=str(exc))
+        return ExitCode.USAGE
     signals.log_received(log)
     if not ready:
         return ExitCode.UNAVAILABLE

@@ -2,7 +2,7 @@
 
 At start: the database answers and holds the outbox table (else `reaper migrate` first), and Kafka
 answers; a check that fails for a reason that may pass is tried again until
-database.startup_timeout. /readyz: both answered within a second or two (cached for a second).
+database.startup_timeout. A DSN libpq refuses before connecting is a ConfigError at once. /readyz: both answered within a second or two (cached for a second).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import psycopg
 from confluent_kafka.admin import AdminClient
 
 from harvester import logs
-from harvester.config import Config, redact_dsn
+from harvester.config import Config, ConfigError, redact_dsn
+from harvester.dsn_options import dsn_refusal
 from harvester.election.timeouts import silent_broker_wait_ms, socket_waits
 from harvester.publishing.publisher import logs_safe
 from tracker.schema import qualified
@@ -40,6 +41,9 @@ def _check_database(cfg: Config, connect_timeout: int = 10) -> None:
             assert row is not None  # a SELECT without FROM returns exactly one row
             found = row[0]
     except psycopg.Error as exc:
+        refused = dsn_refusal(cfg.database.dsn)  # a mistake in the DSN itself: retrying cannot help
+        if refused is not None:
+            raise refused from None
         raise Unavailable(f"database unreachable: {logs_safe(exc)}") from None
     if found is None:
         raise Unavailable(
@@ -107,7 +111,8 @@ def _check_once(
 def await_services(cfg: Config, admin: AdminClient, term: threading.Event) -> bool:
     """The start-up checks, tried again with a growing pause while they fail for a reason that may
     pass, for up to database.startup_timeout seconds (0: once). One log line per distinct reason;
-    a signal (`term`) ends the wait. False: the reaper cannot start (logged)."""
+    a signal (`term`) ends the wait. False: the reaper cannot start (logged). Raises ConfigError
+    for a DSN libpq refuses (harvester.dsn_options), at once."""
     log = logs.get("reaper")
     wait = cfg.database.startup_timeout
     started = time.monotonic()
@@ -120,6 +125,8 @@ def await_services(cfg: Config, admin: AdminClient, term: threading.Event) -> bo
             if seen:
                 log.info("database and Kafka available", waited=round(time.monotonic() - started, 3))
             return True
+        if isinstance(exc, ConfigError):  # a DSN libpq refuses: `reaper run` reports it and exits 2
+            raise exc
         reason = redact_dsn(str(exc)) if isinstance(exc, Unavailable) else logs_safe(exc)
         lasting = not isinstance(exc, Unavailable) or exc.lasting
         left = deadline - time.monotonic()

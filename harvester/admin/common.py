@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 
 from harvester.config import Config, redact_dsn
+from harvester.dsn_options import dsn_refusal
 from harvester.exit_codes import ExitCode
 from tracker.schema import qualified
 
@@ -31,7 +32,10 @@ def connect(cfg: Config) -> psycopg.Connection:
         return psycopg.connect(
             cfg.database.dsn, connect_timeout=10, application_name="reaper-admin", prepare_threshold=None
         )
-    except psycopg.OperationalError as exc:
+    except psycopg.Error as exc:
+        refused = dsn_refusal(cfg.database.dsn)  # a mistake in the DSN itself: retrying cannot help
+        if refused is not None:
+            raise AdminError(str(refused), ExitCode.USAGE) from None
         raise AdminError(f"database unreachable: {redact_dsn(str(exc)).strip()}", ExitCode.UNAVAILABLE) from None
 
 
