@@ -5,6 +5,7 @@ check says). Failures are structlog events, never plain text on stderr.
 
 from __future__ import annotations
 
+import errno
 import sys
 import threading
 from collections.abc import Callable
@@ -30,6 +31,17 @@ class _Server(ThreadingHTTPServer):
             log.info("metrics client went away before its answer", error=type(exc).__name__)
         else:
             log.error("metrics request failed", exc_info=True)
+
+
+class CannotListen(RuntimeError):
+    """The metrics server could not bind metrics.host:metrics.port (taken, or not an address here)."""
+
+    def __init__(self, host: str, port: int, exc: OSError) -> None:
+        if exc.errno == errno.EADDRINUSE:
+            why = f"metrics.port {port} is in use on {host} (is metrics.port free?)"
+        else:
+            why = f"cannot listen on metrics.host {host}, metrics.port {port}: {exc.strerror or exc}"
+        super().__init__(f"the metrics server did not start: {why}")
 
 
 class HealthServer:
@@ -61,7 +73,10 @@ class HealthServer:
             def log_message(self, *args) -> None:  # quiet: scrapes are not news
                 pass
 
-        self.httpd = _Server((host, port), Handler)
+        try:
+            self.httpd = _Server((host, port), Handler)
+        except OSError as exc:  # named as the console's port is: the key, the address and why
+            raise CannotListen(host, port, exc) from None
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="reaper-http", daemon=True)
 

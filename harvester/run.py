@@ -23,7 +23,7 @@ from harvester.election.leader_topic import KafkaClusterUnknown, LeaderTopicMism
 from harvester.election.timeouts import silent_broker_wait_ms
 from harvester.exit_codes import ExitCode
 from harvester.gauges import gauges_loop
-from harvester.health_server import HealthServer
+from harvester.health_server import CannotListen, HealthServer
 from harvester.metrics import get as get_metrics
 from harvester.publishing.outbox_sql import make_pool
 from harvester.publishing.ports import DEFAULT, Providers
@@ -309,6 +309,8 @@ def run(cfg: Config, *, providers: Providers = DEFAULT) -> int:
     except ConfigError as exc:  # found only once a part starts (the console's tokens)
         log.error("cannot start", error=str(exc))
         code = ExitCode.USAGE
+    except CannotListen as exc:  # metrics.port taken: named as the console's port is
+        failures.append(("metrics server", exc))
     except Exception as exc:
         failures.append(("startup", exc))
     finally:
