@@ -157,3 +157,13 @@ def ack_topics(cfg: Config) -> dict[tuple[str, str], str]:
             )
         out[target], owner[topic] = topic, target
     return out
+
+
+def reserved_topics(cfg: Config) -> frozenset[str]:
+    """The topics the reaper reads itself, which no outbox row may name: the leader topic, and,
+    with the acker on, every ack topic and the acks' dead-letter topic (a row published there with
+    the reaper's credentials could ack or fail any batch's items)."""
+    reads = {cfg.harvester.leader_topic}
+    if cfg.acker.enabled:
+        reads |= {*ack_topics(cfg).values(), cfg.acker.dead_letter_topic}
+    return frozenset(reads)

@@ -46,6 +46,14 @@ PERMANENT_PRODUCE = frozenset(
     {KafkaError.MSG_SIZE_TOO_LARGE, KafkaError._UNKNOWN_PARTITION, KafkaError._INVALID_ARG, KafkaError.TOPIC_EXCEPTION}
 )
 
+# A row naming a topic the reaper reads itself (an ack topic, the acks' dead-letter topic, the
+# leader topic): published with the reaper's credentials, it could ack any batch's items or disturb
+# the election. Quarantined like a topic name Kafka refuses.
+RESERVED = KafkaError(
+    KafkaError.TOPIC_EXCEPTION,
+    "a topic the reaper reads itself (acks, their dead letters, leadership): no outbox row may name it",
+)
+
 PRODUCE_RETRIES = 3  # a record refused by produce() for a passing reason is tried again this often
 
 
@@ -173,6 +181,9 @@ class PlainStrategy:
                                 break
                             row_id, topic, key, value, hkeys, hvals, partition, msg_id = rows[i]
                             if holding and topic in holding:
+                                if topic in missing.reserved:
+                                    failed = KafkaException(RESERVED)  # quarantined below
+                                    break
                                 i += 1  # held back behind its topic's first row, still marked
                                 held += 1
                                 continue

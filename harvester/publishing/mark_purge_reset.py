@@ -20,6 +20,7 @@ from psycopg_pool import ConnectionPool
 
 from harvester import logs
 from harvester.config import Config, UnitSpec
+from harvester.config_outboxes import reserved_topics
 from harvester.election.db_clock import DatabaseClock
 from harvester.election.lease import LEADER, Lease
 from harvester.election.timeouts import silent_broker_wait_ms
@@ -119,6 +120,7 @@ class UnitHarvester(MarkingLoop):
             purge_workers=h.purge_workers,
             providers=self.providers,
             on_failure=self.force_remark,
+            reserved_topics=reserved_topics(cfg),
         ).start()
         self.publisher.queue_full_patience = h.mark_deadline / 2
         if h.trace_spans:  # a PRODUCER span per row, linked to the context stored with it (tracker.tracing)

@@ -18,6 +18,7 @@ passing error is let go the same way, at the next check.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -42,9 +43,18 @@ class MissingTopics:
         self.held: dict[str, float] = {}  # topic -> when its existence is next asked
         self._found: set[str] = set()  # held topics that exist now: let go at the next leader id
         self._leader: uuid.UUID | None = None
+        self.reserved: frozenset[str] = frozenset()
         self._lock = threading.Lock()
         self._log = logs.get("reaper.publish")
         self._lines = logs.Repeats(30.0)
+
+    def reserve(self, topics: frozenset[str]) -> None:
+        """Topics no outbox row may name (the reaper reads them itself): kept among the held ones,
+        so the produce loop's one lookup finds them too, and never asked about (see `reserved`)."""
+        self.reserved = topics
+        with self._lock:
+            for topic in topics:
+                self.held[topic] = math.inf
 
     def for_leader(self, leader_id: uuid.UUID) -> None:
         """A new leader id marks from the head: the topics found to exist are let go."""

@@ -106,6 +106,7 @@ class Publisher:
         purge_workers: int = 2,
         providers: Providers = DEFAULT,
         on_failure: Callable[[str], None] = lambda why: None,
+        reserved_topics: frozenset[str] = frozenset(),
     ) -> None:
         self._life = Lifecycle("publisher")
         self.transactional = "transactional.id" in conf
@@ -127,6 +128,7 @@ class Publisher:
             self._plain = self.strategy.plain
         else:
             self.strategy = self._plain = PlainStrategy(self.slot, self.settler, store)
+        self._plain.missing.reserve(reserved_topics)  # rows naming them are quarantined
 
     def _fatal(self) -> None:
         self.slot.broken = True

@@ -1,0 +1,76 @@
+"""Outbox rows may not name a topic the reaper reads itself: the leader topic always, and with the
+acker on every ack topic and the acks' dead-letter topic. Published with the reaper's credentials,
+such a row (a SQL producer's `enqueue`, an application's own row) could ack or fail any batch's
+items, or disturb the election. It is moved to the dead table with the reason; the other rows go
+on. With the acker off, its topics are ordinary ones. Real Kafka and Postgres, both modes."""
+
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+import pytest
+from support.harness import Receiver, make_config, outbox_marks, running, wait_until
+
+
+def _insert(pg_dsn: str, schema: str, rows: list[tuple[str, bytes]]) -> list[int]:
+    with psycopg.connect(pg_dsn) as c:
+        return [
+            c.execute(
+                f'INSERT INTO "{schema}".outbox (topic, key, value) VALUES (%s, %s, %s) RETURNING id', [t, b"k", v]
+            ).fetchone()[0]
+            for t, v in rows
+        ]
+
+
+def _dead(pg_dsn: str, schema: str) -> list[tuple[int, str, str]]:
+    with psycopg.connect(pg_dsn) as c:
+        return c.execute(f'SELECT id, topic, reason FROM "{schema}".outbox_dead ORDER BY id').fetchall()
+
+
+@pytest.mark.parametrize("fenced", [False, True], ids=["idempotent", "transactional"])
+def test_rows_naming_the_reapers_own_topics_are_quarantined_and_hold_up_nothing(
+    pg_dsn, kafka_bootstrap, schema, topics, fenced
+):
+    data, acks, dead_letters, leader = topics("data"), topics("acks"), topics("acks-dl"), topics("leader")
+    fencing = {"transactional_id": f"t-{uuid.uuid4().hex[:8]}"} if fenced else {}
+    cfg = make_config(
+        pg_dsn,
+        schema,
+        kafka_bootstrap,
+        leader_topic=leader,
+        harvester=fencing,
+        acker={"topic": acks, "dead_letter_topic": dead_letters},
+    )
+    rows = [(data, b"d0"), (acks, b"1:0:0-8191"), (data, b"d1"), (dead_letters, b"x"), (leader, b"y"), (data, b"d2")]
+    ids = _insert(pg_dsn, schema, rows)
+    receiver = Receiver(kafka_bootstrap, data)
+    on_acks = Receiver(kafka_bootstrap, acks)
+    try:
+        with running(cfg) as h:
+            assert wait_until(lambda: not outbox_marks(pg_dsn, schema) and len(receiver.values()) >= 3, 60), (
+                receiver.values(),
+                outbox_marks(pg_dsn, schema),
+            )
+            assert h.error is None
+        dead = _dead(pg_dsn, schema)
+        assert [(d[0], d[1]) for d in dead] == [(ids[1], acks), (ids[3], dead_letters), (ids[4], leader)]
+        assert all(d[2].startswith("TOPIC_EXCEPTION: a topic the reaper reads itself") for d in dead), dead
+        assert receiver.values()[:3] == [b"d0", b"d1", b"d2"]
+        assert on_acks.values() == []
+    finally:
+        receiver.close()
+        on_acks.close()
+
+
+def test_with_the_acker_off_its_topics_are_ordinary_ones(pg_dsn, kafka_bootstrap, schema, topics):
+    acks = topics("acks")
+    cfg = make_config(pg_dsn, schema, kafka_bootstrap, acker={"enabled": False, "topic": acks})
+    _insert(pg_dsn, schema, [(acks, b"a0")])
+    on_acks = Receiver(kafka_bootstrap, acks)
+    try:
+        with running(cfg):
+            assert wait_until(lambda: on_acks.values() == [b"a0"], 60), on_acks.values()
+        assert _dead(pg_dsn, schema) == []
+    finally:
+        on_acks.close()
