@@ -574,7 +574,10 @@ BEGIN
 END $$;
 
 
-CREATE OR REPLACE FUNCTION outcome_ids(ids text[], completion_topic text, reason text)
+-- claims: false takes the masked path for any call (a short transaction of the caller's own
+-- that wants `completed` reported: the HTTP service's requests).
+DROP FUNCTION IF EXISTS outcome_ids(text[], text, text);
+CREATE OR REPLACE FUNCTION outcome_ids(ids text[], completion_topic text, reason text, claims boolean DEFAULT true)
 RETURNS TABLE (acked bigint, duplicates bigint, completed bigint[])
 LANGUAGE plpgsql SET search_path FROM CURRENT SET jit = off AS $$
 #variable_conflict use_column
@@ -692,7 +695,7 @@ BEGIN
     BEGIN
         -- (the items named, each once, decide: as tracker.ack decides, tracker.core.acks.CLAIMS_PER_CALL_MAX)
         SELECT sum(bit_count(('x' || h)::varbit)) INTO distinct_n FROM unnest(hexes) AS h;
-        IF outcome_ids.reason IS NULL AND distinct_n <= 1000 THEN
+        IF outcome_ids.reason IS NULL AND outcome_ids.claims AND distinct_n <= 1000 THEN
             -- An ack of up to 1,000 items claims them, as tracker.ack does (R__ack_claims.sql): no
             -- batch row stays locked for the rest of the caller's transaction, so the consumers of
             -- one batch ack in parallel; bits, counts and the completion are settled at commit (or
@@ -751,10 +754,11 @@ BEGIN
     RETURN NEXT;
 END $$;
 
-CREATE OR REPLACE FUNCTION ack(ids text[], completion_topic text DEFAULT 'batch-completions')
+DROP FUNCTION IF EXISTS ack(text[], text);
+CREATE OR REPLACE FUNCTION ack(ids text[], completion_topic text DEFAULT 'batch-completions', claims boolean DEFAULT true)
 RETURNS TABLE (acked bigint, duplicates bigint, completed bigint[])
 LANGUAGE sql SECURITY DEFINER SET search_path FROM CURRENT SET jit = off AS $$
-    SELECT * FROM outcome_ids(ids, completion_topic, NULL)
+    SELECT * FROM outcome_ids(ids, completion_topic, NULL, claims)
 $$;
 
 
@@ -776,7 +780,7 @@ END $$;
 SELECT grant_execute_if_role_exists('producer', ARRAY[
     'open_batch(text, text, bigint, bigint, float8)', 'batch_status(bigint)', 'failures(bigint, text, integer)']);
 SELECT grant_execute_if_role_exists('consumer', ARRAY[
-    'batch_status(bigint)', 'failures(bigint, text, integer)', 'fail(text[], text, text)',
+    'batch_status(bigint)', 'failures(bigint, text, integer)', 'fail(text[], text, text)', 'ack(text[], text, boolean)',
     'fail_masks(bigint[], bigint[], text[], text, text)']);
 SELECT grant_execute_if_role_exists('operator', ARRAY['batch_status(bigint)']);
 
@@ -807,8 +811,9 @@ COMMENT ON FUNCTION failures IS 'A page of at most `lim` (1 to 1000) failed item
 COMMENT ON FUNCTION ack IS 'Record items as succeeded: ids ''<batch>:<group>:<index>'' and runs '
     '''<batch>:<group>:<start>-<end>''. Idempotent: an item''s first outcome wins, later ones count as '
     'duplicates. Up to 1,000 items are claimed (no batch row stays locked until you commit; the '
-    'completion is decided at commit, so `completed` is empty); a larger call locks the named batches'' '
-    'rows until you commit and returns the batches it finished.';
+    'completion is decided at commit, so `completed` is empty); a larger call, or claims => false (for a '
+    'transaction you commit at once that wants `completed`), locks the named batches'' rows until you '
+    'commit and returns the batches it finished.';
 COMMENT ON FUNCTION ack_masks IS 'ack for ids already folded into one mask per group (hex; item i is bit 7 - i % 8 '
     'of byte i / 8).';
 COMMENT ON FUNCTION fail IS 'Record items as failed under `reason` (1 to 500 characters), as ack does for '

@@ -182,7 +182,7 @@ def test_reaper_migrate_works_without_superuser_and_prints_the_grants(pg_dsn):
                 "SELECT DISTINCT pg_get_userbyid(proowner) FROM pg_proc WHERE pronamespace = %s::regnamespace", [name]
             ).fetchall()
         assert owner == [(role,)]
-        assert f'GRANT EXECUTE ON FUNCTION "{name}"."ack"(text[],text) TO "{name}_consumer"' in text
+        assert f'GRANT EXECUTE ON FUNCTION "{name}"."ack"(text[],text,boolean) TO "{name}_consumer"' in text
         assert f'"{name}_producer"' in text and "batch_group" not in text.split(f'"{name}_producer"')[0][-200:]
 
 

@@ -96,7 +96,7 @@ RUNBOOKS: dict[str, Runbook] = {
         "committed. Nothing is lost, but the delay is now visible to users.",
         check=(
             "Everything ReaperOutboxBacklogOld lists.",
-            "`reaper outbox status`: the oldest row's id and topic and whether it is marked (in flight); a row whose topic does not exist stops no other key, but stays until the topic is created.",
+            "`reaper outbox status`: the oldest row's id and topic and whether it is marked (in flight); a row whose topic does not exist stops no other topic's rows (the log says `topic does not exist`, naming it), but its topic's rows stay, in order, until the topic is created.",
         ),
         act=(
             "Restore publication first (leadership, Kafka); rows are published in order once it resumes.",

@@ -87,7 +87,8 @@ def _statements(schema: str) -> dict[str, str]:
         "owners": "SELECT id, coalesce(tenant, 'default'), state FROM {batch} WHERE id = ANY(%s)",
         "add": "SELECT batch_id, group_id, start, upto FROM {s}.add_items(%s, %s)",
         "close": "SELECT {s}.close_batch(%s, %s)",
-        "ack": "SELECT acked, duplicates, completed FROM {s}.ack(%s::text[], %s)",
+        # claims => false: the request's transaction commits at once, and `completed` is reported
+        "ack": "SELECT acked, duplicates, completed FROM {s}.ack(%s::text[], %s, claims => false)",
         "fail": "SELECT failed, duplicates, completed FROM {s}.fail(%s::text[], %s, %s)",
         "failures": "SELECT item_id, reason FROM {s}.failures(%s, %s, %s)",
         "status": "SELECT state, total, pending, user_key, created_at, closed_at, completed_at, last_activity_at, "
