@@ -1,6 +1,7 @@
 """What `reaper run` checks before it starts anything, and what its /readyz asks while it runs.
 
-At start: the database answers and holds the outbox table (else `reaper migrate` first), and Kafka
+At start: the database answers and holds the outbox table (else `reaper migrate` first, or for a
+table of the application's own, CREATE TABLE: `missing_table` says which), and Kafka
 answers; a check that fails for a reason that may pass is tried again until
 database.startup_timeout. A DSN libpq refuses before connecting is a ConfigError at once. /readyz: both answered within a second or two (cached for a second).
 """
@@ -46,10 +47,27 @@ def _check_database(cfg: Config, connect_timeout: int = 10) -> None:
             raise refused from None
         raise Unavailable(f"database unreachable: {logs_safe(exc)}") from None
     if found is None:
-        raise Unavailable(
-            f"table {cfg.database.schema}.{cfg.database.outbox_table} does not exist: run `reaper migrate`",
-            lasting=True,
-        )
+        raise Unavailable(missing_table(cfg.database.schema, cfg.database.outbox_table), lasting=True)
+
+
+# The tables the reaper's commands ask for that `reaper migrate` makes; any other one the
+# configuration names (database.outbox_table, an outbox entry's table, and its `_dead` table) is
+# the application's own, which migrating cannot make.
+MIGRATED_TABLES = frozenset({"outbox", "outbox_dead", "batch", "batch_group", "admin_log", "inbox", "inbox_partition"})
+
+
+def missing_table(schema: str, table: str) -> str:
+    """What to say of a table `schema`.`table` that does not exist: what would make it."""
+    if table in MIGRATED_TABLES:
+        return f"table {schema}.{table} does not exist: run `reaper migrate`"
+    dead = table.endswith("_dead")
+    like = "outbox_dead" if dead else "outbox"
+    what = "the configured outbox table's dead-row table" if dead else "the configured outbox table"
+    return (
+        f"table {schema}.{table} does not exist: {what} is the application's own, which `reaper migrate` does "
+        f"not make (it makes {schema}.{like}); create it with the same columns: CREATE TABLE {schema}.{table} "
+        f'(LIKE {schema}.{like} INCLUDING ALL) (see docs/howto/running.md, "Spread the harvest: units and lanes")'
+    )
 
 
 def admin_client(cfg: Config) -> AdminClient:

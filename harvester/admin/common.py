@@ -12,6 +12,7 @@ import psycopg
 from harvester.config import Config, redact_dsn
 from harvester.dsn_options import dsn_refusal
 from harvester.exit_codes import ExitCode
+from harvester.startup_checks import missing_table
 from tracker.schema import qualified
 
 
@@ -48,7 +49,8 @@ def one_row(cursor: psycopg.Cursor[tuple[Any, ...]]) -> tuple[Any, ...]:
 
 
 def require_tables(conn: psycopg.Connection, schema: str, *tables: str) -> None:
-    """Fail clearly (ExitCode.UNAVAILABLE) when the schema lacks a table: not migrated, or migrated by an older reaper."""
+    """Fail clearly (ExitCode.UNAVAILABLE) when the schema lacks a table: not migrated, migrated by an older
+    reaper, or an outbox table of the application's own not made yet (startup_checks.missing_table)."""
     names = [qualified(schema, table).as_string(conn) for table in tables]
     found = one_row(
         conn.execute(
@@ -60,7 +62,7 @@ def require_tables(conn: psycopg.Connection, schema: str, *tables: str) -> None:
     for table, there in zip(tables, found or [], strict=True):
         if not there:
             conn.rollback()
-            raise AdminError(f"table {schema}.{table} does not exist: run `reaper migrate`", ExitCode.UNAVAILABLE)
+            raise AdminError(missing_table(schema, table), ExitCode.UNAVAILABLE)
 
 
 def when(value: dt.datetime | None) -> str:
