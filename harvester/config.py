@@ -5,7 +5,8 @@ Every key has a default; `REAPER_<SECTION>__<KEY>` overrides `<section>.<key>` (
 `kafka.client` are passed to librdkafka as they are (`REAPER_KAFKA__CLIENT__SASL_PASSWORD` sets
 `sasl.password`), and checked by librdkafka itself at load. A bad value fails at start with a
 ConfigError naming the key and the value; so does a variable that starts like one
-(`REAPER_DATABASE_SCHEMA`, one underscore) or names no key (`REAPER_KAFKA__CLIENT__`). The file is
+(`REAPER_DATABASE_SCHEMA`, one underscore) or names no key (`REAPER_KAFKA__CLIENT__`,
+`REAPER_HARVESTER__SESION_TIMEOUT`: named as written, with the key it was read as). The file is
 read by harvester.config_yaml.load_yaml's rules: at most MAX_CONFIG_BYTES of UTF-8, no aliases,
 no key written twice in one mapping.
 
@@ -22,6 +23,7 @@ functions of both are taken from here.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import logging
 import os
@@ -114,12 +116,19 @@ def redacted(cfg: Config) -> dict[str, dict[str, Any]]:
 # ------------------------------------------------------------------ loading
 
 
-def _apply(section_obj: Any, section: str, values: Mapping[str, Any]) -> None:
+def _apply(section_obj: Any, section: str, values: Mapping[str, Any], variables: Mapping[str, str]) -> None:
+    """`values` of `section` onto `section_obj`; `variables`: the environment variable each came
+    from (by key name), named in place of the key a user never wrote."""
     known = sections()[section]
     for name, written in values.items():
         s = known.get(name)
         if s is None:
-            raise ConfigError(clip(f"{section}.{name}", 80), f"unknown key (known: {', '.join(sorted(known))})")
+            problem = f"unknown key (known: {', '.join(sorted(known))})"
+            if name in variables:  # a misspelled variable: named as written, and the key it was read as
+                near = difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean {ENV_PREFIX}{section.upper()}__{near[0].upper()}?)" if near else ""
+                raise ConfigError(variables[name], f"is read as {clip(f'{section}.{name}', 80)}, an {problem}{hint}")
+            raise ConfigError(clip(f"{section}.{name}", 80), problem)
         value = s.coerce(written)
         if s.is_mapping:
             value = {**getattr(section_obj, name), **value}
@@ -128,7 +137,11 @@ def _apply(section_obj: Any, section: str, values: Mapping[str, Any]) -> None:
         setattr(section_obj, name, value)
 
 
-def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+def _env_overrides(
+    environ: Mapping[str, str], variables: dict[str, dict[str, str]] | None = None
+) -> dict[str, dict[str, Any]]:
+    """The REAPER_ variables of `environ` as sections of keys; `variables` (if given) is filled with
+    the variable each key came from, by section and key name."""
     known = sections()
     mappings = {(s.section, s.name) for s in settings() if s.is_mapping}
     out: dict[str, dict[str, Any]] = {}
@@ -159,6 +172,8 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
         if len(parts) == 2:
             where: tuple[str, ...] = (section, parts[1])
             out.setdefault(section, {})[parts[1]] = value
+            if variables is not None:
+                variables.setdefault(section, {})[parts[1]] = name
         elif (section, parts[1]) in mappings:
             # REAPER_KAFKA__CLIENT__SASL_USERNAME -> sasl.username
             entry = parts[2].replace("_", ".")
@@ -208,23 +223,24 @@ def load(
 ) -> Config:
     """Build the configuration: defaults < YAML file < environment < explicit overrides."""
     cfg = Config()
-    layers: list[Mapping[str, Any]] = []
+    layers: list[tuple[Mapping[str, Any], Mapping[str, Mapping[str, str]]]] = []  # with each key's variable
     if path is not None:
         data = _read(path) or {}
         if not isinstance(data, Mapping):
             raise ConfigError("--config", f"{path} must hold a mapping of sections")
-        layers.append(data)
-    layers.append(_env_overrides(os.environ if environ is None else environ))
+        layers.append((data, {}))
+    variables: dict[str, dict[str, str]] = {}
+    layers.append((_env_overrides(os.environ if environ is None else environ, variables), variables))
     if overrides:
-        layers.append(overrides)
+        layers.append((overrides, {}))
     known = sections()
-    for layer in layers:
+    for layer, names in layers:
         for section, values in layer.items():
             if section not in known:
                 raise ConfigError(clip(str(section), 80), f"unknown section (known: {', '.join(sorted(known))})")
             if not isinstance(values, Mapping):
                 raise ConfigError(section, "must be a mapping")
-            _apply(getattr(cfg, section), section, values)
+            _apply(getattr(cfg, section), section, values, names.get(section, {}))
     validate(cfg)
     return cfg
 

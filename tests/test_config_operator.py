@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from harvester import cli, config
 from harvester.exit_codes import ExitCode
@@ -93,3 +95,27 @@ def test_step_down_after_is_0_or_from_1_to_3600_seconds(value):
 def test_step_down_after_accepts_0_for_never_and_at_least_a_second(value, expected):
     assert config.load(environ={"REAPER_HARVESTER__STEP_DOWN_AFTER": value}).harvester.step_down_after == expected
     assert config.load(environ={}).harvester.step_down_after == 10.0
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    section=st.sampled_from(sorted(config.sections())),
+    name=st.from_regex(r"[A-Z][A-Z0-9]{0,12}(_[A-Z0-9]{1,6}){0,2}", fullmatch=True),
+)
+def test_an_unknown_key_from_the_environment_names_the_variable_as_written(section: str, name: str):
+    assume(name.lower() not in config.sections()[section])
+    variable = f"REAPER_{section.upper()}__{name}"
+    with pytest.raises(config.ConfigError) as err:
+        config.load(environ={variable: "6"})
+    assert err.value.key == variable and f"{section}.{name.lower()}" in err.value.problem, err.value
+
+
+def test_a_misspelled_variable_is_named_with_the_one_meant(capsys, monkeypatch):
+    monkeypatch.setenv("REAPER_HARVESTER__SESION_TIMEOUT", "6")
+    assert cli.main(["migrate", "--dry-run"]) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert "'REAPER_HARVESTER__SESION_TIMEOUT': is read as harvester.sesion_timeout, an unknown key" in err, err
+    assert "did you mean REAPER_HARVESTER__SESSION_TIMEOUT?" in err, err
+    with pytest.raises(config.ConfigError) as in_file:  # the file's key is named as the file writes it
+        config.load(environ={}, overrides={"harvester": {"sesion_timeout": 6}})
+    assert in_file.value.key == "harvester.sesion_timeout"
