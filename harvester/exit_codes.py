@@ -48,7 +48,14 @@ class ExitCode(IntEnum):
             "never loss)"
         ),
     )
-    NOT_FOUND = 5, "the batch or dead row named does not exist, or the message id named is not in the inbox"
+    NOT_FOUND = (
+        5,
+        (
+            "the batch or dead row named does not exist, the message id named is not in the inbox, or no "
+            "dead-lettered ack is at the partition:offset `acks requeue --at` names (or the dead-letter topic does "
+            "not exist)"
+        ),
+    )
     REFUSED = 6, "the state refuses the action (expiring a complete batch)"
     PIPE_CLOSED = (
         141,

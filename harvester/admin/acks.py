@@ -172,7 +172,13 @@ def select(
         meta = c.list_topics(topic, timeout=timeout).topics.get(topic)
         if meta is None or meta.error is not None:
             if at is not None:
-                raise AdminError(f"no dead-lettered ack at {at[0]}:{at[1]}: {topic} has none", ExitCode.NOT_FOUND)
+                missing = meta is None or meta.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART
+                why = "does not exist" if missing else f"cannot be read: {meta.error.str()}"
+                raise AdminError(
+                    f"no dead-lettered ack at {at[0]}:{at[1]}: the dead-letter topic {topic} "
+                    f"(acker.dead_letter_topic) {why}",
+                    ExitCode.NOT_FOUND,
+                )
             return [], 0, 0
         marks = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout) for p in sorted(meta.partitions)}
         if at is not None:
