@@ -1,4 +1,4 @@
-"""`reaper`: the sidecar's command line (migrate, run, serve).
+"""`reaper`: the sidecar's command line (migrate, run, serve, healthcheck, token, the admin commands).
 
 Ctrl-C (SIGINT) ends any command with one line in its usual form (a JSON log line once logging is
 set up, else a line on stderr) and ExitCode.INTERRUPTED, never a traceback. The heavier imports
@@ -38,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub.add_parser("run", help="run the harvester, acker, sweeper and metrics server until SIGTERM")
     sub.add_parser("serve", help="serve the tracker over HTTP (http section of the configuration) until SIGTERM")
+    sub.add_parser(
+        "healthcheck",
+        help="ask /healthz where this container's `reaper run` (metrics.port) or `reaper serve` (http.port) "
+        "answers; exit 0 if healthy (the image's HEALTHCHECK; without -c, reads the main process's -c)",
+    )
     tok = sub.add_parser("token", help="make a bearer token for a tenant of http.tenants_file")
     tok.add_argument("action", choices=["new"])
     tok.add_argument("--tenant", required=True, help="the tenant it speaks for")
@@ -121,6 +126,14 @@ def cmd_run(cfg: config_mod.Config) -> int:
             "reaper run failed", error=f"{type(exc).__name__}: {config_mod.redact_dsn(str(exc))}"
         )
         return ExitCode.FAILURE
+
+
+def cmd_healthcheck(cfg: config_mod.Config) -> int:
+    from harvester.healthcheck import probe
+
+    healthy, said = probe(cfg)
+    print(f"reaper healthcheck: {said}", file=sys.stdout if healthy else sys.stderr)
+    return ExitCode.OK if healthy else ExitCode.FAILURE
 
 
 def cmd_token(tenant: str) -> int:
@@ -211,13 +224,21 @@ def _main(args: argparse.Namespace) -> int:
 
     if args.command == "token":  # needs no configuration
         return cmd_token(args.tenant)
+    if args.command == "healthcheck" and args.config is None:  # the configuration the container's reaper reads
+        from harvester.healthcheck import config_file_of_main_process
+
+        args.config = config_file_of_main_process()
     try:
         cfg = config_mod.load(args.config)
     except config_mod.ConfigError as exc:
         print(f"reaper: {exc}", file=sys.stderr)
         if args.command in admin.COMMANDS and args.json:  # their errors are a JSON document too
             admin.json_error(str(exc), ExitCode.USAGE)
+        if args.command == "healthcheck":  # Docker reads 1 as unhealthy, and reserves 2
+            return ExitCode.FAILURE
         return ExitCode.USAGE
+    if args.command == "healthcheck":
+        return cmd_healthcheck(cfg)
     if args.command == "run":
         return cmd_run(cfg)
     if args.command == "serve":

@@ -233,8 +233,9 @@ def test_dockerfile_is_plausible_and_agrees_with_the_project():
     assert_env_names_are_config_keys(env, "Dockerfile ENV")
     port = env["REAPER_METRICS__PORT"]
     assert ("EXPOSE", port) in ins
+    # the probe follows the command: `reaper healthcheck` asks where the container's configuration says
     health = next(rest for op, rest in ins if op == "HEALTHCHECK")
-    assert f"127.0.0.1:{port}/healthz" in health
+    assert json.loads(health.split("CMD", 1)[1]) == ["reaper", "healthcheck"], health
     entry = json.loads(next(rest for op, rest in ins if op == "ENTRYPOINT"))
     pyproject = (REPO / "pyproject.toml").read_text()
     assert entry == ["reaper"] and 'reaper = "harvester.cli:main"' in pyproject
@@ -291,7 +292,12 @@ def test_k8s_sidecar_manifest_is_consistent(tmp_path):
     assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == cfg.metrics.port
     assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
     assert reaper["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "reaper-metrics"}
-    assert reaper["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "reaper-metrics"}
+    # A native sidecar's readiness probe is the Pod's readiness, and its startup probe holds back the
+    # app container: neither may depend on Kafka or Postgres (/readyz; /healthz before the start-up
+    # checks pass), or a Kafka outage takes the application down. /healthz is served only after the
+    # start-up checks, which last up to database.startup_timeout: liveness starts after it.
+    assert "readinessProbe" not in reaper and "startupProbe" not in reaper
+    assert reaper["livenessProbe"]["initialDelaySeconds"] > cfg.database.startup_timeout
     assert reaper["securityContext"]["runAsNonRoot"] is True
     assert spec["terminationGracePeriodSeconds"] > cfg.harvester.drain_timeout
     # Each replica's app container sees the schema its reaper harvests.
