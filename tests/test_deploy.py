@@ -235,7 +235,7 @@ def test_dockerfile_is_plausible_and_agrees_with_the_project():
     assert ("EXPOSE", port) in ins
     # the probe follows the command: `reaper healthcheck` asks where the container's configuration says
     health = next(rest for op, rest in ins if op == "HEALTHCHECK")
-    assert json.loads(health.split("CMD", 1)[1]) == ["reaper", "healthcheck"], health
+    assert json.loads(health.split("CMD", 1)[1]) == ["python", "-m", "harvester.cli", "healthcheck"], health
     entry = json.loads(next(rest for op, rest in ins if op == "ENTRYPOINT"))
     pyproject = (REPO / "pyproject.toml").read_text()
     assert entry == ["reaper"] and 'reaper = "harvester.cli:main"' in pyproject
