@@ -59,9 +59,17 @@ $$;
 -- are committed and folded by the next settle of the batch instead.
 -- SECURITY DEFINER: the trigger fires at the commit of whoever claimed, a consumer role of the SQL
 -- functions too, which has no privilege on the tables (a trigger function cannot be called alone).
+-- As the owner it writes completion events into the request's outbox: a request is honoured only
+-- for a table of this schema and a topic name Kafka accepts, whoever inserted it (the Python API's
+-- role may insert requests itself, and must not steer the owner's writes elsewhere).
 CREATE OR REPLACE FUNCTION ack_settle_at_commit() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 BEGIN
+    IF (SELECT c.relnamespace FROM pg_class c WHERE c.oid = NEW.outbox) IS DISTINCT FROM current_schema()::regnamespace THEN
+        RAISE EXCEPTION 'an ack settle request names the table %, which is not in schema %', NEW.outbox, current_schema()
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    PERFORM completion_topic_check(NEW.topic);
     DELETE FROM ack_settle_request WHERE xid = NEW.xid AND batch_id = NEW.batch_id;
     IF FOUND AND current_setting('transaction_isolation') = 'read committed' THEN
         PERFORM ack_settle(NEW.batch_id, NEW.outbox, NEW.topic, false);
