@@ -6,6 +6,7 @@ Postgres; the faults are real too (the inbox's partitions dropped, a row lock he
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 
@@ -16,7 +17,7 @@ from psycopg import sql
 
 from tracker.errors import NoInboxPartition
 from tracker.inbox import Inbox
-from tracker.inbox.consumer import MESSAGE_ID_HEADER, InboxConsumer
+from tracker.inbox.consumer import MESSAGE_ID_HEADER, PASSING_TRIES, InboxConsumer
 from tracker.inbox.retention import maintain
 
 
@@ -188,3 +189,77 @@ def test_a_handler_that_fails_for_its_own_reason_still_goes_to_the_dead_letter_t
     assert _effects(pg_dsn, effects) == ["a", "d"]
     assert c.totals.dead_lettered == 2 and _dead_letters(kafka_bootstrap, dead) == 2
     assert _committed(kafka_bootstrap, group, topic) == 4
+
+
+def _consume_all(consumer: InboxConsumer, records: int, polls: int = 40) -> list[BaseException]:
+    """Poll until `records` records went through (processed, duplicates or dead letters); the errors met."""
+    errors: list[BaseException] = []
+    deadline = time.monotonic() + 90
+    while consumer.totals.records < records:
+        assert time.monotonic() < deadline and len(errors) < polls, (consumer.totals, errors[-3:])
+        try:
+            consumer.poll_once()
+        except psycopg.Error as exc:
+            errors.append(exc)
+    return errors
+
+
+def test_a_handler_error_every_retry_meets_again_dead_letters_the_record_at_once(
+    pg_dsn, effects, kafka_bootstrap, topics
+):
+    """A program limit (a value too large for the handler's index) fails the same way every time: an
+    OperationalError by class, but the record's own fault."""
+    topic, dead = topics("inbox"), topics("inbox-dead")
+    big = "".join(hashlib.sha256(str(i).encode()).hexdigest() for i in range(400))  # incompressible, past a btree row
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    for mid, value in [("a", "a"), ("b", big), ("c", "c")]:
+        p.produce(topic, key=mid.encode(), value=value.encode(), headers=[(MESSAGE_ID_HEADER, mid.encode())])
+    assert p.flush(30) == 0
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    config = {"bootstrap.servers": kafka_bootstrap, "group.id": group, "auto.offset.reset": "earliest"}
+    insert = _insert(effects)
+    with psycopg.connect(pg_dsn) as conn:
+        c = InboxConsumer(
+            config,
+            [topic],
+            conn,
+            Inbox("billing", schema=effects, registry=None),
+            lambda conn, r: conn.execute(insert, [r.value().decode()]),
+            dead_letter_topic=dead,
+        )
+        try:
+            errors = _consume_all(c, 3)
+        finally:
+            c.close()
+    assert errors == []
+    assert _effects(pg_dsn, effects) == ["a", "c"] and c.totals.dead_lettered == 1
+
+
+def test_a_passing_error_only_one_records_work_meets_dead_letters_it_after_a_few_polls(
+    pg_dsn, effects, kafka_bootstrap, topics
+):
+    """A statement timeout that record b's work reaches every time: retried PASSING_TRIES polls,
+    then dead-lettered, and the records behind it are processed."""
+    topic, dead = topics("inbox"), topics("inbox-dead")
+    _produce(kafka_bootstrap, topic, ["a", "b", "c"])
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    config = {"bootstrap.servers": kafka_bootstrap, "group.id": group, "auto.offset.reset": "earliest"}
+    insert = _insert(effects)
+
+    def effect(conn: psycopg.Connection, record) -> None:
+        if record.value() == b"b":
+            conn.execute("SET LOCAL statement_timeout = '20ms'")
+            conn.execute("SELECT pg_sleep(1)")
+        conn.execute(insert, [record.value().decode()])
+
+    with psycopg.connect(pg_dsn) as conn:
+        c = InboxConsumer(
+            config, [topic], conn, Inbox("billing", schema=effects, registry=None), effect, dead_letter_topic=dead
+        )
+        try:
+            errors = _consume_all(c, 3)
+        finally:
+            c.close()
+    assert len(errors) == PASSING_TRIES - 1 and all(isinstance(e, psycopg.errors.QueryCanceled) for e in errors), errors
+    assert _effects(pg_dsn, effects) == ["a", "c"] and c.totals.dead_lettered == 1
+    assert _committed(kafka_bootstrap, group, topic) == 3

@@ -25,6 +25,8 @@ helper rolls the whole transaction back, commits no offset and raises (the recor
 What is no fault of the record is never dead-lettered: an error of the inbox itself (no partition
 covers now: its maintenance has not run) or one a retry can mend, whoever met it (a serialization
 failure, a deadlock, a lock or statement timeout, a lost connection), rolls the poll back and raises.
+A handler that meets such an error on the same record PASSING_TRIES (5) polls in a row has its
+record dead-lettered: a timeout only that record's work reaches would otherwise stop the consumer.
 The helper owns `conn`'s transactions: it commits and rolls back; hand it a connection of its own.
 A poll that raises leaves the consumer at its first records again, so polling on gets them again.
 A handler that commits or rolls back itself stops the poll with `HandlerEndedTransaction` (nothing
@@ -129,15 +131,25 @@ class _Watched:
             raise
 
 
-# What a retry can mend, whoever met it: the transaction was chosen to give way (a serialization
-# failure, a deadlock), a lock or a statement timed out, the connection or the server went away.
-_PASSING = (
-    psycopg.errors.SerializationFailure,
-    psycopg.errors.DeadlockDetected,
-    psycopg.errors.LockNotAvailable,
-    psycopg.errors.QueryCanceled,
-    psycopg.OperationalError,
-)
+# What a retry can mend, whoever met it (SQLSTATEs): the transaction was chosen to give way (a
+# serialization failure, a deadlock), a lock or a statement timed out, the server is going away or
+# full; and class 08 (or none: the client's own), the connection lost. Not the rest of class 53-57
+# (a program limit, say): those meet the same record the same way every time.
+_PASSING_STATES = frozenset({"40001", "40P01", "55P03", "57014", "57P01", "57P02", "57P03", "53300"})
+# A handler meeting a passing error this many polls in a row on the same record gives up on it: the
+# record is dead-lettered (a statement timeout, say, that only this record's work reaches).
+PASSING_TRIES = 5
+
+
+def _passing(exc: BaseException) -> bool:
+    for e in (exc, exc.__cause__):
+        if isinstance(e, psycopg.Error) and (
+            e.sqlstate in _PASSING_STATES
+            or (e.sqlstate or "").startswith("08")
+            or (e.sqlstate is None and isinstance(e, psycopg.OperationalError))
+        ):
+            return True
+    return False
 
 
 def _records_fault(exc: BaseException, handler_raised: bool) -> bool:
@@ -145,7 +157,7 @@ def _records_fault(exc: BaseException, handler_raised: bool) -> bool:
     message id, or its handler raised for a reason a retry would meet again."""
     if isinstance(exc, MissingMessageId) or (isinstance(exc, InvalidValue) and not handler_raised):
         return True  # message_id_of's, or the claim's refusal of the id (the only input it checks)
-    return handler_raised and not isinstance(exc, _PASSING) and not isinstance(exc.__cause__, _PASSING)
+    return handler_raised and not _passing(exc)
 
 
 def _partition_end(record: Message) -> bool:
@@ -192,7 +204,24 @@ class InboxConsumer:
             keep = {k: v for k, v in config.items() if not k.startswith(("group.", "enable.auto", "auto.offset"))}
             self._dead = Producer({**with_waits(keep, producer=True), "enable.idempotence": True})
         self._undelivered: list[str] = []  # delivery errors of this poll's dead letters
+        self._passing_tries: dict[tuple, int] = {}  # (topic, partition, offset) -> polls a handler met a passing error
         self.totals = PollResult()
+
+    def _tried_too_often(self, record: Message, exc: BaseException, handler_raised: bool) -> bool:
+        """A handler's passing error on `record`, counted: True (dead-letter it) at the
+        PASSING_TRIES-th poll in a row that met one there. The inbox's own errors are never the
+        record's: its records wait (no partition covers now, say) however long it lasts."""
+        if not handler_raised or not _passing(exc):
+            return False
+        where = (record.topic(), record.partition(), record.offset())
+        if len(self._passing_tries) > 10_000:  # records left behind (revoked partitions): forgotten
+            self._passing_tries.clear()
+        tries = self._passing_tries.get(where, 0) + 1
+        if tries >= PASSING_TRIES:
+            self._passing_tries.pop(where, None)
+            return True
+        self._passing_tries[where] = tries
+        return False
 
     def _effect(self, record: Message, conn: psycopg.Connection) -> object:
         return self.handler(conn, record)
@@ -245,7 +274,9 @@ class InboxConsumer:
                 except Exception as exc:  # the record's savepoint is undone: the rest goes on
                     if self._ended(started):  # undone with the records before it: none may be acked
                         raise HandlerEndedTransaction(_where(record)) from exc
-                    if self._dead is None or not _records_fault(exc, handler.raised):
+                    if self._dead is None or not (
+                        _records_fault(exc, handler.raised) or self._tried_too_often(record, exc, handler.raised)
+                    ):
                         raise  # the poll is rolled back and comes again
                     dead.append((record, exc))  # produced once the database has committed (below)
                     got.dead_lettered += 1
