@@ -20,7 +20,7 @@ from harvester.services.console import dead_acks, logouts
 from harvester.services.console.overview import Cached, Gatherer
 from harvester.services.console.session import Sessions, User
 from harvester.services.console.web import Db, Pages, current_user, read_form, to_login
-from harvester.services.http.security import RateLimiter
+from harvester.services.http.security import WrongTokens
 from tracker.ids import ID_MAX
 
 Handler = Callable[[Request, User], Awaitable[Response]]  # a page, given its signed-in user
@@ -40,7 +40,7 @@ class Console:
         self.dead_acks = Cached(
             lambda: dead_acks.read(cfg, cfg.console.page_size), cfg.console.refresh_interval, self.db.thread
         )
-        self.logins = RateLimiter(1.0, 10)  # per client address: guessing tokens stays slow
+        self.logins = WrongTokens()  # per client address: guessing tokens stays slow
 
     def open(self) -> None:
         self.db.open()

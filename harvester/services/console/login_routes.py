@@ -2,7 +2,7 @@
 cookie, and the logout that ends the session on every server.
 
 The login form carries its own CSRF nonce (a double-submit cookie), since there is no session yet;
-logins are rate limited per client address.
+wrong tokens are limited per client address (with the API's).
 """
 
 from __future__ import annotations
@@ -46,11 +46,14 @@ def add_login_routes(r: APIRouter, console: Console) -> None:
                 error="The form expired: try again.",
             )
         host = request.client.host if request.client else "-"
-        if console.logins.take(host) > 0:
+        got = sessions.login(form.get("token", ""))
+        # Only a wrong token counts against the address; over its limit, a right token is let in
+        # only if it signed in from there before, so the answer tells a guesser nothing.
+        wait = console.logins.wrong(host) if got is None else console.logins.admits(host, got[0].token)
+        if wait > 0:
             return pages.render(
                 request, "login.html", None, 429, next=target, nonce=nonce, error="Too many attempts: wait a moment."
             )
-        got = sessions.login(form.get("token", ""))
         if got is None:
             return pages.render(
                 request, "login.html", None, 401, next=target, nonce=nonce, error="That token is not valid."

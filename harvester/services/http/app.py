@@ -39,7 +39,7 @@ from harvester.services.http.outcomes import add_outcome_routes
 from harvester.services.http.params import body_bound
 from harvester.services.http.problems import Problem
 from harvester.services.http.routes import add_v1_routes
-from harvester.services.http.security import BodyLimit, RateLimiter, Scope, Send
+from harvester.services.http.security import BodyLimit, RateLimiter, Scope, Send, WrongTokens
 from harvester.services.http.strict_json import StrictJSONRoute
 from harvester.services.http.tenants import TenantAuth
 from harvester.services.http.waits import WaitsPerToken
@@ -231,7 +231,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     add_v1_routes(app, cfg=cfg, store=store, respond=respond, call=call, watcher=watcher, waits=waits, dependencies=v1)
 
     add_outcome_routes(app, store=store, h=h, respond=respond, call=call, dependencies=v1)
-    guesses = RateLimiter(1.0, 10)  # wrong tokens per client address, on /v1 and the console's login alike
+    guesses = WrongTokens()  # wrong tokens per client address, on /v1 and the console's login alike
     if cfg.console.enabled:
         console = app.state.console = add_console(app, cfg, sessions)
         console.logins = guesses

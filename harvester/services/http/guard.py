@@ -12,6 +12,7 @@ from harvester.services.http.security import (
     Receive,
     Scope,
     Send,
+    WrongTokens,
     headers_of,
     loopback_host,
     state_of,
@@ -36,12 +37,12 @@ class Guard:
         limiter: RateLimiter,
         open_paths: set[str],
         api: bool = True,
-        guesses: RateLimiter | None = None,
+        guesses: WrongTokens | None = None,
     ) -> None:
         """`api=False`: an app with no /v1 (the console alone): framing and the local-mode Host only.
-        `guesses`: wrong tokens per client address (shared with the console's logins): past it,
-        every token from that address is refused with 429 until the bucket refills, the right one
-        too, so that guessing stays as slow as the console's login makes it."""
+        `guesses`: wrong tokens per client address (shared with the console's logins): past it, a
+        wrong token, or a right one not used from that address before, is refused with 429 until
+        the bucket refills, so that guessing stays as slow as the console's login makes it."""
         self.app, self.auth, self.limiter, self.open_paths, self.api = app, auth, limiter, open_paths, api
         self.guesses = guesses
 
@@ -97,23 +98,25 @@ class Guard:
         self.auth.maybe_reload()
         client = scope.get("client")
         address = str(client[0]) if isinstance(client, list | tuple) and client else "-"
-        if raw is not None and self.guesses is not None and (wait := self.guesses.waiting(address)) > 0:
-            await send_problem(
-                scope,
-                receive,
-                send,
-                Problem(
-                    "rate-limited",
-                    f"too many wrong tokens from this address; retry after {wait:.3f} s",
-                    headers={"Retry-After": str(max(1, int(wait + 0.999)))},
-                    retry_after=round(wait, 3),
-                ),
-            )
-            return
         caller = self.auth.identify(raw)  # its bytes, as the client sent them
+        if raw is not None and self.guesses is not None:
+            # Only a wrong token counts; over the limit, a right one passes only if it has been
+            # used from this address before, so the 429 tells a guesser nothing.
+            wait = self.guesses.wrong(address) if caller is None else self.guesses.admits(address, caller.token)
+            if wait > 0:
+                await send_problem(
+                    scope,
+                    receive,
+                    send,
+                    Problem(
+                        "rate-limited",
+                        f"too many wrong tokens from this address; retry after {wait:.3f} s",
+                        headers={"Retry-After": str(max(1, int(wait + 0.999)))},
+                        retry_after=round(wait, 3),
+                    ),
+                )
+                return
         if caller is None:
-            if raw is not None and self.guesses is not None:
-                self.guesses.take(address)  # a wrong token: one guess of the address's
             why = "no Authorization: Bearer header" if raw is None else "the bearer token is not valid"
             await send_problem(
                 scope,

@@ -1,4 +1,5 @@
-"""Bearer tokens (compared in constant time), the per-token rate limit, and the body size limit."""
+"""Bearer tokens (compared in constant time), the per-token rate limit, the wrong-token limit per
+address, and the body size limit."""
 
 from __future__ import annotations
 
@@ -165,6 +166,39 @@ class RateLimiter:
             return
         for k in list(itertools.islice(self._buckets, len(self._buckets) - self.max_keys // 2)):
             del self._buckets[k]
+
+
+class WrongTokens:
+    """Wrong bearer tokens per client address (on /v1 and the console's login alike): bursts of
+    `burst`, then `rate` a second. Only wrong tokens are counted. Once an address is over its limit,
+    a wrong token is refused with 429, and so is a right one never used from that address before:
+    the answer must not tell a guesser it found one. A right token that already authenticated from
+    the address goes on through (it learns nothing new), so a client that keeps sending a stale or
+    a guessed token does not lock out the others behind the same address."""
+
+    def __init__(
+        self, rate: float = 1.0, burst: int = 10, clock: Callable[[], float] = time.monotonic, max_known: int = 10_000
+    ) -> None:
+        self.bucket = RateLimiter(rate, burst, clock)
+        self.max_known = max_known
+        self._known: dict[tuple[str, str], None] = {}  # (address, token id), oldest use first
+
+    def wrong(self, address: str) -> float:
+        """Counts a wrong token from `address`: 0 to answer 401 now, else the seconds to wait (429)."""
+        return self.bucket.take(address)
+
+    def admits(self, address: str, token: str) -> float:
+        """0 if a right token (by id) may go ahead from `address`, else the seconds to wait (429)."""
+        key = (address, token)
+        known = key in self._known
+        self._known.pop(key, None)  # re-added below as the newest use
+        wait = self.bucket.waiting(address)
+        if wait > 0 and not known:
+            return wait
+        self._known[key] = None
+        if len(self._known) > self.max_known:
+            del self._known[next(iter(self._known))]
+        return 0.0
 
 
 class BodyTooLarge(StarletteHTTPException):
