@@ -47,3 +47,26 @@ def test_a_refused_send_keeps_its_round_buffered_until_a_send_gets_through(kafka
     acked = {e for e in entries if e.startswith("7:")}
     assert acked == {f"7:{g}:{i}" for g in range(4) for i in range(0, 8192, 2)}, len(acked)
     assert p.acks_sent >= len(ids) and p.failures_sent >= 1
+
+
+def test_a_call_whose_first_round_is_refused_buffers_its_later_rounds_too(kafka_bootstrap, topics):
+    """A call naming more groups than one round holds is buffered round by round; a refused send
+    between rounds must not leave the call's later rounds out."""
+    topic = topics("acks")
+    p = AckProducer(
+        bootstrap_servers=kafka_bootstrap,
+        topic=topic,
+        kafka_client={"message.max.bytes": 20_000},
+        linger=3600,
+        max_pending=10**9,
+        max_message_bytes=15_000,
+    )
+    p.max_message_bytes = 1_000_000  # every send refused by produce() for now
+    ids = [f"7:{g}:0-8191" for g in range(5000)]  # 5,000 whole groups: more than one round
+    with pytest.raises(AckDeliveryError):
+        p.ack(ids)
+    p.max_message_bytes = 15_000
+    p.flush(30)
+    messages = read_messages(kafka_bootstrap, topic, 1, 30, linger=2.0)
+    groups = {e.split(":")[1] for m in messages for e in m.value().decode().split(",")}
+    assert len(groups) == 5000, f"{5000 - len(groups)} of 5000 groups' acks were never produced"

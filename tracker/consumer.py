@@ -275,16 +275,26 @@ class AckProducer:
         """Buffer item ids or runs; raises MalformedItemId (buffering none of the call) on a bad one.
         Ids in many groups are buffered (and sent) in rounds, so what is held stays bounded. A send
         this call sets off that produce() refuses raises AckDeliveryError, the round kept buffered."""
-        for masks in _fold_ids(item_ids):
-            self._buffer(masks, None)
+        self._buffer_rounds(_fold_ids(item_ids), None)
 
     def fail(self, item_ids: str | bytes | Iterable[str | bytes], reason: str) -> None:
         """Buffer item ids or runs as failed under `reason` (1 to 500 characters, as `tracker.fail`
         takes it). Raises InvalidValue or InvalidArgument for the reason, MalformedItemId for an
         id; then none of the call is buffered."""
         checked = check_reason(reason)
-        for masks in _fold_ids(item_ids):
-            self._buffer(masks, checked)
+        self._buffer_rounds(_fold_ids(item_ids), checked)
+
+    def _buffer_rounds(self, rounds: Iterable[dict[tuple[int, int], Any]], reason: str | None) -> None:
+        """Every round of one call buffered, even when a send between them is refused (that round
+        stays buffered): a call's later rounds were left out, and a flush() then returned without them."""
+        refused: AckDeliveryError | None = None
+        for masks in rounds:
+            try:
+                self._buffer(masks, reason)
+            except AckDeliveryError as exc:
+                refused = refused or exc
+        if refused is not None:
+            raise refused
 
     def _buffer(self, masks: dict[tuple[int, int], Any], reason: str | None) -> None:
         with self._lock:
