@@ -588,6 +588,9 @@ DECLARE
     g_ids bigint[];
     hexes text[];
     r record;
+    ib bigint[];
+    ig bigint[];
+    ii integer[];
     distinct_n bigint;
     claimed_n bigint;
     refused boolean;
@@ -693,9 +696,14 @@ BEGIN
         RETURN;
     END IF;
     BEGIN
-        -- (the items named, each once, decide: as tracker.ack decides, tracker.core.acks.CLAIMS_PER_CALL_MAX)
-        SELECT sum(bit_count(('x' || h)::varbit)) INTO distinct_n FROM unnest(hexes) AS h;
-        IF outcome_ids.reason IS NULL AND outcome_ids.claims AND distinct_n <= 1000 THEN
+        -- Decided on the items as named, repeats counted (`counted`), so that the expansion below
+        -- makes at most 1,000 rows whatever the call repeats; duplicates count distinct items, as
+        -- tracker.ack's claims do.
+        IF outcome_ids.reason IS NULL AND outcome_ids.claims AND counted <= 1000 THEN
+            SELECT sum(bit_count(('x' || h)::varbit)) INTO distinct_n FROM unnest(hexes) AS h;
+            SELECT array_agg(i.b ORDER BY i.b, i.g, i.i), array_agg(i.g ORDER BY i.b, i.g, i.i),
+                   array_agg(i.i ORDER BY i.b, i.g, i.i)
+              INTO ib, ig, ii FROM outcome_items(ids) AS i;
             -- An ack of up to 1,000 items claims them, as tracker.ack does (R__ack_claims.sql): no
             -- batch row stays locked for the rest of the caller's transaction, so the consumers of
             -- one batch ack in parallel; bits, counts and the completion are settled at commit (or
@@ -703,11 +711,7 @@ BEGIN
             SELECT count(*) FILTER (WHERE c.claimed AND c.pending_bit = 1), coalesce(bool_or(c.claimed IS NULL), false),
                    array_agg(c.batch_id), array_agg(c.group_id), array_agg(c.state), array_agg(c.size)
               INTO claimed_n, refused, vb, vg, vst, vsz
-              FROM ack_claim_items(
-                       (SELECT array_agg(i.b ORDER BY i.b, i.g, i.i) FROM outcome_items(ids) i),
-                       (SELECT array_agg(i.g ORDER BY i.b, i.g, i.i) FROM outcome_items(ids) i),
-                       (SELECT array_agg(i.i ORDER BY i.b, i.g, i.i) FROM outcome_items(ids) i),
-                       'outbox'::regclass, outcome_ids.completion_topic) c;
+              FROM ack_claim_items(ib, ig, ii, 'outbox'::regclass, outcome_ids.completion_topic) c;
             IF refused THEN  -- validation rows, one per (batch, group): nothing was claimed
                 PERFORM outcome_claim_refusal(ids, vb, vg, vst, vsz);
             END IF;

@@ -100,3 +100,14 @@ def test_racing_sql_acks_complete_each_batch_exactly_once(pg_dsn, schema, rounds
             s = tracker.status(c, tracker.Batch(b), schema=schema)
             assert (s.state, s.pending, s.succeeded) == ("complete", 0, size)
             assert _events(c, schema, b) == 1
+
+
+def test_an_ack_naming_more_than_1000_items_with_repeats_takes_the_masked_path(pg_dsn, schema):
+    """The claim path expands the items as named: it is taken only for up to 1,000 of them, repeats
+    counted, so no call can make it expand more (20,000 copies of one run of 1,000 made 20 million
+    rows to sort); past that, the masked path folds the call into one mask per group."""
+    b, g = _closed_batch(pg_dsn, schema, 1000)
+    with psycopg.connect(pg_dsn) as c:
+        assert c.execute(_ack(schema), [[f"{b}:{g}:0-999"] * 2]).fetchone() == (1000, 1000, [b])
+        c.commit()
+        assert _events(c, schema, b) == 1
