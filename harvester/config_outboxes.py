@@ -160,10 +160,8 @@ def ack_topics(cfg: Config) -> dict[tuple[str, str], str]:
 
 
 def reserved_topics(cfg: Config) -> frozenset[str]:
-    """The topics the reaper reads itself, which no outbox row may name: the leader topic, and,
-    with the acker on, every ack topic and the acks' dead-letter topic (a row published there with
-    the reaper's credentials could ack or fail any batch's items)."""
-    reads = {cfg.harvester.leader_topic}
-    if cfg.acker.enabled:
-        reads |= {*ack_topics(cfg).values(), cfg.acker.dead_letter_topic}
-    return frozenset(reads)
+    """The topics the reaper reads, which no outbox row may name: the leader topic, every ack topic
+    and the acks' dead-letter topic, whether this process's acker runs or not (another process's
+    acker, or a Spark ack stream, applies them): a row published there with the reaper's
+    credentials could ack or fail any batch's items."""
+    return frozenset({cfg.harvester.leader_topic, *ack_topics(cfg).values(), cfg.acker.dead_letter_topic})

@@ -1,8 +1,8 @@
-"""Outbox rows may not name a topic the reaper reads itself: the leader topic always, and with the
-acker on every ack topic and the acks' dead-letter topic. Published with the reaper's credentials,
+"""Outbox rows may not name a topic the reaper reads itself: the leader topic, every ack topic and
+the acks' dead-letter topic (whether this process's acker runs or not). Published with the reaper's credentials,
 such a row (a SQL producer's `enqueue`, an application's own row) could ack or fail any batch's
 items, or disturb the election. It is moved to the dead table with the reason; the other rows go
-on. With the acker off, its topics are ordinary ones. Real Kafka and Postgres, both modes."""
+on. Real Kafka and Postgres, both modes."""
 
 from __future__ import annotations
 
@@ -63,14 +63,17 @@ def test_rows_naming_the_reapers_own_topics_are_quarantined_and_hold_up_nothing(
         on_acks.close()
 
 
-def test_with_the_acker_off_its_topics_are_ordinary_ones(pg_dsn, kafka_bootstrap, schema, topics):
-    acks = topics("acks")
+def test_with_this_processs_acker_off_its_topics_stay_reserved(pg_dsn, kafka_bootstrap, schema, topics):
+    """Another process's acker, or a Spark ack stream, applies what the ack topic holds."""
+    acks, data = topics("acks"), topics("data")
     cfg = make_config(pg_dsn, schema, kafka_bootstrap, acker={"enabled": False, "topic": acks})
-    _insert(pg_dsn, schema, [(acks, b"a0")])
-    on_acks = Receiver(kafka_bootstrap, acks)
+    ids = _insert(pg_dsn, schema, [(acks, b"1:0:0"), (data, b"d0")])
+    receiver, on_acks = Receiver(kafka_bootstrap, data), Receiver(kafka_bootstrap, acks)
     try:
         with running(cfg):
-            assert wait_until(lambda: on_acks.values() == [b"a0"], 60), on_acks.values()
-        assert _dead(pg_dsn, schema) == []
+            assert wait_until(lambda: receiver.values() == [b"d0"] and not outbox_marks(pg_dsn, schema), 60)
+        assert [(d[0], d[1]) for d in _dead(pg_dsn, schema)] == [(ids[0], acks)]
+        assert on_acks.values() == []
     finally:
+        receiver.close()
         on_acks.close()
