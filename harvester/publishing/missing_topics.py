@@ -27,7 +27,7 @@ from typing import Protocol
 from harvester import logs
 
 CHECK_EVERY = 5.0  # seconds between questions about a held topic's existence
-METADATA_TIMEOUT = 1.0  # how long one question may hold up the producing thread
+METADATA_TIMEOUT = 1.0  # how long one pass of questions may hold up the producing thread
 
 
 class Metadata(Protocol):
@@ -86,11 +86,15 @@ class MissingTopics:
             due = [t for t, at in self.held.items() if now >= at and t not in self._found]
             for topic in due:
                 self.held[topic] = now + CHECK_EVERY
+        ends = now + METADATA_TIMEOUT  # one pass holds up the producing thread this long at most
         for topic in due:
+            left = ends - time.monotonic()
+            if left <= 0:
+                break  # the rest are asked at their next turn
             try:
-                meta = producer.list_topics(topic, timeout=METADATA_TIMEOUT)
-            except Exception:  # brokers away: asked again later
-                continue
+                meta = producer.list_topics(topic, timeout=left)
+            except Exception:  # brokers away: the others would wait as long; asked again later
+                break
             found = getattr(meta, "topics", {}).get(topic)
             if found is not None and getattr(found, "error", None) is None and getattr(found, "partitions", None):
                 with self._lock:
