@@ -321,6 +321,12 @@ def _check_relations(cfg: Config) -> None:
             if k == "transactional.id":
                 raise ConfigError(f"kafka.{section}.{k}", "is set by reaper itself; use harvester.transactional_id")
     _check_kafka(cfg)
+    if 1 < cfg.http.pool_size <= cfg.http.max_connections_per_tenant:
+        raise ConfigError(
+            "http.max_connections_per_tenant",
+            f"{cfg.http.max_connections_per_tenant} must be below http.pool_size = {cfg.http.pool_size}, so that "
+            "while one tenant's requests are stuck another tenant still finds a connection (0: pool_size - 1)",
+        )
     if bool(cfg.http.tls_certfile) != bool(cfg.http.tls_keyfile):
         raise ConfigError("http.tls_certfile", "set both http.tls_certfile and http.tls_keyfile, or neither")
     units(cfg)  # raises ConfigError naming the offending outbox key

@@ -317,11 +317,11 @@ class HttpConfig:
         0.25, "how often the server checks the batches long-polls wait on, seconds", **POSITIVE, le=60
     )
     pool_size: int = key(8, "database connections of the HTTP server", **POSITIVE, le=1000)
-    max_connections_per_token: int = key(
-        4,
-        "database connections one token's requests may use at once (at most pool_size); more wait for one, "
-        "429 after request_timeout",
-        **POSITIVE,
+    max_connections_per_tenant: int = key(
+        0,
+        "database connections one tenant's requests (all its tokens together) may use at once, below pool_size "
+        "so another tenant always finds one; 0: pool_size - 1. More wait for one, 429 after request_timeout",
+        ge=0,
         le=1000,
     )
     request_timeout: float = key(30.0, "longest database call of one request, seconds (503 after)", **POSITIVE, le=3600)

@@ -1,6 +1,6 @@
-"""One token's share of the database pool (http.max_connections_per_token): its requests stuck on a
-lock hold at most that many connections, the rest wait for one of theirs (429 at
-http.request_timeout), and other tenants' requests find the pool free meanwhile."""
+"""One tenant's share of the database pool (http.max_connections_per_tenant, all its tokens
+together): its requests stuck on a lock hold at most that many connections, the rest wait for one of
+theirs (429 at http.request_timeout), and other tenants' requests find a connection meanwhile."""
 
 from __future__ import annotations
 
@@ -13,22 +13,25 @@ import pytest
 from support.http_server import RunningServer, http_config
 from test_http_tenants import BILLING, SEARCH, _client, _write
 
-from harvester.services.http.backend import StoreUnavailable, TokenBusy, TrackerStore
-from harvester.services.http.token_connections import CALLER, ConnectionsPerToken
+from harvester.config import ConfigError, load
+from harvester.services.http.backend import StoreUnavailable, TenantBusy, TrackerStore
+from harvester.services.http.token_connections import TENANT, ConnectionsPerTenant, tenant_share
+
+BILLING_2 = "billing-second-token-0123456789abcdef"
 
 # backends waiting for a lock, in statements on the test's schema
 LOCK_WAITERS = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND position(%s in query) > 0"
 
 
-def test_a_tokens_calls_past_its_share_wait_for_one_of_its_own():
+def test_a_tenants_calls_past_its_share_wait_for_one_of_its_own():
     async def scenario() -> None:
-        share = ConnectionsPerToken(2)
+        share = ConnectionsPerTenant(2)
         inside: dict[str, int] = {"a": 0, "b": 0}
         most: dict[str, int] = {"a": 0, "b": 0}
         go = asyncio.Event()
 
         async def call(token: str) -> None:
-            CALLER.set(token)  # each task its own context, as each request
+            TENANT.set(token)  # each task its own context, as each request
             async with share.hold():
                 inside[token] += 1
                 most[token] = max(most[token], inside[token])
@@ -54,9 +57,10 @@ def test_a_tokens_calls_past_its_share_wait_for_one_of_its_own():
 
 def test_one_tenants_requests_stuck_on_a_lock_leave_the_pool_to_the_others(pg_dsn, schema, tmp_path):
     tenants_file = tmp_path / "tenants.yaml"
-    _write(tenants_file, {"billing": ([BILLING], ["billing-done"]), "search": ([SEARCH], None)})
+    # billing's two tokens (a producer and a consumer, say) share billing's 4 connections
+    _write(tenants_file, {"billing": ([BILLING, BILLING_2], ["billing-done"]), "search": ([SEARCH], None)})
     cfg = http_config(
-        pg_dsn, schema, tenants_file=str(tenants_file), request_timeout=3.0, pool_size=8, max_connections_per_token=4
+        pg_dsn, schema, tenants_file=str(tenants_file), request_timeout=3.0, pool_size=8, max_connections_per_tenant=4
     )
     with RunningServer(cfg, []) as s, _client(s, BILLING) as billing, _client(s, SEARCH) as search:
         theirs = billing.post("/v1/batches", json={"completion_topic": "billing-done"}).json()["batch_id"]
@@ -69,7 +73,7 @@ def test_one_tenants_requests_stuck_on_a_lock_leave_the_pool_to_the_others(pg_ds
         started = threading.Barrier(9)
 
         def ack(i: int) -> None:
-            with _client(s, BILLING) as c:
+            with _client(s, BILLING if i % 2 else BILLING_2) as c:
                 started.wait()
                 answers.append(c.post("/v1/acks", json={"ids": [f"{theirs}:0:{i}"]}))
 
@@ -108,12 +112,14 @@ def test_one_tenants_requests_stuck_on_a_lock_leave_the_pool_to_the_others(pg_ds
             assert a.json()["type"].endswith(":rate-limited") and a.json()["limit"] == 4
 
 
-def test_a_call_still_waiting_for_its_tokens_share_at_the_deadline_is_token_busy(pg_dsn, schema):
+def test_a_call_still_waiting_for_its_tenants_share_at_the_deadline_is_tenant_busy(pg_dsn, schema):
     async def scenario() -> None:
-        store = TrackerStore(pg_dsn, schema, completion_topic="done", pool_size=4, timeout=1.0, connections_per_token=1)
+        store = TrackerStore(
+            pg_dsn, schema, completion_topic="done", pool_size=4, timeout=1.0, connections_per_tenant=1
+        )
         await store.open()
         try:
-            CALLER.set("tok-billing")
+            TENANT.set("billing")
 
             async def stubborn(conn: object) -> None:  # as a cancelled psycopg call: ends a while after
                 try:
@@ -124,15 +130,25 @@ def test_a_call_still_waiting_for_its_tokens_share_at_the_deadline_is_token_busy
 
             first = asyncio.create_task(store.within(stubborn))
             await asyncio.sleep(0.2)
-            with pytest.raises(TokenBusy) as busy:  # billing's one connection stays held past this deadline
+            with pytest.raises(TenantBusy) as busy:  # billing's one connection stays held past this deadline
                 await store.within(lambda conn: asyncio.sleep(0))
-            assert busy.value.limit == 1 and busy.value.token == "tok-billing"
+            assert busy.value.limit == 1 and busy.value.tenant == "billing"
             with pytest.raises(StoreUnavailable) as cut:  # the first, cut off at its own deadline
                 await first
-            assert not isinstance(cut.value, TokenBusy)
-            CALLER.set("tok-search")  # another token's share is its own
+            assert not isinstance(cut.value, TenantBusy)
+            TENANT.set("search")  # another tenant's share is its own
             assert await store.within(lambda conn: asyncio.sleep(0, "free")) == "free"
         finally:
             await store.close()
 
     asyncio.run(scenario())
+
+
+def test_the_default_share_leaves_one_connection_and_a_share_of_the_whole_pool_is_refused(tmp_path):
+    assert tenant_share(8, 0) == 7 and tenant_share(1, 0) == 1 and tenant_share(8, 3) == 3
+    assert load(None, environ={}).http.max_connections_per_tenant == 0  # pool_size - 1
+    path = tmp_path / "reaper.yaml"
+    path.write_text("http:\n  pool_size: 4\n  max_connections_per_tenant: 4\n")
+    with pytest.raises(ConfigError) as err:
+        load(str(path), environ={})
+    assert err.value.key == "http.max_connections_per_tenant" and "below http.pool_size = 4" in str(err.value)

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from harvester.config import Config
 from harvester.services.http import problems
-from harvester.services.http.backend import SqlFunctionStore, Store, StoreUnavailable, TokenBusy, TrackerStore
+from harvester.services.http.backend import SqlFunctionStore, Store, StoreUnavailable, TenantBusy, TrackerStore
 from harvester.services.http.completion import CompletionWatcher
 from harvester.services.http.guard import Guard, send_problem
 from harvester.services.http.health import Readiness
@@ -42,6 +42,7 @@ from harvester.services.http.routes import add_v1_routes
 from harvester.services.http.security import BodyLimit, RateLimiter, Scope, Send, WrongTokens
 from harvester.services.http.strict_json import StrictJSONRoute
 from harvester.services.http.tenants import TenantAuth
+from harvester.services.http.token_connections import tenant_share
 from harvester.services.http.waits import WaitsPerToken
 from tracker.errors import TrackerError
 
@@ -71,10 +72,10 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
     if store is None:
         where = (cfg.database.dsn, cfg.database.schema)
         topic, size, timeout = cfg.harvester.default_completion_topic, h.pool_size, h.request_timeout
-        share = min(h.max_connections_per_token, h.pool_size)  # one token's share of the pool
+        share = tenant_share(h.pool_size, h.max_connections_per_tenant)  # one tenant's share of the pool
         store = (
             SqlFunctionStore(
-                *where, completion_topic=topic, pool_size=size, timeout=timeout, connections_per_token=share
+                *where, completion_topic=topic, pool_size=size, timeout=timeout, connections_per_tenant=share
             )
             if h.backend == "sql"
             else TrackerStore(
@@ -82,7 +83,7 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
                 completion_topic=topic,
                 pool_size=size,
                 timeout=timeout,
-                connections_per_token=share,
+                connections_per_tenant=share,
                 metrics_prefix=cfg.metrics.prefix,
             )
         )
@@ -177,8 +178,8 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
             return _problem(request, Problem(slug, detail, headers=exc.headers, field="body", limit=h.max_body_bytes))
         return _problem(request, Problem(slug, detail, headers=exc.headers))
 
-    @app.exception_handler(TokenBusy)
-    async def on_busy(request: Request, exc: TokenBusy) -> Response:
+    @app.exception_handler(TenantBusy)
+    async def on_busy(request: Request, exc: TenantBusy) -> Response:
         return _problem(
             request,
             Problem(

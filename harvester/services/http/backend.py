@@ -6,9 +6,9 @@ backends with the same methods (http.backend):
 - `SqlFunctionStore`: the SQL functions of sql/R__sql_api.sql, called as non-Python clients call them;
   RT SQLSTATEs come back as the tracker's own typed exceptions (sql_errors.py).
 
-Every call answers within http.request_timeout (cutoff.py), on one of the connections its token
-may use (token_connections.py); past the deadline it is StoreUnavailable (503), or TokenBusy (429)
-when it was still waiting for one of its token's connections.
+Every call answers within http.request_timeout (cutoff.py), on one of the connections its tenant
+may use (token_connections.py); past the deadline it is StoreUnavailable (503), or TenantBusy (429)
+when it was still waiting for one of its tenant's connections.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from harvester.db_liveness import with_liveness
 from harvester.db_pool import needs_new_connection
 from harvester.services.http.cutoff import by_deadline
 from harvester.services.http.sql_errors import tracker_error
-from harvester.services.http.token_connections import CALLER, ConnectionsPerToken
+from harvester.services.http.token_connections import TENANT, ConnectionsPerTenant
 from tracker import Batch, BatchStatus, GroupHandle
 from tracker.aio import AsyncTracker
 from tracker.errors import (
@@ -69,12 +69,14 @@ class StoreUnavailable(Exception):
     """The database could not be reached or did not answer in time."""
 
 
-class TokenBusy(StoreUnavailable):
-    """The caller's token held its share of the pool for the whole time limit (429, not 503)."""
+class TenantBusy(StoreUnavailable):
+    """The caller's tenant held its share of the pool for the whole time limit (429, not 503)."""
 
-    def __init__(self, token: str, limit: int) -> None:
-        super().__init__(f"token {token} already uses its {limit} database connections (its share of the pool)")
-        self.token, self.limit = token, limit
+    def __init__(self, tenant: str, limit: int) -> None:
+        super().__init__(
+            f"tenant {tenant}'s requests already use its {limit} database connections (its share of the pool)"
+        )
+        self.tenant, self.limit = tenant, limit
 
 
 def _statements(schema: str) -> dict[str, str]:
@@ -116,10 +118,10 @@ class _PoolStore:
         completion_topic: str,
         pool_size: int,
         timeout: float,
-        connections_per_token: int = 0,
+        connections_per_tenant: int = 0,
     ) -> None:
         self.q = _statements(schema)
-        self.per_token = ConnectionsPerToken(connections_per_token)
+        self.per_tenant = ConnectionsPerTenant(connections_per_tenant)
         self.schema = schema
         self._bound: psycopg.AsyncConnection | None = None
         self.completion_topic = completion_topic
@@ -158,7 +160,7 @@ class _PoolStore:
 
         async def work() -> T:
             nonlocal waiting
-            async with self.per_token.hold():
+            async with self.per_tenant.hold():
                 waiting = False
                 async with self.pool.connection() as conn:
                     try:
@@ -176,9 +178,9 @@ class _PoolStore:
         try:
             return await by_deadline(work(), self.timeout)
         except (TimeoutError, PoolTimeout) as exc:
-            token = CALLER.get()
-            if waiting and token is not None:
-                raise TokenBusy(token, self.per_token.limit) from None
+            tenant = TENANT.get()
+            if waiting and tenant is not None:
+                raise TenantBusy(tenant, self.per_tenant.limit) from None
             raise StoreUnavailable("the database did not answer in time") from exc
 
     async def _sql(self, call: Callable[[psycopg.AsyncConnection], Awaitable[T]]) -> T:
@@ -226,7 +228,7 @@ class TrackerStore(_PoolStore):
         pool_size: int,
         timeout: float,
         metrics_prefix: str = DEFAULT_PREFIX,
-        connections_per_token: int = 0,
+        connections_per_tenant: int = 0,
     ) -> None:
         super().__init__(
             dsn,
@@ -234,7 +236,7 @@ class TrackerStore(_PoolStore):
             completion_topic=completion_topic,
             pool_size=pool_size,
             timeout=timeout,
-            connections_per_token=connections_per_token,
+            connections_per_tenant=connections_per_tenant,
         )
         # the tracker calls count under the service's prefix (metrics.prefix), like its HTTP metrics
         self.tracker = AsyncTracker(schema=schema, completion_topic=completion_topic, metrics_prefix=metrics_prefix)

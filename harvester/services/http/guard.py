@@ -18,7 +18,7 @@ from harvester.services.http.security import (
     state_of,
 )
 from harvester.services.http.tenants import TenantAuth
-from harvester.services.http.token_connections import CALLER
+from harvester.services.http.token_connections import TENANT
 
 
 async def send_problem(scope: Scope, receive: Receive, send: Send, problem: Problem) -> None:
@@ -126,7 +126,7 @@ class Guard:
             )
             return
         token = caller.token
-        CALLER.set(token)  # the store counts this request's connections against its token
+        TENANT.set(caller.tenant.name)  # the store counts this request's connections against its tenant
         state_of(scope)["token"] = token
         state_of(scope)["tenant"] = caller.tenant
         state_of(scope)["scope"] = caller.scope
