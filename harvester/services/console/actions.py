@@ -4,6 +4,7 @@ the transaction that does it, exactly as the command does."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psycopg
@@ -16,7 +17,7 @@ from harvester.admin.common import AdminError
 from harvester.config import Config
 from harvester.publishing.publisher import logs_safe
 from harvester.services.console.session import User
-from harvester.services.console.web import Db
+from harvester.services.console.web import ActionStopped, Db, StillRunning
 
 audit = structlog.get_logger("reaper.audit")
 
@@ -25,6 +26,40 @@ audit = structlog.get_logger("reaper.audit")
 class Done:
     ok: bool
     message: str
+    running: bool = False  # still going past the page's deadline (202): its audit line tells the end
+    stopped: bool = False  # started, then failed on the database (503)
+
+    @property
+    def heading(self) -> str:
+        return "Still running" if self.running else "Stopped" if self.stopped else "Done" if self.ok else "Refused"
+
+
+def done_status(done: Done) -> int:
+    """The page's status: 202 still running, 200 done, 503 stopped by the database, 409 refused."""
+    return 202 if done.running else 200 if done.ok else 503 if done.stopped else 409
+
+
+async def run(db: Db, action: str, fn: Callable[[psycopg.Connection], Done]) -> Done:
+    """An action on the console's database threads (Db.act): past the page's deadline the page says
+    it is still running, not that the database is unavailable; a database error once it started
+    says that it stopped, and that what it committed before stays."""
+    try:
+        return await db.act(fn)
+    except StillRunning:
+        return Done(
+            True,
+            f"Still running after {db.timeout:g} s: it goes on to its end on the server. The audit log "
+            f"(reaper.audit, action {action}) and the admin log will say how it ended; reload the page to "
+            "see what it has done so far. Do not start it again.",
+            running=True,
+        )
+    except ActionStopped as exc:
+        return Done(
+            False,
+            f"It stopped: the database answered {logs_safe(exc.error)}. What it committed before that "
+            "stays (a requeue of many rows commits in chunks): reload the page to see what is left.",
+            stopped=True,
+        )
 
 
 def _log(user: User, action: str, outcome: str, **detail: object) -> None:
@@ -52,6 +87,9 @@ def requeue(cfg: Config, conn: psycopg.Connection, user: User, *, ids: list[int]
     except AdminError as exc:
         _log(user, "dead-requeue", "refused", ids=ids, reason=reason, error=str(exc))
         return Done(False, str(exc))
+    except psycopg.Error as exc:  # rows of chunks committed before it stay requeued
+        _log(user, "dead-requeue", "failed", ids=ids, reason=reason, error=logs_safe(exc))
+        raise
     _log(user, "dead-requeue", "done", ids=ids, reason=reason, moved=r.moved, dead_ids=r.dead_ids[:100])
     return Done(True, dead_admin.render_requeued(r))
 
@@ -63,6 +101,9 @@ def expire(cfg: Config, conn: psycopg.Connection, user: User, batch_id: int, not
     except AdminError as exc:
         _log(user, "batch-expire", "refused", batch_id=batch_id, error=str(exc))
         return Done(False, str(exc))
+    except psycopg.Error as exc:
+        _log(user, "batch-expire", "failed", batch_id=batch_id, note=note, error=logs_safe(exc))
+        raise
     _log(user, "batch-expire", "done", batch_id=batch_id, note=note, changed=got is not None)
     return Done(True, batch_admin.render_expired(batch_id, got))
 

@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from harvester.admin import batch as batch_admin
 from harvester.services.console import actions, batch_page, queries
+from harvester.services.console.actions import done_status
 from harvester.services.console.checks import Console, whole_number
 from harvester.services.console.session import User
 from harvester.services.console.web import Ctx
@@ -136,7 +137,7 @@ def add_batch_routes(r: APIRouter, console: Console) -> None:
         owner = await db.run(lambda c: queries.tenant_of(c, schema, batch_id))
         if owner != user.tenant:
             return pages.message(request, user, 404, "No such batch", f"There is no batch {batch_id}.")
-        done = await db.run(lambda c: actions.expire(cfg, c, user, batch_id, note))
+        done = await actions.run(db, "batch-expire", lambda c: actions.expire(cfg, c, user, batch_id, note))
         return pages.render(
-            request, "done.html", user, status=200 if done.ok else 409, done=done, back=f"/console/batches/{batch_id}"
+            request, "done.html", user, status=done_status(done), done=done, back=f"/console/batches/{batch_id}"
         )

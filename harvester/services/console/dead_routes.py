@@ -16,6 +16,7 @@ from harvester.admin import dead as dead_admin
 from harvester.admin.common import AdminError
 from harvester.exit_codes import ExitCode
 from harvester.services.console import actions, queries, requeues
+from harvester.services.console.actions import done_status
 from harvester.services.console.checks import Console, whole_number
 from harvester.services.console.session import User
 
@@ -71,7 +72,7 @@ def add_dead_routes(r: APIRouter, console: Console) -> None:
         if not sessions.confirmation_ok(user, flow.confirmation_key(t), form.get("confirm")):
             return pages.message(request, user, 403, "Refused", flow.unconfirmed)
         done = await act(user, t)
-        return pages.render(request, "done.html", user, status=200 if done.ok else 409, done=done, back=flow.path)
+        return pages.render(request, "done.html", user, status=done_status(done), done=done, back=flow.path)
 
     # Before /dead/{dead_id}: registered after it, "requeue" would be taken for a dead row's id.
     @r.get("/dead/requeue")
@@ -100,7 +101,9 @@ def add_dead_routes(r: APIRouter, console: Console) -> None:
     async def requeue(request: Request) -> Response:
         async def act(user: User, t: requeues.Target) -> actions.Done:
             ids = None if t.one is None else [int(t.one)]
-            return await db.run(lambda c: actions.requeue(cfg, c, user, ids=ids, reason=t.reason))
+            return await actions.run(
+                db, "dead-requeue", lambda c: actions.requeue(cfg, c, user, ids=ids, reason=t.reason)
+            )
 
         return await requeue_post(request, requeues.DEAD, act)
 

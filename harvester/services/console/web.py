@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import threading
 import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -106,6 +107,19 @@ class ConsoleUnavailable(Exception):
     """The database could not be reached or did not answer within http.request_timeout: a 503 page."""
 
 
+class StillRunning(Exception):
+    """An admin action was still running at the page's deadline: it goes on to its end in the
+    console's thread (its audit line says how it ended)."""
+
+
+class ActionStopped(Exception):
+    """An admin action that had started failed on the database (what it committed before stays)."""
+
+    def __init__(self, error: psycopg.Error) -> None:
+        super().__init__(type(error).__name__)
+        self.error = error
+
+
 def _configure(timeout_ms: int) -> Callable[[psycopg.Connection], None]:
     def configure(conn: psycopg.Connection) -> None:
         # A statement or a lock wait past the deadline fails on the server, freeing its thread. Only
@@ -167,9 +181,49 @@ class Db:
         except psycopg.OperationalError as exc:  # unreachable, or a statement or lock timeout
             raise ConsoleUnavailable(type(exc).__name__) from None
 
+    async def act(self, fn: Callable[[psycopg.Connection], T]) -> T:
+        """An admin action: as run, but one already started is never abandoned as "unavailable". A
+        thread cannot be stopped, and a requeue of many rows commits in chunks, so past the page's
+        deadline the action goes on to its end and StillRunning says so; a database error once it
+        has started is ActionStopped. ConsoleUnavailable only if it never started (and never will)."""
+        lock = threading.Lock()
+        state = {"started": False, "abandoned": False}
+
+        def work() -> T:
+            with self.pool.connection() as conn:
+                with lock:
+                    if state["abandoned"]:  # the page has already said it was not done
+                        raise ConsoleUnavailable("abandoned before it started")
+                    state["started"] = True
+                return fn(conn)
+
+        future = asyncio.get_running_loop().run_in_executor(self.executor, work)
+        future.add_done_callback(_retrieve)  # one that outlives the page still ends quietly
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.timeout)
+        except TimeoutError:
+            with lock:
+                if not state["started"]:
+                    state["abandoned"] = True
+                    raise ConsoleUnavailable(
+                        "the database did not answer in time; the action was not started"
+                    ) from None
+            raise StillRunning() from None
+        except (PoolTimeout, ConsoleUnavailable) as exc:
+            raise ConsoleUnavailable("the database did not answer in time; the action was not started") from exc
+        except psycopg.Error as exc:
+            if not state["started"]:  # the connection could not be made
+                raise ConsoleUnavailable(type(exc).__name__) from None
+            raise ActionStopped(exc) from exc
+
     async def thread(self, fn: Callable[[], T]) -> T:
         """`fn` (no database: Kafka, a metrics scrape) on the console's own threads."""
         return await asyncio.get_running_loop().run_in_executor(self.others, fn)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # the action's own audit line reports a failure
 
 
 class Pages:
