@@ -38,6 +38,7 @@ def test_refused_writes_are_audited_with_their_final_status(pg_dsn, schema, tmp_
         (tenant, r.request.url.path, r.status_code) for tenant, r in attempts
     ]
     assert [a["replayed"] for a in audits] == [False] * 8 + [True, False]
+    assert [a["outcome"] for a in audits] == ["refused"] * 7 + ["applied", "replayed", "refused"]
     assert audits[0]["problem"] == "forbidden" and audits[7]["problem"] is None
     assert all(a["token"].startswith("tok-") and a["request_id"] for a in audits)
     assert not any(BILLING in str(a) or SEARCH in str(a) for a in audits)

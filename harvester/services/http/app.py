@@ -192,10 +192,15 @@ def create_app(cfg: Config, store: Store | None = None, tokens: list[str] | None
 
     @app.exception_handler(StoreUnavailable)
     async def on_unavailable(request: Request, exc: StoreUnavailable) -> Response:
-        return _problem(
-            request,
-            Problem("unavailable", f"the database is unavailable ({exc}); retry later", headers={"Retry-After": "1"}),
-        )
+        detail = f"the database is unavailable ({exc}); retry later"
+        if exc.maybe_applied and request.method == "POST":
+            # cut off after it reached the database: it may have committed (the audit line says so)
+            request.state.outcome = "unknown"
+            detail += (
+                "; this write may have been applied: retry it with the same Idempotency-Key, "
+                "which applies it at most once"
+            )
+        return _problem(request, Problem("unavailable", detail, headers={"Retry-After": "1"}))
 
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception) -> Response:

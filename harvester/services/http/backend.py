@@ -66,7 +66,13 @@ FailurePage = tuple[list[tuple[str, str]], str | None]  # (item id, reason) rows
 
 
 class StoreUnavailable(Exception):
-    """The database could not be reached or did not answer in time."""
+    """The database could not be reached or did not answer in time. `maybe_applied`: the call had
+    reached the database when it was cut off (at the deadline, or its connection lost), so its
+    work may have committed; a write's audit line then says outcome unknown."""
+
+    def __init__(self, message: str, maybe_applied: bool = False) -> None:
+        super().__init__(message)
+        self.maybe_applied = maybe_applied
 
 
 class TenantBusy(StoreUnavailable):
@@ -157,12 +163,14 @@ class _PoolStore:
         the call's time limit (cutoff.py): past it, the connection is closed in the background, not
         reused. A store bound to a caller's connection runs within the caller's limit and share."""
         waiting = True  # for one of the caller's connections
+        started = False  # on a connection: from here, a cut-off call's work may have committed
 
         async def work() -> T:
-            nonlocal waiting
+            nonlocal waiting, started
             async with self.per_tenant.hold():
                 waiting = False
                 async with self.pool.connection() as conn:
+                    started = True
                     try:
                         return await call(conn)
                     except asyncio.CancelledError:
@@ -181,7 +189,13 @@ class _PoolStore:
             tenant = TENANT.get()
             if waiting and tenant is not None:
                 raise TenantBusy(tenant, self.per_tenant.limit) from None
-            raise StoreUnavailable("the database did not answer in time") from exc
+            raise StoreUnavailable("the database did not answer in time", maybe_applied=started) from exc
+        except psycopg.OperationalError as exc:
+            # The connection broke mid-call (no SQLSTATE, or class 08): a commit may have gone
+            # through unanswered. An error the server answered rolled the call back.
+            if started and (exc.sqlstate is None or exc.sqlstate.startswith("08")):
+                raise StoreUnavailable(type(exc).__name__, maybe_applied=True) from None
+            raise
 
     async def _sql(self, call: Callable[[psycopg.AsyncConnection], Awaitable[T]]) -> T:
         """`call` within the time limit; database errors as the tracker's typed ones."""

@@ -162,6 +162,22 @@ class Observe:
             path=path,
             status=status,
             replayed=replayed,
+            outcome=_outcome(state, status, replayed),
             problem=state.get("problem"),
             request_id=state.get("request_id"),
         )
+
+
+def _outcome(state: MutableMapping[str, object], status: int, replayed: bool) -> str:
+    """What became of a write: applied, replayed (a retry's stored answer), refused (4xx, nothing
+    changed), not-applied (503 before it reached the database, or rolled back), or unknown (cut
+    off after it reached the database, a crash, or no answer sent: it may have committed)."""
+    if isinstance(state.get("outcome"), str):
+        return str(state["outcome"])
+    if replayed:
+        return "replayed"
+    if 200 <= status < 300:
+        return "applied"
+    if 400 <= status < 500:
+        return "refused"
+    return "not-applied" if status == 503 else "unknown"
