@@ -814,7 +814,7 @@ COMMENT ON FUNCTION failures IS 'A page of at most `lim` (1 to 1000) failed item
     'in item order, after the item id `after` (null: from the start).';
 COMMENT ON FUNCTION ack IS 'Record items as succeeded: ids ''<batch>:<group>:<index>'' and runs '
     '''<batch>:<group>:<start>-<end>''. Idempotent: an item''s first outcome wins, later ones count as '
-    'duplicates. Up to 1,000 items are claimed (no batch row stays locked until you commit; the '
+    'duplicates. A call naming up to 1,000 items (repeats counted) claims them (no batch row stays locked until you commit; the '
     'completion is decided at commit, so `completed` is empty); a larger call, or claims => false (for a '
     'transaction you commit at once that wants `completed`), locks the named batches'' rows until you '
     'commit and returns the batches it finished.';
