@@ -5,3 +5,8 @@
 -- a batch the caller gave keep their keys per batch, as before.
 ALTER TABLE spark_fanout_run ADD COLUMN IF NOT EXISTS opened_batch boolean NOT NULL DEFAULT false;
 CREATE UNIQUE INDEX IF NOT EXISTS spark_fanout_run_job ON spark_fanout_run (run_key) WHERE opened_batch;
+-- A run records its job's partition count: a partition index names the rows a partition held, so
+-- a submission that splits the rows otherwise is refused instead of skipping indexes written with
+-- other rows (each partition's row count is the size of its groups).
+ALTER TABLE spark_fanout_run ADD COLUMN IF NOT EXISTS partitions integer
+    CHECK (partitions >= 0 AND partitions <= 1048576);  -- the 20 bits of the group id

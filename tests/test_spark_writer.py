@@ -1,5 +1,6 @@
 """A fan-out partition's write, without a JVM: concurrent attempts of one partition (speculative
-execution) write it exactly once; a closed batch refuses it whole."""
+execution) write it exactly once; a closed batch refuses it whole; a partition index written with
+another number of rows fails instead of being skipped as written."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import threading
 import psycopg
 import pyarrow as pa
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_tracker_support import invariant_violations
 
 import tracker
@@ -78,3 +81,28 @@ def test_group_ids_of_spark_runs_never_meet_counter_ids():
     assert tspark.run_group_range(4)[0] == hi
     with pytest.raises(ValueError):
         tspark.spark_group_id(tspark.MAX_RUNS, 0, 0)
+
+
+def _counts(pg_dsn, schema):
+    with psycopg.connect(pg_dsn) as c:
+        return [c.execute(f'SELECT count(*) FROM "{schema}".{t}').fetchone()[0] for t in ("batch_group", "outbox")]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(first=st.integers(1, 9000), second=st.integers(1, 9000))
+def test_a_partition_written_with_another_row_count_fails_and_writes_nothing(pg_dsn, schema, first, second):
+    with psycopg.connect(pg_dsn) as c:
+        batch = tracker.open_batch(c, schema=schema)
+        c.commit()
+        run = tspark.begin_run(c, batch.id, schema=schema)
+    writer = _writer(pg_dsn, schema, batch.id, run)
+    writer._write(_rows(first), first, 3)
+    before = _counts(pg_dsn, schema)
+    if first == second:  # the same rows again: written, nothing to do
+        writer._write(_rows(second), second, 3)
+    else:
+        with pytest.raises(RuntimeError, match=f"holds {second} rows, but {first} were written under its index"):
+            writer._write(_rows(second), second, 3)
+    assert _counts(pg_dsn, schema) == before
+    with psycopg.connect(pg_dsn) as c:
+        assert tracker.status(c, batch, schema=schema).total == first

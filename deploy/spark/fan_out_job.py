@@ -20,7 +20,9 @@ nothing and prints the same batch_id. Give each new fan-out a key of its own (th
 a version): a key names one job, and its user key and completion topic cannot change. The rows are
 hashed into `--partitions` partitions by their values (one shuffle), so that a submission sees the
 same partitions as the last, whatever cores the cluster has: raise it for a large input, as a
-Python worker holds one partition while it writes it.
+Python worker holds one partition while it writes it. `--partitions` is part of the job: a
+submission with the same `--run-key` and another `--partitions` is refused (exit 2) before it
+writes, naming the count the key was first run with.
 """
 
 from __future__ import annotations
@@ -80,6 +82,15 @@ def main(argv: list[str] | None = None) -> int:
             completion_topic=args.completion_topic,
             run_key=args.run_key,
         )
+    except tspark.PartitionsChanged as exc:
+        print(
+            f"{ap.prog}: error: --partitions {args.partitions}: --run-key {args.run_key!r} was first submitted "
+            f"with --partitions {exc.recorded} (batch {exc.batch_id}): submit it with --partitions {exc.recorded}, "
+            "or give a new --run-key",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     finally:
         spark.stop()
     print(

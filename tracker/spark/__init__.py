@@ -30,13 +30,14 @@ from tracker.spark.fanout import (  # noqa: F401
     spark_group_id,
 )
 from tracker.spark.outcomes import OutcomeTotals, outcome_dataframe
-from tracker.spark.runs import begin_run
+from tracker.spark.runs import PartitionsChanged, begin_run
 from tracker.spark.stream import OrderedTotals, StreamTotals, ack_stream, ordered_outcomes
 
 __all__ = [
     "fan_out",
     "FanOutResult",
     "begin_run",
+    "PartitionsChanged",
     "spark_group_id",
     "run_group_range",
     "SPARK_GROUP_FLAG",

@@ -28,7 +28,7 @@ from tracker.core.validate import check_topic, check_user_key
 from tracker.errors import BatchNotOpen, InvalidArgument, InvalidValue
 from tracker.ids import GROUP_BITS_MAX
 from tracker.spark.columns import check_column
-from tracker.spark.runs import begin_run, check_run_key, job_batch
+from tracker.spark.runs import PartitionsChanged, begin_run, check_run_key, job_batch
 from tracker.spark.worker import in_task
 
 # Group ids of Spark fan-out: flag | run << 40 | partition << 20 | chunk. Counter-allocated
@@ -127,13 +127,26 @@ class _PartitionWriter:
                 ).format(sql.Identifier(s, "batch_group")),
                 [self.batch_id, group_ids, sizes],
             ).fetchall()
-            if not inserted:
-                return  # an earlier attempt committed this partition: write nothing
             if len(inserted) != len(sizes):
-                raise RuntimeError(
-                    f"partition {partition} of batch {self.batch_id} run {self.run}: "
-                    f"{len(inserted)} of {len(sizes)} groups were new; its rows changed between attempts"
-                )
+                # Some attempt committed this partition index: it is written only if it held these
+                # rows, which its groups' total size tells (a layout changed between submissions, or
+                # an input that is not deterministic, puts other rows under the same index).
+                lo = spark_group_id(self.run, partition, 0)
+                written = conn.execute(
+                    sql.SQL(
+                        "SELECT coalesce(sum(size), 0) FROM {} "
+                        "WHERE batch_id = %s AND id >= %s AND id < %s AND id <> ALL(%s::int8[])"
+                    ).format(sql.Identifier(s, "batch_group")),
+                    [self.batch_id, lo, lo + MAX_CHUNKS, [r[0] for r in inserted]],  # not this attempt's
+                ).fetchone()
+                if inserted or written is None or written[0] != n:
+                    raise RuntimeError(
+                        f"partition {partition} of batch {self.batch_id} run {self.run} holds {n} rows, but "
+                        f"{written[0] if written else 0} were written under its index: its rows changed between "
+                        "attempts or submissions (a partition must hold the same rows in the same order on every "
+                        "one); nothing of it was written again"
+                    )
+                return  # an earlier attempt committed this partition: write nothing
             self._copy_messages(conn, held, group_ids)
             grown = conn.execute(
                 sql.SQL(
@@ -276,6 +289,8 @@ def fan_out(
     As for any Spark job that writes, a partition must hold the same rows in the same order on
     every attempt (sort or checkpoint a non-deterministic input first): an attempt that finds its
     partition written skips it whole, and one whose row count changed fails instead of writing.
+    The run records `df`'s partition count: the same run key with another count raises
+    PartitionsChanged (an InvalidValue named `partitions`) before anything is written.
     """
     from pyspark.sql.types import StringType, StructField, StructType
 
@@ -300,20 +315,21 @@ def fan_out(
         batch_id: int | None = None
     else:
         batch_id = batch_id_of(batch)
-    if df.rdd.getNumPartitions() > MAX_PARTITIONS:
-        raise InvalidValue(
-            "df", f"{df.rdd.getNumPartitions()} partitions", f"at most {MAX_PARTITIONS} partitions per fan-out"
-        )
+    partitions = df.rdd.getNumPartitions()
+    if partitions > MAX_PARTITIONS:
+        raise InvalidValue("df", f"{partitions} partitions", f"at most {MAX_PARTITIONS} partitions per fan-out")
     s = schema_of(schema)
     run: int | None = None
     try:
         with psycopg.connect(dsn) as conn:
             if batch_id is None and run_key is not None:
-                batch_id = job_batch(conn, run_key, schema=s, user_key=user_key, completion_topic=completion_topic)
+                batch_id = job_batch(
+                    conn, run_key, schema=s, user_key=user_key, completion_topic=completion_topic, partitions=partitions
+                )
             elif batch_id is None:
                 batch_id = open_batch(conn, user_key=user_key, completion_topic=completion_topic, schema=s).id
                 conn.commit()
-            run = begin_run(conn, batch_id, schema=s, run_key=run_key)
+            run = begin_run(conn, batch_id, schema=s, run_key=run_key, partitions=partitions)
         writer = _PartitionWriter(
             dsn, s, DEFAULT_OUTBOX_TABLE, batch_id, run, topic, value_col, key_col, id_col, after_commit, before_commit
         )
@@ -344,8 +360,12 @@ def fan_out(
 
 def _name_the_batch(exc: Exception, batch_id: int, run: int | None, run_key: str | None) -> None:
     """Tell the caller of a failed fan-out which batch (and run) it was writing."""
+    if isinstance(exc, PartitionsChanged):
+        run = exc.run  # the run the key names, which this call refused to take
     with contextlib.suppress(AttributeError, TypeError):  # an exception type without a __dict__
         exc.batch_id = batch_id  # type: ignore[attr-defined]
         exc.run = run  # type: ignore[attr-defined]
-    again = f"; the same call with run_key={run_key!r} writes only what is missing" if run_key else ""
+    again = ""
+    if run_key and not isinstance(exc, PartitionsChanged):
+        again = f"; the same call with run_key={run_key!r} writes only what is missing"
     exc.add_note(f"fan_out: batch {batch_id}, run {run}{again}")
