@@ -18,11 +18,11 @@ retry of a job that did finish) finds the batch the first submission opened and 
 partitions it had not committed, so every row is published once; a job that had finished writes
 nothing and prints the same batch_id. Give each new fan-out a key of its own (the date of the data,
 a version): a key names one job, and its user key and completion topic cannot change. The rows are
-hashed into `--partitions` partitions by their values (one shuffle), so that a submission sees the
-same partitions as the last, whatever cores the cluster has: raise it for a large input, as a
-Python worker holds one partition while it writes it. `--partitions` is part of the job: a
-submission with the same `--run-key` and another `--partitions` is refused (exit 2) before it
-writes, naming the count the key was first run with.
+hashed into `--partitions` partitions by the columns written (`--value-col`, `--key-col`; one
+shuffle) and sorted by them, so that a submission sees the same partitions as the last, whatever
+cores the cluster has: raise it for a large input, as a Python worker holds one partition while it
+writes it. `--partitions` is part of the job: a submission with the same `--run-key` and another
+`--partitions` is refused (exit 2) before it writes, naming the count the key was first run with.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from pyspark.sql import SparkSession
 
     from tracker import spark as tspark
+    from tracker.spark.columns import check_column
 
     spark = SparkSession.builder.appName("tracker-fan-out").getOrCreate()
     try:
@@ -70,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         # A retried task, and this job submitted again, must find each partition holding the same
         # rows in the same order. How Spark splits the files depends on the cores it has at the
         # time; hashing the rows by their values, then sorting each partition, depends on the rows.
-        df = df.repartition(args.partitions, *df.columns).sortWithinPartitions(*df.columns)
+        # Only the written columns: Spark cannot order a map column, and rows alike in these give
+        # the same message, so their order does not matter.
+        written = [check_column(df, "value_col", args.value_col, ("binary", "string"))]
+        if args.key_col is not None:
+            written.append(check_column(df, "key_col", args.key_col, ("binary", "string")))
+        df = df.repartition(args.partitions, *written).sortWithinPartitions(*written)
         result = tspark.fan_out(
             df,
             dsn=args.dsn,
