@@ -164,3 +164,39 @@ def test_job_batch_needs_a_run_key(pg_dsn, schema):
         job_batch(conn, None, schema=schema)  # type: ignore[arg-type]
     assert info.value.name == "run_key" and info.value.value is None
     assert _state(pg_dsn, schema) == before
+
+
+def test_a_race_lost_under_repeatable_read_finds_the_winners_batch(pg_dsn, schema):
+    """Under REPEATABLE READ the lost claim is a serialization failure: a new transaction sees the
+    winner's batch, as under READ COMMITTED."""
+    with psycopg.connect(pg_dsn) as winner, psycopg.connect(pg_dsn) as loser:
+        loser.execute("SET default_transaction_isolation = 'repeatable read'")
+        loser.commit()
+        won = tracker.open_batch(winner, user_key="u", schema=schema)
+        winner.execute(
+            f'INSERT INTO "{schema}".spark_fanout_run (batch_id, run, run_key, opened_batch) VALUES (%s, 0, %s, true)',
+            [won.id, "rr-race"],
+        )  # not committed yet: the loser's claim waits for it
+        found, errors = [], []
+
+        def submit():
+            try:
+                found.append(job_batch(loser, "rr-race", schema=schema, user_key="u"))
+            except Exception as exc:  # noqa: BLE001 (reported below)
+                errors.append(exc)
+
+        thread = threading.Thread(target=submit)
+        thread.start()
+        with psycopg.connect(pg_dsn, autocommit=True) as watch:
+            for _ in range(600):  # until the loser's claim waits on the winner's row
+                waiting = watch.execute(
+                    "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s", [loser.info.backend_pid]
+                ).fetchone()
+                if waiting and waiting[0]:
+                    break
+                thread.join(0.05)
+        winner.commit()
+        thread.join(60)
+    assert errors == [] and found == [won.id]
+    with psycopg.connect(pg_dsn) as c:
+        assert c.execute(f'SELECT id FROM "{schema}".batch').fetchall() == [(won.id,)]

@@ -149,7 +149,11 @@ def job_batch(
     """The batch of the fan-out job named `run_key`: the one a job of that key opened, or a new
     one (with `user_key` and `completion_topic`) whose run 0 takes the key with `partitions`,
     committed. A key whose batch was opened with another user key or completion topic raises
-    InvalidValue: a run key names one job."""
+    InvalidValue: a run key names one job.
+
+    `conn` should not be in a transaction: each attempt is one of its own. Under REPEATABLE READ
+    or SERIALIZABLE a lost race is a serialization failure, retried as a new transaction that sees
+    the winner's batch; inside the caller's transaction it cannot be, and is raised."""
     from tracker.sync import open_batch
 
     s = schema_of(schema)
@@ -169,6 +173,7 @@ def job_batch(
         "INSERT INTO {} (batch_id, run, run_key, opened_batch, partitions) VALUES (%s, 0, %s, true, %s) "
         "ON CONFLICT DO NOTHING RETURNING batch_id"
     ).format(runs)
+    own_transactions = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
     for _ in range(_OPEN_ATTEMPTS):
         try:
             with conn.transaction():
@@ -188,5 +193,10 @@ def job_batch(
                     raise _Raced  # undoes this transaction's batch; the next attempt finds the winner's
                 return batch.id
         except _Raced:
+            continue
+        except psycopg.errors.SerializationFailure:
+            # The winner's row is not in this transaction's snapshot; a new transaction sees it.
+            if not own_transactions:
+                raise
             continue
     raise RuntimeError(f"run_key {key!r}: its batch was opened and gone {_OPEN_ATTEMPTS} times in a row")
