@@ -493,7 +493,12 @@ def test_the_ack_producer_never_packs_more_groups_into_a_message_than_the_acker_
 
     topic = topics("acks")
     producer = AckProducer(
-        bootstrap_servers=kafka_bootstrap, topic=topic, max_message_bytes=1 << 20, max_pending=10**6, linger=60
+        bootstrap_servers=kafka_bootstrap,
+        topic=topic,
+        kafka_client={"message.max.bytes": 2 << 20},  # a client that takes the 1 MiB messages asked for
+        max_message_bytes=1 << 20,
+        max_pending=10**6,
+        linger=60,
     )
     producer.ack([f"7:{g}:0" for g in range(20_000)])
     producer.flush()

@@ -92,7 +92,9 @@ def _sql(conn, schema: str, entries: list[str]) -> tuple:
     try:
         with conn.transaction():  # a savepoint: the example leaves nothing behind
             acked, duplicates, _ = conn.execute(
-                sql.SQL("SELECT * FROM {}.ack(%s)").format(sql.Identifier(schema)), [entries]
+                # the masked path: bits cleared at once (a claim clears them at commit)
+                sql.SQL("SELECT * FROM {}.ack(%s, claims => false)").format(sql.Identifier(schema)),
+                [entries],
             ).fetchone()
             rows = conn.execute(
                 sql.SQL("SELECT batch_id, id, (~bits)::text FROM {} WHERE bits <> ~(bits # bits)").format(

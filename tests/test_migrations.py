@@ -116,8 +116,8 @@ def test_a_schema_migrated_by_the_old_chain_ends_as_a_fresh_one(pg_dsn, old_migr
     # The upgrade did change something: the events' functions are new, the SQL paths' completions
     # now carry the trace headers.
     assert len(upgraded["functions"]) > len(before["functions"])
-    # open_batch gained parameters (parent, thresholds): its two-argument form was replaced
-    replaced = {"SCHEMA.open_batch(text,text)"}
+    # open_batch gained parameters (parent, thresholds), ack one (claims): their old forms were replaced
+    replaced = {"SCHEMA.open_batch(text,text)", "SCHEMA.ack(text[],text)"}
     assert {r[0] for r in before["functions"]} - replaced < {r[0] for r in upgraded["functions"]}
     assert "SCHEMA.open_batch(text,text,bigint,bigint,double precision)" in {r[0] for r in upgraded["functions"]}
     assert [r[1] for r in upgraded["functions"] if r[0].startswith("SCHEMA.close_batch")] != [

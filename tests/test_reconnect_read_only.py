@@ -128,15 +128,19 @@ def test_the_http_pool_replaces_a_connection_to_a_read_only_server(pg_dsn, schem
         store = _PoolStore(pg_dsn, schema, completion_topic="done", pool_size=1, timeout=10)
         await store.open()
         try:
-            async with store._database() as conn:
+
+            async def made_read_only(conn) -> int:
                 await conn.execute(READ_ONLY)
-                first = conn.info.backend_pid
-            with pytest.raises(errors.ReadOnlySqlTransaction):
-                async with store._database() as conn:
-                    await conn.execute(INSERT.format(schema))
-            async with store._database() as conn:
-                assert conn.info.backend_pid != first
+                return conn.info.backend_pid
+
+            async def insert(conn) -> int:
                 await conn.execute(INSERT.format(schema))
+                return conn.info.backend_pid
+
+            first = await store.within(made_read_only)
+            with pytest.raises(errors.ReadOnlySqlTransaction):
+                await store.within(insert)
+            assert await store.within(insert) != first
         finally:
             await store.close()
 
