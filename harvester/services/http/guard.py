@@ -104,17 +104,7 @@ class Guard:
             # used from this address before, so the 429 tells a guesser nothing.
             wait = self.guesses.wrong(address) if caller is None else self.guesses.admits(address, caller.token)
             if wait > 0:
-                await send_problem(
-                    scope,
-                    receive,
-                    send,
-                    Problem(
-                        "rate-limited",
-                        f"too many wrong tokens from this address; retry after {wait:.3f} s",
-                        headers={"Retry-After": str(max(1, int(wait + 0.999)))},
-                        retry_after=round(wait, 3),
-                    ),
-                )
+                await send_problem(scope, receive, send, _rate_limited("too many wrong tokens from this address", wait))
                 return
         if caller is None:
             why = "no Authorization: Bearer header" if raw is None else "the bearer token is not valid"
@@ -132,17 +122,7 @@ class Guard:
         state_of(scope)["scope"] = caller.scope
         wait = self.limiter.take(token)
         if wait > 0:
-            await send_problem(
-                scope,
-                receive,
-                send,
-                Problem(
-                    "rate-limited",
-                    f"token {token} is over its rate limit; retry after {wait:.3f} s",
-                    headers={"Retry-After": str(max(1, int(wait + 0.999)))},
-                    retry_after=round(wait, 3),
-                ),
-            )
+            await send_problem(scope, receive, send, _rate_limited(f"token {token} is over its rate limit", wait))
             return
         if scope.get("method") == "POST":
             ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
@@ -160,3 +140,13 @@ class Guard:
                 )
                 return
         await self.app(scope, receive, send)
+
+
+def _rate_limited(why: str, wait: float) -> Problem:
+    """The 429 for `why`, saying when to come back (Retry-After in whole seconds, rounded up)."""
+    return Problem(
+        "rate-limited",
+        f"{why}; retry after {wait:.3f} s",
+        headers={"Retry-After": str(max(1, int(wait + 0.999)))},
+        retry_after=round(wait, 3),
+    )
