@@ -64,6 +64,23 @@ def _insert(schema: str) -> sql.Composed:
     return sql.SQL("INSERT INTO {} (message_id) VALUES (%s)").format(sql.Identifier(schema, "effects"))
 
 
+def _consumer(
+    conn: psycopg.Connection, bootstrap: str, group: str, topic: str, dead: str, schema: str, effect=None
+) -> InboxConsumer:
+    """An InboxConsumer of `topic` in `group` with a dead-letter topic; `effect` by default inserts
+    the record's value into the schema's effects table."""
+    if effect is None:
+        insert = _insert(schema)
+
+        def effect(conn: psycopg.Connection, record) -> None:
+            conn.execute(insert, [record.value().decode()])
+
+    config = {"bootstrap.servers": bootstrap, "group.id": group, "auto.offset.reset": "earliest"}
+    return InboxConsumer(
+        config, [topic], conn, Inbox("billing", schema=schema, registry=None), effect, dead_letter_topic=dead
+    )
+
+
 def test_no_inbox_partition_rolls_the_poll_back_and_the_records_come_again(pg_dsn, effects, kafka_bootstrap, topics):
     topic, dead = topics("inbox"), topics("inbox-dead")
     _produce(kafka_bootstrap, topic, ["a", "b"])
@@ -73,17 +90,8 @@ def test_no_inbox_partition_rolls_the_poll_back_and_the_records_come_again(pg_ds
             c.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(effects, name)))
         c.execute(sql.SQL("DELETE FROM {}").format(part))
     group = f"g-{uuid.uuid4().hex[:8]}"
-    config = {"bootstrap.servers": kafka_bootstrap, "group.id": group, "auto.offset.reset": "earliest"}
-    insert = _insert(effects)
     with psycopg.connect(pg_dsn) as conn:
-        c = InboxConsumer(
-            config,
-            [topic],
-            conn,
-            Inbox("billing", schema=effects, registry=None),
-            lambda conn, r: conn.execute(insert, [r.value().decode()]),
-            dead_letter_topic=dead,
-        )
+        c = _consumer(conn, kafka_bootstrap, group, topic, dead, effects)
         try:
             failed = None
             deadline = time.monotonic() + 60
@@ -119,7 +127,6 @@ def test_a_handler_meeting_a_passing_database_error_is_retried_not_dead_lettered
     topic, dead = topics("inbox"), topics("inbox-dead")
     _produce(kafka_bootstrap, topic, ["a", "b", "c"])
     group = f"g-{uuid.uuid4().hex[:8]}"
-    config = {"bootstrap.servers": kafka_bootstrap, "group.id": group, "auto.offset.reset": "earliest"}
     insert = _insert(effects)
     lock = sql.SQL("SELECT id FROM {} WHERE id = 1 FOR UPDATE").format(sql.Identifier(effects, "held"))
 
@@ -133,9 +140,7 @@ def test_a_handler_meeting_a_passing_database_error_is_retried_not_dead_lettered
     holder = psycopg.connect(pg_dsn)
     holder.execute(lock)  # held until the first failed poll
     with psycopg.connect(pg_dsn) as conn:
-        c = InboxConsumer(
-            config, [topic], conn, Inbox("billing", schema=effects, registry=None), effect, dead_letter_topic=dead
-        )
+        c = _consumer(conn, kafka_bootstrap, group, topic, dead, effects, effect)
         try:
             errors: list[BaseException] = []
             deadline = time.monotonic() + 60
@@ -165,7 +170,6 @@ def test_a_handler_that_fails_for_its_own_reason_still_goes_to_the_dead_letter_t
     topic, dead = topics("inbox"), topics("inbox-dead")
     _produce(kafka_bootstrap, topic, ["a", "b", "c", "d"])
     group = f"g-{uuid.uuid4().hex[:8]}"
-    config = {"bootstrap.servers": kafka_bootstrap, "group.id": group, "auto.offset.reset": "earliest"}
     insert = _insert(effects)
 
     def effect(conn: psycopg.Connection, record) -> None:
@@ -176,9 +180,7 @@ def test_a_handler_that_fails_for_its_own_reason_still_goes_to_the_dead_letter_t
         conn.execute(insert, [record.value().decode()])
 
     with psycopg.connect(pg_dsn) as conn:
-        c = InboxConsumer(
-            config, [topic], conn, Inbox("billing", schema=effects, registry=None), effect, dead_letter_topic=dead
-        )
+        c = _consumer(conn, kafka_bootstrap, group, topic, dead, effects, effect)
         try:
             deadline = time.monotonic() + 60
             while c.totals.records < 4:
@@ -216,17 +218,8 @@ def test_a_handler_error_every_retry_meets_again_dead_letters_the_record_at_once
         p.produce(topic, key=mid.encode(), value=value.encode(), headers=[(MESSAGE_ID_HEADER, mid.encode())])
     assert p.flush(30) == 0
     group = f"g-{uuid.uuid4().hex[:8]}"
-    config = {"bootstrap.servers": kafka_bootstrap, "group.id": group, "auto.offset.reset": "earliest"}
-    insert = _insert(effects)
     with psycopg.connect(pg_dsn) as conn:
-        c = InboxConsumer(
-            config,
-            [topic],
-            conn,
-            Inbox("billing", schema=effects, registry=None),
-            lambda conn, r: conn.execute(insert, [r.value().decode()]),
-            dead_letter_topic=dead,
-        )
+        c = _consumer(conn, kafka_bootstrap, group, topic, dead, effects)
         try:
             errors = _consume_all(c, 3)
         finally:
@@ -243,7 +236,6 @@ def test_a_passing_error_only_one_records_work_meets_dead_letters_it_after_a_few
     topic, dead = topics("inbox"), topics("inbox-dead")
     _produce(kafka_bootstrap, topic, ["a", "b", "c"])
     group = f"g-{uuid.uuid4().hex[:8]}"
-    config = {"bootstrap.servers": kafka_bootstrap, "group.id": group, "auto.offset.reset": "earliest"}
     insert = _insert(effects)
 
     def effect(conn: psycopg.Connection, record) -> None:
@@ -253,9 +245,7 @@ def test_a_passing_error_only_one_records_work_meets_dead_letters_it_after_a_few
         conn.execute(insert, [record.value().decode()])
 
     with psycopg.connect(pg_dsn) as conn:
-        c = InboxConsumer(
-            config, [topic], conn, Inbox("billing", schema=effects, registry=None), effect, dead_letter_topic=dead
-        )
+        c = _consumer(conn, kafka_bootstrap, group, topic, dead, effects, effect)
         try:
             errors = _consume_all(c, 3)
         finally:
