@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 
 import httpx
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from support.http_server import TOKEN, RunningServer, http_config
+from support.tcp_proxy import TcpProxy
 
 from harvester.services.http import cutoff
 
@@ -22,40 +22,20 @@ REQUEST_TIMEOUT = 1.0
 CANCEL_WAIT = 5.0
 
 
-class SilentProxy:
-    """Forwards TCP to `upstream` until silence(): then reads and drops everything both ways and
-    answers new connections with nothing, closing nothing."""
+class SilentProxy(TcpProxy):
+    """Forwards TCP both ways until silenced: from then on it drops what either side sends and
+    closes nothing, as a network partition does."""
 
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream, self.silent = upstream, False
-        self.srv = socket.create_server(("127.0.0.1", 0))
-        self.port = self.srv.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+    silent = False
 
     def silence(self) -> None:
         self.silent = True
 
-    def close(self) -> None:
-        self.srv.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.srv.accept()
-            except OSError:
-                return
-            if self.silent:
-                threading.Thread(target=self._pump, args=(c, None), daemon=True).start()
-                continue
-            u = socket.create_connection(self.upstream)
-            threading.Thread(target=self._pump, args=(c, u), daemon=True).start()
-            threading.Thread(target=self._pump, args=(u, c), daemon=True).start()
-
-    def _pump(self, a: socket.socket, b: socket.socket | None) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, from_upstream: bool) -> None:
         try:
-            while data := a.recv(65536):
-                if b is not None and not self.silent:
-                    b.sendall(data)
+            while data := src.recv(65536):
+                if not self.silent:
+                    dst.sendall(data)
         except OSError:
             pass
 
@@ -100,7 +80,7 @@ def test_work_within_its_deadline_answers_its_result_or_its_error():
 @pytest.mark.parametrize("backend", ["tracker", "sql"])
 def test_a_silent_database_answers_503_at_the_request_timeout(pg_dsn, schema, backend):
     d = conninfo_to_dict(pg_dsn)
-    proxy = SilentProxy((str(d.get("host", "127.0.0.1")), int(d.get("port", 5432))))
+    proxy = SilentProxy(f"{d.get('host', '127.0.0.1')}:{d.get('port', 5432)}")
     d.update(host="127.0.0.1", port=str(proxy.port))
     cfg = http_config(make_conninfo(**d), schema, request_timeout=REQUEST_TIMEOUT, backend=backend)
     try:

@@ -6,7 +6,6 @@ network hiccup): the retry with the key replays the stored answer, and the items
 from __future__ import annotations
 
 import socket
-import threading
 
 import httpx
 import psycopg
@@ -14,38 +13,25 @@ import pytest
 import structlog
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from support.http_server import TOKEN, RunningServer, http_config
+from support.tcp_proxy import TcpProxy
 
 
-class MutingProxy:
-    """Forwards TCP both ways; a connection that sends `marker` while armed gets no more answers."""
+class MutingProxy(TcpProxy):
+    """Forwards TCP both ways; a connection whose client sends `marker` while armed gets no more
+    answers (what the client sent still reaches the server)."""
 
-    def __init__(self, upstream: tuple[str, int], marker: bytes) -> None:
-        self.upstream, self.marker, self.armed = upstream, marker, False
-        self.srv = socket.create_server(("127.0.0.1", 0))
-        self.port = self.srv.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+    def __init__(self, upstream: str, marker: bytes) -> None:
+        self.marker, self.armed, self._muted = marker, False, set()
+        super().__init__(upstream)
 
-    def close(self) -> None:
-        self.srv.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.srv.accept()
-            except OSError:
-                return
-            u = socket.create_connection(self.upstream)
-            muted = threading.Event()
-            threading.Thread(target=self._pipe, args=(c, u, muted, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(u, c, muted, False), daemon=True).start()
-
-    def _pipe(self, a: socket.socket, b: socket.socket, muted: threading.Event, up: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, from_upstream: bool) -> None:
+        client = dst if from_upstream else src
         try:
-            while data := a.recv(65536):
-                if up and self.armed and self.marker in data:
-                    muted.set()
-                if up or not muted.is_set():
-                    b.sendall(data)
+            while data := src.recv(65536):
+                if not from_upstream and self.armed and self.marker in data:
+                    self._muted.add(client)
+                if not from_upstream or client not in self._muted:
+                    dst.sendall(data)
         except OSError:
             pass
 
@@ -53,7 +39,7 @@ class MutingProxy:
 @pytest.mark.parametrize("backend", ["tracker", "sql"])
 def test_a_write_committed_but_cut_off_is_unknown_and_its_keyed_retry_applies_once(pg_dsn, schema, backend):
     params = conninfo_to_dict(pg_dsn)
-    proxy = MutingProxy((str(params.get("host", "127.0.0.1")), int(params.get("port", 5432))), b"COMMIT")
+    proxy = MutingProxy(f"{params.get('host', '127.0.0.1')}:{params.get('port', 5432)}", b"COMMIT")
     dsn = make_conninfo(pg_dsn, host="127.0.0.1", port=str(proxy.port))
     cfg = http_config(dsn, schema, request_timeout=1.0, backend=backend)
     key = {"Idempotency-Key": '"cut-off-1"'}
