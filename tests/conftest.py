@@ -19,6 +19,8 @@ import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 from hypothesis import settings
 from support.ci import under_ci
+from support.teardown import drop_schema
+from support.teardown import release_failed_frames as pytest_runtest_makereport  # noqa: F401
 
 from tracker import schema as schema_mod
 
@@ -124,8 +126,7 @@ def schema(pg_dsn) -> str:
     name = f"t_{uuid.uuid4().hex[:12]}"
     schema_mod.migrate(pg_dsn, name)
     yield name
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+    drop_schema(pg_dsn, name)
 
 
 @pytest.fixture
@@ -136,8 +137,7 @@ def bare_schema(pg_dsn) -> str:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(f'CREATE SCHEMA "{name}"')
     yield name
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA "{name}" CASCADE')
+    drop_schema(pg_dsn, name, if_exists=False)
 
 
 @pytest.fixture

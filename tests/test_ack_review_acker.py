@@ -7,9 +7,11 @@ import time
 import uuid
 
 import psycopg
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 from support.acking import batch_state, closed_batch, committed, end_offsets, make_acker, running
 from support.harness import wait_for
+
+from harvester.services.ack_offsets import lag
 
 
 def _produce(bootstrap, topic, triples):
@@ -76,30 +78,59 @@ def test_partitions_kept_through_a_rebalance_resume_once_the_deferred_drain(pg_d
     group = f"rv-acker-{uuid.uuid4().hex[:8]}"
     client = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500}
     holder = psycopg.connect(pg_dsn)
-    holder.execute(f'SELECT 1 FROM "{schema}".batch WHERE id = %s FOR NO KEY UPDATE', [held.id])
-    _produce(kafka_bootstrap, topic, [(p, b"k", hh.item_ids[p].encode()) for p in (0, 1)])
-    # max_groups=1: the two deferred masks fill a fold and pause A; deferred_retry=10 keeps them
-    # deferred across the rebalance
-    a = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, group=group, max_groups=1, deferred_retry=10,
-                   consumer_client=client)  # fmt: skip
-    with running(a):
-        wait_for(lambda: a._paused and a.stats["deferred"] >= 2, what="A paused")
-        # while paused, nothing is fetched: the lag is still read from the broker
-        fresh, (fh,) = closed_batch(pg_dsn, schema, 3)
-        _produce(kafka_bootstrap, topic, [(0, b"k", i.encode()) for i in fh.item_ids])
-        wait_for(lambda: a.lag() >= 3, timeout=10, what="lag of a paused partition")
-        holder.rollback()
+    try:  # a failure must not leave the batch row locked: the schema's teardown would wait on it
+        holder.execute(f'SELECT 1 FROM "{schema}".batch WHERE id = %s FOR NO KEY UPDATE', [held.id])
+        _produce(kafka_bootstrap, topic, [(p, b"k", hh.item_ids[p].encode()) for p in (0, 1)])
+        # max_groups=1: the two deferred masks fill a fold and pause A; deferred_retry=10 keeps them
+        # deferred across the rebalance
+        a = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, group=group, max_groups=1, deferred_retry=10,
+                       consumer_client=client)  # fmt: skip
+        with running(a):
+            wait_for(lambda: a._paused and a.stats["deferred"] >= 2, what="A paused")
+            # while paused, nothing is fetched: the lag is still read from the broker
+            fresh, (fh,) = closed_batch(pg_dsn, schema, 3)
+            _produce(kafka_bootstrap, topic, [(0, b"k", i.encode()) for i in fh.item_ids])
+            wait_for(lambda: a.lag() >= 3, timeout=10, what="lag of a paused partition")
+            holder.rollback()
+            holder.close()
+            b = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, group=group, consumer_client=client)
+            with running(b):
+                wait_for(lambda: b._consumer is not None and len(b._consumer.assignment()) == 1, timeout=60, what="B's")
+                wait_for(lambda: batch_state(pg_dsn, schema, held.id)[0] == "complete", timeout=60, what="held batch")
+                (mine,) = [tp.partition for tp in a._consumer.assignment()]
+                late, (lh,) = closed_batch(pg_dsn, schema, 3)
+                _produce(kafka_bootstrap, topic, [(mine, b"k", i.encode()) for i in lh.item_ids])
+                wait_for(lambda: batch_state(pg_dsn, schema, late.id)[0] == "complete", timeout=30, what="A reads on")
+                wait_for(lambda: batch_state(pg_dsn, schema, fresh.id)[0] == "complete", timeout=30, what="fresh batch")
+    finally:
         holder.close()
-        b = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, group=group, consumer_client=client)
-        with running(b):
-            wait_for(lambda: b._consumer is not None and len(b._consumer.assignment()) == 1, timeout=60, what="B's")
-            wait_for(lambda: batch_state(pg_dsn, schema, held.id)[0] == "complete", timeout=60, what="held batch")
-            (mine,) = [tp.partition for tp in a._consumer.assignment()]
-            late, (lh,) = closed_batch(pg_dsn, schema, 3)
-            _produce(kafka_bootstrap, topic, [(mine, b"k", i.encode()) for i in lh.item_ids])
-            wait_for(lambda: batch_state(pg_dsn, schema, late.id)[0] == "complete", timeout=30, what="A reads on")
-            wait_for(lambda: batch_state(pg_dsn, schema, fresh.id)[0] == "complete", timeout=30, what="fresh batch")
     assert end_offsets(kafka_bootstrap, topic, 2) == committed(kafka_bootstrap, group, topic, 2)
+
+
+def test_a_partition_paused_before_its_first_fetch_lags_from_the_committed_offset_or_its_start(kafka_bootstrap, topics):
+    """An acker can pause its assignment before it fetched from every partition (a fold filled by
+    the first records): such a partition has no position, and its backlog still counts, from the
+    group's committed offset or, with none, from the partition's start (auto.offset.reset=earliest)."""
+    topic = topics("acks", partitions=2)
+    _produce(kafka_bootstrap, topic, [(0, b"k", b"v")] * 3 + [(1, b"k", b"v")] * 5)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": kafka_bootstrap,
+            "group.id": f"rv-lag-{uuid.uuid4().hex[:8]}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        consumer.commit(offsets=[TopicPartition(topic, 1, 2)], asynchronous=False)
+        assigned = [TopicPartition(topic, 0), TopicPartition(topic, 1)]
+        consumer.assign(assigned)
+        consumer.pause(assigned)
+        assert [tp.offset for tp in consumer.position(assigned)] == [-1001, -1001]  # never fetched
+        # partition 0: 3 from its start (nothing committed); partition 1: 5 - 2 committed
+        wait_for(lambda: lag(consumer, ask_broker=True) == 3 + 3, timeout=30, what="lag of unfetched partitions")
+    finally:
+        consumer.close()
 
 
 def test_small_dead_letters_refused_with_a_large_one_go_whole_and_only_it_is_cut(kafka_bootstrap, topics):

@@ -9,6 +9,7 @@ import uuid
 
 import psycopg
 from support.harness import insert_rows, make_config
+from support.teardown import drop_schema
 
 from harvester.admin import status as status_mod
 from harvester.exit_codes import ExitCode
@@ -53,8 +54,7 @@ def test_status_reports_every_outbox_and_lane(pg_dsn, kafka_bootstrap, schema, t
         text = status_mod.render(st)
         assert "unit 1 (laned.1)" in text and "lane 1 of 3" in text and "unit 3 (plain)" in text, text
     finally:
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA "{other}" CASCADE')
+        drop_schema(pg_dsn, other, if_exists=False)
 
 
 def test_an_outbox_whose_database_cannot_be_read_is_named_and_the_others_still_reported(

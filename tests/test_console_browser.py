@@ -25,6 +25,7 @@ from support.http_server import TOKEN, RunningServer
 from support.ports import free_port
 from support.reaper import ReaperProcess, stop_all
 from support.scripts import load_script
+from support.teardown import drop_schema
 from test_admin import add_dead
 
 import tracker
@@ -119,8 +120,7 @@ def stack(pg_dsn, kafka_bootstrap, tmp_path_factory):
     finally:
         stop_all(list(reapers.values()))
         admin.delete_topics([leader_topic, data_topic])
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        drop_schema(pg_dsn, schema)
 
 
 def shoot(d, name: str) -> None:

@@ -14,6 +14,7 @@ import uuid
 import psycopg
 import pytest
 from confluent_kafka import Consumer, Producer
+from support.teardown import drop_schema
 
 from tracker import schema as schema_mod
 from tracker.errors import InvalidIdentifier
@@ -190,8 +191,7 @@ def test_three_concurrent_reaper_migrate_processes_all_succeed(pg_dsn):
             rows = conn.execute(f'SELECT version FROM "{name}".schema_migrations ORDER BY 1').fetchall()
         assert [r[0] for r in rows] == [m.version for m in schema_mod.migrations()]
     finally:
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+        drop_schema(pg_dsn, name)
 
 
 def test_migrate_dry_run_prints_sql_and_changes_nothing(pg_dsn):

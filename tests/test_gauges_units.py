@@ -10,6 +10,7 @@ import uuid
 import psycopg
 from prometheus_client import CollectorRegistry
 from support.harness import insert_rows, make_config
+from support.teardown import drop_schema
 
 from harvester import logs
 from harvester.db_pool import make_pool
@@ -58,8 +59,7 @@ def test_the_backlog_gauges_count_every_outbox(pg_dsn, kafka_bootstrap, schema, 
         for p in pools.values():
             threading.Thread(target=p.close, daemon=True).start()  # the one that never connected
         pool.close()
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA "{other}" CASCADE')
+        drop_schema(pg_dsn, other, if_exists=False)
 
 
 def test_the_dead_rows_gauge_stops_counting_at_its_cap(pg_dsn, kafka_bootstrap, schema, monkeypatch):

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter
 from support.harness import limited_role
+from support.teardown import drop_schema
 
 from harvester.db_pool import make_pool
 from harvester.publishing.ownership import CLAIM_AHEAD, ClaimTableMissing, OutboxClaim, OutboxClaimed, layout_of
@@ -226,8 +227,7 @@ def test_units_creating_the_table_at_once_and_a_migration_all_succeed(pg_dsn):
             assert read_row(pg_dsn, name)[0] == LAYOUTS[0]
         finally:
             p.close()
-            with psycopg.connect(pg_dsn, autocommit=True) as conn:
-                conn.execute(f'DROP SCHEMA "{name}" CASCADE')
+            drop_schema(pg_dsn, name, if_exists=False)
 
 
 def test_a_hold_behind_a_locked_claim_row_fails_within_its_lock_timeout(pg_dsn, schema, pool):

@@ -20,6 +20,7 @@ import pytest
 from support.harness import Receiver, insert_rows, wait_until
 from support.ports import free_port
 from support.reaper import run_cli
+from support.teardown import drop_schema
 
 from harvester import config as config_mod
 from harvester.exit_codes import ExitCode
@@ -242,8 +243,7 @@ def test_migrate_dry_run_prints_the_transactions_migrate_runs(pg_dsn, schema):
         )
         assert done.returncode == 0, done.stderr[-2000:]
     finally:
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{fresh}" CASCADE')
+        drop_schema(pg_dsn, fresh)
 
 
 @pytest.fixture

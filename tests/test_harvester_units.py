@@ -9,6 +9,7 @@ import uuid
 import psycopg
 import pytest
 from support.harness import Receiver, insert_rows, make_config, order_violations, outbox_count, wait_until
+from support.teardown import drop_schema
 
 from harvester import config as config_mod
 from harvester.election.group_bounds import SessionTimeoutRefused, broker_session_bounds, check_session_timeout
@@ -169,8 +170,7 @@ def test_a_stalled_outbox_holds_up_no_other_unit(pg_dsn, kafka_bootstrap, schema
         locker.close()
         h.stop(5)
         receiver.close()
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{other}" CASCADE')
+        drop_schema(pg_dsn, other)
 
 
 def test_a_leader_topic_that_disagrees_with_the_units_is_refused(pg_dsn, kafka_bootstrap, schema, topics):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 from support.harness import Generator, Receiver, check_published, env_for, make_config, order_violations, wait_until
 from support.reaper import ReaperProcess, stop_all
+from support.teardown import drop_schema
 
 PARTITIONS = 3
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("reaper-failover")]
@@ -237,5 +238,4 @@ def test_reordered_outboxes_in_one_group_are_held_apart_by_the_claim(pg_dsn, kaf
         stop_all(procs)
         for receiver in receivers:
             receiver.close()
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA "{other}" CASCADE')
+        drop_schema(pg_dsn, other, if_exists=False)

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg import sql
+from support.teardown import drop_schema
 
 from tracker import inbox, roles
 from tracker import schema as schema_mod
@@ -460,8 +461,7 @@ def test_inboxes_of_two_schemas_never_wait_for_each_other(pg_dsn, schema):
             first.rollback()
             second.rollback()
     finally:
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            c.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(other)))
+        drop_schema(pg_dsn, other)
 
 
 @pytest.mark.parametrize("consumer", [["billing"], {"a": 1}, 7, None, ""])

@@ -18,6 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import pq, sql
+from support.teardown import drop_schema
 from test_tracker_modes import ASYNC_MODES, SYNC_MODES, async_mode, sync_mode
 
 from tracker import schema as schema_mod
@@ -51,8 +52,7 @@ def poisoned(pg_dsn):
         c.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(name)))
         c.execute(POISON)
     yield name
-    with psycopg.connect(pg_dsn, autocommit=True) as c:
-        c.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+    drop_schema(pg_dsn, name)
 
 
 def _state(dsn: str, schema: str, mid: str, extra: dict[str, Any]) -> tuple[int, list[str]]:

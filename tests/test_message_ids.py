@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from support.faults import FaultPlan
 from support.harness import Receiver, make_config, marked, wait_until
 from support.history import sql_at
+from support.teardown import drop_schema
 
 import tracker
 from harvester.publishing.ports import DEFAULT, Providers
@@ -39,8 +40,7 @@ def other_schema(pg_dsn):
     name = f"t_{uuid.uuid4().hex[:12]}"
     schema_mod.migrate(pg_dsn, name)
     yield name
-    with psycopg.connect(pg_dsn, autocommit=True) as c:
-        c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+    drop_schema(pg_dsn, name)
 
 
 def _namespace(pg_dsn: str, schema: str, table: str = "outbox") -> message_ids.Namespace:
@@ -444,5 +444,4 @@ def test_an_upgrade_gives_the_outbox_its_namespace_without_rewriting_it(pg_dsn, 
             i, at = ids[value]
             assert all(r == [f"{ns.uuid}:{i}:{message_ids.micros(at)}".encode()] for r in records)
     finally:
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+        drop_schema(pg_dsn, name)

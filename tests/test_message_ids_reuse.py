@@ -13,6 +13,7 @@ import psycopg
 import pytest
 from support.harness import Receiver, make_config, outbox_count, wait_until
 from support.history import sql_at
+from support.teardown import drop_schema
 
 from harvester.units import Harvester
 from tracker import message_ids
@@ -126,8 +127,7 @@ def test_an_upgrade_keeps_the_id_of_rows_created_before_it_and_names_later_rows_
         assert new_ids == {f"{ns}:{i}:{message_ids.micros(new_at[i])}".encode() for i in new_rows}
         assert len(old_rows) == 30
     finally:
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+        drop_schema(pg_dsn, name)
 
 
 def test_a_namespace_table_the_previous_version_created_itself_gets_the_cutover(pg_dsn, schema):
@@ -152,5 +152,4 @@ def test_a_namespace_table_the_previous_version_created_itself_gets_the_cutover(
         assert OutboxStore(pool, bare, "more").namespace().suffix_from == message_ids.ALL_ROWS
     finally:
         pool.close()
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            c.execute(f'DROP SCHEMA "{bare}" CASCADE')
+        drop_schema(pg_dsn, bare, if_exists=False)

@@ -14,6 +14,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from support.history import sql_at
+from support.teardown import drop_schema
 
 import tracker
 from tracker import schema as schema_mod
@@ -82,5 +83,4 @@ def test_a_batch_finished_before_the_upgrade_reads_as_succeeded_and_no_table_is_
             with pytest.raises(psycopg.errors.CheckViolation):
                 c.execute("UPDATE batch SET failed = 4 WHERE id = %s", [done])
     finally:
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+        drop_schema(pg_dsn, name)

@@ -10,6 +10,7 @@ import uuid
 
 import psycopg
 import pytest
+from support.teardown import drop_schema
 
 from tracker import schema as schema_mod
 
@@ -18,8 +19,7 @@ pytestmark = pytest.mark.xdist_group("pgbouncer")
 
 
 def _drop(pg_dsn: str, name: str) -> None:
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+    drop_schema(pg_dsn, name)
 
 
 def _advisory_locks(pg_dsn: str, name: str) -> list[tuple]:

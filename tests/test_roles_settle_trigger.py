@@ -10,6 +10,7 @@ import uuid
 import psycopg
 import pytest
 from psycopg import sql
+from support.teardown import drop_schema
 
 import tracker
 from tracker import roles
@@ -21,8 +22,7 @@ def other_schema(pg_dsn):
     name = f"t_{uuid.uuid4().hex[:12]}"
     schema_mod.migrate(pg_dsn, name)
     yield name
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+    drop_schema(pg_dsn, name)
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from psycopg import pq
 from psycopg.rows import dict_row, namedtuple_row
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
+from support.teardown import drop_schema
 from test_tracker_support import snapshot
 
 import tracker
@@ -100,8 +101,7 @@ def poisoned(pg_dsn):
         c.execute(f'SET search_path TO "{name}"')
         c.execute(POISON)
     yield name
-    with psycopg.connect(pg_dsn, autocommit=True) as c:
-        c.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+    drop_schema(pg_dsn, name)
 
 
 # ---------------------------------------------------------------- the caller, in each mode

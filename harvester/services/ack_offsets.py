@@ -114,28 +114,46 @@ def first_offsets(messages: list[Any]) -> dict[int, int]:
 def lag(consumer: Consumer, *, ask_broker: bool) -> int:
     """Messages in the consumer's assigned partitions beyond its position. The high watermark is
     the last fetch's (no round trip); ask_broker=True (paused partitions, never fetched, whose
-    watermark stays where it was) asks the broker, for about a second at most, the rest cached."""
+    watermark stays where it was) asks the broker, for about a second at most, the rest cached.
+    A partition paused before its first fetch has no position yet: its lag counts from the
+    group's committed offset, or from the start of the partition where the group committed none
+    (auto.offset.reset=earliest), not as nothing."""
     total = 0
     ask_until = time.monotonic() + 1.0 if ask_broker else 0.0
     try:
         assigned = consumer.assignment()
         for tp in consumer.position(assigned) if assigned else []:
-            high = _high_watermark(consumer, tp, ask_until)
-            # before the first fetch neither the position nor the high watermark is known
-            if high >= 0 and tp.offset >= 0:
-                total += max(0, high - tp.offset)
+            low, high = _watermarks(consumer, tp, ask_until)
+            start = tp.offset if tp.offset >= 0 else _unfetched_start(consumer, tp, low, ask_until)
+            # before the first fetch (and with no broker to ask) neither is known
+            if high >= 0 and start >= 0:
+                total += max(0, high - start)
     except KafkaException:
         return 0
     return total
 
 
-def _high_watermark(consumer: Consumer, tp: TopicPartition, ask_until: float) -> int:
+def _watermarks(consumer: Consumer, tp: TopicPartition, ask_until: float) -> tuple[int, int]:
     left = ask_until - time.monotonic()
     if left > 0:
         try:
             got = consumer.get_watermark_offsets(tp, timeout=left, cached=False)
             if got is not None:
-                return int(got[1])
+                return int(got[0]), int(got[1])
         except KafkaException:
             pass  # the broker did not answer in time: the last fetch's
-    return int(consumer.get_watermark_offsets(tp, cached=True)[1])
+    low, high = consumer.get_watermark_offsets(tp, cached=True)
+    return int(low), int(high)
+
+
+def _unfetched_start(consumer: Consumer, tp: TopicPartition, low: int, ask_until: float) -> int:
+    """Where consumption of a partition with no position yet will start: the committed offset,
+    else the partition's first (-1 when the broker is not asked or does not answer in time)."""
+    left = ask_until - time.monotonic()
+    if left <= 0:
+        return -1
+    try:
+        (committed,) = consumer.committed([TopicPartition(tp.topic, tp.partition)], timeout=left)
+    except KafkaException:
+        return -1
+    return int(committed.offset) if committed.offset >= 0 else low

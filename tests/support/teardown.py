@@ -1,0 +1,75 @@
+"""What a failed test leaves behind must not stop the suite.
+
+A test that fails while one of its connections holds locks in a transaction (a batch row held to
+make another writer wait, say) keeps that connection open: its traceback, kept by the report and by
+`sys.last_traceback`, holds the test's frames and so the connection. The schema's teardown then
+waits on those locks for ever, and every other worker behind it too, since a migration's CREATE
+INDEX CONCURRENTLY waits for every older transaction in the database. Two defences:
+
+- `release_failed_frames` (a pytest_runtest_makereport hook, imported by conftest): once the
+  report of a failed setup or call is written, the frames of its traceback are cleared, so what
+  only they held (connections, clients, threads' handles) is let go before the teardown.
+- `drop_schema`: DROP SCHEMA with a short lock wait; connections still holding locks in the schema
+  after it are ended and the drop tried again, a few times, then an error that names them.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Generator
+from types import TracebackType
+
+import psycopg
+import pytest
+from psycopg import sql
+
+LOCK_WAIT = "5s"
+TRIES = 4
+
+_HOLDERS = """
+SELECT l.pid, pg_terminate_backend(l.pid)
+FROM pg_locks l JOIN pg_class c ON c.oid = l.relation JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = %s AND l.granted AND l.pid <> pg_backend_pid()
+GROUP BY l.pid
+"""
+
+
+class SchemaNotDropped(RuntimeError):
+    pass
+
+
+def drop_schema(dsn: str, name: str, *, if_exists: bool = True) -> None:
+    """DROP SCHEMA `name` CASCADE, ending the connections that hold locks in it if they make the
+    drop wait longer than LOCK_WAIT."""
+    drop = sql.SQL("DROP SCHEMA {}{} CASCADE").format(sql.SQL("IF EXISTS " if if_exists else ""), sql.Identifier(name))
+    ended: list[int] = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(LOCK_WAIT)))
+        for _ in range(TRIES):
+            try:
+                conn.execute(drop)
+                return
+            except psycopg.errors.LockNotAvailable:
+                ended += [pid for pid, _ in conn.execute(_HOLDERS, [name]).fetchall()]
+    raise SchemaNotDropped(f"schema {name} still locked after ending backends {ended}")
+
+
+@pytest.hookimpl(wrapper=True)
+def release_failed_frames(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport]:
+    report = yield
+    excinfo = call.excinfo
+    if excinfo is not None and call.when != "teardown" and not item.config.getoption("usepdb", False):
+        _clear(excinfo.tb)  # (--pdb needs the frames after the report)
+        gc.collect()  # what the frames held may sit in reference cycles (psycopg's connections do)
+    return report
+
+
+def _clear(tb: TracebackType | None) -> None:
+    while tb is not None:
+        # the report read f_locals: that snapshot dict outlives frame.clear(), so it is emptied too
+        tb.tb_frame.f_locals.clear()
+        try:
+            tb.tb_frame.clear()
+        except RuntimeError:
+            pass  # still executing: not ours to clear
+        tb = tb.tb_next
