@@ -7,7 +7,7 @@ import time
 import uuid
 
 import psycopg
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from support.acking import batch_state, closed_batch, committed, end_offsets, make_acker, running
 from support.harness import wait_for
 
@@ -54,6 +54,43 @@ def test_an_oversized_bad_ack_is_dead_lettered_cut_down_and_the_acker_moves_on(p
         b"0",
         b"0",
     )
+
+
+def test_a_dead_letter_producer_broken_for_good_is_replaced_and_the_letters_go_out(
+    pg_dsn, schema, kafka_bootstrap, topics, monkeypatch
+):
+    """A fatal error leaves an idempotent producer refusing every record: librdkafka tells it
+    through error_cb, then produce() raises _FATAL. That boundary is simulated on the first
+    producer (a real one otherwise); the acker replaces it, and the rewound poll's letter goes out
+    through the new, real producer."""
+    import harvester.services.acker as acker_module
+
+    made: list[Producer] = []
+
+    class FatalFirst(Producer):
+        def __init__(self, conf: dict) -> None:
+            super().__init__(conf)
+            self.error_cb, self.broken = conf.get("error_cb"), not made
+            made.append(self)
+
+        def produce(self, *args, **kwargs):
+            if self.broken:
+                if self.error_cb is not None:
+                    self.error_cb(KafkaError(KafkaError._FATAL, "idempotence state lost", fatal=True))
+                raise KafkaException(KafkaError(KafkaError._FATAL, "fatal error", fatal=True))
+            return super().produce(*args, **kwargs)
+
+    monkeypatch.setattr(acker_module, "Producer", FatalFirst)
+    topic, dlq = topics("acks"), topics("dlq")
+    b, (h,) = closed_batch(pg_dsn, schema, 1)
+    _produce(kafka_bootstrap, topic, [(0, b"x", b"not an ack"), (0, str(b.id).encode(), h.item_ids[0].encode())])
+    acker = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, retry_backoff=0.2)
+    with running(acker):
+        wait_for(lambda: committed(kafka_bootstrap, acker.group, topic, 1) == [2], timeout=60, what="offsets past it")
+    assert len(made) == 2 and acker.stats["retries"] >= 1
+    assert batch_state(pg_dsn, schema, b.id) == ("complete", 0)
+    (letter,) = _letters(kafka_bootstrap, dlq, 1)
+    assert letter.value() == b"not an ack"
 
 
 def test_rejected_deferred_acks_are_dead_lettered(pg_dsn, schema, kafka_bootstrap, topics):

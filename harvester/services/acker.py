@@ -171,7 +171,11 @@ class Acker:
             "bootstrap.servers": bootstrap_servers,
             "enable.idempotence": True,
             "logger": logging.getLogger("reaper.kafka.dead-letter-producer"),
+            # A fatal error leaves an idempotent producer refusing every record for good: it is
+            # replaced before the next poll (the failed letters' poll is rewound and comes again).
+            "error_cb": self._on_producer_error,
         }
+        self._producer_broken = False
         # what of the ack topic is applied, and what of that may be committed
         self.offsets = AckOffsets(topic, self.log)
         self._consumer: Consumer | None = None
@@ -203,6 +207,8 @@ class Acker:
             )
             self.log.info("acker started", topic=self.topic, group=self.group, dead_letter_topic=self.dead_letter_topic)
             while not stop.is_set():
+                if self._producer_broken:
+                    producer = self._replace_producer(producer)
                 self._pause_while_deferred_fill(consumer)
                 messages = consumer.consume(num_messages=self.max_poll_records, timeout=self.poll_timeout)
                 if messages:
@@ -226,6 +232,22 @@ class Acker:
                 self.applier.close()
                 self._lag.set(0)
                 self.log.info("acker stopped", **self.stats)
+
+    def _on_producer_error(self, err: KafkaError) -> None:
+        if err.fatal():  # (other client errors are librdkafka's own log lines already)
+            self._producer_broken = True
+            self.log.error("fatal dead-letter producer error; replacing the producer", error=str(err))
+
+    def _replace_producer(self, broken: Producer) -> Producer:
+        try:
+            broken.purge(in_queue=True, in_flight=True)  # nothing it holds can be delivered any more
+            broken.flush(0)
+        except Exception as exc:  # a broken producer may refuse; it gets nothing more either way
+            self.log.warning("purging the broken dead-letter producer failed", error=str(exc))
+        self._producer_broken = False
+        producer = Producer(self._producer_conf)
+        self.log.warning("dead-letter producer replaced")
+        return producer
 
     def _pause_while_deferred_fill(self, consumer: Consumer) -> None:
         """No new acks are fetched while the deferred masks fill a fold (a batch held locked for
