@@ -8,6 +8,7 @@ import threading
 
 import psycopg
 import pytest
+from prometheus_client import CollectorRegistry
 
 import tracker
 from tracker import outbox
@@ -251,6 +252,10 @@ def _sweep_failing_at_its_deletes(conn, schema: str) -> list[int]:
     return idle
 
 
+def _expired_counted(registry: CollectorRegistry, schema: str) -> float:
+    return registry.get_sample_value("reaper_batches_expired_total", {"schema": schema}) or 0.0
+
+
 def _states(conn, schema: str, ids: list[int]) -> list[str]:
     return [r[0] for r in conn.execute(f'SELECT state FROM "{schema}".batch WHERE id = ANY(%s) ORDER BY id', [ids])]
 
@@ -258,8 +263,10 @@ def _states(conn, schema: str, ids: list[int]) -> list[str]:
 def test_a_failed_sweep_in_the_callers_transaction_undoes_itself_alone(conn, schema):
     idle = _sweep_failing_at_its_deletes(conn, schema)
     conn.execute(f'INSERT INTO "{schema}".mine VALUES (1)')  # the caller's own work, not committed
+    registry = CollectorRegistry()
     with pytest.raises(psycopg.errors.RaiseException, match="deletes refused"):
-        sweep(conn, schema=schema, idle_expiry=60, retention=60, registry=None)
+        sweep(conn, schema=schema, idle_expiry=60, retention=60, registry=registry)
+    assert _expired_counted(registry, schema) == 0  # undone, so not counted
     # usable, with the caller's row in it and nothing of the sweep (its expiries were undone)
     assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
     assert conn.execute(f'SELECT count(*) FROM "{schema}".mine').fetchone() == (1,)
@@ -271,8 +278,10 @@ def test_a_failed_sweep_in_the_callers_transaction_undoes_itself_alone(conn, sch
 
 def test_a_failed_sweep_on_an_idle_connection_keeps_its_committed_chunks_and_leaves_it_idle(conn, schema):
     idle = _sweep_failing_at_its_deletes(conn, schema)
+    registry = CollectorRegistry()
     with pytest.raises(psycopg.errors.RaiseException, match="deletes refused"):
-        sweep(conn, schema=schema, idle_expiry=60, retention=60, registry=None)
+        sweep(conn, schema=schema, idle_expiry=60, retention=60, registry=registry)
+    assert _expired_counted(registry, schema) == 2  # committed, so counted
     assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
     assert _states(conn, schema, idle) == ["expired", "expired"]  # committed chunk by chunk
     assert len(events(conn, schema)) == 2

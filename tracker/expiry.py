@@ -218,10 +218,22 @@ def sweep(
     fold = {"chunk": chunk, "default_topic": default_topic}
     completed = metrics.for_registry(registry, metrics_prefix).batches_completed.labels(schema) if registry else None
     kinds = (("fold", fold), ("expire", expire), ("delete", {"retention": float(retention), "chunk": chunk}))
+    # Counted once what they count is committed: after each chunk's own transaction, or in the
+    # caller's transaction once the sweep's savepoint is released (a failed sweep counts nothing).
+    pending = {"completed": 0, "expired": 0}
+
+    def count() -> None:
+        for counter, key in ((completed, "completed"), (expired, "expired")):
+            if counter is not None and pending[key]:
+                counter.inc(pending[key])
+            pending[key] = 0
+
     with conn.transaction() if in_callers else contextlib.nullcontext():
         for kind, params in kinds:
             rounds = 0
             while max_chunks is None or rounds < max_chunks:
+                if not in_callers:
+                    count()  # the chunks before this one are committed
                 rounds += 1
                 # Every row the expiry's CTE picked is locked by it and still open or closed (the lock
                 # re-checks the state), so it expires all it picked: fewer than `chunk` means done.
@@ -229,8 +241,7 @@ def sweep(
                     if kind == "expire":
                         rows, picked, finished = _expire_chunk(conn, q, expire)
                         result.completed += finished
-                        if completed is not None and finished:
-                            completed.inc(finished)
+                        pending["completed"] += finished
                     else:
                         rows = conn.execute(q[kind], params).fetchall()
                     reasons = sorted({r for row in rows for r in row[1]}) if kind == "delete" else []
@@ -239,21 +250,20 @@ def sweep(
                 if kind == "fold":
                     [(finished, n)] = rows
                     result.completed += finished
-                    if completed is not None and finished:
-                        completed.inc(finished)
+                    pending["completed"] += finished
                     if n < chunk and not finished:  # a parent that finished may have left a row for its own
                         break
                     continue
                 n = len(rows)
                 if kind == "expire":
                     result.expired += n
-                    if expired is not None:
-                        expired.inc(n)
+                    pending["expired"] += n
                     n = picked  # those settled into activity or completion are not picked again
                 else:
                     result.deleted += n
                 if n < chunk:
                     break
+    count()
     return result
 
 
