@@ -117,7 +117,7 @@ def lag(consumer: Consumer, *, ask_broker: bool) -> int:
     watermark stays where it was) asks the broker, for about a second at most, the rest cached.
     A partition paused before its first fetch has no position yet: its lag counts from the
     group's committed offset, or from the start of the partition where the group committed none
-    (auto.offset.reset=earliest), not as nothing."""
+    or retention deleted what it committed (auto.offset.reset=earliest), not as nothing."""
     total = 0
     ask_until = time.monotonic() + 1.0 if ask_broker else 0.0
     try:
@@ -148,7 +148,9 @@ def _watermarks(consumer: Consumer, tp: TopicPartition, ask_until: float) -> tup
 
 def _unfetched_start(consumer: Consumer, tp: TopicPartition, low: int, ask_until: float) -> int:
     """Where consumption of a partition with no position yet will start: the committed offset,
-    else the partition's first (-1 when the broker is not asked or does not answer in time)."""
+    else the partition's first; the first too when retention deleted the committed offset's
+    records (the group's offset is then out of range: it starts from the earliest). -1 when the
+    broker is not asked or does not answer in time."""
     left = ask_until - time.monotonic()
     if left <= 0:
         return -1
@@ -156,4 +158,4 @@ def _unfetched_start(consumer: Consumer, tp: TopicPartition, low: int, ask_until
         (committed,) = consumer.committed([TopicPartition(tp.topic, tp.partition)], timeout=left)
     except KafkaException:
         return -1
-    return int(committed.offset) if committed.offset >= 0 else low
+    return max(int(committed.offset), low)

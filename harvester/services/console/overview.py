@@ -151,12 +151,15 @@ def _topic_lag(admin: AdminClient, topic: str, group: str, timeout: float) -> in
         return None
     parts = [TopicPartition(topic, p) for p in meta.partitions]
     ends = admin.list_offsets({tp: OffsetSpec.latest() for tp in parts}, request_timeout=timeout)
+    starts = admin.list_offsets({tp: OffsetSpec.earliest() for tp in parts}, request_timeout=timeout)
     committed = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group, parts)], request_timeout=timeout)
     done = {tp.partition: tp.offset for tp in committed[group].result(timeout=timeout + 2).topic_partitions}
     lag = 0
     for tp, fut in ends.items():
         end = fut.result(timeout=timeout + 2).offset
-        lag += max(0, end - max(0, done.get(tp.partition, 0)))
+        # nothing committed, or what was committed deleted by retention: the acker starts from the earliest
+        start = max(done.get(tp.partition, 0), starts[tp].result(timeout=timeout + 2).offset, 0)
+        lag += max(0, end - start)
     return lag
 
 
