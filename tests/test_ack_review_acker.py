@@ -149,8 +149,12 @@ def test_a_partition_paused_before_its_first_fetch_lags_from_the_committed_offse
     """An acker can pause its assignment before it fetched from every partition (a fold filled by
     the first records): such a partition has no position, and its backlog still counts, from the
     group's committed offset or, with none, from the partition's start (auto.offset.reset=earliest)."""
-    topic = topics("acks", partitions=3)
-    _produce(kafka_bootstrap, topic, [(0, b"k", b"v")] * 3 + [(1, b"k", b"v")] * 5 + [(2, b"k", b"v")] * 6)
+    topic = topics("acks", partitions=4)
+    _produce(
+        kafka_bootstrap,
+        topic,
+        [(0, b"k", b"v")] * 3 + [(1, b"k", b"v")] * 5 + [(2, b"k", b"v")] * 6 + [(3, b"k", b"v")] * 4,
+    )
     # partition 2: the group committed 1, and retention then deleted everything before offset 4
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
     for f in admin.delete_records([TopicPartition(topic, 2, 4)]).values():
@@ -164,13 +168,15 @@ def test_a_partition_paused_before_its_first_fetch_lags_from_the_committed_offse
         }
     )
     try:
-        consumer.commit(offsets=[TopicPartition(topic, 1, 2), TopicPartition(topic, 2, 1)], asynchronous=False)
-        assigned = [TopicPartition(topic, p) for p in range(3)]
+        # partition 3: committed past its end (a topic made anew under the same name, say)
+        committed = [TopicPartition(topic, 1, 2), TopicPartition(topic, 2, 1), TopicPartition(topic, 3, 20)]
+        consumer.commit(offsets=committed, asynchronous=False)
+        assigned = [TopicPartition(topic, p) for p in range(4)]
         consumer.assign(assigned)
         consumer.pause(assigned)
-        assert [tp.offset for tp in consumer.position(assigned)] == [-1001] * 3  # never fetched
-        # partition 0: 3 from its start (nothing committed); 1: 5 - 2 committed; 2: 6 - 4, its first
-        wait_for(lambda: lag(consumer, ask_broker=True) == 3 + 3 + 2, timeout=30, what="lag of unfetched partitions")
+        assert [tp.offset for tp in consumer.position(assigned)] == [-1001] * 4  # never fetched
+        # 0: 3 from its start (nothing committed); 1: 5 - 2 committed; 2: 6 - 4, its first; 3: all 4
+        wait_for(lambda: lag(consumer, ask_broker=True) == 3 + 3 + 2 + 4, timeout=30, what="unfetched partitions' lag")
     finally:
         consumer.close()
 

@@ -14,6 +14,7 @@ from support.acking import batch_state, closed_batch
 from support.harness import make_config, wait_until
 from support.ports import free_port
 from support.reaper import ReaperProcess
+from support.teardown import drop_schema
 from test_harvester_cli import _safe_get
 from test_tracker_support import completion_events
 
@@ -163,7 +164,7 @@ def test_each_schema_acks_on_its_own_topic_and_completes_into_its_own_outbox(
             events_other = completion_events(c, other)
             events_main = completion_events(c, schema)
             for s in (other, unacked):
-                c.execute(f'DROP SCHEMA "{s}" CASCADE')
+                drop_schema(pg_dsn, s, if_exists=False)
     assert events_main == []  # batch a is not finished
     ((key, value),) = events_other
     assert key == str(b.id).encode() and json.loads(value)["batch_id"] == b.id

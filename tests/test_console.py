@@ -434,6 +434,15 @@ def test_the_overviews_acker_lag_covers_every_schemas_ack_topic(kafka_bootstrap,
     for f in admin.delete_records([TopicPartition(main_acks, 0, 2)]).values():
         f.result(30)
     assert acker_lag(cfg, 10) == 1 + 2
+    # a committed offset past the end (the topic made anew under the same name): from the earliest
+    from confluent_kafka import Consumer
+
+    from harvester.config_outboxes import acker_group
+
+    group = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": acker_group(cfg, other_acks)})
+    group.commit(offsets=[TopicPartition(other_acks, 0, 50)], asynchronous=False)
+    group.close()
+    assert acker_lag(cfg, 10) == 1 + 2
 
 
 def test_a_field_given_twice_is_read_the_same_way_by_the_confirmation_page_and_the_action(server, pg_dsn, schema):

@@ -21,6 +21,7 @@ from types import ModuleType
 import psycopg
 import pytest
 from support.scripts import load_script
+from support.teardown import drop_schema
 
 from tests.support import examples
 from tests.support.ci import skip_or_fail
@@ -72,8 +73,7 @@ def _env(language: str | None = None) -> dict[str, str]:
 def _migrate_anew(pg_dsn: str) -> None:
     """The documented schema `reaper`, dropped and migrated as the README says (`reaper migrate`):
     what a reader has before the first example."""
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute("DROP SCHEMA IF EXISTS reaper CASCADE")
+    drop_schema(pg_dsn, "reaper")
     done = subprocess.run(
         [sys.executable, "-m", "harvester.cli", "migrate"],
         env={**_env(), "REAPER_DATABASE__DSN": pg_dsn},

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg import sql
 from support.http_server import TOKEN, RunningServer, http_config
+from support.teardown import drop_schema
 
 import tracker
 from tracker.errors import (
@@ -45,9 +46,8 @@ def twins(pg_dsn):
         httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as c,
     ):
         yield c, names
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        for name in names:
-            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+    for name in names:
+        drop_schema(pg_dsn, name)
 
 
 def _http(c: httpx.Client, op: tuple) -> tuple:

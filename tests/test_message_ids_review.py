@@ -10,6 +10,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from support.harness import Receiver, make_config, marked, wait_until
+from support.teardown import drop_schema
 
 from harvester.units import Harvester
 from tracker import message_ids, roles
@@ -90,7 +91,7 @@ def test_the_reaper_role_granted_before_the_upgrade_reads_the_namespace(pg_dsn, 
             _drop_role(admin, login)
             for r in roles.ROLES:
                 _drop_role(admin, roles.role_name(name, r))
-            admin.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+            drop_schema(pg_dsn, name)
 
 
 def test_a_failed_namespace_read_leaves_the_callers_transaction_usable(pg_dsn, schema, bare_schema):

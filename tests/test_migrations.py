@@ -20,6 +20,7 @@ import pytest
 from psycopg import sql
 from support.history import files_at, sql_at
 from support.scripts import load_script
+from support.teardown import drop_schema
 
 import tracker
 from tracker import roles
@@ -45,7 +46,7 @@ def schemas(pg_dsn) -> Iterator[list[str]]:
     yield names
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         for name in names:
-            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+            drop_schema(pg_dsn, name)
             for r in roles.ROLES:
                 role = roles.role_name(name, r)
                 if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role]).fetchone():

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 from psycopg import errors, sql
+from support.teardown import drop_schema
 
 import tracker
 from tracker import roles
@@ -78,7 +79,7 @@ def _schema_creator(pg_dsn: str, prefix: str) -> Iterator[tuple[str, str, str]]:
         yield role, pg_dsn.replace("postgres@", f"{role}@"), name
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+            drop_schema(pg_dsn, name)
             admin.execute(sql.SQL("REVOKE CREATE ON DATABASE {} FROM {}").format(db, sql.Identifier(role)))
             _drop_role(admin, role)
 
@@ -215,7 +216,7 @@ def test_reaper_migrate_roles_print_is_a_script_a_dba_can_run(pg_dsn):
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             for role in roles.ROLES:
                 _drop_role(admin, roles.role_name(name, role))
-            admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+            drop_schema(pg_dsn, name)
 
 
 def test_after_migrate_no_function_is_executable_by_public_and_the_callers_run_as_owner(pg_dsn, schema):

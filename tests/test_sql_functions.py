@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg import sql
+from support.teardown import drop_schema
 
 import tracker
 from tracker import outbox
@@ -401,9 +402,8 @@ def twin_schemas(pg_dsn):
     for name in names:
         tracker.schema.migrate(pg_dsn, name)
     yield names
-    with psycopg.connect(pg_dsn, autocommit=True) as c:
-        for name in names:
-            c.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+    for name in names:
+        drop_schema(pg_dsn, name)
 
 
 @settings(

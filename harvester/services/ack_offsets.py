@@ -124,7 +124,7 @@ def lag(consumer: Consumer, *, ask_broker: bool) -> int:
         assigned = consumer.assignment()
         for tp in consumer.position(assigned) if assigned else []:
             low, high = _watermarks(consumer, tp, ask_until)
-            start = tp.offset if tp.offset >= 0 else _unfetched_start(consumer, tp, low, ask_until)
+            start = tp.offset if tp.offset >= 0 else _unfetched_start(consumer, tp, low, high, ask_until)
             # before the first fetch (and with no broker to ask) neither is known
             if high >= 0 and start >= 0:
                 total += max(0, high - start)
@@ -146,11 +146,11 @@ def _watermarks(consumer: Consumer, tp: TopicPartition, ask_until: float) -> tup
     return int(low), int(high)
 
 
-def _unfetched_start(consumer: Consumer, tp: TopicPartition, low: int, ask_until: float) -> int:
+def _unfetched_start(consumer: Consumer, tp: TopicPartition, low: int, high: int, ask_until: float) -> int:
     """Where consumption of a partition with no position yet will start: the committed offset,
-    else the partition's first; the first too when retention deleted the committed offset's
-    records (the group's offset is then out of range: it starts from the earliest). -1 when the
-    broker is not asked or does not answer in time."""
+    else the partition's first; the first too when the committed offset is out of range (retention
+    deleted its records, or the topic was made anew past it): the group then starts from the
+    earliest. -1 when the broker is not asked or does not answer in time."""
     left = ask_until - time.monotonic()
     if left <= 0:
         return -1
@@ -158,4 +158,5 @@ def _unfetched_start(consumer: Consumer, tp: TopicPartition, low: int, ask_until
         (committed,) = consumer.committed([TopicPartition(tp.topic, tp.partition)], timeout=left)
     except KafkaException:
         return -1
-    return max(int(committed.offset), low)
+    offset = int(committed.offset)
+    return low if offset < low or offset > high >= 0 else offset

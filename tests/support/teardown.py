@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Generator
-from types import TracebackType
 
 import psycopg
 import pytest
@@ -59,17 +58,36 @@ def release_failed_frames(item: pytest.Item, call: pytest.CallInfo[None]) -> Gen
     report = yield
     excinfo = call.excinfo
     if excinfo is not None and call.when != "teardown" and not item.config.getoption("usepdb", False):
-        _clear(excinfo.tb)  # (--pdb needs the frames after the report)
-        gc.collect()  # what the frames held may sit in reference cycles (psycopg's connections do)
+        try:  # (--pdb needs the frames after the report)
+            _clear(excinfo.value)
+            gc.collect()  # what the frames held may sit in reference cycles (psycopg's connections do)
+        except Exception as exc:  # a defence of the suite's must never break the run itself
+            item.warn(pytest.PytestWarning(f"the failed test's frames were not released: {exc!r}"))
     return report
 
 
-def _clear(tb: TracebackType | None) -> None:
-    while tb is not None:
-        # the report read f_locals: that snapshot dict outlives frame.clear(), so it is emptied too
-        tb.tb_frame.f_locals.clear()
-        try:
-            tb.tb_frame.clear()
-        except RuntimeError:
-            pass  # still executing: not ours to clear
-        tb = tb.tb_next
+def _clear(error: BaseException) -> None:
+    """Clear the frames of `error`'s traceback and of every exception chained to it or grouped in it."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        exc = todo.pop()
+        if id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            # Before Python 3.13 the report's reading of f_locals left a snapshot dict that outlives
+            # frame.clear(): it is emptied too, unless it is a module's namespace (a module frame's
+            # f_locals is its globals). From 3.13 f_locals is a view, and clear() is enough.
+            snapshot = frame.f_locals
+            if type(snapshot) is dict and snapshot is not frame.f_globals:
+                snapshot.clear()
+            try:
+                frame.clear()
+            except RuntimeError:
+                pass  # still executing: not ours to clear
+            tb = tb.tb_next
+        todo += [e for e in (exc.__cause__, exc.__context__) if e is not None]
+        todo += list(getattr(exc, "exceptions", ()))  # an exception group's members

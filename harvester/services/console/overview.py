@@ -157,9 +157,11 @@ def _topic_lag(admin: AdminClient, topic: str, group: str, timeout: float) -> in
     lag = 0
     for tp, fut in ends.items():
         end = fut.result(timeout=timeout + 2).offset
-        # nothing committed, or what was committed deleted by retention: the acker starts from the earliest
-        start = max(done.get(tp.partition, 0), starts[tp].result(timeout=timeout + 2).offset, 0)
-        lag += max(0, end - start)
+        # nothing committed, or a committed offset out of range (retention deleted its records, or
+        # the topic was made anew past it): the acker starts from the earliest
+        earliest = max(0, starts[tp].result(timeout=timeout + 2).offset)
+        start = done.get(tp.partition, -1)
+        lag += max(0, end - (earliest if start < earliest or start > end else start))
     return lag
 
 
