@@ -19,6 +19,11 @@ import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 from hypothesis import settings
 from support.ci import under_ci
+from support.in_flight import (  # noqa: F401
+    pytest_keyboard_interrupt,
+    pytest_runtest_logfinish,
+    pytest_runtest_logstart,
+)
 from support.teardown import drop_schema
 from support.teardown import release_failed_frames as pytest_runtest_makereport  # noqa: F401
 

@@ -5,6 +5,7 @@ behind it, wait for ever."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -88,3 +89,57 @@ def test_a_failed_test_lets_go_of_its_connection_before_the_next_test(tmp_path, 
     # without the hook the failed test's traceback keeps its connection, and its lock, open
     out = _inner_run(tmp_path, pg_dsn, with_hook=False)
     assert "2 failed" in out and "LockNotAvailable" in out, out
+
+
+SLOW = """
+import time
+
+def test_quick():
+    pass
+
+def test_slow():
+    time.sleep(120)
+"""
+
+
+def test_an_interrupted_run_names_the_tests_still_running(tmp_path):
+    (tmp_path / "test_slow.py").write_text(SLOW)
+    (tmp_path / "conftest.py").write_text(
+        "from support.in_flight import pytest_keyboard_interrupt, pytest_runtest_logfinish, pytest_runtest_logstart"
+        "  # noqa: F401\n"
+    )
+    out = tmp_path / "out.txt"
+    with out.open("w") as f:
+        run = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-n",
+                "2",
+                "-p",
+                "no:cacheprovider",
+                "--rootdir",
+                str(tmp_path),
+                "test_slow.py",
+            ],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(TESTS)},
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "." not in out.read_text().partition("workers [2 items]")[2]:  # test_quick passed
+            assert time.monotonic() < deadline and run.poll() is None, out.read_text()
+            time.sleep(0.2)
+        time.sleep(1)
+        os.killpg(run.pid, signal.SIGINT)  # what a terminal's Ctrl-C, or CI's time limit, sends
+        run.wait(60)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    text = out.read_text()
+    assert "interrupted while these tests ran:\n  test_slow.py::test_slow" in text, text
+    assert "test_quick" not in text.partition("interrupted while these tests ran:")[2], text
