@@ -220,13 +220,16 @@ def sweep(
     kinds = (("fold", fold), ("expire", expire), ("delete", {"retention": float(retention), "chunk": chunk}))
     # Counted once what they count is committed: after each chunk's own transaction, or in the
     # caller's transaction once the sweep's savepoint is released (a failed sweep counts nothing).
-    pending = {"completed": 0, "expired": 0}
+    counted = SweepResult()  # what of `result` the metrics have
 
     def count() -> None:
-        for counter, key in ((completed, "completed"), (expired, "expired")):
-            if counter is not None and pending[key]:
-                counter.inc(pending[key])
-            pending[key] = 0
+        for counter, now, before in (
+            (completed, result.completed, counted.completed),
+            (expired, result.expired, counted.expired),
+        ):
+            if counter is not None and now > before:
+                counter.inc(now - before)
+        counted.completed, counted.expired = result.completed, result.expired
 
     with conn.transaction() if in_callers else contextlib.nullcontext():
         for kind, params in kinds:
@@ -241,7 +244,6 @@ def sweep(
                     if kind == "expire":
                         rows, picked, finished = _expire_chunk(conn, q, expire)
                         result.completed += finished
-                        pending["completed"] += finished
                     else:
                         rows = conn.execute(q[kind], params).fetchall()
                     reasons = sorted({r for row in rows for r in row[1]}) if kind == "delete" else []
@@ -250,14 +252,12 @@ def sweep(
                 if kind == "fold":
                     [(finished, n)] = rows
                     result.completed += finished
-                    pending["completed"] += finished
                     if n < chunk and not finished:  # a parent that finished may have left a row for its own
                         break
                     continue
                 n = len(rows)
                 if kind == "expire":
                     result.expired += n
-                    pending["expired"] += n
                     n = picked  # those settled into activity or completion are not picked again
                 else:
                     result.deleted += n
