@@ -158,5 +158,10 @@ def _unfetched_start(consumer: Consumer, tp: TopicPartition, low: int, high: int
         (committed,) = consumer.committed([TopicPartition(tp.topic, tp.partition)], timeout=left)
     except KafkaException:
         return -1
-    offset = int(committed.offset)
-    return low if offset < low or offset > high >= 0 else offset
+    return resume_offset(int(committed.offset), low, high)
+
+
+def resume_offset(committed: int, earliest: int, end: int) -> int:
+    """Where the acker's group (auto.offset.reset=earliest) starts reading a partition: its
+    committed offset, or the earliest when none is committed (negative) or it is out of range."""
+    return earliest if committed < earliest or committed > end >= 0 else committed

@@ -37,6 +37,7 @@ from harvester import logs
 from harvester.admin import status
 from harvester.config import Config, UnitSpec, ack_topics, acker_group, units
 from harvester.publishing.publisher import logs_safe
+from harvester.services.ack_offsets import resume_offset
 from harvester.services.console import queries
 from harvester.services.console.reads import read_each
 
@@ -157,11 +158,8 @@ def _topic_lag(admin: AdminClient, topic: str, group: str, timeout: float) -> in
     lag = 0
     for tp, fut in ends.items():
         end = fut.result(timeout=timeout + 2).offset
-        # nothing committed, or a committed offset out of range (retention deleted its records, or
-        # the topic was made anew past it): the acker starts from the earliest
         earliest = max(0, starts[tp].result(timeout=timeout + 2).offset)
-        start = done.get(tp.partition, -1)
-        lag += max(0, end - (earliest if start < earliest or start > end else start))
+        lag += max(0, end - resume_offset(done.get(tp.partition, -1), earliest, end))
     return lag
 
 
