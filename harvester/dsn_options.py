@@ -8,12 +8,19 @@ PQconnectStart. libpq checks every option's value before it connects, and a conn
 missing socket fails at once without touching the network: a refusal that does not name that
 socket is the options'. It is asked only once a connection has failed, so a DSN that works is never
 judged by it.
+
+libpq reads the TCP options (`keepalives`, `keepalives_idle`, `keepalives_interval`,
+`keepalives_count`, `tcp_user_timeout`) only once it has a TCP socket, so the missing socket never
+reaches them: when the DSN names a TCP host, they are checked here as libpq does, its integer rule
+and then the same setsockopt calls on a socket that is never connected.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
+import socket
 
 import psycopg
 from psycopg import pq
@@ -62,7 +69,58 @@ def dsn_refusal(dsn: str) -> ConfigError | None:
         message = conn.get_error_message()
     finally:
         conn.finish()
-    return None if _NOWHERE in message else _error(message, secrets, misread)
+    if _NOWHERE not in message:
+        return _error(message, secrets, misread)
+    tcp = _tcp_option_refusal(params, hosts, hostaddr)
+    return None if tcp is None else _error(tcp, secrets, misread)
+
+
+# libpq's TCP options, in the order it applies them, with the socket option each one sets
+_KEEPALIVE_OPTIONS = (
+    ("keepalives_idle", "TCP_KEEPIDLE"),
+    ("keepalives_interval", "TCP_KEEPINTVL"),
+    ("keepalives_count", "TCP_KEEPCNT"),
+)
+# strtol's leading white space, an optional sign, decimal digits; then only white space
+_C_INT = re.compile(r"[ \t\n\v\f\r]*[+-]?[0-9]+[ \t\n\v\f\r]*\Z")
+
+
+def _tcp_option_refusal(params: dict, hosts: list[str], hostaddr: str) -> str | None:
+    """libpq's message for the TCP option it would refuse on reaching a TCP host of `hosts`, or
+    None. A host is TCP unless it is a socket directory ("/...", "@...") or empty with no
+    `hostaddr` (the default socket); PGHOST and PGHOSTADDR stand in for what the DSN leaves out."""
+    if not any(hosts):
+        hosts = os.environ.get("PGHOST", "").split(",")
+    hostaddr = hostaddr or os.environ.get("PGHOSTADDR", "")
+    if not hostaddr.strip(", ") and all(not h or h.startswith(("/", "@")) for h in hosts):
+        return None  # every connection is over a Unix socket: libpq never reads these options
+    keepalives = params.get("keepalives")
+    if keepalives is not None:
+        value, refused = _c_int(str(keepalives), "keepalives")
+        if refused:
+            return refused
+        if value == 0:
+            return None  # libpq reads neither the keepalive settings nor tcp_user_timeout then
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:  # never connected
+        for option, name in (*_KEEPALIVE_OPTIONS, ("tcp_user_timeout", "TCP_USER_TIMEOUT")):
+            raw = params.get(option)
+            if raw is None or not hasattr(socket, name):
+                continue
+            value, refused = _c_int(str(raw), option)
+            if refused:
+                return refused
+            try:
+                probe.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), max(value, 0))  # libpq's clamp
+            except OSError as exc:
+                return f"setsockopt({name}) failed: {exc.strerror}"
+    return None
+
+
+def _c_int(value: str, option: str) -> tuple[int, str | None]:
+    """`value` read as libpq reads an integer option: the number, or libpq's refusal."""
+    if _C_INT.match(value) and -(2**31) <= int(value) < 2**31:
+        return int(value), None
+    return 0, f'invalid integer value "{value}" for connection option "{option}"'
 
 
 def _password_misread(dsn: str) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+import psycopg
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -92,3 +93,52 @@ def test_a_refused_value_is_named_as_written_and_a_password_never(value: str, se
 def test_redaction_keeps_the_option_an_integer_value_was_refused_for():
     shown = config.redact_dsn('connection is bad: invalid integer value "pw" for connection option "keepalives"')
     assert shown == 'connection is bad: invalid integer value "***" for connection option "keepalives"'
+
+
+TCP_OPTIONS = ("keepalives", "keepalives_idle", "keepalives_interval", "keepalives_count", "tcp_user_timeout")
+# what a person might write: numbers in and out of the kernel's ranges, signs, spaces, words, hex
+_option_values = st.one_of(
+    st.integers(min_value=-5, max_value=40_000).map(str),
+    st.integers(min_value=2**31 - 2, max_value=2**33).map(str),
+    st.sampled_from(["", "x", "1.5", "0x5", " 7 ", "+3", "-0", "1e3", "5s", "\t2", "٣"]),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(options=st.dictionaries(st.sampled_from(TCP_OPTIONS), _option_values, min_size=1, max_size=5))
+def test_tcp_options_are_refused_exactly_when_libpq_refuses_them(pg_dsn: str, options: dict[str, str]):
+    """libpq reads these only on a TCP socket, past the offline check's missing socket: the verdict
+    is compared with libpq's own on a real TCP connection to the test database."""
+    from psycopg.conninfo import make_conninfo
+
+    dsn = make_conninfo(pg_dsn, **options)
+    try:
+        psycopg.connect(dsn, connect_timeout=10).close()
+        libpq = None
+    except psycopg.OperationalError as exc:
+        libpq = str(exc).split("failed: ", 1)[-1].strip()
+    refused = dsn_refusal(dsn)
+    if libpq is None:
+        assert refused is None, (options, refused)
+    else:
+        assert refused is not None and refused.key == "database.dsn", (options, libpq)
+        assert libpq in str(refused), (options, libpq, str(refused))
+
+
+def test_a_refused_tcp_option_is_a_configuration_error_not_unreachable(pg_dsn: str):
+    from psycopg.conninfo import make_conninfo
+
+    r = run_cli(["outbox", "status"], _env(make_conninfo(pg_dsn, keepalives="x")))
+    assert r.returncode == ExitCode.USAGE, r.stderr
+    assert 'invalid integer value "x" for connection option "keepalives"' in r.stderr and "unreachable" not in r.stderr
+
+
+def test_tcp_options_are_not_judged_for_a_unix_socket(monkeypatch: pytest.MonkeyPatch):
+    # libpq never reads them there, so neither does the check
+    monkeypatch.delenv("PGHOST", raising=False)
+    monkeypatch.delenv("PGHOSTADDR", raising=False)
+    for dsn in ("host=/nonexistent/dir keepalives=x", "port=5432 keepalives_idle=-1", "host=@abstract keepalives=x"):
+        assert dsn_refusal(dsn) is None, dsn
+    assert dsn_refusal("host=/nonexistent/dir,db.invalid keepalives=x") is not None
+    monkeypatch.setenv("PGHOST", "db.invalid")  # what libpq would use for a DSN without a host
+    assert dsn_refusal("port=5432 keepalives_idle=-1") is not None
