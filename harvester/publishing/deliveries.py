@@ -32,6 +32,7 @@ from harvester import logs
 from harvester.config import redact_dsn
 from harvester.metrics import MetricsLike
 from harvester.publishing.ports import StoreLike
+from harvester.publishing.runs import ALONE_FOR
 from tracker import is_topic_name
 
 _PURGED = (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT)
@@ -112,9 +113,11 @@ class DeliverySettler:
         self.purged_rows = 0  # rows deleted (read by the leader's vacuum upkeep)
         self.dead_rows = 0  # rows moved to the dead table
         self._sampled = 0  # only the thread serving the producer's callbacks touches it
-        # Row ids to publish with a report each (see RUN_REFUSED): added by the thread serving the
-        # callbacks, taken out by the producing thread (set operations hold the GIL).
-        self.single: set[int] = set()
+        # Row ids to publish with a report each (see RUN_REFUSED), each with the monotonic time it
+        # is forgotten at (alone_for seconds on): added by the thread serving the callbacks, taken
+        # out by the producing thread (dict operations hold the GIL).
+        self.single: dict[int, float] = {}
+        self.alone_for = ALONE_FOR
         # Told the topic of a record failed as unknown (its name valid): the strategy holds that
         # topic's rows back (harvester.publishing.missing_topics).
         self.missing_topic: Callable[[str], None] = lambda topic: None
@@ -214,7 +217,7 @@ class DeliverySettler:
             if err.code() in _UNKNOWN_TOPIC and msg is not None:
                 self.missing_topic(msg.topic())
             if err.code() in PERMANENT_DELIVERY and not err.fatal():
-                self.single.update(row_ids)
+                self.single.update(dict.fromkeys(row_ids, time.monotonic() + self.alone_for))
                 err = KafkaError(KafkaError._FAIL, f"{err.name()}: {RUN_REFUSED}")
             reports.extend(zip(row_ids, repeat(leader_id), repeat(err)))
             self.failed_report(err)

@@ -36,7 +36,7 @@ from harvester.publishing.deliveries import DeliverySettler, error_reason, inval
 from harvester.publishing.missing_topics import MissingTopics
 from harvester.publishing.ports import ProducerLike, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
-from harvester.publishing.runs import PartitionCounts, computes_partitions, plan_runs
+from harvester.publishing.runs import PartitionCounts, computes_partitions, forget_expired, plan_runs
 from tracker.message_ids import MESSAGE_ID_HEADER
 
 # produce() refusals that are about the record itself and can never succeed, however often retried:
@@ -153,7 +153,10 @@ class PlainStrategy:
         holding = missing.held  # (the dict itself: a refusal below adds to it)
         slot.used = True
         if by_runs:
-            parts, runs, last = plan_runs(rows, self._counts, producer, self.settler.single)
+            single = self.settler.single
+            if single:
+                forget_expired(single, clock())
+            parts, runs, last = plan_runs(rows, self._counts, producer, single)
             run_report = self.settler.report_run
         else:
             parts, runs, last = [], [], []

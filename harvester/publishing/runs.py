@@ -40,6 +40,12 @@ COUNT_REFRESH = 10.0  # seconds a topic's partition count is trusted before it i
 FIRST_LOOKUP_TIMEOUT = 5.0
 REFRESH_TIMEOUT = 0.5
 UNPLACED = -1  # librdkafka's partitioner chooses; the record keeps a report of its own
+# Seconds a row of a refused run is remembered to be published with a report of its own. Its run is
+# reset and marked again at once, so it normally comes back within a second; one that never comes
+# back to this process (another leader took over, the row left the outbox) must not stay: every
+# entry also keeps plan_runs off its one-topic fast path. Forgotten, a row is at worst published in
+# a run once more, refused again and remembered again (duplicates, never loss).
+ALONE_FOR = 60.0
 _TOPIC, _KEY, _PARTITION = itemgetter(1), itemgetter(2), itemgetter(6)
 
 
@@ -93,13 +99,23 @@ class PartitionCounts:
         return len(meta.partitions)
 
 
+def forget_expired(single: dict[int, float], now: float) -> None:
+    """Drop the rows whose time to be remembered (row id -> monotonic time) has passed at `now`.
+    Another thread may add meanwhile: the items are copied first (one C-level call under the GIL),
+    and an entry renewed since is kept."""
+    for row_id, until in list(single.items()):
+        if until <= now and single.get(row_id) == until:
+            single.pop(row_id, None)
+
+
 def plan_runs(
-    rows: Sequence[tuple], counts: PartitionCounts, producer: ProducerLike, single: set[int]
+    rows: Sequence[tuple], counts: PartitionCounts, producer: ProducerLike, single: dict[int, float]
 ) -> tuple[list[int], list[int], list[bool]]:
     """(partition, run, last) per row: the partition to produce to (UNPLACED: the partitioner's
     choice); the row's run, one per (topic, partition) of the call, or -1 for a row reported on its
-    own (unplaced, or in `single`: ids to be reported one by one, taken out of it here); and whether
-    it is the last row of its run (the one whose report settles the run)."""
+    own (unplaced, or in `single`: ids to be reported one by one, taken out of it here; the caller
+    drops the expired ones first, forget_expired); and whether it is the last row of its run (the
+    one whose report settles the run)."""
     n = len(rows)
     if n and not single:
         # The common case, one topic and keyed rows without kafka_partition: computed at C speed
@@ -131,12 +147,12 @@ def plan_runs(
             if count is None:
                 count = where[topic] = counts.of(producer, topic)
             if count == 0 or not key:
-                single.discard(row_id)  # reported on its own anyway
+                single.pop(row_id, None)  # reported on its own anyway
                 continue
             partition = crc(key) % count
         parts[i] = partition
         if single and row_id in single:
-            single.discard(row_id)
+            single.pop(row_id, None)
             continue
         runs[i] = index.setdefault((topic, partition), len(index))
     seen: set[int] = set()
