@@ -11,11 +11,11 @@ import psycopg
 import pytest
 from structlog.testing import capture_logs
 from support.console import confirmation_of, csrf_of, login
+from support.console_server import VIEWER
+from support.console_server import cfg as cfg  # noqa: F401  (the console's configuration fixture)
 from support.harness import read_messages, wait_until
 from support.http_server import TOKEN, RunningServer
 from test_admin import reaper
-from test_console import VIEWER
-from test_console import cfg as cfg  # noqa: F401  (the console's configuration fixture)
 
 import tracker
 from harvester.admin import acks as acks_admin

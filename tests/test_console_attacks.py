@@ -8,12 +8,12 @@ import psycopg
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.console import login
+from support.console import csrf_of, login
+from support.console_server import VIEWER, cfg, client, server  # noqa: F401 (fixtures)
 from support.harness import wait_until
 from support.http_server import TOKEN, RunningServer
 from support.ports import free_port
 from test_admin import add_dead
-from test_console import VIEWER, cfg, client, csrf_of, server  # noqa: F401 (fixtures)
 
 from harvester.services.console.checks import whole_number
 from harvester.services.http.security import RateLimiter

@@ -8,9 +8,9 @@ import re
 
 import psycopg
 import pytest
+from support.console_server import cfg, client, server  # noqa: F401 (fixtures)
 from support.http_server import TOKEN
 from support.pg_trace import traced
-from test_console import cfg, client, server  # noqa: F401 (fixtures)
 
 import tracker
 from harvester.services.console import batch_page

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import psycopg
 import pytest
+from support.console_server import cfg, client  # noqa: F401  (fixtures)
 from support.http_server import TOKEN, RunningServer
 from support.pg_trace import traced
 from test_admin import add_dead
-from test_console import cfg, client  # noqa: F401
 
 import tracker
 from harvester.admin import status

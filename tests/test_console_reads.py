@@ -4,10 +4,10 @@ overview reads a bounded part of a large outbox and all its database figures in 
 from __future__ import annotations
 
 import psycopg
+from support.console_server import cfg, client, server  # noqa: F401 (fixtures)
 from support.http_server import TOKEN
 from support.pg_trace import traced
 from test_admin import add_dead
-from test_console import cfg, client, server  # noqa: F401 (fixtures)
 
 import tracker
 from harvester.services.console import queries
