@@ -152,7 +152,10 @@ class HarvesterMetrics:
         # its schema; the acks it applies count in the tracker's collectors.
         a = ["schema"]
         self.acks_dead_lettered = Counter(
-            f"{p}_acks_dead_lettered_total", "Ack messages sent to the dead-letter topic", a, registry=r
+            f"{p}_acks_dead_lettered_total",
+            "Dead letters the acker sent: one per ack entry it could not apply, or one per ack message set aside whole",
+            a,
+            registry=r,
         )
         self.acker_lag = Gauge(
             f"{p}_acker_lag_messages", "Ack-topic messages not yet consumed by this acker", a, registry=r

@@ -57,16 +57,9 @@ def test_an_oversized_bad_ack_is_dead_lettered_cut_down_and_the_acker_moves_on(p
     )
 
 
-def test_a_dead_letter_producer_broken_for_good_is_replaced_and_the_letters_go_out(
-    pg_dsn, schema, kafka_bootstrap, topics, monkeypatch
-):
-    """A fatal error leaves an idempotent producer refusing every record: librdkafka tells it
-    through error_cb, then produce() raises _FATAL. That boundary is simulated on the first
-    producer (a real one otherwise); the acker replaces it, and the rewound poll's letter goes out
-    through the new, real producer."""
-    import harvester.services.acker as acker_module
-
-    made: list[Producer] = []
+def _fatal_first(made: list[Producer]) -> type[Producer]:
+    """A real Producer class whose first instance is broken for good: a fatal error, as librdkafka
+    tells it (error_cb, then _FATAL from produce()); later instances are real and work."""
 
     class FatalFirst(Producer):
         def __init__(self, conf: dict) -> None:
@@ -81,7 +74,19 @@ def test_a_dead_letter_producer_broken_for_good_is_replaced_and_the_letters_go_o
                 raise KafkaException(KafkaError(KafkaError._FATAL, "fatal error", fatal=True))
             return super().produce(*args, **kwargs)
 
-    monkeypatch.setattr(acker_module, "Producer", FatalFirst)
+    return FatalFirst
+
+
+def test_a_dead_letter_producer_broken_for_good_is_replaced_and_the_letters_go_out(
+    pg_dsn, schema, kafka_bootstrap, topics, monkeypatch
+):
+    """A fatal error leaves an idempotent producer refusing every record. That boundary is
+    simulated on the first producer (a real one otherwise); the acker replaces it, and the rewound
+    poll's letter goes out through the new, real producer."""
+    import harvester.services.acker as acker_module
+
+    made: list[Producer] = []
+    monkeypatch.setattr(acker_module, "Producer", _fatal_first(made))
     topic, dlq = topics("acks"), topics("dlq")
     b, (h,) = closed_batch(pg_dsn, schema, 1)
     _produce(kafka_bootstrap, topic, [(0, b"x", b"not an ack"), (0, str(b.id).encode(), h.item_ids[0].encode())])
@@ -92,6 +97,37 @@ def test_a_dead_letter_producer_broken_for_good_is_replaced_and_the_letters_go_o
     assert batch_state(pg_dsn, schema, b.id) == ("complete", 0)
     (letter,) = _letters(kafka_bootstrap, dlq, 1)
     assert letter.value() == b"not an ack"
+
+
+def test_what_a_poll_applied_is_counted_though_its_dead_letters_failed_and_it_came_again(
+    pg_dsn, schema, kafka_bootstrap, topics, monkeypatch
+):
+    """The poll's transaction commits, then its dead letter fails (the producer broken) and the
+    poll is read again: the second time every item is a duplicate. The acks, the failure and the
+    completion of the first time are counted all the same, in the stats and the metric."""
+    from prometheus_client import REGISTRY
+
+    import harvester.services.acker as acker_module
+    from tracker.folding import FAILURE_REASON_HEADER
+
+    made: list[Producer] = []
+    monkeypatch.setattr(acker_module, "Producer", _fatal_first(made))
+    topic, dlq = topics("acks"), topics("dlq")
+    b, _ = closed_batch(pg_dsn, schema, 3)
+    p = Producer({"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True})
+    value = f"!{b.id}:0:0,{b.id}:0:1-2,junk".encode()
+    p.produce(topic, key=str(b.id).encode(), value=value, headers=[(FAILURE_REASON_HEADER, b"timeout")])
+    assert p.flush(30) == 0
+    metric = ("reaper_acker_failures_applied_total", {"schema": schema})
+    before = REGISTRY.get_sample_value(*metric) or 0.0
+    acker = make_acker(pg_dsn, schema, kafka_bootstrap, topic, dlq, retry_backoff=0.2)
+    with running(acker):
+        wait_for(lambda: committed(kafka_bootstrap, acker.group, topic, 1) == [1], timeout=60, what="offsets past it")
+    assert len(made) == 2 and acker.stats["retries"] >= 1
+    assert batch_state(pg_dsn, schema, b.id) == ("complete", 0)
+    counted = {k: acker.stats[k] for k in ("acked", "failed", "completed", "duplicates")}
+    assert counted == {"acked": 2, "failed": 1, "completed": 1, "duplicates": 3}, counted
+    assert (REGISTRY.get_sample_value(*metric) or 0.0) - before == 1
 
 
 def test_rejected_deferred_acks_are_dead_lettered(pg_dsn, schema, kafka_bootstrap, topics):

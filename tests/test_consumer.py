@@ -170,6 +170,8 @@ def test_runs_of_a_mask_are_the_compacted_indexes(indexes):
         ({"linger": -1}, tracker.InvalidValue, "linger"),
         ({"linger": float("nan")}, tracker.InvalidValue, "linger"),
         ({"linger": "1"}, tracker.InvalidArgument, "linger"),
+        ({"kafka_client": [("linger.ms", 1)]}, tracker.InvalidArgument, "kafka_client"),
+        ({"kafka_client": "linger.ms=1"}, tracker.InvalidArgument, "kafka_client"),
     ],
 )
 def test_ack_producer_names_a_bad_setting_before_making_a_client(kwargs, error, name):
@@ -177,6 +179,18 @@ def test_ack_producer_names_a_bad_setting_before_making_a_client(kwargs, error, 
     with pytest.raises(error) as info:
         AckProducer(**{"bootstrap_servers": "127.0.0.1:1", "topic": "acks", **kwargs})
     assert str(info.value).startswith(name)
+
+
+@pytest.mark.parametrize("given", [None, 5, 1.5, {"1:0:0": True}, bytearray(b"1:0:0"), memoryview(b"1:0:0")])
+def test_ack_producer_refuses_an_item_ids_argument_tracker_ack_refuses(kafka_bootstrap, topics, given):
+    """One id (str or bytes) or an iterable of them, as tracker.ack takes them: a dict is not taken
+    for its keys, nor a bytearray read byte by byte; nothing of the call is buffered."""
+    with AckProducer(bootstrap_servers=kafka_bootstrap, topic=topics("acks"), linger=3600) as acks:
+        for call in (lambda: acks.ack(given), lambda: acks.fail(given, "why")):
+            with pytest.raises(tracker.InvalidArgument) as info:
+                call()
+            assert str(info.value).startswith("item_ids"), info.value
+        assert acks._pending == {} and acks._failing == {}
 
 
 def test_ack_producer_holds_at_most_one_folds_masks(kafka_bootstrap, topics):

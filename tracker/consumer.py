@@ -19,13 +19,13 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from tracker.core.acks import Processed as Processed
-from tracker.core.validate import check_reason, check_topic
+from tracker.core.validate import check_reason, check_topic, id_list
 from tracker.errors import InvalidArgument, InvalidValue, MalformedItemId, TrackerError
 from tracker.folding.entries import MASK_BYTES_MAX, OUT_OF_RANGE
 from tracker.folding.messages import FAIL_MARK, FAILURE_REASON_HEADER
@@ -158,7 +158,7 @@ def _fold_ids(item_ids: str | bytes | Iterable[str | bytes]) -> Iterator[dict[tu
     MalformedItemId names the first bad one, and then nothing of the call may be buffered."""
     from tracker.folding import EntryFolder
 
-    entries = [item_ids] if isinstance(item_ids, (str, bytes)) else list(item_ids)
+    entries = id_list(item_ids)  # one id, or an iterable of them: not a dict, a number or None
     folder = EntryFolder(max_mask_bytes=MASK_BYTES_MAX)
     for i, entry in enumerate(entries):
         if not _fold_one(folder, entry):
@@ -222,12 +222,15 @@ class AckProducer:
         *,
         bootstrap_servers: str,
         topic: str,
-        kafka_client: dict | None = None,
+        kafka_client: Mapping[str, Any] | None = None,
         max_pending: int = 100_000,
         linger: float = 0.05,
         max_message_bytes: int = 64 * 1024,
     ) -> None:
         check_topic(topic, "topic")
+        if kafka_client is not None and not isinstance(kafka_client, Mapping):
+            raise InvalidArgument("kafka_client", kafka_client, "a mapping of librdkafka settings, or None")
+        client = dict(kafka_client or {})
         for name, given, low in (("max_pending", max_pending, 1), ("max_message_bytes", max_message_bytes, 64)):
             if not isinstance(given, int) or isinstance(given, bool):
                 raise InvalidArgument(name, given, f"an int >= {low}")
@@ -239,7 +242,7 @@ class AckProducer:
             raise InvalidValue("linger", linger, "must be a finite number of seconds >= 0")
         # A message of max_message_bytes, with its key, failure-reason header and record framing,
         # must be one the client itself takes: else every send of a full message is refused.
-        client_limit = _int_setting(kafka_client or {}, "message.max.bytes", CLIENT_MESSAGE_MAX)
+        client_limit = _int_setting(client, "message.max.bytes", CLIENT_MESSAGE_MAX)
         if max_message_bytes + MESSAGE_OVERHEAD > client_limit:
             raise InvalidValue(
                 "max_message_bytes",
@@ -253,7 +256,7 @@ class AckProducer:
             "linger.ms": 5,
             "compression.type": "lz4",
             # a silent broker is given up after 15 s, not librdkafka's 30-60 s (tracker.kafka_waits)
-            **with_waits(kafka_client or {}, producer=True),
+            **with_waits(client, producer=True),
         }
         self._producer = Producer(conf)
         self.topic = topic

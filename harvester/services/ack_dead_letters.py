@@ -1,6 +1,10 @@
 """The acker's dead letters (step 4 of its loop, harvester.services.acker): ack entries it could
 not fold (malformed, too large) or the database rejected (unknown batch or group, index out of
 range, batch expired), produced to the dead-letter topic before the acker commits its offsets.
+A malformed entry is a letter of its own, unless its message has more than BAD_ENTRIES_MAX of them
+(the message is then one letter, whole); the entries the database rejects are one letter per
+group and reason. So the letters of a poll grow with its messages and groups, never faster than
+the bytes it read.
 
 Each letter is a message that could be sent to the ack topic again (a failure keeps its '!' and
 its failure-reason header), with the reason it was set aside in the `reason` header and the topic
@@ -40,8 +44,8 @@ Letter = tuple[bytes | None, bytes | None, Headers]  # key, value, headers
 
 
 def letters_of(source_topic: str, folded: Folded, rejected: list[tuple[str, str, str | None]]) -> list[Letter]:
-    """The letters for a fold's bad entries and the entries the database rejected (entry, why,
-    failure reason or None for an ack), in that order."""
+    """The letters for a fold's bad entries, then for the entries the database rejected (entry, why,
+    failure reason or None for an ack): one per group and reason."""
     letters: list[Letter] = []
     source = source_topic.encode()
     for n, (key, entry, reason, partition, offset) in enumerate(folded.bad):
@@ -55,13 +59,19 @@ def letters_of(source_topic: str, folded: Folded, rejected: list[tuple[str, str,
         if failure is not None:
             headers.append((FAILURE_REASON_HEADER, failure))
         letters.append((key, entry, headers))
+    # The database rejects a group's ids as runs of its mask (a mask of every other index is 4,096
+    # runs): one letter per group, reason and outcome, its runs joined as one ack message would be.
+    by_group: dict[tuple[str, str, str | None], list[str]] = {}
     for entry_text, reason, failure_reason in rejected:
-        batch_id = entry_text.split(":", 1)[0].encode()
+        head = entry_text.rpartition(":")[0]
+        by_group.setdefault((head, reason, failure_reason), []).append(
+            entry_text if failure_reason is None else FAIL_MARK + entry_text
+        )
+    for (head, reason, failure_reason), entries in by_group.items():
         headers = [(REASON_HEADER, reason.encode()), ("source-topic", source)]
         if failure_reason is not None:
             headers.append((FAILURE_REASON_HEADER, failure_reason.encode()))
-            entry_text = FAIL_MARK + entry_text
-        letters.append((batch_id, entry_text.encode(), headers))
+        letters.append((head.split(":", 1)[0].encode(), ",".join(entries).encode(), headers))
     return letters
 
 

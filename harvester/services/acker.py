@@ -286,6 +286,7 @@ class Acker:
         steps = relevel(self._deferred + folded.steps) if self._deferred else folded.steps
         try:
             result = self._apply(steps)
+            self._count(result)  # committed: counted now, though its dead letters may fail and the poll come again
             dead = self._dead_letter(producer, folded, result)
         except Exception as exc:
             self.stats["retries"] += 1
@@ -295,7 +296,6 @@ class Acker:
             return False
         self.stats["polls"] += 1
         self.stats["messages"] += folded.messages
-        self._count(result)
         self.stats["dead_lettered"] += dead
         self.offsets.applied(folded.last)
         self._defer(result, folded.first)

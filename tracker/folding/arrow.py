@@ -100,8 +100,8 @@ def fold_arrow(column: str, max_groups: int = GROUPS_PER_FOLD_MAX) -> Callable[[
     """The fold of one partition's Arrow batches (Spark's mapInArrow), rows as in _FOLD_SCHEMA:
     a mask per group, or a bad entry with its reason. Plain ids take a vectorised path; runs,
     lists, nulls and bad ones go through EntryFolder. Its memory is bounded whatever the ids
-    name: once the masks held reach `max_groups` groups (1 KiB each) they are emitted and the fold
-    starts afresh; the groups' masks from several emissions are OR-ed by the reduce that follows."""
+    name: once the masks held (1 KiB each) and the bad entries held reach `max_groups` together
+    they are emitted and the fold starts afresh; the groups' masks from several emissions are OR-ed by the reduce that follows."""
 
     def fold_partition(batches: Iterator[Any]) -> Iterator[Any]:
         import numpy as np
@@ -136,7 +136,8 @@ def fold_arrow(column: str, max_groups: int = GROUPS_PER_FOLD_MAX) -> Callable[[
             return out
 
         def held() -> int:
-            return len(folder.masks) + len(plain_groups)
+            # bad entries count too: a partition of nothing but bad ones is emitted in rounds as well
+            return len(folder.masks) + len(plain_groups) + len(bad)
 
         def take_plain(values: Any) -> Any:
             """File the plain ids in range for the vectorised fold; return the other values."""

@@ -25,6 +25,10 @@ FAILURE_REASON_HEADER = "failure-reason"
 
 _NO_HEADS: dict[bytes, tuple[GroupMask, bytearray, bytearray]] = {}  # never written
 GROUP_BITS_BYTES = GROUP_BITS_MAX >> 3
+# A message's bad entries set aside one by one, each with its reason (a dead letter each); past
+# this many, the message is set aside once, whole, with a count: a message of many bad entries
+# ("x,x,x,...") would otherwise cost a tuple and a letter per two bytes it sent.
+BAD_ENTRIES_MAX = 100
 
 
 @dataclass
@@ -188,7 +192,8 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
     message that would take it past `room` groups (default `max_groups`; never at the first
     message, so every fold makes progress), leaving it and those after it in `.rest` for the next
     fold (fold, apply and commit, then fold the rest). A message that alone names more than
-    `max_groups` groups is set aside whole as too large."""
+    `max_groups` groups is set aside whole as too large; one with more than BAD_ENTRIES_MAX bad
+    entries is set aside whole once, its good entries folded."""
     room = max_groups if room is None else room
     out = Folded()
     outcomes = OutcomeFolder()
@@ -334,11 +339,16 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
                 out.bad_failure[len(bad)] = bytes(raw_reason)
             bad.append((msg.key(), value, reason, partition, msg.offset()))
             continue
+        since, bad_here = len(bad), 0  # this message's bad entries start at bad[since]
         if failure is None and not outcomes.state:
             for entry in entries:
                 reason = add(entry)
                 if reason is not None:
-                    bad.append((msg.key(), entry.encode(), reason, partition, msg.offset()))
+                    bad_here += 1
+                    if bad_here <= BAD_ENTRIES_MAX:
+                        bad.append((msg.key(), entry.encode(), reason, partition, msg.offset()))
+            if bad_here > BAD_ENTRIES_MAX:
+                _set_aside_whole(out, since, bad_here, len(entries), msg, value, raw_reason)
             if len(entries) == 1 and reason is None and "-" not in entries[0]:
                 parsed = parse_ack(entries[0])
                 by_head[value.rpartition(b":")[0]] = masks[(parsed.batch_id, parsed.group_id)]
@@ -361,6 +371,9 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
                 parsed = parse_ack(entry)
                 by_head[value.rpartition(b":")[0]] = target.masks[(parsed.batch_id, parsed.group_id)]
             if reason is not None:
+                bad_here += 1
+                if bad_here > BAD_ENTRIES_MAX:
+                    continue  # the message is set aside whole below
                 if outcome is not None:
                     out.bad_failure[len(bad)] = bytes(raw_reason or b"")
                 written = FAIL_MARK + entry if outcome is not None else entry
@@ -374,12 +387,30 @@ def fold_messages(messages: list[Any], *, max_groups: int = GROUPS_PER_FOLD_MAX,
                     claimed = outcomes.claim(batch, key)
                     fail_head.setdefault(raw_reason, {})[b"!" + head_text.encode()] = (mask, mask.bits, claimed)
                     last_raw, last_heads = None, _NO_HEADS
+        if bad_here > BAD_ENTRIES_MAX:
+            _set_aside_whole(out, since, bad_here, len(items), msg, value, raw_reason)
     if previous is not None:
         last[current] = previous.offset()
     out.messages = count
     out.failures = failures
     out.steps = outcomes.ordered()
     return out
+
+
+def _set_aside_whole(
+    out: Folded, since: int, bad_here: int, entries: int, msg: Any, value: bytes, raw_reason: bytes | None
+) -> None:
+    """Replace the bad entries of one message, out.bad[since:], by the message itself, once, with
+    how many of its entries were bad and the first one's reason (its good entries were folded:
+    sent again whole, they count as duplicates)."""
+    first = out.bad[since]
+    del out.bad[since:]
+    for n in [n for n in out.bad_failure if n >= since]:
+        del out.bad_failure[n]
+    if raw_reason is not None:
+        out.bad_failure[since] = bytes(raw_reason)
+    reason = f"{bad_here} of its {entries} entries could not be applied; the first: {first[2]}"
+    out.bad.append((msg.key(), value, reason, first[3], first[4]))
 
 
 def _new_groups(entries: list[str], masks: dict[tuple[int, int], GroupMask]) -> int:
