@@ -68,8 +68,14 @@ def _from_service(service: str) -> set[str] | None:
     return None
 
 
+# libpq waits for ever for a server that accepts the connection and never answers (a hung host, a
+# stuck proxy): a thread connecting to it could not notice a stop. Each host attempt is bounded.
+CONNECT_TIMEOUT = 10
+
+
 def with_liveness(dsn: str) -> str:
-    """`dsn` with the liveness settings neither it nor the service it names sets."""
+    """`dsn` with the liveness settings (LIVENESS, and a `connect_timeout` of CONNECT_TIMEOUT
+    seconds) neither it nor the service it names sets."""
     try:
         parsed = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError:
@@ -80,4 +86,5 @@ def with_liveness(dsn: str) -> str:
         if from_service is None:
             return dsn  # a service we cannot read may set them: libpq applies it as the user wrote it
         given |= from_service
-    return make_conninfo(dsn, **{k: v for k, v in LIVENESS.items() if k not in given})
+    wanted = {**LIVENESS, "connect_timeout": CONNECT_TIMEOUT}
+    return make_conninfo(dsn, **{k: v for k, v in wanted.items() if k not in given})

@@ -158,7 +158,10 @@ def make_pool(
     name: str = "reaper",
     open_wait: float | None = 30.0,
     reconnect_backoff_max: float = RECONNECT_MAX,
+    timeout: float = 30.0,
 ) -> HarvestPool:
+    """A pool of `size` connections to `dsn`, opened at once, waiting up to `open_wait` seconds for
+    them (None: not waiting); `connection()` waits up to `timeout` for one by default."""
     said = False
 
     def configure(conn: psycopg.Connection) -> None:
@@ -181,6 +184,7 @@ def make_pool(
         configure=configure,
         reconnect_timeout=float("inf"),
         reconnect_backoff_max=reconnect_backoff_max,
+        timeout=timeout,
     )
     pool.open(wait=open_wait is not None, timeout=open_wait or 30.0)
     return pool

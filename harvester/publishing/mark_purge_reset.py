@@ -102,7 +102,16 @@ class UnitHarvester(MarkingLoop):
         self._life.start()
         logs.unit_leaders.set(self.spec.name, None, self.spec.index)
         cfg, h, spec = self.cfg, self.h, self.spec
-        self.pool = make_pool(spec.dsn, cfg.database.pool_size, name=f"reaper-harvester-{spec.name}")
+        # Opened without waiting: a unit whose database is down (or hangs) at start holds up no other
+        # unit. A connection is waited for no longer than a lease lasts (a mark past it is refused
+        # anyway), so a mark, a revocation or a stop waits no longer on such a database either.
+        self.pool = make_pool(
+            spec.dsn,
+            cfg.database.pool_size,
+            name=f"reaper-harvester-{spec.name}",
+            open_wait=None,
+            timeout=h.heartbeat_timeout,
+        )
         store = OutboxStore(self.pool, spec.schema, spec.table, lane=spec.lane, lanes=spec.lanes)
         self.store = self.providers.store(store)
         self._db_clock = DatabaseClock(self.store.database_now)
@@ -214,7 +223,9 @@ class UnitHarvester(MarkingLoop):
         if self.upkeep is not None:
             self.upkeep.join(5)
         if self.pool is not None:
-            self.pool.close()
+            # Its workers may be connecting to a database that does not answer: not waited for long
+            # (daemon threads, they end with their connect attempt).
+            self.pool.close(timeout=1.0)
         logs.unit_leaders.forget(self.spec.name)
 
     @property
