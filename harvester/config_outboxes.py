@@ -63,7 +63,7 @@ def units(cfg: Config) -> list[UnitSpec]:
             first = clip(sorted(map(str, unknown))[0], 80)  # (YAML keys need not be text)
             raise ConfigError(f"{key}.{first}", f"unknown key (known: {', '.join(sorted(_OUTBOX_KEYS))})")
         name = entry.get("name", f"outbox{i}")
-        if not isinstance(name, str) or not re.match(r"^[A-Za-z0-9_-]{1,40}$", name):
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,40}", name):
             raise ConfigError(f"{key}.name", f"{clip(repr(name))} must be 1-40 of A-Z a-z 0-9 _ -")
         if name in seen:
             raise ConfigError(f"{key}.name", f"{name!r} is listed twice")

@@ -31,9 +31,11 @@ from psycopg import sql
 
 from tracker.errors import InvalidIdentifier
 
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
-_DEFINITION_NAME = re.compile(r"^R__[a-z0-9_]+\.sql$")
+# Matched whole (fullmatch): `$` would also match before a final newline ("reaper\n", from a
+# ConfigMap made from a file), a name that is not the one meant.
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MIGRATION_NAME = re.compile(r"(\d{4})_[a-z0-9_]+\.sql")
+_DEFINITION_NAME = re.compile(r"R__[a-z0-9_]+\.sql")
 _REPLACES = re.compile(r"^-- replaces (\d{4})_[a-z0-9_]+\.sql sha256:([0-9a-f]{64})$", re.MULTILINE)
 MIGRATIONS_TABLE = "schema_migrations"
 DEFINITIONS_TABLE = "schema_definitions"
@@ -49,7 +51,7 @@ NO_CUTOVER = "UPDATE outbox_namespace SET suffix_from = '-infinity'"
 
 def check_identifier(value: object, what: str = "identifier") -> str:
     """Return `value` if it is a plain SQL identifier (quoted afterwards anyway), else raise."""
-    if not isinstance(value, str) or not _IDENT.match(value) or len(value.encode()) > 63:
+    if not isinstance(value, str) or not _IDENT.fullmatch(value) or len(value.encode()) > 63:
         raise InvalidIdentifier(what, value)
     return value
 
@@ -103,7 +105,7 @@ def _sql_dir() -> Path:
 def _files(directory: Path | None) -> list[Path]:
     paths = sorted((directory or _sql_dir()).glob("*.sql"))
     for path in paths:
-        if not (_MIGRATION_NAME.match(path.name) or _DEFINITION_NAME.match(path.name)):
+        if not (_MIGRATION_NAME.fullmatch(path.name) or _DEFINITION_NAME.fullmatch(path.name)):
             raise RuntimeError(f"unexpected file in sql/: {path.name} (want NNNN_name.sql or R__name.sql)")
     return paths
 
@@ -112,7 +114,7 @@ def migrations(directory: Path | None = None) -> list[Migration]:
     """The versioned migrations, in order (`directory`: another sql/ folder than this installation's)."""
     found = []
     for path in _files(directory):
-        named = _MIGRATION_NAME.match(path.name)
+        named = _MIGRATION_NAME.fullmatch(path.name)
         if named:
             found.append(Migration(int(named.group(1)), path.name, path.read_text()))
     versions = [m.version for m in found]
@@ -130,7 +132,7 @@ def migrations(directory: Path | None = None) -> list[Migration]:
 
 def definitions(directory: Path | None = None) -> list[Definition]:
     """The repeatable definitions, in the order they are applied (by name)."""
-    return [Definition(p.name, p.read_text()) for p in _files(directory) if _DEFINITION_NAME.match(p.name)]
+    return [Definition(p.name, p.read_text()) for p in _files(directory) if _DEFINITION_NAME.fullmatch(p.name)]
 
 
 class MigrationDrift(RuntimeError):
