@@ -75,3 +75,23 @@ def test_a_retired_producer_whose_purged_requests_are_answered_logs_no_error(kaf
     assert loud == [], loud
     assert any(e["event"] == "retired producer reported an error after its retirement" for e in retired[at:])
     assert not slot.broken
+
+
+def test_a_fatal_error_the_current_producers_poll_raises_marks_the_slot_broken(kafka_bootstrap, topics):
+    """A real fatal error: a record the topic refuses as too large, under the gap-less guarantee,
+    fails the idempotent producer for good. confluent-kafka raises that error from poll() (its
+    error callback may never be called): the slot is marked broken all the same, so the producer is
+    replaced, and not polled for ever while every produce() fails."""
+    import os
+
+    small = topics("small", partitions=1, config={"max.message.bytes": "10000"})
+    fatal: list[str] = []
+    slot = ProducerSlot(producer_config(kafka_bootstrap, {}, {}), Producer, on_fatal=fatal.append)
+    slot.start()
+    try:
+        assert slot.send(slot.current, (small, os.urandom(50_000), b"k"))
+        assert wait_until(lambda: slot.broken, 30), "a fatal producer error left the slot unbroken"
+        assert fatal == ["fatal producer error"]
+        assert slot.replace_if_broken() and not slot.broken and slot.retired == 1
+    finally:
+        slot.close(1)

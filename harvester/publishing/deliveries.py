@@ -33,18 +33,43 @@ from harvester.config import redact_dsn
 from harvester.metrics import MetricsLike
 from harvester.publishing.ports import StoreLike
 from harvester.publishing.runs import ALONE_FOR
+from harvester.publishing.topic_limits import TopicLimits, record_size
 from tracker import is_topic_name
 
 _PURGED = (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT)
 # Delivery-report errors that concern this record alone and can never succeed. Deliberately NOT here:
 # - MSG_SIZE_TOO_LARGE, INVALID_RECORD, RECORD_LIST_TOO_LARGE from the broker: they fail a whole
 #   batch, and quarantining would bury the good records that shared it (a record above the
-#   client's message.max.bytes is refused by produce() already);
+#   client's message.max.bytes is refused by produce() already). A record's own MSG_SIZE_TOO_LARGE
+#   report is judged by its size against its topic's limit (SizeRefused, topic_limits): over it,
+#   alone, it is moved aside; the others of its batch are published again;
 # - TOPIC_AUTHORIZATION_FAILED, _UNKNOWN_TOPIC, UNKNOWN_TOPIC_OR_PART: an ACL or a topic not yet
 #   created (brokers here do not auto-create) is an operator's fix away; quarantining would move
 #   every row of that topic out of the outbox. They are retried, with the remark back-off.
 PERMANENT_DELIVERY = frozenset({KafkaError._UNKNOWN_PARTITION, KafkaError._INVALID_ARG, KafkaError.TOPIC_EXCEPTION})
 _UNKNOWN_TOPIC = (KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART)
+
+
+class SizeRefused:
+    """A record's own delivery report of MSG_SIZE_TOO_LARGE from the broker, with what the settler
+    needs to tell whether the record alone is over its topic's limit (harvester.publishing.topic_limits)."""
+
+    __slots__ = ("err", "topic", "size")
+
+    def __init__(self, err: KafkaError, topic: str, size: int) -> None:
+        self.err, self.topic, self.size = err, topic, size
+
+    def code(self) -> int:
+        return self.err.code()
+
+    def name(self) -> str:
+        return self.err.name()
+
+    def str(self) -> str:
+        return self.err.str()
+
+    def fatal(self) -> bool:
+        return False  # the record's own refusal; the producer's fatal error is reported apart
 
 
 def invalid_topic(err: KafkaError, topic: object) -> KafkaError | None:
@@ -100,8 +125,10 @@ class DeliverySettler:
         workers: int = 2,
         on_failure: Callable[[str], None] = lambda why: None,
         on_fatal: Callable[[], None] = lambda: None,
+        limits: TopicLimits | None = None,
     ) -> None:
         self._store, self._m, self._batch = store, metrics, batch
+        self._limits = limits  # topics' max.message.bytes, asked once a record is refused for its size
         self._on_failure, self._on_fatal = on_failure, on_fatal
         self._log = logs.get("reaper.settle")
         self.reports: collections.deque = collections.deque()
@@ -198,8 +225,11 @@ class DeliverySettler:
             err = invalid_topic(err, msg.topic() if msg is not None else None) or err
             if err.code() in _UNKNOWN_TOPIC and msg is not None:
                 self.missing_topic(msg.topic())
-            reports.append((row_id, leader_id, err))
             self.failed_report(err)
+            if err.code() == KafkaError.MSG_SIZE_TOO_LARGE and msg is not None:
+                reports.append((row_id, leader_id, SizeRefused(err, msg.topic(), record_size(msg))))
+            else:
+                reports.append((row_id, leader_id, err))
         if len(reports) >= self._batch and not self._wake.is_set():
             self._wake.set()
 
@@ -219,6 +249,9 @@ class DeliverySettler:
             if err.code() in PERMANENT_DELIVERY and not err.fatal():
                 self.single.update(dict.fromkeys(row_ids, time.monotonic() + self.alone_for))
                 err = KafkaError(KafkaError._FAIL, f"{err.name()}: {RUN_REFUSED}")
+            elif err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                # which record of the run is too large is told by their own reports, next time
+                self.single.update(dict.fromkeys(row_ids, time.monotonic() + self.alone_for))
             reports.extend(zip(row_ids, repeat(leader_id), repeat(err)))
             self.failed_report(err)
         if len(reports) >= self._batch and not self._wake.is_set():
@@ -326,6 +359,12 @@ class DeliverySettler:
                 done.setdefault(leader_id, []).append(row_id)
             elif err.code() in PERMANENT_DELIVERY and not err.fatal():
                 dead.setdefault((leader_id, error_reason(err)), []).append(row_id)
+            elif isinstance(err, SizeRefused) and (limit := self._too_large(err)) is not None:
+                reason = (
+                    f"MSG_SIZE_TOO_LARGE: the record is {err.size} bytes, more than its topic's "
+                    f"max.message.bytes ({limit})"
+                )
+                dead.setdefault((leader_id, reason), []).append(row_id)
             else:
                 failed.setdefault(leader_id, []).append(row_id)
         for leader_id, all_ids in done.items():
@@ -361,6 +400,10 @@ class DeliverySettler:
                 continue
             if n:
                 self.dead(n, ids, reason)
+
+    def _too_large(self, err: SizeRefused) -> int | None:
+        """The topic's limit when the record alone is over it (then it can never be written)."""
+        return None if self._limits is None else self._limits.too_large(err.topic, err.size)
 
     def _failed_db(self, what: str, exc: Exception) -> None:
         # The rows stay marked by an old id; the remark that follows publishes them again.

@@ -173,11 +173,17 @@ class ProducerSlot:
             self._log.info("retired producer reported an error after its retirement", error=str(err))
             return
         if err.fatal():
-            self.broken = True
-            self._log.error("fatal producer error", error=str(err))
-            self._on_fatal("fatal producer error")
+            self._fatal(err)
         else:
             self._log.info("producer client error", error=str(err))
+
+    def _fatal(self, err: KafkaError | str) -> None:
+        """The current producers are broken for good: replaced at the marker's next turn."""
+        if self.broken:
+            return  # told already (error_cb, then poll(), may both say it)
+        self.broken = True
+        self._log.error("fatal producer error", error=str(err))
+        self._on_fatal("fatal producer error")
 
     def _poll_loop(self) -> None:
         while not self._stop.is_set():
@@ -205,11 +211,18 @@ class ProducerSlot:
         try:
             producer.poll(timeout)
         except KafkaException as exc:
-            if not self.is_retired(producer):
-                raise
-            # Records purged in flight: the gap-less guarantee's fatal error, raised by the poll of
-            # a producer retired meanwhile (perhaps while this very poll waited). Expected.
-            self._log.info("retired producer reported an error after its retirement", error=str(exc))
+            if self.is_retired(producer):
+                # Records purged in flight: the gap-less guarantee's fatal error, raised by the poll
+                # of a producer retired meanwhile (perhaps while this very poll waited). Expected.
+                self._log.info("retired producer reported an error after its retirement", error=str(exc))
+                return
+            err = exc.args[0] if exc.args else None
+            if isinstance(err, KafkaError) and err.fatal():
+                # confluent-kafka raises a fatal error from poll() where error_cb may not be told:
+                # the producer refuses every record from now on, so it is replaced all the same.
+                self._fatal(err)
+                return
+            raise
 
     def close(self, timeout: float = 5.0) -> None:
         """Drop whatever is still queued, serve the last reports, stop the poll thread."""

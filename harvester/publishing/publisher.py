@@ -23,6 +23,7 @@ from harvester.publishing.deliveries import PERMANENT_DELIVERY, DeliverySettler,
 from harvester.publishing.idempotent import PERMANENT_PRODUCE, Deadline, PlainStrategy, QuarantineError, Valid  # noqa: F401
 from harvester.publishing.ports import DEFAULT, Providers, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
+from harvester.publishing.topic_limits import TopicLimits
 from harvester.publishing.transactional import TXN_PRODUCERS, TransactionalStrategy
 
 DEFAULT_PRODUCER = {
@@ -111,7 +112,13 @@ class Publisher:
         self._life = Lifecycle("publisher")
         self.transactional = "transactional.id" in conf
         self.settler = DeliverySettler(
-            store, metrics, batch=purge_batch, workers=purge_workers, on_failure=on_failure, on_fatal=self._fatal
+            store,
+            metrics,
+            batch=purge_batch,
+            workers=purge_workers,
+            on_failure=on_failure,
+            on_fatal=self._fatal,
+            limits=TopicLimits(conf),
         )
         self.slot = ProducerSlot(
             conf,
