@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from harvester.config_schema import TOPIC, Check, key
+from tracker.schema import MAX_OUTBOX_TABLE_BYTES, MAX_SCHEMA_BYTES
 
 MAX_LANES = 64
 POSITIVE: dict[str, Any] = {"gt": 0}
@@ -38,10 +39,14 @@ class DatabaseConfig:
     schema: str = key(
         "reaper",
         "schema of the outbox, batch and batch_group tables (`reaper migrate` creates it)",
-        check=Check("SQL identifier", identifier="schema"),
+        # room for its roles' names, `<schema>_consumer` and the like (tracker.roles)
+        check=Check(f"SQL identifier of at most {MAX_SCHEMA_BYTES} bytes", identifier="schema"),
     )
     outbox_table: str = key(
-        "outbox", "name of the outbox table in that schema", check=Check("SQL identifier", identifier="table")
+        "outbox",
+        "name of the outbox table in that schema",
+        # room for its dead-row table's name, `<table>_dead`
+        check=Check(f"SQL identifier of at most {MAX_OUTBOX_TABLE_BYTES} bytes", identifier="outbox table"),
     )
     pool_size: int = key(
         6, "database connections of one reaper (mark, purge workers, upkeep, acker, sweeper)", **POSITIVE, le=1000

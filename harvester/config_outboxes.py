@@ -50,6 +50,10 @@ def units(cfg: Config) -> list[UnitSpec]:
     if h.outboxes and h.lanes != 1:
         raise ConfigError("harvester.lanes", "applies only when harvester.outboxes is empty; set lanes per outbox")
     check_dsn("database.dsn", db.dsn)  # the ackers' and the sweeper's, whatever the outboxes say
+    # Within 63 bytes, as their keys' own check has it, and also leaving room for the names derived
+    # from them (the schema's roles, the outbox table's dead-row table): whatever the outboxes say.
+    _check_name("database.schema", db.schema, "schema")
+    _check_name("database.outbox_table", db.outbox_table, "outbox table")
     out: list[UnitSpec] = []
     seen: set[str] = set()
     for i, entry in enumerate(entries):
@@ -69,11 +73,8 @@ def units(cfg: Config) -> list[UnitSpec]:
             raise ConfigError(f"{key}.name", f"{name!r} is listed twice")
         seen.add(name)
         schema, table = entry.get("schema", db.schema), entry.get("table", db.outbox_table)
-        for what, value in (("schema", schema), ("table", table)):
-            try:
-                check_identifier(value, what)
-            except (InvalidIdentifier, TypeError) as exc:
-                raise ConfigError(f"{key}.{what}", clip(str(exc))) from None
+        _check_name(f"{key}.schema", schema, "schema")
+        _check_name(f"{key}.table", table, "outbox table")
         dsn = entry.get("dsn", db.dsn)
         check_dsn(f"{key}.dsn" if "dsn" in entry else "database.dsn", dsn)
         lanes = entry.get("lanes", 1)
@@ -85,6 +86,13 @@ def units(cfg: Config) -> list[UnitSpec]:
         for lane in range(lanes):
             out.append(UnitSpec(len(out), name, dsn, schema, table, lane, lanes))
     return out
+
+
+def _check_name(key: str, value: Any, what: str) -> None:
+    try:
+        check_identifier(value, what)
+    except InvalidIdentifier as exc:
+        raise ConfigError(key, clip(str(exc), 400)) from None  # a name of 63 bytes and why, whole
 
 
 # libpq's messages about a DSN it cannot read quote the text where it stopped, which may be part of

@@ -8,13 +8,17 @@ class TrackerError(Exception):
 
 
 class InvalidIdentifier(TrackerError, ValueError):
-    """A schema, table or role name from configuration that is not a plain SQL identifier."""
+    """A schema, table or role name from configuration that is not a plain SQL identifier, or a
+    schema or outbox table name that leaves no room for the names derived from it."""
 
-    def __init__(self, what: str, value: object) -> None:
+    def __init__(self, what: str, value: object, *, max_bytes: int = 63, room_for: str = "") -> None:
+        """`room_for`: the names derived from `value` that its length would not leave room for."""
         self.what, self.value = what, value
-        super().__init__(
-            f"invalid {what} {value!r}: use letters, digits and _ (start with a letter or _), at most 63 bytes"
-        )
+        if room_for and isinstance(value, str):
+            why = f"{len(value.encode())} bytes, at most {max_bytes} to leave room for {room_for}"
+        else:
+            why = f"use letters, digits and _ (start with a letter or _), at most {max_bytes} bytes"
+        super().__init__(f"invalid {what} {value!r}: {why}")
 
 
 class MalformedItemId(TrackerError, ValueError):

@@ -184,7 +184,7 @@ def namespace(conn: psycopg.Connection, schema: str, table: str = DEFAULT_OUTBOX
     NamespaceUnavailable (missing_table when the schema's namespace table is missing or predates
     sql/0022_message_id_created.sql)."""
     names = {"ns": qualified(schema, NAMESPACE_TABLE)}
-    table_name = qualified(schema, check_identifier(table, "table")).as_string(conn)
+    table_name = qualified(schema, check_identifier(table, "outbox table")).as_string(conn)
     read = sql.SQL("SELECT namespace, suffix_from FROM {ns} WHERE outbox = to_regclass(%s)").format(**names)
     if not conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
         # Open the caller's implicit transaction first: a transaction() block entered outside one

@@ -25,9 +25,15 @@ from __future__ import annotations
 import psycopg
 from psycopg import sql
 
-from tracker.schema import DEFINITIONS_TABLE, EVERY_FUNCTION_ROLES, MIGRATIONS_TABLE, check_identifier, role_name
+from tracker.schema import (
+    DEFINITIONS_TABLE,
+    EVERY_FUNCTION_ROLES,
+    MIGRATIONS_TABLE,
+    ROLES,
+    check_identifier,
+    role_name,
+)
 
-ROLES = ("producer", "consumer", "operator", "app", "reaper")
 PRODUCER_FUNCTIONS = ("open_batch", "add_items", "enqueue", "close_batch", "batch_status", "failures")
 CONSUMER_FUNCTIONS = (
     "ack",

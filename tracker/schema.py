@@ -49,10 +49,29 @@ NAMESPACE_TABLE, NAMESPACE_MIGRATION, SUFFIX_MIGRATION = "outbox_namespace", 17,
 NO_CUTOVER = "UPDATE outbox_namespace SET suffix_from = '-infinity'"
 
 
+MAX_IDENTIFIER_BYTES = 63  # what Postgres keeps of a name (NAMEDATALEN - 1); it cuts longer ones short
+# The roles of a schema, `<schema>_<role>` (tracker.roles), and the dead-row table of an outbox table.
+ROLES = ("producer", "consumer", "operator", "app", "reaper")
+DEAD_TABLE_SUFFIX = "_dead"
+# A schema and an outbox table leave room for the names derived from them, which must be identifiers
+# too: a name the configuration took must not fail later as a role or a table it never wrote.
+MAX_SCHEMA_BYTES = MAX_IDENTIFIER_BYTES - len("_") - max(map(len, ROLES))
+MAX_OUTBOX_TABLE_BYTES = MAX_IDENTIFIER_BYTES - len(DEAD_TABLE_SUFFIX)
+_ROOM_FOR = {
+    "schema": (MAX_SCHEMA_BYTES, "its roles' names (<schema>_consumer)"),
+    "outbox table": (MAX_OUTBOX_TABLE_BYTES, f"its dead-row table's name (<table>{DEAD_TABLE_SUFFIX})"),
+}
+
+
 def check_identifier(value: object, what: str = "identifier") -> str:
-    """Return `value` if it is a plain SQL identifier (quoted afterwards anyway), else raise."""
-    if not isinstance(value, str) or not _IDENT.fullmatch(value) or len(value.encode()) > 63:
-        raise InvalidIdentifier(what, value)
+    """Return `value` if it is a plain SQL identifier (quoted afterwards anyway), else raise
+    InvalidIdentifier naming `what` and the value. A "schema" (MAX_SCHEMA_BYTES) and an "outbox
+    table" (MAX_OUTBOX_TABLE_BYTES) are shorter still: their roles' and dead-row table's names fit."""
+    max_bytes, room_for = _ROOM_FOR.get(what, (MAX_IDENTIFIER_BYTES, ""))
+    if not isinstance(value, str) or not _IDENT.fullmatch(value):
+        raise InvalidIdentifier(what, value, max_bytes=max_bytes)
+    if len(value.encode()) > max_bytes:
+        raise InvalidIdentifier(what, value, max_bytes=max_bytes, room_for=room_for)
     return value
 
 
