@@ -29,7 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("-c", "--config", help="YAML configuration file (REAPER_<SECTION>__<KEY> variables override it)")
     sub = ap.add_subparsers(dest="command", required=True)
     mig = sub.add_parser("migrate", help="apply pending schema migrations (safe to run concurrently)")
-    mig.add_argument("--dry-run", action="store_true", help="print the SQL that would run and change nothing")
+    mig.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the SQL script migrate would run (whole: a DBA may run it with psql instead) and change nothing",
+    )
     mig.add_argument(
         "--roles",
         choices=["print", "create"],
@@ -85,21 +89,9 @@ def cmd_migrate(cfg: config_mod.Config, dry_run: bool, roles_action: str | None 
         print(f"reaper migrate: database unreachable: {config_mod.redact_dsn(str(exc)).strip()}", file=sys.stderr)
         return ExitCode.UNAVAILABLE
     with conn:
-        if dry_run:
+        if dry_run:  # the transactions migrate() would run, whole: a DBA may run them with psql instead
             pending = schema.pending_sql(conn, name)
-            if not pending:
-                print(f"-- schema {name!r} is up to date")
-            # as migrate() runs them: each migration in a transaction of its own, then every
-            # changed definition together in one
-            migrations = [(m, text) for m, text in pending if isinstance(m, schema.Migration)]
-            definitions = [(d, text) for d, text in pending if not isinstance(d, schema.Migration)]
-            for m, text in migrations:
-                print(f"-- {m.name}\nBEGIN;\n{text.rstrip()}\nCOMMIT;\n")
-            if definitions:
-                print("-- the changed definitions, in one transaction\nBEGIN;")
-                for d, text in definitions:
-                    print(f"-- {d.name}\n{text.rstrip()}\n")
-                print("COMMIT;\n")
+            print("\n".join(pending) if pending else f"-- schema {name!r} is up to date")
             return ExitCode.OK
         applied = schema.migrate(conn, name)
         note = "-- " if roles_action == "print" else ""  # the output is then an SQL script

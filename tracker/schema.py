@@ -191,12 +191,66 @@ def _path(conn: psycopg.Connection, schema: str, item: Migration | Definition) -
     return sql.SQL("SET LOCAL search_path TO {}, " + tail).format(sql.Identifier(schema)).as_string(conn)
 
 
-def pending_sql(conn: psycopg.Connection, schema: str) -> list[tuple[Migration | Definition, str]]:
-    """What `migrate` would run now, in order, each with its exact SQL."""
-    done, defined = applied(conn, schema), applied_definitions(conn, schema)
-    todo: list[Migration | Definition] = [m for m in migrations() if m.version not in done]
-    todo += [d for d in definitions() if defined.get(d.name) != d.checksum]
-    return [(item, f"{_path(conn, schema, item)};\n{item.text}") for item in todo]
+def pending_sql(conn: psycopg.Connection, schema: str) -> list[str]:
+    """The transactions `migrate` would run now, in order, each a whole `BEGIN; ... COMMIT;` text
+    headed by a comment naming what it applies: each migration in one of its own, then every changed
+    definition together, each under the schema's advisory lock, with the rows that record them, the
+    namespaces' cutover (NO_CUTOVER) and EXECUTE taken from PUBLIC and granted to the roles that exist
+    now (`_privileges`); none when nothing is to do. Run in order (`psql -v ON_ERROR_STOP=1`), they
+    leave the schema as `migrate` would. Raises MigrationDrift as `migrate` does."""
+    check_identifier(schema, "schema")
+    wanted, done, defined = migrations(), applied(conn, schema), applied_definitions(conn, schema)
+    _check_drift(schema, wanted, done)
+    todo: list[list[Migration] | list[Definition]] = [[m] for m in wanted if m.version not in done]
+    changed = [d for d in definitions() if defined.get(d.name) != d.checksum]
+    if changed:
+        todo.append(changed)
+    # migrate() decides it when it reaches the namespace table's migration: did the table exist before?
+    fresh = NAMESPACE_MIGRATION not in done and conn.execute(
+        "SELECT to_regclass(%s) IS NULL", [qualified(schema, NAMESPACE_TABLE).as_string(conn)]
+    ).fetchone() == (True,)
+    # With nothing to apply, migrate still repairs the functions' privileges when they need it.
+    privileges = _privileges_sql(conn, schema, only_if_needed=not todo)
+    if not todo and not privileges:
+        return []
+    lock = sql.SQL("SELECT pg_advisory_xact_lock({})").format(sql.Literal(migration_lock_key(schema)))
+    first = [lock, *_bookkeeping_sql(conn, schema)]
+    scripts: list[str] = []
+    for items in todo or [[]]:
+        lines = [_heading(items), "BEGIN;", *(f"{s.as_string(conn)};" for s in (first if not scripts else [lock]))]
+        for item in items:
+            if isinstance(item, Definition):
+                lines.append(f"-- {item.name}")
+            lines += [f"{_path(conn, schema, item)};", item.text.rstrip()]
+            if isinstance(item, Migration) and item.version == SUFFIX_MIGRATION and fresh:
+                lines.append(f"{NO_CUTOVER};")
+            lines.append(f"{_record_sql(schema, item).as_string(conn)};")
+        lines += [f"{s.as_string(conn)};" for s in privileges]
+        scripts.append("\n".join([*lines, "COMMIT;", ""]))
+    return scripts
+
+
+def _heading(items: list[Migration] | list[Definition]) -> str:
+    if not items:
+        return "-- EXECUTE on the schema's functions: taken from PUBLIC, granted to the roles that run them all"
+    if isinstance(items[0], Migration):
+        return f"-- {items[0].name}"
+    return "-- the changed definitions, in one transaction"
+
+
+def _record_sql(schema: str, item: Migration | Definition) -> sql.Composed:
+    """The row `migrate` writes in the transaction that applies `item`."""
+    if isinstance(item, Migration):
+        return sql.SQL("INSERT INTO {} (version, name, checksum) VALUES ({}, {}, {})").format(
+            qualified(schema, MIGRATIONS_TABLE),
+            sql.Literal(item.version),
+            sql.Literal(item.name),
+            sql.Literal(item.checksum),
+        )
+    return sql.SQL(
+        "INSERT INTO {} (name, checksum) VALUES ({}, {}) "
+        "ON CONFLICT (name) DO UPDATE SET checksum = excluded.checksum, applied_at = now()"
+    ).format(qualified(schema, DEFINITIONS_TABLE), sql.Literal(item.name), sql.Literal(item.checksum))
 
 
 def _check_drift(schema: str, wanted: list[Migration], done: dict[int, str]) -> None:
@@ -212,22 +266,25 @@ def _check_drift(schema: str, wanted: list[Migration], done: dict[int, str]) -> 
 
 def _bookkeeping(conn: psycopg.Connection, schema: str) -> None:
     """The schema and the two record tables, created when missing (inside the lock)."""
-    # Only when missing: CREATE SCHEMA needs CREATE on the database even when the schema exists, and
-    # an upgrade by the schema's owner must not need it.
-    if conn.execute("SELECT to_regnamespace(%s)", [f'"{schema}"']).fetchone() == (None,):
-        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
-    conn.execute(
+    for statement in _bookkeeping_sql(conn, schema):
+        conn.execute(statement)
+
+
+def _bookkeeping_sql(conn: psycopg.Connection, schema: str) -> list[sql.Composed]:
+    # The schema only when missing: CREATE SCHEMA needs CREATE on the database even when the schema
+    # exists, and an upgrade by the schema's owner must not need it.
+    missing = conn.execute("SELECT to_regnamespace(%s)", [f'"{schema}"']).fetchone() == (None,)
+    return [
+        *([sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema))] if missing else []),
         sql.SQL(
             "CREATE TABLE IF NOT EXISTS {} (version integer PRIMARY KEY, name text NOT NULL, "
             "checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
-        ).format(qualified(schema, MIGRATIONS_TABLE))
-    )
-    conn.execute(
+        ).format(qualified(schema, MIGRATIONS_TABLE)),
         sql.SQL(
             "CREATE TABLE IF NOT EXISTS {} (name text PRIMARY KEY, checksum text NOT NULL, "
             "applied_at timestamptz NOT NULL DEFAULT now())"
-        ).format(qualified(schema, DEFINITIONS_TABLE))
-    )
+        ).format(qualified(schema, DEFINITIONS_TABLE)),
+    ]
 
 
 def _next(
@@ -246,6 +303,11 @@ def _next(
 
 
 def _privileges(conn: psycopg.Connection, schema: str, *, only_if_needed: bool = False) -> None:
+    for statement in _privileges_sql(conn, schema, only_if_needed=only_if_needed):
+        conn.execute(statement)
+
+
+def _privileges_sql(conn: psycopg.Connection, schema: str, *, only_if_needed: bool = False) -> list[sql.Composed]:
     # PUBLIC's EXECUTE comes back with every new function: taken away in the transaction that made
     # it (a per-schema default privilege would not do it). The roles that run every function get
     # the new ones. only_if_needed: change nothing (no catalog write) when that holds already.
@@ -260,10 +322,11 @@ def _privileges(conn: psycopg.Connection, schema: str, *, only_if_needed: bool =
             [f'"{schema}"', roles],
         ).fetchone()
         if row == (False,):
-            return
-    conn.execute(sql.SQL("REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA {} FROM PUBLIC").format(s))
-    for role in roles:
-        conn.execute(sql.SQL("GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {} TO {}").format(s, sql.Identifier(role)))
+            return []
+    return [
+        sql.SQL("REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA {} FROM PUBLIC").format(s),
+        *(sql.SQL("GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {} TO {}").format(s, sql.Identifier(r)) for r in roles),
+    ]
 
 
 def migrate(dsn_or_conn: str | psycopg.Connection, schema: str, directory: Path | None = None) -> list[str]:
