@@ -56,6 +56,7 @@ def units(cfg: Config) -> list[UnitSpec]:
     _check_name("database.outbox_table", db.outbox_table, "outbox table")
     out: list[UnitSpec] = []
     seen: set[str] = set()
+    tables: dict[tuple[tuple[str | None, ...], str, str], int] = {}  # (database, schema, table) -> entry
     for i, entry in enumerate(entries):
         key = f"harvester.outboxes[{i}]"
         if not isinstance(entry, Mapping):
@@ -77,6 +78,15 @@ def units(cfg: Config) -> list[UnitSpec]:
         _check_name(f"{key}.table", table, "outbox table")
         dsn = entry.get("dsn", db.dsn)
         check_dsn(f"{key}.dsn" if "dsn" in entry else "database.dsn", dsn)
+        # One table, one entry: a second unit of it could never claim it (the first holds the
+        # table's harvest claim) and would say another configuration harvests it.
+        first = tables.setdefault((_database(dsn), schema, table), i)
+        if first != i:
+            raise ConfigError(
+                key,
+                f"names table {schema}.{table} of harvester.outboxes[{first}] again (the same database): "
+                "list each table once, and split a busy one with lanes",
+            )
         lanes = entry.get("lanes", 1)
         if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
             lanes_key = "harvester.lanes" if not h.outboxes else f"{key}.lanes"
@@ -86,6 +96,14 @@ def units(cfg: Config) -> list[UnitSpec]:
         for lane in range(lanes):
             out.append(UnitSpec(len(out), name, dsn, schema, table, lane, lanes))
     return out
+
+
+def _database(dsn: str) -> tuple[str | None, ...]:
+    """Which database a DSN (read by check_dsn) connects to, whatever its form, user or options."""
+    info = conninfo_to_dict(dsn)
+    return tuple(info.get(k) for k in ("host", "hostaddr", "port", "service")) + (
+        info.get("dbname") or info.get("user"),
+    )
 
 
 def _check_name(key: str, value: Any, what: str) -> None:

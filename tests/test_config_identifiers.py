@@ -149,3 +149,42 @@ def test_the_tracker_refuses_a_name_too_long_for_what_is_derived_from_it(conn, s
         with pytest.raises(InvalidIdentifier, match="to leave room for"):
             call()
     assert conn.info.transaction_status in (psycopg.pq.TransactionStatus.IDLE, psycopg.pq.TransactionStatus.INTRANS)
+
+
+# ------------------------------------------------------------------ one table, one entry
+
+
+@pytest.mark.parametrize(
+    ("entries", "second"),
+    [
+        ([{"name": "a"}, {"name": "b", "schema": "reaper", "table": "outbox"}], 1),
+        (
+            [{"name": "a", "table": "orders"}, {"name": "b", "lanes": 2}, {"name": "c", "table": "orders", "lanes": 3}],
+            2,
+        ),
+        # one database written two ways, with other users and options
+        (
+            [
+                {"name": "a", "dsn": "postgresql://app:s3cret@db1:5432/shop", "schema": "s"},
+                {"name": "b", "dsn": "host=db1 port=5432 dbname=shop user=other connect_timeout=5", "schema": "s"},
+            ],
+            1,
+        ),
+    ],
+    ids=["defaults written out", "among others", "one database, two DSNs"],
+)
+def test_a_table_listed_twice_is_refused_naming_the_second_entry(entries: list[dict], second: int) -> None:
+    err = refusal({"harvester": {"outboxes": entries}})
+    assert err.key == f"harvester.outboxes[{second}]", str(err)
+    assert "harvester.outboxes[0]" in err.problem and "s3cret" not in str(err), str(err)
+
+
+def test_the_same_table_name_elsewhere_is_another_table() -> None:
+    entries = [
+        {"name": "a", "table": "orders"},
+        {"name": "b", "table": "orders", "schema": "billing"},
+        {"name": "c", "table": "orders", "dsn": "postgresql://reaper@db2/shop"},
+        {"name": "d", "table": "orders", "dsn": "postgresql://reaper@db2/shop", "schema": "Billing"},
+    ]
+    cfg = config.load(None, environ={}, overrides={"harvester": {"outboxes": entries}})
+    assert [u.name for u in config.units(cfg)] == ["a", "b", "c", "d"]
