@@ -31,6 +31,7 @@ from tracker.schema import (
     MIGRATIONS_TABLE,
     ROLES,
     check_identifier,
+    migration_lock_key,
     role_name,
 )
 
@@ -63,11 +64,16 @@ APP_TABLES = (
 )
 
 
+def _namespace(conn: psycopg.Connection, schema: str) -> str:
+    # ::regnamespace reads its text as SQL does: unquoted, `Billing` would be schema billing
+    return sql.Identifier(schema).as_string(conn)
+
+
 def _functions(conn: psycopg.Connection, schema: str, names: tuple[str, ...] | None) -> list[str]:
     rows = conn.execute(
         "SELECT p.oid::regprocedure::text FROM pg_proc p WHERE p.pronamespace = %s::regnamespace"
         " AND (%s::text[] IS NULL OR p.proname = ANY(%s::text[])) AND p.prokind = 'f' ORDER BY 1",
-        [schema, list(names) if names else None, list(names) if names else None],
+        [_namespace(conn, schema), list(names) if names else None, list(names) if names else None],
     ).fetchall()
     return [r[0] for r in rows]
 
@@ -76,7 +82,7 @@ def _tables(conn: psycopg.Connection, schema: str) -> list[str]:
     rows = conn.execute(
         "SELECT c.relname FROM pg_class c WHERE c.relnamespace = %s::regnamespace AND c.relkind IN ('r', 'p')"
         " ORDER BY 1",
-        [schema],
+        [_namespace(conn, schema)],
     ).fetchall()
     return [r[0] for r in rows]
 
@@ -146,7 +152,20 @@ def script(conn: psycopg.Connection, schema: str) -> str:
 
 
 def create(conn: psycopg.Connection, schema: str) -> None:
-    """Run `grants` in one transaction (needs CREATEROLE, or the roles made beforehand)."""
-    with conn.transaction():
-        for stmt in grants(conn, schema):
-            conn.execute(stmt)
+    """Run `grants` in one transaction (needs CREATEROLE, or the roles made beforehand), under the
+    schema's migration lock (tracker.schema.migration_lock_key), so it is safe to run from several
+    processes at once, as `reaper migrate` is: the later ones find the roles made and the grants
+    given, and no grant races `migrate`'s own."""
+    key = migration_lock_key(check_identifier(schema, "schema"))
+    for attempt in range(2):
+        try:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", [key])
+                for stmt in grants(conn, schema):
+                    conn.execute(stmt)
+            return
+        except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject):
+            # Roles are the cluster's, the lock the database's: a run for a schema of the same name
+            # in another database made a role meanwhile. Once more, and the role is found.
+            if attempt:
+                raise
