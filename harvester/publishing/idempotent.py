@@ -13,7 +13,10 @@ Contract of a publishing strategy (this one and harvester.publishing.transaction
 - A local produce error for a passing reason (`transient`) is tried again in place, up to
   PRODUCE_RETRIES times; one that persists, or is fatal, is raised (the caller forces a remark),
   except for a record Kafka can never accept (PERMANENT_PRODUCE): its row is quarantined at once and the rest go on. If that
-  quarantine fails, QuarantineError is raised, so nothing of its key overtakes it. An unknown
+  quarantine fails, QuarantineError is raised, so nothing of its key overtakes it. So is a row that
+  cannot be produced as written (harvester.publishing.unfit_rows: header arrays not flat, a NULL
+  header name, a kafka_partition that is no partition number), or whose arguments produce()
+  refuses (TypeError, ValueError, OverflowError: about that record alone). An unknown
   partition that reaper computed (harvester.publishing.runs) is a stale count, not such a record:
   raised, the count looked up again.
 - `on_retire()` is called by the slot when it swaps producers.
@@ -37,6 +40,7 @@ from harvester.publishing.missing_topics import MissingTopics
 from harvester.publishing.ports import ProducerLike, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
 from harvester.publishing.runs import PartitionCounts, computes_partitions, forget_expired, plan_runs
+from harvester.publishing.unfit_rows import unfit_reason, unfit_rows
 from tracker.message_ids import MESSAGE_ID_HEADER
 
 # produce() refusals that are about the record itself and can never succeed, however often retried:
@@ -152,11 +156,16 @@ class PlainStrategy:
         self.recheck_missing(producer)
         holding = missing.held  # (the dict itself: a refusal below adds to it)
         slot.used = True
+        # Rows that cannot be produced as written (harvester.publishing.unfit_rows): moved aside when
+        # their turn comes, in no partition run. Usually none: the produce loop then never looks.
+        unfit = unfit_rows(rows)
+        unfit_left = sorted(unfit, reverse=True)  # their indexes, the next one last
+        next_unfit = unfit_left.pop() if unfit_left else n
         if by_runs:
             single = self.settler.single
             if single:
                 forget_expired(single, clock())
-            parts, runs, last = plan_runs(rows, self._counts, producer, single)
+            parts, runs, last = plan_runs(rows, self._counts, producer, single, unfit)
             run_report = self.settler.report_run
         else:
             parts, runs, last = [], [], []
@@ -168,9 +177,16 @@ class PlainStrategy:
                     if not still_valid():
                         break
                     deadline, check_at = valid_until(), i + VALID_EVERY
-                end = min(n, i + SWAP_HOLD, check_at)
+                if i == next_unfit:
+                    self._quarantine_now(leader_id, rows[i][0], unfit[i])
+                    quarantined += 1
+                    i += 1
+                    next_unfit = unfit_left.pop() if unfit_left else n
+                    continue
+                end = min(n, i + SWAP_HOLD, check_at, next_unfit)
                 expired = False
                 failed: BufferError | KafkaException | None = None
+                refused: Exception | None = None  # produce() refused rows[i]'s arguments
                 # Inlined ProducerSlot.send, the swap lock held for a few records at a time (a lock
                 # and a method call per record cost): a retired producer gets not one more record.
                 with swap:
@@ -203,16 +219,22 @@ class PlainStrategy:
                             # Positional, in the order of confluent-kafka's produce(topic, value, key,
                             # partition, callback, on_delivery, timestamp, headers): keywords cost
                             # ~1 µs a record here.
-                            produce(
-                                topic,
-                                value,
-                                key,
-                                -1 if partition is None else partition,
-                                callback,
-                                None,
-                                0,
-                                [*zip(hkeys, hvals), (mid, msg_id)] if hkeys else [(mid, msg_id)],
-                            )
+                            try:
+                                produce(
+                                    topic,
+                                    value,
+                                    key,
+                                    -1 if partition is None else partition,
+                                    callback,
+                                    None,
+                                    0,
+                                    [*zip(hkeys, hvals), (mid, msg_id)] if hkeys else [(mid, msg_id)],
+                                )
+                            except (TypeError, ValueError, OverflowError) as exc:
+                                # About this row's values alone (a 2-D header_values, a partition
+                                # past int32): it can never be produced. Moved aside below.
+                                refused = exc
+                                break
                             i += 1
                             if run >= 0:
                                 if callback is None:
@@ -225,6 +247,15 @@ class PlainStrategy:
                         failed = exc  # rows[i] was not handed over
                 if expired:
                     break
+                if refused is not None:
+                    row = rows[i]
+                    reason = unfit_reason(row[4], row[5], row[6]) or (
+                        f"produce() refused the record: {type(refused).__name__}: {str(refused)[:300]}"
+                    )
+                    self._quarantine_now(leader_id, row[0], reason)
+                    quarantined += 1
+                    i += 1
+                    continue
                 if failed is None:
                     continue
                 row_id, topic, key, value, hkeys, hvals, own_partition, msg_id = rows[i]

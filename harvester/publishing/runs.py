@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from itertools import repeat
 from operator import is_not, itemgetter
 
@@ -109,15 +109,21 @@ def forget_expired(single: dict[int, float], now: float) -> None:
 
 
 def plan_runs(
-    rows: Sequence[tuple], counts: PartitionCounts, producer: ProducerLike, single: dict[int, float]
+    rows: Sequence[tuple],
+    counts: PartitionCounts,
+    producer: ProducerLike,
+    single: dict[int, float],
+    apart: Container[int] = (),
 ) -> tuple[list[int], list[int], list[bool]]:
     """(partition, run, last) per row: the partition to produce to (UNPLACED: the partitioner's
     choice); the row's run, one per (topic, partition) of the call, or -1 for a row reported on its
     own (unplaced, or in `single`: ids to be reported one by one, taken out of it here; the caller
     drops the expired ones first, forget_expired); and whether it is the last row of its run (the
-    one whose report settles the run)."""
+    one whose report settles the run). Rows whose index is in `apart` (not produced: moved to the
+    dead table, harvester.publishing.unfit_rows) and rows with a negative `kafka_partition` (which
+    produce() would read as "the partitioner chooses") are in no run."""
     n = len(rows)
-    if n and not single:
+    if n and not single and not apart:
         # The common case, one topic and keyed rows without kafka_partition: computed at C speed
         # (map, comprehensions), the partition standing for the run.
         topic = rows[0][1]
@@ -142,6 +148,9 @@ def plan_runs(
     crc = zlib.crc32
     for i, row in enumerate(rows):
         row_id, topic, key, partition = row[0], row[1], row[2], row[6]  # a marked row's fields
+        if apart and i in apart or partition is not None and partition < 0:
+            single.pop(row_id, None)
+            continue
         if partition is None:
             count = where.get(topic)
             if count is None:
