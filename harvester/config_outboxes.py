@@ -56,7 +56,7 @@ def units(cfg: Config) -> list[UnitSpec]:
     _check_name("database.outbox_table", db.outbox_table, "outbox table")
     out: list[UnitSpec] = []
     seen: set[str] = set()
-    tables: dict[tuple[tuple[str | None, ...], str, str], int] = {}  # (database, schema, table) -> entry
+    tables: dict[tuple[tuple[object, ...], str, str], int] = {}  # (database, schema, table) -> entry
     for i, entry in enumerate(entries):
         key = f"harvester.outboxes[{i}]"
         if not isinstance(entry, Mapping):
@@ -80,11 +80,11 @@ def units(cfg: Config) -> list[UnitSpec]:
         check_dsn(f"{key}.dsn" if "dsn" in entry else "database.dsn", dsn)
         # One table, one entry: a second unit of it could never claim it (the first holds the
         # table's harvest claim) and would say another configuration harvests it.
-        first = tables.setdefault((_database(dsn), schema, table), i)
-        if first != i:
+        listed = tables.setdefault((_database(dsn), schema, table), i)
+        if listed != i:
             raise ConfigError(
                 key,
-                f"names table {schema}.{table} of harvester.outboxes[{first}] again (the same database): "
+                f"names table {schema}.{table} of harvester.outboxes[{listed}] again (the same database): "
                 "list each table once, and split a busy one with lanes",
             )
         lanes = entry.get("lanes", 1)
@@ -98,7 +98,7 @@ def units(cfg: Config) -> list[UnitSpec]:
     return out
 
 
-def _database(dsn: str) -> tuple[str | None, ...]:
+def _database(dsn: str) -> tuple[object, ...]:
     """Which database a DSN (read by check_dsn) connects to, whatever its form, user or options."""
     info = conninfo_to_dict(dsn)
     return tuple(info.get(k) for k in ("host", "hostaddr", "port", "service")) + (
