@@ -155,7 +155,15 @@ def add_parsers(sub: Any) -> None:
     dead = sub.add_parser("dead", help="rows Kafka refused for good (the outbox's dead table)").add_subparsers(
         dest="admin_command", required=True
     )
-    dl = dead.add_parser("list", parents=[out], help="list dead rows, oldest id first, a page at a time")
+    of = argparse.ArgumentParser(add_help=False)
+    of.add_argument(
+        "--outbox",
+        metavar="NAME",
+        type=_text("--outbox"),
+        help="the dead rows of this harvester.outboxes entry's table (its database and schema; `reaper outbox "
+        "status` names the command for each unit); default: the database section's outbox table",
+    )
+    dl = dead.add_parser("list", parents=[out, of], help="list dead rows, oldest id first, a page at a time")
     dl.add_argument("--reason", type=_text("--reason"), help="only rows whose reason contains this text")
     dl.add_argument("--limit", type=_int_in("--limit", 1, MAX_LIMIT), default=50, help="rows per page (default 50)")
     dl.add_argument(
@@ -163,7 +171,7 @@ def add_parsers(sub: Any) -> None:
     )
     rq = dead.add_parser(
         "requeue",
-        parents=[out],
+        parents=[out, of],
         help="move dead rows back into the outbox (each exactly once)",
         epilog="--all and --reason move every row dead when they start (a row another transaction holds "
         "is waited for, unless a racing requeue moves it). --json prints "
@@ -260,28 +268,30 @@ def _run(cfg: Config, args: argparse.Namespace) -> tuple[Any, str, int]:
     fa = getattr(args, "failures_after", None)
     if cmd == ("batch", "show") and fa is not None and fa.batch_id != args.batch_id:
         raise AdminError(f"--failures-after {fa} names batch {fa.batch_id}, not {args.batch_id}", ExitCode.USAGE)
-    with connect(cfg) as conn:
+    # the dead commands' outbox, named before anything touches a database
+    dead = dead_mod.target(cfg, args.outbox) if args.command == "dead" else None
+    with connect(cfg, dead.dsn if dead is not None else None) as conn:
         if cmd == ("outbox", "status"):
             st = status_mod.outbox_status(cfg, conn, args.timeout)
             return st.as_dict(), status_mod.render(st), status_mod.exit_code(st)
-        if cmd == ("dead", "list"):
+        if cmd == ("dead", "list") and dead is not None:
             page = dead_mod.list_dead(
-                conn, db.schema, db.outbox_table, reason=args.reason, after=args.after, limit=args.limit
+                conn, dead.schema, dead.table, reason=args.reason, after=args.after, limit=args.limit
             )
             return page, dead_mod.render_page(page), ExitCode.OK
-        if cmd == ("dead", "requeue"):
+        if cmd == ("dead", "requeue") and dead is not None:
             if args.ids:
                 ids = [i for group in args.ids for i in group]
                 if len(ids) > MAX_IDS:
                     raise AdminError(f"--id names {len(ids)} ids; at most {MAX_IDS} at once", ExitCode.USAGE)
-                done = dead_mod.requeue_ids(conn, db.schema, db.outbox_table, ids, dry_run=args.dry_run)
+                done = dead_mod.requeue_ids(conn, dead.schema, dead.table, ids, dry_run=args.dry_run)
             else:
                 with _progress(not args.json) as bar:
                     task = bar.add_task("requeue", total=None)
                     done = dead_mod.requeue_matching(
                         conn,
-                        db.schema,
-                        db.outbox_table,
+                        dead.schema,
+                        dead.table,
                         reason=None if args.all else args.reason,
                         chunk=args.chunk,
                         dry_run=args.dry_run,

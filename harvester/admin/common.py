@@ -24,17 +24,17 @@ class AdminError(Exception):
         self.code = code
 
 
-def connect(cfg: Config) -> psycopg.Connection:
+def connect(cfg: Config, dsn: str | None = None) -> psycopg.Connection:
     """A connection in a transaction of its own (not autocommit): each command commits what it
-    did as a whole, or rolls all of it back."""
+    did as a whole, or rolls all of it back. `dsn`: another database than the `database` section's
+    (an outbox entry's)."""
+    dsn = cfg.database.dsn if dsn is None else dsn
     try:
         # Never prepared: a command runs each statement a few times at most, and this way it also
         # works through PgBouncer in transaction mode (see the psycopg and PgBouncer how-to).
-        return psycopg.connect(
-            cfg.database.dsn, connect_timeout=10, application_name="reaper-admin", prepare_threshold=None
-        )
+        return psycopg.connect(dsn, connect_timeout=10, application_name="reaper-admin", prepare_threshold=None)
     except psycopg.Error as exc:
-        refused = dsn_refusal(cfg.database.dsn)  # a mistake in the DSN itself: retrying cannot help
+        refused = dsn_refusal(dsn)  # a mistake in the DSN itself: retrying cannot help
         if refused is not None:
             raise AdminError(str(refused), ExitCode.USAGE) from None
         raise AdminError(f"database unreachable: {redact_dsn(str(exc)).strip()}", ExitCode.UNAVAILABLE) from None

@@ -16,6 +16,9 @@ then they go over what is still dead once more, waiting for each lock, since a h
 that moves nothing (a dry run, an `--id` that fails, a `SELECT ... FOR UPDATE` by hand): no row
 dead at the start is left dead by a requeue that reports success. They report how many rows moved
 and the ids of the first ID_SAMPLE only, so a requeue of millions holds no list of them all.
+
+Both read the `database` section's outbox table, or with `--outbox NAME` that harvester.outboxes
+entry's (`target`): its database, schema and table, and the `admin_log` of its schema.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import psycopg
 from psycopg import sql
 
 from harvester.admin.common import AdminError, one_row, require_tables, text_or_hex, when
+from harvester.config import Config, units
 from harvester.exit_codes import ExitCode
 from tracker.schema import qualified
 
@@ -54,6 +58,42 @@ class DeadPage:
     rows: list[DeadRow]
     matching: int  # dead rows matching the filter, all pages
     next_after: int | None  # pass as --after for the next page; None: last page
+
+
+@dataclass(frozen=True)
+class Target:
+    """The outbox table whose dead rows a command reads: where it is."""
+
+    dsn: str
+    schema: str
+    table: str
+
+
+def target(cfg: Config, outbox: str | None) -> Target:
+    """The `database` section's outbox table (`outbox` None), or the one of the harvester.outboxes
+    entry named `outbox` (without entries, the one outbox is named "default"); another name is a
+    usage error naming it and the names there are."""
+    db = cfg.database
+    if outbox is None:
+        return Target(db.dsn, db.schema, db.outbox_table)
+    specs = units(cfg)
+    for spec in specs:
+        if spec.outbox == outbox:
+            return Target(spec.dsn, spec.schema, spec.table)
+    known = list(dict.fromkeys(s.outbox for s in specs))
+    listed = ", ".join(known[:20]) + (f" and {len(known) - 20} more" if len(known) > 20 else "")
+    raise AdminError(
+        f"--outbox {outbox!r} is not an outbox of the configuration (its outboxes: {listed})", ExitCode.USAGE
+    )
+
+
+def list_command(cfg: Config, outbox: str) -> str:
+    """The `reaper dead list` command line for the dead rows of the outbox named `outbox` (a unit's
+    `UnitSpec.outbox`): plain without harvester.outboxes, else with `--outbox`."""
+    if not cfg.harvester.outboxes:
+        return "reaper dead list"
+    # (a name may start with "-", which argparse takes for an option unless joined to it by "=")
+    return f"reaper dead list --outbox{'=' if outbox.startswith('-') else ' '}{outbox}"
 
 
 ID_SAMPLE = 1000  # ids of moved rows that `--all`/`--reason` report at most (the first ones moved)

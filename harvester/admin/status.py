@@ -20,6 +20,7 @@ from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
 from harvester import logs
+from harvester.admin import dead as dead_mod
 from harvester.admin.common import AdminError, duration, one_row, require_tables
 from harvester.batch_census import batch_census
 from harvester.config import Config, redact_dsn, units
@@ -50,6 +51,7 @@ class UnitStatus:
     oldest_id: int | None = None  # the oldest row (lowest id) of the unit's backlog, if any
     oldest_topic: str | None = None  # ... its topic
     oldest_marked_by: str | None = None  # ... the leader id it is marked with (None: not in flight)
+    dead_command: str = "reaper dead list"  # the command that lists its dead rows (their outbox's)
 
 
 @dataclass
@@ -201,7 +203,7 @@ def _units_status(cfg: Config, conn: psycopg.Connection) -> list[UnitStatus]:
                 )
                 if spec.dsn == cfg.database.dsn:
                     conn.rollback()
-            u.name = spec.name
+            u.name, u.dead_command = spec.name, dead_mod.list_command(cfg, spec.outbox)
             out.append(u)
     finally:
         for c in others.values():
@@ -287,7 +289,7 @@ def render(status: OutboxStatus) -> str:
         for leader_id, n in u.marked_by.items():
             lines.append(f"    marked by     {leader_id}: {n}")
         more = "more than " if u.dead_rows_capped else ""
-        lines.append(f"  dead            {more}{u.dead_rows} rows (reaper dead list)")
+        lines.append(f"  dead            {more}{u.dead_rows} rows ({u.dead_command})")
         if status.kafka_error:
             lines.append(f"  leader          unknown: {status.kafka_error}")
         elif u.leader is None:
