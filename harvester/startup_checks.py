@@ -19,7 +19,7 @@ from harvester.config import Config, ConfigError, redact_dsn
 from harvester.dsn_options import dsn_refusal
 from harvester.election.timeouts import silent_broker_wait_ms, socket_waits
 from harvester.publishing.publisher import logs_safe
-from tracker.schema import qualified
+from tracker.schema import missing_table, qualified  # (the tracker says it too, of a missing outbox table)
 
 
 class Unavailable(RuntimeError):
@@ -48,26 +48,6 @@ def _check_database(cfg: Config, connect_timeout: int = 10) -> None:
         raise Unavailable(f"database unreachable: {logs_safe(exc)}") from None
     if found is None:
         raise Unavailable(missing_table(cfg.database.schema, cfg.database.outbox_table), lasting=True)
-
-
-# The tables the reaper's commands ask for that `reaper migrate` makes; any other one the
-# configuration names (database.outbox_table, an outbox entry's table, and its `_dead` table) is
-# the application's own, which migrating cannot make.
-MIGRATED_TABLES = frozenset({"outbox", "outbox_dead", "batch", "batch_group", "admin_log", "inbox", "inbox_partition"})
-
-
-def missing_table(schema: str, table: str) -> str:
-    """What to say of a table `schema`.`table` that does not exist: what would make it."""
-    if table in MIGRATED_TABLES:
-        return f"table {schema}.{table} does not exist: run `reaper migrate`"
-    dead = table.endswith("_dead")
-    like = "outbox_dead" if dead else "outbox"
-    what = "the configured outbox table's dead-row table" if dead else "the configured outbox table"
-    return (
-        f"table {schema}.{table} does not exist: {what} is the application's own, which `reaper migrate` does "
-        f"not make (it makes {schema}.{like}); create it with the same columns: CREATE TABLE {schema}.{table} "
-        f'(LIKE {schema}.{like} INCLUDING ALL) (see docs/howto/running.md, "Spread the harvest: units and lanes")'
-    )
 
 
 def admin_client(cfg: Config) -> AdminClient:

@@ -147,10 +147,12 @@ def message_id_params(ns: Namespace) -> dict[str, object]:
 class NamespaceUnavailable(TrackerError, LookupError):
     """The schema has no namespace table (not migrated to this version) or the outbox table does not exist."""
 
-    def __init__(self, schema: str, table: str, detail: str, *, missing_table: bool = False) -> None:
+    def __init__(
+        self, schema: str, table: str, detail: str, *, missing_table: bool = False, advice: str = "run `reaper migrate`"
+    ) -> None:
         self.schema, self.table = schema, table
         self.missing_table = missing_table  # the schema has no namespace table (tracker.message_ids.create_table)
-        super().__init__(f"no message-id namespace for {schema}.{table}: {detail} (run `reaper migrate`)")
+        super().__init__(f"no message-id namespace for {schema}.{table}: {detail}" + (f" ({advice})" if advice else ""))
 
 
 def message_id(namespace: Namespace, row_id: int, created_at: datetime | int) -> str:
@@ -198,7 +200,8 @@ def namespace(conn: psycopg.Connection, schema: str, table: str = DEFAULT_OUTBOX
             found = cur.execute(read, [table_name]).fetchone()
             if found is None:
                 if cur.execute("SELECT to_regclass(%s)", [table_name]).fetchone() == (None,):
-                    raise NamespaceUnavailable(schema, table, "the table does not exist")
+                    # says what would make it: `reaper migrate` makes only its own outbox table
+                    raise NamespaceUnavailable(schema, table, schema_mod.missing_table(schema, table), advice="")
                 # Two statements: a later one sees a row another process inserted meanwhile (the
                 # conflict waited for its commit), where one statement's snapshot would not.
                 cur.execute(

@@ -86,6 +86,32 @@ def qualified(schema: str, table: str) -> sql.Composed:
     )
 
 
+# The tables the reaper's commands ask for that `reaper migrate` makes; any other one the
+# configuration names (database.outbox_table, an outbox entry's table, and its `_dead` table) is
+# the application's own, which migrating cannot make.
+MIGRATED_TABLES = frozenset({"outbox", "outbox_dead", "batch", "batch_group", "admin_log", "inbox", "inbox_partition"})
+
+
+def _written(name: str) -> str:
+    # as SQL needs it written: a name with capitals quoted (names are checked identifiers)
+    return name if name == name.lower() else f'"{name}"'
+
+
+def missing_table(schema: str, table: str) -> str:
+    """What to say of a table `schema`.`table` that does not exist: what would make it."""
+    if table in MIGRATED_TABLES:
+        return f"table {schema}.{table} does not exist: run `reaper migrate`"
+    dead = table.endswith(DEAD_TABLE_SUFFIX)
+    like = "outbox_dead" if dead else "outbox"
+    what = "the configured outbox table's dead-row table" if dead else "the configured outbox table"
+    s, t = _written(schema), _written(table)
+    return (
+        f"table {schema}.{table} does not exist: {what} is the application's own, which `reaper migrate` does "
+        f"not make (it makes {schema}.{like}); create it with the same columns: CREATE TABLE {s}.{t} "
+        f'(LIKE {s}.{like} INCLUDING ALL) (see docs/howto/running.md, "Spread the harvest: units and lanes")'
+    )
+
+
 @dataclass(frozen=True)
 class Migration:
     version: int
