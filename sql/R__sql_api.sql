@@ -286,6 +286,16 @@ BEGIN
         RAISE EXCEPTION 'payloads must be a one-dimensional array (null elements are tombstones)'
             USING ERRCODE = 'RT007', DETAIL = 'payloads';
     END IF;
+    -- Kafka headers are a flat list: a nested array would be published as nonsense, or not at all.
+    IF array_ndims(enqueue.header_keys) > 1 THEN
+        RAISE EXCEPTION 'header_keys must be a one-dimensional array, got % dimensions: %',
+            array_ndims(enqueue.header_keys), left(enqueue.header_keys::text, 200)
+            USING ERRCODE = 'RT007', DETAIL = 'header_keys';
+    END IF;
+    IF array_ndims(enqueue.header_values) > 1 THEN
+        RAISE EXCEPTION 'header_values must be a one-dimensional array, got % dimensions',
+            array_ndims(enqueue.header_values) USING ERRCODE = 'RT007', DETAIL = 'header_values';
+    END IF;
     IF enqueue.header_keys IS NULL OR enqueue.header_values IS NULL
        OR cardinality(enqueue.header_keys) <> cardinality(enqueue.header_values) THEN
         RAISE EXCEPTION 'header_keys and header_values must be arrays of the same length'
@@ -803,7 +813,8 @@ COMMENT ON FUNCTION add_items IS 'Track `items` more items of an open batch (at 
     'is topped up, then new groups of at most 8,192 items are made. Each row returned holds items start .. upto - 1, '
     'whose ids are ''<batch_id>:<group_id>:<index>''.';
 COMMENT ON FUNCTION enqueue IS 'add_items for one item per payload, and one outbox message per payload (a null '
-    'payload is a tombstone) with the headers item-id and batch-id, then header_keys/header_values. `key` is every '
+    'payload is a tombstone) with the headers item-id and batch-id, then header_keys/header_values (one-dimensional '
+    'arrays of the same length; names non-empty, not NULL, not item-id or batch-id). `key` is every '
     'message''s key unless `keys` gives one per payload (null: use `key`). Returns the group rows.';
 COMMENT ON FUNCTION close_batch IS 'Close a batch: it takes no more items. Returns true when nothing is pending, '
     'in which case it finishes in this call and its completion event is written. completion_topic: for a batch '
