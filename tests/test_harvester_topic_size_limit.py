@@ -26,7 +26,9 @@ def _insert(pg_dsn: str, schema: str, rows: list[tuple[str, bytes, bytes]]) -> l
 
 
 @pytest.mark.parametrize("fenced", [False, True], ids=["idempotent", "transactional"])
-def test_a_row_over_its_topics_limit_is_moved_aside_and_holds_up_nothing(pg_dsn, kafka_bootstrap, schema, topics, fenced):
+def test_a_row_over_its_topics_limit_is_moved_aside_and_holds_up_nothing(
+    pg_dsn, kafka_bootstrap, schema, topics, fenced
+):
     small = topics("small", partitions=1, config={"max.message.bytes": str(LIMIT)})
     other = topics("other", partitions=1)
     rows = [(small, b"s", b"s0"), (small, b"s", os.urandom(5 * LIMIT)), (other, b"o", b"o0")]
@@ -40,8 +42,10 @@ def test_a_row_over_its_topics_limit_is_moved_aside_and_holds_up_nothing(pg_dsn,
         with running(make_config(pg_dsn, schema, kafka_bootstrap, harvester=fencing), drain_timeout=3) as h:
             later = _insert(pg_dsn, schema, [(other, b"o", b"o%d" % i) for i in range(5, 10)])
             assert wait_until(
-                lambda: {b"o%d" % i for i in range(10)} <= set(got_other.values())
-                and {b"s%d" % i for i in range(5)} <= set(got_small.values()),
+                lambda: (
+                    {b"o%d" % i for i in range(10)} <= set(got_other.values())
+                    and {b"s%d" % i for i in range(5)} <= set(got_small.values())
+                ),
                 60,
             ), (sorted(set(got_other.values())), sorted(set(got_small.values())))
             assert wait_until(lambda: h.publisher.dead_rows == 1, 10)
@@ -58,3 +62,17 @@ def test_a_row_over_its_topics_limit_is_moved_aside_and_holds_up_nothing(pg_dsn,
     finally:
         got_small.close()
         got_other.close()
+
+
+def test_a_batch_over_the_topics_limit_though_its_records_fit_says_what_to_set(pg_dsn, kafka_bootstrap, schema, topics):
+    """Small records batched past a small topic limit: none is moved aside, and an error line says
+    to set kafka.producer.batch.size below the topic's limit."""
+    from structlog.testing import capture_logs
+
+    small = topics("small", partitions=1, config={"max.message.bytes": str(LIMIT)})
+    _insert(pg_dsn, schema, [(small, b"s", b"%05d" % i) for i in range(20_000)])
+    with capture_logs() as logs, running(make_config(pg_dsn, schema, kafka_bootstrap), drain_timeout=3) as h:
+        assert wait_until(lambda: any("batch.size" in e["event"] for e in logs), 60), [e["event"] for e in logs][-20:]
+        assert h.publisher.dead_rows == 0
+    (line,) = [e for e in logs if "batch.size" in e["event"]]
+    assert line["topic"] == small and line["max_message_bytes"] == LIMIT and line["log_level"] == "error"

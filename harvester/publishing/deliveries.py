@@ -129,6 +129,7 @@ class DeliverySettler:
     ) -> None:
         self._store, self._m, self._batch = store, metrics, batch
         self._limits = limits  # topics' max.message.bytes, asked once a record is refused for its size
+        self._batch_lines = logs.Repeats(60.0)
         self._on_failure, self._on_fatal = on_failure, on_fatal
         self._log = logs.get("reaper.settle")
         self.reports: collections.deque = collections.deque()
@@ -403,7 +404,21 @@ class DeliverySettler:
 
     def _too_large(self, err: SizeRefused) -> int | None:
         """The topic's limit when the record alone is over it (then it can never be written)."""
-        return None if self._limits is None else self._limits.too_large(err.topic, err.size)
+        if self._limits is None:
+            return None
+        limit = self._limits.of(err.topic)
+        if limit is not None and err.size > limit:
+            return limit
+        if limit is not None and self._batch_lines.due(err.topic):
+            # Refused with records that each fit: the batch was over the topic's limit, and will be
+            # each time the producer batches as much again.
+            self._log.error(
+                "a batch was refused as larger than its topic's max.message.bytes though its records "
+                "fit: set kafka.producer.batch.size below that limit",
+                topic=err.topic,
+                max_message_bytes=limit,
+            )
+        return None
 
     def _failed_db(self, what: str, exc: Exception) -> None:
         # The rows stay marked by an old id; the remark that follows publishes them again.
