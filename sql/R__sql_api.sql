@@ -46,7 +46,8 @@ END $$;
 
 
 -- A name Kafka accepts for a topic: at most 249 characters of ASCII letters, digits, '.', '_' and
--- '-', not '.' or '..' (as tracker.core.validate.check_topic). `what` names the argument.
+-- '-', not '.' or '..', nor one of Kafka's internal topics, which the broker refuses to producers
+-- (as tracker.core.validate.check_topic). `what` names the argument.
 CREATE OR REPLACE FUNCTION topic_name_check(topic text, what text) RETURNS void
 LANGUAGE plpgsql IMMUTABLE SET search_path FROM CURRENT AS $$
 BEGIN
@@ -57,6 +58,11 @@ BEGIN
     IF topic !~ '^[A-Za-z0-9._-]+$' OR topic IN ('.', '..') THEN
         RAISE EXCEPTION '% % is not a Kafka topic name (ASCII letters, digits, ''.'', ''_'' and ''-'' only; not ''.'' or ''..'')',
             what, quote_literal(topic) USING ERRCODE = 'RT007', DETAIL = topic;
+    END IF;
+    IF topic IN ('__consumer_offsets', '__transaction_state', '__share_group_state', '__cluster_metadata',
+                 '__remote_log_metadata') THEN
+        RAISE EXCEPTION '% % is one of Kafka''s internal topics, which producers may not write', what, quote_literal(topic)
+            USING ERRCODE = 'RT007', DETAIL = topic;
     END IF;
 END $$;
 
@@ -806,7 +812,8 @@ COMMENT ON FUNCTION open_batch IS 'Open a batch in the caller''s transaction and
     'completion_topic: where its completion event goes (null: the default of whatever finishes it: the '
     'completion_topic argument of close_batch, ack or fail, a Python Tracker''s completion_topic, or the reaper''s '
     'harvester.default_completion_topic, each batch-completions unless set: keep them alike, or name the topic here); '
-    'every topic name is one Kafka accepts (at most 249 ASCII letters, digits, ''.'', ''_'' and ''-''). '
+    'every topic name is one Kafka accepts (at most 249 ASCII letters, digits, ''.'', ''_'' and ''-''), and not '
+    'one of its internal topics (__consumer_offsets, __transaction_state, ...), which producers may not write. '
     'parent: an open batch to nest it under (at most 8 levels). tolerated_failures, tolerated_failure_ratio: '
     'finish it early, as failed, once more of its items fail than this.';
 COMMENT ON FUNCTION add_items IS 'Track `items` more items of an open batch (at most 2^30 per call): its last group '

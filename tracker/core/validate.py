@@ -16,6 +16,13 @@ MAX_ITEMS_PER_CALL = 1 << 30
 # out by the harvester, which could only move the row to the dead table.
 TOPIC_MAX = 249
 TOPIC_CHARS = re.compile(r"[A-Za-z0-9._-]+")
+# Topics the broker keeps for itself (consumer offsets, transactions, share groups, its metadata
+# log, tiered storage's metadata): valid names that it refuses to every producer, so a row naming
+# one could never be published. Other names starting with '__' are topics like any other (the
+# reaper's own leader topic is `__reaper_leader`).
+KAFKA_INTERNAL_TOPICS = frozenset(
+    {"__consumer_offsets", "__transaction_state", "__share_group_state", "__cluster_metadata", "__remote_log_metadata"}
+)
 # A batch's user key is stored and indexed (sql/0019_batch_user_key.sql): a Postgres index entry
 # holds at most about 2.7 kB, so the key is capped in characters (as the HTTP API always was) and
 # in UTF-8 bytes (1,000 characters of other scripts take up to 4,000).
@@ -44,12 +51,14 @@ def utf8(value: str, name: str) -> bytes:
 
 
 def is_topic_name(topic: object) -> bool:
-    """True when Kafka accepts `topic` as a topic name (check_topic's rule, without raising)."""
+    """True when Kafka accepts `topic` as the name of a topic producers write to (check_topic's
+    rule, without raising): not one of KAFKA_INTERNAL_TOPICS."""
     return (
         isinstance(topic, str)
         and 0 < len(topic) <= TOPIC_MAX
         and TOPIC_CHARS.fullmatch(topic) is not None
         and topic not in (".", "..")
+        and topic not in KAFKA_INTERNAL_TOPICS
     )
 
 
@@ -61,6 +70,8 @@ def check_topic(topic: object, name: str = "topic") -> str:
     utf8(topic, name)
     if len(topic) > TOPIC_MAX:
         raise InvalidValue(name, topic, f"is longer than Kafka's {TOPIC_MAX} characters")
+    if topic in KAFKA_INTERNAL_TOPICS:
+        raise InvalidValue(name, topic, "is one of Kafka's internal topics, which producers may not write")
     if not is_topic_name(topic):
         raise InvalidValue(
             name, topic, "is not a Kafka topic name (ASCII letters, digits, '.', '_' and '-' only; not '.' or '..')"
