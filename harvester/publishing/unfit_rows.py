@@ -43,9 +43,10 @@ def unfit_rows(rows: Sequence[tuple]) -> dict[int, str]:
         pass
     else:
         partitions = list(map(_PARTITION, rows))
-        if partitions.count(None) == len(partitions):
+        unset = partitions.count(None)
+        if unset == len(partitions):
             return {}  # the common case: no explicit partition
-        given = [p for p in partitions if p is not None]
+        given = [p for p in partitions if p is not None] if unset else partitions
         if min(given) >= 0 and max(given) <= PARTITION_MAX:  # an integer column: ints
             return {}
     found: dict[int, str] = {}
