@@ -77,3 +77,35 @@ def test_with_this_processs_acker_off_its_topics_stay_reserved(pg_dsn, kafka_boo
     finally:
         receiver.close()
         on_acks.close()
+
+
+@pytest.mark.parametrize("fenced", [False, True], ids=["idempotent", "transactional"])
+def test_rows_naming_kafkas_internal_topics_are_quarantined_and_hold_up_nothing(
+    pg_dsn, kafka_bootstrap, schema, topics, fenced
+):
+    """The tracker refuses Kafka's internal topics; a row written past it (an application's own
+    INSERT) would fail the producer at the broker (an idempotent one for good, a transaction each
+    time), holding up every topic. It is moved aside before it is produced."""
+    from tracker import KAFKA_INTERNAL_TOPICS
+
+    data = topics("data")
+    fencing = {"transactional_id": f"t-{uuid.uuid4().hex[:8]}"} if fenced else {}
+    internal = sorted(KAFKA_INTERNAL_TOPICS)
+    rows = [(data, b"d0")] + [(t, b"x") for t in internal] + [(data, b"d1")]
+    ids = _insert(pg_dsn, schema, rows)
+    receiver = Receiver(kafka_bootstrap, data, 1, {"isolation.level": "read_committed"})
+    try:
+        with running(make_config(pg_dsn, schema, kafka_bootstrap, harvester=fencing)) as h:
+            assert wait_until(lambda: not outbox_marks(pg_dsn, schema) and len(receiver.values()) >= 2, 60), (
+                receiver.values(),
+                outbox_marks(pg_dsn, schema),
+            )
+            assert h.error is None and h.publisher.retired == 0
+        dead = _dead(pg_dsn, schema)
+        assert [(d[0], d[1]) for d in dead] == list(zip(ids[1:-1], internal))
+        assert all(
+            d[2] == "TOPIC_EXCEPTION: one of Kafka's internal topics, which producers may not write" for d in dead
+        )
+        assert receiver.values() == [b"d0", b"d1"]
+    finally:
+        receiver.close()

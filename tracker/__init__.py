@@ -21,7 +21,7 @@ from tracker.aio import AsyncTracker
 from tracker.consumer import AckProducer, MissingItemId, Processed, item_id_of
 from tracker.core.acks import CLAIMS_PER_CALL_MAX, AckResult, FailResult, FailurePage
 from tracker.core.batches import Batch, BatchStatus, GroupHandle
-from tracker.core.validate import is_topic_name
+from tracker.core.validate import KAFKA_INTERNAL_TOPICS, is_topic_name
 from tracker.errors import (
     BatchExpired,
     BatchNotOpen,
@@ -60,6 +60,7 @@ from tracker.sync import (
 
 __all__ = [
     "is_topic_name",
+    "KAFKA_INTERNAL_TOPICS",
     "Tracker",
     "AsyncTracker",
     "aio",

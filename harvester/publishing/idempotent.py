@@ -57,6 +57,10 @@ RESERVED = KafkaError(
     KafkaError.TOPIC_EXCEPTION,
     "a topic the reaper reads itself (acks, their dead letters, leadership): no outbox row may name it",
 )
+# A row naming one of Kafka's internal topics (tracker's check refuses them; a row written past it):
+# the broker refuses every producer's records there, and under the gap-less guarantee fails the
+# producer. Quarantined before it is produced.
+INTERNAL = KafkaError(KafkaError.TOPIC_EXCEPTION, "one of Kafka's internal topics, which producers may not write")
 
 PRODUCE_RETRIES = 3  # a record refused by produce() for a passing reason is tried again this often
 
@@ -201,7 +205,7 @@ class PlainStrategy:
                             row_id, topic, key, value, hkeys, hvals, partition, msg_id = rows[i]
                             if holding and topic in holding:
                                 if topic in missing.reserved:
-                                    failed = KafkaException(RESERVED)  # quarantined below
+                                    failed = KafkaException(missing.reserved[topic])  # quarantined below
                                     break
                                 i += 1  # held back behind its topic's first row, still marked
                                 held += 1

@@ -24,6 +24,8 @@ import time
 import uuid
 from typing import Protocol
 
+from confluent_kafka import KafkaError
+
 from harvester import logs
 
 CHECK_EVERY = 5.0  # seconds between questions about a held topic's existence
@@ -43,15 +45,16 @@ class MissingTopics:
         self.held: dict[str, float] = {}  # topic -> when its existence is next asked
         self._found: set[str] = set()  # held topics that exist now: let go at the next leader id
         self._leader: uuid.UUID | None = None
-        self.reserved: frozenset[str] = frozenset()
+        self.reserved: dict[str, KafkaError] = {}  # topic -> why no outbox row may name it
         self._lock = threading.Lock()
         self._log = logs.get("reaper.publish")
         self._lines = logs.Repeats(30.0)
 
-    def reserve(self, topics: frozenset[str]) -> None:
-        """Topics no outbox row may name (the reaper reads them itself): kept among the held ones,
-        so the produce loop's one lookup finds them too, and never asked about (see `reserved`)."""
-        self.reserved = topics
+    def reserve(self, topics: dict[str, KafkaError]) -> None:
+        """Topics no outbox row may name, each with the error its rows are quarantined with (the
+        reaper reads them itself; Kafka keeps them for itself): kept among the held ones, so the
+        produce loop's one lookup finds them too, and never asked about (see `reserved`)."""
+        self.reserved = dict(topics)
         with self._lock:
             for topic in topics:
                 self.held[topic] = math.inf

@@ -20,11 +20,20 @@ from harvester.config import REQUIRED_PRODUCER
 from harvester.election.timeouts import silent_broker_defaults
 from harvester.metrics import MetricsLike
 from harvester.publishing.deliveries import PERMANENT_DELIVERY, DeliverySettler, error_reason, logs_safe  # noqa: F401
-from harvester.publishing.idempotent import PERMANENT_PRODUCE, Deadline, PlainStrategy, QuarantineError, Valid  # noqa: F401
+from harvester.publishing.idempotent import (  # noqa: F401
+    INTERNAL,
+    PERMANENT_PRODUCE,
+    RESERVED,
+    Deadline,
+    PlainStrategy,
+    QuarantineError,
+    Valid,
+)
 from harvester.publishing.ports import DEFAULT, Providers, StoreLike
 from harvester.publishing.producer_slot import ProducerSlot
 from harvester.publishing.topic_limits import TopicLimits
 from harvester.publishing.transactional import TXN_PRODUCERS, TransactionalStrategy
+from tracker import KAFKA_INTERNAL_TOPICS
 
 DEFAULT_PRODUCER = {
     "linger.ms": 2,
@@ -135,7 +144,10 @@ class Publisher:
             self._plain = self.strategy.plain
         else:
             self.strategy = self._plain = PlainStrategy(self.slot, self.settler, store)
-        self._plain.missing.reserve(reserved_topics)  # rows naming them are quarantined
+        # rows naming them are quarantined
+        self._plain.missing.reserve(
+            {**dict.fromkeys(KAFKA_INTERNAL_TOPICS, INTERNAL), **dict.fromkeys(reserved_topics, RESERVED)}
+        )
 
     def _fatal(self) -> None:
         self.slot.broken = True

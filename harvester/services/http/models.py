@@ -6,11 +6,7 @@ import datetime as dt
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator
 
-# Topics the broker keeps for itself (consumer offsets, transactions, share groups, its metadata
-# log, tiered storage's metadata).
-KAFKA_INTERNAL_TOPICS = frozenset(
-    {"__consumer_offsets", "__transaction_state", "__share_group_state", "__cluster_metadata", "__remote_log_metadata"}
-)
+from tracker import KAFKA_INTERNAL_TOPICS  # the broker keeps them for itself
 
 
 class _Body(BaseModel):
