@@ -30,6 +30,7 @@ from harvester import logs
 
 CHECK_EVERY = 5.0  # seconds between questions about a held topic's existence
 METADATA_TIMEOUT = 1.0  # how long one pass of questions may hold up the producing thread
+SEEN_FOR = 10.0  # seconds a topic found to exist (screen) is taken to exist without asking again
 
 
 class Metadata(Protocol):
@@ -49,6 +50,7 @@ class MissingTopics:
         self._lock = threading.Lock()
         self._log = logs.get("reaper.publish")
         self._lines = logs.Repeats(30.0)
+        self._seen: dict[str, float] = {}  # topic -> until when it is taken to exist (screen)
 
     def reserve(self, topics: dict[str, KafkaError]) -> None:
         """Topics no outbox row may name, each with the error its rows are quarantined with (the
@@ -105,3 +107,28 @@ class MissingTopics:
                 self._log.info("topic exists now: its held rows are published", topic=topic)
                 return topic
         return None
+
+    def screen(self, producer: Metadata, topics: set[str]) -> None:
+        """Hold the topics of `topics` that do not exist, asked of the brokers in one metadata
+        request for all that were not seen lately (transactional publishing: there librdkafka would
+        keep a record for a topic it does not know up to `topic.metadata.propagation.max.ms`, and
+        the whole transaction, every topic's rows, with it). A failed request holds nothing."""
+        now = time.monotonic()
+        seen, held = self._seen, self.held
+        unsure = [t for t in topics if t not in held and seen.get(t, 0.0) <= now]
+        if not unsure:
+            return
+        try:
+            known = getattr(producer.list_topics(timeout=METADATA_TIMEOUT), "topics", {})
+        except Exception:  # brokers away: produced as before; a refusal still holds the topic
+            return
+        for topic in unsure:
+            found = known.get(topic)
+            if found is not None and getattr(found, "error", None) is None and getattr(found, "partitions", None):
+                seen[topic] = now + SEEN_FOR
+            else:
+                seen.pop(topic, None)
+                self.hold(topic)
+        if len(seen) > 10_000:  # topics of long ago: forgotten, asked again if they come back
+            for topic in [t for t, until in seen.items() if until <= now]:
+                del seen[topic]

@@ -133,6 +133,8 @@ class TransactionalStrategy:
         valid_until: Deadline,
     ) -> int:
         producer = self.slot.current
+        # Topics that do not exist are held before the transaction begins (MissingTopics.screen).
+        self._plain.missing.screen(producer, {row[1] for row in rows})
         try:
             seq = self.begin(producer, still_valid, valid_until)
         except BaseException:
