@@ -75,7 +75,7 @@ CONNECT_TIMEOUT = 10
 
 def with_liveness(dsn: str) -> str:
     """`dsn` with the liveness settings (LIVENESS, and a `connect_timeout` of CONNECT_TIMEOUT
-    seconds) neither it nor the service it names sets."""
+    seconds) neither it, nor the service it names, nor (for the timeout) PGCONNECT_TIMEOUT sets."""
     try:
         parsed = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError:
@@ -86,5 +86,7 @@ def with_liveness(dsn: str) -> str:
         if from_service is None:
             return dsn  # a service we cannot read may set them: libpq applies it as the user wrote it
         given |= from_service
-    wanted = {**LIVENESS, "connect_timeout": CONNECT_TIMEOUT}
+    wanted: dict[str, int] = dict(LIVENESS)
+    if os.environ.get("PGCONNECT_TIMEOUT", "").strip() == "":  # the environment's wins, as libpq reads it
+        wanted["connect_timeout"] = CONNECT_TIMEOUT
     return make_conninfo(dsn, **{k: v for k, v in wanted.items() if k not in given})

@@ -123,3 +123,13 @@ def test_a_service_files_own_values_win(pg_dsn, tmp_path, monkeypatch):
     # A service defined where only libpq looks (its built-in directory) may set them: nothing is added.
     monkeypatch.setenv("PGSYSCONFDIR", str(tmp_path / "none"))
     assert with_liveness("service=elsewhere dbname=x") == "service=elsewhere dbname=x"
+
+
+def test_a_connect_timeout_is_added_unless_the_dsn_or_the_environment_sets_one(monkeypatch):
+    from psycopg.conninfo import conninfo_to_dict
+
+    monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
+    assert conninfo_to_dict(with_liveness("host=h"))["connect_timeout"] == "10"
+    assert conninfo_to_dict(with_liveness("host=h connect_timeout=3"))["connect_timeout"] == "3"
+    monkeypatch.setenv("PGCONNECT_TIMEOUT", "45")
+    assert "connect_timeout" not in conninfo_to_dict(with_liveness("host=h"))  # libpq reads the variable

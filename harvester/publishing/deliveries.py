@@ -33,16 +33,17 @@ from harvester.config import redact_dsn
 from harvester.metrics import MetricsLike
 from harvester.publishing.ports import StoreLike
 from harvester.publishing.runs import ALONE_FOR
-from harvester.publishing.topic_limits import TopicLimits, record_size
+from harvester.publishing.topic_limits import TopicLimits
 from tracker import is_topic_name
 
 _PURGED = (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT)
 # Delivery-report errors that concern this record alone and can never succeed. Deliberately NOT here:
 # - MSG_SIZE_TOO_LARGE, INVALID_RECORD, RECORD_LIST_TOO_LARGE from the broker: they fail a whole
-#   batch, and quarantining would bury the good records that shared it (a record above the
-#   client's message.max.bytes is refused by produce() already). A record's own MSG_SIZE_TOO_LARGE
-#   report is judged by its size against its topic's limit (SizeRefused, topic_limits): over it,
-#   alone, it is moved aside; the others of its batch are published again;
+#   request batch, and quarantining would bury the good records that shared it; nor can its size
+#   alone tell which record the topic can never take (the broker judges the compressed batch).
+#   A record above the producer's message.max.bytes is refused by produce() and quarantined at
+#   once; a topic whose max.message.bytes is lower is an operator's fix away (SizeRefused: the
+#   error line says what to set);
 # - TOPIC_AUTHORIZATION_FAILED, _UNKNOWN_TOPIC, UNKNOWN_TOPIC_OR_PART: an ACL or a topic not yet
 #   created (brokers here do not auto-create) is an operator's fix away; quarantining would move
 #   every row of that topic out of the outbox. They are retried, with the remark back-off.
@@ -51,13 +52,13 @@ _UNKNOWN_TOPIC = (KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART)
 
 
 class SizeRefused:
-    """A record's own delivery report of MSG_SIZE_TOO_LARGE from the broker, with what the settler
-    needs to tell whether the record alone is over its topic's limit (harvester.publishing.topic_limits)."""
+    """A delivery report of MSG_SIZE_TOO_LARGE from the broker, with its topic: the settler says
+    once in a while what the operator can set (DeliverySettler._advise_size)."""
 
-    __slots__ = ("err", "topic", "size")
+    __slots__ = ("err", "topic")
 
-    def __init__(self, err: KafkaError, topic: str, size: int) -> None:
-        self.err, self.topic, self.size = err, topic, size
+    def __init__(self, err: KafkaError, topic: str) -> None:
+        self.err, self.topic = err, topic
 
     def code(self) -> int:
         return self.err.code()
@@ -129,7 +130,7 @@ class DeliverySettler:
     ) -> None:
         self._store, self._m, self._batch = store, metrics, batch
         self._limits = limits  # topics' max.message.bytes, asked once a record is refused for its size
-        self._batch_lines = logs.Repeats(60.0)
+        self._size_lines = logs.Repeats(60.0)
         self._on_failure, self._on_fatal = on_failure, on_fatal
         self._log = logs.get("reaper.settle")
         self.reports: collections.deque = collections.deque()
@@ -228,7 +229,7 @@ class DeliverySettler:
                 self.missing_topic(msg.topic())
             self.failed_report(err)
             if err.code() == KafkaError.MSG_SIZE_TOO_LARGE and msg is not None:
-                reports.append((row_id, leader_id, SizeRefused(err, msg.topic(), record_size(msg))))
+                reports.append((row_id, leader_id, SizeRefused(err, msg.topic())))
             else:
                 reports.append((row_id, leader_id, err))
         if len(reports) >= self._batch and not self._wake.is_set():
@@ -250,10 +251,10 @@ class DeliverySettler:
             if err.code() in PERMANENT_DELIVERY and not err.fatal():
                 self.single.update(dict.fromkeys(row_ids, time.monotonic() + self.alone_for))
                 err = KafkaError(KafkaError._FAIL, f"{err.name()}: {RUN_REFUSED}")
-            elif err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
-                # which record of the run is too large is told by their own reports, next time
-                self.single.update(dict.fromkeys(row_ids, time.monotonic() + self.alone_for))
-            reports.extend(zip(row_ids, repeat(leader_id), repeat(err)))
+            if err.code() == KafkaError.MSG_SIZE_TOO_LARGE and msg is not None:
+                reports.extend(zip(row_ids, repeat(leader_id), repeat(SizeRefused(err, msg.topic()))))
+            else:
+                reports.extend(zip(row_ids, repeat(leader_id), repeat(err)))
             self.failed_report(err)
         if len(reports) >= self._batch and not self._wake.is_set():
             self._wake.set()
@@ -360,12 +361,9 @@ class DeliverySettler:
                 done.setdefault(leader_id, []).append(row_id)
             elif err.code() in PERMANENT_DELIVERY and not err.fatal():
                 dead.setdefault((leader_id, error_reason(err)), []).append(row_id)
-            elif isinstance(err, SizeRefused) and (limit := self._too_large(err)) is not None:
-                reason = (
-                    f"MSG_SIZE_TOO_LARGE: the record is {err.size} bytes, more than its topic's "
-                    f"max.message.bytes ({limit})"
-                )
-                dead.setdefault((leader_id, reason), []).append(row_id)
+            elif isinstance(err, SizeRefused):
+                self._advise_size(err.topic)
+                failed.setdefault(leader_id, []).append(row_id)
             else:
                 failed.setdefault(leader_id, []).append(row_id)
         for leader_id, all_ids in done.items():
@@ -402,23 +400,21 @@ class DeliverySettler:
             if n:
                 self.dead(n, ids, reason)
 
-    def _too_large(self, err: SizeRefused) -> int | None:
-        """The topic's limit when the record alone is over it (then it can never be written)."""
-        if self._limits is None:
-            return None
-        limit = self._limits.of(err.topic)
-        if limit is not None and err.size > limit:
-            return limit
-        if limit is not None and self._batch_lines.due(err.topic):
-            # Refused with records that each fit: the batch was over the topic's limit, and will be
-            # each time the producer batches as much again.
-            self._log.error(
-                "a batch was refused as larger than its topic's max.message.bytes though its records "
-                "fit: set kafka.producer.batch.size below that limit",
-                topic=err.topic,
-                max_message_bytes=limit,
-            )
-        return None
+    def _advise_size(self, topic: str) -> None:
+        """A record of `topic` refused for its size: published again until the topic takes it. Once
+        a minute per topic, an error line with the topic's limit and what to set."""
+        if not self._size_lines.due(topic):
+            return
+        limit = self._limits.of(topic) if self._limits is not None else None
+        self._log.error(
+            "the brokers refused a batch as larger than its topic's max.message.bytes: its rows are "
+            "published again until the topic takes them; set kafka.producer.message.max.bytes below "
+            "that limit (leaving about 1 KB for a batch's framing) to have larger records moved to "
+            "the dead table as soon as they are produced, or raise the topic's limit",
+            topic=topic,
+            max_message_bytes=limit,
+            producer_message_max_bytes=self._limits.producer_limit if self._limits is not None else None,
+        )
 
     def _failed_db(self, what: str, exc: Exception) -> None:
         # The rows stay marked by an old id; the remark that follows publishes them again.
