@@ -73,8 +73,8 @@ def _from_service(service: str) -> set[str] | None:
 CONNECT_TIMEOUT = 10
 
 
-def with_liveness(dsn: str) -> str:
-    """`dsn` with the liveness settings (LIVENESS, and a `connect_timeout` of CONNECT_TIMEOUT
+def with_liveness(dsn: str, connect_timeout: int = CONNECT_TIMEOUT) -> str:
+    """`dsn` with the liveness settings (LIVENESS, and a `connect_timeout` of `connect_timeout`
     seconds) neither it, nor the service it names, nor (for the timeout) PGCONNECT_TIMEOUT sets."""
     try:
         parsed = conninfo_to_dict(dsn)
@@ -88,5 +88,5 @@ def with_liveness(dsn: str) -> str:
         given |= from_service
     wanted: dict[str, int] = dict(LIVENESS)
     if os.environ.get("PGCONNECT_TIMEOUT", "").strip() == "":  # the environment's wins, as libpq reads it
-        wanted["connect_timeout"] = CONNECT_TIMEOUT
+        wanted["connect_timeout"] = connect_timeout
     return make_conninfo(dsn, **{k: v for k, v in wanted.items() if k not in given})

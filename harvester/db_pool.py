@@ -175,12 +175,12 @@ def make_pool(
             )
 
     pool = HarvestPool(
-        with_liveness(dsn),
+        with_liveness(dsn, connect_timeout=CONNECT_TIMEOUT),  # the DSN's or PGCONNECT_TIMEOUT wins
         min_size=size,
         max_size=size,
         name=name,
         open=False,
-        kwargs={"autocommit": True, "application_name": "reaper", "connect_timeout": CONNECT_TIMEOUT},
+        kwargs={"autocommit": True, "application_name": "reaper"},
         configure=configure,
         reconnect_timeout=float("inf"),
         reconnect_backoff_max=reconnect_backoff_max,

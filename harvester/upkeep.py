@@ -122,7 +122,7 @@ class Upkeep:
             if not (self._leading() and self.claim.holding and (keeper is None or keeper.valid)):
                 continue
             try:
-                with psycopg.connect(with_liveness(self.spec.dsn), autocommit=True, connect_timeout=10) as conn:
+                with psycopg.connect(with_liveness(self.spec.dsn), autocommit=True) as conn:
                     keep = keeper.index.name if keeper is not None else None  # the one this configuration uses
                     retired = retire_lane_indexes(conn, self.spec.schema, self.spec.table, keep, self.claim.held_now)
             except NotHeld:

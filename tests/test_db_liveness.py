@@ -133,3 +133,21 @@ def test_a_connect_timeout_is_added_unless_the_dsn_or_the_environment_sets_one(m
     assert conninfo_to_dict(with_liveness("host=h connect_timeout=3"))["connect_timeout"] == "3"
     monkeypatch.setenv("PGCONNECT_TIMEOUT", "45")
     assert "connect_timeout" not in conninfo_to_dict(with_liveness("host=h"))  # libpq reads the variable
+
+
+def test_the_pools_connect_timeout_yields_to_the_dsn_and_the_environment(pg_dsn, monkeypatch):
+    from harvester.db_pool import CONNECT_TIMEOUT, make_pool
+
+    def effective(dsn: str) -> str | None:
+        pool = make_pool(dsn, 1, open_wait=10)
+        try:
+            with pool.connection() as conn:
+                return next((o.val.decode() for o in conn.pgconn.info if o.keyword == b"connect_timeout"), None)
+        finally:
+            pool.close()
+
+    monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
+    assert effective(pg_dsn) == str(CONNECT_TIMEOUT)
+    assert effective(pg_dsn + ("&" if "?" in pg_dsn else "?") + "connect_timeout=45") == "45"
+    monkeypatch.setenv("PGCONNECT_TIMEOUT", "44")
+    assert effective(pg_dsn) == "44"

@@ -27,6 +27,7 @@ from typing import Protocol
 from confluent_kafka import KafkaError
 
 from harvester import logs
+from tracker import is_topic_name
 
 CHECK_EVERY = 5.0  # seconds between questions about a held topic's existence
 METADATA_TIMEOUT = 1.0  # how long one pass of questions may hold up the producing thread
@@ -51,6 +52,7 @@ class MissingTopics:
         self._log = logs.get("reaper.publish")
         self._lines = logs.Repeats(30.0)
         self._seen: dict[str, float] = {}  # topic -> until when it is taken to exist (screen)
+        self._screen_after = 0.0  # after a failed screen() request, none again until then
 
     def reserve(self, topics: dict[str, KafkaError]) -> None:
         """Topics no outbox row may name, each with the error its rows are quarantined with (the
@@ -109,26 +111,34 @@ class MissingTopics:
         return None
 
     def screen(self, producer: Metadata, topics: set[str]) -> None:
-        """Hold the topics of `topics` that do not exist, asked of the brokers in one metadata
-        request for all that were not seen lately (transactional publishing: there librdkafka would
-        keep a record for a topic it does not know up to `topic.metadata.propagation.max.ms`, and
-        the whole transaction, every topic's rows, with it). A failed request holds nothing."""
+        """Hold the topics of `topics` that do not exist (transactional publishing: there librdkafka
+        would keep a record for a topic it does not know up to `topic.metadata.propagation.max.ms`,
+        and the whole transaction, every topic's rows, with it). Asked of the brokers only for the
+        topics not seen lately: one topic alone, several in one request for the whole cluster,
+        whose every topic is then taken as seen. A name Kafka can never accept is left to produce()
+        (refused at once, quarantined). A failed request holds nothing, and is not made again for
+        CHECK_EVERY seconds."""
         now = time.monotonic()
         seen, held = self._seen, self.held
-        unsure = [t for t in topics if t not in held and seen.get(t, 0.0) <= now]
+        if now < self._screen_after:
+            return
+        unsure = [t for t in topics if t not in held and seen.get(t, 0.0) <= now and is_topic_name(t)]
         if not unsure:
             return
         try:
-            known = getattr(producer.list_topics(timeout=METADATA_TIMEOUT), "topics", {})
-        except Exception:  # brokers away: produced as before; a refusal still holds the topic
-            return
-        for topic in unsure:
-            found = known.get(topic)
-            if found is not None and getattr(found, "error", None) is None and getattr(found, "partitions", None):
-                seen[topic] = now + SEEN_FOR
+            if len(unsure) == 1:
+                known = getattr(producer.list_topics(unsure[0], timeout=METADATA_TIMEOUT), "topics", {})
             else:
-                seen.pop(topic, None)
+                known = getattr(producer.list_topics(timeout=METADATA_TIMEOUT), "topics", {})
+        except Exception:  # brokers away, or slow to answer: produced as before; a refusal still holds
+            self._screen_after = now + CHECK_EVERY
+            return
+        for topic, found in known.items():
+            if getattr(found, "error", None) is None and getattr(found, "partitions", None):
+                seen[topic] = now + SEEN_FOR
+        for topic in unsure:
+            if seen.get(topic, 0.0) <= now:
                 self.hold(topic)
-        if len(seen) > 10_000:  # topics of long ago: forgotten, asked again if they come back
+        if len(seen) > 100_000:  # a cluster of very many topics: those of long ago are asked again
             for topic in [t for t, until in seen.items() if until <= now]:
                 del seen[topic]
