@@ -45,7 +45,8 @@ def test_ack_topic_is_validated_naming_the_entry_key():
         acker_group(good, "acks") == "reaper-acker" and acker_group(good, "acks-second") == "reaper-acker-acks-second"
     )
     # two entries of one schema that both name it must agree; one that leaves it out takes the other's
-    assert len(ack_topics(_cfg([{"name": "b", "schema": "s2", "ack_topic": "x"}, {"name": "c", "schema": "s2"}]))) == 2
+    twins = [{"name": "b", "schema": "s2", "ack_topic": "x"}, {"name": "c", "schema": "s2", "table": "outbox_c"}]
+    assert len(ack_topics(_cfg(twins))) == 2
     # the `database` section's schema may repeat acker.topic, nothing else
     _cfg([{"name": "main", "ack_topic": "acks"}])
     bad = [
@@ -64,7 +65,10 @@ def test_ack_topic_is_validated_naming_the_entry_key():
         ),
         ([{"name": "b", "schema": "s2", "ack_topic": "acks-dlq"}], "[0].ack_topic", "acker.dead_letter_topic"),
         (
-            [{"name": "b", "schema": "s2", "ack_topic": "x"}, {"name": "c", "schema": "s2", "ack_topic": "y"}],
+            [
+                {"name": "b", "schema": "s2", "ack_topic": "x"},
+                {"name": "c", "schema": "s2", "table": "outbox_c", "ack_topic": "y"},
+            ],
             "[1].ack_topic",
             "disagrees",
         ),
