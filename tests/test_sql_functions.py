@@ -16,23 +16,6 @@ import pytest
 from psycopg import sql
 
 import tracker
-from tracker.errors import (
-    BatchExpired,
-    BatchNotOpen,
-    IndexOutOfRange,
-    MalformedItemId,
-    UnknownBatch,
-    UnknownGroup,
-)
-
-SQLSTATE = {
-    MalformedItemId: "RT001",
-    UnknownBatch: "RT002",
-    UnknownGroup: "RT003",
-    IndexOutOfRange: "RT004",
-    BatchNotOpen: "RT005",
-    BatchExpired: "RT006",
-}
 
 
 def _psql(dsn: str, script: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -17,24 +17,10 @@ from support.teardown import drop_schema
 
 import tracker
 from tracker import outbox
-from tracker.errors import (
-    BatchExpired,
-    BatchNotOpen,
-    IndexOutOfRange,
-    MalformedItemId,
-    TrackerError,
-    UnknownBatch,
-    UnknownGroup,
-)
+from tracker.errors import SQLSTATES, TrackerError
 
-SQLSTATE = {
-    MalformedItemId: "RT001",
-    UnknownBatch: "RT002",
-    UnknownGroup: "RT003",
-    IndexOutOfRange: "RT004",
-    BatchNotOpen: "RT005",
-    BatchExpired: "RT006",
-}
+# the Python error class -> the SQLSTATE the SQL functions raise for the same mistake
+SQLSTATE = {cls: code for code, (_, classes) in SQLSTATES.items() for cls in classes}
 
 
 def _python_op(conn: psycopg.Connection, schema: str, op: tuple) -> object:
