@@ -135,6 +135,15 @@ def schema(pg_dsn) -> str:
 
 
 @pytest.fixture
+def other_schema(pg_dsn) -> str:
+    """A second freshly migrated schema, as `schema` is, for tests of two schemas."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    schema_mod.migrate(pg_dsn, name)
+    yield name
+    drop_schema(pg_dsn, name)
+
+
+@pytest.fixture
 def bare_schema(pg_dsn) -> str:
     """An empty schema `reaper migrate` never ran in (as one holding an application's own outbox
     table), dropped afterwards."""

@@ -12,13 +12,10 @@ import shlex
 import uuid
 
 import psycopg
-import pytest
 from psycopg import sql
 from support.reaper import run_cli
-from support.teardown import drop_schema
 
 from harvester.exit_codes import ExitCode
-from tracker import schema as schema_mod
 
 REFUSED = "postgresql://nobody@127.0.0.1:1/none?connect_timeout=2"
 
@@ -33,14 +30,6 @@ def _dead_row(pg_dsn: str, schema: str, row_id: int, topic: str) -> None:
             ).format(sql.Identifier(schema)),
             [row_id, topic],
         )
-
-
-@pytest.fixture
-def other_schema(pg_dsn):
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    schema_mod.migrate(pg_dsn, name)
-    yield name
-    drop_schema(pg_dsn, name)
 
 
 def _env(pg_dsn: str, kafka_bootstrap: str, schema: str, outboxes: list[dict] | None) -> dict[str, str]:

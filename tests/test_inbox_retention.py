@@ -214,7 +214,8 @@ def test_several_maintainers_at_once_drop_each_expired_partition_once(pg_dsn, sc
 def test_the_reaper_role_maintains_the_inbox_it_does_not_own(pg_dsn, schema):
     # The reaper role runs the maintenance in `reaper run` but does not own the inbox: it cannot
     # detach, so it makes and drops partitions through the owner's SQL functions.
-    from test_roles import _drop_role, login_as
+    from support.teardown import drop_role
+    from test_roles import login_as
 
     from tracker import roles
 
@@ -231,4 +232,4 @@ def test_the_reaper_role_maintains_the_inbox_it_does_not_own(pg_dsn, schema):
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             for role in roles.ROLES:
-                _drop_role(admin, roles.role_name(schema, role))
+                drop_role(admin, roles.role_name(schema, role))

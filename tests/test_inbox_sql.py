@@ -37,7 +37,8 @@ def test_the_sql_functions_for_other_languages(pg_dsn, schema):
 
 
 def test_a_consumer_role_claims_through_the_function_and_touches_no_table(pg_dsn, schema):
-    from test_roles import _drop_role, login_as
+    from support.teardown import drop_role
+    from test_roles import login_as
 
     with psycopg.connect(pg_dsn, autocommit=True) as admin:
         roles.create(admin, schema)
@@ -58,4 +59,4 @@ def test_a_consumer_role_claims_through_the_function_and_touches_no_table(pg_dsn
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             for r in roles.ROLES:
-                _drop_role(admin, roles.role_name(schema, r))
+                drop_role(admin, roles.role_name(schema, r))

@@ -35,14 +35,6 @@ PREVIOUS = "833fe98"  # the last commit whose schema has no message-id namespace
 PARTITIONS = 3
 
 
-@pytest.fixture
-def other_schema(pg_dsn):
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    schema_mod.migrate(pg_dsn, name)
-    yield name
-    drop_schema(pg_dsn, name)
-
-
 def _namespace(pg_dsn: str, schema: str, table: str = "outbox") -> message_ids.Namespace:
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         return message_ids.namespace(c, schema, table)

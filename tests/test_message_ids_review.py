@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from support.harness import Receiver, make_config, marked, wait_until
-from support.teardown import drop_schema
+from support.teardown import drop_role, drop_schema
 
 from harvester.units import Harvester
 from tracker import message_ids, roles
@@ -45,12 +45,6 @@ def test_a_unit_whose_schema_was_never_migrated_publishes_with_message_ids(
         ns = message_ids.namespace(c, bare_schema, "orders")
     for _, value, headers in receiver.records:
         assert [v for k, v in headers if k == MESSAGE_ID_HEADER] == [message_ids.message_id(ns, *ids[value]).encode()]
-
-
-def _drop_role(conn: psycopg.Connection, role: str) -> None:
-    if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role]).fetchone():
-        conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
 def test_the_reaper_role_granted_before_the_upgrade_reads_the_namespace(pg_dsn, tmp_path):
@@ -88,9 +82,9 @@ def test_the_reaper_role_granted_before_the_upgrade_reads_the_namespace(pg_dsn, 
             assert isinstance(message_ids.namespace(c, name, "outbox2"), message_ids.Namespace)
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            _drop_role(admin, login)
+            drop_role(admin, login)
             for r in roles.ROLES:
-                _drop_role(admin, roles.role_name(name, r))
+                drop_role(admin, roles.role_name(name, r))
             drop_schema(pg_dsn, name)
 
 

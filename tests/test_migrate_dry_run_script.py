@@ -19,7 +19,7 @@ from psycopg import sql
 from support.history import files_at
 from support.reaper import run_cli
 from support.scripts import load_script
-from support.teardown import drop_schema
+from support.teardown import drop_roles, drop_schema
 
 from harvester.exit_codes import ExitCode
 from tracker import roles
@@ -41,14 +41,9 @@ def schemas(pg_dsn) -> Iterator[list[str]]:
     grants to them are compared too); all dropped afterwards."""
     names: list[str] = []
     yield names
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        for name in names:
-            drop_schema(pg_dsn, name)
-            for r in roles.ROLES:
-                role = roles.role_name(name, r)
-                if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role]).fetchone():
-                    conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-                    conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+    for name in names:
+        drop_schema(pg_dsn, name)
+        drop_roles(pg_dsn, name)
 
 
 def _new(conn: psycopg.Connection, schemas: list[str]) -> str:

@@ -20,7 +20,7 @@ import pytest
 from psycopg import sql
 from support.history import files_at, sql_at
 from support.scripts import load_script
-from support.teardown import drop_schema
+from support.teardown import drop_roles, drop_schema
 
 import tracker
 from tracker import roles
@@ -44,14 +44,9 @@ def schemas(pg_dsn) -> Iterator[list[str]]:
     """Names for schemas of this test; they and their roles are dropped afterwards."""
     names: list[str] = []
     yield names
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        for name in names:
-            drop_schema(pg_dsn, name)
-            for r in roles.ROLES:
-                role = roles.role_name(name, r)
-                if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role]).fetchone():
-                    conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-                    conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+    for name in names:
+        drop_schema(pg_dsn, name)
+        drop_roles(pg_dsn, name)
 
 
 def _since_outcomes() -> list[str]:

@@ -13,17 +13,11 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 from psycopg import errors, sql
-from support.teardown import drop_schema
+from support.teardown import drop_role, drop_schema
 
 import tracker
 from tracker import roles
 from tracker.schema import migrate
-
-
-def _drop_role(conn: psycopg.Connection, role: str) -> None:
-    if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role]).fetchone():
-        conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
 @pytest.fixture
@@ -36,7 +30,7 @@ def granted(pg_dsn, schema) -> Iterator[str]:
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             for r in roles.ROLES:
-                _drop_role(conn, roles.role_name(schema, r))
+                drop_role(conn, roles.role_name(schema, r))
 
 
 @contextlib.contextmanager
@@ -53,7 +47,7 @@ def login_as(pg_dsn: str, schema: str, role: str) -> Iterator[psycopg.Connection
             yield conn
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            _drop_role(admin, name)
+            drop_role(admin, name)
 
 
 def _closed_batch(pg_dsn: str, schema: str, n: int):
@@ -81,7 +75,7 @@ def _schema_creator(pg_dsn: str, prefix: str) -> Iterator[tuple[str, str, str]]:
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             drop_schema(pg_dsn, name)
             admin.execute(sql.SQL("REVOKE CREATE ON DATABASE {} FROM {}").format(db, sql.Identifier(role)))
-            _drop_role(admin, role)
+            drop_role(admin, role)
 
 
 def _denied(conn: psycopg.Connection, statement: str, params: list | None = None) -> None:
@@ -173,6 +167,8 @@ def test_the_reaper_role_applies_masks_and_drains_the_outbox(pg_dsn, granted):
         conn.commit()
 
 
+# GRANT/REVOKE ON DATABASE rewrite one catalog row: on two workers at once, "tuple concurrently updated"
+@pytest.mark.xdist_group("database-acl")
 def test_reaper_migrate_works_without_superuser_and_prints_the_grants(pg_dsn):
     with _schema_creator(pg_dsn, "migrator") as (role, dsn, name):
         assert migrate(dsn, name)  # every migration, as a role that only may create a schema
@@ -215,7 +211,7 @@ def test_reaper_migrate_roles_print_is_a_script_a_dba_can_run(pg_dsn):
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             for role in roles.ROLES:
-                _drop_role(admin, roles.role_name(name, role))
+                drop_role(admin, roles.role_name(name, role))
             drop_schema(pg_dsn, name)
 
 
@@ -271,6 +267,8 @@ def test_the_reaper_role_reads_but_never_writes_which_migrations_ran(pg_dsn, gra
         _denied(conn, f'DELETE FROM "{s}".schema_migrations')
 
 
+# GRANT/REVOKE ON DATABASE rewrite one catalog row: on two workers at once, "tuple concurrently updated"
+@pytest.mark.xdist_group("database-acl")
 def test_an_upgrade_by_the_schemas_owner_needs_no_create_on_the_database(pg_dsn):
     with _schema_creator(pg_dsn, "owner") as (role, dsn, name):
         assert migrate(dsn, name)

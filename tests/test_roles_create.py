@@ -12,20 +12,11 @@ import psycopg
 import pytest
 from psycopg import sql
 from support.reaper import run_cli
-from support.teardown import drop_schema
+from support.teardown import drop_roles, drop_schema
 
 from harvester.exit_codes import ExitCode
 from tracker import roles
 from tracker.schema import migrate
-
-
-def _drop_roles(dsn: str, schema: str) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for r in roles.ROLES:
-            role = roles.role_name(schema, r)
-            if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role]).fetchone():
-                conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-                conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
 @pytest.fixture
@@ -37,7 +28,7 @@ def migrated(pg_dsn: str, request: pytest.FixtureRequest) -> Iterator[str]:
         yield name
     finally:
         drop_schema(pg_dsn, name)
-        _drop_roles(pg_dsn, name)
+        drop_roles(pg_dsn, name)
 
 
 def test_roles_created_by_several_processes_at_once_all_succeed(pg_dsn, migrated) -> None:
@@ -45,7 +36,7 @@ def test_roles_created_by_several_processes_at_once_all_succeed(pg_dsn, migrated
     pg_authid, or 'tuple concurrently updated', and exit 1 from some init containers."""
     failures: list[BaseException] = []
     for _ in range(3):  # the race was lost in about 2 rounds of 3
-        _drop_roles(pg_dsn, migrated)
+        drop_roles(pg_dsn, migrated)
         start = threading.Barrier(4)
 
         def run() -> None:

@@ -5,24 +5,13 @@ has no privilege), or a topic Kafka refuses, fails its own commit and writes not
 
 from __future__ import annotations
 
-import uuid
-
 import psycopg
 import pytest
 from psycopg import sql
-from support.teardown import drop_schema
+from support.teardown import drop_roles
 
 import tracker
 from tracker import roles
-from tracker import schema as schema_mod
-
-
-@pytest.fixture
-def other_schema(pg_dsn):
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    schema_mod.migrate(pg_dsn, name)
-    yield name
-    drop_schema(pg_dsn, name)
 
 
 @pytest.fixture
@@ -31,11 +20,7 @@ def granted(pg_dsn, schema):
         for stmt in roles.grants(c, schema):
             c.execute(stmt)
     yield schema
-    with psycopg.connect(pg_dsn, autocommit=True) as c:
-        for r in roles.ROLES:
-            name = f"{schema}_{r}"
-            c.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(name)))
-            c.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+    drop_roles(pg_dsn, schema)
 
 
 def test_app_role_cannot_write_into_another_schemas_outbox_through_the_definer_trigger(pg_dsn, granted, other_schema):

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 from psycopg import sql
-from test_roles import _drop_role, granted  # noqa: F401 (fixture)
+from support.teardown import drop_role
+from test_roles import granted  # noqa: F401 (fixture)
 from test_tracker_support import invariant_violations
 
 import tracker
@@ -46,7 +47,7 @@ def app_login(pg_dsn: str, schema: str) -> Iterator[str]:
         yield pg_dsn.replace("postgres@", f"{name}@")
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            _drop_role(admin, name)
+            drop_role(admin, name)
 
 
 def test_a_fan_out_and_its_acks_run_as_the_app_role(spark, pg_dsn, granted):  # noqa: F811

@@ -53,6 +53,22 @@ def drop_schema(dsn: str, name: str, *, if_exists: bool = True) -> None:
     raise SchemaNotDropped(f"schema {name} still locked after ending backends {ended}")
 
 
+def drop_role(conn: psycopg.Connection, role: str) -> None:
+    """DROP OWNED BY and DROP ROLE `role`, if it exists (roles are the cluster's, not a schema's)."""
+    if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role]).fetchone():
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def drop_roles(dsn: str, schema: str) -> None:
+    """drop_role for each of the schema's roles (tracker.roles) that exists."""
+    from tracker import roles
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for r in roles.ROLES:
+            drop_role(conn, roles.role_name(schema, r))
+
+
 @pytest.hookimpl(wrapper=True)
 def release_failed_frames(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport]:
     report = yield
