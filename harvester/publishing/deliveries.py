@@ -42,35 +42,13 @@ _PURGED = (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT)
 #   request batch, and quarantining would bury the good records that shared it; nor can its size
 #   alone tell which record the topic can never take (the broker judges the compressed batch).
 #   A record above the producer's message.max.bytes is refused by produce() and quarantined at
-#   once; a topic whose max.message.bytes is lower is an operator's fix away (SizeRefused: the
-#   error line says what to set);
+#   once; a topic whose max.message.bytes is lower is an operator's fix away (the settler's error
+#   line, _advise_size, says what to set);
 # - TOPIC_AUTHORIZATION_FAILED, _UNKNOWN_TOPIC, UNKNOWN_TOPIC_OR_PART: an ACL or a topic not yet
 #   created (brokers here do not auto-create) is an operator's fix away; quarantining would move
 #   every row of that topic out of the outbox. They are retried, with the remark back-off.
 PERMANENT_DELIVERY = frozenset({KafkaError._UNKNOWN_PARTITION, KafkaError._INVALID_ARG, KafkaError.TOPIC_EXCEPTION})
 _UNKNOWN_TOPIC = (KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART)
-
-
-class SizeRefused:
-    """A delivery report of MSG_SIZE_TOO_LARGE from the broker, with its topic: the settler says
-    once in a while what the operator can set (DeliverySettler._advise_size)."""
-
-    __slots__ = ("err", "topic")
-
-    def __init__(self, err: KafkaError, topic: str) -> None:
-        self.err, self.topic = err, topic
-
-    def code(self) -> int:
-        return self.err.code()
-
-    def name(self) -> str:
-        return self.err.name()
-
-    def str(self) -> str:
-        return self.err.str()
-
-    def fatal(self) -> bool:
-        return False  # the record's own refusal; the producer's fatal error is reported apart
 
 
 def invalid_topic(err: KafkaError, topic: object) -> KafkaError | None:
@@ -131,6 +109,9 @@ class DeliverySettler:
         self._store, self._m, self._batch = store, metrics, batch
         self._limits = limits  # topics' max.message.bytes, asked once a record is refused for its size
         self._size_lines = logs.Repeats(60.0)
+        # Topics of reports refused for their size: added on the thread serving the reports, taken
+        # by a settling thread, which asks for the topic's limit (set operations hold the GIL).
+        self._oversized: set[str] = set()
         self._on_failure, self._on_fatal = on_failure, on_fatal
         self._log = logs.get("reaper.settle")
         self.reports: collections.deque = collections.deque()
@@ -227,11 +208,8 @@ class DeliverySettler:
             err = invalid_topic(err, msg.topic() if msg is not None else None) or err
             if err.code() in _UNKNOWN_TOPIC and msg is not None:
                 self.missing_topic(msg.topic())
-            self.failed_report(err)
-            if err.code() == KafkaError.MSG_SIZE_TOO_LARGE and msg is not None:
-                reports.append((row_id, leader_id, SizeRefused(err, msg.topic())))
-            else:
-                reports.append((row_id, leader_id, err))
+            self.failed_report(err, msg)
+            reports.append((row_id, leader_id, err))
         if len(reports) >= self._batch and not self._wake.is_set():
             self._wake.set()
 
@@ -251,11 +229,8 @@ class DeliverySettler:
             if err.code() in PERMANENT_DELIVERY and not err.fatal():
                 self.single.update(dict.fromkeys(row_ids, time.monotonic() + self.alone_for))
                 err = KafkaError(KafkaError._FAIL, f"{err.name()}: {RUN_REFUSED}")
-            if err.code() == KafkaError.MSG_SIZE_TOO_LARGE and msg is not None:
-                reports.extend(zip(row_ids, repeat(leader_id), repeat(SizeRefused(err, msg.topic()))))
-            else:
-                reports.extend(zip(row_ids, repeat(leader_id), repeat(err)))
-            self.failed_report(err)
+            reports.extend(zip(row_ids, repeat(leader_id), repeat(err)))
+            self.failed_report(err, msg)
         if len(reports) >= self._batch and not self._wake.is_set():
             self._wake.set()
 
@@ -272,9 +247,11 @@ class DeliverySettler:
         rows stay marked, and a remark publishes them again."""
         self._on_failure(f"{n} records handed over without a delivery report to come")
 
-    def failed_report(self, err: KafkaError) -> None:
+    def failed_report(self, err: KafkaError, msg=None) -> None:
         """What a failed delivery report sets off at once (its row is settled later)."""
         code = err.code()
+        if code == KafkaError.MSG_SIZE_TOO_LARGE and msg is not None:
+            self._oversized.add(msg.topic())
         if code in _PURGED:
             # Purged by us (retire, close): the leadership or producer they belonged to is
             # already gone; the report only resets the row under the old id. A remark here
@@ -332,6 +309,12 @@ class DeliverySettler:
                 self._settle(batch)
 
     def _settle(self, batch: list[Report]) -> None:
+        while self._oversized:
+            try:
+                topic = self._oversized.pop()
+            except KeyError:  # the other settling thread took it
+                break
+            self._advise_size(topic)
         done: dict[uuid.UUID, list[int]] = {}
         try:
             self._apply(done, batch)
@@ -361,9 +344,6 @@ class DeliverySettler:
                 done.setdefault(leader_id, []).append(row_id)
             elif err.code() in PERMANENT_DELIVERY and not err.fatal():
                 dead.setdefault((leader_id, error_reason(err)), []).append(row_id)
-            elif isinstance(err, SizeRefused):
-                self._advise_size(err.topic)
-                failed.setdefault(leader_id, []).append(row_id)
             else:
                 failed.setdefault(leader_id, []).append(row_id)
         for leader_id, all_ids in done.items():
