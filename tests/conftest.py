@@ -24,6 +24,7 @@ from support.in_flight import (  # noqa: F401
     pytest_runtest_logfinish,
     pytest_runtest_logstart,
 )
+from support.ports import silent_listener
 from support.teardown import drop_schema
 from support.teardown import release_failed_frames as pytest_runtest_makereport  # noqa: F401
 
@@ -125,22 +126,31 @@ def pgbouncer_schema(pgbouncer_dsn, schema) -> str:
     return schema
 
 
-@pytest.fixture
-def schema(pg_dsn) -> str:
-    """A freshly migrated schema of this test's own, dropped afterwards."""
+def _fresh_schema(pg_dsn: str):
     name = f"t_{uuid.uuid4().hex[:12]}"
     schema_mod.migrate(pg_dsn, name)
     yield name
     drop_schema(pg_dsn, name)
+
+
+@pytest.fixture
+def schema(pg_dsn) -> str:
+    """A freshly migrated schema of this test's own, dropped afterwards."""
+    yield from _fresh_schema(pg_dsn)
 
 
 @pytest.fixture
 def other_schema(pg_dsn) -> str:
     """A second freshly migrated schema, as `schema` is, for tests of two schemas."""
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    schema_mod.migrate(pg_dsn, name)
-    yield name
-    drop_schema(pg_dsn, name)
+    yield from _fresh_schema(pg_dsn)
+
+
+@pytest.fixture
+def silent_server() -> str:
+    """host:port of a listener that accepts connections and never says a word (a database or a
+    broker that hangs)."""
+    with silent_listener() as address:
+        yield address
 
 
 @pytest.fixture

@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -244,30 +242,6 @@ def test_migrate_dry_run_prints_the_transactions_migrate_runs(pg_dsn, schema):
         assert done.returncode == 0, done.stderr[-2000:]
     finally:
         drop_schema(pg_dsn, fresh)
-
-
-@pytest.fixture
-def silent_server():
-    """host:port of a server that accepts connections and never answers (a database or broker hung)."""
-    hole = socket.socket()
-    hole.bind(("127.0.0.1", 0))
-    hole.listen(50)
-    held: list = []
-    closed = threading.Event()
-
-    def accept() -> None:
-        while not closed.is_set():
-            try:
-                held.append(hole.accept())
-            except OSError:
-                return
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield f"127.0.0.1:{hole.getsockname()[1]}"
-    closed.set()
-    hole.close()
-    for conn, _ in held:
-        conn.close()
 
 
 @pytest.mark.parametrize(

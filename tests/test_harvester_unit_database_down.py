@@ -6,55 +6,25 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import threading
 import time
 import uuid
-from collections.abc import Iterator
 
 import psycopg
 import pytest
 from support.harness import Receiver, insert_rows
+from support.ports import free_port
 from support.reaper import ReaperProcess
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def hung_server() -> Iterator[str]:
-    """host:port of a listener that accepts connections and never says a word."""
-    hole = socket.socket()
-    hole.bind(("127.0.0.1", 0))
-    hole.listen(64)
-    held: list[socket.socket] = []
-    done = threading.Event()
-
-    def accept() -> None:
-        while not done.is_set():
-            try:
-                held.append(hole.accept()[0])
-            except OSError:
-                return
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield f"127.0.0.1:{hole.getsockname()[1]}"
-    done.set()
-    hole.close()
-    for conn in held:
-        conn.close()
-
-
-@pytest.fixture
 def refused_server() -> str:
     """host:port where nothing listens: a database that is down."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"127.0.0.1:{port}"
+    return f"127.0.0.1:{free_port()}"
 
 
-@pytest.mark.parametrize("down", ["hung_server", "refused_server"])
+@pytest.mark.parametrize("down", ["silent_server", "refused_server"])
 def test_a_unit_whose_database_is_down_at_start_holds_up_no_other_nor_a_sigterm(
     pg_dsn, kafka_bootstrap, schema, topics, tmp_path, down, request
 ):

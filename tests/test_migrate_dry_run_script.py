@@ -16,6 +16,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from psycopg import sql
+from support.catalog import catalog_state, normalised
 from support.history import files_at
 from support.reaper import run_cli
 from support.scripts import load_script
@@ -54,29 +55,8 @@ def _new(conn: psycopg.Connection, schemas: list[str]) -> str:
 
 
 def _state(conn: psycopg.Connection, schema: str) -> dict[str, list]:
-    """What migrate decides about a schema, its name replaced by SCHEMA and its roles' by ROLE_."""
-    queries = {
-        "functions": "SELECT p.oid::regprocedure::text, pg_get_functiondef(p.oid), p.prosecdef, p.proconfig::text,"
-        " coalesce((SELECT array_agg(a::text ORDER BY a::text) FROM unnest(p.proacl) a)::text, '')"
-        " FROM pg_proc p WHERE p.pronamespace = %(q)s::regnamespace ORDER BY 1",
-        "columns": "SELECT table_name, column_name, data_type, is_nullable, coalesce(column_default, '')"
-        " FROM information_schema.columns WHERE table_schema = %(s)s ORDER BY 1, 2",
-        "relations": "SELECT c.relname, c.relkind, coalesce(c.reloptions::text, ''), coalesce(c.relacl::text, '')"
-        " FROM pg_class c WHERE c.relnamespace = %(q)s::regnamespace ORDER BY 1",
-        "indexes": "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = %(s)s ORDER BY 1",
-        "constraints": "SELECT t.relname, c.conname, pg_get_constraintdef(c.oid) FROM pg_constraint c"
-        " JOIN pg_class t ON t.oid = c.conrelid WHERE c.connamespace = %(q)s::regnamespace ORDER BY 1, 2",
-        "schema": "SELECT coalesce(nspacl::text, '') FROM pg_namespace WHERE nspname = %(s)s",
-    }
-    q = sql.Identifier(schema).as_string(conn)
-
-    def norm(value: object) -> object:
-        return value.replace(f"{schema}_", "ROLE_").replace(schema, "SCHEMA") if isinstance(value, str) else value
-
-    state = {
-        k: [tuple(norm(v) for v in row) for row in conn.execute(query, {"s": schema, "q": q}).fetchall()]
-        for k, query in queries.items()
-    }
+    """The schema's catalog (support.catalog) and what migrate recorded in it."""
+    state = catalog_state(conn, schema)
     records = {
         "migrations": "SELECT version, name, checksum FROM {}.schema_migrations ORDER BY 1",
         "definitions": "SELECT name, checksum FROM {}.schema_definitions ORDER BY 1",
@@ -85,7 +65,7 @@ def _state(conn: psycopg.Connection, schema: str) -> dict[str, list]:
     }
     for k, query in records.items():
         rows = conn.execute(sql.SQL(query).format(sql.Identifier(schema))).fetchall()
-        state[k] = [tuple(norm(v) for v in row) for row in rows]
+        state[k] = normalised(schema, rows)
     return state
 
 

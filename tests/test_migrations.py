@@ -6,9 +6,7 @@ file recorded with another checksum than the baseline names is drift."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 import threading
 import time
 import uuid
@@ -18,6 +16,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from psycopg import sql
+from support.catalog import catalog_state
 from support.history import files_at, sql_at
 from support.scripts import load_script
 from support.teardown import drop_roles, drop_schema
@@ -59,39 +58,12 @@ def _new(schemas: list[str]) -> str:
     return schemas[-1]
 
 
-def _state(conn: psycopg.Connection, schema: str) -> dict[str, list]:
-    """Everything migrate decides about a schema, its name replaced by SCHEMA and its roles' by ROLE_."""
-    queries = {
-        "functions": "SELECT p.oid::regprocedure::text, pg_get_functiondef(p.oid), p.prosecdef, p.proconfig::text,"
-        " coalesce((SELECT array_agg(a::text ORDER BY a::text) FROM unnest(p.proacl) a)::text, '')"
-        " FROM pg_proc p WHERE p.pronamespace = %(s)s::regnamespace ORDER BY 1",
-        "columns": "SELECT table_name, column_name, data_type, is_nullable, coalesce(column_default, '')"
-        " FROM information_schema.columns WHERE table_schema = %(s)s ORDER BY 1, 2",
-        "relations": "SELECT c.relname, c.relkind, c.relpersistence, coalesce(c.reloptions::text, ''),"
-        " coalesce(c.relacl::text, '') FROM pg_class c WHERE c.relnamespace = %(s)s::regnamespace ORDER BY 1",
-        "indexes": "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = %(s)s ORDER BY 1",
-        "constraints": "SELECT t.relname, c.conname, pg_get_constraintdef(c.oid) FROM pg_constraint c"
-        " JOIN pg_class t ON t.oid = c.conrelid WHERE c.connamespace = %(s)s::regnamespace ORDER BY 1, 2",
-        "triggers": "SELECT tgname, pg_get_triggerdef(t.oid) FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid"
-        " WHERE c.relnamespace = %(s)s::regnamespace AND NOT t.tgisinternal ORDER BY 1",
-        "schema": "SELECT coalesce(nspacl::text, '') FROM pg_namespace WHERE nspname = %(s)s",
-    }
-
-    def norm(value: object) -> object:
-        return value.replace(f"{schema}_", "ROLE_").replace(schema, "SCHEMA") if isinstance(value, str) else value
-
-    return {
-        k: [tuple(norm(v) for v in row) for row in conn.execute(q, {"s": schema}).fetchall()]
-        for k, q in queries.items()
-    }
-
-
 def test_a_schema_migrated_by_the_old_chain_ends_as_a_fresh_one(pg_dsn, old_migrator, schemas):
     old, fresh = _new(schemas), _new(schemas)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         assert len(old_migrator.migrate(conn, old)) == 13
         roles.create(conn, old)  # the roles as granted then: the new functions are not theirs yet
-        before = _state(conn, old)
+        before = catalog_state(conn, old)
         applied = schema_mod.migrate(conn, old)
         # Nothing versioned runs again (0006 is at the baseline); every definition is (re)applied.
         assert applied == [*_since_outcomes(), *[d.name for d in schema_mod.definitions()]]
@@ -104,11 +76,11 @@ def test_a_schema_migrated_by_the_old_chain_ends_as_a_fresh_one(pg_dsn, old_migr
                 [roles.role_name(old, role), f'"{old}".completion_event("{old}".batch, text)'],
             ).fetchone() == (True,)
         roles.create(conn, old)  # `reaper migrate --roles create`, as every upgrade runs it
-        upgraded = _state(conn, old)
+        upgraded = catalog_state(conn, old)
 
         assert schema_mod.migrate(conn, fresh)[:3] == ["0001_outbox.sql", "0002_batches.sql", "0005_spark_fanout.sql"]
         roles.create(conn, fresh)
-        assert _state(conn, fresh) == upgraded
+        assert catalog_state(conn, fresh) == upgraded
     # The upgrade did change something: the events' functions are new, the SQL paths' completions
     # now carry the trace headers.
     assert len(upgraded["functions"]) > len(before["functions"])
@@ -147,7 +119,7 @@ def test_the_old_chain_partly_applied_upgrades_too(pg_dsn, old_migrator, schemas
             "0015_batch_tenant.sql",
         ]
         schema_mod.migrate(conn, fresh)
-        assert _state(conn, partial) == _state(conn, fresh)
+        assert catalog_state(conn, partial) == catalog_state(conn, fresh)
 
 
 # The last commit whose R__events.sql made the events return one row (not inlinable).
@@ -180,7 +152,7 @@ def test_events_that_returned_one_row_are_replaced_and_the_schema_ends_as_a_fres
         roles.create(conn, upgraded)  # `reaper migrate --roles create`, as every upgrade runs it: new tables
         schema_mod.migrate(conn, fresh)
         roles.create(conn, fresh)
-        assert _state(conn, upgraded) == _state(conn, fresh)
+        assert catalog_state(conn, upgraded) == catalog_state(conn, fresh)
 
 
 def test_a_replaced_file_with_another_checksum_is_drift(pg_dsn, old_migrator, schemas):
